@@ -1,0 +1,147 @@
+"""MUDDPythia-1.4B scale check on CPU: native forward vs record vs replay.
+
+Builds a model with the official 1.4B shapes and random weights (nothing is
+downloaded) on the meta device, then materialises it directly in the target dtype,
+so no float32 copy ever exists. For each sequence it times a native forward, a record
+pass (``fcaudit.sites.record``) and a replay of the recorded coefficients
+(``fcaudit.sites.replaying``). It prints seconds per token and the peak RSS of each
+mode side by side, plus the largest logits difference between replay and native.
+That difference must be 0: a replay that feeds back the recorded coefficients is the
+same computation.
+
+Peak RSS per mode is the kernel's high-water mark (VmHWM), reset before each mode
+through /proc/self/clear_refs. Where that is unavailable, it falls back to
+``getrusage``, whose peak only ever grows.
+
+    python benchmarks/mudd_scale.py                 # 2 x 2048 tokens, bf16 (~10 min, ~5 GB)
+    python benchmarks/mudd_scale.py --seqs 1 --seq-len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from fcaudit.models.mudd import PRESETS, MuddModel
+from fcaudit.sites import record, replaying
+
+T = TypeVar("T")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark; False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_gb() -> float:
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 2**20
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+
+
+def measure(fn: Callable[[], T]) -> tuple[T, float, float]:
+    """fn's result, its wall-clock seconds and the peak RSS (GB) while it ran."""
+    reset_peak_rss()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = fn()
+    return out, time.perf_counter() - start, peak_rss_gb()
+
+
+def build(preset: str, dtype: torch.dtype) -> MuddModel:
+    """Random weights with live controllers: generators on, static weights off one-hot."""
+    with torch.device("meta"):
+        model = MuddModel(PRESETS[preset])
+    model = model.to(dtype).to_empty(device="cpu")
+    model.init_weights()
+    with torch.no_grad():
+        # the training init zeroes the generators (constant coefficients); wake them up
+        for bs, generator in zip(model.dense_bs, model.dynamic_dense, strict=True):
+            bs.add_(0.1 * torch.randn_like(bs))
+            torch.nn.init.normal_(generator.w2.weight, std=0.02)
+    return model.eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="1.4b", choices=sorted(PRESETS))
+    parser.add_argument("--seqs", type=int, default=2, help="sequences (batches) to time")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    exact_peaks = reset_peak_rss()
+    model, build_s, build_gb = measure(lambda: build(args.preset, DTYPES[args.dtype]))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{args.preset}: {n_params / 1e9:.3f}B params in {args.dtype}, built in {build_s:.0f}s "
+          f"(peak RSS {build_gb:.2f} GB); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    sites = model.controller_sites()
+    vocab = model.config.vocab_size
+    with torch.no_grad():  # warm-up: kernel selection and allocator, not timed
+        model(torch.randint(0, vocab, (1, 64)))
+
+    seconds: dict[str, list[float]] = {"native": [], "record": [], "replay": []}
+    peaks: dict[str, float] = dict.fromkeys(seconds, 0.0)
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        native_file = Path(tmp) / "native.pt"
+        for n in range(args.seqs):
+            ids = torch.randint(0, vocab, (args.batch, args.seq_len))
+            native, s, gb = measure(lambda ids=ids: model(ids))
+            seconds["native"].append(s)
+            peaks["native"] = max(peaks["native"], gb)
+            torch.save(native, native_file)  # off the heap, so it inflates no later peak
+            del native
+
+            coefficients, s, gb = measure(lambda ids=ids: record(model, ids, sites))
+            seconds["record"].append(s)
+            peaks["record"] = max(peaks["record"], gb)
+
+            def replay(ids: torch.Tensor = ids, coefficients: dict = coefficients) -> torch.Tensor:
+                with replaying(model, {site: coefficients[site.name] for site in sites}):
+                    return model(ids)
+
+            replayed, s, gb = measure(replay)
+            seconds["replay"].append(s)
+            peaks["replay"] = max(peaks["replay"], gb)
+            native = torch.load(native_file, mmap=True)
+            worst = max(worst, (replayed.float() - native.float()).abs().max().item())
+            del native, replayed, coefficients
+            print(f"sequence {n + 1}/{args.seqs}: " + ", ".join(
+                f"{mode} {times[-1]:.1f}s" for mode, times in seconds.items()))
+
+    tokens = args.batch * args.seq_len
+    print(f"\n{args.seqs} x [{args.batch}, {args.seq_len}] tokens, mean over sequences; "
+          + ("peak RSS per mode (VmHWM reset before each)" if exact_peaks
+             else "peak RSS since start (getrusage; could not reset per mode)"))
+    print(f"{'mode':8} {'s/token':>10} {'ms/token':>9} {'peak RSS GB':>12}")
+    for mode, times in seconds.items():
+        per_token = statistics.mean(times) / tokens
+        print(f"{mode:8} {per_token:10.5f} {1e3 * per_token:9.2f} {peaks[mode]:12.2f}")
+    print(f"max |logits replay - native| = {worst:g}")
+    print(f"process peak RSS (getrusage) = "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Command line: ``fcaudit {train,audit,demo,bench,sites,reproduce}``.
+
+User errors print one line and exit with status 2; ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import FcauditError
+
+EPILOG_AUDIT = """\
+model SPEC is one of:
+  RUN_FOLDER                 a folder written by `fcaudit train`
+  CHECKPOINT_FOLDER          a local MUDDPythia/MUDDFormer folder (config.json + safetensors)
+  package.module:factory     a zero-argument callable returning a torch.nn.Module;
+                             name its controllers with --sites 'blocks.*.gate'
+
+data (default: the built-in Shakespeare evaluation and calibration plays):
+  --data FILE_OR_DIR [--calib-data FILE_OR_DIR]   text, tokenized with the model's tokenizer
+  --tokens eval.npy --calib-tokens calib.npy      integer arrays [N, T]
+
+examples:
+  fcaudit audit --model runs/featuregate --out audits/fg
+  fcaudit audit --model ./MUDDPythia-1.4B --data essay.txt --seq-len 512 --out audits/mudd
+  fcaudit audit --model mypkg.models:build --sites 'layers.*.router' \\
+      --tokens eval.npy --calib-tokens calib.npy --dense mypkg.models:build_dense --out audits/my
+"""
+
+
+def _add_audit_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("audit settings")
+    g.add_argument("--repeats", type=int, default=3,
+                   help="seeds per random condition (reassign, shuffle) (default 3)")
+    g.add_argument("--seed", type=int, default=0, help="master seed (default 0)")
+    g.add_argument("--bootstrap", type=int, default=1000,
+                   help="bootstrap resamples for 95%% intervals (default 1000)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
+    g.add_argument("--no-per-layer", action="store_true",
+                   help="skip the per-layer variants (reassign@layer, static-layer@layer)")
+    g.add_argument("--no-execution", action="store_true",
+                   help="skip the execution audit (blocks, FLOPs, speed)")
+    g.add_argument("--timing-pairs", type=int, default=10,
+                   help="interleaved model/dense timing pairs; 0 disables timing (default 10)")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _options(args: argparse.Namespace) -> Any:
+    from .audit_run import AuditOptions
+    return AuditOptions(repeats=args.repeats, seed=args.seed, bootstrap=args.bootstrap,
+                        batch_size=args.batch_size, per_layer=not args.no_per_layer,
+                        execution=not args.no_execution, timing_pairs=args.timing_pairs,
+                        progress=not args.quiet)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fcaudit",
+        description="Frozen Controller Audit: do a model's controller coefficients vary, does "
+                    "the frozen model depend on them staying matched to their input and token, "
+                    "and does the mechanism change execution?",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Start with `fcaudit demo`; see `fcaudit COMMAND --help`.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train a model on the built-in corpus",
+                       description="Train FeatureGate, its Dense twin, SkipGate or MUDD on the "
+                                   "built-in Shakespeare corpus (seeded, deterministic on CPU).")
+    t.add_argument("--arch", required=True, choices=["featuregate", "dense", "skipgate", "mudd"])
+    t.add_argument("--preset", default="tiny", help="tiny, small, 76m or 504m (default tiny)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, type=Path, help="run folder to create")
+    t.add_argument("--steps", type=int, default=None, help="override the preset's step count")
+    t.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    a = sub.add_parser("audit", help="run the full audit on a model",
+                       description="Record every controller's coefficients, replay the frozen "
+                                   "model under each condition, measure execution, and write "
+                                   "OUT/audit.json, OUT/report.md, OUT/report.html and figures.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG_AUDIT)
+    a.add_argument("--model", required=True, help="model SPEC (see below)")
+    a.add_argument("--out", required=True, type=Path, help="output folder (cache reused on rerun)")
+    a.add_argument("--sites", action="append", default=None, metavar="GLOB",
+                   help="module-path glob of controller modules (repeatable; one family each)")
+    a.add_argument("--dense", default=None, metavar="SPEC",
+                   help="dense counterpart for the execution audit (default: built from the "
+                        "model's architecture when it knows one)")
+    a.add_argument("--data", default=None, help="evaluation text file or folder of .txt")
+    a.add_argument("--calib-data", default=None, help="calibration text (default: first half "
+                                                      "of --data's windows)")
+    a.add_argument("--tokens", default=None, help="evaluation token ids, integer .npy [N, T]")
+    a.add_argument("--calib-tokens", default=None, help="calibration token ids .npy [N, T]")
+    a.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    a.add_argument("--max-eval", type=int, default=64, help="evaluation sequences (default 64)")
+    a.add_argument("--max-calib", type=int, default=64,
+                   help="calibration sequences (default 64)")
+    a.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="load a checkpoint folder in this dtype (default: its own)")
+    _add_audit_options(a)
+
+    d = sub.add_parser("demo", help="train tiny FeatureGate + Dense and audit them (~5 min)",
+                       description="The built-in default end to end: train tiny FeatureGate and "
+                                   "Dense twins (if absent), audit FeatureGate against Dense, "
+                                   "print a summary and write the reports.")
+    d.add_argument("--out", type=Path, default=Path("fcaudit-demo"))
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    b = sub.add_parser("bench", help="execution audit only: model vs dense counterpart",
+                       description="Blocks executed, FLOPs per token and interleaved timing of "
+                                   "--model against --dense on random token batches.")
+    b.add_argument("--model", required=True)
+    b.add_argument("--dense", default=None, help="default: the model's own dense counterpart")
+    b.add_argument("--batch-size", type=int, default=8)
+    b.add_argument("--seq-len", type=int, default=128)
+    b.add_argument("--pairs", type=int, default=10)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+
+    s = sub.add_parser("sites", help="list a model's controller sites and module paths")
+    s.add_argument("--model", required=True)
+    s.add_argument("--all", action="store_true", help="list every module path")
+    return parser
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from .train import describe_run, train
+    folder = train(args.arch, args.preset, args.seed, args.out, force=args.force,
+                   steps=args.steps, progress=not args.quiet)
+    info = describe_run(folder)
+    print(f"wrote {folder}: {info['arch']}/{info['preset']} seed {info['seed']}, "
+          f"{info['n_params']:,} parameters, eval NLL {info['eval_nll']:.4f} "
+          f"(unigram {info['unigram_nll']:.4f}), {info['train_wall_s']:.0f} s")
+
+
+def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    import torch
+
+    from .audit_run import run_audit
+    from .loading import load
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype or "")
+    audit = run_audit(load(args.model, dtype), args.out, sites=args.sites, dense=args.dense,
+                      text=args.data, calib_text=args.calib_data, tokens=args.tokens,
+                      calib_tokens=args.calib_tokens, seq_len=args.seq_len,
+                      max_eval=args.max_eval, max_calib=args.max_calib, options=_options(args),
+                      command=shlex.join(["fcaudit", *argv]))
+    print_summary(audit, args.out)
+
+
+def print_summary(audit: dict[str, Any], out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    console = Console()
+    table = Table(title=f"Frozen Controller Audit: {audit['model']['spec']}")
+    table.add_column("condition")
+    table.add_column("NLL", justify="right")
+    table.add_column("delta vs correct [95% CI]", justify="right")
+    for name, c in audit["conditions"].items():
+        table.add_row(name, f"{c['nll']:.4f}",
+                      f"{c['delta']:+.4f} [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]")
+    console.print(table)
+    for name, r in audit["retention"].items():
+        value = (f"{r['value']:.2f}% [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]"
+                 if r["value"] is not None else "undefined")
+        console.print(f"retention {name}: {value}")
+    for key in ("variation", "dependence", "execution"):
+        console.print(f"[bold]{key}[/bold]: {audit['verdict'][key]}", soft_wrap=True)
+    console.print(f"wrote {out / 'audit.json'}, {out / 'report.md'}, {out / 'report.html'}")
+
+
+def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    from .audit_run import AuditOptions, run_audit
+    from .loading import is_run_folder
+    from .train import train
+    out: Path = args.out
+    runs = {}
+    for arch in ("featuregate", "dense"):
+        folder = out / arch
+        if is_run_folder(folder):
+            print(f"reusing {folder}")
+        else:
+            train(arch, "tiny", args.seed, folder, force=True, progress=not args.quiet)
+        runs[arch] = folder
+    audit = run_audit(str(runs["featuregate"]), out / "audit", dense=str(runs["dense"]),
+                      options=AuditOptions(seed=args.seed, progress=not args.quiet),
+                      command=shlex.join(["fcaudit", *argv]))
+    print_summary(audit, out / "audit")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import json
+
+    from .execution import run_bench
+    from .fileio import write_json
+    result = run_bench(args.model, args.dense, batch_size=args.batch_size, seq_len=args.seq_len,
+                       pairs=args.pairs, seed=args.seed)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        write_json(args.json, result)
+
+
+def cmd_sites(args: argparse.Namespace) -> None:
+    from .loading import load
+    from .sites import declared_sites
+    model = load(args.model).model
+    sites = declared_sites(model)
+    if sites:
+        for s in sites:
+            print(f"{s.name}\tfamily={s.family}\tlayer={s.layer}")
+    else:
+        print("no declared controller sites; name them with --sites GLOB")
+    if args.all or not sites:
+        for name, module in model.named_modules():
+            if name:
+                print(f"  {name}\t{type(module).__name__}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            cmd_train(args)
+        elif args.command == "audit":
+            cmd_audit(args, argv)
+        elif args.command == "demo":
+            cmd_demo(args, argv)
+        elif args.command == "bench":
+            cmd_bench(args)
+        elif args.command == "sites":
+            cmd_sites(args)
+    except FcauditError as exc:
+        if args.debug:
+            raise
+        print(f"fcaudit: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fcaudit: interrupted; rerun the same command to resume from the cache",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

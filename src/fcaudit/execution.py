@@ -1,0 +1,300 @@
+"""Execution audit (SPEC section 6): what a model really computes, against its dense twin.
+
+Three measurements, all taken on real forward passes and never read from a config:
+
+* **Blocks executed per token.** A forward pre-hook on every block counts the
+  tokens entering it (numel of its first tensor input / that tensor's last dim),
+  so a block that runs on a gathered subset of tokens counts only those.
+* **FLOPs per token**, counted by ``torch.utils.flop_counter.FlopCounterMode`` over
+  the forward pass: matrix products and attention (``2*M*N*K`` per matmul;
+  attention counted in full, as torch counts its fused kernels). Elementwise work
+  (norms, activations, gathers) is not counted, for model and dense alike.
+* **Latency**: model and dense timed alternately (A B A B ...) in one process after
+  warm-up. The ratio is model/dense *latency* (> 1: the model is slower), the
+  median of the per-pair ratios, since each pair shares the machine's state at
+  that moment; its 95% interval is a seeded bootstrap over pairs.
+
+Counts and FLOPs are deterministic; everything timing-dependent lives under
+``timing`` (and the headline ``speed_ratio_vs_dense``), so the rest of the result
+can be compared exactly between runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+from .errors import FcauditError
+
+MIN_PAIRS = 10
+BOOTSTRAP_RESAMPLES = 2000
+TOLERANCE = 0.01  # relative saving in blocks or FLOPs below which nothing is "saved"
+
+
+@contextlib.contextmanager
+def inference(*models: nn.Module) -> Iterator[None]:
+    """Eval mode and no autograd while measuring; the callers' modes come back after."""
+    modes = [(m, m.training) for model in models for m in model.modules()]
+    for model in models:
+        model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def resolve_blocks(model: nn.Module, block_paths: Sequence[str] | None) -> list[str]:
+    """Block paths as given, else as the model declares them; each must name a module."""
+    if block_paths is None:
+        declare = getattr(model, "execution_blocks", None)
+        if not callable(declare):
+            raise FcauditError(
+                f"{type(model).__name__} declares no execution blocks; name the modules whose "
+                "executions to count (module paths such as 'blocks.0', 'blocks.1', ...)")
+        block_paths = declare()
+    paths = list(block_paths)
+    if not paths:
+        raise FcauditError(f"no execution blocks given for {type(model).__name__}")
+    for path in paths:
+        try:
+            model.get_submodule(path)
+        except AttributeError as exc:
+            raise FcauditError(f"execution block {path!r} is not a module of "
+                               f"{type(model).__name__}; list module paths with "
+                               "`fcaudit sites --model SPEC`") from exc
+    return paths
+
+
+def _tokens_entering(path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        raise FcauditError(f"execution block {path!r} received no per-token tensor input; "
+                           "name modules that take hidden states [..., features]")
+    return first.numel() // first.shape[-1]
+
+
+def count_block_executions(model: nn.Module, block_paths: Sequence[str],
+                           batches: Iterable[torch.Tensor]) -> dict[str, Any]:
+    """Run ``batches`` of ``input_ids`` and count the tokens entering each block.
+
+    Returns blocks executed per token (mean over tokens of the number of blocks
+    that ran on it), blocks present, and the executed fraction of each block.
+    """
+    paths = list(block_paths)
+    counts = [0] * len(paths)
+    handles = []
+    for i, path in enumerate(paths):
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 i: int = i, path: str = path) -> None:
+            counts[i] += _tokens_entering(path, args, kwargs)
+        handles.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
+    tokens = 0
+    try:
+        with inference(model):
+            for ids in batches:
+                model(ids)
+                tokens += ids.numel()
+    finally:
+        for handle in handles:
+            handle.remove()
+    if tokens == 0:
+        raise FcauditError("no tokens to count block executions on; give evaluation data")
+    per_layer = [c / tokens for c in counts]
+    return {"blocks_executed": sum(per_layer), "blocks_present": len(paths),
+            "blocks_executed_per_layer": per_layer, "tokens": tokens, "blocks": paths}
+
+
+def _cpu_sdpa_flops(query_shape: torch.Size, key_shape: torch.Size, value_shape: torch.Size,
+                    *_args: object, **_kwargs: object) -> int:
+    """CPU fused attention, which torch's counter leaves out; counted like the CUDA kernels."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
+
+
+def flops_per_token(model: nn.Module, input_ids: torch.Tensor, batch_size: int | None = None,
+                    ) -> float:
+    """Forward FLOPs per input token, counted over every sequence of ``input_ids``."""
+    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+    with inference(model), counter:
+        for ids in input_ids.split(batch_size or len(input_ids)):
+            model(ids)
+    return counter.get_total_flops() / input_ids.numel()
+
+
+def ratio_interval(model_s: Sequence[float], dense_s: Sequence[float], seed: int = 0,
+                   resamples: int = BOOTSTRAP_RESAMPLES) -> dict[str, Any]:
+    """Median of per-pair ratios ``model/dense``, with a 95% bootstrap interval over pairs."""
+    ratios = np.asarray(model_s, dtype=np.float64) / np.asarray(dense_s, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(ratios), size=(resamples, len(ratios)))
+    boot = np.median(ratios[picks], axis=1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return {"value": float(np.median(ratios)), "ci95": [float(lo), float(hi)]}
+
+
+def side_summary(seconds: Sequence[float], tokens: int) -> dict[str, float]:
+    """Median, min and max seconds per batch, and throughput at the median."""
+    s = np.asarray(seconds, dtype=np.float64)
+    median = float(np.median(s))
+    return {"median_s": median, "min_s": float(s.min()), "max_s": float(s.max()),
+            "tokens_per_s": tokens / median}
+
+
+@contextlib.contextmanager
+def fixed_threads(threads: int | None) -> Iterator[int]:
+    """Pin torch's CPU thread count (when given) for the measurement; yields the count used."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, pairs: int = 10,
+                     warmup: int = 2, seed: int = 0, threads: int | None = None,
+                     ) -> dict[str, Any]:
+    """Time one batch on model and dense alternately (A B A B ...), after ``warmup`` pairs."""
+    if pairs < MIN_PAIRS:
+        raise FcauditError(f"timing needs at least {MIN_PAIRS} pairs, got {pairs}")
+    on_cuda = input_ids.device.type == "cuda"
+
+    def seconds(net: nn.Module) -> float:
+        if on_cuda:
+            torch.cuda.synchronize(input_ids.device)
+        start = time.perf_counter()
+        net(input_ids)
+        if on_cuda:
+            torch.cuda.synchronize(input_ids.device)
+        return time.perf_counter() - start
+
+    with inference(model, dense), fixed_threads(threads) as used_threads:
+        for _ in range(warmup):
+            seconds(model), seconds(dense)
+        timed = [(seconds(model), seconds(dense)) for _ in range(pairs)]
+    model_s, dense_s = zip(*timed, strict=True)
+    batch_size, seq_len = input_ids.shape
+    ratio = ratio_interval(model_s, dense_s, seed)
+    return {
+        "speed_ratio_vs_dense": ratio,
+        "ratio_definition": "median over pairs of model/dense latency (> 1: model slower)",
+        "slowdown_percent": 100 * (ratio["value"] - 1),
+        "model": side_summary(model_s, input_ids.numel()),
+        "dense": side_summary(dense_s, input_ids.numel()),
+        "pairs_s": [list(p) for p in timed],
+        "pairs": pairs, "warmup": warmup, "bootstrap_resamples": BOOTSTRAP_RESAMPLES,
+        "seed": seed, "threads": used_threads, "device": str(input_ids.device),
+        "device_name": device_name(input_ids.device), "batch_size": batch_size,
+        "seq_len": seq_len,
+    }
+
+
+def measure_execution(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, *,
+                      batch_size: int = 16, block_paths: Sequence[str] | None = None,
+                      dense_block_paths: Sequence[str] | None = None, pairs: int = 10,
+                      warmup: int = 2, seed: int = 0, timing: bool = True,
+                      threads: int | None = None) -> dict[str, Any]:
+    """The execution section of ``audit.json``: counts and FLOPs on every sequence of
+    ``input_ids [N, T]``, timing on its first batch of ``batch_size``.
+
+    ``conditional_execution`` is true when the model runs fewer blocks per token or
+    fewer FLOPs than dense, by more than ``TOLERANCE`` (relative).
+    """
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise FcauditError(f"execution measurement needs input_ids [N, T], got shape "
+                           f"{tuple(input_ids.shape)}")
+    batches = input_ids.split(batch_size)
+    own = count_block_executions(model, resolve_blocks(model, block_paths), batches)
+    twin = count_block_executions(dense, resolve_blocks(dense, dense_block_paths), batches)
+    flops = flops_per_token(model, input_ids, batch_size)
+    dense_flops = flops_per_token(dense, input_ids, batch_size)
+    flops_ratio = flops / dense_flops if dense_flops else float("nan")
+    fewer_blocks = own["blocks_executed"] < twin["blocks_executed"] * (1 - TOLERANCE)
+    result: dict[str, Any] = {
+        "blocks_executed": own["blocks_executed"],
+        "blocks_present": own["blocks_present"],
+        "executed_fraction": own["blocks_executed"] / own["blocks_present"],
+        "blocks_executed_per_layer": own["blocks_executed_per_layer"],
+        "blocks": own["blocks"],
+        "dense_blocks_executed": twin["blocks_executed"],
+        "dense_blocks_present": twin["blocks_present"],
+        "tokens_counted": own["tokens"],
+        "flops_per_token": flops,
+        "dense_flops_per_token": dense_flops,
+        "flops_ratio": flops_ratio,
+        "flops_counted": "forward matmuls and attention (torch.utils.flop_counter)",
+        "conditional_execution": bool(fewer_blocks or flops_ratio < 1 - TOLERANCE),
+        "speed_ratio_vs_dense": None,
+        "timing": None,
+    }
+    if timing:
+        result["timing"] = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
+                                            threads)
+        result["speed_ratio_vs_dense"] = result["timing"]["speed_ratio_vs_dense"]["value"]
+    return result
+
+
+def _speed_word(lo: float, hi: float) -> str:
+    return "slower" if lo > 1 else "faster" if hi < 1 else "no clear difference"
+
+
+def verdict_execution(execution: dict[str, Any]) -> str:
+    """One sentence answering "does the mechanism change what is computed?", with numbers."""
+    e = execution
+    head = "Conditional execution" if e["conditional_execution"] else "No conditional execution"
+    text = (f"{head}: {e['blocks_executed']:.2f} of {e['blocks_present']} blocks run per token "
+            f"(Dense {e['dense_blocks_executed']:.2f}), FLOPs {e['flops_ratio']:.3f}x Dense")
+    if e.get("timing"):
+        ratio = e["timing"]["speed_ratio_vs_dense"]
+        lo, hi = ratio["ci95"]
+        text += (f"; latency {ratio['value']:.2f}x Dense [{lo:.2f}, {hi:.2f}], "
+                 f"{_speed_word(lo, hi)}")
+    else:
+        text += "; latency not measured"
+    return text + "."
+
+
+def run_bench(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor,
+              **options: Any) -> dict[str, Any]:
+    """``fcaudit bench``: the full measurement, timing included, plus its verdict."""
+    result = measure_execution(model, dense, input_ids, **{**options, "timing": True})
+    return {**result, "verdict": verdict_execution(result)}
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    """Side-by-side text table of several measurements (name -> measure_execution result)."""
+    rows = [("model", "blocks run/present", "FLOPs/token", "FLOPs vs dense", "ms/batch",
+             "tokens/s", "latency vs dense [95% CI]")]
+    for name, e in results.items():
+        t = e.get("timing")
+        if t:
+            ratio = t["speed_ratio_vs_dense"]
+            speed = (f"{1e3 * t['model']['median_s']:.2f}", f"{t['model']['tokens_per_s']:,.0f}",
+                     f"{ratio['value']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}]")
+        else:
+            speed = ("-", "-", "-")
+        rows.append((name, f"{e['blocks_executed']:.2f}/{e['blocks_present']}",
+                     f"{e['flops_per_token'] / 1e6:.3f}M", f"{e['flops_ratio']:.3f}x", *speed))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+    return "\n".join(line.rstrip() for line in lines)
+

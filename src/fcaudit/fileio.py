@@ -1,0 +1,70 @@
+"""Atomic file output: write to a temporary name in the same folder, then rename.
+
+A crash, a kill or a full disk therefore never leaves a partial JSON, report or
+tensor file behind under its final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from .errors import FcauditError
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success rename it onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    except OSError as exc:
+        tmp_path.unlink(missing_ok=True)
+        raise FcauditError(f"could not write {path}: {exc.strerror or exc}; "
+                           "check free disk space and permissions") from exc
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Deterministic JSON (sorted keys, fixed indent) written atomically."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def write_with(path: str | Path, writer: Callable[[Path], None]) -> None:
+    """Call ``writer(tmp_path)`` (e.g. a safetensors or matplotlib save), then rename."""
+    with atomic_path(path) as tmp:
+        writer(tmp)
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """Read JSON or raise a one-line error naming ``what`` the file is."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise FcauditError(f"{what} not found: {path}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FcauditError(f"{what} {path} is not valid JSON ({exc}); "
+                           "restore or regenerate the file") from exc

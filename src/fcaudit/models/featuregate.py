@@ -1,0 +1,147 @@
+"""FeatureGate: a decoder-only transformer with a soft scalar gate on every block.
+
+Block ``l`` computes its full update ``F_l(h) = Block_l(h) - h`` (attention, then
+MLP, pre-LayerNorm) and a per-token gate ``g_l = sigmoid(w_l . LN(h) + b_l)`` from
+the block input; the block returns ``h + g_l * F_l(h)``. The Dense twin is the
+same code with no gate (``g = 1`` and no gate parameters), so a FeatureGate whose
+gates are forced to 1 computes exactly what the Dense twin computes.
+
+Positions use learned absolute embeddings (as GPT-2): stable absolute-position
+effects are then possible, which is what the ``static-layer-position`` condition
+of the audit is designed to capture.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import Site
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 2048
+    block_size: int = 128  # maximum context length
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    gated: bool = True  # FeatureGate (True) or its Dense twin (False)
+    gate_bias_init: float = 1.0  # sigmoid(1) ~ 0.73: gates start open but not saturated
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=128),
+    "small": GPTConfig(vocab_size=4096, block_size=256, n_layer=6, n_head=6, n_embd=384),
+    "76m": GPTConfig(vocab_size=16384, block_size=1024, n_layer=10, n_head=12, n_embd=768),
+    "504m": GPTConfig(vocab_size=32768, block_size=1024, n_layer=22, n_head=20, n_embd=1280),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Gate(nn.Module):
+    """The controller: one coefficient per token, ``[B, T, 1]``, read from the block input."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, 1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.proj(self.ln(h)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+        self.gate = Gate(cfg) if cfg.gated else None
+
+    def update(self, h: torch.Tensor) -> torch.Tensor:
+        """``F(h) = Block(h) - h``, computed as the sum of the two sub-layer outputs."""
+        a = self.attn(self.ln_1(h))
+        return a + self.mlp(self.ln_2(h + a))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.gate is None:
+            return h + self.update(h)
+        g = self.gate(h)
+        return h + g * self.update(h)
+
+
+class GPT(nn.Module):
+    """FeatureGate (``cfg.gated``) or its Dense twin; ``input_ids [B, T] -> logits [B, T, V]``."""
+
+    block_class: type[nn.Module] = Block  # subclasses (skipgate) swap in their own block
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(self.block_class(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") and ".gate." not in name:
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))  # GPT-2 residual scaling
+        for block in self.blocks:
+            if block.gate is not None:
+                nn.init.constant_(block.gate.proj.bias, cfg.gate_bias_init)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        T = input_ids.shape[1]
+        pos = torch.arange(T, device=input_ids.device)
+        h = self.wte(input_ids) + self.wpe(pos)
+        for block in self.blocks:
+            h = block(h)
+        return self.lm_head(self.ln_f(h))
+
+    def controller_sites(self) -> list[Site]:
+        return [Site(name=f"blocks.{i}.gate", path=f"blocks.{i}.gate", family="featuregate",
+                     layer=i) for i, b in enumerate(self.blocks) if b.gate is not None]
+
+    def execution_blocks(self) -> list[str]:
+        return [f"blocks.{i}" for i in range(len(self.blocks))]
+
+    def dense_counterpart(self) -> GPT:
+        return GPT(replace(self.config, gated=False))

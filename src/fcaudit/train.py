@@ -1,0 +1,189 @@
+"""Training on the built-in corpus: seeded, deterministic on CPU, written atomically.
+
+A run folder holds ``config.json``, ``model.safetensors``, ``tokenizer.json`` and
+``train_log.jsonl``. It is assembled in a temporary sibling folder and renamed
+into place only when training and evaluation finished, so an interrupted run
+leaves nothing under the final name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from torch import nn
+
+from . import __version__
+from .data import (builtin_documents, builtin_split_record, cache_dir, cut_windows,
+                   encode_documents, load_tokenizer, spread_pick, train_tokenizer)
+from .errors import FcauditError
+from .fileio import write_json, write_text
+from .loading import get_arch, save_run_model
+from .progress import progress_bar
+
+
+@dataclass(frozen=True)
+class TrainPreset:
+    """Optimisation settings; model sizes live in each architecture's presets."""
+
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    warmup: int
+    eval_sequences: int = 256
+    weight_decay: float = 0.1
+
+
+TRAIN_PRESETS: dict[str, TrainPreset] = {
+    "tiny": TrainPreset(seq_len=128, batch_size=16, steps=600, lr=3e-3, warmup=30),
+    "small": TrainPreset(seq_len=256, batch_size=32, steps=3000, lr=1e-3, warmup=100),
+    "76m": TrainPreset(seq_len=1024, batch_size=32, steps=20000, lr=6e-4, warmup=500),
+    "504m": TrainPreset(seq_len=1024, batch_size=32, steps=30000, lr=3e-4, warmup=1000),
+}
+
+
+def builtin_tokenizer(vocab_size: int) -> Tokenizer:
+    """The BPE tokenizer of the built-in train split, trained once and cached."""
+    path = cache_dir() / "tokenizers" / f"shakespeare-bpe{vocab_size}.json"
+    if path.is_file():
+        return load_tokenizer(path)
+    tok = train_tokenizer(builtin_documents("train"), vocab_size)
+    write_text(path, tok.to_str())
+    return tok
+
+
+def lr_at(step: int, p: TrainPreset) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak rate."""
+    if step < p.warmup:
+        return p.lr * (step + 1) / p.warmup
+    frac = (step - p.warmup) / max(1, p.steps - p.warmup)
+    return p.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+
+
+@torch.no_grad()
+def mean_nll(model: nn.Module, windows: np.ndarray, batch_size: int = 32) -> float:
+    """Mean next-token NLL (nats) over positions 1..T-1 of every window."""
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        ids = torch.from_numpy(windows[i:i + batch_size])
+        logits = model(ids)[:, :-1].float()
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                              reduction="sum")
+        total += nll.item()
+        count += ids[:, 1:].numel()
+    return total / count
+
+
+def unigram_nll(train_tokens: np.ndarray, windows: np.ndarray, vocab_size: int) -> float:
+    """NLL of an add-one unigram model fit on the train tokens: the floor to beat."""
+    counts = np.bincount(train_tokens, minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[windows[:, 1:]].mean())
+
+
+def _versions() -> dict[str, str]:
+    import tokenizers
+    return {"fcaudit": __version__, "torch": torch.__version__, "numpy": np.__version__,
+            "tokenizers": tokenizers.__version__}
+
+
+def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: bool = False,
+          steps: int | None = None, progress: bool = True) -> Path:
+    """Train one model on the built-in corpus and write its run folder; returns the folder."""
+    out = Path(out)
+    arch = get_arch(arch_name)
+    if preset not in TRAIN_PRESETS:
+        raise FcauditError(f"unknown preset {preset!r}; choose one of {', '.join(TRAIN_PRESETS)}")
+    tp = TRAIN_PRESETS[preset]
+    if steps is not None:
+        tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))
+    cfg = arch.config(preset)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise FcauditError(f"output folder {out} exists and is not empty; choose another --out "
+                           "or pass --force to replace it")
+
+    tok = builtin_tokenizer(cfg.vocab_size)
+    train_tokens = np.concatenate(encode_documents(tok, builtin_documents("train")))
+    eval_windows = cut_windows(encode_documents(tok, builtin_documents("eval")), tp.seq_len)
+    eval_windows = eval_windows[spread_pick(len(eval_windows), tp.eval_sequences)]
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model = arch.build(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tp.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=tp.lr, betas=(0.9, 0.95))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        log_lines: list[str] = []
+        started = time.perf_counter()
+        model.train()
+        with progress_bar(progress) as bar:
+            task = bar.add_task(f"train {arch_name}/{preset} seed {seed}", total=tp.steps,
+                                info="")
+            for step in range(tp.steps):
+                starts = rng.integers(0, len(train_tokens) - tp.seq_len - 1, size=tp.batch_size)
+                batch = torch.from_numpy(np.stack([train_tokens[s:s + tp.seq_len + 1]
+                                                   for s in starts]))
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(step, tp)
+                logits = model(batch[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       batch[:, 1:].reshape(-1))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                elapsed = time.perf_counter() - started
+                tok_s = (step + 1) * tp.batch_size * tp.seq_len / elapsed
+                bar.update(task, advance=1, info=f"loss {loss.item():.3f}  {tok_s:,.0f} tok/s")
+                if step % 25 == 0 or step == tp.steps - 1:
+                    log_lines.append(json.dumps({"step": step, "loss": round(loss.item(), 5),
+                                                 "lr": lr_at(step, tp),
+                                                 "tokens_per_s": round(tok_s, 1)}))
+        wall = time.perf_counter() - started
+        eval_nll = mean_nll(model, eval_windows)
+        uni = unigram_nll(train_tokens, eval_windows, cfg.vocab_size)
+        log_lines.append(json.dumps({"event": "eval", "eval_nll": eval_nll,
+                                     "unigram_nll": uni, "train_wall_s": round(wall, 2)}))
+        save_run_model(work, model)
+        write_text(work / "tokenizer.json", tok.to_str())
+        write_text(work / "train_log.jsonl", "\n".join(log_lines) + "\n")
+        write_json(work / "config.json", {
+            "fcaudit_run": 1, "arch": arch_name, "preset": preset, "seed": seed,
+            "model_config": dataclasses.asdict(cfg),
+            "train": dataclasses.asdict(tp),
+            "data": {**builtin_split_record(), "train_tokens": int(len(train_tokens)),
+                     "eval_sequences": int(len(eval_windows))},
+            "results": {"eval_nll": eval_nll, "unigram_nll": uni, "n_params": n_params,
+                        "train_wall_s": round(wall, 2)},
+            "versions": _versions(),
+        })
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        work.rename(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def describe_run(folder: Path) -> dict[str, Any]:
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    return {"arch": cfg["arch"], "preset": cfg["preset"], "seed": cfg["seed"], **cfg["results"]}

@@ -1,0 +1,72 @@
+"""Hand-made models with known audit answers (importable as ``toys:FACTORY``).
+
+Sequences hold random tokens at even positions, each followed by its successor
+``(x + 1) % V``: the next token is predictable from even positions only. Each model
+predicts it only through its gates, in a way that fixes the expected audit result:
+
+* ``content``: the gate carries the current token (one-hot) -> reassign and shuffle
+  destroy the prediction, static profiles keep nothing (retention ~0%).
+* ``constant``: gates are per-layer constants -> no penalty, retention ~100%.
+* ``position``: gates depend on the position only -> shuffle hurts, reassign does not,
+  static-layer-position keeps ~100%.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+V = 64
+
+
+class ToyGate(nn.Module):
+    def __init__(self, mode: str, layer: int) -> None:
+        super().__init__()
+        self.mode, self.layer = mode, layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        if self.mode == "content":
+            return F.one_hot(ids, V).float()  # [B, T, V]
+        if self.mode == "constant":
+            return torch.full((B, T, 1), 0.9 if self.layer == 0 else 0.1)
+        pos = (torch.arange(T) % 2 == 0).float()  # position: 1 on even positions
+        value = pos if self.layer == 0 else torch.zeros(T)
+        return value.view(1, T, 1).expand(B, T, 1).clone()
+
+
+class ToyModel(nn.Module):
+    def __init__(self, mode: str, n_layer: int = 2) -> None:
+        super().__init__()
+        self.mode = mode
+        self.gates = nn.ModuleList(ToyGate(mode, i) for i in range(n_layer))
+        self.scale = nn.Parameter(torch.tensor(8.0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        even = (torch.arange(ids.shape[1]) % 2 == 0).float().view(1, -1, 1)
+        g = [gate(ids) for gate in self.gates]
+        if self.mode == "content":
+            predicted = torch.roll(sum(g) / len(g), shifts=1, dims=-1)  # one-hot of x + 1
+            return self.scale * predicted * even
+        target = F.one_hot((ids + 1) % V, V).float()
+        return self.scale * target * (g[0] - g[1]) * even
+
+
+def content_model() -> nn.Module:
+    return ToyModel("content")
+
+
+def constant_model() -> nn.Module:
+    return ToyModel("constant")
+
+
+def position_model() -> nn.Module:
+    return ToyModel("position")
+
+
+def pair_sequences(n: int, seq_len: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).integers(0, V, size=(n, seq_len))
+    x[:, 1::2] = (x[:, 0:-1:2] + 1) % V
+    return x

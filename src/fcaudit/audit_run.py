@@ -24,20 +24,47 @@ from torch import nn
 
 from . import __version__
 from .cache import CoefficientCache
-from .data import (AuditData, builtin_documents, builtin_split_record, cut_windows,
-                   encode_documents, load_token_array, spread_pick, text_documents)
+from .data import (
+    AuditData,
+    builtin_documents,
+    builtin_split_record,
+    cut_windows,
+    encode_documents,
+    load_token_array,
+    spread_pick,
+    text_documents,
+)
 from .errors import FcauditError
 from .fileio import write_json
-from .interventions import (MAIN_CONDITIONS, RANDOM_CONDITIONS, STATIC_CONDITIONS, RandomDraw,
-                            StaticProfiles, draw, shuffle_positions, static_tensor)
+from .interventions import (
+    MAIN_CONDITIONS,
+    RANDOM_CONDITIONS,
+    STATIC_CONDITIONS,
+    RandomDraw,
+    StaticProfiles,
+    draw,
+    shuffle_positions,
+    static_tensor,
+)
 from .loading import LoadedModel, load
-from .metrics import (VarianceAccumulator, bootstrap_indices, interaction, interval, penalty,
-                      retention)
+from .metrics import (
+    VarianceAccumulator,
+    bootstrap_indices,
+    interaction,
+    interval,
+    penalty,
+    retention,
+)
 from .models import Site
 from .progress import progress_bar
 from .sites import recording, replaying, resolve_sites
 
 SCHEMA = "fcaudit.audit/1"
+# ``runtime`` holds host facts and wall times; ``command`` names the output folder; the
+# timing part of ``execution`` is measured wall-clock time (``verdict.execution`` quotes it
+# when measured).
+NONDETERMINISTIC_KEYS = ["runtime", "command", "execution.timing",
+                         "execution.speed_ratio_vs_dense"]
 
 
 @dataclass(frozen=True)
@@ -67,9 +94,21 @@ def model_limits(model: nn.Module) -> tuple[int | None, int | None]:
     return vocab, ctx
 
 
+@torch.no_grad()
+def probe_vocab(model: nn.Module, seq_len: int) -> int | None:
+    """The vocabulary size read off the logits of one all-zero sequence, for a model that
+    states none (token ids at or above it cannot be scored); None if the probe fails."""
+    try:
+        x = torch.zeros(1, seq_len, dtype=torch.long, device=device_of(model))
+        return int(logits_of(model(x)).shape[-1])
+    except Exception:  # the real pass reports its own error
+        return None
+
+
 def default_seq_len(loaded: LoadedModel) -> int:
-    if loaded.run_config is not None:
-        return int(loaded.run_config["train"]["seq_len"])
+    train_cfg = (loaded.run_config or {}).get("train")
+    if isinstance(train_cfg, dict) and isinstance(train_cfg.get("seq_len"), int):
+        return int(train_cfg["seq_len"])
     _, ctx = model_limits(loaded.model)
     return min(256, ctx) if ctx else 256
 
@@ -83,12 +122,19 @@ def resolve_data(loaded: LoadedModel, *, data: str | Path | None = None,
     Without ``calib_data``, user text is split into two contiguous halves of its
     windows: the first half calibrates, the second is evaluated.
     """
+    if max_eval is not None and max_eval < 2 or max_calib is not None and max_calib < 1:
+        raise FcauditError(f"--max-eval {max_eval} / --max-calib {max_calib}: the audit needs "
+                           "at least 2 evaluation and 1 calibration sequence")
     if tokens is not None or calib_tokens is not None:
         if tokens is None or calib_tokens is None:
             raise FcauditError("pass both --tokens (evaluation) and --calib-tokens "
                                "(calibration) integer .npy arrays")
         ev = load_token_array(tokens, "evaluation tokens")
         ca = load_token_array(calib_tokens, "calibration tokens")
+        if seq_len is not None and seq_len != ev.shape[1]:
+            raise FcauditError(f"--seq-len {seq_len} does not match the {ev.shape[1]}-token "
+                               f"sequences of {tokens}; drop --seq-len (token arrays set it) "
+                               "or re-cut the arrays")
         ev, ca = ev[spread_pick(len(ev), max_eval)], ca[spread_pick(len(ca), max_calib)]
         return AuditData(ev, ca, {"source": "tokens", "eval_path": str(tokens),
                                   "calib_path": str(calib_tokens)})
@@ -132,9 +178,15 @@ def token_nll(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
 
 
-def batches(ids: np.ndarray, batch_size: int) -> Iterator[tuple[int, torch.Tensor]]:
+def batches(ids: np.ndarray, batch_size: int,
+            device: torch.device | str = "cpu") -> Iterator[tuple[int, torch.Tensor]]:
     for b, start in enumerate(range(0, len(ids), batch_size)):
-        yield b, torch.from_numpy(np.ascontiguousarray(ids[start:start + batch_size]))
+        yield b, torch.from_numpy(np.ascontiguousarray(ids[start:start + batch_size])).to(device)
+
+
+def device_of(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 def _finite_check(site_values: dict[str, torch.Tensor], where: str) -> None:
@@ -147,6 +199,13 @@ def _finite_check(site_values: dict[str, torch.Tensor], where: str) -> None:
                            "model or its weights (try float32)")
 
 
+def _finite_nll(nll: torch.Tensor, where: str, b: int) -> None:
+    if not torch.isfinite(nll).all():
+        raise FcauditError(f"the model's NLL is not finite (NaN or inf) in {where}, batch {b} "
+                           f"({int((~torch.isfinite(nll)).sum())} tokens); no metric can be "
+                           "computed: check the model's weights and dtype (try float32)")
+
+
 @torch.no_grad()
 def record_calibration(model: nn.Module, sites: Sequence[Site], ids: np.ndarray,
                        batch_size: int, cache: CoefficientCache, bar: Any) -> StaticProfiles:
@@ -156,11 +215,11 @@ def record_calibration(model: nn.Module, sites: Sequence[Site], ids: np.ndarray,
         return StaticProfiles.from_state(sites, state)
     profiles = StaticProfiles(sites)
     task = bar.add_task("record calibration", total=-(-len(ids) // batch_size), info="")
-    for _, x in batches(ids, batch_size):
+    for _, x in batches(ids, batch_size, device_of(model)):
         with recording(model, sites, *x.shape) as captured:
             model(x)
         _finite_check(captured, "calibration data")
-        profiles.add(captured)
+        profiles.add({k: v.cpu() for k, v in captured.items()})
         bar.update(task, advance=1)
     cache.write_extra("static.safetensors", profiles.state())
     return profiles
@@ -173,13 +232,14 @@ def record_evaluation(model: nn.Module, sites: Sequence[Site], ids: np.ndarray,
     todo = [b for b in range(cache.n_batches) if not cache.has_shard(b)]
     task = bar.add_task("record evaluation", total=cache.n_batches,
                         completed=cache.n_batches - len(todo), info="")
-    for b, x in batches(ids, cache.batch_size):
+    for b, x in batches(ids, cache.batch_size, device_of(model)):
         if b not in todo:
             continue
         with recording(model, sites, *x.shape) as captured:
             nll = token_nll(model, x)
         _finite_check(captured, "evaluation data")
-        cache.write_shard(b, nll, {s.name: captured[s.name] for s in sites})
+        _finite_nll(nll, "the unperturbed record pass", b)
+        cache.write_shard(b, nll.cpu(), {s.name: captured[s.name].cpu() for s in sites})
         bar.update(task, advance=1)
 
 
@@ -223,10 +283,14 @@ def replay(model: nn.Module, run: Run, ids: np.ndarray, cache: CoefficientCache,
     """Per-sequence mean NLL under ``run``, and the max |NLL - original| per token."""
     seq_nll = np.empty(len(ids), dtype=np.float64)
     max_diff = 0.0
-    for b, x in batches(ids, cache.batch_size):
+    device = device_of(model)
+    for b, x in batches(ids, cache.batch_size, device):
         rows = cache.batch_range(b)
-        with replaying(model, feed(run, b, rows, cache, sites, profiles, rand)):
-            nll = token_nll(model, x)
+        fed = {s: t.to(device) for s, t in feed(run, b, rows, cache, sites, profiles,
+                                                 rand).items()}
+        with replaying(model, fed):
+            nll = token_nll(model, x).cpu()
+        _finite_nll(nll, f"replay under {run.key}", b)
         seq_nll[rows.start:rows.stop] = nll.double().mean(1).numpy()
         if run.condition == "correct":
             max_diff = max(max_diff, float((nll - cache.batch(b, "nll")).abs().max()))
@@ -254,8 +318,8 @@ def variation_verdict(variance: dict[str, Any], variation: dict[str, Any]) -> st
         varies = v["mean_sd_across_inputs"] > 1e-6 or v["mean_sd_across_positions"] > 1e-6
         parts.append(
             f"{family}: coefficients {'vary' if varies else 'do not vary'} (sd across inputs "
-            f"{v['mean_sd_across_inputs']:.3g}, across positions {v['mean_sd_across_positions']:.3g}"
-            f", across layers {v['across_layer_sd']:.3g}); layer identity explains "
+            f"{v['mean_sd_across_inputs']:.3g}, across positions "
+            f"{v['mean_sd_across_positions']:.3g}, across layers {v['across_layer_sd']:.3g}); layer identity explains "
             f"{100 * eta['eta2_layer']:.1f}% of their variance, input and token content "
             f"{100 * eta['eta2_residual']:.1f}%")
     return "; ".join(parts) + "."
@@ -322,9 +386,10 @@ def _execution(loaded: LoadedModel, dense: str | nn.Module | None, ids: np.ndarr
     dense_model.eval()
     blocks = getattr(model, "execution_blocks", None)
     dense_blocks = getattr(dense_model, "execution_blocks", None)
-    x = torch.from_numpy(np.ascontiguousarray(ids[:opts.batch_size]))
+    x = torch.from_numpy(np.ascontiguousarray(ids)).to(device_of(model))
     result = measure_execution(
-        model, dense_model, x, block_paths=blocks() if callable(blocks) else None,
+        model, dense_model, x, batch_size=opts.batch_size,
+        block_paths=blocks() if callable(blocks) else None,
         dense_block_paths=dense_blocks() if callable(dense_blocks) else None,
         pairs=opts.timing_pairs, seed=opts.seed, timing=opts.timing_pairs > 0)
     result = {"measured": True, "dense": dense_source, **result}
@@ -352,7 +417,10 @@ def run_audit(model: str | nn.Module | LoadedModel, out: str | Path, *,
         data = resolve_data(loaded, data=text, calib_data=calib_text, tokens=tokens,
                             calib_tokens=calib_tokens, seq_len=seq_len, max_eval=max_eval,
                             max_calib=max_calib)
-    data.validate(*model_limits(net))
+    vocab, ctx = model_limits(net)
+    if vocab is None:
+        vocab = probe_vocab(net, data.eval_ids.shape[1])
+    data.validate(vocab, ctx)
     out = Path(out)
     param = next(net.parameters(), None)
     dtype = str(param.dtype) if param is not None else "unknown"
@@ -361,6 +429,8 @@ def run_audit(model: str | nn.Module | LoadedModel, out: str | Path, *,
                 "calib_data": data.summary()["calib_fingerprint"], "dtype": dtype,
                 "sites": [s.name for s in site_list], "fcaudit": __version__,
                 "torch": torch.__version__}
+    if loaded.kind == "factory":  # the code, not only the weights, defines the model
+        identity["model_spec"] = loaded.spec
     cache = CoefficientCache(out / "cache", identity, opts.batch_size, len(data.eval_ids))
 
     timings: dict[str, float] = {}
@@ -461,17 +531,21 @@ def run_audit(model: str | nn.Module | LoadedModel, out: str | Path, *,
                      "layer_index": "a site's index within its family"},
         "versions": _versions(),
         "command": command,
-        "nondeterministic_keys": ["host", "timings", "execution.timing",
-                                  "execution.speed_ratio_vs_dense"],
-        "host": {"platform": platform.platform(), "python": sys.version.split()[0],
-                 "torch_threads": torch.get_num_threads(), "machine": platform.machine()},
-        "timings": {k: round(v, 3) for k, v in
-                    {**timings, "total_s": time.perf_counter() - started}.items()},
+        # keys (dotted paths) that may differ between two runs of the same model, data,
+        # seeds and settings; everything else is byte-identical (see docs/reliability.md)
+        "nondeterministic_keys": NONDETERMINISTIC_KEYS + (
+            ["verdict.execution"] if execution.get("timing") else []),
+        "runtime": {
+            "host": {"platform": platform.platform(), "python": sys.version.split()[0],
+                     "torch_threads": torch.get_num_threads(), "machine": platform.machine()},
+            "timings": {k: round(v, 3) for k, v in
+                        {**timings, "total_s": time.perf_counter() - started}.items()},
+        },
     }
-    write_json(out / "audit.json", audit)
     if write_report:
         from .report import write_report as render
         render(audit, out)
+    write_json(out / "audit.json", audit)  # last: an audit.json means the audit is complete
     return audit
 
 

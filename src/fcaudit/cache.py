@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from .errors import FcauditError
-from .fileio import read_json, write_json, write_with
+from .fileio import read_json, write_json, write_safetensors
 
 SCHEMA = "fcaudit.cache/1"
 
@@ -36,8 +35,7 @@ def sha256_file(path: Path) -> str:
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     """Write a safetensors file atomically; return its SHA-256."""
-    write_with(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()},
-                                           str(tmp)))
+    write_safetensors(path, tensors)
     return sha256_file(path)
 
 
@@ -56,18 +54,38 @@ class CoefficientCache:
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._verified: set[str] = set()
         if self.manifest_path.exists():
-            manifest = read_json(self.manifest_path, "cache manifest")
-            if manifest.get("identity") != identity:
-                diff = sorted(k for k in set(identity) | set(manifest.get("identity", {}))
-                              if manifest.get("identity", {}).get(k) != identity.get(k))
+            self._clear_stale_temporaries()
+            try:
+                manifest = read_json(self.manifest_path, "cache manifest")
+            except FcauditError as exc:
+                raise FcauditError(f"{exc}; delete {self.folder} and rerun") from exc
+            if not isinstance(manifest, dict):
+                raise FcauditError(f"cache manifest {self.manifest_path} is not a JSON object; "
+                                   f"delete {self.folder} and rerun")
+            recorded = manifest.get("identity")
+            recorded = recorded if isinstance(recorded, dict) else {}
+            setup = {"batch_size": batch_size, "n_sequences": n_sequences}
+            diff = sorted(k for k in set(identity) | set(recorded)
+                          if recorded.get(k) != identity.get(k))
+            diff += [k for k, v in setup.items() if manifest.get(k) != v]
+            if diff and (manifest.get("shards") or manifest.get("extras")):
                 raise FcauditError(
                     f"the cache in {self.folder} was recorded with a different "
-                    f"{', '.join(diff) or 'setup'}; delete that folder or choose another --out")
-            self.shards = dict(manifest.get("shards", {}))
-            self.extras = dict(manifest.get("extras", {}))
+                    f"{', '.join(diff)}; delete that folder or choose another --out "
+                    "(or rerun with the original model, data and --batch-size)")
+            if diff:  # nothing was recorded yet: nothing to lose, start afresh
+                self._write_manifest()
+            else:
+                self.shards = dict(manifest.get("shards", {}))
+                self.extras = dict(manifest.get("extras", {}))
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._write_manifest()
+
+    def _clear_stale_temporaries(self) -> None:
+        """Remove temporary files a killed writer left behind (never under a final name)."""
+        for tmp in self.folder.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
 
     @property
     def n_batches(self) -> int:

@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=None, help="override the preset's step count")
     t.add_argument("--force", action="store_true", help="replace a non-empty --out")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
     a = sub.add_parser("audit", help="run the full audit on a model",
                        description="Record every controller's coefficients, replay the frozen "
@@ -103,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration sequences (default 64)")
     a.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="load a checkpoint folder in this dtype (default: its own)")
+    a.add_argument("--device", default="cpu",
+                   help="cpu or cuda (default cpu, where identity replay is bitwise exact)")
     _add_audit_options(a)
 
     d = sub.add_parser("demo", help="train tiny FeatureGate + Dense and audit them (~5 min)",
@@ -115,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="execution audit only: model vs dense counterpart",
                        description="Blocks executed, FLOPs per token and interleaved timing of "
-                                   "--model against --dense on random token batches.")
+                                   "--model against --dense on one batch of built-in evaluation "
+                                   "text (random token ids when the model has no tokenizer).")
     b.add_argument("--model", required=True)
     b.add_argument("--dense", default=None, help="default: the model's own dense counterpart")
     b.add_argument("--batch-size", type=int, default=8)
@@ -124,16 +128,36 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
 
+    r = sub.add_parser("reproduce", help="the paper's study: multi-seed train + audit + tables",
+                       description="Train every seed of FeatureGate/Dense (and the tiny MUDD "
+                                   "and SkipGate), audit each, aggregate across seeds and write "
+                                   "OUT/reproduction.md, OUT/report.html and figures. Finished "
+                                   "runs and audits are reused, so an interrupted study resumes.")
+    r.add_argument("--preset", choices=["tiny", "paper"], default="tiny",
+                   help="tiny: CPU scale (~45 min for 3 seeds on 2 cores); paper: 76m x7 and "
+                        "504m x3 seeds (GPU)")
+    r.add_argument("--seeds", type=int, default=None,
+                   help="seeds per group (default: tiny 3; paper 7 for 76m and 3 for 504m)")
+    r.add_argument("--out", type=Path, default=Path("fcaudit-reproduction"))
+    r.add_argument("--mudd-checkpoint", default=None, metavar="PATH",
+                   help="also audit a local MUDDPythia-1.4B checkpoint folder")
+    r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--bootstrap", type=int, default=1000)
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
+
     s = sub.add_parser("sites", help="list a model's controller sites and module paths")
     s.add_argument("--model", required=True)
     s.add_argument("--all", action="store_true", help="list every module path")
+    for command in sub.choices.values():  # `--debug` also works after the command name
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show tracebacks on errors")
     return parser
 
 
 def cmd_train(args: argparse.Namespace) -> None:
     from .train import describe_run, train
     folder = train(args.arch, args.preset, args.seed, args.out, force=args.force,
-                   steps=args.steps, progress=not args.quiet)
+                   steps=args.steps, progress=not args.quiet, device=args.device)
     info = describe_run(folder)
     print(f"wrote {folder}: {info['arch']}/{info['preset']} seed {info['seed']}, "
           f"{info['n_params']:,} parameters, eval NLL {info['eval_nll']:.4f} "
@@ -146,7 +170,9 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from .audit_run import run_audit
     from .loading import load
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype or "")
-    audit = run_audit(load(args.model, dtype), args.out, sites=args.sites, dense=args.dense,
+    loaded = load(args.model, dtype)
+    loaded.model.to(args.device)
+    audit = run_audit(loaded, args.out, sites=args.sites, dense=args.dense,
                       text=args.data, calib_text=args.calib_data, tokens=args.tokens,
                       calib_tokens=args.calib_tokens, seq_len=args.seq_len,
                       max_eval=args.max_eval, max_calib=args.max_calib, options=_options(args),
@@ -194,13 +220,49 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
     print_summary(audit, out / "audit")
 
 
+def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    from .audit_run import AuditOptions
+    from .reproduce import reproduce
+    result = reproduce(args.preset, args.out, seeds=args.seeds,
+                       mudd_checkpoint=args.mudd_checkpoint,
+                       options=AuditOptions(repeats=args.repeats, bootstrap=args.bootstrap,
+                                            progress=not args.quiet),
+                       command=shlex.join(["fcaudit", *argv]))
+    for finding, verdict in result["findings"]:
+        print(f"- {finding}: {verdict}")
+    print(f"wrote {args.out / 'reproduction.md'} and {args.out / 'report.html'}")
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     import json
 
+    import torch
+
     from .execution import run_bench
     from .fileio import write_json
-    result = run_bench(args.model, args.dense, batch_size=args.batch_size, seq_len=args.seq_len,
-                       pairs=args.pairs, seed=args.seed)
+    from .loading import load
+    loaded = load(args.model)
+    model = loaded.model
+    if args.dense:
+        dense = load(args.dense).model
+    elif callable(getattr(model, "dense_counterpart", None)):
+        torch.manual_seed(args.seed)
+        dense = model.dense_counterpart()
+    else:
+        raise FcauditError(f"{args.model} has no built-in dense counterpart; pass --dense SPEC")
+    if loaded.tokenizer is not None:  # real text: routing models route as they would in use
+        from .audit_run import resolve_data
+        ids = torch.from_numpy(resolve_data(loaded, seq_len=args.seq_len,
+                                            max_eval=args.batch_size, max_calib=1).eval_ids)
+    else:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+        ids = torch.randint(0, vocab, (args.batch_size, args.seq_len),
+                            generator=torch.Generator().manual_seed(args.seed))
+    blocks = getattr(model, "execution_blocks", None)
+    dense_blocks = getattr(dense, "execution_blocks", None)
+    result = run_bench(model, dense, ids, batch_size=args.batch_size, pairs=args.pairs,
+                       seed=args.seed, block_paths=blocks() if callable(blocks) else None,
+                       dense_block_paths=dense_blocks() if callable(dense_blocks) else None)
     print(json.dumps(result, indent=2))
     if args.json:
         write_json(args.json, result)
@@ -232,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd_audit(args, argv)
         elif args.command == "demo":
             cmd_demo(args, argv)
+        elif args.command == "reproduce":
+            cmd_reproduce(args, argv)
         elif args.command == "bench":
             cmd_bench(args)
         elif args.command == "sites":
@@ -239,13 +303,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FcauditError as exc:
         if args.debug:
             raise
-        print(f"fcaudit: error: {exc}", file=sys.stderr)
+        print(f"fcaudit: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("fcaudit: interrupted; rerun the same command to resume from the cache",
+        if args.debug:
+            raise
+        print(f"fcaudit: interrupted; {INTERRUPTED.get(args.command, 'nothing was lost')}",
               file=sys.stderr)
         return 130
+    except Exception as exc:  # not a known user error: still one line, traceback on --debug
+        if args.debug:
+            raise
+        print(f"fcaudit: error: unexpected {type(exc).__name__} ({_one_line(exc)}); this is a "
+              "bug in fcaudit or in the model: rerun with --debug for the traceback and report "
+              "it", file=sys.stderr)
+        return 1
     return 0
+
+
+INTERRUPTED = {
+    "train": "no run folder was written; rerun the command to train again",
+    "audit": "finished cache shards are kept: rerun the same command to resume",
+    "demo": "finished runs and cache shards are kept: rerun the same command to resume",
+    "reproduce": "finished runs and audits are kept: rerun the same command to resume",
+}
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception's message collapsed onto one line (messages quoting other errors may
+    hold newlines)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":

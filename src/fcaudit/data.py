@@ -139,7 +139,8 @@ def text_documents(path: str | Path) -> list[Document]:
     elif path.is_file():
         files = [path]
     else:
-        raise FcauditError(f"data path not found: {path}")
+        raise FcauditError(f"data path not found: {path}; pass a text file or a folder of "
+                           ".txt files")
     docs = []
     for file in files:
         try:
@@ -170,7 +171,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises plain Exception on bad JSON
-        raise FcauditError(f"could not read tokenizer {path}: {exc}") from exc
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise FcauditError(f"could not read tokenizer {path} ({first}); restore it from the "
+                           "model's source or delete it and pass --tokens") from exc
 
 
 def encode_documents(tok: Tokenizer, docs: Sequence[Document]) -> list[np.ndarray]:
@@ -181,7 +184,8 @@ def encode_documents(tok: Tokenizer, docs: Sequence[Document]) -> list[np.ndarra
 def cut_windows(token_streams: Sequence[np.ndarray], seq_len: int) -> np.ndarray:
     """Non-overlapping windows of exactly ``seq_len`` tokens, never crossing documents."""
     if seq_len < 2:
-        raise FcauditError(f"sequence length must be at least 2 tokens, got {seq_len}")
+        raise FcauditError(f"sequence length must be at least 2 tokens, got {seq_len}; pass "
+                           "--seq-len 2 or more")
     windows = [ids[: len(ids) // seq_len * seq_len].reshape(-1, seq_len)
                for ids in token_streams if len(ids) >= seq_len]
     if not windows:
@@ -201,13 +205,20 @@ def load_token_array(path: str | Path, what: str) -> np.ndarray:
     path = Path(path)
     if not path.is_file():
         raise FcauditError(f"{what} file not found: {path}")
+    with open(path, "rb") as fh:
+        magic = fh.read(6)
+    if magic != b"\x93NUMPY":  # also refuses .npz archives and pickles before np.load
+        kind = "a .npz archive" if magic.startswith(b"PK") else "not a .npy file"
+        raise FcauditError(f"{what} {path} is {kind}; save one integer array [N, T] with "
+                           "np.save(path, ids)")
     try:
         arr = np.load(path, allow_pickle=False)
     except ValueError as exc:
         raise FcauditError(f"{what} {path} needs pickle to load (object or ragged array); "
                            "save a rectangular integer array with np.save") from exc
     except Exception as exc:
-        raise FcauditError(f"{what} {path} is not a readable .npy file ({exc})") from exc
+        raise FcauditError(f"{what} {path} is not a readable .npy file ({exc}); it may be "
+                           "truncated: save it again with np.save") from exc
     if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
         kind = getattr(arr, "dtype", type(arr))
         raise FcauditError(f"{what} {path} has dtype {kind}; token ids must be integers "
@@ -215,9 +226,12 @@ def load_token_array(path: str | Path, what: str) -> np.ndarray:
     if arr.ndim != 2:
         raise FcauditError(f"{what} {path} has shape {arr.shape}; expected [N, T] "
                            "(sequences x tokens)")
+    if arr.shape[0] == 0:
+        raise FcauditError(f"{what} {path} holds no sequences (shape {arr.shape}); pass an "
+                           "array with at least 2 rows")
     if arr.shape[1] < 2:
         raise FcauditError(f"{what} {path} has sequences of {arr.shape[1]} token(s); next-token "
-                           "NLL needs at least 2")
+                           "NLL needs at least 2: save arrays [N, T] with T >= 2")
     return arr.astype(np.int64, copy=False)
 
 
@@ -242,31 +256,39 @@ class AuditData:
     def validate(self, vocab_size: int | None, max_len: int | None) -> None:
         """Check the audit's data rules; raise one clear error for the first broken one."""
         n_eval, seq_len = self.eval_ids.shape
+        ev_src = self.sources.get("eval_path") or "the evaluation data"
+        ca_src = self.sources.get("calib_path") or "the calibration data"
+        more = "pass an array with more rows" if self.sources.get("source") == "tokens" else \
+            "give more data or a shorter --seq-len"
         if n_eval < 2:
             raise FcauditError(
-                f"the audit needs at least 2 evaluation sequences (got {n_eval}): reassignment "
-                "has no derangement of one sequence; give more data or a shorter --seq-len")
+                f"the audit needs at least 2 evaluation sequences of {seq_len} tokens, {ev_src} "
+                f"gives {n_eval}: reassignment has no derangement of one sequence; {more}")
         if len(self.calib_ids) < 1:
-            raise FcauditError("no calibration sequences; give calibration data (--calib-data "
-                               "or --calib-tokens) or more text")
+            raise FcauditError(f"{ca_src} gives no calibration sequences of {seq_len} tokens; "
+                               "give more calibration data (--calib-data or --calib-tokens) "
+                               "or a shorter --seq-len")
         if self.calib_ids.shape[1] != seq_len:
-            raise FcauditError(f"calibration sequences have length {self.calib_ids.shape[1]}, "
-                               f"evaluation sequences {seq_len}; they must match")
+            raise FcauditError(f"calibration sequences have length {self.calib_ids.shape[1]} "
+                               f"in {ca_src}, evaluation sequences {seq_len} in {ev_src}; cut "
+                               "both to the same length")
         if max_len is not None and seq_len > max_len:
             raise FcauditError(f"sequence length {seq_len} exceeds the model's context of "
                                f"{max_len} tokens; use --seq-len {max_len} or less")
-        if vocab_size is not None:
-            for name, arr in (("evaluation", self.eval_ids), ("calibration", self.calib_ids)):
-                lo, hi = int(arr.min()), int(arr.max())
-                if lo < 0 or hi >= vocab_size:
-                    raise FcauditError(
-                        f"{name} token ids span [{lo}, {hi}] but the model's vocabulary has "
-                        f"{vocab_size} entries; tokenize with the model's tokenizer")
+        for name, src, arr in (("evaluation", ev_src, self.eval_ids),
+                               ("calibration", ca_src, self.calib_ids)):
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+                size = f"has {vocab_size} entries" if vocab_size is not None else \
+                    "starts at id 0"
+                raise FcauditError(
+                    f"{name} token ids in {src} span [{lo}, {hi}] but the model's vocabulary "
+                    f"{size}; tokenize with the model's tokenizer")
         shared = set(window_hashes(self.eval_ids)) & set(window_hashes(self.calib_ids))
         if shared:
             raise FcauditError(
-                f"calibration and evaluation share {len(shared)} identical window(s); static "
-                "profiles must come from independent data: pass disjoint sets")
+                f"calibration ({ca_src}) and evaluation ({ev_src}) share {len(shared)} identical "
+                "window(s); static profiles must come from independent data: pass disjoint sets")
 
     def summary(self) -> dict[str, object]:
         return {

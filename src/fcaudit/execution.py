@@ -9,10 +9,14 @@ Three measurements, all taken on real forward passes and never read from a confi
   the forward pass: matrix products and attention (``2*M*N*K`` per matmul;
   attention counted in full, as torch counts its fused kernels). Elementwise work
   (norms, activations, gathers) is not counted, for model and dense alike.
-* **Latency**: model and dense timed alternately (A B A B ...) in one process after
-  warm-up. The ratio is model/dense *latency* (> 1: the model is slower), the
-  median of the per-pair ratios, since each pair shares the machine's state at
-  that moment; its 95% interval is a seeded bootstrap over pairs.
+* **Latency**: model and dense timed alternately in one process after warm-up, in
+  pairs whose order alternates (A B, B A, A B, ...) so that drift and any
+  first-or-second-call effect cancel. The ratio is model/dense *latency* (> 1: the
+  model is slower), the median of the per-pair ratios, since each pair shares the
+  machine's state at that moment; its 95% interval is a seeded bootstrap over
+  pairs. A difference is called only when the interval excludes 1 and the ratio
+  is more than ``SPEED_TOLERANCE`` away from it (an A/A run can otherwise show
+  a sub-percent "effect").
 
 Counts and FLOPs are deterministic; everything timing-dependent lives under
 ``timing`` (and the headline ``speed_ratio_vs_dense``), so the rest of the result
@@ -37,6 +41,7 @@ from .errors import FcauditError
 MIN_PAIRS = 10
 BOOTSTRAP_RESAMPLES = 2000
 TOLERANCE = 0.01  # relative saving in blocks or FLOPs below which nothing is "saved"
+SPEED_TOLERANCE = 0.02  # latency ratios within 2% of 1 are no clear difference
 
 
 @contextlib.contextmanager
@@ -83,37 +88,6 @@ def _tokens_entering(path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return first.numel() // first.shape[-1]
 
 
-def count_block_executions(model: nn.Module, block_paths: Sequence[str],
-                           batches: Iterable[torch.Tensor]) -> dict[str, Any]:
-    """Run ``batches`` of ``input_ids`` and count the tokens entering each block.
-
-    Returns blocks executed per token (mean over tokens of the number of blocks
-    that ran on it), blocks present, and the executed fraction of each block.
-    """
-    paths = list(block_paths)
-    counts = [0] * len(paths)
-    handles = []
-    for i, path in enumerate(paths):
-        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 i: int = i, path: str = path) -> None:
-            counts[i] += _tokens_entering(path, args, kwargs)
-        handles.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
-    tokens = 0
-    try:
-        with inference(model):
-            for ids in batches:
-                model(ids)
-                tokens += ids.numel()
-    finally:
-        for handle in handles:
-            handle.remove()
-    if tokens == 0:
-        raise FcauditError("no tokens to count block executions on; give evaluation data")
-    per_layer = [c / tokens for c in counts]
-    return {"blocks_executed": sum(per_layer), "blocks_present": len(paths),
-            "blocks_executed_per_layer": per_layer, "tokens": tokens, "blocks": paths}
-
-
 def _cpu_sdpa_flops(query_shape: torch.Size, key_shape: torch.Size, value_shape: torch.Size,
                     *_args: object, **_kwargs: object) -> int:
     """CPU fused attention, which torch's counter leaves out; counted like the CUDA kernels."""
@@ -123,14 +97,53 @@ def _cpu_sdpa_flops(query_shape: torch.Size, key_shape: torch.Size, value_shape:
 EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
 
 
+def execution_pass(model: nn.Module, block_paths: Sequence[str],
+                   batches: Iterable[torch.Tensor], flops: bool = True) -> dict[str, Any]:
+    """Run ``batches`` of ``input_ids`` once, counting the tokens entering each block
+    and (with ``flops``) the forward FLOPs, so one pass over the data serves both.
+
+    Blocks executed per token is the mean over tokens of the number of blocks that
+    ran on it; ``blocks_executed_per_layer`` is each block's executed fraction.
+    """
+    paths = list(block_paths)
+    counts = [0] * len(paths)
+    handles = []
+    for i, path in enumerate(paths):
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 i: int = i, path: str = path) -> None:
+            counts[i] += _tokens_entering(path, args, kwargs)
+        handles.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
+    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+    tokens = 0
+    try:
+        with inference(model), counter if flops else contextlib.nullcontext():
+            for ids in batches:
+                model(ids)
+                tokens += ids.numel()
+    finally:
+        for handle in handles:
+            handle.remove()
+    if tokens == 0:
+        raise FcauditError("no tokens to measure execution on; give evaluation data")
+    per_layer = [c / tokens for c in counts]
+    result = {"blocks_executed": sum(per_layer), "blocks_present": len(paths),
+              "blocks_executed_per_layer": per_layer, "tokens": tokens, "blocks": paths}
+    if flops:
+        result["flops_per_token"] = counter.get_total_flops() / tokens
+    return result
+
+
+def count_block_executions(model: nn.Module, block_paths: Sequence[str],
+                           batches: Iterable[torch.Tensor]) -> dict[str, Any]:
+    """Blocks executed per token, blocks present and per-block executed fraction."""
+    return execution_pass(model, block_paths, batches, flops=False)
+
+
 def flops_per_token(model: nn.Module, input_ids: torch.Tensor, batch_size: int | None = None,
                     ) -> float:
     """Forward FLOPs per input token, counted over every sequence of ``input_ids``."""
-    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
-    with inference(model), counter:
-        for ids in input_ids.split(batch_size or len(input_ids)):
-            model(ids)
-    return counter.get_total_flops() / input_ids.numel()
+    batches = input_ids.split(batch_size or len(input_ids))
+    return execution_pass(model, [], batches)["flops_per_token"]
 
 
 def ratio_interval(model_s: Sequence[float], dense_s: Sequence[float], seed: int = 0,
@@ -173,7 +186,7 @@ def device_name(device: torch.device) -> str:
 def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, pairs: int = 10,
                      warmup: int = 2, seed: int = 0, threads: int | None = None,
                      ) -> dict[str, Any]:
-    """Time one batch on model and dense alternately (A B A B ...), after ``warmup`` pairs."""
+    """Time one batch on model and dense in ``pairs`` pairs (A B, B A, ...) after warm-up."""
     if pairs < MIN_PAIRS:
         raise FcauditError(f"timing needs at least {MIN_PAIRS} pairs, got {pairs}")
     on_cuda = input_ids.device.type == "cuda"
@@ -190,13 +203,19 @@ def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor
     with inference(model, dense), fixed_threads(threads) as used_threads:
         for _ in range(warmup):
             seconds(model), seconds(dense)
-        timed = [(seconds(model), seconds(dense)) for _ in range(pairs)]
+        timed = []
+        for i in range(pairs):
+            model_first = i % 2 == 0
+            first, second = (model, dense) if model_first else (dense, model)
+            s1, s2 = seconds(first), seconds(second)
+            timed.append((s1, s2) if model_first else (s2, s1))
     model_s, dense_s = zip(*timed, strict=True)
     batch_size, seq_len = input_ids.shape
     ratio = ratio_interval(model_s, dense_s, seed)
     return {
         "speed_ratio_vs_dense": ratio,
-        "ratio_definition": "median over pairs of model/dense latency (> 1: model slower)",
+        "ratio_definition": "median over pairs of model/dense latency (> 1: model slower); "
+                            "pair order alternates AB, BA",
         "slowdown_percent": 100 * (ratio["value"] - 1),
         "model": side_summary(model_s, input_ids.numel()),
         "dense": side_summary(dense_s, input_ids.numel()),
@@ -223,10 +242,9 @@ def measure_execution(model: nn.Module, dense: nn.Module, input_ids: torch.Tenso
         raise FcauditError(f"execution measurement needs input_ids [N, T], got shape "
                            f"{tuple(input_ids.shape)}")
     batches = input_ids.split(batch_size)
-    own = count_block_executions(model, resolve_blocks(model, block_paths), batches)
-    twin = count_block_executions(dense, resolve_blocks(dense, dense_block_paths), batches)
-    flops = flops_per_token(model, input_ids, batch_size)
-    dense_flops = flops_per_token(dense, input_ids, batch_size)
+    own = execution_pass(model, resolve_blocks(model, block_paths), batches)
+    twin = execution_pass(dense, resolve_blocks(dense, dense_block_paths), batches)
+    flops, dense_flops = own["flops_per_token"], twin["flops_per_token"]
     flops_ratio = flops / dense_flops if dense_flops else float("nan")
     fewer_blocks = own["blocks_executed"] < twin["blocks_executed"] * (1 - TOLERANCE)
     result: dict[str, Any] = {
@@ -253,8 +271,13 @@ def measure_execution(model: nn.Module, dense: nn.Module, input_ids: torch.Tenso
     return result
 
 
-def _speed_word(lo: float, hi: float) -> str:
-    return "slower" if lo > 1 else "faster" if hi < 1 else "no clear difference"
+def _speed_word(ratio: dict[str, Any]) -> str:
+    (lo, hi), value = ratio["ci95"], ratio["value"]
+    if lo > 1 and value > 1 + SPEED_TOLERANCE:
+        return "slower"
+    if hi < 1 and value < 1 - SPEED_TOLERANCE:
+        return "faster"
+    return "no clear difference"
 
 
 def verdict_execution(execution: dict[str, Any]) -> str:
@@ -267,7 +290,7 @@ def verdict_execution(execution: dict[str, Any]) -> str:
         ratio = e["timing"]["speed_ratio_vs_dense"]
         lo, hi = ratio["ci95"]
         text += (f"; latency {ratio['value']:.2f}x Dense [{lo:.2f}, {hi:.2f}], "
-                 f"{_speed_word(lo, hi)}")
+                 f"{_speed_word(ratio)}")
     else:
         text += "; latency not measured"
     return text + "."

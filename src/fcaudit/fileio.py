@@ -7,6 +7,7 @@ tensor file behind under its final name.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -27,6 +28,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; outputs are for sharing
+        _fsync(tmp_path)  # a full disk can surface only here; never rename unflushed data
         os.replace(tmp_path, path)
     except OSError as exc:
         tmp_path.unlink(missing_ok=True)
@@ -35,6 +38,20 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: str | Path, text: str) -> None:
@@ -58,6 +75,21 @@ def write_with(path: str | Path, writer: Callable[[Path], None]) -> None:
         writer(tmp)
 
 
+def write_safetensors(path: str | Path, tensors: dict[str, Any]) -> None:
+    """Save tensors with safetensors, atomically; its I/O errors (a full disk) become
+    one-line :class:`FcauditError` like every other write."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    def writer(tmp: Path) -> None:
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        except SafetensorError as exc:  # the Rust writer reports ENOSPC etc. this way
+            raise OSError(errno.EIO, str(exc)) from exc
+
+    write_with(path, writer)
+
+
 def read_json(path: str | Path, what: str) -> Any:
     """Read JSON or raise a one-line error naming ``what`` the file is."""
     path = Path(path)
@@ -68,3 +100,6 @@ def read_json(path: str | Path, what: str) -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FcauditError(f"{what} {path} is not valid JSON ({exc}); "
                            "restore or regenerate the file") from exc
+    except OSError as exc:  # a folder, no permission, I/O error
+        raise FcauditError(f"cannot read {what} {path} ({exc.strerror or exc}); check that it "
+                           "is a readable file") from exc

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from torch import nn
 
 from .data import load_tokenizer
 from .errors import FcauditError
-from .fileio import read_json
+from .fileio import read_json, write_safetensors
 from .models import featuregate
 
 
@@ -122,8 +122,7 @@ def is_run_folder(path: Path) -> bool:
 
 
 def save_run_model(folder: Path, model: nn.Module) -> None:
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              str(folder / "model.safetensors"))
+    write_safetensors(folder / "model.safetensors", dict(model.state_dict()))
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -180,6 +180,7 @@ class VarianceAccumulator:
     def profile(self, max_positions: int = 512) -> dict[str, object]:
         """Per-layer mean and spread, and the layer x position mean map, for figures."""
         means, sds, pos = [], [], []
+        stride = 1
         for site in self.sites:
             s1, s2, n = self.s1[site.name], self.s2[site.name], self.n
             k = s1[0].numel()
@@ -190,4 +191,4 @@ class VarianceAccumulator:
             stride = max(1, int(np.ceil(len(row) / max_positions)))
             pos.append([round(float(v), 6) for v in row[::stride]])
         return {"sites": [s.name for s in self.sites], "mean": means, "sd": sds,
-                "position_mean": pos}
+                "position_mean": pos, "position_stride": stride}

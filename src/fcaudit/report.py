@@ -293,8 +293,9 @@ def _pct(x: Any) -> str:
     return "n/a" if value is None else _num(value, 2) + "%"
 
 
-def _seq(values: Sequence[Any], limit: int = 8, sign: bool = False) -> str:
-    shown = ", ".join(_num(v, sign=sign) for v in values[:limit])
+def _seq(values: Sequence[Any], fmt: Callable[[Any], str] = _num, limit: int = 8) -> str:
+    """A comma-separated list, cut after ``limit`` items so a table cell stays short."""
+    shown = ", ".join(fmt(v) for v in values[:limit])
     return shown + (f", … ({len(values)} in all)" if len(values) > limit else "")
 
 
@@ -313,8 +314,7 @@ def _value_cell(value: Any) -> Inline:
     if isinstance(value, (list, tuple)):
         if any(isinstance(v, (str, Mapping, list, tuple)) for v in value):
             return Code(", ".join(str(v) for v in value))
-        shown = ", ".join(_general(v) for v in value[:12])
-        return shown + (f", … ({len(value)} in all)" if len(value) > 12 else "")
+        return _seq(value, _general, limit=12)
     return _general(value)
 
 
@@ -406,11 +406,19 @@ def _retention_text(r: Mapping[str, Any]) -> str:
             + " of the correct-to-global-mean gap.")
 
 
+def _not_measured_reason(ex: Mapping[str, Any]) -> str:
+    return str(ex.get("reason") or "no execution measurement in this audit")
+
+
+def _not_measured(ex: Mapping[str, Any]) -> str:
+    return f"Execution was not measured: {_not_measured_reason(ex)}."
+
+
 def _execution_facts(audit: Mapping[str, Any]) -> list[Line]:
     ex = _dict(audit, "execution")
     if not ex.get("measured"):
-        reason = ex.get("reason") or "no execution measurement in this audit"
-        return [(f"Execution was not measured: {reason}.",)]
+        said = _not_measured_reason(ex) in str(_get(audit, "verdict", "execution") or "")
+        return [] if said else [(_not_measured(ex),)]
     facts: list[Line] = [
         (f"Blocks executed per token: {_num(ex.get('blocks_executed'), 2)} of "
          f"{_num(ex.get('blocks_present'))} present (dense: "
@@ -451,7 +459,7 @@ def _repeats_cell(c: Mapping[str, Any], correct_nll: Any) -> str:
     deltas = _list(c, "repeat_deltas")
     if not deltas and _real(correct_nll) is not None:
         deltas = [r - correct_nll if _real(r) is not None else None for r in repeats]
-    return f"{len(repeats)}: Δ " + _seq(deltas, sign=True) if deltas else \
+    return f"{len(repeats)}: Δ " + _seq(deltas, lambda v: _num(v, sign=True)) if deltas else \
         f"{len(repeats)}: NLL " + _seq(repeats)
 
 
@@ -596,7 +604,7 @@ def _execution(audit: Mapping[str, Any]) -> list[Block]:
     ex = _dict(audit, "execution")
     blocks: list[Block] = [Heading(2, "Execution")]
     if not ex.get("measured"):
-        return blocks + [Para(_execution_facts(audit)[0])]
+        return blocks + [Para((_not_measured(ex),))]
     details = {k: v for k, v in ex.items() if k not in ("measured", "blocks_executed_per_layer")}
     fractions = _floats(_get(ex, "blocks_executed_per_layer"))
     if np.isfinite(fractions).any():
@@ -830,19 +838,21 @@ def _render(fig: Figure) -> dict[str, bytes]:
     return out
 
 
-def _write_figures(audit: Mapping[str, Any], fig_dir: Path) -> tuple[list[Image], list[Path]]:
-    """Draw every figure the audit has data for; write PNG and SVG atomically."""
+def write_figures(data: Any, fig_dir: Path,
+                  figures: Sequence[tuple[str, str, Callable[[Any], Figure | None]]] = FIGURES,
+                  ) -> tuple[list[Image], list[Path]]:
+    """Draw every figure ``data`` has data for; write PNG and SVG atomically."""
     images: list[Image] = []
     paths: list[Path] = []
     with matplotlib.style.context(_STYLE):
-        for stem, caption, draw in FIGURES:
-            fig = draw(audit)
+        for stem, caption, draw in figures:
+            fig = draw(data)
             if fig is None:
                 continue
             rendered = _render(fig)
-            for fmt, data in rendered.items():
+            for fmt, blob in rendered.items():
                 paths.append(fig_dir / f"{stem}.{fmt}")
-                write_bytes(paths[-1], data)
+                write_bytes(paths[-1], blob)
             images.append(Image(caption, rendered["png"], f"{stem}.png", f"{stem}.svg"))
     return images, paths
 
@@ -888,7 +898,7 @@ def build_blocks(audit: Mapping[str, Any], images: Sequence[Image]) -> tuple[str
 def write_report(audit: dict, out_dir: Path) -> list[Path]:
     """Write report.md, report.html and figures/ under ``out_dir``; return the paths written."""
     out_dir = Path(out_dir)
-    images, paths = _write_figures(audit, out_dir / FIGURE_DIR)
+    images, paths = write_figures(audit, out_dir / FIGURE_DIR)
     title, blocks = build_blocks(audit, images)
     for name, text in (("report.md", to_markdown(blocks)), ("report.html", to_html(title, blocks))):
         paths.append(out_dir / name)

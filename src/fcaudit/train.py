@@ -25,8 +25,16 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from . import __version__
-from .data import (builtin_documents, builtin_split_record, cache_dir, cut_windows,
-                   encode_documents, load_tokenizer, spread_pick, train_tokenizer)
+from .data import (
+    builtin_documents,
+    builtin_split_record,
+    cache_dir,
+    cut_windows,
+    encode_documents,
+    load_tokenizer,
+    spread_pick,
+    train_tokenizer,
+)
 from .errors import FcauditError
 from .fileio import write_json, write_text
 from .loading import get_arch, save_run_model
@@ -76,9 +84,10 @@ def lr_at(step: int, p: TrainPreset) -> float:
 def mean_nll(model: nn.Module, windows: np.ndarray, batch_size: int = 32) -> float:
     """Mean next-token NLL (nats) over positions 1..T-1 of every window."""
     model.eval()
+    device = next(model.parameters()).device
     total, count = 0.0, 0
     for i in range(0, len(windows), batch_size):
-        ids = torch.from_numpy(windows[i:i + batch_size])
+        ids = torch.from_numpy(windows[i:i + batch_size]).to(device)
         logits = model(ids)[:, :-1].float()
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                               reduction="sum")
@@ -100,9 +109,18 @@ def _versions() -> dict[str, str]:
             "tokenizers": tokenizers.__version__}
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: bool = False,
-          steps: int | None = None, progress: bool = True) -> Path:
-    """Train one model on the built-in corpus and write its run folder; returns the folder."""
+          steps: int | None = None, progress: bool = True, device: str | None = None) -> Path:
+    """Train one model on the built-in corpus and write its run folder; returns the folder.
+
+    Determinism is promised on CPU (same seed and thread count, same weights); on
+    CUDA the run is seeded but kernels may differ in the last bits.
+    """
+    device = device or default_device()
     out = Path(out)
     arch = get_arch(arch_name)
     if preset not in TRAIN_PRESETS:
@@ -122,7 +140,7 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    model = arch.build(cfg)
+    model = arch.build(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -141,7 +159,7 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
             for step in range(tp.steps):
                 starts = rng.integers(0, len(train_tokens) - tp.seq_len - 1, size=tp.batch_size)
                 batch = torch.from_numpy(np.stack([train_tokens[s:s + tp.seq_len + 1]
-                                                   for s in starts]))
+                                                   for s in starts])).to(device)
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step, tp)
                 logits = model(batch[:, :-1])
@@ -163,7 +181,7 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
         uni = unigram_nll(train_tokens, eval_windows, cfg.vocab_size)
         log_lines.append(json.dumps({"event": "eval", "eval_nll": eval_nll,
                                      "unigram_nll": uni, "train_wall_s": round(wall, 2)}))
-        save_run_model(work, model)
+        save_run_model(work, model.cpu())
         write_text(work / "tokenizer.json", tok.to_str())
         write_text(work / "train_log.jsonl", "\n".join(log_lines) + "\n")
         write_json(work / "config.json", {
@@ -173,12 +191,22 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
             "data": {**builtin_split_record(), "train_tokens": int(len(train_tokens)),
                      "eval_sequences": int(len(eval_windows))},
             "results": {"eval_nll": eval_nll, "unigram_nll": uni, "n_params": n_params,
-                        "train_wall_s": round(wall, 2)},
+                        "train_wall_s": round(wall, 2), "device": device},
             "versions": _versions(),
         })
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        work.rename(out)
+        # --force: move the old folder aside (a rename, not a delete) before the new one
+        # takes its name, so no moment exists where a kill loses both
+        old = work.with_name(work.name + ".old") if out.exists() else None
+        if old is not None:
+            out.rename(old)
+        try:
+            work.rename(out)
+        except BaseException:
+            if old is not None and not out.exists():
+                old.rename(out)
+            raise
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out

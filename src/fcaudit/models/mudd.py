@@ -182,7 +182,7 @@ class MuddConfig:
 PRESETS: dict[str, MuddConfig] = {
     # trains on a 2-core CPU in minutes; the trainer replaces vocab_size
     "tiny": MuddConfig(n_layer=4, dim=128, n_head=4, n_local_heads=4, intermediate_size=512,
-                       vocab_size=512, block_size=256),
+                       vocab_size=2048, block_size=256),
     "1.4b": MuddConfig(),  # MUDDPythia-1.4B, config_1p4b.json of the official repository
     "2.8b": MuddConfig(n_layer=32, dim=2560, n_head=32, n_local_heads=32,
                        intermediate_size=10240),  # MUDDPythia-2.8B, config_2p8b.json

@@ -1,0 +1,82 @@
+"""Execution audit side by side: FeatureGate, SkipGate and Dense against Dense.
+
+Trains nothing. By default it builds the models of one preset with random weights
+(SkipGate's threshold starts at the median of its initial gates, so about half the
+tokens skip each block); pass run folders to measure trained models instead. Every
+model is measured against the same Dense model on the built-in evaluation windows:
+blocks executed, FLOPs per token, and latency timed interleaved with Dense. The
+Dense-vs-Dense row is an A/A check of the timing method: its interval should
+contain 1.
+
+    python benchmarks/execution_featuregate_vs_dense.py
+    python benchmarks/execution_featuregate_vs_dense.py --featuregate runs/fg \\
+        --dense runs/dense --skipgate runs/sg --pairs 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch import nn
+
+from fcaudit.data import builtin_documents, cut_windows, encode_documents, spread_pick
+from fcaudit.execution import format_table, measure_execution, verdict_execution
+from fcaudit.loading import get_arch, load_model
+from fcaudit.train import builtin_tokenizer
+
+
+def model_for(arch: str, folder: str | None, preset: str, seed: int) -> nn.Module:
+    """A trained run folder when given, else a fresh model of ``preset``."""
+    if folder:
+        return load_model(folder)
+    torch.manual_seed(seed)
+    spec = get_arch(arch)
+    return spec.build(spec.config(preset)).eval()
+
+
+def eval_windows(vocab_size: int, seq_len: int, sequences: int) -> torch.Tensor:
+    tok = builtin_tokenizer(vocab_size)
+    windows = cut_windows(encode_documents(tok, builtin_documents("eval")), seq_len)
+    return torch.from_numpy(windows[spread_pick(len(windows), sequences)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for arch in ("featuregate", "dense", "skipgate"):
+        parser.add_argument(f"--{arch}", metavar="RUN", help=f"trained {arch} run folder")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--sequences", type=int, default=64, help="windows counted for FLOPs")
+    parser.add_argument("--pairs", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write all results as JSON")
+    args = parser.parse_args()
+
+    models = {arch: model_for(arch, getattr(args, arch), args.preset, args.seed)
+              for arch in ("featuregate", "skipgate", "dense")}
+    dense = models["dense"]
+    input_ids = eval_windows(dense.config.vocab_size, args.seq_len, args.sequences)
+    results = {name: measure_execution(model, dense, input_ids, batch_size=args.batch_size,
+                                       pairs=args.pairs, warmup=args.warmup, seed=args.seed,
+                                       threads=args.threads)
+               for name, model in models.items()}
+    timing = results["dense"]["timing"]
+    print(f"{args.preset}: {len(input_ids)} windows x {args.seq_len} tokens, timing batch "
+          f"{timing['batch_size']}, {timing['pairs']} pairs after {timing['warmup']} warm-up, "
+          f"{timing['threads']} threads on {timing['device']} ({timing['device_name']})\n")
+    print(format_table(results))
+    print()
+    for name, result in results.items():
+        print(f"{name}: {verdict_execution(result)}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

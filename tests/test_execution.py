@@ -1,0 +1,287 @@
+"""Execution audit: block counts, FLOPs, timing arithmetic, and the SkipGate reference model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fcaudit.errors import FcauditError
+from fcaudit.execution import (
+    count_block_executions,
+    flops_per_token,
+    measure_execution,
+    ratio_interval,
+    side_summary,
+    time_interleaved,
+    verdict_execution,
+)
+from fcaudit.models.featuregate import GPT, Block, GPTConfig
+from fcaudit.models.skipgate import SkipGateConfig, SkipGateGPT
+from fcaudit.sites import record, replaying
+
+SIZES = dict(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=32)
+B, T = 4, 16
+
+
+def ids(seed: int = 0, batch: int = B) -> torch.Tensor:
+    return torch.randint(0, SIZES["vocab_size"], (batch, T), generator=torch.Generator()
+                         .manual_seed(seed))
+
+
+def skipgate(**kw: object) -> SkipGateGPT:
+    torch.manual_seed(0)
+    return SkipGateGPT(SkipGateConfig(**SIZES, **kw)).eval()
+
+
+def featuregate() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**SIZES)).eval()
+
+
+def forced_gates(model: SkipGateGPT, open_mask: list[torch.Tensor]) -> dict:
+    """Stub gates: 0.9 where ``open_mask[l]`` ``[B, T]`` is true, 0.1 elsewhere."""
+    return {site: torch.where(m, 0.9, 0.1)[..., None]
+            for site, m in zip(model.controller_sites(), open_mask, strict=True)}
+
+
+def pattern(layer: int) -> torch.Tensor:
+    """Layer ``l`` runs position ``t`` of sequence ``b`` iff ``(t + b) % (l + 2) == 0``."""
+    t, b = torch.arange(T), torch.arange(B)[:, None]
+    return (t + b) % (layer + 2) == 0
+
+
+# --- block execution counts -------------------------------------------------------------
+
+def test_counts_follow_a_known_skip_pattern():
+    model = skipgate()
+    masks = [pattern(layer) for layer in range(SIZES["n_layer"])]
+    with replaying(model, forced_gates(model, masks)):
+        counts = count_block_executions(model, model.execution_blocks(), [ids()])
+    expected = [m.float().mean().item() for m in masks]
+    assert counts["blocks_executed_per_layer"] == pytest.approx(expected, abs=1e-12)
+    assert counts["blocks_executed"] == pytest.approx(sum(expected))
+    assert counts["blocks_present"] == 3 and counts["tokens"] == B * T
+
+
+def test_closed_gates_run_no_block_and_pass_the_residual_stream():
+    model = skipgate()
+    x = ids()
+    closed = [torch.zeros(B, T, dtype=torch.bool)] * SIZES["n_layer"]
+    with replaying(model, forced_gates(model, closed)), torch.no_grad():
+        counts = count_block_executions(model, model.execution_blocks(), [x])
+        logits = model(x)
+        h = model.wte(x) + model.wpe(torch.arange(T))
+        assert torch.equal(logits, model.lm_head(model.ln_f(h)))
+    assert counts["blocks_executed"] == 0.0
+
+
+def test_featuregate_and_dense_run_every_block():
+    model = featuregate()
+    result = measure_execution(model, model.dense_counterpart(), ids(batch=6), batch_size=4,
+                               timing=False)
+    assert result["blocks_executed"] == 3.0 and result["dense_blocks_executed"] == 3.0
+    assert result["blocks_executed_per_layer"] == [1.0, 1.0, 1.0]
+    assert 1.0 < result["flops_ratio"] < 1.01  # the gates' own small matmuls
+    assert not result["conditional_execution"]
+    assert result["timing"] is None and result["speed_ratio_vs_dense"] is None
+    assert verdict_execution(result).startswith("No conditional execution: 3.00 of 3 blocks")
+
+
+def test_skipgate_saves_blocks_and_flops():
+    model = skipgate()  # untrained: the threshold sits at the median of the initial gates
+    result = measure_execution(model, model.dense_counterpart(), ids(batch=8), batch_size=4,
+                               timing=False)
+    assert 0.2 < result["executed_fraction"] < 0.8
+    assert result["flops_ratio"] < 0.9 and result["conditional_execution"]
+    json.dumps(result)  # JSON-ready
+    again = measure_execution(model, model.dense_counterpart(), ids(batch=8), batch_size=4,
+                              timing=False)
+    assert {k: again[k] for k in ("blocks_executed", "blocks_executed_per_layer")} == \
+        {k: result[k] for k in ("blocks_executed", "blocks_executed_per_layer")}
+
+
+def test_measuring_restores_training_mode():
+    model = skipgate().train()
+    count_block_executions(model, model.execution_blocks(), [ids()])
+    assert all(m.training for m in model.modules())
+
+
+def test_blocks_must_be_named_modules():
+    with pytest.raises(FcauditError, match="declares no execution blocks"):
+        measure_execution(nn.Embedding(50, 8), featuregate(), ids(), timing=False)
+    with pytest.raises(FcauditError, match="not a module"):
+        measure_execution(featuregate(), featuregate(), ids(), block_paths=["blocks.9"],
+                          timing=False)
+
+
+# --- FLOPs ------------------------------------------------------------------------------
+
+class MatMul(nn.Module):
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, k)
+        self.weight = nn.Parameter(torch.randn(k, n))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(input_ids) @ self.weight
+
+
+def test_flops_of_a_known_matmul():
+    k, n = 24, 40
+    x = ids()
+    m = x.numel()
+    assert flops_per_token(MatMul(k, n), x) * m == 2 * m * n * k
+
+
+def test_cpu_attention_is_counted():
+    class Attention(nn.Module):
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            q = torch.randn(input_ids.shape[0], 2, input_ids.shape[1], 8)
+            return nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    x = ids()  # QK^T and AV: 2 * (2 * s * s * d) per sequence and head
+    assert flops_per_token(Attention(), x) * x.numel() == B * 2 * 2 * (2 * T * T * 8)
+
+
+# --- timing arithmetic (no timed assertions) --------------------------------------------
+
+def test_ratio_is_the_median_of_pair_ratios_with_a_seeded_interval():
+    model_s = [2.0, 3.0, 4.0, 10.0, 1.2]
+    dense_s = [1.0, 2.0, 2.0, 2.0, 1.0]  # pair ratios 2, 1.5, 2, 5, 1.2
+    r = ratio_interval(model_s, dense_s, seed=3)
+    assert r["value"] == 2.0
+    assert 1.2 <= r["ci95"][0] <= 2.0 <= r["ci95"][1] <= 5.0
+    assert ratio_interval(model_s, dense_s, seed=3) == r
+    constant = ratio_interval([1.5, 3.0, 0.3], [1.0, 2.0, 0.2])
+    assert constant["value"] == pytest.approx(1.5)
+    assert constant["ci95"] == pytest.approx([1.5, 1.5])
+
+
+def test_bootstrap_interval_matches_resampling_by_hand():
+    rng = np.random.default_rng(0)
+    ratios = rng.uniform(1.0, 1.6, size=12)
+    r = ratio_interval(ratios, np.ones(12), seed=7, resamples=500)
+    picks = np.random.default_rng(7).integers(0, 12, size=(500, 12))
+    lo, hi = np.percentile(np.median(ratios[picks], axis=1), [2.5, 97.5])
+    assert r["ci95"] == pytest.approx([lo, hi])
+
+
+def test_side_summary():
+    s = side_summary([0.3, 0.1, 0.2, 0.5], tokens=1000)
+    assert s == pytest.approx({"median_s": 0.25, "min_s": 0.1, "max_s": 0.5,
+                               "tokens_per_s": 4000.0})
+
+
+def test_time_interleaved_records_its_setting():
+    model = skipgate()
+    before = torch.get_num_threads()
+    t = time_interleaved(model, model.dense_counterpart(), ids(), pairs=10, warmup=1, threads=1)
+    assert torch.get_num_threads() == before
+    assert t["threads"] == 1 and t["device"] == "cpu" and len(t["pairs_s"]) == 10
+    assert (t["batch_size"], t["seq_len"], t["pairs"], t["warmup"]) == (B, T, 10, 1)
+    lo, hi = t["speed_ratio_vs_dense"]["ci95"]
+    assert lo <= t["speed_ratio_vs_dense"]["value"] <= hi
+    with pytest.raises(FcauditError, match="at least 10 pairs"):
+        time_interleaved(model, model.dense_counterpart(), ids(), pairs=3)
+
+
+def test_verdict_states_the_numbers():
+    base = {"conditional_execution": True, "blocks_executed": 2.1, "blocks_present": 4,
+            "dense_blocks_executed": 4.0, "flops_ratio": 0.61}
+    timing = {"speed_ratio_vs_dense": {"value": 0.72, "ci95": [0.70, 0.75]}}
+    assert verdict_execution({**base, "timing": timing}) == (
+        "Conditional execution: 2.10 of 4 blocks run per token (Dense 4.00), FLOPs 0.610x "
+        "Dense; latency 0.72x Dense [0.70, 0.75], faster.")
+    slow = {"speed_ratio_vs_dense": {"value": 1.28, "ci95": [1.21, 1.35]}}
+    text = verdict_execution({**base, "conditional_execution": False, "timing": slow})
+    assert text.startswith("No conditional execution") and text.endswith("slower.")
+    unclear = {"speed_ratio_vs_dense": {"value": 1.01, "ci95": [0.97, 1.05]}}
+    assert verdict_execution({**base, "timing": unclear}).endswith("no clear difference.")
+    tiny = {"speed_ratio_vs_dense": {"value": 0.992, "ci95": [0.986, 0.9998]}}  # A/A-sized
+    assert verdict_execution({**base, "timing": tiny}).endswith("no clear difference.")
+    assert verdict_execution({**base, "timing": None}).endswith("latency not measured.")
+
+
+# --- the SkipGate model -----------------------------------------------------------------
+
+def test_open_skipgate_equals_featuregate_with_the_same_weights():
+    fg = featuregate()
+    sg = skipgate()
+    renamed = {}
+    for key, value in fg.state_dict().items():
+        parts = key.split(".")
+        if parts[0] == "blocks" and parts[2] != "gate":
+            key = ".".join([*parts[:2], "body", *parts[2:]])
+        renamed[key] = value
+    for i in range(SIZES["n_layer"]):
+        renamed[f"blocks.{i}.threshold"] = torch.tensor(0.0)  # every gate is above 0
+    sg.load_state_dict(renamed)
+    with torch.no_grad():
+        torch.testing.assert_close(sg(ids()), fg(ids()))
+    assert count_block_executions(sg, sg.execution_blocks(), [ids()])["blocks_executed"] == 3.0
+
+
+def test_routed_block_equals_the_block_run_on_each_sequences_selected_tokens():
+    """Attention among the selected tokens only, causal by original position."""
+    model = skipgate()
+    block = model.blocks[0]
+    reference = Block(GPTConfig(**SIZES, gated=False))
+    reference.load_state_dict(block.body.state_dict())
+    h = torch.randn(B, T, SIZES["n_embd"])
+    run = pattern(1) | (torch.arange(B)[:, None] == 3)  # counts differ per sequence
+    g = torch.where(run, 0.9, 0.1)[..., None]
+    site = model.controller_sites()[0]
+    with replaying(model, {site: g}), torch.no_grad():
+        out = block(h)
+        for b in range(B):
+            sel = run[b]
+            expected = h[b].clone()
+            expected[sel] += 0.9 * reference.update(h[b, sel][None])[0]
+            torch.testing.assert_close(out[b], expected)
+
+
+def test_skipgate_is_causal_at_inference():
+    model = skipgate()
+    x = ids()
+    y = x.clone()
+    y[:, 9] = (y[:, 9] + 1) % SIZES["vocab_size"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x)[:, :9], model(y)[:, :9])
+
+
+def test_identity_replay_of_skipgate_is_bitwise():
+    model = skipgate()
+    x = ids()
+    with torch.no_grad():
+        original = model(x)
+        coefficients = record(model, x)
+        sites = {s: coefficients[s.name] for s in model.controller_sites()}
+        with replaying(model, sites):
+            assert torch.equal(model(x), original)
+    assert all(c.shape == (B, T, 1) for c in coefficients.values())
+
+
+def test_training_runs_the_capacity_fraction_and_trains_the_gate():
+    model = skipgate(capacity=0.25).train()
+    seen: list[int] = []
+    model.blocks[0].body.register_forward_pre_hook(lambda _m, args: seen.append(len(args[0])))
+    start = model.blocks[0].threshold.clone()
+    logits = model(ids())
+    assert seen == [round(0.25 * B * T)]
+    assert not torch.equal(model.blocks[0].threshold, start)  # running threshold moved
+    logits.square().mean().backward()
+    assert model.blocks[0].gate.proj.weight.grad.abs().sum() > 0
+
+
+def test_skipgate_contract():
+    model = skipgate()
+    assert [s.path for s in model.controller_sites()] == ["blocks.0.gate", "blocks.1.gate",
+                                                          "blocks.2.gate"]
+    assert {s.family for s in model.controller_sites()} == {"skipgate"}
+    dense = model.dense_counterpart()
+    assert type(dense) is GPT and dense.config == GPTConfig(**SIZES, gated=False)
+    assert "blocks.0.threshold" in model.state_dict()

@@ -559,7 +559,7 @@ def test_garbled_manifest_is_reported(recorded: Path, tmp_path: Path, tokens: di
 @pytest.mark.parametrize("change, needle", [
     ({"model": "toys:constant_model"}, "different model"),
     ({"extra": ("--batch-size", "8")}, "different batch_size"),
-])
+], ids=["other_model", "other_batch_size"])
 def test_cache_from_another_model_or_setup_is_refused(change: dict, needle: str,
                                                       recorded: Path, tmp_path: Path,
                                                       tokens: dict[str, Path],

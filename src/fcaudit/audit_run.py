@@ -319,7 +319,8 @@ def variation_verdict(variance: dict[str, Any], variation: dict[str, Any]) -> st
         parts.append(
             f"{family}: coefficients {'vary' if varies else 'do not vary'} (sd across inputs "
             f"{v['mean_sd_across_inputs']:.3g}, across positions "
-            f"{v['mean_sd_across_positions']:.3g}, across layers {v['across_layer_sd']:.3g}); layer identity explains "
+            f"{v['mean_sd_across_positions']:.3g}, across layers {v['across_layer_sd']:.3g}); "
+            f"layer identity explains "
             f"{100 * eta['eta2_layer']:.1f}% of their variance, input and token content "
             f"{100 * eta['eta2_residual']:.1f}%")
     return "; ".join(parts) + "."
@@ -409,6 +410,9 @@ def run_audit(model: str | nn.Module | LoadedModel, out: str | Path, *,
     opts = options or AuditOptions()
     if opts.repeats < 1 or opts.bootstrap < 10 or opts.batch_size < 1:
         raise FcauditError("--repeats and --batch-size must be >= 1 and --bootstrap >= 10")
+    if 0 < opts.timing_pairs < 10:
+        raise FcauditError(f"--timing-pairs {opts.timing_pairs}: use 0 (no timing) or at "
+                           "least 10 pairs for a meaningful interval")
     started = time.perf_counter()
     loaded = _as_loaded(model)
     net = loaded.model

@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also audit a local MUDDPythia-1.4B checkpoint folder")
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--bootstrap", type=int, default=1000)
+    r.add_argument("--max-eval", type=int, default=64, help="evaluation sequences per audit")
+    r.add_argument("--max-calib", type=int, default=64, help="calibration sequences per audit")
+    r.add_argument("--steps", type=int, default=None,
+                   help="override every training run's step count (quick smoke runs)")
     r.add_argument("--quiet", action="store_true", help="no progress bars")
 
     s = sub.add_parser("sites", help="list a model's controller sites and module paths")
@@ -222,11 +226,13 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
 
 def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from .audit_run import AuditOptions
-    from .reproduce import reproduce
+    from .reproduce import StudySettings, reproduce
+    options = AuditOptions(repeats=args.repeats, bootstrap=args.bootstrap,
+                           progress=not args.quiet)
     result = reproduce(args.preset, args.out, seeds=args.seeds,
                        mudd_checkpoint=args.mudd_checkpoint,
-                       options=AuditOptions(repeats=args.repeats, bootstrap=args.bootstrap,
-                                            progress=not args.quiet),
+                       settings=StudySettings(options, steps=args.steps, max_eval=args.max_eval,
+                                              max_calib=args.max_calib),
                        command=shlex.join(["fcaudit", *argv]))
     for finding, verdict in result["findings"]:
         print(f"- {finding}: {verdict}")

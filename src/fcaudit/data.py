@@ -204,7 +204,7 @@ def load_token_array(path: str | Path, what: str) -> np.ndarray:
     """An integer ``.npy`` array ``[N, T]``; pickled, ragged or float arrays are refused."""
     path = Path(path)
     if not path.is_file():
-        raise FcauditError(f"{what} file not found: {path}")
+        raise FcauditError(f"{what} file not found: {path}; check the path")
     with open(path, "rb") as fh:
         magic = fh.read(6)
     if magic != b"\x93NUMPY":  # also refuses .npz archives and pickles before np.load

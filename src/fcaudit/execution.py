@@ -80,8 +80,21 @@ def resolve_blocks(model: nn.Module, block_paths: Sequence[str] | None) -> list[
     return paths
 
 
+def _first_tensor(values: Iterable[Any]) -> torch.Tensor | None:
+    """The first tensor in call arguments, looking inside tuples and lists (a block may take
+    several streams, e.g. MUDD's Q, K, V, R, before other tensors such as a rotary table)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (tuple, list)):
+            found = _first_tensor(value)
+            if found is not None:
+                return found
+    return None
+
+
 def _tokens_entering(path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    first = _first_tensor((*args, *kwargs.values()))
     if first is None or first.dim() == 0:
         raise FcauditError(f"execution block {path!r} received no per-token tensor input; "
                            "name modules that take hidden states [..., features]")

@@ -96,7 +96,7 @@ def read_json(path: str | Path, what: str) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
-        raise FcauditError(f"{what} not found: {path}") from exc
+        raise FcauditError(f"{what} not found: {path}; check the path") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FcauditError(f"{what} {path} is not valid JSON ({exc}); "
                            "restore or regenerate the file") from exc

@@ -128,7 +128,8 @@ def save_run_model(folder: Path, model: nn.Module) -> None:
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Load a safetensors file or raise a one-line error (truncated, corrupt, missing)."""
     if not path.is_file():
-        raise FcauditError(f"weights file not found: {path}")
+        raise FcauditError(f"weights file not found: {path}; copy the weights into the folder "
+                           "or retrain the run")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
@@ -198,10 +199,12 @@ def load_factory(spec: str) -> LoadedModel:
                            "it is on PYTHONPATH") from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise FcauditError(f"{spec}: {module_name} has no callable {attr!r}")
+        raise FcauditError(f"{spec}: {module_name} has no callable {attr!r}; name a "
+                           "zero-argument function that builds the model")
     model = factory()
     if not isinstance(model, nn.Module):
-        raise FcauditError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
+        raise FcauditError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module; "
+                           "the factory must return the model itself")
     model.eval()
     digest = state_fingerprint(model)
     return LoadedModel(model, spec, "factory", None, None, digest)

@@ -9,6 +9,7 @@ resumes where it stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -112,29 +113,40 @@ def aggregate(per_seed: Sequence[Mapping[str, float | None]]) -> dict[str, dict[
     return out
 
 
-def _ensure_run(arch: str, preset: str, seed: int, folder: Path, progress: bool) -> Path:
+@dataclass(frozen=True)
+class StudySettings:
+    """What every training run and audit of the study shares."""
+
+    options: AuditOptions
+    steps: int | None = None  # override the presets' step counts (smoke tests)
+    max_eval: int | None = 64
+    max_calib: int | None = 64
+
+
+def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettings) -> Path:
     if is_run_folder(folder):
         return folder
-    return train(arch, preset, seed, folder, force=True, progress=progress)
+    return train(arch, preset, seed, folder, force=True, steps=st.steps,
+                 progress=st.options.progress)
 
 
-def run_group(group: Group, out: Path, options: AuditOptions) -> list[dict[str, Any]]:
+def run_group(group: Group, out: Path, st: StudySettings) -> list[dict[str, Any]]:
     """Train and audit every seed of ``group`` (reusing what exists); return the audits."""
     audits = []
     for seed in range(group.seeds):
         run = _ensure_run(group.arch, group.preset, seed, out / "runs" / f"{group.name}-s{seed}",
-                          options.progress)
+                          st)
         dense = None
         if group.dense == "own":
             dense = str(_ensure_run("dense", group.preset, seed,
-                                    out / "runs" / f"dense-{group.preset}-s{seed}",
-                                    options.progress))
+                                    out / "runs" / f"dense-{group.preset}-s{seed}", st))
         audit_dir = out / "audits" / f"{group.name}-s{seed}"
         if (audit_dir / "audit.json").is_file():
             audits.append(read_json(audit_dir / "audit.json", "audit"))
             continue
-        audits.append(run_audit(str(run), audit_dir, dense=dense,
-                                options=AuditOptions(**{**options.__dict__, "seed": seed})))
+        audits.append(run_audit(str(run), audit_dir, dense=dense, max_eval=st.max_eval,
+                                max_calib=st.max_calib,
+                                options=dataclasses.replace(st.options, seed=seed)))
     return audits
 
 
@@ -356,14 +368,14 @@ def _blocks(result: Mapping[str, Any], images: Sequence[Any]) -> list[Any]:
 
 
 def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
-              mudd_checkpoint: str | None = None, options: AuditOptions | None = None,
+              mudd_checkpoint: str | None = None, settings: StudySettings | None = None,
               command: str | None = None) -> dict[str, Any]:
     """Run (or resume) the study and write the aggregated reproduction report."""
     out = Path(out)
-    options = options or AuditOptions()
+    st = settings or StudySettings(AuditOptions())
     groups: dict[str, dict[str, Any]] = {}
     for group in study(preset, seeds):
-        audits = run_group(group, out, options)
+        audits = run_group(group, out, st)
         groups[group.name] = {"audits": audits,
                               "aggregate": aggregate([metrics_of(a) for a in audits]),
                               "profiles": [next(iter(a["profiles"].values())) for a in audits]}
@@ -371,7 +383,8 @@ def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
         audit_dir = out / "audits" / "muddpythia-checkpoint"
         audit = (read_json(audit_dir / "audit.json", "audit")
                  if (audit_dir / "audit.json").is_file()
-                 else run_audit(mudd_checkpoint, audit_dir, options=options))
+                 else run_audit(mudd_checkpoint, audit_dir, max_eval=st.max_eval,
+                                max_calib=st.max_calib, options=st.options))
         groups["mudd-checkpoint"] = {"audits": [audit],
                                      "aggregate": aggregate([metrics_of(audit)]),
                                      "profiles": [next(iter(audit["profiles"].values()))]}

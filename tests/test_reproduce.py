@@ -1,0 +1,62 @@
+"""The reproduction study: aggregation, findings, resumption, the rendered report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from test_report import _chromium
+
+from fcaudit.audit_run import AuditOptions
+from fcaudit.reproduce import StudySettings, aggregate, reproduce, study
+
+
+def test_aggregate_mean_sd_range_skips_nulls():
+    agg = aggregate([{"a": 1.0, "b": None}, {"a": 3.0, "b": 2.0}, {"a": 2.0, "b": None}])
+    assert agg["a"] == {"n": 3, "mean": 2.0, "sd": 1.0, "min": 1.0, "max": 3.0}
+    assert agg["b"] == {"n": 1, "mean": 2.0, "sd": None, "min": 2.0, "max": 2.0}
+
+
+def test_study_presets():
+    tiny = {g.name: g.seeds for g in study("tiny", None)}
+    assert tiny == {"featuregate-tiny": 3, "mudd-tiny": 3, "skipgate-tiny": 1}
+    paper = {g.name: g.seeds for g in study("paper", None)}
+    assert paper == {"featuregate-76m": 7, "featuregate-504m": 3}
+
+
+@pytest.fixture(scope="module")
+def small_study(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("study")
+    settings = StudySettings(AuditOptions(repeats=1, bootstrap=50, batch_size=4, per_layer=False,
+                                          timing_pairs=0, progress=False),
+                             steps=3, max_eval=6, max_calib=4)
+    return out, settings, reproduce("tiny", out, seeds=1, settings=settings)
+
+
+def test_study_writes_tables_and_resumes(small_study):
+    out, settings, result = small_study
+    assert set(result["groups"]) == {"featuregate-tiny", "mudd-tiny", "skipgate-tiny"}
+    text = (out / "reproduction.md").read_text()
+    assert "Findings at this scale" in text and "98.70%" in text
+    assert json.loads((out / "reproduction.json").read_text())["schema"] == \
+        "fcaudit.reproduction/1"
+    assert any((out / "figures").glob("study_penalties.svg"))
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("model.safetensors")}
+    again = reproduce("tiny", out, seeds=1, settings=settings)
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # nothing retrained
+    assert again["groups"]["featuregate-tiny"]["aggregate"] == \
+        result["groups"]["featuregate-tiny"]["aggregate"]
+
+
+def test_reproduction_html_renders_in_chromium(small_study, tmp_path):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("chromium not installed (apt-get install -y chromium); render check skipped")
+    out = small_study[0]
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                          "--disable-background-networking", "--disable-component-update",
+                          "--no-first-run", f"--user-data-dir={tmp_path}", "--dump-dom",
+                          (out / "report.html").resolve().as_uri()],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "Findings at this scale" in dom and dom.count("<img") >= 4

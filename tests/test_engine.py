@@ -186,3 +186,28 @@ def test_rerun_reuses_cache_and_gives_identical_json(tmp_path):
     second = toy_audit("content", tmp_path)
     for key in ("conditions", "retention", "interaction", "variance", "per_layer"):
         assert first[key] == second[key]
+
+
+def test_user_model_execution_with_blocks_glob(tmp_path):
+    from fcaudit.models.featuregate import GPT, GPTConfig
+
+    class UserModel(torch.nn.Module):  # declares nothing: sites and blocks come from globs
+        def __init__(self, gated: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2,
+                                     n_embd=16, gated=gated))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.net(ids)
+
+    opts = AuditOptions(repeats=1, bootstrap=50, batch_size=4, timing_pairs=0, progress=False)
+    kw = {"sites": ["net.blocks.*.gate"], "data": toy_data(), "options": opts,
+          "write_report": False}
+    a = run_audit(UserModel(True), tmp_path / "a", dense=UserModel(False),
+                  blocks="net.blocks.*", **kw)
+    ex = a["execution"]
+    assert ex["measured"] and ex["blocks_executed"] == ex["blocks_present"] == 2
+    assert not ex["conditional_execution"] and ex["flops_ratio"] > 1.0
+    b = run_audit(UserModel(True), tmp_path / "b", **kw)
+    assert not b["execution"]["measured"] and "--dense" in b["execution"]["reason"]

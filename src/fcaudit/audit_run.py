@@ -57,7 +57,7 @@ from .metrics import (
 )
 from .models import Site
 from .progress import progress_bar
-from .sites import recording, replaying, resolve_sites
+from .sites import match_modules, recording, replaying, resolve_sites
 
 SCHEMA = "fcaudit.audit/1"
 # ``runtime`` holds host facts and wall times; ``command`` names the output folder; the
@@ -367,8 +367,15 @@ def _versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
+def _block_paths(model: nn.Module, pattern: str | None) -> list[str] | None:
+    if pattern is not None:
+        return match_modules(model, pattern, "--blocks", "blocks.*")
+    declared = getattr(model, "execution_blocks", None)
+    return list(declared()) if callable(declared) else None
+
+
 def _execution(loaded: LoadedModel, dense: str | nn.Module | None, ids: np.ndarray,
-               opts: AuditOptions) -> dict[str, Any]:
+               opts: AuditOptions, blocks: str | None) -> dict[str, Any]:
     from .execution import measure_execution, verdict_execution
     model = loaded.model
     if dense is None:
@@ -381,18 +388,20 @@ def _execution(loaded: LoadedModel, dense: str | nn.Module | None, ids: np.ndarr
     else:
         dense_model = _as_loaded(dense).model
         dense_source = str(dense)
+    model_blocks = _block_paths(model, blocks)
+    dense_blocks = _block_paths(dense_model, blocks)
+    if model_blocks is None or dense_blocks is None:
+        return {"measured": False, "reason": "the model does not declare its blocks: pass "
+                                             "--blocks GLOB (e.g. 'layers.*')"}
     param = next(model.parameters(), None)
     if param is not None:
         dense_model = dense_model.to(dtype=param.dtype, device=param.device)
     dense_model.eval()
-    blocks = getattr(model, "execution_blocks", None)
-    dense_blocks = getattr(dense_model, "execution_blocks", None)
     x = torch.from_numpy(np.ascontiguousarray(ids)).to(device_of(model))
     result = measure_execution(
-        model, dense_model, x, batch_size=opts.batch_size,
-        block_paths=blocks() if callable(blocks) else None,
-        dense_block_paths=dense_blocks() if callable(dense_blocks) else None,
-        pairs=opts.timing_pairs, seed=opts.seed, timing=opts.timing_pairs > 0)
+        model, dense_model, x, batch_size=opts.batch_size, block_paths=model_blocks,
+        dense_block_paths=dense_blocks, pairs=opts.timing_pairs, seed=opts.seed,
+        timing=opts.timing_pairs > 0)
     result = {"measured": True, "dense": dense_source, **result}
     result["verdict"] = verdict_execution(result)
     return result
@@ -405,7 +414,7 @@ def run_audit(model: str | nn.Module | LoadedModel, out: str | Path, *,
               calib_tokens: str | Path | None = None, seq_len: int | None = None,
               max_eval: int | None = 64, max_calib: int | None = 64,
               options: AuditOptions | None = None, command: str | None = None,
-              write_report: bool = True) -> dict[str, Any]:
+              blocks: str | None = None, write_report: bool = True) -> dict[str, Any]:
     """Run the whole audit; write ``out/audit.json`` (and the report); return its content."""
     opts = options or AuditOptions()
     if opts.repeats < 1 or opts.bootstrap < 10 or opts.batch_size < 1:
@@ -498,7 +507,7 @@ def run_audit(model: str | nn.Module | LoadedModel, out: str | Path, *,
     execution: dict[str, Any]
     exec_start = time.perf_counter()
     if opts.execution:
-        execution = _execution(loaded, dense, data.eval_ids, opts)
+        execution = _execution(loaded, dense, data.eval_ids, opts, blocks)
     else:
         execution = {"measured": False, "reason": "disabled (--no-execution)"}
     timings["execution_s"] = time.perf_counter() - exec_start

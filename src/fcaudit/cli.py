@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--dense", default=None, metavar="SPEC",
                    help="dense counterpart for the execution audit (default: built from the "
                         "model's architecture when it knows one)")
+    a.add_argument("--blocks", default=None, metavar="GLOB",
+                   help="module-path glob of the blocks whose executions are counted, in both "
+                        "model and dense (default: the model's own declaration)")
     a.add_argument("--data", default=None, help="evaluation text file or folder of .txt")
     a.add_argument("--calib-data", default=None, help="calibration text (default: first half "
                                                       "of --data's windows)")
@@ -176,7 +179,7 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype or "")
     loaded = load(args.model, dtype)
     loaded.model.to(args.device)
-    audit = run_audit(loaded, args.out, sites=args.sites, dense=args.dense,
+    audit = run_audit(loaded, args.out, sites=args.sites, dense=args.dense, blocks=args.blocks,
                       text=args.data, calib_text=args.calib_data, tokens=args.tokens,
                       calib_tokens=args.calib_tokens, seq_len=args.seq_len,
                       max_eval=args.max_eval, max_calib=args.max_calib, options=_options(args),

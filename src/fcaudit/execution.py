@@ -258,7 +258,7 @@ def measure_execution(model: nn.Module, dense: nn.Module, input_ids: torch.Tenso
     own = execution_pass(model, resolve_blocks(model, block_paths), batches)
     twin = execution_pass(dense, resolve_blocks(dense, dense_block_paths), batches)
     flops, dense_flops = own["flops_per_token"], twin["flops_per_token"]
-    flops_ratio = flops / dense_flops if dense_flops else float("nan")
+    flops_ratio = flops / dense_flops if dense_flops else None  # no counted FLOPs: no ratio
     fewer_blocks = own["blocks_executed"] < twin["blocks_executed"] * (1 - TOLERANCE)
     result: dict[str, Any] = {
         "blocks_executed": own["blocks_executed"],
@@ -273,7 +273,8 @@ def measure_execution(model: nn.Module, dense: nn.Module, input_ids: torch.Tenso
         "dense_flops_per_token": dense_flops,
         "flops_ratio": flops_ratio,
         "flops_counted": "forward matmuls and attention (torch.utils.flop_counter)",
-        "conditional_execution": bool(fewer_blocks or flops_ratio < 1 - TOLERANCE),
+        "conditional_execution": bool(fewer_blocks or (flops_ratio is not None
+                                                        and flops_ratio < 1 - TOLERANCE)),
         "speed_ratio_vs_dense": None,
         "timing": None,
     }
@@ -297,8 +298,10 @@ def verdict_execution(execution: dict[str, Any]) -> str:
     """One sentence answering "does the mechanism change what is computed?", with numbers."""
     e = execution
     head = "Conditional execution" if e["conditional_execution"] else "No conditional execution"
+    flops = (f"FLOPs {e['flops_ratio']:.3f}x Dense" if e["flops_ratio"] is not None
+             else "no FLOPs counted")
     text = (f"{head}: {e['blocks_executed']:.2f} of {e['blocks_present']} blocks run per token "
-            f"(Dense {e['dense_blocks_executed']:.2f}), FLOPs {e['flops_ratio']:.3f}x Dense")
+            f"(Dense {e['dense_blocks_executed']:.2f}), {flops}")
     if e.get("timing"):
         ratio = e["timing"]["speed_ratio_vs_dense"]
         lo, hi = ratio["ci95"]

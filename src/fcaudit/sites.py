@@ -25,6 +25,19 @@ def declared_sites(model: nn.Module) -> list[Site] | None:
     return list(declare()) if callable(declare) else None
 
 
+def match_modules(model: nn.Module, pattern: str, option: str, example: str) -> list[str]:
+    """Module paths matching a glob, outermost matches only, in module order."""
+    names = [name for name, _ in model.named_modules() if name]
+    hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    # a glob like "blocks.*" would also match children; keep outermost matches
+    hits = [n for n in hits if not any(n.startswith(h + ".") for h in hits if h != n)]
+    if not hits:
+        raise FcauditError(
+            f"{option} {pattern!r} matched no module of {type(model).__name__}; list module "
+            f"paths with `fcaudit sites --model SPEC --all` and pass a glob such as {example!r}")
+    return hits
+
+
 def resolve_sites(model: nn.Module, patterns: Sequence[str] | None = None) -> list[Site]:
     """Sites to audit: matched by ``patterns`` (module-path globs) or as declared.
 
@@ -32,16 +45,9 @@ def resolve_sites(model: nn.Module, patterns: Sequence[str] | None = None) -> li
     order, are that family's layers 0, 1, ...
     """
     if patterns:
-        names = [name for name, _ in model.named_modules() if name]
         sites: list[Site] = []
         for pattern in patterns:
-            hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-            # a glob like "blocks.*" would also match children; keep outermost matches
-            hits = [n for n in hits if not any(n.startswith(h + ".") for h in hits if h != n)]
-            if not hits:
-                raise FcauditError(
-                    f"--sites {pattern!r} matched no module; list module paths with "
-                    "`fcaudit sites --model SPEC` and pass a glob such as 'blocks.*.gate'")
+            hits = match_modules(model, pattern, "--sites", "blocks.*.gate")
             sites += [Site(name=n, path=n, family=pattern, layer=i) for i, n in enumerate(hits)]
         return sites
     sites_declared = declared_sites(model)

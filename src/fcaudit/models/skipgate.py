@@ -13,16 +13,21 @@ gates, so compute is fixed and no auxiliary loss is needed. The gate learns
 through the product ``g * F(h)`` on the tokens it runs, exactly as the MoD router
 weight does. The batch threshold is tracked by a running average (one buffer per
 block, saved with the weights) that serves as the fixed threshold at inference,
-where the rule is per token and causal. The buffer starts at
-``sigmoid(gate_bias_init)``, the median of the initial gates, so an untrained
-model already skips about half of its tokens.
+where the rule is per token and causal (in training the batch threshold is one
+scalar shared by the batch's tokens, a negligible look-ahead that evaluation never
+has). The buffer starts at ``sigmoid(gate_bias_init)``, the median of the initial
+gates, so an untrained model already skips about half of its tokens. Trained,
+the gates spread far apart: the tokens a block must run keep large gates, while
+the marginal ones it is forced to run by the capacity get gates near the
+threshold, i.e. a small weight.
 
 Layout: the block's update is a child module, ``blocks.{l}.body``, called with
 the selected tokens packed as ``[N, C]``; a forward hook there sees exactly the
 tokens that run. Attention needs whole sequences, so the body lays the selected
 tokens of each sequence out in order in ``[B, K, C]`` (``K`` = most tokens any
 sequence selected), padding at the end: causal attention never lets a real token
-see padding, and padded rows are dropped again.
+see padding, and padded rows are dropped again. That padding is real work for
+attention and its projections, and the FLOP counter counts it as such.
 """
 
 from __future__ import annotations

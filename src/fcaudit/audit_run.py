@@ -426,6 +426,8 @@ def run_audit(model: str | nn.Module | LoadedModel, out: str | Path, *,
     loaded = _as_loaded(model)
     net = loaded.model
     site_list = resolve_sites(net, sites)
+    if blocks is not None and opts.execution:
+        _block_paths(net, blocks)  # a wrong --blocks glob fails now, not after the replays
     if data is None:
         data = resolve_data(loaded, data=text, calib_data=calib_text, tokens=tokens,
                             calib_tokens=calib_tokens, seq_len=seq_len, max_eval=max_eval,

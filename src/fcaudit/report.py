@@ -625,9 +625,9 @@ def _reproducibility(audit: Mapping[str, Any]) -> list[Block]:
             blocks += [Heading(3, title), _kv_table(section)]
     if sites := _sites_table(audit):
         blocks += [Heading(3, "Sites"), sites]
-    for title, key in (("Seeds", "seeds"), ("Settings", "settings"), ("Versions", "versions"),
-                       ("Host", "host")):
-        if section := _dict(audit, key):
+    for title, keys in (("Seeds", ("seeds",)), ("Settings", ("settings",)),
+                        ("Versions", ("versions",)), ("Host", ("runtime", "host"))):
+        if section := _dict(audit, *keys):
             blocks += [Heading(3, title), _kv_table(section)]
     return blocks
 

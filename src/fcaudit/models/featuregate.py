@@ -37,8 +37,8 @@ class GPTConfig:
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=128),
     "small": GPTConfig(vocab_size=4096, block_size=256, n_layer=6, n_head=6, n_embd=384),
-    "76m": GPTConfig(vocab_size=16384, block_size=1024, n_layer=10, n_head=12, n_embd=768),
-    "504m": GPTConfig(vocab_size=32768, block_size=1024, n_layer=22, n_head=20, n_embd=1280),
+    "76m": GPTConfig(vocab_size=12288, block_size=1024, n_layer=12, n_head=10, n_embd=640),
+    "504m": GPTConfig(vocab_size=16384, block_size=1024, n_layer=24, n_head=20, n_embd=1280),
 }
 
 

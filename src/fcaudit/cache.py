@@ -11,7 +11,6 @@ memory does not grow with the number of evaluation sequences.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -20,17 +19,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import FcauditError
-from .fileio import read_json, write_json, write_safetensors
+from .fileio import read_json, sha256_file, write_json, write_safetensors
 
 SCHEMA = "fcaudit.cache/1"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:

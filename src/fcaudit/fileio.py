@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import tempfile
@@ -88,6 +89,15 @@ def write_safetensors(path: str | Path, tensors: dict[str, Any]) -> None:
             raise OSError(errno.EIO, str(exc)) from exc
 
     write_with(path, writer)
+
+
+def sha256_file(path: str | Path) -> str:
+    """SHA-256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_json(path: str | Path, what: str) -> Any:

@@ -11,6 +11,7 @@ A spec is one of:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import json
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from torch import nn
 
 from .data import load_tokenizer
 from .errors import FcauditError
-from .fileio import read_json, write_safetensors
+from .fileio import read_json, sha256_file, write_safetensors
 from .models import featuregate
 
 
@@ -167,27 +168,16 @@ def load_run(folder: Path) -> LoadedModel:
     model.eval()
     tok_path = folder / "tokenizer.json"
     tok = load_tokenizer(tok_path) if tok_path.is_file() else None
-    return LoadedModel(model, str(folder), "run", tok, cfg, file_fingerprint(
+    return LoadedModel(model, str(folder), "run", tok, cfg, sha256_file(
         folder / "model.safetensors"))
 
 
-def file_fingerprint(path: Path) -> str:
-    """Cheap identity of a weights file: size plus hash of its first and last MiB."""
-    import hashlib
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(1 << 20)
-        fh.seek(max(0, size - (1 << 20)))
-        tail = fh.read()
-    return hashlib.sha256(str(size).encode() + head + tail).hexdigest()
-
-
 def folder_fingerprint(folder: Path) -> str:
-    """Identity of a checkpoint folder: the fingerprints of its weight files."""
-    import hashlib
+    """Identity of a checkpoint folder: the full SHA-256 of its config and weight files
+    (a partial hash could let a fine-tuned model reuse another model's cache)."""
     files = sorted(p for p in folder.iterdir()
                    if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
-    return hashlib.sha256("".join(p.name + file_fingerprint(p) for p in files).encode()).hexdigest()
+    return hashlib.sha256("".join(p.name + sha256_file(p) for p in files).encode()).hexdigest()
 
 
 def load_factory(spec: str) -> LoadedModel:
@@ -211,7 +201,6 @@ def load_factory(spec: str) -> LoadedModel:
 
 
 def state_fingerprint(model: nn.Module) -> str:
-    import hashlib
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())

@@ -19,7 +19,7 @@ from fcaudit.execution import (
     time_interleaved,
     verdict_execution,
 )
-from fcaudit.models.featuregate import GPT, Block, GPTConfig
+from fcaudit.models.featuregate import GPT, GPTConfig, Update
 from fcaudit.models.skipgate import SkipGateConfig, SkipGateGPT
 from fcaudit.sites import record, replaying
 
@@ -211,15 +211,10 @@ def test_verdict_states_the_numbers():
 def test_open_skipgate_equals_featuregate_with_the_same_weights():
     fg = featuregate()
     sg = skipgate()
-    renamed = {}
-    for key, value in fg.state_dict().items():
-        parts = key.split(".")
-        if parts[0] == "blocks" and parts[2] != "gate":
-            key = ".".join([*parts[:2], "body", *parts[2:]])
-        renamed[key] = value
+    state = dict(fg.state_dict())  # same key names: both blocks hold ``body`` and ``gate``
     for i in range(SIZES["n_layer"]):
-        renamed[f"blocks.{i}.threshold"] = torch.tensor(0.0)  # every gate is above 0
-    sg.load_state_dict(renamed)
+        state[f"blocks.{i}.threshold"] = torch.tensor(0.0)  # every gate is above 0
+    sg.load_state_dict(state)
     with torch.no_grad():
         torch.testing.assert_close(sg(ids()), fg(ids()))
     assert count_block_executions(sg, sg.execution_blocks(), [ids()])["blocks_executed"] == 3.0
@@ -229,7 +224,7 @@ def test_routed_block_equals_the_block_run_on_each_sequences_selected_tokens():
     """Attention among the selected tokens only, causal by original position."""
     model = skipgate()
     block = model.blocks[0]
-    reference = Block(GPTConfig(**SIZES, gated=False))
+    reference = Update(GPTConfig(**SIZES, gated=False))
     reference.load_state_dict(block.body.state_dict())
     h = torch.randn(B, T, SIZES["n_embd"])
     run = pattern(1) | (torch.arange(B)[:, None] == 3)  # counts differ per sequence
@@ -240,7 +235,7 @@ def test_routed_block_equals_the_block_run_on_each_sequences_selected_tokens():
         for b in range(B):
             sel = run[b]
             expected = h[b].clone()
-            expected[sel] += 0.9 * reference.update(h[b, sel][None])[0]
+            expected[sel] += 0.9 * reference(h[b, sel][None])[0]
             torch.testing.assert_close(out[b], expected)
 
 

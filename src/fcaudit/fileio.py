@@ -55,6 +55,17 @@ def _umask() -> int:
     return mask
 
 
+def make_work_dir(target: Path) -> Path:
+    """A hidden sibling folder of ``target`` to assemble it in, then rename into place.
+
+    ``mkdtemp`` makes it 0700; it gets the usual permissions so the result is shareable.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    os.chmod(work, 0o777 & ~_umask())
+    return work
+
+
 def write_text(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import math
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from .data import (
     train_tokenizer,
 )
 from .errors import FcauditError
-from .fileio import write_json, write_text
+from .fileio import make_work_dir, write_json, write_text
 from .loading import get_arch, save_run_model
 from .progress import progress_bar
 
@@ -148,7 +147,7 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=tp.lr, betas=(0.9, 0.95))
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    work = make_work_dir(out)
     try:
         log_lines: list[str] = []
         started = time.perf_counter()

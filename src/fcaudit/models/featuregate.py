@@ -79,25 +79,33 @@ class Gate(nn.Module):
         return torch.sigmoid(self.proj(self.ln(h)))
 
 
-class Block(nn.Module):
+class Update(nn.Module):
+    """``F(h) = Block(h) - h`` (attention, then MLP), computed as the sum of the two
+    sub-layer outputs so that ``h + 1 * F(h)`` is exactly what the Dense twin computes."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
-        self.gate = Gate(cfg) if cfg.gated else None
 
-    def update(self, h: torch.Tensor) -> torch.Tensor:
-        """``F(h) = Block(h) - h``, computed as the sum of the two sub-layer outputs."""
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         a = self.attn(self.ln_1(h))
         return a + self.mlp(self.ln_2(h + a))
 
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.body = Update(cfg)
+        self.gate = Gate(cfg) if cfg.gated else None
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.gate is None:
-            return h + self.update(h)
+            return h + self.body(h)
         g = self.gate(h)
-        return h + g * self.update(h)
+        return h + g * self.body(h)
 
 
 class GPT(nn.Module):

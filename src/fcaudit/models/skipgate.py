@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from . import Site
-from .featuregate import GPT, MLP, CausalSelfAttention, Gate, GPTConfig
+from .featuregate import GPT, Gate, GPTConfig, Update
 from .featuregate import PRESETS as GPT_PRESETS
 
 
@@ -87,17 +87,10 @@ class Route:
         return y[self.seq, self.slot]
 
 
-class RoutedUpdate(nn.Module):
+class RoutedUpdate(Update):
     """``F(h)`` of a FeatureGate block, computed on the selected tokens only."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x: torch.Tensor, route: Route) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route: Route) -> torch.Tensor:  # type: ignore[override]
         """``x [N, C]``: the selected tokens, packed; returns their updates ``[N, C]``."""
         a = route.unpad(self.attn(route.pad(self.ln_1(x))))
         return a + self.mlp(self.ln_2(x + a))

@@ -28,7 +28,7 @@ from torch import nn
 from .data import load_tokenizer
 from .errors import FcauditError
 from .fileio import read_json, sha256_file, write_safetensors
-from .models import featuregate
+from .models import featuregate, mudd, skipgate
 
 
 @dataclass(frozen=True)
@@ -36,61 +36,29 @@ class Arch:
     """How to build one architecture from a preset or a saved config."""
 
     name: str
-    presets: Callable[[], dict[str, Any]]
-    config_from_dict: Callable[[dict[str, Any]], Any]
+    presets: dict[str, Any]
+    config_class: type
     build: Callable[[Any], nn.Module]
     fixed: dict[str, Any] = dataclasses.field(default_factory=dict)  # forced config fields
 
     def config(self, preset: str, vocab_size: int | None = None) -> Any:
-        presets = self.presets()
-        if preset not in presets:
+        if preset not in self.presets:
             raise FcauditError(f"unknown preset {preset!r} for --arch {self.name}; choose one of "
-                               f"{', '.join(sorted(presets))}")
+                               f"{', '.join(sorted(self.presets))}")
         extra = {"vocab_size": vocab_size} if vocab_size else {}
-        return dataclasses.replace(presets[preset], **self.fixed, **extra)
+        return dataclasses.replace(self.presets[preset], **self.fixed, **extra)
 
-
-def _mudd_presets() -> dict[str, Any]:
-    from .models import mudd
-    return mudd.PRESETS
-
-
-def _mudd_config(d: dict[str, Any]) -> Any:
-    from .models import mudd
-    return mudd.MuddConfig(**d)
-
-
-def _mudd_build(cfg: Any) -> nn.Module:
-    from .models import mudd
-    return mudd.MuddModel(cfg)
-
-
-def _skipgate_presets() -> dict[str, Any]:
-    from .models import skipgate
-    return skipgate.PRESETS
-
-
-def _skipgate_config(d: dict[str, Any]) -> Any:
-    from .models import skipgate
-    return skipgate.SkipGateConfig(**d)
-
-
-def _skipgate_build(cfg: Any) -> nn.Module:
-    from .models import skipgate
-    return skipgate.SkipGateGPT(cfg)
-
-
-def _gpt_config(d: dict[str, Any]) -> featuregate.GPTConfig:
-    return featuregate.GPTConfig(**d)
+    def config_from_dict(self, values: dict[str, Any]) -> Any:
+        return self.config_class(**values)
 
 
 ARCHES: dict[str, Arch] = {
-    "featuregate": Arch("featuregate", lambda: featuregate.PRESETS, _gpt_config,
+    "featuregate": Arch("featuregate", featuregate.PRESETS, featuregate.GPTConfig,
                         featuregate.GPT, {"gated": True}),
-    "dense": Arch("dense", lambda: featuregate.PRESETS, _gpt_config, featuregate.GPT,
+    "dense": Arch("dense", featuregate.PRESETS, featuregate.GPTConfig, featuregate.GPT,
                   {"gated": False}),
-    "skipgate": Arch("skipgate", _skipgate_presets, _skipgate_config, _skipgate_build),
-    "mudd": Arch("mudd", _mudd_presets, _mudd_config, _mudd_build),
+    "skipgate": Arch("skipgate", skipgate.PRESETS, skipgate.SkipGateConfig, skipgate.SkipGateGPT),
+    "mudd": Arch("mudd", mudd.PRESETS, mudd.MuddConfig, mudd.MuddModel),
 }
 
 

@@ -211,3 +211,16 @@ def test_user_model_execution_with_blocks_glob(tmp_path):
     assert not ex["conditional_execution"] and ex["flops_ratio"] > 1.0
     b = run_audit(UserModel(True), tmp_path / "b", **kw)
     assert not b["execution"]["measured"] and "--dense" in b["execution"]["reason"]
+
+
+def test_controllers_never_run_during_replay(tmp_path):
+    """Only live passes call the gates (record, and one vocabulary probe for a model that
+    states no vocabulary size): every replay feeds stubs instead."""
+    model = toys.content_model()
+    calls = []
+    for gate in model.gates:
+        gate.register_forward_hook(lambda *_: calls.append(1))
+    data = toy_data(n_eval=12, n_calib=8)
+    run_audit(model, tmp_path, sites=["gates.*"], data=data, options=FAST, write_report=False)
+    live_passes = -(-12 // FAST.batch_size) + -(-8 // FAST.batch_size) + 1
+    assert len(calls) == live_passes * len(model.gates)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -280,3 +281,24 @@ def test_skipgate_contract():
     dense = model.dense_counterpart()
     assert type(dense) is GPT and dense.config == GPTConfig(**SIZES, gated=False)
     assert "blocks.0.threshold" in model.state_dict()
+
+
+def test_bench_command_writes_json(tmp_path):
+    from fcaudit.cli import main
+    from fcaudit.loading import save_run_model
+    from fcaudit.train import TRAIN_PRESETS
+
+    run = tmp_path / "run"
+    run.mkdir()
+    model = featuregate()
+    save_run_model(run, model)
+    (run / "config.json").write_text(json.dumps({
+        "fcaudit_run": 1, "arch": "featuregate", "preset": "tiny", "seed": 0,
+        "model_config": dataclasses.asdict(model.config),
+        "train": dataclasses.asdict(TRAIN_PRESETS["tiny"])}))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(run), "--batch-size", "2", "--seq-len", "8",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["blocks_executed"] == result["blocks_present"] == SIZES["n_layer"]
+    assert result["timing"]["pairs"] == 10 and "verdict" in result

@@ -7,25 +7,31 @@ import random
 import shutil
 from pathlib import Path
 
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from fcaudit.cli import main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mudd_tiny"
-TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York "
-        "and all the clouds that lour'd upon our house in the deep bosom of the ocean buried ")
+
+
+def make_mudd_folder(root: Path) -> Path:
+    """The tiny official-layout fixture plus a byte-level tokenizer with its 256 ids."""
+    folder = root / "MUDDPythia-tiny"
+    shutil.copytree(FIXTURE, folder, ignore=shutil.ignore_patterns("expected.*"))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
 
 
 def test_audit_a_mudd_folder_end_to_end(tmp_path: Path) -> None:
-    folder = tmp_path / "MUDDPythia-tiny"
-    shutil.copytree(FIXTURE, folder, ignore=shutil.ignore_patterns("expected.*"))
-    words = sorted(set(TEXT.split()))
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])},
-                                     unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
+    folder = make_mudd_folder(tmp_path)
+    words = ["now", "is", "the", "winter", "of", "our", "discontent", "made", "glorious",
+             "summer", "by", "this", "sun"]
     rng = random.Random(0)  # varied text: no two windows alike
-    (tmp_path / "essay.txt").write_text(" ".join(rng.choice(words) for _ in range(1200)))
+    (tmp_path / "essay.txt").write_text(" ".join(rng.choice(words) for _ in range(600)))
 
     out = tmp_path / "audit"
     code = main(["audit", "--model", str(folder), "--data", str(tmp_path / "essay.txt"),

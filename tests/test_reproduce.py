@@ -6,6 +6,7 @@ import json
 import subprocess
 
 import pytest
+from test_mudd_audit import make_mudd_folder
 from test_report import _chromium
 
 from fcaudit.audit_run import AuditOptions
@@ -31,19 +32,22 @@ def small_study(tmp_path_factory: pytest.TempPathFactory):
     settings = StudySettings(AuditOptions(repeats=1, bootstrap=50, batch_size=4, per_layer=False,
                                           timing_pairs=0, progress=False),
                              steps=3, max_eval=6, max_calib=4)
-    return out, settings, reproduce("tiny", out, seeds=1, settings=settings)
+    checkpoint = str(make_mudd_folder(tmp_path_factory.mktemp("checkpoint")))
+    result = reproduce("tiny", out, seeds=1, settings=settings, mudd_checkpoint=checkpoint)
+    return out, settings, result, checkpoint
 
 
 def test_study_writes_tables_and_resumes(small_study):
-    out, settings, result = small_study
-    assert set(result["groups"]) == {"featuregate-tiny", "mudd-tiny", "skipgate-tiny"}
+    out, settings, result, checkpoint = small_study
+    assert set(result["groups"]) == {"featuregate-tiny", "mudd-tiny", "skipgate-tiny",
+                                     "mudd-checkpoint"}
     text = (out / "reproduction.md").read_text()
     assert "Findings at this scale" in text and "98.70%" in text
     assert json.loads((out / "reproduction.json").read_text())["schema"] == \
         "fcaudit.reproduction/1"
     assert any((out / "figures").glob("study_penalties.svg"))
     stamps = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("model.safetensors")}
-    again = reproduce("tiny", out, seeds=1, settings=settings)
+    again = reproduce("tiny", out, seeds=1, settings=settings, mudd_checkpoint=checkpoint)
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # nothing retrained
     assert again["groups"]["featuregate-tiny"]["aggregate"] == \
         result["groups"]["featuregate-tiny"]["aggregate"]

@@ -88,3 +88,20 @@ def test_corrupt_corpus_download_is_refused(tmp_path):
     with pytest.raises(FcauditError, match="SHA-256"):
         data.extract_corpus(bad, tmp_path / "texts")
     assert not (tmp_path / "texts").exists()
+
+
+def test_training_on_user_text(tmp_path):
+    import json
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(data.builtin_documents("calib")[0].text)
+    run = train("featuregate", "tiny", 0, tmp_path / "run", steps=2, progress=False,
+                data=corpus)
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["data"]["source"] == "text" and cfg["data"]["path"] == str(corpus)
+    assert cfg["results"]["eval_nll"] > 0 and (run / "tokenizer.json").is_file()
+    (tmp_path / "short.txt").write_text("To be, or not to be.")
+    with pytest.raises(FcauditError, match="too short to train on"):
+        train("dense", "tiny", 0, tmp_path / "short", steps=1, progress=False,
+              data=tmp_path / "short.txt")
+    assert not (tmp_path / "short").exists()

@@ -121,13 +121,14 @@ class StudySettings:
     steps: int | None = None  # override the presets' step counts (smoke tests)
     max_eval: int | None = 64
     max_calib: int | None = 64
+    train_data: str | None = None  # train on this text instead of the built-in corpus
 
 
 def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettings) -> Path:
     if is_run_folder(folder):
         return folder
     return train(arch, preset, seed, folder, force=True, steps=st.steps,
-                 progress=st.options.progress)
+                 progress=st.options.progress, data=st.train_data)
 
 
 def run_group(group: Group, out: Path, st: StudySettings) -> list[dict[str, Any]]:

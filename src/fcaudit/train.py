@@ -32,6 +32,7 @@ from .data import (
     encode_documents,
     load_tokenizer,
     spread_pick,
+    text_documents,
     train_tokenizer,
 )
 from .errors import FcauditError
@@ -112,9 +113,39 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+HELD_OUT_FRACTION = 0.05  # of a user corpus's tokens, kept for the final eval NLL
+
+
+def training_data(vocab_size: int, seq_len: int,
+                  data: str | Path | None) -> tuple[Tokenizer, np.ndarray, np.ndarray, dict]:
+    """Tokenizer, training token stream, held-out evaluation windows, and their record.
+
+    The built-in corpus evaluates on its evaluation plays. A user corpus (``data``: a
+    text file or a folder of .txt) gets its own BPE tokenizer and is evaluated on its
+    last 5% of tokens, which training never sees.
+    """
+    if data is None:
+        tok = builtin_tokenizer(vocab_size)
+        train_tokens = np.concatenate(encode_documents(tok, builtin_documents("train")))
+        held_out = cut_windows(encode_documents(tok, builtin_documents("eval")), seq_len)
+        return tok, train_tokens, held_out, builtin_split_record()
+    docs = text_documents(data)
+    tok = train_tokenizer(docs, vocab_size)
+    stream = np.concatenate(encode_documents(tok, docs))
+    cut = int(len(stream) * (1 - HELD_OUT_FRACTION))
+    held_out = cut_windows([stream[cut:]], seq_len)
+    if cut < 2 * (seq_len + 1) or len(held_out) == 0:
+        raise FcauditError(f"{data} is too short to train on: {len(stream)} tokens; give at "
+                           f"least {math.ceil(seq_len / HELD_OUT_FRACTION)} tokens of text (a "
+                           "held-out window of the preset's sequence length)")
+    return tok, stream[:cut], held_out, {"source": "text", "path": str(data),
+                                         "held_out": "last 5% of the tokens"}
+
+
 def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: bool = False,
-          steps: int | None = None, progress: bool = True, device: str | None = None) -> Path:
-    """Train one model on the built-in corpus and write its run folder; returns the folder.
+          steps: int | None = None, progress: bool = True, device: str | None = None,
+          data: str | Path | None = None) -> Path:
+    """Train one model (on the built-in corpus, or ``data``) and write its run folder.
 
     Determinism is promised on CPU (same seed and thread count, same weights); on
     CUDA the run is seeded but kernels may differ in the last bits.
@@ -132,9 +163,8 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
         raise FcauditError(f"output folder {out} exists and is not empty; choose another --out "
                            "or pass --force to replace it")
 
-    tok = builtin_tokenizer(cfg.vocab_size)
-    train_tokens = np.concatenate(encode_documents(tok, builtin_documents("train")))
-    eval_windows = cut_windows(encode_documents(tok, builtin_documents("eval")), tp.seq_len)
+    tok, train_tokens, eval_windows, data_record = training_data(cfg.vocab_size, tp.seq_len,
+                                                                 data)
     eval_windows = eval_windows[spread_pick(len(eval_windows), tp.eval_sequences)]
 
     torch.manual_seed(seed)
@@ -187,7 +217,7 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
             "fcaudit_run": 1, "arch": arch_name, "preset": preset, "seed": seed,
             "model_config": dataclasses.asdict(cfg),
             "train": dataclasses.asdict(tp),
-            "data": {**builtin_split_record(), "train_tokens": int(len(train_tokens)),
+            "data": {**data_record, "train_tokens": int(len(train_tokens)),
                      "eval_sequences": int(len(eval_windows))},
             "results": {"eval_nll": eval_nll, "unigram_nll": uni, "n_params": n_params,
                         "train_wall_s": round(wall, 2), "device": device},

@@ -51,7 +51,6 @@ from .metrics import (
     VarianceAccumulator,
     bootstrap_indices,
     interaction,
-    interval,
     penalty,
     retention,
 )
@@ -564,4 +563,4 @@ def run_audit(model: str | nn.Module | LoadedModel, out: str | Path, *,
     return audit
 
 
-__all__ = ["AuditOptions", "interval", "resolve_data", "run_audit"]
+__all__ = ["AuditOptions", "resolve_data", "run_audit"]

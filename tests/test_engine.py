@@ -12,7 +12,7 @@ from fcaudit.cache import CoefficientCache
 from fcaudit.data import AuditData
 from fcaudit.errors import FcauditError
 from fcaudit.interventions import StaticProfiles, draw
-from fcaudit.sites import resolve_sites
+from fcaudit.sites import find_sites as resolve_sites
 
 FAST = AuditOptions(repeats=2, bootstrap=200, batch_size=4, execution=False, progress=False)
 

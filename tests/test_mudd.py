@@ -32,7 +32,8 @@ from fcaudit.models.mudd_checkpoint import (
     load_mudd_folder,
     load_mudd_tokenizer,
 )
-from fcaudit.sites import record, replaying
+from fcaudit.record import record
+from fcaudit.replay import replaying
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VARIANTS = ["mudd_tiny", "muddformer_tiny"]

@@ -27,7 +27,7 @@ from fcaudit.metrics import (
     penalty,
     retention,
 )
-from fcaudit.models import Site
+from fcaudit.contract import Site
 
 FEW = settings(max_examples=25, deadline=None, database=None)
 SOME = settings(max_examples=50, deadline=None, database=None)

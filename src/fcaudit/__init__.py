@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 from .errors import FcauditError  # noqa: E402
 from .loading import load_model  # noqa: E402
-from .sites import record  # noqa: E402
+from .record import record  # noqa: E402
 
 __all__ = ["FcauditError", "__version__", "load_model", "record", "audit"]
 

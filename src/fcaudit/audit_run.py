@@ -54,9 +54,12 @@ from .metrics import (
     penalty,
     retention,
 )
-from .models import Site
+from .contract import Site
 from .progress import progress_bar
-from .sites import match_modules, recording, replaying, resolve_sites
+from .record import recording
+from .replay import replaying
+from .sites import find_sites as resolve_sites
+from .sites import match_modules
 
 SCHEMA = "fcaudit.audit/1"
 # ``runtime`` holds host facts and wall times; ``command`` names the output folder; the

@@ -288,7 +288,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_sites(args: argparse.Namespace) -> None:
     from .loading import load
-    from .sites import declared_sites
+    from .contract import declared_sites
     model = load(args.model).model
     sites = declared_sites(model)
     if sites:

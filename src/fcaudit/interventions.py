@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .models import Site
+from .contract import Site
 
 MAIN_CONDITIONS = ("original", "correct", "reassign", "shuffle", "reassign+shuffle",
                    "static-layer", "static-layer-position", "global-mean")

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .models import Site
+from .contract import Site
 
 ArrayFn = Callable[[np.ndarray], np.ndarray]
 

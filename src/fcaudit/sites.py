@@ -1,28 +1,22 @@
-"""Controller sites: find them, record their outputs, replay supplied coefficients.
+"""Controller sites: find them in a model, by the model's declaration or by module-path globs.
 
-Recording uses forward hooks, so the live model runs unchanged. Replay swaps each
-controller module for a :class:`CoefficientStub` that returns a supplied tensor,
-so the controller's own computation never runs and cannot react to perturbed
-hidden states.
+Each glob defines one family (named by the glob); its matches, in module order, are
+that family's layers 0, 1, ... A site list is refused when it names a module twice
+(duplicate globs, overlapping globs) or names a module together with one of its own
+children: their outputs would be recorded and replaced twice.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 
-import torch
 from torch import nn
 
+from .contract import Site, declared_sites
 from .errors import FcauditError
-from .models import Site
 
-
-def declared_sites(model: nn.Module) -> list[Site] | None:
-    """The model's own site declaration, or None for a model that has none."""
-    declare = getattr(model, "controller_sites", None)
-    return list(declare()) if callable(declare) else None
+SiteSpec = Sequence[str] | Sequence[Site] | None
 
 
 def match_modules(model: nn.Module, pattern: str, option: str, example: str) -> list[str]:
@@ -38,100 +32,68 @@ def match_modules(model: nn.Module, pattern: str, option: str, example: str) -> 
     return hits
 
 
-def resolve_sites(model: nn.Module, patterns: Sequence[str] | None = None) -> list[Site]:
-    """Sites to audit: matched by ``patterns`` (module-path globs) or as declared.
+def _from_globs(model: nn.Module, patterns: Sequence[str]) -> list[Site]:
+    repeated = sorted({p for p in patterns if list(patterns).count(p) > 1})
+    if repeated:
+        raise FcauditError(f"--sites {repeated[0]!r} is given more than once; give each glob "
+                           "once (each glob is one family)")
+    sites: list[Site] = []
+    for pattern in patterns:
+        hits = match_modules(model, pattern, "--sites", "blocks.*.gate")
+        sites += [Site(name=n, path=n, family=pattern, layer=i) for i, n in enumerate(hits)]
+    return sites
 
-    Each glob defines one family (named by the glob); its matches, in module
-    order, are that family's layers 0, 1, ...
-    """
-    if patterns:
-        sites: list[Site] = []
-        for pattern in patterns:
-            hits = match_modules(model, pattern, "--sites", "blocks.*.gate")
-            sites += [Site(name=n, path=n, family=pattern, layer=i) for i, n in enumerate(hits)]
-        return sites
-    sites_declared = declared_sites(model)
-    if not sites_declared:
+
+def check_sites(model: nn.Module, sites: Sequence[Site]) -> list[Site]:
+    """Refuse site lists that would record or replace a module twice; check every path."""
+    seen: dict[str, Site] = {}
+    for site in sites:
+        try:
+            model.get_submodule(site.path)
+        except AttributeError as exc:
+            raise FcauditError(f"site {site.name}: {site.path!r} is not a module of "
+                               f"{type(model).__name__}; list module paths with "
+                               "`fcaudit sites --model SPEC --all`") from exc
+        if site.path in seen:
+            other = seen[site.path]
+            raise FcauditError(
+                f"module {site.path} is named twice (families {other.family!r} and "
+                f"{site.family!r}); each controller module may belong to one site only")
+        seen[site.path] = site
+    names = [s.name for s in sites]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise FcauditError(f"site name {twice[0]!r} is used twice; site names must be unique")
+    paths = sorted(seen)
+    for outer in paths:
+        inner = next((p for p in paths if p.startswith(outer + ".")), None)
+        if inner is not None:
+            raise FcauditError(
+                f"site {inner} lies inside site {outer}: a controller and its own child cannot "
+                "both be sites (the outer one's replacement would hide the inner one); "
+                "name one of them")
+    return list(sites)
+
+
+def find_sites(model: nn.Module, sites: SiteSpec = None) -> list[Site]:
+    """The sites to audit: ``sites`` as module-path globs or :class:`Site` objects, or
+    the model's own declaration when None."""
+    if sites:
+        items = list(sites)
+        if all(isinstance(s, Site) for s in items):
+            return check_sites(model, items)  # type: ignore[arg-type]
+        if all(isinstance(s, str) for s in items):
+            return check_sites(model, _from_globs(model, items))  # type: ignore[arg-type]
+        raise FcauditError("sites must be module-path globs (str) or fcaudit.Site objects, "
+                           "not a mix")
+    declared = declared_sites(model)
+    if not declared:
         raise FcauditError(
             f"{type(model).__name__} declares no controller sites; name them with --sites "
-            "(a module-path glob such as 'blocks.*.gate')")
-    return sites_declared
+            "(a module-path glob such as 'blocks.*.gate'; see `fcaudit sites --model SPEC`)")
+    return check_sites(model, declared)
 
 
-def _check_coefficients(site: Site, out: object, batch: int, seq_len: int) -> torch.Tensor:
-    if not isinstance(out, torch.Tensor):
-        raise FcauditError(
-            f"site {site.name} returned {type(out).__name__}, not a tensor; --sites must name "
-            "modules whose output is the coefficient tensor [batch, positions, ...]")
-    if out.dim() < 2 or out.shape[0] != batch or out.shape[1] != seq_len:
-        raise FcauditError(
-            f"site {site.name} returned shape {tuple(out.shape)}, expected [batch={batch}, "
-            f"positions={seq_len}, ...]; --sites must name per-token coefficient modules")
-    return out
-
-
-@contextlib.contextmanager
-def recording(model: nn.Module, sites: Sequence[Site], batch: int,
-              seq_len: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Hook every site; the yielded dict fills with each site's detached output."""
-    captured: dict[str, torch.Tensor] = {}
-    handles = []
-    for site in sites:
-        def hook(_module: nn.Module, _args: object, out: object, site: Site = site) -> None:
-            captured[site.name] = _check_coefficients(site, out, batch, seq_len).detach()
-        handles.append(model.get_submodule(site.path).register_forward_hook(hook))
-    try:
-        yield captured
-    finally:
-        for handle in handles:
-            handle.remove()
-    missing = [s.name for s in sites if s.name not in captured]
-    if missing:
-        raise FcauditError(f"controller sites never ran during the forward pass: "
-                           f"{', '.join(missing)}; name modules the model actually calls")
-
-
-@torch.no_grad()
-def record(model: nn.Module, input_ids: torch.Tensor,
-           sites: Sequence[Site] | None = None) -> dict[str, torch.Tensor]:
-    """One unperturbed pass: site name -> coefficients ``[B, T, *trailing]``, layer order."""
-    sites = list(sites) if sites is not None else resolve_sites(model)
-    with recording(model, sites, *input_ids.shape[:2]) as captured:
-        model(input_ids)
-    return {s.name: captured[s.name] for s in sites}
-
-
-class CoefficientStub(nn.Module):
-    """Stands in for a controller: ignores its inputs, returns the supplied tensor."""
-
-    def __init__(self, site: Site, coefficients: torch.Tensor) -> None:
-        super().__init__()
-        self.site = site
-        self.coefficients = coefficients
-
-    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
-        return self.coefficients
-
-
-def _swap(model: nn.Module, path: str, module: nn.Module) -> nn.Module:
-    parent_path, _, child = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    old = parent._modules[child]
-    parent._modules[child] = module
-    return old
-
-
-@contextlib.contextmanager
-def replaying(model: nn.Module, coefficients: Mapping[Site, torch.Tensor]) -> Iterator[None]:
-    """Replace each named site by a stub returning the given coefficients.
-
-    Sites not in ``coefficients`` keep their live controller.
-    """
-    originals: list[tuple[str, nn.Module]] = []
-    try:
-        for site, tensor in coefficients.items():
-            originals.append((site.path, _swap(model, site.path, CoefficientStub(site, tensor))))
-        yield
-    finally:
-        for path, module in reversed(originals):
-            _swap(model, path, module)
+def families(sites: Sequence[Site]) -> list[str]:
+    """Family names in the order their first site appears."""
+    return list(dict.fromkeys(s.family for s in sites))

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import Site
+from ..contract import Site
 
 
 @dataclass(frozen=True)

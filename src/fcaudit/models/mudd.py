@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import FcauditError
-from . import Site
+from ..contract import Site
 
 VARIANTS = ("muddpythia", "muddformer")
 STREAMS = 4  # Q, K, V, R: the only dense_type ("qkvr") of the released checkpoints

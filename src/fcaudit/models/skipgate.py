@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import Site
+from ..contract import Site
 from .featuregate import GPT, Gate, GPTConfig, Update
 from .featuregate import PRESETS as GPT_PRESETS
 

@@ -1,0 +1,104 @@
+"""Record: run the live model and keep every controller's coefficients.
+
+Forward hooks leave the model unchanged. For each site call the hook takes the
+coefficient tensor out of the module's output with the site's adapter, keeps a
+detached *clone* (so an in-place operation the model applies to the output later
+cannot change what was cached), and checks that the adapter rebuilds the output
+from it bit for bit. A site that runs more than once in one forward pass, or never,
+is an error: one coefficient tensor per site and pass is what replay can feed back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .adapters import describe, same_bits
+from .contract import Site, SiteCall
+from .errors import FcauditError
+from .sites import SiteSpec, find_sites
+
+
+def _site_error(site: Site, module: nn.Module, message: str) -> FcauditError:
+    return FcauditError(f"site {site.name} ({type(module).__name__}, adapter "
+                        f"{getattr(site.adapter, 'name', type(site.adapter).__name__)}): {message}")
+
+
+def capture(site: Site, module: nn.Module, call: SiteCall, output: Any) -> Tensor:
+    """The coefficient tensor of one call: extracted, checked, detached and cloned."""
+    try:
+        coefficients = site.adapter.extract(output, call)
+    except FcauditError as exc:
+        raise _site_error(site, module, str(exc)) from exc
+    if not isinstance(coefficients, Tensor):
+        raise _site_error(site, module, f"the adapter's extract returned "
+                                        f"{describe(coefficients)}, not a tensor")
+    if not coefficients.is_floating_point():
+        raise _site_error(site, module, (
+            f"coefficients are {str(coefficients.dtype).removeprefix('torch.')}, not floating "
+            "point; coefficients must be real numbers (a gate's value, a router's logits): "
+            "name the module that produces the scores, not the decision"))
+    if coefficients.dim() < 2 or tuple(coefficients.shape[:2]) != (call.batch, call.seq_len):
+        raise _site_error(site, module, f"coefficients have shape {list(coefficients.shape)}, "
+                                        f"expected [batch={call.batch}, "
+                                        f"positions={call.seq_len}, ...]")
+    kept = coefficients.detach().clone()
+    rebuilt = site.adapter.rebuild(kept.clone(), call)
+    if not same_bits(rebuilt, output):
+        raise _site_error(site, module, (
+            f"rebuilding the output from its coefficients does not reproduce it bit for bit "
+            f"(output {describe(output)}, rebuilt {describe(rebuilt)}); the adapter does not "
+            "fit this module: replay would feed the model something else"))
+    return kept
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module, sites: Sequence[Site], batch: int,
+              seq_len: int) -> Iterator[dict[str, Tensor]]:
+    """Hook every site for one forward pass; the yielded dict fills with coefficients.
+
+    On leaving, every site must have run exactly once.
+    """
+    captured: dict[str, Tensor] = {}
+    calls = dict.fromkeys((s.name for s in sites), 0)
+    handles = []
+    for site in sites:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
+                 site: Site = site) -> None:
+            calls[site.name] += 1
+            if calls[site.name] > 1:
+                raise _site_error(site, module, (
+                    "it ran twice in one forward pass; fcaudit records one coefficient tensor "
+                    "per site and pass, and a second call would overwrite the first: name a "
+                    "module that runs once per forward (one per layer)"))
+            call = SiteCall(module, args, kwargs, batch, seq_len)
+            captured[site.name] = capture(site, module, call, output)
+        handles.append(model.get_submodule(site.path).register_forward_hook(
+            hook, with_kwargs=True))
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [name for name, n in calls.items() if n == 0]
+    if missing:
+        raise FcauditError(f"controller sites never ran during the forward pass: "
+                           f"{', '.join(missing)}; name modules the model actually calls")
+
+
+@torch.no_grad()
+def record(model: nn.Module, input_ids: Tensor,
+           sites: SiteSpec = None) -> dict[str, Tensor]:
+    """One unperturbed pass: site name -> coefficients ``[B, T, *trailing]``, in layer order.
+
+    ``sites``: module-path globs, :class:`~fcaudit.Site` objects, or None for the
+    model's own declaration.
+    """
+    site_list = find_sites(model, sites)
+    with recording(model, site_list, *input_ids.shape[:2]) as captured:
+        model(input_ids)
+    return {s.name: captured[s.name] for s in site_list}

@@ -98,6 +98,21 @@ class Site:
     adapter: ControllerAdapter = field(default_factory=_default_adapter, compare=False)
 
 
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One routed layer, for the execution audit of Mixture-of-Experts models.
+
+    ``experts`` are module paths: one per expert (the tokens entering each are
+    counted), or a single fused module that runs every expert (the int64
+    ``[tokens, k]`` expert-index tensor among its inputs is counted instead).
+    """
+
+    name: str  # e.g. the router site's name
+    experts: tuple[str, ...]
+    num_experts: int
+    top_k: int
+
+
 @runtime_checkable
 class DeclaresSites(Protocol):
     def controller_sites(self) -> list[Site]: ...
@@ -113,7 +128,13 @@ class HasDenseCounterpart(Protocol):
     def dense_counterpart(self) -> nn.Module: ...
 
 
-class AuditableModel(DeclaresSites, DeclaresBlocks, HasDenseCounterpart, Protocol):
+@runtime_checkable
+class DeclaresExperts(Protocol):
+    def expert_layers(self) -> list[ExpertLayer]: ...
+
+
+class AuditableModel(DeclaresSites, DeclaresBlocks, HasDenseCounterpart, DeclaresExperts,
+                     Protocol):
     """A model that declares everything the audit needs (each part is optional)."""
 
 
@@ -125,6 +146,11 @@ def declared_sites(model: nn.Module) -> list[Site] | None:
 def declared_blocks(model: nn.Module) -> list[str] | None:
     """The model's own execution blocks, or None for a model that declares none."""
     return list(model.execution_blocks()) if isinstance(model, DeclaresBlocks) else None
+
+
+def declared_experts(model: nn.Module) -> list[ExpertLayer] | None:
+    """The model's routed layers, or None for a model without experts."""
+    return list(model.expert_layers()) if isinstance(model, DeclaresExperts) else None
 
 
 def dense_twin(model: nn.Module, seed: int) -> nn.Module | None:

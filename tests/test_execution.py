@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 from fcaudit.errors import FcauditError
 from fcaudit.execution import (
     count_block_executions,
+    execution_pass,
     flops_per_token,
     measure_execution,
     ratio_interval,
@@ -24,6 +26,7 @@ from fcaudit.models.featuregate import GPT, GPTConfig, Update
 from fcaudit.models.skipgate import SkipGateConfig, SkipGateGPT
 from fcaudit.record import record
 from fcaudit.replay import replaying
+from fcaudit.result import Estimate, Execution
 
 SIZES = dict(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=32)
 B, T = 4, 16
@@ -85,11 +88,11 @@ def test_featuregate_and_dense_run_every_block():
     model = featuregate()
     result = measure_execution(model, model.dense_counterpart(), ids(batch=6), batch_size=4,
                                timing=False)
-    assert result["blocks_executed"] == 3.0 and result["dense_blocks_executed"] == 3.0
-    assert result["blocks_executed_per_layer"] == [1.0, 1.0, 1.0]
-    assert 1.0 < result["flops_ratio"] < 1.01  # the gates' own small matmuls
-    assert not result["conditional_execution"]
-    assert result["timing"] is None and result["speed_ratio_vs_dense"] is None
+    assert result.blocks_executed == 3.0 and result.dense_blocks_executed == 3.0
+    assert result.blocks_executed_per_layer == [1.0, 1.0, 1.0]
+    assert 1.0 < result.flops_ratio < 1.01  # the gates' own small matmuls
+    assert not result.conditional_execution
+    assert result.timing is None and result.speed_ratio_vs_dense is None
     assert verdict_execution(result).startswith("No conditional execution: 3.00 of 3 blocks")
 
 
@@ -97,9 +100,9 @@ def test_skipgate_saves_blocks_and_flops():
     model = skipgate()  # untrained: the threshold sits at the median of the initial gates
     result = measure_execution(model, model.dense_counterpart(), ids(batch=8), batch_size=4,
                                timing=False)
-    assert 0.2 < result["executed_fraction"] < 0.8
-    assert result["flops_ratio"] < 0.9 and result["conditional_execution"]
-    json.dumps(result)  # JSON-ready
+    assert 0.2 < result.executed_fraction < 0.8
+    assert result.flops_ratio < 0.9 and result.conditional_execution
+    json.dumps(dataclasses.asdict(result))  # JSON-ready
     again = measure_execution(model, model.dense_counterpart(), ids(batch=8), batch_size=4,
                               timing=False)
     assert {k: again[k] for k in ("blocks_executed", "blocks_executed_per_layer")} == \
@@ -155,12 +158,12 @@ def test_ratio_is_the_median_of_pair_ratios_with_a_seeded_interval():
     model_s = [2.0, 3.0, 4.0, 10.0, 1.2]
     dense_s = [1.0, 2.0, 2.0, 2.0, 1.0]  # pair ratios 2, 1.5, 2, 5, 1.2
     r = ratio_interval(model_s, dense_s, seed=3)
-    assert r["value"] == 2.0
-    assert 1.2 <= r["ci95"][0] <= 2.0 <= r["ci95"][1] <= 5.0
+    assert r.value == 2.0
+    assert 1.2 <= r.ci95[0] <= 2.0 <= r.ci95[1] <= 5.0
     assert ratio_interval(model_s, dense_s, seed=3) == r
     constant = ratio_interval([1.5, 3.0, 0.3], [1.0, 2.0, 0.2])
-    assert constant["value"] == pytest.approx(1.5)
-    assert constant["ci95"] == pytest.approx([1.5, 1.5])
+    assert constant.value == pytest.approx(1.5)
+    assert constant.ci95 == pytest.approx([1.5, 1.5])
 
 
 def test_bootstrap_interval_matches_resampling_by_hand():
@@ -169,13 +172,13 @@ def test_bootstrap_interval_matches_resampling_by_hand():
     r = ratio_interval(ratios, np.ones(12), seed=7, resamples=500)
     picks = np.random.default_rng(7).integers(0, 12, size=(500, 12))
     lo, hi = np.percentile(np.median(ratios[picks], axis=1), [2.5, 97.5])
-    assert r["ci95"] == pytest.approx([lo, hi])
+    assert r.ci95 == pytest.approx([lo, hi])
 
 
 def test_side_summary():
     s = side_summary([0.3, 0.1, 0.2, 0.5], tokens=1000)
-    assert s == pytest.approx({"median_s": 0.25, "min_s": 0.1, "max_s": 0.5,
-                               "tokens_per_s": 4000.0})
+    assert (s.median_s, s.min_s, s.max_s, s.tokens_per_s) == pytest.approx(
+        (0.25, 0.1, 0.5, 4000.0))
 
 
 def test_time_interleaved_records_its_setting():
@@ -183,29 +186,32 @@ def test_time_interleaved_records_its_setting():
     before = torch.get_num_threads()
     t = time_interleaved(model, model.dense_counterpart(), ids(), pairs=10, warmup=1, threads=1)
     assert torch.get_num_threads() == before
-    assert t["threads"] == 1 and t["device"] == "cpu" and len(t["pairs_s"]) == 10
-    assert (t["batch_size"], t["seq_len"], t["pairs"], t["warmup"]) == (B, T, 10, 1)
-    lo, hi = t["speed_ratio_vs_dense"]["ci95"]
-    assert lo <= t["speed_ratio_vs_dense"]["value"] <= hi
+    assert t.threads == 1 and t.device == "cpu" and len(t.pairs_s) == 10
+    assert (t.batch_size, t.seq_len, t.pairs, t.warmup) == (B, T, 10, 1)
+    lo, hi = t.speed_ratio_vs_dense.ci95
+    assert lo <= t.speed_ratio_vs_dense.value <= hi
     with pytest.raises(FcauditError, match="at least 10 pairs"):
         time_interleaved(model, model.dense_counterpart(), ids(), pairs=3)
 
 
+def _measured(conditional: bool, ratio: Estimate | None, **extra: object) -> Execution:
+    timing = SimpleNamespace(speed_ratio_vs_dense=ratio) if ratio is not None else None
+    return Execution(measured=True, conditional_execution=conditional, blocks_executed=2.1,
+                     blocks_present=4, dense_blocks_executed=4.0,
+                     **{"flops_ratio": 0.61, **extra}, timing=timing)  # type: ignore[arg-type]
+
+
 def test_verdict_states_the_numbers():
-    base = {"conditional_execution": True, "blocks_executed": 2.1, "blocks_present": 4,
-            "dense_blocks_executed": 4.0, "flops_ratio": 0.61}
-    timing = {"speed_ratio_vs_dense": {"value": 0.72, "ci95": [0.70, 0.75]}}
-    assert verdict_execution({**base, "timing": timing}) == (
+    assert verdict_execution(_measured(True, Estimate(0.72, [0.70, 0.75]))) == (
         "Conditional execution: 2.10 of 4 blocks run per token (Dense 4.00), FLOPs 0.610x "
         "Dense; latency 0.72x Dense [0.70, 0.75], faster.")
-    slow = {"speed_ratio_vs_dense": {"value": 1.28, "ci95": [1.21, 1.35]}}
-    text = verdict_execution({**base, "conditional_execution": False, "timing": slow})
+    text = verdict_execution(_measured(False, Estimate(1.28, [1.21, 1.35])))
     assert text.startswith("No conditional execution") and text.endswith("slower.")
-    unclear = {"speed_ratio_vs_dense": {"value": 1.01, "ci95": [0.97, 1.05]}}
-    assert verdict_execution({**base, "timing": unclear}).endswith("no clear difference.")
-    tiny = {"speed_ratio_vs_dense": {"value": 0.992, "ci95": [0.986, 0.9998]}}  # A/A-sized
-    assert verdict_execution({**base, "timing": tiny}).endswith("no clear difference.")
-    assert verdict_execution({**base, "timing": None}).endswith("latency not measured.")
+    unclear = Estimate(1.01, [0.97, 1.05])
+    assert verdict_execution(_measured(True, unclear)).endswith("no clear difference.")
+    refused = verdict_execution(_measured(True, None, flops_ratio=None,
+                                          uncounted_operators=["aten.foo_mm"]))
+    assert "FLOPs not compared: the counter cannot count aten.foo_mm" in refused
 
 
 # --- the SkipGate model -----------------------------------------------------------------
@@ -303,3 +309,36 @@ def test_bench_command_writes_json(tmp_path):
     result = json.loads(out.read_text())
     assert result["blocks_executed"] == result["blocks_present"] == SIZES["n_layer"]
     assert result["timing"]["pairs"] == 10 and "verdict" in result
+
+
+class GroupedExperts(nn.Module):
+    """Experts run through torch._grouped_mm, as Hugging Face MoE kernels do; tokens are
+    sorted by expert and ``offs`` marks where each expert's rows end."""
+
+    def __init__(self, experts: int = 4, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(experts, dim, hidden, dtype=torch.bfloat16))
+        self.experts = experts
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = torch.randn(ids.numel(), self.w.shape[1], dtype=torch.bfloat16)
+        per = ids.numel() // self.experts
+        offs = torch.arange(1, self.experts + 1, dtype=torch.int32) * per
+        return torch._grouped_mm(x, self.w, offs=offs)
+
+
+def test_grouped_mm_flops_are_counted_by_formula():
+    model, tokens = GroupedExperts(), torch.zeros(4, 8, dtype=torch.long)
+    flops = execution_pass(model, [], [tokens])
+    assert flops["uncounted"] == []
+    assert flops["flops_per_token"] == 2 * 8 * 16  # each token meets exactly one expert
+
+
+def test_an_uncounted_matrix_operator_refuses_the_flops_ratio(monkeypatch):
+    import fcaudit.execution as ex
+    monkeypatch.setattr(ex, "EXTRA_FLOP_FORMULAS", {
+        k: v for k, v in ex.EXTRA_FLOP_FORMULAS.items() if "grouped" not in str(k)})
+    result = measure_execution(GroupedExperts(), GroupedExperts(), torch.zeros(4, 8).long(),
+                               block_paths=[""], dense_block_paths=[""], timing=False)
+    assert result.uncounted_operators == ["aten._grouped_mm"]
+    assert result.flops_ratio is None and not result.conditional_execution

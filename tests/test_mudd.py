@@ -25,12 +25,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from fcaudit.data import folder_tokenizer
 from fcaudit.errors import FcauditError
 from fcaudit.models.mudd import PRESETS, MuddConfig, MuddModel
 from fcaudit.models.mudd_checkpoint import (
     is_mudd_folder,
     load_mudd_folder,
-    load_mudd_tokenizer,
 )
 from fcaudit.record import record
 from fcaudit.replay import replaying
@@ -301,14 +301,14 @@ def test_sequence_longer_than_block_size() -> None:
 def test_folder_detection_and_tokenizer(tmp_path: Path) -> None:
     from tokenizers import Tokenizer, models
 
-    assert load_mudd_tokenizer(FIXTURES / "mudd_tiny") is None
+    assert folder_tokenizer(FIXTURES / "mudd_tiny") is None
     assert not is_mudd_folder(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
     assert not is_mudd_folder(tmp_path)
     Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(
         str(tmp_path / "tokenizer.json"))
-    tokenizer = load_mudd_tokenizer(tmp_path)
+    tokenizer = folder_tokenizer(tmp_path)
     assert tokenizer is not None and tokenizer.token_to_id("a") == 0
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(FcauditError, match="not a readable tokenizer"):
-        load_mudd_tokenizer(tmp_path)
+        folder_tokenizer(tmp_path)

@@ -1,23 +1,48 @@
 """fcaudit: the Frozen Controller Audit.
 
 Three separate questions about a model with controllers (gates, mixing-weight
-generators, routers): do the coefficients *vary*; does the *frozen* model
-*depend* on each coefficient tensor staying matched to its input and token; and
-does the mechanism change *execution*?
+generators, routers): do the coefficients *vary*; does the *frozen* model *depend* on
+each coefficient tensor staying matched to its input and token; and does the
+mechanism change *execution*?
+
+Public API (imported lazily, so ``import fcaudit`` and ``fcaudit --help`` stay fast)::
+
+    fcaudit.load_model(spec)                   # any model spec -> nn.Module
+    fcaudit.find_sites(model, globs=None)      # -> list[Site]
+    fcaudit.record(model, input_ids, sites)    # -> {site name: [B, T, ...]}
+    with fcaudit.replay(model, coefficients):  # controllers replaced, never run
+        model(input_ids)
+    fcaudit.reassign / shuffle / static        # interventions on recorded dicts
+    fcaudit.audit(model, out=None, ...)        # -> AuditResult
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
+from .errors import FcauditError
+
 __version__ = "0.1.0"
 
-from .errors import FcauditError  # noqa: E402
-from .loading import load_model  # noqa: E402
-from .record import record  # noqa: E402
+_EXPORTS = {
+    "AuditOptions": "engine", "audit": "engine",
+    "AuditResult": "result",
+    "DataSpec": "data",
+    "Site": "contract", "SiteCall": "contract", "ExpertLayer": "contract",
+    "find_sites": "sites",
+    "record": "record",
+    "replay": "replay",
+    "load_model": "loading",
+    "Intervention": "interventions", "InterventionContext": "interventions",
+    "StaticProfiles": "interventions", "reassign": "interventions", "shuffle": "interventions",
+    "static": "interventions",
+}
 
-__all__ = ["FcauditError", "__version__", "load_model", "record", "audit"]
+__all__ = ["FcauditError", "__version__", *_EXPORTS]
 
 
-def audit(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - thin lazy wrapper
-    """Run the full audit (see :func:`fcaudit.audit_run.run_audit`); returns audit.json content."""
-    from .audit_run import run_audit
-    return run_audit(*args, **kwargs)
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'fcaudit' has no attribute {name!r}")

@@ -139,6 +139,8 @@ def same_bits(a: Any, b: Any) -> bool:
             return bool(torch.equal(a.contiguous().view(torch.uint8),
                                     b.contiguous().view(torch.uint8)))
         return bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return type(a) is type(b) and len(a) == len(b) and all(
             same_bits(x, y) for x, y in zip(a, b, strict=True))

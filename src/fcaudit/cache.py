@@ -1,16 +1,24 @@
-"""The on-disk coefficient cache: one safetensors shard per evaluation batch.
+"""The on-disk audit cache: safetensors shards, each with its own checksum.
 
-Each shard holds the per-token NLL of the unperturbed pass and every site's full
-coefficient tensor for that batch. A JSON manifest names the model, data and
-code fingerprints and each finished shard's SHA-256, and is rewritten atomically
-after every shard: a killed record resumes at the first missing shard, a
-corrupted shard is caught by its checksum, and a cache recorded with another
-model or other data is refused. Rows are read back lazily (``safe_open``), so
-memory does not grow with the number of evaluation sequences.
+* ``eval-00000.safetensors``: one evaluation batch of the unperturbed pass: the
+  per-token NLL and every site's full coefficient tensor;
+* ``calib-00000.safetensors``: one calibration batch: every site's float64 sum
+  over the batch's sequences, by position (static profiles add them in batch order,
+  so the result does not depend on how batches were spread over processes);
+* ``replay-PLAN/replay-00000.safetensors``: one evaluation batch's per-sequence NLL
+  under every planned run, so an interrupted replay resumes too.
+
+``manifest.json`` names what the cache was recorded with (model, data, code
+fingerprints, batch size); a cache recorded with anything else is refused. Each
+shard is written atomically and then its SHA-256 beside it (``NAME.sha256``), so
+shards can be written by several processes at once, a killed writer leaves no
+shard without checksum, and a corrupted shard is caught when read. Rows are read
+lazily (``safe_open``): memory does not grow with the number of sequences.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -19,19 +27,23 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import FcauditError
-from .fileio import read_json, sha256_file, write_json, write_safetensors
+from .fileio import read_json, sha256_file, write_json, write_safetensors, write_text
 
-SCHEMA = "fcaudit.cache/1"
+SCHEMA = "fcaudit.cache/2"
+_OPEN_HANDLES = 16
 
 
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """Write a safetensors file atomically; return its SHA-256."""
-    write_safetensors(path, tensors)
-    return sha256_file(path)
+def _check_folder(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise FcauditError(f"{folder} is a file, but fcaudit keeps its cache folder there; "
+                           "move that file away or choose another --out")
+    manifest = folder / "manifest.json"
+    if manifest.exists() and not manifest.is_file():
+        raise FcauditError(f"{manifest} is not a file; delete {folder} and rerun")
 
 
 class CoefficientCache:
-    """Shards ``eval-00000.safetensors``... plus ``manifest.json`` in one folder."""
+    """The shards of one audit's cache folder (see the module docstring)."""
 
     def __init__(self, folder: Path, identity: dict[str, Any], batch_size: int,
                  n_sequences: int) -> None:
@@ -40,43 +52,49 @@ class CoefficientCache:
         self.batch_size = batch_size
         self.n_sequences = n_sequences
         self.manifest_path = self.folder / "manifest.json"
-        self.shards: dict[str, str] = {}
-        self.extras: dict[str, str] = {}
-        self._handles: OrderedDict[int, Any] = OrderedDict()
+        self._handles: OrderedDict[str, Any] = OrderedDict()
         self._verified: set[str] = set()
+        _check_folder(self.folder)
         if self.manifest_path.exists():
-            self._clear_stale_temporaries()
-            try:
-                manifest = read_json(self.manifest_path, "cache manifest")
-            except FcauditError as exc:
-                raise FcauditError(f"{exc}; delete {self.folder} and rerun") from exc
-            if not isinstance(manifest, dict):
-                raise FcauditError(f"cache manifest {self.manifest_path} is not a JSON object; "
-                                   f"delete {self.folder} and rerun")
-            recorded = manifest.get("identity")
-            recorded = recorded if isinstance(recorded, dict) else {}
-            setup = {"batch_size": batch_size, "n_sequences": n_sequences}
-            diff = sorted(k for k in set(identity) | set(recorded)
-                          if recorded.get(k) != identity.get(k))
-            diff += [k for k, v in setup.items() if manifest.get(k) != v]
-            if diff and (manifest.get("shards") or manifest.get("extras")):
-                raise FcauditError(
-                    f"the cache in {self.folder} was recorded with a different "
-                    f"{', '.join(diff)}; delete that folder or choose another --out "
-                    "(or rerun with the original model, data and --batch-size)")
-            if diff:  # nothing was recorded yet: nothing to lose, start afresh
-                self._write_manifest()
-            else:
-                self.shards = dict(manifest.get("shards", {}))
-                self.extras = dict(manifest.get("extras", {}))
+            self._adopt()
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._write_manifest()
 
-    def _clear_stale_temporaries(self) -> None:
-        """Remove temporary files a killed writer left behind (never under a final name)."""
-        for tmp in self.folder.glob(".*.tmp"):
+    def _adopt(self) -> None:
+        """Reuse an existing cache folder if it was recorded with the same setup."""
+        for tmp in self.folder.glob(".*.tmp"):  # left by a killed writer (our own names)
             tmp.unlink(missing_ok=True)
+        try:
+            manifest = read_json(self.manifest_path, "cache manifest")
+        except FcauditError as exc:
+            raise FcauditError(f"{exc}; delete {self.folder} and rerun") from exc
+        if not isinstance(manifest, dict):
+            raise FcauditError(f"cache manifest {self.manifest_path} is not a JSON object; "
+                               f"delete {self.folder} and rerun")
+        if manifest.get("schema") != SCHEMA:
+            raise FcauditError(f"the cache in {self.folder} was written by another fcaudit "
+                               f"version ({manifest.get('schema')!r}); delete that folder and "
+                               "rerun to record it again")
+        recorded = manifest.get("identity") if isinstance(manifest.get("identity"), dict) else {}
+        setup = {"batch_size": self.batch_size, "n_sequences": self.n_sequences}
+        diff = sorted(k for k in set(self.identity) | set(recorded)
+                      if recorded.get(k) != self.identity.get(k))
+        diff += [k for k, v in setup.items() if manifest.get(k) != v]
+        if diff and any(self.folder.glob("*.sha256")):
+            raise FcauditError(
+                f"the cache in {self.folder} was recorded with a different {', '.join(diff)}; "
+                "delete that folder or choose another --out (or rerun with the original "
+                "model, data and --batch-size)")
+        if diff:  # nothing was recorded yet: nothing to lose, start afresh
+            self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        write_json(self.manifest_path, {"schema": SCHEMA, "identity": self.identity,
+                                        "batch_size": self.batch_size,
+                                        "n_sequences": self.n_sequences})
+
+    # ------------------------------------------------------------------ layout
 
     @property
     def n_batches(self) -> int:
@@ -85,39 +103,42 @@ class CoefficientCache:
     def batch_range(self, b: int) -> range:
         return range(b * self.batch_size, min((b + 1) * self.batch_size, self.n_sequences))
 
-    def _write_manifest(self) -> None:
-        write_json(self.manifest_path, {"schema": SCHEMA, "identity": self.identity,
-                                        "batch_size": self.batch_size,
-                                        "n_sequences": self.n_sequences,
-                                        "shards": self.shards, "extras": self.extras})
-
     @staticmethod
-    def shard_name(b: int) -> str:
+    def eval_name(b: int) -> str:
         return f"eval-{b:05d}.safetensors"
 
-    def has_shard(self, b: int) -> bool:
-        return self.shard_name(b) in self.shards and (self.folder / self.shard_name(b)).exists()
+    @staticmethod
+    def calib_name(b: int) -> str:
+        return f"calib-{b:05d}.safetensors"
 
-    def write_shard(self, b: int, nll: torch.Tensor, coefficients: dict[str, torch.Tensor]) -> None:
-        tensors = {"nll": nll, **{f"site::{k}": v for k, v in coefficients.items()}}
-        name = self.shard_name(b)
-        self.shards[name] = save_tensors(self.folder / name, tensors)
-        self._write_manifest()
+    @staticmethod
+    def replay_name(plan: str, b: int) -> str:
+        return f"replay-{plan[:16]}/replay-{b:05d}.safetensors"
 
-    def write_extra(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        self.extras[name] = save_tensors(self.folder / name, tensors)
-        self._write_manifest()
+    def use_replay_plan(self, plan: str) -> None:
+        """Drop replay results of any other plan (derived data fcaudit wrote itself)."""
+        keep = Path(self.replay_name(plan, 0)).parent.name
+        for old in self.folder.glob("replay-*"):
+            if old.is_dir() and old.name != keep:
+                shutil.rmtree(old)
 
-    def read_extra(self, name: str) -> dict[str, torch.Tensor] | None:
-        if name not in self.extras or not (self.folder / name).exists():
-            return None
-        self._verify(name, self.extras[name])
-        with safe_open(str(self.folder / name), framework="pt") as fh:
-            return {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - not a dict
+    # ------------------------------------------------------------------ shards
 
-    def _verify(self, name: str, expected: str) -> None:
+    def has(self, name: str) -> bool:
+        return (self.folder / name).is_file() and (self.folder / f"{name}.sha256").is_file()
+
+    def write(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        """The shard, then its checksum: a shard without checksum does not exist."""
+        path = self.folder / name
+        write_safetensors(path, tensors)
+        write_text(self.folder / f"{name}.sha256", sha256_file(path) + "\n")
+
+    def _verify(self, name: str) -> None:
         if name in self._verified:
             return
+        if not self.has(name):
+            raise FcauditError(f"cache {self.folder} lacks {name}; rerun to finish recording")
+        expected = (self.folder / f"{name}.sha256").read_text(encoding="utf-8").strip()
         if sha256_file(self.folder / name) != expected:
             raise FcauditError(
                 f"cache file {self.folder / name} fails its checksum (corrupted or edited); "
@@ -125,35 +146,37 @@ class CoefficientCache:
         self._verified.add(name)
 
     def verify_all(self) -> None:
-        """Check every shard against its recorded SHA-256 before replay reads it."""
+        """Check every evaluation shard against its SHA-256 before replay reads it."""
         for b in range(self.n_batches):
-            name = self.shard_name(b)
-            if name not in self.shards:
-                raise FcauditError(f"cache {self.folder} lacks {name}; rerun to finish recording")
-            self._verify(name, self.shards[name])
+            self._verify(self.eval_name(b))
 
-    def _handle(self, b: int) -> Any:
-        if b in self._handles:
-            self._handles.move_to_end(b)
-            return self._handles[b]
+    def _handle(self, name: str) -> Any:
+        if name in self._handles:
+            self._handles.move_to_end(name)
+            return self._handles[name]
+        self._verify(name)
         try:
-            fh = safe_open(str(self.folder / self.shard_name(b)), framework="pt")
+            fh = safe_open(str(self.folder / name), framework="pt")
         except (SafetensorError, OSError) as exc:
-            raise FcauditError(f"cannot read cache shard {self.shard_name(b)} in {self.folder} "
-                               f"({exc}); delete the folder and rerun") from exc
-        self._handles[b] = fh
-        if len(self._handles) > 16:
+            raise FcauditError(f"cannot read cache shard {name} in {self.folder} ({exc}); "
+                               "delete the folder and rerun") from exc
+        self._handles[name] = fh
+        if len(self._handles) > _OPEN_HANDLES:
             self._handles.popitem(last=False)
         return fh
 
-    def batch(self, b: int, key: str) -> torch.Tensor:
-        """A whole shard tensor (``nll`` or ``site::NAME``)."""
-        return self._handle(b).get_tensor(key)
+    def read(self, name: str) -> dict[str, torch.Tensor]:
+        fh = self._handle(name)
+        return {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - not a dict
 
-    def rows(self, key: str, indices: list[int] | Any) -> torch.Tensor:
+    def batch(self, b: int, key: str) -> torch.Tensor:
+        """A whole evaluation-shard tensor (``nll`` or ``site::NAME``)."""
+        return self._handle(self.eval_name(b)).get_tensor(key)
+
+    def rows(self, key: str, indices: Any) -> torch.Tensor:
         """Rows of ``key`` for arbitrary global sequence indices, read lazily per shard."""
         out = []
         for i in (int(j) for j in indices):
             b, r = divmod(i, self.batch_size)
-            out.append(self._handle(b).get_slice(key)[r:r + 1])
+            out.append(self._handle(self.eval_name(b)).get_slice(key)[r:r + 1])
         return torch.cat(out, 0)

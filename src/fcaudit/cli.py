@@ -1,6 +1,7 @@
 """Command line: ``fcaudit {train,audit,demo,bench,sites,reproduce}``.
 
-User errors print one line and exit with status 2; ``--debug`` shows tracebacks.
+User errors print one line and exit with status 2; ``--debug`` shows tracebacks. This
+module imports nothing heavy at the top, so ``--help`` and argument errors are instant.
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ from typing import Any
 
 from .errors import FcauditError
 
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
 EPILOG_AUDIT = """\
 model SPEC is one of:
   RUN_FOLDER                 a folder written by `fcaudit train`
-  CHECKPOINT_FOLDER          a local MUDDPythia/MUDDFormer folder (config.json + safetensors)
-  package.module:factory     a zero-argument callable returning a torch.nn.Module;
-                             name its controllers with --sites 'blocks.*.gate'
+  CHECKPOINT_FOLDER          a local Hugging Face folder (config.json + safetensors): MUDDPythia /
+                             MUDDFormer (fcaudit's own code) or any causal LM transformers knows
+                             (pip install "fcaudit[hf]"; Mixture-of-Experts routers are found
+                             automatically; never remote code)
+  package.module:factory     a zero-argument callable returning a torch.nn.Module, imported from
+                             the current folder; name its controllers with --sites 'blocks.*.gate'
 
 data (default: the built-in Shakespeare evaluation and calibration plays):
   --data FILE_OR_DIR [--calib-data FILE_OR_DIR]   text, tokenized with the model's tokenizer
@@ -28,8 +34,17 @@ data (default: the built-in Shakespeare evaluation and calibration plays):
 examples:
   fcaudit audit --model runs/featuregate --out audits/fg
   fcaudit audit --model ./MUDDPythia-1.4B --data essay.txt --seq-len 512 --out audits/mudd
+  fcaudit audit --model ./OLMoE-tiny --tokens eval.npy --calib-tokens calib.npy --out audits/moe
   fcaudit audit --model mypkg.models:build --sites 'layers.*.router' \\
       --tokens eval.npy --calib-tokens calib.npy --dense mypkg.models:build_dense --out audits/my
+"""
+
+EPILOG_SITES = """\
+A site is a module whose output carries the coefficients (a gate, a mixing-weight
+generator, a router). `fcaudit sites` lists the sites the model declares (or that fcaudit
+finds, e.g. Mixture-of-Experts routers of Hugging Face models). With --all it runs one
+small forward pass and lists every module with its output type and shape, marking
+likely controllers: pass those paths to `fcaudit audit --sites GLOB`.
 """
 
 
@@ -39,7 +54,7 @@ def _add_audit_options(p: argparse.ArgumentParser) -> None:
                    help="seeds per random condition (reassign, shuffle) (default 3)")
     g.add_argument("--seed", type=int, default=0, help="master seed (default 0)")
     g.add_argument("--bootstrap", type=int, default=1000,
-                   help="bootstrap resamples for 95%% intervals (default 1000)")
+                   help="bootstrap resamples for 95%% intervals, 10 to 100000 (default 1000)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
     g.add_argument("--no-per-layer", action="store_true",
                    help="skip the per-layer variants (reassign@layer, static-layer@layer)")
@@ -47,28 +62,22 @@ def _add_audit_options(p: argparse.ArgumentParser) -> None:
                    help="skip the execution audit (blocks, FLOPs, speed)")
     g.add_argument("--timing-pairs", type=int, default=10,
                    help="interleaved model/dense timing pairs; 0 disables timing (default 10)")
-    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--allow-nonexact-identity", action="store_true",
+                   help="continue when replaying the recorded coefficients does not reproduce "
+                        "the original pass bit for bit (every verdict is then flagged)")
+    g.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def _options(args: argparse.Namespace) -> Any:
-    from .audit_run import AuditOptions
+    from .engine import AuditOptions
     return AuditOptions(repeats=args.repeats, seed=args.seed, bootstrap=args.bootstrap,
                         batch_size=args.batch_size, per_layer=not args.no_per_layer,
                         execution=not args.no_execution, timing_pairs=args.timing_pairs,
-                        progress=not args.quiet)
+                        progress=not args.quiet,
+                        allow_nonexact_identity=args.allow_nonexact_identity)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fcaudit",
-        description="Frozen Controller Audit: do a model's controller coefficients vary, does "
-                    "the frozen model depend on them staying matched to their input and token, "
-                    "and does the mechanism change execution?",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Start with `fcaudit demo`; see `fcaudit COMMAND --help`.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_train(sub: Any) -> None:
     t = sub.add_parser("train", help="train a model on the built-in corpus",
                        description="Train FeatureGate, its Dense twin, SkipGate or MUDD on the "
                                    "built-in Shakespeare corpus (seeded, deterministic on CPU).")
@@ -77,20 +86,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", required=True, type=Path, help="run folder to create")
     t.add_argument("--steps", type=int, default=None, help="override the preset's step count")
-    t.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--force", action="store_true",
+                   help="replace an existing run folder written by fcaudit (nothing else)")
+    t.add_argument("--quiet", action="store_true", help="no progress output")
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     t.add_argument("--data", default=None, metavar="FILE_OR_DIR",
                    help="train on your own text (a file or a folder of .txt) instead of the "
                         "built-in corpus; its last 5%% of tokens are held out for eval NLL")
 
+
+def _add_audit(sub: Any) -> None:
     a = sub.add_parser("audit", help="run the full audit on a model",
                        description="Record every controller's coefficients, replay the frozen "
                                    "model under each condition, measure execution, and write "
                                    "OUT/audit.json, OUT/report.md, OUT/report.html and figures.",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG_AUDIT)
     a.add_argument("--model", required=True, help="model SPEC (see below)")
-    a.add_argument("--out", required=True, type=Path, help="output folder (cache reused on rerun)")
+    a.add_argument("--out", required=True, type=Path,
+                   help="output folder: new, empty, or one fcaudit wrote (its cache is reused)")
     a.add_argument("--sites", action="append", default=None, metavar="GLOB",
                    help="module-path glob of controller modules (repeatable; one family each)")
     a.add_argument("--dense", default=None, metavar="SPEC",
@@ -108,39 +121,39 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-eval", type=int, default=64, help="evaluation sequences (default 64)")
     a.add_argument("--max-calib", type=int, default=64,
                    help="calibration sequences (default 64)")
-    a.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="load a checkpoint folder in this dtype (default: its own)")
+    a.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                   help="load the model (and --dense) in this dtype (default: as stored)")
     a.add_argument("--device", default="cpu",
                    help="cpu or cuda (default cpu, where identity replay is bitwise exact)")
     _add_audit_options(a)
 
-    d = sub.add_parser("demo", help="train tiny FeatureGate + Dense and audit them (~5 min)",
-                       description="The built-in default end to end: train tiny FeatureGate and "
-                                   "Dense twins (if absent), audit FeatureGate against Dense, "
-                                   "print a summary and write the reports.")
-    d.add_argument("--out", type=Path, default=Path("fcaudit-demo"))
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--quiet", action="store_true", help="no progress bars")
 
+def _add_bench(sub: Any) -> None:
     b = sub.add_parser("bench", help="execution audit only: model vs dense counterpart",
                        description="Blocks executed, FLOPs per token and interleaved timing of "
                                    "--model against --dense on one batch of built-in evaluation "
                                    "text (random token ids when the model has no tokenizer).")
-    b.add_argument("--model", required=True)
+    b.add_argument("--model", required=True, help="model SPEC (as for `fcaudit audit`)")
     b.add_argument("--dense", default=None, help="default: the model's own dense counterpart")
+    b.add_argument("--blocks", default=None, metavar="GLOB",
+                   help="module-path glob of the blocks to count, in model and dense "
+                        "(default: the models' own declarations)")
     b.add_argument("--batch-size", type=int, default=8)
     b.add_argument("--seq-len", type=int, default=128)
-    b.add_argument("--pairs", type=int, default=10)
+    b.add_argument("--pairs", type=int, default=10, help="timing pairs, at least 10")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     b.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
 
+
+def _add_reproduce(sub: Any) -> None:
     r = sub.add_parser("reproduce", help="the paper's study: multi-seed train + audit + tables",
                        description="Train every seed of FeatureGate/Dense (and the tiny MUDD "
                                    "and SkipGate), audit each, aggregate across seeds and write "
                                    "OUT/reproduction.md, OUT/report.html and figures. Finished "
                                    "runs and audits are reused, so an interrupted study resumes.")
     r.add_argument("--preset", choices=["tiny", "paper"], default="tiny",
-                   help="tiny: CPU scale (~45 min for 3 seeds on 2 cores); paper: 76m x7 and "
+                   help="tiny: CPU scale (~15 min for 3 seeds on 2 cores); paper: 76m x7 and "
                         "504m x3 seeds (GPU)")
     r.add_argument("--seeds", type=int, default=None,
                    help="seeds per group (default: tiny 3; paper 7 for 76m and 3 for 504m)")
@@ -157,11 +170,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on this text instead of the built-in corpus (advised for "
                         "--preset paper: Shakespeare is ~2M tokens); audits still use the "
                         "built-in evaluation and calibration plays")
-    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    r.add_argument("--quiet", action="store_true", help="no progress output")
 
-    s = sub.add_parser("sites", help="list a model's controller sites and module paths")
-    s.add_argument("--model", required=True)
-    s.add_argument("--all", action="store_true", help="list every module path")
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fcaudit",
+        description="Frozen Controller Audit: do a model's controller coefficients vary, does "
+                    "the frozen model depend on them staying matched to their input and token, "
+                    "and does the mechanism change execution?",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Start with `fcaudit demo`; see `fcaudit COMMAND --help`.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(sub)
+    _add_audit(sub)
+    d = sub.add_parser("demo", help="train tiny FeatureGate + Dense and audit them (~3 min)",
+                       description="The built-in default end to end: train tiny FeatureGate and "
+                                   "Dense twins (if absent), audit FeatureGate against Dense, "
+                                   "print a summary and write the reports.")
+    d.add_argument("--out", type=Path, default=Path("fcaudit-demo"))
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--quiet", action="store_true", help="no progress output")
+    _add_bench(sub)
+    _add_reproduce(sub)
+    s = sub.add_parser("sites", help="list a model's controller sites (and, with --all, every "
+                                     "module's output)",
+                       description="List the controller sites of a model, to choose --sites.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=EPILOG_SITES)
+    s.add_argument("--model", required=True, help="model SPEC (as for `fcaudit audit`)")
+    s.add_argument("--all", action="store_true",
+                   help="run one small forward pass and list every module with its output "
+                        "type and shape, marking likely controllers")
     for command in sub.choices.values():  # `--debug` also works after the command name
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="show tracebacks on errors")
@@ -179,46 +220,59 @@ def cmd_train(args: argparse.Namespace) -> None:
           f"(unigram {info['unigram_nll']:.4f}), {info['train_wall_s']:.0f} s")
 
 
+def _data_spec(args: argparse.Namespace) -> Any:
+    from .data import DataSpec
+    return DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
+                    calib_tokens=args.calib_tokens, seq_len=args.seq_len,
+                    max_eval=args.max_eval, max_calib=args.max_calib)
+
+
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    import torch
+    from .engine import as_loaded, audit
+    from .progress import ProgressReporter
+    from .runtime import resolve_device, resolve_dtype
+    options = _options(args)
+    options.validate()
+    spec = _data_spec(args)
+    spec.validate()
+    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    loaded = as_loaded(args.model, dtype)
+    loaded.model.to(device)
+    with ProgressReporter(options.progress) as progress:
+        result = audit(loaded, args.out, sites=args.sites, data=spec, dense=args.dense,
+                       blocks=args.blocks, options=options, progress=progress,
+                       command=shlex.join(["fcaudit", *argv]))
+    print_summary(result, args.out)
 
-    from .audit_run import run_audit
-    from .loading import load
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype or "")
-    loaded = load(args.model, dtype)
-    loaded.model.to(args.device)
-    audit = run_audit(loaded, args.out, sites=args.sites, dense=args.dense, blocks=args.blocks,
-                      text=args.data, calib_text=args.calib_data, tokens=args.tokens,
-                      calib_tokens=args.calib_tokens, seq_len=args.seq_len,
-                      max_eval=args.max_eval, max_calib=args.max_calib, options=_options(args),
-                      command=shlex.join(["fcaudit", *argv]))
-    print_summary(audit, args.out)
 
-
-def print_summary(audit: dict[str, Any], out: Path) -> None:
+def print_summary(result: Any, out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
     console = Console()
-    table = Table(title=f"Frozen Controller Audit: {audit['model']['spec']}")
+    if result.identity is not None and not result.identity.exact:
+        console.print(f"[bold red]WARNING[/bold red]: {result.identity.note}", soft_wrap=True)
+    table = Table(title=f"Frozen Controller Audit: {result.model.spec}")
     table.add_column("condition")
     table.add_column("NLL", justify="right")
     table.add_column("delta vs correct [95% CI]", justify="right")
-    for name, c in audit["conditions"].items():
-        table.add_row(name, f"{c['nll']:.4f}",
-                      f"{c['delta']:+.4f} [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]")
+    for name, c in {**result.conditions, **(result.custom_conditions or {})}.items():
+        table.add_row(name, f"{c.nll:.4f}",
+                      f"{c.delta:+.4f} [{c.ci95[0]:+.4f}, {c.ci95[1]:+.4f}]")
     console.print(table)
-    for name, r in audit["retention"].items():
-        value = (f"{r['value']:.2f}% [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]"
-                 if r["value"] is not None else "undefined")
+    for name, r in result.retention.items():
+        value = (f"{r.value:.2f}% [{r.ci95[0]:.2f}, {r.ci95[1]:.2f}]"
+                 if r.value is not None else "undefined")
         console.print(f"retention {name}: {value}")
     for key in ("variation", "dependence", "execution"):
-        console.print(f"[bold]{key}[/bold]: {audit['verdict'][key]}", soft_wrap=True)
+        console.print(f"[bold]{key}[/bold]: {getattr(result.verdict, key)}", soft_wrap=True,
+                      markup=False)
     console.print(f"wrote {out / 'audit.json'}, {out / 'report.md'}, {out / 'report.html'}")
 
 
 def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from .audit_run import AuditOptions, run_audit
+    from .engine import AuditOptions, audit
     from .loading import is_run_folder
+    from .progress import ProgressReporter
     from .train import train
     out: Path = args.out
     runs = {}
@@ -229,17 +283,24 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
         else:
             train(arch, "tiny", args.seed, folder, force=True, progress=not args.quiet)
         runs[arch] = folder
-    audit = run_audit(str(runs["featuregate"]), out / "audit", dense=str(runs["dense"]),
-                      options=AuditOptions(seed=args.seed, progress=not args.quiet),
-                      command=shlex.join(["fcaudit", *argv]))
-    print_summary(audit, out / "audit")
+    options = AuditOptions(seed=args.seed, progress=not args.quiet)
+    with ProgressReporter(options.progress) as progress:
+        result = audit(str(runs["featuregate"]), out / "audit", dense=str(runs["dense"]),
+                       options=options, progress=progress,
+                       command=shlex.join(["fcaudit", *argv]))
+    print_summary(result, out / "audit")
 
 
 def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from .audit_run import AuditOptions
+    from .engine import AuditOptions
     from .reproduce import StudySettings, reproduce
+    if args.seeds is not None and args.seeds < 1:
+        raise FcauditError(f"--seeds {args.seeds}: must be at least 1")
+    if args.steps is not None and args.steps < 1:
+        raise FcauditError(f"--steps {args.steps}: must be at least 1")
     options = AuditOptions(repeats=args.repeats, bootstrap=args.bootstrap,
                            progress=not args.quiet)
+    options.validate()
     result = reproduce(args.preset, args.out, seeds=args.seeds,
                        mudd_checkpoint=args.mudd_checkpoint,
                        settings=StudySettings(options, steps=args.steps, max_eval=args.max_eval,
@@ -251,73 +312,91 @@ def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
     print(f"wrote {args.out / 'reproduction.md'} and {args.out / 'report.html'}")
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    import json
-
+def _bench_ids(loaded: Any, args: argparse.Namespace) -> Any:
+    """One batch of built-in evaluation text (routing models route as in use), or random ids
+    for a model without a tokenizer."""
     import torch
 
-    from .execution import run_bench
+    from .data import DataSpec, resolve_data
+    from .nll import model_limits
+    if loaded.tokenizer is not None:
+        spec = DataSpec(seq_len=args.seq_len, max_eval=args.batch_size, max_calib=1)
+        ids = resolve_data(loaded.tokenizer, spec, args.seq_len, args.model).eval_ids
+        if len(ids) < args.batch_size:
+            raise FcauditError(f"the built-in text gives {len(ids)} windows of --seq-len "
+                               f"{args.seq_len}; lower --batch-size or --seq-len")
+        return torch.from_numpy(ids)
+    vocab, _ = model_limits(loaded.model)
+    return torch.randint(0, vocab or 2, (args.batch_size, args.seq_len),
+                         generator=torch.Generator().manual_seed(args.seed))
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import dataclasses
+    import json
+
+    from .contract import dense_twin
+    from .engine import as_loaded, resolve_block_paths
+    from .execution import measure_execution, verdict_execution
     from .fileio import write_json
-    from .loading import load
-    loaded = load(args.model)
-    model = loaded.model
-    if args.dense:
-        dense = load(args.dense).model
-    elif callable(getattr(model, "dense_counterpart", None)):
-        torch.manual_seed(args.seed)
-        dense = model.dense_counterpart()
-    else:
+    from .runtime import resolve_device
+    for option, value, least in (("--batch-size", args.batch_size, 1), ("--seq-len",
+                                 args.seq_len, 2), ("--pairs", args.pairs, 10),
+                                 ("--seed", args.seed, 0)):
+        if value < least:
+            raise FcauditError(f"{option} {value}: must be at least {least}")
+    device = resolve_device(args.device)
+    loaded = as_loaded(args.model)
+    model = loaded.model.to(device)
+    dense = as_loaded(args.dense).model if args.dense else dense_twin(model, args.seed)
+    if dense is None:
         raise FcauditError(f"{args.model} has no built-in dense counterpart; pass --dense SPEC")
-    if loaded.tokenizer is not None:  # real text: routing models route as they would in use
-        from .audit_run import resolve_data
-        ids = torch.from_numpy(resolve_data(loaded, seq_len=args.seq_len,
-                                            max_eval=args.batch_size, max_calib=1).eval_ids)
-    else:
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
-        ids = torch.randint(0, vocab, (args.batch_size, args.seq_len),
-                            generator=torch.Generator().manual_seed(args.seed))
-    blocks = getattr(model, "execution_blocks", None)
-    dense_blocks = getattr(dense, "execution_blocks", None)
-    result = run_bench(model, dense, ids, batch_size=args.batch_size, pairs=args.pairs,
-                       seed=args.seed, block_paths=blocks() if callable(blocks) else None,
-                       dense_block_paths=dense_blocks() if callable(dense_blocks) else None)
-    print(json.dumps(result, indent=2))
+    dense = dense.to(device).eval()
+    blocks = resolve_block_paths(model, args.blocks)
+    dense_blocks = resolve_block_paths(dense, args.blocks)
+    if blocks is None or dense_blocks is None:
+        raise FcauditError("the model (or --dense) declares no blocks; pass --blocks GLOB "
+                           "(e.g. 'layers.*')")
+    result = measure_execution(model, dense, _bench_ids(loaded, args).to(device),
+                               batch_size=args.batch_size, pairs=args.pairs, seed=args.seed,
+                               block_paths=blocks, dense_block_paths=dense_blocks,
+                               dense_source=args.dense or "dense_counterpart (fresh weights)")
+    content = {**dataclasses.asdict(result), "verdict": verdict_execution(result)}
+    print(json.dumps(content, indent=2))
     if args.json:
-        write_json(args.json, result)
+        write_json(args.json, content)
 
 
 def cmd_sites(args: argparse.Namespace) -> None:
-    from .loading import load
-    from .contract import declared_sites
-    model = load(args.model).model
-    sites = declared_sites(model)
-    if sites:
-        for s in sites:
-            print(f"{s.name}\tfamily={s.family}\tlayer={s.layer}")
-    else:
-        print("no declared controller sites; name them with --sites GLOB")
+    from .engine import as_loaded
+    from .sites import describe_modules, find_sites
+    model = as_loaded(args.model).model
+    try:
+        sites = find_sites(model)
+    except FcauditError:
+        sites = []
+    for s in sites:
+        adapter = getattr(s.adapter, "name", type(s.adapter).__name__)
+        print(f"{s.name}\tfamily={s.family}\tlayer={s.layer}\tadapter={adapter}")
+    if not sites:
+        print("no declared controller sites; name them with --sites GLOB (see --all)")
     if args.all or not sites:
-        for name, module in model.named_modules():
-            if name:
-                print(f"  {name}\t{type(module).__name__}")
+        for path, kind, output, hint in describe_modules(model, {s.path for s in sites}):
+            print(f"  {path}\t{kind}\t{output}{f'  <- {hint}' if hint else ''}")
+
+
+COMMANDS = {"train": cmd_train, "bench": cmd_bench, "sites": cmd_sites}
+WITH_ARGV = {"audit": cmd_audit, "demo": cmd_demo, "reproduce": cmd_reproduce}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "train":
-            cmd_train(args)
-        elif args.command == "audit":
-            cmd_audit(args, argv)
-        elif args.command == "demo":
-            cmd_demo(args, argv)
-        elif args.command == "reproduce":
-            cmd_reproduce(args, argv)
-        elif args.command == "bench":
-            cmd_bench(args)
-        elif args.command == "sites":
-            cmd_sites(args)
+        if args.command in WITH_ARGV:
+            WITH_ARGV[args.command](args, argv)
+        else:
+            COMMANDS[args.command](args)
     except FcauditError as exc:
         if args.debug:
             raise

@@ -166,8 +166,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises plain Exception on bad JSON
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise FcauditError(f"could not read tokenizer {path} ({first}); restore it from the "
-                           "model's source or delete it and pass --tokens") from exc
+        raise FcauditError(f"{path} is not a readable tokenizer ({first}); restore it from the "
+                           "model's source, or remove it and pass --tokens") from exc
+
+
+def folder_tokenizer(folder: str | Path) -> Tokenizer | None:
+    """A model folder's ``tokenizer.json``, or None when it has none."""
+    path = Path(folder) / "tokenizer.json"
+    return load_tokenizer(path) if path.is_file() else None
 
 
 def encode_documents(tok: Tokenizer, docs: Sequence[Document]) -> list[np.ndarray]:
@@ -294,6 +300,89 @@ class AuditData:
             "calib_fingerprint": fingerprint_array(self.calib_ids),
             **self.sources,
         }
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where an audit's evaluation and calibration windows come from: token arrays
+    (``tokens`` + ``calib_tokens``), user text (``text``, optionally ``calib_text``),
+    or, with neither, the built-in corpus."""
+
+    text: str | Path | None = None
+    calib_text: str | Path | None = None
+    tokens: str | Path | None = None
+    calib_tokens: str | Path | None = None
+    seq_len: int | None = None
+    max_eval: int | None = 64
+    max_calib: int | None = 64
+
+    def validate(self) -> None:
+        """Refuse combinations where an option would be silently ignored, or bad counts."""
+        for option, value, least in (("--max-eval", self.max_eval, 2),
+                                     ("--max-calib", self.max_calib, 1),
+                                     ("--seq-len", self.seq_len, 2)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < least):
+                raise FcauditError(f"{option} {value!r}: must be an integer of at least "
+                                   f"{least}")
+        if (self.tokens is None) != (self.calib_tokens is None):
+            raise FcauditError("pass both --tokens (evaluation) and --calib-tokens "
+                               "(calibration) integer .npy arrays")
+        if self.tokens is not None and (self.text is not None or self.calib_text is not None):
+            raise FcauditError("--data/--calib-data and --tokens/--calib-tokens both given: "
+                               "choose one source (text or token arrays)")
+        if self.calib_text is not None and self.text is None:
+            raise FcauditError("--calib-data needs --data (evaluation text); without --data "
+                               "the built-in corpus is used with its own calibration plays")
+
+
+def _from_tokens(spec: DataSpec) -> AuditData:
+    ev = load_token_array(spec.tokens, "evaluation tokens")  # type: ignore[arg-type]
+    ca = load_token_array(spec.calib_tokens, "calibration tokens")  # type: ignore[arg-type]
+    if spec.seq_len is not None and spec.seq_len != ev.shape[1]:
+        raise FcauditError(f"--seq-len {spec.seq_len} does not match the {ev.shape[1]}-token "
+                           f"sequences of {spec.tokens}; drop --seq-len (token arrays set it) "
+                           "or re-cut the arrays")
+    return AuditData(ev[spread_pick(len(ev), spec.max_eval)],
+                     ca[spread_pick(len(ca), spec.max_calib)],
+                     {"source": "tokens", "eval_path": str(spec.tokens),
+                      "calib_path": str(spec.calib_tokens)})
+
+
+def resolve_data(tokenizer: Tokenizer | None, spec: DataSpec, default_seq_len: int,
+                 model: str = "the model") -> AuditData:
+    """Evaluation and calibration windows from token arrays, user text or the built-in corpus.
+
+    Without ``calib_text``, user text is split into two contiguous halves of its
+    windows: the first half calibrates, the second is evaluated.
+    """
+    spec.validate()
+    if spec.tokens is not None:
+        return _from_tokens(spec)
+    if tokenizer is None:
+        raise FcauditError(f"{model} has no tokenizer.json; pass pre-tokenized integer arrays "
+                           "with --tokens and --calib-tokens")
+    seq_len = spec.seq_len or default_seq_len
+    if spec.text is not None:
+        windows = cut_windows(encode_documents(tokenizer, text_documents(spec.text)), seq_len)
+        if spec.calib_text is not None:
+            ev = windows
+            ca = cut_windows(encode_documents(tokenizer, text_documents(spec.calib_text)),
+                             seq_len)
+            sources = {"source": "text", "eval_path": str(spec.text),
+                       "calib_path": str(spec.calib_text)}
+        else:
+            half = (len(windows) + 1) // 2
+            ca, ev = windows[:half], windows[half:]
+            sources = {"source": "text", "eval_path": str(spec.text),
+                       "calib_path": str(spec.text),
+                       "split": "contiguous halves of --data windows: first half calibrates"}
+    else:
+        ev = cut_windows(encode_documents(tokenizer, builtin_documents("eval")), seq_len)
+        ca = cut_windows(encode_documents(tokenizer, builtin_documents("calib")), seq_len)
+        sources = {"source": "builtin", **builtin_split_record()}
+    return AuditData(ev[spread_pick(len(ev), spec.max_eval)],
+                     ca[spread_pick(len(ca), spec.max_calib)], sources)
 
 
 def builtin_split_record() -> dict[str, object]:

@@ -26,7 +26,9 @@ can be compared exactly between runs.
 from __future__ import annotations
 
 import contextlib
+import math
 import platform
+import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -34,9 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from .errors import FcauditError
+from .result import Estimate, Execution, SideTiming, Timing
 
 MIN_PAIRS = 10
 BOOTSTRAP_RESAMPLES = 2000
@@ -107,7 +111,41 @@ def _cpu_sdpa_flops(query_shape: torch.Size, key_shape: torch.Size, value_shape:
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
+def _grouped_mm_flops(a_shape: torch.Size, b_shape: torch.Size, *_args: object,
+                      out_shape: torch.Size | None = None, **_kwargs: object) -> int:
+    """``torch._grouped_mm`` (the default expert kernel of Hugging Face MoE models), which
+    torch's counter counts as 0: every output element contracts one row of ``a``."""
+    if len(a_shape) == 2 and len(b_shape) == 2:  # groups split the contraction dimension
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    assert out_shape is not None
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+                       torch.ops.aten._grouped_mm: _grouped_mm_flops}
+# aten operators that do matrix work: one the counter has no formula for would make the
+# FLOPs ratio silently wrong, so it is reported and the FLOPs verdict refused
+_HEAVY_OP = re.compile(r"(^|_)(mm|bmm|addmm|baddbmm|addbmm|mv|addmv|dot|vdot|matmul|"
+                       r"convolution|conv\w*|\w*attention\w*|grouped_mm|scaled_mm|int_mm)$")
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Notes every aten operator a pass runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[Any] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        self.ops.add(func._overloadpacket)
+        return func(*args, **(kwargs or {}))
+
+
+def uncounted_operators(ops: Iterable[Any], counter: FlopCounterMode) -> list[str]:
+    """Matrix-work operators among ``ops`` that ``counter`` has no FLOP formula for."""
+    return sorted(str(op) for op in ops
+                  if _HEAVY_OP.search(op.__name__) and op not in counter.flop_registry)
 
 
 def execution_pass(model: nn.Module, block_paths: Sequence[str],
@@ -127,9 +165,11 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
             counts[i] += _tokens_entering(path, args, kwargs)
         handles.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
     counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+    recorder = _OpRecorder()
     tokens = 0
     try:
-        with inference(model), counter if flops else contextlib.nullcontext():
+        with inference(model), counter if flops else contextlib.nullcontext(), \
+                recorder if flops else contextlib.nullcontext():
             for ids in batches:
                 model(ids)
                 tokens += ids.numel()
@@ -143,6 +183,7 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
               "blocks_executed_per_layer": per_layer, "tokens": tokens, "blocks": paths}
     if flops:
         result["flops_per_token"] = counter.get_total_flops() / tokens
+        result["uncounted"] = uncounted_operators(recorder.ops, counter)
     return result
 
 
@@ -160,22 +201,21 @@ def flops_per_token(model: nn.Module, input_ids: torch.Tensor, batch_size: int |
 
 
 def ratio_interval(model_s: Sequence[float], dense_s: Sequence[float], seed: int = 0,
-                   resamples: int = BOOTSTRAP_RESAMPLES) -> dict[str, Any]:
+                   resamples: int = BOOTSTRAP_RESAMPLES) -> Estimate:
     """Median of per-pair ratios ``model/dense``, with a 95% bootstrap interval over pairs."""
     ratios = np.asarray(model_s, dtype=np.float64) / np.asarray(dense_s, dtype=np.float64)
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(ratios), size=(resamples, len(ratios)))
     boot = np.median(ratios[picks], axis=1)
     lo, hi = np.percentile(boot, [2.5, 97.5])
-    return {"value": float(np.median(ratios)), "ci95": [float(lo), float(hi)]}
+    return Estimate(float(np.median(ratios)), [float(lo), float(hi)])
 
 
-def side_summary(seconds: Sequence[float], tokens: int) -> dict[str, float]:
+def side_summary(seconds: Sequence[float], tokens: int) -> SideTiming:
     """Median, min and max seconds per batch, and throughput at the median."""
     s = np.asarray(seconds, dtype=np.float64)
     median = float(np.median(s))
-    return {"median_s": median, "min_s": float(s.min()), "max_s": float(s.max()),
-            "tokens_per_s": tokens / median}
+    return SideTiming(median, float(s.min()), float(s.max()), tokens / median)
 
 
 @contextlib.contextmanager
@@ -197,8 +237,7 @@ def device_name(device: torch.device) -> str:
 
 
 def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, pairs: int = 10,
-                     warmup: int = 2, seed: int = 0, threads: int | None = None,
-                     ) -> dict[str, Any]:
+                     warmup: int = 2, seed: int = 0, threads: int | None = None) -> Timing:
     """Time one batch on model and dense in ``pairs`` pairs (A B, B A, ...) after warm-up."""
     if pairs < MIN_PAIRS:
         raise FcauditError(f"timing needs at least {MIN_PAIRS} pairs, got {pairs}")
@@ -225,31 +264,31 @@ def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor
     model_s, dense_s = zip(*timed, strict=True)
     batch_size, seq_len = input_ids.shape
     ratio = ratio_interval(model_s, dense_s, seed)
-    return {
-        "speed_ratio_vs_dense": ratio,
-        "ratio_definition": "median over pairs of model/dense latency (> 1: model slower); "
-                            "pair order alternates AB, BA",
-        "slowdown_percent": 100 * (ratio["value"] - 1),
-        "model": side_summary(model_s, input_ids.numel()),
-        "dense": side_summary(dense_s, input_ids.numel()),
-        "pairs_s": [list(p) for p in timed],
-        "pairs": pairs, "warmup": warmup, "bootstrap_resamples": BOOTSTRAP_RESAMPLES,
-        "seed": seed, "threads": used_threads, "device": str(input_ids.device),
-        "device_name": device_name(input_ids.device), "batch_size": batch_size,
-        "seq_len": seq_len,
-    }
+    return Timing(
+        speed_ratio_vs_dense=ratio,
+        ratio_definition="median over pairs of model/dense latency (> 1: model slower); "
+                         "pair order alternates AB, BA",
+        slowdown_percent=100 * (ratio.value - 1),
+        model=side_summary(model_s, input_ids.numel()),
+        dense=side_summary(dense_s, input_ids.numel()),
+        pairs_s=[list(p) for p in timed], pairs=pairs, warmup=warmup,
+        bootstrap_resamples=BOOTSTRAP_RESAMPLES, seed=seed, threads=used_threads,
+        device=str(input_ids.device), device_name=device_name(input_ids.device),
+        batch_size=batch_size, seq_len=seq_len)
 
 
 def measure_execution(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, *,
                       batch_size: int = 16, block_paths: Sequence[str] | None = None,
                       dense_block_paths: Sequence[str] | None = None, pairs: int = 10,
                       warmup: int = 2, seed: int = 0, timing: bool = True,
-                      threads: int | None = None) -> dict[str, Any]:
+                      threads: int | None = None, dense_source: str | None = None) -> Execution:
     """The execution section of ``audit.json``: counts and FLOPs on every sequence of
     ``input_ids [N, T]``, timing on its first batch of ``batch_size``.
 
     ``conditional_execution`` is true when the model runs fewer blocks per token or
-    fewer FLOPs than dense, by more than ``TOLERANCE`` (relative).
+    fewer FLOPs than dense, by more than ``TOLERANCE`` (relative). Operators doing
+    matrix work that the FLOP counter cannot count are listed, and then no FLOPs ratio
+    (and no FLOPs-based verdict) is given.
     """
     if input_ids.dim() != 2 or input_ids.numel() == 0:
         raise FcauditError(f"execution measurement needs input_ids [N, T], got shape "
@@ -257,36 +296,31 @@ def measure_execution(model: nn.Module, dense: nn.Module, input_ids: torch.Tenso
     batches = input_ids.split(batch_size)
     own = execution_pass(model, resolve_blocks(model, block_paths), batches)
     twin = execution_pass(dense, resolve_blocks(dense, dense_block_paths), batches)
+    uncounted = sorted(set(own["uncounted"]) | set(twin["uncounted"]))
     flops, dense_flops = own["flops_per_token"], twin["flops_per_token"]
-    flops_ratio = flops / dense_flops if dense_flops else None  # no counted FLOPs: no ratio
+    flops_ratio = flops / dense_flops if dense_flops and not uncounted else None
     fewer_blocks = own["blocks_executed"] < twin["blocks_executed"] * (1 - TOLERANCE)
-    result: dict[str, Any] = {
-        "blocks_executed": own["blocks_executed"],
-        "blocks_present": own["blocks_present"],
-        "executed_fraction": own["blocks_executed"] / own["blocks_present"],
-        "blocks_executed_per_layer": own["blocks_executed_per_layer"],
-        "blocks": own["blocks"],
-        "dense_blocks_executed": twin["blocks_executed"],
-        "dense_blocks_present": twin["blocks_present"],
-        "tokens_counted": own["tokens"],
-        "flops_per_token": flops,
-        "dense_flops_per_token": dense_flops,
-        "flops_ratio": flops_ratio,
-        "flops_counted": "forward matmuls and attention (torch.utils.flop_counter)",
-        "conditional_execution": bool(fewer_blocks or (flops_ratio is not None
-                                                        and flops_ratio < 1 - TOLERANCE)),
-        "speed_ratio_vs_dense": None,
-        "timing": None,
-    }
+    result = Execution(
+        measured=True, dense=dense_source, blocks_executed=own["blocks_executed"],
+        blocks_present=own["blocks_present"],
+        executed_fraction=own["blocks_executed"] / own["blocks_present"],
+        blocks_executed_per_layer=own["blocks_executed_per_layer"], blocks=own["blocks"],
+        dense_blocks_executed=twin["blocks_executed"],
+        dense_blocks_present=twin["blocks_present"], tokens_counted=own["tokens"],
+        flops_per_token=flops, dense_flops_per_token=dense_flops, flops_ratio=flops_ratio,
+        flops_counted="forward matmuls and attention (torch.utils.flop_counter)",
+        uncounted_operators=uncounted or None,
+        conditional_execution=bool(fewer_blocks or (flops_ratio is not None
+                                                    and flops_ratio < 1 - TOLERANCE)))
     if timing:
-        result["timing"] = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
-                                            threads)
-        result["speed_ratio_vs_dense"] = result["timing"]["speed_ratio_vs_dense"]["value"]
+        result.timing = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
+                                         threads)
+        result.speed_ratio_vs_dense = result.timing.speed_ratio_vs_dense.value
     return result
 
 
-def _speed_word(ratio: dict[str, Any]) -> str:
-    (lo, hi), value = ratio["ci95"], ratio["value"]
+def _speed_word(ratio: Estimate) -> str:
+    (lo, hi), value = ratio.ci95, ratio.value
     if lo > 1 and value > 1 + SPEED_TOLERANCE:
         return "slower"
     if hi < 1 and value < 1 - SPEED_TOLERANCE:
@@ -294,46 +328,42 @@ def _speed_word(ratio: dict[str, Any]) -> str:
     return "no clear difference"
 
 
-def verdict_execution(execution: dict[str, Any]) -> str:
+def verdict_execution(e: Execution) -> str:
     """One sentence answering "does the mechanism change what is computed?", with numbers."""
-    e = execution
-    head = "Conditional execution" if e["conditional_execution"] else "No conditional execution"
-    flops = (f"FLOPs {e['flops_ratio']:.3f}x Dense" if e["flops_ratio"] is not None
-             else "no FLOPs counted")
-    text = (f"{head}: {e['blocks_executed']:.2f} of {e['blocks_present']} blocks run per token "
-            f"(Dense {e['dense_blocks_executed']:.2f}), {flops}")
-    if e.get("timing"):
-        ratio = e["timing"]["speed_ratio_vs_dense"]
-        lo, hi = ratio["ci95"]
-        text += (f"; latency {ratio['value']:.2f}x Dense [{lo:.2f}, {hi:.2f}], "
-                 f"{_speed_word(ratio)}")
+    head = "Conditional execution" if e.conditional_execution else "No conditional execution"
+    if e.uncounted_operators:
+        flops = (f"FLOPs not compared: the counter cannot count "
+                 f"{', '.join(e.uncounted_operators)}")
+    elif e.flops_ratio is not None:
+        flops = f"FLOPs {e.flops_ratio:.3f}x Dense"
+    else:
+        flops = "no FLOPs counted"
+    text = (f"{head}: {e.blocks_executed:.2f} of {e.blocks_present} blocks run per token "
+            f"(Dense {e.dense_blocks_executed:.2f}), {flops}")
+    if e.timing is not None:
+        ratio = e.timing.speed_ratio_vs_dense
+        lo, hi = ratio.ci95
+        text += f"; latency {ratio.value:.2f}x Dense [{lo:.2f}, {hi:.2f}], {_speed_word(ratio)}"
     else:
         text += "; latency not measured"
     return text + "."
 
 
-def run_bench(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor,
-              **options: Any) -> dict[str, Any]:
-    """``fcaudit bench``: the full measurement, timing included, plus its verdict."""
-    result = measure_execution(model, dense, input_ids, **{**options, "timing": True})
-    return {**result, "verdict": verdict_execution(result)}
-
-
-def format_table(results: dict[str, dict[str, Any]]) -> str:
+def format_table(results: dict[str, Execution]) -> str:
     """Side-by-side text table of several measurements (name -> measure_execution result)."""
     rows = [("model", "blocks run/present", "FLOPs/token", "FLOPs vs dense", "ms/batch",
              "tokens/s", "latency vs dense [95% CI]")]
     for name, e in results.items():
-        t = e.get("timing")
-        if t:
-            ratio = t["speed_ratio_vs_dense"]
-            speed = (f"{1e3 * t['model']['median_s']:.2f}", f"{t['model']['tokens_per_s']:,.0f}",
-                     f"{ratio['value']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}]")
+        t = e.timing
+        if t is not None:
+            ratio = t.speed_ratio_vs_dense
+            speed = (f"{1e3 * t.model.median_s:.2f}", f"{t.model.tokens_per_s:,.0f}",
+                     f"{ratio.value:.3f} [{ratio.ci95[0]:.3f}, {ratio.ci95[1]:.3f}]")
         else:
             speed = ("-", "-", "-")
-        rows.append((name, f"{e['blocks_executed']:.2f}/{e['blocks_present']}",
-                     f"{e['flops_per_token'] / 1e6:.3f}M", f"{e['flops_ratio']:.3f}x", *speed))
+        ratio_text = f"{e.flops_ratio:.3f}x" if e.flops_ratio is not None else "n/a"
+        rows.append((name, f"{e.blocks_executed:.2f}/{e.blocks_present}",
+                     f"{(e.flops_per_token or 0) / 1e6:.3f}M", ratio_text, *speed))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
     return "\n".join(line.rstrip() for line in lines)
-

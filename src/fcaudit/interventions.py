@@ -1,23 +1,29 @@
 """Interventions: what replay feeds each site under each condition (SPEC section 4).
 
-All randomness is drawn from numpy generators seeded per condition and repeat, so a
-given seed always yields the same derangement and the same position permutations.
+The built-in conditions are compositions of three coefficient-preserving
+transformations, usable on any recorded dict ``{site name: [B, T, ...]}``:
+:func:`reassign` (another sequence's coefficients), :func:`shuffle` (positions
+permuted per sequence) and :func:`static` (calibration means from
+:class:`StaticProfiles`). All randomness comes from numpy generators seeded per
+condition and repeat, so a seed always yields the same derangement and permutations.
+
+User-defined interventions (:class:`Intervention`) are functions from a batch's
+recorded coefficients and an :class:`InterventionContext` to the coefficients to
+feed; the engine replays, bootstraps and reports them like the built-in ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from .contract import Site
-
-MAIN_CONDITIONS = ("original", "correct", "reassign", "shuffle", "reassign+shuffle",
-                   "static-layer", "static-layer-position", "global-mean")
-RANDOM_CONDITIONS = ("reassign", "shuffle", "reassign+shuffle")
-STATIC_CONDITIONS = ("static-layer", "static-layer-position", "global-mean")
+from .result import STATIC_CONDITIONS
 
 
 def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -51,48 +57,38 @@ def draw(seed: int, n_seq: int, seq_len: int) -> RandomDraw:
     return RandomDraw(seed, derangement(n_seq, rng), position_permutations(n_seq, seq_len, rng))
 
 
+def batch_sums(coefficients: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Float64 sums over the batch's sequences, by position: ``{name: [T, *trailing]}``."""
+    return {k: v.to(torch.float64).sum(0) for k, v in coefficients.items()}
+
+
 class StaticProfiles:
     """Static coefficient profiles estimated from calibration sequences only.
 
-    ``layer[s]`` is the mean of site ``s`` over positions and sequences (trailing
-    shape kept); ``layer_position[s]`` the mean over sequences at each position;
-    ``global_mean[f]`` one scalar per family over every coefficient of the family.
-    Sums are kept in float64 and streamed batch by batch.
+    ``layer(s)`` is the mean of site ``s`` over positions and sequences (trailing
+    shape kept); ``layer_position(s)`` the mean over sequences at each position;
+    ``global_mean(f)`` one scalar per family over every coefficient of the family.
+    Float64 sums are added batch by batch, in batch order.
     """
 
     def __init__(self, sites: Sequence[Site]) -> None:
         self.sites = list(sites)
-        self._sum_pos: dict[str, torch.Tensor] = {}
-        self._count = 0
+        self._sum_pos: dict[str, Tensor] = {}
+        self.count = 0
 
-    def add(self, coefficients: dict[str, torch.Tensor]) -> None:
+    def add_sums(self, sums: Mapping[str, Tensor], count: int) -> None:
         for site in self.sites:
-            x = coefficients[site.name].to(torch.float64).sum(0)
             acc = self._sum_pos.get(site.name)
-            self._sum_pos[site.name] = x if acc is None else acc + x
-        self._count += next(iter(coefficients.values())).shape[0]
+            self._sum_pos[site.name] = sums[site.name] if acc is None else acc + sums[site.name]
+        self.count += count
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """Tensors to persist (float64 sums by position, plus the sequence count)."""
-        out = {f"sum_pos::{k}": v for k, v in self._sum_pos.items()}
-        out["count"] = torch.tensor([self._count], dtype=torch.int64)
-        return out
+    def add(self, coefficients: Mapping[str, Tensor]) -> None:
+        self.add_sums(batch_sums(coefficients), next(iter(coefficients.values())).shape[0])
 
-    @classmethod
-    def from_state(cls, sites: Sequence[Site], state: dict[str, torch.Tensor]) -> StaticProfiles:
-        prof = cls(sites)
-        prof._sum_pos = {s.name: state[f"sum_pos::{s.name}"] for s in prof.sites}
-        prof._count = int(state["count"][0])
-        return prof
+    def layer_position(self, site: Site) -> Tensor:
+        return self._sum_pos[site.name] / self.count  # [T, *trailing]
 
-    @property
-    def count(self) -> int:
-        return self._count
-
-    def layer_position(self, site: Site) -> torch.Tensor:
-        return self._sum_pos[site.name] / self._count  # [T, *trailing]
-
-    def layer(self, site: Site) -> torch.Tensor:
+    def layer(self, site: Site) -> Tensor:
         return self.layer_position(site).mean(0)  # [*trailing]
 
     def global_mean(self, family: str) -> float:
@@ -102,11 +98,11 @@ class StaticProfiles:
                 s = self._sum_pos[site.name]
                 total += float(s.sum())
                 n += s.numel()
-        return total / (n * self._count)
+        return total / (n * self.count)
 
 
-def static_tensor(condition: str, site: Site, profiles: StaticProfiles, batch: int,
-                  like: torch.Tensor) -> torch.Tensor:
+def static_tensor(condition: str, site: Site, profiles: StaticProfiles,
+                  like: Tensor) -> Tensor:
     """The coefficients a static condition feeds ``site``, shaped and typed like ``like``."""
     shape = like.shape
     if condition == "static-layer":
@@ -119,13 +115,64 @@ def static_tensor(condition: str, site: Site, profiles: StaticProfiles, batch: i
     elif condition == "global-mean":
         prof = torch.full(shape, profiles.global_mean(site.family), dtype=torch.float64)
     else:
-        raise ValueError(f"not a static condition: {condition}")
-    assert prof.shape[0] == batch
-    return prof.to(like.dtype).contiguous()
+        raise ValueError(f"not a static condition: {condition}; choose one of "
+                         f"{', '.join(STATIC_CONDITIONS)}")
+    return prof.to(device=like.device, dtype=like.dtype).contiguous()
 
 
-def shuffle_positions(x: torch.Tensor, perms: np.ndarray) -> torch.Tensor:
+def shuffle_positions(x: Tensor, perms: np.ndarray) -> Tensor:
     """``x[n, sigma_n(t)]`` for a batch ``x [B, T, ...]`` and permutations ``[B, T]``."""
-    idx = torch.from_numpy(perms).to(x.device)
+    idx = torch.from_numpy(np.asarray(perms)).to(x.device)
     idx = idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand_as(x)
     return torch.gather(x, 1, idx)
+
+
+Coefficients = Mapping[str, Tensor]
+
+
+def reassign(coefficients: Coefficients, donor: Sequence[int]) -> dict[str, Tensor]:
+    """Sequence ``n`` gets the coefficients of sequence ``donor[n]`` (every site alike)."""
+    idx = torch.as_tensor(np.asarray(donor), dtype=torch.long)
+    return {k: v[idx.to(v.device)] for k, v in coefficients.items()}
+
+
+def shuffle(coefficients: Coefficients, perms: np.ndarray) -> dict[str, Tensor]:
+    """Sequence ``n`` gets its own coefficients at positions ``perms[n]`` (every site alike)."""
+    return {k: shuffle_positions(v, perms) for k, v in coefficients.items()}
+
+
+def static(coefficients: Coefficients, profiles: StaticProfiles,
+           condition: str = "static-layer") -> dict[str, Tensor]:
+    """Every site's coefficients replaced by a static calibration profile."""
+    by_name = {s.name: s for s in profiles.sites}
+    return {k: static_tensor(condition, by_name[k], profiles, v) for k, v in coefficients.items()}
+
+
+@dataclass(frozen=True)
+class InterventionContext:
+    """What a user-defined intervention may use besides the batch's own coefficients."""
+
+    sites: tuple[Site, ...]
+    rows: range  # global indices of this batch's evaluation sequences
+    profiles: StaticProfiles  # calibration profiles (see :func:`static`)
+    repeat: int
+    rng: np.random.Generator  # seeded by (master seed, name, repeat, batch)
+    donors: Callable[[str, Sequence[int]], Tensor]  # any sequences' coefficients of a site
+
+
+InterventionFn = Callable[[dict[str, Tensor], InterventionContext], Mapping[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class Intervention:
+    """A named user-defined condition: ``fn(coefficients, context)`` returns the tensors to
+    feed the sites it changes (the others stay correct); run ``repeats`` times with
+    independent seeds when it is random."""
+
+    name: str
+    fn: InterventionFn
+    repeats: int = 1
+
+    def rng(self, master: int, repeat: int, batch: int) -> np.random.Generator:
+        key = zlib.crc32(self.name.encode())
+        return np.random.default_rng([master, key, repeat, batch])

@@ -1,26 +1,54 @@
 """Metrics (SPEC section 5): penalties, retention, interaction with paired bootstrap
 intervals over sequences, and the variance decomposition of cached coefficients.
 
-Every interval uses one shared matrix of resampled sequence indices, so all
-contrasts are paired: the same resample is applied to every condition.
+Every interval uses the same seeded stream of resampled sequence indices
+(:class:`Bootstrap`), so all contrasts are paired: the same resample is applied to
+every condition.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from .contract import Site
+from .result import (
+    ComponentShares,
+    Estimate,
+    LayerVariation,
+    Profile,
+    Retention,
+    VarianceShares,
+    Variation,
+)
 
-ArrayFn = Callable[[np.ndarray], np.ndarray]
+CHUNK_ELEMENTS = 1 << 18  # resampled indices held at once (2 MB), whatever the data size
 
 
-def bootstrap_indices(n: int, resamples: int, seed: int) -> np.ndarray:
-    """``[resamples, n]`` sequence indices drawn with replacement (seeded)."""
-    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+class Bootstrap:
+    """A seeded paired bootstrap over ``n`` sequences, streamed in chunks of resamples.
+
+    Every statistic regenerates the same index stream from ``seed`` (so all contrasts
+    are paired: the same resample applies to every condition), ``CHUNK_ELEMENTS`` at a
+    time: memory stays flat in ``n``, and the numbers equal those of one
+    ``[resamples, n]`` index matrix (numpy draws the same stream either way; tested).
+    """
+
+    def __init__(self, n: int, resamples: int, seed: int) -> None:
+        self.n, self.resamples, self.seed = n, resamples, seed
+
+    def means(self, values: np.ndarray) -> np.ndarray:
+        """The mean of ``values [n]`` under each resample: ``[resamples]``."""
+        rng = np.random.default_rng(self.seed)
+        rows = max(1, CHUNK_ELEMENTS // max(1, self.n))
+        out = []
+        for start in range(0, self.resamples, rows):
+            idx = rng.integers(0, self.n, size=(min(rows, self.resamples - start), self.n))
+            out.append(values[idx].mean(axis=1))
+        return np.concatenate(out)
 
 
 def interval(samples: np.ndarray) -> list[float]:
@@ -29,38 +57,37 @@ def interval(samples: np.ndarray) -> list[float]:
     return [float(lo), float(hi)]
 
 
-def penalty(cond: np.ndarray, correct: np.ndarray, idx: np.ndarray) -> dict[str, object]:
+def penalty(cond: np.ndarray, correct: np.ndarray, boot: Bootstrap) -> tuple[float, list[float]]:
     """``Delta = NLL(cond) - NLL(correct)`` with its paired bootstrap interval."""
     diff = cond - correct
-    return {"delta": float(diff.mean()), "ci95": interval(diff[idx].mean(axis=1))}
+    return float(diff.mean()), interval(boot.means(diff))
 
 
 def retention(static: np.ndarray, correct: np.ndarray, global_mean: np.ndarray,
-              idx: np.ndarray) -> dict[str, object]:
+              boot: Bootstrap) -> Retention:
     """Gap retention ``R(P) = (G - P) / (G - C)`` in percent, undefined without a gap.
 
     The gap ``G - C`` must be clearly positive (its 95% interval above zero);
     otherwise a ratio would divide by noise, so no number is reported.
     """
     gap = global_mean - correct
-    gap_samples = gap[idx].mean(axis=1)
+    gap_samples = boot.means(gap)
     gap_ci = interval(gap_samples)
-    out: dict[str, object] = {"gap": float(gap.mean()), "gap_ci95": gap_ci}
     if not gap_ci[0] > 0:
-        return {**out, "value": None, "ci95": None, "defined": False,
-                "reason": f"the Correct-to-GlobalMean gap {gap.mean():+.4f} nats has a 95% "
-                          f"interval [{gap_ci[0]:+.4f}, {gap_ci[1]:+.4f}] that is not above 0"}
+        return Retention(float(gap.mean()), gap_ci, None, None, False,
+                         f"the Correct-to-GlobalMean gap {gap.mean():+.4f} nats has a 95% "
+                         f"interval [{gap_ci[0]:+.4f}, {gap_ci[1]:+.4f}] that is not above 0")
     kept = global_mean - static
-    samples = 100.0 * kept[idx].mean(axis=1) / gap_samples
-    return {**out, "value": float(100.0 * kept.mean() / gap.mean()), "ci95": interval(samples),
-            "defined": True}
+    samples = 100.0 * boot.means(kept) / gap_samples
+    return Retention(float(gap.mean()), gap_ci, float(100.0 * kept.mean() / gap.mean()),
+                     interval(samples), True)
 
 
 def interaction(both: np.ndarray, reassign: np.ndarray, shuffle: np.ndarray,
-                correct: np.ndarray, idx: np.ndarray) -> dict[str, object]:
+                correct: np.ndarray, boot: Bootstrap) -> Estimate:
     """``I = Delta(reassign+shuffle) - Delta(reassign) - Delta(shuffle)``."""
     contrast = both - reassign - shuffle + correct
-    return {"value": float(contrast.mean()), "ci95": interval(contrast[idx].mean(axis=1))}
+    return Estimate(float(contrast.mean()), interval(boot.means(contrast)))
 
 
 class VarianceAccumulator:
@@ -132,11 +159,11 @@ class VarianceAccumulator:
                 "eta2_component": ss_comp_within / ss_total,
                 "eta2_residual": ss_resid / ss_total, "ss_total": ss_total}
 
-    def decompose(self, max_components: int = 16) -> dict[str, object]:
+    def decompose(self, max_components: int = 16) -> VarianceShares:
         flat1 = [self.s1[s.name].reshape(self.s1[s.name].shape[0], -1) for s in self.sites]
         flat2 = [self.s2[s.name].reshape(self.s2[s.name].shape[0], -1) for s in self.sites]
-        result: dict[str, object] = self._shares(flat1, flat2, self.n)
-        result["n_values"] = sum(f.numel() for f in flat1) * self.n
+        shares = self._shares(flat1, flat2, self.n)
+        result = VarianceShares(**shares, n_values=sum(f.numel() for f in flat1) * self.n)
         trailing = [tuple(self.s1[s.name].shape[1:]) for s in self.sites]
         if any(trailing):
             common = tuple(min(dims) for dims in zip(*trailing, strict=True))
@@ -145,16 +172,16 @@ class VarianceAccumulator:
                                           max_components):
                 c1 = [self.s1[s.name][(slice(None), *index)].unsqueeze(1) for s in self.sites]
                 c2 = [self.s2[s.name][(slice(None), *index)].unsqueeze(1) for s in self.sites]
-                shares = self._shares(c1, c2, self.n)
-                shares.pop("eta2_component")
-                comps.append({"index": list(index), **shares})
-            result["components"] = comps
-            result["components_note"] = (
+                part = self._shares(c1, c2, self.n)
+                part.pop("eta2_component")
+                comps.append(ComponentShares(index=list(index), **part))
+            result.components = comps
+            result.components_note = (
                 f"trailing components present in every layer: index < {list(common)}"
                 f"{f' (first {max_components} shown)' if len(comps) == max_components else ''}")
         return result
 
-    def variation(self) -> dict[str, object]:
+    def variation(self) -> Variation:
         """Spread across inputs and positions within each layer vs across layers."""
         per_layer = []
         for site in self.sites:
@@ -162,22 +189,20 @@ class VarianceAccumulator:
             mean = float(s1.sum()) / (s1.numel() * n)
             var_total = float(s2.sum()) / (s2.numel() * n) - mean**2
             var_inputs = (s2 / n - (s1 / n) ** 2).clamp_min(0)
-            per_layer.append({
-                "layer": site.layer, "site": site.name, "mean": mean,
-                "sd_total": max(var_total, 0.0) ** 0.5,
-                "sd_across_inputs": float(var_inputs.sqrt().mean()),
-                "sd_across_positions": self.sd_pos_sum[site.name] / n,
-            })
-        means = np.array([p["mean"] for p in per_layer])
+            per_layer.append(LayerVariation(
+                layer=site.layer, site=site.name, mean=mean,
+                sd_total=max(var_total, 0.0) ** 0.5,
+                sd_across_inputs=float(var_inputs.sqrt().mean()),
+                sd_across_positions=self.sd_pos_sum[site.name] / n))
+        means = np.array([p.mean for p in per_layer])
         across = float(means.std()) if len(means) > 1 else 0.0
-        inputs = float(np.mean([p["sd_across_inputs"] for p in per_layer]))
-        positions = float(np.mean([p["sd_across_positions"] for p in per_layer]))
-        return {"per_layer": per_layer, "across_layer_sd": across,
-                "mean_sd_across_inputs": inputs, "mean_sd_across_positions": positions,
-                "ratio_inputs_to_layers": inputs / across if across > 0 else None,
-                "ratio_positions_to_layers": positions / across if across > 0 else None}
+        inputs = float(np.mean([p.sd_across_inputs for p in per_layer]))
+        positions = float(np.mean([p.sd_across_positions for p in per_layer]))
+        return Variation(per_layer, across, inputs, positions,
+                         inputs / across if across > 0 else None,
+                         positions / across if across > 0 else None)
 
-    def profile(self, max_positions: int = 512) -> dict[str, object]:
+    def profile(self, max_positions: int = 512) -> Profile:
         """Per-layer mean and spread, and the layer x position mean map, for figures."""
         means, sds, pos = [], [], []
         stride = 1
@@ -190,5 +215,4 @@ class VarianceAccumulator:
             row = (s1.reshape(s1.shape[0], -1).sum(1) / (k * n)).numpy()
             stride = max(1, int(np.ceil(len(row) / max_positions)))
             pos.append([round(float(v), 6) for v in row[::stride]])
-        return {"sites": [s.name for s in self.sites], "mean": means, "sd": sds,
-                "position_mean": pos, "position_stride": stride}
+        return Profile([s.name for s in self.sites], means, sds, pos, stride)

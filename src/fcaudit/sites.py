@@ -9,8 +9,11 @@ children: their outputs would be recorded and replaced twice.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Sequence
+from typing import Any
 
+import torch
 from torch import nn
 
 from .contract import Site, declared_sites
@@ -97,3 +100,52 @@ def find_sites(model: nn.Module, sites: SiteSpec = None) -> list[Site]:
 def families(sites: Sequence[Site]) -> list[str]:
     """Family names in the order their first site appears."""
     return list(dict.fromkeys(s.family for s in sites))
+
+
+_CONTROLLER_NAME = re.compile(r"gate|router|rout|mix|dense|controller|halt|select", re.I)
+
+
+@torch.no_grad()
+def describe_modules(model: nn.Module, sites: set[str]) -> list[tuple[str, str, str, str]]:
+    """Every module's (path, class, output, hint) from one small forward pass, to help
+    choose ``--sites``: per-token outputs with few channels and a controller-like name
+    are marked as likely controllers."""
+    from .adapters import describe
+    from .nll import device_of, model_limits
+    vocab, _ = model_limits(model)
+    batch, seq_len = 2, 8
+    ids = torch.randint(0, vocab or 2, (batch, seq_len), device=device_of(model),
+                        generator=None)
+    outputs: dict[str, Any] = {}
+    handles = [module.register_forward_hook(
+        lambda _m, _a, out, name=name: outputs.setdefault(name, describe(out)))
+        for name, module in model.named_modules() if name]
+    try:
+        model.eval()(ids)
+    except Exception as exc:  # a model that needs other inputs: list modules anyway
+        outputs.setdefault("", f"(forward pass failed: {type(exc).__name__})")
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        out = outputs.get(name, "not run")
+        rows.append((name, type(module).__name__, out, _hint(name, out, sites, batch, seq_len)))
+    return rows
+
+
+def _hint(name: str, output: str, sites: set[str], batch: int, seq_len: int) -> str:
+    if name in sites:
+        return "site"
+    if not _CONTROLLER_NAME.search(name.rsplit(".", 1)[-1]):
+        return ""
+    m = re.match(r"Tensor\[(\d+), (\d+)(?:, (\d+))?", output)
+    if m and (int(m.group(1)), int(m.group(2))) == (batch, seq_len):
+        return "likely controller ([B, T, ...] output)"
+    if m and int(m.group(1)) == batch * seq_len:
+        return "likely controller (flattened [B*T, ...] output)"
+    if output.startswith("tuple(Tensor"):
+        return "likely router (tuple output: needs an adapter, see docs/method.md)"
+    return ""

@@ -21,9 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
-from torch import nn
 
-from . import __version__
 from .data import (
     builtin_documents,
     builtin_split_record,
@@ -38,7 +36,9 @@ from .data import (
 from .errors import FcauditError
 from .fileio import make_work_dir, write_json, write_text
 from .loading import get_arch, save_run_model
-from .progress import progress_bar
+from .nll import mean_nll
+from .progress import ProgressReporter
+from .runtime import versions
 
 
 @dataclass(frozen=True)
@@ -80,33 +80,11 @@ def lr_at(step: int, p: TrainPreset) -> float:
     return p.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
 
-@torch.no_grad()
-def mean_nll(model: nn.Module, windows: np.ndarray, batch_size: int = 32) -> float:
-    """Mean next-token NLL (nats) over positions 1..T-1 of every window."""
-    model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for i in range(0, len(windows), batch_size):
-        ids = torch.from_numpy(windows[i:i + batch_size]).to(device)
-        logits = model(ids)[:, :-1].float()
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                              reduction="sum")
-        total += nll.item()
-        count += ids[:, 1:].numel()
-    return total / count
-
-
 def unigram_nll(train_tokens: np.ndarray, windows: np.ndarray, vocab_size: int) -> float:
     """NLL of an add-one unigram model fit on the train tokens: the floor to beat."""
     counts = np.bincount(train_tokens, minlength=vocab_size).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
     return float(-logp[windows[:, 1:]].mean())
-
-
-def _versions() -> dict[str, str]:
-    import tokenizers
-    return {"fcaudit": __version__, "torch": torch.__version__, "numpy": np.__version__,
-            "tokenizers": tokenizers.__version__}
 
 
 def default_device() -> str:
@@ -182,9 +160,7 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
         log_lines: list[str] = []
         started = time.perf_counter()
         model.train()
-        with progress_bar(progress) as bar:
-            task = bar.add_task(f"train {arch_name}/{preset} seed {seed}", total=tp.steps,
-                                info="")
+        with ProgressReporter(progress) as report:
             for step in range(tp.steps):
                 starts = rng.integers(0, len(train_tokens) - tp.seq_len - 1, size=tp.batch_size)
                 batch = torch.from_numpy(np.stack([train_tokens[s:s + tp.seq_len + 1]
@@ -200,7 +176,8 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
                 opt.step()
                 elapsed = time.perf_counter() - started
                 tok_s = (step + 1) * tp.batch_size * tp.seq_len / elapsed
-                bar.update(task, advance=1, info=f"loss {loss.item():.3f}  {tok_s:,.0f} tok/s")
+                report(f"train {arch_name}/{preset} seed {seed}", step + 1, tp.steps,
+                       f"loss {loss.item():.3f}  {tok_s:,.0f} tok/s")
                 if step % 25 == 0 or step == tp.steps - 1:
                     log_lines.append(json.dumps({"step": step, "loss": round(loss.item(), 5),
                                                  "lr": lr_at(step, tp),
@@ -221,7 +198,7 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
                      "eval_sequences": int(len(eval_windows))},
             "results": {"eval_nll": eval_nll, "unigram_nll": uni, "n_params": n_params,
                         "train_wall_s": round(wall, 2), "device": device},
-            "versions": _versions(),
+            "versions": versions(),
         })
         # --force: move the old folder aside (a rename, not a delete) before the new one
         # takes its name, so no moment exists where a kill loses both

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..contract import Site
+from ..errors import FcauditError, check_sizes
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,11 @@ class GPTConfig:
     n_embd: int = 128
     gated: bool = True  # FeatureGate (True) or its Dense twin (False)
     gate_bias_init: float = 1.0  # sigmoid(1) ~ 0.73: gates start open but not saturated
+
+    def __post_init__(self) -> None:
+        check_sizes(self, ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"))
+        if self.n_embd % self.n_head:
+            raise FcauditError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}")
 
 
 PRESETS: dict[str, GPTConfig] = {

@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import FcauditError
 from ..contract import Site
+from ..errors import FcauditError, check_sizes
 
 VARIANTS = ("muddpythia", "muddformer")
 STREAMS = 4  # Q, K, V, R: the only dense_type ("qkvr") of the released checkpoints
@@ -94,6 +94,8 @@ class MuddConfig:
     round64: bool = True
 
     def __post_init__(self) -> None:
+        check_sizes(self, ("n_layer", "dim", "n_head", "n_local_heads", "intermediate_size",
+                           "vocab_size", "block_size"))
         problems = []
         if self.variant not in VARIANTS:
             problems.append(f"variant {self.variant!r} is not one of {', '.join(VARIANTS)}")

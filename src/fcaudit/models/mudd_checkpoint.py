@@ -21,11 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from tokenizers import Tokenizer
 
 from ..errors import FcauditError
 from ..fileio import read_json
+from ..weights import check_depth, check_keys, header_shapes, index_files, load_into, read_tensors
 from .mudd import VARIANTS, MuddConfig, MuddModel
 
 _CACHE_KEY = re.compile(r"(^|\.)kv_cache\.|^layer_cache\.")
@@ -43,18 +42,6 @@ def is_mudd_folder(path: str | Path) -> bool:
     return isinstance(config, dict) and config.get("model_type") in VARIANTS
 
 
-def load_mudd_tokenizer(path: str | Path) -> Tokenizer | None:
-    """The folder's tokenizer.json, or None when it has none."""
-    file = Path(path) / "tokenizer.json"
-    if not file.is_file():
-        return None
-    try:
-        return Tokenizer.from_file(str(file))
-    except Exception as exc:  # tokenizers raises a bare Exception
-        raise FcauditError(f"{file} is not a readable tokenizer ({exc}); "
-                           "replace it or remove it to load the model alone") from exc
-
-
 def load_mudd_folder(path: str | Path, dtype: torch.dtype | None = None,
                      device: str | torch.device = "cpu") -> MuddModel:
     """The folder's model in eval mode, in ``dtype`` (default: the config's torch_dtype)."""
@@ -67,18 +54,26 @@ def load_mudd_folder(path: str | Path, dtype: torch.dtype | None = None,
     except FcauditError as exc:
         raise FcauditError(f"{folder}: {exc}") from exc
     dtype = dtype or _config_dtype(raw, folder)
-    with torch.device("meta"):
-        model = MuddModel(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    files = _weight_files(folder)
+    files = weight_files(folder)
     if files[0].suffix == ".safetensors":
-        _check_keys(folder, _safetensors_shapes(files), expected)
-        state = dict(_safetensors_tensors(files, set(expected), dtype, device))
+        found = {k: v for k, v in header_shapes(files).items() if not _CACHE_KEY.search(k)}
+        check_depth(str(folder), found, config.n_layer)
+        expected = _expected_shapes(config)
+        check_keys(str(folder), found, expected)
+        state = dict(read_tensors(files, set(expected), dtype, device))
     else:
         state = dict(_bin_tensors(files, dtype, device))
-        _check_keys(folder, {k: tuple(t.shape) for k, t in state.items()}, expected)
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.eval()
+        check_depth(str(folder), {k: tuple(t.shape) for k, t in state.items()}, config.n_layer)
+        check_keys(str(folder), {k: tuple(t.shape) for k, t in state.items()},
+                   _expected_shapes(config))
+    with torch.device("meta"):
+        model = MuddModel(config)
+    return load_into(model, state).eval()
+
+
+def _expected_shapes(config: MuddConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in MuddModel(config).state_dict().items()}
 
 
 def _config_dtype(raw: dict, folder: Path) -> torch.dtype:
@@ -89,60 +84,25 @@ def _config_dtype(raw: dict, folder: Path) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    """The weight files of the first layout present, safetensors before PyTorch bins."""
+def _layout(folder: Path) -> Path:
+    """The first weights layout present: safetensors before PyTorch bins."""
     for name in _LAYOUTS:
-        file = folder / name
-        if not file.is_file():
-            continue
-        if not name.endswith(".index.json"):
-            return [file]
-        index = read_json(file, "checkpoint index")
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise FcauditError(f"{file} has no 'weight_map'; restore the index file")
-        shards = [folder / s for s in sorted(set(map(str, weight_map.values())))]
-        absent = [s.name for s in shards if not s.is_file()]
-        if absent:
-            raise FcauditError(f"{file} lists missing shard(s): {', '.join(absent)}; "
-                               "download them into the folder")
-        return shards
+        if (folder / name).is_file():
+            return folder / name
     raise FcauditError(f"no weights in {folder}: expected one of {', '.join(_LAYOUTS)}")
 
 
-def _safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Key -> shape from the headers alone, so bad keys fail before any tensor is read."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        with _open_safetensors(file) as f:
-            for key in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
-                if key in shapes:
-                    raise FcauditError(f"{key} appears in more than one shard ({file.name} "
-                                       "and another); rebuild the checkpoint")
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    return shapes
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files :func:`load_mudd_folder` reads (an index's shards, or one file)."""
+    first = _layout(folder)
+    return index_files(first) if first.name.endswith(".index.json") else [first]
 
 
-def _safetensors_tensors(files: list[Path], keys: set[str], dtype: torch.dtype,
-                         device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each wanted tensor, copied out of the file into ``dtype`` on ``device``."""
-    for file in files:
-        with _open_safetensors(file) as f:
-            wanted = [k for k in f.keys() if k in keys]  # noqa: SIM118
-        for key in wanted:
-            # one handle per tensor: get_tensor maps the whole file lazily and the mapping
-            # lives as long as the handle, so a single handle would keep every page it read
-            # resident next to our copies (5.6 GB instead of 3 GB peak for 1.4B in bf16)
-            with _open_safetensors(file) as f:
-                yield key, f.get_tensor(key).to(device=device, dtype=dtype, copy=True)
-
-
-def _open_safetensors(file: Path) -> safe_open:
-    try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except Exception as exc:  # SafetensorError derives from Exception only
-        raise FcauditError(f"{file} is not a readable safetensors file ({exc}); it may be "
-                           "truncated or corrupt: download it again") from exc
+def files_read(folder: Path) -> list[Path]:
+    """Every file :func:`load_mudd_folder` reads: config, index (if any) and weights."""
+    first = _layout(folder)
+    index = [first] if first.name.endswith(".index.json") else []
+    return [folder / "config.json", *index, *weight_files(folder)]
 
 
 def _bin_tensors(files: list[Path], dtype: torch.dtype,
@@ -172,28 +132,3 @@ def _bin_tensors(files: list[Path], dtype: torch.dtype,
             seen.add(key)
             if not _CACHE_KEY.search(key):
                 yield key, tensor.to(device=device, dtype=dtype)
-
-
-def _names(keys: list[str], limit: int = 5) -> str:
-    more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
-    return ", ".join(keys[:limit]) + more
-
-
-def _check_keys(folder: Path, found: dict[str, tuple[int, ...]],
-                expected: dict[str, tuple[int, ...]]) -> None:
-    """One-line error naming missing and unexpected keys, else wrong shapes."""
-    found = {k: v for k, v in found.items() if not _CACHE_KEY.search(k)}
-    missing = sorted(expected.keys() - found.keys())
-    unexpected = sorted(found.keys() - expected.keys())
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {_names(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_names(unexpected)}")
-    wrong = [f"{k} {list(found[k])} (config expects {list(expected[k])})"
-             for k in sorted(expected.keys() & found.keys()) if found[k] != expected[k]]
-    if wrong:
-        problems.append(f"wrong shapes: {_names(wrong, 3)}")
-    if problems:
-        raise FcauditError(f"weights in {folder} do not match its config.json: "
-                           + "; ".join(problems))

@@ -78,6 +78,15 @@ class InPlaceRouter(TupleRouter):
         return logits, weights, index
 
 
+class EinsumRouter(TupleRouter):
+    """Projection by ``einsum`` with its operands in a list."""
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = torch.einsum("nc,ec->ne", [hidden.reshape(-1, C), self.weight])
+        weights, index = logits.softmax(dim=-1).topk(self.top_k, dim=-1)
+        return logits, weights, index
+
+
 class TwoProjectionRouter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -181,7 +190,8 @@ def selections(model: Model, sites: list[Site], coefficients: dict[str, torch.Te
     return logits, chosen
 
 
-@pytest.mark.parametrize("router", [TupleRouter, ProbabilityRouter, LogitsRouter, InPlaceRouter])
+@pytest.mark.parametrize("router", [TupleRouter, ProbabilityRouter, LogitsRouter, InPlaceRouter,
+                                    EinsumRouter])
 def test_identity_replay_is_bitwise_and_never_computes_the_projection(router):
     torch.manual_seed(0)
     model, x = Model(router).eval(), ids()
@@ -220,6 +230,16 @@ def test_reassigned_logits_route_exactly_like_the_donor(router):
     for name in own:
         assert torch.equal(given[name], own[name][donors])
         assert selection_change(given[name], own[name]) > 0
+
+
+def test_supplied_logits_take_the_projection_dtype():
+    """Static profiles may come in float64; the router sees its own logits dtype."""
+    model, x = Model(TupleRouter).eval(), ids()
+    coefficients = record(model, x, model.sites())
+    wide = {k: v.double() for k, v in coefficients.items()}
+    _, own = selections(model, model.sites(), coefficients, x)
+    _, cast = selections(model, model.sites(), wide, x)
+    assert all(torch.equal(own[name], cast[name]) for name in own)
 
 
 def test_selection_without_top_k_is_refused():

@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (torch's own convention)
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
 from .adapters import ADAPTER_API, describe
 from .contract import ExpertLayer, SiteCall
@@ -53,11 +52,21 @@ PROJECTIONS = frozenset({
 
 
 def _meta(value: Any) -> Any:
-    return torch.empty_like(value, device="meta") if isinstance(value, Tensor) else value
+    """``value`` with its tensors (also inside a list, as ``einsum`` takes them) on meta."""
+    if isinstance(value, Tensor):
+        return torch.empty_like(value, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta(v) for v in value)
+    return value
 
 
-def _first_tensor(args: Sequence[Any]) -> Tensor:
-    return next(a for a in args if isinstance(a, Tensor))
+def _device(values: Sequence[Any]) -> torch.device:
+    for value in values:
+        if isinstance(value, Tensor):
+            return value.device
+        if isinstance(value, (list, tuple)) and value:
+            return _device(value)
+    return torch.device("cpu")
 
 
 class _Projection(TorchFunctionMode):
@@ -89,13 +98,13 @@ class _Projection(TorchFunctionMode):
     @staticmethod
     def _substitute(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
                     supplied: Tensor) -> Tensor:
-        like = func(*tree_map(_meta, tuple(args)), **tree_map(_meta, kwargs))
+        like = func(*_meta(tuple(args)), **{k: _meta(v) for k, v in kwargs.items()})
         if like.numel() != supplied.numel():
             raise FcauditError(
                 f"the router's projection gives {list(like.shape)}, which does not hold the "
                 f"supplied logits {list(supplied.shape)}: feed coefficients recorded from this "
                 "router (same batch, positions and experts)")
-        device = _first_tensor([*args, *kwargs.values()]).device
+        device = _device([*args, *kwargs.values()])
         return supplied.reshape(like.shape).to(device=device, dtype=like.dtype)
 
 

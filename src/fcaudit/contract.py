@@ -138,19 +138,33 @@ class AuditableModel(DeclaresSites, DeclaresBlocks, HasDenseCounterpart, Declare
     """A model that declares everything the audit needs (each part is optional)."""
 
 
+def _discovered(model: nn.Module, what: str) -> list[Any] | None:
+    """For a model that declares nothing: what fcaudit's structural rules find (the routers
+    and experts of Mixture-of-Experts blocks, the layer stack of a transformers model)."""
+    from .models import hf
+    found = getattr(hf, f"discover_{what}")(model)
+    return list(found) if found else None
+
+
 def declared_sites(model: nn.Module) -> list[Site] | None:
-    """The model's own site declaration, or None for a model that has none."""
-    return list(model.controller_sites()) if isinstance(model, DeclaresSites) else None
+    """The model's own site declaration, else the routers fcaudit finds, else None."""
+    if isinstance(model, DeclaresSites):
+        return list(model.controller_sites())
+    return _discovered(model, "sites")
 
 
 def declared_blocks(model: nn.Module) -> list[str] | None:
-    """The model's own execution blocks, or None for a model that declares none."""
-    return list(model.execution_blocks()) if isinstance(model, DeclaresBlocks) else None
+    """The model's own execution blocks, else those fcaudit finds, else None."""
+    if isinstance(model, DeclaresBlocks):
+        return list(model.execution_blocks())
+    return _discovered(model, "blocks")
 
 
 def declared_experts(model: nn.Module) -> list[ExpertLayer] | None:
-    """The model's routed layers, or None for a model without experts."""
-    return list(model.expert_layers()) if isinstance(model, DeclaresExperts) else None
+    """The model's routed layers, else those fcaudit finds, else None (no experts)."""
+    if isinstance(model, DeclaresExperts):
+        return list(model.expert_layers())
+    return _discovered(model, "experts")
 
 
 def dense_twin(model: nn.Module, seed: int) -> nn.Module | None:

@@ -1,0 +1,335 @@
+"""Local Hugging Face folders: loading, MoE router discovery, replay and expert execution.
+
+Every model is a tiny random config built here and saved with ``save_pretrained``
+(safetensors) next to a tokenizer.json trained on the spot: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
+
+from fcaudit.contract import Site, SiteCall  # noqa: E402
+from fcaudit.errors import FcauditError  # noqa: E402
+from fcaudit.models.hf import (  # noqa: E402
+    discover_blocks,
+    discover_experts,
+    discover_sites,
+    is_hf_folder,
+    load_hf_folder,
+)
+from fcaudit.record import record  # noqa: E402
+from fcaudit.replay import replaying  # noqa: E402
+from fcaudit.routers import counting_experts, selection_change  # noqa: E402
+
+VOCAB = 120
+SEQ_LEN = 12
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+TEXT = ("the router picks two experts for every token and the audit replays the frozen model "
+        "with cached logits from other inputs to see whether the choice matters ") * 4
+
+# family -> (config, shared-expert gates per layer, experts executed per token)
+FAMILIES: dict[str, tuple[Callable[[], Any], int, int]] = {
+    "mixtral": (lambda: transformers.MixtralConfig(
+        **COMMON, intermediate_size=64, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2), 0, 2),
+    "qwen2_moe": (lambda: transformers.Qwen2MoeConfig(
+        **COMMON, intermediate_size=64, num_key_value_heads=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2), 1, 2),
+    "qwen3_moe": (lambda: transformers.Qwen3MoeConfig(
+        **COMMON, intermediate_size=64, num_key_value_heads=2, head_dim=8,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2), 0, 2),
+    "olmoe": (lambda: transformers.OlmoeConfig(
+        **COMMON, intermediate_size=32, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2), 0, 2),
+    "deepseek_v3": (lambda: transformers.DeepseekV3Config(  # group-limited, biased sigmoid
+        **COMMON, intermediate_size=64, num_key_value_heads=4, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8), 0, 2),
+    "gpt_oss": (lambda: transformers.GptOssConfig(
+        **COMMON, intermediate_size=32, num_key_value_heads=2, head_dim=8,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8), 0, 2),
+    "gemma4_text": (lambda: transformers.Gemma4TextConfig(  # router returns probabilities
+        **COMMON, intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=2,
+        head_dim=8, global_head_dim=8, num_experts=4, top_k_experts=2, enable_moe_block=True,
+        per_layer_config={}, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB, layer_types=["sliding_attention", "full_attention"]),
+        0, 2),
+    "llama4_text": (lambda: transformers.Llama4TextConfig(  # experts run densely
+        **COMMON, intermediate_size=32, intermediate_size_mlp=64, num_key_value_heads=2,
+        head_dim=8, num_local_experts=4, num_experts_per_tok=1), 0, 4),
+}
+
+
+def tokenizer_file(folder: Path) -> Path:
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([TEXT], trainers.WordLevelTrainer(vocab_size=VOCAB,
+                                                              special_tokens=["[UNK]"]))
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def save(config: Any, folder: Path, **kwargs: Any) -> Path:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # routers start near zero; give them spread like a trained router
+        for name, param in model.named_parameters():
+            if ".gate." in name or ".router." in name:
+                param.normal_(0, 0.5)
+    model.save_pretrained(folder, **kwargs)
+    tokenizer_file(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mixtral_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save(FAMILIES["mixtral"][0](), tmp_path_factory.mktemp("mixtral"))
+
+
+def token_batches(tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluation [4, T] and calibration [4, T] windows of the tokenized text."""
+    ids = torch.tensor(tokenizer.encode(TEXT * 2).ids)
+    windows = ids[: len(ids) // SEQ_LEN * SEQ_LEN].view(-1, SEQ_LEN)
+    assert len(windows) >= 8 and int(windows.max()) < VOCAB
+    return windows[:4], windows[4:8]
+
+
+def replay_routing(model: nn.Module, sites: list[Site], fed: dict[str, torch.Tensor],
+                   x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Replay ``fed`` (all sites); logits and each router's selected experts [B, T, k]."""
+    routers = {s.name: model.get_submodule(s.path) for s in sites if s.family == "router"}
+    chosen: dict[str, torch.Tensor] = {}
+    with torch.no_grad(), replaying(model, {s: fed[s.name] for s in sites}) as stubs:
+        for site in sites:
+            if site.name in routers:
+                def hook(stub: nn.Module, args: tuple, kwargs: dict, output: Any,
+                         site: Site = site) -> None:
+                    call = SiteCall(routers[site.name], args, kwargs, *x.shape)
+                    chosen[site.name] = site.adapter.selected_experts(output, call)
+                stubs[site.name].register_forward_hook(hook, with_kwargs=True)
+        logits = model(x).logits
+    return logits, chosen
+
+
+def one_ranking(chosen: torch.Tensor, dims: tuple[int, ...]) -> bool:
+    """True when every token along ``dims`` of [B, T, k] picked the same expert set."""
+    rows = chosen.sort(dim=-1).values
+    first = tuple(slice(0, 1) if d in dims else slice(None) for d in range(2))
+    return bool((rows == rows[first]).all())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_replays_and_routes(family: str, tmp_path: Path):
+    config, shared_gates, experts_per_token = FAMILIES[family]
+    folder = save(config(), tmp_path)
+    model, tokenizer, files = load_hf_folder(folder)
+    assert tokenizer is not None and (folder / "tokenizer.json") in files
+    x, calib = token_batches(tokenizer)
+    sites = discover_sites(model)
+    routers = [s for s in sites if s.family == "router"]
+    layers = discover_experts(model)
+    assert len(routers) == len(layers) == 2 and [s.layer for s in routers] == [0, 1]
+    assert len([s for s in sites if s.family == "shared_expert_gate"]) == 2 * shared_gates
+    assert discover_blocks(model) == ["model.layers.0", "model.layers.1"]
+
+    with torch.no_grad():
+        original = model(x).logits
+        cached = record(model, x, sites)
+    assert all(cached[s.name].shape[:2] == x.shape for s in sites)
+    with counting_experts(model, layers) as counts:
+        logits, own = replay_routing(model, sites, cached, x)
+    assert torch.equal(logits, original)  # identity replay is bitwise exact
+    for layer in layers:
+        assert counts[layer.name].experts_per_token(x.numel()) == experts_per_token
+        assert counts[layer.name].matches(own[layer.name]) == (experts_per_token == layer.top_k)
+
+    donors = torch.tensor([1, 2, 3, 0])
+    _, given = replay_routing(model, sites, {
+        s.name: cached[s.name][donors] if s.family == "router" else cached[s.name]
+        for s in sites}, x)
+    for name in own:  # the donor's logits route exactly as they did for the donor
+        assert torch.equal(given[name], own[name][donors])
+        assert selection_change(given[name], own[name]) > 0
+
+    with torch.no_grad():
+        calibration = record(model, calib, routers)
+    layer_mean = {s.name: calibration[s.name].mean(dim=(0, 1)).expand_as(cached[s.name])
+                  for s in routers}
+    _, static = replay_routing(model, sites, {**cached, **layer_mean}, x)
+    assert all(one_ranking(static[name], dims=(0, 1)) for name in static)
+    position_mean = {s.name: calibration[s.name].mean(dim=0).expand_as(cached[s.name])
+                     for s in routers}
+    _, by_position = replay_routing(model, sites, {**cached, **position_mean}, x)
+    assert all(one_ranking(by_position[name], dims=(0,)) for name in by_position)
+
+
+def test_files_read_are_exactly_what_loading_opened(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch):
+    folder = save(FAMILIES["qwen3_moe"][0](), tmp_path, max_shard_size="40KB")
+    (folder / "generation_config.json").write_text("{}")  # not needed for logits: not read
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    opened: list[Path] = []
+    real_safe_open = transformers.modeling_utils.safe_open
+
+    def spy(file: str, *args: Any, **kwargs: Any) -> Any:
+        opened.append(Path(file))
+        return real_safe_open(file, *args, **kwargs)
+
+    watched = [str(folder)]
+
+    def audit(event: str, args: tuple) -> None:
+        if event == "open" and isinstance(args[0], str) and args[0].startswith(tuple(watched)):
+            opened.append(Path(args[0]))
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_open", spy)
+    sys.addaudithook(audit)  # Python-level opens (config, index); a hook cannot be removed,
+    _, _, files = load_hf_folder(folder)
+    watched.clear()  # so it is made inert
+    assert files == [tmp_path / "config.json", tmp_path / "model.safetensors.index.json",
+                     *shards, tmp_path / "tokenizer.json"]
+    assert set(opened) <= set(files)
+    assert set(shards) | {tmp_path / "config.json"} <= set(opened)
+
+
+def test_legacy_per_expert_mixtral_layout_loads(mixtral_folder: Path, tmp_path: Path):
+    """Published Mixtral checkpoints keep one w1/w2/w3 per expert under block_sparse_moe;
+    transformers fuses them while loading, and the model is the same."""
+    state = load_file(mixtral_folder / "model.safetensors")
+    legacy = {}
+    for key, tensor in state.items():
+        moe = key.replace(".mlp.", ".block_sparse_moe.")
+        if key.endswith("experts.gate_up_proj"):
+            w1, w3 = tensor.chunk(2, dim=1)
+            for e in range(len(tensor)):
+                legacy[f"{moe.removesuffix('gate_up_proj')}{e}.w1.weight"] = w1[e].contiguous()
+                legacy[f"{moe.removesuffix('gate_up_proj')}{e}.w3.weight"] = w3[e].contiguous()
+        elif key.endswith("experts.down_proj"):
+            for e in range(len(tensor)):
+                legacy[f"{moe.removesuffix('down_proj')}{e}.w2.weight"] = tensor[e].clone()
+        else:
+            legacy[moe] = tensor
+    save_file(legacy, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    write_config(mixtral_folder, tmp_path)
+    fused, _, _ = load_hf_folder(mixtral_folder)
+    converted, _, _ = load_hf_folder(tmp_path)
+    x = torch.randint(3, VOCAB, (2, SEQ_LEN))
+    with torch.no_grad():
+        assert torch.equal(converted(x).logits, fused(x).logits)
+
+
+def test_dtype_is_honoured(mixtral_folder: Path):
+    model, _, _ = load_hf_folder(mixtral_folder)
+    assert next(model.parameters()).dtype == torch.float32  # the config's
+    model, _, _ = load_hf_folder(mixtral_folder, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    x = torch.randint(3, VOCAB, (2, SEQ_LEN))
+    sites = discover_sites(model)
+    with torch.no_grad():
+        original = model(x).logits
+        cached = record(model, x, sites)
+    assert {c.dtype for c in cached.values()} == {torch.bfloat16}
+    assert torch.equal(replay_routing(model, sites, cached, x)[0], original)
+
+
+@pytest.mark.parametrize("config", [
+    lambda: transformers.LlamaConfig(**COMMON, intermediate_size=64, num_key_value_heads=2),
+    lambda: transformers.Qwen2Config(**COMMON, intermediate_size=64, num_key_value_heads=2),
+])
+def test_dense_models_have_no_routers(config: Callable[[], Any]):
+    model = transformers.AutoModelForCausalLM.from_config(config())
+    assert discover_sites(model) == [] and discover_experts(model) == []
+    assert discover_blocks(model) == ["model.layers.0", "model.layers.1"]
+
+
+def test_folder_without_tokenizer_loads(mixtral_folder: Path, tmp_path: Path):
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((mixtral_folder / name).read_bytes())
+    _, tokenizer, files = load_hf_folder(tmp_path)
+    assert tokenizer is None and files == [tmp_path / "config.json",
+                                           tmp_path / "model.safetensors"]
+
+
+def test_native_model_type_with_auto_map_loads_the_builtin_code(mixtral_folder: Path,
+                                                                 tmp_path: Path):
+    raw = json.loads((mixtral_folder / "config.json").read_text())
+    raw["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MixtralForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "model.safetensors").write_bytes((mixtral_folder / "model.safetensors")
+                                                 .read_bytes())
+    model, _, _ = load_hf_folder(tmp_path)
+    assert type(model).__module__.startswith("transformers.models.mixtral")
+
+
+def write_config(src: Path, dst: Path, **changes: Any) -> None:
+    raw = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**raw, **changes}))
+
+
+def pickle_only(src: Path, dst: Path) -> None:
+    write_config(src, dst)
+    torch.save({}, dst / "pytorch_model.bin")  # written, never loaded
+
+
+def other_weights(layers: int) -> Callable[[Path, Path], None]:
+    def make(src: Path, dst: Path) -> None:
+        write_config(src, dst, num_hidden_layers=layers)
+        (dst / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    return make
+
+
+def peft_adapter(src: Path, dst: Path) -> None:
+    write_config(src, dst)
+    (dst / "adapter_config.json").write_text("{}")
+
+
+BAD_FOLDERS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
+    "no config": (lambda src, dst: None, "has no config.json"),
+    "remote code": (lambda src, dst: write_config(
+        src, dst, model_type="my_moe", auto_map={"AutoModelForCausalLM": "modeling.M"}),
+        "needs the checkpoint's own Python code"),
+    "unknown type": (lambda src, dst: write_config(src, dst, model_type="my_moe"),
+                     "unknown to transformers"),
+    "not a causal LM": (lambda src, dst: write_config(src, dst, model_type="vit"),
+                        "not a causal language model"),
+    "pickle only": (pickle_only, "safetensors only"),
+    "no weights": (write_config, "no weights in"),
+    "weights missing": (other_weights(3), "do not fit its config.json"),
+    "weights left over": (other_weights(1), "do not fit its config.json"),
+    "peft adapter": (peft_adapter, "PEFT adapter"),
+    "mudd": (lambda src, dst: write_config(src, dst, model_type="muddpythia"),
+             "MUDD checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FOLDERS))
+def test_bad_folders_give_one_clear_error(case: str, mixtral_folder: Path, tmp_path: Path):
+    make, message = BAD_FOLDERS[case]
+    make(mixtral_folder, tmp_path)
+    with pytest.raises(FcauditError, match=message) as err:
+        load_hf_folder(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_is_hf_folder(mixtral_folder: Path, tmp_path: Path):
+    assert is_hf_folder(mixtral_folder)
+    assert not is_hf_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "muddformer"}))
+    assert not is_hf_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"fcaudit_run": 1, "model_type": "x"}))
+    assert not is_hf_folder(tmp_path)

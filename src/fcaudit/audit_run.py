@@ -561,7 +561,8 @@ def run_audit(model: str | nn.Module | LoadedModel, out: str | Path, *,
     }
     if write_report:
         from .report import write_report as render
-        render(audit, out)
+        from .result import AuditResult
+        render(AuditResult.from_json(audit), out)
     write_json(out / "audit.json", audit)  # last: an audit.json means the audit is complete
     return audit
 

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fcaudit.contract import Site
 from fcaudit.interventions import (
     StaticProfiles,
     derangement,
@@ -27,7 +28,6 @@ from fcaudit.metrics import (
     penalty,
     retention,
 )
-from fcaudit.contract import Site
 
 FEW = settings(max_examples=25, deadline=None, database=None)
 SOME = settings(max_examples=50, deadline=None, database=None)

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import __version__
 from .cache import CoefficientCache
+from .contract import Site
 from .data import (
     AuditData,
     builtin_documents,
@@ -54,7 +55,6 @@ from .metrics import (
     penalty,
     retention,
 )
-from .contract import Site
 from .progress import progress_bar
 from .record import recording
 from .replay import replaying

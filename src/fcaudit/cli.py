@@ -287,8 +287,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_sites(args: argparse.Namespace) -> None:
-    from .loading import load
     from .contract import declared_sites
+    from .loading import load
     model = load(args.model).model
     sites = declared_sites(model)
     if sites:

@@ -1,228 +1,349 @@
-"""The human-facing report: content order, undefined values, self-contained HTML, determinism."""
+"""The human-facing report, rendered from real audits of toy models: sections and their
+order, the numbers, escaping, determinism, figures, the non-exact identity warning."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import re
 import shutil
 import subprocess
+from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
+import toys
+from test_engine import FAST, toy_data
 
-from fcaudit.report import write_report
+from fcaudit.audit_run import run_audit
+from fcaudit.figures import heatmap_figure
+from fcaudit.report import IDENTITY_WARNING, md_text, write_report
+from fcaudit.result import (
+    MAIN_CONDITIONS,
+    AuditResult,
+    Identity,
+    LayerVariation,
+    Profile,
+    Retention,
+    Variation,
+)
 
-VERDICT = {
-    "variation": "Coefficients vary mostly across layers: layer identity explains 91% of variance.",
-    "dependence": "The frozen model barely needs matched coefficients: reassign costs 0.002 nats.",
-    "execution": "Every block runs for every token: no conditional execution, 31% slower.",
-}
-
-
-def _ci(x: float, half: float) -> list[float]:
-    return [x - half, x + half]
-
-
-def make_audit(n_layers: int = 4, seq_len: int = 16, families: tuple[str, ...] = ("gate",),
-               seed: int = 0) -> dict[str, Any]:
-    """A plausible audit.json dict with every optional section filled in."""
-    rng = np.random.default_rng(seed)
-    deltas = {"original": 0.0, "correct": 0.0, "reassign": 0.002, "shuffle": 0.004,
-              "reassign+shuffle": 0.0055, "static-layer": 0.003,
-              "static-layer-position": 0.0025, "global-mean": 0.25}
-    random = {"reassign", "shuffle", "reassign+shuffle"}
-    conditions = {}
-    for name, d in deltas.items():
-        repeats = [3.5 + d + 0.0005 * k for k in range(3 if name in random else 1)]
-        conditions[name] = {"nll": 3.5 + d, "delta": d, "ci95": _ci(d, 0.001),
-                            "repeats": repeats, "repeat_deltas": [r - 3.5 for r in repeats]}
-    sites, variance, variation, profiles = [], {}, {}, {}
-    per_layer: dict[str, list[dict[str, Any]]] = {"reassign": [], "static-layer": []}
-    for fam in families:
-        names = [f"blocks.{i}.{fam}" for i in range(n_layers)]
-        sites += [{"name": n, "family": fam, "layer": i, "trailing_shape": [1]}
-                  for i, n in enumerate(names)]
-        mean = rng.uniform(0.2, 0.9, n_layers)
-        profiles[fam] = {"sites": names, "mean": mean.tolist(), "sd": [0.05] * n_layers,
-                         "q10": (mean - 0.08).tolist(), "q90": (mean + 0.08).tolist(),
-                         "position_mean": (mean[:, None] + 0.01 * rng.standard_normal(
-                             (n_layers, seq_len))).tolist()}
-        variance[fam] = {"eta2_layer": 0.91, "eta2_position": 0.01, "eta2_layer_position": 0.005,
-                         "eta2_component": 0.0, "eta2_residual": 0.075,
-                         "n_values": n_layers * seq_len * 8,
-                         "components": [{"index": [0], "eta2_layer": 0.91, "eta2_position": 0.01,
-                                         "eta2_layer_position": 0.005, "eta2_residual": 0.075}],
-                         "components_note": "scalar gate: one component"}
-        variation[fam] = {"per_layer": [{"layer": i, "site": n, "mean": float(mean[i]),
-                                         "sd_total": 0.05, "sd_across_inputs": 0.03,
-                                         "sd_across_positions": 0.02}
-                                        for i, n in enumerate(names)],
-                          "across_layer_sd": float(mean.std()), "mean_sd_across_inputs": 0.03,
-                          "mean_sd_across_positions": 0.02, "ratio_inputs_to_layers": 0.15,
-                          "ratio_positions_to_layers": 0.1}
-        for name in per_layer:
-            per_layer[name] += [{"layer": i, "site": n, "family": fam, "nll": 3.5 + 0.001 * i,
-                                 "delta": 0.001 * i, "ci95": _ci(0.001 * i, 0.0005),
-                                 "repeats": [3.5 + 0.001 * i]} for i, n in enumerate(names)]
-    return {
-        "schema": "fcaudit.audit/1", "fcaudit_version": "0.1.0",
-        "command": "fcaudit audit --model runs/fg --out out",
-        "model": {"spec": "runs/fg", "kind": "featuregate", "arch": "featuregate",
-                  "class": "FeatureGateLM", "n_params": 1234567, "fingerprint": "sha256:abc",
-                  "dtype": "float32"},
-        "data": {"eval_sequences": 32, "calib_sequences": 32, "seq_len": seq_len,
-                 "eval_tokens": 32 * (seq_len - 1), "source": "builtin"},
-        "sites": sites, "identity_replay_max_abs_diff": 0.0, "conditions": conditions,
-        "per_layer": per_layer,
-        "retention": {"static-layer": {"value": 98.7, "ci95": [97.5, 99.6], "gap": 0.247,
-                                       "gap_ci95": [0.2, 0.3], "defined": True},
-                      "static-layer-position": {"value": 99.0, "ci95": [98.0, 99.8],
-                                                "gap": 0.247, "gap_ci95": [0.2, 0.3],
-                                                "defined": True}},
-        "interaction": {"value": -0.0005, "ci95": [-0.0015, 0.0005]},
-        "variance": variance, "variation": variation, "profiles": profiles,
-        "execution": {"measured": True, "blocks_executed": float(n_layers),
-                      "blocks_present": n_layers,
-                      "blocks_executed_per_layer": [1.0] * n_layers,
-                      "dense_blocks_executed": float(n_layers), "flops_per_token": 2.5e7,
-                      "dense_flops_per_token": 2.4e7, "flops_ratio": 1.04,
-                      "conditional_execution": False, "speed_ratio_vs_dense": 1.31,
-                      "timing": {"speed_ratio_vs_dense": {"value": 1.31, "ci95": [1.25, 1.36]},
-                                 "model": {"median_s": 0.02, "min_s": 0.019, "max_s": 0.03,
-                                           "tokens_per_s": 40000.0},
-                                 "dense": {"median_s": 0.015, "min_s": 0.014, "max_s": 0.02,
-                                           "tokens_per_s": 52000.0},
-                                 "pairs": 10, "threads": 2, "device": "cpu", "batch_size": 8,
-                                 "seq_len": seq_len}},
-        "verdict": dict(VERDICT),
-        "seeds": {"master": 0, "reassign": [1, 2, 3], "shuffle": [4, 5, 6], "bootstrap": 7},
-        "settings": {"repeats": 3, "bootstrap_resamples": 1000, "batch_size": 8,
-                     "per_layer": True},
-        "versions": {"fcaudit": "0.1.0", "torch": "2.4.0", "numpy": "2.1", "python": "3.11"},
-        "host": {"cpu": "test"}, "timings": {"total_s": 1.0},
-    }
+SECTIONS = ["The three answers", "Conditions", "Gap retention", "Interaction", "Per layer",
+            "Variance decomposition", "Variation summary", "Execution", "Reproducibility",
+            "Figures"]
+FIGURES = ("profile", "heatmap", "penalties", "variance")
+# Markup, a table cell break, a link, code and emphasis in one user-supplied string.
+HOSTILE = ('<script>alert("x")</script> | [a](https://evil.example/) [b](javascript:alert(1)) '
+           '](x) `tick` *b* _c_ ~~d~~ &amp; #')
 
 
-def _read(out: Path, name: str) -> str:
-    return (out / name).read_text(encoding="utf-8")
+def _audit(out: Path, **kw: object) -> AuditResult:
+    content = run_audit(toys.content_model(), out, sites=["gates.*"], data=toy_data(),
+                        write_report=False, **kw)
+    return AuditResult.from_json(content)  # the engine returns audit.json content for now
 
 
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+def audited(tmp_path_factory: pytest.TempPathFactory) -> AuditResult:
+    """A real audit of the content toy model (execution not measured)."""
+    return _audit(tmp_path_factory.mktemp("audit"), options=FAST)
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory: pytest.TempPathFactory) -> AuditResult:
+    """A real audit with the execution measured against a dense twin, timing included."""
+    return _audit(tmp_path_factory.mktemp("executed"), dense=toys.constant_model(),
+                  blocks="gates.*",
+                  options=dataclasses.replace(FAST, execution=True, timing_pairs=10))
+
+
+@pytest.fixture(scope="module")
+def rendered(audited: AuditResult, tmp_path_factory: pytest.TempPathFactory,
+             ) -> tuple[Path, list[Path]]:
     out = tmp_path_factory.mktemp("report")
-    return out, write_report(make_audit(), out)
+    return out, write_report(audited, out)
+
+
+def _render(result: AuditResult, out: Path) -> tuple[str, str]:
+    write_report(result, out)
+    return ((out / "report.md").read_text(encoding="utf-8"),
+            (out / "report.html").read_text(encoding="utf-8"))
+
+
+def _section(md: str, title: str) -> str:
+    """The Markdown from the ``## title`` heading to the next ``##`` heading."""
+    start = md.index(f"\n## {title}\n")
+    end = md.find("\n## ", start + 1)
+    return md[start:] if end < 0 else md[start:end]
+
+
+def _cells(line: str) -> list[str]:
+    """The cells of one GFM table row (escaped pipes do not split)."""
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def _table(text: str) -> list[dict[str, str]]:
+    """The first table in ``text`` as rows of header -> cell."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    headers = _cells(lines[0])
+    return [dict(zip(headers, _cells(ln), strict=True)) for ln in lines[2:]]
+
+
+def _numbers(cell: str) -> list[float]:
+    return [float(x.replace(",", "")) for x in re.findall(r"[-+]?[\d,]*\.?\d+(?:e[-+]\d+)?", cell)]
+
+
+def _close(value: float, digits: int = 4) -> object:
+    """Equal to ``value`` as shown with ``digits`` decimals or in 4-digit scientific form."""
+    return pytest.approx(value, abs=0.51 * 10.0 ** -digits, rel=5e-4)
 
 
 def test_writes_reports_and_figures(rendered: tuple[Path, list[Path]]) -> None:
     out, paths = rendered
     names = {p.relative_to(out).as_posix() for p in paths}
-    figures = {f"figures/{stem}.{ext}" for stem in ("profile", "heatmap", "penalties", "variance")
-               for ext in ("png", "svg")}
+    figures = {f"figures/{stem}.{ext}" for stem in FIGURES for ext in ("png", "svg")}
     assert names == figures | {"report.md", "report.html"}
-    assert all(p.stat().st_size > 0 for p in paths)
+    for stem in FIGURES:
+        assert (out / f"figures/{stem}.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+        svg = (out / f"figures/{stem}.svg").read_text(encoding="utf-8")
+        assert svg.startswith("<?xml") and "<dc:date>" not in svg
     assert not list(out.rglob("*.tmp")), "no temporary files may be left behind"
 
 
-def test_three_answers_come_first(rendered: tuple[Path, list[Path]]) -> None:
-    md = _read(rendered[0], "report.md")
+def test_sections_in_order_answers_first(rendered: tuple[Path, list[Path]],
+                                         audited: AuditResult) -> None:
+    md = (rendered[0] / "report.md").read_text(encoding="utf-8")
+    assert re.findall(r"^## (.+)$", md, flags=re.M) == SECTIONS
+    assert md.startswith(f"# Frozen Controller Audit: {md_text(audited.model.spec)}\n")
+    verdicts = [md.index(f"**{md_text(getattr(audited.verdict, k))}**")
+                for k in ("variation", "dependence", "execution")]
+    assert verdicts == sorted(verdicts) and verdicts[-1] < md.index("\n## Conditions")
+    page = (rendered[0] / "report.html").read_text(encoding="utf-8")
+    assert re.findall(r"<h2>(.+?)</h2>", page) == SECTIONS
+
+
+def test_numbers_equal_the_result(rendered: tuple[Path, list[Path]],
+                                  audited: AuditResult) -> None:
+    md = (rendered[0] / "report.md").read_text(encoding="utf-8")
+    rows = {r["condition"].strip("`"): r for r in _table(_section(md, "Conditions"))}
+    assert list(rows) == list(MAIN_CONDITIONS)
+    for name, c in audited.conditions.items():
+        assert _numbers(rows[name]["NLL (nats)"]) == [_close(c.nll)]
+        assert _numbers(rows[name]["Δ vs correct"]) == [_close(c.delta)]
+        assert _numbers(rows[name]["95% CI"]) == [_close(v) for v in c.ci95]
+        assert rows[name]["repeats"].startswith(str(len(c.repeats)))
+
+    retention = {r["profile"].strip("`"): r for r in _table(_section(md, "Gap retention"))}
+    for name, ret in audited.retention.items():
+        assert ret.value is not None
+        assert _numbers(retention[name]["retention"]) == [_close(ret.value, 2)]
+        assert _numbers(retention[name]["95% CI"]) == [_close(v, 2) for v in ret.ci95]
+
+    inter = _numbers(_section(md, "Interaction").split("=")[-1].split("nats")[0])
+    assert inter == [_close(audited.interaction.value), *map(_close, audited.interaction.ci95)]
+
+    per_layer = _table(_section(md, "Per layer"))
+    assert [int(r["layer"]) for r in per_layer] == [0, 1]
+    for entry in audited.per_layer["reassign"]:
+        row = per_layer[entry.layer]
+        assert row["site"] == f"`{entry.site}`"
+        assert _numbers(row["Δ reassign@layer [95% CI]"]) == \
+            [_close(entry.delta), *map(_close, entry.ci95)]
+
+    (fam, var), = audited.variance.items()
+    pooled = _table(_section(md, "Variance decomposition"))[0]
+    assert _numbers(pooled["layer"]) == [_close(100 * var.eta2_layer, 1)]
+    assert _numbers(pooled["residual (input/token content)"]) == \
+        [_close(100 * var.eta2_residual, 1)]
+    summary = _table(_section(md, "Variation summary"))[0]
+    assert summary["family"] == f"`{fam}`"
+    assert _numbers(summary["sd across inputs"]) == \
+        [_close(audited.variation[fam].mean_sd_across_inputs)]
+
+    repro = _section(md, "Reproducibility")
+    seeds = {r["item"]: r["value"] for r in _table(repro[repro.index("### Seeds"):])}
+    assert _numbers(seeds["`reassign`"]) == audited.seeds.reassign
+
+
+def test_execution_section_is_one_table(executed: AuditResult, tmp_path: Path) -> None:
+    ex = dataclasses.replace(executed.execution,  # the engine will fill this field
+                             uncounted_operators=["aten::fancy_op", "aten::other"])
+    assert ex.measured and ex.timing is not None
+    md, _ = _render(dataclasses.replace(executed, execution=ex), tmp_path)
+    section = _section(md, "Execution")
+    rows = {r["measure"]: r for r in _table(section)}
+    blocks = rows["blocks executed per token"]
+    assert _numbers(blocks["model"]) == [_close(ex.blocks_executed, 2), ex.blocks_present]
+    assert _numbers(blocks["dense"]) == [_close(ex.dense_blocks_executed, 2),
+                                         ex.dense_blocks_present]
+    flops = rows["FLOPs per token"]
+    assert _numbers(flops["model"]) == [_close(ex.flops_per_token)]
+    latency = rows["latency per batch (ms), median [min, max]"]
+    for side, timing in (("model", ex.timing.model), ("dense", ex.timing.dense)):
+        assert _numbers(latency[side]) == [_close(1e3 * s, 3) for s in
+                                           (timing.median_s, timing.min_s, timing.max_s)]
+    ratio = ex.timing.speed_ratio_vs_dense
+    assert _numbers(latency["model / dense"])[:3] == [_close(ratio.value),
+                                                      *map(_close, ratio.ci95)]
+    assert _numbers(rows["throughput (tokens/s)"]["model"]) == \
+        [pytest.approx(ex.timing.model.tokens_per_s, abs=0.51)]
+    assert "min / mean / max" in " ".join(rows)
+    shown_ratio = latency["model / dense"].split(" (")[0]
+    assert section.count(shown_ratio) == 1, "the latency ratio is shown once"
+    assert "pairs_s" not in md and "slowdown" not in section
+    assert f"Conditional execution: **{'yes' if ex.conditional_execution else 'no'}**" in section
+    for text in (section, _section(md, "The three answers")):
+        assert "FLOPs verdict refused" in text and "`aten::fancy_op`" in text
+
+
+def test_not_measured_and_undefined_retention(audited: AuditResult, tmp_path: Path) -> None:
+    result = dataclasses.replace(audited, retention={**audited.retention, "static-layer": Retention(
+        gap=0.001, gap_ci95=[-0.002, 0.004], value=None, ci95=None, defined=False,
+        reason="gap CI includes 0")})
+    md, page = _render(result, tmp_path)
+    row = _table(_section(md, "Gap retention"))[0]
+    assert row["retention"] == "undefined" and row["note"] == "gap CI includes 0"
+    assert f"Execution was not measured: {md_text(audited.execution.reason)}." in \
+        _section(md, "Execution")
+    assert "undefined</td>" in page
+
+
+def test_custom_conditions_table(audited: AuditResult, tmp_path: Path) -> None:
+    custom = audited.conditions["global-mean"]
+    md, _ = _render(dataclasses.replace(audited, custom_conditions={"zero-gates": custom}),
+                    tmp_path)
     headings = re.findall(r"^## (.+)$", md, flags=re.M)
-    assert headings[0] == "The three answers"
-    first_table = md.index("\n## Conditions")
-    positions = [md.index(VERDICT[k]) for k in ("variation", "dependence", "execution")]
-    assert positions == sorted(positions) and positions[-1] < first_table
-    answers = md[:first_table]
-    for number in ("91.0%", "+0.0020", "98.70%", "1.3100 [1.2500, 1.3600]", "Conditional"):
-        assert number in answers, number
+    assert headings[headings.index("Conditions") + 1] == "Custom conditions"
+    (row,) = _table(_section(md, "Custom conditions"))
+    assert row["condition"] == "`zero-gates`"
+    assert _numbers(row["Δ vs correct"]) == [_close(custom.delta)]
 
 
-def test_tables_and_reproducibility(rendered: tuple[Path, list[Path]]) -> None:
-    md = _read(rendered[0], "report.md")
-    for text in ("| `reassign+shuffle` |", "Gap retention", "## Interaction", "Family gate",
-                 "`blocks.3.gate`", "Variation summary", "fcaudit audit --model runs/fg",
-                 "| `master` | 0 |", "| `reassign` | 1, 2, 3 |", "figures/heatmap.svg"):
-        assert text in md, text
+def test_nonexact_identity_warns_at_top_and_beside_each_verdict(audited: AuditResult,
+                                                                tmp_path: Path) -> None:
+    md, page = _render(audited, tmp_path / "exact")
+    assert IDENTITY_WARNING not in md
+    ident = Identity(exact=False, max_abs_diff=2.5e-6, allowed_nonexact=True,
+                     note="cuBLAS kernels are not deterministic")
+    md, page = _render(dataclasses.replace(audited, identity=ident), tmp_path / "inexact")
+    blocks = md.split("\n\n")
+    assert blocks[0].startswith("# ") and blocks[1].startswith(f"> **{IDENTITY_WARNING}**")
+    assert "2.500e-06" in blocks[1] and ident.note in blocks[1]
+    answers = _section(md, "The three answers").split("\n### ")[1:]
+    assert len(answers) == 3
+    for answer in answers:
+        assert answer.index(IDENTITY_WARNING) < answer.index("\n**")
+    assert md.count(IDENTITY_WARNING) == 4
+    assert "**not exact**" in _section(md, "Conditions")
+    assert page.count("<blockquote>") == 4
+    assert page.index("<blockquote>") < page.index("<h2>The three answers</h2>")
 
 
-@pytest.fixture(scope="module")
-def degraded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Undefined retention, no execution measurement, and markup in user-supplied strings."""
-    audit = make_audit()
-    audit["retention"]["static-layer"] = {"value": None, "ci95": None, "gap": 0.001,
-                                          "gap_ci95": [-0.002, 0.004], "defined": False,
-                                          "reason": "gap CI includes 0"}
-    audit["execution"] = {"measured": False, "reason": "no dense counterpart given"}
-    del audit["verdict"]["execution"]
-    audit["model"]["spec"] = '<script>alert("x")</script>'
-    audit["verdict"]["variation"] = "a < b & c"
-    out = tmp_path_factory.mktemp("degraded")
-    write_report(audit, out)
-    return out
+class _Page(HTMLParser):
+    """Cell counts of every table row, every link and image target, and the text shown in
+    headings, code and warnings."""
+
+    SHOWN = ("h1", "code", "blockquote")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[int]] = []
+        self.targets: list[str] = []
+        self.text: dict[str, list[str]] = {tag: [] for tag in self.SHOWN}
+        self._open: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "table":
+            self.rows.append([])
+        elif tag == "tr":
+            self.rows[-1].append(0)
+        elif tag in ("td", "th"):
+            self.rows[-1][-1] += 1
+        elif tag in ("a", "img", "script", "link", "iframe"):
+            self.targets += [f"{tag}:{v}" for k, v in attrs if k in ("href", "src")] or [tag]
+        elif tag in self.SHOWN:
+            self._open.add(tag)
+            self.text[tag].append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        self._open.discard(tag)
+
+    def handle_data(self, data: str) -> None:
+        for tag in self._open:
+            self.text[tag][-1] += data
 
 
-@pytest.mark.parametrize("name", ["report.md", "report.html"])
-def test_undefined_retention_and_no_execution(degraded: Path, name: str) -> None:
-    text = _read(degraded, name)
-    assert re.search(r"static-layer\S* \| undefined \|", text) or "undefined</td>" in text
-    assert "gap CI includes 0" in text
-    assert "not measured: no dense counterpart given" in text
-    assert "98.70%" not in text
+def test_user_strings_cannot_inject_markup(audited: AuditResult, tmp_path: Path) -> None:
+    """A spec, a site name, a custom condition, a note and a command full of markup are shown
+    as the literal text they are, make no link, and every table keeps its shape."""
+    site = audited.sites[0]
+    variation = {fam: dataclasses.replace(v, per_layer=[
+        dataclasses.replace(e, site=HOSTILE) if e.site == site.name else e for e in v.per_layer])
+        for fam, v in audited.variation.items()}
+    result = dataclasses.replace(
+        audited, model=dataclasses.replace(audited.model, spec=HOSTILE),
+        sites=[dataclasses.replace(site, name=HOSTILE), *audited.sites[1:]], variation=variation,
+        custom_conditions={HOSTILE: audited.conditions["shuffle"]},
+        identity=Identity(exact=False, max_abs_diff=1e-6, allowed_nonexact=True, note=HOSTILE),
+        verdict=dataclasses.replace(audited.verdict, variation=f"a < b & c {HOSTILE}"),
+        command=f"fcaudit audit --model '{HOSTILE}'\n```\n<b>x</b>")
+    md, page = _render(result, tmp_path)
+    assert "<script" not in page and "<b>" not in page and "a &lt; b &amp; c" in page
+    parsed = _Page()
+    parsed.feed(page)
+    assert all(t.startswith(("a:figures/", "img:data:image/png;base64,")) for t in parsed.targets)
+    assert len(parsed.targets) == 2 * len(FIGURES)
+    for rows in parsed.rows:
+        assert len(set(rows)) == 1, f"a table row lost or gained cells: {rows}"
+    assert parsed.text["h1"] == [f"Frozen Controller Audit: {HOSTILE}"]
+    assert parsed.text["blockquote"][0].rstrip().endswith(HOSTILE)  # the identity note
+    # the lead line, the custom condition, the sites table, the per-layer table, the model
+    assert parsed.text["code"].count(HOSTILE) == 5
+    assert f"fcaudit audit --model '{HOSTILE}'\n```\n<b>x</b>\n" in parsed.text["code"]
 
 
-def test_html_is_self_contained_and_escaped(degraded: Path) -> None:
-    page = _read(degraded, "report.html")
-    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page, flags=re.I)
-    assert "<script" not in page and "&lt;script&gt;" in page and "a &lt; b &amp; c" in page
-    assert page.count('<img src="data:image/png;base64,') == 4
-    assert "<style>" in page and "<link" not in page
-
-
-def test_rerender_is_byte_identical(tmp_path: Path) -> None:
-    audit = make_audit(n_layers=3, seq_len=8)
-    first = write_report(copy.deepcopy(audit), tmp_path / "a")
-    second = write_report(audit, tmp_path / "b")
+def test_rerender_is_byte_identical(audited: AuditResult, tmp_path: Path) -> None:
+    first = write_report(audited, tmp_path / "a")
+    second = write_report(AuditResult.from_json(audited.to_json()), tmp_path / "b")
     assert [p.relative_to(tmp_path / "a") for p in first] == \
         [p.relative_to(tmp_path / "b") for p in second]
     for a, b in zip(first, second, strict=True):
         assert a.read_bytes() == b.read_bytes(), a.name
 
 
-def test_minimal_audit_renders(tmp_path: Path) -> None:
-    """Only the contract keys, with nulls: every section degrades to a short note."""
-    audit = {"schema": "fcaudit.audit/1",
-             "data": {"eval_sequences": 2, "calib_sequences": 2, "seq_len": 8, "eval_tokens": 14},
-             "identity_replay_max_abs_diff": 0.0,
-             "conditions": {"correct": {"nll": 3.0, "delta": 0.0, "ci95": None, "repeats": [3.0]},
-                            "reassign": {"nll": None, "delta": None, "ci95": None, "repeats": []}},
-             "retention": {"static-layer": {"value": None, "ci95": None}},
-             "interaction": {"value": None, "ci95": None},
-             "variance": {"gate": {"eta2_layer": None}}, "execution": {},
-             "verdict": {}, "seeds": {}}
-    paths = write_report(audit, tmp_path)
-    md = _read(tmp_path, "report.md")
-    assert md.index("## The three answers") < md.index("## Conditions")
-    assert "undefined" in md and "not measured" in md and "No verdict recorded." in md
-    assert {p.name for p in paths} == {"report.md", "report.html"}  # nothing to plot
-    assert "No figure data in this audit." in md
+def test_heatmap_reads_position_stride_and_bins_wide_maps() -> None:
+    """Titles state what the map shows: every k-th position (the engine's stride), binned."""
+    rng = np.random.default_rng(0)
+    wide = Profile(sites=["a", "b"], mean=[0.1, 0.2], sd=[0.0, 0.0],
+                   position_mean=rng.random((2, 2048)).tolist(), position_stride=1)
+    strided = dataclasses.replace(wide, position_mean=rng.random((2, 512)).tolist(),
+                                  position_stride=4)
+    fig = heatmap_figure({"gate": wide, "mudd": strided})
+    maps = [ax for ax in fig.axes if ax.images]
+    assert [ax.get_title() for ax in maps] == [
+        "gate: mean coefficient by layer and position (averaged in bins of 8)",
+        "mudd: mean coefficient by layer and position (sampled every 4 positions, averaged in "
+        "bins of 2)"]
+    # both span positions 0..2047: the strided map's 512 columns stand for every 4th position
+    assert [ax.images[0].get_extent()[1] for ax in maps] == [2048 - 0.5, 2048 - 2.0]
 
 
-def test_large_audit_many_layers_long_sequences(tmp_path: Path) -> None:
-    """24 layers, 2048 positions, two families, huge numbers; one family's positions strided
-    as the engine stores them for long sequences."""
-    audit = make_audit(n_layers=24, seq_len=2048, families=("gate", "mudd"))
-    mudd = audit["profiles"]["mudd"]
-    mudd["position_mean"] = [row[::4] for row in mudd["position_mean"]]
-    audit["execution"]["flops_per_token"] = 3.2e30
-    audit["conditions"]["global-mean"]["delta"] = 1.5e12
-    write_report(audit, tmp_path)
-    md = _read(tmp_path, "report.md")
-    assert "3.200e+30" in md and "+1.500e+12" in md
-    assert "`blocks.23.mudd`" in md and "Family mudd" in md
-    svg = _read(tmp_path, "figures/heatmap.svg")  # titles survive as comments in the SVG
-    assert "gate: mean coefficient by layer and position (averaged in bins of 8)" in svg
-    assert "(sampled every 4 positions, averaged in bins of 2)" in svg
-    assert (tmp_path / "figures/heatmap.png").stat().st_size < 2_000_000
+def test_many_families_and_sites(audited: AuditResult, tmp_path: Path) -> None:
+    """A second family gets its own per-layer and variance tables and figure panels."""
+    fam = audited.families[0]
+    sites = [*audited.sites, *(dataclasses.replace(s, name=f"other.{s.layer}", family="other")
+                               for s in audited.sites)]
+    variation = {**audited.variation, "other": Variation(
+        per_layer=[LayerVariation(0, "other.0", 0.5, 0.1, 0.1, 0.1)], across_layer_sd=0.0,
+        mean_sd_across_inputs=0.1, mean_sd_across_positions=0.1, ratio_inputs_to_layers=None,
+        ratio_positions_to_layers=None)}
+    result = dataclasses.replace(
+        audited, sites=sites, variation=variation,
+        variance={**audited.variance, "other": audited.variance[fam]},
+        profiles={**audited.profiles, "other": audited.profiles[fam]})
+    md, _ = _render(result, tmp_path)
+    assert md.count("### Family `other`") == 2  # per layer, variance
+    assert _table(_section(md, "Variation summary"))[1]["inputs / layers"] == "n/a"
 
 
 def _chromium() -> str | None:
@@ -230,7 +351,8 @@ def _chromium() -> str | None:
     return found or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 
 
-def test_renders_in_headless_chromium(rendered: tuple[Path, list[Path]], tmp_path: Path) -> None:
+def test_renders_in_headless_chromium(rendered: tuple[Path, list[Path]], audited: AuditResult,
+                                      tmp_path: Path) -> None:
     browser = _chromium()
     if browser is None:
         pytest.skip("chromium not installed (apt-get install -y chromium); render check skipped")
@@ -240,9 +362,9 @@ def test_renders_in_headless_chromium(rendered: tuple[Path, list[Path]], tmp_pat
             "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([*base, "--dump-dom", page], capture_output=True, text=True,
                          timeout=120, check=True).stdout
-    for sentence in VERDICT.values():
-        assert sentence in dom
-    assert dom.count("<img") == 4
+    for key in ("variation", "dependence", "execution"):
+        assert getattr(audited.verdict, key) in dom
+    assert dom.count("<img") == len(FIGURES)
 
     shot = tmp_path / "shot.png"
     subprocess.run([*base, f"--screenshot={shot}", "--window-size=1200,3000", page],

@@ -12,31 +12,33 @@ from __future__ import annotations
 import dataclasses
 import platform
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from matplotlib.figure import Figure
 
 from . import __version__
 from .audit_run import AuditOptions, run_audit
 from .errors import FcauditError
-from .fileio import read_json, write_json, write_text
-from .loading import is_run_folder
-from .report import (
-    Bullets,
-    Code,
-    CodeBlock,
-    Heading,
-    Para,
-    Table,
-    to_html,
-    to_markdown,
+from .figures import (
+    FigureSpec,
+    RenderedFigure,
+    Span,
+    penalty_figure,
+    profile_figure,
+    ratio_figure,
+    retention_figure,
+    variance_figure,
     write_figures,
 )
+from .fileio import write_json, write_text
+from .loading import is_run_folder
+from .report import md_code, md_fenced, md_figures, md_table, md_text, to_html
+from .result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
 from .train import train
 
 SCHEMA = "fcaudit.reproduction/1"
@@ -77,25 +79,27 @@ PAPER = {
 }
 
 
-def metrics_of(audit: Mapping[str, Any]) -> dict[str, float | None]:
-    """The numbers aggregated across seeds, flat, from one audit.json."""
-    c, r = audit["conditions"], audit["retention"]
-    out: dict[str, float | None] = {"nll_correct": c["correct"]["nll"]}
-    for name in ("reassign", "shuffle", "reassign+shuffle", "static-layer",
-                 "static-layer-position", "global-mean"):
-        out[f"delta_{name}"] = c[name]["delta"]
-    out["interaction"] = audit["interaction"]["value"]
-    out["retention_static_layer"] = r["static-layer"]["value"]
-    out["retention_static_layer_position"] = r["static-layer-position"]["value"]
-    family = next(iter(audit["variance"]))  # the first family: the main one
-    for key in ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
-                "eta2_residual"):
-        out[key] = audit["variance"][family][key]
-    ex = audit["execution"]
-    if ex.get("measured"):
-        out["blocks_executed_fraction"] = ex["blocks_executed"] / ex["blocks_present"]
-        out["flops_ratio"] = ex["flops_ratio"]
-        out["speed_ratio"] = ex.get("speed_ratio_vs_dense")
+# The penalties aggregated and plotted: every condition but the reference ones.
+CONDITIONS = tuple(c for c in MAIN_CONDITIONS if c not in ("original", "correct"))
+
+
+def metrics_of(audit: AuditResult) -> dict[str, float | None]:
+    """The numbers aggregated across seeds, flat, from one audit."""
+    c, r = audit.conditions, audit.retention
+    out: dict[str, float | None] = {"nll_correct": c["correct"].nll}
+    for name in CONDITIONS:
+        out[f"delta_{name}"] = c[name].delta
+    out["interaction"] = audit.interaction.value
+    out["retention_static_layer"] = r["static-layer"].value
+    out["retention_static_layer_position"] = r["static-layer-position"].value
+    main = audit.variance[audit.families[0]]  # the first family in site order is the main one
+    for key in ETA2_KEYS:
+        out[key] = getattr(main, key)
+    ex = audit.execution
+    if ex.measured:
+        out["blocks_executed_fraction"] = ex.blocks_executed / ex.blocks_present
+        out["flops_ratio"] = ex.flops_ratio
+        out["speed_ratio"] = ex.speed_ratio_vs_dense
     return out
 
 
@@ -131,7 +135,16 @@ def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettin
                  progress=st.options.progress, data=st.train_data)
 
 
-def run_group(group: Group, out: Path, st: StudySettings) -> list[dict[str, Any]]:
+def _audit(audit_dir: Path, model: str, st: StudySettings, options: AuditOptions,
+           dense: str | None = None) -> AuditResult:
+    """The audit in ``audit_dir``: read when finished (resuming), else run now."""
+    if (audit_dir / "audit.json").is_file():
+        return AuditResult.read(audit_dir / "audit.json")
+    return AuditResult.from_json(run_audit(model, audit_dir, dense=dense, max_eval=st.max_eval,
+                                           max_calib=st.max_calib, options=options))
+
+
+def run_group(group: Group, out: Path, st: StudySettings) -> list[AuditResult]:
     """Train and audit every seed of ``group`` (reusing what exists); return the audits."""
     audits = []
     for seed in range(group.seeds):
@@ -141,13 +154,8 @@ def run_group(group: Group, out: Path, st: StudySettings) -> list[dict[str, Any]
         if group.dense == "own":
             dense = str(_ensure_run("dense", group.preset, seed,
                                     out / "runs" / f"dense-{group.preset}-s{seed}", st))
-        audit_dir = out / "audits" / f"{group.name}-s{seed}"
-        if (audit_dir / "audit.json").is_file():
-            audits.append(read_json(audit_dir / "audit.json", "audit"))
-            continue
-        audits.append(run_audit(str(run), audit_dir, dense=dense, max_eval=st.max_eval,
-                                max_calib=st.max_calib,
-                                options=dataclasses.replace(st.options, seed=seed)))
+        audits.append(_audit(out / "audits" / f"{group.name}-s{seed}", str(run), st,
+                             dataclasses.replace(st.options, seed=seed), dense))
     return audits
 
 
@@ -234,142 +242,70 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
     return out
 
 
-# ------------------------------------------------------------------------------- figures
+# ------------------------------------------------------------------------------- report
 
-def _profiles_figure(groups: Mapping[str, Mapping[str, Any]]) -> Figure | None:
-    names = [n for n, g in groups.items() if g["profiles"]]
-    if not names:
-        return None
-    fig = Figure(figsize=(8.0, 2.8 * len(names)), layout="constrained")
-    for ax, name in zip(fig.subplots(len(names), 1, squeeze=False)[:, 0], names, strict=True):
-        for seed, prof in enumerate(groups[name]["profiles"]):
-            mean, sd = np.array(prof["mean"]), np.array(prof["sd"])
-            x = np.arange(len(mean))
-            ax.plot(x, mean, marker="o", label=f"seed {seed}")
-            ax.fill_between(x, mean - sd, mean + sd, alpha=0.15)
-        ax.set_title(f"{name}: mean coefficient per layer (band: ± sd)")
-        ax.set_xlabel("layer")
-        ax.legend(loc="best")
-    return fig
+RATIOS = (("flops_ratio", "FLOPs"), ("speed_ratio", "time"),
+          ("blocks_executed_fraction", "blocks executed"))
 
 
-def _penalties_figure(groups: Mapping[str, Mapping[str, Any]]) -> Figure | None:
-    conds = ("reassign", "shuffle", "reassign+shuffle", "static-layer", "static-layer-position",
-             "global-mean")
-    fig = Figure(figsize=(8.0, 3.6), layout="constrained")
-    ax = fig.subplots()
-    width = 0.8 / max(1, len(groups))
-    for i, (name, g) in enumerate(groups.items()):
-        means, lo, hi = [], [], []
-        for c in conds:
-            vals = [a["conditions"][c] for a in g["audits"]]
-            means.append(np.mean([v["delta"] for v in vals]))
-            lo.append(min(v["ci95"][0] for v in vals))
-            hi.append(max(v["ci95"][1] for v in vals))
-        x = np.arange(len(conds)) + i * width
-        err = np.array([np.array(means) - lo, np.array(hi) - means]).clip(min=0)
-        ax.bar(x, means, width, yerr=err, capsize=3, label=name)
-    ax.set_xticks(np.arange(len(conds)) + width * (len(groups) - 1) / 2, conds, rotation=20)
-    ax.set_ylabel("penalty vs correct (nats)")
-    ax.set_title("Penalties per condition: mean over seeds; bars span the seeds' 95% intervals")
-    ax.legend()
-    return fig
+def _seed_span(stats: Mapping[str, Any] | None) -> Span:
+    """A metric's mean over seeds with its seed range."""
+    stats = stats or {}
+    return Span(stats.get("mean"), stats.get("min"), stats.get("max"))
 
 
-def _retention_figure(groups: Mapping[str, Mapping[str, Any]]) -> Figure | None:
-    fig = Figure(figsize=(8.0, 3.2), layout="constrained")
-    ax = fig.subplots()
-    for i, g in enumerate(groups.values()):
-        for seed, a in enumerate(g["audits"]):
-            r = a["retention"]["static-layer"]
-            if r["value"] is None:
-                ax.plot(i, 0, marker="x", color="grey")
-                continue
-            ax.errorbar(i + 0.05 * seed, r["value"], yerr=[[r["value"] - r["ci95"][0]],
-                                                           [r["ci95"][1] - r["value"]]],
-                        marker="o", capsize=3, color=f"C{i}")
-    ax.set_xticks(range(len(groups)), list(groups))
-    ax.axhline(100, color="black", lw=0.8, ls="--")
-    ax.set_ylabel("static-layer retention (%)")
-    ax.set_title("Gap retention of the static per-layer profile, per seed (x: undefined)")
-    return fig
+def _figure_specs(groups: Mapping[str, Mapping[str, Any]]) -> list[FigureSpec]:
+    profiles = {name: [(f"seed {seed}", a.profiles[a.families[0]])
+                       for seed, a in enumerate(g["audits"])] for name, g in groups.items()}
+    penalties = {name: {c: Span(float(np.mean([a.conditions[c].delta for a in g["audits"]])),
+                                min(a.conditions[c].ci95[0] for a in g["audits"]),
+                                max(a.conditions[c].ci95[1] for a in g["audits"]))
+                        for c in CONDITIONS} for name, g in groups.items()}
+    retention = {name: [Span.of(r.value, r.ci95)
+                        for r in (a.retention["static-layer"] for a in g["audits"])]
+                 for name, g in groups.items()}
+    shares = {name: {k: g["aggregate"][k]["mean"] for k in ETA2_KEYS}
+              for name, g in groups.items()}
+    ratios = {name: {label: _seed_span(g["aggregate"].get(key)) for key, label in RATIOS}
+              for name, g in groups.items()}
+    return [
+        ("study_profiles", "Per-layer coefficient profiles across seeds (band: ±1 sd).",
+         partial(profile_figure, profiles)),
+        ("study_penalties", "Penalties per condition: mean over seeds; error bars span the "
+         "seeds' 95% intervals.", partial(penalty_figure, penalties)),
+        ("study_retention", "Static-layer retention per seed.",
+         partial(retention_figure, retention)),
+        ("study_variance", "Variance shares (mean over seeds).", partial(variance_figure, shares)),
+        ("study_execution", "FLOPs, time and blocks against dense (bars: seed range).",
+         partial(ratio_figure, ratios)),
+    ]
 
 
-def _variance_figure(groups: Mapping[str, Mapping[str, Any]]) -> Figure | None:
-    keys = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
-            "eta2_residual")
-    fig = Figure(figsize=(8.0, 3.2), layout="constrained")
-    ax = fig.subplots()
-    bottom = np.zeros(len(groups))
-    for key in keys:
-        vals = np.array([g["aggregate"][key]["mean"] or 0.0 for g in groups.values()])
-        ax.bar(list(groups), vals, bottom=bottom, label=key.removeprefix("eta2_"))
-        bottom += vals
-    ax.set_ylabel("share of coefficient variance")
-    ax.set_title("Variance decomposition (mean over seeds)")
-    ax.legend(loc="center left", bbox_to_anchor=(1, 0.5))
-    return fig
-
-
-def _execution_figure(groups: Mapping[str, Mapping[str, Any]]) -> Figure | None:
-    names = [n for n, g in groups.items() if g["aggregate"].get("flops_ratio")]
-    if not names:
-        return None
-    fig = Figure(figsize=(8.0, 3.2), layout="constrained")
-    ax = fig.subplots()
-    x = np.arange(len(names))
-    for j, (key, label) in enumerate((("flops_ratio", "FLOPs"), ("speed_ratio", "time"),
-                                      ("blocks_executed_fraction", "blocks executed"))):
-        stats = [groups[n]["aggregate"].get(key) or {} for n in names]
-        mean = np.array([s.get("mean") or np.nan for s in stats])
-        lo = np.array([s.get("min") or np.nan for s in stats])
-        hi = np.array([s.get("max") or np.nan for s in stats])
-        ax.bar(x + 0.27 * j, mean, 0.27, yerr=np.nan_to_num([mean - lo, hi - mean]), capsize=3,
-               label=label)
-    ax.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax.set_xticks(x + 0.27, names)
-    ax.set_ylabel("model / dense")
-    ax.set_title("Execution against the dense counterpart (bars: seed range)")
-    ax.legend()
-    return fig
-
-
-FIGURES: tuple[tuple[str, str, Callable[[Any], Figure | None]], ...] = (
-    ("study_profiles", "Per-layer coefficient profiles across seeds", _profiles_figure),
-    ("study_penalties", "Penalties per condition per family", _penalties_figure),
-    ("study_retention", "Static-layer retention per seed", _retention_figure),
-    ("study_variance", "Variance shares", _variance_figure),
-    ("study_execution", "FLOPs, time and blocks against dense", _execution_figure),
-)
-
-
-# -------------------------------------------------------------------------------- report
-
-def _blocks(result: Mapping[str, Any], images: Sequence[Any]) -> list[Any]:
+def _markdown(result: Mapping[str, Any], figures: Sequence[RenderedFigure]) -> str:
     groups = result["groups"]
-    listing = ", ".join(f"{n} ({len(g['audits'])})" for n, g in groups.items())
-    blocks: list[Any] = [Heading(1, "fcaudit reproduction: Dynamic Parameterization Is Not "
-                                    "Dynamic Inference"),
-                         Para((f"Study preset {result['preset']}; groups (seeds): {listing}.",))]
-    blocks += [Heading(2, "Findings at this scale"),
-               Table(("paper finding", "here"), tuple((f, v) for f, v in result["findings"]),
-                     "ll")]
+    listing = ", ".join(f"{md_text(n)} ({len(g['audits'])})" for n, g in groups.items())
+    blocks = ["# fcaudit reproduction: Dynamic Parameterization Is Not Dynamic Inference",
+              f"Study preset {md_text(result['preset'])}; groups (seeds): {listing}.",
+              "## Findings at this scale",
+              md_table(("paper finding", "here"),
+                       ((md_text(f), md_text(v)) for f, v in result["findings"]), "ll")]
     for name, g in groups.items():
         paper = PAPER.get(name.split("-")[0], {})
-        blocks.append(Heading(2, f"{name}: mean ± sd over seeds"))
-        rows = tuple((label, _fmt(g["aggregate"].get(key), digits, pct))
-                     for key, label, digits, pct in ROWS if key in g["aggregate"])
-        blocks.append(Table(("metric", "ours"), rows, "lr"))
+        blocks += [f"## {md_text(name)}: mean ± sd over seeds",
+                   md_table(("metric", "ours"),
+                            ((label, _fmt(g["aggregate"].get(key), digits, pct))
+                             for key, label, digits, pct in ROWS if key in g["aggregate"]),
+                            "lr")]
         if paper:
-            blocks.append(Bullets(tuple((f"paper, {k}: {v}",) for k, v in paper.items())))
-    blocks.append(Heading(2, "Figures"))
-    blocks += list(images)
-    blocks += [Heading(2, "Rerun"),
-               Para(("Every number above comes from these commands; each audit's own report is "
-                     "under ", Code("audits/"), ".")),
-               CodeBlock(result["command"] or ""),
-               Table(("package", "version"), tuple(result["versions"].items()), "ll")]
-    return blocks
+            blocks.append("\n".join(f"- paper, {k}: {md_text(v)}" for k, v in paper.items()))
+    blocks += ["## Figures", *md_figures(figures),
+               "## Rerun",
+               "Every number above comes from these commands; each audit's own report is "
+               "under `audits/`.",
+               md_fenced(result["command"] or ""),
+               md_table(("package", "version"),
+                        ((md_text(k), md_code(v)) for k, v in result["versions"].items()), "ll")]
+    return "\n\n".join(blocks) + "\n"
 
 
 def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
@@ -382,29 +318,22 @@ def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
     for group in study(preset, seeds):
         audits = run_group(group, out, st)
         groups[group.name] = {"audits": audits,
-                              "aggregate": aggregate([metrics_of(a) for a in audits]),
-                              "profiles": [next(iter(a["profiles"].values())) for a in audits]}
+                              "aggregate": aggregate([metrics_of(a) for a in audits])}
     if mudd_checkpoint:
-        audit_dir = out / "audits" / "muddpythia-checkpoint"
-        audit = (read_json(audit_dir / "audit.json", "audit")
-                 if (audit_dir / "audit.json").is_file()
-                 else run_audit(mudd_checkpoint, audit_dir, max_eval=st.max_eval,
-                                max_calib=st.max_calib, options=st.options))
-        groups["mudd-checkpoint"] = {"audits": [audit],
-                                     "aggregate": aggregate([metrics_of(audit)]),
-                                     "profiles": [next(iter(audit["profiles"].values()))]}
+        audit = _audit(out / "audits" / "muddpythia-checkpoint", mudd_checkpoint, st, st.options)
+        groups["mudd-checkpoint"] = {"audits": [audit], "aggregate": aggregate([metrics_of(audit)])}
     versions = {"fcaudit": __version__, "torch": torch.__version__, "numpy": np.__version__,
                 "python": platform.python_version()}
     result = {"schema": SCHEMA, "preset": preset,
               "command": command or shlex.join(["fcaudit", "reproduce", "--preset", preset,
                                                 "--out", str(out)]),
               "groups": groups, "findings": findings(groups), "versions": versions}
-    images, _ = write_figures(groups, out / "figures", FIGURES)
-    blocks = _blocks(result, images)
+    figures = write_figures(_figure_specs(groups), out / "figures")
+    markdown = _markdown(result, figures)
     summary = {**result, "groups": {n: {"aggregate": g["aggregate"], "seeds": len(g["audits"]),
                                         "per_seed": [metrics_of(a) for a in g["audits"]]}
                                     for n, g in groups.items()}}
     write_json(out / "reproduction.json", summary)
-    write_text(out / "reproduction.md", to_markdown(blocks))
-    write_text(out / "report.html", to_html("fcaudit reproduction", blocks))
+    write_text(out / "reproduction.md", markdown)
+    write_text(out / "report.html", to_html("fcaudit reproduction", markdown, figures))
     return summary

@@ -1,0 +1,296 @@
+"""Every figure fcaudit draws, for the audit report and for the reproduction study.
+
+One module so the report and ``reproduce`` draw profiles, penalties and variance
+shares the same way. Drawing functions take result objects or plain numbers, never
+audit.json dicts, and return None when there is nothing to draw; they draw only what
+the engine produces (a per-layer profile is mean ± sd, a position map is sampled every
+``position_stride`` positions).
+
+Output is deterministic, so re-rendering the same result gives byte-identical files:
+fixed sizes and style, salted SVG ids, no dates or software stamps. Each figure is
+written as PNG (embedded in HTML reports) and SVG (for print), atomically.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import matplotlib.style
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from .fileio import write_bytes
+from .result import ETA2_KEYS, Profile
+
+FIG_WIDTH = 8.0
+MAX_HEATMAP_COLUMNS = 256  # wider position maps are averaged in bins (PNG size, legibility)
+STYLE = ["default", {"svg.hashsalt": "fcaudit", "svg.fonttype": "path", "figure.dpi": 100,
+                     "savefig.dpi": 100, "font.size": 9, "legend.fontsize": 8, "axes.grid": True,
+                     "grid.alpha": 0.3, "axes.axisbelow": True}]
+_METADATA = {"png": {"Software": None}, "svg": {"Date": None, "Creator": None}}
+SHARE_LABELS = {"eta2_layer": "layer", "eta2_position": "position",
+                "eta2_layer_position": "layer × position", "eta2_component": "component",
+                "eta2_residual": "residual (input/token content)"}
+
+
+class Span(NamedTuple):
+    """A value with an interval (a 95% CI, or a range over seeds); any part may be None."""
+
+    value: float | None
+    lo: float | None = None
+    hi: float | None = None
+
+    @classmethod
+    def of(cls, value: float | None, interval: Sequence[float] | None) -> Span:
+        lo, hi = interval if interval is not None else (None, None)
+        return cls(value, lo, hi)
+
+
+@dataclass(frozen=True)
+class RenderedFigure:
+    """A written figure: its PNG bytes (for embedding) and the PNG and SVG paths."""
+
+    stem: str
+    caption: str
+    png: bytes
+    png_path: Path
+    svg_path: Path
+
+
+# A figure to draw: file stem, caption, and a function that draws it (None: no data).
+FigureSpec = tuple[str, str, Callable[[], Figure | None]]
+
+
+def write_figures(specs: Sequence[FigureSpec], fig_dir: Path) -> list[RenderedFigure]:
+    """Draw each figure under the fixed style (artists read it when created) and write
+    PNG and SVG atomically; figures without data are skipped."""
+    out = []
+    with matplotlib.style.context(STYLE):
+        for stem, caption, draw in specs:
+            fig = draw()
+            if fig is None:
+                continue
+            png, svg = _render(fig)
+            png_path, svg_path = fig_dir / f"{stem}.png", fig_dir / f"{stem}.svg"
+            write_bytes(png_path, png)
+            write_bytes(svg_path, svg)
+            out.append(RenderedFigure(stem, caption, png, png_path, svg_path))
+    return out
+
+
+def _render(fig: Figure) -> tuple[bytes, bytes]:
+    """PNG then SVG; the layout solved for the PNG is frozen so both match (and it is faster)."""
+    out = []
+    for fmt in ("png", "svg"):
+        buf = io.BytesIO()
+        fig.savefig(buf, format=fmt, metadata=_METADATA[fmt])
+        fig.set_layout_engine("none")
+        out.append(buf.getvalue())
+    return out[0], out[1]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _floats(values: Sequence[Any]) -> np.ndarray:
+    """A float array; None (a value the engine could not compute) becomes NaN."""
+    return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+
+def _error_bars(spans: Sequence[Span]) -> np.ndarray:
+    """Distances from each value to its interval ends, [2, n]; 0 where any part is missing."""
+    v, lo, hi = (_floats([getattr(s, k) for s in spans]) for k in ("value", "lo", "hi"))
+    err = np.nan_to_num(np.stack([v - lo, hi - v]), nan=0.0, posinf=0.0, neginf=0.0)
+    return np.clip(err, 0.0, None)
+
+
+def _stacked_axes(n: int, height: float) -> tuple[Figure, list[Axes]]:
+    fig = Figure(figsize=(FIG_WIDTH, 0.4 + height * n), layout="constrained")
+    return fig, list(fig.subplots(n, 1, squeeze=False)[:, 0])
+
+
+def _bin_columns(m: np.ndarray, max_columns: int) -> tuple[np.ndarray, int]:
+    """Average columns in equal bins so at most ``max_columns`` remain; NaN-aware."""
+    width = max(1, math.ceil(m.shape[1] / max_columns))
+    if width == 1:
+        return m, 1
+    bins = math.ceil(m.shape[1] / width)
+    padded = np.full((m.shape[0], bins * width), np.nan)
+    padded[:, :m.shape[1]] = m
+    blocks = padded.reshape(m.shape[0], bins, width)
+    finite = np.isfinite(blocks)
+    counts = finite.sum(axis=2)
+    sums = np.where(finite, blocks, 0.0).sum(axis=2)
+    return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan), width
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def profile_figure(panels: Mapping[str, Sequence[tuple[str, Profile]]]) -> Figure | None:
+    """One panel per title (a family, or a study group); one line per labelled profile:
+    the per-layer mean with a ±1 sd band."""
+    panels = {t: lines for t, lines in panels.items()
+              if any(np.isfinite(_floats(p.mean)).any() for _, p in lines)}
+    if not panels:
+        return None
+    fig, axes = _stacked_axes(len(panels), 2.6)
+    for ax, (title, lines) in zip(axes, panels.items(), strict=True):
+        for i, (label, profile) in enumerate(lines):
+            mean, sd = _floats(profile.mean), _floats(profile.sd)
+            x = np.arange(mean.size)
+            ax.fill_between(x, mean - sd, mean + sd, color=f"C{i}", alpha=0.2, lw=0)
+            ax.plot(x, mean, color=f"C{i}", marker="o", ms=3, label=label)
+        ax.set(title=f"{title}: mean coefficient per layer (band: ±1 sd)", xlabel="layer",
+               ylabel="coefficient")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if len(lines) > 1:
+            ax.legend(loc="best")
+    return fig
+
+
+def heatmap_figure(profiles: Mapping[str, Profile]) -> Figure | None:
+    """Mean coefficient by layer and position, one panel per family; the engine stores
+    every ``position_stride``-th position, and wide maps are averaged in bins."""
+    maps = {fam: (m, p.position_stride) for fam, p in profiles.items()
+            if (m := np.array([_floats(row) for row in p.position_mean])).ndim == 2
+            and np.isfinite(m).any()}
+    if not maps:
+        return None
+    fig, axes = _stacked_axes(len(maps), 2.8)
+    for ax, (fam, (m, stride)) in zip(axes, maps.items(), strict=True):
+        binned, width = _bin_columns(m, MAX_HEATMAP_COLUMNS)
+        right = binned.shape[1] * width * stride - 0.5 * stride
+        image = ax.imshow(np.ma.masked_invalid(binned), aspect="auto", interpolation="nearest",
+                          cmap="viridis", extent=(-0.5 * stride, right, m.shape[0] - 0.5, -0.5))
+        fig.colorbar(image, ax=ax, label="mean coefficient")
+        shown = [f"sampled every {stride} positions"] if stride > 1 else []
+        shown += [f"averaged in bins of {width}"] if width > 1 else []
+        binning = f" ({', '.join(shown)})" if shown else ""
+        ax.set(title=f"{fam}: mean coefficient by layer and position{binning}",
+               xlabel="position", ylabel="layer")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(False)
+    return fig
+
+
+def penalty_figure(conditions: Mapping[str, Mapping[str, Span]],
+                   per_layer: Mapping[str, Sequence[tuple[int, Span]]] | None = None,
+                   ) -> Figure | None:
+    """Penalties vs correct with intervals: per condition (one marker per series: the
+    audit, or each study group), and per layer (one line per ``name@layer`` series)."""
+    series = {s: {c: span for c, span in conds.items() if span.value is not None}
+              for s, conds in conditions.items()}
+    names = list(dict.fromkeys(c for conds in series.values() for c in conds))
+    layers = {s: [(k, span) for k, span in entries if span.value is not None]
+              for s, entries in (per_layer or {}).items()}
+    layers = {s: entries for s, entries in layers.items() if entries}
+    if not names and not layers:
+        return None
+    fig, axes = _stacked_axes(bool(names) + bool(layers), 3.2)
+    if names:
+        ax = axes[0]
+        y = np.arange(len(names))[::-1].astype(float)
+        offsets = 0.5 * (np.arange(len(series)) - (len(series) - 1) / 2) / max(1, len(series))
+        for i, (label, conds) in enumerate(series.items()):
+            spans = [conds.get(n, Span(None)) for n in names]
+            ax.errorbar(_floats([s.value for s in spans]), y + offsets[i],
+                        xerr=_error_bars(spans), fmt="o", color=f"C{i}", capsize=3, label=label)
+        ax.axvline(0, color="grey", lw=0.8)
+        ax.set_yticks(y, names)
+        ax.set(title="Penalty per condition (all sites at once)",
+               xlabel="Δ NLL vs correct (nats) with interval")
+        if len(series) > 1:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if layers:
+        ax = axes[-1]
+        for i, (label, entries) in enumerate(layers.items()):
+            x = np.array([k for k, _ in entries], dtype=float) + 0.15 * (i - (len(layers) - 1) / 2)
+            spans = [s for _, s in entries]
+            ax.errorbar(x, _floats([s.value for s in spans]), yerr=_error_bars(spans), fmt="o-",
+                        ms=3, lw=1, capsize=2, color=f"C{i}", label=label)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(title="Penalty of intervening on one layer (others correct)", xlabel="layer",
+               ylabel="Δ NLL (nats), 95% CI")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def variance_figure(shares: Mapping[str, Mapping[str, float | None]]) -> Figure | None:
+    """Stacked variance shares (``ETA2_KEYS``) per bar: a family, or a study group."""
+    shares = {k: v for k, v in shares.items() if any(v.get(e) is not None for e in ETA2_KEYS)}
+    if not shares:
+        return None
+    fig = Figure(figsize=(FIG_WIDTH, 3.4), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(len(shares))
+    bottom = np.zeros(len(shares))
+    segments = [(SHARE_LABELS[key], f"C{i}", np.nan_to_num(_floats([v.get(key)
+                                                                    for v in shares.values()])))
+                for i, key in enumerate(ETA2_KEYS)]
+    remainder = np.clip(1.0 - sum(s for _, _, s in segments), 0.0, None)
+    for label, color, values in [*segments, ("unattributed", "lightgrey", remainder)]:
+        if not (values > 1e-3).any():
+            continue
+        bars = ax.bar(x, values, 0.6, bottom=bottom, color=color, label=label)
+        ax.bar_label(bars, [f"{s:.0%}" if s >= 0.05 else "" for s in values],
+                     label_type="center", fontsize=8)
+        bottom += values
+    ax.set_xticks(x, list(shares))
+    ax.grid(axis="x", visible=False)
+    ax.set_ylim(0, max(1.0, float(bottom.max())) * 1.02)
+    ax.set(title="Variance shares of the coefficients", ylabel="share of variance")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return fig
+
+
+def retention_figure(groups: Mapping[str, Sequence[Span]]) -> Figure | None:
+    """Static-layer gap retention per seed and group; an undefined one is an ``x`` at 0."""
+    if not any(groups.values()):
+        return None
+    fig = Figure(figsize=(FIG_WIDTH, 3.2), layout="constrained")
+    ax = fig.subplots()
+    for i, spans in enumerate(groups.values()):
+        x = i + 0.05 * np.arange(len(spans))
+        defined = np.array([s.value is not None for s in spans], dtype=bool)
+        ax.plot(x[~defined], np.zeros((~defined).sum()), "x", color="grey")
+        kept = [s for s in spans if s.value is not None]
+        if kept:
+            ax.errorbar(x[defined], _floats([s.value for s in kept]), yerr=_error_bars(kept),
+                        fmt="o", capsize=3, color=f"C{i}")
+    ax.set_xticks(range(len(groups)), list(groups))
+    ax.axhline(100, color="black", lw=0.8, ls="--")
+    ax.set(title="Gap retention of the static per-layer profile, per seed (x: undefined)",
+           ylabel="static-layer retention (%)")
+    return fig
+
+
+def ratio_figure(groups: Mapping[str, Mapping[str, Span]]) -> Figure | None:
+    """Model / dense ratios (bars) per group, one bar per measure, with their ranges."""
+    groups = {g: m for g, m in groups.items() if any(s.value is not None for s in m.values())}
+    if not groups:
+        return None
+    measures = list(dict.fromkeys(k for m in groups.values() for k, s in m.items()
+                                  if s.value is not None))
+    fig = Figure(figsize=(FIG_WIDTH, 3.2), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(len(groups))
+    width = 0.8 / len(measures)
+    for j, measure in enumerate(measures):
+        spans = [m.get(measure, Span(None)) for m in groups.values()]
+        ax.bar(x + width * j, _floats([s.value for s in spans]), width,
+               yerr=_error_bars(spans), capsize=3, label=measure)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(x + width * (len(measures) - 1) / 2, list(groups))
+    ax.set(title="Execution against the dense counterpart (bars: seed range)",
+           ylabel="model / dense")
+    ax.legend()
+    return fig

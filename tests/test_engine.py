@@ -1,18 +1,26 @@
-"""The audit engine: replay identity, interventions, known answers, bad input."""
+"""The audit engine: replay identity, interventions, known answers, bad input, adapters,
+user-defined interventions, the library API."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 import torch
 import toys
+from torch import nn
 
-from fcaudit.audit_run import AuditOptions, Run, feed, run_audit
+import fcaudit
+from fcaudit.adapters import FLAT, TupleAdapter
 from fcaudit.cache import CoefficientCache
+from fcaudit.contract import Site
 from fcaudit.data import AuditData
+from fcaudit.engine import AuditOptions, ReplayInputs, Run, audit, feed
 from fcaudit.errors import FcauditError
-from fcaudit.interventions import StaticProfiles, draw
-from fcaudit.sites import find_sites as resolve_sites
+from fcaudit.interventions import Intervention, StaticProfiles, draw, static
+from fcaudit.result import AuditResult
+from fcaudit.sites import find_sites
 
 FAST = AuditOptions(repeats=2, bootstrap=200, batch_size=4, execution=False, progress=False)
 
@@ -22,107 +30,153 @@ def toy_data(n_eval: int = 12, n_calib: int = 12, seq_len: int = 16) -> AuditDat
                      toys.pair_sequences(n_calib, seq_len, 2), {"source": "tokens"})
 
 
-def toy_audit(mode: str, tmp_path, **kw):
+def toy_audit(mode: str, tmp_path, **kw) -> AuditResult:
     model = getattr(toys, f"{mode}_model")()
-    return run_audit(model, tmp_path / mode, sites=["gates.*"], data=toy_data(),
-                     options=FAST, write_report=False, **kw)
+    return audit(model, tmp_path / mode, sites=["gates.*"], data=toy_data(), options=FAST,
+                 report=False, **kw)
 
 
 def test_correct_replay_is_bitwise_identical(tiny_runs, tmp_path):
-    audit = run_audit(str(tiny_runs["featuregate"]), tmp_path / "a", max_eval=10, max_calib=6,
-                      options=FAST, write_report=False)
-    assert audit["identity_replay_max_abs_diff"] == 0.0
-    assert audit["conditions"]["correct"]["nll"] == audit["conditions"]["original"]["nll"]
-    assert set(audit["conditions"]) == {"original", "correct", "reassign", "shuffle",
-                                        "reassign+shuffle", "static-layer",
-                                        "static-layer-position", "global-mean"}
-    assert len(audit["per_layer"]["reassign"]) == 4
-    assert audit["data"]["eval_sequences"] == 10 and audit["data"]["calib_sequences"] == 6
+    result = audit(str(tiny_runs["featuregate"]), tmp_path / "a",
+                   data=fcaudit.DataSpec(max_eval=10, max_calib=6), options=FAST, report=False)
+    assert result.identity_replay_max_abs_diff == 0.0 and result.identity is None
+    assert result.conditions["correct"].nll == result.conditions["original"].nll
+    assert set(result.conditions) == {"original", "correct", "reassign", "shuffle",
+                                      "reassign+shuffle", "static-layer",
+                                      "static-layer-position", "global-mean"}
+    assert len(result.per_layer["reassign"]) == 4
+    assert result.data["eval_sequences"] == 10 and result.data["calib_sequences"] == 6
+    on_disk = AuditResult.read(tmp_path / "a" / "audit.json")
+    assert on_disk.to_json() == result.to_json()
 
 
 def test_content_gate_gives_large_penalties_and_no_retention(tmp_path):
     a = toy_audit("content", tmp_path)
-    c = a["conditions"]
-    assert c["reassign"]["delta"] > 1.0 and c["reassign"]["ci95"][0] > 0.5
-    assert c["shuffle"]["delta"] > 1.0
-    assert abs(a["retention"]["static-layer"]["value"]) < 5.0
-    assert a["verdict"]["dependence"].startswith("Strong dependence")
+    c = a.conditions
+    assert c["reassign"].delta > 1.0 and c["reassign"].ci95[0] > 0.5
+    assert c["shuffle"].delta > 1.0
+    assert abs(a.retention["static-layer"].value) < 5.0
+    assert a.verdict.dependence.startswith("Strong dependence")
 
 
 def test_constant_gates_give_no_penalty_and_full_retention(tmp_path):
     a = toy_audit("constant", tmp_path)
-    c = a["conditions"]
     for name in ("reassign", "shuffle", "reassign+shuffle", "static-layer"):
-        assert abs(c[name]["delta"]) < 1e-6, name
-    assert a["retention"]["static-layer"]["value"] == pytest.approx(100.0, abs=1e-3)
-    assert a["variance"]["gates.*"]["eta2_layer"] == pytest.approx(1.0)
-    assert a["verdict"]["dependence"].startswith("Weak dependence")
+        assert abs(a.conditions[name].delta) < 1e-6, name
+    assert a.retention["static-layer"].value == pytest.approx(100.0, abs=1e-3)
+    assert a.variance["gates.*"].eta2_layer == pytest.approx(1.0)
+    assert a.verdict.dependence.startswith("Weak dependence")
 
 
 def test_position_gates_shuffle_hurts_reassign_does_not(tmp_path):
     a = toy_audit("position", tmp_path)
-    c = a["conditions"]
-    assert c["shuffle"]["delta"] > 0.5
-    assert abs(c["reassign"]["delta"]) < 1e-6
-    assert a["retention"]["static-layer-position"]["value"] == pytest.approx(100.0, abs=1e-3)
-    assert a["retention"]["static-layer"]["value"] < 90.0
+    assert a.conditions["shuffle"].delta > 0.5
+    assert abs(a.conditions["reassign"].delta) < 1e-6
+    assert a.retention["static-layer-position"].value == pytest.approx(100.0, abs=1e-3)
+    assert a.retention["static-layer"].value < 90.0
 
 
-def _cache_for(model, data, tmp_path):
-    sites = resolve_sites(model, ["gates.*"])
-    a = run_audit(model, tmp_path, sites=["gates.*"], data=data, options=FAST,
-                  write_report=False)
-    cache = CoefficientCache(tmp_path / "cache", __import__("json").loads(
-        (tmp_path / "cache" / "manifest.json").read_text())["identity"], FAST.batch_size,
-        len(data.eval_ids))
-    return a, sites, cache
+class Silent(nn.Module):
+    """Gates whose content the output ignores entirely: no dependence to find, and no gap
+    between correct and global-mean replay either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates = nn.ModuleList(toys.ToyGate("content", i) for i in range(2))
+        self.scale = nn.Parameter(torch.tensor(8.0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        g = [gate(ids) for gate in self.gates]
+        return self.scale * toys.F.one_hot((ids + 1) % toys.V, toys.V).float() \
+            + 0 * sum(x.sum() for x in g)
+
+
+def test_no_measurable_dependence_is_said_plainly(tmp_path):
+    a = audit(Silent(), tmp_path, sites=["gates.*"], data=toy_data(), options=FAST,
+              report=False)
+    assert a.retention["static-layer"].value is None
+    assert a.verdict.dependence.startswith("No measurable dependence")
+
+
+# ------------------------------------------------------------------ interventions
+
+
+def _inputs(model: nn.Module, data: AuditData, tmp_path) -> ReplayInputs:
+    audit(model, tmp_path, sites=["gates.*"], data=data, options=FAST, report=False)
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    cache = CoefficientCache(tmp_path / "cache", manifest["identity"], FAST.batch_size,
+                             len(data.eval_ids))
+    sites = find_sites(model, ["gates.*"])
+    n, seq_len = data.eval_ids.shape
+    return ReplayInputs(cache, sites, StaticProfiles(sites), [draw(5, n, seq_len)], 0)
 
 
 def test_reassign_is_a_derangement_shared_by_all_sites(tmp_path):
     data = toy_data()
-    model = toys.content_model()
-    _, sites, cache = _cache_for(model, data, tmp_path)
-    rand = draw(5, len(data.eval_ids), data.eval_ids.shape[1])
+    inputs = _inputs(toys.content_model(), data, tmp_path)
+    rand = inputs.draws[0]
     assert not np.any(rand.donor == np.arange(len(data.eval_ids)))
-    for b in range(cache.n_batches):
-        rows = cache.batch_range(b)
-        fed = feed(Run("reassign"), b, rows, cache, sites, None, rand)
-        for i, n in enumerate(rows):
+    for b in range(inputs.cache.n_batches):
+        fed = feed(Run("reassign"), b, inputs, torch.device("cpu"))
+        for i, n in enumerate(inputs.cache.batch_range(b)):
             donor = toys.F.one_hot(torch.from_numpy(data.eval_ids[rand.donor[n]]), toys.V)
-            for site in sites:  # every site receives the same donor's coefficients
+            for site in inputs.sites:  # every site receives the same donor's coefficients
                 assert torch.equal(fed[site][i], donor.float())
 
 
 def test_shuffle_is_one_permutation_per_sequence_shared_by_sites(tmp_path):
     data = toy_data()
-    _, sites, cache = _cache_for(toys.content_model(), data, tmp_path)
-    rand = draw(3, len(data.eval_ids), data.eval_ids.shape[1])
+    inputs = _inputs(toys.content_model(), data, tmp_path)
+    rand = inputs.draws[0]
     assert len({tuple(p) for p in rand.positions}) == len(data.eval_ids)
-    rows = cache.batch_range(0)
-    fed = feed(Run("shuffle"), 0, rows, cache, sites, None, rand)
-    for i, n in enumerate(rows):
+    fed = feed(Run("shuffle"), 0, inputs, torch.device("cpu"))
+    for i, n in enumerate(inputs.cache.batch_range(0)):
         expected = toys.F.one_hot(torch.from_numpy(data.eval_ids[n][rand.positions[n]]), toys.V)
-        for site in sites:
+        for site in inputs.sites:
             assert torch.equal(fed[site][i], expected.float())
 
 
-def test_static_profiles_ignore_evaluation_data(tmp_path):
+def test_static_profiles_come_from_calibration_data_only(tmp_path):
     calib = toys.pair_sequences(8, 16, 2)
-    profiles = []
     for seed in (10, 11):
         data = AuditData(toys.pair_sequences(8, 16, seed), calib, {})
-        a = run_audit(toys.content_model(), tmp_path / str(seed), sites=["gates.*"], data=data,
-                      options=FAST, write_report=False)
-        profiles.append(a["conditions"]["static-layer"]["nll"])
-        state = CoefficientCache(tmp_path / str(seed) / "cache", __import__("json").loads(
-            (tmp_path / str(seed) / "cache" / "manifest.json").read_text())["identity"], 4,
-            8).read_extra("static.safetensors")
-        profiles.append(state)
-    s1, s2 = profiles[1], profiles[3]
-    assert all(torch.equal(s1[k], s2[k]) for k in s1)
-    prof = StaticProfiles.from_state(resolve_sites(toys.content_model(), ["gates.*"]), s1)
+        audit(toys.content_model(), tmp_path / str(seed), sites=["gates.*"], data=data,
+              options=FAST, report=False)
+    shards = [sorted((tmp_path / str(seed) / "cache").glob("calib-*.safetensors"))
+              for seed in (10, 11)]
+    assert [p.read_bytes() for p in shards[0]] == [p.read_bytes() for p in shards[1]]
+    sites = find_sites(toys.content_model(), ["gates.*"])
+    profiles = StaticProfiles(sites)
+    profiles.add({s.name: toys.F.one_hot(torch.from_numpy(calib), toys.V).float()
+                  for s in sites})
     expected = torch.from_numpy(np.eye(toys.V)[calib].mean(axis=(0, 1)))
-    assert torch.allclose(prof.layer(prof.sites[0]), expected)
+    assert torch.allclose(profiles.layer(sites[0]), expected)
+
+
+def test_user_defined_interventions_are_replayed_and_reported(tmp_path):
+    """A user's condition is replayed, bootstrapped and reported like a built-in one: here
+    one that rebuilds static-layer from the public helpers reproduces it exactly, one that
+    changes nothing costs exactly 0, and a random one runs once per repeat."""
+    def my_static(coefficients, context):
+        return static(coefficients, context.profiles, "static-layer")
+
+    def scrambled(coefficients, context):
+        perm = context.rng.permutation(len(context.rows))
+        return {k: v[torch.from_numpy(perm)] for k, v in coefficients.items()}
+
+    a = toy_audit("content", tmp_path, interventions=[
+        Intervention("my-static", my_static), Intervention("nothing", lambda c, ctx: {}),
+        Intervention("scrambled", scrambled, repeats=2)])
+    custom = a.custom_conditions
+    assert custom["my-static"].nll == a.conditions["static-layer"].nll
+    assert custom["my-static"].ci95 == a.conditions["static-layer"].ci95
+    assert custom["nothing"].delta == 0.0 and custom["nothing"].ci95 == [0.0, 0.0]
+    assert len(custom["scrambled"].repeats) == 2 and custom["scrambled"].delta > 0.5
+    with pytest.raises(FcauditError, match="intervention 'bad'"):
+        toy_audit("content", tmp_path / "x", interventions={"bad": lambda c, ctx: {"x": 1}})
+
+
+# ---------------------------------------------------------------------- bad input
 
 
 @pytest.mark.parametrize("case, message", [
@@ -142,50 +196,207 @@ def test_bad_data_is_refused(case, message, tiny_runs, tmp_path):
     else:
         ev[0, 3] = 5000
     with pytest.raises(FcauditError, match=message):
-        run_audit(loaded, tmp_path, data=AuditData(ev, ca, {}), options=FAST)
-    assert not (tmp_path / "audit.json").exists()
+        audit(loaded, tmp_path / "out", data=AuditData(ev, ca, {}), options=FAST)
+    assert not (tmp_path / "out").exists()
 
 
 def test_sites_glob_matching_nothing(tmp_path):
     with pytest.raises(FcauditError, match="matched no module"):
-        run_audit(toys.content_model(), tmp_path, sites=["blocks.*.gate"], data=toy_data(),
-                  options=FAST)
+        audit(toys.content_model(), tmp_path, sites=["blocks.*.gate"], data=toy_data(),
+              options=FAST)
 
 
 def test_site_output_must_be_per_token(tmp_path):
     model = toys.content_model()
     model.gates[0].forward = lambda ids: torch.zeros(ids.shape[0])
-    with pytest.raises(FcauditError, match="expected \\[batch"):
-        run_audit(model, tmp_path, sites=["gates.*"], data=toy_data(), options=FAST)
+    with pytest.raises(FcauditError, match="neither \\[batch"):
+        audit(model, tmp_path, sites=["gates.*"], data=toy_data(), options=FAST)
 
 
 def test_site_that_never_runs(tmp_path):
     with pytest.raises(FcauditError, match="never ran"):
-        run_audit(toys.content_model(), tmp_path, sites=["gates"], data=toy_data(),
-                  options=FAST)
+        audit(toys.content_model(), tmp_path, sites=["gates"], data=toy_data(), options=FAST)
 
 
 def test_nan_coefficients_are_reported(tmp_path):
     model = toys.constant_model()
     model.gates[1].forward = lambda ids: torch.full((*ids.shape, 1), float("nan"))
     with pytest.raises(FcauditError, match="non-finite .* gates.1"):
-        run_audit(model, tmp_path, sites=["gates.*"], data=toy_data(), options=FAST)
-    assert not (tmp_path / "audit.json").exists()
+        audit(model, tmp_path / "out", sites=["gates.*"], data=toy_data(), options=FAST)
+    assert not (tmp_path / "out" / "audit.json").exists()
 
 
 def test_cache_from_other_data_is_refused(tmp_path):
     toy_audit("constant", tmp_path)
     other = AuditData(toys.pair_sequences(12, 16, 7), toys.pair_sequences(12, 16, 2), {})
     with pytest.raises(FcauditError, match="different eval_data"):
-        run_audit(toys.constant_model(), tmp_path / "constant", sites=["gates.*"], data=other,
-                  options=FAST, write_report=False)
+        audit(toys.constant_model(), tmp_path / "constant", sites=["gates.*"], data=other,
+              options=FAST, report=False)
 
 
-def test_rerun_reuses_cache_and_gives_identical_json(tmp_path):
-    first = toy_audit("content", tmp_path)
-    second = toy_audit("content", tmp_path)
-    for key in ("conditions", "retention", "interaction", "variance", "per_layer"):
-        assert first[key] == second[key]
+# ------------------------------------------------- identity: a check, not a statistic
+
+
+class Twice(toys.ToyModel):
+    """Calls its first gate twice per forward: only one call could be replayed."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.gates[0](ids)
+        return super().forward(ids)
+
+
+class InPlace(toys.ToyModel):
+    """Edits the controller's output in place after using it (as some models scale a gate)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        g = [gate(ids) for gate in self.gates]
+        out = self.scale * torch.roll(sum(g) / len(g), shifts=1, dims=-1)
+        for x in g:
+            x.mul_(0.0)  # what was cached must not change, and replay must not corrupt it
+        return out * (torch.arange(ids.shape[1]) % 2 == 0).float().view(1, -1, 1)
+
+
+class Noisy(toys.ToyModel):
+    """Randomness in the forward pass (like dropout left on)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) + 0.1 * torch.randn(*ids.shape, toys.V)
+
+
+def test_site_called_twice_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(FcauditError, match="gates.0 .*ran twice in one forward pass"):
+        audit(Twice("content"), tmp_path / "out", sites=["gates.*"], data=toy_data(),
+              options=FAST)
+    assert not (tmp_path / "out").exists()
+
+
+def test_in_place_edits_of_the_controller_output_keep_replay_exact(tmp_path):
+    a = audit(InPlace("content"), tmp_path, sites=["gates.*"], data=toy_data(), options=FAST,
+              report=False)
+    b = toy_audit("content", tmp_path)
+    assert a.identity_replay_max_abs_diff == 0.0
+    assert a.conditions["reassign"].delta == pytest.approx(b.conditions["reassign"].delta)
+
+
+def test_randomness_stops_the_audit_unless_allowed(tmp_path):
+    with pytest.raises(FcauditError, match="identity replay is not exact.*not deterministic"):
+        audit(Noisy("content"), tmp_path / "out", sites=["gates.*"], data=toy_data(),
+              options=FAST)
+    assert not (tmp_path / "out").exists()
+    allowed = AuditOptions(**{**FAST.__dict__, "allow_nonexact_identity": True})
+    a = audit(Noisy("content"), tmp_path / "ok", sites=["gates.*"], data=toy_data(),
+              options=allowed, report=False)
+    assert a.identity is not None and not a.identity.exact and a.identity.max_abs_diff > 0
+    assert all(v.startswith("[NOT EXACT") for v in (a.verdict.variation,
+                                                    a.verdict.dependence, a.verdict.execution))
+
+
+@pytest.mark.parametrize("sites, message", [
+    (["gates.*", "gates.*"], "given more than once"),
+    (["gates.*", "gates.0"], "named twice"),
+    ([Site("g", "gates.0", "f", 0), Site("h", "gates", "f", 1)], "lies inside site gates"),
+])
+def test_ambiguous_site_lists_are_refused(sites, message, tmp_path):
+    with pytest.raises(FcauditError, match=message):
+        audit(toys.content_model(), tmp_path, sites=sites, data=toy_data(), options=FAST)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64])
+def test_non_floating_coefficients_are_refused(dtype, tmp_path):
+    model = toys.content_model()
+    for gate in model.gates:
+        gate.forward = lambda ids: toys.F.one_hot(ids, toys.V).to(dtype)
+    with pytest.raises(FcauditError, match="not floating point"):
+        audit(model, tmp_path, sites=["gates.*"], data=toy_data(), options=FAST)
+
+
+# --------------------------------------------------------------------- adapters
+
+
+class FlatGates(toys.ToyModel):
+    """Gates run on flattened tokens ``[B*T]`` and return ``[B*T, V]``."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        g = [gate(ids.reshape(B * T, 1))[:, 0].view(B, T, -1) for gate in self.gates]
+        even = (torch.arange(T) % 2 == 0).float().view(1, -1, 1)
+        return self.scale * torch.roll(sum(g) / len(g), shifts=1, dims=-1) * even
+
+
+class Routed(toys.ToyModel):
+    """Gates return ``(scores, top-1 index)`` tuples, as a router does."""
+
+    def __init__(self) -> None:
+        super().__init__("content")
+        for gate in self.gates:
+            gate.forward = lambda ids: self.route(toys.F.one_hot(ids, toys.V).float())
+
+    @staticmethod
+    def route(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return scores, scores.argmax(-1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        g = [gate(ids)[0] for gate in self.gates]
+        even = (torch.arange(ids.shape[1]) % 2 == 0).float().view(1, -1, 1)
+        return self.scale * torch.roll(sum(g) / len(g), shifts=1, dims=-1) * even
+
+
+def test_flattened_outputs_are_audited_through_the_flat_adapter(tmp_path):
+    a = audit(FlatGates("content"), tmp_path, sites=["gates.*"], data=toy_data(),
+              options=FAST, report=False)
+    b = toy_audit("content", tmp_path)
+    assert a.identity_replay_max_abs_diff == 0.0
+    assert a.conditions["reassign"].delta == pytest.approx(b.conditions["reassign"].delta)
+    assert a.sites[0].adapter == "flat"
+
+
+def test_tuple_outputs_need_an_adapter_and_work_with_one(tmp_path):
+    with pytest.raises(FcauditError, match="TupleAdapter"):
+        audit(Routed(), tmp_path / "no", sites=["gates.*"], data=toy_data(), options=FAST)
+    adapter = TupleAdapter(0, lambda scores, call: Routed.route(scores))
+    sites = [Site(f"gates.{i}", f"gates.{i}", "router", i, adapter) for i in range(2)]
+    a = audit(Routed(), tmp_path / "yes", sites=sites, data=toy_data(), options=FAST,
+              report=False)
+    assert a.identity_replay_max_abs_diff == 0.0 and a.conditions["reassign"].delta > 1.0
+
+
+def test_an_adapter_that_does_not_rebuild_the_output_is_refused(tmp_path):
+    wrong = TupleAdapter(0, lambda scores, call: (scores, scores.argmin(-1)))
+    sites = [Site(f"gates.{i}", f"gates.{i}", "router", i, wrong) for i in range(2)]
+    with pytest.raises(FcauditError, match="site gates.0 .*does not reproduce it bit for bit"):
+        audit(Routed(), tmp_path, sites=sites, data=toy_data(), options=FAST)
+
+
+def test_flat_adapter_round_trip():
+    from fcaudit.contract import SiteCall
+    call = SiteCall(nn.Identity(), (), {}, 2, 3)
+    x = torch.randn(6, 4)
+    assert torch.equal(FLAT.rebuild(FLAT.extract(x, call), call), x)
+
+
+# ------------------------------------------------------------- library surface
+
+
+def test_rerun_reuses_the_cache_and_runs_no_replay(tmp_path):
+    """A rerun reads coefficients and replay results from the cache: it runs only the probe
+    pass (and the vocabulary probe), and gives the same result."""
+    model = toys.content_model()
+    passes = []
+    model.register_forward_hook(lambda *_: passes.append(1))
+    run = lambda: audit(model, tmp_path, sites=["gates.*"], data=toy_data(),  # noqa: E731
+                        options=FAST, report=False)
+    first = run()
+    first_passes, passes[:] = len(passes), []
+    second = run()
+    assert first_passes > 40 and len(passes) == 3  # vocabulary probe, probe record, replay
+    assert first.to_json()["conditions"] == second.to_json()["conditions"]
+
+
+def test_in_memory_audit_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = audit(toys.position_model(), sites=["gates.*"], data=toy_data(), options=FAST)
+    assert result.conditions["shuffle"].delta > 0.5
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_user_model_execution_with_blocks_glob(tmp_path):
@@ -203,24 +414,25 @@ def test_user_model_execution_with_blocks_glob(tmp_path):
 
     opts = AuditOptions(repeats=1, bootstrap=50, batch_size=4, timing_pairs=0, progress=False)
     kw = {"sites": ["net.blocks.*.gate"], "data": toy_data(), "options": opts,
-          "write_report": False}
-    a = run_audit(UserModel(True), tmp_path / "a", dense=UserModel(False),
-                  blocks="net.blocks.*", **kw)
-    ex = a["execution"]
-    assert ex["measured"] and ex["blocks_executed"] == ex["blocks_present"] == 2
-    assert not ex["conditional_execution"] and ex["flops_ratio"] > 1.0
-    b = run_audit(UserModel(True), tmp_path / "b", **kw)
-    assert not b["execution"]["measured"] and "--dense" in b["execution"]["reason"]
+          "report": False}
+    a = audit(UserModel(True), tmp_path / "a", dense=UserModel(False), blocks="net.blocks.*",
+              **kw)
+    ex = a.execution
+    assert ex.measured and ex.blocks_executed == ex.blocks_present == 2
+    assert not ex.conditional_execution and ex.flops_ratio > 1.0
+    b = audit(UserModel(True), tmp_path / "b", **kw)
+    assert not b.execution.measured and "--dense" in b.execution.reason
 
 
 def test_controllers_never_run_during_replay(tmp_path):
-    """Only live passes call the gates (record, and one vocabulary probe for a model that
-    states no vocabulary size): every replay feeds stubs instead."""
+    """Only live passes call the gates (the probe's record, calibration and the remaining
+    evaluation batches, and one vocabulary probe for a model that states no vocabulary
+    size): every replay feeds stubs instead."""
     model = toys.content_model()
     calls = []
     for gate in model.gates:
         gate.register_forward_hook(lambda *_: calls.append(1))
     data = toy_data(n_eval=12, n_calib=8)
-    run_audit(model, tmp_path, sites=["gates.*"], data=data, options=FAST, write_report=False)
+    audit(model, tmp_path, sites=["gates.*"], data=data, options=FAST, report=False)
     live_passes = -(-12 // FAST.batch_size) + -(-8 // FAST.batch_size) + 1
     assert len(calls) == live_passes * len(model.gates)

@@ -6,12 +6,14 @@
 * :class:`TupleAdapter`: the output is a tuple; one element is the coefficient
   tensor (plain or flattened) and ``derive`` recomputes the whole tuple from it.
 
-:func:`infer_adapter` picks one for a module named with ``--sites`` from the output
-of one probe call, and explains what to do when none fits.
+:data:`AUTO` (the adapter of sites named by ``--sites`` globs) picks :data:`TENSOR` or
+:data:`FLAT` from the module's output when it is first recorded, and explains what to
+do when neither fits.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -114,19 +116,59 @@ class TupleAdapter:
         return tuple(self.derive(element, call))
 
 
-def infer_adapter(output: Any, call: SiteCall, site: str) -> ControllerAdapter:
-    """The built-in adapter that fits a probe ``output``, or a one-line error."""
+def infer_adapter(output: Any, call: SiteCall) -> ControllerAdapter:
+    """The built-in adapter that fits an ``output``, or a one-line error."""
     if isinstance(output, Tensor):
         if output.dim() >= 2 and tuple(output.shape[:2]) == (call.batch, call.seq_len):
             return TENSOR
         if output.dim() >= 1 and output.shape[0] == call.batch * call.seq_len:
             return FLAT
         raise FcauditError(
-            f"site {site} returned {describe(output)}: neither [batch={call.batch}, "
+            f"output is {describe(output)}: neither [batch={call.batch}, "
             f"positions={call.seq_len}, ...] nor flattened [{call.batch * call.seq_len}, ...]; "
             "name per-token coefficient modules")
-    raise FcauditError(f"site {site} returned {describe(output)}, not a coefficient tensor; "
-                       f"fcaudit cannot tell which part holds the coefficients: {ADAPTER_API}")
+    raise FcauditError(f"output is {describe(output)}, not a coefficient tensor; fcaudit cannot "
+                       f"tell which part holds the coefficients: {ADAPTER_API}")
+
+
+# What AUTO learned about each module it recorded (weakly held: no model is kept alive).
+_LEARNED: weakref.WeakKeyDictionary[Any, ControllerAdapter] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class AutoAdapter:
+    """For sites named by a glob: :data:`TENSOR` or :data:`FLAT`, whichever fits the
+    module's output, decided when the module is first recorded and remembered for its
+    replay. Anything else (a tuple) needs an explicit adapter."""
+
+    name: str = "auto"
+
+    def extract(self, output: Any, call: SiteCall) -> Tensor:
+        adapter = infer_adapter(output, call)
+        _LEARNED[call.module] = adapter
+        return adapter.extract(output, call)
+
+    def rebuild(self, coefficients: Tensor, call: SiteCall) -> Any:
+        return self.resolved(call.module).rebuild(coefficients, call)
+
+    @staticmethod
+    def resolved(module: Any) -> ControllerAdapter:
+        adapter = _LEARNED.get(module)
+        if adapter is None:
+            raise FcauditError(f"the output layout of {type(module).__name__} is not known "
+                               "yet: record the model once (fcaudit.record) before replaying, "
+                               "or give the Site an explicit adapter")
+        return adapter
+
+
+AUTO = AutoAdapter()
+
+
+def adapter_name(adapter: Any, module: Any) -> str:
+    """The adapter actually in use for ``module`` (what AUTO resolved to)."""
+    if isinstance(adapter, AutoAdapter):
+        adapter = AutoAdapter.resolved(module)
+    return getattr(adapter, "name", type(adapter).__name__)
 
 
 def same_bits(a: Any, b: Any) -> bool:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from . import __version__
-from .adapters import same_bits
+from .adapters import adapter_name, same_bits
 from .cache import CoefficientCache
 from .contract import Site, declared_blocks
 from .data import AuditData, DataSpec, resolve_data
@@ -124,6 +124,7 @@ class Setup:
     loaded: LoadedModel
     sites: list[Site]
     blocks: list[str] | None
+    blocks_glob: str | None
     data: AuditData
     options: AuditOptions
     interventions: list[Intervention]
@@ -181,7 +182,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     if vocab is None:
         vocab = probe_vocab(net, audit_data.eval_ids.shape[1])
     audit_data.validate(vocab, ctx)
-    setup = Setup(loaded, site_list, block_paths, audit_data, options,
+    setup = Setup(loaded, site_list, block_paths, blocks, audit_data, options,
                   _interventions(interventions), out=Path(out) if out is not None else None)
     if options.execution:
         setup.dense, setup.dense_source = _dense(setup, dense, blocks)
@@ -330,7 +331,7 @@ def cache_identity(setup: Setup) -> dict[str, Any]:
             "calib_data": data["calib_fingerprint"],
             "dtype": str(param.dtype) if param is not None else "unknown",
             "device": device_of(net).type, "sites": [s.name for s in setup.sites],
-            "adapters": [getattr(s.adapter, "name", type(s.adapter).__name__)
+            "adapters": [adapter_name(s.adapter, net.get_submodule(s.path))
                          for s in setup.sites],
             "fcaudit": __version__, "torch": torch.__version__}
 
@@ -616,7 +617,7 @@ def execute(setup: Setup) -> Execution:
         return Execution(measured=False, reason="disabled (--no-execution)")
     if setup.dense is None:
         return Execution(measured=False, reason="no dense counterpart: pass --dense SPEC")
-    dense_blocks = resolve_block_paths(setup.dense, None) if setup.blocks is not None else None
+    dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob)
     if setup.blocks is None or dense_blocks is None:
         return Execution(measured=False, reason="the model does not declare its blocks: pass "
                                                 "--blocks GLOB (e.g. 'layers.*')")
@@ -659,7 +660,7 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
         data=setup.data.summary(),
         sites=[SiteInfo(s.name, s.family, s.layer,
                         list(cache.batch(0, f"site::{s.name}").shape[2:]),
-                        _adapter_name(s)) for s in setup.sites],
+                        _adapter_name(s, setup.model)) for s in setup.sites],
         identity_replay_max_abs_diff=identity.max_abs_diff, conditions=summary.conditions,
         per_layer=summary.per_layer, retention=summary.retention,
         interaction=summary.interaction, variance=variance, variation=spread,
@@ -675,8 +676,8 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
         custom_conditions=summary.custom or None)
 
 
-def _adapter_name(site: Site) -> str | None:
-    name = getattr(site.adapter, "name", type(site.adapter).__name__)
+def _adapter_name(site: Site, model: nn.Module) -> str | None:
+    name = adapter_name(site.adapter, model.get_submodule(site.path))
     return None if name == "tensor" else name
 
 

@@ -10,7 +10,6 @@ resumes where it stopped.
 from __future__ import annotations
 
 import dataclasses
-import platform
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from . import __version__
-from .audit_run import AuditOptions, run_audit
+from .data import DataSpec
+from .engine import AuditOptions, audit
 from .errors import FcauditError
 from .figures import (
     FigureSpec,
@@ -39,6 +37,7 @@ from .fileio import write_json, write_text
 from .loading import is_run_folder
 from .report import md_code, md_fenced, md_figures, md_table, md_text, to_html
 from .result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
+from .runtime import versions
 from .train import train
 
 SCHEMA = "fcaudit.reproduction/1"
@@ -140,8 +139,8 @@ def _audit(audit_dir: Path, model: str, st: StudySettings, options: AuditOptions
     """The audit in ``audit_dir``: read when finished (resuming), else run now."""
     if (audit_dir / "audit.json").is_file():
         return AuditResult.read(audit_dir / "audit.json")
-    return AuditResult.from_json(run_audit(model, audit_dir, dense=dense, max_eval=st.max_eval,
-                                           max_calib=st.max_calib, options=options))
+    return audit(model, audit_dir, dense=dense, options=options,
+                 data=DataSpec(max_eval=st.max_eval, max_calib=st.max_calib))
 
 
 def run_group(group: Group, out: Path, st: StudySettings) -> list[AuditResult]:
@@ -322,12 +321,10 @@ def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
     if mudd_checkpoint:
         audit = _audit(out / "audits" / "muddpythia-checkpoint", mudd_checkpoint, st, st.options)
         groups["mudd-checkpoint"] = {"audits": [audit], "aggregate": aggregate([metrics_of(audit)])}
-    versions = {"fcaudit": __version__, "torch": torch.__version__, "numpy": np.__version__,
-                "python": platform.python_version()}
     result = {"schema": SCHEMA, "preset": preset,
               "command": command or shlex.join(["fcaudit", "reproduce", "--preset", preset,
                                                 "--out", str(out)]),
-              "groups": groups, "findings": findings(groups), "versions": versions}
+              "groups": groups, "findings": findings(groups), "versions": versions()}
     figures = write_figures(_figure_specs(groups), out / "figures")
     markdown = _markdown(result, figures)
     summary = {**result, "groups": {n: {"aggregate": g["aggregate"], "seeds": len(g["audits"]),

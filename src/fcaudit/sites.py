@@ -1,7 +1,8 @@
 """Controller sites: find them in a model, by the model's declaration or by module-path globs.
 
 Each glob defines one family (named by the glob); its matches, in module order, are
-that family's layers 0, 1, ... A site list is refused when it names a module twice
+that family's layers 0, 1, ...; their adapter is :data:`~fcaudit.adapters.AUTO`
+(plain ``[B, T, ...]`` or flattened ``[B*T, ...]`` outputs). A site list is refused when it names a module twice
 (duplicate globs, overlapping globs) or names a module together with one of its own
 children: their outputs would be recorded and replaced twice.
 """
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adapters import AUTO
 from .contract import Site, declared_sites
 from .errors import FcauditError
 
@@ -43,7 +45,8 @@ def _from_globs(model: nn.Module, patterns: Sequence[str]) -> list[Site]:
     sites: list[Site] = []
     for pattern in patterns:
         hits = match_modules(model, pattern, "--sites", "blocks.*.gate")
-        sites += [Site(name=n, path=n, family=pattern, layer=i) for i, n in enumerate(hits)]
+        sites += [Site(name=n, path=n, family=pattern, layer=i, adapter=AUTO)
+                  for i, n in enumerate(hits)]
     return sites
 
 

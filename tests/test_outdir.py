@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from fcaudit.outdir import (
 from fcaudit.train import train
 
 SRC = Path(data.__file__).parents[1]
+TESTS = Path(__file__).parent
 
 
 def snapshot(root: Path) -> dict[str, bytes | str | None]:
@@ -59,10 +59,22 @@ def run_cli(argv: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int
     return code, capsys.readouterr().err.strip().splitlines()
 
 
-def python(code: str, **kw: object) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    return subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+def python(code: str, *args: object) -> subprocess.Popen[str]:
+    """``python -c CODE ARGS`` with fcaudit and the test models (``toys``) importable."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)])}
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def cli_argv(command: str, out: Path, tokens: Path, text: Path) -> list[str]:
+    """A quick ``fcaudit train`` (on ``text``) or ``fcaudit audit`` (of a toy model)."""
+    if command == "train":
+        return ["train", "--arch", "dense", "--steps", "1", "--quiet", "--data", str(text),
+                "--out", str(out)]
+    return ["audit", "--model", "toys:content_model", "--sites", "gates.*", "--tokens",
+            str(tokens / "eval.npy"), "--calib-tokens", str(tokens / "calib.npy"), "--quiet",
+            "--no-execution", "--repeats", "1", "--bootstrap", "10", "--no-per-layer",
+            "--out", str(out)]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +84,16 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("text") / "text.txt"
     path.write_text(" ".join(np.random.default_rng(0).choice(words, size=6000)))
     return path
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Evaluation and calibration token arrays for the toy model."""
+    import toys
+    folder = tmp_path_factory.mktemp("tokens")
+    np.save(folder / "eval.npy", toys.pair_sequences(16, 16, 1))
+    np.save(folder / "calib.npy", toys.pair_sequences(12, 16, 2))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -159,16 +181,16 @@ BAD_OUT = {"file": "is a file, not a folder", "under_a_file": "which is a file",
 
 @pytest.mark.parametrize("case", BAD_OUT)
 def test_bad_out_is_refused_in_one_line_and_nothing_is_created(
-        case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        case: str, tmp_path: Path, tokens: Path, text: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
     out = _bad_out(case, tmp_path)
     before = snapshot(tmp_path)
-    with pytest.raises(FcauditError, match=BAD_OUT[case]) as exc:
-        check_output(out, "audit")
-    assert str(out) in str(exc.value) and "\n" not in str(exc.value)
-    if case in ("file", "under_a_file", "dangling_link"):  # the same through the CLI
-        code, err = run_cli(["train", "--arch", "dense", "--steps", "1", "--quiet", "--out",
-                             out], capsys)
-        assert code == 2 and len(err) == 1 and BAD_OUT[case] in err[0], err
+    commands = ["audit", "train"] if case in ("file", "under_a_file", "dangling_link") else \
+        ["audit"]
+    for command in commands:
+        code, err = run_cli(cli_argv(command, out, tokens, text), capsys)
+        assert code == 2 and len(err) == 1, err
+        assert BAD_OUT[case] in err[0] and str(out) in err[0], err
     assert snapshot(tmp_path) == before
 
 
@@ -231,35 +253,34 @@ def test_earlier_versions_outputs_are_recognised(run: Path, tmp_path: Path) -> N
 HOLD = """
 import sys, time
 from fcaudit.outdir import hold_output
-with hold_output(sys.argv[1], "run", "fcaudit train --out X"):
+with hold_output(sys.argv[1], sys.argv[2], "fcaudit the first run"):
     print("held", flush=True)
     time.sleep(120)
 """
+CLI = "import sys; from fcaudit.cli import main; raise SystemExit(main(sys.argv[1:]))"
 
 
-def test_a_second_run_on_a_held_folder_fails_naming_the_holder(tmp_path: Path, text: Path
-                                                               ) -> None:
-    out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], text=True,
-                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(SRC)})
+@pytest.mark.parametrize("command", ["train", "audit"])
+def test_a_second_run_on_a_held_folder_fails_naming_the_holder(
+        command: str, tmp_path: Path, tokens: Path, text: Path) -> None:
+    out, kind = tmp_path / "out", "run" if command == "train" else "audit"
+    holder = python(HOLD, out, kind)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        second = python(f"from fcaudit.cli import main; raise SystemExit(main(['train', "
-                        f"'--arch', 'dense', '--steps', '1', '--quiet', '--data', {str(text)!r}, "
-                        f"'--out', {str(out)!r}]))")
+        second = python(CLI, *cli_argv(command, out, tokens, text))
         _, err = second.communicate(timeout=120)
         lines = err.strip().splitlines()
         assert second.returncode == 2 and len(lines) == 1, err
         assert f"is in use by fcaudit pid {holder.pid} on " in lines[0]
-        assert "(fcaudit train --out X)" in lines[0]
-        assert "wait for it to finish or choose another --out" in lines[0]
+        assert "(fcaudit the first run); wait for it to finish or choose another --out" \
+            in lines[0]
         assert holder.poll() is None and sorted(p.name for p in out.iterdir()) == [LOCK, MARKER]
     finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
+        holder.kill()  # SIGKILL
+        holder.communicate()
     # kill -9 runs no cleanup, yet the kernel dropped the lock: the folder is free
     assert (out / LOCK).exists()
-    with hold_output(out, "run"):
+    with hold_output(out, kind):
         assert json.loads((out / LOCK).read_text())["pid"] == os.getpid()
     assert sorted(p.name for p in out.iterdir()) == [MARKER]  # the lock file goes with the lock
 
@@ -292,11 +313,10 @@ def old_results(out: Path) -> Path:
 def test_a_rerun_killed_between_report_and_audit_json_leaves_no_old_audit_json(tmp_path: Path
                                                                                ) -> None:
     out = old_results(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_AFTER_REPORT, str(out)], text=True,
-                            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(SRC)})
+    proc = python(KILLED_AFTER_REPORT, out)
     assert proc.stdout is not None and proc.stdout.readline() == "report written\n"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.kill()  # SIGKILL: no cleanup runs
+    proc.communicate()
     assert not (out / "audit.json").exists()  # no old audit.json beside the new report
     assert (out / "report.md").read_text() == "new report"
     assert {n: (out / PREVIOUS / n).read_text() for n in OLD} == OLD  # kept until replaced

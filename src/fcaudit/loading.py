@@ -137,12 +137,18 @@ def load_run(folder: Path, dtype: torch.dtype | None = None) -> LoadedModel:
     cfg, arch, model_config = _run_config(folder)
     weights = folder / "model.safetensors"
     found = header_shapes([weights])
+    files = _hash_files(folder, [folder / "config.json", weights])
+    recorded = cfg.get("weights_sha256")  # absent in runs trained before it was recorded
+    if recorded is not None and recorded != files[weights.name]:
+        raise FcauditError(f"{weights} has SHA-256 {files[weights.name][:12]}..., but "
+                           f"{folder / 'config.json'} records {str(recorded)[:12]}... from "
+                           "training; the weights were changed or corrupted since: re-copy "
+                           "the run folder or retrain it")
     check_depth(str(folder), found, model_config.n_layer)
     with torch.device("meta"):
         model = arch.build(model_config)
     check_keys(str(folder), found, {k: tuple(v.shape) for k, v in model.state_dict().items()})
     model = load_into(model, dict(read_tensors([weights], set(found), dtype))).eval()
-    files = _hash_files(folder, [folder / "config.json", weights])
     return LoadedModel(model, str(folder), "run", folder_tokenizer(folder), cfg,
                        _digest({"config": cfg, "files": files}), files)
 

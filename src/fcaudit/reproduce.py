@@ -35,6 +35,7 @@ from .figures import (
 )
 from .fileio import write_json, write_text
 from .loading import is_run_folder
+from .outdir import STUDY_RESULTS, hold_output, replacing_results
 from .report import md_code, md_fenced, md_figures, md_table, md_text, to_html
 from .result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
 from .runtime import versions
@@ -310,7 +311,19 @@ def _markdown(result: Mapping[str, Any], figures: Sequence[RenderedFigure]) -> s
 def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
               mudd_checkpoint: str | None = None, settings: StudySettings | None = None,
               command: str | None = None) -> dict[str, Any]:
-    """Run (or resume) the study and write the aggregated reproduction report."""
+    """Run (or resume) the study and write the aggregated reproduction report.
+
+    The study folder is held for the whole study; its previous results stay aside in
+    ``.previous/`` until the new ones are complete (and come back if the study fails).
+    """
+    with hold_output(out, "study", command), replacing_results(out, STUDY_RESULTS):
+        return _study(preset, out, seeds=seeds, mudd_checkpoint=mudd_checkpoint,
+                      settings=settings, command=command)
+
+
+def _study(preset: str, out: str | Path, *, seeds: int | None,
+           mudd_checkpoint: str | None, settings: StudySettings | None,
+           command: str | None) -> dict[str, Any]:
     out = Path(out)
     st = settings or StudySettings(AuditOptions())
     groups: dict[str, dict[str, Any]] = {}
@@ -330,7 +343,7 @@ def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
     summary = {**result, "groups": {n: {"aggregate": g["aggregate"], "seeds": len(g["audits"]),
                                         "per_seed": [metrics_of(a) for a in g["audits"]]}
                                     for n, g in groups.items()}}
-    write_json(out / "reproduction.json", summary)
     write_text(out / "reproduction.md", markdown)
     write_text(out / "report.html", to_html("fcaudit reproduction", markdown, figures))
+    write_json(out / "reproduction.json", summary)  # last: it means the study finished
     return summary

@@ -1,9 +1,10 @@
 """Training on the built-in corpus: seeded, deterministic on CPU, written atomically.
 
 A run folder holds ``config.json``, ``model.safetensors``, ``tokenizer.json`` and
-``train_log.jsonl``. It is assembled in a temporary sibling folder and renamed
-into place only when training and evaluation finished, so an interrupted run
-leaves nothing under the final name.
+``train_log.jsonl`` (plus fcaudit's marker). It is assembled in a temporary sibling
+folder and renamed into place only when training and evaluation finished, so an
+interrupted run leaves nothing under the final name. ``--force`` replaces only a run
+folder holding nothing but a run's files, and removes those by name.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from .data import (
     train_tokenizer,
 )
 from .errors import FcauditError
-from .fileio import make_work_dir, write_json, write_text
-from .loading import get_arch, save_run_model
+from .fileio import make_work_dir, sha256_file, write_json, write_text
+from .loading import Arch, get_arch, save_run_model
 from .nll import mean_nll
+from .outdir import RUN_FILES, check_output, claim_output, entries, hold_output, remove_output
 from .progress import ProgressReporter
 from .runtime import versions
 
@@ -137,10 +139,34 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
     if steps is not None:
         tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))
     cfg = arch.config(preset)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise FcauditError(f"output folder {out} exists and is not empty; choose another --out "
-                           "or pass --force to replace it")
+    check_run_out(out, force)
+    with hold_output(out, "run"):
+        return _train(arch, preset, seed, out, tp, cfg, device, progress, data)
 
+
+def check_run_out(out: Path, force: bool) -> None:
+    """Refuse an ``--out`` that training may not replace; touches nothing.
+
+    Only a run folder fcaudit wrote may be replaced, with ``--force``, and only when it
+    holds nothing but a run's files: a folder of the user's own files is never touched.
+    """
+    check_output(out, "run")
+    if not out.is_dir():
+        return
+    held = entries(out)
+    if held and not force:
+        raise FcauditError(f"output folder {out} holds a training run; choose another --out or "
+                           "pass --force to replace it")
+    other = [p.name for p in held if p.name not in RUN_FILES]
+    if other:
+        raise FcauditError(f"--out {out} is a run folder but also holds {', '.join(other)}, "
+                           "which fcaudit train did not write; move them out or choose another "
+                           "--out")
+
+
+def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: Any,
+           device: str, progress: bool, data: str | Path | None) -> Path:
+    """Train and swap the finished run folder in for ``out`` (held by the caller)."""
     tok, train_tokens, eval_windows, data_record = training_data(cfg.vocab_size, tp.seq_len,
                                                                  data)
     eval_windows = eval_windows[spread_pick(len(eval_windows), tp.eval_sequences)]
@@ -154,9 +180,9 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": tp.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=tp.lr, betas=(0.9, 0.95))
-    out.parent.mkdir(parents=True, exist_ok=True)
     work = make_work_dir(out)
     try:
+        claim_output(work, "run")
         log_lines: list[str] = []
         started = time.perf_counter()
         model.train()
@@ -176,7 +202,7 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
                 opt.step()
                 elapsed = time.perf_counter() - started
                 tok_s = (step + 1) * tp.batch_size * tp.seq_len / elapsed
-                report(f"train {arch_name}/{preset} seed {seed}", step + 1, tp.steps,
+                report(f"train {arch.name}/{preset} seed {seed}", step + 1, tp.steps,
                        f"loss {loss.item():.3f}  {tok_s:,.0f} tok/s")
                 if step % 25 == 0 or step == tp.steps - 1:
                     log_lines.append(json.dumps({"step": step, "loss": round(loss.item(), 5),
@@ -188,33 +214,34 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
         log_lines.append(json.dumps({"event": "eval", "eval_nll": eval_nll,
                                      "unigram_nll": uni, "train_wall_s": round(wall, 2)}))
         save_run_model(work, model.cpu())
+        weights_sha256 = sha256_file(work / "model.safetensors")
         write_text(work / "tokenizer.json", tok.to_str())
         write_text(work / "train_log.jsonl", "\n".join(log_lines) + "\n")
         write_json(work / "config.json", {
-            "fcaudit_run": 1, "arch": arch_name, "preset": preset, "seed": seed,
+            "fcaudit_run": 1, "arch": arch.name, "preset": preset, "seed": seed,
             "model_config": dataclasses.asdict(cfg),
             "train": dataclasses.asdict(tp),
             "data": {**data_record, "train_tokens": int(len(train_tokens)),
                      "eval_sequences": int(len(eval_windows))},
             "results": {"eval_nll": eval_nll, "unigram_nll": uni, "n_params": n_params,
                         "train_wall_s": round(wall, 2), "device": device},
+            "weights_sha256": weights_sha256,  # load_run refuses weights changed after this
             "versions": versions(),
         })
-        # --force: move the old folder aside (a rename, not a delete) before the new one
-        # takes its name, so no moment exists where a kill loses both
-        old = work.with_name(work.name + ".old") if out.exists() else None
-        if old is not None:
-            out.rename(old)
+        check_run_out(out, force=True)  # files may have been added to out while training
+        # move the old folder aside (a rename, not a delete) before the new one takes its
+        # name, so no moment exists where a kill loses both
+        old = work.with_name(work.name + ".old")
+        out.rename(old)
         try:
             work.rename(out)
         except BaseException:
-            if old is not None and not out.exists():
+            if not out.exists():
                 old.rename(out)
             raise
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        remove_output(old, RUN_FILES)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)  # this call's own mkdtemp folder
     return out
 
 

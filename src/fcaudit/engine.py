@@ -709,12 +709,11 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
         import tempfile
         with tempfile.TemporaryDirectory(prefix="fcaudit-") as tmp:
             return _run(setup, Path(tmp) / "cache", first, progress, command)
-    from .outdir import OutputLock, claim_output, retire_results
-    claim_output(setup.out, "audit")
-    with OutputLock(setup.out, command):
+    from .outdir import hold_output, replacing_results
+    with hold_output(setup.out, "audit", command):
         result = _run(setup, setup.out / "cache", first, progress, command)
-        retire_results(setup.out)
-        write_outputs(result, setup.out, report)
+        with replacing_results(setup.out):
+            write_outputs(result, setup.out, report)
     return result
 
 

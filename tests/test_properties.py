@@ -12,6 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fcaudit import metrics
+from fcaudit.contract import Site
 from fcaudit.interventions import (
     StaticProfiles,
     derangement,
@@ -19,8 +21,6 @@ from fcaudit.interventions import (
     position_permutations,
     shuffle_positions,
 )
-from fcaudit import metrics
-from fcaudit.contract import Site
 from fcaudit.metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
 
 FEW = settings(max_examples=25, deadline=None, database=None)

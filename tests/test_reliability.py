@@ -27,13 +27,14 @@ import torch
 import toys
 
 from fcaudit import cli
-from fcaudit.audit_run import NONDETERMINISTIC_KEYS, AuditOptions, run_audit
 from fcaudit.data import AuditData, Document, train_tokenizer
+from fcaudit.engine import AuditOptions, audit
 from fcaudit.errors import FcauditError
 from fcaudit.fileio import write_json
 from fcaudit.loading import save_run_model
 from fcaudit.models.featuregate import GPT, GPTConfig
 from fcaudit.outdir import MARKER
+from fcaudit.result import NONDETERMINISTIC_KEYS
 
 TESTS = Path(__file__).parent
 TOY = ["--model", "toys:content_model", "--sites", "gates.*"]
@@ -251,7 +252,7 @@ def _run_case(root: Path, name: str, tmp: Path) -> tuple[list, str]:
         return ["--model", run, "--data", text], "config.json is not valid JSON"
     if name == "config_missing":
         (run / "config.json").unlink()
-        return ["--model", run, "--data", text], "neither an fcaudit run folder"
+        return ["--model", run, "--data", text], "has no config.json"
     if name == "config_wrong_fields":
         (run / "config.json").write_text(json.dumps({"fcaudit_run": 1, "arch": "featuregate",
                                                      "model_config": {"width": 3}}))
@@ -270,7 +271,7 @@ def _run_case(root: Path, name: str, tmp: Path) -> tuple[list, str]:
         cfg = json.loads((run / "config.json").read_text())
         cfg["model_config"]["n_layer"] = 3
         (run / "config.json").write_text(json.dumps(cfg))
-        return ["--model", run, "--data", text], "do not fit the model config"
+        return ["--model", run, "--data", text], "come from different models"
     if name == "tokenizer_garbled":
         (run / "tokenizer.json").write_text("{not json")
         return ["--model", run, "--data", text], "tokenizer.json"
@@ -291,7 +292,7 @@ def _run_case(root: Path, name: str, tmp: Path) -> tuple[list, str]:
     if name == "seq_len_above_context":
         return ["--model", run, "--data", text, "--seq-len", "64"], "context of 32 tokens"
     if name == "seq_len_below_2":
-        return ["--model", run, "--data", text, "--seq-len", "1"], "--seq-len 2 or more"
+        return ["--model", run, "--data", text, "--seq-len", "1"], "--seq-len 1: must be an integer of at least 2"
     if name == "model_missing":
         return ["--model", tmp / "nowhere", "--data", text], "model not found"
     if name == "factory_missing":
@@ -421,8 +422,7 @@ def test_disk_full_while_writing_the_cache(how: str, tmp_path: Path, tokens: dic
     assert "No space left on device" in res.stderr and "free disk space" in res.stderr
     cache = out / "cache"
     assert not (cache / "eval-00001.safetensors").exists()
-    assert set(json.loads((cache / "manifest.json").read_text())["shards"]) == {
-        "eval-00000.safetensors"}
+    assert sorted(p.name for p in cache.glob("eval-*.sha256")) == ["eval-00000.safetensors.sha256"]
     # space freed: the rerun resumes and finishes
     monkeypatch.setattr(safetensors.torch, "save_file", real)
     assert run_inprocess(_audit_argv(out, tokens), capsys).returncode == 0
@@ -457,7 +457,7 @@ def test_disk_full_at_fsync_is_caught_before_rename(tmp_path: Path, tokens: dict
     out = tmp_path / "out"
     res = run_inprocess(_audit_argv(out, tokens), capsys)
     monkeypatch.setattr(os, "fsync", real)
-    assert_clean_failure(res, tmp_path, out, "manifest.json")
+    assert_clean_failure(res, tmp_path, out, "No space left on device")
     assert not (out / "cache" / "manifest.json").exists()
 
 
@@ -468,27 +468,27 @@ def test_interrupt_during_record_then_resume_gives_identical_results(
     reference = tmp_path / "reference"
     assert run_inprocess(_audit_argv(reference, tokens), capsys).returncode == 0
 
-    real = cache_mod.save_tensors
+    real = cache_mod.CoefficientCache.write
     written: list[str] = []
 
-    def save_tensors(path: Path, tensors: dict) -> str:
-        if path.name.startswith("eval-"):
+    def write(self: cache_mod.CoefficientCache, name: str, tensors: dict) -> None:
+        if name.startswith("eval-"):
             if len(written) == 2:
                 raise KeyboardInterrupt
-            written.append(path.name)
-        return real(path, tensors)
+            written.append(name)
+        real(self, name, tensors)
 
-    monkeypatch.setattr(cache_mod, "save_tensors", save_tensors)
+    monkeypatch.setattr(cache_mod.CoefficientCache, "write", write)
     out = tmp_path / "out"
     res = run_inprocess(_audit_argv(out, tokens), capsys)
     assert res.returncode == 130 and "rerun the same command to resume" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
     assert not (out / "audit.json").exists() and not temporaries(tmp_path)
-    manifest = json.loads((out / "cache" / "manifest.json").read_text())
-    assert sorted(manifest["shards"]) == ["eval-00000.safetensors", "eval-00001.safetensors"]
+    shards = sorted(p.name.removesuffix(".sha256") for p in (out / "cache").glob("eval-*.sha256"))
+    assert shards == ["eval-00000.safetensors", "eval-00001.safetensors"]
 
-    monkeypatch.setattr(cache_mod, "save_tensors", real)
-    stamps = {n: (out / "cache" / n).stat().st_mtime_ns for n in manifest["shards"]}
+    monkeypatch.setattr(cache_mod.CoefficientCache, "write", real)
+    stamps = {n: (out / "cache" / n).stat().st_mtime_ns for n in shards}
     assert run_inprocess(_audit_argv(out, tokens), capsys).returncode == 0
     assert {n: (out / "cache" / n).stat().st_mtime_ns for n in stamps} == stamps  # reused
     assert canonical(out / "audit.json") == canonical(reference / "audit.json")
@@ -537,11 +537,13 @@ def recorded(tmp_path: Path, tokens: dict[str, Path],
     return out
 
 
-@pytest.mark.parametrize("name", ["eval-00001.safetensors", "static.safetensors"])
-def test_corrupted_cache_file_fails_its_checksum(name: str, recorded: Path, tmp_path: Path,
+@pytest.mark.parametrize("pattern", ["eval-00001.safetensors", "calib-00000.safetensors",
+                                     "replay-*/replay-00001.safetensors"])
+def test_corrupted_cache_file_fails_its_checksum(pattern: str, recorded: Path, tmp_path: Path,
                                                  tokens: dict[str, Path],
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    path = recorded / "cache" / name
+    (path,) = (recorded / "cache").glob(pattern)
+    name = path.name
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # one flipped byte deep in the tensor data, same size
     path.write_bytes(bytes(raw))
@@ -580,20 +582,25 @@ def test_cache_from_other_data_is_refused(recorded: Path, tmp_path: Path,
 
 
 def test_empty_cache_of_a_failed_start_is_not_in_the_way(
-        tmp_path: Path, tokens: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    """A first attempt that recorded nothing (here: its model crashed) holds nothing to
-    lose, so a corrected rerun into the same --out just starts afresh."""
+        tmp_path: Path, tokens: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A first attempt that recorded nothing (here: writing its first shard failed) holds
+    nothing to lose, so a rerun into the same --out with another model just starts afresh;
+    one that recorded a shard is kept and another model is refused."""
+    from fcaudit import cache as cache_mod
     out = tmp_path / "out"
-    bad = AuditData(toys.pair_sequences(16, 16, 1), toys.pair_sequences(12, 16, 2), {})
-    model = toys.content_model()
-    model.gates[0].forward = lambda ids: (_ for _ in ()).throw(RuntimeError("crash"))
-    with pytest.raises(RuntimeError):
-        run_audit(model, out, sites=["gates.*"], data=bad, write_report=False,
-                  options=AuditOptions(bootstrap=10, repeats=1, execution=False,
-                                       progress=False, batch_size=4))
+
+    def fail(self: cache_mod.CoefficientCache, name: str, tensors: dict) -> None:
+        raise FcauditError(f"could not write {name}")
+
+    monkeypatch.setattr(cache_mod.CoefficientCache, "write", fail)
+    assert run_inprocess(_audit_argv(out, tokens), capsys).returncode == 2
     assert (out / "cache" / "manifest.json").exists()
+    monkeypatch.undo()
     assert run_inprocess(_audit_argv(out, tokens, model="toys:constant_model"),
                          capsys).returncode == 0
+    res = run_inprocess(_audit_argv(out, tokens), capsys)
+    assert res.returncode == 2 and "different model" in res.stderr
 
 
 # -------------------------------------------------------------------- non-finite values
@@ -604,10 +611,9 @@ def test_non_finite_nll_is_refused(tmp_path: Path) -> None:
         model.scale.fill_(float("nan"))
     data = AuditData(toys.pair_sequences(8, 16, 1), toys.pair_sequences(8, 16, 2), {})
     with pytest.raises(FcauditError, match="NLL is not finite .* record pass"):
-        run_audit(model, tmp_path, sites=["gates.*"], data=data, write_report=False,
-                  options=AuditOptions(bootstrap=10, repeats=1, execution=False,
-                                       progress=False))
-    assert not (tmp_path / "audit.json").exists()
+        audit(model, tmp_path / "out", sites=["gates.*"], data=data, report=False,
+              options=AuditOptions(bootstrap=10, repeats=1, execution=False, progress=False))
+    assert not (tmp_path / "out" / "audit.json").exists()
 
 
 # ----------------------------------------------------------------------- determinism
@@ -620,7 +626,7 @@ def test_two_audits_are_byte_identical_outside_the_runtime_section(
         assert res.returncode == 0, res.stderr
         audits.append(tmp_path / name / "audit.json")
     a, b = (json.loads(p.read_text()) for p in audits)
-    assert a["nondeterministic_keys"] == NONDETERMINISTIC_KEYS == [
+    assert a["nondeterministic_keys"] == list(NONDETERMINISTIC_KEYS) == [
         "runtime", "command", "execution.timing", "execution.speed_ratio_vs_dense"]
     assert set(a["runtime"]) == {"host", "timings"} and "host" not in a and "timings" not in a
     assert a["command"] != b["command"]  # it names --out; that is why it is listed

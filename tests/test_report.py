@@ -15,7 +15,7 @@ import pytest
 import toys
 from test_engine import FAST, toy_data
 
-from fcaudit.audit_run import run_audit
+from fcaudit.engine import audit
 from fcaudit.figures import heatmap_figure
 from fcaudit.report import IDENTITY_WARNING, md_text, write_report
 from fcaudit.result import (
@@ -38,9 +38,8 @@ HOSTILE = ('<script>alert("x")</script> | [a](https://evil.example/) [b](javascr
 
 
 def _audit(out: Path, **kw: object) -> AuditResult:
-    content = run_audit(toys.content_model(), out, sites=["gates.*"], data=toy_data(),
-                        write_report=False, **kw)
-    return AuditResult.from_json(content)  # the engine returns audit.json content for now
+    return audit(toys.content_model(), out, sites=["gates.*"], data=toy_data(), report=False,
+                 **kw)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from test_mudd_audit import make_mudd_folder
 from test_report import _chromium
 
-from fcaudit.audit_run import AuditOptions
+from fcaudit.engine import AuditOptions
 from fcaudit.outdir import output_kind
 from fcaudit.reproduce import StudySettings, aggregate, reproduce, study
 

@@ -341,9 +341,16 @@ def _finite(values: Mapping[str, Tensor], where: str) -> None:
            if not torch.isfinite(v).all()}
     if bad:
         listing = ", ".join(f"{k} ({n} values)" for k, n in bad.items())
-        raise FcauditError(f"non-finite (NaN or inf) values on {where} at {listing}; no "
-                           "dependence metric is computed on them: fix the model or its "
-                           "weights (try float32)")
+        raise FcauditError(f"non-finite (NaN or inf) coefficients recorded on {where} at "
+                           f"{listing}; no dependence metric is computed on them: fix the "
+                           "model or its weights (try float32)")
+
+
+def _finite_nll(nll: Tensor, where: str) -> None:
+    if not torch.isfinite(nll).all():
+        raise FcauditError(f"the model's NLL is not finite (NaN or inf) in {where} "
+                           f"({int((~torch.isfinite(nll)).sum())} tokens); no metric can be "
+                           "computed: check the model's weights and dtype (try float32)")
 
 
 def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress) -> StaticProfiles:
@@ -378,7 +385,7 @@ def adopt_probe(cache: CoefficientCache, first: Probe) -> None:
     shard = _eval_shard(first.nll, first.coefficients)
     if not cache.has(name):
         _finite(first.coefficients, "evaluation data")
-        _finite({"NLL": first.nll}, "the unperturbed record pass, batch 0")
+        _finite_nll(first.nll, "the unperturbed record pass, batch 0")
         cache.write(name, shard)
     elif not same_bits(cache.read(name), shard):
         raise FcauditError(
@@ -397,7 +404,7 @@ def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress)
                                           device_of(net), todo), start=start):
         _, coefficients, nll = record_batch(net, sites, x)
         _finite(coefficients, "evaluation data")
-        _finite({"NLL": nll}, f"the unperturbed record pass, batch {b}")
+        _finite_nll(nll, f"the unperturbed record pass, batch {b}")
         cache.write(cache.eval_name(b), _eval_shard(nll, coefficients))
         progress("record evaluation", done + 1, cache.n_batches, "")
 
@@ -532,7 +539,7 @@ def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b
     diff = 0.0
     for run in runs:
         nll = token_nll(replay_batch(net, x, feed(run, b, inputs, device)), x).cpu()
-        _finite({"NLL": nll}, f"replay under {run.key}, batch {b}")
+        _finite_nll(nll, f"replay under {run.key}, batch {b}")
         if run.condition == "correct":
             diff = float((nll - recorded).abs().max())
             if diff != 0 and not setup.options.allow_nonexact_identity:

@@ -2,9 +2,10 @@
 
 Each glob defines one family (named by the glob); its matches, in module order, are
 that family's layers 0, 1, ...; their adapter is :data:`~fcaudit.adapters.AUTO`
-(plain ``[B, T, ...]`` or flattened ``[B*T, ...]`` outputs). A site list is refused when it names a module twice
-(duplicate globs, overlapping globs) or names a module together with one of its own
-children: their outputs would be recorded and replaced twice.
+(plain ``[B, T, ...]`` or flattened ``[B*T, ...]`` outputs). A site list is refused
+when it names a module twice (duplicate globs, overlapping globs) or names a module
+together with one of its own children: their outputs would be recorded and replaced
+twice.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from torch import nn
 from .data import load_tokenizer
 from .errors import FcauditError
 from .fileio import read_json, sha256_file, write_safetensors
-from .models import featuregate, mudd, skipgate
+from .models import featuregate, moe, mudd, skipgate
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ ARCHES: dict[str, Arch] = {
                   {"gated": False}),
     "skipgate": Arch("skipgate", skipgate.PRESETS, skipgate.SkipGateConfig, skipgate.SkipGateGPT),
     "mudd": Arch("mudd", mudd.PRESETS, mudd.MuddConfig, mudd.MuddModel),
+    "moe": Arch("moe", moe.PRESETS, moe.MoEConfig, moe.MoEGPT),
 }
 
 

@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", help="train a model on the built-in corpus",
-                       description="Train FeatureGate, its Dense twin, SkipGate or MUDD on the "
-                                   "built-in Shakespeare corpus (seeded, deterministic on CPU).")
+                       description="Train FeatureGate, its Dense twin, SkipGate, MUDD or MoE on "
+                                   "the built-in Shakespeare corpus (seeded, deterministic on "
+                                   "CPU).")
     t.add_argument("--arch", required=True, choices=["featuregate", "dense", "skipgate", "mudd",
                                                       "moe"])
     t.add_argument("--preset", default="tiny", help="tiny, small, 76m or 504m (default tiny)")

@@ -79,9 +79,11 @@ def _options(args: argparse.Namespace) -> Any:
 
 def _add_train(sub: Any) -> None:
     t = sub.add_parser("train", help="train a model on the built-in corpus",
-                       description="Train FeatureGate, its Dense twin, SkipGate or MUDD on the "
-                                   "built-in Shakespeare corpus (seeded, deterministic on CPU).")
-    t.add_argument("--arch", required=True, choices=["featuregate", "dense", "skipgate", "mudd"])
+                       description="Train FeatureGate, its Dense twin, SkipGate, MUDD or MoE on "
+                                   "the built-in Shakespeare corpus (seeded, deterministic on "
+                                   "CPU).")
+    t.add_argument("--arch", required=True, choices=["featuregate", "dense", "skipgate", "mudd",
+                                                      "moe"])
     t.add_argument("--preset", default="tiny", help="tiny, small, 76m or 504m (default tiny)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", required=True, type=Path, help="run folder to create")

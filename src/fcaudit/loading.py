@@ -74,6 +74,7 @@ ARCHES: dict[str, Arch] = {
     "dense": Arch("dense", "fcaudit.models.featuregate", "GPT", "GPTConfig", (("gated", False),)),
     "skipgate": Arch("skipgate", "fcaudit.models.skipgate", "SkipGateGPT", "SkipGateConfig"),
     "mudd": Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig"),
+    "moe": Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig"),
 }
 
 

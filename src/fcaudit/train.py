@@ -197,7 +197,9 @@ def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: 
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                        batch[:, 1:].reshape(-1))
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                # a model's own training term (MoE load balancing), read after its forward
+                # pass; the logged loss stays the language-model loss
+                (loss + getattr(model, "aux_loss", 0.0)).backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 elapsed = time.perf_counter() - started

@@ -14,7 +14,7 @@ of the audit is designed to capture.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -64,10 +64,14 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """GPT-2's MLP (``hidden`` = 4 * n_embd by default). Mixture-of-Experts experts are
+    narrower and leave their output bias to the layer, which shares one for the mixture."""
+
+    def __init__(self, cfg: GPTConfig, hidden: int | None = None, out_bias: bool = True) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        hidden = hidden or 4 * cfg.n_embd
+        self.fc = nn.Linear(cfg.n_embd, hidden)
+        self.proj = nn.Linear(hidden, cfg.n_embd, bias=out_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -132,7 +136,7 @@ class GPT(nn.Module):
             if name.endswith("proj.weight") and ".gate." not in name:
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))  # GPT-2 residual scaling
         for block in self.blocks:
-            if block.gate is not None:
+            if getattr(block, "gate", None) is not None:  # subclasses' blocks may have none
                 nn.init.constant_(block.gate.proj.bias, cfg.gate_bias_init)
 
     @staticmethod
@@ -158,4 +162,6 @@ class GPT(nn.Module):
         return [f"blocks.{i}" for i in range(len(self.blocks))]
 
     def dense_counterpart(self) -> GPT:
-        return GPT(replace(self.config, gated=False))
+        """The Dense twin of this preset; a subclass's extra config fields are dropped."""
+        shared = {f.name: getattr(self.config, f.name) for f in fields(GPTConfig)}
+        return GPT(GPTConfig(**{**shared, "gated": False}))

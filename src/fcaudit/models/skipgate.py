@@ -134,7 +134,3 @@ class SkipGateGPT(GPT):
 
     def execution_blocks(self) -> list[str]:
         return [f"blocks.{i}.body" for i in range(len(self.blocks))]
-
-    def dense_counterpart(self) -> GPT:
-        shared = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(GPTConfig)}
-        return GPT(GPTConfig(**{**shared, "gated": False}))

@@ -1,0 +1,150 @@
+"""MoE: a Mixtral-style Mixture-of-Experts decoder built from FeatureGate's pieces.
+
+Every block is FeatureGate's Dense block (pre-LayerNorm attention, then the MLP
+sub-layer) with the MLP replaced by ``num_experts`` experts of which ``top_k`` run
+per token. The router ``blocks.{l}.router`` is a linear layer (no bias) over the
+block's normalised hidden state ``x = LN_2(h)``; its output, the router logits
+``[B, T, E]``, is the controller site (family ``moe``). The block then applies a
+fixed rule to whatever logits it receives: the ``top_k`` largest logits pick the
+experts and a softmax over those ``top_k`` logits weights them (Mixtral's
+renormalised top-k probabilities), so a replayed or intervened logits tensor
+changes which experts run exactly as live routing would. Each expert
+``blocks.{l}.experts.{e}`` runs only on the tokens routed to it (gather, run,
+weighted scatter-add); no expert computes anything for a token it was not chosen for.
+
+Expert width: ``4 * n_embd / top_k``, with one output bias per layer shared by the
+experts (the mixture weights sum to 1, so a shared bias is what ``top_k`` equal
+per-expert biases would add). A token's active MLP parameters are then
+``top_k * (2 * n_embd * hidden + hidden) + n_embd``, exactly the Dense MLP's
+``8 * n_embd**2 + 5 * n_embd``: with the router counted as the controller (as
+FeatureGate's gate is), the active network *is* the Dense twin's size, so the Dense
+twin of the same preset is the fair dense counterpart, as for FeatureGate. The
+MoE holds ``num_experts / top_k`` times the Dense MLP parameters in total.
+
+Training adds the Switch/Mixtral load-balancing loss ``E * sum_e f_e * P_e`` (see
+:func:`load_balance`), averaged over layers and weighted by ``aux_loss_coef``; the
+model exposes it as :attr:`MoEGPT.aux_loss` after a training-mode forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..contract import ExpertLayer, Site
+from .featuregate import GPT, MLP, CausalSelfAttention, GPTConfig
+from .featuregate import PRESETS as GPT_PRESETS
+
+
+@dataclass(frozen=True)
+class MoEConfig(GPTConfig):
+    # ``gated`` is inherited and ignored: the routers are the controllers.
+    num_experts: int = 8
+    top_k: int = 2
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss in training
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+        if 4 * self.n_embd % self.top_k:
+            raise ValueError(f"4 * n_embd={4 * self.n_embd} must divide by top_k={self.top_k} "
+                             "for the active experts to match the Dense MLP's width")
+
+    @property
+    def expert_hidden(self) -> int:
+        return 4 * self.n_embd // self.top_k
+
+
+PRESETS: dict[str, MoEConfig] = {
+    name: MoEConfig(**dataclasses.asdict(cfg)) for name, cfg in GPT_PRESETS.items()}
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing rule: ``(weights, experts)``, both ``[..., top_k]``: the experts with
+    the largest logits and a softmax over their logits (renormalised top-k)."""
+    top, experts = logits.topk(top_k, dim=-1)
+    return top.softmax(dim=-1), experts
+
+
+def load_balance(logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Switch/Mixtral load-balancing loss of one layer, ``E * sum_e f_e * P_e``.
+
+    ``f_e``: share of the token-to-expert assignments (all ``top_k`` slots) that go to
+    expert ``e`` (not differentiable); ``P_e``: mean router probability of ``e`` (softmax
+    over all ``E`` logits), which carries the gradient away from overloaded experts.
+    It is 1 when both are uniform and ``E`` when every assignment and all probability
+    go to one expert; it is at least 1 whenever ``f = P`` (Cauchy-Schwarz), though not
+    in general (tokens routed against the mean probabilities can bring it below 1).
+    """
+    num = logits.shape[-1]
+    f = torch.bincount(experts.flatten(), minlength=num).to(logits.dtype) / experts.numel()
+    p = logits.softmax(dim=-1).reshape(-1, num).mean(dim=0)
+    return num * (f * p).sum()
+
+
+class MoEBlock(nn.Module):
+    """Attention, then the routed expert mixture; ``h [B, T, C] -> [B, T, C]``."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.router = nn.Linear(cfg.n_embd, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, hidden=cfg.expert_hidden, out_bias=False)
+                                     for _ in range(cfg.num_experts))
+        self.expert_bias = nn.Parameter(torch.zeros(cfg.n_embd))
+        self.balance: torch.Tensor | None = None  # load_balance of the last training pass
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.ln_1(h))
+        x = self.ln_2(h)
+        logits = self.router(x)  # [B, T, E]; a replay stub may stand in for the router
+        weights, experts = route(logits, self.top_k)
+        self.balance = load_balance(logits, experts) if self.training else None
+        return h + self.mixture(x, weights, experts)
+
+    def mixture(self, x: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        """``sum_j weights[..., j] * expert_{experts[..., j]}(x) + bias``, each expert run
+        on its own tokens only. Assignments are grouped by expert with one sort, so the
+        host waits once per layer (for the group sizes), not once per expert."""
+        flat = x.reshape(-1, x.shape[-1])
+        assignment = experts.flatten()  # token n's slot j sits at n * top_k + j
+        order = assignment.argsort(stable=True)
+        sizes = torch.bincount(assignment, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(flat)
+        for expert, group in zip(self.experts, order.split(sizes), strict=True):
+            if group.numel():
+                tokens = group // self.top_k
+                out.index_add_(0, tokens, weights.flatten()[group, None] * expert(flat[tokens]))
+        return (out + self.expert_bias).view_as(x)
+
+
+class MoEGPT(GPT):
+    """FeatureGate's network with :class:`MoEBlock`; ``input_ids [B, T] -> logits [B, T, V]``."""
+
+    block_class = MoEBlock
+
+    @property
+    def aux_loss(self) -> torch.Tensor | float:
+        """``aux_loss_coef`` times the layers' mean :func:`load_balance` of the last
+        training-mode forward pass (0 after an eval pass): the training loop adds it to
+        the language-model loss without knowing what it is."""
+        values = [b.balance for b in self.blocks if b.balance is not None]
+        return self.config.aux_loss_coef * torch.stack(values).mean() if values else 0.0
+
+    def controller_sites(self) -> list[Site]:
+        return [Site(name=f"blocks.{i}.router", path=f"blocks.{i}.router", family="moe",
+                     layer=i) for i in range(len(self.blocks))]
+
+    def expert_layers(self) -> list[ExpertLayer]:
+        return [ExpertLayer(name=f"blocks.{i}.router",
+                            experts=tuple(f"blocks.{i}.experts.{e}"
+                                          for e in range(len(b.experts))),
+                            num_experts=len(b.experts), top_k=b.top_k)
+                for i, b in enumerate(self.blocks)]

@@ -3,6 +3,7 @@ user-defined interventions, the library API."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -436,3 +437,52 @@ def test_controllers_never_run_during_replay(tmp_path):
     audit(model, tmp_path, sites=["gates.*"], data=data, options=FAST, report=False)
     live_passes = -(-12 // FAST.batch_size) + -(-8 // FAST.batch_size) + 1
     assert len(calls) == live_passes * len(model.gates)
+
+
+# ------------------------------------------------------------------- prefix reuse
+
+
+def _deep_models() -> list[nn.Module]:
+    from fcaudit.models.featuregate import GPT, GPTConfig
+    from fcaudit.models.mudd import PRESETS, MuddModel
+    torch.manual_seed(0)
+    models = [GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)),
+              MuddModel(dataclasses.replace(PRESETS["tiny"], vocab_size=64, n_layer=4))]
+    for model in models:  # weights large enough that every coefficient matters
+        for p in model.parameters():
+            nn.init.normal_(p, std=0.2)
+    return models
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["featuregate", "mudd"])
+def test_prefix_reuse_gives_the_naive_schedules_audit_json(index: int, tmp_path):
+    model = _deep_models()[index]
+    data = AuditData(np.random.default_rng(0).integers(0, 64, (12, 16)),
+                     np.random.default_rng(1).integers(0, 64, (8, 16)), {})
+    results = {schedule: audit(model, tmp_path / schedule, data=data, report=False,
+                               options=dataclasses.replace(FAST, schedule=schedule))
+               for schedule in ("naive", "prefix")}
+    texts = [(tmp_path / s / "audit.json").read_text() for s in ("naive", "prefix")]
+    naive, prefix = (json.loads(t) for t in texts)
+    for key in ("runtime", "command"):
+        naive.pop(key), prefix.pop(key)
+    assert naive == prefix
+    assert results["prefix"].runtime.schedule["batches_prefix_reused"] == 3
+    assert results["naive"].runtime.schedule["batches_prefix_reused"] == 0
+
+
+def test_prefix_reuse_falls_back_when_it_cannot_prove_exactness(tmp_path, monkeypatch):
+    """Stubs that return something else than the block computed: the proof fails on every
+    batch, the per-layer runs fall back to full passes, and the numbers stay right."""
+    from fcaudit import replay as replay_mod
+    model = _deep_models()[0]
+    data = AuditData(np.random.default_rng(0).integers(0, 64, (8, 16)),
+                     np.random.default_rng(1).integers(0, 64, (8, 16)), {})
+    naive = audit(model, data=data, options=dataclasses.replace(FAST, schedule="naive"))
+    real = replay_mod.clone_tree
+    monkeypatch.setattr(replay_mod.OutputStub, "forward",
+                        lambda self, *a, **k: real(self._output[0]) * 1.5)
+    prefix = audit(model, data=data, options=FAST)
+    assert prefix.runtime.schedule["batches_fell_back_to_full_passes"] == 2
+    assert [c.nll for c in prefix.per_layer["reassign"]] == \
+        [c.nll for c in naive.per_layer["reassign"]]

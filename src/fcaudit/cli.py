@@ -62,6 +62,11 @@ def _add_audit_options(p: argparse.ArgumentParser) -> None:
                    help="skip the execution audit (blocks, FLOPs, speed)")
     g.add_argument("--timing-pairs", type=int, default=10,
                    help="interleaved model/dense timing pairs; 0 disables timing (default 10)")
+    g.add_argument("--schedule", choices=["prefix", "naive"], default="prefix",
+                   help="prefix (default): a per-layer run recomputes only the blocks after "
+                        "its site, reusing the correct replay's outputs before it (proven "
+                        "bitwise exact per batch); naive: every run is a full pass. Both give "
+                        "the same audit.json")
     g.add_argument("--allow-nonexact-identity", action="store_true",
                    help="continue when replaying the recorded coefficients does not reproduce "
                         "the original pass bit for bit (every verdict is then flagged)")
@@ -73,7 +78,7 @@ def _options(args: argparse.Namespace) -> Any:
     return AuditOptions(repeats=args.repeats, seed=args.seed, bootstrap=args.bootstrap,
                         batch_size=args.batch_size, per_layer=not args.no_per_layer,
                         execution=not args.no_execution, timing_pairs=args.timing_pairs,
-                        progress=not args.quiet,
+                        progress=not args.quiet, schedule=args.schedule,
                         allow_nonexact_identity=args.allow_nonexact_identity)
 
 

@@ -19,6 +19,7 @@ Progress is reported through an optional callback ``progress(stage, done, total,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import time
@@ -51,7 +52,7 @@ from .loading import LoadedModel, load, load_module
 from .metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
 from .nll import device_of, logits_of, model_limits, probe_vocab, token_nll
 from .record import recording
-from .replay import replaying
+from .replay import BlockTrace, OutputStub, replaying, swapped, tracing
 from .result import (
     MAIN_CONDITIONS,
     NONDETERMINISTIC_KEYS,
@@ -78,6 +79,7 @@ from .verdicts import dependence, qualified, variation
 
 Progress = Callable[[str, int, int, str], None]
 MAX_BOOTSTRAP = 100_000
+SCHEDULES = ("prefix", "naive")
 
 
 def _silent(stage: str, done: int, total: int, info: str = "") -> None:
@@ -97,6 +99,7 @@ class AuditOptions:
     timing_pairs: int = 10
     progress: bool = True  # the CLI shows progress bars (the engine takes a callback)
     allow_nonexact_identity: bool = False
+    schedule: str = "prefix"  # "prefix": per-layer runs recompute only the suffix; "naive"
 
     def validate(self) -> None:
         """Refuse option values no audit can run with, naming the option."""
@@ -109,6 +112,9 @@ class AuditOptions:
                     hi is not None and value > hi):
                 bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
                 raise FcauditError(f"{option} {value!r}: must be an integer {bound}")
+        if self.schedule not in SCHEDULES:
+            raise FcauditError(f"--schedule {self.schedule!r}: choose one of "
+                               f"{', '.join(SCHEDULES)}")
         if 0 < self.timing_pairs < 10:
             raise FcauditError(f"--timing-pairs {self.timing_pairs}: use 0 (no timing) or at "
                                "least 10 pairs for a meaningful interval")
@@ -175,7 +181,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     loaded = as_loaded(model)
     net = loaded.model.eval()
     site_list = find_sites(net, sites)
-    block_paths = resolve_block_paths(net, blocks) if options.execution else None
+    block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
     audit_data = data if isinstance(data, AuditData) else resolve_data(loaded.tokenizer, data,
                                                                        loaded_seq_len(loaded))
     vocab, ctx = model_limits(net)
@@ -249,17 +255,29 @@ def record_batch(model: nn.Module, sites: Sequence[Site], x: Tensor
 
 
 @torch.no_grad()
-def replay_batch(model: nn.Module, x: Tensor, fed: Mapping[Site, Tensor]) -> Tensor:
-    """Logits of one pass with the given sites fed; each stub must run exactly once."""
-    with replaying(model, fed) as stubs:
+def replay_batch(model: nn.Module, x: Tensor, fed: Mapping[Site, Tensor], *,
+                 known: Mapping[str, Any] | None = None,
+                 trace: Sequence[str] | None = None) -> tuple[Tensor, BlockTrace | None]:
+    """Logits of one pass with the given sites fed; each stub must run exactly once.
+
+    ``known``: block outputs to stand in for those blocks (prefix reuse); sites inside
+    them do not run. ``trace``: block paths whose call order and outputs to record.
+    """
+    known = known or {}
+    observed = tracing(model, trace, [s.path for s in fed]) if trace else \
+        contextlib.nullcontext()
+    with replaying(model, fed) as stubs, \
+            swapped(model, {p: OutputStub(out) for p, out in known.items()}), \
+            observed as traced:
         logits = logits_of(model(x))
-    wrong = {name: s.calls for name, s in stubs.items() if s.calls != 1}
+    skipped = {s.name for s in fed if any(s.path.startswith(p + ".") for p in known)}
+    wrong = {n: s.calls for n, s in stubs.items() if s.calls != (0 if n in skipped else 1)}
     if wrong:
         name, calls = next(iter(wrong.items()))
         raise FcauditError(f"site {name} ran {calls} times during replay (once when recorded); "
                            "the model takes another path when its controller is replaced: "
                            "name a module the model calls exactly once per forward pass")
-    return logits
+    return logits, traced
 
 
 IDENTITY_CAUSES = (
@@ -289,7 +307,7 @@ def probe(setup: Setup) -> Probe:
     net, sites = setup.model, setup.sites
     _, x = next(batches(setup.data.eval_ids, setup.options.batch_size, device_of(net)))
     logits, coefficients, nll = record_batch(net, sites, x)
-    replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites})
+    replayed, _ = replay_batch(net, x, {s: coefficients[s.name] for s in sites})
     if same_bits(logits, replayed):
         return Probe(Identity(True, 0.0, setup.options.allow_nonexact_identity,
                               "identity replay is bitwise exact"), coefficients, nll)
@@ -315,7 +333,7 @@ def probe(setup: Setup) -> Probe:
 def _first_nonexact_site(net: nn.Module, sites: Sequence[Site], coefficients: dict[str, Tensor],
                          x: Tensor, logits: Tensor) -> str | None:
     for site in sites:
-        if not same_bits(replay_batch(net, x, {site: coefficients[site.name]}), logits):
+        if not same_bits(replay_batch(net, x, {site: coefficients[site.name]})[0], logits):
             return site.name
     return None
 
@@ -510,9 +528,9 @@ def _custom_feed(run: Run, b: int, rows: range, inputs: ReplayInputs,
 
 
 def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], plan: str,
-                 progress: Progress) -> tuple[list[np.ndarray], float]:
-    """Per-sequence mean NLL of every run (in run order), and the identity replay's max
-    |diff|.
+                 progress: Progress) -> tuple[list[np.ndarray], float, dict[str, Any]]:
+    """Per-sequence mean NLL of every run (in run order), the identity replay's max |diff|,
+    and how the schedule went (prefix reuse per batch).
 
     Batch by batch, every run of one batch before the next batch; each finished batch
     is cached, so an interrupted replay resumes there.
@@ -527,28 +545,65 @@ def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], plan: 
         progress("replay", done + 1, cache.n_batches, f"batch {b + 1}")
     shards = [cache.read(cache.replay_name(plan, b)) for b in range(cache.n_batches)]
     per_run = torch.cat([s["nll"] for s in shards], dim=1).numpy()
-    return list(per_run), max(float(s["identity_diff"]) for s in shards)
+    states = [int(s["prefix"]) for s in shards]
+    schedule = {"requested": setup.options.schedule,
+                "batches_prefix_reused": states.count(PREFIX_REUSED),
+                "batches_fell_back_to_full_passes": states.count(PREFIX_FELL_BACK),
+                "batches": len(states)}
+    return list(per_run), max(float(s["identity_diff"]) for s in shards), schedule
+
+
+PREFIX_OFF, PREFIX_REUSED, PREFIX_FELL_BACK = 0, 1, 2
 
 
 @torch.no_grad()
 def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int,
                       x: Tensor) -> dict[str, Tensor]:
-    net, device = setup.model, x.device
+    """Every run on batch ``b`` (the correct replay first), per-layer runs on the suffix
+    only when prefix reuse is on and proven exact on this batch."""
+    net = setup.model
     recorded = inputs.cache.batch(b, "nll")
-    rows = []
-    diff = 0.0
+    per_layer = any(r.site is not None for r in runs)
+    traced = setup.blocks if setup.options.schedule == "prefix" and per_layer else None
+    rows, diff, reuse, state = [], 0.0, None, PREFIX_OFF
     for run in runs:
-        nll = token_nll(replay_batch(net, x, feed(run, b, inputs, device)), x).cpu()
+        fed = feed(run, b, inputs, x.device)
+        known = reuse.get(run.site.path) if reuse is not None and run.site is not None else None
+        logits, trace = replay_batch(net, x, fed, known=known,
+                                     trace=traced if run.condition == "correct" else None)
+        nll = token_nll(logits, x).cpu()
         _finite_nll(nll, f"replay under {run.key}, batch {b}")
         if run.condition == "correct":
-            diff = float((nll - recorded).abs().max())
-            if diff != 0 and not setup.options.allow_nonexact_identity:
-                raise FcauditError(
-                    f"identity replay is not exact on batch {b}: the per-token NLL differs "
-                    f"by up to {diff:.3g} nats. Likely causes: {IDENTITY_CAUSES}. Rerun "
-                    "with --allow-nonexact-identity to see the numbers flagged as not exact")
+            diff = _identity_diff(setup, nll, recorded, b)
+            if trace is not None:
+                reuse, state = _prove_prefix(net, x, fed, inputs.sites, trace, logits)
         rows.append(nll.double().mean(1))
-    return {"nll": torch.stack(rows), "identity_diff": torch.tensor(diff, dtype=torch.float64)}
+    return {"nll": torch.stack(rows), "identity_diff": torch.tensor(diff, dtype=torch.float64),
+            "prefix": torch.tensor(state)}
+
+
+def _identity_diff(setup: Setup, nll: Tensor, recorded: Tensor, b: int) -> float:
+    diff = float((nll - recorded).abs().max())
+    if diff != 0 and not setup.options.allow_nonexact_identity:
+        raise FcauditError(
+            f"identity replay is not exact on batch {b}: the per-token NLL differs by up to "
+            f"{diff:.3g} nats. Likely causes: {IDENTITY_CAUSES}. Rerun with "
+            "--allow-nonexact-identity to see the numbers flagged as not exact")
+    return diff
+
+
+def _prove_prefix(net: nn.Module, x: Tensor, fed: Mapping[Site, Tensor], sites: Sequence[Site],
+                  trace: BlockTrace, logits: Tensor) -> tuple[dict[str, Any] | None, int]:
+    """Each site's reusable prefix, once the correct replay with the longest prefix stubbed
+    reproduces the full correct replay bit for bit (else: full passes for this batch)."""
+    prefixes = {s.path: {p: trace.outputs[p] for p in trace.prefix(s.path)} for s in sites}
+    longest = max(prefixes.values(), key=len)
+    if not longest:
+        return None, PREFIX_OFF
+    check, _ = replay_batch(net, x, fed, known=longest)
+    if not same_bits(check, logits):
+        return None, PREFIX_FELL_BACK
+    return prefixes, PREFIX_REUSED
 
 
 # ----------------------------------------------------------------------- summarize
@@ -651,7 +706,7 @@ def _model_info(setup: Setup) -> ModelInfo:
 
 def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tuple,
              execution: Execution, identity: Identity, command: str | None,
-             timings: dict[str, float]) -> AuditResult:
+             runtime: Runtime) -> AuditResult:
     variance, spread, profiles = stats[:3]
     opts = setup.options
     seeds = [opts.seed * 1000 + 17 + k for k in range(opts.repeats)]
@@ -673,12 +728,13 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
         interaction=summary.interaction, variance=variance, variation=spread,
         profiles=profiles, execution=execution, verdict=verdict,
         seeds=Seeds(opts.seed, seeds, seeds, opts.seed * 1000 + 7),
-        settings={**dataclasses.asdict(opts), "bootstrap_resamples": opts.bootstrap,
+        settings={**{k: v for k, v in dataclasses.asdict(opts).items() if k != "schedule"},
+                  "bootstrap_resamples": opts.bootstrap,
                   "calibration_sequences_used_for_static": len(setup.data.calib_ids),
                   "layer_index": "a site's index within its family"},
         versions=versions(), command=command,
         nondeterministic_keys=[*NONDETERMINISTIC_KEYS, *([TIMED_VERDICT_KEY] if timed else [])],
-        runtime=Runtime(host=host(), timings={k: round(v, 3) for k, v in timings.items()}),
+        runtime=runtime,
         identity=None if identity.exact and not identity.allowed_nonexact else identity,
         custom_conditions=summary.custom or None)
 
@@ -740,7 +796,7 @@ def _run(setup: Setup, cache_dir: Path, first: Probe, progress: Progress,
                            for k in range(opts.repeats)], opts.seed)
     runs = plan_runs(setup.sites, opts, setup.interventions)
     started = time.perf_counter()
-    replayed, diff = replay_stage(setup, inputs, runs, plan_key(runs, opts), progress)
+    replayed, diff, schedule = replay_stage(setup, inputs, runs, plan_key(runs, opts), progress)
     timings["replay_s"] = time.perf_counter() - started
     identity = dataclasses.replace(identity, max_abs_diff=max(identity.max_abs_diff, diff),
                                    exact=identity.exact and diff == 0)
@@ -750,7 +806,8 @@ def _run(setup: Setup, cache_dir: Path, first: Probe, progress: Progress,
     execution = execute(setup)
     timings["execution_s"] = time.perf_counter() - started
     timings["total_s"] = time.perf_counter() - setup.started
-    return assemble(setup, cache, summary, stats, execution, identity, command, timings)
+    return assemble(setup, cache, summary, stats, execution, identity, command,
+                    Runtime(host(), {k: round(v, 3) for k, v in timings.items()}, schedule))
 
 
 def write_outputs(result: AuditResult, out: Path, report: bool = True) -> None:

@@ -5,12 +5,19 @@ inputs' values and returns the site adapter's rebuild of the supplied tensor. Th
 controller's learned computation never runs, so it cannot react to perturbed hidden
 states. The stub hands the model a fresh copy on each call: a model that edits the
 controller's output in place cannot corrupt the tensors being fed.
+
+Prefix reuse: when one site alone is intervened, every block that ended before that
+site started computes exactly what it computed in the correct replay; :func:`tracing`
+records those blocks' outputs once per batch and :class:`OutputStub` returns them, so
+only the suffix of the model is recomputed.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
@@ -93,3 +100,74 @@ def replay(model: nn.Module, coefficients: Mapping[str, Tensor] | Mapping[Site, 
         fed[site] = tensor
     with replaying(model, fed):
         yield
+
+
+# ------------------------------------------------------------------ prefix reuse
+
+
+def clone_tree(value: Any) -> Any:
+    """A copy of a module output: tensors cloned, tuples, lists and dicts rebuilt."""
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(clone_tree(v) for v in value)
+    if isinstance(value, dict):
+        return {k: clone_tree(v) for k, v in value.items()}
+    return value
+
+
+class OutputStub(nn.Module):
+    """Stands in for a block whose output on this batch is already known."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self._output = (output,)  # in a tuple: tensors here are not buffers of the model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return clone_tree(self._output[0])
+
+
+@dataclass
+class BlockTrace:
+    """When each block and site ran in one pass, and each block's output.
+
+    A block that ended before a site started computed nothing that depends on that
+    site; fed the same coefficients everywhere else, it computes the same output again,
+    so a replay that intervenes on that site alone may take it from here.
+    """
+
+    outputs: dict[str, Any] = field(default_factory=dict)
+    ends: dict[str, int] = field(default_factory=dict)
+    starts: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def prefix(self, site_path: str) -> list[str]:
+        """Blocks that ran exactly once and ended before ``site_path`` started."""
+        start = self.starts.get(site_path)
+        if start is None:
+            return []
+        return [p for p, end in self.ends.items() if self.calls[p] == 1 and end < start]
+
+
+@contextlib.contextmanager
+def tracing(model: nn.Module, blocks: Sequence[str],
+            site_paths: Sequence[str]) -> Iterator[BlockTrace]:
+    """Record the call order of ``blocks`` and sites, and the blocks' outputs, for one pass."""
+    trace = BlockTrace()
+    clock = itertools.count()
+    handles = []
+    for path in site_paths:
+        def site_start(_m: nn.Module, _a: Any, path: str = path) -> None:
+            trace.starts.setdefault(path, next(clock))
+        handles.append(model.get_submodule(path).register_forward_pre_hook(site_start))
+    for path in blocks:
+        def block_end(_m: nn.Module, _a: Any, out: Any, path: str = path) -> None:
+            trace.calls[path] = trace.calls.get(path, 0) + 1
+            trace.ends[path] = next(clock)
+            trace.outputs[path] = clone_tree(out)
+        handles.append(model.get_submodule(path).register_forward_hook(block_end))
+    try:
+        yield trace
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -249,8 +249,12 @@ class Seeds:
 
 @dataclass
 class Runtime:
+    """Facts of this run that change no number (host, wall times, how the replays were
+    scheduled): the one section two identical audits may differ in."""
+
     host: dict[str, Any]
     timings: dict[str, float]
+    schedule: dict[str, Any] | None = _omit_none()
 
 
 @dataclass

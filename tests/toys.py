@@ -13,6 +13,8 @@ predicts it only through its gates, in a way that fixes the expected audit resul
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -45,6 +47,7 @@ class ToyModel(nn.Module):
         self.scale = nn.Parameter(torch.tensor(8.0))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        _maybe_die()
         even = (torch.arange(ids.shape[1]) % 2 == 0).float().view(1, -1, 1)
         g = [gate(ids) for gate in self.gates]
         if self.mode == "content":
@@ -52,6 +55,19 @@ class ToyModel(nn.Module):
             return self.scale * predicted * even
         target = F.one_hot((ids + 1) % V, V).float()
         return self.scale * target * (g[0] - g[1]) * even
+
+
+_CALLS = [0]
+
+
+def _maybe_die() -> None:
+    """Test hook: with TOYS_DIE_RANK=r and TOYS_DIE_AFTER=n, the process of torchrun rank r
+    dies outright (no cleanup) at its n-th forward pass, as a crashed worker would."""
+    rank, after = os.environ.get("TOYS_DIE_RANK"), os.environ.get("TOYS_DIE_AFTER")
+    if rank is not None and after is not None and os.environ.get("RANK") == rank:
+        _CALLS[0] += 1
+        if _CALLS[0] >= int(after):
+            os._exit(9)
 
 
 def content_model() -> nn.Module:

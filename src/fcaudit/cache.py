@@ -56,7 +56,9 @@ class CoefficientCache:
     """The shards of one audit's cache folder (see the module docstring)."""
 
     def __init__(self, folder: Path, identity: dict[str, Any], batch_size: int,
-                 n_sequences: int) -> None:
+                 n_sequences: int, owner: bool = True) -> None:
+        """``owner``: the one process that may create the folder, rewrite the manifest and
+        remove temporary files; other processes of a multi-process audit only read it."""
         self.folder = Path(folder)
         self.identity = identity
         self.batch_size = batch_size
@@ -64,16 +66,21 @@ class CoefficientCache:
         self.manifest_path = self.folder / "manifest.json"
         self._handles: OrderedDict[str, Any] = OrderedDict()
         self._verified: set[str] = set()
+        self.owner = owner
         _check_folder(self.folder)
         if self.manifest_path.exists():
             self._adopt()
+        elif not owner:
+            raise FcauditError(f"{self.manifest_path} is missing: rank 0 creates the cache "
+                               "first; every process must see the same --out folder")
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._write_manifest()
 
     def _adopt(self) -> None:
         """Reuse an existing cache folder if it was recorded with the same setup."""
-        self._clear_stale_temporaries()
+        if self.owner:  # another process may be writing its own temporaries right now
+            self._clear_stale_temporaries()
         try:
             manifest = read_json(self.manifest_path, "cache manifest")
         except FcauditError as exc:
@@ -90,7 +97,7 @@ class CoefficientCache:
         diff = sorted(k for k in set(self.identity) | set(recorded)
                       if recorded.get(k) != self.identity.get(k))
         diff += [k for k, v in setup.items() if manifest.get(k) != v]
-        if diff and any(self.folder.glob("*.sha256")):
+        if diff and (any(self.folder.glob("*.sha256")) or not self.owner):
             raise FcauditError(
                 f"the cache in {self.folder} was recorded with a different {', '.join(diff)}; "
                 "delete that folder or choose another --out (or rerun with the original "

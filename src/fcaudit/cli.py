@@ -235,6 +235,7 @@ def _data_spec(args: argparse.Namespace) -> Any:
 
 
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    from . import distributed
     from .engine import as_loaded, audit
     from .progress import ProgressReporter
     from .runtime import resolve_device, resolve_dtype
@@ -242,19 +243,25 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     options.validate()
     spec = _data_spec(args)
     spec.validate()
-    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
-    loaded = as_loaded(args.model, dtype)
-    loaded.model.to(device)
-    with ProgressReporter(options.progress) as progress:
-        result = audit(loaded, args.out, sites=args.sites, data=spec, dense=args.dense,
-                       blocks=args.blocks, options=options, progress=progress,
-                       command=shlex.join(["fcaudit", *argv]))
-    print_summary(result, args.out)
+    ranks = distributed.init(args.device)  # a no-op outside torchrun
+    try:
+        device = resolve_device(distributed.device_for(args.device, ranks))
+        loaded = as_loaded(args.model, resolve_dtype(args.dtype))
+        loaded.model.to(device)
+        with ProgressReporter(options.progress and ranks.main) as progress:
+            result = audit(loaded, args.out, sites=args.sites, data=spec, dense=args.dense,
+                           blocks=args.blocks, options=options, progress=progress,
+                           command=shlex.join(["fcaudit", *argv]))
+    finally:
+        distributed.finish()
+    if result is not None:
+        print_summary(result, args.out)
 
 
 def print_summary(result: Any, out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
     console = Console()
     if result.identity is not None and not result.identity.exact:
         console.print(f"[bold red]WARNING[/bold red]: {result.identity.note}", soft_wrap=True)
@@ -271,8 +278,8 @@ def print_summary(result: Any, out: Path) -> None:
                  if r.value is not None else "undefined")
         console.print(f"retention {name}: {value}")
     for key in ("variation", "dependence", "execution"):
-        console.print(f"[bold]{key}[/bold]: {getattr(result.verdict, key)}", soft_wrap=True,
-                      markup=False)
+        console.print(Text.assemble((key, "bold"), f": {getattr(result.verdict, key)}"),
+                      soft_wrap=True)
     console.print(f"wrote {out / 'audit.json'}, {out / 'report.md'}, {out / 'report.html'}")
 
 

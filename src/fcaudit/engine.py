@@ -37,6 +37,7 @@ from .adapters import adapter_name, same_bits
 from .cache import CoefficientCache
 from .contract import Site, declared_blocks
 from .data import AuditData, DataSpec, resolve_data
+from .distributed import SINGLE, Ranks, current
 from .errors import FcauditError
 from .interventions import (
     Intervention,
@@ -349,7 +350,7 @@ def cache_identity(setup: Setup) -> dict[str, Any]:
             "calib_data": data["calib_fingerprint"],
             "dtype": str(param.dtype) if param is not None else "unknown",
             "device": device_of(net).type, "sites": [s.name for s in setup.sites],
-            "adapters": [adapter_name(s.adapter, net.get_submodule(s.path))
+            "adapters": [getattr(s.adapter, "name", type(s.adapter).__name__)
                          for s in setup.sites],
             "fcaudit": __version__, "torch": torch.__version__}
 
@@ -371,24 +372,30 @@ def _finite_nll(nll: Tensor, where: str) -> None:
                            "computed: check the model's weights and dtype (try float32)")
 
 
-def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress) -> StaticProfiles:
-    """Static profiles from calibration data only; each batch's sums cached, added in order."""
+def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress,
+                       ranks: Ranks = SINGLE) -> None:
+    """This rank's calibration batches: each batch's float64 sums, cached."""
     net, size = setup.model, setup.options.batch_size
-    ids = setup.data.calib_ids
-    n = -(-len(ids) // size)
-    todo = [b for b in range(n) if not cache.has(cache.calib_name(b))]
-    for done, (b, x) in enumerate(batches(ids, size, device_of(net), todo), start=n - len(todo)):
+    n = -(-len(setup.data.calib_ids) // size)
+    todo = ranks.mine([b for b in range(n) if not cache.has(cache.calib_name(b))])
+    for done, (b, x) in enumerate(batches(setup.data.calib_ids, size, device_of(net), todo),
+                                  start=1):
         _, coefficients, _ = record_batch(net, setup.sites, x)
         _finite(coefficients, "calibration data")
-        cache.write(cache.calib_name(b), {f"site::{k}": v for k, v in
-                                          batch_sums({k: c.cpu() for k, c in
-                                                      coefficients.items()}).items()})
-        progress("record calibration", done + 1, n, "")
+        sums = batch_sums({k: c.cpu() for k, c in coefficients.items()})
+        cache.write(cache.calib_name(b), {f"site::{k}": v for k, v in sums.items()})
+        progress("record calibration", done, len(todo), "")
+
+
+def calibration_profiles(setup: Setup, cache: CoefficientCache) -> StaticProfiles:
+    """Static profiles from calibration data only: every batch's sums, added in batch
+    order (so the result does not depend on which process recorded which batch)."""
+    size, ids = setup.options.batch_size, setup.data.calib_ids
     profiles = StaticProfiles(setup.sites)
-    for b in range(n):
+    for b in range(-(-len(ids) // size)):
         sums = cache.read(cache.calib_name(b))
         profiles.add_sums({k.removeprefix("site::"): v for k, v in sums.items()},
-                          len(range(b * size, min((b + 1) * size, len(ids)))))
+                          len(ids[b * size:(b + 1) * size]))
     return profiles
 
 
@@ -413,18 +420,19 @@ def adopt_probe(cache: CoefficientCache, first: Probe) -> None:
             f"runs); delete {cache.folder} and rerun")
 
 
-def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress) -> None:
-    """One unperturbed pass per batch; resumes at the first shard not yet on disk."""
+def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
+                      ranks: Ranks = SINGLE) -> None:
+    """This rank's evaluation batches, one unperturbed pass each; resumes at the shards
+    not yet on disk."""
     net, sites = setup.model, setup.sites
-    todo = [b for b in range(cache.n_batches) if not cache.has(cache.eval_name(b))]
-    start = cache.n_batches - len(todo)
+    todo = ranks.mine([b for b in range(cache.n_batches) if not cache.has(cache.eval_name(b))])
     for done, (b, x) in enumerate(batches(setup.data.eval_ids, cache.batch_size,
-                                          device_of(net), todo), start=start):
+                                          device_of(net), todo), start=1):
         _, coefficients, nll = record_batch(net, sites, x)
         _finite(coefficients, "evaluation data")
         _finite_nll(nll, f"the unperturbed record pass, batch {b}")
         cache.write(cache.eval_name(b), _eval_shard(nll, coefficients))
-        progress("record evaluation", done + 1, cache.n_batches, "")
+        progress("record evaluation", done, len(todo), "")
 
 
 # ---------------------------------------------------------------------------- plan
@@ -528,25 +536,27 @@ def _custom_feed(run: Run, b: int, rows: range, inputs: ReplayInputs,
 
 
 def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], plan: str,
-                 progress: Progress) -> tuple[list[np.ndarray], float, dict[str, Any]]:
-    """Per-sequence mean NLL of every run (in run order), the identity replay's max |diff|,
-    and how the schedule went (prefix reuse per batch).
-
-    Batch by batch, every run of one batch before the next batch; each finished batch
-    is cached, so an interrupted replay resumes there.
+                 progress: Progress, ranks: Ranks = SINGLE) -> None:
+    """This rank's batches under every run, batch by batch (every run of one batch before
+    the next batch); each finished batch is cached, so an interrupted replay resumes there.
     """
-    cache, net = inputs.cache, setup.model
-    cache.use_replay_plan(plan)
-    todo = [b for b in range(cache.n_batches) if not cache.has(cache.replay_name(plan, b))]
+    cache = inputs.cache
+    todo = ranks.mine([b for b in range(cache.n_batches)
+                       if not cache.has(cache.replay_name(plan, b))])
     for done, (b, x) in enumerate(batches(setup.data.eval_ids, cache.batch_size,
-                                          device_of(net), todo),
-                                  start=cache.n_batches - len(todo)):
+                                          device_of(setup.model), todo), start=1):
         cache.write(cache.replay_name(plan, b), _replay_one_batch(setup, inputs, runs, b, x))
-        progress("replay", done + 1, cache.n_batches, f"batch {b + 1}")
+        progress("replay", done, len(todo), f"batch {b + 1} of {cache.n_batches}")
+
+
+def replay_results(cache: CoefficientCache, runs: Sequence[Run], plan: str,
+                   options: AuditOptions) -> tuple[list[np.ndarray], float, dict[str, Any]]:
+    """Per-sequence mean NLL of every run (in run order) from every batch's shard, the
+    identity replay's max |diff|, and how the schedule went (prefix reuse per batch)."""
     shards = [cache.read(cache.replay_name(plan, b)) for b in range(cache.n_batches)]
     per_run = torch.cat([s["nll"] for s in shards], dim=1).numpy()
     states = [int(s["prefix"]) for s in shards]
-    schedule = {"requested": setup.options.schedule,
+    schedule = {"requested": options.schedule,
                 "batches_prefix_reused": states.count(PREFIX_REUSED),
                 "batches_fell_back_to_full_passes": states.count(PREFIX_FELL_BACK),
                 "batches": len(states)}
@@ -752,7 +762,7 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
           blocks: str | None = None, options: AuditOptions | None = None,
           interventions: Mapping[str, Any] | Sequence[Intervention] | None = None,
           progress: Progress | None = None, command: str | None = None,
-          report: bool = True) -> AuditResult:
+          report: bool = True) -> AuditResult | None:
     """Run the whole Frozen Controller Audit and return its :class:`AuditResult`.
 
     ``model``: a spec (run folder, checkpoint folder, ``pkg.module:factory``), an
@@ -762,32 +772,66 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     the model's declaration). ``data``: a :class:`DataSpec` (text, token arrays or the
     built-in corpus) or ready :class:`AuditData`. ``interventions``: user-defined
     conditions, ``{name: fn}`` or :class:`~fcaudit.interventions.Intervention` objects.
+
+    In a ``torchrun`` process group every rank calls this; rank 0 validates and claims
+    ``out`` first, the batches are shared out, and rank 0 alone returns the result
+    (the other ranks return None).
     """
     options = options or AuditOptions()
     progress = progress or _silent
+    ranks = current()
+    if not ranks.main:
+        ranks.barrier(CLAIMED)
     setup = prepare(model, out, sites=sites, data=data or DataSpec(), dense=dense,
                     blocks=blocks, options=options, interventions=interventions)
-    first = probe(setup)
+    if setup.out is None and ranks.world > 1:
+        raise FcauditError("an audit over several processes needs --out, a folder every "
+                           "process sees")
+    first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
+    if not ranks.main:
+        _run(setup, open_cache(setup, setup.out / "cache", ranks), None, progress, command,
+             ranks)
+        return None
     if setup.out is None:
         import tempfile
         with tempfile.TemporaryDirectory(prefix="fcaudit-") as tmp:
-            return _run(setup, Path(tmp) / "cache", first, progress, command)
+            return _run(setup, open_cache(setup, Path(tmp), ranks, first), first, progress,
+                        command, ranks)
     from .outdir import hold_output, replacing_results
     with hold_output(setup.out, "audit", command):
-        result = _run(setup, setup.out / "cache", first, progress, command)
+        cache = open_cache(setup, setup.out / "cache", ranks, first)
+        ranks.barrier(CLAIMED)
+        result = _run(setup, cache, first, progress, command, ranks)
+        assert result is not None
         with replacing_results(setup.out):
             write_outputs(result, setup.out, report)
     return result
 
 
-def _run(setup: Setup, cache_dir: Path, first: Probe, progress: Progress,
-         command: str | None) -> AuditResult:
-    opts, timings, identity = setup.options, {}, first.identity
-    cache = CoefficientCache(cache_dir, cache_identity(setup), opts.batch_size,
-                             len(setup.data.eval_ids))
-    adopt_probe(cache, first)
-    profiles = record_calibration(setup, cache, progress)
-    record_evaluation(setup, cache, progress)
+CLAIMED = "rank 0 validated the inputs and claimed the output folder"
+
+
+def open_cache(setup: Setup, folder: Path, ranks: Ranks,
+               first: Probe | None = None) -> CoefficientCache:
+    """The cache; rank 0 opens (or creates) it, adopts the probe's batch and drops replay
+    results of other plans before the other ranks open it."""
+    cache = CoefficientCache(folder, cache_identity(setup), setup.options.batch_size,
+                             len(setup.data.eval_ids), owner=ranks.main)
+    if first is not None:
+        adopt_probe(cache, first)
+        cache.use_replay_plan(plan_key(plan_runs(setup.sites, setup.options,
+                                                 setup.interventions), setup.options))
+    return cache
+
+
+def _run(setup: Setup, cache: CoefficientCache, first: Probe | None, progress: Progress,
+         command: str | None, ranks: Ranks) -> AuditResult | None:
+    """Record and replay this rank's batches; rank 0 then summarizes every batch."""
+    opts, timings = setup.options, {}
+    record_calibration(setup, cache, progress, ranks)
+    record_evaluation(setup, cache, progress, ranks)
+    ranks.barrier("recorded")
+    profiles = calibration_profiles(setup, cache)
     cache.verify_all()
     timings["record_s"] = time.perf_counter() - setup.started
     n, seq_len = setup.data.eval_ids.shape
@@ -795,19 +839,25 @@ def _run(setup: Setup, cache_dir: Path, first: Probe, progress: Progress,
                           [draw(opts.seed * 1000 + 17 + k, n, seq_len)
                            for k in range(opts.repeats)], opts.seed)
     runs = plan_runs(setup.sites, opts, setup.interventions)
+    plan = plan_key(runs, opts)
     started = time.perf_counter()
-    replayed, diff, schedule = replay_stage(setup, inputs, runs, plan_key(runs, opts), progress)
+    replay_stage(setup, inputs, runs, plan, progress, ranks)
+    ranks.barrier("replayed")
+    if first is None:
+        return None
+    replayed, diff, schedule = replay_results(cache, runs, plan, opts)
     timings["replay_s"] = time.perf_counter() - started
-    identity = dataclasses.replace(identity, max_abs_diff=max(identity.max_abs_diff, diff),
-                                   exact=identity.exact and diff == 0)
+    identity = dataclasses.replace(first.identity, exact=first.identity.exact and diff == 0,
+                                   max_abs_diff=max(first.identity.max_abs_diff, diff))
     stats = describe(cache, setup.sites)
     summary = summarize(runs, replayed, stats[3], setup.sites, opts)
     started = time.perf_counter()
     execution = execute(setup)
     timings["execution_s"] = time.perf_counter() - started
     timings["total_s"] = time.perf_counter() - setup.started
-    return assemble(setup, cache, summary, stats, execution, identity, command,
-                    Runtime(host(), {k: round(v, 3) for k, v in timings.items()}, schedule))
+    runtime = Runtime(host(), {k: round(v, 3) for k, v in timings.items()},
+                      {**schedule, "processes": ranks.world})
+    return assemble(setup, cache, summary, stats, execution, identity, command, runtime)
 
 
 def write_outputs(result: AuditResult, out: Path, report: bool = True) -> None:

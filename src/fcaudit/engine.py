@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from . import __version__
 from .adapters import adapter_name, same_bits
 from .cache import CoefficientCache
-from .contract import Site, declared_blocks
+from .contract import Site, declared_blocks, declared_experts
 from .data import AuditData, DataSpec, resolve_data
 from .distributed import SINGLE, Ranks, current
 from .errors import FcauditError
@@ -53,7 +53,7 @@ from .loading import LoadedModel, load, load_module
 from .metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
 from .nll import device_of, logits_of, model_limits, probe_vocab, token_nll
 from .record import recording
-from .replay import BlockTrace, OutputStub, replaying, swapped, tracing
+from .replay import BlockTrace, OutputStub, replaying, selecting, swapped, tracing
 from .result import (
     MAIN_CONDITIONS,
     NONDETERMINISTIC_KEYS,
@@ -74,6 +74,7 @@ from .result import (
     SiteInfo,
     Verdict,
 )
+from .routers import changed_rows, expert_counts, routing_summary
 from .runtime import host, versions
 from .sites import SiteSpec, families, find_sites, match_modules
 from .verdicts import dependence, qualified, variation
@@ -214,7 +215,8 @@ def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | No
     net = setup.model
     if dense is None:
         twin = dense_twin(net, setup.options.seed)
-        return twin, "built from the model's architecture (dense_counterpart, fresh weights)"
+        return twin, ("built from the model's architecture (dense_counterpart, fresh "
+                      "weights)" if twin is not None else "")
     twin = as_loaded(dense).model
     param = next(net.parameters(), None)
     if param is not None:
@@ -255,30 +257,42 @@ def record_batch(model: nn.Module, sites: Sequence[Site], x: Tensor
     return logits, {s.name: captured[s.name] for s in sites}, token_nll(logits, x)
 
 
+@dataclass
+class Replayed:
+    """One replay pass: logits, the block trace (if asked) and the routers' choices."""
+
+    logits: Tensor
+    trace: BlockTrace | None = None
+    chosen: dict[str, Tensor] = field(default_factory=dict)
+
+
 @torch.no_grad()
 def replay_batch(model: nn.Module, x: Tensor, fed: Mapping[Site, Tensor], *,
-                 known: Mapping[str, Any] | None = None,
-                 trace: Sequence[str] | None = None) -> tuple[Tensor, BlockTrace | None]:
-    """Logits of one pass with the given sites fed; each stub must run exactly once.
+                 known: Mapping[str, Any] | None = None, trace: Sequence[str] | None = None,
+                 select: bool = False) -> Replayed:
+    """One pass with the given sites fed; each stub must run exactly once.
 
     ``known``: block outputs to stand in for those blocks (prefix reuse); sites inside
     them do not run. ``trace``: block paths whose call order and outputs to record.
+    ``select``: also return the experts each router site selects.
     """
     known = known or {}
     observed = tracing(model, trace, [s.path for s in fed]) if trace else \
         contextlib.nullcontext()
     with replaying(model, fed) as stubs, \
             swapped(model, {p: OutputStub(out) for p, out in known.items()}), \
-            observed as traced:
+            observed as traced, \
+            selecting(stubs) if select else contextlib.nullcontext({}) as chosen:
         logits = logits_of(model(x))
-    skipped = {s.name for s in fed if any(s.path.startswith(p + ".") for p in known)}
+    skipped = {s.name for s in fed
+               if any(s.path == p or s.path.startswith(p + ".") for p in known)}
     wrong = {n: s.calls for n, s in stubs.items() if s.calls != (0 if n in skipped else 1)}
     if wrong:
         name, calls = next(iter(wrong.items()))
         raise FcauditError(f"site {name} ran {calls} times during replay (once when recorded); "
                            "the model takes another path when its controller is replaced: "
                            "name a module the model calls exactly once per forward pass")
-    return logits, traced
+    return Replayed(logits, traced, chosen)
 
 
 IDENTITY_CAUSES = (
@@ -308,7 +322,7 @@ def probe(setup: Setup) -> Probe:
     net, sites = setup.model, setup.sites
     _, x = next(batches(setup.data.eval_ids, setup.options.batch_size, device_of(net)))
     logits, coefficients, nll = record_batch(net, sites, x)
-    replayed, _ = replay_batch(net, x, {s: coefficients[s.name] for s in sites})
+    replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites}).logits
     if same_bits(logits, replayed):
         return Probe(Identity(True, 0.0, setup.options.allow_nonexact_identity,
                               "identity replay is bitwise exact"), coefficients, nll)
@@ -334,7 +348,7 @@ def probe(setup: Setup) -> Probe:
 def _first_nonexact_site(net: nn.Module, sites: Sequence[Site], coefficients: dict[str, Tensor],
                          x: Tensor, logits: Tensor) -> str | None:
     for site in sites:
-        if not same_bits(replay_batch(net, x, {site: coefficients[site.name]})[0], logits):
+        if not same_bits(replay_batch(net, x, {site: coefficients[site.name]}).logits, logits):
             return site.name
     return None
 
@@ -549,10 +563,19 @@ def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], plan: 
         progress("replay", done, len(todo), f"batch {b + 1} of {cache.n_batches}")
 
 
-def replay_results(cache: CoefficientCache, runs: Sequence[Run], plan: str,
-                   options: AuditOptions) -> tuple[list[np.ndarray], float, dict[str, Any]]:
-    """Per-sequence mean NLL of every run (in run order) from every batch's shard, the
-    identity replay's max |diff|, and how the schedule went (prefix reuse per batch)."""
+@dataclass
+class Replays:
+    """Every batch's replay results, gathered: per-sequence NLL per run (run order), the
+    identity replay's max |diff|, how the schedule went, and routing counts."""
+
+    per_run: list[np.ndarray]
+    identity_diff: float
+    schedule: dict[str, Any]
+    route_load: dict[str, Tensor]  # router site -> token-slots per expert (correct replay)
+    route_changed: Tensor | None  # [tracked runs, router sites] tokens re-routed
+
+
+def replay_results(cache: CoefficientCache, plan: str, options: AuditOptions) -> Replays:
     shards = [cache.read(cache.replay_name(plan, b)) for b in range(cache.n_batches)]
     per_run = torch.cat([s["nll"] for s in shards], dim=1).numpy()
     states = [int(s["prefix"]) for s in shards]
@@ -560,7 +583,16 @@ def replay_results(cache: CoefficientCache, runs: Sequence[Run], plan: str,
                 "batches_prefix_reused": states.count(PREFIX_REUSED),
                 "batches_fell_back_to_full_passes": states.count(PREFIX_FELL_BACK),
                 "batches": len(states)}
-    return list(per_run), max(float(s["identity_diff"]) for s in shards), schedule
+    load = {k.removeprefix("route_load::"): sum(s[k] for s in shards)
+            for k in shards[0] if k.startswith("route_load::")}
+    changed = sum(s["route_changed"] for s in shards) if "route_changed" in shards[0] else None
+    return Replays(list(per_run), max(float(s["identity_diff"]) for s in shards), schedule,
+                   load, changed)
+
+
+def tracked_runs(runs: Sequence[Run]) -> list[Run]:
+    """The runs whose re-routing is counted: main conditions other than correct."""
+    return [r for r in runs if r.site is None and r.custom is None and r.condition != "correct"]
 
 
 PREFIX_OFF, PREFIX_REUSED, PREFIX_FELL_BACK = 0, 1, 2
@@ -570,26 +602,45 @@ PREFIX_OFF, PREFIX_REUSED, PREFIX_FELL_BACK = 0, 1, 2
 def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int,
                       x: Tensor) -> dict[str, Tensor]:
     """Every run on batch ``b`` (the correct replay first), per-layer runs on the suffix
-    only when prefix reuse is on and proven exact on this batch."""
+    only when prefix reuse is on and proven exact on this batch; for router sites, the
+    expert load of the correct replay and how many tokens each main condition re-routes."""
     net = setup.model
     recorded = inputs.cache.batch(b, "nll")
     per_layer = any(r.site is not None for r in runs)
     traced = setup.blocks if setup.options.schedule == "prefix" and per_layer else None
+    routed = routing_sites(inputs.sites)
     rows, diff, reuse, state = [], 0.0, None, PREFIX_OFF
+    base: dict[str, Tensor] = {}
+    shard: dict[str, Tensor] = {}
+    changed = []
     for run in runs:
         fed = feed(run, b, inputs, x.device)
         known = reuse.get(run.site.path) if reuse is not None and run.site is not None else None
-        logits, trace = replay_batch(net, x, fed, known=known,
-                                     trace=traced if run.condition == "correct" else None)
-        nll = token_nll(logits, x).cpu()
+        tracked = bool(routed) and run.site is None and run.custom is None
+        out = replay_batch(net, x, fed, known=known, select=tracked,
+                           trace=traced if run.condition == "correct" else None)
+        nll = token_nll(out.logits, x).cpu()
         _finite_nll(nll, f"replay under {run.key}, batch {b}")
         if run.condition == "correct":
             diff = _identity_diff(setup, nll, recorded, b)
-            if trace is not None:
-                reuse, state = _prove_prefix(net, x, fed, inputs.sites, trace, logits)
+            base = out.chosen
+            shard.update({f"route_load::{s.name}": expert_counts(base[s.name], fed[s].shape[-1])
+                          for s in routed})
+            if out.trace is not None:
+                reuse, state = _prove_prefix(net, x, fed, inputs.sites, out.trace, out.logits)
+        elif tracked:
+            changed.append([changed_rows(base[s.name], out.chosen[s.name]) for s in routed])
         rows.append(nll.double().mean(1))
+    if routed:
+        shard["route_changed"] = torch.tensor(changed, dtype=torch.float64)
     return {"nll": torch.stack(rows), "identity_diff": torch.tensor(diff, dtype=torch.float64),
-            "prefix": torch.tensor(state)}
+            "prefix": torch.tensor(state), **shard}
+
+
+def routing_sites(sites: Sequence[Site]) -> list[Site]:
+    """Sites whose adapter can say which experts a router selects."""
+    from .contract import RoutingAdapter
+    return [s for s in sites if isinstance(s.adapter, RoutingAdapter)]
 
 
 def _identity_diff(setup: Setup, nll: Tensor, recorded: Tensor, b: int) -> float:
@@ -610,7 +661,7 @@ def _prove_prefix(net: nn.Module, x: Tensor, fed: Mapping[Site, Tensor], sites: 
     longest = max(prefixes.values(), key=len)
     if not longest:
         return None, PREFIX_OFF
-    check, _ = replay_batch(net, x, fed, known=longest)
+    check = replay_batch(net, x, fed, known=longest).logits
     if not same_bits(check, logits):
         return None, PREFIX_FELL_BACK
     return prefixes, PREFIX_REUSED
@@ -682,22 +733,27 @@ def describe(cache: CoefficientCache, sites: Sequence[Site]) -> tuple[dict, dict
 
 
 def execute(setup: Setup) -> Execution:
-    """The execution section: counts, FLOPs and (with timing pairs) latency vs dense."""
+    """The execution section: counts, FLOPs and (with timing pairs) latency vs dense; for a
+    routed model, the experts that ran (measured even without a dense counterpart)."""
     from .execution import measure_execution
     opts = setup.options
     if not opts.execution:
         return Execution(measured=False, reason="disabled (--no-execution)")
-    if setup.dense is None:
+    experts = declared_experts(setup.model) or []
+    if setup.dense is None and not experts:
         return Execution(measured=False, reason="no dense counterpart: pass --dense SPEC")
-    dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob)
+    dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) \
+        if setup.dense is not None else []
     if setup.blocks is None or dense_blocks is None:
         return Execution(measured=False, reason="the model does not declare its blocks: pass "
                                                 "--blocks GLOB (e.g. 'layers.*')")
     x = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids)).to(device_of(setup.model))
+    routers = {s.name: s for s in routing_sites(setup.sites)}
     return measure_execution(setup.model, setup.dense, x, batch_size=opts.batch_size,
-                             block_paths=setup.blocks, dense_block_paths=dense_blocks,
+                             block_paths=setup.blocks, dense_block_paths=dense_blocks or None,
                              pairs=opts.timing_pairs, seed=opts.seed,
-                             timing=opts.timing_pairs > 0, dense_source=setup.dense_source)
+                             timing=opts.timing_pairs > 0, dense_source=setup.dense_source or None,
+                             experts=[e for e in experts if e.name in routers], routers=routers)
 
 
 # ------------------------------------------------------------------------ assemble
@@ -845,19 +901,26 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe | None, progress: P
     ranks.barrier("replayed")
     if first is None:
         return None
-    replayed, diff, schedule = replay_results(cache, runs, plan, opts)
+    replays = replay_results(cache, plan, opts)
     timings["replay_s"] = time.perf_counter() - started
+    diff = replays.identity_diff
     identity = dataclasses.replace(first.identity, exact=first.identity.exact and diff == 0,
                                    max_abs_diff=max(first.identity.max_abs_diff, diff))
     stats = describe(cache, setup.sites)
-    summary = summarize(runs, replayed, stats[3], setup.sites, opts)
+    summary = summarize(runs, replays.per_run, stats[3], setup.sites, opts)
+    routed = routing_sites(setup.sites)
+    routing = routing_summary(routed, tracked_runs(runs), replays.route_load,
+                              replays.route_changed, setup.data.eval_ids.size) \
+        if routed else None
     started = time.perf_counter()
     execution = execute(setup)
     timings["execution_s"] = time.perf_counter() - started
     timings["total_s"] = time.perf_counter() - setup.started
     runtime = Runtime(host(), {k: round(v, 3) for k, v in timings.items()},
-                      {**schedule, "processes": ranks.world})
-    return assemble(setup, cache, summary, stats, execution, identity, command, runtime)
+                      {**replays.schedule, "processes": ranks.world})
+    result = assemble(setup, cache, summary, stats, execution, identity, command, runtime)
+    result.routing = routing
+    return result
 
 
 def write_outputs(result: AuditResult, out: Path, report: bool = True) -> None:

@@ -30,7 +30,7 @@ import math
 import platform
 import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,8 +39,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from .contract import ExpertLayer, Site, SiteCall
 from .errors import FcauditError
-from .result import Estimate, Execution, SideTiming, Timing
+from .result import Estimate, Execution, ExpertExecution, SideTiming, Timing
+from .routers import counting_experts
 
 MIN_PAIRS = 10
 BOOTSTRAP_RESAMPLES = 2000
@@ -149,9 +151,12 @@ def uncounted_operators(ops: Iterable[Any], counter: FlopCounterMode) -> list[st
 
 
 def execution_pass(model: nn.Module, block_paths: Sequence[str],
-                   batches: Iterable[torch.Tensor], flops: bool = True) -> dict[str, Any]:
-    """Run ``batches`` of ``input_ids`` once, counting the tokens entering each block
-    and (with ``flops``) the forward FLOPs, so one pass over the data serves both.
+                   batches: Iterable[torch.Tensor], flops: bool = True,
+                   experts: Sequence[ExpertLayer] = (),
+                   routers: Mapping[str, Site] | None = None) -> dict[str, Any]:
+    """Run ``batches`` of ``input_ids`` once, counting the tokens entering each block,
+    (with ``flops``) the forward FLOPs, and (with ``experts``) the experts that ran and
+    what the routers chose, so one pass over the data serves them all.
 
     Blocks executed per token is the mean over tokens of the number of blocks that
     ran on it; ``blocks_executed_per_layer`` is each block's executed fraction.
@@ -169,7 +174,10 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
     tokens = 0
     try:
         with inference(model), counter if flops else contextlib.nullcontext(), \
-                recorder if flops else contextlib.nullcontext():
+                recorder if flops else contextlib.nullcontext(), \
+                counting_experts(model, experts) as expert_counts, \
+                watching_routers(model, [routers[e.name] for e in experts]
+                                 if experts and routers else []) as chosen:
             for ids in batches:
                 model(ids)
                 tokens += ids.numel()
@@ -184,7 +192,73 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
     if flops:
         result["flops_per_token"] = counter.get_total_flops() / tokens
         result["uncounted"] = uncounted_operators(recorder.ops, counter)
+    if experts:
+        flop_counts = counter.get_flop_counts() if flops else {}
+        result["experts"] = expert_execution(model, experts, expert_counts, chosen,
+                                             flop_counts, tokens)
     return result
+
+
+@contextlib.contextmanager
+def watching_routers(model: nn.Module, sites: Sequence[Site]) -> Iterator[dict[str, list]]:
+    """The experts each router site selects on the live pass (its adapter's reading)."""
+    chosen: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
+    handles = []
+    for site in sites:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+                 site: Site = site) -> None:
+            first = _first_tensor((*args, *kwargs.values()))
+            batch, seq_len = _batch_shape(first, out)
+            call = SiteCall(module, args, kwargs, batch, seq_len)
+            chosen[site.name].append(site.adapter.selected_experts(out, call).cpu())
+        handles.append(model.get_submodule(site.path).register_forward_hook(
+            hook, with_kwargs=True))
+    try:
+        yield chosen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _batch_shape(first: torch.Tensor | None, out: Any) -> tuple[int, int]:
+    """(batch, positions) of a router call: from a ``[B, T, C]`` input, else one flattened
+    sequence of all its tokens (only the set of choices matters for counting)."""
+    if first is not None and first.dim() >= 3:
+        return int(first.shape[0]), int(first.shape[1])
+    tokens = first.numel() // first.shape[-1] if first is not None else 1
+    return 1, tokens
+
+
+def expert_execution(model: nn.Module, layers: Sequence[ExpertLayer],
+                     counts: Mapping[str, Any], chosen: Mapping[str, list[torch.Tensor]],
+                     flop_counts: Mapping[str, Mapping[Any, int]],
+                     tokens: int) -> ExpertExecution:
+    """Experts run per token and layer, whether that is exactly what the routers chose,
+    and the FLOPs spent in experts against every expert running for every token."""
+    root = type(model).__name__
+    per_layer, active, full = [], 0.0, 0.0
+    matches = True
+    for layer in layers:
+        count = counts[layer.name]
+        ran = count.experts_per_token(tokens)
+        per_layer.append(ran)
+        if chosen.get(layer.name):
+            matches = matches and count.matches(torch.cat(
+                [c.reshape(-1, c.shape[-1]) for c in chosen[layer.name]]))
+        spent = sum(sum(flop_counts.get(f"{root}.{path}", {}).values())
+                    for path in layer.experts) / tokens
+        active += spent
+        full += spent * layer.num_experts / ran if ran else 0.0
+    present = sum(layer.num_experts for layer in layers)
+    return ExpertExecution(
+        layers=[layer.name for layer in layers], num_experts=[x.num_experts for x in layers],
+        top_k=[x.top_k for x in layers], experts_per_token_per_layer=per_layer,
+        experts_per_token=sum(per_layer), experts_present=present, matches_routing=matches,
+        active_expert_flops_per_token=active if flop_counts else None,
+        all_expert_flops_per_token=full if flop_counts else None,
+        routing_changes_computation=any(
+            0 < ran < x.num_experts * (1 - TOLERANCE) for ran, x in zip(per_layer, layers,
+                                                                      strict=True)))
 
 
 def count_block_executions(model: nn.Module, block_paths: Sequence[str],
@@ -277,13 +351,16 @@ def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor
         batch_size=batch_size, seq_len=seq_len)
 
 
-def measure_execution(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, *,
+def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torch.Tensor, *,
                       batch_size: int = 16, block_paths: Sequence[str] | None = None,
                       dense_block_paths: Sequence[str] | None = None, pairs: int = 10,
                       warmup: int = 2, seed: int = 0, timing: bool = True,
-                      threads: int | None = None, dense_source: str | None = None) -> Execution:
+                      threads: int | None = None, dense_source: str | None = None,
+                      experts: Sequence[ExpertLayer] = (),
+                      routers: Mapping[str, Site] | None = None) -> Execution:
     """The execution section of ``audit.json``: counts and FLOPs on every sequence of
-    ``input_ids [N, T]``, timing on its first batch of ``batch_size``.
+    ``input_ids [N, T]``, timing on its first batch of ``batch_size``; with ``experts``,
+    the experts that ran. Without ``dense`` only the model's own counts are measured.
 
     ``conditional_execution`` is true when the model runs fewer blocks per token or
     fewer FLOPs than dense, by more than ``TOLERANCE`` (relative). Operators doing
@@ -294,25 +371,31 @@ def measure_execution(model: nn.Module, dense: nn.Module, input_ids: torch.Tenso
         raise FcauditError(f"execution measurement needs input_ids [N, T], got shape "
                            f"{tuple(input_ids.shape)}")
     batches = input_ids.split(batch_size)
-    own = execution_pass(model, resolve_blocks(model, block_paths), batches)
-    twin = execution_pass(dense, resolve_blocks(dense, dense_block_paths), batches)
-    uncounted = sorted(set(own["uncounted"]) | set(twin["uncounted"]))
-    flops, dense_flops = own["flops_per_token"], twin["flops_per_token"]
+    own = execution_pass(model, resolve_blocks(model, block_paths), batches, experts=experts,
+                         routers=routers)
+    twin = execution_pass(dense, resolve_blocks(dense, dense_block_paths), batches) \
+        if dense is not None else None
+    uncounted = sorted(set(own["uncounted"]) | set(twin["uncounted"] if twin else []))
+    flops = own["flops_per_token"]
+    dense_flops = twin["flops_per_token"] if twin else None
     flops_ratio = flops / dense_flops if dense_flops and not uncounted else None
-    fewer_blocks = own["blocks_executed"] < twin["blocks_executed"] * (1 - TOLERANCE)
+    fewer_blocks = twin is not None and \
+        own["blocks_executed"] < twin["blocks_executed"] * (1 - TOLERANCE)
     result = Execution(
         measured=True, dense=dense_source, blocks_executed=own["blocks_executed"],
         blocks_present=own["blocks_present"],
         executed_fraction=own["blocks_executed"] / own["blocks_present"],
         blocks_executed_per_layer=own["blocks_executed_per_layer"], blocks=own["blocks"],
-        dense_blocks_executed=twin["blocks_executed"],
-        dense_blocks_present=twin["blocks_present"], tokens_counted=own["tokens"],
-        flops_per_token=flops, dense_flops_per_token=dense_flops, flops_ratio=flops_ratio,
+        dense_blocks_executed=twin["blocks_executed"] if twin else None,
+        dense_blocks_present=twin["blocks_present"] if twin else None,
+        tokens_counted=own["tokens"], flops_per_token=flops, dense_flops_per_token=dense_flops,
+        flops_ratio=flops_ratio,
         flops_counted="forward matmuls and attention (torch.utils.flop_counter)",
         uncounted_operators=uncounted or None,
         conditional_execution=bool(fewer_blocks or (flops_ratio is not None
-                                                    and flops_ratio < 1 - TOLERANCE)))
-    if timing:
+                                                    and flops_ratio < 1 - TOLERANCE)),
+        experts=own.get("experts"))
+    if timing and dense is not None:
         result.timing = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
                                          threads)
         result.speed_ratio_vs_dense = result.timing.speed_ratio_vs_dense.value
@@ -329,24 +412,50 @@ def _speed_word(ratio: Estimate) -> str:
 
 
 def verdict_execution(e: Execution) -> str:
-    """One sentence answering "does the mechanism change what is computed?", with numbers."""
-    head = "Conditional execution" if e.conditional_execution else "No conditional execution"
+    """One sentence answering "does the mechanism change what is computed?", with numbers;
+    for a routed model the experts come first, then blocks and FLOPs against Dense."""
+    saved = "savings against Dense" if e.conditional_execution else "no savings against Dense"
+    if e.experts is None:
+        head = "Conditional execution" if e.conditional_execution else \
+            "No conditional execution"
+    else:
+        head = f"{_experts_sentence(e.experts)} Blocks and FLOPs: " + \
+            (saved if e.dense is not None else "no dense counterpart to compare with")
     if e.uncounted_operators:
         flops = (f"FLOPs not compared: the counter cannot count "
                  f"{', '.join(e.uncounted_operators)}")
     elif e.flops_ratio is not None:
         flops = f"FLOPs {e.flops_ratio:.3f}x Dense"
     else:
-        flops = "no FLOPs counted"
-    text = (f"{head}: {e.blocks_executed:.2f} of {e.blocks_present} blocks run per token "
-            f"(Dense {e.dense_blocks_executed:.2f}), {flops}")
+        flops = "no FLOPs compared" if e.dense_flops_per_token is None else "no FLOPs counted"
+    dense = f" (Dense {e.dense_blocks_executed:.2f})" if e.dense_blocks_executed is not None \
+        else ""
+    text = (f"{head}: {e.blocks_executed:.2f} of {e.blocks_present} blocks run per token"
+            f"{dense}, {flops}")
     if e.timing is not None:
         ratio = e.timing.speed_ratio_vs_dense
         lo, hi = ratio.ci95
         text += f"; latency {ratio.value:.2f}x Dense [{lo:.2f}, {hi:.2f}], {_speed_word(ratio)}"
-    else:
+    elif e.dense is not None:
         text += "; latency not measured"
     return text + "."
+
+
+def _experts_sentence(x: ExpertExecution) -> str:
+    layers = len(x.layers)
+    per_layer = x.experts_per_token / layers
+    share = (f" ({100 * x.active_expert_flops_per_token / x.all_expert_flops_per_token:.1f}% "
+             "of the expert FLOPs every expert would cost)"
+             if x.active_expert_flops_per_token and x.all_expert_flops_per_token else "")
+    checked = "" if x.matches_routing else \
+        " WARNING: the experts that ran differ from the routers' choices."
+    if x.routing_changes_computation:
+        return (f"Routing changes what is computed: each token runs {per_layer:.2f} of "
+                f"{x.experts_present / layers:.0f} experts per routed layer, the ones its "
+                f"router picks{share}.{checked}")
+    return (f"Routing does not change what is computed: each token runs {per_layer:.2f} of "
+            f"{x.experts_present / layers:.0f} experts per routed layer (every expert); the "
+            f"router only weights them.{checked}")
 
 
 def format_table(results: dict[str, Execution]) -> str:

@@ -171,3 +171,28 @@ def tracing(model: nn.Module, blocks: Sequence[str],
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def selecting(stubs: Mapping[str, CoefficientStub]) -> Iterator[dict[str, Tensor]]:
+    """The experts every routing site's rebuilt output selects in one pass
+    (``{site name: [B, T, k]}``), for sites whose adapter is a router's."""
+    from .contract import RoutingAdapter
+    chosen: dict[str, Tensor] = {}
+    handles = []
+    for name, stub in stubs.items():
+        adapter = stub.site.adapter
+        if not isinstance(adapter, RoutingAdapter):
+            continue
+
+        def hook(module: CoefficientStub, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 output: Any, name: str = name, adapter: Any = adapter) -> None:
+            batch, seq_len = module.coefficients.shape[:2]
+            call = SiteCall(module._original[0], args, kwargs, batch, seq_len)
+            chosen[name] = adapter.selected_experts(output, call).cpu()
+        handles.append(stub.register_forward_hook(hook, with_kwargs=True))
+    try:
+        yield chosen
+    finally:
+        for handle in handles:
+            handle.remove()

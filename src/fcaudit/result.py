@@ -170,6 +170,22 @@ class Timing:
 
 
 @dataclass
+class ExpertExecution:
+    """What routing made the experts compute (counted by hooks on the experts)."""
+
+    layers: list[str]  # the routed layers (their router sites)
+    num_experts: list[int]
+    top_k: list[int]
+    experts_per_token_per_layer: list[float]  # experts that ran per token, mean over tokens
+    experts_per_token: float  # summed over layers
+    experts_present: int  # summed over layers
+    matches_routing: bool  # the experts that ran are exactly the routers' top-k choices
+    active_expert_flops_per_token: float | None
+    all_expert_flops_per_token: float | None  # had every token run every expert
+    routing_changes_computation: bool
+
+
+@dataclass
 class Execution:
     """SPEC section 6. When ``measured`` is false only ``reason`` is set."""
 
@@ -192,13 +208,36 @@ class Execution:
     conditional_execution: bool | None = _omit_none()
     speed_ratio_vs_dense: float | None = None
     timing: Timing | None = None
-    experts: dict[str, Any] | None = _omit_none()
+    experts: ExpertExecution | None = _omit_none()
 
     def omitted(self) -> set[str]:
         """An unmeasured execution is written as ``{measured, reason}`` alone."""
         if self.measured:
             return set()
         return {f.name for f in dataclasses.fields(self)} - {"measured", "reason"}
+
+
+@dataclass
+class LayerRouting:
+    """One router under the original routing, and how interventions change its choices."""
+
+    site: str
+    layer: int
+    load: list[float]  # share of token-slots routed to each expert
+    entropy: float  # nats
+    entropy_normalized: float  # entropy / log E: 1 = perfectly balanced
+    changed: dict[str, float]  # condition -> share of tokens whose top-k set changed
+
+
+@dataclass
+class RoutingSummary:
+    """Routing-aware metrics of one router family (issue: Mixture-of-Experts)."""
+
+    num_experts: int
+    tokens: int  # evaluation tokens per layer
+    per_layer: list[LayerRouting]
+    changed: dict[str, float]  # condition -> share of (token, layer) top-k sets changed
+    note: str
 
 
 @dataclass
@@ -284,7 +323,7 @@ class AuditResult:
     runtime: Runtime
     identity: Identity | None = _omit_none()
     custom_conditions: dict[str, ConditionResult] | None = _omit_none()
-    routing: dict[str, Any] | None = _omit_none()
+    routing: dict[str, RoutingSummary] | None = _omit_none()
 
     def to_json(self) -> dict[str, Any]:
         """The ``audit.json`` content (plain JSON types)."""

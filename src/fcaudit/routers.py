@@ -40,9 +40,10 @@ import torch.nn.functional as F  # noqa: N812 (torch's own convention)
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .adapters import ADAPTER_API, describe
+from .adapters import ADAPTER_API, TENSOR, describe
 from .contract import ExpertLayer, SiteCall
 from .errors import FcauditError
+from .result import LayerRouting, RoutingSummary
 
 # every way a router may compute its projection: intercepted, and counted
 PROJECTIONS = frozenset({
@@ -177,6 +178,26 @@ class RouterAdapter:
 
 
 
+@dataclass(frozen=True)
+class TopKLogits:
+    """:class:`~fcaudit.contract.RoutingAdapter` for a router module that returns its logits
+    ``[B, T, E]`` and leaves the selection (the top-``top_k`` logits) to the block: the
+    output is the coefficient, as with the plain tensor adapter, and the selected experts
+    are its top-k."""
+
+    top_k: int
+    name: str = field(default="topk-logits", init=False)
+
+    def extract(self, output: Any, call: SiteCall) -> Tensor:
+        return TENSOR.extract(output, call)
+
+    def rebuild(self, coefficients: Tensor, call: SiteCall) -> Tensor:
+        return coefficients
+
+    def selected_experts(self, output: Any, call: SiteCall) -> Tensor:
+        return output.topk(self.top_k, dim=-1).indices
+
+
 # ---- routing metrics (pure functions of top-k index tensors [..., k]) ----
 
 def expert_load(indices: Tensor, num_experts: int) -> Tensor:
@@ -197,16 +218,68 @@ def load_entropy(load: Tensor) -> tuple[float, float]:
     return nats, (nats / math.log(p.numel()) if p.numel() > 1 else 0.0)
 
 
-def selection_change(a: Tensor, b: Tensor) -> float:
-    """Fraction of rows (e.g. (layer, token) pairs) whose top-k expert *sets* differ
-    between two index tensors ``[..., k]`` of the same shape (order within a set
-    ignored)."""
+def expert_counts(indices: Tensor, num_experts: int) -> Tensor:
+    """Token-slots routed to each of ``num_experts`` experts (int64 ``[E]``); indices outside
+    ``0..E-1`` (experts that compute nothing, e.g. LongCat's) are not counted."""
+    flat = indices.reshape(-1).long()
+    return torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)
+
+
+def changed_rows(a: Tensor, b: Tensor) -> int:
+    """How many rows (e.g. (layer, token) pairs) of two index tensors ``[..., k]`` of the
+    same shape select different top-k expert *sets* (order within a set ignored)."""
     if a.shape != b.shape:
         raise FcauditError(f"index tensors have shapes {list(a.shape)} and {list(b.shape)}; "
                            "compare routings of the same tokens and layers")
     rows_a = a.reshape(-1, a.shape[-1]).sort(dim=-1).values
     rows_b = b.reshape(-1, b.shape[-1]).sort(dim=-1).values
-    return float((rows_a != rows_b).any(dim=-1).double().mean()) if rows_a.numel() else 0.0
+    return int((rows_a != rows_b).any(dim=-1).sum())
+
+
+def selection_change(a: Tensor, b: Tensor) -> float:
+    """Fraction of rows whose top-k expert sets differ (see :func:`changed_rows`)."""
+    rows = a.numel() // max(a.shape[-1], 1) if a.dim() else 0
+    return changed_rows(a, b) / rows if rows else 0.0
+
+
+ROUTING_NOTE = ("static-layer feeds every token of a layer the same logits, so all of them "
+                "select the same experts (one ranking per layer); global-mean gives every expert "
+                "the same logit, so the routing rule's tie-break (torch.topk) picks the experts")
+
+
+def routing_summary(sites: Sequence[Any], runs: Sequence[Any], load: dict[str, Tensor],
+                    changed: Tensor | None, tokens: int) -> dict[str, RoutingSummary]:
+    """Per router family: each layer's expert load and its entropy under the original
+    routing, and the share of tokens whose top-k set each main condition changes
+    (random conditions averaged over their repeats). ``changed[i, j]`` counts the
+    re-routed tokens of ``runs[i]`` at ``sites[j]``; ``tokens`` per site."""
+    by_condition: dict[str, list[int]] = {}
+    for i, run in enumerate(runs):
+        by_condition.setdefault(run.condition, []).append(i)
+    out = {}
+    for family in dict.fromkeys(s.family for s in sites):
+        layers, totals = [], {c: 0.0 for c in by_condition}
+        members = [(j, s) for j, s in enumerate(sites) if s.family == family]
+        for j, site in members:
+            counts = load[site.name]
+            share = expert_load_from_counts(counts)
+            nats, normalized = load_entropy(share)
+            frac = {}
+            for condition, rows in by_condition.items():
+                moved = float(changed[rows, j].sum()) if changed is not None else 0.0
+                frac[condition] = moved / (len(rows) * tokens)
+                totals[condition] += frac[condition]
+            layers.append(LayerRouting(site.name, site.layer, share.tolist(), nats, normalized,
+                                       frac))
+        out[family] = RoutingSummary(
+            num_experts=max(len(x.load) for x in layers), tokens=tokens, per_layer=layers,
+            changed={c: v / len(members) for c, v in totals.items()}, note=ROUTING_NOTE)
+    return out
+
+
+def expert_load_from_counts(counts: Tensor) -> Tensor:
+    """Counts per expert as shares (float64, summing to 1; zeros stay zeros)."""
+    return counts.double() / max(int(counts.sum()), 1)
 
 
 # ---- execution counts ----

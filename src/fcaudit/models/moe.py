@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..contract import ExpertLayer, Site
+from ..routers import TopKLogits
 from .featuregate import GPT, MLP, CausalSelfAttention, GPTConfig
 from .featuregate import PRESETS as GPT_PRESETS
 
@@ -139,8 +140,9 @@ class MoEGPT(GPT):
         return self.config.aux_loss_coef * torch.stack(values).mean() if values else 0.0
 
     def controller_sites(self) -> list[Site]:
+        adapter = TopKLogits(self.config.top_k)  # the block picks the top-k of these logits
         return [Site(name=f"blocks.{i}.router", path=f"blocks.{i}.router", family="moe",
-                     layer=i) for i in range(len(self.blocks))]
+                     layer=i, adapter=adapter) for i in range(len(self.blocks))]
 
     def expert_layers(self) -> list[ExpertLayer]:
         return [ExpertLayer(name=f"blocks.{i}.router",

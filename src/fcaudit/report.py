@@ -373,6 +373,12 @@ def _execution_facts(r: AuditResult) -> list[str]:
         facts.append(f"Latency vs dense: {_with_ci(ratio.value, ratio.ci95, sign=False)} "
                      "(model / dense, 95% CI).")
     facts.append(f"Conditional execution: **{_num(ex.conditional_execution)}**.")
+    if ex.experts is not None:
+        x = ex.experts
+        facts.append(f"Experts run per token per routed layer: "
+                     f"{x.experts_per_token / len(x.layers):.2f} of "
+                     f"{x.experts_present / len(x.layers):.0f}; routing changes what is "
+                     f"computed: **{_num(x.routing_changes_computation)}**.")
     return facts
 
 
@@ -523,6 +529,54 @@ def _variation(r: AuditResult) -> list[str]:
                       "inputs / layers", "positions / layers"), rows, "lrrrrr")]
 
 
+def _routing(r: AuditResult) -> list[str]:
+    """Routing-aware metrics of router families: expert load per layer and its entropy,
+    and the share of tokens each condition re-routes (beside their NLL penalties)."""
+    if not r.routing:
+        return []
+    blocks = ["## Routing",
+              "For router sites: the expert load of the original routing per layer (share of "
+              "token-slots per expert) and its entropy (1 = perfectly balanced), and the share "
+              "of (token, layer) top-k expert sets each condition changes, beside its NLL "
+              "penalty. Layer identity's share of the router-logit variance is in the variance "
+              "decomposition above."]
+    for fam, summary in _by_family(r, r.routing):
+        conditions = [c for c in r.conditions if c in summary.changed]
+        rows = [(md_code(c), f"{100 * summary.changed[c]:.1f}%",
+                 _with_ci(r.conditions[c].delta, r.conditions[c].ci95)) for c in conditions]
+        per_layer = [(str(x.layer), md_code(x.site), f"{x.entropy_normalized:.3f}",
+                      _seq([f"{v:.3f}" for v in x.load], str, limit=16),
+                      *(f"{100 * x.changed.get(c, 0.0):.1f}%" for c in conditions[:3]))
+                     for x in summary.per_layer]
+        blocks += [f"### Family {md_code(fam)} ({summary.num_experts} experts, "
+                   f"{_num(summary.tokens)} tokens per layer)",
+                   md_table(("condition", "top-k sets changed", "Δ NLL [95% CI]"), rows, "lrr"),
+                   md_table(("layer", "site", "load entropy / log E", "expert load",
+                             *(f"changed: {c}" for c in conditions[:3])), per_layer,
+                            "llrl" + "r" * len(conditions[:3])),
+                   f"Note: {md_text(summary.note)}."]
+    return blocks
+
+
+def _expert_rows(ex: Execution) -> list[tuple[str, str, str, str]]:
+    x = ex.experts
+    if x is None:
+        return []
+    layers = len(x.layers)
+    rows = [("experts run per token per routed layer",
+             f"{x.experts_per_token / layers:.2f} of {x.experts_present / layers:.0f}", "", ""),
+            ("experts run per token: min / max over layers",
+             f"{min(x.experts_per_token_per_layer):.2f} / "
+             f"{max(x.experts_per_token_per_layer):.2f}", "", ""),
+            ("experts that ran = routers' choices", _num(x.matches_routing), "", "")]
+    if x.active_expert_flops_per_token and x.all_expert_flops_per_token:
+        rows.append(("expert FLOPs per token: active / if every expert ran",
+                     f"{_num(x.active_expert_flops_per_token)} / "
+                     f"{_num(x.all_expert_flops_per_token)}", "",
+                     f"{x.active_expert_flops_per_token / x.all_expert_flops_per_token:.3f}"))
+    return rows
+
+
 def _execution(r: AuditResult) -> list[str]:
     ex = r.execution
     blocks = ["## Execution"]
@@ -547,6 +601,7 @@ def _execution(r: AuditResult) -> list[str]:
                   f"{_with_ci(ratio.value, ratio.ci95, sign=False)} (95% CI)"),
                  ("throughput (tokens/s)", f"{t.model.tokens_per_s:,.0f}",
                   f"{t.dense.tokens_per_s:,.0f}", "")]
+    rows += _expert_rows(ex)
     if fractions:
         rows.append(("blocks executed per layer (fraction of tokens): min / mean / max",
                      " / ".join(f"{f:.3f}" for f in (min(fractions),
@@ -627,7 +682,7 @@ def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tu
         blocks.append(_identity_warning(inexact))
     blocks.append(_lead(result))
     for section in (_answers, _conditions, _retention, _interaction, _per_layer, _variance,
-                    _variation, _execution, _reproducibility):
+                    _variation, _routing, _execution, _reproducibility):
         blocks += section(result)
     blocks += ["## Figures", *(md_figures(figures) or ["No figure data in this audit."])]
     return title, "\n\n".join(blocks) + "\n"

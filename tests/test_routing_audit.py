@@ -1,0 +1,83 @@
+"""Routed models audited end to end: routing-aware metrics (expert load, entropy, re-routed
+top-k sets per condition), the experts that ran, and a Hugging Face MoE folder audited with
+one command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fcaudit.data import AuditData
+from fcaudit.engine import AuditOptions, audit
+from fcaudit.models.moe import PRESETS, MoEGPT
+
+OPTIONS = AuditOptions(repeats=2, bootstrap=100, batch_size=4, timing_pairs=0, progress=False)
+
+
+@pytest.fixture(scope="module")
+def moe_audit(tmp_path_factory: pytest.TempPathFactory):
+    torch.manual_seed(0)
+    model = MoEGPT(PRESETS["tiny"]).eval()
+    rng = np.random.default_rng(0)
+    data = AuditData(rng.integers(0, 2048, (8, 16)), rng.integers(0, 2048, (8, 16)), {})
+    out = tmp_path_factory.mktemp("moe")
+    return audit(model, out, data=data, options=OPTIONS), out
+
+
+def test_routing_metrics_of_a_routed_model(moe_audit) -> None:
+    result, _ = moe_audit
+    routing = result.routing["moe"]
+    assert routing.num_experts == 8 and routing.tokens == 8 * 16
+    for layer in routing.per_layer:
+        assert sum(layer.load) == pytest.approx(1.0) and len(layer.load) == 8
+        assert 0 < layer.entropy_normalized <= 1
+    changed = routing.changed
+    assert set(changed) == {"reassign", "shuffle", "reassign+shuffle", "static-layer",
+                            "static-layer-position", "global-mean"}
+    assert all(0 <= v <= 1 for v in changed.values())
+    assert changed["reassign"] > 0.3  # another input's logits pick other experts
+    assert result.variance["moe"].eta2_layer >= 0  # the decomposition of router logits
+
+
+def test_experts_that_ran_are_the_routers_top_k(moe_audit) -> None:
+    result, _ = moe_audit
+    experts = result.execution.experts
+    assert experts.experts_per_token_per_layer == [2.0] * 4 and experts.matches_routing
+    assert experts.active_expert_flops_per_token / experts.all_expert_flops_per_token == \
+        pytest.approx(2 / 8)
+    assert experts.routing_changes_computation
+    assert result.verdict.execution.startswith("Routing changes what is computed: each token "
+                                               "runs 2.00 of 8 experts")
+
+
+def test_the_report_shows_routing(moe_audit) -> None:
+    _, out = moe_audit
+    report = (out / "report.md").read_text()
+    assert "## Routing" in report and "top-k sets changed" in report
+    assert "experts run per token per routed layer" in report
+
+
+def test_a_hugging_face_moe_folder_is_audited_with_one_command(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from test_hf import FAMILIES, save, token_batches
+
+    from fcaudit.cli import main
+    from fcaudit.data import folder_tokenizer
+    folder = save(FAMILIES["qwen2_moe"][0](), tmp_path / "qwen2-moe")
+    x, calib = token_batches(folder_tokenizer(folder))
+    np.save(tmp_path / "eval.npy", x.numpy())
+    np.save(tmp_path / "calib.npy", calib.numpy())
+    out = tmp_path / "out"
+    assert main(["audit", "--model", str(folder), "--tokens", str(tmp_path / "eval.npy"),
+                 "--calib-tokens", str(tmp_path / "calib.npy"), "--out", str(out),
+                 "--batch-size", "2", "--bootstrap", "50", "--repeats", "1",
+                 "--timing-pairs", "0", "--quiet"]) == 0
+    result = json.loads((out / "audit.json").read_text())
+    assert result["identity_replay_max_abs_diff"] == 0.0
+    assert {s["family"] for s in result["sites"]} == {"router", "shared_expert_gate"}
+    assert set(result["routing"]) == {"router"}
+    assert result["execution"]["experts"]["experts_per_token_per_layer"] == [2.0, 2.0]

@@ -22,7 +22,7 @@ def test_aggregate_mean_sd_range_skips_nulls():
 
 def test_study_presets():
     tiny = {g.name: g.seeds for g in study("tiny", None)}
-    assert tiny == {"featuregate-tiny": 3, "mudd-tiny": 3, "skipgate-tiny": 1}
+    assert tiny == {"featuregate-tiny": 3, "mudd-tiny": 3, "moe-tiny": 3, "skipgate-tiny": 1}
     paper = {g.name: g.seeds for g in study("paper", None)}
     assert paper == {"featuregate-76m": 7, "featuregate-504m": 3}
 
@@ -40,8 +40,10 @@ def small_study(tmp_path_factory: pytest.TempPathFactory):
 
 def test_study_writes_tables_and_resumes(small_study):
     out, settings, result, checkpoint = small_study
-    assert set(result["groups"]) == {"featuregate-tiny", "mudd-tiny", "skipgate-tiny",
-                                     "mudd-checkpoint"}
+    assert set(result["groups"]) == {"featuregate-tiny", "mudd-tiny", "moe-tiny",
+                                     "skipgate-tiny", "mudd-checkpoint"}
+    moe = result["groups"]["moe-tiny"]["aggregate"]
+    assert moe["experts_executed_fraction"]["mean"] == 0.25  # 2 of 8 experts per token
     text = (out / "reproduction.md").read_text()
     assert "Findings at this scale" in text and "98.70%" in text
     assert json.loads((out / "reproduction.json").read_text())["schema"] == \

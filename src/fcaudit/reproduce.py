@@ -62,8 +62,10 @@ def study(preset: str, seeds: int | None) -> list[Group]:
     """The groups of a study preset (``--seeds`` overrides every group's seed count)."""
     if preset == "tiny":
         n = seeds or 3
+        # soft gating, dynamic cross-layer mixing and hard routing (the three kinds the paper
+        # separates), plus SkipGate: the positive control for real conditional execution
         return [Group("featuregate", "tiny", n), Group("mudd", "tiny", n, dense=None),
-                Group("skipgate", "tiny", 1)]
+                Group("moe", "tiny", n), Group("skipgate", "tiny", 1)]
     if preset == "paper":
         return [Group("featuregate", "76m", seeds or 7), Group("featuregate", "504m", seeds or 3)]
     raise FcauditError(f"unknown study preset {preset!r}; choose tiny or paper")
@@ -76,6 +78,8 @@ PAPER = {
                     "speed_ratio": "1.308 (30.8% slower than Dense)"},
     "mudd": {"reassign": "+1.9067 nats (MUDDPythia-1.4B)", "shuffle": "+2.9637 nats",
              "static": "static replacement also hurts strongly", "blocks": "every block runs"},
+    "moe": {"routing": "the paper names sparse experts and token routing as dynamic "
+                       "mechanisms; it reports no MoE measurement"},
 }
 
 
@@ -100,6 +104,13 @@ def metrics_of(audit: AuditResult) -> dict[str, float | None]:
         out["blocks_executed_fraction"] = ex.blocks_executed / ex.blocks_present
         out["flops_ratio"] = ex.flops_ratio
         out["speed_ratio"] = ex.speed_ratio_vs_dense
+    if ex.experts is not None:
+        out["experts_executed_fraction"] = ex.experts.experts_per_token / \
+            ex.experts.experts_present
+    for family, routing in (audit.routing or {}).items():
+        if family == audit.families[0]:
+            for condition in ("reassign", "shuffle", "static-layer"):
+                out[f"rerouted_{condition}"] = routing.changed[condition]
     return out
 
 
@@ -186,6 +197,10 @@ ROWS: tuple[tuple[str, str, int, bool], ...] = (
     ("eta2_residual", "eta2 residual (content)", 3, False),
     ("blocks_executed_fraction", "blocks executed / present", 3, False),
     ("flops_ratio", "FLOPs ratio vs dense", 3, False),
+    ("experts_executed_fraction", "experts executed / present", 3, False),
+    ("rerouted_reassign", "expert sets re-routed: reassign", 3, False),
+    ("rerouted_shuffle", "expert sets re-routed: shuffle", 3, False),
+    ("rerouted_static-layer", "expert sets re-routed: static-layer", 3, False),
     ("speed_ratio", "time ratio vs dense", 3, False),
 )
 
@@ -239,6 +254,27 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
         if frac is not None:
             out.append(("MUDD runs every block", f"{'holds' if frac >= 0.999 else 'does not hold'}"
                                                  f": {frac:.3f} of blocks executed per token"))
+    out += _routing_findings(next((g for n, g in groups.items() if n.startswith("moe")), None),
+                             mean)
+    return out
+
+
+def _routing_findings(moe: Mapping[str, Any] | None, mean: Any) -> list[tuple[str, str]]:
+    """Hard routing (our MoE), the third kind of controller the paper separates."""
+    if moe is None:
+        return []
+    out = []
+    share = mean(moe, "experts_executed_fraction")
+    if share is not None:
+        out.append(("MoE (hard routing): routing changes what is computed",
+                    f"{'holds' if share < 0.99 else 'does not hold'}: each token runs "
+                    f"{100 * share:.1f}% of the experts (2 of 8 per layer when it holds)"))
+    r, moved = mean(moe, "delta_reassign"), mean(moe, "rerouted_reassign")
+    if r is not None and moved is not None:
+        out.append(("MoE: the frozen model depends on its routing staying matched to the input",
+                    f"{'holds' if r > 0.1 else 'does not hold'}: reassigning router logits "
+                    f"re-routes {100 * moved:.1f}% of the (token, layer) expert sets and costs "
+                    f"{r:+.3f} nats on average"))
     return out
 
 

@@ -180,6 +180,9 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
             interventions: Any) -> Setup:
     """Every check that does not need a forward pass of the audit itself."""
     options.validate()
+    if dense is not None and not options.execution:
+        raise FcauditError("--dense is ignored with --no-execution (the dense counterpart only "
+                           "serves the execution audit): drop one of them")
     loaded = as_loaded(model)
     net = loaded.model.eval()
     site_list = find_sites(net, sites)

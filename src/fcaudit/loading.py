@@ -226,7 +226,12 @@ def load_factory(spec: str, dtype: torch.dtype | None = None) -> LoadedModel:
     if not callable(factory):
         raise FcauditError(f"{spec}: {module_name} has no callable {attr!r}; name a "
                            "zero-argument function that builds the model")
-    model = factory()
+    try:
+        model = factory()
+    except Exception as exc:  # the user's own code: their error to fix, not fcaudit's bug
+        raise FcauditError(f"{spec}() raised {type(exc).__name__}: {exc}; the factory must "
+                           "build the model with no arguments (rerun with --debug for the "
+                           "traceback)") from exc
     if not isinstance(model, nn.Module):
         raise FcauditError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module; "
                            "the factory must return the model itself")

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from .data import DataSpec
-from .engine import AuditOptions, audit
+from .engine import AuditOptions, as_loaded, audit
 from .errors import FcauditError
 from .figures import (
     FigureSpec,
@@ -34,7 +35,8 @@ from .figures import (
     write_figures,
 )
 from .fileio import write_json, write_text
-from .loading import is_run_folder
+from .loading import LoadedModel, is_run_folder
+from .nll import logits_of
 from .outdir import STUDY_RESULTS, hold_output, replacing_results
 from .report import md_code, md_fenced, md_figures, md_table, md_text, to_html
 from .result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
@@ -146,7 +148,7 @@ def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettin
                  progress=st.options.progress, data=st.train_data)
 
 
-def _audit(audit_dir: Path, model: str, st: StudySettings, options: AuditOptions,
+def _audit(audit_dir: Path, model: str | LoadedModel, st: StudySettings, options: AuditOptions,
            dense: str | None = None) -> AuditResult:
     """The audit in ``audit_dir``: read when finished (resuming), else run now."""
     if (audit_dir / "audit.json").is_file():
@@ -352,13 +354,31 @@ def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
     The study folder is held for the whole study; its previous results stay aside in
     ``.previous/`` until the new ones are complete (and come back if the study fails).
     """
+    study(preset, seeds)  # an unknown preset fails before anything is loaded or trained
+    checkpoint = _probed(mudd_checkpoint) if mudd_checkpoint else None
     with hold_output(out, "study", command), replacing_results(out, STUDY_RESULTS):
-        return _study(preset, out, seeds=seeds, mudd_checkpoint=mudd_checkpoint,
+        return _study(preset, out, seeds=seeds, mudd_checkpoint=checkpoint,
                       settings=settings, command=command)
 
 
+def _probed(spec: str) -> LoadedModel:
+    """``--mudd-checkpoint`` loaded and run once now, so a bad folder fails in seconds,
+    before hours of training, and is not loaded a second time."""
+    loaded = as_loaded(spec)
+    if loaded.tokenizer is None:
+        raise FcauditError(f"--mudd-checkpoint {spec} has no tokenizer.json: the study audits "
+                           "it on the built-in text; copy the model's tokenizer.json into it")
+    ids = torch.tensor([loaded.tokenizer.encode("To be, or not to be").ids[:4]])
+    try:
+        with torch.no_grad():
+            logits_of(loaded.model(ids))
+    except FcauditError as exc:
+        raise FcauditError(f"--mudd-checkpoint {spec}: {exc}") from exc
+    return loaded
+
+
 def _study(preset: str, out: str | Path, *, seeds: int | None,
-           mudd_checkpoint: str | None, settings: StudySettings | None,
+           mudd_checkpoint: LoadedModel | None, settings: StudySettings | None,
            command: str | None) -> dict[str, Any]:
     out = Path(out)
     st = settings or StudySettings(AuditOptions())

@@ -40,7 +40,7 @@ from .loading import Arch, get_arch, save_run_model
 from .nll import mean_nll
 from .outdir import RUN_FILES, check_output, claim_output, entries, hold_output, remove_output
 from .progress import ProgressReporter
-from .runtime import versions
+from .runtime import resolve_device, versions
 
 
 @dataclass(frozen=True)
@@ -89,10 +89,6 @@ def unigram_nll(train_tokens: np.ndarray, windows: np.ndarray, vocab_size: int) 
     return float(-logp[windows[:, 1:]].mean())
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 HELD_OUT_FRACTION = 0.05  # of a user corpus's tokens, kept for the final eval NLL
 
 
@@ -130,7 +126,11 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
     Determinism is promised on CPU (same seed and thread count, same weights); on
     CUDA the run is seeded but kernels may differ in the last bits.
     """
-    device = device or default_device()
+    for option, value, least in (("--seed", seed, 0), ("--steps", steps, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < least):
+            raise FcauditError(f"{option} {value!r}: must be an integer of at least {least}")
+    device = str(resolve_device(device))
     out = Path(out)
     arch = get_arch(arch_name)
     if preset not in TRAIN_PRESETS:

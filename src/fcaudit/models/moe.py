@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..contract import ExpertLayer, Site
+from ..errors import FcauditError, check_sizes
 from ..routers import TopKLogits
 from .featuregate import GPT, MLP, CausalSelfAttention, GPTConfig
 from .featuregate import PRESETS as GPT_PRESETS
@@ -48,11 +49,14 @@ class MoEConfig(GPTConfig):
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss in training
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        check_sizes(self, ("num_experts", "top_k"))
         if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+            raise FcauditError(f"top_k={self.top_k} must be in 1..num_experts="
+                               f"{self.num_experts}")
         if 4 * self.n_embd % self.top_k:
-            raise ValueError(f"4 * n_embd={4 * self.n_embd} must divide by top_k={self.top_k} "
-                             "for the active experts to match the Dense MLP's width")
+            raise FcauditError(f"4 * n_embd={4 * self.n_embd} must divide by top_k={self.top_k} "
+                               "for the active experts to match the Dense MLP's width")
 
     @property
     def expert_hidden(self) -> int:

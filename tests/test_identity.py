@@ -1,0 +1,97 @@
+"""The cache key is everything that defines the result: a changed config, an edited factory,
+a shard index pointing at other files, weights outside their folder: each refuses a stale
+cache (or the load) instead of reusing it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import toys
+from safetensors.torch import load_file
+from test_mudd import tiny_state, write_folder  # noqa: F401 (fixture)
+from test_reliability import FAST, run_folder, run_inprocess  # noqa: F401 (fixture)
+
+from fcaudit.errors import FcauditError
+from fcaudit.models.mudd_checkpoint import load_mudd_folder
+
+
+def _tokens(root: Path) -> list[str]:
+    np.save(root / "eval.npy", toys.pair_sequences(8, 16, 1))
+    np.save(root / "calib.npy", toys.pair_sequences(8, 16, 2))
+    return ["--tokens", str(root / "eval.npy"), "--calib-tokens", str(root / "calib.npy")]
+
+
+def test_a_changed_config_is_a_different_model(run_folder: Path, tmp_path: Path,  # noqa: F811
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """n_head changes no weight shape but every number: the cache must not be reused."""
+    run = tmp_path / "run"
+    shutil.copytree(run_folder / "run", run)
+    argv = ["audit", "--model", run, "--data", run_folder / "text.txt", "--out",
+            tmp_path / "out", *FAST]
+    assert run_inprocess(argv, capsys).returncode == 0
+    config = json.loads((run / "config.json").read_text())
+    config["model_config"]["n_head"] = 1
+    (run / "config.json").write_text(json.dumps(config))
+    res = run_inprocess(argv, capsys)
+    assert res.returncode == 2 and "recorded with a different model" in res.stderr
+
+
+FACTORY = '''
+import toys
+
+def build():
+    return toys.ToyModel("{mode}")
+'''
+
+
+def test_an_edited_factory_is_a_different_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)  # the factory is imported from the current folder
+    (tmp_path / "mymodels.py").write_text(FACTORY.format(mode="content"))
+    argv = ["audit", "--model", "mymodels:build", "--sites", "gates.*", *_tokens(tmp_path),
+            "--out", tmp_path / "out", *FAST]
+    assert run_inprocess(argv, capsys).returncode == 0
+    result = json.loads((tmp_path / "out" / "audit.json").read_text())
+    assert "mymodels.py" in result["model"]["identity_note"]
+    (tmp_path / "mymodels.py").write_text(FACTORY.format(mode="constant"))
+    sys.modules.pop("mymodels", None)
+    res = run_inprocess(argv, capsys)
+    assert res.returncode == 2 and "recorded with a different model" in res.stderr
+
+
+def test_a_shard_index_pointing_at_other_files_is_a_different_model(
+        tiny_state: dict, tmp_path: Path) -> None:  # noqa: F811
+    from fcaudit.loading import load
+    folder = write_folder(tmp_path, tiny_state, "sharded-safetensors")
+    before = load(str(folder)).fingerprint
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shutil.copy(folder / "model-00002-of-00002.safetensors", folder / "other.safetensors")
+    moved = load_file(folder / "other.safetensors")
+    first = next(iter(moved))
+    moved[first] = moved[first] + 1  # other bytes, same keys and shapes
+    from safetensors.torch import save_file
+    save_file(moved, folder / "other.safetensors")
+    index["weight_map"] = {k: ("other.safetensors" if v.startswith("model-00002") else v)
+                           for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    after = load(str(folder))
+    assert after.fingerprint != before and "other.safetensors" in after.files
+
+
+@pytest.mark.parametrize("name", ["../elsewhere/model.safetensors", "/tmp/model.safetensors",
+                                  "sub/../../model.safetensors"])
+def test_weights_outside_their_folder_are_refused(name: str, tiny_state: dict,  # noqa: F811
+                                                  tmp_path: Path) -> None:
+    folder = write_folder(tmp_path, tiny_state, "sharded-safetensors")
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = dict.fromkeys(index["weight_map"], name)
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(FcauditError, match="outside its folder"):
+        load_mudd_folder(folder)

@@ -17,9 +17,10 @@ from fcaudit.adapters import FLAT, TupleAdapter
 from fcaudit.cache import CoefficientCache
 from fcaudit.contract import Site
 from fcaudit.data import AuditData
-from fcaudit.engine import AuditOptions, ReplayInputs, Run, audit, feed
+from fcaudit.engine import AuditOptions, audit
 from fcaudit.errors import FcauditError
 from fcaudit.interventions import Intervention, StaticProfiles, draw, static
+from fcaudit.plan import ReplayInputs, Run, feed
 from fcaudit.result import AuditResult
 from fcaudit.sites import find_sites
 

@@ -26,7 +26,7 @@ from .errors import FcauditError
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AuditOptions": "engine", "audit": "engine",
+    "AuditOptions": "options", "audit": "engine",
     "AuditResult": "result",
     "DataSpec": "data",
     "Site": "contract", "SiteCall": "contract", "ExpertLayer": "contract",

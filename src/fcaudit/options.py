@@ -1,0 +1,87 @@
+"""What an audit is run with: its options, and the validated inputs every stage reads.
+
+:class:`AuditOptions` are the user's knobs (recorded in ``audit.json``); :class:`Setup`
+is the plain data that validation produces and every later stage takes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from .contract import Site
+from .data import AuditData
+from .errors import FcauditError
+from .interventions import Intervention
+from .loading import LoadedModel
+
+# progress(stage, done, total, info): an optional callback, never threaded through compute
+Progress = Callable[[str, int, int, str], None]
+
+MAX_BOOTSTRAP = 100_000
+
+
+SCHEDULES = ("prefix", "naive")
+
+
+def silent(stage: str, done: int, total: int, info: str = "") -> None:
+    """The default progress callback: report nothing."""
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    """Knobs of one audit; every one is recorded in ``audit.json`` (``settings``)."""
+
+    repeats: int = 3  # K seeds per random condition
+    seed: int = 0
+    bootstrap: int = 1000
+    batch_size: int = 8
+    per_layer: bool = True
+    execution: bool = True
+    timing_pairs: int = 10
+    progress: bool = True  # the CLI shows progress bars (the engine takes a callback)
+    allow_nonexact_identity: bool = False
+    schedule: str = "prefix"  # "prefix": per-layer runs recompute only the suffix; "naive"
+
+    def validate(self) -> None:
+        """Refuse option values no audit can run with, naming the option."""
+        checks = (("--repeats", self.repeats, 1, None), ("--seed", self.seed, 0, None),
+                  ("--bootstrap", self.bootstrap, 10, MAX_BOOTSTRAP),
+                  ("--batch-size", self.batch_size, 1, None),
+                  ("--timing-pairs", self.timing_pairs, 0, None))
+        for option, value, lo, hi in checks:
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
+                    hi is not None and value > hi):
+                bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+                raise FcauditError(f"{option} {value!r}: must be an integer {bound}")
+        if self.schedule not in SCHEDULES:
+            raise FcauditError(f"--schedule {self.schedule!r}: choose one of "
+                               f"{', '.join(SCHEDULES)}")
+        if 0 < self.timing_pairs < 10:
+            raise FcauditError(f"--timing-pairs {self.timing_pairs}: use 0 (no timing) or at "
+                               "least 10 pairs for a meaningful interval")
+
+
+@dataclass
+class Setup:
+    """Everything validated before the first forward pass."""
+
+    loaded: LoadedModel
+    sites: list[Site]
+    blocks: list[str] | None
+    blocks_glob: str | None
+    data: AuditData
+    options: AuditOptions
+    interventions: list[Intervention]
+    dense: nn.Module | None = None
+    dense_source: str = ""
+    out: Path | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.loaded.model

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
+from torch import nn
 
 from .data import (
     builtin_documents,
@@ -170,81 +171,93 @@ def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: 
     tok, train_tokens, eval_windows, data_record = training_data(cfg.vocab_size, tp.seq_len,
                                                                  data)
     eval_windows = eval_windows[spread_pick(len(eval_windows), tp.eval_sequences)]
-
     torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
     model = arch.build(cfg).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tp.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=tp.lr, betas=(0.9, 0.95))
     work = make_work_dir(out)
     try:
         claim_output(work, "run")
-        log_lines: list[str] = []
-        started = time.perf_counter()
-        model.train()
-        with ProgressReporter(progress) as report:
-            for step in range(tp.steps):
-                starts = rng.integers(0, len(train_tokens) - tp.seq_len - 1, size=tp.batch_size)
-                batch = torch.from_numpy(np.stack([train_tokens[s:s + tp.seq_len + 1]
-                                                   for s in starts])).to(device)
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(step, tp)
-                logits = model(batch[:, :-1])
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                       batch[:, 1:].reshape(-1))
-                opt.zero_grad(set_to_none=True)
-                # a model's own training term (MoE load balancing), read after its forward
-                # pass; the logged loss stays the language-model loss
-                (loss + getattr(model, "aux_loss", 0.0)).backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                elapsed = time.perf_counter() - started
-                tok_s = (step + 1) * tp.batch_size * tp.seq_len / elapsed
-                report(f"train {arch.name}/{preset} seed {seed}", step + 1, tp.steps,
-                       f"loss {loss.item():.3f}  {tok_s:,.0f} tok/s")
-                if step % 25 == 0 or step == tp.steps - 1:
-                    log_lines.append(json.dumps({"step": step, "loss": round(loss.item(), 5),
-                                                 "lr": lr_at(step, tp),
-                                                 "tokens_per_s": round(tok_s, 1)}))
-        wall = time.perf_counter() - started
+        log, wall = _fit(model, train_tokens, tp, np.random.default_rng(seed), progress,
+                         f"train {arch.name}/{preset} seed {seed}")
         eval_nll = mean_nll(model, eval_windows)
         uni = unigram_nll(train_tokens, eval_windows, cfg.vocab_size)
-        log_lines.append(json.dumps({"event": "eval", "eval_nll": eval_nll,
-                                     "unigram_nll": uni, "train_wall_s": round(wall, 2)}))
+        log.append({"event": "eval", "eval_nll": eval_nll, "unigram_nll": uni,
+                    "train_wall_s": round(wall, 2)})
         save_run_model(work, model.cpu())
-        weights_sha256 = sha256_file(work / "model.safetensors")
         write_text(work / "tokenizer.json", tok.to_str())
-        write_text(work / "train_log.jsonl", "\n".join(log_lines) + "\n")
+        write_text(work / "train_log.jsonl", "".join(json.dumps(e) + "\n" for e in log))
         write_json(work / "config.json", {
             "fcaudit_run": 1, "arch": arch.name, "preset": preset, "seed": seed,
-            "model_config": dataclasses.asdict(cfg),
-            "train": dataclasses.asdict(tp),
+            "model_config": dataclasses.asdict(cfg), "train": dataclasses.asdict(tp),
             "data": {**data_record, "train_tokens": int(len(train_tokens)),
                      "eval_sequences": int(len(eval_windows))},
-            "results": {"eval_nll": eval_nll, "unigram_nll": uni, "n_params": n_params,
+            "results": {"eval_nll": eval_nll, "unigram_nll": uni,
+                        "n_params": sum(p.numel() for p in model.parameters()),
                         "train_wall_s": round(wall, 2), "device": device},
-            "weights_sha256": weights_sha256,  # load_run refuses weights changed after this
+            # load_run refuses weights changed after this
+            "weights_sha256": sha256_file(work / "model.safetensors"),
             "versions": versions(),
         })
-        check_run_out(out, force=True)  # files may have been added to out while training
-        # move the old folder aside (a rename, not a delete) before the new one takes its
-        # name, so no moment exists where a kill loses both
-        old = work.with_name(work.name + ".old")
-        out.rename(old)
-        try:
-            work.rename(out)
-        except BaseException:
-            if not out.exists():
-                old.rename(out)
-            raise
-        remove_output(old, RUN_FILES)
+        _swap_in(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # this call's own mkdtemp folder
     return out
+
+
+def _optimizer(model: nn.Module, tp: TrainPreset) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on biases, norms or gains)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": tp.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=tp.lr, betas=(0.9, 0.95))
+
+
+def _fit(model: nn.Module, tokens: np.ndarray, tp: TrainPreset, rng: np.random.Generator,
+         progress: bool, label: str) -> tuple[list[dict[str, Any]], float]:
+    """``tp.steps`` steps on random windows of ``tokens``; the log and the wall time."""
+    opt = _optimizer(model, tp)
+    device = next(model.parameters()).device
+    log: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    model.train()
+    with ProgressReporter(progress) as report:
+        for step in range(tp.steps):
+            starts = rng.integers(0, len(tokens) - tp.seq_len - 1, size=tp.batch_size)
+            batch = torch.from_numpy(np.stack([tokens[s:s + tp.seq_len + 1]
+                                               for s in starts])).to(device)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, tp)
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                   batch[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            # a model's own training term (MoE load balancing), read after its forward
+            # pass; the logged loss stays the language-model loss
+            (loss + getattr(model, "aux_loss", 0.0)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            tok_s = (step + 1) * tp.batch_size * tp.seq_len / (time.perf_counter() - started)
+            report(label, step + 1, tp.steps, f"loss {loss.item():.3f}  {tok_s:,.0f} tok/s")
+            if step % 25 == 0 or step == tp.steps - 1:
+                log.append({"step": step, "loss": round(loss.item(), 5), "lr": lr_at(step, tp),
+                            "tokens_per_s": round(tok_s, 1)})
+    return log, time.perf_counter() - started
+
+
+def _swap_in(work: Path, out: Path) -> None:
+    """Put the finished run folder ``work`` at ``out``, which only ever holds a run."""
+    check_run_out(out, force=True)  # files may have been added to out while training
+    # move the old folder aside (a rename, not a delete) before the new one takes its
+    # name, so no moment exists where a kill loses both
+    old = work.with_name(work.name + ".old")
+    out.rename(old)
+    try:
+        work.rename(out)
+    except BaseException:
+        if not out.exists():
+            old.rename(out)
+        raise
+    remove_output(old, RUN_FILES)
 
 
 def describe_run(folder: Path) -> dict[str, Any]:

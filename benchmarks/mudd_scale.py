@@ -32,8 +32,8 @@ from typing import TypeVar
 import torch
 
 from fcaudit.models.mudd import PRESETS, MuddModel
-from fcaudit.record import record
-from fcaudit.replay import replaying
+from fcaudit.recording import record
+from fcaudit.replaying import replaying
 
 T = TypeVar("T")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -475,7 +475,7 @@ def test_prefix_reuse_gives_the_naive_schedules_audit_json(index: int, tmp_path)
 def test_prefix_reuse_falls_back_when_it_cannot_prove_exactness(tmp_path, monkeypatch):
     """Stubs that return something else than the block computed: the proof fails on every
     batch, the per-layer runs fall back to full passes, and the numbers stay right."""
-    from fcaudit import replay as replay_mod
+    from fcaudit import replaying as replay_mod
     model = _deep_models()[0]
     data = AuditData(np.random.default_rng(0).integers(0, 64, (8, 16)),
                      np.random.default_rng(1).integers(0, 64, (8, 16)), {})

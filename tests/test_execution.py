@@ -24,8 +24,8 @@ from fcaudit.execution import (
 )
 from fcaudit.models.featuregate import GPT, GPTConfig, Update
 from fcaudit.models.skipgate import SkipGateConfig, SkipGateGPT
-from fcaudit.record import record
-from fcaudit.replay import replaying
+from fcaudit.recording import record
+from fcaudit.replaying import replaying
 from fcaudit.result import Estimate, Execution
 
 SIZES = dict(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=32)

@@ -30,8 +30,8 @@ from fcaudit.models.hf import (  # noqa: E402
     is_hf_folder,
     load_hf_folder,
 )
-from fcaudit.record import record  # noqa: E402
-from fcaudit.replay import replaying  # noqa: E402
+from fcaudit.recording import record  # noqa: E402
+from fcaudit.replaying import replaying  # noqa: E402
 from fcaudit.routers import counting_experts, selection_change  # noqa: E402
 
 VOCAB = 120

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fcaudit.models.featuregate import GPT, PRESETS, GPTConfig
-from fcaudit.record import record
-from fcaudit.replay import replaying
+from fcaudit.recording import record
+from fcaudit.replaying import replaying
 
 CFG = GPTConfig(vocab_size=97, block_size=32, n_layer=3, n_head=2, n_embd=16)
 

@@ -10,8 +10,8 @@ import torch
 from fcaudit.contract import declared_experts
 from fcaudit.loading import load
 from fcaudit.models.moe import PRESETS, MoEConfig, MoEGPT, load_balance, route
-from fcaudit.record import record
-from fcaudit.replay import replay
+from fcaudit.recording import record
+from fcaudit.replaying import replay
 from fcaudit.train import train
 
 CFG = MoEConfig(vocab_size=97, block_size=32, n_layer=3, n_head=2, n_embd=16)

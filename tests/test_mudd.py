@@ -32,8 +32,8 @@ from fcaudit.models.mudd_checkpoint import (
     is_mudd_folder,
     load_mudd_folder,
 )
-from fcaudit.record import record
-from fcaudit.replay import replaying
+from fcaudit.recording import record
+from fcaudit.replaying import replaying
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VARIANTS = ["mudd_tiny", "muddformer_tiny"]

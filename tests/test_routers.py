@@ -17,8 +17,8 @@ from torch import nn
 from fcaudit.adapters import ADAPTER_API
 from fcaudit.contract import ExpertLayer, Site, SiteCall
 from fcaudit.errors import FcauditError
-from fcaudit.record import record
-from fcaudit.replay import replay, replaying
+from fcaudit.recording import record
+from fcaudit.replaying import replay, replaying
 from fcaudit.routers import (
     RouterAdapter,
     counting_experts,

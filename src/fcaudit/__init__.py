@@ -28,11 +28,11 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AuditOptions": "options", "audit": "engine",
     "AuditResult": "result",
-    "DataSpec": "data",
+    "DataSpec": "data", "AuditData": "data",
     "Site": "contract", "SiteCall": "contract", "ExpertLayer": "contract",
     "find_sites": "sites",
-    "record": "record",
-    "replay": "replay",
+    "record": "recording",
+    "replay": "replaying",
     "load_model": "loading",
     "Intervention": "interventions", "InterventionContext": "interventions",
     "StaticProfiles": "interventions", "reassign": "interventions", "shuffle": "interventions",
@@ -45,4 +45,7 @@ __all__ = ["FcauditError", "__version__", *_EXPORTS]
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module 'fcaudit' has no attribute {name!r}")
+    try:  # submodules too: fcaudit.adapters.TupleAdapter without importing it first
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError:
+        raise AttributeError(f"module 'fcaudit' has no attribute {name!r}") from None

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from .contract import Site
 from .errors import FcauditError
 from .nll import logits_of, token_nll
-from .record import recording
-from .replay import BlockTrace, OutputStub, replaying, selecting, swapped, tracing
+from .recording import recording
+from .replaying import BlockTrace, OutputStub, replaying, selecting, swapped, tracing
 
 
 def batches(ids: np.ndarray, batch_size: int, device: torch.device,

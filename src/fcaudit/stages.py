@@ -29,7 +29,7 @@ from .nll import device_of, token_nll
 from .options import AuditOptions, Progress, Setup
 from .passes import batches, check_finite, check_finite_nll, record_batch, replay_batch
 from .plan import ReplayInputs, Run, feed, routing_sites
-from .replay import BlockTrace
+from .replaying import BlockTrace
 from .routers import changed_rows, expert_counts
 
 IDENTITY_CAUSES = (

@@ -30,7 +30,7 @@ import math
 import platform
 import re
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from .contract import ExpertLayer, Site, SiteCall
 from .errors import FcauditError
+from .recording import hooked
 from .result import Estimate, Execution, ExpertExecution, SideTiming, Timing
 from .routers import counting_experts
 
@@ -203,24 +204,20 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
 def watching_routers(model: nn.Module, sites: Sequence[Site]) -> Iterator[dict[str, list]]:
     """The experts each router site selects on the live pass (its adapter's reading)."""
     chosen: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
-    handles = []
-    for site in sites:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
-                 site: Site = site) -> None:
-            first = _first_tensor((*args, *kwargs.values()))
-            batch, seq_len = _batch_shape(first, out)
+
+    def hook_for(site: Site) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 out: Any) -> None:
+            batch, seq_len = _batch_shape(_first_tensor((*args, *kwargs.values())))
             call = SiteCall(module, args, kwargs, batch, seq_len)
             chosen[site.name].append(site.adapter.selected_experts(out, call).cpu())
-        handles.append(model.get_submodule(site.path).register_forward_hook(
-            hook, with_kwargs=True))
-    try:
+        return hook
+
+    with hooked(model, {s.path: hook_for(s) for s in sites}):
         yield chosen
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
-def _batch_shape(first: torch.Tensor | None, out: Any) -> tuple[int, int]:
+def _batch_shape(first: torch.Tensor | None) -> tuple[int, int]:
     """(batch, positions) of a router call: from a ``[B, T, C]`` input, else one flattened
     sequence of all its tokens (only the set of choices matters for counting)."""
     if first is not None and first.dim() >= 3:

@@ -11,7 +11,7 @@ is an error: one coefficient tensor per site and pass is what replay can feed ba
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +57,23 @@ def capture(site: Site, module: nn.Module, call: SiteCall, output: Any) -> Tenso
 
 
 @contextlib.contextmanager
+def hooked(model: nn.Module, hooks: Mapping[str, Callable[..., Any]],
+           pre: bool = False) -> Iterator[None]:
+    """Forward hooks (``pre``: pre-hooks) with kwargs on the modules at these paths, for the
+    duration of the block; removed again whatever happens."""
+    handles = []
+    try:
+        for path, hook in hooks.items():
+            module = model.get_submodule(path)
+            register = module.register_forward_pre_hook if pre else module.register_forward_hook
+            handles.append(register(hook, with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
 def recording(model: nn.Module, sites: Sequence[Site], batch: int,
               seq_len: int) -> Iterator[dict[str, Tensor]]:
     """Hook every site for one forward pass; the yielded dict fills with coefficients.
@@ -65,10 +82,10 @@ def recording(model: nn.Module, sites: Sequence[Site], batch: int,
     """
     captured: dict[str, Tensor] = {}
     calls = dict.fromkeys((s.name for s in sites), 0)
-    handles = []
-    for site in sites:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
-                 site: Site = site) -> None:
+
+    def hook_for(site: Site) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 output: Any) -> None:
             calls[site.name] += 1
             if calls[site.name] > 1:
                 raise _site_error(site, module, (
@@ -77,13 +94,10 @@ def recording(model: nn.Module, sites: Sequence[Site], batch: int,
                     "module that runs once per forward (one per layer)"))
             call = SiteCall(module, args, kwargs, batch, seq_len)
             captured[site.name] = capture(site, module, call, output)
-        handles.append(model.get_submodule(site.path).register_forward_hook(
-            hook, with_kwargs=True))
-    try:
+        return hook
+
+    with hooked(model, {s.path: hook_for(s) for s in sites}):
         yield captured
-    finally:
-        for handle in handles:
-            handle.remove()
     missing = [name for name, n in calls.items() if n == 0]
     if missing:
         raise FcauditError(f"controller sites never ran during the forward pass: "

@@ -143,7 +143,7 @@ def describe_modules(model: nn.Module, sites: set[str]) -> list[tuple[str, str, 
 def _hint(name: str, output: str, sites: set[str], batch: int, seq_len: int) -> str:
     if name in sites:
         return "site"
-    if not _CONTROLLER_NAME.search(name.rsplit(".", 1)[-1]):
+    if not _CONTROLLER_NAME.search(name):
         return ""
     m = re.match(r"Tensor\[(\d+), (\d+)(?:, (\d+))?", output)
     if m and (int(m.group(1)), int(m.group(2))) == (batch, seq_len):

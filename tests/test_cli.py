@@ -1,0 +1,66 @@
+"""The command line as a newcomer meets it: instant help, sites that teach, progress in
+logs, factories imported from the current folder."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_reliability import run_inprocess
+
+from fcaudit.progress import ProgressReporter
+
+TESTS = Path(__file__).parent
+
+
+def test_help_and_argument_errors_do_not_import_torch() -> None:
+    code = ("import sys\nfrom fcaudit.cli import main\ntry:\n    main(['--help'])\n"
+            "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    bad = subprocess.run([sys.executable, "-m", "fcaudit", "audit"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "--model" in bad.stderr
+
+
+def test_sites_all_shows_outputs_and_marks_likely_controllers(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))
+    res = run_inprocess(["sites", "--model", "toys:content_model", "--all"], capsys)
+    assert res.returncode == 0, res.stderr
+    assert "no declared controller sites" in res.stdout
+    line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith("gates.0"))
+    assert "Tensor[2, 8, 64]" in line and "likely controller" in line
+
+
+def test_sites_help_describes_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        run_inprocess(["sites", "--help"], capsys)
+    text = capsys.readouterr().out
+    assert "controller" in text and "--all" in text and "output type and shape" in text
+
+
+def test_progress_prints_plain_lines_when_not_a_terminal() -> None:
+    stream = io.StringIO()
+    with ProgressReporter(True, stream=stream, interval=0.0) as progress:
+        for done in range(1, 4):
+            progress("replay", done, 3, f"batch {done}")
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("fcaudit: replay: 1/3 batch 1") and len(lines) == 3
+    quiet = io.StringIO()
+    with ProgressReporter(False, stream=quiet) as progress:
+        progress("replay", 1, 3)
+    assert quiet.getvalue() == ""
+
+
+def test_a_factory_in_the_current_folder_is_importable(tmp_path: Path) -> None:
+    (tmp_path / "mymodel.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(TESTS)!r})\nimport toys\n\ndef build():\n"
+        "    return toys.content_model()\n")
+    proc = subprocess.run([sys.executable, "-m", "fcaudit", "sites", "--model",
+                           "mymodel:build"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "no declared controller sites" in proc.stdout

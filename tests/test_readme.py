@@ -31,3 +31,15 @@ def test_every_command_the_readme_shows_exists() -> None:
     blocks = "".join(re.findall(r"```bash\n(.*?)```", README.read_text(), re.S))
     shown = set(re.findall(r"^(?:torchrun .*?-m )?fcaudit (\w+)", blocks, re.M))
     assert shown and shown <= commands
+
+
+def test_quoted_wall_times_come_from_the_timings_script() -> None:
+    """benchmarks/timings.py measures them; README and --help quote the same numbers."""
+    from fcaudit.cli import build_parser
+    from fcaudit.runtime import measured_minutes
+    text = README.read_text(encoding="utf-8")
+    assert f"about {measured_minutes('demo')} minutes on a 2-core CPU" in text
+    assert f"about {measured_minutes('tests')} minutes on 2 cores" in text
+    assert f"{measured_minutes('reproduce_tiny')} minutes on 2 cores" in text
+    help_text = build_parser().format_help()
+    assert f"about {measured_minutes('demo')} minutes" in help_text

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FcauditError
+from .runtime import measured_minutes
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
@@ -160,8 +161,8 @@ def _add_reproduce(sub: Any) -> None:
                                    "OUT/reproduction.md, OUT/report.html and figures. Finished "
                                    "runs and audits are reused, so an interrupted study resumes.")
     r.add_argument("--preset", choices=["tiny", "paper"], default="tiny",
-                   help="tiny: CPU scale (~15 min for 3 seeds on 2 cores); paper: 76m x7 and "
-                        "504m x3 seeds (GPU)")
+                   help=f"tiny: CPU scale (about {measured_minutes('reproduce_tiny')} minutes "
+                        "for 3 seeds on 2 cores); paper: 76m x7 and 504m x3 seeds (GPU)")
     r.add_argument("--seeds", type=int, default=None,
                    help="seeds per group (default: tiny 3; paper 7 for 76m and 3 for 504m)")
     r.add_argument("--out", type=Path, default=Path("fcaudit-reproduction"))
@@ -192,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(sub)
     _add_audit(sub)
-    d = sub.add_parser("demo", help="train tiny FeatureGate + Dense and audit them (~3 min)",
+    d = sub.add_parser("demo", help=f"train tiny FeatureGate + Dense and audit them "
+                                    f"(about {measured_minutes('demo')} minutes on 2 cores)",
                        description="The built-in default end to end: train tiny FeatureGate and "
                                    "Dense twins (if absent), audit FeatureGate against Dense, "
                                    "print a summary and write the reports.")

@@ -54,3 +54,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 def resolve_dtype(name: str | None) -> Any:
     import torch
     return None if name is None else getattr(torch, name)
+
+
+def measured_minutes(key: str) -> str:
+    """A wall time measured by ``benchmarks/timings.py`` (``demo``, ``tests``,
+    ``reproduce_tiny``), as the README and ``--help`` quote it."""
+    import json
+    from importlib import resources
+    minutes = json.loads(resources.files(__package__).joinpath("timings.json").read_text())
+    return f"{minutes[key]:g}"

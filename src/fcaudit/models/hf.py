@@ -130,6 +130,7 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None
     transformers = _transformers()
     _check_architecture(folder, raw, transformers)
     weights = _weights(folder)
+    transformers.utils.logging.disable_progress_bar()  # fcaudit reports its own progress
     try:
         config = transformers.AutoConfig.from_pretrained(
             folder, local_files_only=True, trust_remote_code=False)

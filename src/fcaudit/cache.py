@@ -153,6 +153,13 @@ class CoefficientCache:
                         and path.is_file() and not path.is_symlink():
                     path.unlink(missing_ok=True)
 
+    def disk_usage(self) -> dict[str, Any]:
+        """Bytes on disk: the cache holds one shard set per batch, so it grows linearly
+        with the number of evaluation sequences (memory does not: rows are read lazily)."""
+        total = sum(p.stat().st_size for p in self.folder.rglob("*") if p.is_file())
+        return {"bytes": total, "bytes_per_eval_sequence": round(total / self.n_sequences),
+                "growth": "linear in the evaluation sequences (one shard set per batch)"}
+
     # ------------------------------------------------------------------ shards
 
     def has(self, name: str) -> bool:

@@ -416,7 +416,7 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe | None, progress: P
     timings["execution_s"] = time.perf_counter() - started
     timings["total_s"] = time.perf_counter() - setup.started
     runtime = Runtime(host(), {k: round(v, 3) for k, v in timings.items()},
-                      {**replays.schedule, "processes": ranks.world})
+                      {**replays.schedule, "processes": ranks.world}, cache.disk_usage())
     result = assemble(setup, cache, summary, stats, execution, identity, command, runtime)
     result.routing = routing
     return result

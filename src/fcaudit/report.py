@@ -647,7 +647,9 @@ def _reproducibility(r: AuditResult) -> list[str]:
     if r.sites:
         blocks += ["### Sites", _sites_table(r)]
     for title, section in (("Seeds", raw["seeds"]), ("Settings", r.settings),
-                           ("Versions", r.versions), ("Host", r.runtime.host)):
+                           ("Versions", r.versions), ("Host", r.runtime.host),
+                           ("Replay schedule", r.runtime.schedule or {}),
+                           ("Cache on disk", r.runtime.cache or {})):
         if section:
             blocks += [f"### {title}", md_kv_table(section)]
     return blocks

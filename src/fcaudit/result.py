@@ -294,6 +294,7 @@ class Runtime:
     host: dict[str, Any]
     timings: dict[str, float]
     schedule: dict[str, Any] | None = _omit_none()
+    cache: dict[str, Any] | None = _omit_none()
 
 
 @dataclass

@@ -171,7 +171,7 @@ def test_read_points_rejects_other_files(tmp_path):
 # ------------------------------------------------------------------ smoke study
 
 SMOKE = StudySettings(AuditOptions(repeats=1, bootstrap=50, batch_size=4, per_layer=False,
-                                   execution=False, progress=False),
+                                   timing_pairs=0, progress=False),
                       steps=2, max_eval=6, max_calib=4)
 
 

@@ -217,7 +217,7 @@ def run_group(group: Group, out: Path, st: StudySettings, clock: Clock) -> list[
         config = _ensure_run(group.arch, group.preset, seed, run, st, group.schedule, clock)
         wall = clock.of(run, config["results"]["train_wall_s"])
         dense, dense_config = None, None
-        if group.dense == "own":
+        if group.dense == "own" and st.options.execution:  # the twin serves execution only
             dense = out / "runs" / f"dense-{group.stem}-s{seed}"
             dense_config = _ensure_run("dense", group.preset, seed, dense, st, group.schedule,
                                        clock)

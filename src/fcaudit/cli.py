@@ -90,7 +90,8 @@ def _add_train(sub: Any) -> None:
                                    "CPU).")
     t.add_argument("--arch", required=True, choices=["featuregate", "dense", "skipgate", "mudd",
                                                       "moe"])
-    t.add_argument("--preset", default="tiny", help="tiny, small, 76m or 504m (default tiny)")
+    t.add_argument("--preset", default="tiny",
+                   help="tiny, mid, small, 76m or 504m (default tiny)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", required=True, type=Path, help="run folder to create")
     t.add_argument("--steps", type=int, default=None, help="override the preset's step count")
@@ -160,11 +161,15 @@ def _add_reproduce(sub: Any) -> None:
                                    "and SkipGate), audit each, aggregate across seeds and write "
                                    "OUT/reproduction.md, OUT/report.html and figures. Finished "
                                    "runs and audits are reused, so an interrupted study resumes.")
-    r.add_argument("--preset", choices=["tiny", "paper"], default="tiny",
+    r.add_argument("--preset", choices=["tiny", "paper", "trend"], default="tiny",
                    help=f"tiny: CPU scale (about {measured_minutes('reproduce_tiny')} minutes "
-                        "for 3 seeds on 2 cores); paper: 76m x7 and 504m x3 seeds (GPU)")
+                        "for 3 seeds on 2 cores); paper: 76m x7 and 504m x3 seeds (GPU); "
+                        "trend: FeatureGate, Dense and MUDD at a ladder of sizes and training "
+                        "lengths (estimated 105 minutes for 2 seeds on 2 cores), with "
+                        "OUT/points/*.json and OUT/trend.md")
     r.add_argument("--seeds", type=int, default=None,
-                   help="seeds per group (default: tiny 3; paper 7 for 76m and 3 for 504m)")
+                   help="seeds per group (default: tiny 3; paper 7 for 76m and 3 for 504m; "
+                        "trend 2)")
     r.add_argument("--out", type=Path, default=Path("fcaudit-reproduction"))
     r.add_argument("--mudd-checkpoint", default=None, metavar="PATH",
                    help="also audit a local MUDDPythia-1.4B checkpoint folder")
@@ -331,6 +336,9 @@ def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
     for finding, verdict in result["findings"]:
         print(f"- {finding}: {verdict}")
     print(f"wrote {args.out / 'reproduction.md'} and {args.out / 'report.html'}")
+    if args.preset == "trend":
+        from .trend import POINTS
+        print(f"wrote {args.out / 'trend.md'} from the point summaries in {args.out / POINTS}")
 
 
 def _bench_ids(loaded: Any, args: argparse.Namespace) -> Any:

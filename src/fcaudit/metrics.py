@@ -1,6 +1,8 @@
 """Metrics (SPEC section 5): penalties, retention, interaction with paired bootstrap
 intervals over sequences, and the variance decomposition of cached coefficients.
 
+:func:`aggregate` summarises a metric over the training seeds of a study.
+
 Every interval uses the same seeded stream of resampled sequence indices
 (:class:`Bootstrap`), so all contrasts are paired: the same resample is applied to
 every condition.
@@ -9,7 +11,8 @@ every condition.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -216,3 +219,17 @@ class VarianceAccumulator:
             stride = max(1, int(np.ceil(len(row) / max_positions)))
             pos.append([round(float(v), 6) for v in row[::stride]])
         return Profile([s.name for s in self.sites], means, sds, pos, stride)
+
+
+def aggregate(per_seed: Sequence[Mapping[str, float | None]]) -> dict[str, dict[str, Any]]:
+    """Mean, sd (n-1), min and max of each metric over seeds; null values are left out."""
+    keys = list(dict.fromkeys(k for m in per_seed for k in m))
+    out = {}
+    for key in keys:
+        values = np.array([m[key] for m in per_seed if m.get(key) is not None], dtype=float)
+        out[key] = {"n": int(len(values)),
+                    "mean": float(values.mean()) if len(values) else None,
+                    "sd": float(values.std(ddof=1)) if len(values) > 1 else None,
+                    "min": float(values.min()) if len(values) else None,
+                    "max": float(values.max()) if len(values) else None}
+    return out

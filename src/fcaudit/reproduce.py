@@ -4,14 +4,18 @@ Trains every (architecture, preset, seed) of the study, audits each trained
 model (dependence and execution), aggregates across seeds and writes
 ``reproduction.json``, ``reproduction.md``, ``report.html`` and figures. Every
 finished training run and audit is reused on rerun, so an interrupted study
-resumes where it stopped.
+resumes where it stopped. The ``trend`` preset trains a ladder of sizes and lengths
+(:mod:`fcaudit.trend`) and also writes a summary per finished point and ``trend.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import shlex
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -20,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import trend
 from .data import DataSpec
 from .engine import AuditOptions, as_loaded, audit
 from .errors import FcauditError
@@ -34,14 +39,16 @@ from .figures import (
     variance_figure,
     write_figures,
 )
-from .fileio import write_json, write_text
+from .fileio import read_json, write_json, write_text
 from .loading import LoadedModel, is_run_folder
+from .metrics import aggregate
 from .nll import logits_of
 from .outdir import STUDY_RESULTS, hold_output, replacing_results
 from .report import md_code, md_fenced, md_figures, md_table, md_text, to_html
 from .result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
 from .runtime import versions
-from .train import train
+from .train import TrainPreset, resolve_schedule, train
+from .trend import SeedResult
 
 SCHEMA = "fcaudit.reproduction/1"
 
@@ -54,14 +61,24 @@ class Group:
     preset: str
     seeds: int
     dense: str | None = "own"  # "own": the trained Dense twin of the same seed
+    schedule: TrainPreset | None = None  # None: the preset's own training settings
+    point: str = ""  # a trend point (size and length, "tiny-600"); names the run folders
+
+    @property
+    def stem(self) -> str:
+        return self.point or self.preset
 
     @property
     def name(self) -> str:
-        return f"{self.arch}-{self.preset}"
+        return f"{self.arch}-{self.stem}"
+
+
+STUDY_PRESETS = ("tiny", "paper", "trend")
 
 
 def study(preset: str, seeds: int | None) -> list[Group]:
-    """The groups of a study preset (``--seeds`` overrides every group's seed count)."""
+    """The groups of a study preset (``--seeds`` overrides every group's seed count);
+    the groups of one trend point are consecutive."""
     if preset == "tiny":
         n = seeds or 3
         # soft gating, dynamic cross-layer mixing and hard routing (the three kinds the paper
@@ -70,7 +87,13 @@ def study(preset: str, seeds: int | None) -> list[Group]:
                 Group("moe", "tiny", n), Group("skipgate", "tiny", 1)]
     if preset == "paper":
         return [Group("featuregate", "76m", seeds or 7), Group("featuregate", "504m", seeds or 3)]
-    raise FcauditError(f"unknown study preset {preset!r}; choose tiny or paper")
+    if preset == "trend":
+        n = seeds or trend.SEEDS
+        return [Group(arch, p.size, n, dense="own" if arch == "featuregate" else None,
+                      schedule=p.schedule, point=p.name)
+                for p in trend.LADDER for arch in trend.ARCHES]
+    raise FcauditError(f"unknown study preset {preset!r}; choose one of "
+                       f"{', '.join(STUDY_PRESETS)}")
 
 
 # What the paper reported (SPEC section 8), shown beside our aggregates.
@@ -116,20 +139,6 @@ def metrics_of(audit: AuditResult) -> dict[str, float | None]:
     return out
 
 
-def aggregate(per_seed: Sequence[Mapping[str, float | None]]) -> dict[str, dict[str, Any]]:
-    """Mean, sd (n-1), min and max of each metric over seeds; null values are left out."""
-    keys = list(dict.fromkeys(k for m in per_seed for k in m))
-    out = {}
-    for key in keys:
-        values = np.array([m[key] for m in per_seed if m.get(key) is not None], dtype=float)
-        out[key] = {"n": int(len(values)),
-                    "mean": float(values.mean()) if len(values) else None,
-                    "sd": float(values.std(ddof=1)) if len(values) > 1 else None,
-                    "min": float(values.min()) if len(values) else None,
-                    "max": float(values.max()) if len(values) else None}
-    return out
-
-
 @dataclass(frozen=True)
 class StudySettings:
     """What every training run and audit of the study shares."""
@@ -141,35 +150,84 @@ class StudySettings:
     train_data: str | None = None  # train on this text instead of the built-in corpus
 
 
-def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettings) -> Path:
-    if is_run_folder(folder):
-        return folder
-    return train(arch, preset, seed, folder, force=True, steps=st.steps,
-                 progress=st.options.progress, data=st.train_data)
+TIMINGS = "timings.json"
+
+
+class Clock:
+    """Wall time of every training run and audit the study made, in ``OUT/timings.json``
+    as each finishes. A resumed study so knows what each reused part took when it was
+    made; a part made before (no entry) counts its own record: its training loop, or
+    its audit's ``total_s``, which leave out loading and tokenizing."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / TIMINGS
+        self.seconds: dict[str, float] = \
+            read_json(self.path, "study timings") if self.path.is_file() else {}
+
+    @staticmethod
+    def _key(part: Path) -> str:
+        return f"{part.parent.name}/{part.name}"
+
+    @contextlib.contextmanager
+    def timing(self, part: Path) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        self.seconds[self._key(part)] = round(time.perf_counter() - started, 1)
+        write_json(self.path, self.seconds)
+
+    def of(self, part: Path, recorded: float) -> float:
+        return self.seconds.get(self._key(part), recorded)
+
+
+def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettings,
+                schedule: TrainPreset | None, clock: Clock) -> dict[str, Any]:
+    """The run's ``config.json``, training it first unless a finished run is there.
+
+    A finished run trained with other settings (a smoke study's ``--steps``, say) is
+    refused rather than reused, so a study never mixes training lengths silently.
+    """
+    expected = dataclasses.asdict(resolve_schedule(preset, st.steps, schedule))
+    if not is_run_folder(folder):
+        with clock.timing(folder):
+            train(arch, preset, seed, folder, force=True, steps=st.steps,
+                  progress=st.options.progress, data=st.train_data, schedule=schedule)
+    config = read_json(folder / "config.json", "run config")
+    if config["train"] != expected:
+        raise FcauditError(f"{folder} was trained with other settings ({config['train']}) "
+                           f"than this study asks for ({expected}); choose another --out, or "
+                           "remove that run to retrain it")
+    return config
 
 
 def _audit(audit_dir: Path, model: str | LoadedModel, st: StudySettings, options: AuditOptions,
-           dense: str | None = None) -> AuditResult:
+           dense: str | None, clock: Clock) -> AuditResult:
     """The audit in ``audit_dir``: read when finished (resuming), else run now."""
     if (audit_dir / "audit.json").is_file():
         return AuditResult.read(audit_dir / "audit.json")
-    return audit(model, audit_dir, dense=dense, options=options,
-                 data=DataSpec(max_eval=st.max_eval, max_calib=st.max_calib))
+    with clock.timing(audit_dir):
+        return audit(model, audit_dir, dense=dense, options=options,
+                     data=DataSpec(max_eval=st.max_eval, max_calib=st.max_calib))
 
 
-def run_group(group: Group, out: Path, st: StudySettings) -> list[AuditResult]:
-    """Train and audit every seed of ``group`` (reusing what exists); return the audits."""
-    audits = []
+def run_group(group: Group, out: Path, st: StudySettings, clock: Clock) -> list[SeedResult]:
+    """Train and audit every seed of ``group`` (reusing what exists)."""
+    done = []
     for seed in range(group.seeds):
-        run = _ensure_run(group.arch, group.preset, seed, out / "runs" / f"{group.name}-s{seed}",
-                          st)
-        dense = None
-        if group.dense == "own":
-            dense = str(_ensure_run("dense", group.preset, seed,
-                                    out / "runs" / f"dense-{group.preset}-s{seed}", st))
-        audits.append(_audit(out / "audits" / f"{group.name}-s{seed}", str(run), st,
-                             dataclasses.replace(st.options, seed=seed), dense))
-    return audits
+        run = out / "runs" / f"{group.name}-s{seed}"
+        config = _ensure_run(group.arch, group.preset, seed, run, st, group.schedule, clock)
+        wall = clock.of(run, config["results"]["train_wall_s"])
+        dense, dense_config = None, None
+        if group.dense == "own" and st.options.execution:  # the twin serves execution only
+            dense = out / "runs" / f"dense-{group.stem}-s{seed}"
+            dense_config = _ensure_run("dense", group.preset, seed, dense, st, group.schedule,
+                                       clock)
+            wall += clock.of(dense, dense_config["results"]["train_wall_s"])
+        audit_dir = out / "audits" / f"{group.name}-s{seed}"
+        audit = _audit(audit_dir, str(run), st, dataclasses.replace(st.options, seed=seed),
+                       None if dense is None else str(dense), clock)
+        wall += clock.of(audit_dir, audit.runtime.timings["total_s"])
+        done.append(SeedResult(seed, config, audit, dense_config, round(wall, 1)))
+    return done
 
 
 def _fmt(stats: Mapping[str, Any] | None, digits: int = 4, pct: bool = False) -> str:
@@ -323,10 +381,15 @@ def _markdown(result: Mapping[str, Any], figures: Sequence[RenderedFigure]) -> s
     groups = result["groups"]
     listing = ", ".join(f"{md_text(n)} ({len(g['audits'])})" for n, g in groups.items())
     blocks = ["# fcaudit reproduction: Dynamic Parameterization Is Not Dynamic Inference",
-              f"Study preset {md_text(result['preset'])}; groups (seeds): {listing}.",
-              "## Findings at this scale",
-              md_table(("paper finding", "here"),
-                       ((md_text(f), md_text(v)) for f, v in result["findings"]), "ll")]
+              f"Study preset {md_text(result['preset'])}; groups (seeds): {listing}."]
+    if result["findings"]:
+        blocks += ["## Findings at this scale",
+                   md_table(("paper finding", "here"),
+                            ((md_text(f), md_text(v)) for f, v in result["findings"]), "ll")]
+    else:
+        blocks += ["## Findings across scales",
+                   "What the ladder of sizes and lengths shows, and cannot show: "
+                   "[trend.md](trend.md)."]
     for name, g in groups.items():
         paper = PAPER.get(name.split("-")[0], {})
         blocks += [f"## {md_text(name)}: mean ± sd over seeds",
@@ -356,7 +419,8 @@ def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
     """
     study(preset, seeds)  # an unknown preset fails before anything is loaded or trained
     checkpoint = _probed(mudd_checkpoint) if mudd_checkpoint else None
-    with hold_output(out, "study", command), replacing_results(out, STUDY_RESULTS):
+    results = (*STUDY_RESULTS, "trend.md") if preset == "trend" else STUDY_RESULTS
+    with hold_output(out, "study", command), replacing_results(out, results):
         return _study(preset, out, seeds=seeds, mudd_checkpoint=checkpoint,
                       settings=settings, command=command)
 
@@ -382,18 +446,33 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
            command: str | None) -> dict[str, Any]:
     out = Path(out)
     st = settings or StudySettings(AuditOptions())
+    if preset == "trend":
+        # the trend reads whole-family conditions only; the per-layer variants would more
+        # than double each audit's replays for numbers no point summary holds
+        st = dataclasses.replace(st, options=dataclasses.replace(st.options, per_layer=False))
     groups: dict[str, dict[str, Any]] = {}
-    for group in study(preset, seeds):
-        audits = run_group(group, out, st)
-        groups[group.name] = {"audits": audits,
-                              "aggregate": aggregate([metrics_of(a) for a in audits])}
+    clock = Clock(out)
+    points = {p.name: p for p in trend.LADDER}
+    for stem, members in itertools.groupby(study(preset, seeds), key=lambda g: g.stem):
+        done = {group.arch: run_group(group, out, st, clock) for group in members}
+        for arch, seed_results in done.items():
+            audits = [r.audit for r in seed_results]
+            groups[f"{arch}-{stem}"] = {"audits": audits,
+                                        "aggregate": aggregate([metrics_of(a) for a in audits])}
+        if preset == "trend":  # the point is finished: its summary, before the next one
+            write_json(out / trend.POINTS / f"{stem}.json", trend.point_summary(points[stem], done))
     if mudd_checkpoint:
-        audit = _audit(out / "audits" / "muddpythia-checkpoint", mudd_checkpoint, st, st.options)
+        audit = _audit(out / "audits" / "muddpythia-checkpoint", mudd_checkpoint, st, st.options,
+                       None, clock)
         groups["mudd-checkpoint"] = {"audits": [audit], "aggregate": aggregate([metrics_of(audit)])}
-    result = {"schema": SCHEMA, "preset": preset,
-              "command": command or shlex.join(["fcaudit", "reproduce", "--preset", preset,
-                                                "--out", str(out)]),
-              "groups": groups, "findings": findings(groups), "versions": versions()}
+    command = command or shlex.join(["fcaudit", "reproduce", "--preset", preset, "--out",
+                                     str(out)])
+    result = {"schema": SCHEMA, "preset": preset, "command": command, "groups": groups,
+              # one scale's findings; a trend's are in trend.md, point by point
+              "findings": [] if preset == "trend" else findings(groups),
+              "versions": versions()}
+    if preset == "trend":
+        trend.write_trend(out / trend.POINTS, out, command)
     figures = write_figures(_figure_specs(groups), out / "figures")
     markdown = _markdown(result, figures)
     summary = {**result, "groups": {n: {"aggregate": g["aggregate"], "seeds": len(g["audits"]),

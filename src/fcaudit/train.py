@@ -59,6 +59,8 @@ class TrainPreset:
 
 TRAIN_PRESETS: dict[str, TrainPreset] = {
     "tiny": TrainPreset(seq_len=128, batch_size=16, steps=600, lr=3e-3, warmup=30),
+    # the learning rate falls as 1/width: 3e-3 x 128 / n_embd (tiny 128, mid 256, small 384)
+    "mid": TrainPreset(seq_len=128, batch_size=16, steps=600, lr=1.5e-3, warmup=30),
     "small": TrainPreset(seq_len=256, batch_size=32, steps=3000, lr=1e-3, warmup=100),
     "76m": TrainPreset(seq_len=1024, batch_size=32, steps=20000, lr=6e-4, warmup=500),
     "504m": TrainPreset(seq_len=1024, batch_size=32, steps=30000, lr=3e-4, warmup=1000),
@@ -121,11 +123,13 @@ def training_data(vocab_size: int, seq_len: int,
 
 def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: bool = False,
           steps: int | None = None, progress: bool = True, device: str | None = None,
-          data: str | Path | None = None) -> Path:
+          data: str | Path | None = None, schedule: TrainPreset | None = None) -> Path:
     """Train one model (on the built-in corpus, or ``data``) and write its run folder.
 
-    Determinism is promised on CPU (same seed and thread count, same weights); on
-    CUDA the run is seeded but kernels may differ in the last bits.
+    ``schedule`` replaces the preset's own optimisation settings, so a study can train
+    one model size at several lengths and batch shapes (``fcaudit reproduce --preset
+    trend``). Determinism is promised on CPU (same seed and thread count, same
+    weights); on CUDA the run is seeded but kernels may differ in the last bits.
     """
     for option, value, least in (("--seed", seed, 0), ("--steps", steps, 1)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -134,15 +138,23 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
     device = str(resolve_device(device))
     out = Path(out)
     arch = get_arch(arch_name)
-    if preset not in TRAIN_PRESETS:
-        raise FcauditError(f"unknown preset {preset!r}; choose one of {', '.join(TRAIN_PRESETS)}")
-    tp = TRAIN_PRESETS[preset]
-    if steps is not None:
-        tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))
+    tp = resolve_schedule(preset, steps, schedule)
     cfg = arch.config(preset)
     check_run_out(out, force)
     with hold_output(out, "run"):
         return _train(arch, preset, seed, out, tp, cfg, device, progress, data)
+
+
+def resolve_schedule(preset: str, steps: int | None = None,
+                     schedule: TrainPreset | None = None) -> TrainPreset:
+    """The settings a run trains with (``config.json`` ``train``): ``schedule`` or the
+    preset's own, with ``steps`` overriding the length (warm-up capped at a tenth)."""
+    if schedule is None and preset not in TRAIN_PRESETS:
+        raise FcauditError(f"unknown preset {preset!r}; choose one of {', '.join(TRAIN_PRESETS)}")
+    tp = schedule or TRAIN_PRESETS[preset]
+    if steps is not None:
+        tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))
+    return tp
 
 
 def check_run_out(out: Path, force: bool) -> None:

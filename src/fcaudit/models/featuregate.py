@@ -42,6 +42,9 @@ class GPTConfig:
 
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=128),
+    # the trend study's size between tiny and small (geometric middle of their parameters):
+    # tiny's depth, vocabulary and context at twice its width
+    "mid": GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=256),
     "small": GPTConfig(vocab_size=4096, block_size=256, n_layer=6, n_head=6, n_embd=384),
     "76m": GPTConfig(vocab_size=12288, block_size=1024, n_layer=12, n_head=10, n_embd=640),
     "504m": GPTConfig(vocab_size=16384, block_size=1024, n_layer=24, n_head=20, n_embd=1280),

@@ -185,6 +185,11 @@ PRESETS: dict[str, MuddConfig] = {
     # trains on a 2-core CPU in minutes; the trainer replaces vocab_size
     "tiny": MuddConfig(n_layer=4, dim=128, n_head=4, n_local_heads=4, intermediate_size=512,
                        vocab_size=2048, block_size=256),
+    # FeatureGate's mid and small shapes, the MUDD contrast of the trend study
+    "mid": MuddConfig(n_layer=4, dim=256, n_head=4, n_local_heads=4, intermediate_size=1024,
+                      vocab_size=2048, block_size=256),
+    "small": MuddConfig(n_layer=6, dim=384, n_head=6, n_local_heads=6, intermediate_size=1536,
+                        vocab_size=4096, block_size=256),
     "1.4b": MuddConfig(),  # MUDDPythia-1.4B, config_1p4b.json of the official repository
     "2.8b": MuddConfig(n_layer=32, dim=2560, n_head=32, n_local_heads=32,
                        intermediate_size=10240),  # MUDDPythia-2.8B, config_2p8b.json

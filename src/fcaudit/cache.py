@@ -37,7 +37,7 @@ from .fileio import (
     write_text,
 )
 
-SCHEMA = "fcaudit.cache/2"
+SCHEMA = "fcaudit.cache/3"
 _OPEN_HANDLES = 16
 _REPLAY_FOLDER = re.compile(r"replay-[0-9a-f]{16}")  # replay_name's folder for a plan hash
 _SHARD_SUFFIXES = (".safetensors", ".safetensors.sha256")

@@ -41,15 +41,6 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _check_float(tensor: Tensor, what: str) -> Tensor:
-    if not tensor.is_floating_point():
-        raise FcauditError(
-            f"{what} is {str(tensor.dtype).removeprefix('torch.')}, not floating point: "
-            "coefficients must be real numbers (a router's logits, a gate's value); for a "
-            "boolean or integer decision, name the module that produces its scores")
-    return tensor
-
-
 @dataclass(frozen=True)
 class TensorAdapter:
     """The output is the coefficient tensor ``[B, T, *trailing]`` itself."""

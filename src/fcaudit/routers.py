@@ -262,7 +262,7 @@ def routing_summary(sites: Sequence[Any], runs: Sequence[Any], load: dict[str, T
         members = [(j, s) for j, s in enumerate(sites) if s.family == family]
         for j, site in members:
             counts = load[site.name]
-            share = expert_load_from_counts(counts)
+            share = counts.double() / max(int(counts.sum()), 1)
             nats, normalized = load_entropy(share)
             frac = {}
             for condition, rows in by_condition.items():
@@ -275,11 +275,6 @@ def routing_summary(sites: Sequence[Any], runs: Sequence[Any], load: dict[str, T
             num_experts=max(len(x.load) for x in layers), tokens=tokens, per_layer=layers,
             changed={c: v / len(members) for c, v in totals.items()}, note=ROUTING_NOTE)
     return out
-
-
-def expert_load_from_counts(counts: Tensor) -> Tensor:
-    """Counts per expert as shares (float64, summing to 1; zeros stay zeros)."""
-    return counts.double() / max(int(counts.sum()), 1)
 
 
 # ---- execution counts ----

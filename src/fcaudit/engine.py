@@ -75,8 +75,6 @@ from .verdicts import dependence, qualified, variation
 __all__ = ["AuditOptions", "audit"]
 
 
-
-
 def as_loaded(model: str | Path | nn.Module | LoadedModel,
               dtype: torch.dtype | None = None) -> LoadedModel:
     if isinstance(model, LoadedModel):
@@ -169,8 +167,6 @@ def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | No
         raise FcauditError(f"--dense {dense}: {exc}") from exc
     resolve_block_paths(twin, blocks)
     return twin, str(dense)
-
-
 
 
 @dataclass

@@ -177,7 +177,6 @@ class RouterAdapter:
             call.batch, call.seq_len, k)
 
 
-
 @dataclass(frozen=True)
 class TopKLogits:
     """:class:`~fcaudit.contract.RoutingAdapter` for a router module that returns its logits

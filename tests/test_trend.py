@@ -28,7 +28,7 @@ def n_params(arch: str, size: str) -> int:
         return sum(p.numel() for p in a.build(a.config(size)).parameters())
 
 
-def test_ladder_sizes_lengths_seeds_and_mudd_at_every_point():
+def test_ladder_sizes_lengths_seeds_and_the_mudd_contrast():
     sizes = list(dict.fromkeys(p.size for p in trend.LADDER))
     params = [n_params("featuregate", s) for s in sizes]
     assert len(sizes) >= 3 and params == sorted(params) and len(set(params)) == len(params)
@@ -38,8 +38,9 @@ def test_ladder_sizes_lengths_seeds_and_mudd_at_every_point():
     groups = study("trend", None)
     for point in trend.LADDER:
         at = {g.arch: g for g in groups if g.point == point.name}
-        assert set(at) == {"featuregate", "mudd"}
-        assert at["featuregate"].dense == "own" and at["mudd"].dense is None
+        assert set(at) == ({"featuregate", "mudd"} if point.size == "tiny" else {"featuregate"})
+        assert at["featuregate"].dense == "own"
+        assert "mudd" not in at or at["mudd"].dense is None
         assert all(g.seeds == 2 and g.schedule == point.schedule for g in at.values())
         # MUDD is the same shape as FeatureGate at every size
         assert n_params("mudd", point.size) == pytest.approx(n_params("featuregate", point.size),

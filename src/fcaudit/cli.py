@@ -164,9 +164,10 @@ def _add_reproduce(sub: Any) -> None:
     r.add_argument("--preset", choices=["tiny", "paper", "trend"], default="tiny",
                    help=f"tiny: CPU scale (about {measured_minutes('reproduce_tiny')} minutes "
                         "for 3 seeds on 2 cores); paper: 76m x7 and 504m x3 seeds (GPU); "
-                        "trend: FeatureGate, Dense and MUDD at a ladder of sizes and training "
-                        "lengths (estimated 105 minutes for 2 seeds on 2 cores), with "
-                        "OUT/points/*.json and OUT/trend.md")
+                        "trend: FeatureGate and Dense at a ladder of sizes and training lengths, "
+                        "MUDD at the tiny points (about "
+                        f"{measured_minutes('reproduce_trend')} minutes for 2 seeds on 2 "
+                        "cores), with OUT/points/*.json and OUT/trend.md")
     r.add_argument("--seeds", type=int, default=None,
                    help="seeds per group (default: tiny 3; paper 7 for 76m and 3 for 504m; "
                         "trend 2)")

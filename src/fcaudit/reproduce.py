@@ -91,7 +91,7 @@ def study(preset: str, seeds: int | None) -> list[Group]:
         n = seeds or trend.SEEDS
         return [Group(arch, p.size, n, dense="own" if arch == "featuregate" else None,
                       schedule=p.schedule, point=p.name)
-                for p in trend.LADDER for arch in trend.ARCHES]
+                for p in trend.LADDER for arch in p.arches]
     raise FcauditError(f"unknown study preset {preset!r}; choose one of "
                        f"{', '.join(STUDY_PRESETS)}")
 

@@ -16,39 +16,25 @@ Every point trains with tiny's batch shape (16 sequences of 128 tokens, 2,048 to
 step), so two points differ only in size or only in length, and every audit replays
 128-token windows. The learning rate is each size's preset's: 3e-3 x 128 / width. The
 sizes are log-spaced (mid is the geometric middle of tiny and small); the length
-lever is 3x at the smallest size:
+lever is 2x at the smallest size. FeatureGate (with its Dense twin) is trained and
+audited at every point; MUDD, the contrast, at the tiny size's points:
 
-    point       layers x width  vocabulary  FeatureGate params  steps  tokens
-    tiny-600    4 x 128         2048        1.34M                600    1.23M
-    tiny-1800   4 x 128         2048        1.34M               1800    3.69M
-    mid-600     4 x 256         2048        4.24M                600    1.23M
-    small-600   6 x 384         4096        13.90M               600    1.23M
+    point       layers x width  vocabulary  FeatureGate params  steps  tokens  MUDD
+    tiny-600    4 x 128         2048        1.34M                600    1.23M   yes
+    tiny-1200   4 x 128         2048        1.34M               1200    2.46M   yes
+    mid-600     4 x 256         2048        4.24M                600    1.23M   no
+    small-600   6 x 384         4096        13.90M               600    1.23M   no
 
-Budget (the whole ladder: 2 seeds x FeatureGate, Dense and MUDD trainings, and 2
-seeds x a FeatureGate and a MUDD audit, per point). Seconds per training step, one
-thread, measured with ``benchmarks/trend_budget.py --threads 1`` on the 2-core machine
-while other work held the other core (load average 2-3):
-
-    size    FeatureGate  Dense  MUDD   sum
-    tiny    0.218        0.211  0.258  0.687
-    mid     0.595        0.592  0.663  1.850
-    small   1.833        1.802  1.978  5.613
-
-The README's tiny study (10 trainings of 600 steps and 7 audits in 15.5 min on 2 quiet
-cores; its trainings alone take 22.6 min at these rates) implies 2 quiet cores run
-about 2.2x faster than that one thread. Training,
-2 seeds x steps x sum / 2.2: tiny-600 6.2 min, tiny-1800 18.7, mid-600 16.8,
-small-600 51.0; 92.8 min in all. Audits as the study runs them (64 evaluation and 64
-calibration sequences, 3 repeats, 1000 resamples, execution against Dense, no
-per-layer variants), timed with ``trend_budget.py --audits`` under load average 4-5:
-FeatureGate / MUDD 9.9 / 7.1 s at tiny and 109 / 118 s at small, so about 5 / 3 s and
-49 / 53 s on quiet cores (/ 2.2), and about 20 s each at mid: 5.5 min for the ladder's
-16 audits. Tokenizing, final evaluations and saving add about 4 min over its 24
-training runs (a small one took 35 s of it under that load). Total: about 102
-minutes, 1 h 45 min. The study writes each run's and audit's wall time to
-``OUT/timings.json`` and each point's to its summary, so the first point (tiny-600,
-estimated 7 min) shows early whether the machine keeps to the estimate; an interrupted
-study resumes where it stopped.
+Budget: about 2 hours on 2 cores. Seconds per training step of FeatureGate / Dense /
+MUDD with one thread (``benchmarks/trend_budget.py --threads 1``): tiny 0.218 / 0.211 /
+0.258, mid 0.595 / 0.592 / 0.663, small 1.833 / 1.802 / 1.978. Two threads ran tiny
+FeatureGate at 11,600 tokens/s, 1.23x the one-thread rate (larger widths gain more).
+At 1.23x: tiny-600 11 min (2 seeds x 3 models), tiny-1200 22, mid-600 19 (no MUDD),
+small-600 59 (no MUDD); about 5 min of audits (12: 2 seeds x FeatureGate at 4 points
+and MUDD at 2) and 4 of tokenizing, evaluating and saving: about 2 hours. MUDD at mid
+and small (32 more minutes at 1.23x) and a 3x length lever (11 more) did not fit. The
+study writes each run's and audit's wall time to ``OUT/timings.json`` and each point's
+to its summary; an interrupted study resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -104,9 +90,15 @@ class Point:
     def tokens(self) -> int:
         return self.steps * BATCH.batch_size * BATCH.seq_len
 
+    @property
+    def arches(self) -> tuple[str, ...]:
+        """Audited here: FeatureGate (trained with its Dense twin) at every point, and MUDD,
+        the contrast, at the tiny size's points (see the budget in the module docstring)."""
+        return ("featuregate", "mudd") if self.size == CONTRAST_SIZE else ("featuregate",)
 
-LADDER = (Point("tiny", 600), Point("tiny", 1800), Point("mid", 600), Point("small", 600))
-ARCHES = ("featuregate", "mudd")  # audited at every point; featuregate with its Dense twin
+
+LADDER = (Point("tiny", 600), Point("tiny", 1200), Point("mid", 600), Point("small", 600))
+CONTRAST_SIZE = "tiny"  # MUDD, the contrast, at the tiny size's points (both lengths)
 
 # The paper's figures (SPEC section 8) marked beside ours.
 PAPER_PARAMS = {"76M": 76e6, "504M": 504e6, "1.4B": 1.4e9}

@@ -5,7 +5,7 @@ folder, the README's test command, and (with ``--study``) ``fcaudit reproduce --
 tiny --seeds 3``. Writes the minutes to ``src/fcaudit/timings.json``, which ``--help``
 reads and a test compares with the README, so every quoted time comes from here.
 
-    python benchmarks/timings.py --study --keep study-tiny
+    python benchmarks/timings.py --study --keep study-tiny --keep-demo demo
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ def main() -> None:
     p.add_argument("--study", action="store_true", help="also time reproduce --preset tiny")
     p.add_argument("--keep", type=Path, default=None,
                    help="keep the study folder here (its numbers go into the README)")
+    p.add_argument("--keep-demo", type=Path, default=None,
+                   help="keep the demo folder here (its audit goes into the README)")
     args = p.parse_args()
     fcaudit = [sys.executable, "-m", "fcaudit"]
     minutes = json.loads(TARGET.read_text()) if TARGET.exists() else {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        minutes["demo"] = timed([*fcaudit, "demo", "--quiet", "--out", str(work / "demo")],
-                                work) / 60
+        demo = args.keep_demo or work / "demo"
+        minutes["demo"] = timed([*fcaudit, "demo", "--quiet", "--out", str(demo)], work) / 60
         minutes["tests"] = timed([sys.executable, "-m", "pytest", "-q"], ROOT) / 60
         if args.study:
             study = args.keep or work / "study"

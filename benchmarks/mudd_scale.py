@@ -9,12 +9,20 @@ mode side by side, plus the largest logits difference between replay and native.
 That difference must be 0: a replay that feeds back the recorded coefficients is the
 same computation.
 
+It then reports the prefix-reuse schedule: on the first sequence it times a replay of
+one site's per-layer run with every block that ended before the site stubbed by its
+recorded output (the suffix only), at a few sites spread over the depth, checks that
+the stubbed correct replay equals the full one bit for bit, and estimates the whole
+audit's forward-pass equivalents under both schedules from the audit's own run plan
+(interpolating the suffix cost between the timed sites).
+
 Peak RSS per mode is the kernel's high-water mark (VmHWM), reset before each mode
 through /proc/self/clear_refs. Where that is unavailable, it falls back to
 ``getrusage``, whose peak only ever grows.
 
     python benchmarks/mudd_scale.py                 # 2 x 2048 tokens, bf16 (~10 min, ~5 GB)
     python benchmarks/mudd_scale.py --seqs 1 --seq-len 512
+    python benchmarks/mudd_scale.py --preset tiny --seq-len 256 --suffix-sites 6
 """
 
 from __future__ import annotations
@@ -29,9 +37,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import torch
 
+from fcaudit.adapters import same_bits
 from fcaudit.models.mudd import PRESETS, MuddModel
+from fcaudit.options import AuditOptions
+from fcaudit.passes import replay_batch
+from fcaudit.plan import plan_runs
 from fcaudit.recording import record
 from fcaudit.replaying import replaying
 
@@ -79,6 +92,36 @@ def build(preset: str, dtype: torch.dtype) -> MuddModel:
     return model.eval()
 
 
+def prefix_schedule(model: MuddModel, ids: torch.Tensor, coefficients: dict[str, torch.Tensor],
+                    samples: int) -> None:
+    """Time suffix-only per-layer replays and print both schedules' forward equivalents."""
+    sites = model.controller_sites()
+    fed = {site: coefficients[site.name] for site in sites}
+    blocks = list(model.execution_blocks())
+    with torch.no_grad():
+        full, full_s, _ = measure(lambda: replay_batch(model, ids, fed, trace=blocks))
+    trace = full.trace
+    prefix_len = [len(trace.prefix(s.path)) for s in sites]
+    picked = sorted({round(i) for i in np.linspace(0, len(sites) - 1, samples)})
+    suffix_cost = []
+    for i in picked:
+        known = {p: trace.outputs[p] for p in trace.prefix(sites[i].path)}
+        with torch.no_grad():
+            out, s, _ = measure(lambda known=known: replay_batch(model, ids, fed, known=known))
+        exact = same_bits(out.logits, full.logits)
+        suffix_cost.append(s / full_s)
+        print(f"  site {sites[i].name}: {prefix_len[i]} blocks stubbed, replay "
+              f"{s:.2f}s = {s / full_s:.3f}x a full replay, equal to it: {exact}")
+    costs = np.interp(prefix_len, [prefix_len[i] for i in picked], suffix_cost)
+    by_site = dict(zip((s.name for s in sites), costs, strict=True))
+    runs = plan_runs(sites, AuditOptions())
+    naive = 1 + len(runs)  # the record pass, then every replay in full
+    prefix = 1 + 1 + sum(1.0 if r.site is None else by_site[r.site.name] for r in runs)
+    print(f"audit plan: {len(runs)} replays ({sum(r.site is not None for r in runs)} per-layer); "
+          f"forward-pass equivalents: naive {naive}, prefix reuse {prefix:.1f} "
+          f"(incl. one proof pass per batch) = {prefix / naive:.3f}x the naive schedule")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="1.4b", choices=sorted(PRESETS))
@@ -87,6 +130,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--suffix-sites", type=int, default=4,
+                        help="sites at which to time a suffix-only replay (0: skip)")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -125,6 +170,9 @@ def main() -> None:
             replayed, s, gb = measure(replay)
             seconds["replay"].append(s)
             peaks["replay"] = max(peaks["replay"], gb)
+            if n == 0 and args.suffix_sites > 0:
+                print("prefix reuse (first sequence):")
+                prefix_schedule(model, ids, coefficients, args.suffix_sites)
             native = torch.load(native_file, mmap=True)
             worst = max(worst, (replayed.float() - native.float()).abs().max().item())
             del native, replayed, coefficients

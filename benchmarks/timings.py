@@ -3,9 +3,13 @@
 Runs, one after another on an otherwise idle machine: ``fcaudit demo`` into a new
 folder, the README's test command, and (with ``--study``) ``fcaudit reproduce --preset
 tiny --seeds 3``. Writes the minutes to ``src/fcaudit/timings.json``, which ``--help``
-reads and a test compares with the README, so every quoted time comes from here.
+reads and a test compares with the README, so every quoted time comes from here. The
+trend study (about 1.5 hours) is not rerun here: ``--trend-timings`` takes the
+``timings.json`` a finished ``fcaudit reproduce --preset trend`` wrote (each run's and
+audit's seconds) and records their sum.
 
     python benchmarks/timings.py --study --keep study-tiny --keep-demo demo
+    python benchmarks/timings.py --trend-timings study-trend/timings.json
 """
 
 from __future__ import annotations
@@ -38,9 +42,25 @@ def main() -> None:
                    help="keep the study folder here (its numbers go into the README)")
     p.add_argument("--keep-demo", type=Path, default=None,
                    help="keep the demo folder here (its audit goes into the README)")
+    p.add_argument("--trend-timings", type=Path, default=None, metavar="PATH",
+                   help="a trend study's timings.json: record its total; skip demo and tests")
     args = p.parse_args()
-    fcaudit = [sys.executable, "-m", "fcaudit"]
     minutes = json.loads(TARGET.read_text()) if TARGET.exists() else {}
+    if args.trend_timings:
+        seconds = json.loads(args.trend_timings.read_text())
+        minutes["reproduce_trend"] = sum(seconds.values()) / 60
+    else:
+        measure(args, minutes)
+    minutes = {k: round(v, 1) if isinstance(v, float) else v for k, v in minutes.items()}
+    minutes["measured_on"] = f"{os.cpu_count()} cores, {platform.machine()}, " \
+                             f"Python {platform.python_version()}"
+    TARGET.write_text(json.dumps(minutes, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(minutes, indent=2))
+
+
+def measure(args: argparse.Namespace, minutes: dict) -> None:
+    """Time the demo, the tests and (with ``--study``) the tiny study into ``minutes``."""
+    fcaudit = [sys.executable, "-m", "fcaudit"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         demo = args.keep_demo or work / "demo"
@@ -51,11 +71,6 @@ def main() -> None:
             minutes["reproduce_tiny"] = timed([*fcaudit, "reproduce", "--preset", "tiny",
                                                "--seeds", "3", "--quiet", "--out", str(study)],
                                               work) / 60
-    minutes = {k: round(v, 1) if isinstance(v, float) else v for k, v in minutes.items()}
-    minutes["measured_on"] = f"{os.cpu_count()} cores, {platform.machine()}, " \
-                             f"Python {platform.python_version()}"
-    TARGET.write_text(json.dumps(minutes, indent=2, sort_keys=True) + "\n")
-    print(json.dumps(minutes, indent=2))
     shutil.rmtree(ROOT / ".pytest_cache", ignore_errors=True)
 
 

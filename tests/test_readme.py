@@ -41,5 +41,6 @@ def test_quoted_wall_times_come_from_the_timings_script() -> None:
     assert f"about {measured_minutes('demo')} minutes on a 2-core CPU" in text
     assert f"about {measured_minutes('tests')} minutes on 2 cores" in text
     assert f"{measured_minutes('reproduce_tiny')} minutes on 2 cores" in text
+    assert f"about {measured_minutes('reproduce_trend')} minutes on 2 cores" in text
     help_text = build_parser().format_help()
     assert f"about {measured_minutes('demo')} minutes" in help_text

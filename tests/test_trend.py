@@ -228,3 +228,20 @@ def test_runs_of_other_settings_are_refused_not_reused(smoke_study):
         reproduce("trend", smoke_study, seeds=1,
                   settings=StudySettings(SMOKE.options, steps=3, max_eval=6, max_calib=4))
     assert (smoke_study / "reproduction.json").is_file()  # the finished results stay
+
+
+def test_committed_trend_page_and_readme_quote_the_committed_results(tmp_path):
+    """docs/trend/trend.md is what make_trend.py writes from docs/trend/results, and the
+    README's trend table quotes the same cells."""
+    results = REPO / "docs" / "trend" / "results"
+    page = trend.write_trend(results, tmp_path)
+    assert (REPO / "docs" / "trend" / "trend.md").read_text() == page
+    readme = (REPO / "README.md").read_text()
+    fg = page.split("## FeatureGate", 1)[1].split("## MUDD", 1)[0]
+    for point in trend.read_points(results):
+        row = next(line for line in fg.splitlines() if line.startswith(f"| {point['point']} "))
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        # static-layer retention, eta2 layer, reassign, shuffle
+        for cell in (cells[6], cells[8], cells[9], cells[10]):
+            number, interval = cell.split(" ", 1)
+            assert number in readme and interval in readme, (point["point"], cell)

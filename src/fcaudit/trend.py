@@ -25,16 +25,15 @@ audited at every point; MUDD, the contrast, at the tiny size's points:
     mid-600     4 x 256         2048        4.24M                600    1.23M   no
     small-600   6 x 384         4096        13.90M               600    1.23M   no
 
-Budget: about 2 hours on 2 cores. Seconds per training step of FeatureGate / Dense /
-MUDD with one thread (``benchmarks/trend_budget.py --threads 1``): tiny 0.218 / 0.211 /
-0.258, mid 0.595 / 0.592 / 0.663, small 1.833 / 1.802 / 1.978. Two threads ran tiny
-FeatureGate at 11,600 tokens/s, 1.23x the one-thread rate (larger widths gain more).
-At 1.23x: tiny-600 11 min (2 seeds x 3 models), tiny-1200 22, mid-600 19 (no MUDD),
-small-600 59 (no MUDD); about 5 min of audits (12: 2 seeds x FeatureGate at 4 points
-and MUDD at 2) and 4 of tokenizing, evaluating and saving: about 2 hours. MUDD at mid
-and small (32 more minutes at 1.23x) and a 3x length lever (11 more) did not fit. The
-study writes each run's and audit's wall time to ``OUT/timings.json`` and each point's
-to its summary; an interrupted study resumes where it stopped.
+Budget: about 2 hours on 2 cores, planned from the seconds per training step of
+FeatureGate / Dense / MUDD with one thread (``benchmarks/trend_budget.py --threads 1``):
+tiny 0.218 / 0.211 / 0.258, mid 0.595 / 0.592 / 0.663, small 1.833 / 1.802 / 1.978,
+and two threads at 1.23x the one-thread rate. MUDD at mid and small (32 more minutes)
+and a 3x length lever (11 more) did not fit. Measured (the study writes each run's
+and audit's wall time to ``OUT/timings.json`` and each point's to its summary): 84
+minutes in all, tiny-600 9, tiny-1200 18, mid-600 14, small-600 42 (two threads ran
+tiny at about 15,000 tokens/s and small at 2,000); the 12 audits took 4 to 11 s each.
+An interrupted study resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -528,6 +527,14 @@ FIGURE_CAPTION = ("FeatureGate and MUDD against parameters (left) and training t
                   "and the band: the paper.")
 
 
+def _mudd_points(points: Sequence[Mapping[str, Any]]) -> str:
+    """Where the contrast was trained, in words."""
+    names = [p["point"] for p in points if "mudd" in p["models"]]
+    if len(names) == len(points):
+        return "at every point"
+    return f"at {', '.join(names)}" if names else "at no point"
+
+
 def markdown(points: Sequence[Mapping[str, Any]], figures: Sequence[RenderedFigure],
              command: str) -> str:
     """``trend.md``: what the ladder shows and cannot show, the tables, the figure."""
@@ -542,8 +549,9 @@ def markdown(points: Sequence[Mapping[str, Any]], figures: Sequence[RenderedFigu
         "delta_shuffle": "2.9637"})]
     blocks = [
         "# FeatureGate's findings against model size and training length (CPU scale)",
-        f"{len(points)} points: {md_text(listing)}. At each point FeatureGate (with its Dense "
-        f"twin) and MUDD are trained on {md_text(points[0]['corpus'])} and audited on the "
+        f"{len(points)} points: {md_text(listing)}. FeatureGate (with its Dense twin) at "
+        f"every point and MUDD {_mudd_points(points)} are trained on "
+        f"{md_text(points[0]['corpus'])} and audited on the "
         "built-in evaluation and calibration plays; cells are the mean over seeds [lowest "
         "seed, highest seed]. Retention is the share of the "
         "Correct-to-GlobalMean gap a static profile keeps; penalties are NLL increases over "

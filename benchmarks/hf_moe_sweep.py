@@ -1,7 +1,8 @@
 """Every causal-LM family of the installed transformers, random-initialised, checked for routing.
 
 For each ``model_type`` that has a causal-LM class, builds a tiny random config generically
-(the config class's defaults with the common size fields shrunk), builds the model with
+(the config class's defaults with the common size fields shrunk, then the few fields of
+``OVERRIDES`` where a family needs them to build), builds the model with
 ``AutoModelForCausalLM.from_config`` (float32, eval, seeded; nothing is downloaded) and
 asks fcaudit for its router sites (``fcaudit.contract.declared_sites``) and expert layers
 (``declared_experts``). Models without router sites are dense and only counted. For every
@@ -67,6 +68,30 @@ TOP_K = ("num_experts_per_tok", "top_k", "moe_topk", "top_k_experts", "moe_top_k
          "num_experts_per_token")
 SKIP_KEYS = {"architectures", "id2label", "label2id", "task_specific_params"}
 
+# model_type -> config fields set after the generic shrink, where it leaves a config that
+# transformers cannot build or run: fields the defaults leave unset (None), sizes under other
+# names than those of SIZES, and sizes that must agree with each other
+MLA = {"qk_head_dim": 16, "num_key_value_heads": 4}  # latent attention: qk = nope + rope dims
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "axk2": MLA, "deepseek_v32": MLA, "glm_moe_dsa": MLA,
+    "bailing_hybrid": {**MLA, "num_expert_group": 2, "layer_group_size": 2,
+                       "layer_types": ["linear_attention", "full_attention"],
+                       "mlp_layer_types": ["sparse", "sparse"]},
+    "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 256,
+             "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "dots1": {"n_routed_experts": 8, "n_shared_experts": 1},
+    "dots3_note_text": {"num_key_value_heads": 4, "shared_experts_intermediate_size": 32},
+    "gemma4_text": {"num_experts": 8, "moe_intermediate_size": 32,  # as tests/test_hf.py
+                    "per_layer_config": {}},
+    "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
+                         "mamba_chunk_size": 8, "shared_intermediate_size": 32},
+    "hunyuan_v1_moe": {"head_dim": 16},
+    "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
+    "longcat_flash": {**MLA, "zero_expert_num": 2},
+    "qwen4_exp_text": {"hc_lowrank": 16, "indexer_n_heads": 2, "indexer_kv_heads": 1,
+                       "indexer_head_dim": 16, "indexer_budget": 4, "indexer_compress_ratio": 2},
+}
+
 
 def kept_layers(values: dict[str, Any], layers: int, count: int) -> list[int]:
     """Which of ``layers`` layers to keep (``count``): the first, then the first of another
@@ -118,6 +143,7 @@ def shrink(values: dict[str, Any]) -> dict[str, Any]:
 def tiny_config(model_type: str) -> Any:
     config_class = transformers.CONFIG_MAPPING[model_type]
     values = shrink(config_class().to_dict())
+    values.update(OVERRIDES.get(model_type, {}))
     values.pop("model_type", None)
     values.pop("transformers_version", None)
     return config_class(**values)

@@ -98,16 +98,14 @@ def prefix_schedule(model: MuddModel, ids: torch.Tensor, coefficients: dict[str,
     sites = model.controller_sites()
     fed = {site: coefficients[site.name] for site in sites}
     blocks = list(model.execution_blocks())
-    with torch.no_grad():
-        full, full_s, _ = measure(lambda: replay_batch(model, ids, fed, trace=blocks))
+    full, full_s, _ = measure(lambda: replay_batch(model, ids, fed, trace=blocks))
     trace = full.trace
     prefix_len = [len(trace.prefix(s.path)) for s in sites]
     picked = sorted({round(i) for i in np.linspace(0, len(sites) - 1, samples)})
     suffix_cost = []
     for i in picked:
         known = {p: trace.outputs[p] for p in trace.prefix(sites[i].path)}
-        with torch.no_grad():
-            out, s, _ = measure(lambda known=known: replay_batch(model, ids, fed, known=known))
+        out, s, _ = measure(lambda known=known: replay_batch(model, ids, fed, known=known))
         exact = same_bits(out.logits, full.logits)
         suffix_cost.append(s / full_s)
         print(f"  site {sites[i].name}: {prefix_len[i]} blocks stubbed, replay "

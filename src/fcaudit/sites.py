@@ -109,35 +109,62 @@ def families(sites: Sequence[Site]) -> list[str]:
 _CONTROLLER_NAME = re.compile(r"gate|router|rout|mix|dense|controller|halt|select", re.I)
 
 
+NOT_CALLED = "not called by the forward pass (a container, or unused)"
+
+
 @torch.no_grad()
 def describe_modules(model: nn.Module, sites: set[str]) -> list[tuple[str, str, str, str]]:
     """Every module's (path, class, output, hint) from one small forward pass, to help
     choose ``--sites``: per-token outputs with few channels and a controller-like name
-    are marked as likely controllers."""
+    are marked as likely controllers.
+
+    The hooks only look (they return None, so no module's output is replaced). When the
+    pass fails, the module that raised and the modules around it say so on their own
+    lines, and the modules that never ran say where the pass stopped."""
     from .adapters import describe
     from .nll import device_of, model_limits
     vocab, _ = model_limits(model)
     batch, seq_len = 2, 8
     ids = torch.randint(0, vocab or 2, (batch, seq_len), device=device_of(model),
                         generator=None)
-    outputs: dict[str, Any] = {}
-    handles = [module.register_forward_hook(
-        lambda _m, _a, out, name=name: outputs.setdefault(name, describe(out)))
-        for name, module in model.named_modules() if name]
+    outputs: dict[str, str] = {}
+    entered: list[str] = []
+
+    def seen(_m: nn.Module, _a: Any, out: Any, name: str) -> None:
+        outputs.setdefault(name, describe(out))
+
+    modules = [(name, module) for name, module in model.named_modules() if name]
+    handles = [h for name, module in modules for h in (
+        module.register_forward_pre_hook(lambda _m, _a, name=name: entered.append(name)),
+        module.register_forward_hook(lambda m, a, out, name=name: seen(m, a, out, name)))]
     try:
         model.eval()(ids)
     except Exception as exc:  # a model that needs other inputs: list modules anyway
-        outputs.setdefault("", f"(forward pass failed: {type(exc).__name__})")
+        _mark_failure(outputs, entered, [n for n, _ in modules], exc, type(model).__name__)
     finally:
         for handle in handles:
             handle.remove()
     rows = []
-    for name, module in model.named_modules():
-        if not name:
-            continue
-        out = outputs.get(name, "not run")
+    for name, module in modules:
+        out = outputs.get(name, NOT_CALLED)
         rows.append((name, type(module).__name__, out, _hint(name, out, sites, batch, seq_len)))
     return rows
+
+
+def _mark_failure(outputs: dict[str, str], entered: list[str], names: list[str],
+                  exc: Exception, root: str) -> None:
+    """Fill in what a failed pass left open: the innermost unfinished module raised, the
+    ones enclosing it failed with it, and every module not yet run never ran."""
+    first = (str(exc).strip().splitlines() or [""])[0][:160]
+    error = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    unfinished = [n for n in dict.fromkeys(entered) if n not in outputs]
+    culprit = unfinished[-1] if unfinished else None
+    for name in unfinished:
+        outputs[name] = (f"failed: {error}" if name == culprit
+                         else f"failed (inside it, {culprit} raised)")
+    where = culprit or f"{root}'s own forward, outside any submodule"
+    for name in names:
+        outputs.setdefault(name, f"not run: the forward pass stopped in {where} ({error})")
 
 
 def _hint(name: str, output: str, sites: set[str], batch: int, seq_len: int) -> str:

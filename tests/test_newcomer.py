@@ -1,0 +1,120 @@
+"""What a new user hit (issue 18 items 3-9): `sites --all` on multi-module models, the
+scoring window said out loud, record/replay of Hugging Face routers by glob, variance
+decompositions that account for everything, MoE execution keys, the routing figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_reliability import run_inprocess
+from torch import nn
+
+from fcaudit.models.featuregate import GPT, PRESETS
+from fcaudit.sites import NOT_CALLED
+
+# ---------------------------------------------------------------- item 3: sites --all
+
+
+def observed_outputs(model: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
+    """Reference: every module's first output, seen by hooks that only look."""
+    seen: dict[str, Any] = {}
+
+    def look(name: str, out: Any) -> None:
+        seen.setdefault(name, out)
+
+    handles = [m.register_forward_hook(lambda _m, _a, out, name=name: look(name, out))
+               for name, m in model.named_modules() if name]
+    with torch.no_grad():
+        model.eval()(ids)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def expected_text(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{list(value.shape)}"
+    if isinstance(value, tuple):
+        return "tuple("
+    return type(value).__name__
+
+
+def module_lines(stdout: str) -> dict[str, str]:
+    """`sites --all` module rows: path -> the rest of the line."""
+    rows = [ln.strip().split("\t", 1) for ln in stdout.splitlines() if ln.startswith("  ")]
+    return {path: rest for path, rest in rows}
+
+
+def assert_every_module_described(stdout: str, model: nn.Module) -> None:
+    reference = observed_outputs(model, torch.randint(0, 2, (2, 8)))
+    lines = module_lines(stdout)
+    names = [n for n, _ in model.named_modules() if n]
+    assert list(lines) == names  # one line per module, in module order
+    assert len(reference) > 3
+    for name in names:
+        assert "not run" not in lines[name] and "failed" not in lines[name], (name, lines[name])
+        if name in reference:
+            assert expected_text(reference[name]) in lines[name], (name, lines[name])
+        else:  # containers (ModuleList) are never called themselves
+            assert lines[name].endswith(NOT_CALLED), (name, lines[name])
+            assert isinstance(model.get_submodule(name), (nn.ModuleList, nn.ModuleDict))
+
+
+def test_sites_all_describes_every_featuregate_module(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "fgmodel.py").write_text(
+        "import torch\nfrom fcaudit.models.featuregate import GPT, PRESETS\n\n\n"
+        "def build():\n    torch.manual_seed(0)\n    return GPT(PRESETS['tiny']).eval()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = run_inprocess(["sites", "--model", "fgmodel:build", "--all"], capsys)
+    assert res.returncode == 0, res.stderr
+    torch.manual_seed(0)
+    assert_every_module_described(res.stdout, GPT(PRESETS["tiny"]).eval())
+
+
+def test_sites_all_describes_every_module_of_a_hugging_face_moe(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    from test_hf import FAMILIES, save
+    folder = save(FAMILIES["mixtral"][0](), tmp_path / "mixtral")
+    res = run_inprocess(["sites", "--model", folder, "--all"], capsys)
+    assert res.returncode == 0, res.stderr
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model.config.use_cache = False
+    assert_every_module_described(res.stdout, model)
+    assert module_lines(res.stdout)["model.layers.0.mlp.gate"].endswith("<- site")
+
+
+class _Breaks(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("needs attention_mask")
+
+
+class _ThreeSteps(nn.Module):
+    """emb runs, then block.inner raises, so head never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(4, 3)
+        self.block = nn.Sequential(nn.Identity(), _Breaks())
+        self.head = nn.Linear(3, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.emb(ids)))
+
+
+def test_a_failed_pass_says_which_module_raised_and_what_never_ran() -> None:
+    from fcaudit.sites import describe_modules
+    rows = {path: output for path, _, output, _ in describe_modules(_ThreeSteps(), set())}
+    assert rows["emb"] == "Tensor[2, 8, 3] float32"
+    assert rows["block.0"] == "Tensor[2, 8, 3] float32"
+    assert rows["block.1"] == "failed: ValueError: needs attention_mask"
+    assert rows["block"] == "failed (inside it, block.1 raised)"
+    assert rows["head"] == ("not run: the forward pass stopped in block.1 (ValueError: needs "
+                            "attention_mask)")
+    assert set(rows) == {"emb", "block", "block.0", "block.1", "head"}

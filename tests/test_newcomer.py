@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from test_reliability import run_inprocess
@@ -118,3 +119,61 @@ def test_a_failed_pass_says_which_module_raised_and_what_never_ran() -> None:
     assert rows["head"] == ("not run: the forward pass stopped in block.1 (ValueError: needs "
                             "attention_mask)")
     assert set(rows) == {"emb", "block", "block.0", "block.1", "head"}
+
+
+# ---------------------------------------------------- item 6: variance decompositions
+
+
+def numpy_shares(x: np.ndarray) -> dict[str, float]:
+    """Reference decomposition of values ``[layers, sequences, positions, components]``."""
+    grand = x.mean()
+    total = ((x - grand) ** 2).sum()
+    n_l, n_s, n_t, n_c = x.shape
+    layer = x.mean(axis=(1, 2, 3))
+    pos = x.mean(axis=(0, 1, 3))
+    cell = x.mean(axis=(1, 3))  # [layers, positions]
+    comp = x.mean(axis=1)  # [layers, positions, components]
+    ss_layer = n_s * n_t * n_c * ((layer - grand) ** 2).sum()
+    ss_pos = n_l * n_s * n_c * ((pos - grand) ** 2).sum()
+    ss_cell = n_s * n_c * ((cell - grand) ** 2).sum()
+    ss_comp = n_s * ((comp - cell[:, :, None]) ** 2).sum()
+    ss_resid = ((x - comp[:, None]) ** 2).sum()
+    return {"layer identity": ss_layer / total, "position": ss_pos / total,
+            "layer-by-position interaction": (ss_cell - ss_layer - ss_pos) / total,
+            "component": ss_comp / total, "input and token content": ss_resid / total}
+
+
+@pytest.mark.parametrize("kind", ["scalar gate", "vector coefficient", "router"])
+def test_every_decomposition_names_all_its_axes_and_sums_to_one(kind: str) -> None:
+    from fcaudit.contract import Site
+    from fcaudit.metrics import VarianceAccumulator
+    from fcaudit.result import Variation
+    from fcaudit.routers import RouterAdapter
+    from fcaudit.verdicts import variation
+    width = {"scalar gate": 1, "vector coefficient": 3, "router": 8}[kind]
+    rng = np.random.default_rng(1)
+    # layer, position and component effects plus noise: every axis carries variance
+    x = (rng.normal(size=(3, 1, 1, 1)) + rng.normal(size=(1, 1, 5, 1))
+         + 2 * rng.normal(size=(1, 1, 1, width)) + rng.normal(size=(3, 6, 5, width)))
+    adapter = RouterAdapter() if kind == "router" else None
+    sites = [Site(f"l{i}", f"l{i}", "fam", i, **({"adapter": adapter} if adapter else {}))
+             for i in range(3)]
+    acc = VarianceAccumulator(sites)
+    acc.add({s.name: torch.from_numpy(x[i]) for i, s in enumerate(sites)})
+    shares = acc.decompose()
+    axes = dict(shares.axes())
+    expected = numpy_shares(x)
+    axis = {"scalar gate": None, "vector coefficient": "component", "router": "expert"}[kind]
+    assert shares.component_axis == axis
+    if axis is None:
+        assert abs(expected.pop("component")) < 1e-12
+    else:
+        expected[axis] = expected.pop("component")
+    assert set(axes) == set(expected)
+    for name, share in expected.items():
+        assert axes[name] == pytest.approx(share, abs=1e-9), name
+    assert sum(axes.values()) == pytest.approx(1.0, abs=1e-9)
+    sentence = variation({"fam": shares}, {"fam": Variation([], 0.1, 0.2, 0.3, None, None)})
+    for name, share in expected.items():
+        assert f"{name} {100 * share:.1f}%" in sentence, (name, sentence)
+    assert "(total 100.0%)" in sentence

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .contract import Site
+from .contract import RoutingAdapter, Site
 from .result import (
     ComponentShares,
     Estimate,
@@ -168,6 +168,9 @@ class VarianceAccumulator:
         shares = self._shares(flat1, flat2, self.n)
         result = VarianceShares(**shares, n_values=sum(f.numel() for f in flat1) * self.n)
         trailing = [tuple(self.s1[s.name].shape[1:]) for s in self.sites]
+        if any(f.shape[1] > 1 for f in flat1):
+            routed = all(isinstance(s.adapter, RoutingAdapter) for s in self.sites)
+            result.component_axis = "expert" if routed else "component"
         if any(trailing):
             common = tuple(min(dims) for dims in zip(*trailing, strict=True))
             comps = []

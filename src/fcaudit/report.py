@@ -323,10 +323,7 @@ def _lead(r: AuditResult) -> str:
 def _variation_facts(r: AuditResult) -> list[str]:
     facts = []
     for fam, var in _by_family(r, r.variance):
-        facts.append(f"{md_code(fam)}: layer identity explains {_share(var.eta2_layer)} of "
-                     f"coefficient variance (position {_share(var.eta2_position)}, layer × "
-                     f"position {_share(var.eta2_layer_position)}, input/token content "
-                     f"{_share(var.eta2_residual)}).")
+        facts.append(f"{md_code(fam)}: {md_text(var.sentence())}.")
     for fam, v in _by_family(r, r.variation):
         facts.append(f"{md_code(fam)}: sd across inputs {_num(v.mean_sd_across_inputs)} and "
                      f"across positions {_num(v.mean_sd_across_positions)}, vs "

@@ -108,6 +108,26 @@ class VarianceShares:
     n_values: int
     components: list[ComponentShares] | None = _omit_none()
     components_note: str | None = _omit_none()
+    # what the trailing index is: "expert" (a router's logits), "component" (any other
+    # vector coefficient); None for one value per token, where that share is 0
+    component_axis: str | None = _omit_none()
+
+    def axes(self) -> list[tuple[str, float]]:
+        """Every axis of the decomposition with its share, named; the shares sum to 1
+        (all 0 when the coefficients do not vary at all)."""
+        named = [("layer identity", self.eta2_layer), ("position", self.eta2_position),
+                 ("layer-by-position interaction", self.eta2_layer_position)]
+        if self.component_axis or self.eta2_component:
+            named.append((self.component_axis or "component", self.eta2_component))
+        return [*named, ("input and token content", self.eta2_residual)]
+
+    def sentence(self) -> str:
+        """The decomposition in words, every axis named (one place for verdict and report)."""
+        if self.ss_total <= 0:
+            return "they have no variance to decompose"
+        parts = ", ".join(f"{name} {100 * share:.1f}%" for name, share in self.axes())
+        total = 100 * sum(share for _, share in self.axes())
+        return f"their variance splits into {parts} (total {total:.1f}%)"
 
 
 @dataclass

@@ -29,9 +29,7 @@ def variation(variance: Mapping[str, VarianceShares], spread: Mapping[str, Varia
         parts.append(
             f"{family}: coefficients {'vary' if varies else 'do not vary'} (sd across inputs "
             f"{v.mean_sd_across_inputs:.3g}, across positions {v.mean_sd_across_positions:.3g}, "
-            f"across layers {v.across_layer_sd:.3g}); layer identity explains "
-            f"{100 * eta.eta2_layer:.1f}% of their variance, input and token content "
-            f"{100 * eta.eta2_residual:.1f}%")
+            f"across layers {v.across_layer_sd:.3g}); {eta.sentence()}")
     return "; ".join(parts) + "."
 
 

@@ -49,9 +49,10 @@ def test_experts_that_ran_are_the_routers_top_k(moe_audit) -> None:
     assert experts.experts_per_token_per_layer == [2.0] * 4 and experts.matches_routing
     assert experts.active_expert_flops_per_token / experts.all_expert_flops_per_token == \
         pytest.approx(2 / 8)
-    assert experts.routing_changes_computation
-    assert result.verdict.execution.startswith("Routing changes what is computed: each token "
-                                               "runs 2.00 of 8 experts")
+    assert experts.routing_changes_computation and result.execution.conditional_execution
+    assert result.verdict.execution.startswith(
+        "Conditional execution: routing changes what is computed (experts skipped per token): "
+        "each token runs 2.00 of 8 experts")
 
 
 def test_the_report_shows_routing(moe_audit) -> None:

@@ -248,9 +248,12 @@ def expert_execution(model: nn.Module, layers: Sequence[ExpertLayer],
         full += spent * layer.num_experts / ran if ran else 0.0
     present = sum(layer.num_experts for layer in layers)
     return ExpertExecution(
-        layers=[layer.name for layer in layers], num_experts=[x.num_experts for x in layers],
-        top_k=[x.top_k for x in layers], experts_per_token_per_layer=per_layer,
-        experts_per_token=sum(per_layer), experts_present=present, matches_routing=matches,
+        layers=[layer.name for layer in layers],
+        num_experts_per_layer=[x.num_experts for x in layers],
+        top_k_per_layer=[x.top_k for x in layers], experts_per_token_per_layer=per_layer,
+        experts_per_token_mean_over_layers=sum(per_layer) / len(per_layer),
+        experts_per_token_summed_over_layers=sum(per_layer),
+        experts_present_summed_over_layers=present, matches_routing=matches,
         active_expert_flops_per_token=active if flop_counts else None,
         all_expert_flops_per_token=full if flop_counts else None,
         routing_changes_computation=any(
@@ -359,8 +362,10 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torc
     ``input_ids [N, T]``, timing on its first batch of ``batch_size``; with ``experts``,
     the experts that ran. Without ``dense`` only the model's own counts are measured.
 
-    ``conditional_execution`` is true when the model runs fewer blocks per token or
-    fewer FLOPs than dense, by more than ``TOLERANCE`` (relative). Operators doing
+    ``saves_against_dense`` is true when the model runs fewer blocks per token or fewer
+    FLOPs than dense, by more than ``TOLERANCE`` (relative); ``conditional_execution``
+    when it does, or when routing skips experts per token (counted on the experts:
+    execution is conditional at expert granularity). Operators doing
     matrix work that the FLOP counter cannot count are listed, and then no FLOPs ratio
     (and no FLOPs-based verdict) is given.
     """
@@ -378,6 +383,8 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torc
     flops_ratio = flops / dense_flops if dense_flops and not uncounted else None
     fewer_blocks = twin is not None and \
         own["blocks_executed"] < twin["blocks_executed"] * (1 - TOLERANCE)
+    saves = bool(fewer_blocks or (flops_ratio is not None and flops_ratio < 1 - TOLERANCE))
+    experts = own.get("experts")
     result = Execution(
         measured=True, dense=dense_source, blocks_executed=own["blocks_executed"],
         blocks_present=own["blocks_present"],
@@ -389,9 +396,8 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torc
         flops_ratio=flops_ratio,
         flops_counted="forward matmuls and attention (torch.utils.flop_counter)",
         uncounted_operators=uncounted or None,
-        conditional_execution=bool(fewer_blocks or (flops_ratio is not None
-                                                    and flops_ratio < 1 - TOLERANCE)),
-        experts=own.get("experts"))
+        conditional_execution=saves or bool(experts and experts.routing_changes_computation),
+        saves_against_dense=saves if twin is not None else None, experts=experts)
     if timing and dense is not None:
         result.timing = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
                                          threads)
@@ -410,14 +416,15 @@ def _speed_word(ratio: Estimate) -> str:
 
 def verdict_execution(e: Execution) -> str:
     """One sentence answering "does the mechanism change what is computed?", with numbers;
-    for a routed model the experts come first, then blocks and FLOPs against Dense."""
-    saved = "savings against Dense" if e.conditional_execution else "no savings against Dense"
-    if e.experts is None:
-        head = "Conditional execution" if e.conditional_execution else \
-            "No conditional execution"
-    else:
-        head = f"{_experts_sentence(e.experts)} Blocks and FLOPs: " + \
-            (saved if e.dense is not None else "no dense counterpart to compare with")
+    for a routed model the experts come first, then blocks and FLOPs against Dense. The
+    head word is ``conditional_execution``; the routed-model parts agree with
+    ``experts.routing_changes_computation`` and ``saves_against_dense``."""
+    head = "Conditional execution" if e.conditional_execution else "No conditional execution"
+    if e.experts is not None:
+        saved = ("no dense counterpart to compare with" if e.saves_against_dense is None
+                 else "savings against Dense" if e.saves_against_dense
+                 else "no savings against Dense")
+        head = f"{head}: {_experts_sentence(e.experts)} Blocks and FLOPs: {saved}"
     if e.uncounted_operators:
         flops = (f"FLOPs not compared: the counter cannot count "
                  f"{', '.join(e.uncounted_operators)}")
@@ -439,20 +446,18 @@ def verdict_execution(e: Execution) -> str:
 
 
 def _experts_sentence(x: ExpertExecution) -> str:
-    layers = len(x.layers)
-    per_layer = x.experts_per_token / layers
     share = (f" ({100 * x.active_expert_flops_per_token / x.all_expert_flops_per_token:.1f}% "
              "of the expert FLOPs every expert would cost)"
              if x.active_expert_flops_per_token and x.all_expert_flops_per_token else "")
     checked = "" if x.matches_routing else \
         " WARNING: the experts that ran differ from the routers' choices."
+    runs = (f"each token runs {x.experts_per_token_mean_over_layers:.2f} of "
+            f"{x.experts_present_text()} experts per routed layer")
     if x.routing_changes_computation:
-        return (f"Routing changes what is computed: each token runs {per_layer:.2f} of "
-                f"{x.experts_present / layers:.0f} experts per routed layer, the ones its "
-                f"router picks{share}.{checked}")
-    return (f"Routing does not change what is computed: each token runs {per_layer:.2f} of "
-            f"{x.experts_present / layers:.0f} experts per routed layer (every expert); the "
-            f"router only weights them.{checked}")
+        return (f"routing changes what is computed (experts skipped per token): {runs}, the "
+                f"ones its router picks{share}.{checked}")
+    return (f"routing does not change what is computed: {runs} (every expert); the router "
+            f"only weights them.{checked}")
 
 
 def format_table(results: dict[str, Execution]) -> str:

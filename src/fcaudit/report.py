@@ -346,6 +346,10 @@ def _retention_text(ret: Retention) -> str:
             + " of the correct-to-global-mean gap.")
 
 
+CONDITIONAL_MEANING = ("fewer blocks or FLOPs per token than dense, or experts skipped per "
+                       "token by routing")
+
+
 def _not_measured(ex: Execution) -> str:
     return f"Execution was not measured: {md_text(ex.reason or 'no reason recorded')}."
 
@@ -369,13 +373,14 @@ def _execution_facts(r: AuditResult) -> list[str]:
         ratio = ex.timing.speed_ratio_vs_dense
         facts.append(f"Latency vs dense: {_with_ci(ratio.value, ratio.ci95, sign=False)} "
                      "(model / dense, 95% CI).")
-    facts.append(f"Conditional execution: **{_num(ex.conditional_execution)}**.")
+    facts.append(f"Conditional execution: **{_num(ex.conditional_execution)}** "
+                 f"({CONDITIONAL_MEANING}).")
     if ex.experts is not None:
         x = ex.experts
-        facts.append(f"Experts run per token per routed layer: "
-                     f"{x.experts_per_token / len(x.layers):.2f} of "
-                     f"{x.experts_present / len(x.layers):.0f}; routing changes what is "
-                     f"computed: **{_num(x.routing_changes_computation)}**.")
+        facts.append(f"Experts run per token per routed layer (mean over layers): "
+                     f"{x.experts_per_token_mean_over_layers:.2f} of {x.experts_present_text()}; "
+                     "routing changes what is computed (experts skipped per token): "
+                     f"**{_num(x.routing_changes_computation)}**.")
     return facts
 
 
@@ -559,9 +564,11 @@ def _expert_rows(ex: Execution) -> list[tuple[str, str, str, str]]:
     x = ex.experts
     if x is None:
         return []
-    layers = len(x.layers)
-    rows = [("experts run per token per routed layer",
-             f"{x.experts_per_token / layers:.2f} of {x.experts_present / layers:.0f}", "", ""),
+    rows = [("experts run per token per routed layer (mean over layers)",
+             f"{x.experts_per_token_mean_over_layers:.2f} of {x.experts_present_text()}", "", ""),
+            ("experts run per token, summed over layers",
+             f"{x.experts_per_token_summed_over_layers:.2f} of "
+             f"{x.experts_present_summed_over_layers}", "", ""),
             ("experts run per token: min / max over layers",
              f"{min(x.experts_per_token_per_layer):.2f} / "
              f"{max(x.experts_per_token_per_layer):.2f}", "", ""),
@@ -605,8 +612,8 @@ def _execution(r: AuditResult) -> list[str]:
                                                       sum(fractions) / len(fractions),
                                                       max(fractions))), "", ""))
     blocks += [md_table(("measure", "model", "dense", "model / dense"), rows, "lrrr"),
-               f"Conditional execution: **{_num(ex.conditional_execution)}** (from blocks "
-               "skipped and FLOPs saved, not from the coefficients)."]
+               f"Conditional execution: **{_num(ex.conditional_execution)}** "
+               f"({CONDITIONAL_MEANING}; counted, not read from the coefficients)."]
     if ex.uncounted_operators:
         blocks.append(_uncounted(ex.uncounted_operators))
     notes = [f"Dense counterpart: {md_code(ex.dense)}." if ex.dense else "",

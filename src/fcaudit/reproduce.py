@@ -130,8 +130,8 @@ def metrics_of(audit: AuditResult) -> dict[str, float | None]:
         out["flops_ratio"] = ex.flops_ratio
         out["speed_ratio"] = ex.speed_ratio_vs_dense
     if ex.experts is not None:
-        out["experts_executed_fraction"] = ex.experts.experts_per_token / \
-            ex.experts.experts_present
+        out["experts_executed_fraction"] = ex.experts.experts_per_token_summed_over_layers / \
+            ex.experts.experts_present_summed_over_layers
     for family, routing in (audit.routing or {}).items():
         if family == audit.families[0]:
             for condition in ("reassign", "shuffle", "static-layer"):

@@ -194,15 +194,22 @@ class ExpertExecution:
     """What routing made the experts compute (counted by hooks on the experts)."""
 
     layers: list[str]  # the routed layers (their router sites)
-    num_experts: list[int]
-    top_k: list[int]
+    num_experts_per_layer: list[int]
+    top_k_per_layer: list[int]
     experts_per_token_per_layer: list[float]  # experts that ran per token, mean over tokens
-    experts_per_token: float  # summed over layers
-    experts_present: int  # summed over layers
+    experts_per_token_mean_over_layers: float
+    experts_per_token_summed_over_layers: float
+    experts_present_summed_over_layers: int
     matches_routing: bool  # the experts that ran are exactly the routers' top-k choices
-    active_expert_flops_per_token: float | None
+    active_expert_flops_per_token: float | None  # summed over layers
     all_expert_flops_per_token: float | None  # had every token run every expert
+    # in some routed layer a token runs fewer than every expert, the ones its router picks
     routing_changes_computation: bool
+
+    def experts_present_text(self) -> str:
+        """Experts present per routed layer: one number, or the range when layers differ."""
+        low, high = min(self.num_experts_per_layer), max(self.num_experts_per_layer)
+        return str(low) if low == high else f"{low} to {high}"
 
 
 @dataclass
@@ -225,7 +232,10 @@ class Execution:
     flops_ratio: float | None = _omit_none()
     flops_counted: str | None = _omit_none()
     uncounted_operators: list[str] | None = _omit_none()
+    # what a token computes depends on its input: fewer blocks or FLOPs than dense
+    # (saves_against_dense), or experts skipped per token (experts.routing_changes_computation)
     conditional_execution: bool | None = _omit_none()
+    saves_against_dense: bool | None = _omit_none()  # > 1% fewer blocks or FLOPs than dense
     speed_ratio_vs_dense: float | None = None
     timing: Timing | None = None
     experts: ExpertExecution | None = _omit_none()

@@ -82,3 +82,22 @@ def test_a_hugging_face_moe_folder_is_audited_with_one_command(tmp_path: Path) -
     assert {s["family"] for s in result["sites"]} == {"router", "shared_expert_gate"}
     assert set(result["routing"]) == {"router"}
     assert result["execution"]["experts"]["experts_per_token_per_layer"] == [2.0, 2.0]
+
+
+def test_the_router_map_shows_expert_load_not_mean_logits(moe_audit) -> None:
+    """A router family gets the layer x expert load map (what routing picks); the map of
+    mean logits by position, averaged over experts, is not drawn for it."""
+    from fcaudit.figures import expert_load_figure
+    result, out = moe_audit
+    figures = {p.name for p in (out / "figures").iterdir()}
+    assert "expert-load.png" in figures and "heatmap.png" not in figures
+    loads = [x.load for x in result.routing["moe"].per_layer]
+    fig = expert_load_figure({"moe": loads})
+    (ax,) = [a for a in fig.axes if a.images]
+    shown = np.asarray(ax.images[0].get_array())
+    assert shown.shape == (4, 8)
+    assert np.array_equal(shown, np.array(loads))  # every layer, every expert
+    assert np.allclose(shown.sum(axis=1), 1.0)
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("expert", "layer")
+    assert "expert load by layer" in ax.get_title()
+    assert "Expert load by layer" in (out / "report.md").read_text()

@@ -181,6 +181,35 @@ def heatmap_figure(profiles: Mapping[str, Profile]) -> Figure | None:
     return fig
 
 
+def expert_load_figure(loads: Mapping[str, Sequence[Sequence[float]]]) -> Figure | None:
+    """What routing does, one panel per router family: the share of token-slots each layer
+    routes to each expert (from the original routing; uniform is 1/E). A map of mean
+    router logits would say nothing about which experts are picked."""
+    maps = {}
+    for fam, rows in loads.items():
+        if not rows:
+            continue
+        m = np.full((len(rows), max(len(r) for r in rows)), np.nan)
+        for i, row in enumerate(rows):
+            m[i, :len(row)] = _floats(row)
+        if np.isfinite(m).any():
+            maps[fam] = m
+    if not maps:
+        return None
+    fig, axes = _stacked_axes(len(maps), 2.8)
+    for ax, (fam, m) in zip(axes, maps.items(), strict=True):
+        image = ax.imshow(np.ma.masked_invalid(m), aspect="auto", interpolation="nearest",
+                          cmap="viridis", vmin=0.0, extent=(-0.5, m.shape[1] - 0.5,
+                                                            m.shape[0] - 0.5, -0.5))
+        fig.colorbar(image, ax=ax, label="share of token-slots")
+        ax.set(title=f"{fam}: expert load by layer (share of token-slots per expert; uniform "
+                     f"= 1/{m.shape[1]})", xlabel="expert", ylabel="layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(False)
+    return fig
+
+
 def penalty_figure(conditions: Mapping[str, Mapping[str, Span]],
                    per_layer: Mapping[str, Sequence[tuple[int, Span]]] | None = None,
                    ) -> Figure | None:

@@ -28,6 +28,7 @@ from .figures import (
     FigureSpec,
     RenderedFigure,
     Span,
+    expert_load_figure,
     heatmap_figure,
     penalty_figure,
     profile_figure,
@@ -670,10 +671,17 @@ def _figure_specs(r: AuditResult) -> list[FigureSpec]:
                  for name, entries in _ordered(r.per_layer, PER_LAYER_CONDITIONS)
                  for fam in r.families}
     shares = {fam: {k: getattr(v, k) for k in ETA2_KEYS} for fam, v in _by_family(r, r.variance)}
+    routed = dict(_by_family(r, r.routing or {}))
+    positional = {fam: p for fam, p in profiles.items() if fam not in routed}
     return [
         ("profile", "Coefficient per layer: mean with ±1 sd.",
          partial(profile_figure, {fam: [("mean", p)] for fam, p in profiles.items()})),
-        ("heatmap", "Mean coefficient by layer and position.", partial(heatmap_figure, profiles)),
+        ("heatmap", "Mean coefficient by layer and position" + (
+            " (router families: see the expert load map)." if routed else "."),
+         partial(heatmap_figure, positional)),
+        ("expert-load", "Expert load by layer: share of token-slots routed to each expert.",
+         partial(expert_load_figure, {fam: [x.load for x in summary.per_layer]
+                                      for fam, summary in routed.items()})),
         ("penalties", "NLL penalties vs correct replay with 95% bootstrap CIs.",
          partial(penalty_figure, conditions, per_layer)),
         ("variance", "Variance shares of the coefficients.", partial(variance_figure, shares)),

@@ -215,3 +215,51 @@ def test_moe_execution_keys_have_one_meaning_and_agree_with_the_verdict(top_k: i
     assert "no dense counterpart to compare with" in verdict
     raw = ex.experts.__dict__
     assert "experts_per_token" not in raw and "num_experts" not in raw
+
+
+# ------------------------------------------------------ item 4: the window, said aloud
+
+AUDIT_FAST = ["--max-eval", "4", "--max-calib", "2", "--repeats", "1", "--bootstrap", "20",
+              "--batch-size", "2", "--no-per-layer", "--no-execution"]
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    from test_hf import FAMILIES, save
+    return save(FAMILIES["mixtral"][0](), tmp_path_factory.mktemp("mixtral"))
+
+
+@pytest.mark.parametrize(("extra", "length", "source"), [
+    ([], 64, "default for a Hugging Face folder: min(256, context 64)"),
+    (["--seq-len", "32"], 32, "--seq-len")])
+def test_the_scoring_window_and_its_source_are_said_everywhere(
+        mixtral: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+        length: int, source: str) -> None:
+    import json
+    out = tmp_path / "out"
+    res = run_inprocess(["audit", "--model", mixtral, "--out", out, *AUDIT_FAST, *extra], capsys)
+    assert res.returncode == 0, res.stderr
+    line = f"scoring windows of {length} tokens ({source}; --seq-len to change)"
+    assert res.stderr.splitlines()[0] == f"fcaudit: {line}"  # before any progress line
+    assert line in " ".join(res.stdout.split())  # the printed summary (rich may wrap)
+    data = json.loads((out / "audit.json").read_text())["data"]
+    assert (data["seq_len"], data["seq_len_source"]) == (length, source)
+    assert f"of {length} tokens (window length: {source})" in (out / "report.md").read_text()
+
+
+def test_a_run_folder_window_is_its_training_length_and_help_explains_the_default(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import dataclasses
+
+    from fcaudit.engine import loaded_seq_len
+    from fcaudit.loading import load_module
+    loaded = load_module(GPT(PRESETS["tiny"]), "fg")
+    assert loaded_seq_len(loaded) == (128, "default for a model without a training run: "
+                                           "min(256, context 128)")
+    run = dataclasses.replace(loaded, run_config={"train": {"seq_len": 96}})
+    assert loaded_seq_len(run) == (96, "the run's training length")
+    with pytest.raises(SystemExit):
+        run_inprocess(["audit", "--help"], capsys)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "a Hugging Face folder or other model: min(256, its context)" in text

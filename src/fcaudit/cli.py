@@ -126,7 +126,11 @@ def _add_audit(sub: Any) -> None:
                                                       "of --data's windows)")
     a.add_argument("--tokens", default=None, help="evaluation token ids, integer .npy [N, T]")
     a.add_argument("--calib-tokens", default=None, help="calibration token ids .npy [N, T]")
-    a.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    a.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per scored window (default: a run folder's training length; "
+                        "a Hugging Face folder or other model: min(256, its context), which "
+                        "may exceed the length it was trained at; token arrays: their width). "
+                        "The length used and its source are printed and kept in audit.json")
     a.add_argument("--max-eval", type=int, default=64, help="evaluation sequences (default 64)")
     a.add_argument("--max-calib", type=int, default=64,
                    help="calibration sequences (default 64)")
@@ -281,6 +285,8 @@ def print_summary(result: Any, out: Path) -> None:
         table.add_row(name, f"{c.nll:.4f}",
                       f"{c.delta:+.4f} [{c.ci95[0]:+.4f}, {c.ci95[1]:+.4f}]")
     console.print(table)
+    from .engine import window_line
+    console.print(window_line(result.data), soft_wrap=True)
     for name, r in result.retention.items():
         value = (f"{r.value:.2f}% [{r.ci95[0]:.2f}, {r.ci95[1]:.2f}]"
                  if r.value is not None else "undefined")

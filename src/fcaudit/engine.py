@@ -20,6 +20,7 @@ Progress is reported through an optional callback ``progress(stage, done, total,
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -116,8 +117,12 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     net = loaded.model.eval()
     site_list = find_sites(net, sites)
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
+    default_len, default_why = loaded_seq_len(loaded)
     audit_data = data if isinstance(data, AuditData) else resolve_data(loaded.tokenizer, data,
-                                                                       loaded_seq_len(loaded))
+                                                                       default_len)
+    if "seq_len_source" not in audit_data.sources:  # a copy: the caller's data stays as given
+        audit_data = dataclasses.replace(audit_data, sources={
+            **audit_data.sources, "seq_len_source": window_source(data, default_why)})
     vocab, ctx = model_limits(net)
     if vocab is None:
         vocab = probe_vocab(net, audit_data.eval_ids.shape[1])
@@ -132,13 +137,36 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     return setup
 
 
-def loaded_seq_len(loaded: LoadedModel) -> int:
-    """The default window: the run's training length, or 256 capped by the context."""
+DEFAULT_WINDOW = 256  # tokens, for a model whose training length fcaudit does not know
+
+
+def loaded_seq_len(loaded: LoadedModel) -> tuple[int, str]:
+    """The default window and where it comes from: the run's training length, or 256
+    capped by the model's context."""
     train_cfg = (loaded.run_config or {}).get("train")
     if isinstance(train_cfg, dict) and isinstance(train_cfg.get("seq_len"), int):
-        return int(train_cfg["seq_len"])
+        return int(train_cfg["seq_len"]), "the run's training length"
     _, ctx = model_limits(loaded.model)
-    return min(256, ctx) if ctx else 256
+    what = "a Hugging Face folder" if loaded.kind == "hf" else "a model without a training run"
+    if not ctx:
+        return DEFAULT_WINDOW, f"default for {what}: {DEFAULT_WINDOW}, the model states no context"
+    return min(DEFAULT_WINDOW, ctx), f"default for {what}: min({DEFAULT_WINDOW}, context {ctx})"
+
+
+def window_source(data: DataSpec | AuditData, default: str) -> str:
+    """Where the scoring window's length came from, in words (audit.json data section)."""
+    if isinstance(data, AuditData):
+        return "the AuditData given"
+    if data.tokens is not None:
+        return "the width of the --tokens arrays"
+    return "--seq-len" if data.seq_len is not None else default
+
+
+def window_line(data: Mapping[str, Any]) -> str:
+    """One line saying how long the scored windows are and why, for the start of an audit
+    and its summary (a model scored past its training length scores differently)."""
+    return (f"scoring windows of {data['seq_len']} tokens ({data.get('seq_len_source', '?')}; "
+            "--seq-len to change)")
 
 
 def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | None, str]:
@@ -338,6 +366,8 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     if setup.out is None and ranks.world > 1:
         raise FcauditError("an audit over several processes needs --out, a folder every "
                            "process sees")
+    if ranks.main and options.progress:
+        print(f"fcaudit: {window_line(setup.data.summary())}", file=sys.stderr, flush=True)
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
     if not ranks.main:
         _run(setup, open_cache(setup, setup.out / "cache", ranks), None, progress, command,

@@ -314,6 +314,8 @@ def _lead(r: AuditResult) -> str:
     if data.get("eval_sequences") is not None:
         text += (f"Evaluation: {_num(data['eval_sequences'])} sequences"
                  + (f" of {_num(data['seq_len'])} tokens" if data.get("seq_len") else "")
+                 + (f" (window length: {md_text(str(data['seq_len_source']))})"
+                    if data.get("seq_len_source") else "")
                  + (f" ({_num(data['eval_tokens'])} tokens)" if data.get("eval_tokens") else "")
                  + "; ")
     if data.get("calib_sequences") is not None:

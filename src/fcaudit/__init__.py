@@ -9,9 +9,10 @@ Public API (imported lazily, so ``import fcaudit`` and ``fcaudit --help`` stay f
 
     fcaudit.load_model(spec)                   # any model spec -> nn.Module
     fcaudit.find_sites(model, globs=None)      # -> list[Site]
-    fcaudit.record(model, input_ids, sites)    # -> {site name: [B, T, ...]}
-    with fcaudit.replay(model, coefficients):  # controllers replaced, never run
+    fcaudit.record(model, input_ids, sites)    # -> Recording {site name: [B, T, ...]}
+    with fcaudit.replay(model, recording):     # controllers replaced, never run
         model(input_ids)
+    fcaudit.logits_of(output)                  # logits, also of a Hugging Face output
     fcaudit.reassign / shuffle / static        # interventions on recorded dicts
     fcaudit.audit(model, out=None, ...)        # -> AuditResult
 """
@@ -31,7 +32,8 @@ _EXPORTS = {
     "DataSpec": "data", "AuditData": "data",
     "Site": "contract", "SiteCall": "contract", "ExpertLayer": "contract",
     "find_sites": "sites",
-    "record": "recording",
+    "record": "recording", "Recording": "recording",
+    "logits_of": "nll",
     "replay": "replaying",
     "load_model": "loading",
     "Intervention": "interventions", "InterventionContext": "interventions",

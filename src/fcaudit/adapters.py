@@ -24,10 +24,12 @@ from torch import Tensor
 from .contract import ControllerAdapter, SiteCall
 from .errors import FcauditError
 
-ADAPTER_API = ("give the site an adapter: Site(..., adapter=fcaudit.adapters.TupleAdapter(index, "
-               "derive)) or your own object with extract(output, call) and rebuild(coefficients, "
-               "call), declared by the model's controller_sites() or passed to fcaudit.audit("
-               "sites=[...]); see docs/method.md, section Adapters")
+ADAPTER_API = ("give the site an adapter: Site(..., adapter=fcaudit.routers.RouterAdapter()) for a "
+               "router whose logits come from one linear projection, fcaudit.adapters."
+               "TupleAdapter(index, derive) for another tuple, or your own object with "
+               "extract(output, call) and rebuild(coefficients, call), declared by the model's "
+               "controller_sites() or passed as sites=[Site(...)] to fcaudit.record, replay or "
+               "audit; see docs/method.md, section Adapters")
 
 
 def describe(value: Any) -> str:
@@ -146,9 +148,11 @@ class AutoAdapter:
     def resolved(module: Any) -> ControllerAdapter:
         adapter = _LEARNED.get(module)
         if adapter is None:
-            raise FcauditError(f"the output layout of {type(module).__name__} is not known "
-                               "yet: record the model once (fcaudit.record) before replaying, "
-                               "or give the Site an explicit adapter")
+            raise FcauditError(
+                f"the output layout of {type(module).__name__} is not known: sites found by "
+                "globs learn it when this very module is recorded; replay the Recording that "
+                "fcaudit.record returned (fcaudit.replay(model, recording)), or give the Site "
+                "an explicit adapter")
         return adapter
 
 

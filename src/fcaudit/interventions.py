@@ -130,22 +130,30 @@ def shuffle_positions(x: Tensor, perms: np.ndarray) -> Tensor:
 Coefficients = Mapping[str, Tensor]
 
 
-def reassign(coefficients: Coefficients, donor: Sequence[int]) -> dict[str, Tensor]:
+def _like(given: Coefficients, derived: dict[str, Tensor]) -> Mapping[str, Tensor]:
+    """``derived`` as the same kind as ``given``: from a Recording, a Recording of the same
+    sites (so replay needs no globs), else a plain dict."""
+    from .recording import Recording
+    return given.with_coefficients(derived) if isinstance(given, Recording) else derived
+
+
+def reassign(coefficients: Coefficients, donor: Sequence[int]) -> Mapping[str, Tensor]:
     """Sequence ``n`` gets the coefficients of sequence ``donor[n]`` (every site alike)."""
     idx = torch.as_tensor(np.asarray(donor), dtype=torch.long)
-    return {k: v[idx.to(v.device)] for k, v in coefficients.items()}
+    return _like(coefficients, {k: v[idx.to(v.device)] for k, v in coefficients.items()})
 
 
-def shuffle(coefficients: Coefficients, perms: np.ndarray) -> dict[str, Tensor]:
+def shuffle(coefficients: Coefficients, perms: np.ndarray) -> Mapping[str, Tensor]:
     """Sequence ``n`` gets its own coefficients at positions ``perms[n]`` (every site alike)."""
-    return {k: shuffle_positions(v, perms) for k, v in coefficients.items()}
+    return _like(coefficients, {k: shuffle_positions(v, perms) for k, v in coefficients.items()})
 
 
 def static(coefficients: Coefficients, profiles: StaticProfiles,
-           condition: str = "static-layer") -> dict[str, Tensor]:
+           condition: str = "static-layer") -> Mapping[str, Tensor]:
     """Every site's coefficients replaced by a static calibration profile."""
     by_name = {s.name: s for s in profiles.sites}
-    return {k: static_tensor(condition, by_name[k], profiles, v) for k, v in coefficients.items()}
+    return _like(coefficients, {k: static_tensor(condition, by_name[k], profiles, v)
+                                for k, v in coefficients.items()})
 
 
 @dataclass(frozen=True)

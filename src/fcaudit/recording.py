@@ -11,14 +11,15 @@ is an error: one coefficient tensor per site and pass is what replay can feed ba
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .adapters import describe, same_bits
-from .contract import Site, SiteCall
+from .adapters import AutoAdapter, describe, infer_adapter, same_bits
+from .contract import ControllerAdapter, Site, SiteCall
 from .errors import FcauditError
 from .sites import SiteSpec, find_sites
 
@@ -74,13 +75,17 @@ def hooked(model: nn.Module, hooks: Mapping[str, Callable[..., Any]],
 
 
 @contextlib.contextmanager
-def recording(model: nn.Module, sites: Sequence[Site], batch: int,
-              seq_len: int) -> Iterator[dict[str, Tensor]]:
-    """Hook every site for one forward pass; the yielded dict fills with coefficients.
+def recording(model: nn.Module, sites: Sequence[Site], batch: int, seq_len: int,
+              adapters: dict[str, ControllerAdapter] | None = None
+              ) -> Iterator[dict[str, Tensor]]:
+    """Hook every site for one forward pass; the yielded dict fills with coefficients
+    (and ``adapters``, when given, with the adapter each site's output fits: what
+    :data:`~fcaudit.adapters.AUTO` resolves to, else the site's own).
 
     On leaving, every site must have run exactly once.
     """
     captured: dict[str, Tensor] = {}
+    fitted = adapters if adapters is not None else {}
     calls = dict.fromkeys((s.name for s in sites), 0)
 
     def hook_for(site: Site) -> Callable[..., None]:
@@ -94,6 +99,8 @@ def recording(model: nn.Module, sites: Sequence[Site], batch: int,
                     "module that runs once per forward (one per layer)"))
             call = SiteCall(module, args, kwargs, batch, seq_len)
             captured[site.name] = capture(site, module, call, output)
+            fitted[site.name] = infer_adapter(output, call) \
+                if isinstance(site.adapter, AutoAdapter) else site.adapter
         return hook
 
     with hooked(model, {s.path: hook_for(s) for s in sites}):
@@ -104,15 +111,71 @@ def recording(model: nn.Module, sites: Sequence[Site], batch: int,
                            f"{', '.join(missing)}; name modules the model actually calls")
 
 
-@torch.no_grad()
-def record(model: nn.Module, input_ids: Tensor,
-           sites: SiteSpec = None) -> dict[str, Tensor]:
-    """One unperturbed pass: site name -> coefficients ``[B, T, *trailing]``, in layer order.
+class Recording(Mapping[str, Tensor]):
+    """What :func:`fcaudit.record` returns: a read-only mapping ``{site name:
+    coefficients [B, T, ...]}`` in layer order (use it wherever a dict of coefficients
+    goes), plus what replaying it needs and what it came from.
 
-    ``sites``: module-path globs, :class:`~fcaudit.Site` objects, or None for the
-    model's own declaration.
+    ``sites``: the resolved :class:`~fcaudit.Site` objects, each with the adapter its
+    output was found to fit (so :func:`fcaudit.replay` needs no globs and no memory of
+    an earlier call); ``output``: the model's output on the recorded pass (None for
+    coefficients derived with :meth:`with_coefficients`); ``logits``: its logits.
+    """
+
+    def __init__(self, coefficients: Mapping[str, Tensor], sites: Sequence[Site],
+                 output: Any = None) -> None:
+        names = [s.name for s in sites]
+        unknown = [k for k in coefficients if k not in names]
+        if unknown:
+            raise FcauditError(f"no site named {unknown[0]!r} in this recording; its sites "
+                               f"are {', '.join(names) or 'none'}")
+        self._coefficients = {n: coefficients[n] for n in names if n in coefficients}
+        self.sites = tuple(s for s in sites if s.name in self._coefficients)
+        self.output = output
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._coefficients[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._coefficients)
+
+    def __len__(self) -> int:
+        return len(self._coefficients)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k!r}: {list(v.shape)}" for k, v in self._coefficients.items())
+        return f"Recording({{{shapes}}})"
+
+    @property
+    def logits(self) -> Tensor:
+        """The recorded pass's logits ``[B, T, V]`` (``.logits`` of a Hugging Face output)."""
+        from .nll import logits_of
+        if self.output is None:
+            raise FcauditError("these coefficients were derived, not recorded: they have no "
+                               "model output; use the Recording fcaudit.record returned")
+        return logits_of(self.output)
+
+    def with_coefficients(self, coefficients: Mapping[str, Tensor]) -> Recording:
+        """The same sites fed other coefficients (some or all of them), e.g. an
+        intervention's; replay uses these sites as for the original recording."""
+        return Recording(coefficients, self.sites)
+
+
+def _fitted(site: Site, adapter: ControllerAdapter) -> Site:
+    return site if adapter is site.adapter else dataclasses.replace(site, adapter=adapter)
+
+
+@torch.no_grad()
+def record(model: nn.Module, input_ids: Tensor, sites: SiteSpec = None) -> Recording:
+    """One unperturbed pass: a :class:`Recording`, site name -> coefficients
+    ``[B, T, *trailing]`` in layer order, with the resolved sites and the model output.
+
+    ``sites``: module-path globs (a glob naming routers fcaudit knows gets their router
+    adapter), :class:`~fcaudit.Site` objects, or None for the model's own declaration.
     """
     site_list = find_sites(model, sites)
-    with recording(model, site_list, *input_ids.shape[:2]) as captured:
-        model(input_ids)
-    return {s.name: captured[s.name] for s in site_list}
+    adapters: dict[str, ControllerAdapter] = {}
+    with recording(model, site_list, *input_ids.shape[:2], adapters=adapters) as captured:
+        output = model(input_ids)
+    return Recording({s.name: captured[s.name] for s in site_list},
+                     [_fitted(s, adapters[s.name]) for s in site_list], output)

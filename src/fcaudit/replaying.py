@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from .contract import Site, SiteCall
 from .errors import FcauditError
-from .sites import SiteSpec, find_sites
+from .sites import SiteSpec, check_sites, find_sites
 
 
 class CoefficientStub(nn.Module):
@@ -83,20 +83,28 @@ def replaying(model: nn.Module,
 @contextlib.contextmanager
 def replay(model: nn.Module, coefficients: Mapping[str, Tensor] | Mapping[Site, Tensor],
            sites: SiteSpec = None) -> Iterator[None]:
-    """``with fcaudit.replay(model, coeffs): model(ids)`` runs ``model`` with each named
-    controller replaced by the given coefficients ``[B, T, *trailing]`` (keyed by site
-    name, as :func:`fcaudit.record` returns them, or by :class:`~fcaudit.Site`).
+    """``with fcaudit.replay(model, recording): model(ids)`` runs ``model`` with each
+    named controller replaced by the given coefficients ``[B, T, *trailing]``.
 
-    ``sites`` resolves names as in :func:`fcaudit.record` (globs, Sites or the model's
-    declaration); sites left out keep their live controller.
+    ``coefficients``: the :class:`~fcaudit.recording.Recording` that
+    :func:`fcaudit.record` returned, or one derived from it (an intervention's result):
+    replayed at its own resolved sites, so globs need not be repeated. Or any mapping
+    keyed by site name or :class:`~fcaudit.Site`, whose names ``sites`` resolves as in
+    :func:`fcaudit.record` (globs, Sites or the model's declaration). Sites left out
+    keep their live controller.
     """
-    by_name = {s.name: s for s in find_sites(model, sites)}
+    from .recording import Recording
+    if sites is None and isinstance(coefficients, Recording):
+        by_name = {s.name: s for s in check_sites(model, coefficients.sites)}
+    else:
+        by_name = {s.name: s for s in find_sites(model, sites)}
     fed: dict[Site, Tensor] = {}
     for key, tensor in coefficients.items():
         site = key if isinstance(key, Site) else by_name.get(key)
         if site is None:
-            raise FcauditError(f"no site named {key!r}; the sites are "
-                               f"{', '.join(by_name) or 'none'}")
+            raise FcauditError(
+                f"no site named {key!r}; the sites are {', '.join(by_name) or 'none'} (replay "
+                "the Recording fcaudit.record returned, or pass the same sites= as to record)")
         fed[site] = tensor
     with replaying(model, fed):
         yield

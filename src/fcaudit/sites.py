@@ -1,8 +1,10 @@
 """Controller sites: find them in a model, by the model's declaration or by module-path globs.
 
 Each glob defines one family (named by the glob); its matches, in module order, are
-that family's layers 0, 1, ...; their adapter is :data:`~fcaudit.adapters.AUTO`
-(plain ``[B, T, ...]`` or flattened ``[B*T, ...]`` outputs). A site list is refused
+that family's layers 0, 1, ...; their adapter is the one the model's declaration or
+fcaudit's discovery gives that module (a Hugging Face MoE router gets
+:class:`~fcaudit.routers.RouterAdapter`), else :data:`~fcaudit.adapters.AUTO` (plain
+``[B, T, ...]`` or flattened ``[B*T, ...]`` outputs). A site list is refused
 when it names a module twice (duplicate globs, overlapping globs) or names a module
 together with one of its own children: their outputs would be recorded and replaced
 twice.
@@ -38,15 +40,22 @@ def match_modules(model: nn.Module, pattern: str, option: str, example: str) -> 
     return hits
 
 
+SITES_OPTION = "sites= (--sites)"  # how errors name the option: Python argument and CLI flag
+
+
 def _from_globs(model: nn.Module, patterns: Sequence[str]) -> list[Site]:
+    """One family per glob. A matched module the model declares as a site, or that
+    fcaudit discovers (a Hugging Face MoE router), keeps that site's adapter (e.g.
+    :class:`~fcaudit.routers.RouterAdapter`); any other gets :data:`AUTO`."""
     repeated = sorted({p for p in patterns if list(patterns).count(p) > 1})
     if repeated:
-        raise FcauditError(f"--sites {repeated[0]!r} is given more than once; give each glob "
-                           "once (each glob is one family)")
+        raise FcauditError(f"{SITES_OPTION} {repeated[0]!r} is given more than once; give each "
+                           "glob once (each glob is one family)")
+    known = {s.path: s.adapter for s in declared_sites(model) or []}
     sites: list[Site] = []
     for pattern in patterns:
-        hits = match_modules(model, pattern, "--sites", "blocks.*.gate")
-        sites += [Site(name=n, path=n, family=pattern, layer=i, adapter=AUTO)
+        hits = match_modules(model, pattern, SITES_OPTION, "blocks.*.gate")
+        sites += [Site(name=n, path=n, family=pattern, layer=i, adapter=known.get(n, AUTO))
                   for i, n in enumerate(hits)]
     return sites
 
@@ -96,8 +105,9 @@ def find_sites(model: nn.Module, sites: SiteSpec = None) -> list[Site]:
     declared = declared_sites(model)
     if not declared:
         raise FcauditError(
-            f"{type(model).__name__} declares no controller sites; name them with --sites "
-            "(a module-path glob such as 'blocks.*.gate'; see `fcaudit sites --model SPEC`)")
+            f"{type(model).__name__} declares no controller sites; name them with "
+            f"{SITES_OPTION}: module-path globs such as ['blocks.*.gate'] (list modules with "
+            "`fcaudit sites --model SPEC --all`)")
     return check_sites(model, declared)
 
 

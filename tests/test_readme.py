@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 README = Path(__file__).parent.parent / "README.md"
 
@@ -15,13 +18,57 @@ def _python_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_the_python_api_example_runs(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", _python_example()], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+FEATUREGATE_LINE = 'model = GPT(PRESETS["tiny"]).eval()         # any nn.Module: here ' \
+    "fcaudit's tiny FeatureGate"
+# the same example on a tiny random Hugging Face MoE, whose forward returns `.logits`
+MIXTRAL = ("import transformers\nmodel = transformers.AutoModelForCausalLM.from_config("
+           "transformers.MixtralConfig(vocab_size=2048, hidden_size=32, num_hidden_layers=2, "
+           "num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, "
+           "num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)).eval()")
+DUMP = "\nimport json\nprint('RESULT ' + json.dumps(result.to_json()))\n"
+
+
+def expected_dependence(result: dict) -> str:
+    """The verdict word from the thresholds docs/method.md states (computed here, not by
+    fcaudit.verdicts): strong, weak, none measurable or partial."""
+    c, kept = result["conditions"], result["retention"]["static-layer"]["value"]
+    r, s = c["reassign"], c["shuffle"]
+    if max(r["ci95"][0], s["ci95"][0]) > 0.1 or (kept is not None and kept < 50):
+        return "Strong"
+    if kept is not None and kept >= 90 and max(r["delta"], s["delta"]) < 0.05:
+        return "Weak"
+    penalties = [c[k]["ci95"] for k in ("reassign", "shuffle", "reassign+shuffle",
+                                        "static-layer", "static-layer-position")]
+    if kept is None and not any(lo > 0 or hi < 0 for lo, hi in penalties):
+        return "No measurable"
+    return "Partial"
+
+
+def _run_example(code: str, cwd: Path) -> tuple[list[str], dict]:
+    proc = subprocess.run([sys.executable, "-c", code + DUMP], cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[0].split(" dependence")[0] in ("Strong", "Weak", "Partial", "No measurable")
-    assert lines[1].endswith("fcaudit.audit/1")
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    return lines[:-1], result
+
+
+@pytest.mark.parametrize("model", ["as written", "tiny Hugging Face Mixtral"])
+def test_the_python_api_example_runs(model: str, tmp_path: Path) -> None:
+    code = _python_example()
+    if model != "as written":
+        pytest.importorskip("transformers")
+        assert FEATUREGATE_LINE in code
+        code = code.replace(FEATUREGATE_LINE, MIXTRAL)
+    lines, result = _run_example(code, tmp_path)
+    verdict = expected_dependence(result)
+    assert lines[0] == result["verdict"]["dependence"]
+    assert lines[0].startswith(f"{verdict} dependence on the coefficient assignment")
+    delta = result["custom_conditions"]["last-site-at-zero"]["delta"]
+    assert lines[1] == f"{delta} fcaudit.audit/1"
+    assert lines[2] == "reassigned gates change the logits: True"
+    if model != "as written":
+        assert {s["adapter"] for s in result["sites"]} == {"router"}
     assert list(tmp_path.iterdir()) == []  # in memory: nothing written
 
 

@@ -147,16 +147,20 @@ def loaded_seq_len(loaded: LoadedModel) -> tuple[int, str]:
     if isinstance(train_cfg, dict) and isinstance(train_cfg.get("seq_len"), int):
         return int(train_cfg["seq_len"]), "the run's training length"
     _, ctx = model_limits(loaded.model)
-    what = "a Hugging Face folder" if loaded.kind == "hf" else "a model without a training run"
+    what = "a Hugging Face folder" if loaded.kind.startswith("hf") else \
+        "a model without a training run"
     if not ctx:
         return DEFAULT_WINDOW, f"default for {what}: {DEFAULT_WINDOW}, the model states no context"
     return min(DEFAULT_WINDOW, ctx), f"default for {what}: min({DEFAULT_WINDOW}, context {ctx})"
 
 
+GIVEN_DATA = "the AuditData given"
+
+
 def window_source(data: DataSpec | AuditData, default: str) -> str:
     """Where the scoring window's length came from, in words (audit.json data section)."""
     if isinstance(data, AuditData):
-        return "the AuditData given"
+        return GIVEN_DATA
     if data.tokens is not None:
         return "the width of the --tokens arrays"
     return "--seq-len" if data.seq_len is not None else default
@@ -165,8 +169,9 @@ def window_source(data: DataSpec | AuditData, default: str) -> str:
 def window_line(data: Mapping[str, Any]) -> str:
     """One line saying how long the scored windows are and why, for the start of an audit
     and its summary (a model scored past its training length scores differently)."""
-    return (f"scoring windows of {data['seq_len']} tokens ({data.get('seq_len_source', '?')}; "
-            "--seq-len to change)")
+    source = data.get("seq_len_source", "source not recorded")
+    change = "" if source == GIVEN_DATA else "; --seq-len to change"
+    return f"scoring windows of {data['seq_len']} tokens ({source}{change})"
 
 
 def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | None, str]:

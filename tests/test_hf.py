@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import optional_extra
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-transformers = pytest.importorskip("transformers")
+transformers = optional_extra("transformers")
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import optional_extra
 
 from fcaudit.data import AuditData
 from fcaudit.engine import AuditOptions, audit
@@ -63,7 +64,7 @@ def test_the_report_shows_routing(moe_audit) -> None:
 
 
 def test_a_hugging_face_moe_folder_is_audited_with_one_command(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
+    optional_extra("transformers")
     from test_hf import FAMILIES, save, token_batches
 
     from fcaudit.cli import main

@@ -11,6 +11,7 @@ once.
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import types
 import typing
@@ -381,6 +382,66 @@ class AuditResult:
     @property
     def families(self) -> list[str]:
         return list(dict.fromkeys(s.family for s in self.sites))
+
+    def to_frame(self, table: str = "conditions") -> Any:
+        """One table of the result as a pandas DataFrame (``pip install pandas``), to go on
+        in a notebook: ``conditions`` (one row per condition, custom ones included),
+        ``per_layer`` (one row per condition and site), ``retention`` (one row per static
+        profile) or ``routing`` (one row per router site and expert)."""
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            raise FcauditError("to_frame() needs pandas: pip install pandas") from exc
+        rows = _TABLES.get(table)
+        if rows is None:
+            raise FcauditError(f"to_frame(table={table!r}): choose one of {', '.join(_TABLES)}")
+        return pd.DataFrame(rows(self))
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows for a result: the three answers and the conditions."""
+        esc = html.escape
+        answers = "".join(f"<li><b>{name}</b>: {esc(text)}</li>" for name, text in (
+            ("Variation", self.verdict.variation), ("Dependence", self.verdict.dependence),
+            ("Execution", self.verdict.execution)))
+        cells = "".join(
+            f"<tr><td>{esc(r['condition'])}</td><td>{r['nll']:.4f}</td>"
+            f"<td>{r['delta']:+.4f}</td><td>[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]</td></tr>"
+            for r in _condition_rows(self))
+        return (f"<div><p><b>fcaudit audit</b> of {esc(str(self.model.spec))} "
+                f"({esc(self.model.class_)}, {len(self.sites)} sites)</p><ul>{answers}</ul>"
+                "<table><thead><tr><th>condition</th><th>NLL</th><th>&Delta; vs correct</th>"
+                f"<th>95% CI</th></tr></thead><tbody>{cells}</tbody></table></div>")
+
+
+def _condition_rows(r: AuditResult) -> list[dict[str, Any]]:
+    items = [*r.conditions.items(), *(r.custom_conditions or {}).items()]
+    return [{"condition": name, "custom": name not in r.conditions, "nll": c.nll,
+             "delta": c.delta, "ci_low": c.ci95[0], "ci_high": c.ci95[1],
+             "repeats": len(c.repeats)} for name, c in items]
+
+
+def _per_layer_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"condition": name, "site": c.site, "family": c.family, "layer": c.layer,
+             "nll": c.nll, "delta": c.delta, "ci_low": c.ci95[0], "ci_high": c.ci95[1]}
+            for name, layers in r.per_layer.items() for c in layers]
+
+
+def _retention_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"profile": name, "retention_pct": ret.value,
+             "ci_low": ret.ci95[0] if ret.ci95 else None,
+             "ci_high": ret.ci95[1] if ret.ci95 else None, "gap": ret.gap,
+             "defined": ret.defined} for name, ret in r.retention.items()]
+
+
+def _routing_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"family": family, "site": layer.site, "layer": layer.layer, "expert": e,
+             "load": share, "entropy_normalized": layer.entropy_normalized}
+            for family, summary in (r.routing or {}).items() for layer in summary.per_layer
+            for e, share in enumerate(layer.load)]
+
+
+_TABLES = {"conditions": _condition_rows, "per_layer": _per_layer_rows,
+           "retention": _retention_rows, "routing": _routing_rows}
 
 
 def _json_name(f: dataclasses.Field) -> str:

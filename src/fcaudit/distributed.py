@@ -56,6 +56,19 @@ class Ranks:
         except Exception as exc:  # gloo / NCCL report a vanished peer as RuntimeError
             raise stopped(self, stage, exc) from exc
 
+    def gather(self, value: Any, stage: str) -> list[Any]:
+        """Every rank's ``value`` (a small picklable object), in rank order, on every rank;
+        also a barrier."""
+        if self.world == 1:
+            return [value]
+        import torch.distributed as dist
+        out: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(out, value)
+        except Exception as exc:  # a vanished peer, as in barrier()
+            raise stopped(self, stage, exc) from exc
+        return out
+
 
 def stopped(ranks: Ranks, stage: str, cause: Any = None) -> RankStopped:
     first = " ".join(str(cause).split()).split(". ")[0][:200] if cause else ""

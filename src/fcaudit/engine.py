@@ -125,6 +125,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     loaded = as_loaded(model)
     net = loaded.model.eval()
     site_list = find_sites(net, sites)
+    custom = _interventions(interventions, site_list)  # before the first forward pass
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
     audit_data = data if isinstance(data, AuditData) else resolve_data(loaded.tokenizer, data,
                                                                        loaded_seq_len(loaded))
@@ -133,8 +134,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         vocab = probe_vocab(net, audit_data.eval_ids.shape[1])
     audit_data.validate(vocab, ctx)
     setup = Setup(loaded, site_list, block_paths, blocks, audit_data, options,
-                  _interventions(interventions, site_list),
-                  out=Path(out) if out is not None else None)
+                  custom, out=Path(out) if out is not None else None)
     if options.execution:
         setup.dense, setup.dense_source = _dense(setup, dense, blocks)
     if setup.out is not None:

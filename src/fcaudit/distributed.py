@@ -7,6 +7,8 @@ first, then reads every shard and writes the outputs. Because shards are keyed b
 global batch index and every number is computed per batch with the batch composition of
 a single-process run, ``audit.json`` is the single-process one, and a resumed audit may
 use another number of processes. CPU ranks use gloo; CUDA ranks NCCL, one GPU each.
+Before recording, the ranks compare a digest of their first batch (coefficients and NLL):
+a process whose model or code behaves differently stops every rank instead of being merged.
 
 A rank that dies makes the others fail at their next barrier; they stop with one line
 that says the finished shards are kept and the same command resumes.

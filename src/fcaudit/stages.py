@@ -3,10 +3,12 @@
 **Record**: calibration batches (float64 sums per batch, added in batch order later)
 and evaluation batches (per-token NLL and every site's coefficients). **Replay**: every
 planned run on every evaluation batch, batch-outer (all runs of a batch before the next
-batch), the identity replay checked on each batch, per-layer runs on the suffix of the
-model when prefix reuse is proven exact, routers' choices counted. Each finished batch is
-a checksummed shard, so either stage resumes after an interruption, and under torchrun
-each rank takes its own batches.
+batch), the identity replay checked on each batch (first and again after every other
+run), per-layer runs on the suffix of the model when each site's prefix reuse is proven
+exact on that batch, routers' choices counted. Each finished batch is a checksummed
+shard holding the digest of what every run was fed, so either stage resumes after an
+interruption, a rerun reuses a batch only when every run would be fed the same tensors,
+and under torchrun each rank takes its own batches.
 """
 
 from __future__ import annotations

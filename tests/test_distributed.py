@@ -43,8 +43,9 @@ def fcaudit(args: list[str], out: Path, processes: int = 1,
             "--batch-size", "4", "--bootstrap", "100", "--repeats", "2", "--no-execution",
             "--quiet", *args]
     return subprocess.run(launcher + argv, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1",
-                               **(env or {})})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {}),
+                               "PYTHONPATH": os.pathsep.join(
+                                   [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])})
 
 
 def test_two_processes_give_the_single_process_audit(tokens: list[str], tmp_path: Path) -> None:
@@ -73,3 +74,23 @@ def test_a_dead_process_stops_the_audit_which_then_resumes(tokens: list[str],
     reference = fcaudit(tokens, tmp_path / "reference")
     assert reference.returncode == 0, reference.stderr
     assert canonical(out / "audit.json") == canonical(tmp_path / "reference" / "audit.json")
+
+
+def test_a_rank_whose_model_behaves_differently_stops_the_audit(tokens: list[str],
+                                                                 tmp_path: Path) -> None:
+    """Rank 1 scales its logits by 1.001 (same code, same weights, same fingerprint): the
+    ranks' first-batch digests differ, so every rank stops naming rank 1 instead of
+    merging its shards."""
+    model = ["--model", "toys:rank_skewed_model"]
+    alone = fcaudit(tokens + model, tmp_path / "alone", env={"TOYS_SKEW_RANK": "1"})
+    assert alone.returncode == 0, alone.stderr  # one process has no rank 1: nothing skewed
+    out = tmp_path / "out"
+    skewed = fcaudit(tokens + model, out, processes=2, env={"TOYS_SKEW_RANK": "1"})
+    assert skewed.returncode != 0
+    lines = [ln for ln in skewed.stderr.splitlines() if ln.startswith("fcaudit: error:")]
+    assert len(lines) == 2, skewed.stderr  # each of the two processes says it once
+    for line in lines:
+        assert "rank(s) 1 computed other coefficients or NLL on the first evaluation batch " \
+               "than rank 0 (of 2 processes)" in line
+    assert not (out / "audit.json").exists()
+    assert not list((out / "cache").glob("eval-00001*"))  # stopped before recording

@@ -487,3 +487,216 @@ def test_prefix_reuse_falls_back_when_it_cannot_prove_exactness(tmp_path, monkey
     assert prefix.runtime.schedule["batches_fell_back_to_full_passes"] == 2
     assert [c.nll for c in prefix.per_layer["reassign"]] == \
         [c.nll for c in naive.per_layer["reassign"]]
+
+
+# ------------------------------------------------ replay results reused only when the same
+
+GAIN = 0.0  # read by `scale_last` at call time: a module-level constant the user edits
+
+
+def scale_last(coefficients, context):
+    return {"gates.1": coefficients["gates.1"] * GAIN}
+
+
+def _closure(k: float):
+    return lambda c, ctx: {"gates.1": c["gates.1"] * k}
+
+
+def _default(k: float):
+    def scaled(c, ctx, k=k):
+        return {"gates.1": c["gates.1"] * k}
+    return scaled
+
+
+def _open(site: str):
+    def last_gate_open(c, ctx):  # the README's pattern, retargeted by editing one string
+        return {site: torch.ones_like(c[site])}
+    return last_gate_open
+
+
+EDITS = {  # (first version, edited version) of one intervention, same bytecode each time
+    "closure": (_closure(0.0), _closure(1.0)),
+    "default": (_default(0.0), _default(1.0)),
+    "site": (_open("gates.1"), _open("gates.0")),
+    "constant": (lambda c, ctx: {"gates.1": c["gates.1"] * 2},
+                 lambda c, ctx: {"gates.1": c["gates.1"] * 3}),
+}
+
+
+def _without_runtime(path) -> dict:
+    result = json.loads(path.read_text())
+    result.pop("runtime"), result.pop("command")
+    return result
+
+
+@pytest.mark.parametrize("edit", ["global", *EDITS])
+def test_an_edited_intervention_is_replayed_again_not_reused(edit: str, tmp_path, monkeypatch):
+    """The same `out`, an intervention edited in what its bytecode does not show (a global,
+    a closure cell, a default, a site name, a constant): every batch is replayed again and
+    the audit equals a fresh one into a new folder; a rerun with nothing edited reuses."""
+    model = toys.position_model() if edit == "site" else toys.content_model()
+    out = tmp_path / "out"
+    if edit == "global":
+        first, second = scale_last, scale_last
+    else:
+        first, second = EDITS[edit]
+    run = lambda fn, where: audit(model, where, sites=["gates.*"], data=toy_data(),  # noqa: E731
+                                  options=FAST, report=False, interventions={"edited": fn})
+    before = run(first, out)
+    monkeypatch.setitem(globals(), "GAIN", 1.0)
+    after = run(second, out)
+    fresh = run(second, tmp_path / "fresh")
+    assert after.runtime.reuse["batches_recomputed"] == 3
+    assert after.runtime.reuse["batches_reused"] == 0 and after.runtime.reuse["runs_reused"] == 0
+    assert _without_runtime(out / "audit.json") == _without_runtime(tmp_path / "fresh" /
+                                                                    "audit.json")
+    assert before.custom_conditions["edited"].delta != after.custom_conditions["edited"].delta
+    # by hand: the next token's logit s at the 8 even of the 15 predicted positions has NLL
+    # log(1 + 63 e^-s) among 64; correct is s = 8
+    nll = lambda s: np.log1p(63 * np.exp(-s))  # noqa: E731
+    if edit in ("global", "closure", "default"):  # x 0 then x 1: the edit is the identity
+        # content: gate 1 zeroed halves the logit
+        by_hand = 8 / 15 * (nll(4.0) - nll(8.0))
+        assert before.custom_conditions["edited"].delta == pytest.approx(by_hand, abs=1e-6)
+        assert after.custom_conditions["edited"].delta == 0.0
+    if edit == "site":  # position: gate 1 open zeroes the logit; gate 0 is open already
+        by_hand = 8 / 15 * (nll(0.0) - nll(8.0))
+        assert before.custom_conditions["edited"].delta == pytest.approx(by_hand, abs=1e-6)
+        assert after.custom_conditions["edited"].delta == 0.0
+    again = run(second, out)
+    assert again.runtime.reuse == {**after.runtime.reuse, "batches_reused": 3,
+                                   "batches_recomputed": 0, "runs_reused": 3 * 17,
+                                   "runs_recomputed": 0}
+    assert again.to_json()["custom_conditions"] == fresh.to_json()["custom_conditions"]
+    from fcaudit.report import build_markdown
+    assert "Replay results: 3 of 3 batches (51 runs) reused" in build_markdown(again, [])[1]
+
+
+def test_another_schedule_into_the_same_out_is_replayed_again(tmp_path):
+    """`--schedule naive` after the prefix schedule into the same folder: every batch is
+    replayed in full passes (none reused) and the numbers equal the prefix audit's."""
+    model = _deep_models()[0]
+    data = AuditData(np.random.default_rng(0).integers(0, 64, (12, 16)),
+                     np.random.default_rng(1).integers(0, 64, (8, 16)), {})
+    results = [audit(model, tmp_path, data=data, report=False,
+                     options=dataclasses.replace(FAST, schedule=schedule))
+               for schedule in ("prefix", "naive")]
+    prefix, naive = (r.runtime for r in results)
+    assert prefix.schedule["batches_prefix_reused"] == 3
+    assert naive.schedule["batches_prefix_reused"] == 0
+    assert naive.reuse["batches_recomputed"] == 3 and naive.reuse["batches_reused"] == 0
+    texts = [r.to_json() for r in results]
+    for text in texts:
+        text.pop("runtime"), text.pop("command")
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("given, message", [
+    ([Intervention("twin", lambda c, ctx: {}), Intervention("twin", lambda c, ctx: {})],
+     "two interventions are named 'twin'"),
+    ({"a": Intervention("twin", lambda c, ctx: {}), "b": Intervention("twin", lambda c, ctx: {})},
+     "two interventions are named 'twin'"),
+    ({"reassign@gates.0": lambda c, ctx: {}}, "not a built-in condition or per-layer run"),
+    ([Intervention("", lambda c, ctx: {})], "give a new name"),
+])
+def test_interventions_sharing_a_name_are_refused_before_any_work(given, message, tmp_path):
+    """Results are keyed by name: two interventions under one name (or one named like a
+    per-layer run) would be merged into one condition whose delta is their mean."""
+    model = toys.content_model()
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    with pytest.raises(FcauditError, match=message):
+        audit(model, tmp_path / "out", sites=["gates.*"], data=toy_data(), options=FAST,
+              interventions=given)
+    assert calls == [] and not (tmp_path / "out").exists()
+
+
+class StateBlock(nn.Module):
+    """A gated residual block that passes state to later blocks outside its output."""
+
+    def __init__(self, index: int, shared: dict) -> None:
+        super().__init__()
+        self.gate, self.mix = nn.Linear(16, 1), nn.Linear(16, 16)
+        self.index, self._shared = index, shared  # a plain dict: no module, no buffer
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate = self.gate(h)
+        out = h + torch.sigmoid(gate) * torch.tanh(self.mix(h))
+        mode, shared = self._shared["mode"], self._shared
+        if mode == "history":  # fed a gate its live copy would not give: marked for good
+            live = shared["copies"][self.index](h)
+            shared["dirty"] = shared.get("dirty", False) or not torch.equal(live, gate)
+            return out + 0.01 * shared["dirty"]
+        if self.index == 0:
+            if mode == "self":
+                self.last = out  # the issue's case: block 0 leaves its output on itself
+            shared["h"] = out
+            return out
+        if mode == "clobber" and self.index > 1:
+            return out
+        source = shared["first"].last if mode == "self" else shared["h"]
+        out = out + torch.tanh(source)
+        if mode == "clobber":  # only block 1 reads what block 0 left, then overwrites it
+            shared["h"] = out
+        return out
+
+
+class Stateful(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = {"mode": mode}
+        self.emb, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+        self.blocks = nn.ModuleList(StateBlock(i, self.shared) for i in range(4))
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.5)
+        self.shared["first"] = self.blocks[0]
+        self.shared["copies"] = [_frozen_copy(b.gate) for b in self.blocks]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _frozen_copy(module: nn.Module) -> nn.Module:
+    import copy
+    return copy.deepcopy(module)
+
+
+def _stateful_audit(mode: str, schedule: str, out, n_eval: int = 12) -> AuditResult:
+    data = AuditData(np.random.default_rng(0).integers(0, 64, (n_eval, 16)),
+                     np.random.default_rng(1).integers(0, 64, (8, 16)), {})
+    return audit(Stateful(mode), out, sites=["blocks.*.gate"], blocks="blocks.*", data=data,
+                 report=False, options=dataclasses.replace(FAST, schedule=schedule))
+
+
+@pytest.mark.parametrize("mode, reused", [("self", 3), ("module", 3), ("clobber", 0)])
+def test_blocks_sharing_state_give_the_naive_schedules_numbers(mode: str, reused: int,
+                                                               tmp_path):
+    """Block 0 leaves its output on itself or in shared state and later blocks read it
+    (the issue's case: before, reassign at layer 1 was -0.0356 under prefix and -0.0111
+    naive). Per-layer runs go from the last site to the first right after the correct
+    replay, so the blocks a run stubs have not run since: prefix reuse is exact. When block
+    1 overwrites that state (before: reused, as the longest prefix's proof never reads it),
+    site 1's proof fails: full passes."""
+    results = {s: _stateful_audit(mode, s, tmp_path / s) for s in ("naive", "prefix")}
+    naive, prefix = (_without_runtime(tmp_path / s / "audit.json") for s in ("naive", "prefix"))
+    assert naive == prefix
+    schedule = results["prefix"].runtime.schedule
+    assert schedule["batches_prefix_reused"] == reused
+    assert schedule["batches_fell_back_to_full_passes"] == 3 - reused
+    deltas = [e.delta for e in results["prefix"].per_layer["reassign"]]
+    assert all(d != 0 for d in deltas)  # every layer's gate matters
+
+
+@pytest.mark.parametrize("schedule", ["naive", "prefix"])
+def test_a_model_whose_output_depends_on_earlier_passes_stops_the_audit(schedule, tmp_path):
+    """Once fed a gate its live copy would not give, the model shifts every later output:
+    the correct replay repeated at the end of the batch differs from the first (one batch:
+    before, no later batch's identity check could see it, and the audit went through)."""
+    with pytest.raises(FcauditError, match="the model's output depends on earlier forward "
+                                           "passes"):
+        _stateful_audit("history", schedule, tmp_path, n_eval=4)
+    assert not (tmp_path / "audit.json").exists()

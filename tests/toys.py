@@ -86,3 +86,17 @@ def pair_sequences(n: int, seq_len: int, seed: int) -> np.ndarray:
     x = np.random.default_rng(seed).integers(0, V, size=(n, seq_len))
     x[:, 1::2] = (x[:, 0:-1:2] + 1) % V
     return x
+
+
+class RankSkewed(ToyModel):
+    """``content`` on every process but the torchrun rank named by ``TOYS_SKEW_RANK``, whose
+    logits are scaled by 1.001: the same code and weights everywhere, another forward."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(ids)
+        skewed = os.environ.get("RANK") == os.environ.get("TOYS_SKEW_RANK", "none")
+        return logits * 1.001 if skewed else logits
+
+
+def rank_skewed_model() -> nn.Module:
+    return RankSkewed("content")

@@ -5,8 +5,10 @@
 * ``calib-00000.safetensors``: one calibration batch: every site's float64 sum
   over the batch's sequences, by position (static profiles add them in batch order,
   so the result does not depend on how batches were spread over processes);
-* ``replay-PLAN/replay-00000.safetensors``: one evaluation batch's per-sequence NLL
-  under every planned run, so an interrupted replay resumes too.
+* ``replay-runs/replay-00000.safetensors``: one evaluation batch's per-sequence NLL
+  under every planned run, with the SHA-256 of what each run was fed (``feed_digest``),
+  so an interrupted replay resumes too, and a rerun reuses a batch only when every run
+  would be fed the same tensors bit for bit (else the batch is replayed and replaced).
 
 ``manifest.json`` names what the cache was recorded with (model, data, code
 fingerprints, batch size); a cache recorded with anything else is refused. Each
@@ -18,8 +20,6 @@ lazily (``safe_open``): memory does not grow with the number of sequences.
 
 from __future__ import annotations
 
-import re
-import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -37,9 +37,9 @@ from .fileio import (
     write_text,
 )
 
-SCHEMA = "fcaudit.cache/3"
+SCHEMA = "fcaudit.cache/4"
 _OPEN_HANDLES = 16
-_REPLAY_FOLDER = re.compile(r"replay-[0-9a-f]{16}")  # replay_name's folder for a plan hash
+_REPLAY_FOLDER = "replay-runs"
 _SHARD_SUFFIXES = (".safetensors", ".safetensors.sha256")
 
 
@@ -128,20 +128,13 @@ class CoefficientCache:
         return f"calib-{b:05d}.safetensors"
 
     @staticmethod
-    def replay_name(plan: str, b: int) -> str:
-        return f"replay-{plan[:16]}/replay-{b:05d}.safetensors"
+    def replay_name(b: int) -> str:
+        return f"{_REPLAY_FOLDER}/replay-{b:05d}.safetensors"
 
     def _replay_folders(self) -> list[Path]:
-        """The replay folders fcaudit made here: only its own names, never a link."""
-        return [p for p in self.folder.iterdir()
-                if _REPLAY_FOLDER.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
-
-    def use_replay_plan(self, plan: str) -> None:
-        """Drop replay results of any other plan (derived data fcaudit wrote itself)."""
-        keep = Path(self.replay_name(plan, 0)).parent.name
-        for old in self._replay_folders():
-            if old.name != keep:
-                shutil.rmtree(old)
+        """The replay folder fcaudit made here, if any: only its own name, never a link."""
+        folder = self.folder / _REPLAY_FOLDER
+        return [folder] if folder.is_dir() and not folder.is_symlink() else []
 
     def _clear_stale_temporaries(self) -> None:
         """Remove temporary files a killed writer of this cache left behind (never under a
@@ -166,8 +159,12 @@ class CoefficientCache:
         return (self.folder / name).is_file() and (self.folder / f"{name}.sha256").is_file()
 
     def write(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        """The shard, then its checksum: a shard without checksum does not exist."""
+        """The shard, then its checksum: a shard without checksum does not exist (a shard
+        being replaced loses its old checksum first, so a killed writer leaves no shard)."""
         path = self.folder / name
+        self._handles.pop(name, None)  # a replaced shard is read and verified afresh
+        self._verified.discard(name)
+        (self.folder / f"{name}.sha256").unlink(missing_ok=True)
         write_safetensors(path, tensors)
         write_text(self.folder / f"{name}.sha256", sha256_file(path) + "\n")
 

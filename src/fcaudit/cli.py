@@ -65,9 +65,9 @@ def _add_audit_options(p: argparse.ArgumentParser) -> None:
                    help="interleaved model/dense timing pairs; 0 disables timing (default 10)")
     g.add_argument("--schedule", choices=["prefix", "naive"], default="prefix",
                    help="prefix (default): a per-layer run recomputes only the blocks after "
-                        "its site, reusing the correct replay's outputs before it (proven "
-                        "bitwise exact per batch); naive: every run is a full pass. Both give "
-                        "the same audit.json")
+                        "its site, reusing the correct replay's outputs before it (checked "
+                        "bitwise per site and batch, else full passes); naive: every run is "
+                        "a full pass. Both give the same audit.json")
     g.add_argument("--allow-nonexact-identity", action="store_true",
                    help="continue when replaying the recorded coefficients does not reproduce "
                         "the original pass bit for bit (every verdict is then flagged)")

@@ -7,6 +7,8 @@ first, then reads every shard and writes the outputs. Because shards are keyed b
 global batch index and every number is computed per batch with the batch composition of
 a single-process run, ``audit.json`` is the single-process one, and a resumed audit may
 use another number of processes. CPU ranks use gloo; CUDA ranks NCCL, one GPU each.
+Before recording, the ranks compare a digest of their first batch (coefficients and NLL):
+a process whose model or code behaves differently stops every rank instead of being merged.
 
 A rank that dies makes the others fail at their next barrier; they stop with one line
 that says the finished shards are kept and the same command resumes.
@@ -55,6 +57,19 @@ class Ranks:
             dist.barrier()
         except Exception as exc:  # gloo / NCCL report a vanished peer as RuntimeError
             raise stopped(self, stage, exc) from exc
+
+    def gather(self, value: Any, stage: str) -> list[Any]:
+        """Every rank's ``value`` (a small picklable object), in rank order, on every rank;
+        also a barrier."""
+        if self.world == 1:
+            return [value]
+        import torch.distributed as dist
+        out: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(out, value)
+        except Exception as exc:  # a vanished peer, as in barrier()
+            raise stopped(self, stage, exc) from exc
+        return out
 
 
 def stopped(ranks: Ranks, stage: str, cause: Any = None) -> RankStopped:

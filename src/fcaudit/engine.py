@@ -43,10 +43,11 @@ from .loading import LoadedModel, load, load_module
 from .nll import device_of, logits_of, model_limits, probe_vocab, token_nll
 from .options import AuditOptions, Progress, Setup, silent
 from .passes import batches, record_batch, replay_batch
-from .plan import ReplayInputs, plan_key, plan_runs, routing_sites, tracked_runs
+from .plan import ReplayInputs, digest_tensors, plan_runs, routing_sites, tracked_runs
 from .result import (
     MAIN_CONDITIONS,
     NONDETERMINISTIC_KEYS,
+    PER_LAYER_CONDITIONS,
     SCHEMA,
     TIMED_VERDICT_KEY,
     AuditResult,
@@ -91,16 +92,25 @@ def resolve_block_paths(model: nn.Module, pattern: str | None) -> list[str] | No
     return declared_blocks(model)
 
 
-def _interventions(given: Mapping[str, Any] | Sequence[Intervention] | None) -> list[Intervention]:
+def _interventions(given: Mapping[str, Any] | Sequence[Intervention] | None,
+                   sites: Sequence[Site]) -> list[Intervention]:
+    """The user's interventions, each with a name no other run of the audit has (results
+    are keyed by name: two runs under one name would be merged into one condition)."""
     if not given:
         return []
     items = list(given.items()) if isinstance(given, Mapping) else [(i.name, i) for i in given]
-    out = []
+    builtin = {*MAIN_CONDITIONS, *(f"{c}@{s.name}" for c in PER_LAYER_CONDITIONS for s in sites)}
+    out: list[Intervention] = []
     for name, item in items:
         iv = item if isinstance(item, Intervention) else Intervention(name, item)
-        if iv.name in MAIN_CONDITIONS or not callable(iv.fn) or iv.repeats < 1:
+        if isinstance(iv.name, str) and iv.name in {o.name for o in out}:
+            raise FcauditError(f"two interventions are named {iv.name!r}: give each its own "
+                               "name (results are reported by name, so both would be merged "
+                               "into one condition)")
+        if not isinstance(iv.name, str) or not iv.name or iv.name in builtin or \
+                not callable(iv.fn) or iv.repeats < 1:
             raise FcauditError(f"intervention {iv.name!r}: give a new name (not a built-in "
-                               "condition), a callable and repeats >= 1")
+                               "condition or per-layer run), a callable and repeats >= 1")
         out.append(iv)
     return out
 
@@ -116,6 +126,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     loaded = as_loaded(model)
     net = loaded.model.eval()
     site_list = find_sites(net, sites)
+    custom = _interventions(interventions, site_list)  # before the first forward pass
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
     default_len, default_why = loaded_seq_len(loaded)
     audit_data = data if isinstance(data, AuditData) else resolve_data(loaded.tokenizer, data,
@@ -128,7 +139,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         vocab = probe_vocab(net, audit_data.eval_ids.shape[1])
     audit_data.validate(vocab, ctx)
     setup = Setup(loaded, site_list, block_paths, blocks, audit_data, options,
-                  _interventions(interventions), out=Path(out) if out is not None else None)
+                  custom, out=Path(out) if out is not None else None)
     if options.execution:
         setup.dense, setup.dense_source = _dense(setup, dense, blocks)
     if setup.out is not None:
@@ -375,7 +386,7 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
         print(f"fcaudit: {window_line(setup.data.summary())}", file=sys.stderr, flush=True)
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
     if not ranks.main:
-        _run(setup, open_cache(setup, setup.out / "cache", ranks), None, progress, command,
+        _run(setup, open_cache(setup, setup.out / "cache", ranks), first, progress, command,
              ranks)
         return None
     if setup.out is None:
@@ -399,21 +410,34 @@ CLAIMED = "rank 0 validated the inputs and claimed the output folder"
 
 def open_cache(setup: Setup, folder: Path, ranks: Ranks,
                first: Probe | None = None) -> CoefficientCache:
-    """The cache; rank 0 opens (or creates) it, adopts the probe's batch and drops replay
-    results of other plans before the other ranks open it."""
+    """The cache; rank 0 opens (or creates) it and adopts the probe's batch before the
+    other ranks open it."""
     cache = CoefficientCache(folder, cache_identity(setup), setup.options.batch_size,
                              len(setup.data.eval_ids), owner=ranks.main)
     if first is not None:
         adopt_probe(cache, first.coefficients, first.nll)
-        cache.use_replay_plan(plan_key(plan_runs(setup.sites, setup.options,
-                                                 setup.interventions), setup.options))
     return cache
 
 
-def _run(setup: Setup, cache: CoefficientCache, first: Probe | None, progress: Progress,
+def same_probe_on_every_rank(ranks: Ranks, first: Probe) -> None:
+    """Every process computed the first batch's coefficients and NLL bit for bit alike: a
+    rank whose model or code behaves differently is refused, not merged."""
+    named = [*sorted(first.coefficients.items()), ("nll", first.nll)]
+    digests = ranks.gather(digest_tensors(named).hex(), "comparing the first batch")
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    if odd:
+        raise FcauditError(
+            f"rank(s) {', '.join(map(str, odd))} computed other coefficients or NLL on the "
+            f"first evaluation batch than rank 0 (of {ranks.world} processes): every process "
+            "must run the same model, code, weights and data on the same kind of device; "
+            "fix the differing processes and rerun")
+
+
+def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress,
          command: str | None, ranks: Ranks) -> AuditResult | None:
     """Record and replay this rank's batches; rank 0 then summarizes every batch."""
     opts, timings = setup.options, {}
+    same_probe_on_every_rank(ranks, first)
     record_calibration(setup, cache, progress, ranks)
     record_evaluation(setup, cache, progress, ranks)
     ranks.barrier("recorded")
@@ -425,13 +449,11 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe | None, progress: P
                           [draw(opts.seed * 1000 + 17 + k, n, seq_len)
                            for k in range(opts.repeats)], opts.seed)
     runs = plan_runs(setup.sites, opts, setup.interventions)
-    plan = plan_key(runs, opts)
     started = time.perf_counter()
-    replay_stage(setup, inputs, runs, plan, progress, ranks)
-    ranks.barrier("replayed")
-    if first is None:
+    reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
+    if not ranks.main:
         return None
-    replays = replay_results(cache, plan, opts)
+    replays = replay_results(cache, opts)
     timings["replay_s"] = time.perf_counter() - started
     diff = replays.identity_diff
     identity = dataclasses.replace(first.identity, exact=first.identity.exact and diff == 0,
@@ -447,10 +469,22 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe | None, progress: P
     timings["execution_s"] = time.perf_counter() - started
     timings["total_s"] = time.perf_counter() - setup.started
     runtime = Runtime(host(), {k: round(v, 3) for k, v in timings.items()},
-                      {**replays.schedule, "processes": ranks.world}, cache.disk_usage())
+                      {**replays.schedule, "processes": ranks.world}, cache.disk_usage(),
+                      reuse_summary(reuse, len(runs)))
     result = assemble(setup, cache, summary, stats, execution, identity, command, runtime)
     result.routing = routing
     return result
+
+
+def reuse_summary(per_rank: Sequence[Mapping[str, int]], n_runs: int) -> dict[str, Any]:
+    """Which replay results came from the cache: whole batches, reused only when every
+    run's fed tensors were bit for bit the stored ones (else the batch was replayed)."""
+    reused = sum(r["batches_reused"] for r in per_rank)
+    recomputed = sum(r["batches_recomputed"] for r in per_rank)
+    return {"batches_reused": reused, "batches_recomputed": recomputed,
+            "runs_reused": reused * n_runs, "runs_recomputed": recomputed * n_runs,
+            "rule": "a cached batch is reused only if every run's SHA-256 of its token ids, "
+                    "schedule, identity and fed coefficient tensors equals the stored one"}
 
 
 def write_outputs(result: AuditResult, out: Path, report: bool = True) -> None:

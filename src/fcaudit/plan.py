@@ -8,9 +8,8 @@ and a batch into the coefficient tensor each site receives.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -57,16 +56,23 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
     return runs
 
 
-def plan_key(runs: Sequence[Run], options: AuditOptions) -> str:
-    """What the replay results depend on besides the cache identity."""
-    parts = [(r.key, r.repeat, r.custom and _code_of(r.custom.fn)) for r in runs]
-    text = repr((parts, options.seed))
-    return hashlib.sha256(text.encode()).hexdigest()
+def digest_tensors(named: Iterable[tuple[str, Tensor]], head: bytes = b"") -> bytes:
+    """SHA-256 over ``head`` and each tensor's name, dtype, shape and bytes, in order: two
+    digests are equal only for bitwise equal tensors (short of a SHA-256 collision)."""
+    hasher = hashlib.sha256(head)
+    for name, tensor in named:
+        t = tensor.detach().to("cpu").contiguous()
+        hasher.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
+        hasher.update(t.reshape(-1).view(torch.uint8).numpy())
+    return hasher.digest()
 
 
-def _code_of(fn: Any) -> str:
-    code = getattr(fn, "__code__", None)
-    return hashlib.sha256(code.co_code).hexdigest() if code is not None else repr(fn)
+def run_digest(run: Run, fed: Mapping[Site, Tensor], context: bytes) -> bytes:
+    """What one run's NLL on a batch is computed from: ``context`` (the batch's token ids
+    and the schedule), the run's identity, and every fed tensor in site order."""
+    identity = repr((run.condition, run.repeat, run.site and run.site.name,
+                     run.custom is not None)).encode()
+    return digest_tensors(((s.name, t) for s, t in fed.items()), context + identity)
 
 
 @dataclass

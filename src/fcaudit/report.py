@@ -659,7 +659,15 @@ def _reproducibility(r: AuditResult) -> list[str]:
                            ("Cache on disk", r.runtime.cache or {})):
         if section:
             blocks += [f"### {title}", md_kv_table(section)]
-    return blocks
+    return blocks + ([_reuse_sentence(r.runtime.reuse)] if r.runtime.reuse else [])
+
+
+def _reuse_sentence(reuse: dict[str, Any]) -> str:
+    total = reuse["batches_reused"] + reuse["batches_recomputed"]
+    return (f"Replay results: {reuse['batches_reused']} of {total} batches "
+            f"({reuse['runs_reused']} runs) reused from the cache, each run's fed coefficients "
+            f"checked bit for bit against this audit's; {reuse['batches_recomputed']} batches "
+            f"({reuse['runs_recomputed']} runs) replayed.")
 
 
 def _figure_specs(r: AuditResult) -> list[FigureSpec]:

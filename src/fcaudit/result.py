@@ -326,6 +326,7 @@ class Runtime:
     timings: dict[str, float]
     schedule: dict[str, Any] | None = _omit_none()
     cache: dict[str, Any] | None = _omit_none()
+    reuse: dict[str, Any] | None = _omit_none()  # replay batches reused from the cache
 
 
 @dataclass

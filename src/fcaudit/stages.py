@@ -3,10 +3,12 @@
 **Record**: calibration batches (float64 sums per batch, added in batch order later)
 and evaluation batches (per-token NLL and every site's coefficients). **Replay**: every
 planned run on every evaluation batch, batch-outer (all runs of a batch before the next
-batch), the identity replay checked on each batch, per-layer runs on the suffix of the
-model when prefix reuse is proven exact, routers' choices counted. Each finished batch is
-a checksummed shard, so either stage resumes after an interruption, and under torchrun
-each rank takes its own batches.
+batch), the identity replay checked on each batch (first and again after every other
+run), per-layer runs on the suffix of the model when each site's prefix reuse is proven
+exact on that batch, routers' choices counted. Each finished batch is a checksummed
+shard holding the digest of what every run was fed, so either stage resumes after an
+interruption, a rerun reuses a batch only when every run would be fed the same tensors,
+and under torchrun each rank takes its own batches.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .adapters import same_bits
 from .cache import CoefficientCache
@@ -27,9 +29,15 @@ from .errors import FcauditError
 from .interventions import StaticProfiles, batch_sums
 from .nll import device_of, token_nll
 from .options import AuditOptions, Progress, Setup
-from .passes import batches, check_finite, check_finite_nll, record_batch, replay_batch
-from .plan import ReplayInputs, Run, feed, routing_sites
-from .replaying import BlockTrace
+from .passes import (
+    Replayed,
+    batches,
+    check_finite,
+    check_finite_nll,
+    record_batch,
+    replay_batch,
+)
+from .plan import ReplayInputs, Run, digest_tensors, feed, routing_sites, run_digest
 from .routers import changed_rows, expert_counts
 
 IDENTITY_CAUSES = (
@@ -102,18 +110,50 @@ def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
         progress("record evaluation", done, len(todo), "")
 
 
-def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], plan: str,
-                 progress: Progress, ranks: Ranks = SINGLE) -> None:
+def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], progress: Progress,
+                 ranks: Ranks = SINGLE) -> dict[str, int]:
     """This rank's batches under every run, batch by batch (every run of one batch before
     the next batch); each finished batch is cached, so an interrupted replay resumes there.
+
+    A cached batch is reused only when every run's feed digest, recomputed now, equals the
+    one stored with it (same runs, order, schedule, token ids and fed tensors, bit for
+    bit); otherwise the whole batch is replayed again and its shard replaced. Returns how
+    many of this rank's batches were reused and recomputed.
     """
     cache = inputs.cache
-    todo = ranks.mine([b for b in range(cache.n_batches)
-                       if not cache.has(cache.replay_name(plan, b))])
+    mine = ranks.mine(list(range(cache.n_batches)))
+    todo = [b for b in mine if not _reusable(setup, inputs, runs, b)]
     for done, (b, x) in enumerate(batches(setup.data.eval_ids, cache.batch_size,
                                           device_of(setup.model), todo), start=1):
-        cache.write(cache.replay_name(plan, b), _replay_one_batch(setup, inputs, runs, b, x))
+        cache.write(cache.replay_name(b), _replay_one_batch(setup, inputs, runs, b, x))
         progress("replay", done, len(todo), f"batch {b + 1} of {cache.n_batches}")
+    return {"batches_reused": len(mine) - len(todo), "batches_recomputed": len(todo)}
+
+
+def _context(setup: Setup, b: int) -> bytes:
+    """What a batch's runs depend on besides their fed tensors: its token ids, the schedule."""
+    size = setup.options.batch_size
+    ids = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids[b * size:(b + 1) * size]))
+    return digest_tensors([("ids", ids)], setup.options.schedule.encode())
+
+
+def _reusable(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> bool:
+    """True when batch ``b``'s cached shard was computed from exactly what this audit would
+    feed: every run's digest, recomputed from fresh feeds, equals the stored one."""
+    cache, name = inputs.cache, inputs.cache.replay_name(b)
+    if not cache.has(name):
+        return False
+    shard = cache.read(name)  # checksum verified: a corrupted shard is an error, not a miss
+    if float(shard["identity_diff"]) != 0 and not setup.options.allow_nonexact_identity:
+        return False  # replayed again: the identity check then stops the audit
+    context = _context(setup, b)
+    cpu = torch.device("cpu")
+    expected = [run_digest(run, feed(run, b, inputs, cpu), context) for run in runs]
+    return same_bits(shard.get("feed_digest"), _digest_tensor(expected))
+
+
+def _digest_tensor(digests: Sequence[bytes]) -> Tensor:
+    return torch.tensor([list(d) for d in digests], dtype=torch.uint8)
 
 
 @dataclass
@@ -128,8 +168,8 @@ class Replays:
     route_changed: Tensor | None  # [tracked runs, router sites] tokens re-routed
 
 
-def replay_results(cache: CoefficientCache, plan: str, options: AuditOptions) -> Replays:
-    shards = [cache.read(cache.replay_name(plan, b)) for b in range(cache.n_batches)]
+def replay_results(cache: CoefficientCache, options: AuditOptions) -> Replays:
+    shards = [cache.read(cache.replay_name(b)) for b in range(cache.n_batches)]
     per_run = torch.cat([s["nll"] for s in shards], dim=1).numpy()
     states = [int(s["prefix"]) for s in shards]
     schedule = {"requested": options.schedule,
@@ -146,42 +186,67 @@ def replay_results(cache: CoefficientCache, plan: str, options: AuditOptions) ->
 PREFIX_OFF, PREFIX_REUSED, PREFIX_FELL_BACK = 0, 1, 2
 
 
+class _Passes:
+    """The replay passes of one batch: each run fed from the cache, its digest taken from
+    exactly the tensors fed, its per-token NLL checked finite."""
+
+    def __init__(self, setup: Setup, inputs: ReplayInputs, b: int, x: Tensor) -> None:
+        self.net, self.inputs, self.b, self.x = setup.model, inputs, b, x
+        self.context = _context(setup, b)
+        self.correct_fed: dict[Site, Tensor] = {}
+
+    def replay(self, run: Run, **kw: Any) -> tuple[Replayed, Tensor, bytes]:
+        fed = feed(run, self.b, self.inputs, torch.device("cpu"))
+        digest = run_digest(run, fed, self.context)
+        fed = {s: t.to(self.x.device) for s, t in fed.items()}
+        if run.condition == "correct":
+            self.correct_fed = fed
+        out = replay_batch(self.net, self.x, fed, **kw)
+        nll = token_nll(out.logits, self.x).cpu()
+        check_finite_nll(nll, f"replay under {run.key}, batch {self.b}")
+        return out, nll, digest
+
+    def correct_with(self, known: Mapping[str, Any] | None = None) -> Tensor:
+        """The correct replay's logits again (with ``known`` blocks stubbed)."""
+        return replay_batch(self.net, self.x, self.correct_fed, known=known).logits
+
+
 @torch.no_grad()
 def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int,
                       x: Tensor) -> dict[str, Tensor]:
-    """Every run on batch ``b`` (the correct replay first), per-layer runs on the suffix
-    only when prefix reuse is on and proven exact on this batch; for router sites, the
-    expert load of the correct replay and how many tokens each main condition re-routes."""
-    net = setup.model
-    recorded = inputs.cache.batch(b, "nll")
-    per_layer = any(r.site is not None for r in runs)
-    traced = setup.blocks if setup.options.schedule == "prefix" and per_layer else None
-    routed = routing_sites(inputs.sites)
-    rows, diff, reuse, state = [], 0.0, None, PREFIX_OFF
-    base: dict[str, Tensor] = {}
-    shard: dict[str, Tensor] = {}
+    """Every run on batch ``b``: the correct replay first, then the per-layer runs (on the
+    suffix when prefix reuse holds, see :func:`_per_layer`), then the other runs, then the
+    correct replay again, which must equal the first bit for bit; for router sites, the
+    expert load of the correct replay and how many tokens each main condition re-routes.
+    Rows stay in plan order, each with the digest of what its run was fed."""
+    assert runs[0].condition == "correct" and runs[0].site is None
+    passes, routed = _Passes(setup, inputs, b, x), routing_sites(inputs.sites)
+    traced = setup.blocks if setup.options.schedule == "prefix" and \
+        any(r.site is not None for r in runs) else None
+    first, nll, digest = passes.replay(runs[0], select=bool(routed), trace=traced)
+    diff = _identity_diff(setup, nll, inputs.cache.batch(b, "nll"), b)
+    done = {0: (nll.double().mean(1), digest)}
+    state = _per_layer(passes, runs, first, done)
+    shard = {f"route_load::{s.name}": expert_counts(first.chosen[s.name],
+                                                    passes.correct_fed[s].shape[-1])
+             for s in routed}
     changed = []
-    for run in runs:
-        fed = feed(run, b, inputs, x.device)
-        known = reuse.get(run.site.path) if reuse is not None and run.site is not None else None
+    for i, run in enumerate(runs):
+        if i in done:
+            continue
         tracked = bool(routed) and run.site is None and run.custom is None
-        out = replay_batch(net, x, fed, known=known, select=tracked,
-                           trace=traced if run.condition == "correct" else None)
-        nll = token_nll(out.logits, x).cpu()
-        check_finite_nll(nll, f"replay under {run.key}, batch {b}")
-        if run.condition == "correct":
-            diff = _identity_diff(setup, nll, recorded, b)
-            base = out.chosen
-            shard.update({f"route_load::{s.name}": expert_counts(base[s.name], fed[s].shape[-1])
-                          for s in routed})
-            if out.trace is not None:
-                reuse, state = _prove_prefix(net, x, fed, inputs.sites, out.trace, out.logits)
-        elif tracked:
-            changed.append([changed_rows(base[s.name], out.chosen[s.name]) for s in routed])
-        rows.append(nll.double().mean(1))
+        out, nll, digest = passes.replay(run, select=tracked)
+        if tracked:
+            changed.append([changed_rows(first.chosen[s.name], out.chosen[s.name])
+                            for s in routed])
+        done[i] = (nll.double().mean(1), digest)
+    diff = max(diff, _history_diff(setup, passes, first.logits, len(runs)))
     if routed:
         shard["route_changed"] = torch.tensor(changed, dtype=torch.float64)
-    return {"nll": torch.stack(rows), "identity_diff": torch.tensor(diff, dtype=torch.float64),
+    rows = [done[i] for i in range(len(runs))]
+    return {"nll": torch.stack([r[0] for r in rows]),
+            "feed_digest": _digest_tensor([r[1] for r in rows]),
+            "identity_diff": torch.tensor(diff, dtype=torch.float64),
             "prefix": torch.tensor(state), **shard}
 
 
@@ -195,15 +260,50 @@ def _identity_diff(setup: Setup, nll: Tensor, recorded: Tensor, b: int) -> float
     return diff
 
 
-def _prove_prefix(net: nn.Module, x: Tensor, fed: Mapping[Site, Tensor], sites: Sequence[Site],
-                  trace: BlockTrace, logits: Tensor) -> tuple[dict[str, Any] | None, int]:
-    """Each site's reusable prefix, once the correct replay with the longest prefix stubbed
-    reproduces the full correct replay bit for bit (else: full passes for this batch)."""
-    prefixes = {s.path: {p: trace.outputs[p] for p in trace.prefix(s.path)} for s in sites}
-    longest = max(prefixes.values(), key=len)
-    if not longest:
-        return None, PREFIX_OFF
-    check = replay_batch(net, x, fed, known=longest).logits
-    if not same_bits(check, logits):
-        return None, PREFIX_FELL_BACK
-    return prefixes, PREFIX_REUSED
+def _history_diff(setup: Setup, passes: _Passes, logits: Tensor, n_runs: int) -> float:
+    """The correct replay once more, after every other run of the batch: a model whose
+    output depends on earlier passes (state kept between calls) shows here, any schedule."""
+    again = passes.correct_with()
+    if same_bits(again, logits):
+        return 0.0
+    x = passes.x
+    diff = float((token_nll(again, x) - token_nll(logits, x)).abs().max())
+    if not setup.options.allow_nonexact_identity:
+        raise FcauditError(
+            f"the correct replay of batch {passes.b}, repeated after the batch's other "
+            f"{n_runs - 1} runs, differs from the first by up to {diff:.3g} nats: the model's "
+            "output depends on earlier forward passes (state kept between calls), so every "
+            "replay's number would depend on the order of the runs; make the forward pass a "
+            "function of its input (and coefficients) alone, or rerun with "
+            "--allow-nonexact-identity to see the numbers flagged as not exact")
+    return diff
+
+
+def _per_layer(passes: _Passes, runs: Sequence[Run], first: Replayed,
+               done: dict[int, tuple[Tensor, bytes]]) -> int:
+    """The per-layer runs, right after the correct replay. With a trace (prefix schedule)
+    the sites go from the last called to the first, so the blocks a run takes from the
+    correct replay have not run since it; before a site's runs, the correct replay with
+    that site's prefix stubbed must equal the full one bit for bit, from the state those
+    runs start in. One failure: every per-layer run of the batch becomes a full pass."""
+    layer = [(i, r.site) for i, r in enumerate(runs) if r.site is not None]
+    trace = first.trace
+    if trace is not None:
+        layer.sort(key=lambda item: -trace.starts[item[1].path])
+    state, proven = PREFIX_OFF, set()
+    for i, site in layer:
+        known = {p: trace.outputs[p] for p in trace.prefix(site.path)} if trace else {}
+        if known and site.path not in proven:
+            if not same_bits(passes.correct_with(known), first.logits):
+                for j, _ in layer:
+                    done[j] = _row(passes, runs[j])
+                return PREFIX_FELL_BACK
+            proven.add(site.path)
+            state = PREFIX_REUSED
+        done[i] = _row(passes, runs[i], known=known or None)
+    return state
+
+
+def _row(passes: _Passes, run: Run, **kw: Any) -> tuple[Tensor, bytes]:
+    _, nll, digest = passes.replay(run, **kw)
+    return nll.double().mean(1), digest

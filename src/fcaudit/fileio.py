@@ -19,6 +19,10 @@ from typing import Any
 
 from .errors import FcauditError
 
+# Called as check(temporary, final) just before a file takes its final name; an output
+# folder being written registers one (fcaudit.outdir) to record what fcaudit writes there.
+RENAME_CHECKS: list[Callable[[Path, Path], None]] = []
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
@@ -32,6 +36,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         yield tmp_path
         os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; outputs are for sharing
         _fsync(tmp_path)  # a full disk can surface only here; never rename unflushed data
+        for check in RENAME_CHECKS:
+            check(tmp_path, path)
         os.replace(tmp_path, path)
     except OSError as exc:
         tmp_path.unlink(missing_ok=True)

@@ -39,7 +39,16 @@ from .errors import FcauditError
 from .fileio import make_work_dir, sha256_file, write_json, write_text
 from .loading import Arch, get_arch, save_run_model
 from .nll import mean_nll
-from .outdir import RUN_FILES, check_output, claim_output, entries, hold_output, remove_output
+from .outdir import (
+    RUN_FILES,
+    check_output,
+    claim_output,
+    entries,
+    hold_output,
+    owns,
+    record_files,
+    remove_output,
+)
 from .progress import ProgressReporter
 from .runtime import resolve_device, versions
 
@@ -170,11 +179,11 @@ def check_run_out(out: Path, force: bool) -> None:
     if held and not force:
         raise FcauditError(f"output folder {out} holds a training run; choose another --out or "
                            "pass --force to replace it")
-    other = [p.name for p in held if p.name not in RUN_FILES]
+    other = [p.name for p in held if p.name not in RUN_FILES or not owns(out, p.name)]
     if other:
         raise FcauditError(f"--out {out} is a run folder but also holds {', '.join(other)}, "
-                           "which fcaudit train did not write; move them out or choose another "
-                           "--out")
+                           "which fcaudit train did not write (or which were changed since); move "
+                           "them out or choose another --out")
 
 
 def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: Any,
@@ -209,6 +218,7 @@ def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: 
             "weights_sha256": sha256_file(work / "model.safetensors"),
             "versions": versions(),
         })
+        record_files(work, RUN_FILES)
         _swap_in(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # this call's own mkdtemp folder

@@ -139,10 +139,33 @@ def test_force_replaces_a_run_folder_and_nothing_else(run: Path, tmp_path: Path,
               data=text)
     assert snapshot(tmp_path) == before
     (out / "notes.txt").unlink()
+    weights = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(weights[:-8] + b"my bytes")  # edited since
+    before = snapshot(tmp_path)
+    with pytest.raises(FcauditError, match="did not record writing model.safetensors"):
+        train("dense", "tiny", 1, out, steps=1, force=True, progress=False, device="cpu",
+              data=text)
+    assert snapshot(tmp_path) == before
+    (out / "model.safetensors").write_bytes(weights)
     train("dense", "tiny", 1, out, steps=1, force=True, progress=False, device="cpu", data=text)
     assert json.loads((out / "config.json").read_text())["seed"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no aside or work folder
     assert sorted(p.name for p in out.iterdir()) == sorted({*RUN_FILES, MARKER})
+
+
+def test_force_never_replaces_a_users_files_under_a_forged_run_marker(
+        run: Path, tmp_path: Path, text: Path) -> None:
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"fcaudit_run": 1, "my": "settings"}')
+    (folder / "model.safetensors").write_bytes(b"my weights")
+    shutil.copy(run / MARKER, folder / MARKER)  # a real run's marker, digests and all
+    before = snapshot(tmp_path)
+    with pytest.raises(FcauditError, match="did not record writing config.json, "
+                                           "model.safetensors"):
+        train("dense", "tiny", 1, folder, steps=1, force=True, progress=False, device="cpu",
+              data=text)
+    assert snapshot(tmp_path) == before
 
 
 def test_a_refused_or_failed_training_leaves_no_folder(tmp_path: Path) -> None:

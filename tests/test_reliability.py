@@ -33,7 +33,7 @@ from fcaudit.errors import FcauditError
 from fcaudit.fileio import write_json
 from fcaudit.loading import save_run_model
 from fcaudit.models.featuregate import GPT, GPTConfig
-from fcaudit.outdir import MARKER
+from fcaudit.outdir import MARKER, RUN_FILES, record_files
 from fcaudit.result import NONDETERMINISTIC_KEYS
 
 TESTS = Path(__file__).parent
@@ -654,6 +654,7 @@ def test_interrupted_training_leaves_no_run_folder(tmp_path: Path, run_folder: P
     monkeypatch.setattr(train_mod, "builtin_tokenizer", lambda vocab_size: tok)
     monkeypatch.setattr(train_mod, "write_json", interrupt)  # the last file of the folder
     shutil.copytree(run_folder / "run", tmp_path / "keep")  # an earlier run, for --force
+    record_files(tmp_path / "keep", RUN_FILES)  # as `fcaudit train` records its files
     before = {p.name: p.read_bytes() for p in (tmp_path / "keep").iterdir()}
     for out, force in ((tmp_path / "new", False), (tmp_path / "keep", True)):
         with pytest.raises(KeyboardInterrupt):

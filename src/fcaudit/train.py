@@ -179,11 +179,17 @@ def check_run_out(out: Path, force: bool) -> None:
     if held and not force:
         raise FcauditError(f"output folder {out} holds a training run; choose another --out or "
                            "pass --force to replace it")
-    other = [p.name for p in held if p.name not in RUN_FILES or not owns(out, p.name)]
+    other = [p.name for p in held if p.name not in RUN_FILES]
     if other:
         raise FcauditError(f"--out {out} is a run folder but also holds {', '.join(other)}, "
-                           "which fcaudit train did not write (or which were changed since); move "
-                           "them out or choose another --out")
+                           "which fcaudit train did not write; move them out or choose another "
+                           "--out")
+    unrecorded = [p.name for p in held if not owns(out, p.name)]
+    if unrecorded:
+        raise FcauditError(f"--out {out}: fcaudit train did not record writing "
+                           f"{', '.join(unrecorded)} (files of yours, edited since, or a run of "
+                           "an fcaudit version without digests), so --force will not replace "
+                           "them; move them out or choose another --out")
 
 
 def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: Any,

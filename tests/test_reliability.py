@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import toys
+from torch import nn
 
 from fcaudit import cli
 from fcaudit.data import AuditData, Document, train_tokenizer
@@ -727,3 +728,40 @@ def test_each_dependence_verdict_follows_its_rule(case: str, r: tuple, s: tuple,
             "0.0020 nats [0.0010, 0.0030]: the model does not need its coefficients matched to "
             "their input and token)"), sentence
     assert (case in ("only below", "none excluding 0")) == sentence.startswith("No ")
+
+
+# ---------------------------------------------------------------------- gate axes
+
+class _TimeMajorGate(nn.Module):
+    """A gate whose output is [positions, batch, 1] (time-major), not [batch, positions]."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (ids.T.unsqueeze(-1) % 7).float() / 7
+
+
+class _TimeMajorModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates = nn.ModuleList([_TimeMajorGate()])
+        self.emb = nn.Embedding(toys.V, toys.V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids) * self.gates[0](ids).transpose(0, 1)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_time_major_gate_is_refused_even_when_batch_equals_length(size: int,
+                                                                    tmp_path: Path) -> None:
+    ids = toys.pair_sequences(3 * size, size, 1)
+    data = AuditData(ids[:2 * size], ids[2 * size:], {})
+    options = AuditOptions(batch_size=size, repeats=1, bootstrap=10, per_layer=False,
+                           execution=False, progress=False)
+    with pytest.raises(FcauditError) as caught:  # batch == positions: the shapes alone agree
+        audit(_TimeMajorModel(), tmp_path / "out", sites=["gates.*"], data=data,
+              options=options)
+    message = str(caught.value)
+    assert "\n" not in message and "site gates.0" in message, message
+    assert f"with {size + 1} sequences of {size} tokens; with {size} of {size} the shape " \
+        "fitted only because the two counts are equal: are the output's axes [positions, " \
+        "batch, ...]?" in message
+    assert not (tmp_path / "out").exists()

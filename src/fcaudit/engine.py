@@ -39,7 +39,7 @@ from .distributed import Ranks, current
 from .errors import FcauditError
 from .interventions import Intervention, draw
 from .loading import LoadedModel, load, load_module
-from .nll import device_of, logits_of, model_limits, probe_vocab, token_nll
+from .nll import device_of, model_limits, probe_vocab, token_nll
 from .options import AuditOptions, Progress, Setup, silent
 from .passes import batches, record_batch, replay_batch
 from .plan import ReplayInputs, plan_key, plan_runs, routing_sites, tracked_runs
@@ -160,11 +160,8 @@ def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | No
         raise FcauditError(f"--dense {dense}: its vocabulary has {vocab} entries but the "
                            f"evaluation token ids reach {int(ids.max())}; give a dense model "
                            "with the same tokenizer")
-    try:
-        with torch.no_grad():
-            logits_of(twin(ids))
-    except FcauditError as exc:
-        raise FcauditError(f"--dense {dense}: {exc}") from exc
+    from .execution import check_comparable
+    check_comparable(net, twin, ids, str(dense))
     resolve_block_paths(twin, blocks)
     return twin, str(dense)
 
@@ -189,6 +186,7 @@ def probe(setup: Setup) -> Probe:
     net, sites = setup.model, setup.sites
     _, x = next(batches(setup.data.eval_ids, setup.options.batch_size, device_of(net)))
     logits, coefficients, nll = record_batch(net, sites, x)
+    _check_axes(net, sites, x)
     replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites}).logits
     if same_bits(logits, replayed):
         return Probe(Identity(True, 0.0, setup.options.allow_nonexact_identity,
@@ -210,6 +208,23 @@ def probe(setup: Setup) -> Probe:
                            "(model.eval(), fixed seeds, deterministic kernels) or rerun with "
                            "--allow-nonexact-identity to see the numbers flagged as not exact")
     return Probe(Identity(False, diff, True, message), coefficients, nll)
+
+
+def _check_axes(net: nn.Module, sites: Sequence[Site], x: Tensor) -> None:
+    """With as many sequences as positions, a ``[positions, batch, ...]`` output has the
+    shape of ``[batch, positions, ...]``: record once more with one sequence added (a
+    repeat), where the two differ, so that a site with swapped axes is refused now."""
+    batch, positions = x.shape
+    if batch != positions:
+        return
+    try:
+        record_batch(net, sites, torch.cat([x, x[:1]]))
+    except FcauditError as exc:
+        raise FcauditError(
+            f"{exc} (with {batch + 1} sequences of {positions} tokens; with {batch} of "
+            f"{positions} the shape fitted only because the two counts are equal: are the "
+            "output's axes [positions, batch, ...]? give the site an adapter that transposes "
+            "them)") from exc
 
 
 def _first_nonexact_site(net: nn.Module, sites: Sequence[Site], coefficients: dict[str, Tensor],

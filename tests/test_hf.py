@@ -7,7 +7,9 @@ Every model is a tiny random config built here and saved with ``save_pretrained`
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -293,6 +295,18 @@ def other_weights(layers: int) -> Callable[[Path, Path], None]:
     return make
 
 
+def claim(src: Path, dst: Path, **sizes: int) -> None:
+    """The weights with a config claiming other sizes."""
+    write_config(src, dst, **sizes)
+    shutil.copy(src / "model.safetensors", dst / "model.safetensors")
+
+
+def truncated(src: Path, dst: Path) -> None:
+    write_config(src, dst)
+    blob = (src / "model.safetensors").read_bytes()
+    (dst / "model.safetensors").write_bytes(blob[:len(blob) // 2])
+
+
 def peft_adapter(src: Path, dst: Path) -> None:
     write_config(src, dst)
     (dst / "adapter_config.json").write_text("{}")
@@ -309,9 +323,19 @@ BAD_FOLDERS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
                         "not a causal language model"),
     "pickle only": (pickle_only, "safetensors only"),
     "no weights": (write_config, "no weights in"),
-    "weights missing": (other_weights(3), "do not fit its config.json"),
+    "weights missing": (other_weights(3), "num_hidden_layers=3 but the weights hold 2 layers"),
     "weights left over": (other_weights(1), "do not fit its config.json"),
     "peft adapter": (peft_adapter, "PEFT adapter"),
+    # claims checked against the weights' header before anything is built (issue 18)
+    "a million layers": (other_weights(10**6),
+                         "num_hidden_layers=1000000 but the weights hold 2 layers"),
+    "vocab 1e9": (lambda src, dst: claim(src, dst, vocab_size=10**9),
+                  "vocab_size=1000000000 but the weights hold 120"),
+    "hidden 1e6": (lambda src, dst: claim(src, dst, hidden_size=10**6),
+                   "hidden_size=1000000 but the weights hold 32"),
+    "a million experts": (lambda src, dst: claim(src, dst, num_local_experts=10**6),
+                          "num_local_experts=1000000 but the weights hold 4"),
+    "truncated weights": (truncated, "may be truncated or corrupt"),
     "mudd": (lambda src, dst: write_config(src, dst, model_type="muddpythia"),
              "MUDD checkpoint"),
 }
@@ -321,9 +345,11 @@ BAD_FOLDERS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
 def test_bad_folders_give_one_clear_error(case: str, mixtral_folder: Path, tmp_path: Path):
     make, message = BAD_FOLDERS[case]
     make(mixtral_folder, tmp_path)
+    started = time.perf_counter()
     with pytest.raises(FcauditError, match=message) as err:
         load_hf_folder(tmp_path)
     assert "\n" not in str(err.value)
+    assert time.perf_counter() - started < 10  # refused before anything big is built
 
 
 def test_is_hf_folder(mixtral_folder: Path, tmp_path: Path):

@@ -90,7 +90,8 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("config a million layers", ["--model", "{lying:n_layer=1000000}", "--data", "{text}"],
      "n_layer=1000000 but the weights hold 2 layers"),
     ("truncated npy", [*TOY, "--tokens", "{truncated}", "--calib-tokens", "{calib}"],
-     "truncated"),
+     "cut.npy is truncated: its header promises 2048 bytes of [16, 16] int64 ids, the file "
+     "holds 2008"),
     ("float npy", [*TOY, "--tokens", "{floats}", "--calib-tokens", "{calib}"], "dtype float"),
     ("tokens out of vocabulary", ["--model", "{run}", "--tokens", "{oov}", "--calib-tokens",
                                   "{calib}"], "vocabulary"),
@@ -116,7 +117,7 @@ def places(tmp_path_factory: pytest.TempPathFactory, run_folder: Path) -> dict[s
     np.save(root / "calib.npy", toys.pair_sequences(12, 16, 2))
     np.save(root / "floats.npy", toys.pair_sequences(16, 16, 1).astype(float))
     np.save(root / "oov.npy", np.full((4, 16), 9999))
-    (root / "truncated.npy").write_bytes((root / "eval.npy").read_bytes()[:-40])
+    (root / "cut.npy").write_bytes((root / "eval.npy").read_bytes()[:-40])  # not "truncated"
     (root / "file").write_text("a file of the user's")
     os.symlink(root / "nowhere", root / "dangling")
     (root / "userdir").mkdir()
@@ -129,7 +130,7 @@ def _argv(template: list[str], places: dict[str, Path], tmp: Path) -> list[str]:
     values = {"eval": root / "eval.npy", "calib": root / "calib.npy", "out": tmp / "out",
               "file": root / "file", "missing": root / "does-not-exist",
               "dangling": root / "dangling", "userdir": root / "userdir",
-              "truncated": root / "truncated.npy", "floats": root / "floats.npy",
+              "truncated": root / "cut.npy", "floats": root / "floats.npy",
               "oov": root / "oov.npy", "run": places["run"], "text": places["text"]}
     argv = []
     for item in template:

@@ -258,6 +258,35 @@ def test_read_only_out_is_refused() -> None:
         shutil.rmtree(base)
 
 
+@pytest.mark.parametrize("case", ["audit cache", "corpus cache"])
+def test_a_read_only_cache_is_refused_in_one_line_before_any_work(
+        case: str, tokens: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    read_only = tmp_path / "ro"  # as a user without write permission sees it (root sees none)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: real_access(path, mode) and not (
+        mode & os.W_OK and Path(path) == read_only))
+    out = tmp_path / "out"
+    if case == "audit cache":
+        out.mkdir()
+        (out / MARKER).write_text('{"schema": "fcaudit.output/1", "kind": "audit"}')
+        read_only = out / "cache"
+        read_only.mkdir()
+        argv = cli_argv("audit", out, tokens, tokens)
+        needle = f"--out {out}: its cache folder {read_only} is not writable"
+    else:  # the built-in corpus must be fetched into a folder this user may not write
+        read_only.mkdir()
+        monkeypatch.setenv("FCAUDIT_CACHE", str(read_only))
+        argv = ["train", "--arch", "dense", "--steps", "1", "--quiet", "--out", out]
+        needle = f"the corpus cache {data._corpus_folder()} must be fetched, but {read_only} " \
+            "is not a writable folder; set FCAUDIT_CACHE"
+    before = snapshot(tmp_path)
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert needle in err[0] and "unexpected" not in err[0], err
+    assert snapshot(tmp_path) == before
+
+
 def test_earlier_versions_outputs_are_recognised(run: Path, tmp_path: Path) -> None:
     legacy_run = tmp_path / "runs" / "fg"
     shutil.copytree(run, legacy_run)

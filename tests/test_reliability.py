@@ -71,12 +71,14 @@ def temporaries(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.name.endswith(".tmp"))
 
 
-def assert_clean_failure(res: Result, root: Path, out: Path, needle: str, code: int = 2) -> None:
+def assert_clean_failure(res: Result, root: Path, out: Path, needle: str | tuple[str, ...],
+                         code: int = 2) -> None:
     lines = res.stderr.strip().splitlines()
     assert res.returncode == code, res.stderr
     assert len(lines) == 1, res.stderr
     assert lines[0].startswith("fcaudit: "), lines[0]
-    assert needle in lines[0], lines[0]
+    for part in (needle,) if isinstance(needle, str) else needle:
+        assert part in lines[0], lines[0]
     assert "Traceback" not in res.stderr
     assert not (out / "audit.json").exists()
     assert not temporaries(root), temporaries(root)
@@ -141,7 +143,7 @@ def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # ------------------------------------------------------------------ bad inputs, table
 
-def _tokens_case(tmp: Path, name: str, toks: dict[str, Path]) -> tuple[list, str]:
+def _tokens_case(tmp: Path, name: str, toks: dict[str, Path]) -> tuple[list, str | tuple]:
     ev, ca = toks["eval"], toks["calib"]
     bad = tmp / f"{name}.npy"
     if name == "float":
@@ -186,7 +188,27 @@ def _tokens_case(tmp: Path, name: str, toks: dict[str, Path]) -> tuple[list, str
         return ["--tokens", ev, "--calib-tokens", ca, "--seq-len", "8"], "--seq-len 8"
     if name == "only_eval_tokens":
         return ["--tokens", ev], "--calib-tokens"
-    return ["--tokens", bad, "--calib-tokens", ca], bad.name
+    return ["--tokens", bad, "--calib-tokens", ca], (bad.name, BAD_TOKENS_SAY[name])
+
+
+# What the one line says about each bad array (besides naming the file): the check is the
+# message, not the file name, which alone would match any message naming the file.
+BAD_TOKENS_SAY = {
+    "float": "has dtype float64; token ids must be integers",
+    "ragged": "needs pickle to load (object or ragged array)",
+    "pickled": "is not a .npy file",
+    "npz": "is a .npz archive",
+    "truncated": "is truncated: its header promises 2048 bytes of [16, 16] int64 ids, the file "
+                 "holds 1948",
+    "out_of_vocab": f"span [0, {toys.V + 10}] but the model's vocabulary has {toys.V} entries",
+    "negative": "span [-1, ",
+    "no_rows": "holds no sequences",
+    "no_columns": "has sequences of 0 token(s)",
+    "one_token": "has sequences of 1 token(s)",
+    "one_dimensional": "has shape (16,); expected [N, T]",
+    "one_sequence": "gives 1: reassignment has no derangement of one sequence",
+    "missing": "evaluation tokens file not found",
+}
 
 
 TOKEN_CASES = ["float", "ragged", "pickled", "npz", "truncated", "out_of_vocab", "negative",

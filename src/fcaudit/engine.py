@@ -93,22 +93,51 @@ def resolve_block_paths(model: nn.Module, pattern: str | None) -> list[str] | No
 def _interventions(given: Mapping[str, Any] | Sequence[Intervention] | None) -> list[Intervention]:
     if not given:
         return []
-    items = list(given.items()) if isinstance(given, Mapping) else [(i.name, i) for i in given]
+    if isinstance(given, Mapping):
+        items = list(given.items())
+    elif isinstance(given, (list, tuple)) and all(isinstance(i, Intervention) for i in given):
+        items = [(i.name, i) for i in given]
+    else:
+        raise FcauditError("audit(interventions=...) must be {name: fn} or a list of "
+                           f"fcaudit.Intervention objects, not {given!r:.80}")
     out = []
     for name, item in items:
-        iv = item if isinstance(item, Intervention) else Intervention(name, item)
-        if iv.name in MAIN_CONDITIONS or not callable(iv.fn) or iv.repeats < 1:
+        iv = item if isinstance(item, Intervention) else Intervention(str(name), item)
+        if iv.name in MAIN_CONDITIONS or not callable(iv.fn) or isinstance(iv.repeats, bool) \
+                or not isinstance(iv.repeats, int) or iv.repeats < 1:
             raise FcauditError(f"intervention {iv.name!r}: give a new name (not a built-in "
                                "condition), a callable and repeats >= 1")
         out.append(iv)
     return out
 
 
+def _check_arguments(sites: Any, data: Any, blocks: Any, options: Any) -> SiteSpec:
+    """A Python caller's arguments of the wrong kind, each refused in one line naming the
+    argument; a single glob string for ``sites`` is taken as one glob."""
+    if not isinstance(options, AuditOptions):
+        raise FcauditError(f"audit(options=...) must be fcaudit.AuditOptions(...), not "
+                           f"{type(options).__name__}")
+    if not isinstance(data, (AuditData, DataSpec)):
+        raise FcauditError(f"audit(data=...) must be fcaudit.DataSpec(...) or "
+                           f"fcaudit.AuditData(...), not {type(data).__name__}")
+    if blocks is not None and not isinstance(blocks, str):
+        raise FcauditError(f"audit(blocks=...) must be one module-path glob string, not "
+                           f"{type(blocks).__name__}")
+    if isinstance(sites, str):
+        return [sites]
+    if sites is not None and (not isinstance(sites, (list, tuple)) or not sites
+                              or not all(isinstance(s, (str, Site)) for s in sites)):
+        raise FcauditError(f"audit(sites=...) must be a non-empty list of module-path globs "
+                           f"or fcaudit.Site objects, not {sites!r:.80}")
+    return sites
+
+
 def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSpec | AuditData,
             dense: Any, blocks: str | None, options: AuditOptions,
             interventions: Any) -> Setup:
     """Every check that does not need a forward pass of the audit itself."""
-    options.validate()
+    sites = _check_arguments(sites, data, blocks, options)
+    options.validate(api=True)  # the CLI has validated its own names already
     if dense is not None and not options.execution:
         raise FcauditError("--dense is ignored with --no-execution (the dense counterpart only "
                            "serves the execution audit): drop one of them")

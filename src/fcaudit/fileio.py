@@ -28,8 +28,12 @@ RENAME_CHECKS: list[Callable[[Path, Path], None]] = []
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success rename it onto ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:  # a read-only folder, a full disk, a file in the way
+        raise FcauditError(f"could not write {path}: {exc.strerror or exc}; check free disk "
+                           "space and permissions") from exc
     os.close(fd)
     tmp_path = Path(tmp)
     try:

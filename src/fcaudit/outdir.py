@@ -198,6 +198,9 @@ def check_output(path: str | Path, kind: str, option: str = "--out") -> None:
         if not cache.is_dir():
             raise FcauditError(f"{where}: {cache} is a file, not the cache folder; move it away "
                                "or choose another folder")
+        if not _usable(cache):
+            raise FcauditError(f"{where}: its cache folder {cache} is not writable (or not "
+                               "readable); fix its permissions or choose another folder")
         manifest = cache / "manifest.json"
         if (manifest.exists() or manifest.is_symlink()) and not manifest.is_file():
             raise FcauditError(f"{where}: {manifest} is not a file; move it away or choose "

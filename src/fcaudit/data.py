@@ -352,11 +352,15 @@ class AuditData:
     calib_ids: np.ndarray
     sources: dict[str, object] = field(default_factory=dict)
 
-    def validate(self, vocab_size: int | None, max_len: int | None) -> None:
-        """Check the audit's data rules; raise one clear error for the first broken one.
-        Integer arrays of any width become int64 (ids beyond int64 are refused first)."""
+    def check_arrays(self) -> None:
+        """Both fields must be integer arrays [N, T]; any integer width becomes int64 (ids
+        beyond int64 are refused, not wrapped)."""
         self.eval_ids = _id_array(self.eval_ids, "eval_ids")
         self.calib_ids = _id_array(self.calib_ids, "calib_ids")
+
+    def validate(self, vocab_size: int | None, max_len: int | None) -> None:
+        """Check the audit's data rules; raise one clear error for the first broken one."""
+        self.check_arrays()
         n_eval, seq_len = self.eval_ids.shape
         ev_src = self.sources.get("eval_path") or "the evaluation data"
         ca_src = self.sources.get("calib_path") or "the calibration data"

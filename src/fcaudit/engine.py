@@ -147,6 +147,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
     audit_data = data if isinstance(data, AuditData) else resolve_data(loaded.tokenizer, data,
                                                                        loaded_seq_len(loaded))
+    audit_data.check_arrays()
     vocab, ctx = model_limits(net)
     if vocab is None:
         vocab = probe_vocab(net, audit_data.eval_ids.shape[1])
@@ -336,7 +337,9 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
         interaction=summary.interaction, variance=variance, variation=spread,
         profiles=profiles, execution=execution, verdict=verdict,
         seeds=Seeds(opts.seed, seeds, seeds, opts.seed * 1000 + 7),
-        settings={**{k: v for k, v in dataclasses.asdict(opts).items() if k != "schedule"},
+        # how the audit is shown or scheduled changes no number: not part of its settings
+        settings={**{k: v for k, v in dataclasses.asdict(opts).items()
+                     if k not in ("schedule", "progress")},
                   "bootstrap_resamples": opts.bootstrap,
                   "calibration_sequences_used_for_static": len(setup.data.calib_ids),
                   "layer_index": "a site's index within its family"},
@@ -372,12 +375,12 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     ``out`` first, the batches are shared out, and rank 0 alone returns the result
     (the other ranks return None).
     """
-    options = options or AuditOptions()
+    options = AuditOptions() if options is None else options
     progress = progress or silent
     ranks = current()
     if not ranks.main:
         ranks.barrier(CLAIMED)
-    setup = prepare(model, out, sites=sites, data=data or DataSpec(), dense=dense,
+    setup = prepare(model, out, sites=sites, data=DataSpec() if data is None else data, dense=dense,
                     blocks=blocks, options=options, interventions=interventions)
     if setup.out is None and ranks.world > 1:
         raise FcauditError("an audit over several processes needs --out, a folder every "

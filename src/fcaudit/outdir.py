@@ -233,6 +233,25 @@ def _check_results(path: Path, results: Sequence[str], where: str) -> None:
                            "rerun would replace it; move it away or choose another folder")
 
 
+
+def check_output_file(path: str | Path, schema: str, option: str) -> None:
+    """Refuse, in one line, a result file fcaudit may not write (touches nothing): a
+    folder, a symbolic link, an existing file that is not fcaudit's own (its JSON
+    ``schema`` is not ``schema``), or a new path with no writable folder."""
+    path = Path(path)
+    where = f"{option} {path}"
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise FcauditError(f"{where} is not a plain file; choose a new file name")
+    if not path.exists():
+        _check_new(path, where)
+        return
+    if not _has_schema(path, schema):
+        raise FcauditError(f"{where} exists and is not a file fcaudit wrote ({schema}); "
+                           "fcaudit replaces only its own: choose a new file name")
+    if not os.access(path, os.W_OK) or not _usable(path.parent):
+        raise FcauditError(f"{where} is not writable; fix its permissions or choose another "
+                           "file")
+
 # ------------------------------------------------------------------------ manifest
 
 def _marker(folder: Path) -> dict[str, Any]:

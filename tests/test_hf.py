@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -359,3 +360,26 @@ def test_is_hf_folder(mixtral_folder: Path, tmp_path: Path):
     assert not is_hf_folder(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"fcaudit_run": 1, "model_type": "x"}))
     assert not is_hf_folder(tmp_path)
+
+
+def test_sites_listed_by_fcaudit_sites_work_as_sites_globs(mixtral_folder: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]):
+    """`fcaudit sites` lists a router path; `--sites` naming exactly that path must audit it
+    (with the router adapter), not end in advice only Python can follow."""
+    from fcaudit.cli import main
+    from fcaudit.data import load_tokenizer
+    assert main(["sites", "--model", str(mixtral_folder)]) == 0
+    listed = [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()
+              if "family=router" in line]
+    assert listed == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    ev, ca = token_batches(load_tokenizer(mixtral_folder / "tokenizer.json"))
+    np.save(tmp_path / "eval.npy", ev.numpy())
+    np.save(tmp_path / "calib.npy", ca.numpy())
+    code = main(["audit", "--model", str(mixtral_folder), "--sites", listed[0], "--tokens",
+                 str(tmp_path / "eval.npy"), "--calib-tokens", str(tmp_path / "calib.npy"),
+                 "--quiet", "--no-execution", "--repeats", "1", "--bootstrap", "10",
+                 "--no-per-layer", "--batch-size", "2", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    sites = json.loads((tmp_path / "out" / "audit.json").read_text())["sites"]
+    assert [(s["name"], s["adapter"]) for s in sites] == [(listed[0], "router")]

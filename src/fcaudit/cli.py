@@ -275,13 +275,27 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
         loaded = as_loaded(args.model, resolve_dtype(args.dtype))
         loaded.model.to(device)
         with ProgressReporter(options.progress and ranks.main) as progress:
-            result = audit(loaded, args.out, sites=args.sites, data=spec, dense=args.dense,
+            result = audit(loaded, args.out, sites=_listed_sites(loaded.model, args.sites),
+                           data=spec, dense=args.dense,
                            blocks=args.blocks, options=options, progress=progress,
                            command=shlex.join(["fcaudit", *argv]))
     finally:
         distributed.finish()
     if result is not None:
         print_summary(result, args.out)
+
+
+def _listed_sites(model: Any, globs: list[str] | None) -> Any:
+    """``--sites`` as given; when each names exactly a site that `fcaudit sites` lists (a
+    router it found), those sites with their adapters, so the listed path works as is."""
+    from .sites import find_sites
+    if not globs:
+        return globs
+    try:
+        listed = {s.path: s for s in find_sites(model)}
+    except FcauditError:  # the model declares no sites: the globs name them
+        return globs
+    return [listed[g] for g in globs] if all(g in listed for g in globs) else globs
 
 
 def print_summary(result: Any, out: Path) -> None:

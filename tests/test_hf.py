@@ -7,11 +7,14 @@ Every model is a tiny random config built here and saved with ``save_pretrained`
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import optional_extra
@@ -294,6 +297,18 @@ def other_weights(layers: int) -> Callable[[Path, Path], None]:
     return make
 
 
+def claim(src: Path, dst: Path, **sizes: int) -> None:
+    """The weights with a config claiming other sizes."""
+    write_config(src, dst, **sizes)
+    shutil.copy(src / "model.safetensors", dst / "model.safetensors")
+
+
+def truncated(src: Path, dst: Path) -> None:
+    write_config(src, dst)
+    blob = (src / "model.safetensors").read_bytes()
+    (dst / "model.safetensors").write_bytes(blob[:len(blob) // 2])
+
+
 def peft_adapter(src: Path, dst: Path) -> None:
     write_config(src, dst)
     (dst / "adapter_config.json").write_text("{}")
@@ -310,9 +325,19 @@ BAD_FOLDERS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
                         "not a causal language model"),
     "pickle only": (pickle_only, "safetensors only"),
     "no weights": (write_config, "no weights in"),
-    "weights missing": (other_weights(3), "do not fit its config.json"),
+    "weights missing": (other_weights(3), "num_hidden_layers=3 but the weights hold 2 layers"),
     "weights left over": (other_weights(1), "do not fit its config.json"),
     "peft adapter": (peft_adapter, "PEFT adapter"),
+    # claims checked against the weights' header before anything is built (issue 18)
+    "a million layers": (other_weights(10**6),
+                         "num_hidden_layers=1000000 but the weights hold 2 layers"),
+    "vocab 1e9": (lambda src, dst: claim(src, dst, vocab_size=10**9),
+                  "vocab_size=1000000000 but the weights hold 120"),
+    "hidden 1e6": (lambda src, dst: claim(src, dst, hidden_size=10**6),
+                   "hidden_size=1000000 but the weights hold 32"),
+    "a million experts": (lambda src, dst: claim(src, dst, num_local_experts=10**6),
+                          "num_local_experts=1000000 but the weights hold 4"),
+    "truncated weights": (truncated, "may be truncated or corrupt"),
     "mudd": (lambda src, dst: write_config(src, dst, model_type="muddpythia"),
              "MUDD checkpoint"),
 }
@@ -322,9 +347,11 @@ BAD_FOLDERS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
 def test_bad_folders_give_one_clear_error(case: str, mixtral_folder: Path, tmp_path: Path):
     make, message = BAD_FOLDERS[case]
     make(mixtral_folder, tmp_path)
+    started = time.perf_counter()
     with pytest.raises(FcauditError, match=message) as err:
         load_hf_folder(tmp_path)
     assert "\n" not in str(err.value)
+    assert time.perf_counter() - started < 10  # refused before anything big is built
 
 
 def test_is_hf_folder(mixtral_folder: Path, tmp_path: Path):
@@ -334,3 +361,26 @@ def test_is_hf_folder(mixtral_folder: Path, tmp_path: Path):
     assert not is_hf_folder(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"fcaudit_run": 1, "model_type": "x"}))
     assert not is_hf_folder(tmp_path)
+
+
+def test_sites_listed_by_fcaudit_sites_work_as_sites_globs(mixtral_folder: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]):
+    """`fcaudit sites` lists a router path; `--sites` naming exactly that path must audit it
+    (with the router adapter), not end in advice only Python can follow."""
+    from fcaudit.cli import main
+    from fcaudit.data import load_tokenizer
+    assert main(["sites", "--model", str(mixtral_folder)]) == 0
+    listed = [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()
+              if "family=router" in line]
+    assert listed == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    ev, ca = token_batches(load_tokenizer(mixtral_folder / "tokenizer.json"))
+    np.save(tmp_path / "eval.npy", ev.numpy())
+    np.save(tmp_path / "calib.npy", ca.numpy())
+    code = main(["audit", "--model", str(mixtral_folder), "--sites", listed[0], "--tokens",
+                 str(tmp_path / "eval.npy"), "--calib-tokens", str(tmp_path / "calib.npy"),
+                 "--quiet", "--no-execution", "--repeats", "1", "--bootstrap", "10",
+                 "--no-per-layer", "--batch-size", "2", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    sites = json.loads((tmp_path / "out" / "audit.json").read_text())["sites"]
+    assert [(s["name"], s["adapter"]) for s in sites] == [(listed[0], "router")]

@@ -90,10 +90,23 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("config a million layers", ["--model", "{lying:n_layer=1000000}", "--data", "{text}"],
      "n_layer=1000000 but the weights hold 2 layers"),
     ("truncated npy", [*TOY, "--tokens", "{truncated}", "--calib-tokens", "{calib}"],
-     "truncated"),
+     "cut.npy is truncated: its header promises 2048 bytes of [16, 16] int64 ids, the file "
+     "holds 2008"),
     ("float npy", [*TOY, "--tokens", "{floats}", "--calib-tokens", "{calib}"], "dtype float"),
     ("tokens out of vocabulary", ["--model", "{run}", "--tokens", "{oov}", "--calib-tokens",
                                   "{calib}"], "vocabulary"),
+    ("uint64 ids beyond int64", [*TOY, "--tokens", "{uint64}", "--calib-tokens", "{calib}"],
+     f"holds token id {2**64 - 5}, beyond any vocabulary"),  # before: shown as -5
+    ("repeats a million", [*TOY, *TOKENS, "--repeats", "1000000"],
+     "--repeats 1000000: must be an integer between 1 and 100"),
+    ("timing pairs too many", [*TOY, *TOKENS, "--timing-pairs", "100000"],
+     "--timing-pairs 100000: must be an integer between 0 and 1000"),
+    ("seed beyond generators", [*TOY, *TOKENS, "--seed", str(2**64)],
+     f"--seed {2**64}: must be an integer between 0 and {2**32 - 1}"),
+    ("dense other vocabulary", ["--model", "{run}", "--data", "{text}", "--dense", "{wide}",
+                                "--execution"], "is not comparable with the model: for the same"),
+    ("demo seed negative", ["demo", "--seed", "-1", "--out", "{out}"],
+     "--seed -1: must be an integer"),
     # --- reproduce, bench, sites
     ("reproduce seeds 0", ["reproduce", "--seeds", "0", "--out", "{out}"], "--seeds 0"),
     ("reproduce steps 0", ["reproduce", "--steps", "0", "--out", "{out}"], "--steps 0"),
@@ -101,6 +114,18 @@ MISTAKES: list[tuple[str, list[str], str]] = [
      "--bootstrap 5"),
     ("reproduce checkpoint missing", ["reproduce", "--mudd-checkpoint", "{missing}", "--out",
                                       "{out}"], "model not found"),
+    ("reproduce checkpoint not MUDD", ["reproduce", "--mudd-checkpoint", "{run}", "--out",
+                                       "{out}"], "is an fcaudit run folder, not a MUDDPythia"),
+    ("reproduce checkpoint a factory", ["reproduce", "--mudd-checkpoint", "toys:content_model",
+                                        "--out", "{out}"], "is not a folder, not a MUDDPythia"),
+    ("bench seq len beyond context", ["bench", "--model", "{run}", "--seq-len", "500"],
+     "--seq-len 500 exceeds the context of the model (32 tokens)"),
+    ("bench pairs too many", ["bench", "--model", "{run}", "--pairs", "5000"],
+     "--pairs 5000: must be between 10 and 1000"),
+    ("bench dense other vocabulary", ["bench", "--model", "{run}", "--dense", "{wide}",
+                                      "--seq-len", "16"], "is not comparable with the model"),
+    ("bench json overwrites a user file", ["bench", "--model", "{run}", "--json", "{file}"],
+     "exists and is not a file fcaudit wrote (fcaudit.bench/1)"),
     ("bench pairs 3", ["bench", "--model", "{run}", "--pairs", "3"], "--pairs 3"),
     ("bench batch 0", ["bench", "--model", "{run}", "--batch-size", "0"], "--batch-size 0"),
     ("bench blocks nothing", ["bench", "--model", "{run}", "--blocks", "layers.*"],
@@ -116,12 +141,30 @@ def places(tmp_path_factory: pytest.TempPathFactory, run_folder: Path) -> dict[s
     np.save(root / "calib.npy", toys.pair_sequences(12, 16, 2))
     np.save(root / "floats.npy", toys.pair_sequences(16, 16, 1).astype(float))
     np.save(root / "oov.npy", np.full((4, 16), 9999))
-    (root / "truncated.npy").write_bytes((root / "eval.npy").read_bytes()[:-40])
+    (root / "cut.npy").write_bytes((root / "eval.npy").read_bytes()[:-40])  # not "truncated"
     (root / "file").write_text("a file of the user's")
     os.symlink(root / "nowhere", root / "dangling")
     (root / "userdir").mkdir()
     (root / "userdir" / "thesis.txt").write_text("years of work")
-    return {"root": root, "run": run_folder / "run", "text": run_folder / "text.txt"}
+    np.save(root / "uint64.npy", np.full((4, 16), 2**64 - 5, dtype=np.uint64))
+    return {"root": root, "run": run_folder / "run", "text": run_folder / "text.txt",
+            "wide": _wider_dense(run_folder / "run", root / "wide")}
+
+
+def _wider_dense(run: Path, folder: Path) -> Path:
+    """A dense run folder like ``run`` but with a 100-entry wider vocabulary (head)."""
+    import dataclasses
+
+    from fcaudit.loading import save_run_model
+    from fcaudit.models.featuregate import GPT, GPTConfig
+    cfg = json.loads((run / "config.json").read_text())
+    model_cfg = GPTConfig(**{**cfg["model_config"], "gated": False,
+                             "vocab_size": cfg["model_config"]["vocab_size"] + 100})
+    folder.mkdir()
+    save_run_model(folder, GPT(model_cfg))
+    (folder / "config.json").write_text(json.dumps({**cfg, "arch": "dense", "model_config":
+                                                    dataclasses.asdict(model_cfg)}))
+    return folder
 
 
 def _argv(template: list[str], places: dict[str, Path], tmp: Path) -> list[str]:
@@ -129,15 +172,16 @@ def _argv(template: list[str], places: dict[str, Path], tmp: Path) -> list[str]:
     values = {"eval": root / "eval.npy", "calib": root / "calib.npy", "out": tmp / "out",
               "file": root / "file", "missing": root / "does-not-exist",
               "dangling": root / "dangling", "userdir": root / "userdir",
-              "truncated": root / "truncated.npy", "floats": root / "floats.npy",
-              "oov": root / "oov.npy", "run": places["run"], "text": places["text"]}
+              "truncated": root / "cut.npy", "floats": root / "floats.npy",
+              "oov": root / "oov.npy", "run": places["run"], "text": places["text"],
+              "uint64": root / "uint64.npy", "wide": places["wide"]}
     argv = []
     for item in template:
         if item.startswith("{lying:"):
             key, _, value = item[7:-1].partition("=")
             item = str(_config(places["run"], tmp, **{key: json.loads(value)}))
         argv.append(item.format(**{k: str(v) for k, v in values.items()}))
-    if argv[0] not in ("train", "reproduce", "bench", "sites"):
+    if argv[0] not in ("train", "reproduce", "bench", "sites", "demo"):
         fast = [a for a in FAST if a != "--no-execution" or "--execution" not in argv]
         argv = ["audit", *fast, *(a for a in argv if a != "--execution")]
         if "--out" not in argv:
@@ -157,7 +201,163 @@ def test_user_mistake_is_one_clear_line(name: str, template: list[str], fragment
     assert fragment in lines[0], lines[0]
     assert not (tmp_path / "out").exists()  # refused before anything was written
     assert (places["root"] / "userdir" / "thesis.txt").read_text() == "years of work"
+    assert (places["root"] / "file").read_text() == "a file of the user's"
 
 
 def test_the_catalogue_is_large() -> None:
     assert len(MISTAKES) >= 50
+
+
+# ----------------------------------------------------- the Python API, misused
+
+def _api_data(eval_ids: object = None, calib_ids: object = None) -> object:
+    from fcaudit.data import AuditData
+    ev = toys.pair_sequences(8, 16, 1) if eval_ids is None else eval_ids
+    ca = toys.pair_sequences(4, 16, 2) if calib_ids is None else calib_ids
+    return AuditData(ev, ca, {})  # type: ignore[arg-type]
+
+
+def _run_api(**changes: object) -> object:
+    from fcaudit import AuditOptions, audit
+    kwargs: dict[str, object] = {
+        "sites": ["gates.*"], "data": _api_data(),
+        "options": AuditOptions(repeats=1, bootstrap=10, per_layer=False, execution=False,
+                                progress=False, batch_size=4)}
+    return audit(toys.content_model(), **{**kwargs, **changes})
+
+
+def _coefficients() -> dict[str, object]:
+    import torch
+    return {"gates.0": torch.rand(4, 6, 2), "gates.1": torch.rand(4, 6, 2)}
+
+
+def _reassign(donor: object, coefficients: object = None) -> object:
+    from fcaudit import reassign
+    return reassign(coefficients or _coefficients(), donor)  # type: ignore[arg-type]
+
+
+def _shuffle(perms: object) -> object:
+    from fcaudit import shuffle
+    return shuffle(_coefficients(), perms)  # type: ignore[arg-type]
+
+
+# (name, call, fragment naming the Python argument): each an FcauditError in one line
+API_MISTAKES = [
+    ("sites a number", lambda: _run_api(sites=5), "audit(sites=...) must be a non-empty list"),
+    ("sites a dict", lambda: _run_api(sites={"gates.*": 1}), "audit(sites=...) must be"),
+    ("sites empty", lambda: _run_api(sites=[]), "audit(sites=...) must be a non-empty list"),
+    ("options a dict", lambda: _run_api(options={"repeats": 1}),
+     "audit(options=...) must be fcaudit.AuditOptions(...), not dict"),
+    ("data an array", lambda: _run_api(data=toys.pair_sequences(8, 16, 1)),
+     "audit(data=...) must be fcaudit.DataSpec(...) or fcaudit.AuditData(...), not ndarray"),
+    ("blocks a list", lambda: _run_api(blocks=["gates.*"]),
+     "audit(blocks=...) must be one module-path glob string, not list"),
+    ("interventions plain functions", lambda: _run_api(interventions=[lambda c, ctx: c]),
+     "audit(interventions=...) must be {name: fn} or a list of fcaudit.Intervention"),
+    ("intervention not callable", lambda: _run_api(interventions={"mine": 3}),
+     "intervention 'mine': give a new name (not a built-in condition), a callable"),
+    ("1-D ids", lambda: _run_api(data=_api_data(np.arange(16))),
+     "AuditData.eval_ids has shape [16]; expected [N, T]"),
+    ("one-token ids", lambda: _run_api(data=_api_data(calib_ids=np.zeros((4, 1), np.int64))),
+     "AuditData.calib_ids has shape [4, 1]; expected [N, T] (sequences x tokens) with T >= 2"),
+    ("torch tensors", lambda: _run_api(data=_api_data(
+        __import__("torch").from_numpy(toys.pair_sequences(8, 16, 1)))),
+     "AuditData.eval_ids is a Tensor, not a numpy integer array [N, T] (use "
+     "tensor.cpu().numpy())"),
+    ("float ids", lambda: _run_api(data=_api_data(np.zeros((8, 16)))),
+     "AuditData.eval_ids has dtype float64; token ids must be integers"),
+    ("ids beyond int64", lambda: _run_api(data=_api_data(np.full((8, 16), 2**63, np.uint64))),
+     f"AuditData.eval_ids holds token id {2**63}, beyond any vocabulary"),
+    ("ids out of vocabulary", lambda: _run_api(data=_api_data(np.full((8, 16), 99))),
+     f"span [99, 99] but the model's vocabulary has {toys.V} entries"),
+    ("empty data", lambda: _run_api(data=_api_data(np.zeros((0, 16), np.int64))),
+     "the audit needs at least 2 evaluation sequences of 16 tokens"),
+    ("negative repeats", lambda: _run_api(options=__import__("fcaudit").AuditOptions(
+        repeats=-1)), "AuditOptions(repeats=-1): must be an integer between 1 and 100"),
+    ("repeats a float", lambda: _run_api(options=__import__("fcaudit").AuditOptions(
+        repeats=2.5)), "AuditOptions(repeats=2.5): must be an integer"),
+    ("schedule unknown", lambda: _run_api(options=__import__("fcaudit").AuditOptions(
+        schedule="fast")), "AuditOptions(schedule='fast'): choose one of prefix, naive"),
+    ("donor list too short", lambda: _reassign([1, 0]),
+     "reassign(donor=...) must be integers in [0, 4) of shape [4] (one per sequence of the "
+     "batch), got int64 [2]"),
+    ("donor out of range", lambda: _reassign([1, 0, 3, 9]),
+     "reassign(donor=...) must be integers in [0, 4)"),
+    ("donor floats", lambda: _reassign([1.0, 0.0, 3.0, 2.0]),
+     "reassign(donor=...) must be integers in [0, 4) of shape [4] (one per sequence of the "
+     "batch), got float64 [4]"),
+    ("perms wrong shape", lambda: _shuffle(np.zeros((4, 5), np.int64)),
+     "shuffle(perms=...) must be integers in [0, 6) of shape [4, 6]"),
+]
+
+
+@pytest.mark.parametrize("name, call, fragment", API_MISTAKES, ids=[m[0] for m in API_MISTAKES])
+def test_python_api_misuse_is_one_clear_error(name: str, call: object, fragment: str) -> None:
+    from fcaudit.errors import FcauditError
+    with pytest.raises(FcauditError) as caught:
+        call()  # type: ignore[operator]
+    message = str(caught.value)
+    assert "\n" not in message and fragment in message, message
+
+
+def test_a_string_for_sites_is_one_glob() -> None:
+    result = _run_api(sites="gates.*")
+    assert [s.name for s in result.sites] == ["gates.0", "gates.1"]  # type: ignore[attr-defined]
+
+
+def test_a_valid_donor_list_still_reassigns() -> None:
+    import torch
+    coefficients = _coefficients()
+    out = _reassign(np.array([1, 0, 3, 2]), coefficients)
+    for name, value in coefficients.items():  # type: ignore[union-attr]
+        assert torch.equal(out[name], value[[1, 0, 3, 2]])  # type: ignore[index]
+
+
+# ---------------------------------------------------------- paths and outputs
+
+def test_a_quoted_tilde_is_the_home_folder_not_a_folder_named_tilde(
+        places: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("the user's home")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    res = run_inprocess(_argv([*TOY, *TOKENS, "--out", "~"], places, tmp_path), capsys)
+    assert res.returncode == 2 and f"--out {home} holds files fcaudit did not write" \
+        in res.stderr, res.stderr
+    assert not (tmp_path / "~").exists()
+    res = run_inprocess(_argv([*TOY, *TOKENS, "--out", "~/audit"], places, tmp_path), capsys)
+    assert res.returncode == 0, res.stderr
+    assert (home / "audit" / "audit.json").is_file() and not (tmp_path / "~").exists()
+
+
+def test_bench_json_replaces_only_its_own_file(places: dict[str, Path], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", places["run"], "--batch-size", "2", "--seq-len", "8",
+            "--json", out]
+    for _ in range(2):  # written, then replaced: it is fcaudit's own bench JSON
+        res = run_inprocess(argv, capsys)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(out.read_text())["schema"] == "fcaudit.bench/1"
+    out.write_text('{"schema": "mine"}')
+    res = run_inprocess(argv, capsys)
+    assert res.returncode == 2 and "is not a file fcaudit wrote" in res.stderr, res.stderr
+    assert out.read_text() == '{"schema": "mine"}'
+
+
+def test_quiet_does_not_change_audit_json(places: dict[str, Path], tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from test_reliability import strip_nondeterministic
+    audits = []
+    for quiet in (True, False):
+        out = tmp_path / f"quiet-{quiet}"
+        argv = [a for a in _argv([*TOY, *TOKENS, "--out", str(out)], places, tmp_path)
+                if quiet or a != "--quiet"]
+        assert run_inprocess(argv, capsys).returncode == 0
+        audit_json = json.loads((out / "audit.json").read_text())
+        assert audit_json["command"].endswith(str(out))
+        audits.append({k: v for k, v in strip_nondeterministic(audit_json).items()
+                       if k != "command"})
+    assert audits[0] == audits[1]  # before: settings.progress was false, then true

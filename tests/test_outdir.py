@@ -20,7 +20,7 @@ import pytest
 from fcaudit import cli, data
 from fcaudit.cache import CoefficientCache
 from fcaudit.errors import FcauditError
-from fcaudit.fileio import sha256_file
+from fcaudit.fileio import sha256_file, write_text
 from fcaudit.loading import load_run
 from fcaudit.outdir import (
     LOCK,
@@ -30,6 +30,9 @@ from fcaudit.outdir import (
     check_output,
     hold_output,
     output_kind,
+    owns,
+    record_files,
+    recorded,
     replacing_results,
 )
 from fcaudit.train import train
@@ -136,10 +139,33 @@ def test_force_replaces_a_run_folder_and_nothing_else(run: Path, tmp_path: Path,
               data=text)
     assert snapshot(tmp_path) == before
     (out / "notes.txt").unlink()
+    weights = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(weights[:-8] + b"my bytes")  # edited since
+    before = snapshot(tmp_path)
+    with pytest.raises(FcauditError, match="did not record writing model.safetensors"):
+        train("dense", "tiny", 1, out, steps=1, force=True, progress=False, device="cpu",
+              data=text)
+    assert snapshot(tmp_path) == before
+    (out / "model.safetensors").write_bytes(weights)
     train("dense", "tiny", 1, out, steps=1, force=True, progress=False, device="cpu", data=text)
     assert json.loads((out / "config.json").read_text())["seed"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no aside or work folder
     assert sorted(p.name for p in out.iterdir()) == sorted({*RUN_FILES, MARKER})
+
+
+def test_force_never_replaces_a_users_files_under_a_forged_run_marker(
+        run: Path, tmp_path: Path, text: Path) -> None:
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"fcaudit_run": 1, "my": "settings"}')
+    (folder / "model.safetensors").write_bytes(b"my weights")
+    shutil.copy(run / MARKER, folder / MARKER)  # a real run's marker, digests and all
+    before = snapshot(tmp_path)
+    with pytest.raises(FcauditError, match="did not record writing config.json, "
+                                           "model.safetensors"):
+        train("dense", "tiny", 1, folder, steps=1, force=True, progress=False, device="cpu",
+              data=text)
+    assert snapshot(tmp_path) == before
 
 
 def test_a_refused_or_failed_training_leaves_no_folder(tmp_path: Path) -> None:
@@ -232,6 +258,35 @@ def test_read_only_out_is_refused() -> None:
         shutil.rmtree(base)
 
 
+@pytest.mark.parametrize("case", ["audit cache", "corpus cache"])
+def test_a_read_only_cache_is_refused_in_one_line_before_any_work(
+        case: str, tokens: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    read_only = tmp_path / "ro"  # as a user without write permission sees it (root sees none)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: real_access(path, mode) and not (
+        mode & os.W_OK and Path(path) == read_only))
+    out = tmp_path / "out"
+    if case == "audit cache":
+        out.mkdir()
+        (out / MARKER).write_text('{"schema": "fcaudit.output/1", "kind": "audit"}')
+        read_only = out / "cache"
+        read_only.mkdir()
+        argv = cli_argv("audit", out, tokens, tokens)
+        needle = f"--out {out}: its cache folder {read_only} is not writable"
+    else:  # the built-in corpus must be fetched into a folder this user may not write
+        read_only.mkdir()
+        monkeypatch.setenv("FCAUDIT_CACHE", str(read_only))
+        argv = ["train", "--arch", "dense", "--steps", "1", "--quiet", "--out", out]
+        needle = f"the corpus cache {data._corpus_folder()} must be fetched, but {read_only} " \
+            "is not a writable folder; set FCAUDIT_CACHE"
+    before = snapshot(tmp_path)
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert needle in err[0] and "unexpected" not in err[0], err
+    assert snapshot(tmp_path) == before
+
+
 def test_earlier_versions_outputs_are_recognised(run: Path, tmp_path: Path) -> None:
     legacy_run = tmp_path / "runs" / "fg"
     shutil.copytree(run, legacy_run)
@@ -290,62 +345,184 @@ def test_a_second_run_on_a_held_folder_fails_naming_the_holder(
 OLD = {"audit.json": "old audit", "report.md": "old report", "report.html": "old html",
        "figures/fig.png": "old figure"}
 
-KILLED_AFTER_REPORT = """
+# fcaudit's writers record each result's digest in the marker; plain writes would not
+KILLED_WHILE_WRITING = """
 import sys, time
 from pathlib import Path
+from fcaudit.fileio import write_text
 from fcaudit.outdir import replacing_results
 out = Path(sys.argv[1])
 with replacing_results(out):
-    (out / "report.md").write_text("new report")
-    print("report written", flush=True)
+    for name in sys.argv[2:]:
+        write_text(out / name, "new " + name)
+    print("written", flush=True)
     time.sleep(120)
-    (out / "audit.json").write_text("new audit")
 """
 
 
 def old_results(out: Path) -> Path:
-    for name, content in OLD.items():
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        (out / name).write_text(content)
+    """A folder holding results fcaudit wrote (through its writers: digests recorded)."""
+    with replacing_results(out):
+        for name, content in OLD.items():
+            write_text(out / name, content)
     return out
+
+
+def killed_while_writing(out: Path, *names: str) -> None:
+    proc = python(KILLED_WHILE_WRITING, out, *names)
+    assert proc.stdout is not None and proc.stdout.readline() == "written\n"
+    proc.kill()  # SIGKILL: no cleanup runs
+    proc.communicate()
+
+
+def names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name != MARKER)
 
 
 def test_a_rerun_killed_between_report_and_audit_json_leaves_no_old_audit_json(tmp_path: Path
                                                                                ) -> None:
     out = old_results(tmp_path)
-    proc = python(KILLED_AFTER_REPORT, out)
-    assert proc.stdout is not None and proc.stdout.readline() == "report written\n"
-    proc.kill()  # SIGKILL: no cleanup runs
-    proc.communicate()
+    killed_while_writing(out, "report.md")
     assert not (out / "audit.json").exists()  # no old audit.json beside the new report
-    assert (out / "report.md").read_text() == "new report"
+    assert (out / "report.md").read_text() == "new report.md"
     assert {n: (out / PREVIOUS / n).read_text() for n in OLD} == OLD  # kept until replaced
     # the next run drops the half-written results, and its own replace the kept ones
     with replacing_results(out):
-        assert sorted(p.name for p in out.iterdir()) == [PREVIOUS]
-        (out / "report.md").write_text("newer report")
-        (out / "audit.json").write_text("newer audit")
-    assert sorted(p.name for p in out.iterdir()) == ["audit.json", "report.md"]
+        assert names(out) == [PREVIOUS]
+        write_text(out / "report.md", "newer report")
+        write_text(out / "audit.json", "newer audit")
+    assert names(out) == ["audit.json", "report.md"]
 
 
 def test_a_failed_rerun_puts_the_previous_results_back(tmp_path: Path) -> None:
     out = old_results(tmp_path)
     before = snapshot(out)
     with pytest.raises(KeyboardInterrupt), replacing_results(out):
-        (out / "report.md").write_text("new report")
+        write_text(out / "report.md", "new report")
         raise KeyboardInterrupt
     assert snapshot(out) == before
 
 
 def test_a_rerun_killed_after_audit_json_keeps_the_new_results(tmp_path: Path) -> None:
-    out = tmp_path
-    (out / PREVIOUS).mkdir()
-    (out / PREVIOUS / "audit.json").write_text("older audit")
-    (out / "audit.json").write_text("finished audit")  # written, then killed before cleanup
+    out = old_results(tmp_path)
+    killed_while_writing(out, "audit.json")  # written, then killed before cleanup
     with replacing_results(out):
-        assert (out / PREVIOUS / "audit.json").read_text() == "finished audit"
-        (out / "audit.json").write_text("newest audit")
-    assert sorted(p.name for p in out.iterdir()) == ["audit.json"]
+        assert (out / PREVIOUS / "audit.json").read_text() == "new audit.json"
+        write_text(out / "audit.json", "newest audit")
+    assert names(out) == ["audit.json"]
+
+
+# ------------------------------------------- only files fcaudit wrote, by digest
+
+def audited(out: Path, tokens: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    return run_cli(cli_argv("audit", out, tokens, tokens), capsys)
+
+
+def users_figures(out: Path) -> dict[str, bytes]:
+    """A plot and a subfolder with a CSV that the user added under OUT/figures/."""
+    mine = {"figures/my-plot.png": b"\x89PNG the user's plot",
+            "figures/mine/table.csv": b"a,b\n1,2\n"}
+    for rel, blob in mine.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(blob)
+    (out / "figures" / "empty").mkdir()
+    return mine
+
+
+def test_a_rerun_keeps_the_users_files_under_figures(tmp_path: Path, tokens: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert audited(out, tokens, capsys)[0] == 0
+    own = sorted(recorded(out))
+    assert own and all(owns(out, rel) for rel in own)  # every result's digest is recorded
+    assert {*own} == {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()
+                      and p.parts[len(out.parts)] in ("audit.json", "report.md",
+                                                      "report.html", "figures")}
+    (out / "figures" / "stale.png").write_bytes(b"a figure an earlier run wrote")
+    record_files(out, ["figures/stale.png"])  # fcaudit's own, which the rerun does not draw
+    mine = users_figures(out)
+    assert audited(out, tokens, capsys)[0] == 0
+    assert {rel: (out / rel).read_bytes() for rel in mine} == mine
+    assert (out / "figures" / "empty").is_dir() and not (out / "figures" / "stale.png").exists()
+    assert sorted(recorded(out)) == own and all(owns(out, rel) for rel in own)
+    assert not (out / PREVIOUS).exists()
+
+
+def _copied_marker(tmp_path: Path, out: Path) -> Path:
+    """A user's folder with their own report.md and plots, and a real audit's marker."""
+    folder = tmp_path / "mine"
+    (folder / "figures").mkdir(parents=True)
+    (folder / "report.md").write_text("my own report")
+    (folder / "figures" / "heatmap.png").write_bytes(b"my heatmap")
+    shutil.copy(out / MARKER, folder / MARKER)
+    return folder
+
+
+def _forged_marker(tmp_path: Path, out: Path) -> Path:
+    """A user's folder whose marker lists the user's files (and one outside) with wrong
+    digests."""
+    folder = tmp_path / "forged"
+    (folder / "figures").mkdir(parents=True)
+    (folder / "figures" / "plot.png").write_bytes(b"my plot")
+    (tmp_path / "outside.txt").write_text("not inside the folder")
+    wrong = "0" * 64
+    (folder / MARKER).write_text(json.dumps({
+        "schema": "fcaudit.output/1", "kind": "audit", "files": {
+            "audit.json": wrong, "report.md": wrong, "figures/plot.png": wrong,
+            "figures/../../outside.txt": sha256_file(tmp_path / "outside.txt")}}))
+    (folder / "report.md").write_text("my report")
+    return folder
+
+
+@pytest.mark.parametrize("case", ["edited report", "copied marker", "forged marker"])
+def test_a_result_name_held_by_a_file_fcaudit_did_not_write_is_refused(
+        case: str, tmp_path: Path, tokens: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert audited(out, tokens, capsys)[0] == 0
+    if case == "edited report":
+        (out / "report.md").write_text((out / "report.md").read_text() + "\nmy notes\n")
+        folder = out
+    else:
+        folder = (_copied_marker if case == "copied marker" else _forged_marker)(tmp_path, out)
+    before = snapshot(tmp_path)
+    code, err = audited(folder, tokens, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"--out {folder} holds report.md, which fcaudit did not record writing" in err[0]
+    assert "move it away or choose another folder" in err[0]
+    assert snapshot(tmp_path) == before
+
+
+def test_an_edited_figure_is_refused_before_any_work(
+        tmp_path: Path, tokens: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert audited(out, tokens, capsys)[0] == 0
+    (out / "figures" / "heatmap.png").write_bytes(b"my edit of the heatmap")
+    before = snapshot(tmp_path)
+    code, err = audited(out, tokens, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "figures/heatmap.png was changed since fcaudit wrote it" in err[0]
+    assert snapshot(tmp_path) == before
+
+
+def test_a_user_file_in_a_figures_way_stops_the_rerun_and_stays(
+        tmp_path: Path, tokens: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert audited(out, tokens, capsys)[0] == 0
+    marker = json.loads((out / MARKER).read_text())
+    del marker["files"]["figures/heatmap.png"]  # the user's own file, under a figure's name
+    (out / MARKER).write_text(json.dumps(marker))
+    (out / "figures" / "heatmap.png").write_bytes(b"my own heatmap")
+    before = snapshot(tmp_path)
+    code, err = audited(out, tokens, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"{out / 'figures' / 'heatmap.png'} is in the way of a result: fcaudit did not " \
+        "write it (or it was changed since); move it away and rerun" in err[0]
+
+    def results(snap: dict[str, bytes | str | None]) -> dict[str, bytes | str | None]:
+        return {k: v for k, v in snap.items() if not k.startswith("out/cache")
+                and k != f"out/{MARKER}"}
+    assert results(snapshot(tmp_path)) == results(before)  # previous results put back
+    assert recorded(out) == marker["files"]
 
 
 def test_cache_cleanup_removes_only_its_own_temporaries(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import toys
+from torch import nn
 
 from fcaudit import cli
 from fcaudit.data import AuditData, Document, train_tokenizer
@@ -33,8 +34,8 @@ from fcaudit.errors import FcauditError
 from fcaudit.fileio import write_json
 from fcaudit.loading import save_run_model
 from fcaudit.models.featuregate import GPT, GPTConfig
-from fcaudit.outdir import MARKER
-from fcaudit.result import NONDETERMINISTIC_KEYS
+from fcaudit.outdir import MARKER, RUN_FILES, record_files
+from fcaudit.result import NONDETERMINISTIC_KEYS, ConditionResult, Retention
 
 TESTS = Path(__file__).parent
 TOY = ["--model", "toys:content_model", "--sites", "gates.*"]
@@ -70,12 +71,14 @@ def temporaries(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.name.endswith(".tmp"))
 
 
-def assert_clean_failure(res: Result, root: Path, out: Path, needle: str, code: int = 2) -> None:
+def assert_clean_failure(res: Result, root: Path, out: Path, needle: str | tuple[str, ...],
+                         code: int = 2) -> None:
     lines = res.stderr.strip().splitlines()
     assert res.returncode == code, res.stderr
     assert len(lines) == 1, res.stderr
     assert lines[0].startswith("fcaudit: "), lines[0]
-    assert needle in lines[0], lines[0]
+    for part in (needle,) if isinstance(needle, str) else needle:
+        assert part in lines[0], lines[0]
     assert "Traceback" not in res.stderr
     assert not (out / "audit.json").exists()
     assert not temporaries(root), temporaries(root)
@@ -140,7 +143,7 @@ def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # ------------------------------------------------------------------ bad inputs, table
 
-def _tokens_case(tmp: Path, name: str, toks: dict[str, Path]) -> tuple[list, str]:
+def _tokens_case(tmp: Path, name: str, toks: dict[str, Path]) -> tuple[list, str | tuple]:
     ev, ca = toks["eval"], toks["calib"]
     bad = tmp / f"{name}.npy"
     if name == "float":
@@ -185,7 +188,27 @@ def _tokens_case(tmp: Path, name: str, toks: dict[str, Path]) -> tuple[list, str
         return ["--tokens", ev, "--calib-tokens", ca, "--seq-len", "8"], "--seq-len 8"
     if name == "only_eval_tokens":
         return ["--tokens", ev], "--calib-tokens"
-    return ["--tokens", bad, "--calib-tokens", ca], bad.name
+    return ["--tokens", bad, "--calib-tokens", ca], (bad.name, BAD_TOKENS_SAY[name])
+
+
+# What the one line says about each bad array (besides naming the file): the check is the
+# message, not the file name, which alone would match any message naming the file.
+BAD_TOKENS_SAY = {
+    "float": "has dtype float64; token ids must be integers",
+    "ragged": "needs pickle to load (object or ragged array)",
+    "pickled": "is not a .npy file",
+    "npz": "is a .npz archive",
+    "truncated": "is truncated: its header promises 2048 bytes of [16, 16] int64 ids, the file "
+                 "holds 1948",
+    "out_of_vocab": f"span [0, {toys.V + 10}] but the model's vocabulary has {toys.V} entries",
+    "negative": "span [-1, ",
+    "no_rows": "holds no sequences",
+    "no_columns": "has sequences of 0 token(s)",
+    "one_token": "has sequences of 1 token(s)",
+    "one_dimensional": "has shape (16,); expected [N, T]",
+    "one_sequence": "gives 1: reassignment has no derangement of one sequence",
+    "missing": "evaluation tokens file not found",
+}
 
 
 TOKEN_CASES = ["float", "ragged", "pickled", "npz", "truncated", "out_of_vocab", "negative",
@@ -654,6 +677,7 @@ def test_interrupted_training_leaves_no_run_folder(tmp_path: Path, run_folder: P
     monkeypatch.setattr(train_mod, "builtin_tokenizer", lambda vocab_size: tok)
     monkeypatch.setattr(train_mod, "write_json", interrupt)  # the last file of the folder
     shutil.copytree(run_folder / "run", tmp_path / "keep")  # an earlier run, for --force
+    record_files(tmp_path / "keep", RUN_FILES)  # as `fcaudit train` records its files
     before = {p.name: p.read_bytes() for p in (tmp_path / "keep").iterdir()}
     for out, force in ((tmp_path / "new", False), (tmp_path / "keep", True)):
         with pytest.raises(KeyboardInterrupt):
@@ -668,3 +692,98 @@ def test_interrupted_training_leaves_no_run_folder(tmp_path: Path, run_folder: P
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep"]
     assert sorted(p.name for p in (tmp_path / "keep").iterdir()) == [
         MARKER, "config.json", "model.safetensors", "tokenizer.json", "train_log.jsonl"]
+
+
+# ------------------------------------------------------------------------ verdicts
+
+def _cond(delta: float, lo: float, hi: float) -> ConditionResult:
+    return ConditionResult(nll=3.0 + delta, delta=delta, ci95=(lo, hi), repeats=[3.0 + delta],
+                           repeat_deltas=[delta])
+
+
+ZERO = (0.0, -0.01, 0.01)  # an interval that holds 0
+KEPT_UNDEFINED = Retention(gap=0.0, gap_ci95=(-0.1, 0.1), value=None, ci95=None, defined=False)
+
+
+def _kept(value: float, lo: float, hi: float) -> Retention:
+    return Retention(gap=0.5, gap_ci95=(0.4, 0.6), value=value, ci95=(lo, hi), defined=True)
+
+
+# (case, reassign, shuffle, reassign+shuffle, static-layer, static-layer-position, retention,
+#  the verdict's label, by hand from the rules in docs/method.md)
+VERDICTS = [
+    ("all above", (0.3, 0.2, 0.4), (0.25, 0.15, 0.3), (0.5, 0.4, 0.6), (0.2, 0.1, 0.3),
+     (0.1, 0.05, 0.2), _kept(30.0, 20.0, 40.0), "Strong dependence"),
+    ("some above", (0.02, 0.01, 0.03), ZERO, ZERO, ZERO, ZERO, KEPT_UNDEFINED,
+     "Partial dependence"),
+    ("above and below", (0.02, 0.01, 0.03), (-0.02, -0.03, -0.01), ZERO, ZERO, ZERO,
+     KEPT_UNDEFINED, "Partial dependence"),
+    ("weak", (0.01, 0.005, 0.02), (0.01, 0.002, 0.02), ZERO, ZERO, ZERO,
+     _kept(95.0, 92.0, 98.0), "Weak dependence"),
+    ("only below", (-0.0004, -0.0007, -0.0001), (0.0001, -0.0002, 0.0003), ZERO, ZERO,
+     (-0.002, -0.003, -0.001), KEPT_UNDEFINED, "No dependence"),
+    ("none excluding 0", ZERO, ZERO, ZERO, ZERO, ZERO, KEPT_UNDEFINED,
+     "No measurable dependence"),
+]
+
+
+@pytest.mark.parametrize("case, r, s, rs, sl, slp, kept, label", VERDICTS,
+                         ids=[v[0] for v in VERDICTS])
+def test_each_dependence_verdict_follows_its_rule(case: str, r: tuple, s: tuple, rs: tuple,
+                                                  sl: tuple, slp: tuple, kept: Retention,
+                                                  label: str) -> None:
+    from fcaudit.verdicts import dependence
+    conditions = {name: _cond(*c) for name, c in (
+        ("reassign", r), ("shuffle", s), ("reassign+shuffle", rs), ("static-layer", sl),
+        ("static-layer-position", slp))}
+    sentence = dependence(conditions, {"static-layer": kept})
+    assert sentence.startswith(label + " on the coefficient assignment"), sentence
+    numbers = (f"reassigning coefficients across inputs costs {r[0]:+.4f} nats [{r[1]:+.4f}, "
+               f"{r[2]:+.4f}], shuffling them across tokens {s[0]:+.4f} [{s[1]:+.4f}, "
+               f"{s[2]:+.4f}]")
+    assert numbers in sentence
+    if case == "only below":  # what was seen, said as it is: an intervention that helps
+        assert sentence.startswith(
+            "No dependence on the coefficient assignment (no penalty's 95% interval lies above "
+            "0, and reassigning coefficients across inputs lowers the NLL by 0.0004 nats "
+            "[0.0001, 0.0007]; a static per-layer-and-position profile lowers the NLL by "
+            "0.0020 nats [0.0010, 0.0030]: the model does not need its coefficients matched to "
+            "their input and token)"), sentence
+    assert (case in ("only below", "none excluding 0")) == sentence.startswith("No ")
+
+
+# ---------------------------------------------------------------------- gate axes
+
+class _TimeMajorGate(nn.Module):
+    """A gate whose output is [positions, batch, 1] (time-major), not [batch, positions]."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (ids.T.unsqueeze(-1) % 7).float() / 7
+
+
+class _TimeMajorModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates = nn.ModuleList([_TimeMajorGate()])
+        self.emb = nn.Embedding(toys.V, toys.V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids) * self.gates[0](ids).transpose(0, 1)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_time_major_gate_is_refused_even_when_batch_equals_length(size: int,
+                                                                    tmp_path: Path) -> None:
+    ids = toys.pair_sequences(3 * size, size, 1)
+    data = AuditData(ids[:2 * size], ids[2 * size:], {})
+    options = AuditOptions(batch_size=size, repeats=1, bootstrap=10, per_layer=False,
+                           execution=False, progress=False)
+    with pytest.raises(FcauditError) as caught:  # batch == positions: the shapes alone agree
+        audit(_TimeMajorModel(), tmp_path / "out", sites=["gates.*"], data=data,
+              options=options)
+    message = str(caught.value)
+    assert "\n" not in message and "site gates.0" in message, message
+    assert f"with {size + 1} sequences of {size} tokens; with {size} of {size} the shape " \
+        "fitted only because the two counts are equal: are the output's axes [positions, " \
+        "batch, ...]?" in message
+    assert not (tmp_path / "out").exists()

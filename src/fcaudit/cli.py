@@ -18,6 +18,16 @@ from .runtime import measured_minutes
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
+
+def user_path(text: str) -> Path:
+    """A path option as the shell would have expanded it: ``~`` is the home folder (a
+    quoted '~' must not create a folder named ``~``)."""
+    return Path(text).expanduser()
+
+
+def user_file(text: str) -> str:
+    return str(user_path(text)) if text.startswith("~") else text
+
 EPILOG_AUDIT = """\
 model SPEC is one of:
   RUN_FOLDER                 a folder written by `fcaudit train`
@@ -52,8 +62,8 @@ likely controllers: pass those paths to `fcaudit audit --sites GLOB`.
 def _add_audit_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("audit settings")
     g.add_argument("--repeats", type=int, default=3,
-                   help="seeds per random condition (reassign, shuffle) (default 3)")
-    g.add_argument("--seed", type=int, default=0, help="master seed (default 0)")
+                   help="seeds per random condition (reassign, shuffle), 1 to 100 (default 3)")
+    g.add_argument("--seed", type=int, default=0, help="master seed, 0 to 2**32-1 (default 0)")
     g.add_argument("--bootstrap", type=int, default=1000,
                    help="bootstrap resamples for 95%% intervals, 10 to 100000 (default 1000)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
@@ -62,7 +72,8 @@ def _add_audit_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-execution", action="store_true",
                    help="skip the execution audit (blocks, FLOPs, speed)")
     g.add_argument("--timing-pairs", type=int, default=10,
-                   help="interleaved model/dense timing pairs; 0 disables timing (default 10)")
+                   help="interleaved model/dense timing pairs, 10 to 1000; 0 disables timing "
+                        "(default 10)")
     g.add_argument("--schedule", choices=["prefix", "naive"], default="prefix",
                    help="prefix (default): a per-layer run recomputes only the blocks after "
                         "its site, reusing the correct replay's outputs before it (checked "
@@ -93,13 +104,13 @@ def _add_train(sub: Any) -> None:
     t.add_argument("--preset", default="tiny",
                    help="tiny, mid, small, 76m or 504m (default tiny)")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--out", required=True, type=Path, help="run folder to create")
+    t.add_argument("--out", required=True, type=user_path, help="run folder to create")
     t.add_argument("--steps", type=int, default=None, help="override the preset's step count")
     t.add_argument("--force", action="store_true",
                    help="replace an existing run folder written by fcaudit (nothing else)")
     t.add_argument("--quiet", action="store_true", help="no progress output")
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    t.add_argument("--data", default=None, metavar="FILE_OR_DIR",
+    t.add_argument("--data", type=user_file, default=None, metavar="FILE_OR_DIR",
                    help="train on your own text (a file or a folder of .txt) instead of the "
                         "built-in corpus; its last 5%% of tokens are held out for eval NLL")
 
@@ -110,22 +121,25 @@ def _add_audit(sub: Any) -> None:
                                    "model under each condition, measure execution, and write "
                                    "OUT/audit.json, OUT/report.md, OUT/report.html and figures.",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG_AUDIT)
-    a.add_argument("--model", required=True, help="model SPEC (see below)")
-    a.add_argument("--out", required=True, type=Path,
+    a.add_argument("--model", required=True, type=user_file, help="model SPEC (see below)")
+    a.add_argument("--out", required=True, type=user_path,
                    help="output folder: new, empty, or one fcaudit wrote (its cache is reused)")
     a.add_argument("--sites", action="append", default=None, metavar="GLOB",
                    help="module-path glob of controller modules (repeatable; one family each)")
-    a.add_argument("--dense", default=None, metavar="SPEC",
+    a.add_argument("--dense", default=None, type=user_file, metavar="SPEC",
                    help="dense counterpart for the execution audit (default: built from the "
                         "model's architecture when it knows one)")
     a.add_argument("--blocks", default=None, metavar="GLOB",
                    help="module-path glob of the blocks whose executions are counted, in both "
                         "model and dense (default: the model's own declaration)")
-    a.add_argument("--data", default=None, help="evaluation text file or folder of .txt")
-    a.add_argument("--calib-data", default=None, help="calibration text (default: first half "
-                                                      "of --data's windows)")
-    a.add_argument("--tokens", default=None, help="evaluation token ids, integer .npy [N, T]")
-    a.add_argument("--calib-tokens", default=None, help="calibration token ids .npy [N, T]")
+    a.add_argument("--data", type=user_file, default=None,
+                   help="evaluation text file or folder of .txt")
+    a.add_argument("--calib-data", type=user_file, default=None,
+                   help="calibration text (default: first half of --data's windows)")
+    a.add_argument("--tokens", type=user_file, default=None,
+                   help="evaluation token ids, integer .npy [N, T]")
+    a.add_argument("--calib-tokens", type=user_file, default=None,
+                   help="calibration token ids .npy [N, T]")
     a.add_argument("--seq-len", type=int, default=None,
                    help="tokens per scored window (default: a run folder's training length; "
                         "a Hugging Face folder or other model: min(256, its context), which "
@@ -146,17 +160,20 @@ def _add_bench(sub: Any) -> None:
                        description="Blocks executed, FLOPs per token and interleaved timing of "
                                    "--model against --dense on one batch of built-in evaluation "
                                    "text (random token ids when the model has no tokenizer).")
-    b.add_argument("--model", required=True, help="model SPEC (as for `fcaudit audit`)")
-    b.add_argument("--dense", default=None, help="default: the model's own dense counterpart")
+    b.add_argument("--model", required=True, type=user_file,
+                   help="model SPEC (as for `fcaudit audit`)")
+    b.add_argument("--dense", default=None, type=user_file,
+                   help="default: the model's own dense counterpart")
     b.add_argument("--blocks", default=None, metavar="GLOB",
                    help="module-path glob of the blocks to count, in model and dense "
                         "(default: the models' own declarations)")
     b.add_argument("--batch-size", type=int, default=8)
-    b.add_argument("--seq-len", type=int, default=128)
+    b.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default 128, or the models' context if shorter)")
     b.add_argument("--pairs", type=int, default=10, help="timing pairs, at least 10")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    b.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    b.add_argument("--json", type=user_path, default=None, help="also write the result as JSON")
 
 
 def _add_reproduce(sub: Any) -> None:
@@ -175,8 +192,8 @@ def _add_reproduce(sub: Any) -> None:
     r.add_argument("--seeds", type=int, default=None,
                    help="seeds per group (default: tiny 3; paper 7 for 76m and 3 for 504m; "
                         "trend 2)")
-    r.add_argument("--out", type=Path, default=Path("fcaudit-reproduction"))
-    r.add_argument("--mudd-checkpoint", default=None, metavar="PATH",
+    r.add_argument("--out", type=user_path, default=Path("fcaudit-reproduction"))
+    r.add_argument("--mudd-checkpoint", type=user_file, default=None, metavar="PATH",
                    help="also audit a local MUDDPythia-1.4B checkpoint folder")
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--bootstrap", type=int, default=1000)
@@ -184,7 +201,7 @@ def _add_reproduce(sub: Any) -> None:
     r.add_argument("--max-calib", type=int, default=64, help="calibration sequences per audit")
     r.add_argument("--steps", type=int, default=None,
                    help="override every training run's step count (quick smoke runs)")
-    r.add_argument("--train-data", default=None, metavar="FILE_OR_DIR",
+    r.add_argument("--train-data", type=user_file, default=None, metavar="FILE_OR_DIR",
                    help="train on this text instead of the built-in corpus (advised for "
                         "--preset paper: Shakespeare is ~2M tokens); audits still use the "
                         "built-in evaluation and calibration plays")
@@ -208,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="The built-in default end to end: train tiny FeatureGate and "
                                    "Dense twins (if absent), audit FeatureGate against Dense, "
                                    "print a summary and write the reports.")
-    d.add_argument("--out", type=Path, default=Path("fcaudit-demo"))
+    d.add_argument("--out", type=user_path, default=Path("fcaudit-demo"))
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--quiet", action="store_true", help="no progress output")
     _add_bench(sub)
@@ -218,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List the controller sites of a model, to choose --sites.",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=EPILOG_SITES)
-    s.add_argument("--model", required=True, help="model SPEC (as for `fcaudit audit`)")
+    s.add_argument("--model", required=True, type=user_file,
+                   help="model SPEC (as for `fcaudit audit`)")
     s.add_argument("--all", action="store_true",
                    help="run one small forward pass and list every module with its output "
                         "type and shape, marking likely controllers")
@@ -261,7 +279,8 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
         loaded = as_loaded(args.model, resolve_dtype(args.dtype))
         loaded.model.to(device)
         with ProgressReporter(options.progress and ranks.main) as progress:
-            result = audit(loaded, args.out, sites=args.sites, data=spec, dense=args.dense,
+            result = audit(loaded, args.out, sites=args.sites,
+                           data=spec, dense=args.dense,
                            blocks=args.blocks, options=options, progress=progress,
                            command=shlex.join(["fcaudit", *argv]))
     finally:
@@ -309,6 +328,7 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
         check_output(out / name, kind)
     runs = {}
     options = AuditOptions(seed=args.seed, progress=not args.quiet)
+    options.validate()
     with hold_output(out, "demo", shlex.join(["fcaudit", *argv])):
         for arch in ("featuregate", "dense"):
             folder = out / arch
@@ -367,37 +387,69 @@ def _bench_ids(loaded: Any, args: argparse.Namespace) -> Any:
                          generator=torch.Generator().manual_seed(args.seed))
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    import dataclasses
-    import json
+BENCH_SCHEMA = "fcaudit.bench/1"
 
+
+def _check_bench_args(args: argparse.Namespace) -> None:
+    """Counts in range and a ``--json`` that names a new file or fcaudit's own bench JSON."""
+    from .options import MAX_SEED, MAX_TIMING_PAIRS
+    from .outdir import check_output_file
+    for option, value, least, most in (("--batch-size", args.batch_size, 1, None),
+                                       ("--seq-len", args.seq_len or 2, 2, None),
+                                       ("--pairs", args.pairs, 10, MAX_TIMING_PAIRS),
+                                       ("--seed", args.seed, 0, MAX_SEED)):
+        if value < least or (most is not None and value > most):
+            bound = f"between {least} and {most}" if most is not None else f"at least {least}"
+            raise FcauditError(f"{option} {value}: must be {bound}")
+    if args.json is not None:
+        check_output_file(args.json, BENCH_SCHEMA, "--json")
+
+
+def _bench_models(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
+    """The loaded model and its dense counterpart, both able to run ``--seq-len`` tokens."""
     from .contract import dense_twin
-    from .engine import as_loaded, resolve_block_paths
-    from .execution import measure_execution, verdict_execution
-    from .fileio import write_json
-    from .runtime import resolve_device
-    for option, value, least in (("--batch-size", args.batch_size, 1), ("--seq-len",
-                                 args.seq_len, 2), ("--pairs", args.pairs, 10),
-                                 ("--seed", args.seed, 0)):
-        if value < least:
-            raise FcauditError(f"{option} {value}: must be at least {least}")
-    device = resolve_device(args.device)
+    from .engine import as_loaded
+    from .nll import model_limits
     loaded = as_loaded(args.model)
     model = loaded.model.to(device)
     dense = as_loaded(args.dense).model if args.dense else dense_twin(model, args.seed)
     if dense is None:
         raise FcauditError(f"{args.model} has no built-in dense counterpart; pass --dense SPEC")
-    dense = dense.to(device).eval()
+    contexts = {name: model_limits(net)[1] for name, net in (("the model", model),
+                                                            ("--dense", dense))}
+    if args.seq_len is None:
+        args.seq_len = min([128, *(c for c in contexts.values() if c is not None)])
+    for name, ctx in contexts.items():
+        if ctx is not None and args.seq_len > ctx:
+            raise FcauditError(f"--seq-len {args.seq_len} exceeds the context of {name} "
+                               f"({ctx} tokens); use --seq-len {ctx} or less")
+    return loaded, model, dense.to(device).eval()
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import dataclasses
+    import json
+
+    from .engine import resolve_block_paths
+    from .execution import check_comparable, measure_execution, verdict_execution
+    from .fileio import write_json
+    from .runtime import resolve_device
+    _check_bench_args(args)
+    device = resolve_device(args.device)
+    loaded, model, dense = _bench_models(args, device)
     blocks = resolve_block_paths(model, args.blocks)
     dense_blocks = resolve_block_paths(dense, args.blocks)
     if blocks is None or dense_blocks is None:
         raise FcauditError("the model (or --dense) declares no blocks; pass --blocks GLOB "
                            "(e.g. 'layers.*')")
-    result = measure_execution(model, dense, _bench_ids(loaded, args).to(device),
-                               batch_size=args.batch_size, pairs=args.pairs, seed=args.seed,
-                               block_paths=blocks, dense_block_paths=dense_blocks,
-                               dense_source=args.dense or "dense_counterpart (fresh weights)")
-    content = {**dataclasses.asdict(result), "verdict": verdict_execution(result)}
+    ids = _bench_ids(loaded, args).to(device)
+    source = args.dense or "dense_counterpart (fresh weights)"
+    check_comparable(model, dense, ids[:1], source)
+    result = measure_execution(model, dense, ids, batch_size=args.batch_size, pairs=args.pairs,
+                               seed=args.seed, block_paths=blocks, dense_block_paths=dense_blocks,
+                               dense_source=source)
+    content = {"schema": BENCH_SCHEMA, **dataclasses.asdict(result),
+               "verdict": verdict_execution(result)}
     print(json.dumps(content, indent=2))
     if args.json:
         write_json(args.json, content)

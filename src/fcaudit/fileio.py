@@ -19,19 +19,29 @@ from typing import Any
 
 from .errors import FcauditError
 
+# Called as check(temporary, final) just before a file takes its final name; an output
+# folder being written registers one (fcaudit.outdir) to record what fcaudit writes there.
+RENAME_CHECKS: list[Callable[[Path, Path], None]] = []
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success rename it onto ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:  # a read-only folder, a full disk, a file in the way
+        raise FcauditError(f"could not write {path}: {exc.strerror or exc}; check free disk "
+                           "space and permissions") from exc
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         yield tmp_path
         os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; outputs are for sharing
         _fsync(tmp_path)  # a full disk can surface only here; never rename unflushed data
+        for check in RENAME_CHECKS:
+            check(tmp_path, path)
         os.replace(tmp_path, path)
     except OSError as exc:
         tmp_path.unlink(missing_ok=True)

@@ -17,12 +17,14 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from .contract import Site
+from .errors import FcauditError
 from .result import STATIC_CONDITIONS
 
 
@@ -137,14 +139,38 @@ def _like(given: Coefficients, derived: dict[str, Tensor]) -> Mapping[str, Tenso
     return given.with_coefficients(derived) if isinstance(given, Recording) else derived
 
 
+def _indices(value: Any, shape: tuple[int, ...], bound: int, what: str) -> np.ndarray:
+    """Integer indices of exactly ``shape``, each in [0, bound), or a one-line error: a
+    short donor list would otherwise return fewer sequences without a word."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu" or arr.shape != shape or (
+            arr.size and (int(arr.min()) < 0 or int(arr.max()) >= bound)):
+        raise FcauditError(f"{what} must be integers in [0, {bound}) of shape {list(shape)} "
+                           f"(one per sequence of the batch), got {arr.dtype} "
+                           f"{list(arr.shape)}")
+    return arr
+
+
+def _batch_shape(coefficients: Coefficients) -> tuple[int, int]:
+    shapes = {tuple(v.shape[:2]) for v in coefficients.values()}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise FcauditError("coefficients must map site names to tensors [B, T, ...] of one "
+                           f"batch, got shapes {sorted(shapes)}")
+    return next(iter(shapes))  # type: ignore[return-value]
+
+
 def reassign(coefficients: Coefficients, donor: Sequence[int]) -> Mapping[str, Tensor]:
     """Sequence ``n`` gets the coefficients of sequence ``donor[n]`` (every site alike)."""
-    idx = torch.as_tensor(np.asarray(donor), dtype=torch.long)
+    batch, _ = _batch_shape(coefficients)
+    idx = torch.as_tensor(_indices(donor, (batch,), batch, "reassign(donor=...)"),
+                          dtype=torch.long)
     return _like(coefficients, {k: v[idx.to(v.device)] for k, v in coefficients.items()})
 
 
 def shuffle(coefficients: Coefficients, perms: np.ndarray) -> Mapping[str, Tensor]:
     """Sequence ``n`` gets its own coefficients at positions ``perms[n]`` (every site alike)."""
+    batch, positions = _batch_shape(coefficients)
+    perms = _indices(perms, (batch, positions), positions, "shuffle(perms=...)")
     return _like(coefficients, {k: shuffle_positions(v, perms) for k, v in coefficients.items()})
 
 

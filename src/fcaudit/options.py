@@ -23,6 +23,11 @@ from .loading import LoadedModel
 Progress = Callable[[str, int, int, str], None]
 
 MAX_BOOTSTRAP = 100_000
+# Each repeat replays every random condition over every sequence once more; the intervals
+# come from the sequences, so beyond this more repeats only cost hours.
+MAX_REPEATS = 100
+MAX_TIMING_PAIRS = 1000  # each pair times a full pass of model and dense
+MAX_SEED = 2**32 - 1  # torch and numpy generators; seeds derive as seed * 1000 + k
 
 
 SCHEDULES = ("prefix", "naive")
@@ -47,23 +52,28 @@ class AuditOptions:
     allow_nonexact_identity: bool = False
     schedule: str = "prefix"  # "prefix": per-layer runs recompute only the suffix; "naive"
 
-    def validate(self) -> None:
-        """Refuse option values no audit can run with, naming the option."""
-        checks = (("--repeats", self.repeats, 1, None), ("--seed", self.seed, 0, None),
+    def validate(self, api: bool = False) -> None:
+        """Refuse option values no audit can run with, naming the option (``api``: as the
+        ``AuditOptions`` field a Python caller set)."""
+        checks = (("--repeats", self.repeats, 1, MAX_REPEATS), ("--seed", self.seed, 0, MAX_SEED),
                   ("--bootstrap", self.bootstrap, 10, MAX_BOOTSTRAP),
                   ("--batch-size", self.batch_size, 1, None),
-                  ("--timing-pairs", self.timing_pairs, 0, None))
+                  ("--timing-pairs", self.timing_pairs, 0, MAX_TIMING_PAIRS))
+
+        def name(option: str, value: object) -> str:
+            field = option.removeprefix("--").replace("-", "_")
+            return f"AuditOptions({field}={value!r})" if api else f"{option} {value!r}"
         for option, value, lo, hi in checks:
             if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
                     hi is not None and value > hi):
                 bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-                raise FcauditError(f"{option} {value!r}: must be an integer {bound}")
+                raise FcauditError(f"{name(option, value)}: must be an integer {bound}")
         if self.schedule not in SCHEDULES:
-            raise FcauditError(f"--schedule {self.schedule!r}: choose one of "
+            raise FcauditError(f"{name('--schedule', self.schedule)}: choose one of "
                                f"{', '.join(SCHEDULES)}")
         if 0 < self.timing_pairs < 10:
-            raise FcauditError(f"--timing-pairs {self.timing_pairs}: use 0 (no timing) or at "
-                               "least 10 pairs for a meaningful interval")
+            raise FcauditError(f"{name('--timing-pairs', self.timing_pairs)}: use 0 (no "
+                               "timing) or at least 10 pairs for a meaningful interval")
 
 
 @dataclass

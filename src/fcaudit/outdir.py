@@ -3,7 +3,11 @@
 Users point ``--out`` at their own disks. fcaudit writes only into a folder that is
 new, empty, or one it wrote itself: every output folder gets a marker file
 (:data:`MARKER`, its kind and the fcaudit version), and folders of earlier versions are
-recognised by their own files. It removes only files it wrote, by name.
+recognised by their own files. The marker also records every result file fcaudit wrote
+there with its SHA-256 (``files``), written before the file takes its name: a rerun
+moves, replaces or removes only files listed there whose bytes still have the recorded
+digest. A user's file, a file edited since, or a marker copied or forged into a user's
+folder therefore never licenses a deletion; a result name held by such a file is refused.
 
 One run at a time holds an output folder: an exclusive ``flock`` on :data:`LOCK`
 inside it, which the kernel drops when the process dies (also on ``kill -9``), so a
@@ -35,17 +39,16 @@ import fcntl
 import json
 import os
 import shlex
-import shutil
 import socket
 import sys
 import time
-from collections.abc import Collection, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from . import __version__
 from .errors import FcauditError
-from .fileio import write_json
+from .fileio import RENAME_CHECKS, sha256_file, write_json
 
 MARKER = ".fcaudit-output.json"
 MARKER_SCHEMA = "fcaudit.output/1"
@@ -58,6 +61,8 @@ RUN_FILES = frozenset({"config.json", "model.safetensors", "tokenizer.json", "tr
 # Result files of one audit or study; the first, written last, means the run finished.
 AUDIT_RESULTS = ("audit.json", "report.md", "report.html", "figures")
 STUDY_RESULTS = ("reproduction.json", "reproduction.md", "report.html", "figures")
+FIGURES = "figures"  # the one result that is a folder
+RESULTS = {"audit": AUDIT_RESULTS, "study": (*STUDY_RESULTS, "trend.md")}
 
 # What a demo folder holds (sub-folder: kind), and a study's folders of outputs; they also
 # recognise such folders that fcaudit wrote before the marker existed.
@@ -163,8 +168,9 @@ def check_output(path: str | Path, kind: str, option: str = "--out") -> None:
 
     Refused: a file, a path under a file, a dangling symbolic link, a folder that is not
     writable (or, for a new folder, whose nearest existing parent is not), a folder of
-    another kind of fcaudit output, and a non-empty folder fcaudit did not write. An audit
-    folder's ``cache`` must be a folder and its ``cache/manifest.json`` a file.
+    another kind of fcaudit output, a non-empty folder fcaudit did not write, and a result
+    name (``report.md``) held by a file fcaudit did not record writing. An audit folder's
+    ``cache`` must be a folder and its ``cache/manifest.json`` a file.
     """
     path = Path(path)
     where = f"{option} {path}"
@@ -192,10 +198,134 @@ def check_output(path: str | Path, kind: str, option: str = "--out") -> None:
         if not cache.is_dir():
             raise FcauditError(f"{where}: {cache} is a file, not the cache folder; move it away "
                                "or choose another folder")
+        if not _usable(cache):
+            raise FcauditError(f"{where}: its cache folder {cache} is not writable (or not "
+                               "readable); fix its permissions or choose another folder")
         manifest = cache / "manifest.json"
         if (manifest.exists() or manifest.is_symlink()) and not manifest.is_file():
             raise FcauditError(f"{where}: {manifest} is not a file; move it away or choose "
                                "another folder")
+    if found == kind:
+        _check_results(path, RESULTS.get(kind, ()), where)
+
+
+def _check_results(path: Path, results: Sequence[str], where: str) -> None:
+    """Each result name must be free or hold fcaudit's own unchanged file (``figures``: a
+    real folder; files of the user's in it stay, one edited since fcaudit wrote it is
+    refused now, and any other in a figure's way when that figure is written)."""
+    files = recorded(path)
+    for name in results:
+        item = path / name
+        if item.is_symlink():
+            raise FcauditError(f"{where}: {name} is a symbolic link, which fcaudit did not "
+                               "write; move it away or choose another folder")
+        if not item.exists() or (name == FIGURES and item.is_dir()):
+            continue
+        if name == FIGURES or item.is_dir() or not owns(path, name, files):
+            raise FcauditError(f"{where} holds {name}{'/' if item.is_dir() else ''}, which "
+                               "fcaudit did not record writing (a file of yours, one edited "
+                               "since, or one an fcaudit version without digests wrote); move "
+                               "it away or choose another folder")
+    edited = [rel for rel in files if PurePosixPath(rel).parts[0] == FIGURES
+              and (path / rel).exists() and not owns(path, rel, files)]
+    if edited:
+        raise FcauditError(f"{where}: {edited[0]} was changed since fcaudit wrote it, and a "
+                           "rerun would replace it; move it away or choose another folder")
+
+
+
+def check_output_file(path: str | Path, schema: str, option: str) -> None:
+    """Refuse, in one line, a result file fcaudit may not write (touches nothing): a
+    folder, a symbolic link, an existing file that is not fcaudit's own (its JSON
+    ``schema`` is not ``schema``), or a new path with no writable folder."""
+    path = Path(path)
+    where = f"{option} {path}"
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise FcauditError(f"{where} is not a plain file; choose a new file name")
+    if not path.exists():
+        _check_new(path, where)
+        return
+    if not _has_schema(path, schema):
+        raise FcauditError(f"{where} exists and is not a file fcaudit wrote ({schema}); "
+                           "fcaudit replaces only its own: choose a new file name")
+    if not os.access(path, os.W_OK) or not _usable(path.parent):
+        raise FcauditError(f"{where} is not writable; fix its permissions or choose another "
+                           "file")
+
+# ------------------------------------------------------------------------ manifest
+
+def _marker(folder: Path) -> dict[str, Any]:
+    data = _json(folder / MARKER)
+    return data if isinstance(data, dict) else {}
+
+
+def _safe(rel: str) -> bool:
+    """A plain relative path inside the folder (a forged entry may name ``../x``)."""
+    parts = PurePosixPath(rel).parts
+    return bool(parts) and not rel.startswith("/") and ".." not in parts and "\\" not in rel
+
+
+def recorded(folder: str | Path) -> dict[str, str]:
+    """The files the marker records fcaudit writing in ``folder``: path inside it -> SHA-256."""
+    files = _marker(Path(folder)).get("files")
+    if not isinstance(files, dict):
+        return {}
+    return {k: v for k, v in files.items() if isinstance(v, str) and _safe(k)}
+
+
+def _save_recorded(folder: Path, files: Mapping[str, str]) -> None:
+    write_json(folder / MARKER, {**_marker(folder), "files": dict(sorted(files.items()))})
+
+
+def owns(folder: str | Path, rel: str, files: Mapping[str, str] | None = None) -> bool:
+    """Whether ``folder/rel`` is a file fcaudit wrote, unchanged since: its current
+    SHA-256 equals the recorded one (a symbolic link never is)."""
+    folder = Path(folder)
+    files = recorded(folder) if files is None else files
+    path = folder / rel
+    return rel in files and _safe(rel) and path.is_file() and not path.is_symlink() \
+        and sha256_file(path) == files[rel]
+
+
+def record_files(folder: str | Path, names: Collection[str]) -> None:
+    """Record the digests of files fcaudit has just written in ``folder`` (by name)."""
+    folder = Path(folder)
+    files = recorded(folder)
+    _save_recorded(folder, {**files, **{n: sha256_file(folder / n) for n in names
+                                        if (folder / n).is_file()}})
+
+
+def _owned_under(folder: Path, names: Sequence[str], files: Mapping[str, str]) -> list[str]:
+    """fcaudit's unchanged files among ``names`` (a name, or a path inside a named folder)."""
+    return sorted(rel for rel in files
+                  if PurePosixPath(rel).parts[0] in names and owns(folder, rel, files))
+
+
+# Output folders whose results are being written (innermost last): see _check_write.
+_WRITING: list[tuple[Path, tuple[str, ...]]] = []
+
+
+def _check_write(tmp: Path, final: Path) -> None:
+    """Before a result file takes its name: refuse to replace a file fcaudit did not write
+    (or one edited since), else record the new file's digest in the marker."""
+    target = Path(os.path.abspath(final))
+    for out, results in reversed(_WRITING):
+        try:
+            rel = target.relative_to(out)
+        except ValueError:
+            continue
+        if not rel.parts or rel.parts[0] not in results:
+            continue
+        key, files = rel.as_posix(), recorded(out)
+        if (target.exists() or target.is_symlink()) and not owns(out, key, files):
+            raise FcauditError(f"{final} is in the way of a result: fcaudit did not write it "
+                               "(or it was changed since); move it away and rerun (the cache "
+                               "is kept, the previous results are put back)")
+        _save_recorded(out, {**files, key: sha256_file(tmp)})
+        return
+
+
+RENAME_CHECKS.append(_check_write)
 
 
 # ---------------------------------------------------------------------- claim, lock
@@ -340,68 +470,106 @@ def _topmost_missing(path: Path) -> Path | None:
 
 # --------------------------------------------------------------- replace and clean
 
-def _remove(path: Path) -> None:
-    """Remove one of fcaudit's own results: a file, or a folder fcaudit filled."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
+def _prune(folder: Path, start: Path) -> None:
+    """Remove ``start`` and its parents below ``folder`` while they are empty."""
+    with contextlib.suppress(OSError):  # not empty: something else lives there
+        while start != folder and folder in start.parents:
+            start.rmdir()
+            start = start.parent
+
+
+def _drop(folder: Path, rels: Sequence[str]) -> None:
+    """Delete fcaudit's own unchanged files ``rels`` (checked again now), then their
+    entries and the folders they emptied; anything else stays."""
+    files = recorded(folder)
+    gone = [rel for rel in rels if owns(folder, rel, files)]
+    for rel in gone:
+        (folder / rel).unlink()
+        _prune(folder, (folder / rel).parent)
+    if gone:
+        _save_recorded(folder, {k: v for k, v in files.items() if k not in gone})
+
+
+def _move(folder: Path, moves: Sequence[tuple[str, str]]) -> None:
+    """Rename fcaudit's files inside ``folder``; the marker lists both names meanwhile, so a
+    kill at any moment leaves every file recognisable."""
+    files = recorded(folder)
+    moves = [(src, dst) for src, dst in moves if owns(folder, src, files)]
+    if not moves:
+        return
+    _save_recorded(folder, {**files, **{dst: files[src] for src, dst in moves}})
+    for src, dst in moves:
+        (folder / dst).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(folder / src, folder / dst)
+        _prune(folder, (folder / src).parent)
+    sources = {src for src, _ in moves}
+    _save_recorded(folder, {k: v for k, v in recorded(folder).items() if k not in sources})
+
+
+def _aside(rel: str) -> str:
+    return f"{PREVIOUS}/{rel}"
+
+
+def _retired(folder: Path) -> list[str]:
+    """fcaudit's unchanged files in ``.previous/``."""
+    return _owned_under(folder, [PREVIOUS], recorded(folder))
 
 
 def remove_output(folder: Path, names: Collection[str]) -> None:
-    """Remove the named files fcaudit wrote in ``folder``, its bookkeeping files, then the
-    folder if that emptied it. Anything else in it stays, and so does the folder."""
-    for name in (*names, *BOOKKEEPING):
-        path = folder / name
-        if path.is_file() or path.is_symlink():
-            path.unlink()
+    """Remove the named files fcaudit wrote in ``folder`` (unchanged since: by recorded
+    digest), its bookkeeping files, then the folder if that emptied it. Anything else in it
+    stays, and so does the folder."""
+    _drop(folder, sorted(names))
+    if entries(folder):
+        return
+    for name in BOOKKEEPING:
+        (folder / name).unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         folder.rmdir()
 
 
 def retire_results(out: str | Path, results: Sequence[str] = AUDIT_RESULTS) -> None:
-    """Move the previous results into ``out/.previous/``, before new ones are written.
+    """Move the previous results (fcaudit's own unchanged files only) into
+    ``out/.previous/``, before new ones are written.
 
     ``results[0]`` is the completion file (``audit.json``): it moves first, so from
     then on no result in ``out`` claims to be whole. A ``.previous/`` left by a killed
     run is sorted out first: stale if the completion file is back in ``out`` (that run
     finished), else it holds the last finished results, which stay while the
-    half-written ones in ``out`` are dropped.
+    half-written ones in ``out`` are dropped. Files of the user's are never moved.
     """
     out = Path(out)
-    previous = out / PREVIOUS
-    if previous.exists():
-        if (out / results[0]).exists():
-            _remove(previous)
+    files = recorded(out)
+    if _retired(out):
+        if owns(out, results[0], files):
+            _drop(out, _retired(out))
         else:
-            for name in results:
-                _remove(out / name)
+            _drop(out, _owned_under(out, results, files))
             return
-    held = [name for name in results if (out / name).exists() or (out / name).is_symlink()]
-    if not held:
-        return
-    previous.mkdir()
-    for name in held:
-        os.replace(out / name, previous / name)
+    held = _owned_under(out, results, files)
+    held.sort(key=lambda rel: rel != results[0])
+    _move(out, [(rel, _aside(rel)) for rel in held])
 
 
 def discard_retired_results(out: str | Path) -> None:
-    """Remove ``out/.previous/`` once the new completion file is in place."""
-    _remove(Path(out) / PREVIOUS)
+    """Remove the retired results in ``out/.previous/`` once the new completion file is in
+    place (and ``.previous/`` itself if that empties it)."""
+    out = Path(out)
+    _drop(out, _retired(out))
+    _prune(out, out / PREVIOUS)
 
 
 def restore_retired_results(out: str | Path, results: Sequence[str] = AUDIT_RESULTS) -> None:
     """Drop half-written new results and put the retired ones back (completion file last)."""
     out = Path(out)
-    previous = out / PREVIOUS
-    if not previous.is_dir():
+    retired = _retired(out)
+    if not retired:
         return
-    for name in results:
-        _remove(out / name)
-    for name in reversed(results):
-        if (previous / name).exists():
-            os.replace(previous / name, out / name)
-    previous.rmdir()
+    _drop(out, _owned_under(out, results, recorded(out)))
+    back = [(rel, rel.removeprefix(PREVIOUS + "/")) for rel in retired]
+    back.sort(key=lambda move: PurePosixPath(move[1]).parts[0] == results[0])
+    _move(out, back)
+    _prune(out, out / PREVIOUS)
 
 
 @contextlib.contextmanager
@@ -410,14 +578,20 @@ def replacing_results(out: str | Path, results: Sequence[str] = AUDIT_RESULTS) -
 
     The block writes the new results (``audit.json``, ``report.md``, ``report.html``,
     ``figures/``; ``results`` names them, the completion file first), the completion
-    file last. The previous results wait in ``.previous/`` meanwhile: removed on
+    file last, through :mod:`fcaudit.fileio`: each file's digest is recorded in the
+    marker before it takes its name, and a file in its way that fcaudit did not write
+    stops the block. The previous results wait in ``.previous/`` meanwhile: removed on
     success, put back if the block raises. After a ``kill -9`` the next call keeps the
     last finished results and drops the half-written ones.
     """
+    out = Path(os.path.abspath(out))
     retire_results(out, results)
+    _WRITING.append((out, tuple(results)))
     try:
         yield
     except BaseException:
         restore_retired_results(out, results)
         raise
+    finally:
+        _WRITING.remove((out, tuple(results)))
     discard_retired_results(out)

@@ -428,6 +428,16 @@ def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
 def _probed(spec: str) -> LoadedModel:
     """``--mudd-checkpoint`` loaded and run once now, so a bad folder fails in seconds,
     before hours of training, and is not loaded a second time."""
+    from .loading import is_run_folder
+    from .models.mudd_checkpoint import is_mudd_folder
+    path = Path(spec)
+    if (path.exists() and not is_mudd_folder(path)) or (":" in spec and not path.exists()):
+        what = "an fcaudit run folder" if is_run_folder(path) else \
+            "not a folder" if not path.is_dir() else "a folder"
+        raise FcauditError(f"--mudd-checkpoint {spec} is {what}, not a MUDDPythia / MUDDFormer "
+                           "checkpoint folder (its config.json names model_type muddpythia or "
+                           "muddformer); the study trains and audits its own runs: pass a MUDD "
+                           "checkpoint folder, or drop the option")
     loaded = as_loaded(spec)
     if loaded.tokenizer is None:
         raise FcauditError(f"--mudd-checkpoint {spec} has no tokenizer.json: the study audits "

@@ -39,7 +39,16 @@ from .errors import FcauditError
 from .fileio import make_work_dir, sha256_file, write_json, write_text
 from .loading import Arch, get_arch, save_run_model
 from .nll import mean_nll
-from .outdir import RUN_FILES, check_output, claim_output, entries, hold_output, remove_output
+from .outdir import (
+    RUN_FILES,
+    check_output,
+    claim_output,
+    entries,
+    hold_output,
+    owns,
+    record_files,
+    remove_output,
+)
 from .progress import ProgressReporter
 from .runtime import resolve_device, versions
 
@@ -175,6 +184,12 @@ def check_run_out(out: Path, force: bool) -> None:
         raise FcauditError(f"--out {out} is a run folder but also holds {', '.join(other)}, "
                            "which fcaudit train did not write; move them out or choose another "
                            "--out")
+    unrecorded = [p.name for p in held if not owns(out, p.name)]
+    if unrecorded:
+        raise FcauditError(f"--out {out}: fcaudit train did not record writing "
+                           f"{', '.join(unrecorded)} (files of yours, edited since, or a run of "
+                           "an fcaudit version without digests), so --force will not replace "
+                           "them; move them out or choose another --out")
 
 
 def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: Any,
@@ -209,6 +224,7 @@ def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: 
             "weights_sha256": sha256_file(work / "model.safetensors"),
             "versions": versions(),
         })
+        record_files(work, RUN_FILES)
         _swap_in(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # this call's own mkdtemp folder

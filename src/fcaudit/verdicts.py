@@ -4,8 +4,10 @@ Dependence is *strong* when the lower 95% bound of the reassign or shuffle penal
 exceeds ``STRONG_PENALTY`` nats or a static per-layer profile keeps less than
 ``STRONG_RETENTION`` percent of the Correct-to-GlobalMean gap; *weak* when it keeps at
 least ``WEAK_RETENTION`` percent and both penalties stay below ``WEAK_PENALTY``;
-*none measurable* when no penalty's interval excludes zero and retention is
-undefined; *partial* otherwise.
+*none* when retention is undefined, no penalty's interval lies above zero and some lies
+below (an intervention that lowers the NLL is no dependence: the sentence says which, by
+how much); *none measurable* when retention is undefined and no penalty's interval
+excludes zero; *partial* otherwise (some interval above zero, or a defined retention).
 """
 
 from __future__ import annotations
@@ -33,9 +35,34 @@ def variation(variance: Mapping[str, VarianceShares], spread: Mapping[str, Varia
     return "; ".join(parts) + "."
 
 
-def _excludes_zero(c: ConditionResult) -> bool:
-    lo, hi = c.ci95
-    return lo > 0 or hi < 0
+PENALTIES = {"reassign": "reassigning coefficients across inputs",
+             "shuffle": "shuffling them across tokens",
+             "reassign+shuffle": "reassigning and shuffling them",
+             "static-layer": "a static per-layer profile",
+             "static-layer-position": "a static per-layer-and-position profile"}
+
+
+def _label(conditions: Mapping[str, ConditionResult], kept: float | None) -> str:
+    """The verdict's label; dependence rests on intervals above 0 only."""
+    r, s = conditions["reassign"], conditions["shuffle"]
+    above = [n for n in PENALTIES if conditions[n].ci95[0] > 0]
+    below = [n for n in PENALTIES if conditions[n].ci95[1] < 0]
+    if max(r.ci95[0], s.ci95[0]) > STRONG_PENALTY or (kept is not None
+                                                      and kept < STRONG_RETENTION):
+        return "Strong dependence on the coefficient assignment"
+    if kept is not None and kept >= WEAK_RETENTION and max(r.delta, s.delta) < WEAK_PENALTY:
+        return "Weak dependence on the coefficient assignment"
+    if kept is None and not above and below:
+        helps = "; ".join(f"{PENALTIES[n]} lowers the NLL by {-conditions[n].delta:.4f} nats "
+                          f"[{-conditions[n].ci95[1]:.4f}, {-conditions[n].ci95[0]:.4f}]"
+                          for n in below)
+        return (f"No dependence on the coefficient assignment (no penalty's 95% interval lies "
+                f"above 0, and {helps}: the model does not need its coefficients matched to "
+                "their input and token)")
+    if kept is None and not above:
+        return ("No measurable dependence on the coefficient assignment (no penalty's 95% "
+                "interval excludes 0: none found, or too few sequences to resolve one)")
+    return "Partial dependence on the coefficient assignment"
 
 
 def dependence(conditions: Mapping[str, ConditionResult],
@@ -43,24 +70,12 @@ def dependence(conditions: Mapping[str, ConditionResult],
     r, s = conditions["reassign"], conditions["shuffle"]
     sl = retention["static-layer"]
     kept = sl.value
-    penalties = [conditions[k] for k in ("reassign", "shuffle", "reassign+shuffle",
-                                         "static-layer", "static-layer-position")]
-    if max(r.ci95[0], s.ci95[0]) > STRONG_PENALTY or (kept is not None
-                                                      and kept < STRONG_RETENTION):
-        label = "Strong dependence on the coefficient assignment"
-    elif kept is not None and kept >= WEAK_RETENTION and max(r.delta, s.delta) < WEAK_PENALTY:
-        label = "Weak dependence on the coefficient assignment"
-    elif kept is None and not any(_excludes_zero(c) for c in penalties):
-        label = ("No measurable dependence on the coefficient assignment (no penalty's 95% "
-                 "interval excludes 0: none found, or too few sequences to resolve one)")
-    else:
-        label = "Partial dependence on the coefficient assignment"
     kept_txt = (f"a static per-layer profile keeps {kept:.2f}% [{sl.ci95[0]:.2f}, "
                 f"{sl.ci95[1]:.2f}] of the Correct-to-GlobalMean gap" if kept is not None
                 else "static-profile retention is undefined (no clear Correct-to-GlobalMean gap)")
-    return (f"{label}: reassigning coefficients across inputs costs {r.delta:+.4f} nats "
-            f"[{r.ci95[0]:+.4f}, {r.ci95[1]:+.4f}], shuffling them across tokens "
-            f"{s.delta:+.4f} [{s.ci95[0]:+.4f}, {s.ci95[1]:+.4f}]; {kept_txt}.")
+    return (f"{_label(conditions, kept)}: reassigning coefficients across inputs costs "
+            f"{r.delta:+.4f} nats [{r.ci95[0]:+.4f}, {r.ci95[1]:+.4f}], shuffling them across "
+            f"tokens {s.delta:+.4f} [{s.ci95[0]:+.4f}, {s.ci95[1]:+.4f}]; {kept_txt}.")
 
 
 def qualified(sentence: str, identity: Identity | None) -> str:

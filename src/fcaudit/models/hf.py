@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from ..data import load_tokenizer
 from ..errors import FcauditError
 from ..fileio import read_json
 from ..routers import RouterAdapter
+from ..weights import Shapes, check_depth, header_shapes
 from .mudd import VARIANTS
 from .mudd_checkpoint import weight_files
 
@@ -113,6 +115,43 @@ def _weights(folder: Path) -> list[Path]:
     return files if single.is_file() else [index, *files]
 
 
+_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "embed_in.weight", "word_embeddings.weight")
+_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _experts_held(found: Shapes) -> int:
+    """How many experts the weights hold: per-expert keys (``experts.7.``) or the first
+    axis of fused ``experts.*`` tensors [E, ...]; 0 when they hold none."""
+    held = [int(m.group(1)) + 1 for key in found if (m := _EXPERT_KEY.search(key))]
+    held += [shape[0] for key, shape in found.items()
+             if ".experts." in key and not _EXPERT_KEY.search(key) and len(shape) == 3]
+    return max(held, default=0)
+
+
+def _check_sizes(folder: Path, config: Any, weights: list[Path]) -> None:
+    """The config's layers, vocabulary, hidden size and experts against the weights'
+    header, before anything is built: a config claiming more than the weights hold (a
+    million layers) is refused in a second instead of constructed (6 GB in 2 minutes)."""
+    found = header_shapes([w for w in weights if w.suffix == ".safetensors"])
+    text = config.get_text_config()
+    where = str(folder)
+    layers = getattr(text, "num_hidden_layers", None)
+    if isinstance(layers, int):
+        check_depth(where, found, layers, "num_hidden_layers", exact=False)
+    embedding = next((shape for key, shape in found.items()
+                      if key.endswith(_EMBEDDINGS) and len(shape) == 2), None)
+    claims = [(name, getattr(text, name, None), held) for name, held in
+              zip(("vocab_size", "hidden_size"), embedding or (), strict=False)]
+    experts = _experts_held(found)
+    if experts:
+        stated = text.to_dict()  # by the name config.json uses, not an alias of it
+        claims += [(name, stated.get(name), experts) for name in _NUM_EXPERTS]
+    for name, value, held in claims:
+        if isinstance(value, int) and not isinstance(value, bool) and value > held:
+            raise FcauditError(f"{where}: config.json says {name}={value} but the weights hold "
+                               f"{held}; the config and the weights come from different models")
+
+
 def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None
                    ) -> tuple[nn.Module, Tokenizer | None, list[Path]]:
     """The folder's causal LM in eval mode (``dtype``, default the config's), its
@@ -135,6 +174,7 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None
         config = transformers.AutoConfig.from_pretrained(
             folder, local_files_only=True, trust_remote_code=False)
         config.transformers_weights = weights[0].name
+        _check_sizes(folder, config, weights)
         extra = [folder / f for f in getattr(type(config), "extra_files", ())
                  if (folder / f).is_file()]
         model, info = transformers.AutoModelForCausalLM.from_pretrained(

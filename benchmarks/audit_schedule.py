@@ -23,14 +23,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from fcaudit.data import AuditData
-from fcaudit.engine import AuditOptions, audit
+from fcaudit.audit.engine import AuditOptions, audit
+from fcaudit.audit.plan import plan_runs
+from fcaudit.core.sites import find_sites
+from fcaudit.io.data import AuditData
 from fcaudit.models.featuregate import GPT
 from fcaudit.models.featuregate import PRESETS as GPT_PRESETS
 from fcaudit.models.mudd import PRESETS as MUDD_PRESETS
 from fcaudit.models.mudd import MuddModel
-from fcaudit.plan import plan_runs
-from fcaudit.sites import find_sites
 
 
 def models() -> dict[str, tuple[nn.Module, int]]:

@@ -21,10 +21,10 @@ import json
 import torch
 from torch import nn
 
-from fcaudit.data import builtin_documents, cut_windows, encode_documents, spread_pick
-from fcaudit.execution import format_table, measure_execution, verdict_execution
-from fcaudit.loading import get_arch, load_model
-from fcaudit.train import builtin_tokenizer
+from fcaudit.audit.execution import format_table, measure_execution, verdict_execution
+from fcaudit.io.data import builtin_documents, cut_windows, encode_documents, spread_pick
+from fcaudit.io.loading import get_arch, load_model
+from fcaudit.study.train import builtin_tokenizer
 
 
 def model_for(arch: str, folder: str | None, preset: str, seed: int) -> nn.Module:

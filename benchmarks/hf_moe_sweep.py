@@ -4,7 +4,7 @@ For each ``model_type`` that has a causal-LM class, builds a tiny random config 
 (the config class's defaults with the common size fields shrunk, then the few fields of
 ``OVERRIDES`` where a family needs them to build), builds the model with
 ``AutoModelForCausalLM.from_config`` (float32, eval, seeded; nothing is downloaded) and
-asks fcaudit for its router sites (``fcaudit.contract.declared_sites``) and expert layers
+asks fcaudit for its router sites (``fcaudit.core.contract.declared_sites``) and expert layers
 (``declared_experts``). Models without router sites are dense and only counted. For every
 MoE family it checks, on a batch of 2 x 8 random tokens:
 
@@ -12,7 +12,7 @@ MoE family it checks, on a batch of 2 x 8 random tokens:
   plain forward bit for bit;
 * donor: replaying sequence 1's router logits into sequence 0 (``fcaudit.reassign``) makes
   sequence 0 select exactly sequence 1's experts at every router;
-* experts = top-k: the experts that ran per token (``fcaudit.routers.counting_experts``) are
+* experts = top-k: the experts that ran per token (``fcaudit.core.routers.counting_experts``) are
   the router's top-k selection ("dense" when a fused experts module runs every expert on
   every token, as Llama 4's does; counted as a pass, see docs/moe.md, Execution).
 
@@ -34,9 +34,9 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import fcaudit
-from fcaudit.contract import declared_experts, declared_sites
-from fcaudit.replaying import replaying, selecting
-from fcaudit.routers import counting_experts
+from fcaudit.core.contract import declared_experts, declared_sites
+from fcaudit.core.replaying import replaying, selecting
+from fcaudit.core.routers import counting_experts
 
 VOCAB = 128
 BATCH, SEQ_LEN = 2, 8

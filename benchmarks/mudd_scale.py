@@ -3,8 +3,8 @@
 Builds a model with the official 1.4B shapes and random weights (nothing is
 downloaded) on the meta device, then materialises it directly in the target dtype,
 so no float32 copy ever exists. For each sequence it times a native forward, a record
-pass (``fcaudit.sites.record``) and a replay of the recorded coefficients
-(``fcaudit.sites.replaying``). It prints seconds per token and the peak RSS of each
+pass (``fcaudit.core.sites.record``) and a replay of the recorded coefficients
+(``fcaudit.core.sites.replaying``). It prints seconds per token and the peak RSS of each
 mode side by side, plus the largest logits difference between replay and native.
 That difference must be 0: a replay that feeds back the recorded coefficients is the
 same computation.
@@ -40,13 +40,13 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from fcaudit.adapters import same_bits
+from fcaudit.audit.options import AuditOptions
+from fcaudit.audit.passes import replay_batch
+from fcaudit.audit.plan import plan_runs
+from fcaudit.core.adapters import same_bits
+from fcaudit.core.recording import record
+from fcaudit.core.replaying import replaying
 from fcaudit.models.mudd import PRESETS, MuddModel
-from fcaudit.options import AuditOptions
-from fcaudit.passes import replay_batch
-from fcaudit.plan import plan_runs
-from fcaudit.recording import record
-from fcaudit.replaying import replaying
 
 T = TypeVar("T")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

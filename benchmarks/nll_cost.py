@@ -4,7 +4,7 @@ Every record and replay pass of an audit runs a forward and scores its logits, s
 loss is paid on every pass. For each FeatureGate preset (random weights, a batch of
 ``--batch`` windows of the preset's length) it times, interleaved in one process, the
 forward alone, the forward + the old formula (a transposed cross-entropy over a float
-copy of all logits), the forward + ``fcaudit.nll.token_nll``, and the forward + a bare
+copy of all logits), the forward + ``fcaudit.core.nll.token_nll``, and the forward + a bare
 ``log_softmax`` of the logits into a preallocated buffer: a floor for any loss built
 from PyTorch's own kernels, since every logit needs one ``exp``. It prints each one's
 time over the forward's in the same round (median [min-max] over rounds).
@@ -29,8 +29,8 @@ from sidebyside import (
     time_rounds,
 )
 
+from fcaudit.core.nll import token_nll
 from fcaudit.models.featuregate import GPT, PRESETS
-from fcaudit.nll import token_nll
 
 
 def old_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Run before ``fcaudit reproduce --preset trend`` to check that it fits the machine: it
 times FeatureGate, Dense and MUDD training steps (the study's batch shape, AdamW, after
-warm-up steps) at every size of ``fcaudit.trend.LADDER``, in wall and CPU seconds, and
+warm-up steps) at every size of ``fcaudit.study.trend.LADDER``, in wall and CPU seconds, and
 projects the ladder's training time (points x seeds x steps). With ``--audits`` it also
 times, per size, one FeatureGate audit (with execution against Dense) and one MUDD
 audit at the study's settings, on models trained for one step (an audit costs the same
@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fcaudit import trend
-from fcaudit.data import DataSpec
-from fcaudit.engine import AuditOptions, audit
-from fcaudit.loading import get_arch
-from fcaudit.train import train
+from fcaudit.audit.engine import AuditOptions, audit
+from fcaudit.io.data import DataSpec
+from fcaudit.io.loading import get_arch
+from fcaudit.study import trend
+from fcaudit.study.train import train
 
 ARCHES = ("featuregate", "dense", "mudd")
 

@@ -13,7 +13,7 @@ if str(TESTS) not in sys.path:
 @pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny FeatureGate and Dense twins trained briefly on the built-in corpus (shared)."""
-    from fcaudit.train import train
+    from fcaudit.study.train import train
     root = tmp_path_factory.mktemp("runs")
     return {arch: train(arch, "tiny", 0, root / arch, steps=40, progress=False)
             for arch in ("featuregate", "dense")}

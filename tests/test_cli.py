@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_reliability import run_inprocess
 
-from fcaudit.progress import ProgressReporter
+from fcaudit.report.progress import ProgressReporter
 
 TESTS = Path(__file__).parent
 

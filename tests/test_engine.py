@@ -13,16 +13,16 @@ import toys
 from torch import nn
 
 import fcaudit
-from fcaudit.adapters import FLAT, TupleAdapter
-from fcaudit.cache import CoefficientCache
-from fcaudit.contract import Site
-from fcaudit.data import AuditData
-from fcaudit.engine import AuditOptions, audit
-from fcaudit.errors import FcauditError
-from fcaudit.interventions import Intervention, StaticProfiles, draw, static
-from fcaudit.plan import ReplayInputs, Run, feed
-from fcaudit.result import AuditResult
-from fcaudit.sites import find_sites
+from fcaudit.audit.cache import CoefficientCache
+from fcaudit.audit.engine import AuditOptions, audit
+from fcaudit.audit.plan import ReplayInputs, Run, feed
+from fcaudit.audit.result import AuditResult
+from fcaudit.core.adapters import FLAT, TupleAdapter
+from fcaudit.core.contract import Site
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.interventions import Intervention, StaticProfiles, draw, static
+from fcaudit.core.sites import find_sites
+from fcaudit.io.data import AuditData
 
 FAST = AuditOptions(repeats=2, bootstrap=200, batch_size=4, execution=False, progress=False)
 
@@ -187,7 +187,7 @@ def test_user_defined_interventions_are_replayed_and_reported(tmp_path):
     ("oov", "vocabulary"),
 ])
 def test_bad_data_is_refused(case, message, tiny_runs, tmp_path):
-    from fcaudit.loading import load
+    from fcaudit.io.loading import load
     loaded = load(str(tiny_runs["featuregate"]))
     ev = np.random.default_rng(0).integers(0, 100, size=(4, 16))
     ca = np.random.default_rng(1).integers(0, 100, size=(4, 16))
@@ -370,7 +370,7 @@ def test_an_adapter_that_does_not_rebuild_the_output_is_refused(tmp_path):
 
 
 def test_flat_adapter_round_trip():
-    from fcaudit.contract import SiteCall
+    from fcaudit.core.contract import SiteCall
     call = SiteCall(nn.Identity(), (), {}, 2, 3)
     x = torch.randn(6, 4)
     assert torch.equal(FLAT.rebuild(FLAT.extract(x, call), call), x)
@@ -475,7 +475,7 @@ def test_prefix_reuse_gives_the_naive_schedules_audit_json(index: int, tmp_path)
 def test_prefix_reuse_falls_back_when_it_cannot_prove_exactness(tmp_path, monkeypatch):
     """Stubs that return something else than the block computed: the proof fails on every
     batch, the per-layer runs fall back to full passes, and the numbers stay right."""
-    from fcaudit import replaying as replay_mod
+    from fcaudit.core import replaying as replay_mod
     model = _deep_models()[0]
     data = AuditData(np.random.default_rng(0).integers(0, 64, (8, 16)),
                      np.random.default_rng(1).integers(0, 64, (8, 16)), {})
@@ -568,7 +568,7 @@ def test_an_edited_intervention_is_replayed_again_not_reused(edit: str, tmp_path
                                    "batches_recomputed": 0, "runs_reused": 3 * 17,
                                    "runs_recomputed": 0}
     assert again.to_json()["custom_conditions"] == fresh.to_json()["custom_conditions"]
-    from fcaudit.report import build_markdown
+    from fcaudit.report.audit_report import build_markdown
     assert "Replay results: 3 of 3 batches (51 runs) reused" in build_markdown(again, [])[1]
 
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from fcaudit.errors import FcauditError
-from fcaudit.execution import (
+from fcaudit.audit.execution import (
     count_block_executions,
     execution_pass,
     flops_per_token,
@@ -22,11 +21,12 @@ from fcaudit.execution import (
     time_interleaved,
     verdict_execution,
 )
+from fcaudit.audit.result import Estimate, Execution
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.recording import record
+from fcaudit.core.replaying import replaying
 from fcaudit.models.featuregate import GPT, GPTConfig, Update
 from fcaudit.models.skipgate import SkipGateConfig, SkipGateGPT
-from fcaudit.recording import record
-from fcaudit.replaying import replaying
-from fcaudit.result import Estimate, Execution
 
 SIZES = dict(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=32)
 B, T = 4, 16
@@ -297,8 +297,8 @@ def test_skipgate_contract():
 
 def test_bench_command_writes_json(tmp_path):
     from fcaudit.cli import main
-    from fcaudit.loading import save_run_model
-    from fcaudit.train import TRAIN_PRESETS
+    from fcaudit.io.loading import save_run_model
+    from fcaudit.study.train import TRAIN_PRESETS
 
     run = tmp_path / "run"
     run.mkdir()
@@ -340,7 +340,7 @@ def test_grouped_mm_flops_are_counted_by_formula():
 
 
 def test_an_uncounted_matrix_operator_refuses_the_flops_ratio(monkeypatch):
-    import fcaudit.execution as ex
+    import fcaudit.audit.execution as ex
     monkeypatch.setattr(ex, "EXTRA_FLOP_FORMULAS", {
         k: v for k, v in ex.EXTRA_FLOP_FORMULAS.items() if "grouped" not in str(k)})
     result = measure_execution(GroupedExperts(), GroupedExperts(), torch.zeros(4, 8).long(),

@@ -25,18 +25,18 @@ transformers = optional_extra("transformers")
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
 
-from fcaudit.contract import Site, SiteCall  # noqa: E402
-from fcaudit.errors import FcauditError  # noqa: E402
-from fcaudit.models.hf import (  # noqa: E402
+from fcaudit.core.contract import Site, SiteCall  # noqa: E402
+from fcaudit.core.errors import FcauditError  # noqa: E402
+from fcaudit.core.recording import record  # noqa: E402
+from fcaudit.core.replaying import replaying  # noqa: E402
+from fcaudit.core.routers import counting_experts, selection_change  # noqa: E402
+from fcaudit.io.hf import (  # noqa: E402
     discover_blocks,
     discover_experts,
     discover_sites,
     is_hf_folder,
     load_hf_folder,
 )
-from fcaudit.recording import record  # noqa: E402
-from fcaudit.replaying import replaying  # noqa: E402
-from fcaudit.routers import counting_experts, selection_change  # noqa: E402
 
 VOCAB = 120
 SEQ_LEN = 12
@@ -368,7 +368,7 @@ def test_sites_listed_by_fcaudit_sites_work_as_sites_globs(mixtral_folder: Path,
     """`fcaudit sites` lists a router path; `--sites` naming exactly that path must audit it
     (with the router adapter), not end in advice only Python can follow."""
     from fcaudit.cli import main
-    from fcaudit.data import load_tokenizer
+    from fcaudit.io.data import load_tokenizer
     assert main(["sites", "--model", str(mixtral_folder)]) == 0
     listed = [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()
               if "family=router" in line]

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from test_mudd import tiny_state, write_folder  # noqa: F401 (fixture)
 from test_reliability import FAST, run_folder, run_inprocess  # noqa: F401 (fixture)
 
-from fcaudit.errors import FcauditError
-from fcaudit.models.mudd_checkpoint import load_mudd_folder
+from fcaudit.core.errors import FcauditError
+from fcaudit.io.mudd_checkpoint import load_mudd_folder
 
 
 def _tokens(root: Path) -> list[str]:
@@ -66,7 +66,7 @@ def test_an_edited_factory_is_a_different_model(tmp_path: Path, monkeypatch: pyt
 
 def test_a_shard_index_pointing_at_other_files_is_a_different_model(
         tiny_state: dict, tmp_path: Path) -> None:  # noqa: F811
-    from fcaudit.loading import load
+    from fcaudit.io.loading import load
     folder = write_folder(tmp_path, tiny_state, "sharded-safetensors")
     before = load(str(folder)).fingerprint
     index_path = folder / "model.safetensors.index.json"

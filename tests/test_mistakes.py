@@ -155,7 +155,7 @@ def _wider_dense(run: Path, folder: Path) -> Path:
     """A dense run folder like ``run`` but with a 100-entry wider vocabulary (head)."""
     import dataclasses
 
-    from fcaudit.loading import save_run_model
+    from fcaudit.io.loading import save_run_model
     from fcaudit.models.featuregate import GPT, GPTConfig
     cfg = json.loads((run / "config.json").read_text())
     model_cfg = GPTConfig(**{**cfg["model_config"], "gated": False,
@@ -211,7 +211,7 @@ def test_the_catalogue_is_large() -> None:
 # ----------------------------------------------------- the Python API, misused
 
 def _api_data(eval_ids: object = None, calib_ids: object = None) -> object:
-    from fcaudit.data import AuditData
+    from fcaudit.io.data import AuditData
     ev = toys.pair_sequences(8, 16, 1) if eval_ids is None else eval_ids
     ca = toys.pair_sequences(4, 16, 2) if calib_ids is None else calib_ids
     return AuditData(ev, ca, {})  # type: ignore[arg-type]
@@ -293,7 +293,7 @@ API_MISTAKES = [
 
 @pytest.mark.parametrize("name, call, fragment", API_MISTAKES, ids=[m[0] for m in API_MISTAKES])
 def test_python_api_misuse_is_one_clear_error(name: str, call: object, fragment: str) -> None:
-    from fcaudit.errors import FcauditError
+    from fcaudit.core.errors import FcauditError
     with pytest.raises(FcauditError) as caught:
         call()  # type: ignore[operator]
     message = str(caught.value)

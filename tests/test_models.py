@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fcaudit.core.recording import record
+from fcaudit.core.replaying import replaying
 from fcaudit.models.featuregate import GPT, PRESETS, GPTConfig
-from fcaudit.recording import record
-from fcaudit.replaying import replaying
 
 CFG = GPTConfig(vocab_size=97, block_size=32, n_layer=3, n_head=2, n_embd=16)
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from fcaudit.contract import declared_experts
-from fcaudit.loading import load
+from fcaudit.core.contract import declared_experts
+from fcaudit.core.recording import record
+from fcaudit.core.replaying import replay
+from fcaudit.io.loading import load
 from fcaudit.models.moe import PRESETS, MoEConfig, MoEGPT, load_balance, route
-from fcaudit.recording import record
-from fcaudit.replaying import replay
-from fcaudit.train import train
+from fcaudit.study.train import train
 
 CFG = MoEConfig(vocab_size=97, block_size=32, n_layer=3, n_head=2, n_embd=16)
 B, T = 2, 12

@@ -25,15 +25,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fcaudit.data import folder_tokenizer
-from fcaudit.errors import FcauditError
-from fcaudit.models.mudd import PRESETS, MuddConfig, MuddModel
-from fcaudit.models.mudd_checkpoint import (
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.recording import record
+from fcaudit.core.replaying import replaying
+from fcaudit.io.data import folder_tokenizer
+from fcaudit.io.mudd_checkpoint import (
     is_mudd_folder,
     load_mudd_folder,
 )
-from fcaudit.recording import record
-from fcaudit.replaying import replaying
+from fcaudit.models.mudd import PRESETS, MuddConfig, MuddModel
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VARIANTS = ["mudd_tiny", "muddformer_tiny"]

@@ -13,8 +13,8 @@ import torch
 from test_reliability import run_inprocess
 from torch import nn
 
+from fcaudit.core.sites import NOT_CALLED
 from fcaudit.models.featuregate import GPT, PRESETS
-from fcaudit.sites import NOT_CALLED
 
 # ---------------------------------------------------------------- item 3: sites --all
 
@@ -110,7 +110,7 @@ class _ThreeSteps(nn.Module):
 
 
 def test_a_failed_pass_says_which_module_raised_and_what_never_ran() -> None:
-    from fcaudit.sites import describe_modules
+    from fcaudit.core.sites import describe_modules
     rows = {path: output for path, _, output, _ in describe_modules(_ThreeSteps(), set())}
     assert rows["emb"] == "Tensor[2, 8, 3] float32"
     assert rows["block.0"] == "Tensor[2, 8, 3] float32"
@@ -145,11 +145,11 @@ def numpy_shares(x: np.ndarray) -> dict[str, float]:
 
 @pytest.mark.parametrize("kind", ["scalar gate", "vector coefficient", "router"])
 def test_every_decomposition_names_all_its_axes_and_sums_to_one(kind: str) -> None:
-    from fcaudit.contract import Site
-    from fcaudit.metrics import VarianceAccumulator
-    from fcaudit.result import Variation
-    from fcaudit.routers import RouterAdapter
-    from fcaudit.verdicts import variation
+    from fcaudit.audit.metrics import VarianceAccumulator
+    from fcaudit.audit.result import Variation
+    from fcaudit.audit.verdicts import variation
+    from fcaudit.core.contract import Site
+    from fcaudit.core.routers import RouterAdapter
     width = {"scalar gate": 1, "vector coefficient": 3, "router": 8}[kind]
     rng = np.random.default_rng(1)
     # layer, position and component effects plus noise: every axis carries variance
@@ -186,7 +186,7 @@ def test_every_decomposition_names_all_its_axes_and_sums_to_one(kind: str) -> No
 def test_moe_execution_keys_have_one_meaning_and_agree_with_the_verdict(top_k: int) -> None:
     import dataclasses
 
-    from fcaudit.execution import measure_execution, verdict_execution
+    from fcaudit.audit.execution import measure_execution, verdict_execution
     from fcaudit.models.moe import PRESETS as MOE_PRESETS
     from fcaudit.models.moe import MoEGPT
     torch.manual_seed(0)
@@ -252,8 +252,8 @@ def test_a_run_folder_window_is_its_training_length_and_help_explains_the_defaul
         capsys: pytest.CaptureFixture[str]) -> None:
     import dataclasses
 
-    from fcaudit.engine import loaded_seq_len
-    from fcaudit.loading import load_module
+    from fcaudit.audit.engine import loaded_seq_len
+    from fcaudit.io.loading import load_module
     loaded = load_module(GPT(PRESETS["tiny"]), "fg")
     assert loaded_seq_len(loaded) == (128, "default for a model without a training run: "
                                            "min(256, context 128)")
@@ -273,7 +273,7 @@ ROUTER_GLOB = "model.layers.*.mlp.gate"
 
 def test_a_router_glob_records_and_replays_a_hugging_face_model(mixtral: Path) -> None:
     import fcaudit
-    from fcaudit.routers import RouterAdapter
+    from fcaudit.core.routers import RouterAdapter
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(mixtral).eval()
     ids = torch.randint(0, 120, (3, 10), generator=torch.Generator().manual_seed(0))
@@ -304,7 +304,7 @@ def test_a_recording_replays_without_any_memory_of_the_record_call() -> None:
     import toys
 
     import fcaudit
-    from fcaudit.adapters import TENSOR
+    from fcaudit.core.adapters import TENSOR
     torch.manual_seed(0)
     model = toys.content_model().eval()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -340,12 +340,12 @@ class _TupleModel(nn.Module):
 
 def test_an_unknown_tuple_output_names_both_adapters_and_the_python_argument() -> None:
     import fcaudit
-    from fcaudit.errors import FcauditError
+    from fcaudit.core.errors import FcauditError
     with pytest.raises(FcauditError) as err:
         fcaudit.record(_TupleModel(), torch.zeros(2, 3, dtype=torch.long), sites=["gate"])
     message = str(err.value)
-    assert "fcaudit.adapters.TupleAdapter" in message
-    assert "fcaudit.routers.RouterAdapter" in message
+    assert "fcaudit.core.adapters.TupleAdapter" in message
+    assert "fcaudit.core.routers.RouterAdapter" in message
     assert "sites=[Site(...)]" in message
     with pytest.raises(FcauditError, match=r"sites= \(--sites\) 'nope'"):
         fcaudit.record(_TupleModel(), torch.zeros(2, 3, dtype=torch.long), sites=["nope"])

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from fcaudit import nll
-from fcaudit.nll import token_nll
+from fcaudit.core import nll
+from fcaudit.core.nll import token_nll
 
 EPS = torch.finfo(torch.float32).eps
 

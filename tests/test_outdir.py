@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fcaudit import cli, data
-from fcaudit.cache import CoefficientCache
-from fcaudit.errors import FcauditError
-from fcaudit.fileio import sha256_file, write_text
-from fcaudit.loading import load_run
-from fcaudit.outdir import (
+from fcaudit import cli
+from fcaudit.audit.cache import CoefficientCache
+from fcaudit.core.errors import FcauditError
+from fcaudit.io import data
+from fcaudit.io.fileio import sha256_file, write_text
+from fcaudit.io.loading import load_run
+from fcaudit.io.outdir import (
     LOCK,
     MARKER,
     PREVIOUS,
@@ -35,7 +36,7 @@ from fcaudit.outdir import (
     recorded,
     replacing_results,
 )
-from fcaudit.train import train
+from fcaudit.study.train import train
 
 SRC = Path(data.__file__).parents[1]
 TESTS = Path(__file__).parent
@@ -307,7 +308,7 @@ def test_earlier_versions_outputs_are_recognised(run: Path, tmp_path: Path) -> N
 
 HOLD = """
 import sys, time
-from fcaudit.outdir import hold_output
+from fcaudit.io.outdir import hold_output
 with hold_output(sys.argv[1], sys.argv[2], "fcaudit the first run"):
     print("held", flush=True)
     time.sleep(120)
@@ -349,8 +350,8 @@ OLD = {"audit.json": "old audit", "report.md": "old report", "report.html": "old
 KILLED_WHILE_WRITING = """
 import sys, time
 from pathlib import Path
-from fcaudit.fileio import write_text
-from fcaudit.outdir import replacing_results
+from fcaudit.io.fileio import write_text
+from fcaudit.io.outdir import replacing_results
 out = Path(sys.argv[1])
 with replacing_results(out):
     for name in sys.argv[2:]:

@@ -12,16 +12,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fcaudit import metrics
-from fcaudit.contract import Site
-from fcaudit.interventions import (
+from fcaudit.audit import metrics
+from fcaudit.audit.metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
+from fcaudit.core.contract import Site
+from fcaudit.core.interventions import (
     StaticProfiles,
     derangement,
     draw,
     position_permutations,
     shuffle_positions,
 )
-from fcaudit.metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
 
 FEW = settings(max_examples=25, deadline=None, database=None)
 SOME = settings(max_examples=50, deadline=None, database=None)

@@ -30,7 +30,7 @@ DUMP = "\nimport json\nprint('RESULT ' + json.dumps(result.to_json()))\n"
 
 def expected_dependence(result: dict) -> str:
     """The verdict word from the thresholds docs/method.md states (computed here, not by
-    fcaudit.verdicts): strong, weak, none measurable or partial."""
+    fcaudit.audit.verdicts): strong, weak, none measurable or partial."""
     c, kept = result["conditions"], result["retention"]["static-layer"]["value"]
     r, s = c["reassign"], c["shuffle"]
     if max(r["ci95"][0], s["ci95"][0]) > 0.1 or (kept is not None and kept < 50):
@@ -83,7 +83,7 @@ def test_every_command_the_readme_shows_exists() -> None:
 def test_quoted_wall_times_come_from_the_timings_script() -> None:
     """benchmarks/timings.py measures them; README and --help quote the same numbers."""
     from fcaudit.cli import build_parser
-    from fcaudit.runtime import measured_minutes
+    from fcaudit.io.runtime import measured_minutes
     text = README.read_text(encoding="utf-8")
     assert f"about {measured_minutes('demo')} minutes on a 2-core CPU" in text
     assert f"about {measured_minutes('tests')} minutes on 2 cores" in text

@@ -28,14 +28,14 @@ import toys
 from torch import nn
 
 from fcaudit import cli
-from fcaudit.data import AuditData, Document, train_tokenizer
-from fcaudit.engine import AuditOptions, audit
-from fcaudit.errors import FcauditError
-from fcaudit.fileio import write_json
-from fcaudit.loading import save_run_model
+from fcaudit.audit.engine import AuditOptions, audit
+from fcaudit.audit.result import NONDETERMINISTIC_KEYS, ConditionResult, Retention
+from fcaudit.core.errors import FcauditError
+from fcaudit.io.data import AuditData, Document, train_tokenizer
+from fcaudit.io.fileio import write_json
+from fcaudit.io.loading import save_run_model
+from fcaudit.io.outdir import MARKER, RUN_FILES, record_files
 from fcaudit.models.featuregate import GPT, GPTConfig
-from fcaudit.outdir import MARKER, RUN_FILES, record_files
-from fcaudit.result import NONDETERMINISTIC_KEYS, ConditionResult, Retention
 
 TESTS = Path(__file__).parent
 TOY = ["--model", "toys:content_model", "--sites", "gates.*"]
@@ -487,7 +487,7 @@ def test_disk_full_at_fsync_is_caught_before_rename(tmp_path: Path, tokens: dict
 def test_interrupt_during_record_then_resume_gives_identical_results(
         tmp_path: Path, tokens: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from fcaudit import cache as cache_mod
+    from fcaudit.audit import cache as cache_mod
     reference = tmp_path / "reference"
     assert run_inprocess(_audit_argv(reference, tokens), capsys).returncode == 0
 
@@ -610,7 +610,7 @@ def test_empty_cache_of_a_failed_start_is_not_in_the_way(
     """A first attempt that recorded nothing (here: writing its first shard failed) holds
     nothing to lose, so a rerun into the same --out with another model just starts afresh;
     one that recorded a shard is kept and another model is refused."""
-    from fcaudit import cache as cache_mod
+    from fcaudit.audit import cache as cache_mod
     out = tmp_path / "out"
 
     def fail(self: cache_mod.CoefficientCache, name: str, tensors: dict) -> None:
@@ -665,7 +665,7 @@ def test_two_audits_are_byte_identical_outside_the_runtime_section(
 
 def test_interrupted_training_leaves_no_run_folder(tmp_path: Path, run_folder: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from fcaudit import train as train_mod
+    from fcaudit.study import train as train_mod
 
     def interrupt(*_args: object, **_kw: object) -> None:
         raise KeyboardInterrupt
@@ -732,7 +732,7 @@ VERDICTS = [
 def test_each_dependence_verdict_follows_its_rule(case: str, r: tuple, s: tuple, rs: tuple,
                                                   sl: tuple, slp: tuple, kept: Retention,
                                                   label: str) -> None:
-    from fcaudit.verdicts import dependence
+    from fcaudit.audit.verdicts import dependence
     conditions = {name: _cond(*c) for name, c in (
         ("reassign", r), ("shuffle", s), ("reassign+shuffle", rs), ("static-layer", sl),
         ("static-layer-position", slp))}

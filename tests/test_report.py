@@ -15,10 +15,8 @@ import pytest
 import toys
 from test_engine import FAST, toy_data
 
-from fcaudit.engine import audit
-from fcaudit.figures import heatmap_figure
-from fcaudit.report import IDENTITY_WARNING, md_text, write_report
-from fcaudit.result import (
+from fcaudit.audit.engine import audit
+from fcaudit.audit.result import (
     MAIN_CONDITIONS,
     AuditResult,
     Identity,
@@ -27,6 +25,8 @@ from fcaudit.result import (
     Retention,
     Variation,
 )
+from fcaudit.report.audit_report import IDENTITY_WARNING, md_text, write_report
+from fcaudit.report.figures import heatmap_figure
 
 SECTIONS = ["The three answers", "Conditions", "Gap retention", "Interaction", "Per layer",
             "Variance decomposition", "Variation summary", "Execution", "Reproducibility",

@@ -9,9 +9,9 @@ import pytest
 from test_mudd_audit import make_mudd_folder
 from test_report import _chromium
 
-from fcaudit.engine import AuditOptions
-from fcaudit.outdir import output_kind
-from fcaudit.reproduce import StudySettings, aggregate, reproduce, study
+from fcaudit.audit.engine import AuditOptions
+from fcaudit.io.outdir import output_kind
+from fcaudit.study.reproduce import StudySettings, aggregate, reproduce, study
 
 
 def test_aggregate_mean_sd_range_skips_nulls():

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fcaudit.adapters import ADAPTER_API
-from fcaudit.contract import ExpertLayer, Site, SiteCall
-from fcaudit.errors import FcauditError
-from fcaudit.recording import record
-from fcaudit.replaying import replay, replaying
-from fcaudit.routers import (
+from fcaudit.core.adapters import ADAPTER_API
+from fcaudit.core.contract import ExpertLayer, Site, SiteCall
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.recording import record
+from fcaudit.core.replaying import replay, replaying
+from fcaudit.core.routers import (
     RouterAdapter,
     counting_experts,
     expert_load,

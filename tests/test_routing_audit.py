@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import optional_extra
 
-from fcaudit.data import AuditData
-from fcaudit.engine import AuditOptions, audit
+from fcaudit.audit.engine import AuditOptions, audit
+from fcaudit.io.data import AuditData
 from fcaudit.models.moe import PRESETS, MoEGPT
 
 OPTIONS = AuditOptions(repeats=2, bootstrap=100, batch_size=4, timing_pairs=0, progress=False)
@@ -68,7 +68,7 @@ def test_a_hugging_face_moe_folder_is_audited_with_one_command(tmp_path: Path) -
     from test_hf import FAMILIES, save, token_batches
 
     from fcaudit.cli import main
-    from fcaudit.data import folder_tokenizer
+    from fcaudit.io.data import folder_tokenizer
     folder = save(FAMILIES["qwen2_moe"][0](), tmp_path / "qwen2-moe")
     x, calib = token_batches(folder_tokenizer(folder))
     np.save(tmp_path / "eval.npy", x.numpy())
@@ -88,7 +88,7 @@ def test_a_hugging_face_moe_folder_is_audited_with_one_command(tmp_path: Path) -
 def test_the_router_map_shows_expert_load_not_mean_logits(moe_audit) -> None:
     """A router family gets the layer x expert load map (what routing picks); the map of
     mean logits by position, averaged over experts, is not drawn for it."""
-    from fcaudit.figures import expert_load_figure
+    from fcaudit.report.figures import expert_load_figure
     result, out = moe_audit
     figures = {p.name for p in (out / "figures").iterdir()}
     assert "expert-load.png" in figures and "heatmap.png" not in figures

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fcaudit import data
-from fcaudit.errors import FcauditError
-from fcaudit.outdir import MARKER
-from fcaudit.train import builtin_tokenizer, train
+from fcaudit.core.errors import FcauditError
+from fcaudit.io import data
+from fcaudit.io.outdir import MARKER
+from fcaudit.study.train import builtin_tokenizer, train
 
 
 def test_corpus_split_is_disjoint_and_fixed():

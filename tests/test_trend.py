@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from fcaudit import trend
-from fcaudit.engine import AuditOptions
-from fcaudit.errors import FcauditError
-from fcaudit.loading import get_arch
-from fcaudit.reproduce import StudySettings, reproduce, study
-from fcaudit.train import TRAIN_PRESETS
+from fcaudit.audit.engine import AuditOptions
+from fcaudit.core.errors import FcauditError
+from fcaudit.io.loading import get_arch
+from fcaudit.study import trend
+from fcaudit.study.reproduce import StudySettings, reproduce, study
+from fcaudit.study.train import TRAIN_PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -165,7 +165,7 @@ def test_read_points_rejects_other_files(tmp_path):
     with pytest.raises(FcauditError, match="no point summaries"):
         trend.read_points(tmp_path)
     (tmp_path / "x.json").write_text(json.dumps({"schema": "fcaudit.audit/1"}))
-    with pytest.raises(FcauditError, match="not a complete fcaudit.trend-point/1"):
+    with pytest.raises(FcauditError, match="not a complete fcaudit.study.trend-point/1"):
         trend.read_points(tmp_path)
 
 

@@ -3,7 +3,7 @@
 The summaries are the JSON files `fcaudit reproduce --preset trend` writes to
 OUT/points/, copied to docs/trend/results/ and committed. A script beside them rather
 than a subcommand: the study already writes the same page into its own folder with
-the same function (fcaudit.trend.write_trend); this only re-renders the committed
+the same function (fcaudit.study.trend.write_trend); this only re-renders the committed
 numbers, so anyone can rebuild the docs figure without training anything. The same
 summaries give byte-identical files.
 
@@ -16,7 +16,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from fcaudit.trend import write_trend
+from fcaudit.study.trend import write_trend
 
 HERE = Path(__file__).resolve().parent
 

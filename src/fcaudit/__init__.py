@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import FcauditError
+from fcaudit.core.errors import FcauditError
 
 __version__ = "0.1.0"
 
@@ -47,7 +47,7 @@ __all__ = ["FcauditError", "__version__", *_EXPORTS]
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    try:  # submodules too: fcaudit.adapters.TupleAdapter without importing it first
+    try:  # submodules too: fcaudit.core.adapters.TupleAdapter without importing it first
         return importlib.import_module(f".{name}", __name__)
     except ModuleNotFoundError:
         raise AttributeError(f"module 'fcaudit' has no attribute {name!r}") from None

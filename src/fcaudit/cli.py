@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import FcauditError
-from .runtime import measured_minutes
+from fcaudit.core.errors import FcauditError
+from fcaudit.io.runtime import measured_minutes
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
@@ -86,7 +86,7 @@ def _add_audit_options(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> Any:
-    from .engine import AuditOptions
+    from fcaudit.audit.engine import AuditOptions
     return AuditOptions(repeats=args.repeats, seed=args.seed, bootstrap=args.bootstrap,
                         batch_size=args.batch_size, per_layer=not args.no_per_layer,
                         execution=not args.no_execution, timing_pairs=args.timing_pairs,
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from .train import describe_run, train
+    from fcaudit.study.train import describe_run, train
     folder = train(args.arch, args.preset, args.seed, args.out, force=args.force,
                    steps=args.steps, progress=not args.quiet, device=args.device,
                    data=args.data)
@@ -258,17 +258,17 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def _data_spec(args: argparse.Namespace) -> Any:
-    from .data import DataSpec
+    from fcaudit.io.data import DataSpec
     return DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
                     calib_tokens=args.calib_tokens, seq_len=args.seq_len,
                     max_eval=args.max_eval, max_calib=args.max_calib)
 
 
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from . import distributed
-    from .engine import as_loaded, audit
-    from .progress import ProgressReporter
-    from .runtime import resolve_device, resolve_dtype
+    from fcaudit.audit import distributed
+    from fcaudit.audit.engine import as_loaded, audit
+    from fcaudit.io.runtime import resolve_device, resolve_dtype
+    from fcaudit.report.progress import ProgressReporter
     options = _options(args)
     options.validate()
     spec = _data_spec(args)
@@ -304,7 +304,7 @@ def print_summary(result: Any, out: Path) -> None:
         table.add_row(name, f"{c.nll:.4f}",
                       f"{c.delta:+.4f} [{c.ci95[0]:+.4f}, {c.ci95[1]:+.4f}]")
     console.print(table)
-    from .engine import window_line
+    from fcaudit.audit.engine import window_line
     console.print(window_line(result.data), soft_wrap=True)
     for name, r in result.retention.items():
         value = (f"{r.value:.2f}% [{r.ci95[0]:.2f}, {r.ci95[1]:.2f}]"
@@ -317,11 +317,11 @@ def print_summary(result: Any, out: Path) -> None:
 
 
 def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from .engine import AuditOptions, audit
-    from .loading import is_run_folder
-    from .outdir import DEMO_PARTS, check_output, hold_output
-    from .progress import ProgressReporter
-    from .train import train
+    from fcaudit.audit.engine import AuditOptions, audit
+    from fcaudit.io.loading import is_run_folder
+    from fcaudit.io.outdir import DEMO_PARTS, check_output, hold_output
+    from fcaudit.report.progress import ProgressReporter
+    from fcaudit.study.train import train
     out: Path = args.out
     check_output(out, "demo")  # refuse before minutes of training, not after
     for name, kind in DEMO_PARTS.items():
@@ -345,8 +345,8 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
 
 
 def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from .engine import AuditOptions
-    from .reproduce import StudySettings, reproduce
+    from fcaudit.audit.engine import AuditOptions
+    from fcaudit.study.reproduce import StudySettings, reproduce
     if args.seeds is not None and args.seeds < 1:
         raise FcauditError(f"--seeds {args.seeds}: must be at least 1")
     if args.steps is not None and args.steps < 1:
@@ -364,7 +364,7 @@ def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
         print(f"- {finding}: {verdict}")
     print(f"wrote {args.out / 'reproduction.md'} and {args.out / 'report.html'}")
     if args.preset == "trend":
-        from .trend import POINTS
+        from fcaudit.study.trend import POINTS
         print(f"wrote {args.out / 'trend.md'} from the point summaries in {args.out / POINTS}")
 
 
@@ -373,8 +373,8 @@ def _bench_ids(loaded: Any, args: argparse.Namespace) -> Any:
     for a model without a tokenizer."""
     import torch
 
-    from .data import DataSpec, resolve_data
-    from .nll import model_limits
+    from fcaudit.core.nll import model_limits
+    from fcaudit.io.data import DataSpec, resolve_data
     if loaded.tokenizer is not None:
         spec = DataSpec(seq_len=args.seq_len, max_eval=args.batch_size, max_calib=1)
         ids = resolve_data(loaded.tokenizer, spec, args.seq_len, args.model).eval_ids
@@ -392,8 +392,8 @@ BENCH_SCHEMA = "fcaudit.bench/1"
 
 def _check_bench_args(args: argparse.Namespace) -> None:
     """Counts in range and a ``--json`` that names a new file or fcaudit's own bench JSON."""
-    from .options import MAX_SEED, MAX_TIMING_PAIRS
-    from .outdir import check_output_file
+    from fcaudit.audit.options import MAX_SEED, MAX_TIMING_PAIRS
+    from fcaudit.io.outdir import check_output_file
     for option, value, least, most in (("--batch-size", args.batch_size, 1, None),
                                        ("--seq-len", args.seq_len or 2, 2, None),
                                        ("--pairs", args.pairs, 10, MAX_TIMING_PAIRS),
@@ -407,9 +407,9 @@ def _check_bench_args(args: argparse.Namespace) -> None:
 
 def _bench_models(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
     """The loaded model and its dense counterpart, both able to run ``--seq-len`` tokens."""
-    from .contract import dense_twin
-    from .engine import as_loaded
-    from .nll import model_limits
+    from fcaudit.audit.engine import as_loaded
+    from fcaudit.core.contract import dense_twin
+    from fcaudit.core.nll import model_limits
     loaded = as_loaded(args.model)
     model = loaded.model.to(device)
     dense = as_loaded(args.dense).model if args.dense else dense_twin(model, args.seed)
@@ -430,10 +430,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import dataclasses
     import json
 
-    from .engine import resolve_block_paths
-    from .execution import check_comparable, measure_execution, verdict_execution
-    from .fileio import write_json
-    from .runtime import resolve_device
+    from fcaudit.audit.engine import resolve_block_paths
+    from fcaudit.audit.execution import check_comparable, measure_execution, verdict_execution
+    from fcaudit.io.fileio import write_json
+    from fcaudit.io.runtime import resolve_device
     _check_bench_args(args)
     device = resolve_device(args.device)
     loaded, model, dense = _bench_models(args, device)
@@ -456,8 +456,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_sites(args: argparse.Namespace) -> None:
-    from .engine import as_loaded
-    from .sites import describe_modules, find_sites
+    from fcaudit.audit.engine import as_loaded
+    from fcaudit.core.sites import describe_modules, find_sites
     model = as_loaded(args.model).model
     try:
         sites = find_sites(model)

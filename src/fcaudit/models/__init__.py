@@ -1,5 +1,5 @@
 """Model families: FeatureGate/Dense, SkipGate, MUDD (and loaders for checkpoints).
 
-Each family implements :class:`fcaudit.contract.AuditableModel`: it declares its
+Each family implements :class:`fcaudit.core.contract.AuditableModel`: it declares its
 controller sites, its execution blocks and its dense counterpart.
 """

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contract import Site
-from ..errors import FcauditError, check_sizes
+from fcaudit.core.contract import Site
+from fcaudit.core.errors import FcauditError, check_sizes
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..contract import ExpertLayer, Site
-from ..errors import FcauditError, check_sizes
-from ..routers import TopKLogits
-from .featuregate import GPT, MLP, CausalSelfAttention, GPTConfig
-from .featuregate import PRESETS as GPT_PRESETS
+from fcaudit.core.contract import ExpertLayer, Site
+from fcaudit.core.errors import FcauditError, check_sizes
+from fcaudit.core.routers import TopKLogits
+from fcaudit.models.featuregate import GPT, MLP, CausalSelfAttention, GPTConfig
+from fcaudit.models.featuregate import PRESETS as GPT_PRESETS
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..contract import Site
-from ..errors import FcauditError, check_sizes
+from fcaudit.core.contract import Site
+from fcaudit.core.errors import FcauditError, check_sizes
 
 VARIANTS = ("muddpythia", "muddformer")
 STREAMS = 4  # Q, K, V, R: the only dense_type ("qkvr") of the released checkpoints

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..contract import Site
-from .featuregate import GPT, Gate, GPTConfig, Update
-from .featuregate import PRESETS as GPT_PRESETS
+from fcaudit.core.contract import Site
+from fcaudit.models.featuregate import GPT, Gate, GPTConfig, Update
+from fcaudit.models.featuregate import PRESETS as GPT_PRESETS
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""fcaudit.audit: see docs/architecture.md."""

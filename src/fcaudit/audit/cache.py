@@ -1,0 +1,217 @@
+"""The on-disk audit cache: safetensors shards, each with its own checksum.
+
+* ``eval-00000.safetensors``: one evaluation batch of the unperturbed pass: the
+  per-token NLL and every site's full coefficient tensor;
+* ``calib-00000.safetensors``: one calibration batch: every site's float64 sum
+  over the batch's sequences, by position (static profiles add them in batch order,
+  so the result does not depend on how batches were spread over processes);
+* ``replay-runs/replay-00000.safetensors``: one evaluation batch's per-sequence NLL
+  under every planned run, with the SHA-256 of what each run was fed (``feed_digest``),
+  so an interrupted replay resumes too, and a rerun reuses a batch only when every run
+  would be fed the same tensors bit for bit (else the batch is replayed and replaced).
+
+``manifest.json`` names what the cache was recorded with (model, data, code
+fingerprints, batch size); a cache recorded with anything else is refused. Each
+shard is written atomically and then its SHA-256 beside it (``NAME.sha256``), so
+shards can be written by several processes at once, a killed writer leaves no
+shard without checksum, and a corrupted shard is caught when read. Rows are read
+lazily (``safe_open``): memory does not grow with the number of sequences.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from fcaudit.core.errors import FcauditError
+from fcaudit.io.fileio import (
+    read_json,
+    sha256_file,
+    temporary_target,
+    write_json,
+    write_safetensors,
+    write_text,
+)
+
+SCHEMA = "fcaudit.cache/4"
+_OPEN_HANDLES = 16
+_REPLAY_FOLDER = "replay-runs"
+_SHARD_SUFFIXES = (".safetensors", ".safetensors.sha256")
+
+
+def _check_folder(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise FcauditError(f"{folder} is a file, but fcaudit keeps its cache folder there; "
+                           "move that file away or choose another --out")
+    manifest = folder / "manifest.json"
+    if manifest.exists() and not manifest.is_file():
+        raise FcauditError(f"{manifest} is not a file; delete {folder} and rerun")
+
+
+class CoefficientCache:
+    """The shards of one audit's cache folder (see the module docstring)."""
+
+    def __init__(self, folder: Path, identity: dict[str, Any], batch_size: int,
+                 n_sequences: int, owner: bool = True) -> None:
+        """``owner``: the one process that may create the folder, rewrite the manifest and
+        remove temporary files; other processes of a multi-process audit only read it."""
+        self.folder = Path(folder)
+        self.identity = identity
+        self.batch_size = batch_size
+        self.n_sequences = n_sequences
+        self.manifest_path = self.folder / "manifest.json"
+        self._handles: OrderedDict[str, Any] = OrderedDict()
+        self._verified: set[str] = set()
+        self.owner = owner
+        _check_folder(self.folder)
+        if self.manifest_path.exists():
+            self._adopt()
+        elif not owner:
+            raise FcauditError(f"{self.manifest_path} is missing: rank 0 creates the cache "
+                               "first; every process must see the same --out folder")
+        else:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._write_manifest()
+
+    def _adopt(self) -> None:
+        """Reuse an existing cache folder if it was recorded with the same setup."""
+        if self.owner:  # another process may be writing its own temporaries right now
+            self._clear_stale_temporaries()
+        try:
+            manifest = read_json(self.manifest_path, "cache manifest")
+        except FcauditError as exc:
+            raise FcauditError(f"{exc}; delete {self.folder} and rerun") from exc
+        if not isinstance(manifest, dict):
+            raise FcauditError(f"cache manifest {self.manifest_path} is not a JSON object; "
+                               f"delete {self.folder} and rerun")
+        if manifest.get("schema") != SCHEMA:
+            raise FcauditError(f"the cache in {self.folder} was written by another fcaudit "
+                               f"version ({manifest.get('schema')!r}); delete that folder and "
+                               "rerun to record it again")
+        recorded = manifest.get("identity") if isinstance(manifest.get("identity"), dict) else {}
+        setup = {"batch_size": self.batch_size, "n_sequences": self.n_sequences}
+        diff = sorted(k for k in set(self.identity) | set(recorded)
+                      if recorded.get(k) != self.identity.get(k))
+        diff += [k for k, v in setup.items() if manifest.get(k) != v]
+        if diff and (any(self.folder.glob("*.sha256")) or not self.owner):
+            raise FcauditError(
+                f"the cache in {self.folder} was recorded with a different {', '.join(diff)}; "
+                "delete that folder or choose another --out (or rerun with the original "
+                "model, data and --batch-size)")
+        if diff:  # nothing was recorded yet: nothing to lose, start afresh
+            self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        write_json(self.manifest_path, {"schema": SCHEMA, "identity": self.identity,
+                                        "batch_size": self.batch_size,
+                                        "n_sequences": self.n_sequences})
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def n_batches(self) -> int:
+        return -(-self.n_sequences // self.batch_size)
+
+    def batch_range(self, b: int) -> range:
+        return range(b * self.batch_size, min((b + 1) * self.batch_size, self.n_sequences))
+
+    @staticmethod
+    def eval_name(b: int) -> str:
+        return f"eval-{b:05d}.safetensors"
+
+    @staticmethod
+    def calib_name(b: int) -> str:
+        return f"calib-{b:05d}.safetensors"
+
+    @staticmethod
+    def replay_name(b: int) -> str:
+        return f"{_REPLAY_FOLDER}/replay-{b:05d}.safetensors"
+
+    def _replay_folders(self) -> list[Path]:
+        """The replay folder fcaudit made here, if any: only its own name, never a link."""
+        folder = self.folder / _REPLAY_FOLDER
+        return [folder] if folder.is_dir() and not folder.is_symlink() else []
+
+    def _clear_stale_temporaries(self) -> None:
+        """Remove temporary files a killed writer of this cache left behind (never under a
+        final name), and nothing else: only names :func:`atomic_path` gives cache files."""
+        for folder in (self.folder, *self._replay_folders()):
+            for path in folder.iterdir():
+                target = temporary_target(path)
+                if target and (target == "manifest.json" or target.endswith(_SHARD_SUFFIXES)) \
+                        and path.is_file() and not path.is_symlink():
+                    path.unlink(missing_ok=True)
+
+    def disk_usage(self) -> dict[str, Any]:
+        """Bytes on disk: the cache holds one shard set per batch, so it grows linearly
+        with the number of evaluation sequences (memory does not: rows are read lazily)."""
+        total = sum(p.stat().st_size for p in self.folder.rglob("*") if p.is_file())
+        return {"bytes": total, "bytes_per_eval_sequence": round(total / self.n_sequences),
+                "growth": "linear in the evaluation sequences (one shard set per batch)"}
+
+    # ------------------------------------------------------------------ shards
+
+    def has(self, name: str) -> bool:
+        return (self.folder / name).is_file() and (self.folder / f"{name}.sha256").is_file()
+
+    def write(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        """The shard, then its checksum: a shard without checksum does not exist (a shard
+        being replaced loses its old checksum first, so a killed writer leaves no shard)."""
+        path = self.folder / name
+        self._handles.pop(name, None)  # a replaced shard is read and verified afresh
+        self._verified.discard(name)
+        (self.folder / f"{name}.sha256").unlink(missing_ok=True)
+        write_safetensors(path, tensors)
+        write_text(self.folder / f"{name}.sha256", sha256_file(path) + "\n")
+
+    def _verify(self, name: str) -> None:
+        if name in self._verified:
+            return
+        if not self.has(name):
+            raise FcauditError(f"cache {self.folder} lacks {name}; rerun to finish recording")
+        expected = (self.folder / f"{name}.sha256").read_text(encoding="utf-8").strip()
+        if sha256_file(self.folder / name) != expected:
+            raise FcauditError(
+                f"cache file {self.folder / name} fails its checksum (corrupted or edited); "
+                f"delete {self.folder} and rerun to record it again")
+        self._verified.add(name)
+
+    def verify_all(self) -> None:
+        """Check every evaluation shard against its SHA-256 before replay reads it."""
+        for b in range(self.n_batches):
+            self._verify(self.eval_name(b))
+
+    def _handle(self, name: str) -> Any:
+        if name in self._handles:
+            self._handles.move_to_end(name)
+            return self._handles[name]
+        self._verify(name)
+        try:
+            fh = safe_open(str(self.folder / name), framework="pt")
+        except (SafetensorError, OSError) as exc:
+            raise FcauditError(f"cannot read cache shard {name} in {self.folder} ({exc}); "
+                               "delete the folder and rerun") from exc
+        self._handles[name] = fh
+        if len(self._handles) > _OPEN_HANDLES:
+            self._handles.popitem(last=False)
+        return fh
+
+    def read(self, name: str) -> dict[str, torch.Tensor]:
+        fh = self._handle(name)
+        return {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - not a dict
+
+    def batch(self, b: int, key: str) -> torch.Tensor:
+        """A whole evaluation-shard tensor (``nll`` or ``site::NAME``)."""
+        return self._handle(self.eval_name(b)).get_tensor(key)
+
+    def rows(self, key: str, indices: Any) -> torch.Tensor:
+        """Rows of ``key`` for arbitrary global sequence indices, read lazily per shard."""
+        out = []
+        for i in (int(j) for j in indices):
+            b, r = divmod(i, self.batch_size)
+            out.append(self._handle(self.eval_name(b)).get_slice(key)[r:r + 1])
+        return torch.cat(out, 0)

@@ -1,0 +1,543 @@
+"""The Frozen Controller Audit, in stages with plain data between them.
+
+    prepare  -> validate every option and input, load models, resolve sites and data,
+                check the output folder (nothing is written before this passes)
+    probe    -> record and replay the first batch in memory: adapters, call counts and
+                the identity replay are checked before any real work
+    record   -> calibration sums and evaluation coefficients into the on-disk cache
+    plan     -> the replay runs (SPEC conditions, per-layer variants, user interventions)
+    replay   -> every run on every batch, batch by batch (resumable), identity checked
+    summarize-> penalties, retention, interaction with paired bootstrap intervals
+    describe -> variance decomposition, variation, profiles of the cached coefficients
+    execute  -> blocks, FLOPs and latency against the dense counterpart
+    verdicts -> one sentence per question
+    assemble -> an :class:`~fcaudit.audit.result.AuditResult` (and, with an output folder, the
+                report and audit.json)
+
+Progress is reported through an optional callback ``progress(stage, done, total, info)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from fcaudit import __version__
+from fcaudit.audit.cache import CoefficientCache
+from fcaudit.audit.distributed import Ranks, current
+from fcaudit.audit.options import AuditOptions, Progress, Setup, silent
+from fcaudit.audit.passes import batches, record_batch, replay_batch
+from fcaudit.audit.plan import ReplayInputs, digest_tensors, plan_runs, routing_sites, tracked_runs
+from fcaudit.audit.result import (
+    MAIN_CONDITIONS,
+    NONDETERMINISTIC_KEYS,
+    PER_LAYER_CONDITIONS,
+    SCHEMA,
+    TIMED_VERDICT_KEY,
+    AuditResult,
+    Execution,
+    Identity,
+    ModelInfo,
+    Runtime,
+    Seeds,
+    SiteInfo,
+    Verdict,
+)
+from fcaudit.audit.stages import (
+    IDENTITY_CAUSES,
+    adopt_probe,
+    calibration_profiles,
+    record_calibration,
+    record_evaluation,
+    replay_results,
+    replay_stage,
+)
+from fcaudit.audit.summary import Summary, describe, summarize
+from fcaudit.audit.verdicts import dependence, qualified, variation
+from fcaudit.core.adapters import adapter_name, same_bits
+from fcaudit.core.contract import Site, declared_blocks, declared_experts
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.interventions import Intervention, draw
+from fcaudit.core.nll import device_of, model_limits, probe_vocab, token_nll
+from fcaudit.core.routers import routing_summary
+from fcaudit.core.sites import SiteSpec, find_sites, match_modules
+from fcaudit.io.data import AuditData, DataSpec, resolve_data
+from fcaudit.io.loading import LoadedModel, load, load_module
+from fcaudit.io.runtime import host, versions
+
+__all__ = ["AuditOptions", "audit"]
+
+
+def as_loaded(model: str | Path | nn.Module | LoadedModel,
+              dtype: torch.dtype | None = None) -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, nn.Module):
+        return load_module(model, type(model).__name__)
+    return load(str(model), dtype)
+
+
+def resolve_block_paths(model: nn.Module, pattern: str | None) -> list[str] | None:
+    if pattern is not None:
+        return match_modules(model, pattern, "--blocks", "blocks.*")
+    return declared_blocks(model)
+
+
+def _interventions(given: Mapping[str, Any] | Sequence[Intervention] | None,
+                   sites: Sequence[Site]) -> list[Intervention]:
+    """The user's interventions, each with a name no other run of the audit has (results
+    are keyed by name: two runs under one name would be merged into one condition)."""
+    if not given:
+        return []
+    if isinstance(given, Mapping):
+        items = list(given.items())
+    elif isinstance(given, (list, tuple)) and all(isinstance(i, Intervention) for i in given):
+        items = [(i.name, i) for i in given]
+    else:
+        raise FcauditError("audit(interventions=...) must be {name: fn} or a list of "
+                           f"fcaudit.Intervention objects, not {given!r:.80}")
+    builtin = {*MAIN_CONDITIONS, *(f"{c}@{s.name}" for c in PER_LAYER_CONDITIONS for s in sites)}
+    out: list[Intervention] = []
+    for name, item in items:
+        iv = item if isinstance(item, Intervention) else Intervention(str(name), item)
+        if isinstance(iv.name, str) and iv.name in {o.name for o in out}:
+            raise FcauditError(f"two interventions are named {iv.name!r}: give each its own "
+                               "name (results are reported by name, so both would be merged "
+                               "into one condition)")
+        if not isinstance(iv.name, str) or not iv.name or iv.name in builtin or \
+                not callable(iv.fn) or isinstance(iv.repeats, bool) or \
+                not isinstance(iv.repeats, int) or iv.repeats < 1:
+            raise FcauditError(f"intervention {iv.name!r}: give a new name (not a built-in "
+                               "condition or per-layer run), a callable and repeats >= 1")
+        out.append(iv)
+    return out
+
+
+def _check_arguments(sites: Any, data: Any, blocks: Any, options: Any) -> SiteSpec:
+    """A Python caller's arguments of the wrong kind, each refused in one line naming the
+    argument; a single glob string for ``sites`` is taken as one glob."""
+    if not isinstance(options, AuditOptions):
+        raise FcauditError(f"audit(options=...) must be fcaudit.AuditOptions(...), not "
+                           f"{type(options).__name__}")
+    if not isinstance(data, (AuditData, DataSpec)):
+        raise FcauditError(f"audit(data=...) must be fcaudit.DataSpec(...) or "
+                           f"fcaudit.AuditData(...), not {type(data).__name__}")
+    if blocks is not None and not isinstance(blocks, str):
+        raise FcauditError(f"audit(blocks=...) must be one module-path glob string, not "
+                           f"{type(blocks).__name__}")
+    if isinstance(sites, str):
+        return [sites]
+    if sites is not None and (not isinstance(sites, (list, tuple)) or not sites
+                              or not all(isinstance(s, (str, Site)) for s in sites)):
+        raise FcauditError(f"audit(sites=...) must be a non-empty list of module-path globs "
+                           f"or fcaudit.Site objects, not {sites!r:.80}")
+    return sites
+
+
+def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSpec | AuditData,
+            dense: Any, blocks: str | None, options: AuditOptions,
+            interventions: Any) -> Setup:
+    """Every check that does not need a forward pass of the audit itself."""
+    sites = _check_arguments(sites, data, blocks, options)
+    options.validate(api=True)  # the CLI has validated its own names already
+    if dense is not None and not options.execution:
+        raise FcauditError("--dense is ignored with --no-execution (the dense counterpart only "
+                           "serves the execution audit): drop one of them")
+    loaded = as_loaded(model)
+    net = loaded.model.eval()
+    site_list = find_sites(net, sites)
+    custom = _interventions(interventions, site_list)  # before the first forward pass
+    block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
+    default_len, default_why = loaded_seq_len(loaded)
+    audit_data = data if isinstance(data, AuditData) else resolve_data(loaded.tokenizer, data,
+                                                                       default_len)
+    audit_data.check_arrays()
+    if "seq_len_source" not in audit_data.sources:  # a copy: the caller's data stays as given
+        audit_data = dataclasses.replace(audit_data, sources={
+            **audit_data.sources, "seq_len_source": window_source(data, default_why)})
+    vocab, ctx = model_limits(net)
+    if vocab is None:
+        vocab = probe_vocab(net, audit_data.eval_ids.shape[1])
+    audit_data.validate(vocab, ctx)
+    setup = Setup(loaded, site_list, block_paths, blocks, audit_data, options,
+                  custom, out=Path(out) if out is not None else None)
+    if options.execution:
+        setup.dense, setup.dense_source = _dense(setup, dense, blocks)
+    if setup.out is not None:
+        from fcaudit.io.outdir import check_output
+        check_output(setup.out, "audit")
+    return setup
+
+
+DEFAULT_WINDOW = 256  # tokens, for a model whose training length fcaudit does not know
+
+
+def loaded_seq_len(loaded: LoadedModel) -> tuple[int, str]:
+    """The default window and where it comes from: the run's training length, or 256
+    capped by the model's context."""
+    train_cfg = (loaded.run_config or {}).get("train")
+    if isinstance(train_cfg, dict) and isinstance(train_cfg.get("seq_len"), int):
+        return int(train_cfg["seq_len"]), "the run's training length"
+    _, ctx = model_limits(loaded.model)
+    what = "a Hugging Face folder" if loaded.kind.startswith("hf") else \
+        "a model without a training run"
+    if not ctx:
+        return DEFAULT_WINDOW, f"default for {what}: {DEFAULT_WINDOW}, the model states no context"
+    return min(DEFAULT_WINDOW, ctx), f"default for {what}: min({DEFAULT_WINDOW}, context {ctx})"
+
+
+GIVEN_DATA = "the AuditData given"
+
+
+def window_source(data: DataSpec | AuditData, default: str) -> str:
+    """Where the scoring window's length came from, in words (audit.json data section)."""
+    if isinstance(data, AuditData):
+        return GIVEN_DATA
+    if data.tokens is not None:
+        return "the width of the --tokens arrays"
+    return "--seq-len" if data.seq_len is not None else default
+
+
+def window_line(data: Mapping[str, Any]) -> str:
+    """One line saying how long the scored windows are and why, for the start of an audit
+    and its summary (a model scored past its training length scores differently)."""
+    source = data.get("seq_len_source", "source not recorded")
+    change = "" if source == GIVEN_DATA else "; --seq-len to change"
+    return f"scoring windows of {data['seq_len']} tokens ({source}{change})"
+
+
+def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | None, str]:
+    """The dense counterpart, loaded and probed now (a bad --dense fails before recording)."""
+    from fcaudit.core.contract import dense_twin
+    net = setup.model
+    if dense is None:
+        twin = dense_twin(net, setup.options.seed)
+        return twin, ("built from the model's architecture (dense_counterpart, fresh "
+                      "weights)" if twin is not None else "")
+    twin = as_loaded(dense).model
+    param = next(net.parameters(), None)
+    if param is not None:
+        twin = twin.to(dtype=param.dtype, device=param.device)
+    twin.eval()
+    ids = torch.from_numpy(setup.data.eval_ids[:1]).to(device_of(net))
+    vocab, _ = model_limits(twin)
+    if vocab is not None and int(ids.max()) >= vocab:
+        raise FcauditError(f"--dense {dense}: its vocabulary has {vocab} entries but the "
+                           f"evaluation token ids reach {int(ids.max())}; give a dense model "
+                           "with the same tokenizer")
+    from fcaudit.audit.execution import check_comparable
+    check_comparable(net, twin, ids, str(dense))
+    resolve_block_paths(twin, blocks)
+    return twin, str(dense)
+
+
+@dataclass
+class Probe:
+    """The first evaluation batch, recorded and replayed in memory."""
+
+    identity: Identity
+    coefficients: dict[str, Tensor]
+    nll: Tensor
+
+
+@torch.no_grad()
+def probe(setup: Setup) -> Probe:
+    """Record and replay the first evaluation batch in memory, before anything is written.
+
+    Sites that run twice, outputs no adapter fits, non-floating coefficients and a
+    non-exact identity replay all stop the audit here (the last one unless
+    ``allow_nonexact_identity``), naming the site and the likely causes.
+    """
+    net, sites = setup.model, setup.sites
+    _, x = next(batches(setup.data.eval_ids, setup.options.batch_size, device_of(net)))
+    logits, coefficients, nll = record_batch(net, sites, x)
+    _check_axes(net, sites, x)
+    replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites}).logits
+    if same_bits(logits, replayed):
+        return Probe(Identity(True, 0.0, setup.options.allow_nonexact_identity,
+                              "identity replay is bitwise exact"), coefficients, nll)
+    diff = float((token_nll(replayed, x) - nll).abs().max())
+    again, _, _ = record_batch(net, sites, x)
+    if not same_bits(logits, again):
+        cause = "two unperturbed passes over the same batch already differ: the forward " \
+                "pass is not deterministic (dropout, sampling or training mode?)"
+    else:
+        culprit = _first_nonexact_site(net, sites, coefficients, x, logits)
+        cause = f"replaying site {culprit} alone already changes the output" if culprit \
+            else "replaying all sites together changes the output"
+    message = (f"identity replay is not exact: replaying the recorded coefficients changes "
+               f"the per-token NLL by up to {diff:.3g} nats ({cause}). Likely causes: "
+               f"{IDENTITY_CAUSES}")
+    if not setup.options.allow_nonexact_identity:
+        raise FcauditError(f"{message}. No verdict can rest on such a replay: fix the model "
+                           "(model.eval(), fixed seeds, deterministic kernels) or rerun with "
+                           "--allow-nonexact-identity to see the numbers flagged as not exact")
+    return Probe(Identity(False, diff, True, message), coefficients, nll)
+
+
+def _check_axes(net: nn.Module, sites: Sequence[Site], x: Tensor) -> None:
+    """With as many sequences as positions, a ``[positions, batch, ...]`` output has the
+    shape of ``[batch, positions, ...]``: record once more with one sequence added (a
+    repeat), where the two differ, so that a site with swapped axes is refused now."""
+    batch, positions = x.shape
+    if batch != positions:
+        return
+    try:
+        record_batch(net, sites, torch.cat([x, x[:1]]))
+    except FcauditError as exc:
+        raise FcauditError(
+            f"{exc} (with {batch + 1} sequences of {positions} tokens; with {batch} of "
+            f"{positions} the shape fitted only because the two counts are equal: are the "
+            "output's axes [positions, batch, ...]? give the site an adapter that transposes "
+            "them)") from exc
+
+
+def _first_nonexact_site(net: nn.Module, sites: Sequence[Site], coefficients: dict[str, Tensor],
+                         x: Tensor, logits: Tensor) -> str | None:
+    for site in sites:
+        if not same_bits(replay_batch(net, x, {site: coefficients[site.name]}).logits, logits):
+            return site.name
+    return None
+
+
+def cache_identity(setup: Setup) -> dict[str, Any]:
+    net, data = setup.model, setup.data.summary()
+    param = next(net.parameters(), None)
+    return {"model": setup.loaded.fingerprint or setup.loaded.spec,
+            "model_class": type(net).__name__, "eval_data": data["eval_fingerprint"],
+            "calib_data": data["calib_fingerprint"],
+            "dtype": str(param.dtype) if param is not None else "unknown",
+            "device": device_of(net).type, "sites": [s.name for s in setup.sites],
+            "adapters": [getattr(s.adapter, "name", type(s.adapter).__name__)
+                         for s in setup.sites],
+            "fcaudit": __version__, "torch": torch.__version__}
+
+
+def execute(setup: Setup) -> Execution:
+    """The execution section: counts, FLOPs and (with timing pairs) latency vs dense; for a
+    routed model, the experts that ran (measured even without a dense counterpart)."""
+    from fcaudit.audit.execution import measure_execution
+    opts = setup.options
+    if not opts.execution:
+        return Execution(measured=False, reason="disabled (--no-execution)")
+    experts = declared_experts(setup.model) or []
+    if setup.dense is None and not experts:
+        return Execution(measured=False, reason="no dense counterpart: pass --dense SPEC")
+    dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) \
+        if setup.dense is not None else []
+    if setup.blocks is None or dense_blocks is None:
+        return Execution(measured=False, reason="the model does not declare its blocks: pass "
+                                                "--blocks GLOB (e.g. 'layers.*')")
+    x = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids)).to(device_of(setup.model))
+    routers = {s.name: s for s in routing_sites(setup.sites)}
+    return measure_execution(setup.model, setup.dense, x, batch_size=opts.batch_size,
+                             block_paths=setup.blocks, dense_block_paths=dense_blocks or None,
+                             pairs=opts.timing_pairs, seed=opts.seed,
+                             timing=opts.timing_pairs > 0, dense_source=setup.dense_source or None,
+                             experts=[e for e in experts if e.name in routers], routers=routers)
+
+
+def _model_info(setup: Setup) -> ModelInfo:
+    net, loaded = setup.model, setup.loaded
+    param = next(net.parameters(), None)
+    return ModelInfo(spec=loaded.spec, kind=loaded.kind, class_=type(net).__name__,
+                     arch=(loaded.run_config or {}).get("arch"),
+                     n_params=sum(p.numel() for p in net.parameters()),
+                     fingerprint=loaded.fingerprint,
+                     dtype=str(param.dtype) if param is not None else "unknown",
+                     identity_note=loaded.identity_note)
+
+
+def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tuple,
+             execution: Execution, identity: Identity, command: str | None,
+             runtime: Runtime) -> AuditResult:
+    variance, spread, profiles = stats[:3]
+    opts = setup.options
+    seeds = [opts.seed * 1000 + 17 + k for k in range(opts.repeats)]
+    from fcaudit.audit.execution import verdict_execution
+    execution_text = verdict_execution(execution) if execution.measured else \
+        f"Execution not measured: {execution.reason}."
+    verdict = Verdict(qualified(variation(variance, spread), identity),
+                      qualified(dependence(summary.conditions, summary.retention), identity),
+                      qualified(execution_text, identity))
+    timed = execution.timing is not None
+    return AuditResult(
+        schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
+        data=setup.data.summary(),
+        sites=[SiteInfo(s.name, s.family, s.layer,
+                        list(cache.batch(0, f"site::{s.name}").shape[2:]),
+                        _adapter_name(s, setup.model)) for s in setup.sites],
+        identity_replay_max_abs_diff=identity.max_abs_diff, conditions=summary.conditions,
+        per_layer=summary.per_layer, retention=summary.retention,
+        interaction=summary.interaction, variance=variance, variation=spread,
+        profiles=profiles, execution=execution, verdict=verdict,
+        seeds=Seeds(opts.seed, seeds, seeds, opts.seed * 1000 + 7),
+        # how the audit is shown or scheduled changes no number: not part of its settings
+        settings={**{k: v for k, v in dataclasses.asdict(opts).items()
+                     if k not in ("schedule", "progress")},
+                  "bootstrap_resamples": opts.bootstrap,
+                  "calibration_sequences_used_for_static": len(setup.data.calib_ids),
+                  "layer_index": "a site's index within its family"},
+        versions=versions(), command=command,
+        nondeterministic_keys=[*NONDETERMINISTIC_KEYS, *([TIMED_VERDICT_KEY] if timed else [])],
+        runtime=runtime,
+        identity=None if identity.exact and not identity.allowed_nonexact else identity,
+        custom_conditions=summary.custom or None)
+
+
+def _adapter_name(site: Site, model: nn.Module) -> str | None:
+    name = adapter_name(site.adapter, model.get_submodule(site.path))
+    return None if name == "tensor" else name
+
+
+def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
+          data: DataSpec | AuditData | None = None, dense: Any = None,
+          blocks: str | None = None, options: AuditOptions | None = None,
+          interventions: Mapping[str, Any] | Sequence[Intervention] | None = None,
+          progress: Progress | None = None, command: str | None = None,
+          report: bool = True) -> AuditResult | None:
+    """Run the whole Frozen Controller Audit and return its :class:`AuditResult`.
+
+    ``model``: a spec (run folder, checkpoint folder, ``pkg.module:factory``), an
+    ``nn.Module`` or a :class:`~fcaudit.io.loading.LoadedModel`. ``out``: the output
+    folder (cache, ``audit.json``, report); None runs in a temporary cache and writes
+    nothing. ``sites``: module-path globs or :class:`~fcaudit.Site` objects (default:
+    the model's declaration). ``data``: a :class:`DataSpec` (text, token arrays or the
+    built-in corpus) or ready :class:`AuditData`. ``interventions``: user-defined
+    conditions, ``{name: fn}`` or :class:`~fcaudit.core.interventions.Intervention` objects.
+
+    In a ``torchrun`` process group every rank calls this; rank 0 validates and claims
+    ``out`` first, the batches are shared out, and rank 0 alone returns the result
+    (the other ranks return None).
+    """
+    options = AuditOptions() if options is None else options
+    progress = progress or silent
+    ranks = current()
+    if not ranks.main:
+        ranks.barrier(CLAIMED)
+    setup = prepare(model, out, sites=sites, data=DataSpec() if data is None else data, dense=dense,
+                    blocks=blocks, options=options, interventions=interventions)
+    if setup.out is None and ranks.world > 1:
+        raise FcauditError("an audit over several processes needs --out, a folder every "
+                           "process sees")
+    if ranks.main and options.progress:
+        print(f"fcaudit: {window_line(setup.data.summary())}", file=sys.stderr, flush=True)
+    first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
+    if not ranks.main:
+        _run(setup, open_cache(setup, setup.out / "cache", ranks), first, progress, command,
+             ranks)
+        return None
+    if setup.out is None:
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="fcaudit-") as tmp:
+            return _run(setup, open_cache(setup, Path(tmp), ranks, first), first, progress,
+                        command, ranks)
+    from fcaudit.io.outdir import hold_output, replacing_results
+    with hold_output(setup.out, "audit", command):
+        cache = open_cache(setup, setup.out / "cache", ranks, first)
+        ranks.barrier(CLAIMED)
+        result = _run(setup, cache, first, progress, command, ranks)
+        assert result is not None
+        with replacing_results(setup.out):
+            write_outputs(result, setup.out, report)
+    return result
+
+
+CLAIMED = "rank 0 validated the inputs and claimed the output folder"
+
+
+def open_cache(setup: Setup, folder: Path, ranks: Ranks,
+               first: Probe | None = None) -> CoefficientCache:
+    """The cache; rank 0 opens (or creates) it and adopts the probe's batch before the
+    other ranks open it."""
+    cache = CoefficientCache(folder, cache_identity(setup), setup.options.batch_size,
+                             len(setup.data.eval_ids), owner=ranks.main)
+    if first is not None:
+        adopt_probe(cache, first.coefficients, first.nll)
+    return cache
+
+
+def same_probe_on_every_rank(ranks: Ranks, first: Probe) -> None:
+    """Every process computed the first batch's coefficients and NLL bit for bit alike: a
+    rank whose model or code behaves differently is refused, not merged."""
+    named = [*sorted(first.coefficients.items()), ("nll", first.nll)]
+    digests = ranks.gather(digest_tensors(named).hex(), "comparing the first batch")
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    if odd:
+        raise FcauditError(
+            f"rank(s) {', '.join(map(str, odd))} computed other coefficients or NLL on the "
+            f"first evaluation batch than rank 0 (of {ranks.world} processes): every process "
+            "must run the same model, code, weights and data on the same kind of device; "
+            "fix the differing processes and rerun")
+
+
+def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress,
+         command: str | None, ranks: Ranks) -> AuditResult | None:
+    """Record and replay this rank's batches; rank 0 then summarizes every batch."""
+    opts, timings = setup.options, {}
+    same_probe_on_every_rank(ranks, first)
+    record_calibration(setup, cache, progress, ranks)
+    record_evaluation(setup, cache, progress, ranks)
+    ranks.barrier("recorded")
+    profiles = calibration_profiles(setup, cache)
+    cache.verify_all()
+    timings["record_s"] = time.perf_counter() - setup.started
+    n, seq_len = setup.data.eval_ids.shape
+    inputs = ReplayInputs(cache, setup.sites, profiles,
+                          [draw(opts.seed * 1000 + 17 + k, n, seq_len)
+                           for k in range(opts.repeats)], opts.seed)
+    runs = plan_runs(setup.sites, opts, setup.interventions)
+    started = time.perf_counter()
+    reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
+    if not ranks.main:
+        return None
+    replays = replay_results(cache, opts)
+    timings["replay_s"] = time.perf_counter() - started
+    diff = replays.identity_diff
+    identity = dataclasses.replace(first.identity, exact=first.identity.exact and diff == 0,
+                                   max_abs_diff=max(first.identity.max_abs_diff, diff))
+    stats = describe(cache, setup.sites)
+    summary = summarize(runs, replays.per_run, stats[3], setup.sites, opts)
+    routed = routing_sites(setup.sites)
+    routing = routing_summary(routed, tracked_runs(runs), replays.route_load,
+                              replays.route_changed, setup.data.eval_ids.size) \
+        if routed else None
+    started = time.perf_counter()
+    execution = execute(setup)
+    timings["execution_s"] = time.perf_counter() - started
+    timings["total_s"] = time.perf_counter() - setup.started
+    runtime = Runtime(host(), {k: round(v, 3) for k, v in timings.items()},
+                      {**replays.schedule, "processes": ranks.world}, cache.disk_usage(),
+                      reuse_summary(reuse, len(runs)))
+    result = assemble(setup, cache, summary, stats, execution, identity, command, runtime)
+    result.routing = routing
+    return result
+
+
+def reuse_summary(per_rank: Sequence[Mapping[str, int]], n_runs: int) -> dict[str, Any]:
+    """Which replay results came from the cache: whole batches, reused only when every
+    run's fed tensors were bit for bit the stored ones (else the batch was replayed)."""
+    reused = sum(r["batches_reused"] for r in per_rank)
+    recomputed = sum(r["batches_recomputed"] for r in per_rank)
+    return {"batches_reused": reused, "batches_recomputed": recomputed,
+            "runs_reused": reused * n_runs, "runs_recomputed": recomputed * n_runs,
+            "rule": "a cached batch is reused only if every run's SHA-256 of its token ids, "
+                    "schedule, identity and fed coefficient tensors equals the stored one"}
+
+
+def write_outputs(result: AuditResult, out: Path, report: bool = True) -> None:
+    """The report (when asked) first, then audit.json: its presence means the audit finished."""
+    from fcaudit.io.fileio import write_json
+    if report:
+        from fcaudit.report.audit_report import write_report
+        write_report(result, out)
+    write_json(out / "audit.json", result.to_json())

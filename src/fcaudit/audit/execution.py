@@ -1,0 +1,501 @@
+"""Execution audit (SPEC section 6): what a model really computes, against its dense twin.
+
+Three measurements, all taken on real forward passes and never read from a config:
+
+* **Blocks executed per token.** A forward pre-hook on every block counts the
+  tokens entering it (numel of its first tensor input / that tensor's last dim),
+  so a block that runs on a gathered subset of tokens counts only those.
+* **FLOPs per token**, counted by ``torch.utils.flop_counter.FlopCounterMode`` over
+  the forward pass: matrix products and attention (``2*M*N*K`` per matmul;
+  attention counted in full, as torch counts its fused kernels). Elementwise work
+  (norms, activations, gathers) is not counted, for model and dense alike.
+* **Latency**: model and dense timed alternately in one process after warm-up, in
+  pairs whose order alternates (A B, B A, A B, ...) so that drift and any
+  first-or-second-call effect cancel. The ratio is model/dense *latency* (> 1: the
+  model is slower), the median of the per-pair ratios, since each pair shares the
+  machine's state at that moment; its 95% interval is a seeded bootstrap over
+  pairs. A difference is called only when the interval excludes 1 and the ratio
+  is more than ``SPEED_TOLERANCE`` away from it (an A/A run can otherwise show
+  a sub-percent "effect").
+
+Counts and FLOPs are deterministic; everything timing-dependent lives under
+``timing`` (and the headline ``speed_ratio_vs_dense``), so the rest of the result
+can be compared exactly between runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+from fcaudit.audit.result import Estimate, Execution, ExpertExecution, SideTiming, Timing
+from fcaudit.core.contract import ExpertLayer, Site, SiteCall
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.nll import logits_of
+from fcaudit.core.recording import hooked
+from fcaudit.core.routers import counting_experts
+
+MIN_PAIRS = 10
+BOOTSTRAP_RESAMPLES = 2000
+TOLERANCE = 0.01  # relative saving in blocks or FLOPs below which nothing is "saved"
+SPEED_TOLERANCE = 0.02  # latency ratios within 2% of 1 are no clear difference
+
+
+@contextlib.contextmanager
+def inference(*models: nn.Module) -> Iterator[None]:
+    """Eval mode and no autograd while measuring; the callers' modes come back after."""
+    modes = [(m, m.training) for model in models for m in model.modules()]
+    for model in models:
+        model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@torch.no_grad()
+def check_comparable(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor,
+                     source: str) -> None:
+    """Refuse a dense counterpart whose blocks and FLOPs cannot be compared with the
+    model's: for the same input its logits must have the model's shape. A wider
+    vocabulary head alone made a model whose every block runs look "0.641x Dense"."""
+    model_shape = tuple(logits_of(model(input_ids)).shape)
+    try:
+        dense_shape = tuple(logits_of(dense(input_ids)).shape)
+    except FcauditError as exc:
+        raise FcauditError(f"--dense {source}: {exc}") from exc
+    if dense_shape != model_shape:
+        raise FcauditError(
+            f"--dense {source} is not comparable with the model: for the same "
+            f"{list(input_ids.shape)} token ids it gives logits {list(dense_shape)}, the model "
+            f"{list(model_shape)} (another vocabulary or sequence handling), so their blocks "
+            "and FLOPs would measure different work; give a dense model with the model's "
+            "tokenizer and output")
+
+
+def resolve_blocks(model: nn.Module, block_paths: Sequence[str] | None) -> list[str]:
+    """Block paths as given, else as the model declares them; each must name a module."""
+    if block_paths is None:
+        declare = getattr(model, "execution_blocks", None)
+        if not callable(declare):
+            raise FcauditError(
+                f"{type(model).__name__} declares no execution blocks; name the modules whose "
+                "executions to count (module paths such as 'blocks.0', 'blocks.1', ...)")
+        block_paths = declare()
+    paths = list(block_paths)
+    if not paths:
+        raise FcauditError(f"no execution blocks given for {type(model).__name__}")
+    for path in paths:
+        try:
+            model.get_submodule(path)
+        except AttributeError as exc:
+            raise FcauditError(f"execution block {path!r} is not a module of "
+                               f"{type(model).__name__}; list module paths with "
+                               "`fcaudit sites --model SPEC`") from exc
+    return paths
+
+
+def _first_tensor(values: Iterable[Any]) -> torch.Tensor | None:
+    """The first tensor in call arguments, looking inside tuples and lists (a block may take
+    several streams, e.g. MUDD's Q, K, V, R, before other tensors such as a rotary table)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (tuple, list)):
+            found = _first_tensor(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _tokens_entering(path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    first = _first_tensor((*args, *kwargs.values()))
+    if first is None or first.dim() == 0:
+        raise FcauditError(f"execution block {path!r} received no per-token tensor input; "
+                           "name modules that take hidden states [..., features]")
+    return first.numel() // first.shape[-1]
+
+
+def _cpu_sdpa_flops(query_shape: torch.Size, key_shape: torch.Size, value_shape: torch.Size,
+                    *_args: object, **_kwargs: object) -> int:
+    """CPU fused attention, which torch's counter leaves out; counted like the CUDA kernels."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _grouped_mm_flops(a_shape: torch.Size, b_shape: torch.Size, *_args: object,
+                      out_shape: torch.Size | None = None, **_kwargs: object) -> int:
+    """``torch._grouped_mm`` (the default expert kernel of Hugging Face MoE models), which
+    torch's counter counts as 0: every output element contracts one row of ``a``."""
+    if len(a_shape) == 2 and len(b_shape) == 2:  # groups split the contraction dimension
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    assert out_shape is not None
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+                       torch.ops.aten._grouped_mm: _grouped_mm_flops}
+# aten operators that do matrix work: one the counter has no formula for would make the
+# FLOPs ratio silently wrong, so it is reported and the FLOPs verdict refused
+_HEAVY_OP = re.compile(r"(^|_)(mm|bmm|addmm|baddbmm|addbmm|mv|addmv|dot|vdot|matmul|"
+                       r"convolution|conv\w*|\w*attention\w*|grouped_mm|scaled_mm|int_mm)$")
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Notes every aten operator a pass runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[Any] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        self.ops.add(func._overloadpacket)
+        return func(*args, **(kwargs or {}))
+
+
+def uncounted_operators(ops: Iterable[Any], counter: FlopCounterMode) -> list[str]:
+    """Matrix-work operators among ``ops`` that ``counter`` has no FLOP formula for."""
+    return sorted(str(op) for op in ops
+                  if _HEAVY_OP.search(op.__name__) and op not in counter.flop_registry)
+
+
+def execution_pass(model: nn.Module, block_paths: Sequence[str],
+                   batches: Iterable[torch.Tensor], flops: bool = True,
+                   experts: Sequence[ExpertLayer] = (),
+                   routers: Mapping[str, Site] | None = None) -> dict[str, Any]:
+    """Run ``batches`` of ``input_ids`` once, counting the tokens entering each block,
+    (with ``flops``) the forward FLOPs, and (with ``experts``) the experts that ran and
+    what the routers chose, so one pass over the data serves them all.
+
+    Blocks executed per token is the mean over tokens of the number of blocks that
+    ran on it; ``blocks_executed_per_layer`` is each block's executed fraction.
+    """
+    paths = list(block_paths)
+    counts = [0] * len(paths)
+    handles = []
+    for i, path in enumerate(paths):
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 i: int = i, path: str = path) -> None:
+            counts[i] += _tokens_entering(path, args, kwargs)
+        handles.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
+    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+    recorder = _OpRecorder()
+    tokens = 0
+    try:
+        with inference(model), counter if flops else contextlib.nullcontext(), \
+                recorder if flops else contextlib.nullcontext(), \
+                counting_experts(model, experts) as expert_counts, \
+                watching_routers(model, [routers[e.name] for e in experts]
+                                 if experts and routers else []) as chosen:
+            for ids in batches:
+                model(ids)
+                tokens += ids.numel()
+    finally:
+        for handle in handles:
+            handle.remove()
+    if tokens == 0:
+        raise FcauditError("no tokens to measure execution on; give evaluation data")
+    per_layer = [c / tokens for c in counts]
+    result = {"blocks_executed": sum(per_layer), "blocks_present": len(paths),
+              "blocks_executed_per_layer": per_layer, "tokens": tokens, "blocks": paths}
+    if flops:
+        result["flops_per_token"] = counter.get_total_flops() / tokens
+        result["uncounted"] = uncounted_operators(recorder.ops, counter)
+    if experts:
+        flop_counts = counter.get_flop_counts() if flops else {}
+        result["experts"] = expert_execution(model, experts, expert_counts, chosen,
+                                             flop_counts, tokens)
+    return result
+
+
+@contextlib.contextmanager
+def watching_routers(model: nn.Module, sites: Sequence[Site]) -> Iterator[dict[str, list]]:
+    """The experts each router site selects on the live pass (its adapter's reading)."""
+    chosen: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
+
+    def hook_for(site: Site) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 out: Any) -> None:
+            batch, seq_len = _batch_shape(_first_tensor((*args, *kwargs.values())))
+            call = SiteCall(module, args, kwargs, batch, seq_len)
+            chosen[site.name].append(site.adapter.selected_experts(out, call).cpu())
+        return hook
+
+    with hooked(model, {s.path: hook_for(s) for s in sites}):
+        yield chosen
+
+
+def _batch_shape(first: torch.Tensor | None) -> tuple[int, int]:
+    """(batch, positions) of a router call: from a ``[B, T, C]`` input, else one flattened
+    sequence of all its tokens (only the set of choices matters for counting)."""
+    if first is not None and first.dim() >= 3:
+        return int(first.shape[0]), int(first.shape[1])
+    tokens = first.numel() // first.shape[-1] if first is not None else 1
+    return 1, tokens
+
+
+def expert_execution(model: nn.Module, layers: Sequence[ExpertLayer],
+                     counts: Mapping[str, Any], chosen: Mapping[str, list[torch.Tensor]],
+                     flop_counts: Mapping[str, Mapping[Any, int]],
+                     tokens: int) -> ExpertExecution:
+    """Experts run per token and layer, whether that is exactly what the routers chose,
+    and the FLOPs spent in experts against every expert running for every token."""
+    root = type(model).__name__
+    per_layer, active, full = [], 0.0, 0.0
+    matches = True
+    for layer in layers:
+        count = counts[layer.name]
+        ran = count.experts_per_token(tokens)
+        per_layer.append(ran)
+        if chosen.get(layer.name):
+            matches = matches and count.matches(torch.cat(
+                [c.reshape(-1, c.shape[-1]) for c in chosen[layer.name]]))
+        spent = sum(sum(flop_counts.get(f"{root}.{path}", {}).values())
+                    for path in layer.experts) / tokens
+        active += spent
+        full += spent * layer.num_experts / ran if ran else 0.0
+    present = sum(layer.num_experts for layer in layers)
+    return ExpertExecution(
+        layers=[layer.name for layer in layers],
+        num_experts_per_layer=[x.num_experts for x in layers],
+        top_k_per_layer=[x.top_k for x in layers], experts_per_token_per_layer=per_layer,
+        experts_per_token_mean_over_layers=sum(per_layer) / len(per_layer),
+        experts_per_token_summed_over_layers=sum(per_layer),
+        experts_present_summed_over_layers=present, matches_routing=matches,
+        active_expert_flops_per_token=active if flop_counts else None,
+        all_expert_flops_per_token=full if flop_counts else None,
+        routing_changes_computation=any(
+            0 < ran < x.num_experts * (1 - TOLERANCE) for ran, x in zip(per_layer, layers,
+                                                                      strict=True)))
+
+
+def count_block_executions(model: nn.Module, block_paths: Sequence[str],
+                           batches: Iterable[torch.Tensor]) -> dict[str, Any]:
+    """Blocks executed per token, blocks present and per-block executed fraction."""
+    return execution_pass(model, block_paths, batches, flops=False)
+
+
+def flops_per_token(model: nn.Module, input_ids: torch.Tensor, batch_size: int | None = None,
+                    ) -> float:
+    """Forward FLOPs per input token, counted over every sequence of ``input_ids``."""
+    batches = input_ids.split(batch_size or len(input_ids))
+    return execution_pass(model, [], batches)["flops_per_token"]
+
+
+def ratio_interval(model_s: Sequence[float], dense_s: Sequence[float], seed: int = 0,
+                   resamples: int = BOOTSTRAP_RESAMPLES) -> Estimate:
+    """Median of per-pair ratios ``model/dense``, with a 95% bootstrap interval over pairs."""
+    ratios = np.asarray(model_s, dtype=np.float64) / np.asarray(dense_s, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(ratios), size=(resamples, len(ratios)))
+    boot = np.median(ratios[picks], axis=1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return Estimate(float(np.median(ratios)), [float(lo), float(hi)])
+
+
+def side_summary(seconds: Sequence[float], tokens: int) -> SideTiming:
+    """Median, min and max seconds per batch, and throughput at the median."""
+    s = np.asarray(seconds, dtype=np.float64)
+    median = float(np.median(s))
+    return SideTiming(median, float(s.min()), float(s.max()), tokens / median)
+
+
+@contextlib.contextmanager
+def fixed_threads(threads: int | None) -> Iterator[int]:
+    """Pin torch's CPU thread count (when given) for the measurement; yields the count used."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, pairs: int = 10,
+                     warmup: int = 2, seed: int = 0, threads: int | None = None) -> Timing:
+    """Time one batch on model and dense in ``pairs`` pairs (A B, B A, ...) after warm-up."""
+    if pairs < MIN_PAIRS:
+        raise FcauditError(f"timing needs at least {MIN_PAIRS} pairs, got {pairs}")
+    on_cuda = input_ids.device.type == "cuda"
+
+    def seconds(net: nn.Module) -> float:
+        if on_cuda:
+            torch.cuda.synchronize(input_ids.device)
+        start = time.perf_counter()
+        net(input_ids)
+        if on_cuda:
+            torch.cuda.synchronize(input_ids.device)
+        return time.perf_counter() - start
+
+    with inference(model, dense), fixed_threads(threads) as used_threads:
+        for _ in range(warmup):
+            seconds(model), seconds(dense)
+        timed = []
+        for i in range(pairs):
+            model_first = i % 2 == 0
+            first, second = (model, dense) if model_first else (dense, model)
+            s1, s2 = seconds(first), seconds(second)
+            timed.append((s1, s2) if model_first else (s2, s1))
+    model_s, dense_s = zip(*timed, strict=True)
+    batch_size, seq_len = input_ids.shape
+    ratio = ratio_interval(model_s, dense_s, seed)
+    return Timing(
+        speed_ratio_vs_dense=ratio,
+        ratio_definition="median over pairs of model/dense latency (> 1: model slower); "
+                         "pair order alternates AB, BA",
+        slowdown_percent=100 * (ratio.value - 1),
+        model=side_summary(model_s, input_ids.numel()),
+        dense=side_summary(dense_s, input_ids.numel()),
+        pairs_s=[list(p) for p in timed], pairs=pairs, warmup=warmup,
+        bootstrap_resamples=BOOTSTRAP_RESAMPLES, seed=seed, threads=used_threads,
+        device=str(input_ids.device), device_name=device_name(input_ids.device),
+        batch_size=batch_size, seq_len=seq_len)
+
+
+def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torch.Tensor, *,
+                      batch_size: int = 16, block_paths: Sequence[str] | None = None,
+                      dense_block_paths: Sequence[str] | None = None, pairs: int = 10,
+                      warmup: int = 2, seed: int = 0, timing: bool = True,
+                      threads: int | None = None, dense_source: str | None = None,
+                      experts: Sequence[ExpertLayer] = (),
+                      routers: Mapping[str, Site] | None = None) -> Execution:
+    """The execution section of ``audit.json``: counts and FLOPs on every sequence of
+    ``input_ids [N, T]``, timing on its first batch of ``batch_size``; with ``experts``,
+    the experts that ran. Without ``dense`` only the model's own counts are measured.
+
+    ``saves_against_dense`` is true when the model runs fewer blocks per token or fewer
+    FLOPs than dense, by more than ``TOLERANCE`` (relative); ``conditional_execution``
+    when it does, or when routing skips experts per token (counted on the experts:
+    execution is conditional at expert granularity). Operators doing
+    matrix work that the FLOP counter cannot count are listed, and then no FLOPs ratio
+    (and no FLOPs-based verdict) is given.
+    """
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise FcauditError(f"execution measurement needs input_ids [N, T], got shape "
+                           f"{tuple(input_ids.shape)}")
+    batches = input_ids.split(batch_size)
+    own = execution_pass(model, resolve_blocks(model, block_paths), batches, experts=experts,
+                         routers=routers)
+    twin = execution_pass(dense, resolve_blocks(dense, dense_block_paths), batches) \
+        if dense is not None else None
+    uncounted = sorted(set(own["uncounted"]) | set(twin["uncounted"] if twin else []))
+    flops = own["flops_per_token"]
+    dense_flops = twin["flops_per_token"] if twin else None
+    flops_ratio = flops / dense_flops if dense_flops and not uncounted else None
+    fewer_blocks = twin is not None and \
+        own["blocks_executed"] < twin["blocks_executed"] * (1 - TOLERANCE)
+    saves = bool(fewer_blocks or (flops_ratio is not None and flops_ratio < 1 - TOLERANCE))
+    experts = own.get("experts")
+    result = Execution(
+        measured=True, dense=dense_source, blocks_executed=own["blocks_executed"],
+        blocks_present=own["blocks_present"],
+        executed_fraction=own["blocks_executed"] / own["blocks_present"],
+        blocks_executed_per_layer=own["blocks_executed_per_layer"], blocks=own["blocks"],
+        dense_blocks_executed=twin["blocks_executed"] if twin else None,
+        dense_blocks_present=twin["blocks_present"] if twin else None,
+        tokens_counted=own["tokens"], flops_per_token=flops, dense_flops_per_token=dense_flops,
+        flops_ratio=flops_ratio,
+        flops_counted="forward matmuls and attention (torch.utils.flop_counter)",
+        uncounted_operators=uncounted or None,
+        conditional_execution=saves or bool(experts and experts.routing_changes_computation),
+        saves_against_dense=saves if twin is not None else None, experts=experts)
+    if timing and dense is not None:
+        result.timing = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
+                                         threads)
+        result.speed_ratio_vs_dense = result.timing.speed_ratio_vs_dense.value
+    return result
+
+
+def _speed_word(ratio: Estimate) -> str:
+    (lo, hi), value = ratio.ci95, ratio.value
+    if lo > 1 and value > 1 + SPEED_TOLERANCE:
+        return "slower"
+    if hi < 1 and value < 1 - SPEED_TOLERANCE:
+        return "faster"
+    return "no clear difference"
+
+
+def verdict_execution(e: Execution) -> str:
+    """One sentence answering "does the mechanism change what is computed?", with numbers;
+    for a routed model the experts come first, then blocks and FLOPs against Dense. The
+    head word is ``conditional_execution``; the routed-model parts agree with
+    ``experts.routing_changes_computation`` and ``saves_against_dense``."""
+    head = "Conditional execution" if e.conditional_execution else "No conditional execution"
+    if e.experts is not None:
+        saved = ("no dense counterpart to compare with" if e.saves_against_dense is None
+                 else "savings against Dense" if e.saves_against_dense
+                 else "no savings against Dense")
+        head = f"{head}: {_experts_sentence(e.experts)} Blocks and FLOPs: {saved}"
+    if e.uncounted_operators:
+        flops = (f"FLOPs not compared: the counter cannot count "
+                 f"{', '.join(e.uncounted_operators)}")
+    elif e.flops_ratio is not None:
+        flops = f"FLOPs {e.flops_ratio:.3f}x Dense"
+    else:
+        flops = "no FLOPs compared" if e.dense_flops_per_token is None else "no FLOPs counted"
+    dense = f" (Dense {e.dense_blocks_executed:.2f})" if e.dense_blocks_executed is not None \
+        else ""
+    text = (f"{head}: {e.blocks_executed:.2f} of {e.blocks_present} blocks run per token"
+            f"{dense}, {flops}")
+    if e.timing is not None:
+        ratio = e.timing.speed_ratio_vs_dense
+        lo, hi = ratio.ci95
+        text += f"; latency {ratio.value:.2f}x Dense [{lo:.2f}, {hi:.2f}], {_speed_word(ratio)}"
+    elif e.dense is not None:
+        text += "; latency not measured"
+    return text + "."
+
+
+def _experts_sentence(x: ExpertExecution) -> str:
+    share = (f" ({100 * x.active_expert_flops_per_token / x.all_expert_flops_per_token:.1f}% "
+             "of the expert FLOPs every expert would cost)"
+             if x.active_expert_flops_per_token and x.all_expert_flops_per_token else "")
+    checked = "" if x.matches_routing else \
+        " WARNING: the experts that ran differ from the routers' choices."
+    runs = (f"each token runs {x.experts_per_token_mean_over_layers:.2f} of "
+            f"{x.experts_present_text()} experts per routed layer")
+    if x.routing_changes_computation:
+        return (f"routing changes what is computed (experts skipped per token): {runs}, the "
+                f"ones its router picks{share}.{checked}")
+    return (f"routing does not change what is computed: {runs} (every expert); the router "
+            f"only weights them.{checked}")
+
+
+def format_table(results: dict[str, Execution]) -> str:
+    """Side-by-side text table of several measurements (name -> measure_execution result)."""
+    rows = [("model", "blocks run/present", "FLOPs/token", "FLOPs vs dense", "ms/batch",
+             "tokens/s", "latency vs dense [95% CI]")]
+    for name, e in results.items():
+        t = e.timing
+        if t is not None:
+            ratio = t.speed_ratio_vs_dense
+            speed = (f"{1e3 * t.model.median_s:.2f}", f"{t.model.tokens_per_s:,.0f}",
+                     f"{ratio.value:.3f} [{ratio.ci95[0]:.3f}, {ratio.ci95[1]:.3f}]")
+        else:
+            speed = ("-", "-", "-")
+        ratio_text = f"{e.flops_ratio:.3f}x" if e.flops_ratio is not None else "n/a"
+        rows.append((name, f"{e.blocks_executed:.2f}/{e.blocks_present}",
+                     f"{(e.flops_per_token or 0) / 1e6:.3f}M", ratio_text, *speed))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,238 @@
+"""Metrics (SPEC section 5): penalties, retention, interaction with paired bootstrap
+intervals over sequences, and the variance decomposition of cached coefficients.
+
+:func:`aggregate` summarises a metric over the training seeds of a study.
+
+Every interval uses the same seeded stream of resampled sequence indices
+(:class:`Bootstrap`), so all contrasts are paired: the same resample is applied to
+every condition.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fcaudit.audit.result import (
+    ComponentShares,
+    Estimate,
+    LayerVariation,
+    Profile,
+    Retention,
+    VarianceShares,
+    Variation,
+)
+from fcaudit.core.contract import RoutingAdapter, Site
+
+CHUNK_ELEMENTS = 1 << 18  # resampled indices held at once (2 MB), whatever the data size
+
+
+class Bootstrap:
+    """A seeded paired bootstrap over ``n`` sequences, streamed in chunks of resamples.
+
+    Every statistic regenerates the same index stream from ``seed`` (so all contrasts
+    are paired: the same resample applies to every condition), ``CHUNK_ELEMENTS`` at a
+    time: memory stays flat in ``n``, and the numbers equal those of one
+    ``[resamples, n]`` index matrix (numpy draws the same stream either way; tested).
+    """
+
+    def __init__(self, n: int, resamples: int, seed: int) -> None:
+        self.n, self.resamples, self.seed = n, resamples, seed
+
+    def means(self, values: np.ndarray) -> np.ndarray:
+        """The mean of ``values [n]`` under each resample: ``[resamples]``."""
+        rng = np.random.default_rng(self.seed)
+        rows = max(1, CHUNK_ELEMENTS // max(1, self.n))
+        out = []
+        for start in range(0, self.resamples, rows):
+            idx = rng.integers(0, self.n, size=(min(rows, self.resamples - start), self.n))
+            out.append(values[idx].mean(axis=1))
+        return np.concatenate(out)
+
+
+def interval(samples: np.ndarray) -> list[float]:
+    """95% percentile interval of bootstrap samples."""
+    lo, hi = np.percentile(samples, [2.5, 97.5])
+    return [float(lo), float(hi)]
+
+
+def penalty(cond: np.ndarray, correct: np.ndarray, boot: Bootstrap) -> tuple[float, list[float]]:
+    """``Delta = NLL(cond) - NLL(correct)`` with its paired bootstrap interval."""
+    diff = cond - correct
+    return float(diff.mean()), interval(boot.means(diff))
+
+
+def retention(static: np.ndarray, correct: np.ndarray, global_mean: np.ndarray,
+              boot: Bootstrap) -> Retention:
+    """Gap retention ``R(P) = (G - P) / (G - C)`` in percent, undefined without a gap.
+
+    The gap ``G - C`` must be clearly positive (its 95% interval above zero);
+    otherwise a ratio would divide by noise, so no number is reported.
+    """
+    gap = global_mean - correct
+    gap_samples = boot.means(gap)
+    gap_ci = interval(gap_samples)
+    if not gap_ci[0] > 0:
+        return Retention(float(gap.mean()), gap_ci, None, None, False,
+                         f"the Correct-to-GlobalMean gap {gap.mean():+.4f} nats has a 95% "
+                         f"interval [{gap_ci[0]:+.4f}, {gap_ci[1]:+.4f}] that is not above 0")
+    kept = global_mean - static
+    samples = 100.0 * boot.means(kept) / gap_samples
+    return Retention(float(gap.mean()), gap_ci, float(100.0 * kept.mean() / gap.mean()),
+                     interval(samples), True)
+
+
+def interaction(both: np.ndarray, reassign: np.ndarray, shuffle: np.ndarray,
+                correct: np.ndarray, boot: Bootstrap) -> Estimate:
+    """``I = Delta(reassign+shuffle) - Delta(reassign) - Delta(shuffle)``."""
+    contrast = both - reassign - shuffle + correct
+    return Estimate(float(contrast.mean()), interval(boot.means(contrast)))
+
+
+class VarianceAccumulator:
+    """Streams coefficients of one family and decomposes their variance.
+
+    Per site it keeps float64 sums over sequences by (position, component):
+    ``s1 = sum x``, ``s2 = sum x^2``. From these the variance splits exactly into
+    layer, position, layer x position, component-within-cell (the trailing index,
+    e.g. which source a mixing weight belongs to; zero for scalar gates) and the
+    residual: variation across sequences at fixed layer, position and component,
+    i.e. what depends on input and token content. The design is proportional
+    (every layer has every position), so the shares are orthogonal and sum to 1.
+    """
+
+    def __init__(self, sites: Sequence[Site]) -> None:
+        self.sites = list(sites)
+        self.s1: dict[str, torch.Tensor] = {}
+        self.s2: dict[str, torch.Tensor] = {}
+        self.sd_pos_sum: dict[str, float] = {s.name: 0.0 for s in self.sites}
+        self.n = 0
+
+    def add(self, coefficients: dict[str, torch.Tensor]) -> None:
+        for site in self.sites:
+            x = coefficients[site.name].to(torch.float64)
+            s1, s2 = x.sum(0), (x * x).sum(0)
+            if site.name in self.s1:
+                self.s1[site.name] += s1
+                self.s2[site.name] += s2
+            else:
+                self.s1[site.name], self.s2[site.name] = s1, s2
+            # spread across positions within each sequence (and component), averaged
+            self.sd_pos_sum[site.name] += float(x.std(dim=1, unbiased=False).mean(
+                dim=tuple(range(1, x.dim() - 1))).sum()) if x.dim() > 2 else \
+                float(x.std(dim=1, unbiased=False).sum())
+        self.n += next(iter(coefficients.values())).shape[0]
+
+    @staticmethod
+    def _shares(cells_s1: list[torch.Tensor], cells_s2: list[torch.Tensor],
+                n: int) -> dict[str, float]:
+        """Decompose per-layer tensors ``[T, K_l]`` of sums over ``n`` sequences."""
+        total_s1 = sum(float(c.sum()) for c in cells_s1)
+        total_s2 = sum(float(c.sum()) for c in cells_s2)
+        count = sum(c.numel() for c in cells_s1) * n
+        grand = total_s1 / count
+        ss_total = total_s2 - count * grand**2
+        ss_layer = ss_pos = ss_cell = ss_comp = 0.0
+        T = cells_s1[0].shape[0]
+        pos_s1 = torch.zeros(T, dtype=torch.float64)
+        pos_count = 0
+        for c1 in cells_s1:
+            k = c1.shape[1]
+            layer_mean = float(c1.sum()) / (T * k * n)
+            ss_layer += T * k * n * (layer_mean - grand) ** 2
+            lt = c1.sum(1) / (k * n)  # layer x position cell means
+            ss_cell += float(((lt - grand) ** 2).sum()) * k * n
+            ss_comp += float(((c1 / n - grand) ** 2).sum()) * n
+            pos_s1 += c1.sum(1)
+            pos_count += k * n
+        pos_mean = pos_s1 / pos_count
+        ss_pos = float(((pos_mean - grand) ** 2).sum()) * pos_count
+        ss_int = ss_cell - ss_layer - ss_pos
+        ss_comp_within = ss_comp - ss_cell
+        ss_resid = ss_total - ss_comp
+        if ss_total <= 0:
+            return {"eta2_layer": 0.0, "eta2_position": 0.0, "eta2_layer_position": 0.0,
+                    "eta2_component": 0.0, "eta2_residual": 0.0, "ss_total": 0.0}
+        return {"eta2_layer": ss_layer / ss_total, "eta2_position": ss_pos / ss_total,
+                "eta2_layer_position": ss_int / ss_total,
+                "eta2_component": ss_comp_within / ss_total,
+                "eta2_residual": ss_resid / ss_total, "ss_total": ss_total}
+
+    def decompose(self, max_components: int = 16) -> VarianceShares:
+        flat1 = [self.s1[s.name].reshape(self.s1[s.name].shape[0], -1) for s in self.sites]
+        flat2 = [self.s2[s.name].reshape(self.s2[s.name].shape[0], -1) for s in self.sites]
+        shares = self._shares(flat1, flat2, self.n)
+        result = VarianceShares(**shares, n_values=sum(f.numel() for f in flat1) * self.n)
+        trailing = [tuple(self.s1[s.name].shape[1:]) for s in self.sites]
+        if any(f.shape[1] > 1 for f in flat1):
+            routed = all(isinstance(s.adapter, RoutingAdapter) for s in self.sites)
+            result.component_axis = "expert" if routed else "component"
+        if any(trailing):
+            common = tuple(min(dims) for dims in zip(*trailing, strict=True))
+            comps = []
+            for index in itertools.islice(itertools.product(*(range(d) for d in common)),
+                                          max_components):
+                c1 = [self.s1[s.name][(slice(None), *index)].unsqueeze(1) for s in self.sites]
+                c2 = [self.s2[s.name][(slice(None), *index)].unsqueeze(1) for s in self.sites]
+                part = self._shares(c1, c2, self.n)
+                part.pop("eta2_component")
+                comps.append(ComponentShares(index=list(index), **part))
+            result.components = comps
+            result.components_note = (
+                f"trailing components present in every layer: index < {list(common)}"
+                f"{f' (first {max_components} shown)' if len(comps) == max_components else ''}")
+        return result
+
+    def variation(self) -> Variation:
+        """Spread across inputs and positions within each layer vs across layers."""
+        per_layer = []
+        for site in self.sites:
+            s1, s2, n = self.s1[site.name], self.s2[site.name], self.n
+            mean = float(s1.sum()) / (s1.numel() * n)
+            var_total = float(s2.sum()) / (s2.numel() * n) - mean**2
+            var_inputs = (s2 / n - (s1 / n) ** 2).clamp_min(0)
+            per_layer.append(LayerVariation(
+                layer=site.layer, site=site.name, mean=mean,
+                sd_total=max(var_total, 0.0) ** 0.5,
+                sd_across_inputs=float(var_inputs.sqrt().mean()),
+                sd_across_positions=self.sd_pos_sum[site.name] / n))
+        means = np.array([p.mean for p in per_layer])
+        across = float(means.std()) if len(means) > 1 else 0.0
+        inputs = float(np.mean([p.sd_across_inputs for p in per_layer]))
+        positions = float(np.mean([p.sd_across_positions for p in per_layer]))
+        return Variation(per_layer, across, inputs, positions,
+                         inputs / across if across > 0 else None,
+                         positions / across if across > 0 else None)
+
+    def profile(self, max_positions: int = 512) -> Profile:
+        """Per-layer mean and spread, and the layer x position mean map, for figures."""
+        means, sds, pos = [], [], []
+        stride = 1
+        for site in self.sites:
+            s1, s2, n = self.s1[site.name], self.s2[site.name], self.n
+            k = s1[0].numel()
+            mean = float(s1.sum()) / (s1.numel() * n)
+            means.append(mean)
+            sds.append(max(float(s2.sum()) / (s2.numel() * n) - mean**2, 0.0) ** 0.5)
+            row = (s1.reshape(s1.shape[0], -1).sum(1) / (k * n)).numpy()
+            stride = max(1, int(np.ceil(len(row) / max_positions)))
+            pos.append([round(float(v), 6) for v in row[::stride]])
+        return Profile([s.name for s in self.sites], means, sds, pos, stride)
+
+
+def aggregate(per_seed: Sequence[Mapping[str, float | None]]) -> dict[str, dict[str, Any]]:
+    """Mean, sd (n-1), min and max of each metric over seeds; null values are left out."""
+    keys = list(dict.fromkeys(k for m in per_seed for k in m))
+    out = {}
+    for key in keys:
+        values = np.array([m[key] for m in per_seed if m.get(key) is not None], dtype=float)
+        out[key] = {"n": int(len(values)),
+                    "mean": float(values.mean()) if len(values) else None,
+                    "sd": float(values.std(ddof=1)) if len(values) > 1 else None,
+                    "min": float(values.min()) if len(values) else None,
+                    "max": float(values.max()) if len(values) else None}
+    return out

@@ -1,0 +1,97 @@
+"""What an audit is run with: its options, and the validated inputs every stage reads.
+
+:class:`AuditOptions` are the user's knobs (recorded in ``audit.json``); :class:`Setup`
+is the plain data that validation produces and every later stage takes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from fcaudit.core.contract import Site
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.interventions import Intervention
+from fcaudit.io.data import AuditData
+from fcaudit.io.loading import LoadedModel
+
+# progress(stage, done, total, info): an optional callback, never threaded through compute
+Progress = Callable[[str, int, int, str], None]
+
+MAX_BOOTSTRAP = 100_000
+# Each repeat replays every random condition over every sequence once more; the intervals
+# come from the sequences, so beyond this more repeats only cost hours.
+MAX_REPEATS = 100
+MAX_TIMING_PAIRS = 1000  # each pair times a full pass of model and dense
+MAX_SEED = 2**32 - 1  # torch and numpy generators; seeds derive as seed * 1000 + k
+
+
+SCHEDULES = ("prefix", "naive")
+
+
+def silent(stage: str, done: int, total: int, info: str = "") -> None:
+    """The default progress callback: report nothing."""
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    """Knobs of one audit; every one is recorded in ``audit.json`` (``settings``)."""
+
+    repeats: int = 3  # K seeds per random condition
+    seed: int = 0
+    bootstrap: int = 1000
+    batch_size: int = 8
+    per_layer: bool = True
+    execution: bool = True
+    timing_pairs: int = 10
+    progress: bool = True  # the CLI shows progress bars (the engine takes a callback)
+    allow_nonexact_identity: bool = False
+    schedule: str = "prefix"  # "prefix": per-layer runs recompute only the suffix; "naive"
+
+    def validate(self, api: bool = False) -> None:
+        """Refuse option values no audit can run with, naming the option (``api``: as the
+        ``AuditOptions`` field a Python caller set)."""
+        checks = (("--repeats", self.repeats, 1, MAX_REPEATS), ("--seed", self.seed, 0, MAX_SEED),
+                  ("--bootstrap", self.bootstrap, 10, MAX_BOOTSTRAP),
+                  ("--batch-size", self.batch_size, 1, None),
+                  ("--timing-pairs", self.timing_pairs, 0, MAX_TIMING_PAIRS))
+
+        def name(option: str, value: object) -> str:
+            field = option.removeprefix("--").replace("-", "_")
+            return f"AuditOptions({field}={value!r})" if api else f"{option} {value!r}"
+        for option, value, lo, hi in checks:
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
+                    hi is not None and value > hi):
+                bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+                raise FcauditError(f"{name(option, value)}: must be an integer {bound}")
+        if self.schedule not in SCHEDULES:
+            raise FcauditError(f"{name('--schedule', self.schedule)}: choose one of "
+                               f"{', '.join(SCHEDULES)}")
+        if 0 < self.timing_pairs < 10:
+            raise FcauditError(f"{name('--timing-pairs', self.timing_pairs)}: use 0 (no "
+                               "timing) or at least 10 pairs for a meaningful interval")
+
+
+@dataclass
+class Setup:
+    """Everything validated before the first forward pass."""
+
+    loaded: LoadedModel
+    sites: list[Site]
+    blocks: list[str] | None
+    blocks_glob: str | None
+    data: AuditData
+    options: AuditOptions
+    interventions: list[Intervention]
+    dense: nn.Module | None = None
+    dense_source: str = ""
+    out: Path | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.loaded.model

@@ -1,0 +1,140 @@
+"""The replay plan: which runs the audit replays, and what each feeds every site.
+
+SPEC section 4's conditions, their per-layer variants (one site intervened, the others
+correct) and user-defined interventions, all as :class:`Run`; :func:`feed` turns a run
+and a batch into the coefficient tensor each site receives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fcaudit.audit.cache import CoefficientCache
+from fcaudit.audit.options import AuditOptions
+from fcaudit.audit.result import RANDOM_CONDITIONS, STATIC_CONDITIONS
+from fcaudit.core.contract import RoutingAdapter, Site
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.interventions import (
+    Intervention,
+    InterventionContext,
+    RandomDraw,
+    StaticProfiles,
+    shuffle_positions,
+    static_tensor,
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One replay pass over the evaluation set."""
+
+    condition: str  # a main condition, or a user intervention's name
+    repeat: int = 0
+    site: Site | None = None  # per-layer variant: only this site is intervened
+    custom: Intervention | None = None
+
+    @property
+    def key(self) -> str:
+        return self.condition if self.site is None else f"{self.condition}@{self.site.name}"
+
+
+def plan_runs(sites: Sequence[Site], options: AuditOptions,
+              interventions: Sequence[Intervention] = ()) -> list[Run]:
+    runs = [Run("correct")]
+    runs += [Run(c, k) for k in range(options.repeats) for c in RANDOM_CONDITIONS]
+    runs += [Run(c) for c in STATIC_CONDITIONS]
+    if options.per_layer:
+        for site in sites:
+            runs += [Run("reassign", k, site) for k in range(options.repeats)]
+            runs.append(Run("static-layer", 0, site))
+    runs += [Run(iv.name, k, custom=iv) for iv in interventions for k in range(iv.repeats)]
+    return runs
+
+
+def digest_tensors(named: Iterable[tuple[str, Tensor]], head: bytes = b"") -> bytes:
+    """SHA-256 over ``head`` and each tensor's name, dtype, shape and bytes, in order: two
+    digests are equal only for bitwise equal tensors (short of a SHA-256 collision)."""
+    hasher = hashlib.sha256(head)
+    for name, tensor in named:
+        t = tensor.detach().to("cpu").contiguous()
+        hasher.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
+        hasher.update(t.reshape(-1).view(torch.uint8).numpy())
+    return hasher.digest()
+
+
+def run_digest(run: Run, fed: Mapping[Site, Tensor], context: bytes) -> bytes:
+    """What one run's NLL on a batch is computed from: ``context`` (the batch's token ids
+    and the schedule), the run's identity, and every fed tensor in site order."""
+    identity = repr((run.condition, run.repeat, run.site and run.site.name,
+                     run.custom is not None)).encode()
+    return digest_tensors(((s.name, t) for s, t in fed.items()), context + identity)
+
+
+@dataclass
+class ReplayInputs:
+    """What feeding a batch needs: the cache, calibration profiles and random draws."""
+
+    cache: CoefficientCache
+    sites: list[Site]
+    profiles: StaticProfiles
+    draws: list[RandomDraw]
+    seed: int
+
+
+def feed(run: Run, b: int, inputs: ReplayInputs, device: torch.device) -> dict[Site, Tensor]:
+    """The coefficient tensors every site receives for batch ``b`` under ``run``."""
+    cache, rows = inputs.cache, inputs.cache.batch_range(b)
+    correct = {s: cache.batch(b, f"site::{s.name}") for s in inputs.sites}
+    if run.custom is not None:
+        fed = dict(correct)
+        fed.update(_custom_feed(run, b, rows, inputs, correct))
+        return {s: t.to(device) for s, t in fed.items()}
+    rand = inputs.draws[run.repeat] if run.condition in RANDOM_CONDITIONS else None
+    targets = [run.site] if run.site is not None else inputs.sites
+    fed = dict(correct)
+    for site in targets:
+        x = correct[site]
+        if rand is not None and run.condition in ("reassign", "reassign+shuffle"):
+            x = cache.rows(f"site::{site.name}", rand.donor[rows.start:rows.stop])
+        if rand is not None and run.condition in ("shuffle", "reassign+shuffle"):
+            x = shuffle_positions(x, rand.positions[rows.start:rows.stop])
+        if run.condition in STATIC_CONDITIONS:
+            x = static_tensor(run.condition, site, inputs.profiles, x)
+        fed[site] = x
+    return {s: t.to(device) for s, t in fed.items()}
+
+
+def _custom_feed(run: Run, b: int, rows: range, inputs: ReplayInputs,
+                 correct: dict[Site, Tensor]) -> dict[Site, Tensor]:
+    assert run.custom is not None
+    by_name = {s.name: s for s in inputs.sites}
+    context = InterventionContext(
+        tuple(inputs.sites), rows, inputs.profiles, run.repeat,
+        run.custom.rng(inputs.seed, run.repeat, b),
+        lambda name, idx: inputs.cache.rows(f"site::{name}", idx))
+    given = run.custom.fn({s.name: t.clone() for s, t in correct.items()}, context)
+    fed = {}
+    for name, tensor in given.items():
+        site = by_name.get(name)
+        if site is None or not isinstance(tensor, Tensor) or \
+                tensor.shape != correct[site].shape:
+            raise FcauditError(f"intervention {run.custom.name!r} returned {name!r}: it must "
+                               "map site names to tensors shaped like their recorded "
+                               "coefficients")
+        fed[site] = tensor.to(correct[site].dtype)
+    return fed
+
+
+def tracked_runs(runs: Sequence[Run]) -> list[Run]:
+    """The runs whose re-routing is counted: main conditions other than correct."""
+    return [r for r in runs if r.site is None and r.custom is None and r.condition != "correct"]
+
+
+def routing_sites(sites: Sequence[Site]) -> list[Site]:
+    """Sites whose adapter can say which experts a router selects."""
+    return [s for s in sites if isinstance(s.adapter, RoutingAdapter)]

@@ -1,0 +1,504 @@
+"""The audit result: the one definition of ``audit.json`` (schema ``fcaudit.audit/1``).
+
+:class:`AuditResult` and the dataclasses it nests are the schema. The engine builds
+one, :meth:`AuditResult.to_json` writes it and :meth:`AuditResult.from_json` reads
+it back (strictly: an unknown schema or a missing key is an error); the report, the
+reproduction study and the CLI read results only through it. Condition names,
+metric keys and the keys that may differ between identical runs are defined here
+once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fcaudit.core.errors import FcauditError
+
+SCHEMA = "fcaudit.audit/1"
+
+# SPEC section 4: every condition the audit replays, in report order.
+MAIN_CONDITIONS = ("original", "correct", "reassign", "shuffle", "reassign+shuffle",
+                   "static-layer", "static-layer-position", "global-mean")
+RANDOM_CONDITIONS = ("reassign", "shuffle", "reassign+shuffle")
+STATIC_CONDITIONS = ("static-layer", "static-layer-position", "global-mean")
+PER_LAYER_CONDITIONS = ("reassign", "static-layer")  # one site intervened, others correct
+RETENTION_PROFILES = ("static-layer", "static-layer-position")
+ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
+             "eta2_residual")
+
+# Dotted paths of audit.json that may differ between two runs of the same model, data,
+# seeds and settings; everything else is byte-identical (docs/reliability.md).
+NONDETERMINISTIC_KEYS = ("runtime", "command", "execution.timing",
+                         "execution.speed_ratio_vs_dense")
+TIMED_VERDICT_KEY = "verdict.execution"  # listed too when the verdict quotes timing
+
+Interval = list[float]  # a 95% interval [lo, hi]
+
+
+def _omit_none() -> Any:
+    """A field written to JSON only when it has a value."""
+    return field(default=None, metadata={"omit_none": True})
+
+
+@dataclass
+class ConditionResult:
+    """One replay condition: mean NLL, penalty vs correct with its paired interval, and
+    each repetition (random conditions are repeated with K seeds)."""
+
+    nll: float
+    delta: float
+    ci95: Interval
+    repeats: list[float]
+    repeat_deltas: list[float]
+
+
+@dataclass
+class LayerConditionResult(ConditionResult):
+    """A per-layer variant: only ``site`` intervened, every other site correct."""
+
+    layer: int = 0
+    site: str = ""
+    family: str = ""
+
+
+@dataclass
+class Retention:
+    """Gap retention ``R(P)`` in percent; ``value`` is None when the gap is not clear."""
+
+    gap: float
+    gap_ci95: Interval
+    value: float | None
+    ci95: Interval | None
+    defined: bool
+    reason: str | None = _omit_none()
+
+
+@dataclass
+class Estimate:
+    value: float
+    ci95: Interval
+
+
+@dataclass
+class ComponentShares:
+    index: list[int]
+    eta2_layer: float
+    eta2_position: float
+    eta2_layer_position: float
+    eta2_residual: float
+    ss_total: float
+
+
+@dataclass
+class VarianceShares:
+    """Variance decomposition of one family's coefficients (shares sum to 1)."""
+
+    eta2_layer: float
+    eta2_position: float
+    eta2_layer_position: float
+    eta2_component: float
+    eta2_residual: float
+    ss_total: float
+    n_values: int
+    components: list[ComponentShares] | None = _omit_none()
+    components_note: str | None = _omit_none()
+    # what the trailing index is: "expert" (a router's logits), "component" (any other
+    # vector coefficient); None for one value per token, where that share is 0
+    component_axis: str | None = _omit_none()
+
+    def axes(self) -> list[tuple[str, float]]:
+        """Every axis of the decomposition with its share, named; the shares sum to 1
+        (all 0 when the coefficients do not vary at all)."""
+        named = [("layer identity", self.eta2_layer), ("position", self.eta2_position),
+                 ("layer-by-position interaction", self.eta2_layer_position)]
+        if self.component_axis or self.eta2_component:
+            named.append((self.component_axis or "component", self.eta2_component))
+        return [*named, ("input and token content", self.eta2_residual)]
+
+    def sentence(self) -> str:
+        """The decomposition in words, every axis named (one place for verdict and report)."""
+        if self.ss_total <= 0:
+            return "they have no variance to decompose"
+        parts = ", ".join(f"{name} {100 * share:.1f}%" for name, share in self.axes())
+        total = 100 * sum(share for _, share in self.axes())
+        return f"their variance splits into {parts} (total {total:.1f}%)"
+
+
+@dataclass
+class LayerVariation:
+    layer: int
+    site: str
+    mean: float
+    sd_total: float
+    sd_across_inputs: float
+    sd_across_positions: float
+
+
+@dataclass
+class Variation:
+    per_layer: list[LayerVariation]
+    across_layer_sd: float
+    mean_sd_across_inputs: float
+    mean_sd_across_positions: float
+    ratio_inputs_to_layers: float | None
+    ratio_positions_to_layers: float | None
+
+
+@dataclass
+class Profile:
+    """Per-layer mean and sd, and the layer x position mean map (every
+    ``position_stride``-th position), for figures."""
+
+    sites: list[str]
+    mean: list[float]
+    sd: list[float]
+    position_mean: list[list[float]]
+    position_stride: int
+
+
+@dataclass
+class SideTiming:
+    median_s: float
+    min_s: float
+    max_s: float
+    tokens_per_s: float
+
+
+@dataclass
+class Timing:
+    speed_ratio_vs_dense: Estimate
+    ratio_definition: str
+    slowdown_percent: float
+    model: SideTiming
+    dense: SideTiming
+    pairs_s: list[list[float]]
+    pairs: int
+    warmup: int
+    bootstrap_resamples: int
+    seed: int
+    threads: int
+    device: str
+    device_name: str
+    batch_size: int
+    seq_len: int
+
+
+@dataclass
+class ExpertExecution:
+    """What routing made the experts compute (counted by hooks on the experts)."""
+
+    layers: list[str]  # the routed layers (their router sites)
+    num_experts_per_layer: list[int]
+    top_k_per_layer: list[int]
+    experts_per_token_per_layer: list[float]  # experts that ran per token, mean over tokens
+    experts_per_token_mean_over_layers: float
+    experts_per_token_summed_over_layers: float
+    experts_present_summed_over_layers: int
+    matches_routing: bool  # the experts that ran are exactly the routers' top-k choices
+    active_expert_flops_per_token: float | None  # summed over layers
+    all_expert_flops_per_token: float | None  # had every token run every expert
+    # in some routed layer a token runs fewer than every expert, the ones its router picks
+    routing_changes_computation: bool
+
+    def experts_present_text(self) -> str:
+        """Experts present per routed layer: one number, or the range when layers differ."""
+        low, high = min(self.num_experts_per_layer), max(self.num_experts_per_layer)
+        return str(low) if low == high else f"{low} to {high}"
+
+
+@dataclass
+class Execution:
+    """SPEC section 6. When ``measured`` is false only ``reason`` is set."""
+
+    measured: bool
+    reason: str | None = _omit_none()
+    dense: str | None = _omit_none()
+    blocks_executed: float | None = _omit_none()
+    blocks_present: int | None = _omit_none()
+    executed_fraction: float | None = _omit_none()
+    blocks_executed_per_layer: list[float] | None = _omit_none()
+    blocks: list[str] | None = _omit_none()
+    dense_blocks_executed: float | None = _omit_none()
+    dense_blocks_present: int | None = _omit_none()
+    tokens_counted: int | None = _omit_none()
+    flops_per_token: float | None = _omit_none()
+    dense_flops_per_token: float | None = _omit_none()
+    flops_ratio: float | None = _omit_none()
+    flops_counted: str | None = _omit_none()
+    uncounted_operators: list[str] | None = _omit_none()
+    # what a token computes depends on its input: fewer blocks or FLOPs than dense
+    # (saves_against_dense), or experts skipped per token (experts.routing_changes_computation)
+    conditional_execution: bool | None = _omit_none()
+    saves_against_dense: bool | None = _omit_none()  # > 1% fewer blocks or FLOPs than dense
+    speed_ratio_vs_dense: float | None = None
+    timing: Timing | None = None
+    experts: ExpertExecution | None = _omit_none()
+
+    def omitted(self) -> set[str]:
+        """An unmeasured execution is written as ``{measured, reason}`` alone."""
+        if self.measured:
+            return set()
+        return {f.name for f in dataclasses.fields(self)} - {"measured", "reason"}
+
+
+@dataclass
+class LayerRouting:
+    """One router under the original routing, and how interventions change its choices."""
+
+    site: str
+    layer: int
+    load: list[float]  # share of token-slots routed to each expert
+    entropy: float  # nats
+    entropy_normalized: float  # entropy / log E: 1 = perfectly balanced
+    changed: dict[str, float]  # condition -> share of tokens whose top-k set changed
+
+
+@dataclass
+class RoutingSummary:
+    """Routing-aware metrics of one router family (issue: Mixture-of-Experts)."""
+
+    num_experts: int
+    tokens: int  # evaluation tokens per layer
+    per_layer: list[LayerRouting]
+    changed: dict[str, float]  # condition -> share of (token, layer) top-k sets changed
+    note: str
+
+
+@dataclass
+class Verdict:
+    variation: str
+    dependence: str
+    execution: str
+
+
+@dataclass
+class Identity:
+    """The identity replay check: ``correct`` must reproduce ``original`` bit for bit."""
+
+    exact: bool
+    max_abs_diff: float
+    allowed_nonexact: bool
+    note: str
+
+
+@dataclass
+class ModelInfo:
+    spec: str
+    kind: str
+    class_: str = field(metadata={"json": "class"})
+    arch: str | None
+    n_params: int
+    fingerprint: str
+    dtype: str
+    identity_note: str | None = _omit_none()
+
+
+@dataclass
+class SiteInfo:
+    name: str
+    family: str
+    layer: int
+    trailing_shape: list[int]
+    adapter: str | None = _omit_none()
+
+
+@dataclass
+class Seeds:
+    master: int
+    reassign: list[int]
+    shuffle: list[int]
+    bootstrap: int
+
+
+@dataclass
+class Runtime:
+    """Facts of this run that change no number (host, wall times, how the replays were
+    scheduled): the one section two identical audits may differ in."""
+
+    host: dict[str, Any]
+    timings: dict[str, float]
+    schedule: dict[str, Any] | None = _omit_none()
+    cache: dict[str, Any] | None = _omit_none()
+    reuse: dict[str, Any] | None = _omit_none()  # replay batches reused from the cache
+
+
+@dataclass
+class AuditResult:
+    """Everything an audit produced; :meth:`to_json` is ``audit.json``."""
+
+    schema: str
+    fcaudit_version: str
+    model: ModelInfo
+    data: dict[str, Any]
+    sites: list[SiteInfo]
+    identity_replay_max_abs_diff: float
+    conditions: dict[str, ConditionResult]
+    per_layer: dict[str, list[LayerConditionResult]]
+    retention: dict[str, Retention]
+    interaction: Estimate
+    variance: dict[str, VarianceShares]
+    variation: dict[str, Variation]
+    profiles: dict[str, Profile]
+    execution: Execution
+    verdict: Verdict
+    seeds: Seeds
+    settings: dict[str, Any]
+    versions: dict[str, str]
+    command: str | None
+    nondeterministic_keys: list[str]
+    runtime: Runtime
+    identity: Identity | None = _omit_none()
+    custom_conditions: dict[str, ConditionResult] | None = _omit_none()
+    routing: dict[str, RoutingSummary] | None = _omit_none()
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``audit.json`` content (plain JSON types)."""
+        return _dump(self)
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "audit.json") -> AuditResult:
+        """Parse ``audit.json`` content; a wrong schema or a missing key is one clear error."""
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+            raise FcauditError(f"{source} has schema {found!r}, expected {SCHEMA!r}; rerun the "
+                               "audit with this fcaudit version")
+        try:
+            return _load(cls, data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FcauditError(f"{source} is not a complete {SCHEMA} result ({exc}); rerun "
+                               "the audit") from exc
+
+    @classmethod
+    def read(cls, path: str | Path) -> AuditResult:
+        from fcaudit.io.fileio import read_json
+        return cls.from_json(read_json(path, "audit result"), str(path))
+
+    @property
+    def families(self) -> list[str]:
+        return list(dict.fromkeys(s.family for s in self.sites))
+
+    def to_frame(self, table: str = "conditions") -> Any:
+        """One table of the result as a pandas DataFrame (``pip install pandas``), to go on
+        in a notebook: ``conditions`` (one row per condition, custom ones included),
+        ``per_layer`` (one row per condition and site), ``retention`` (one row per static
+        profile) or ``routing`` (one row per router site and expert)."""
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            raise FcauditError("to_frame() needs pandas: pip install pandas") from exc
+        rows = _TABLES.get(table)
+        if rows is None:
+            raise FcauditError(f"to_frame(table={table!r}): choose one of {', '.join(_TABLES)}")
+        return pd.DataFrame(rows(self))
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows for a result: the three answers and the conditions."""
+        esc = html.escape
+        answers = "".join(f"<li><b>{name}</b>: {esc(text)}</li>" for name, text in (
+            ("Variation", self.verdict.variation), ("Dependence", self.verdict.dependence),
+            ("Execution", self.verdict.execution)))
+        cells = "".join(
+            f"<tr><td>{esc(r['condition'])}</td><td>{r['nll']:.4f}</td>"
+            f"<td>{r['delta']:+.4f}</td><td>[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]</td></tr>"
+            for r in _condition_rows(self))
+        return (f"<div><p><b>fcaudit audit</b> of {esc(str(self.model.spec))} "
+                f"({esc(self.model.class_)}, {len(self.sites)} sites)</p><ul>{answers}</ul>"
+                "<table><thead><tr><th>condition</th><th>NLL</th><th>&Delta; vs correct</th>"
+                f"<th>95% CI</th></tr></thead><tbody>{cells}</tbody></table></div>")
+
+
+def _condition_rows(r: AuditResult) -> list[dict[str, Any]]:
+    items = [*r.conditions.items(), *(r.custom_conditions or {}).items()]
+    return [{"condition": name, "custom": name not in r.conditions, "nll": c.nll,
+             "delta": c.delta, "ci_low": c.ci95[0], "ci_high": c.ci95[1],
+             "repeats": len(c.repeats)} for name, c in items]
+
+
+def _per_layer_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"condition": name, "site": c.site, "family": c.family, "layer": c.layer,
+             "nll": c.nll, "delta": c.delta, "ci_low": c.ci95[0], "ci_high": c.ci95[1]}
+            for name, layers in r.per_layer.items() for c in layers]
+
+
+def _retention_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"profile": name, "retention_pct": ret.value,
+             "ci_low": ret.ci95[0] if ret.ci95 else None,
+             "ci_high": ret.ci95[1] if ret.ci95 else None, "gap": ret.gap,
+             "defined": ret.defined} for name, ret in r.retention.items()]
+
+
+def _routing_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"family": family, "site": layer.site, "layer": layer.layer, "expert": e,
+             "load": share, "entropy_normalized": layer.entropy_normalized}
+            for family, summary in (r.routing or {}).items() for layer in summary.per_layer
+            for e, share in enumerate(layer.load)]
+
+
+_TABLES = {"conditions": _condition_rows, "per_layer": _per_layer_rows,
+           "retention": _retention_rows, "routing": _routing_rows}
+
+
+def _json_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("json", f.name)
+
+
+def _dump(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {}
+        omitted = value.omitted() if hasattr(value, "omitted") else set()
+        for f in dataclasses.fields(value):
+            item = getattr(value, f.name)
+            if f.name in omitted or (item is None and f.metadata.get("omit_none")):
+                continue
+            out[_json_name(f)] = _dump(item)
+        return out
+    if isinstance(value, dict):
+        return {str(k): _dump(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_dump(v) for v in value]
+    return value
+
+
+def _load(tp: Any, data: Any) -> Any:
+    """Build ``tp`` (a dataclass, list[X], dict[str, X], X | None or a plain type)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if data is None:
+            return None
+        return _load(options[0], data) if len(options) == 1 else data
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(data, list):
+            raise TypeError(f"expected a list, got {type(data).__name__}")
+        return [_load(item, v) for v in data]
+    if origin is dict:
+        _, item = typing.get_args(tp)
+        if not isinstance(data, dict):
+            raise TypeError(f"expected an object, got {type(data).__name__}")
+        return {k: _load(item, v) for k, v in data.items()}
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(data, dict):
+            raise TypeError(f"expected an object for {tp.__name__}, got {type(data).__name__}")
+        hints = typing.get_type_hints(tp)
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            key = _json_name(f)
+            if key in data:
+                kwargs[f.name] = _load(hints[f.name], data[key])
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise KeyError(f"{tp.__name__}.{key}")
+        return tp(**kwargs)
+    return data
+
+
+def dumps(result: AuditResult) -> str:
+    """Deterministic JSON text of a result (sorted keys, fixed indent)."""
+    return json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False) + "\n"

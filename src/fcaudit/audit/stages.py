@@ -1,0 +1,309 @@
+"""The two heavy stages, batch by batch into the cache: record and replay.
+
+**Record**: calibration batches (float64 sums per batch, added in batch order later)
+and evaluation batches (per-token NLL and every site's coefficients). **Replay**: every
+planned run on every evaluation batch, batch-outer (all runs of a batch before the next
+batch), the identity replay checked on each batch (first and again after every other
+run), per-layer runs on the suffix of the model when each site's prefix reuse is proven
+exact on that batch, routers' choices counted. Each finished batch is a checksummed
+shard holding the digest of what every run was fed, so either stage resumes after an
+interruption, a rerun reuses a batch only when every run would be fed the same tensors,
+and under torchrun each rank takes its own batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fcaudit.audit.cache import CoefficientCache
+from fcaudit.audit.distributed import SINGLE, Ranks
+from fcaudit.audit.options import AuditOptions, Progress, Setup
+from fcaudit.audit.passes import (
+    Replayed,
+    batches,
+    check_finite,
+    check_finite_nll,
+    record_batch,
+    replay_batch,
+)
+from fcaudit.audit.plan import ReplayInputs, Run, digest_tensors, feed, routing_sites, run_digest
+from fcaudit.core.adapters import same_bits
+from fcaudit.core.contract import Site
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.interventions import StaticProfiles, batch_sums
+from fcaudit.core.nll import device_of, token_nll
+from fcaudit.core.routers import changed_rows, expert_counts
+
+IDENTITY_CAUSES = (
+    "randomness in the forward pass (dropout or a model left in training mode, sampling, "
+    "jitter noise), a model whose output depends on state that changes between calls, "
+    "nondeterministic kernels (some CUDA operations), or a controller output the model "
+    "uses in a way the site's adapter does not reproduce")
+
+
+def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress,
+                       ranks: Ranks = SINGLE) -> None:
+    """This rank's calibration batches: each batch's float64 sums, cached."""
+    net, size = setup.model, setup.options.batch_size
+    n = -(-len(setup.data.calib_ids) // size)
+    todo = ranks.mine([b for b in range(n) if not cache.has(cache.calib_name(b))])
+    for done, (b, x) in enumerate(batches(setup.data.calib_ids, size, device_of(net), todo),
+                                  start=1):
+        _, coefficients, _ = record_batch(net, setup.sites, x)
+        check_finite(coefficients, "calibration data")
+        sums = batch_sums({k: c.cpu() for k, c in coefficients.items()})
+        cache.write(cache.calib_name(b), {f"site::{k}": v for k, v in sums.items()})
+        progress("record calibration", done, len(todo), "")
+
+
+def calibration_profiles(setup: Setup, cache: CoefficientCache) -> StaticProfiles:
+    """Static profiles from calibration data only: every batch's sums, added in batch
+    order (so the result does not depend on which process recorded which batch)."""
+    size, ids = setup.options.batch_size, setup.data.calib_ids
+    profiles = StaticProfiles(setup.sites)
+    for b in range(-(-len(ids) // size)):
+        sums = cache.read(cache.calib_name(b))
+        profiles.add_sums({k.removeprefix("site::"): v for k, v in sums.items()},
+                          len(ids[b * size:(b + 1) * size]))
+    return profiles
+
+
+def _eval_shard(nll: Tensor, coefficients: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {"nll": nll.cpu(), **{f"site::{k}": v.cpu() for k, v in coefficients.items()}}
+
+
+def adopt_probe(cache: CoefficientCache, coefficients: Mapping[str, Tensor], nll: Tensor) -> None:
+    """Write the probe's batch as shard 0, or check it against a cached shard 0: a cache
+    whose first batch a fresh pass does not reproduce bit for bit is never reused."""
+    name = cache.eval_name(0)
+    shard = _eval_shard(nll, coefficients)
+    if not cache.has(name):
+        check_finite(coefficients, "evaluation data")
+        check_finite_nll(nll, "the unperturbed record pass, batch 0")
+        cache.write(name, shard)
+    elif not same_bits(cache.read(name), shard):
+        raise FcauditError(
+            f"the cache in {cache.folder} does not match this model: a fresh pass over the "
+            "first batch gives other coefficients or NLL than the cached one (the model "
+            "changed in a way its fingerprint cannot see, or its forward pass varies between "
+            f"runs); delete {cache.folder} and rerun")
+
+
+def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
+                      ranks: Ranks = SINGLE) -> None:
+    """This rank's evaluation batches, one unperturbed pass each; resumes at the shards
+    not yet on disk."""
+    net, sites = setup.model, setup.sites
+    todo = ranks.mine([b for b in range(cache.n_batches) if not cache.has(cache.eval_name(b))])
+    for done, (b, x) in enumerate(batches(setup.data.eval_ids, cache.batch_size,
+                                          device_of(net), todo), start=1):
+        _, coefficients, nll = record_batch(net, sites, x)
+        check_finite(coefficients, "evaluation data")
+        check_finite_nll(nll, f"the unperturbed record pass, batch {b}")
+        cache.write(cache.eval_name(b), _eval_shard(nll, coefficients))
+        progress("record evaluation", done, len(todo), "")
+
+
+def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], progress: Progress,
+                 ranks: Ranks = SINGLE) -> dict[str, int]:
+    """This rank's batches under every run, batch by batch (every run of one batch before
+    the next batch); each finished batch is cached, so an interrupted replay resumes there.
+
+    A cached batch is reused only when every run's feed digest, recomputed now, equals the
+    one stored with it (same runs, order, schedule, token ids and fed tensors, bit for
+    bit); otherwise the whole batch is replayed again and its shard replaced. Returns how
+    many of this rank's batches were reused and recomputed.
+    """
+    cache = inputs.cache
+    mine = ranks.mine(list(range(cache.n_batches)))
+    todo = [b for b in mine if not _reusable(setup, inputs, runs, b)]
+    for done, (b, x) in enumerate(batches(setup.data.eval_ids, cache.batch_size,
+                                          device_of(setup.model), todo), start=1):
+        cache.write(cache.replay_name(b), _replay_one_batch(setup, inputs, runs, b, x))
+        progress("replay", done, len(todo), f"batch {b + 1} of {cache.n_batches}")
+    return {"batches_reused": len(mine) - len(todo), "batches_recomputed": len(todo)}
+
+
+def _context(setup: Setup, b: int) -> bytes:
+    """What a batch's runs depend on besides their fed tensors: its token ids, the schedule."""
+    size = setup.options.batch_size
+    ids = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids[b * size:(b + 1) * size]))
+    return digest_tensors([("ids", ids)], setup.options.schedule.encode())
+
+
+def _reusable(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> bool:
+    """True when batch ``b``'s cached shard was computed from exactly what this audit would
+    feed: every run's digest, recomputed from fresh feeds, equals the stored one."""
+    cache, name = inputs.cache, inputs.cache.replay_name(b)
+    if not cache.has(name):
+        return False
+    shard = cache.read(name)  # checksum verified: a corrupted shard is an error, not a miss
+    if float(shard["identity_diff"]) != 0 and not setup.options.allow_nonexact_identity:
+        return False  # replayed again: the identity check then stops the audit
+    context = _context(setup, b)
+    cpu = torch.device("cpu")
+    expected = [run_digest(run, feed(run, b, inputs, cpu), context) for run in runs]
+    return same_bits(shard.get("feed_digest"), _digest_tensor(expected))
+
+
+def _digest_tensor(digests: Sequence[bytes]) -> Tensor:
+    return torch.tensor([list(d) for d in digests], dtype=torch.uint8)
+
+
+@dataclass
+class Replays:
+    """Every batch's replay results, gathered: per-sequence NLL per run (run order), the
+    identity replay's max |diff|, how the schedule went, and routing counts."""
+
+    per_run: list[np.ndarray]
+    identity_diff: float
+    schedule: dict[str, Any]
+    route_load: dict[str, Tensor]  # router site -> token-slots per expert (correct replay)
+    route_changed: Tensor | None  # [tracked runs, router sites] tokens re-routed
+
+
+def replay_results(cache: CoefficientCache, options: AuditOptions) -> Replays:
+    shards = [cache.read(cache.replay_name(b)) for b in range(cache.n_batches)]
+    per_run = torch.cat([s["nll"] for s in shards], dim=1).numpy()
+    states = [int(s["prefix"]) for s in shards]
+    schedule = {"requested": options.schedule,
+                "batches_prefix_reused": states.count(PREFIX_REUSED),
+                "batches_fell_back_to_full_passes": states.count(PREFIX_FELL_BACK),
+                "batches": len(states)}
+    load = {k.removeprefix("route_load::"): sum(s[k] for s in shards)
+            for k in shards[0] if k.startswith("route_load::")}
+    changed = sum(s["route_changed"] for s in shards) if "route_changed" in shards[0] else None
+    return Replays(list(per_run), max(float(s["identity_diff"]) for s in shards), schedule,
+                   load, changed)
+
+
+PREFIX_OFF, PREFIX_REUSED, PREFIX_FELL_BACK = 0, 1, 2
+
+
+class _Passes:
+    """The replay passes of one batch: each run fed from the cache, its digest taken from
+    exactly the tensors fed, its per-token NLL checked finite."""
+
+    def __init__(self, setup: Setup, inputs: ReplayInputs, b: int, x: Tensor) -> None:
+        self.net, self.inputs, self.b, self.x = setup.model, inputs, b, x
+        self.context = _context(setup, b)
+        self.correct_fed: dict[Site, Tensor] = {}
+
+    def replay(self, run: Run, **kw: Any) -> tuple[Replayed, Tensor, bytes]:
+        fed = feed(run, self.b, self.inputs, torch.device("cpu"))
+        digest = run_digest(run, fed, self.context)
+        fed = {s: t.to(self.x.device) for s, t in fed.items()}
+        if run.condition == "correct":
+            self.correct_fed = fed
+        out = replay_batch(self.net, self.x, fed, **kw)
+        nll = token_nll(out.logits, self.x).cpu()
+        check_finite_nll(nll, f"replay under {run.key}, batch {self.b}")
+        return out, nll, digest
+
+    def correct_with(self, known: Mapping[str, Any] | None = None) -> Tensor:
+        """The correct replay's logits again (with ``known`` blocks stubbed)."""
+        return replay_batch(self.net, self.x, self.correct_fed, known=known).logits
+
+
+@torch.no_grad()
+def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int,
+                      x: Tensor) -> dict[str, Tensor]:
+    """Every run on batch ``b``: the correct replay first, then the per-layer runs (on the
+    suffix when prefix reuse holds, see :func:`_per_layer`), then the other runs, then the
+    correct replay again, which must equal the first bit for bit; for router sites, the
+    expert load of the correct replay and how many tokens each main condition re-routes.
+    Rows stay in plan order, each with the digest of what its run was fed."""
+    assert runs[0].condition == "correct" and runs[0].site is None
+    passes, routed = _Passes(setup, inputs, b, x), routing_sites(inputs.sites)
+    traced = setup.blocks if setup.options.schedule == "prefix" and \
+        any(r.site is not None for r in runs) else None
+    first, nll, digest = passes.replay(runs[0], select=bool(routed), trace=traced)
+    diff = _identity_diff(setup, nll, inputs.cache.batch(b, "nll"), b)
+    done = {0: (nll.double().mean(1), digest)}
+    state = _per_layer(passes, runs, first, done)
+    shard = {f"route_load::{s.name}": expert_counts(first.chosen[s.name],
+                                                    passes.correct_fed[s].shape[-1])
+             for s in routed}
+    changed = []
+    for i, run in enumerate(runs):
+        if i in done:
+            continue
+        tracked = bool(routed) and run.site is None and run.custom is None
+        out, nll, digest = passes.replay(run, select=tracked)
+        if tracked:
+            changed.append([changed_rows(first.chosen[s.name], out.chosen[s.name])
+                            for s in routed])
+        done[i] = (nll.double().mean(1), digest)
+    diff = max(diff, _history_diff(setup, passes, first.logits, len(runs)))
+    if routed:
+        shard["route_changed"] = torch.tensor(changed, dtype=torch.float64)
+    rows = [done[i] for i in range(len(runs))]
+    return {"nll": torch.stack([r[0] for r in rows]),
+            "feed_digest": _digest_tensor([r[1] for r in rows]),
+            "identity_diff": torch.tensor(diff, dtype=torch.float64),
+            "prefix": torch.tensor(state), **shard}
+
+
+def _identity_diff(setup: Setup, nll: Tensor, recorded: Tensor, b: int) -> float:
+    diff = float((nll - recorded).abs().max())
+    if diff != 0 and not setup.options.allow_nonexact_identity:
+        raise FcauditError(
+            f"identity replay is not exact on batch {b}: the per-token NLL differs by up to "
+            f"{diff:.3g} nats. Likely causes: {IDENTITY_CAUSES}. Rerun with "
+            "--allow-nonexact-identity to see the numbers flagged as not exact")
+    return diff
+
+
+def _history_diff(setup: Setup, passes: _Passes, logits: Tensor, n_runs: int) -> float:
+    """The correct replay once more, after every other run of the batch: a model whose
+    output depends on earlier passes (state kept between calls) shows here, any schedule."""
+    again = passes.correct_with()
+    if same_bits(again, logits):
+        return 0.0
+    x = passes.x
+    diff = float((token_nll(again, x) - token_nll(logits, x)).abs().max())
+    if not setup.options.allow_nonexact_identity:
+        raise FcauditError(
+            f"the correct replay of batch {passes.b}, repeated after the batch's other "
+            f"{n_runs - 1} runs, differs from the first by up to {diff:.3g} nats: the model's "
+            "output depends on earlier forward passes (state kept between calls), so every "
+            "replay's number would depend on the order of the runs; make the forward pass a "
+            "function of its input (and coefficients) alone, or rerun with "
+            "--allow-nonexact-identity to see the numbers flagged as not exact")
+    return diff
+
+
+def _per_layer(passes: _Passes, runs: Sequence[Run], first: Replayed,
+               done: dict[int, tuple[Tensor, bytes]]) -> int:
+    """The per-layer runs, right after the correct replay. With a trace (prefix schedule)
+    the sites go from the last called to the first, so the blocks a run takes from the
+    correct replay have not run since it; before a site's runs, the correct replay with
+    that site's prefix stubbed must equal the full one bit for bit, from the state those
+    runs start in. One failure: every per-layer run of the batch becomes a full pass."""
+    layer = [(i, r.site) for i, r in enumerate(runs) if r.site is not None]
+    trace = first.trace
+    if trace is not None:
+        layer.sort(key=lambda item: -trace.starts[item[1].path])
+    state, proven = PREFIX_OFF, set()
+    for i, site in layer:
+        known = {p: trace.outputs[p] for p in trace.prefix(site.path)} if trace else {}
+        if known and site.path not in proven:
+            if not same_bits(passes.correct_with(known), first.logits):
+                for j, _ in layer:
+                    done[j] = _row(passes, runs[j])
+                return PREFIX_FELL_BACK
+            proven.add(site.path)
+            state = PREFIX_REUSED
+        done[i] = _row(passes, runs[i], known=known or None)
+    return state
+
+
+def _row(passes: _Passes, run: Run, **kw: Any) -> tuple[Tensor, bytes]:
+    _, nll, digest = passes.replay(run, **kw)
+    return nll.double().mean(1), digest

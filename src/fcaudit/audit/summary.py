@@ -1,0 +1,88 @@
+"""Summarize: results from per-sequence NLLs and the cached coefficients.
+
+Penalties, retention and interaction (paired bootstrap over sequences) for every
+condition, per-layer variant and user intervention; the variance decomposition,
+variation and profiles of each family's coefficients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fcaudit.audit.cache import CoefficientCache
+from fcaudit.audit.metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
+from fcaudit.audit.options import AuditOptions
+from fcaudit.audit.plan import Run
+from fcaudit.audit.result import (
+    MAIN_CONDITIONS,
+    PER_LAYER_CONDITIONS,
+    RETENTION_PROFILES,
+    ConditionResult,
+    LayerConditionResult,
+)
+from fcaudit.core.contract import Site
+from fcaudit.core.sites import families
+
+
+def _condition(per_seq: Mapping[str, np.ndarray], repeats: Mapping[str, list[np.ndarray]],
+               key: str, boot: Bootstrap) -> ConditionResult:
+    correct = per_seq["correct"]
+    delta, ci = penalty(per_seq[key], correct, boot)
+    reps = repeats[key]
+    return ConditionResult(float(per_seq[key].mean()), delta, ci,
+                           [float(r.mean()) for r in reps],
+                           [float((r - correct).mean()) for r in reps])
+
+
+@dataclass
+class Summary:
+    conditions: dict[str, ConditionResult]
+    per_layer: dict[str, list[LayerConditionResult]]
+    retention: dict[str, Any]
+    interaction: Any
+    custom: dict[str, ConditionResult]
+
+
+def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.ndarray,
+              sites: Sequence[Site], options: AuditOptions) -> Summary:
+    """Penalties, retention and interaction from per-sequence NLLs (paired bootstrap);
+    ``replayed`` holds one array per run, in run order."""
+    repeats: dict[str, list[np.ndarray]] = {}
+    for run, values in zip(runs, replayed, strict=True):  # repeats of a key come in order
+        repeats.setdefault(run.key, []).append(values)
+    repeats["original"] = [original]
+    per_seq = {k: np.mean(v, axis=0) for k, v in repeats.items()}
+    boot = Bootstrap(len(original), options.bootstrap, options.seed * 1000 + 7)
+    conditions = {c: _condition(per_seq, repeats, c, boot) for c in MAIN_CONDITIONS}
+    per_layer = {c: [LayerConditionResult(**dataclasses.asdict(_condition(
+        per_seq, repeats, f"{c}@{s.name}", boot)), layer=s.layer, site=s.name, family=s.family)
+        for s in sites] for c in PER_LAYER_CONDITIONS} if options.per_layer else {}
+    correct = per_seq["correct"]
+    ret = {p: retention(per_seq[p], correct, per_seq["global-mean"], boot)
+           for p in RETENTION_PROFILES}
+    inter = interaction(per_seq["reassign+shuffle"], per_seq["reassign"], per_seq["shuffle"],
+                        correct, boot)
+    custom = {r.custom.name: _condition(per_seq, repeats, r.key, boot)
+              for r in runs if r.custom is not None}
+    return Summary(conditions, per_layer, ret, inter, custom)
+
+
+def describe(cache: CoefficientCache, sites: Sequence[Site]) -> tuple[dict, dict, dict, np.ndarray]:
+    """Variance, variation and profiles per family, and the original per-sequence NLL."""
+    accumulators = {f: VarianceAccumulator([s for s in sites if s.family == f])
+                    for f in families(sites)}
+    original = np.empty(cache.n_sequences)
+    for b in range(cache.n_batches):
+        coefficients = {s.name: cache.batch(b, f"site::{s.name}") for s in sites}
+        for acc in accumulators.values():
+            acc.add(coefficients)
+        rows = cache.batch_range(b)
+        original[rows.start:rows.stop] = cache.batch(b, "nll").double().mean(1).numpy()
+    return ({f: a.decompose() for f, a in accumulators.items()},
+            {f: a.variation() for f, a in accumulators.items()},
+            {f: a.profile() for f, a in accumulators.items()}, original)

@@ -1,0 +1,1 @@
+"""fcaudit.core: see docs/architecture.md."""

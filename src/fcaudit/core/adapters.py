@@ -1,0 +1,186 @@
+"""Built-in controller adapters (see :class:`fcaudit.core.contract.ControllerAdapter`).
+
+* :data:`TENSOR`: the output is the coefficient tensor ``[B, T, ...]``.
+* :data:`FLAT`: the output is a flattened ``[B*T, ...]`` tensor (e.g. a router or a
+  gate that runs on ``hidden.view(-1, C)``).
+* :class:`TupleAdapter`: the output is a tuple; one element is the coefficient
+  tensor (plain or flattened) and ``derive`` recomputes the whole tuple from it.
+
+:data:`AUTO` (the adapter of sites named by ``--sites`` globs) picks :data:`TENSOR` or
+:data:`FLAT` from the module's output when it is first recorded, and explains what to
+do when neither fits.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fcaudit.core.contract import ControllerAdapter, SiteCall
+from fcaudit.core.errors import FcauditError
+
+ADAPTER_API = ("give the site an adapter: Site(..., adapter=fcaudit.core.routers.RouterAdapter()) for a "
+               "router whose logits come from one linear projection, fcaudit.core.adapters."
+               "TupleAdapter(index, derive) for another tuple, or your own object with "
+               "extract(output, call) and rebuild(coefficients, call), declared by the model's "
+               "controller_sites() or passed as sites=[Site(...)] to fcaudit.record, replay or "
+               "audit; see docs/method.md, section Adapters")
+
+
+def describe(value: Any) -> str:
+    """A short description of a module output: type, dtype and shape, tuple elements too."""
+    if isinstance(value, Tensor):
+        return f"Tensor{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(describe(v) for v in value[:6])
+        more = ", ..." if len(value) > 6 else ""
+        return f"{type(value).__name__}({inner}{more})"
+    return type(value).__name__
+
+
+@dataclass(frozen=True)
+class TensorAdapter:
+    """The output is the coefficient tensor ``[B, T, *trailing]`` itself."""
+
+    name: str = "tensor"
+
+    def extract(self, output: Any, call: SiteCall) -> Tensor:
+        if not isinstance(output, Tensor):
+            raise FcauditError(f"output is {describe(output)}, not a tensor; {ADAPTER_API}")
+        if output.dim() < 2 or output.shape[0] != call.batch or output.shape[1] != call.seq_len:
+            raise FcauditError(
+                f"output has shape {list(output.shape)}, expected [batch={call.batch}, "
+                f"positions={call.seq_len}, ...]; name per-token coefficient modules or "
+                f"{ADAPTER_API}")
+        return output
+
+    def rebuild(self, coefficients: Tensor, call: SiteCall) -> Tensor:
+        return coefficients
+
+
+@dataclass(frozen=True)
+class FlatAdapter:
+    """The output is ``[B*T, *trailing]``: tokens flattened batch-major."""
+
+    name: str = "flat"
+
+    def extract(self, output: Any, call: SiteCall) -> Tensor:
+        n = call.batch * call.seq_len
+        if not isinstance(output, Tensor) or output.dim() < 1 or output.shape[0] != n:
+            raise FcauditError(f"output is {describe(output)}, expected a flattened tensor "
+                               f"[batch*positions={n}, ...]; {ADAPTER_API}")
+        return output.view(call.batch, call.seq_len, *output.shape[1:])
+
+    def rebuild(self, coefficients: Tensor, call: SiteCall) -> Tensor:
+        return coefficients.reshape(call.batch * call.seq_len, *coefficients.shape[2:])
+
+
+TENSOR = TensorAdapter()
+FLAT = FlatAdapter()
+
+Derive = Callable[[Tensor, SiteCall], tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class TupleAdapter:
+    """A tuple output whose element ``index`` is the coefficient tensor, ``[B, T, ...]``
+    or, with ``flat``, ``[B*T, ...]``. ``derive(element, call)`` returns the whole tuple
+    as the module would have, from that element alone (e.g. a router's top-k weights
+    and indices from its logits); it gets the element in its own layout."""
+
+    index: int
+    derive: Derive
+    flat: bool = False
+    name: str = "tuple"
+
+    def extract(self, output: Any, call: SiteCall) -> Tensor:
+        if not isinstance(output, tuple) or not -len(output) <= self.index < len(output):
+            raise FcauditError(f"output is {describe(output)}, expected a tuple with element "
+                               f"{self.index}; {ADAPTER_API}")
+        return (FLAT if self.flat else TENSOR).extract(output[self.index], call)
+
+    def rebuild(self, coefficients: Tensor, call: SiteCall) -> tuple[Any, ...]:
+        element = (FLAT if self.flat else TENSOR).rebuild(coefficients, call)
+        return tuple(self.derive(element, call))
+
+
+def infer_adapter(output: Any, call: SiteCall) -> ControllerAdapter:
+    """The built-in adapter that fits an ``output``, or a one-line error."""
+    if isinstance(output, Tensor):
+        if output.dim() >= 2 and tuple(output.shape[:2]) == (call.batch, call.seq_len):
+            return TENSOR
+        if output.dim() >= 1 and output.shape[0] == call.batch * call.seq_len:
+            return FLAT
+        raise FcauditError(
+            f"output is {describe(output)}: neither [batch={call.batch}, "
+            f"positions={call.seq_len}, ...] nor flattened [{call.batch * call.seq_len}, ...]; "
+            "name per-token coefficient modules")
+    raise FcauditError(f"output is {describe(output)}, not a coefficient tensor; fcaudit cannot "
+                       f"tell which part holds the coefficients: {ADAPTER_API}")
+
+
+# What AUTO learned about each module it recorded (weakly held: no model is kept alive).
+_LEARNED: weakref.WeakKeyDictionary[Any, ControllerAdapter] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class AutoAdapter:
+    """For sites named by a glob: :data:`TENSOR` or :data:`FLAT`, whichever fits the
+    module's output, decided when the module is first recorded and remembered for its
+    replay. Anything else (a tuple) needs an explicit adapter."""
+
+    name: str = "auto"
+
+    def extract(self, output: Any, call: SiteCall) -> Tensor:
+        adapter = infer_adapter(output, call)
+        _LEARNED[call.module] = adapter
+        return adapter.extract(output, call)
+
+    def rebuild(self, coefficients: Tensor, call: SiteCall) -> Any:
+        return self.resolved(call.module).rebuild(coefficients, call)
+
+    @staticmethod
+    def resolved(module: Any) -> ControllerAdapter:
+        adapter = _LEARNED.get(module)
+        if adapter is None:
+            raise FcauditError(
+                f"the output layout of {type(module).__name__} is not known: sites found by "
+                "globs learn it when this very module is recorded; replay the Recording that "
+                "fcaudit.record returned (fcaudit.replay(model, recording)), or give the Site "
+                "an explicit adapter")
+        return adapter
+
+
+AUTO = AutoAdapter()
+
+
+def adapter_name(adapter: Any, module: Any) -> str:
+    """The adapter actually in use for ``module`` (what AUTO resolved to)."""
+    if isinstance(adapter, AutoAdapter):
+        adapter = AutoAdapter.resolved(module)
+    return getattr(adapter, "name", type(adapter).__name__)
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """True when two outputs are bitwise identical: same structure, dtypes, shapes and bits
+    (NaNs compare equal to themselves)."""
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+            return False
+        if a.is_floating_point() or a.is_complex():
+            return bool(torch.equal(a.contiguous().view(torch.uint8),
+                                    b.contiguous().view(torch.uint8)))
+        return bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(
+            same_bits(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return False
+    return a == b

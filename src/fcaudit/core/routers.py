@@ -1,0 +1,385 @@
+"""Mixture-of-Experts routers: a generic adapter, routing metrics and expert execution counts.
+
+**The adapter.** A router reads hidden states and computes its logits with one
+linear projection (``F.linear``, an ``nn.Linear`` child, or a matmul with its
+weight); everything after that (softmax or sigmoid, bias correction, group-limited
+top-k, renormalisation, scaling, dtype casts) is a fixed function of the logits and
+the router's buffers. :class:`RouterAdapter` takes the projection's output as the
+coefficient tensor and rebuilds the router's output by running the router's *own*
+forward with that one projection intercepted (a ``TorchFunctionMode`` active only
+during the call): the projection returns the supplied logits without being
+computed, and the rest runs exactly as the family wrote it. So a reassigned,
+shuffled or static condition selects experts exactly as the donor's logits would,
+and identity replay is bitwise exact. Supplied logits are cast to the dtype the
+projection would have produced (a no-op for recorded ones).
+
+The coefficient is the projection's output, not an element of the router's
+output: some routers return probabilities (Gemma 4), soft-capped or scaled logits
+(Laguna, Muse Spark) or a slice of them (Inkling). Recording therefore runs the
+router's forward once more with the projection observed (one small matmul per
+router and pass).
+
+**Metrics** are pure functions of top-k index tensors ``[..., k]``: expert load and
+its entropy, and how many top-k expert sets two routings disagree on.
+
+**Execution counts** come from hooks on the experts: tokens entering each expert
+module, or, for a fused module that runs every expert, the int64 ``[tokens, k]``
+index tensor among its inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (torch's own convention)
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from fcaudit.audit.result import LayerRouting, RoutingSummary
+from fcaudit.core.adapters import ADAPTER_API, TENSOR, describe
+from fcaudit.core.contract import ExpertLayer, SiteCall
+from fcaudit.core.errors import FcauditError
+
+# every way a router may compute its projection: intercepted, and counted
+PROJECTIONS = frozenset({
+    F.linear, torch.matmul, Tensor.matmul, Tensor.__matmul__, Tensor.__rmatmul__,
+    torch.mm, Tensor.mm, torch.addmm, Tensor.addmm, torch.bmm, Tensor.bmm, torch.einsum,
+})
+
+
+def _meta(value: Any) -> Any:
+    """``value`` with its tensors (also inside a list, as ``einsum`` takes them) on meta."""
+    if isinstance(value, Tensor):
+        return torch.empty_like(value, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta(v) for v in value)
+    return value
+
+
+def _device(values: Sequence[Any]) -> torch.device:
+    for value in values:
+        if isinstance(value, Tensor):
+            return value.device
+        if isinstance(value, (list, tuple)) and value:
+            return _device(value)
+    return torch.device("cpu")
+
+
+class _Projection(TorchFunctionMode):
+    """Counts the projections of one router call. The first returns ``supplied`` in its
+    place (its shape and dtype worked out on the meta device, nothing computed), or,
+    with ``supplied`` None, runs and a copy of its output is kept (taken at once, so a
+    later in-place edit by the router cannot change it). Any further projection runs
+    as written, for the caller to refuse the router by the count."""
+
+    def __init__(self, supplied: Tensor | None) -> None:
+        super().__init__()
+        self.supplied = supplied
+        self.calls = 0
+        self.output: Tensor | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in PROJECTIONS:
+            return func(*args, **kwargs)
+        self.calls += 1
+        if self.supplied is not None and self.calls == 1:
+            return self._substitute(func, args, kwargs, self.supplied)
+        output = func(*args, **kwargs)
+        if self.calls == 1:
+            self.output = output.detach().clone()
+        return output
+
+    @staticmethod
+    def _substitute(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                    supplied: Tensor) -> Tensor:
+        like = func(*_meta(tuple(args)), **{k: _meta(v) for k, v in kwargs.items()})
+        if like.numel() != supplied.numel():
+            raise FcauditError(
+                f"the router's projection gives {list(like.shape)}, which does not hold the "
+                f"supplied logits {list(supplied.shape)}: feed coefficients recorded from this "
+                "router (same batch, positions and experts)")
+        device = _device([*args, *kwargs.values()])
+        return supplied.reshape(like.shape).to(device=device, dtype=like.dtype)
+
+
+@dataclass(frozen=True)
+class RouterAdapter:
+    """:class:`~fcaudit.core.contract.RoutingAdapter` for a router whose logits come from
+    exactly one linear projection (see the module docstring).
+
+    ``selected_experts`` reads the router's top-k index tensor: the one integer tensor
+    in its output tuple. A router without one (DBRX, Llama 4 return logits or scores
+    and leave the top-k to the caller) is read as the top-``top_k`` of output element
+    ``logits_index`` (the output itself when it is a tensor), since softmax and sigmoid
+    keep the order; ``top_k`` defaults to the router's own ``top_k`` attribute.
+    """
+
+    top_k: int | None = None
+    logits_index: int = 0
+    name: str = field(default="router", init=False)
+
+    def _run(self, call: SiteCall, supplied: Tensor | None) -> tuple[Any, _Projection]:
+        mode = _Projection(supplied)
+        with mode:
+            # forward, not __call__: hooks on the router (the recorder's own) must not fire
+            output = call.module.forward(*call.args, **call.kwargs)
+        if mode.calls != 1:
+            raise FcauditError(
+                f"router {type(call.module).__name__} ran {mode.calls} linear projections "
+                "(F.linear, matmul, mm, einsum) in one call; fcaudit's RouterAdapter needs "
+                f"exactly one, the logits: {ADAPTER_API}")
+        return output, mode
+
+    def extract(self, output: Any, call: SiteCall) -> Tensor:
+        """The projection's output (the router logits) as ``[B, T, E]``."""
+        _, mode = self._run(call, None)
+        logits = mode.output
+        assert logits is not None  # set by the single projection _run checked for
+        tokens = call.batch * call.seq_len
+        if logits.dim() < 1 or logits.numel() % tokens:
+            raise FcauditError(
+                f"router {type(call.module).__name__}: its projection gives "
+                f"{describe(logits)}, not one row of logits per token ({tokens} tokens); "
+                f"{ADAPTER_API}")
+        return logits.reshape(call.batch, call.seq_len, -1)
+
+    def rebuild(self, coefficients: Tensor, call: SiteCall) -> Any:
+        """The router's output for ``coefficients`` as logits: its own forward, with the
+        projection returning them instead of being computed."""
+        output, _ = self._run(call, coefficients)
+        return output
+
+    def selected_experts(self, output: Any, call: SiteCall) -> Tensor:
+        """The top-k expert indices ``[B, T, k]`` (int64) that ``output`` routes to."""
+        items = output if isinstance(output, (tuple, list)) else (output,)
+        indices = [t for t in items if isinstance(t, Tensor) and not t.is_floating_point()]
+        if len(indices) == 1:
+            return indices[0].long().reshape(call.batch, call.seq_len, -1)
+        if indices:
+            raise FcauditError(
+                f"router {type(call.module).__name__} returned {describe(output)}: several "
+                "integer tensors, so which holds the top-k experts is ambiguous; count expert "
+                "execution on the experts module instead")
+        scores = items[self.logits_index] if isinstance(output, (tuple, list)) else output
+        k = self.top_k if self.top_k is not None else getattr(call.module, "top_k", None)
+        if not isinstance(k, int) or not isinstance(scores, Tensor):
+            raise FcauditError(
+                f"router {type(call.module).__name__} returned {describe(output)} with no "
+                "top-k index tensor and has no top_k: give RouterAdapter(top_k=...)")
+        return scores.reshape(call.batch * call.seq_len, -1).topk(k, dim=-1).indices.reshape(
+            call.batch, call.seq_len, k)
+
+
+@dataclass(frozen=True)
+class TopKLogits:
+    """:class:`~fcaudit.core.contract.RoutingAdapter` for a router module that returns its logits
+    ``[B, T, E]`` and leaves the selection (the top-``top_k`` logits) to the block: the
+    output is the coefficient, as with the plain tensor adapter, and the selected experts
+    are its top-k."""
+
+    top_k: int
+    name: str = field(default="topk-logits", init=False)
+
+    def extract(self, output: Any, call: SiteCall) -> Tensor:
+        return TENSOR.extract(output, call)
+
+    def rebuild(self, coefficients: Tensor, call: SiteCall) -> Tensor:
+        return coefficients
+
+    def selected_experts(self, output: Any, call: SiteCall) -> Tensor:
+        return output.topk(self.top_k, dim=-1).indices
+
+
+# ---- routing metrics (pure functions of top-k index tensors [..., k]) ----
+
+def expert_load(indices: Tensor, num_experts: int) -> Tensor:
+    """Fraction of token-slots (token x top-k rank) routed to each expert: ``[E]``,
+    float64, summing to 1."""
+    counts = torch.bincount(indices.reshape(-1).long(), minlength=num_experts)
+    if counts.numel() > num_experts:
+        raise FcauditError(f"expert index {int(indices.max())} is out of range for "
+                           f"{num_experts} experts")
+    return counts.double() / max(int(counts.sum()), 1)
+
+
+def load_entropy(load: Tensor) -> tuple[float, float]:
+    """Entropy of an expert load distribution in nats, and divided by ``log E`` (1 is a
+    perfectly balanced load, 0 a single expert; 0 log 0 counts as 0)."""
+    p = load.double()
+    nats = float(-(p[p > 0] * p[p > 0].log()).sum())
+    return nats, (nats / math.log(p.numel()) if p.numel() > 1 else 0.0)
+
+
+def expert_counts(indices: Tensor, num_experts: int) -> Tensor:
+    """Token-slots routed to each of ``num_experts`` experts (int64 ``[E]``); indices outside
+    ``0..E-1`` (experts that compute nothing, e.g. LongCat's) are not counted."""
+    flat = indices.reshape(-1).long()
+    return torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)
+
+
+def changed_rows(a: Tensor, b: Tensor) -> int:
+    """How many rows (e.g. (layer, token) pairs) of two index tensors ``[..., k]`` of the
+    same shape select different top-k expert *sets* (order within a set ignored)."""
+    if a.shape != b.shape:
+        raise FcauditError(f"index tensors have shapes {list(a.shape)} and {list(b.shape)}; "
+                           "compare routings of the same tokens and layers")
+    rows_a = a.reshape(-1, a.shape[-1]).sort(dim=-1).values
+    rows_b = b.reshape(-1, b.shape[-1]).sort(dim=-1).values
+    return int((rows_a != rows_b).any(dim=-1).sum())
+
+
+def selection_change(a: Tensor, b: Tensor) -> float:
+    """Fraction of rows whose top-k expert sets differ (see :func:`changed_rows`)."""
+    rows = a.numel() // max(a.shape[-1], 1) if a.dim() else 0
+    return changed_rows(a, b) / rows if rows else 0.0
+
+
+ROUTING_NOTE = ("static-layer feeds every token of a layer the same logits, so all of them "
+                "select the same experts (one ranking per layer); global-mean gives every expert "
+                "the same logit, so the routing rule's tie-break (torch.topk) picks the experts")
+
+
+def routing_summary(sites: Sequence[Any], runs: Sequence[Any], load: dict[str, Tensor],
+                    changed: Tensor | None, tokens: int) -> dict[str, RoutingSummary]:
+    """Per router family: each layer's expert load and its entropy under the original
+    routing, and the share of tokens whose top-k set each main condition changes
+    (random conditions averaged over their repeats). ``changed[i, j]`` counts the
+    re-routed tokens of ``runs[i]`` at ``sites[j]``; ``tokens`` per site."""
+    by_condition: dict[str, list[int]] = {}
+    for i, run in enumerate(runs):
+        by_condition.setdefault(run.condition, []).append(i)
+    out = {}
+    for family in dict.fromkeys(s.family for s in sites):
+        layers, totals = [], {c: 0.0 for c in by_condition}
+        members = [(j, s) for j, s in enumerate(sites) if s.family == family]
+        for j, site in members:
+            counts = load[site.name]
+            share = counts.double() / max(int(counts.sum()), 1)
+            nats, normalized = load_entropy(share)
+            frac = {}
+            for condition, rows in by_condition.items():
+                moved = float(changed[rows, j].sum()) if changed is not None else 0.0
+                frac[condition] = moved / (len(rows) * tokens)
+                totals[condition] += frac[condition]
+            layers.append(LayerRouting(site.name, site.layer, share.tolist(), nats, normalized,
+                                       frac))
+        out[family] = RoutingSummary(
+            num_experts=max(len(x.load) for x in layers), tokens=tokens, per_layer=layers,
+            changed={c: v / len(members) for c, v in totals.items()}, note=ROUTING_NOTE)
+    return out
+
+
+# ---- execution counts ----
+
+@dataclass
+class ExpertCount:
+    """What ran in one routed layer while counting.
+
+    ``per_expert[e]``: token-slots that entered expert ``e``. ``rows``: for a fused
+    experts module, the ``[tokens, k]`` index tensors it was given, in call order (per
+    expert modules have no per-token record).
+    """
+
+    layer: ExpertLayer
+    per_expert: Tensor
+    rows: list[Tensor] = field(default_factory=list)
+
+    def experts_per_token(self, tokens: int) -> float:
+        """Mean experts executed per token, over ``tokens`` tokens routed in the layer."""
+        return float(self.per_expert.sum()) / tokens
+
+    def executed(self) -> Tensor:
+        """Experts executed per token ``[tokens]`` (fused modules only): distinct valid
+        experts in each index row."""
+        if not self.rows:
+            raise FcauditError(f"{self.layer.name}: per-token expert counts need a fused experts "
+                               "module (its index input); per-expert modules give loads only")
+        rows = torch.cat(self.rows)
+        valid = (rows >= 0) & (rows < self.layer.num_experts)
+        marks = torch.zeros(rows.shape[0], self.layer.num_experts + 1, dtype=torch.bool)
+        marks.scatter_(1, torch.where(valid, rows, self.layer.num_experts), True)
+        return marks[:, :-1].sum(dim=1)
+
+    def matches(self, selected: Tensor) -> bool:
+        """True when the experts that ran are exactly the router's ``selected`` top-k
+        indices ``[..., k]`` (indices outside ``0..E-1``, e.g. LongCat's zero-computation
+        experts, run nothing): the same load per expert and, for a fused module, the same
+        expert set for every token."""
+        experts = self.layer.num_experts
+        chosen = selected.reshape(-1, selected.shape[-1]).long()
+        valid = chosen[(chosen >= 0) & (chosen < experts)]
+        if not torch.equal(torch.bincount(valid, minlength=experts), self.per_expert):
+            return False
+        if not self.rows:
+            return True
+        rows = torch.cat(self.rows)
+        return rows.shape == chosen.shape and selection_change(rows, chosen) == 0.0
+
+
+def _index_input(values: Sequence[Any]) -> Tensor | None:
+    """The 2-D int64 tensor among a fused experts module's inputs (the top-k indices)."""
+    found = [v for v in values if isinstance(v, Tensor) and v.dtype == torch.int64
+             and v.dim() == 2]
+    return found[0] if len(found) == 1 else None
+
+
+def _tokens_in(values: Sequence[Any]) -> int:
+    tensor = next((v for v in values if isinstance(v, Tensor) and v.dim() > 0), None)
+    return 0 if tensor is None else tensor.numel() // tensor.shape[-1]
+
+
+@contextlib.contextmanager
+def counting_experts(model: nn.Module,
+                     layers: Sequence[ExpertLayer]) -> Iterator[dict[str, ExpertCount]]:
+    """Count expert executions while the block runs; yields layer name -> ExpertCount.
+
+    One module per expert: a pre-hook counts the tokens entering each. A single fused
+    module: a pre-hook reads the int64 ``[tokens, k]`` index tensor among its inputs
+    (values outside ``0..E-1``, e.g. an expert-parallel sentinel or LongCat's
+    zero-computation experts, are not counted). A fused module given no index tensor
+    runs every expert densely (Llama 4 stacks one copy of the tokens per expert): each
+    expert is counted for its share, rows / E, of what enters.
+    """
+    counts = {layer.name: ExpertCount(layer, torch.zeros(layer.num_experts, dtype=torch.int64))
+              for layer in layers}
+    handles = []
+    for layer in layers:
+        count = counts[layer.name]
+        fused = len(layer.experts) == 1
+        for expert, path in enumerate(layer.experts):
+            def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     count: ExpertCount = count, expert: int = expert, fused: bool = fused,
+                     path: str = path) -> None:
+                values = [*args, *kwargs.values()]
+                if not fused:
+                    count.per_expert[expert] += _tokens_in(values)
+                    return
+                rows = _index_input(values)
+                experts = count.layer.num_experts
+                if rows is None:  # no routing input: every expert runs on what it is given
+                    tokens = _tokens_in(values)
+                    if tokens % experts:
+                        raise FcauditError(
+                            f"fused experts module {path} received {describe(tuple(values))}: "
+                            "no int64 [tokens, k] index tensor, and its rows do not split into "
+                            f"{experts} experts; name one module per expert instead")
+                    count.per_expert += tokens // experts
+                    return
+                rows = rows.detach().cpu()
+                count.rows.append(rows)
+                valid = rows[(rows >= 0) & (rows < experts)]
+                count.per_expert += torch.bincount(valid, minlength=experts)
+            handles.append(model.get_submodule(path).register_forward_pre_hook(
+                hook, with_kwargs=True))
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()

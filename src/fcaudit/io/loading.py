@@ -1,0 +1,265 @@
+"""Model specs -> :class:`LoadedModel`, with an identity that covers everything read.
+
+A spec is one of:
+
+* an fcaudit run folder (``config.json`` with ``fcaudit_run``, ``model.safetensors``);
+* a local MUDDPythia / MUDDFormer folder in the Hugging Face layout (fcaudit's own code);
+* any other local Hugging Face causal-LM folder (through ``transformers``, the
+  ``fcaudit[hf]`` extra; safetensors only, never remote code);
+* ``package.module:factory``, a zero-argument callable returning an ``nn.Module``
+  (imported from the current directory as ``python -m`` would; only name code you trust).
+
+The fingerprint of a loaded model is what the coefficient cache is keyed by, so it
+covers the full config and the SHA-256 of every file the loader opened (by path
+inside the folder); for a factory, its weights and the source of its module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+
+from fcaudit.core.errors import FcauditError
+from fcaudit.io.data import folder_tokenizer
+from fcaudit.io.fileio import read_json, sha256_file, write_safetensors
+from fcaudit.io.weights import check_depth, check_keys, header_shapes, load_into, read_tensors
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How to build one architecture from a preset or a saved config (imported lazily)."""
+
+    name: str
+    module: str  # fcaudit.models.<file>
+    model_class: str
+    config_class: str
+    fixed: tuple[tuple[str, Any], ...] = ()  # config fields this arch forces
+
+    def _attr(self, name: str) -> Any:
+        return getattr(importlib.import_module(self.module), name)
+
+    @property
+    def presets(self) -> dict[str, Any]:
+        return self._attr("PRESETS")
+
+    def config(self, preset: str, vocab_size: int | None = None) -> Any:
+        if preset not in self.presets:
+            raise FcauditError(f"unknown preset {preset!r} for --arch {self.name}; choose one of "
+                               f"{', '.join(sorted(self.presets))}")
+        extra = {"vocab_size": vocab_size} if vocab_size else {}
+        return dataclasses.replace(self.presets[preset], **dict(self.fixed), **extra)
+
+    def config_from_dict(self, values: dict[str, Any]) -> Any:
+        return self._attr(self.config_class)(**values)
+
+    def build(self, config: Any) -> nn.Module:
+        return self._attr(self.model_class)(config)
+
+
+ARCHES: dict[str, Arch] = {
+    "featuregate": Arch("featuregate", "fcaudit.models.featuregate", "GPT", "GPTConfig",
+                        (("gated", True),)),
+    "dense": Arch("dense", "fcaudit.models.featuregate", "GPT", "GPTConfig", (("gated", False),)),
+    "skipgate": Arch("skipgate", "fcaudit.models.skipgate", "SkipGateGPT", "SkipGateConfig"),
+    "mudd": Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig"),
+    "moe": Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig"),
+}
+
+
+def get_arch(name: str) -> Arch:
+    if name not in ARCHES:
+        raise FcauditError(f"unknown arch {name!r}; choose one of {', '.join(ARCHES)}")
+    return ARCHES[name]
+
+
+@dataclass
+class LoadedModel:
+    """A model plus what the audit needs to know about where it came from."""
+
+    model: nn.Module
+    spec: str
+    kind: str  # "run", "hf-mudd", "hf", "factory" or "module"
+    tokenizer: Tokenizer | None = None
+    run_config: dict[str, Any] | None = None
+    fingerprint: str = ""
+    files: dict[str, str] = field(default_factory=dict)  # path in folder -> SHA-256
+    identity_note: str | None = None  # what the fingerprint cannot see
+
+
+def is_run_folder(path: Path) -> bool:
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return "fcaudit_run" in json.loads(cfg.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+def save_run_model(folder: Path, model: nn.Module) -> None:
+    write_safetensors(folder / "model.safetensors", dict(model.state_dict()))
+
+
+def _digest(parts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _hash_files(folder: Path, files: list[Path]) -> dict[str, str]:
+    return {str(f.relative_to(folder)): sha256_file(f) for f in files}
+
+
+def _run_config(folder: Path) -> tuple[dict[str, Any], Arch, Any]:
+    cfg = read_json(folder / "config.json", "run config")
+    try:
+        arch = get_arch(cfg["arch"])
+        return cfg, arch, arch.config_from_dict(cfg["model_config"])
+    except (KeyError, TypeError) as exc:
+        raise FcauditError(f"{folder / 'config.json'} is missing or has wrong fields ({exc}); "
+                           "retrain the run or restore its config.json") from exc
+    except FcauditError as exc:
+        raise FcauditError(f"{folder / 'config.json'}: {exc}") from exc
+
+
+def load_run(folder: Path, dtype: torch.dtype | None = None) -> LoadedModel:
+    """A run folder written by ``fcaudit train``; shapes are checked from the weights'
+    header before anything is built or allocated."""
+    cfg, arch, model_config = _run_config(folder)
+    weights = folder / "model.safetensors"
+    found = header_shapes([weights])
+    files = _hash_files(folder, [folder / "config.json", weights])
+    recorded = cfg.get("weights_sha256")  # absent in runs trained before it was recorded
+    if recorded is not None and recorded != files[weights.name]:
+        raise FcauditError(f"{weights} has SHA-256 {files[weights.name][:12]}..., but "
+                           f"{folder / 'config.json'} records {str(recorded)[:12]}... from "
+                           "training; the weights were changed or corrupted since: re-copy "
+                           "the run folder or retrain it")
+    check_depth(str(folder), found, model_config.n_layer)
+    with torch.device("meta"):
+        model = arch.build(model_config)
+    check_keys(str(folder), found, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    model = load_into(model, dict(read_tensors([weights], set(found), dtype))).eval()
+    return LoadedModel(model, str(folder), "run", folder_tokenizer(folder), cfg,
+                       _digest({"config": cfg, "files": files}), files)
+
+
+def _load_mudd(folder: Path, dtype: torch.dtype | None) -> LoadedModel:
+    from fcaudit.io import mudd_checkpoint
+    model = mudd_checkpoint.load_mudd_folder(folder, dtype=dtype)
+    files = _hash_files(folder, mudd_checkpoint.files_read(folder))
+    config = read_json(folder / "config.json", "MUDD config")
+    return LoadedModel(model, str(folder), "hf-mudd", folder_tokenizer(folder), None,
+                       _digest({"config": config, "files": files}), files)
+
+
+def _load_hf(folder: Path, dtype: torch.dtype | None) -> LoadedModel:
+    from fcaudit.io import hf
+    model, tokenizer, read = hf.load_hf_folder(folder, dtype=dtype)
+    files = _hash_files(folder, read)
+    config = read_json(folder / "config.json", "model config")
+    return LoadedModel(model, str(folder), "hf", tokenizer, None,
+                       _digest({"config": config, "files": files}), files)
+
+
+def state_fingerprint(model: nn.Module) -> str:
+    """Weights and plain settings of an in-memory model: every tensor of its state dict,
+    and every module attribute of a plain type (a mode string, a top-k, an epsilon), which
+    can change what the same weights compute."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(str(tensor.dtype).encode())
+        h.update(tensor.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    plain = (str, int, float, bool, type(None))
+    settings = {name: {k: v for k, v in sorted(vars(m).items())
+                       if not k.startswith("_") and k != "training" and isinstance(v, plain)}
+                for name, m in model.named_modules()}
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def code_identity(obj: Any) -> tuple[dict[str, str], str]:
+    """The SHA-256 of the source file defining ``obj``, and a note on what it misses."""
+    try:
+        source = Path(inspect.getsourcefile(obj) or "")
+    except TypeError:
+        source = Path()
+    if source.is_file():
+        return ({str(source): sha256_file(source)},
+                f"code identity covers {source.name} only: edits to other code the model "
+                "imports are not detected; delete OUT/cache after changing it")
+    return {}, "the model's code could not be located: code edits are not detected; delete " \
+               "OUT/cache after changing it"
+
+
+def load_module(model: nn.Module, spec: str, kind: str = "module",
+                code: Any = None) -> LoadedModel:
+    """An in-memory model (a factory's, or one passed to :func:`fcaudit.audit`)."""
+    model.eval()
+    files, note = code_identity(code if code is not None else type(model))
+    return LoadedModel(model, spec, kind, None, None,
+                       _digest({"state": state_fingerprint(model), "code": files, "spec": spec,
+                                "class": type(model).__qualname__}), files, note)
+
+
+def load_factory(spec: str, dtype: torch.dtype | None = None) -> LoadedModel:
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: the user's own package here
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise FcauditError(f"cannot import {module_name!r} for --model {spec} ({exc}); run from "
+                           "the folder that holds it, or add that folder to PYTHONPATH") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise FcauditError(f"{spec}: {module_name} has no callable {attr!r}; name a "
+                           "zero-argument function that builds the model")
+    try:
+        model = factory()
+    except Exception as exc:  # the user's own code: their error to fix, not fcaudit's bug
+        raise FcauditError(f"{spec}() raised {type(exc).__name__}: {exc}; the factory must "
+                           "build the model with no arguments (rerun with --debug for the "
+                           "traceback)") from exc
+    if not isinstance(model, nn.Module):
+        raise FcauditError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module; "
+                           "the factory must return the model itself")
+    if dtype is not None:
+        model = model.to(dtype)
+    return load_module(model, spec, "factory", code=module)
+
+
+def load(spec: str, dtype: torch.dtype | None = None) -> LoadedModel:
+    """Resolve any model spec (see module docstring) to a :class:`LoadedModel`."""
+    path = Path(spec)
+    if path.is_dir():
+        if is_run_folder(path):
+            return load_run(path, dtype)
+        from fcaudit.io.mudd_checkpoint import is_mudd_folder
+        if is_mudd_folder(path):
+            return _load_mudd(path, dtype)
+        if (path / "config.json").is_file():
+            read_json(path / "config.json", "model config")  # garbled JSON: clear error
+            return _load_hf(path, dtype)
+        raise FcauditError(f"{path} has no config.json: it is neither an fcaudit run folder nor "
+                           "a checkpoint folder in the Hugging Face layout; see "
+                           "`fcaudit audit --help`")
+    if ":" in spec and not path.exists():
+        return load_factory(spec, dtype)
+    raise FcauditError(f"model not found: {spec} (expected a folder or package.module:factory)")
+
+
+def load_model(spec: str, dtype: torch.dtype | None = None) -> nn.Module:
+    """Public API: the ``nn.Module`` for any spec (tokenizer optional, see :func:`load`)."""
+    return load(spec, dtype).model

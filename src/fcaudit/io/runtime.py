@@ -1,0 +1,65 @@
+"""Facts about the running environment: package versions, host, devices."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from typing import Any
+
+from fcaudit import __version__
+from fcaudit.core.errors import FcauditError
+
+
+def versions() -> dict[str, str]:
+    """Versions of everything that can change a number (recorded in every result)."""
+    import numpy
+    import safetensors
+    import tokenizers
+    import torch
+    return {"fcaudit": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
+            "safetensors": safetensors.__version__, "tokenizers": tokenizers.__version__,
+            "python": platform.python_version()}
+
+
+def host() -> dict[str, Any]:
+    import torch
+    return {"platform": platform.platform(), "python": sys.version.split()[0],
+            "torch_threads": torch.get_num_threads(), "machine": platform.machine()}
+
+
+def resolve_device(name: str | None, option: str = "--device") -> Any:
+    """A usable ``torch.device`` (default: CUDA when available), or one clear error."""
+    import torch
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise FcauditError(f"{option} {name!r} is not a device; use cpu, cuda or cuda:N") from exc
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise FcauditError(f"{option} {name!r}: fcaudit runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        raise FcauditError(f"{option} {name}: no CUDA device is available here; use --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise FcauditError(f"{option} {name}: this machine has {torch.cuda.device_count()} CUDA "
+                           "device(s)")
+    return device
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype(name: str | None) -> Any:
+    import torch
+    return None if name is None else getattr(torch, name)
+
+
+def measured_minutes(key: str) -> str:
+    """A wall time measured by ``benchmarks/timings.py`` (``demo``, ``tests``,
+    ``reproduce_tiny``), as the README and ``--help`` quote it."""
+    import json
+    from importlib import resources
+    minutes = json.loads(resources.files(__package__).joinpath("timings.json").read_text())
+    return f"{minutes[key]:g}"

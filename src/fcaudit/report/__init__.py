@@ -1,0 +1,1 @@
+"""fcaudit.report.audit_report: see docs/architecture.md."""

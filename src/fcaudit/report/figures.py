@@ -1,0 +1,452 @@
+"""Every figure fcaudit draws, for the audit report and for the reproduction study.
+
+One module so the report and ``reproduce`` draw profiles, penalties and variance
+shares the same way. Drawing functions take result objects or plain numbers, never
+audit.json dicts, and return None when there is nothing to draw; they draw only what
+the engine produces (a per-layer profile is mean ± sd, a position map is sampled every
+``position_stride`` positions).
+
+Output is deterministic, so re-rendering the same result gives byte-identical files:
+fixed sizes and style, salted SVG ids, no dates or software stamps. Each figure is
+written as PNG (embedded in HTML reports) and SVG (for print), atomically.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import matplotlib.style
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+
+from fcaudit.audit.result import ETA2_KEYS, Profile
+from fcaudit.io.fileio import write_bytes
+
+FIG_WIDTH = 8.0
+MAX_HEATMAP_COLUMNS = 256  # wider position maps are averaged in bins (PNG size, legibility)
+STYLE = ["default", {"svg.hashsalt": "fcaudit", "svg.fonttype": "path", "figure.dpi": 100,
+                     "savefig.dpi": 100, "font.size": 9, "legend.fontsize": 8, "axes.grid": True,
+                     "grid.alpha": 0.3, "axes.axisbelow": True}]
+_METADATA = {"png": {"Software": None}, "svg": {"Date": None, "Creator": None}}
+SHARE_LABELS = {"eta2_layer": "layer", "eta2_position": "position",
+                "eta2_layer_position": "layer × position", "eta2_component": "component",
+                "eta2_residual": "residual (input/token content)"}
+
+
+class Span(NamedTuple):
+    """A value with an interval (a 95% CI, or a range over seeds); any part may be None."""
+
+    value: float | None
+    lo: float | None = None
+    hi: float | None = None
+
+    @classmethod
+    def of(cls, value: float | None, interval: Sequence[float] | None) -> Span:
+        lo, hi = interval if interval is not None else (None, None)
+        return cls(value, lo, hi)
+
+
+@dataclass(frozen=True)
+class RenderedFigure:
+    """A written figure: its PNG bytes (for embedding) and the PNG and SVG paths."""
+
+    stem: str
+    caption: str
+    png: bytes
+    png_path: Path
+    svg_path: Path
+
+
+# A figure to draw: file stem, caption, and a function that draws it (None: no data).
+FigureSpec = tuple[str, str, Callable[[], Figure | None]]
+
+
+def write_figures(specs: Sequence[FigureSpec], fig_dir: Path) -> list[RenderedFigure]:
+    """Draw each figure under the fixed style (artists read it when created) and write
+    PNG and SVG atomically; figures without data are skipped."""
+    out = []
+    with matplotlib.style.context(STYLE):
+        for stem, caption, draw in specs:
+            fig = draw()
+            if fig is None:
+                continue
+            png, svg = _render(fig)
+            png_path, svg_path = fig_dir / f"{stem}.png", fig_dir / f"{stem}.svg"
+            write_bytes(png_path, png)
+            write_bytes(svg_path, svg)
+            out.append(RenderedFigure(stem, caption, png, png_path, svg_path))
+    return out
+
+
+def _render(fig: Figure) -> tuple[bytes, bytes]:
+    """PNG then SVG; the layout solved for the PNG is frozen so both match (and it is faster)."""
+    out = []
+    for fmt in ("png", "svg"):
+        buf = io.BytesIO()
+        fig.savefig(buf, format=fmt, metadata=_METADATA[fmt])
+        fig.set_layout_engine("none")
+        out.append(buf.getvalue())
+    return out[0], out[1]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _floats(values: Sequence[Any]) -> np.ndarray:
+    """A float array; None (a value the engine could not compute) becomes NaN."""
+    return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+
+def _error_bars(spans: Sequence[Span]) -> np.ndarray:
+    """Distances from each value to its interval ends, [2, n]; 0 where any part is missing."""
+    v, lo, hi = (_floats([getattr(s, k) for s in spans]) for k in ("value", "lo", "hi"))
+    err = np.nan_to_num(np.stack([v - lo, hi - v]), nan=0.0, posinf=0.0, neginf=0.0)
+    return np.clip(err, 0.0, None)
+
+
+def _stacked_axes(n: int, height: float) -> tuple[Figure, list[Axes]]:
+    fig = Figure(figsize=(FIG_WIDTH, 0.4 + height * n), layout="constrained")
+    return fig, list(fig.subplots(n, 1, squeeze=False)[:, 0])
+
+
+def _bin_columns(m: np.ndarray, max_columns: int) -> tuple[np.ndarray, int]:
+    """Average columns in equal bins so at most ``max_columns`` remain; NaN-aware."""
+    width = max(1, math.ceil(m.shape[1] / max_columns))
+    if width == 1:
+        return m, 1
+    bins = math.ceil(m.shape[1] / width)
+    padded = np.full((m.shape[0], bins * width), np.nan)
+    padded[:, :m.shape[1]] = m
+    blocks = padded.reshape(m.shape[0], bins, width)
+    finite = np.isfinite(blocks)
+    counts = finite.sum(axis=2)
+    sums = np.where(finite, blocks, 0.0).sum(axis=2)
+    return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan), width
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def profile_figure(panels: Mapping[str, Sequence[tuple[str, Profile]]]) -> Figure | None:
+    """One panel per title (a family, or a study group); one line per labelled profile:
+    the per-layer mean with a ±1 sd band."""
+    panels = {t: lines for t, lines in panels.items()
+              if any(np.isfinite(_floats(p.mean)).any() for _, p in lines)}
+    if not panels:
+        return None
+    fig, axes = _stacked_axes(len(panels), 2.6)
+    for ax, (title, lines) in zip(axes, panels.items(), strict=True):
+        for i, (label, profile) in enumerate(lines):
+            mean, sd = _floats(profile.mean), _floats(profile.sd)
+            x = np.arange(mean.size)
+            ax.fill_between(x, mean - sd, mean + sd, color=f"C{i}", alpha=0.2, lw=0)
+            ax.plot(x, mean, color=f"C{i}", marker="o", ms=3, label=label)
+        ax.set(title=f"{title}: mean coefficient per layer (band: ±1 sd)", xlabel="layer",
+               ylabel="coefficient")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if len(lines) > 1:
+            ax.legend(loc="best")
+    return fig
+
+
+def heatmap_figure(profiles: Mapping[str, Profile]) -> Figure | None:
+    """Mean coefficient by layer and position, one panel per family; the engine stores
+    every ``position_stride``-th position, and wide maps are averaged in bins."""
+    maps = {fam: (m, p.position_stride) for fam, p in profiles.items()
+            if (m := np.array([_floats(row) for row in p.position_mean])).ndim == 2
+            and np.isfinite(m).any()}
+    if not maps:
+        return None
+    fig, axes = _stacked_axes(len(maps), 2.8)
+    for ax, (fam, (m, stride)) in zip(axes, maps.items(), strict=True):
+        binned, width = _bin_columns(m, MAX_HEATMAP_COLUMNS)
+        right = binned.shape[1] * width * stride - 0.5 * stride
+        image = ax.imshow(np.ma.masked_invalid(binned), aspect="auto", interpolation="nearest",
+                          cmap="viridis", extent=(-0.5 * stride, right, m.shape[0] - 0.5, -0.5))
+        fig.colorbar(image, ax=ax, label="mean coefficient")
+        shown = [f"sampled every {stride} positions"] if stride > 1 else []
+        shown += [f"averaged in bins of {width}"] if width > 1 else []
+        binning = f" ({', '.join(shown)})" if shown else ""
+        ax.set(title=f"{fam}: mean coefficient by layer and position{binning}",
+               xlabel="position", ylabel="layer")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(False)
+    return fig
+
+
+def expert_load_figure(loads: Mapping[str, Sequence[Sequence[float]]]) -> Figure | None:
+    """What routing does, one panel per router family: the share of token-slots each layer
+    routes to each expert (from the original routing; uniform is 1/E). A map of mean
+    router logits would say nothing about which experts are picked."""
+    maps = {}
+    for fam, rows in loads.items():
+        if not rows:
+            continue
+        m = np.full((len(rows), max(len(r) for r in rows)), np.nan)
+        for i, row in enumerate(rows):
+            m[i, :len(row)] = _floats(row)
+        if np.isfinite(m).any():
+            maps[fam] = m
+    if not maps:
+        return None
+    fig, axes = _stacked_axes(len(maps), 2.8)
+    for ax, (fam, m) in zip(axes, maps.items(), strict=True):
+        image = ax.imshow(np.ma.masked_invalid(m), aspect="auto", interpolation="nearest",
+                          cmap="viridis", vmin=0.0, extent=(-0.5, m.shape[1] - 0.5,
+                                                            m.shape[0] - 0.5, -0.5))
+        fig.colorbar(image, ax=ax, label="share of token-slots")
+        ax.set(title=f"{fam}: expert load by layer (share of token-slots per expert; uniform "
+                     f"= 1/{m.shape[1]})", xlabel="expert", ylabel="layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(False)
+    return fig
+
+
+def penalty_figure(conditions: Mapping[str, Mapping[str, Span]],
+                   per_layer: Mapping[str, Sequence[tuple[int, Span]]] | None = None,
+                   ) -> Figure | None:
+    """Penalties vs correct with intervals: per condition (one marker per series: the
+    audit, or each study group), and per layer (one line per ``name@layer`` series)."""
+    series = {s: {c: span for c, span in conds.items() if span.value is not None}
+              for s, conds in conditions.items()}
+    names = list(dict.fromkeys(c for conds in series.values() for c in conds))
+    layers = {s: [(k, span) for k, span in entries if span.value is not None]
+              for s, entries in (per_layer or {}).items()}
+    layers = {s: entries for s, entries in layers.items() if entries}
+    if not names and not layers:
+        return None
+    fig, axes = _stacked_axes(bool(names) + bool(layers), 3.2)
+    if names:
+        ax = axes[0]
+        y = np.arange(len(names))[::-1].astype(float)
+        offsets = 0.5 * (np.arange(len(series)) - (len(series) - 1) / 2) / max(1, len(series))
+        for i, (label, conds) in enumerate(series.items()):
+            spans = [conds.get(n, Span(None)) for n in names]
+            ax.errorbar(_floats([s.value for s in spans]), y + offsets[i],
+                        xerr=_error_bars(spans), fmt="o", color=f"C{i}", capsize=3, label=label)
+        ax.axvline(0, color="grey", lw=0.8)
+        ax.set_yticks(y, names)
+        ax.set(title="Penalty per condition (all sites at once)",
+               xlabel="Δ NLL vs correct (nats) with interval")
+        if len(series) > 1:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if layers:
+        ax = axes[-1]
+        for i, (label, entries) in enumerate(layers.items()):
+            x = np.array([k for k, _ in entries], dtype=float) + 0.15 * (i - (len(layers) - 1) / 2)
+            spans = [s for _, s in entries]
+            ax.errorbar(x, _floats([s.value for s in spans]), yerr=_error_bars(spans), fmt="o-",
+                        ms=3, lw=1, capsize=2, color=f"C{i}", label=label)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(title="Penalty of intervening on one layer (others correct)", xlabel="layer",
+               ylabel="Δ NLL (nats), 95% CI")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def variance_figure(shares: Mapping[str, Mapping[str, float | None]]) -> Figure | None:
+    """Stacked variance shares (``ETA2_KEYS``) per bar: a family, or a study group."""
+    shares = {k: v for k, v in shares.items() if any(v.get(e) is not None for e in ETA2_KEYS)}
+    if not shares:
+        return None
+    fig = Figure(figsize=(FIG_WIDTH, 3.4), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(len(shares))
+    bottom = np.zeros(len(shares))
+    segments = [(SHARE_LABELS[key], f"C{i}", np.nan_to_num(_floats([v.get(key)
+                                                                    for v in shares.values()])))
+                for i, key in enumerate(ETA2_KEYS)]
+    remainder = np.clip(1.0 - sum(s for _, _, s in segments), 0.0, None)
+    for label, color, values in [*segments, ("unattributed", "lightgrey", remainder)]:
+        if not (values > 1e-3).any():
+            continue
+        bars = ax.bar(x, values, 0.6, bottom=bottom, color=color, label=label)
+        ax.bar_label(bars, [f"{s:.0%}" if s >= 0.05 else "" for s in values],
+                     label_type="center", fontsize=8)
+        bottom += values
+    ax.set_xticks(x, list(shares))
+    ax.grid(axis="x", visible=False)
+    ax.set_ylim(0, max(1.0, float(bottom.max())) * 1.02)
+    ax.set(title="Variance shares of the coefficients", ylabel="share of variance")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return fig
+
+
+def retention_figure(groups: Mapping[str, Sequence[Span]]) -> Figure | None:
+    """Static-layer gap retention per seed and group; an undefined one is an ``x`` at 0."""
+    if not any(groups.values()):
+        return None
+    fig = Figure(figsize=(FIG_WIDTH, 3.2), layout="constrained")
+    ax = fig.subplots()
+    for i, spans in enumerate(groups.values()):
+        x = i + 0.05 * np.arange(len(spans))
+        defined = np.array([s.value is not None for s in spans], dtype=bool)
+        ax.plot(x[~defined], np.zeros((~defined).sum()), "x", color="grey")
+        kept = [s for s in spans if s.value is not None]
+        if kept:
+            ax.errorbar(x[defined], _floats([s.value for s in kept]), yerr=_error_bars(kept),
+                        fmt="o", capsize=3, color=f"C{i}")
+    ax.set_xticks(range(len(groups)), list(groups))
+    ax.axhline(100, color="black", lw=0.8, ls="--")
+    ax.set(title="Gap retention of the static per-layer profile, per seed (x: undefined)",
+           ylabel="static-layer retention (%)")
+    return fig
+
+
+def ratio_figure(groups: Mapping[str, Mapping[str, Span]]) -> Figure | None:
+    """Model / dense ratios (bars) per group, one bar per measure, with their ranges."""
+    groups = {g: m for g, m in groups.items() if any(s.value is not None for s in m.values())}
+    if not groups:
+        return None
+    measures = list(dict.fromkeys(k for m in groups.values() for k, s in m.items()
+                                  if s.value is not None))
+    fig = Figure(figsize=(FIG_WIDTH, 3.2), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(len(groups))
+    width = 0.8 / len(measures)
+    for j, measure in enumerate(measures):
+        spans = [m.get(measure, Span(None)) for m in groups.values()]
+        ax.bar(x + width * j, _floats([s.value for s in spans]), width,
+               yerr=_error_bars(spans), capsize=3, label=measure)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(x + width * (len(measures) - 1) / 2, list(groups))
+    ax.set(title="Execution against the dense counterpart (bars: seed range)",
+           ylabel="model / dense")
+    ax.legend()
+    return fig
+
+
+# --------------------------------------------------------------------- trend study
+
+
+class TrendPoint(NamedTuple):
+    """One series' value at one ladder point: where the point sits on both axes, the mean
+    over seeds with its interval, each seed's value, and the point's name."""
+
+    params: float
+    tokens: float
+    value: Span
+    seeds: tuple[float, ...] = ()
+    name: str = ""
+
+
+class Anchor(NamedTuple):
+    """A published figure to mark beside a series: a value (``lo == hi``) or a band, at
+    ``params`` on the parameter axis, or (None, or on the token axis, where the
+    published training lengths are not known) as a line across."""
+
+    label: str
+    series: str  # drawn in this series' colour
+    lo: float
+    hi: float
+    params: float | None = None
+
+
+@dataclass(frozen=True)
+class TrendPanel:
+    """One metric of the trend figure, drawn against parameters and against tokens."""
+
+    ylabel: str
+    series: Mapping[str, Sequence[TrendPoint]]
+    anchors: Sequence[Anchor] = ()
+    reference: float | None = None  # a grey line (0 nats, 100%)
+
+
+TREND_AXES = (("params", "parameters"), ("tokens", "training tokens"))
+
+
+def _count_label(n: float) -> str:
+    """1.23M, 10M, 1B: counts of parameters and tokens on log axes."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def trend_figure(panels: Sequence[TrendPanel]) -> Figure | None:
+    """One row per metric: against parameters (left) and training tokens (right), log
+    scales shared down each column. Points sharing the other axis' value are joined (a
+    size trained for several lengths, a length at several sizes); small dots are the
+    seeds; the first row names the first series' points."""
+    panels = [p for p in panels
+              if any(t.value.value is not None for ts in p.series.values() for t in ts)]
+    if not panels:
+        return None
+    fig = Figure(figsize=(FIG_WIDTH, 0.8 + 2.2 * len(panels)), layout="constrained")
+    grid = fig.subplots(len(panels), len(TREND_AXES), squeeze=False, sharex="col")
+    for i, (row, panel) in enumerate(zip(grid, panels, strict=True)):
+        for ax, (axis, _) in zip(row, TREND_AXES, strict=True):
+            _trend_axes(ax, panel, axis, names=i == 0)
+            ax.set_ylabel(panel.ylabel)
+    tokens = sorted({t.tokens for p in panels for ts in p.series.values() for t in ts})
+    for (axis, label), top, bottom in zip(TREND_AXES, grid[0], grid[-1], strict=True):
+        top.set_title(f"against {label}")
+        bottom.set_xlabel(label)
+        bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _count_label(v)))
+        bottom.xaxis.set_minor_formatter(NullFormatter())
+        if axis == "tokens":  # a margin even for one length (else the dodge looks wide)
+            bottom.set_xticks(tokens)
+            bottom.set_xlim(tokens[0] / 1.3, tokens[-1] * 1.3)
+    handles: dict[str, Any] = {}
+    for ax in grid.flat:
+        for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(name, handle)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=3)
+    return fig
+
+
+TREND_DODGE = 0.012  # decades between series sharing a point, so their bars stay apart
+
+
+def _trend_axes(ax: Axes, panel: TrendPanel, axis: str, names: bool) -> None:
+    other = "tokens" if axis == "params" else "params"
+    for i, (name, points) in enumerate(panel.series.items()):
+        kept = [t for t in points if t.value.value is not None]
+        if not kept:
+            continue
+        colour, dodge = f"C{i}", 10 ** (TREND_DODGE * (i - (len(panel.series) - 1) / 2))
+
+        def x(t: TrendPoint, dodge: float = dodge) -> float:
+            return getattr(t, axis) * dodge
+
+        for shared in sorted({getattr(t, other) for t in kept}):
+            line = sorted((t for t in kept if getattr(t, other) == shared), key=x)
+            if len(line) > 1:
+                ax.plot([x(t) for t in line], [t.value.value for t in line], color=colour,
+                        lw=0.8, alpha=0.6)
+        ax.errorbar(_floats([x(t) for t in kept]), _floats([t.value.value for t in kept]),
+                    yerr=_error_bars([t.value for t in kept]), fmt="o", ms=4, capsize=3,
+                    color=colour, label=name)
+        ax.plot([x(t) for t in kept for _ in t.seeds], [v for t in kept for v in t.seeds], ".",
+                ms=3, alpha=0.5, color=colour)
+        for t in kept if names and i == 0 else ():
+            ax.annotate(t.name, (x(t), t.value.value), xytext=(4, 3),
+                        textcoords="offset points", fontsize=6, color=colour)
+    colours = {name: f"C{i}" for i, name in enumerate(panel.series)}
+    for anchor in panel.anchors:
+        colour = colours.get(anchor.series, "black")
+        if axis == "params" and anchor.params is not None:
+            half = (anchor.hi - anchor.lo) / 2
+            ax.errorbar([anchor.params], [anchor.lo + half], yerr=[[half], [half]], fmt="*",
+                        ms=9, capsize=3, color=colour, mec="black", mew=0.5,
+                        label=f"paper: {anchor.label}")
+        elif anchor.lo == anchor.hi:
+            # on the token axis a line across: the paper does not state its training length
+            note = " (tokens unknown)" if anchor.params is not None else ""
+            ax.axhline(anchor.lo, color=colour, lw=0.9, ls=":",
+                       label=f"paper: {anchor.label}{note}")
+        else:
+            ax.axhspan(anchor.lo, anchor.hi, color=colour, alpha=0.12, lw=0,
+                       label=f"paper: {anchor.label}")
+    if panel.reference is not None:
+        ax.axhline(panel.reference, color="grey", lw=0.8)
+    ax.set_xscale("log")

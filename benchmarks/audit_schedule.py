@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fcaudit.audit.engine import AuditOptions, audit
+from fcaudit.api import audit
+from fcaudit.audit.engine import AuditOptions
 from fcaudit.audit.plan import plan_runs
 from fcaudit.core.sites import find_sites
 from fcaudit.io.data import AuditData

@@ -4,7 +4,7 @@ For each ``model_type`` that has a causal-LM class, builds a tiny random config 
 (the config class's defaults with the common size fields shrunk, then the few fields of
 ``OVERRIDES`` where a family needs them to build), builds the model with
 ``AutoModelForCausalLM.from_config`` (float32, eval, seeded; nothing is downloaded) and
-asks fcaudit for its router sites (``fcaudit.core.contract.declared_sites``) and expert layers
+asks fcaudit for its router sites (``fcaudit.core.discovery.declared_sites``) and expert layers
 (``declared_experts``). Models without router sites are dense and only counted. For every
 MoE family it checks, on a batch of 2 x 8 random tokens:
 
@@ -34,7 +34,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import fcaudit
-from fcaudit.core.contract import declared_experts, declared_sites
+from fcaudit.core.discovery import declared_experts, declared_sites
 from fcaudit.core.replaying import replaying, selecting
 from fcaudit.core.routers import counting_experts
 

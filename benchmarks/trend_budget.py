@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fcaudit.audit.engine import AuditOptions, audit
+from fcaudit.api import audit
+from fcaudit.audit.engine import AuditOptions
 from fcaudit.io.data import DataSpec
 from fcaudit.io.loading import get_arch
 from fcaudit.study import trend

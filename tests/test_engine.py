@@ -13,8 +13,9 @@ import toys
 from torch import nn
 
 import fcaudit
+from fcaudit.api import audit
 from fcaudit.audit.cache import CoefficientCache
-from fcaudit.audit.engine import AuditOptions, audit
+from fcaudit.audit.engine import AuditOptions
 from fcaudit.audit.plan import ReplayInputs, Run, feed
 from fcaudit.audit.result import AuditResult
 from fcaudit.core.adapters import FLAT, TupleAdapter

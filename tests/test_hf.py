@@ -26,17 +26,14 @@ transformers = optional_extra("transformers")
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
 
 from fcaudit.core.contract import Site, SiteCall  # noqa: E402
+from fcaudit.core.discovery import transformers_layer_stack as discover_blocks  # noqa: E402
 from fcaudit.core.errors import FcauditError  # noqa: E402
 from fcaudit.core.recording import record  # noqa: E402
 from fcaudit.core.replaying import replaying  # noqa: E402
 from fcaudit.core.routers import counting_experts, selection_change  # noqa: E402
-from fcaudit.io.hf import (  # noqa: E402
-    discover_blocks,
-    discover_experts,
-    discover_sites,
-    is_hf_folder,
-    load_hf_folder,
-)
+from fcaudit.core.routers import moe_expert_layers as discover_experts  # noqa: E402
+from fcaudit.core.routers import moe_router_sites as discover_sites  # noqa: E402
+from fcaudit.io.hf import is_hf_folder, load_hf_folder  # noqa: E402
 
 VOCAB = 120
 SEQ_LEN = 12

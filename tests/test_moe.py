@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fcaudit.core.contract import declared_experts
+from fcaudit.core.discovery import declared_experts
 from fcaudit.core.recording import record
 from fcaudit.core.replaying import replay
 from fcaudit.io.loading import load

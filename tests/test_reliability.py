@@ -28,7 +28,8 @@ import toys
 from torch import nn
 
 from fcaudit import cli
-from fcaudit.audit.engine import AuditOptions, audit
+from fcaudit.api import audit
+from fcaudit.audit.engine import AuditOptions
 from fcaudit.audit.result import NONDETERMINISTIC_KEYS, ConditionResult, Retention
 from fcaudit.core.errors import FcauditError
 from fcaudit.io.data import AuditData, Document, train_tokenizer

@@ -15,7 +15,7 @@ import pytest
 import toys
 from test_engine import FAST, toy_data
 
-from fcaudit.audit.engine import audit
+from fcaudit.api import audit
 from fcaudit.audit.result import (
     MAIN_CONDITIONS,
     AuditResult,

@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import optional_extra
 
-from fcaudit.audit.engine import AuditOptions, audit
+from fcaudit.api import audit
+from fcaudit.audit.engine import AuditOptions
 from fcaudit.io.data import AuditData
 from fcaudit.models.moe import PRESETS, MoEGPT
 

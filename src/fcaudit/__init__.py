@@ -22,24 +22,28 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from fcaudit._version import __version__
 from fcaudit.core.errors import FcauditError
 
-__version__ = "0.1.0"
-
+# public name -> the module that defines it (docs/architecture.md shows the layers)
 _EXPORTS = {
-    "AuditOptions": "options", "audit": "engine",
-    "AuditResult": "result",
-    "DataSpec": "data", "AuditData": "data",
-    "Site": "contract", "SiteCall": "contract", "ExpertLayer": "contract",
-    "find_sites": "sites",
-    "record": "recording", "Recording": "recording",
-    "logits_of": "nll",
-    "replay": "replaying",
-    "load_model": "loading",
-    "Intervention": "interventions", "InterventionContext": "interventions",
-    "StaticProfiles": "interventions", "reassign": "interventions", "shuffle": "interventions",
-    "static": "interventions",
+    "AuditOptions": "audit.options", "audit": "api",
+    "AuditResult": "audit.result",
+    "DataSpec": "io.data", "AuditData": "io.data",
+    "Site": "core.contract", "SiteCall": "core.contract", "ExpertLayer": "core.contract",
+    "TupleAdapter": "core.adapters", "RouterAdapter": "core.routers",
+    "find_sites": "core.sites",
+    "record": "core.recording", "Recording": "core.recording",
+    "logits_of": "core.nll",
+    "replay": "core.replaying",
+    "load_model": "io.loading",
+    "Intervention": "core.interventions", "InterventionContext": "core.interventions",
+    "StaticProfiles": "core.interventions", "reassign": "core.interventions",
+    "shuffle": "core.interventions", "static": "core.interventions",
 }
+# public modules under their short names: fcaudit.adapters.TupleAdapter without an import
+_MODULES = {"adapters": "core.adapters", "routers": "core.routers",
+            "interventions": "core.interventions", "errors": "core.errors"}
 
 __all__ = ["FcauditError", "__version__", *_EXPORTS]
 
@@ -47,7 +51,7 @@ __all__ = ["FcauditError", "__version__", *_EXPORTS]
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    try:  # submodules too: fcaudit.core.adapters.TupleAdapter without importing it first
-        return importlib.import_module(f".{name}", __name__)
+    try:
+        return importlib.import_module(f".{_MODULES.get(name, name)}", __name__)
     except ModuleNotFoundError:
         raise AttributeError(f"module 'fcaudit' has no attribute {name!r}") from None

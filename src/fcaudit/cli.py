@@ -265,8 +265,9 @@ def _data_spec(args: argparse.Namespace) -> Any:
 
 
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    from fcaudit.api import audit
     from fcaudit.audit import distributed
-    from fcaudit.audit.engine import as_loaded, audit
+    from fcaudit.audit.engine import as_loaded
     from fcaudit.io.runtime import resolve_device, resolve_dtype
     from fcaudit.report.progress import ProgressReporter
     options = _options(args)
@@ -317,7 +318,8 @@ def print_summary(result: Any, out: Path) -> None:
 
 
 def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from fcaudit.audit.engine import AuditOptions, audit
+    from fcaudit.api import audit
+    from fcaudit.audit.engine import AuditOptions
     from fcaudit.io.loading import is_run_folder
     from fcaudit.io.outdir import DEMO_PARTS, check_output, hold_output
     from fcaudit.report.progress import ProgressReporter

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fcaudit import __version__
+from fcaudit._version import __version__
 from fcaudit.audit.cache import CoefficientCache
 from fcaudit.audit.distributed import Ranks, current
 from fcaudit.audit.options import AuditOptions, Progress, Setup, silent
@@ -61,20 +61,22 @@ from fcaudit.audit.stages import (
     replay_results,
     replay_stage,
 )
-from fcaudit.audit.summary import Summary, describe, summarize
+from fcaudit.audit.summary import Summary, describe, routing_summary, summarize
 from fcaudit.audit.verdicts import dependence, qualified, variation
 from fcaudit.core.adapters import adapter_name, same_bits
-from fcaudit.core.contract import Site, declared_blocks, declared_experts
+from fcaudit.core.contract import Site
+from fcaudit.core.discovery import declared_blocks, declared_experts
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.interventions import Intervention, draw
 from fcaudit.core.nll import device_of, model_limits, probe_vocab, token_nll
-from fcaudit.core.routers import routing_summary
 from fcaudit.core.sites import SiteSpec, find_sites, match_modules
 from fcaudit.io.data import AuditData, DataSpec, resolve_data
 from fcaudit.io.loading import LoadedModel, load, load_module
 from fcaudit.io.runtime import host, versions
 
 __all__ = ["AuditOptions", "audit"]
+
+Renderer = Callable[[AuditResult, Path], None]  # writes the human-readable report
 
 
 def as_loaded(model: str | Path | nn.Module | LoadedModel,
@@ -404,8 +406,12 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
           blocks: str | None = None, options: AuditOptions | None = None,
           interventions: Mapping[str, Any] | Sequence[Intervention] | None = None,
           progress: Progress | None = None, command: str | None = None,
-          report: bool = True) -> AuditResult | None:
+          render: Renderer | None = None) -> AuditResult | None:
     """Run the whole Frozen Controller Audit and return its :class:`AuditResult`.
+
+    The public entry is :func:`fcaudit.api.audit`, which also renders the report: this
+    layer writes only ``audit.json`` (and calls ``render(result, out)`` first when given),
+    so the engine never imports the report layer.
 
     ``model``: a spec (run folder, checkpoint folder, ``pkg.module:factory``), an
     ``nn.Module`` or a :class:`~fcaudit.io.loading.LoadedModel`. ``out``: the output
@@ -448,7 +454,7 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
         result = _run(setup, cache, first, progress, command, ranks)
         assert result is not None
         with replacing_results(setup.out):
-            write_outputs(result, setup.out, report)
+            write_outputs(result, setup.out, render)
     return result
 
 
@@ -534,10 +540,9 @@ def reuse_summary(per_rank: Sequence[Mapping[str, int]], n_runs: int) -> dict[st
                     "schedule, identity and fed coefficient tensors equals the stored one"}
 
 
-def write_outputs(result: AuditResult, out: Path, report: bool = True) -> None:
+def write_outputs(result: AuditResult, out: Path, render: Renderer | None = None) -> None:
     """The report (when asked) first, then audit.json: its presence means the audit finished."""
     from fcaudit.io.fileio import write_json
-    if report:
-        from fcaudit.report.audit_report import write_report
-        write_report(result, out)
+    if render is not None:
+        render(result, out)
     write_json(out / "audit.json", result.to_json())

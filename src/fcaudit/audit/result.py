@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition names)
+    MAIN_CONDITIONS,
+    RANDOM_CONDITIONS,
+    STATIC_CONDITIONS,
+)
 from fcaudit.core.errors import FcauditError
 
 SCHEMA = "fcaudit.audit/1"
 
-# SPEC section 4: every condition the audit replays, in report order.
-MAIN_CONDITIONS = ("original", "correct", "reassign", "shuffle", "reassign+shuffle",
-                   "static-layer", "static-layer-position", "global-mean")
-RANDOM_CONDITIONS = ("reassign", "shuffle", "reassign+shuffle")
-STATIC_CONDITIONS = ("static-layer", "static-layer-position", "global-mean")
 PER_LAYER_CONDITIONS = ("reassign", "static-layer")  # one site intervened, others correct
 RETENTION_PROFILES = ("static-layer", "static-layer-position")
 ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",

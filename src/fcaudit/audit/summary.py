@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from torch import Tensor
 
 from fcaudit.audit.cache import CoefficientCache
 from fcaudit.audit.metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
@@ -24,8 +25,11 @@ from fcaudit.audit.result import (
     RETENTION_PROFILES,
     ConditionResult,
     LayerConditionResult,
+    LayerRouting,
+    RoutingSummary,
 )
 from fcaudit.core.contract import Site
+from fcaudit.core.routers import load_entropy
 from fcaudit.core.sites import families
 
 
@@ -86,3 +90,38 @@ def describe(cache: CoefficientCache, sites: Sequence[Site]) -> tuple[dict, dict
     return ({f: a.decompose() for f, a in accumulators.items()},
             {f: a.variation() for f, a in accumulators.items()},
             {f: a.profile() for f, a in accumulators.items()}, original)
+
+
+ROUTING_NOTE = ("static-layer feeds every token of a layer the same logits, so all of them "
+                "select the same experts (one ranking per layer); global-mean gives every expert "
+                "the same logit, so the routing rule's tie-break (torch.topk) picks the experts")
+
+
+def routing_summary(sites: Sequence[Any], runs: Sequence[Any], load: dict[str, Tensor],
+                    changed: Tensor | None, tokens: int) -> dict[str, RoutingSummary]:
+    """Per router family: each layer's expert load and its entropy under the original
+    routing, and the share of tokens whose top-k set each main condition changes
+    (random conditions averaged over their repeats). ``changed[i, j]`` counts the
+    re-routed tokens of ``runs[i]`` at ``sites[j]``; ``tokens`` per site."""
+    by_condition: dict[str, list[int]] = {}
+    for i, run in enumerate(runs):
+        by_condition.setdefault(run.condition, []).append(i)
+    out = {}
+    for family in dict.fromkeys(s.family for s in sites):
+        layers, totals = [], {c: 0.0 for c in by_condition}
+        members = [(j, s) for j, s in enumerate(sites) if s.family == family]
+        for j, site in members:
+            counts = load[site.name]
+            share = counts.double() / max(int(counts.sum()), 1)
+            nats, normalized = load_entropy(share)
+            frac = {}
+            for condition, rows in by_condition.items():
+                moved = float(changed[rows, j].sum()) if changed is not None else 0.0
+                frac[condition] = moved / (len(rows) * tokens)
+                totals[condition] += frac[condition]
+            layers.append(LayerRouting(site.name, site.layer, share.tolist(), nats, normalized,
+                                       frac))
+        out[family] = RoutingSummary(
+            num_experts=max(len(x.load) for x in layers), tokens=tokens, per_layer=layers,
+            changed={c: v / len(members) for c, v in totals.items()}, note=ROUTING_NOTE)
+    return out

@@ -21,46 +21,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fcaudit.core.contract import ControllerAdapter, SiteCall
+from fcaudit.core.contract import (
+    ADAPTER_API,
+    TENSOR,
+    ControllerAdapter,
+    SiteCall,
+    describe,
+)
 from fcaudit.core.errors import FcauditError
-
-ADAPTER_API = ("give the site an adapter: Site(..., adapter=fcaudit.core.routers.RouterAdapter()) for a "
-               "router whose logits come from one linear projection, fcaudit.core.adapters."
-               "TupleAdapter(index, derive) for another tuple, or your own object with "
-               "extract(output, call) and rebuild(coefficients, call), declared by the model's "
-               "controller_sites() or passed as sites=[Site(...)] to fcaudit.record, replay or "
-               "audit; see docs/method.md, section Adapters")
-
-
-def describe(value: Any) -> str:
-    """A short description of a module output: type, dtype and shape, tuple elements too."""
-    if isinstance(value, Tensor):
-        return f"Tensor{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
-    if isinstance(value, (tuple, list)):
-        inner = ", ".join(describe(v) for v in value[:6])
-        more = ", ..." if len(value) > 6 else ""
-        return f"{type(value).__name__}({inner}{more})"
-    return type(value).__name__
-
-
-@dataclass(frozen=True)
-class TensorAdapter:
-    """The output is the coefficient tensor ``[B, T, *trailing]`` itself."""
-
-    name: str = "tensor"
-
-    def extract(self, output: Any, call: SiteCall) -> Tensor:
-        if not isinstance(output, Tensor):
-            raise FcauditError(f"output is {describe(output)}, not a tensor; {ADAPTER_API}")
-        if output.dim() < 2 or output.shape[0] != call.batch or output.shape[1] != call.seq_len:
-            raise FcauditError(
-                f"output has shape {list(output.shape)}, expected [batch={call.batch}, "
-                f"positions={call.seq_len}, ...]; name per-token coefficient modules or "
-                f"{ADAPTER_API}")
-        return output
-
-    def rebuild(self, coefficients: Tensor, call: SiteCall) -> Tensor:
-        return coefficients
 
 
 @dataclass(frozen=True)
@@ -80,7 +48,6 @@ class FlatAdapter:
         return coefficients.reshape(call.batch * call.seq_len, *coefficients.shape[2:])
 
 
-TENSOR = TensorAdapter()
 FLAT = FlatAdapter()
 
 Derive = Callable[[Tensor, SiteCall], tuple[Any, ...]]

@@ -11,8 +11,8 @@ The engine never looks inside a model. A model (or the user, through ``--sites``
 * its **dense counterpart**: the same architecture without controllers.
 
 Models that declare these implement :class:`AuditableModel` (every method is
-optional); :func:`declared_sites`, :func:`declared_blocks` and :func:`dense_twin` are
-the only places the engine asks. Models map ``input_ids [B, T]`` to logits
+optional); :func:`fcaudit.core.discovery.declared_sites` (and ``_blocks``, ``_experts``) and
+:func:`dense_twin` are the only places the engine asks. Models map ``input_ids [B, T]`` to logits
 ``[B, T, V]`` (or an object with ``.logits``).
 """
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from fcaudit.core.errors import FcauditError
 
 if TYPE_CHECKING:  # torch is imported lazily so that `fcaudit --help` stays instant
     from torch import Tensor, nn
@@ -75,9 +77,48 @@ class RoutingAdapter(Protocol):
         ...
 
 
-def _default_adapter() -> ControllerAdapter:
-    from fcaudit.core.adapters import TENSOR
-    return TENSOR
+ADAPTER_API = ("give the site an adapter: Site(..., adapter=fcaudit.RouterAdapter()) for a "
+               "router whose logits come from one linear projection, fcaudit.TupleAdapter("
+               "index, derive) for another tuple, or your own object with "
+               "extract(output, call) and rebuild(coefficients, call), declared by the model's "
+               "controller_sites() or passed as sites=[Site(...)] to fcaudit.record, replay or "
+               "audit; see docs/method.md, section Adapters")
+
+
+def describe(value: Any) -> str:
+    """A short description of a module output: type, dtype and shape, tuple elements too."""
+    from torch import Tensor
+    if isinstance(value, Tensor):
+        return f"Tensor{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(describe(v) for v in value[:6])
+        more = ", ..." if len(value) > 6 else ""
+        return f"{type(value).__name__}({inner}{more})"
+    return type(value).__name__
+
+
+@dataclass(frozen=True)
+class TensorAdapter:
+    """The output is the coefficient tensor ``[B, T, *trailing]`` itself."""
+
+    name: str = "tensor"
+
+    def extract(self, output: Any, call: SiteCall) -> Tensor:
+        from torch import Tensor
+        if not isinstance(output, Tensor):
+            raise FcauditError(f"output is {describe(output)}, not a tensor; {ADAPTER_API}")
+        if output.dim() < 2 or output.shape[0] != call.batch or output.shape[1] != call.seq_len:
+            raise FcauditError(
+                f"output has shape {list(output.shape)}, expected [batch={call.batch}, "
+                f"positions={call.seq_len}, ...]; name per-token coefficient modules or "
+                f"{ADAPTER_API}")
+        return output
+
+    def rebuild(self, coefficients: Tensor, call: SiteCall) -> Tensor:
+        return coefficients
+
+
+TENSOR = TensorAdapter()
 
 
 @dataclass(frozen=True)
@@ -95,7 +136,7 @@ class Site:
     path: str
     family: str
     layer: int
-    adapter: ControllerAdapter = field(default_factory=_default_adapter, compare=False)
+    adapter: ControllerAdapter = field(default=TENSOR, compare=False)
 
 
 @dataclass(frozen=True)
@@ -136,35 +177,6 @@ class DeclaresExperts(Protocol):
 class AuditableModel(DeclaresSites, DeclaresBlocks, HasDenseCounterpart, DeclaresExperts,
                      Protocol):
     """A model that declares everything the audit needs (each part is optional)."""
-
-
-def _discovered(model: nn.Module, what: str) -> list[Any] | None:
-    """For a model that declares nothing: what fcaudit's structural rules find (the routers
-    and experts of Mixture-of-Experts blocks, the layer stack of a transformers model)."""
-    from fcaudit.io import hf
-    found = getattr(hf, f"discover_{what}")(model)
-    return list(found) if found else None
-
-
-def declared_sites(model: nn.Module) -> list[Site] | None:
-    """The model's own site declaration, else the routers fcaudit finds, else None."""
-    if isinstance(model, DeclaresSites):
-        return list(model.controller_sites())
-    return _discovered(model, "sites")
-
-
-def declared_blocks(model: nn.Module) -> list[str] | None:
-    """The model's own execution blocks, else those fcaudit finds, else None."""
-    if isinstance(model, DeclaresBlocks):
-        return list(model.execution_blocks())
-    return _discovered(model, "blocks")
-
-
-def declared_experts(model: nn.Module) -> list[ExpertLayer] | None:
-    """The model's routed layers, else those fcaudit finds, else None (no experts)."""
-    if isinstance(model, DeclaresExperts):
-        return list(model.expert_layers())
-    return _discovered(model, "experts")
 
 
 def dense_twin(model: nn.Module, seed: int) -> nn.Module | None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fcaudit.audit.result import STATIC_CONDITIONS
+from fcaudit.core.conditions import STATIC_CONDITIONS
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError
 

@@ -40,9 +40,8 @@ import torch.nn.functional as F  # noqa: N812 (torch's own convention)
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from fcaudit.audit.result import LayerRouting, RoutingSummary
-from fcaudit.core.adapters import ADAPTER_API, TENSOR, describe
-from fcaudit.core.contract import ExpertLayer, SiteCall
+from fcaudit.core.adapters import ADAPTER_API, FLAT, TENSOR, describe
+from fcaudit.core.contract import ExpertLayer, Site, SiteCall
 from fcaudit.core.errors import FcauditError
 
 # every way a router may compute its projection: intercepted, and counted
@@ -241,41 +240,6 @@ def selection_change(a: Tensor, b: Tensor) -> float:
     return changed_rows(a, b) / rows if rows else 0.0
 
 
-ROUTING_NOTE = ("static-layer feeds every token of a layer the same logits, so all of them "
-                "select the same experts (one ranking per layer); global-mean gives every expert "
-                "the same logit, so the routing rule's tie-break (torch.topk) picks the experts")
-
-
-def routing_summary(sites: Sequence[Any], runs: Sequence[Any], load: dict[str, Tensor],
-                    changed: Tensor | None, tokens: int) -> dict[str, RoutingSummary]:
-    """Per router family: each layer's expert load and its entropy under the original
-    routing, and the share of tokens whose top-k set each main condition changes
-    (random conditions averaged over their repeats). ``changed[i, j]`` counts the
-    re-routed tokens of ``runs[i]`` at ``sites[j]``; ``tokens`` per site."""
-    by_condition: dict[str, list[int]] = {}
-    for i, run in enumerate(runs):
-        by_condition.setdefault(run.condition, []).append(i)
-    out = {}
-    for family in dict.fromkeys(s.family for s in sites):
-        layers, totals = [], {c: 0.0 for c in by_condition}
-        members = [(j, s) for j, s in enumerate(sites) if s.family == family]
-        for j, site in members:
-            counts = load[site.name]
-            share = counts.double() / max(int(counts.sum()), 1)
-            nats, normalized = load_entropy(share)
-            frac = {}
-            for condition, rows in by_condition.items():
-                moved = float(changed[rows, j].sum()) if changed is not None else 0.0
-                frac[condition] = moved / (len(rows) * tokens)
-                totals[condition] += frac[condition]
-            layers.append(LayerRouting(site.name, site.layer, share.tolist(), nats, normalized,
-                                       frac))
-        out[family] = RoutingSummary(
-            num_experts=max(len(x.load) for x in layers), tokens=tokens, per_layer=layers,
-            changed={c: v / len(members) for c, v in totals.items()}, note=ROUTING_NOTE)
-    return out
-
-
 # ---- execution counts ----
 
 @dataclass
@@ -383,3 +347,82 @@ def counting_experts(model: nn.Module,
     finally:
         for handle in handles:
             handle.remove()
+
+
+# ---- the structural MoE rule: a module with an `experts` child and a `gate` or `router`
+# child is an MoE block (every MoE block of transformers 5 follows this layout) ----
+
+ROUTER_NAMES = ("gate", "router")
+ROUTER_FAMILY = "router"
+SHARED_GATE_FAMILY = "shared_expert_gate"
+TOP_K_SETTINGS = ("top_k", "num_experts_per_tok", "top_k_experts", "moe_top_k")
+NUM_EXPERTS_SETTINGS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(path, module, router child name) of every module with an ``experts`` child and a
+    ``gate`` or ``router`` child, in module order."""
+    found = []
+    for path, module in model.named_modules():
+        children = dict(module.named_children())
+        router = next((n for n in ROUTER_NAMES if n in children), None)
+        if "experts" in children and router is not None:
+            found.append((path, module, router))
+    return found
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _setting(model: nn.Module, modules: list[nn.Module], names: tuple[str, ...]) -> int | None:
+    """The first integer attribute among ``names`` on the modules, then the model config."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    for owner in (*modules, text):
+        for name in names:
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def moe_router_sites(model: nn.Module) -> list[Site]:
+    """Router sites (family ``router``) and per-token scalar shared-expert gates (family
+    ``shared_expert_gate``, ``nn.Linear(hidden, 1)`` children of an MoE block), named by
+    module path, layer = order within the family. Empty for a dense model."""
+    routers: list[Site] = []
+    gates: list[Site] = []
+    for path, block, router in _moe_blocks(model):
+        top_k = _setting(model, [block.get_submodule(router), block], TOP_K_SETTINGS)
+        router_path = _join(path, router)
+        routers.append(Site(router_path, router_path, ROUTER_FAMILY, len(routers),
+                            RouterAdapter(top_k=top_k)))
+        for name, child in block.named_children():
+            if name != router and isinstance(child, nn.Linear) and child.out_features == 1:
+                gate_path = _join(path, name)
+                gates.append(Site(gate_path, gate_path, SHARED_GATE_FAMILY, len(gates), FLAT))
+    return routers + gates
+
+
+def moe_expert_layers(model: nn.Module) -> list[ExpertLayer]:
+    """One :class:`ExpertLayer` per MoE block, named like its router site: the fused
+    experts module, or one path per expert when ``experts`` is a ``ModuleList``."""
+    layers = []
+    for path, block, router in _moe_blocks(model):
+        experts_path = _join(path, "experts")
+        experts = block.get_submodule("experts")
+        modules = [experts, block.get_submodule(router), block]
+        if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+            paths = tuple(_join(experts_path, name) for name, _ in experts.named_children())
+            num_experts: int | None = len(paths)
+        else:
+            paths = (experts_path,)
+            num_experts = _setting(model, modules, NUM_EXPERTS_SETTINGS)
+        top_k = _setting(model, modules[1:], TOP_K_SETTINGS)
+        if num_experts is None or top_k is None:
+            raise FcauditError(f"MoE block {path or type(block).__name__}: cannot tell its number "
+                               "of experts or top-k (no num_experts / top_k attribute or "
+                               "config entry); declare expert_layers() on the model")
+        layers.append(ExpertLayer(_join(path, router), paths, num_experts, top_k))
+    return layers

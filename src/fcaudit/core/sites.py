@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from fcaudit.core.adapters import AUTO
-from fcaudit.core.contract import Site, declared_sites
+from fcaudit.core.contract import Site
+from fcaudit.core.discovery import declared_sites
 from fcaudit.core.errors import FcauditError
 
 SiteSpec = Sequence[str] | Sequence[Site] | None

@@ -13,9 +13,10 @@ The weight files are resolved here and handed to transformers by name
 (``config.transformers_weights``), and ``generation_config.json`` is not read (it does
 not change logits), so ``files_read`` is exactly what loading opened.
 
-Mixture-of-Experts models need no declaration: :func:`discover_sites` finds every
-module with an ``experts`` child and a ``gate`` or ``router`` child (all MoE blocks of
-transformers 5 follow this layout) and returns its router, audited through
+Mixture-of-Experts models need no declaration:
+:func:`fcaudit.core.routers.moe_router_sites` finds every module with an ``experts``
+child and a ``gate`` or ``router`` child (all MoE blocks of transformers 5 follow this
+layout) and returns its router, audited through
 :class:`fcaudit.core.routers.RouterAdapter`, plus any per-token scalar shared-expert gate
 (an ``nn.Linear(hidden, 1)`` child of the same block, e.g. Qwen2-MoE's
 ``shared_expert_gate``).
@@ -33,21 +34,13 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from fcaudit.core.adapters import FLAT
-from fcaudit.core.contract import ExpertLayer, Site
 from fcaudit.core.errors import FcauditError
-from fcaudit.core.routers import RouterAdapter
+from fcaudit.core.routers import NUM_EXPERTS_SETTINGS
 from fcaudit.io.data import load_tokenizer
 from fcaudit.io.fileio import read_json
 from fcaudit.io.mudd_checkpoint import weight_files
 from fcaudit.io.weights import Shapes, check_depth, header_shapes
 from fcaudit.models.mudd import VARIANTS
-
-ROUTER_NAMES = ("gate", "router")
-ROUTER_FAMILY = "router"
-SHARED_GATE_FAMILY = "shared_expert_gate"
-_TOP_K = ("top_k", "num_experts_per_tok", "top_k_experts", "moe_top_k")
-_NUM_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def _config(path: Path) -> dict[str, Any] | None:
@@ -145,7 +138,7 @@ def _check_sizes(folder: Path, config: Any, weights: list[Path]) -> None:
     experts = _experts_held(found)
     if experts:
         stated = text.to_dict()  # by the name config.json uses, not an alias of it
-        claims += [(name, stated.get(name), experts) for name in _NUM_EXPERTS]
+        claims += [(name, stated.get(name), experts) for name in NUM_EXPERTS_SETTINGS]
     for name, value, held in claims:
         if isinstance(value, int) and not isinstance(value, bool) and value > held:
             raise FcauditError(f"{where}: config.json says {name}={value} but the weights hold "
@@ -200,87 +193,3 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None
     tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
     files = [folder / "config.json", *weights, *extra]
     return model, tokenizer, files + ([tokenizer_file] if tokenizer else [])
-
-
-# ---- controllers and blocks of transformers models ----
-
-def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(path, module, router child name) of every module with an ``experts`` child and a
-    ``gate`` or ``router`` child, in module order."""
-    found = []
-    for path, module in model.named_modules():
-        children = dict(module.named_children())
-        router = next((n for n in ROUTER_NAMES if n in children), None)
-        if "experts" in children and router is not None:
-            found.append((path, module, router))
-    return found
-
-
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
-def _setting(model: nn.Module, modules: list[nn.Module], names: tuple[str, ...]) -> int | None:
-    """The first integer attribute among ``names`` on the modules, then the model config."""
-    config = getattr(model, "config", None)
-    text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
-    for owner in (*modules, text):
-        for name in names:
-            value = getattr(owner, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    return None
-
-
-def discover_sites(model: nn.Module) -> list[Site]:
-    """Router sites (family ``router``) and per-token scalar shared-expert gates (family
-    ``shared_expert_gate``, ``nn.Linear(hidden, 1)`` children of an MoE block), named by
-    module path, layer = order within the family. Empty for a dense model."""
-    routers: list[Site] = []
-    gates: list[Site] = []
-    for path, block, router in _moe_blocks(model):
-        top_k = _setting(model, [block.get_submodule(router), block], _TOP_K)
-        router_path = _join(path, router)
-        routers.append(Site(router_path, router_path, ROUTER_FAMILY, len(routers),
-                            RouterAdapter(top_k=top_k)))
-        for name, child in block.named_children():
-            if name != router and isinstance(child, nn.Linear) and child.out_features == 1:
-                gate_path = _join(path, name)
-                gates.append(Site(gate_path, gate_path, SHARED_GATE_FAMILY, len(gates), FLAT))
-    return routers + gates
-
-
-def discover_blocks(model: nn.Module) -> list[str]:
-    """The decoder layers of a transformers model: the items of the ``nn.ModuleList``
-    holding the most parameters (its layer stack). Other models name theirs (--blocks)."""
-    if not type(model).__module__.startswith("transformers."):
-        return []
-    lists = [(sum(p.numel() for p in m.parameters()), path, len(m))
-             for path, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        return []
-    _, path, count = max(lists)
-    return [_join(path, str(i)) for i in range(count)]
-
-
-def discover_experts(model: nn.Module) -> list[ExpertLayer]:
-    """One :class:`ExpertLayer` per MoE block, named like its router site: the fused
-    experts module, or one path per expert when ``experts`` is a ``ModuleList``."""
-    layers = []
-    for path, block, router in _moe_blocks(model):
-        experts_path = _join(path, "experts")
-        experts = block.get_submodule("experts")
-        modules = [experts, block.get_submodule(router), block]
-        if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
-            paths = tuple(_join(experts_path, name) for name, _ in experts.named_children())
-            num_experts: int | None = len(paths)
-        else:
-            paths = (experts_path,)
-            num_experts = _setting(model, modules, _NUM_EXPERTS)
-        top_k = _setting(model, modules[1:], _TOP_K)
-        if num_experts is None or top_k is None:
-            raise FcauditError(f"MoE block {path or type(block).__name__}: cannot tell its number "
-                               "of experts or top-k (no num_experts / top_k attribute or "
-                               "config entry); declare expert_layers() on the model")
-        layers.append(ExpertLayer(_join(path, router), paths, num_experts, top_k))
-    return layers

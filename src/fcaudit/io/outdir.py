@@ -46,7 +46,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from fcaudit import __version__
+from fcaudit._version import __version__
 from fcaudit.core.errors import FcauditError
 from fcaudit.io.fileio import RENAME_CHECKS, sha256_file, write_json
 

@@ -6,7 +6,7 @@ import platform
 import sys
 from typing import Any
 
-from fcaudit import __version__
+from fcaudit._version import __version__
 from fcaudit.core.errors import FcauditError
 
 
@@ -61,5 +61,5 @@ def measured_minutes(key: str) -> str:
     ``reproduce_tiny``), as the README and ``--help`` quote it."""
     import json
     from importlib import resources
-    minutes = json.loads(resources.files(__package__).joinpath("timings.json").read_text())
+    minutes = json.loads(resources.files("fcaudit").joinpath("timings.json").read_text())
     return f"{minutes[key]:g}"

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fcaudit.audit.engine import AuditOptions, as_loaded, audit
+from fcaudit.api import audit
+from fcaudit.audit.engine import AuditOptions, as_loaded
 from fcaudit.audit.metrics import aggregate
 from fcaudit.audit.result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
 from fcaudit.core.errors import FcauditError

@@ -1,0 +1,36 @@
+"""The public entry points that span layers: an audit that also writes its report.
+
+The engine (``fcaudit.audit``) computes and writes ``audit.json``; the report layer
+(``fcaudit.report``) renders an :class:`~fcaudit.audit.result.AuditResult`. This module
+joins the two, so neither imports the other (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fcaudit.audit import engine
+from fcaudit.audit.options import AuditOptions, Progress
+from fcaudit.audit.result import AuditResult
+from fcaudit.core.interventions import Intervention
+from fcaudit.core.sites import SiteSpec
+from fcaudit.io.data import AuditData, DataSpec
+from fcaudit.report.audit_report import write_report
+
+__all__ = ["AuditOptions", "audit"]
+
+
+def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
+          data: DataSpec | AuditData | None = None, dense: Any = None,
+          blocks: str | None = None, options: AuditOptions | None = None,
+          interventions: Mapping[str, Any] | Sequence[Intervention] | None = None,
+          progress: Progress | None = None, command: str | None = None,
+          report: bool = True) -> AuditResult | None:
+    """Run the whole Frozen Controller Audit (:func:`fcaudit.audit.engine.audit` explains
+    every argument); with ``out`` and ``report``, also write report.md, report.html and
+    the figures before audit.json."""
+    return engine.audit(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
+                        options=options, interventions=interventions, progress=progress,
+                        command=command, render=write_report if report else None)

@@ -1,0 +1,82 @@
+"""What fcaudit finds in a model that declares nothing: ordered rules, first match wins.
+
+Each kind (sites, blocks, expert layers) has a list of rules, tried in order: the
+model's own declaration (:mod:`fcaudit.core.contract`'s protocols), then structural
+rules that fit any model of a shape (the Mixture-of-Experts rule lives with the routers
+in :mod:`fcaudit.core.routers`; the layer stack of a ``transformers`` model here). A rule
+returns None or an empty list when it does not apply. Every rule is a plain function of
+the model, testable alone; adding one is adding it to its list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from torch import nn
+
+from fcaudit.core.contract import (
+    DeclaresBlocks,
+    DeclaresExperts,
+    DeclaresSites,
+    ExpertLayer,
+    Site,
+)
+from fcaudit.core.routers import moe_expert_layers, moe_router_sites
+
+T = TypeVar("T")
+Rule = Callable[[nn.Module], "list[Any] | None"]
+
+
+def own_sites(model: nn.Module) -> list[Site] | None:
+    return list(model.controller_sites()) if isinstance(model, DeclaresSites) else None
+
+
+def own_blocks(model: nn.Module) -> list[str] | None:
+    return list(model.execution_blocks()) if isinstance(model, DeclaresBlocks) else None
+
+
+def own_experts(model: nn.Module) -> list[ExpertLayer] | None:
+    return list(model.expert_layers()) if isinstance(model, DeclaresExperts) else None
+
+
+def transformers_layer_stack(model: nn.Module) -> list[str]:
+    """The decoder layers of a transformers model: the items of the ``nn.ModuleList``
+    holding the most parameters (its layer stack). Other models name theirs (--blocks)."""
+    if not type(model).__module__.startswith("transformers."):
+        return []
+    lists = [(sum(p.numel() for p in m.parameters()), path, len(m))
+             for path, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    _, path, count = max(lists)
+    return [f"{path}.{i}" if path else str(i) for i in range(count)]
+
+
+SITE_RULES: list[Rule] = [own_sites, moe_router_sites]
+BLOCK_RULES: list[Rule] = [own_blocks, transformers_layer_stack]
+EXPERT_RULES: list[Rule] = [own_experts, moe_expert_layers]
+
+
+def _first(rules: list[Rule], model: nn.Module) -> list[Any] | None:
+    """The first rule's answer; a model's own declaration counts even when empty."""
+    for rule in rules:
+        found = rule(model)
+        if found is not None and (found or rule in (own_sites, own_blocks, own_experts)):
+            return list(found)
+    return None
+
+
+def declared_sites(model: nn.Module) -> list[Site] | None:
+    """The model's own site declaration, else the routers fcaudit finds, else None."""
+    return _first(SITE_RULES, model)
+
+
+def declared_blocks(model: nn.Module) -> list[str] | None:
+    """The model's own execution blocks, else those fcaudit finds, else None."""
+    return _first(BLOCK_RULES, model)
+
+
+def declared_experts(model: nn.Module) -> list[ExpertLayer] | None:
+    """The model's routed layers, else those fcaudit finds, else None (no experts)."""
+    return _first(EXPERT_RULES, model)

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from fcaudit.api import audit
-from fcaudit.audit.engine import AuditOptions
-from fcaudit.audit.plan import plan_runs
 from fcaudit.core.sites import find_sites
+from fcaudit.engine.plan import plan_runs
+from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import AuditData
 from fcaudit.models.featuregate import GPT
 from fcaudit.models.featuregate import PRESETS as GPT_PRESETS

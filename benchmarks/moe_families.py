@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_hf import FAMILIES, save, token_batches  # noqa: E402
 
 from fcaudit.api import audit  # noqa: E402
-from fcaudit.audit.engine import AuditOptions
+from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import AuditData, folder_tokenizer  # noqa: E402
 from fcaudit.io.loading import load  # noqa: E402
 

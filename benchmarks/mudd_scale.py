@@ -40,12 +40,12 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from fcaudit.audit.options import AuditOptions
-from fcaudit.audit.passes import replay_batch
-from fcaudit.audit.plan import plan_runs
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.recording import record
 from fcaudit.core.replaying import replaying
+from fcaudit.engine.options import AuditOptions
+from fcaudit.engine.passes import replay_batch
+from fcaudit.engine.plan import plan_runs
 from fcaudit.models.mudd import PRESETS, MuddModel
 
 T = TypeVar("T")

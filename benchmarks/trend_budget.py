@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from fcaudit.api import audit
-from fcaudit.audit.engine import AuditOptions
+from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import DataSpec
 from fcaudit.io.loading import get_arch
 from fcaudit.study import trend

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import toys
 
-from fcaudit.audit.result import NONDETERMINISTIC_KEYS
+from fcaudit.engine.result import NONDETERMINISTIC_KEYS
 
 TESTS = Path(__file__).parent
 

@@ -14,15 +14,15 @@ from torch import nn
 
 import fcaudit
 from fcaudit.api import audit
-from fcaudit.audit.cache import CoefficientCache
-from fcaudit.audit.engine import AuditOptions
-from fcaudit.audit.plan import ReplayInputs, Run, feed
-from fcaudit.audit.result import AuditResult
 from fcaudit.core.adapters import FLAT, TupleAdapter
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.interventions import Intervention, StaticProfiles, draw, static
 from fcaudit.core.sites import find_sites
+from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.plan import ReplayInputs, Run, feed
+from fcaudit.engine.result import AuditResult
+from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import AuditData
 
 FAST = AuditOptions(repeats=2, bootstrap=200, batch_size=4, execution=False, progress=False)

@@ -11,7 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from fcaudit.audit.execution import (
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.recording import record
+from fcaudit.core.replaying import replaying
+from fcaudit.engine.execution import (
     count_block_executions,
     execution_pass,
     flops_per_token,
@@ -21,10 +24,7 @@ from fcaudit.audit.execution import (
     time_interleaved,
     verdict_execution,
 )
-from fcaudit.audit.result import Estimate, Execution
-from fcaudit.core.errors import FcauditError
-from fcaudit.core.recording import record
-from fcaudit.core.replaying import replaying
+from fcaudit.engine.result import Estimate, Execution
 from fcaudit.models.featuregate import GPT, GPTConfig, Update
 from fcaudit.models.skipgate import SkipGateConfig, SkipGateGPT
 
@@ -340,7 +340,7 @@ def test_grouped_mm_flops_are_counted_by_formula():
 
 
 def test_an_uncounted_matrix_operator_refuses_the_flops_ratio(monkeypatch):
-    import fcaudit.audit.execution as ex
+    import fcaudit.engine.execution as ex
     monkeypatch.setattr(ex, "EXTRA_FLOP_FORMULAS", {
         k: v for k, v in ex.EXTRA_FLOP_FORMULAS.items() if "grouped" not in str(k)})
     result = measure_execution(GroupedExperts(), GroupedExperts(), torch.zeros(4, 8).long(),

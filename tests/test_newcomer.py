@@ -145,11 +145,11 @@ def numpy_shares(x: np.ndarray) -> dict[str, float]:
 
 @pytest.mark.parametrize("kind", ["scalar gate", "vector coefficient", "router"])
 def test_every_decomposition_names_all_its_axes_and_sums_to_one(kind: str) -> None:
-    from fcaudit.audit.metrics import VarianceAccumulator
-    from fcaudit.audit.result import Variation
-    from fcaudit.audit.verdicts import variation
     from fcaudit.core.contract import Site
     from fcaudit.core.routers import RouterAdapter
+    from fcaudit.engine.metrics import VarianceAccumulator
+    from fcaudit.engine.result import Variation
+    from fcaudit.engine.verdicts import variation
     width = {"scalar gate": 1, "vector coefficient": 3, "router": 8}[kind]
     rng = np.random.default_rng(1)
     # layer, position and component effects plus noise: every axis carries variance
@@ -186,7 +186,7 @@ def test_every_decomposition_names_all_its_axes_and_sums_to_one(kind: str) -> No
 def test_moe_execution_keys_have_one_meaning_and_agree_with_the_verdict(top_k: int) -> None:
     import dataclasses
 
-    from fcaudit.audit.execution import measure_execution, verdict_execution
+    from fcaudit.engine.execution import measure_execution, verdict_execution
     from fcaudit.models.moe import PRESETS as MOE_PRESETS
     from fcaudit.models.moe import MoEGPT
     torch.manual_seed(0)
@@ -252,7 +252,7 @@ def test_a_run_folder_window_is_its_training_length_and_help_explains_the_defaul
         capsys: pytest.CaptureFixture[str]) -> None:
     import dataclasses
 
-    from fcaudit.audit.engine import loaded_seq_len
+    from fcaudit.engine.run import loaded_seq_len
     from fcaudit.io.loading import load_module
     loaded = load_module(GPT(PRESETS["tiny"]), "fg")
     assert loaded_seq_len(loaded) == (128, "default for a model without a training run: "

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from fcaudit import cli
-from fcaudit.audit.cache import CoefficientCache
 from fcaudit.core.errors import FcauditError
+from fcaudit.engine.cache import CoefficientCache
 from fcaudit.io import data
 from fcaudit.io.fileio import sha256_file, write_text
 from fcaudit.io.loading import load_run

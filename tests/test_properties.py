@@ -12,8 +12,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fcaudit.audit import metrics
-from fcaudit.audit.metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
 from fcaudit.core.contract import Site
 from fcaudit.core.interventions import (
     StaticProfiles,
@@ -22,6 +20,8 @@ from fcaudit.core.interventions import (
     position_permutations,
     shuffle_positions,
 )
+from fcaudit.engine import metrics
+from fcaudit.engine.metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
 
 FEW = settings(max_examples=25, deadline=None, database=None)
 SOME = settings(max_examples=50, deadline=None, database=None)

@@ -30,7 +30,7 @@ DUMP = "\nimport json\nprint('RESULT ' + json.dumps(result.to_json()))\n"
 
 def expected_dependence(result: dict) -> str:
     """The verdict word from the thresholds docs/method.md states (computed here, not by
-    fcaudit.audit.verdicts): strong, weak, none measurable or partial."""
+    fcaudit.engine.verdicts): strong, weak, none measurable or partial."""
     c, kept = result["conditions"], result["retention"]["static-layer"]["value"]
     r, s = c["reassign"], c["shuffle"]
     if max(r["ci95"][0], s["ci95"][0]) > 0.1 or (kept is not None and kept < 50):

@@ -29,9 +29,9 @@ from torch import nn
 
 from fcaudit import cli
 from fcaudit.api import audit
-from fcaudit.audit.engine import AuditOptions
-from fcaudit.audit.result import NONDETERMINISTIC_KEYS, ConditionResult, Retention
 from fcaudit.core.errors import FcauditError
+from fcaudit.engine.result import NONDETERMINISTIC_KEYS, ConditionResult, Retention
+from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import AuditData, Document, train_tokenizer
 from fcaudit.io.fileio import write_json
 from fcaudit.io.loading import save_run_model
@@ -488,7 +488,7 @@ def test_disk_full_at_fsync_is_caught_before_rename(tmp_path: Path, tokens: dict
 def test_interrupt_during_record_then_resume_gives_identical_results(
         tmp_path: Path, tokens: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from fcaudit.audit import cache as cache_mod
+    from fcaudit.engine import cache as cache_mod
     reference = tmp_path / "reference"
     assert run_inprocess(_audit_argv(reference, tokens), capsys).returncode == 0
 
@@ -611,7 +611,7 @@ def test_empty_cache_of_a_failed_start_is_not_in_the_way(
     """A first attempt that recorded nothing (here: writing its first shard failed) holds
     nothing to lose, so a rerun into the same --out with another model just starts afresh;
     one that recorded a shard is kept and another model is refused."""
-    from fcaudit.audit import cache as cache_mod
+    from fcaudit.engine import cache as cache_mod
     out = tmp_path / "out"
 
     def fail(self: cache_mod.CoefficientCache, name: str, tensors: dict) -> None:
@@ -733,7 +733,7 @@ VERDICTS = [
 def test_each_dependence_verdict_follows_its_rule(case: str, r: tuple, s: tuple, rs: tuple,
                                                   sl: tuple, slp: tuple, kept: Retention,
                                                   label: str) -> None:
-    from fcaudit.audit.verdicts import dependence
+    from fcaudit.engine.verdicts import dependence
     conditions = {name: _cond(*c) for name, c in (
         ("reassign", r), ("shuffle", s), ("reassign+shuffle", rs), ("static-layer", sl),
         ("static-layer-position", slp))}

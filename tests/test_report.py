@@ -16,7 +16,7 @@ import toys
 from test_engine import FAST, toy_data
 
 from fcaudit.api import audit
-from fcaudit.audit.result import (
+from fcaudit.engine.result import (
     MAIN_CONDITIONS,
     AuditResult,
     Identity,

@@ -9,7 +9,7 @@ import pytest
 from test_mudd_audit import make_mudd_folder
 from test_report import _chromium
 
-from fcaudit.audit.engine import AuditOptions
+from fcaudit.engine.run import AuditOptions
 from fcaudit.io.outdir import output_kind
 from fcaudit.study.reproduce import StudySettings, aggregate, reproduce, study
 

@@ -13,7 +13,7 @@ import torch
 from conftest import optional_extra
 
 from fcaudit.api import audit
-from fcaudit.audit.engine import AuditOptions
+from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import AuditData
 from fcaudit.models.moe import PRESETS, MoEGPT
 

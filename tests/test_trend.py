@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from fcaudit.audit.engine import AuditOptions
 from fcaudit.core.errors import FcauditError
+from fcaudit.engine.run import AuditOptions
 from fcaudit.io.loading import get_arch
 from fcaudit.study import trend
 from fcaudit.study.reproduce import StudySettings, reproduce, study

@@ -27,8 +27,8 @@ from fcaudit.core.errors import FcauditError
 
 # public name -> the module that defines it (docs/architecture.md shows the layers)
 _EXPORTS = {
-    "AuditOptions": "audit.options", "audit": "api",
-    "AuditResult": "audit.result",
+    "AuditOptions": "engine.options", "audit": "api",
+    "AuditResult": "engine.result",
     "DataSpec": "io.data", "AuditData": "io.data",
     "Site": "core.contract", "SiteCall": "core.contract", "ExpertLayer": "core.contract",
     "TupleAdapter": "core.adapters", "RouterAdapter": "core.routers",

@@ -1,7 +1,7 @@
 """The public entry points that span layers: an audit that also writes its report.
 
-The engine (``fcaudit.audit``) computes and writes ``audit.json``; the report layer
-(``fcaudit.report``) renders an :class:`~fcaudit.audit.result.AuditResult`. This module
+The engine (``fcaudit.engine``) computes and writes ``audit.json``; the report layer
+(``fcaudit.report``) renders an :class:`~fcaudit.engine.result.AuditResult`. This module
 joins the two, so neither imports the other (docs/architecture.md).
 """
 
@@ -11,11 +11,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fcaudit.audit import engine
-from fcaudit.audit.options import AuditOptions, Progress
-from fcaudit.audit.result import AuditResult
 from fcaudit.core.interventions import Intervention
 from fcaudit.core.sites import SiteSpec
+from fcaudit.engine import run as engine
+from fcaudit.engine.options import AuditOptions, Progress
+from fcaudit.engine.result import AuditResult
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.report.audit_report import write_report
 
@@ -28,7 +28,7 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
           interventions: Mapping[str, Any] | Sequence[Intervention] | None = None,
           progress: Progress | None = None, command: str | None = None,
           report: bool = True) -> AuditResult | None:
-    """Run the whole Frozen Controller Audit (:func:`fcaudit.audit.engine.audit` explains
+    """Run the whole Frozen Controller Audit (:func:`fcaudit.engine.run.audit` explains
     every argument); with ``out`` and ``report``, also write report.md, report.html and
     the figures before audit.json."""
     return engine.audit(model, out, sites=sites, data=data, dense=dense, blocks=blocks,

@@ -86,7 +86,7 @@ def _add_audit_options(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> Any:
-    from fcaudit.audit.engine import AuditOptions
+    from fcaudit.engine.run import AuditOptions
     return AuditOptions(repeats=args.repeats, seed=args.seed, bootstrap=args.bootstrap,
                         batch_size=args.batch_size, per_layer=not args.no_per_layer,
                         execution=not args.no_execution, timing_pairs=args.timing_pairs,
@@ -266,8 +266,8 @@ def _data_spec(args: argparse.Namespace) -> Any:
 
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from fcaudit.api import audit
-    from fcaudit.audit import distributed
-    from fcaudit.audit.engine import as_loaded
+    from fcaudit.engine import distributed
+    from fcaudit.engine.run import as_loaded
     from fcaudit.io.runtime import resolve_device, resolve_dtype
     from fcaudit.report.progress import ProgressReporter
     options = _options(args)
@@ -305,7 +305,7 @@ def print_summary(result: Any, out: Path) -> None:
         table.add_row(name, f"{c.nll:.4f}",
                       f"{c.delta:+.4f} [{c.ci95[0]:+.4f}, {c.ci95[1]:+.4f}]")
     console.print(table)
-    from fcaudit.audit.engine import window_line
+    from fcaudit.engine.run import window_line
     console.print(window_line(result.data), soft_wrap=True)
     for name, r in result.retention.items():
         value = (f"{r.value:.2f}% [{r.ci95[0]:.2f}, {r.ci95[1]:.2f}]"
@@ -319,7 +319,7 @@ def print_summary(result: Any, out: Path) -> None:
 
 def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from fcaudit.api import audit
-    from fcaudit.audit.engine import AuditOptions
+    from fcaudit.engine.run import AuditOptions
     from fcaudit.io.loading import is_run_folder
     from fcaudit.io.outdir import DEMO_PARTS, check_output, hold_output
     from fcaudit.report.progress import ProgressReporter
@@ -347,7 +347,7 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
 
 
 def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from fcaudit.audit.engine import AuditOptions
+    from fcaudit.engine.run import AuditOptions
     from fcaudit.study.reproduce import StudySettings, reproduce
     if args.seeds is not None and args.seeds < 1:
         raise FcauditError(f"--seeds {args.seeds}: must be at least 1")
@@ -394,7 +394,7 @@ BENCH_SCHEMA = "fcaudit.bench/1"
 
 def _check_bench_args(args: argparse.Namespace) -> None:
     """Counts in range and a ``--json`` that names a new file or fcaudit's own bench JSON."""
-    from fcaudit.audit.options import MAX_SEED, MAX_TIMING_PAIRS
+    from fcaudit.engine.options import MAX_SEED, MAX_TIMING_PAIRS
     from fcaudit.io.outdir import check_output_file
     for option, value, least, most in (("--batch-size", args.batch_size, 1, None),
                                        ("--seq-len", args.seq_len or 2, 2, None),
@@ -409,9 +409,9 @@ def _check_bench_args(args: argparse.Namespace) -> None:
 
 def _bench_models(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
     """The loaded model and its dense counterpart, both able to run ``--seq-len`` tokens."""
-    from fcaudit.audit.engine import as_loaded
     from fcaudit.core.contract import dense_twin
     from fcaudit.core.nll import model_limits
+    from fcaudit.engine.run import as_loaded
     loaded = as_loaded(args.model)
     model = loaded.model.to(device)
     dense = as_loaded(args.dense).model if args.dense else dense_twin(model, args.seed)
@@ -432,8 +432,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import dataclasses
     import json
 
-    from fcaudit.audit.engine import resolve_block_paths
-    from fcaudit.audit.execution import check_comparable, measure_execution, verdict_execution
+    from fcaudit.engine.execution import check_comparable, measure_execution, verdict_execution
+    from fcaudit.engine.run import resolve_block_paths
     from fcaudit.io.fileio import write_json
     from fcaudit.io.runtime import resolve_device
     _check_bench_args(args)
@@ -458,8 +458,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_sites(args: argparse.Namespace) -> None:
-    from fcaudit.audit.engine import as_loaded
     from fcaudit.core.sites import describe_modules, find_sites
+    from fcaudit.engine.run import as_loaded
     model = as_loaded(args.model).model
     try:
         sites = find_sites(model)

@@ -1,1 +1,2 @@
-"""fcaudit.io: see docs/architecture.md."""
+"""fcaudit.io: files in and out: data and tokenizers, checkpoints and model folders,
+weights, output folders and run facts (docs/architecture.md)."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from markdown_it import MarkdownIt
 
-from fcaudit.audit.result import (
+from fcaudit.engine.result import (
     ETA2_KEYS,
     MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,

@@ -26,7 +26,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
-from fcaudit.audit.result import ETA2_KEYS, Profile
+from fcaudit.engine.result import ETA2_KEYS, Profile
 from fcaudit.io.fileio import write_bytes
 
 FIG_WIDTH = 8.0

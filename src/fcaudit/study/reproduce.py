@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from fcaudit.api import audit
-from fcaudit.audit.engine import AuditOptions, as_loaded
-from fcaudit.audit.metrics import aggregate
-from fcaudit.audit.result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.nll import logits_of
+from fcaudit.engine.metrics import aggregate
+from fcaudit.engine.result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
+from fcaudit.engine.run import AuditOptions, as_loaded
 from fcaudit.io.data import DataSpec
 from fcaudit.io.fileio import read_json, write_json, write_text
 from fcaudit.io.loading import LoadedModel, is_run_folder

@@ -46,9 +46,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fcaudit.audit.metrics import aggregate
-from fcaudit.audit.result import AuditResult
 from fcaudit.core.errors import FcauditError
+from fcaudit.engine.metrics import aggregate
+from fcaudit.engine.result import AuditResult
 from fcaudit.io.fileio import read_json, write_text
 from fcaudit.report.audit_report import md_code, md_figures, md_table, md_text
 from fcaudit.report.figures import (

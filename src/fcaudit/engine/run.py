@@ -11,7 +11,7 @@
     describe -> variance decomposition, variation, profiles of the cached coefficients
     execute  -> blocks, FLOPs and latency against the dense counterpart
     verdicts -> one sentence per question
-    assemble -> an :class:`~fcaudit.audit.result.AuditResult` (and, with an output folder, the
+    assemble -> an :class:`~fcaudit.engine.result.AuditResult` (and, with an output folder, the
                 report and audit.json)
 
 Progress is reported through an optional callback ``progress(stage, done, total, info)``.
@@ -32,12 +32,19 @@ import torch
 from torch import Tensor, nn
 
 from fcaudit._version import __version__
-from fcaudit.audit.cache import CoefficientCache
-from fcaudit.audit.distributed import Ranks, current
-from fcaudit.audit.options import AuditOptions, Progress, Setup, silent
-from fcaudit.audit.passes import batches, record_batch, replay_batch
-from fcaudit.audit.plan import ReplayInputs, digest_tensors, plan_runs, routing_sites, tracked_runs
-from fcaudit.audit.result import (
+from fcaudit.core.adapters import adapter_name, same_bits
+from fcaudit.core.contract import Site
+from fcaudit.core.discovery import declared_blocks, declared_experts
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.interventions import Intervention, draw
+from fcaudit.core.nll import device_of, model_limits, probe_vocab, token_nll
+from fcaudit.core.sites import SiteSpec, find_sites, match_modules
+from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.distributed import Ranks, current
+from fcaudit.engine.options import AuditOptions, Progress, Setup, silent
+from fcaudit.engine.passes import batches, record_batch, replay_batch
+from fcaudit.engine.plan import ReplayInputs, digest_tensors, plan_runs, routing_sites, tracked_runs
+from fcaudit.engine.result import (
     MAIN_CONDITIONS,
     NONDETERMINISTIC_KEYS,
     PER_LAYER_CONDITIONS,
@@ -52,7 +59,7 @@ from fcaudit.audit.result import (
     SiteInfo,
     Verdict,
 )
-from fcaudit.audit.stages import (
+from fcaudit.engine.stages import (
     IDENTITY_CAUSES,
     adopt_probe,
     calibration_profiles,
@@ -61,15 +68,8 @@ from fcaudit.audit.stages import (
     replay_results,
     replay_stage,
 )
-from fcaudit.audit.summary import Summary, describe, routing_summary, summarize
-from fcaudit.audit.verdicts import dependence, qualified, variation
-from fcaudit.core.adapters import adapter_name, same_bits
-from fcaudit.core.contract import Site
-from fcaudit.core.discovery import declared_blocks, declared_experts
-from fcaudit.core.errors import FcauditError
-from fcaudit.core.interventions import Intervention, draw
-from fcaudit.core.nll import device_of, model_limits, probe_vocab, token_nll
-from fcaudit.core.sites import SiteSpec, find_sites, match_modules
+from fcaudit.engine.summary import Summary, describe, routing_summary, summarize
+from fcaudit.engine.verdicts import dependence, qualified, variation
 from fcaudit.io.data import AuditData, DataSpec, resolve_data
 from fcaudit.io.loading import LoadedModel, load, load_module
 from fcaudit.io.runtime import host, versions
@@ -236,7 +236,7 @@ def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | No
         raise FcauditError(f"--dense {dense}: its vocabulary has {vocab} entries but the "
                            f"evaluation token ids reach {int(ids.max())}; give a dense model "
                            "with the same tokenizer")
-    from fcaudit.audit.execution import check_comparable
+    from fcaudit.engine.execution import check_comparable
     check_comparable(net, twin, ids, str(dense))
     resolve_block_paths(twin, blocks)
     return twin, str(dense)
@@ -327,7 +327,7 @@ def cache_identity(setup: Setup) -> dict[str, Any]:
 def execute(setup: Setup) -> Execution:
     """The execution section: counts, FLOPs and (with timing pairs) latency vs dense; for a
     routed model, the experts that ran (measured even without a dense counterpart)."""
-    from fcaudit.audit.execution import measure_execution
+    from fcaudit.engine.execution import measure_execution
     opts = setup.options
     if not opts.execution:
         return Execution(measured=False, reason="disabled (--no-execution)")
@@ -365,7 +365,7 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
     variance, spread, profiles = stats[:3]
     opts = setup.options
     seeds = [opts.seed * 1000 + 17 + k for k in range(opts.repeats)]
-    from fcaudit.audit.execution import verdict_execution
+    from fcaudit.engine.execution import verdict_execution
     execution_text = verdict_execution(execution) if execution.measured else \
         f"Execution not measured: {execution.reason}."
     verdict = Verdict(qualified(variation(variance, spread), identity),

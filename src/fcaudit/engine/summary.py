@@ -15,11 +15,14 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from fcaudit.audit.cache import CoefficientCache
-from fcaudit.audit.metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
-from fcaudit.audit.options import AuditOptions
-from fcaudit.audit.plan import Run
-from fcaudit.audit.result import (
+from fcaudit.core.contract import Site
+from fcaudit.core.routers import load_entropy
+from fcaudit.core.sites import families
+from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
+from fcaudit.engine.options import AuditOptions
+from fcaudit.engine.plan import Run
+from fcaudit.engine.result import (
     MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,
     RETENTION_PROFILES,
@@ -28,9 +31,6 @@ from fcaudit.audit.result import (
     LayerRouting,
     RoutingSummary,
 )
-from fcaudit.core.contract import Site
-from fcaudit.core.routers import load_entropy
-from fcaudit.core.sites import families
 
 
 def _condition(per_seq: Mapping[str, np.ndarray], repeats: Mapping[str, list[np.ndarray]],

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fcaudit.audit.result import ConditionResult, Identity, Retention, VarianceShares, Variation
+from fcaudit.engine.result import ConditionResult, Identity, Retention, VarianceShares, Variation
 
 STRONG_PENALTY = 0.1  # nats, lower CI bound of reassign or shuffle
 STRONG_RETENTION = 50.0  # percent

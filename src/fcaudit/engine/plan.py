@@ -14,9 +14,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fcaudit.audit.cache import CoefficientCache
-from fcaudit.audit.options import AuditOptions
-from fcaudit.audit.result import RANDOM_CONDITIONS, STATIC_CONDITIONS
 from fcaudit.core.contract import RoutingAdapter, Site
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.interventions import (
@@ -27,6 +24,9 @@ from fcaudit.core.interventions import (
     shuffle_positions,
     static_tensor,
 )
+from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.options import AuditOptions
+from fcaudit.engine.result import RANDOM_CONDITIONS, STATIC_CONDITIONS
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from fcaudit.audit.result import Estimate, Execution, ExpertExecution, SideTiming, Timing
 from fcaudit.core.contract import ExpertLayer, Site, SiteCall
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.nll import logits_of
 from fcaudit.core.recording import hooked
 from fcaudit.core.routers import counting_experts
+from fcaudit.engine.result import Estimate, Execution, ExpertExecution, SideTiming, Timing
 
 MIN_PAIRS = 10
 BOOTSTRAP_RESAMPLES = 2000

@@ -21,10 +21,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fcaudit.audit.cache import CoefficientCache
-from fcaudit.audit.distributed import SINGLE, Ranks
-from fcaudit.audit.options import AuditOptions, Progress, Setup
-from fcaudit.audit.passes import (
+from fcaudit.core.adapters import same_bits
+from fcaudit.core.contract import Site
+from fcaudit.core.errors import FcauditError
+from fcaudit.core.interventions import StaticProfiles, batch_sums
+from fcaudit.core.nll import device_of, token_nll
+from fcaudit.core.routers import changed_rows, expert_counts
+from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.distributed import SINGLE, Ranks
+from fcaudit.engine.options import AuditOptions, Progress, Setup
+from fcaudit.engine.passes import (
     Replayed,
     batches,
     check_finite,
@@ -32,13 +38,7 @@ from fcaudit.audit.passes import (
     record_batch,
     replay_batch,
 )
-from fcaudit.audit.plan import ReplayInputs, Run, digest_tensors, feed, routing_sites, run_digest
-from fcaudit.core.adapters import same_bits
-from fcaudit.core.contract import Site
-from fcaudit.core.errors import FcauditError
-from fcaudit.core.interventions import StaticProfiles, batch_sums
-from fcaudit.core.nll import device_of, token_nll
-from fcaudit.core.routers import changed_rows, expert_counts
+from fcaudit.engine.plan import ReplayInputs, Run, digest_tensors, feed, routing_sites, run_digest
 
 IDENTITY_CAUSES = (
     "randomness in the forward pass (dropout or a model left in training mode, sampling, "

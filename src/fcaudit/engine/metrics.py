@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fcaudit.audit.result import (
+from fcaudit.core.contract import RoutingAdapter, Site
+from fcaudit.engine.result import (
     ComponentShares,
     Estimate,
     LayerVariation,
@@ -26,7 +27,6 @@ from fcaudit.audit.result import (
     VarianceShares,
     Variation,
 )
-from fcaudit.core.contract import RoutingAdapter, Site
 
 CHUNK_ELEMENTS = 1 << 18  # resampled indices held at once (2 MB), whatever the data size
 

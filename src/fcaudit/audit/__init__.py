@@ -1,1 +1,0 @@
-"""fcaudit.audit: see docs/architecture.md."""

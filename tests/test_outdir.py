@@ -131,7 +131,7 @@ def test_force_replaces_a_run_folder_and_nothing_else(run: Path, tmp_path: Path,
     assert output_kind(run) == "run"
     out = tmp_path / "run"
     shutil.copytree(run, out)
-    with pytest.raises(FcauditError, match="pass --force to replace it"):
+    with pytest.raises(FcauditError, match=r"pass force=True to replace it"):
         train("dense", "tiny", 1, out, steps=1, progress=False, device="cpu", data=text)
     (out / "notes.txt").write_text("my notes on this run")
     before = snapshot(tmp_path)

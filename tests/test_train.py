@@ -57,7 +57,7 @@ def test_training_lowers_eval_nll(tiny_runs):
 def test_existing_out_is_refused(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "config.json").write_text('{"fcaudit_run": 1}')  # an earlier run
-    with pytest.raises(FcauditError, match="--force"):
+    with pytest.raises(FcauditError, match="force=True"):
         train("dense", "tiny", 0, tmp_path / "x", steps=1, progress=False)
     (tmp_path / "x" / "keep.txt").write_text("mine")
     with pytest.raises(FcauditError, match="also holds keep.txt"):

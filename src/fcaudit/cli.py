@@ -404,7 +404,7 @@ def _check_bench_args(args: argparse.Namespace) -> None:
             bound = f"between {least} and {most}" if most is not None else f"at least {least}"
             raise FcauditError(f"{option} {value}: must be {bound}")
     if args.json is not None:
-        check_output_file(args.json, BENCH_SCHEMA, "--json")
+        check_output_file(args.json, BENCH_SCHEMA, "json")
 
 
 def _bench_models(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
@@ -490,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FcauditError as exc:
         if args.debug:
             raise
-        print(f"fcaudit: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"fcaudit: error: {_one_line(exc.for_cli())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if args.debug:
@@ -516,7 +516,7 @@ INTERRUPTED = {
 }
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException | str) -> str:
     """The exception's message collapsed onto one line (messages quoting other errors may
     hold newlines)."""
     return " ".join(str(exc).split()) or type(exc).__name__

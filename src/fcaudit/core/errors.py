@@ -1,13 +1,61 @@
-"""User-facing errors.
+"""User-facing errors, in the caller's words.
 
 Every failure a user can cause (bad input, missing file, wrong checkpoint) raises
 :class:`FcauditError` with a one-line message that names the input and says what to
 do. The CLI prints it without a traceback and exits non-zero.
+
+A message names an option through :func:`arg`: a Python caller reads the argument
+(``sites=``), the command line reads the flag (``--sites``), and neither reads the
+other's. ``str(error)`` is the Python form; :meth:`FcauditError.for_cli` the CLI's.
 """
+
+import re
+
+_MARK = "\x1f"  # wraps PY\x1eCLI in a message until it is rendered for its reader
+_ARG = re.compile(f"{_MARK}([^{_MARK}\x1e]*)\x1e([^{_MARK}]*){_MARK}")
+
+
+_UNSET = object()
+
+
+def arg(name: str, value: object = _UNSET, *, owner: str = "", py: str = "",
+        cli: str = "") -> str:
+    """An option named in a message, for either reader: Python reads ``name=`` (with
+    ``owner``, ``owner(name=...)``), the CLI reads ``--name`` (underscores become dashes);
+    with ``value``, ``name=VALUE`` against ``--name VALUE``. ``py``/``cli`` spell a form
+    out where it is not derived (``arg("text", cli="--data")``: DataSpec's ``text=``)."""
+    flag = cli or "--" + name.replace("_", "-")
+    if value is _UNSET:
+        python = py or (f"{owner}({name}=...)" if owner else f"{name}=")
+        return f"{_MARK}{python}\x1e{flag}{_MARK}"
+    python = py or name
+    python = f"{owner}({python}={value!r})" if owner else f"{python}={value!r}"
+    return f"{_MARK}{python}\x1e{flag} {value}{_MARK}"
+
+
+def render(message: str, cli: bool = False) -> str:
+    """``message`` with every :func:`arg` in the Python (default) or the CLI form."""
+    return _ARG.sub(lambda m: m.group(2 if cli else 1), message)
 
 
 class FcauditError(Exception):
     """A problem with the user's input or environment, explained in one line."""
+
+    def __str__(self) -> str:
+        return render(super().__str__())
+
+    def __format__(self, spec: str) -> str:
+        """Unrendered, so ``f"... {exc}"`` quoting this error inside another keeps its
+        options for the final reader."""
+        return format(self.raw, spec)
+
+    @property
+    def raw(self) -> str:
+        """The message with its options unrendered, to quote inside another message."""
+        return super().__str__()
+
+    def for_cli(self) -> str:
+        return render(self.raw, cli=True)
 
 
 def check_sizes(config: object, names: tuple[str, ...]) -> None:

@@ -23,25 +23,26 @@ from torch import nn
 from fcaudit.core.adapters import AUTO
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_sites
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 
 SiteSpec = Sequence[str] | Sequence[Site] | None
 
 
 def match_modules(model: nn.Module, pattern: str, option: str, example: str) -> list[str]:
-    """Module paths matching a glob, outermost matches only, in module order."""
+    """Module paths matching a glob, outermost matches only, in module order (``option``:
+    the argument that gave the glob, named in the caller's words on failure)."""
     names = [name for name, _ in model.named_modules() if name]
     hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
     # a glob like "blocks.*" would also match children; keep outermost matches
     hits = [n for n in hits if not any(n.startswith(h + ".") for h in hits if h != n)]
     if not hits:
         raise FcauditError(
-            f"{option} {pattern!r} matched no module of {type(model).__name__}; list module "
+            f"{arg(option, pattern)} matched no module of {type(model).__name__}; list module "
             f"paths with `fcaudit sites --model SPEC --all` and pass a glob such as {example!r}")
     return hits
 
 
-SITES_OPTION = "sites= (--sites)"  # how errors name the option: Python argument and CLI flag
+SITES_OPTION = arg("sites")  # sites= for a Python caller, --sites on the command line
 
 
 def _from_globs(model: nn.Module, patterns: Sequence[str]) -> list[Site]:
@@ -50,12 +51,12 @@ def _from_globs(model: nn.Module, patterns: Sequence[str]) -> list[Site]:
     :class:`~fcaudit.core.routers.RouterAdapter`); any other gets :data:`AUTO`."""
     repeated = sorted({p for p in patterns if list(patterns).count(p) > 1})
     if repeated:
-        raise FcauditError(f"{SITES_OPTION} {repeated[0]!r} is given more than once; give each "
+        raise FcauditError(f"{arg('sites', repeated[0])} is given more than once; give each "
                            "glob once (each glob is one family)")
     known = {s.path: s.adapter for s in declared_sites(model) or []}
     sites: list[Site] = []
     for pattern in patterns:
-        hits = match_modules(model, pattern, SITES_OPTION, "blocks.*.gate")
+        hits = match_modules(model, pattern, "sites", "blocks.*.gate")
         sites += [Site(name=n, path=n, family=pattern, layer=i, adapter=known.get(n, AUTO))
                   for i, n in enumerate(hits)]
     return sites

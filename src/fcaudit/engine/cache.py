@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.io.fileio import (
     read_json,
     sha256_file,
@@ -46,7 +46,7 @@ _SHARD_SUFFIXES = (".safetensors", ".safetensors.sha256")
 def _check_folder(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
         raise FcauditError(f"{folder} is a file, but fcaudit keeps its cache folder there; "
-                           "move that file away or choose another --out")
+                           f"move that file away or choose another {arg('out')}")
     manifest = folder / "manifest.json"
     if manifest.exists() and not manifest.is_file():
         raise FcauditError(f"{manifest} is not a file; delete {folder} and rerun")
@@ -72,7 +72,7 @@ class CoefficientCache:
             self._adopt()
         elif not owner:
             raise FcauditError(f"{self.manifest_path} is missing: rank 0 creates the cache "
-                               "first; every process must see the same --out folder")
+                               f"first; every process must see the same {arg('out')} folder")
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._write_manifest()
@@ -84,7 +84,7 @@ class CoefficientCache:
         try:
             manifest = read_json(self.manifest_path, "cache manifest")
         except FcauditError as exc:
-            raise FcauditError(f"{exc}; delete {self.folder} and rerun") from exc
+            raise FcauditError(f"{exc.raw}; delete {self.folder} and rerun") from exc
         if not isinstance(manifest, dict):
             raise FcauditError(f"cache manifest {self.manifest_path} is not a JSON object; "
                                f"delete {self.folder} and rerun")
@@ -100,8 +100,8 @@ class CoefficientCache:
         if diff and (any(self.folder.glob("*.sha256")) or not self.owner):
             raise FcauditError(
                 f"the cache in {self.folder} was recorded with a different {', '.join(diff)}; "
-                "delete that folder or choose another --out (or rerun with the original "
-                "model, data and --batch-size)")
+                f"delete that folder or choose another {arg('out')} (or rerun with the "
+                f"original model, data and {arg('batch_size', owner='AuditOptions')})")
         if diff:  # nothing was recorded yet: nothing to lose, start afresh
             self._write_manifest()
 

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from fcaudit.core.contract import ExpertLayer, Site, SiteCall
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.nll import logits_of
 from fcaudit.core.recording import hooked
 from fcaudit.core.routers import counting_experts
@@ -76,10 +76,10 @@ def check_comparable(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor
     try:
         dense_shape = tuple(logits_of(dense(input_ids)).shape)
     except FcauditError as exc:
-        raise FcauditError(f"--dense {source}: {exc}") from exc
+        raise FcauditError(f"{arg('dense', source)}: {exc.raw}") from exc
     if dense_shape != model_shape:
         raise FcauditError(
-            f"--dense {source} is not comparable with the model: for the same "
+            f"{arg('dense', source)} is not comparable with the model: for the same "
             f"{list(input_ids.shape)} token ids it gives logits {list(dense_shape)}, the model "
             f"{list(model_shape)} (another vocabulary or sequence handling), so their blocks "
             "and FLOPs would measure different work; give a dense model with the model's "

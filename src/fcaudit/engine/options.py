@@ -14,7 +14,7 @@ from pathlib import Path
 from torch import nn
 
 from fcaudit.core.contract import Site
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.interventions import Intervention
 from fcaudit.io.data import AuditData
 from fcaudit.io.loading import LoadedModel
@@ -52,27 +52,26 @@ class AuditOptions:
     allow_nonexact_identity: bool = False
     schedule: str = "prefix"  # "prefix": per-layer runs recompute only the suffix; "naive"
 
-    def validate(self, api: bool = False) -> None:
-        """Refuse option values no audit can run with, naming the option (``api``: as the
-        ``AuditOptions`` field a Python caller set)."""
-        checks = (("--repeats", self.repeats, 1, MAX_REPEATS), ("--seed", self.seed, 0, MAX_SEED),
-                  ("--bootstrap", self.bootstrap, 10, MAX_BOOTSTRAP),
-                  ("--batch-size", self.batch_size, 1, None),
-                  ("--timing-pairs", self.timing_pairs, 0, MAX_TIMING_PAIRS))
+    def validate(self) -> None:
+        """Refuse option values no audit can run with, naming the option in the caller's
+        words (the ``AuditOptions`` field, or the CLI flag)."""
+        checks = (("repeats", self.repeats, 1, MAX_REPEATS), ("seed", self.seed, 0, MAX_SEED),
+                  ("bootstrap", self.bootstrap, 10, MAX_BOOTSTRAP),
+                  ("batch_size", self.batch_size, 1, None),
+                  ("timing_pairs", self.timing_pairs, 0, MAX_TIMING_PAIRS))
 
         def name(option: str, value: object) -> str:
-            field = option.removeprefix("--").replace("-", "_")
-            return f"AuditOptions({field}={value!r})" if api else f"{option} {value!r}"
+            return arg(option, value, owner="AuditOptions")
         for option, value, lo, hi in checks:
             if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
                     hi is not None and value > hi):
                 bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
                 raise FcauditError(f"{name(option, value)}: must be an integer {bound}")
         if self.schedule not in SCHEDULES:
-            raise FcauditError(f"{name('--schedule', self.schedule)}: choose one of "
+            raise FcauditError(f"{name('schedule', self.schedule)}: choose one of "
                                f"{', '.join(SCHEDULES)}")
         if 0 < self.timing_pairs < 10:
-            raise FcauditError(f"{name('--timing-pairs', self.timing_pairs)}: use 0 (no "
+            raise FcauditError(f"{name('timing_pairs', self.timing_pairs)}: use 0 (no "
                                "timing) or at least 10 pairs for a meaningful interval")
 
 

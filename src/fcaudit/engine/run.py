@@ -35,7 +35,7 @@ from fcaudit._version import __version__
 from fcaudit.core.adapters import adapter_name, same_bits
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks, declared_experts
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.interventions import Intervention, draw
 from fcaudit.core.nll import device_of, model_limits, probe_vocab, token_nll
 from fcaudit.core.sites import SiteSpec, find_sites, match_modules
@@ -60,6 +60,7 @@ from fcaudit.engine.result import (
     Verdict,
 )
 from fcaudit.engine.stages import (
+    ALLOW_NONEXACT,
     IDENTITY_CAUSES,
     adopt_probe,
     calibration_profiles,
@@ -90,7 +91,7 @@ def as_loaded(model: str | Path | nn.Module | LoadedModel,
 
 def resolve_block_paths(model: nn.Module, pattern: str | None) -> list[str] | None:
     if pattern is not None:
-        return match_modules(model, pattern, "--blocks", "blocks.*")
+        return match_modules(model, pattern, "blocks", "blocks.*")
     return declared_blocks(model)
 
 
@@ -150,10 +151,11 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
             interventions: Any) -> Setup:
     """Every check that does not need a forward pass of the audit itself."""
     sites = _check_arguments(sites, data, blocks, options)
-    options.validate(api=True)  # the CLI has validated its own names already
+    options.validate()
     if dense is not None and not options.execution:
-        raise FcauditError("--dense is ignored with --no-execution (the dense counterpart only "
-                           "serves the execution audit): drop one of them")
+        no_execution = arg("execution", py="AuditOptions(execution=False)", cli="--no-execution")
+        raise FcauditError(f"{arg('dense')} is ignored with {no_execution} (the dense "
+                           "counterpart only serves the execution audit): drop one of them")
     loaded = as_loaded(model)
     net = loaded.model.eval()
     site_list = find_sites(net, sites)
@@ -233,7 +235,7 @@ def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | No
     ids = torch.from_numpy(setup.data.eval_ids[:1]).to(device_of(net))
     vocab, _ = model_limits(twin)
     if vocab is not None and int(ids.max()) >= vocab:
-        raise FcauditError(f"--dense {dense}: its vocabulary has {vocab} entries but the "
+        raise FcauditError(f"{arg('dense', dense)}: its vocabulary has {vocab} entries but the "
                            f"evaluation token ids reach {int(ids.max())}; give a dense model "
                            "with the same tokenizer")
     from fcaudit.engine.execution import check_comparable
@@ -282,7 +284,7 @@ def probe(setup: Setup) -> Probe:
     if not setup.options.allow_nonexact_identity:
         raise FcauditError(f"{message}. No verdict can rest on such a replay: fix the model "
                            "(model.eval(), fixed seeds, deterministic kernels) or rerun with "
-                           "--allow-nonexact-identity to see the numbers flagged as not exact")
+                           f"{ALLOW_NONEXACT} to see the numbers flagged as not exact")
     return Probe(Identity(False, diff, True, message), coefficients, nll)
 
 
@@ -433,8 +435,8 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     setup = prepare(model, out, sites=sites, data=DataSpec() if data is None else data, dense=dense,
                     blocks=blocks, options=options, interventions=interventions)
     if setup.out is None and ranks.world > 1:
-        raise FcauditError("an audit over several processes needs --out, a folder every "
-                           "process sees")
+        raise FcauditError(f"an audit over several processes needs {arg('out')}, a folder "
+                           "every process sees")
     if ranks.main and options.progress:
         print(f"fcaudit: {window_line(setup.data.summary())}", file=sys.stderr, flush=True)
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout

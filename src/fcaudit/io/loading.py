@@ -31,7 +31,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.io.data import folder_tokenizer
 from fcaudit.io.fileio import read_json, sha256_file, write_safetensors
 from fcaudit.io.weights import check_depth, check_keys, header_shapes, load_into, read_tensors
@@ -56,7 +56,8 @@ class Arch:
 
     def config(self, preset: str, vocab_size: int | None = None) -> Any:
         if preset not in self.presets:
-            raise FcauditError(f"unknown preset {preset!r} for --arch {self.name}; choose one of "
+            raise FcauditError(f"unknown preset {preset!r} for {arg('arch', self.name)}; choose "
+                               "one of "
                                f"{', '.join(sorted(self.presets))}")
         extra = {"vocab_size": vocab_size} if vocab_size else {}
         return dataclasses.replace(self.presets[preset], **dict(self.fixed), **extra)
@@ -220,7 +221,8 @@ def load_factory(spec: str, dtype: torch.dtype | None = None) -> LoadedModel:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise FcauditError(f"cannot import {module_name!r} for --model {spec} ({exc}); run from "
+        raise FcauditError(f"cannot import {module_name!r} for {arg('model', spec)} ({exc}); "
+                           "run from "
                            "the folder that holds it, or add that folder to PYTHONPATH") from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
@@ -230,8 +232,7 @@ def load_factory(spec: str, dtype: torch.dtype | None = None) -> LoadedModel:
         model = factory()
     except Exception as exc:  # the user's own code: their error to fix, not fcaudit's bug
         raise FcauditError(f"{spec}() raised {type(exc).__name__}: {exc}; the factory must "
-                           "build the model with no arguments (rerun with --debug for the "
-                           "traceback)") from exc
+                           "build the model with no arguments") from exc
     if not isinstance(model, nn.Module):
         raise FcauditError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module; "
                            "the factory must return the model itself")

@@ -47,7 +47,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from fcaudit._version import __version__
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.io.fileio import RENAME_CHECKS, sha256_file, write_json
 
 MARKER = ".fcaudit-output.json"
@@ -163,7 +163,7 @@ def _check_new(path: Path, where: str) -> None:
         return
 
 
-def check_output(path: str | Path, kind: str, option: str = "--out") -> None:
+def check_output(path: str | Path, kind: str, option: str = "out") -> None:
     """Refuse, in one line, an output path fcaudit must not write to. Touches nothing.
 
     Refused: a file, a path under a file, a dangling symbolic link, a folder that is not
@@ -173,7 +173,7 @@ def check_output(path: str | Path, kind: str, option: str = "--out") -> None:
     ``cache`` must be a folder and its ``cache/manifest.json`` a file.
     """
     path = Path(path)
-    where = f"{option} {path}"
+    where = arg(option, str(path))
     if path.is_symlink() and not path.exists():
         raise FcauditError(f"{where} is a symbolic link to {os.readlink(path)}, which does "
                            "not exist; remove the link or choose another folder")
@@ -239,7 +239,7 @@ def check_output_file(path: str | Path, schema: str, option: str) -> None:
     folder, a symbolic link, an existing file that is not fcaudit's own (its JSON
     ``schema`` is not ``schema``), or a new path with no writable folder."""
     path = Path(path)
-    where = f"{option} {path}"
+    where = arg(option, str(path))
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise FcauditError(f"{where} is not a plain file; choose a new file name")
     if not path.exists():
@@ -376,7 +376,7 @@ class OutputLock:
     ``folder/.fcaudit-lock`` for the block, or stops at once naming the holder."""
 
     def __init__(self, folder: str | Path, command: str | None = None,
-                 option: str = "--out") -> None:
+                 option: str = "out") -> None:
         self.folder = Path(folder)
         self.path = self.folder / LOCK
         self.command = command or shlex.join(sys.argv)
@@ -384,7 +384,7 @@ class OutputLock:
         self.fd = -1
 
     def __enter__(self) -> OutputLock:
-        where = f"{self.option} {self.folder}"
+        where = arg(self.option, str(self.folder))
         for _ in range(10):
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -397,7 +397,7 @@ class OutputLock:
                 holder = _holder(fd)
                 os.close(fd)
                 raise FcauditError(f"{where} is in use by {holder}; wait for it to finish or "
-                                   f"choose another {self.option}") from exc
+                                   f"choose another {arg(self.option)}") from exc
             except OSError as exc:  # e.g. a network file system without locks
                 os.close(fd)
                 raise FcauditError(f"cannot lock {where} ({exc.strerror or exc}); choose a "
@@ -424,7 +424,7 @@ class OutputLock:
 
 @contextlib.contextmanager
 def hold_output(path: str | Path, kind: str, command: str | None = None,
-                option: str = "--out") -> Iterator[Path]:
+                option: str = "out") -> Iterator[Path]:
     """Check, create, mark and lock an output folder for the block; then release it.
 
     A folder this call created that holds nothing but its marker on exit (a run that
@@ -437,7 +437,7 @@ def hold_output(path: str | Path, kind: str, command: str | None = None,
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise FcauditError(f"cannot create {option} {path} ({exc.strerror or exc}); check "
+        raise FcauditError(f"cannot create {arg(option, str(path))} ({exc.strerror or exc}); check "
                            "the path and its permissions") from exc
     empty = False
     try:

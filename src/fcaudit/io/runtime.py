@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from fcaudit._version import __version__
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 
 
 def versions() -> dict[str, str]:
@@ -27,7 +27,7 @@ def host() -> dict[str, Any]:
             "torch_threads": torch.get_num_threads(), "machine": platform.machine()}
 
 
-def resolve_device(name: str | None, option: str = "--device") -> Any:
+def resolve_device(name: str | None, option: str = "device") -> Any:
     """A usable ``torch.device`` (default: CUDA when available), or one clear error."""
     import torch
     if name is None:
@@ -35,16 +35,18 @@ def resolve_device(name: str | None, option: str = "--device") -> Any:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError) as exc:
-        raise FcauditError(f"{option} {name!r} is not a device; use cpu, cuda or cuda:N") from exc
+        raise FcauditError(f"{arg(option, name)} is not a device; use cpu, cuda or "
+                           "cuda:N") from exc
     if device.type == "cpu":
         return device
     if device.type != "cuda":
-        raise FcauditError(f"{option} {name!r}: fcaudit runs on cpu or cuda")
+        raise FcauditError(f"{arg(option, name)}: fcaudit runs on cpu or cuda")
     if not torch.cuda.is_available():
-        raise FcauditError(f"{option} {name}: no CUDA device is available here; use --device cpu")
+        raise FcauditError(f"{arg(option, name)}: no CUDA device is available here; use "
+                           f"{arg(option, 'cpu')}")
     if device.index is not None and device.index >= torch.cuda.device_count():
-        raise FcauditError(f"{option} {name}: this machine has {torch.cuda.device_count()} CUDA "
-                           "device(s)")
+        raise FcauditError(f"{arg(option, name)}: this machine has "
+                           f"{torch.cuda.device_count()} CUDA device(s)")
     return device
 
 

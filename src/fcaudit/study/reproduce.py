@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from fcaudit.api import audit
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.nll import logits_of
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
@@ -47,7 +47,7 @@ from fcaudit.report.figures import (
     variance_figure,
     write_figures,
 )
-from fcaudit.study import trend
+from fcaudit.study import paper, trend
 from fcaudit.study.train import TrainPreset, resolve_schedule, train
 from fcaudit.study.trend import SeedResult
 
@@ -97,12 +97,14 @@ def study(preset: str, seeds: int | None) -> list[Group]:
                        f"{', '.join(STUDY_PRESETS)}")
 
 
-# What the paper reported (SPEC section 8), shown beside our aggregates.
+# What the paper reported (fcaudit.study.paper), shown beside our aggregates.
 PAPER = {
-    "featuregate": {"retention_static_layer": "98.70% (76M, 7 seeds); 99.43% (504M, 3 seeds)",
-                    "eta2_layer": "87% to 96%", "blocks": "every block runs",
-                    "speed_ratio": "1.308 (30.8% slower than Dense)"},
-    "mudd": {"reassign": "+1.9067 nats (MUDDPythia-1.4B)", "shuffle": "+2.9637 nats",
+    "featuregate": {"retention_static_layer": paper.retention_text(),
+                    "eta2_layer": paper.eta2_text(), "blocks": "every block runs",
+                    "speed_ratio": f"{paper.SPEED_RATIO} "
+                                   f"({100 * (paper.SPEED_RATIO - 1):.1f}% slower than Dense)"},
+    "mudd": {"reassign": f"+{paper.MUDD['delta_reassign']} nats (MUDDPythia-1.4B)",
+             "shuffle": f"+{paper.MUDD['delta_shuffle']} nats",
              "static": "static replacement also hurts strongly", "blocks": "every block runs"},
     "moe": {"routing": "the paper names sparse experts and token routing as dynamic "
                        "mechanisms; it reports no MoE measurement"},
@@ -195,7 +197,8 @@ def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettin
     config = read_json(folder / "config.json", "run config")
     if config["train"] != expected:
         raise FcauditError(f"{folder} was trained with other settings ({config['train']}) "
-                           f"than this study asks for ({expected}); choose another --out, or "
+                           f"than this study asks for ({expected}); choose another "
+                           f"{arg('out')}, or "
                            "remove that run to retrain it")
     return config
 
@@ -278,12 +281,13 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
     ret = mean(fg, "retention_static_layer")
     if fg is not None:
         out.append(("FeatureGate: a static per-layer profile keeps almost all (>= 90%) of the "
-                    "Correct-to-GlobalMean gap (paper: 98.70% / 99.43%)",
+                    "Correct-to-GlobalMean gap (paper: "
+                    f"{' / '.join(f'{v:.2f}%' for v in paper.RETENTION.values())})",
                     "undefined (no clear gap)" if ret is None else
                     f"{'holds' if ret >= 90 else 'does not hold'}: {ret:.2f}% on average"))
         eta = mean(fg, "eta2_layer")
         out.append(("FeatureGate: layer identity explains most of the coefficient variance "
-                    "(paper: 87% to 96%)",
+                    f"(paper: {paper.eta2_text()})",
                     f"{'holds' if eta is not None and eta >= 0.8 else 'does not hold'}: "
                     f"{100 * (eta or 0):.1f}% on average"))
         frac = mean(fg, "blocks_executed_fraction")
@@ -293,7 +297,8 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
                         "blocks executed per token"))
         speed = mean(fg, "speed_ratio")
         if speed is not None:
-            out.append(("FeatureGate is slower than Dense (paper: 30.8% slower)",
+            out.append(("FeatureGate is slower than Dense (paper: "
+                        f"{100 * (paper.SPEED_RATIO - 1):.1f}% slower)",
                         f"{'holds' if speed > 1 else 'does not hold'}: time ratio "
                         f"{speed:.3f} on average"))
     if mudd is not None:
@@ -435,20 +440,22 @@ def _probed(spec: str) -> LoadedModel:
     if (path.exists() and not is_mudd_folder(path)) or (":" in spec and not path.exists()):
         what = "an fcaudit run folder" if is_run_folder(path) else \
             "not a folder" if not path.is_dir() else "a folder"
-        raise FcauditError(f"--mudd-checkpoint {spec} is {what}, not a MUDDPythia / MUDDFormer "
+        raise FcauditError(f"{arg('mudd_checkpoint', spec)} is {what}, not a MUDDPythia / "
+                           "MUDDFormer "
                            "checkpoint folder (its config.json names model_type muddpythia or "
                            "muddformer); the study trains and audits its own runs: pass a MUDD "
                            "checkpoint folder, or drop the option")
     loaded = as_loaded(spec)
     if loaded.tokenizer is None:
-        raise FcauditError(f"--mudd-checkpoint {spec} has no tokenizer.json: the study audits "
+        raise FcauditError(f"{arg('mudd_checkpoint', spec)} has no tokenizer.json: the study "
+                           "audits "
                            "it on the built-in text; copy the model's tokenizer.json into it")
     ids = torch.tensor([loaded.tokenizer.encode("To be, or not to be").ids[:4]])
     try:
         with torch.no_grad():
             logits_of(loaded.model(ids))
     except FcauditError as exc:
-        raise FcauditError(f"--mudd-checkpoint {spec}: {exc}") from exc
+        raise FcauditError(f"{arg('mudd_checkpoint', spec)}: {exc.raw}") from exc
     return loaded
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import nn
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.nll import mean_nll
 from fcaudit.io.data import (
     builtin_documents,
@@ -140,10 +140,10 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
     trend``). Determinism is promised on CPU (same seed and thread count, same
     weights); on CUDA the run is seeded but kernels may differ in the last bits.
     """
-    for option, value, least in (("--seed", seed, 0), ("--steps", steps, 1)):
+    for option, value, least in (("seed", seed, 0), ("steps", steps, 1)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < least):
-            raise FcauditError(f"{option} {value!r}: must be an integer of at least {least}")
+            raise FcauditError(f"{arg(option, value)}: must be an integer of at least {least}")
     device = str(resolve_device(device))
     out = Path(out)
     arch = get_arch(arch_name)
@@ -177,19 +177,19 @@ def check_run_out(out: Path, force: bool) -> None:
         return
     held = entries(out)
     if held and not force:
-        raise FcauditError(f"output folder {out} holds a training run; choose another --out or "
-                           "pass --force to replace it")
+        raise FcauditError(f"output folder {out} holds a training run; choose another "
+                           f"{arg('out')} or pass {arg('force', py='force=True')} to replace it")
     other = [p.name for p in held if p.name not in RUN_FILES]
     if other:
-        raise FcauditError(f"--out {out} is a run folder but also holds {', '.join(other)}, "
-                           "which fcaudit train did not write; move them out or choose another "
-                           "--out")
+        raise FcauditError(f"{arg('out', str(out))} is a run folder but also holds "
+                           f"{', '.join(other)}, which fcaudit train did not write; move them "
+                           f"out or choose another {arg('out')}")
     unrecorded = [p.name for p in held if not owns(out, p.name)]
     if unrecorded:
-        raise FcauditError(f"--out {out}: fcaudit train did not record writing "
+        raise FcauditError(f"{arg('out', str(out))}: fcaudit train did not record writing "
                            f"{', '.join(unrecorded)} (files of yours, edited since, or a run of "
-                           "an fcaudit version without digests), so --force will not replace "
-                           "them; move them out or choose another --out")
+                           f"an fcaudit version without digests), so {arg('force')} will not "
+                           f"replace them; move them out or choose another {arg('out')}")
 
 
 def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: Any,

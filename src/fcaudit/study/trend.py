@@ -1,9 +1,9 @@
 """The trend study (issue 14): FeatureGate's findings against model size and training length.
 
 ``fcaudit reproduce --preset tiny`` finds that at 1.3M parameters and 600 steps a static
-per-layer gate profile keeps about 72% of the Correct-to-GlobalMean gap (the paper:
-98.70% at 76M, 99.43% at 504M) and layer identity explains about 29% of the gate
-variance (the paper: 87% to 96%). One point cannot say whether that gap is about model
+per-layer gate profile keeps far less of the Correct-to-GlobalMean gap than the
+paper's 76M and 504M models (:mod:`fcaudit.study.paper`), and layer identity explains
+less of the gate variance. One point cannot say whether that gap is about model
 size, training length or the method. ``fcaudit reproduce --preset trend`` trains
 FeatureGate with its Dense twin, and MUDD as the contrast, at every point of
 :data:`LADDER` (a model size and a training length), audits FeatureGate and MUDD, and
@@ -60,6 +60,7 @@ from fcaudit.report.figures import (
     trend_figure,
     write_figures,
 )
+from fcaudit.study import paper
 from fcaudit.study.train import TRAIN_PRESETS, TrainPreset
 
 SCHEMA = "fcaudit.study.trend-point/1"
@@ -99,11 +100,9 @@ class Point:
 LADDER = (Point("tiny", 600), Point("tiny", 1200), Point("mid", 600), Point("small", 600))
 CONTRAST_SIZE = "tiny"  # MUDD, the contrast, at the tiny size's points (both lengths)
 
-# The paper's figures (SPEC section 8) marked beside ours.
-PAPER_PARAMS = {"76M": 76e6, "504M": 504e6, "1.4B": 1.4e9}
-PAPER_RETENTION = {"76M": 98.70, "504M": 99.43}
-PAPER_ETA2_LAYER = (87.0, 96.0)  # percent, FeatureGate, sizes not given
-PAPER_MUDD = {"delta_reassign": 1.9067, "delta_shuffle": 2.9637}  # MUDDPythia-1.4B
+# The paper's figures (fcaudit.study.paper) marked beside ours.
+PAPER_PARAMS, PAPER_RETENTION = paper.PARAMS, paper.RETENTION
+PAPER_ETA2_LAYER, PAPER_MUDD = paper.ETA2_LAYER, paper.MUDD
 
 # --------------------------------------------------------------------- point summary
 
@@ -373,9 +372,9 @@ def shows(points: Sequence[Mapping[str, Any]]) -> list[str]:
         seeds = f" (seeds {ret['min']:.1f}% to {ret['max']:.1f}%)" if ret["n"] > 1 else ""
         main.append(f"{where} the static per-layer profile keeps {ret['mean']:.1f}% of the "
                     f"gap{seeds}, {abs(gap):.1f} "
-                    f"points {'below' if gap > 0 else 'above'} the paper's 98.70% at 76M; "
-                    f"layer identity explains {100 * eta['mean']:.1f}% of the gate variance "
-                    "(paper: 87% to 96%).")
+                    f"points {'below' if gap > 0 else 'above'} the paper's "
+                    f"{PAPER_RETENTION['76M']:.2f}% at 76M; layer identity explains "
+                    f"{100 * eta['mean']:.1f}% of the gate variance (paper: {paper.eta2_text()}).")
     other = [describe(by_size, "featuregate", METRICS[k], "model size", at_tokens)
              for k in ("retention_static_layer_position", "delta_reassign", "delta_shuffle")]
     other += [describe(by_length, "featuregate", METRICS[k], "training length", at_size)
@@ -403,7 +402,8 @@ def _contrast(points: Sequence[Mapping[str, Any]]) -> str:
     trend = describe(size_axis(both), "mudd", METRICS["delta_reassign"], "model size",
                      f"at {_millions(size_axis(both)[0]['training_tokens'])} training tokens")
     return (f"MUDD, the contrast: {parts[0]}; {parts[1]}. {trend} At 1.4B parameters the "
-            "paper reports +1.9067 nats (reassign) and +2.9637 nats (shuffle).")
+            f"paper reports +{PAPER_MUDD['delta_reassign']} nats (reassign) and "
+            f"+{PAPER_MUDD['delta_shuffle']} nats (shuffle).")
 
 
 def cannot_show(points: Sequence[Mapping[str, Any]]) -> str:
@@ -503,7 +503,7 @@ def _panels(points: Sequence[Mapping[str, Any]]) -> list[TrendPanel]:
 
     retention = [Anchor(f"{size} {v:.2f}%", "FeatureGate", v, v, PAPER_PARAMS[size])
                  for size, v in PAPER_RETENTION.items()]
-    eta = [Anchor("87% to 96%", "FeatureGate", *PAPER_ETA2_LAYER)]
+    eta = [Anchor(paper.eta2_text(), "FeatureGate", *PAPER_ETA2_LAYER)]
 
     def mudd(key: str) -> list[Anchor]:
         v = PAPER_MUDD[key]
@@ -540,13 +540,14 @@ def markdown(points: Sequence[Mapping[str, Any]], figures: Sequence[RenderedFigu
     """``trend.md``: what the ladder shows and cannot show, the tables, the figure."""
     listing = ", ".join(f"{p['point']} ({_millions(p['n_params'])} parameters, "
                         f"{_millions(p['training_tokens'])} tokens)" for p in points)
-    paper_fg = [_paper_row("paper 76M", "76M", "7", {"retention_static_layer": "98.70",
-                                                      "eta2_layer": "87 to 96"}),
-                _paper_row("paper 504M", "504M", "3", {"retention_static_layer": "99.43",
-                                                        "eta2_layer": "87 to 96"})]
+    eta2 = f"{PAPER_ETA2_LAYER[0]:.0f} to {PAPER_ETA2_LAYER[1]:.0f}"
+    paper_fg = [_paper_row(f"paper {size}", size, str(paper.RETENTION_SEEDS[size]),
+                           {"retention_static_layer": f"{value:.2f}", "eta2_layer": eta2})
+                for size, value in PAPER_RETENTION.items()]
     paper_mudd = [_paper_row("paper MUDDPythia-1.4B", "1.4B", "", {
-        "retention_static_layer": "static hurts strongly", "delta_reassign": "1.9067",
-        "delta_shuffle": "2.9637"})]
+        "retention_static_layer": "static hurts strongly",
+        "delta_reassign": f"{PAPER_MUDD['delta_reassign']}",
+        "delta_shuffle": f"{PAPER_MUDD['delta_shuffle']}"})]
     blocks = [
         "# FeatureGate's findings against model size and training length (CPU scale)",
         f"{len(points)} points: {md_text(listing)}. FeatureGate (with its Dense twin) at "

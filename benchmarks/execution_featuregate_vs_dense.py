@@ -21,7 +21,8 @@ import json
 import torch
 from torch import nn
 
-from fcaudit.engine.execution import format_table, measure_execution, verdict_execution
+from fcaudit.engine.execution import format_table, measure_execution
+from fcaudit.engine.verdicts import verdict_execution
 from fcaudit.io.data import builtin_documents, cut_windows, encode_documents, spread_pick
 from fcaudit.io.loading import get_arch, load_model
 from fcaudit.study.train import builtin_tokenizer

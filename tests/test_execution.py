@@ -22,9 +22,9 @@ from fcaudit.engine.execution import (
     ratio_interval,
     side_summary,
     time_interleaved,
-    verdict_execution,
 )
 from fcaudit.engine.result import Estimate, Execution
+from fcaudit.engine.verdicts import verdict_execution
 from fcaudit.models.featuregate import GPT, GPTConfig, Update
 from fcaudit.models.skipgate import SkipGateConfig, SkipGateGPT
 

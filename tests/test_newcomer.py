@@ -186,7 +186,8 @@ def test_every_decomposition_names_all_its_axes_and_sums_to_one(kind: str) -> No
 def test_moe_execution_keys_have_one_meaning_and_agree_with_the_verdict(top_k: int) -> None:
     import dataclasses
 
-    from fcaudit.engine.execution import measure_execution, verdict_execution
+    from fcaudit.engine.execution import measure_execution
+    from fcaudit.engine.verdicts import verdict_execution
     from fcaudit.models.moe import PRESETS as MOE_PRESETS
     from fcaudit.models.moe import MoEGPT
     torch.manual_seed(0)

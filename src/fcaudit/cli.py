@@ -432,8 +432,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import dataclasses
     import json
 
-    from fcaudit.engine.execution import check_comparable, measure_execution, verdict_execution
+    from fcaudit.engine.execution import check_comparable, measure_execution
     from fcaudit.engine.run import resolve_block_paths
+    from fcaudit.engine.verdicts import verdict_execution
     from fcaudit.io.fileio import write_json
     from fcaudit.io.runtime import resolve_device
     _check_bench_args(args)

@@ -1,4 +1,5 @@
-"""Interventions: what replay feeds each site under each condition (SPEC section 4).
+"""Interventions: what replay feeds each site under each condition (docs/method.md,
+Conditions).
 
 The built-in conditions are compositions of three coefficient-preserving
 transformations, usable on any recorded dict ``{site name: [B, T, ...]}``:

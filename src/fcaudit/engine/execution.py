@@ -1,4 +1,5 @@
-"""Execution audit (SPEC section 6): what a model really computes, against its dense twin.
+"""Execution audit (docs/method.md, Execution): what a model really computes, against
+its dense twin.
 
 Three measurements, all taken on real forward passes and never read from a config:
 
@@ -15,8 +16,8 @@ Three measurements, all taken on real forward passes and never read from a confi
   model is slower), the median of the per-pair ratios, since each pair shares the
   machine's state at that moment; its 95% interval is a seeded bootstrap over
   pairs. A difference is called only when the interval excludes 1 and the ratio
-  is more than ``SPEED_TOLERANCE`` away from it (an A/A run can otherwise show
-  a sub-percent "effect").
+  is more than ``SPEED_TOLERANCE`` (:mod:`fcaudit.engine.verdicts`) away from it (an
+  A/A run can otherwise show a sub-percent "effect").
 
 Counts and FLOPs are deterministic; everything timing-dependent lives under
 ``timing`` (and the headline ``speed_ratio_vs_dense``), so the rest of the result
@@ -45,11 +46,10 @@ from fcaudit.core.nll import logits_of
 from fcaudit.core.recording import hooked
 from fcaudit.core.routers import counting_experts
 from fcaudit.engine.result import Estimate, Execution, ExpertExecution, SideTiming, Timing
+from fcaudit.engine.verdicts import TOLERANCE
 
 MIN_PAIRS = 10
 BOOTSTRAP_RESAMPLES = 2000
-TOLERANCE = 0.01  # relative saving in blocks or FLOPs below which nothing is "saved"
-SPEED_TOLERANCE = 0.02  # latency ratios within 2% of 1 are no clear difference
 
 
 @contextlib.contextmanager
@@ -424,61 +424,6 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torc
                                          threads)
         result.speed_ratio_vs_dense = result.timing.speed_ratio_vs_dense.value
     return result
-
-
-def _speed_word(ratio: Estimate) -> str:
-    (lo, hi), value = ratio.ci95, ratio.value
-    if lo > 1 and value > 1 + SPEED_TOLERANCE:
-        return "slower"
-    if hi < 1 and value < 1 - SPEED_TOLERANCE:
-        return "faster"
-    return "no clear difference"
-
-
-def verdict_execution(e: Execution) -> str:
-    """One sentence answering "does the mechanism change what is computed?", with numbers;
-    for a routed model the experts come first, then blocks and FLOPs against Dense. The
-    head word is ``conditional_execution``; the routed-model parts agree with
-    ``experts.routing_changes_computation`` and ``saves_against_dense``."""
-    head = "Conditional execution" if e.conditional_execution else "No conditional execution"
-    if e.experts is not None:
-        saved = ("no dense counterpart to compare with" if e.saves_against_dense is None
-                 else "savings against Dense" if e.saves_against_dense
-                 else "no savings against Dense")
-        head = f"{head}: {_experts_sentence(e.experts)} Blocks and FLOPs: {saved}"
-    if e.uncounted_operators:
-        flops = (f"FLOPs not compared: the counter cannot count "
-                 f"{', '.join(e.uncounted_operators)}")
-    elif e.flops_ratio is not None:
-        flops = f"FLOPs {e.flops_ratio:.3f}x Dense"
-    else:
-        flops = "no FLOPs compared" if e.dense_flops_per_token is None else "no FLOPs counted"
-    dense = f" (Dense {e.dense_blocks_executed:.2f})" if e.dense_blocks_executed is not None \
-        else ""
-    text = (f"{head}: {e.blocks_executed:.2f} of {e.blocks_present} blocks run per token"
-            f"{dense}, {flops}")
-    if e.timing is not None:
-        ratio = e.timing.speed_ratio_vs_dense
-        lo, hi = ratio.ci95
-        text += f"; latency {ratio.value:.2f}x Dense [{lo:.2f}, {hi:.2f}], {_speed_word(ratio)}"
-    elif e.dense is not None:
-        text += "; latency not measured"
-    return text + "."
-
-
-def _experts_sentence(x: ExpertExecution) -> str:
-    share = (f" ({100 * x.active_expert_flops_per_token / x.all_expert_flops_per_token:.1f}% "
-             "of the expert FLOPs every expert would cost)"
-             if x.active_expert_flops_per_token and x.all_expert_flops_per_token else "")
-    checked = "" if x.matches_routing else \
-        " WARNING: the experts that ran differ from the routers' choices."
-    runs = (f"each token runs {x.experts_per_token_mean_over_layers:.2f} of "
-            f"{x.experts_present_text()} experts per routed layer")
-    if x.routing_changes_computation:
-        return (f"routing changes what is computed (experts skipped per token): {runs}, the "
-                f"ones its router picks{share}.{checked}")
-    return (f"routing does not change what is computed: {runs} (every expert); the router "
-            f"only weights them.{checked}")
 
 
 def format_table(results: dict[str, Execution]) -> str:

@@ -1,4 +1,4 @@
-"""Metrics (SPEC section 5): penalties, retention, interaction with paired bootstrap
+"""Metrics (docs/method.md, Metrics): penalties, retention, interaction with paired bootstrap
 intervals over sequences, and the variance decomposition of cached coefficients.
 
 :func:`aggregate` summarises a metric over the training seeds of a study.

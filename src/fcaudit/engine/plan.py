@@ -1,8 +1,8 @@
 """The replay plan: which runs the audit replays, and what each feeds every site.
 
-SPEC section 4's conditions, their per-layer variants (one site intervened, the others
-correct) and user-defined interventions, all as :class:`Run`; :func:`feed` turns a run
-and a batch into the coefficient tensor each site receives.
+The conditions of docs/method.md (Conditions), their per-layer variants (one site
+intervened, the others correct) and user-defined interventions, all as :class:`Run`;
+:func:`feed` turns a run and a batch into the coefficient tensor each site receives.
 """
 
 from __future__ import annotations

@@ -215,7 +215,8 @@ class ExpertExecution:
 
 @dataclass
 class Execution:
-    """SPEC section 6. When ``measured`` is false only ``reason`` is set."""
+    """The execution section (docs/method.md, Execution); when ``measured`` is false only
+    ``reason`` is set."""
 
     measured: bool
     reason: str | None = _omit_none()

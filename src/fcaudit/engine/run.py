@@ -5,7 +5,7 @@
     probe    -> record and replay the first batch in memory: adapters, call counts and
                 the identity replay are checked before any real work
     record   -> calibration sums and evaluation coefficients into the on-disk cache
-    plan     -> the replay runs (SPEC conditions, per-layer variants, user interventions)
+    plan     -> the replay runs (the conditions of docs/method.md, per-layer variants, yours)
     replay   -> every run on every batch, batch by batch (resumable), identity checked
     summarize-> penalties, retention, interaction with paired bootstrap intervals
     describe -> variance decomposition, variation, profiles of the cached coefficients
@@ -367,7 +367,7 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
     variance, spread, profiles = stats[:3]
     opts = setup.options
     seeds = [opts.seed * 1000 + 17 + k for k in range(opts.repeats)]
-    from fcaudit.engine.execution import verdict_execution
+    from fcaudit.engine.verdicts import verdict_execution
     execution_text = verdict_execution(execution) if execution.measured else \
         f"Execution not measured: {execution.reason}."
     verdict = Verdict(qualified(variation(variance, spread), identity),

@@ -1,4 +1,5 @@
-"""Verdicts: one sentence per question, backed by the numbers, with thresholds defined once.
+"""Verdicts: one sentence per question, backed by the numbers, with thresholds defined once
+(the execution audit's too: ``TOLERANCE`` for savings, ``SPEED_TOLERANCE`` for latency).
 
 Dependence is *strong* when the lower 95% bound of the reassign or shuffle penalty
 exceeds ``STRONG_PENALTY`` nats or a static per-layer profile keeps less than
@@ -14,13 +15,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fcaudit.engine.result import ConditionResult, Identity, Retention, VarianceShares, Variation
+from fcaudit.engine.result import (
+    ConditionResult,
+    Estimate,
+    Execution,
+    ExpertExecution,
+    Identity,
+    Retention,
+    VarianceShares,
+    Variation,
+)
 
 STRONG_PENALTY = 0.1  # nats, lower CI bound of reassign or shuffle
 STRONG_RETENTION = 50.0  # percent
 WEAK_RETENTION = 90.0  # percent
 WEAK_PENALTY = 0.05  # nats
 VARIES_SD = 1e-6  # spread below which coefficients "do not vary"
+TOLERANCE = 0.01  # relative saving in blocks or FLOPs below which nothing is "saved"
+SPEED_TOLERANCE = 0.02  # latency ratios within 2% of 1 are no clear difference
 
 
 def variation(variance: Mapping[str, VarianceShares], spread: Mapping[str, Variation]) -> str:
@@ -84,3 +96,58 @@ def qualified(sentence: str, identity: Identity | None) -> str:
         return sentence
     return (f"[NOT EXACT: identity replay differs from the original pass by up to "
             f"{identity.max_abs_diff:.3g} nats per token; read with care] {sentence}")
+
+
+def _speed_word(ratio: Estimate) -> str:
+    (lo, hi), value = ratio.ci95, ratio.value
+    if lo > 1 and value > 1 + SPEED_TOLERANCE:
+        return "slower"
+    if hi < 1 and value < 1 - SPEED_TOLERANCE:
+        return "faster"
+    return "no clear difference"
+
+
+def verdict_execution(e: Execution) -> str:
+    """One sentence answering "does the mechanism change what is computed?", with numbers;
+    for a routed model the experts come first, then blocks and FLOPs against Dense. The
+    head word is ``conditional_execution``; the routed-model parts agree with
+    ``experts.routing_changes_computation`` and ``saves_against_dense``."""
+    head = "Conditional execution" if e.conditional_execution else "No conditional execution"
+    if e.experts is not None:
+        saved = ("no dense counterpart to compare with" if e.saves_against_dense is None
+                 else "savings against Dense" if e.saves_against_dense
+                 else "no savings against Dense")
+        head = f"{head}: {_experts_sentence(e.experts)} Blocks and FLOPs: {saved}"
+    if e.uncounted_operators:
+        flops = (f"FLOPs not compared: the counter cannot count "
+                 f"{', '.join(e.uncounted_operators)}")
+    elif e.flops_ratio is not None:
+        flops = f"FLOPs {e.flops_ratio:.3f}x Dense"
+    else:
+        flops = "no FLOPs compared" if e.dense_flops_per_token is None else "no FLOPs counted"
+    dense = f" (Dense {e.dense_blocks_executed:.2f})" if e.dense_blocks_executed is not None \
+        else ""
+    text = (f"{head}: {e.blocks_executed:.2f} of {e.blocks_present} blocks run per token"
+            f"{dense}, {flops}")
+    if e.timing is not None:
+        ratio = e.timing.speed_ratio_vs_dense
+        lo, hi = ratio.ci95
+        text += f"; latency {ratio.value:.2f}x Dense [{lo:.2f}, {hi:.2f}], {_speed_word(ratio)}"
+    elif e.dense is not None:
+        text += "; latency not measured"
+    return text + "."
+
+
+def _experts_sentence(x: ExpertExecution) -> str:
+    share = (f" ({100 * x.active_expert_flops_per_token / x.all_expert_flops_per_token:.1f}% "
+             "of the expert FLOPs every expert would cost)"
+             if x.active_expert_flops_per_token and x.all_expert_flops_per_token else "")
+    checked = "" if x.matches_routing else \
+        " WARNING: the experts that ran differ from the routers' choices."
+    runs = (f"each token runs {x.experts_per_token_mean_over_layers:.2f} of "
+            f"{x.experts_present_text()} experts per routed layer")
+    if x.routing_changes_computation:
+        return (f"routing changes what is computed (experts skipped per token): {runs}, the "
+                f"ones its router picks{share}.{checked}")
+    return (f"routing does not change what is computed: {runs} (every expert); the router "
+            f"only weights them.{checked}")

@@ -25,8 +25,9 @@ from fcaudit.engine.result import (
     Retention,
     Variation,
 )
-from fcaudit.report.audit_report import IDENTITY_WARNING, md_text, write_report
+from fcaudit.report.audit_report import IDENTITY_WARNING, write_report
 from fcaudit.report.figures import heatmap_figure
+from fcaudit.report.markdown import md_text
 
 SECTIONS = ["The three answers", "Conditions", "Gap retention", "Interaction", "Per layer",
             "Variance decomposition", "Variation summary", "Execution", "Reproducibility",

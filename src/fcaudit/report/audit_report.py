@@ -12,16 +12,10 @@ tables and a reproducibility section. Output is deterministic and written atomic
 
 from __future__ import annotations
 
-import base64
-import html
-import math
-import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from markdown_it import MarkdownIt
+from typing import Any, TypeVar
 
 from fcaudit.engine.result import (
     ETA2_KEYS,
@@ -49,206 +43,26 @@ from fcaudit.report.figures import (
     variance_figure,
     write_figures,
 )
-
-if TYPE_CHECKING:
-    from markdown_it.renderer import RendererHTML
-    from markdown_it.token import Token
-    from markdown_it.utils import EnvType, OptionsDict
-
-FIGURE_DIR = "figures"
-
-# ---------------------------------------------------------------------------
-# Markdown building blocks (also used by the reproduction report).
-
-# Backslash-escaped so text from a result cannot start emphasis, code, raw HTML or an
-# autolink, an entity or strikethrough, or close a heading; "](" is broken so it cannot
-# make a link or image, and "|" is escaped by md_table, where it matters. Such text is
-# only ever placed mid-line, so line-start syntax (lists, quotes) cannot occur.
-_MD_ESCAPE = str.maketrans({c: "\\" + c for c in "\\`*_<&~#"})
-
-
-def _one_line(value: object) -> str:
-    """A line break inside a table cell or a heading would end it."""
-    return " ".join(str(value).splitlines())
-
-
-def md_text(value: object) -> str:
-    """Any value as literal Markdown text on one line."""
-    return _one_line(value).strip().translate(_MD_ESCAPE).replace("](", "]\\(")
-
-
-def md_code(value: object) -> str:
-    """Any value as a literal code span (names, paths), fenced past its own backticks."""
-    text = _one_line(value)
-    if not text:
-        return ""
-    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
-    pad = " " if text[0] in "` " or text[-1] in "` " else ""
-    return f"{fence}{pad}{text}{pad}{fence}"
-
-
-def md_fenced(text: str) -> str:
-    """A literal code block (a command line), fenced past its own backticks."""
-    fence = "`" * max(3, max(map(len, re.findall("`+", text)), default=0) + 1)
-    return f"{fence}\n{text}\n{fence}"
-
-
-def md_table(headers: Sequence[str], rows: Iterable[Sequence[str]], align: str) -> str:
-    """A GFM table of Markdown cells; ``align`` has ``l`` (text) or ``r`` (numbers) per column.
-
-    Every ``|`` in a cell is escaped: GFM unescapes it before parsing the cell, code
-    spans included, so a pipe in a name shows as itself and never splits the row.
-    """
-    def line(cells: Sequence[str]) -> str:
-        if len(cells) != len(align):
-            raise ValueError(f"table row has {len(cells)} cells, expected {len(align)}")
-        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
-
-    rule = "|" + "|".join({"l": "---", "r": "---:"}[a] for a in align) + "|"
-    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
-
-
-def md_kv_table(mapping: Mapping[str, Any]) -> str:
-    """Nested settings as ``item | value`` rows (dotted keys)."""
-    return md_table(("item", "value"), ((md_code(k), _value_cell(v))
-                                        for k, v in _flatten(mapping)), "ll")
-
-
-def md_figures(figures: Sequence[RenderedFigure]) -> list[str]:
-    """Each figure as its PNG with a caption and a link to the SVG."""
-    blocks = []
-    for f in figures:
-        caption, png, svg = md_text(f.caption), f.png_path.name, f.svg_path.name
-        blocks += [f"![{caption}]({FIGURE_DIR}/{png})",
-                   f"*{caption}* (vector: [{svg}]({FIGURE_DIR}/{svg}))"]
-    return blocks
-
-
-def _embedded_image(self: RendererHTML, tokens: Sequence[Token], idx: int,
-                    options: OptionsDict, env: EnvType) -> str:
-    """Images are our figures: the PNG is embedded so the page needs no other file."""
-    token = tokens[idx]
-    png = env["figures"][token.attrGet("src")]
-    token.attrSet("src", "data:image/png;base64," + base64.b64encode(png).decode("ascii"))
-    return self.image(tokens, idx, options, env)
-
-
-_MARKDOWN = MarkdownIt("commonmark", {"html": False}).enable("table")
-_MARKDOWN.add_render_rule("image", _embedded_image)
-
-_CSS = """
-body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1b1f24;
-       background: #fff; margin: 0; }
-main { max-width: 64rem; margin: 0 auto; padding: 1.5rem; }
-h1 { font-size: 1.6rem; margin-bottom: .2rem; }
-h2 { font-size: 1.25rem; border-bottom: 1px solid #d0d7de; padding-bottom: .2rem;
-     margin-top: 2rem; }
-h3 { font-size: 1.05rem; margin-bottom: .3rem; }
-table { border-collapse: collapse; margin: .6rem 0; font-size: 13px; }
-th, td { border: 1px solid #d0d7de; padding: .25rem .5rem; vertical-align: top; }
-th { background: #f6f8fa; text-align: left; }
-td { font-variant-numeric: tabular-nums; }
-td[style*="right"] { white-space: nowrap; }
-code, pre { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
-            font-size: 12.5px; background: #f6f8fa; }
-code { padding: 0 .2rem; border-radius: 3px; }
-pre { padding: .6rem; overflow-x: auto; white-space: pre-wrap; word-break: break-all; }
-blockquote { margin: .8rem 0; padding: .2rem .9rem; border-left: 4px solid #cf222e;
-             background: #fff1f0; }
-img { max-width: 100%; height: auto; border: 1px solid #eaeef2; }
-em { color: #57606a; }
-"""
-
-# The browser enforces self-containment: nothing may load except inline styles and data: images.
-_CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
-
-
-def to_html(title: str, markdown: str, figures: Sequence[RenderedFigure]) -> str:
-    """The Markdown as a self-contained page; ``figures`` are the images it links."""
-    body = _MARKDOWN.render(markdown, {"figures": {f"{FIGURE_DIR}/{f.png_path.name}": f.png
-                                                   for f in figures}})
-    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-            f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">\n'
-            '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-            f"<title>{html.escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n"
-            f"<body>\n<main>\n{body}</main>\n</body>\n</html>\n")
-
-
-# ---------------------------------------------------------------------------
-# Formatting numbers (a value the engine could not compute is None).
-
-
-def _finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
-
-
-def _num(x: float | None, digits: int = 4, sign: bool = False) -> str:
-    """Fixed decimals for ordinary values, scientific notation for tiny or huge ones."""
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, int):
-        return f"{x:+,}" if sign else f"{x:,}"
-    if not _finite(x):
-        return "n/a"
-    plus = "+" if sign else ""
-    if x != 0 and not 10.0 ** -digits <= abs(x) < 1e6:
-        return f"{x:{plus}.3e}"
-    return f"{x:{plus}.{digits}f}"
-
-
-def _ci(ci: Sequence[float] | None, digits: int = 4, sign: bool = False) -> str:
-    if ci is None or not all(_finite(v) for v in ci):
-        return "n/a"
-    return f"[{_num(ci[0], digits, sign)}, {_num(ci[1], digits, sign)}]"
-
-
-def _with_ci(x: float | None, ci: Sequence[float] | None, digits: int = 4,
-             sign: bool = True) -> str:
-    return f"{_num(x, digits, sign)} {_ci(ci, digits, sign)}" if ci else _num(x, digits, sign)
-
-
-def _share(x: float | None) -> str:
-    """An eta-squared fraction as a percentage."""
-    return f"{100 * x:.1f}%" if _finite(x) else "n/a"
-
-
-def _pct(x: float | None) -> str:
-    return _num(x, 2) + "%" if _finite(x) else "n/a"
-
-
-def _seq(values: Sequence[Any], fmt: Callable[[Any], str] = _num, limit: int = 8) -> str:
-    """A comma-separated list, cut after ``limit`` items so a table cell stays short."""
-    shown = ", ".join(fmt(v) for v in values[:limit])
-    return shown + (f", … ({len(values)} in all)" if len(values) > limit else "")
-
-
-def _general(x: Any) -> str:
-    """A raw setting of any magnitude in at most six significant digits."""
-    if isinstance(x, float) and _finite(x):
-        return f"{x:,.6g}"
-    return _num(x) if x is None or isinstance(x, (bool, int, float)) else md_text(x)
-
-
-def _value_cell(value: Any) -> str:
-    """One raw value: strings verbatim as code, numbers in general format, lists joined."""
-    if isinstance(value, str):
-        return md_code(value)
-    if isinstance(value, (list, tuple)):
-        if any(isinstance(v, (str, Mapping, list, tuple)) for v in value):
-            return md_code(", ".join(str(v) for v in value))
-        return _seq(value, _general, limit=12)
-    return _general(value)
-
-
-def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for key, value in mapping.items():
-        if isinstance(value, Mapping):
-            out += _flatten(value, f"{prefix}{key}.")
-        else:
-            out.append((f"{prefix}{key}", value))
-    return out
-
+from fcaudit.report.format import (
+    fmt_ci,
+    fmt_finite,
+    fmt_num,
+    fmt_pct,
+    fmt_seq,
+    fmt_share,
+    fmt_with_ci,
+)
+from fcaudit.report.markdown import (
+    FIGURE_DIR,
+    md_code,
+    md_fenced,
+    md_figures,
+    md_kv_table,
+    md_table,
+    md_text,
+    one_line,
+    to_html,
+)
 
 T = TypeVar("T")
 
@@ -281,14 +95,14 @@ def _identity_warning(ident: Identity) -> str:
     note = f" {md_text(ident.note)}" if ident.note else ""
     return (f"> **{IDENTITY_WARNING}** Replaying the recorded coefficients (`correct`) does "
             "not reproduce the original pass bit for bit: max |Δ per-token NLL| = "
-            f"{_num(ident.max_abs_diff)} nats. The audit was run with "
+            f"{fmt_num(ident.max_abs_diff)} nats. The audit was run with "
             "`--allow-nonexact-identity`, so every penalty, retention and verdict below is "
             f"measured against an inexact reference.{note}")
 
 
 def _verdict_warning(ident: Identity) -> str:
     return (f"> **{IDENTITY_WARNING}** This verdict rests on an inexact reference "
-            f"(max |Δ per-token NLL| = {_num(ident.max_abs_diff)} nats).")
+            f"(max |Δ per-token NLL| = {fmt_num(ident.max_abs_diff)} nats).")
 
 
 # ---------------------------------------------------------------------------
@@ -309,17 +123,17 @@ CONDITION_MEANING = {
 def _lead(r: AuditResult) -> str:
     """One line saying what was audited on what data."""
     m, data = r.model, r.data
-    about = ", ".join([md_text(m.class_), f"{_num(m.n_params)} parameters", md_text(m.dtype)])
+    about = ", ".join([md_text(m.class_), f"{fmt_num(m.n_params)} parameters", md_text(m.dtype)])
     text = f"Model {md_code(m.spec)} ({about}). "
     if data.get("eval_sequences") is not None:
-        text += (f"Evaluation: {_num(data['eval_sequences'])} sequences"
-                 + (f" of {_num(data['seq_len'])} tokens" if data.get("seq_len") else "")
+        text += (f"Evaluation: {fmt_num(data['eval_sequences'])} sequences"
+                 + (f" of {fmt_num(data['seq_len'])} tokens" if data.get("seq_len") else "")
                  + (f" (window length: {md_text(str(data['seq_len_source']))})"
                     if data.get("seq_len_source") else "")
-                 + (f" ({_num(data['eval_tokens'])} tokens)" if data.get("eval_tokens") else "")
+                 + (f" ({fmt_num(data['eval_tokens'])} tokens)" if data.get("eval_tokens") else "")
                  + "; ")
     if data.get("calib_sequences") is not None:
-        text += f"calibration: {_num(data['calib_sequences'])} sequences. "
+        text += f"calibration: {fmt_num(data['calib_sequences'])} sequences. "
     return text + "NLL in nats per token; Δ is relative to correct replay."
 
 
@@ -328,14 +142,14 @@ def _variation_facts(r: AuditResult) -> list[str]:
     for fam, var in _by_family(r, r.variance):
         facts.append(f"{md_code(fam)}: {md_text(var.sentence())}.")
     for fam, v in _by_family(r, r.variation):
-        facts.append(f"{md_code(fam)}: sd across inputs {_num(v.mean_sd_across_inputs)} and "
-                     f"across positions {_num(v.mean_sd_across_positions)}, vs "
-                     f"{_num(v.across_layer_sd)} across layers.")
+        facts.append(f"{md_code(fam)}: sd across inputs {fmt_num(v.mean_sd_across_inputs)} and "
+                     f"across positions {fmt_num(v.mean_sd_across_positions)}, vs "
+                     f"{fmt_num(v.across_layer_sd)} across layers.")
     return facts
 
 
 def _dependence_facts(r: AuditResult) -> list[str]:
-    facts = [f"{md_code(name)}: Δ NLL {_with_ci(c.delta, c.ci95)} nats vs correct."
+    facts = [f"{md_code(name)}: Δ NLL {fmt_with_ci(c.delta, c.ci95)} nats vs correct."
              for name in ("reassign", "shuffle", "static-layer", "global-mean")
              if (c := r.conditions.get(name))]
     return facts + [f"{md_code(name)}{_retention_text(ret)}"
@@ -345,8 +159,8 @@ def _dependence_facts(r: AuditResult) -> list[str]:
 def _retention_text(ret: Retention) -> str:
     if ret.value is None:
         return " gap retention: undefined" + (f" ({md_text(ret.reason)})." if ret.reason else ".")
-    return (f" keeps {_pct(ret.value)}" + (f" (95% CI {_ci(ret.ci95, 2)})" if ret.ci95 else "")
-            + " of the correct-to-global-mean gap.")
+    interval = f" (95% CI {fmt_ci(ret.ci95, 2)})" if ret.ci95 else ""
+    return f" keeps {fmt_pct(ret.value)}{interval} of the correct-to-global-mean gap."
 
 
 CONDITIONAL_MEANING = ("fewer blocks or FLOPs per token than dense, or experts skipped per "
@@ -366,24 +180,25 @@ def _execution_facts(r: AuditResult) -> list[str]:
     ex = r.execution
     if not ex.measured:
         return [] if (ex.reason or "") in r.verdict.execution else [_not_measured(ex)]
-    facts = [f"Blocks executed per token: {_num(ex.blocks_executed, 2)} of "
-             f"{_num(ex.blocks_present)} present (dense: {_num(ex.dense_blocks_executed, 2)}).",
-             f"FLOPs per token: {_num(ex.flops_per_token)} vs dense "
-             f"{_num(ex.dense_flops_per_token)} (ratio {_num(ex.flops_ratio)})."]
+    facts = [f"Blocks executed per token: {fmt_num(ex.blocks_executed, 2)} of "
+             f"{fmt_num(ex.blocks_present)} present (dense: "
+             f"{fmt_num(ex.dense_blocks_executed, 2)}).",
+             f"FLOPs per token: {fmt_num(ex.flops_per_token)} vs dense "
+             f"{fmt_num(ex.dense_flops_per_token)} (ratio {fmt_num(ex.flops_ratio)})."]
     if ex.uncounted_operators:
         facts.append(_uncounted(ex.uncounted_operators))
     if ex.timing is not None:
         ratio = ex.timing.speed_ratio_vs_dense
-        facts.append(f"Latency vs dense: {_with_ci(ratio.value, ratio.ci95, sign=False)} "
+        facts.append(f"Latency vs dense: {fmt_with_ci(ratio.value, ratio.ci95, sign=False)} "
                      "(model / dense, 95% CI).")
-    facts.append(f"Conditional execution: **{_num(ex.conditional_execution)}** "
+    facts.append(f"Conditional execution: **{fmt_num(ex.conditional_execution)}** "
                  f"({CONDITIONAL_MEANING}).")
     if ex.experts is not None:
         x = ex.experts
         facts.append(f"Experts run per token per routed layer (mean over layers): "
                      f"{x.experts_per_token_mean_over_layers:.2f} of {x.experts_present_text()}; "
                      "routing changes what is computed (experts skipped per token): "
-                     f"**{_num(x.routing_changes_computation)}**.")
+                     f"**{fmt_num(x.routing_changes_computation)}**.")
     return facts
 
 
@@ -410,12 +225,12 @@ def _answers(r: AuditResult) -> list[str]:
 def _repeats_cell(c: ConditionResult) -> str:
     if len(c.repeats) <= 1:
         return str(len(c.repeats))
-    return f"{len(c.repeats)}: Δ " + _seq(c.repeat_deltas, partial(_num, sign=True))
+    return f"{len(c.repeats)}: Δ " + fmt_seq(c.repeat_deltas, partial(fmt_num, sign=True))
 
 
 def _condition_table(conditions: Sequence[tuple[str, ConditionResult]]) -> str:
-    rows = ((md_code(n), CONDITION_MEANING.get(n, "user-defined intervention"), _num(c.nll),
-             _num(c.delta, sign=True), _ci(c.ci95, sign=True), _repeats_cell(c))
+    rows = ((md_code(n), CONDITION_MEANING.get(n, "user-defined intervention"), fmt_num(c.nll),
+             fmt_num(c.delta, sign=True), fmt_ci(c.ci95, sign=True), _repeats_cell(c))
             for n, c in conditions)
     return md_table(("condition", "coefficients fed", "NLL (nats)", "Δ vs correct", "95% CI",
                      "repeats"), rows, "llrrrl")
@@ -426,7 +241,7 @@ def _identity_check(r: AuditResult) -> str:
     ident = r.identity
     diff = r.identity_replay_max_abs_diff if ident is None else ident.max_abs_diff
     text = ("Identity replay check: max |per-token NLL(correct) − NLL(original)| = "
-            f"{_num(diff)}")
+            f"{fmt_num(diff)}")
     if ident is not None and not ident.exact:
         text += (": **not exact**, accepted only because the audit was run with "
                  "`--allow-nonexact-identity`.")
@@ -448,9 +263,9 @@ def _conditions(r: AuditResult) -> list[str]:
 
 
 def _retention(r: AuditResult) -> list[str]:
-    rows = [(md_code(name), "undefined" if ret.value is None else _pct(ret.value),
-             "n/a" if ret.value is None else _ci(ret.ci95, 2),
-             _with_ci(ret.gap, ret.gap_ci95, sign=False),
+    rows = [(md_code(name), "undefined" if ret.value is None else fmt_pct(ret.value),
+             "n/a" if ret.value is None else fmt_ci(ret.ci95, 2),
+             fmt_with_ci(ret.gap, ret.gap_ci95, sign=False),
              md_text(ret.reason or "") if ret.value is None else "")
             for name, ret in _ordered(r.retention, RETENTION_PROFILES)]
     return ["## Gap retention",
@@ -464,7 +279,8 @@ def _retention(r: AuditResult) -> list[str]:
 def _interaction(r: AuditResult) -> list[str]:
     i = r.interaction
     return ["## Interaction",
-            f"I = Δ(reassign+shuffle) − Δ(reassign) − Δ(shuffle) = **{_with_ci(i.value, i.ci95)}**"
+            "I = Δ(reassign+shuffle) − Δ(reassign) − Δ(shuffle) = "
+            f"**{fmt_with_ci(i.value, i.ci95)}**"
             " nats (95% CI). Near 0: the two penalties add up; negative: they overlap "
             "(sub-additive); positive: they compound."]
 
@@ -494,12 +310,12 @@ def _per_layer_table(spread: Mapping[int, LayerVariation],
     columns: list[tuple[str, str, Callable[[int], str]]] = [("layer", "r", str),
                                                             ("site", "l", site)]
     if spread:
-        columns += [(header, "r", lambda k, key=key: _num(getattr(spread[k], key))
+        columns += [(header, "r", lambda k, key=key: fmt_num(getattr(spread[k], key))
                      if k in spread else "n/a")
                     for header, key in (("mean", "mean"), ("sd inputs", "sd_across_inputs"),
                                         ("sd positions", "sd_across_positions"))]
     columns += [(f"Δ {name}@layer [95% CI]", "r",
-                 lambda k, e=entries: _with_ci(e[k].delta, e[k].ci95) if k in e else "n/a")
+                 lambda k, e=entries: fmt_with_ci(e[k].delta, e[k].ci95) if k in e else "n/a")
                 for name, entries in penalties.items()]
     return md_table([h for h, _, _ in columns],
                     ([cell(k) for _, _, cell in columns] for k in layers),
@@ -512,8 +328,8 @@ def _variance(r: AuditResult) -> list[str]:
               "identity, position and their interaction; the residual is what varies with "
               "input and token content."]
     for fam, var in _by_family(r, r.variance):
-        rows = [["pooled", _num(var.n_values), *(_share(getattr(var, k)) for k in ETA2_KEYS)]]
-        rows += [[f"component {c.index}", "", *(_share(getattr(c, k, None)) for k in ETA2_KEYS)]
+        rows = [["pooled", fmt_num(var.n_values), *(fmt_share(getattr(var, k)) for k in ETA2_KEYS)]]
+        rows += [[f"component {c.index}", "", *(fmt_share(getattr(c, k, None)) for k in ETA2_KEYS)]
                  for c in var.components or ()]
         blocks += [f"### Family {md_code(fam)}",
                    md_table(("scope", "values", *(SHARE_LABELS[k] for k in ETA2_KEYS)), rows,
@@ -524,9 +340,9 @@ def _variance(r: AuditResult) -> list[str]:
 
 
 def _variation(r: AuditResult) -> list[str]:
-    rows = ((md_code(fam), _num(v.across_layer_sd), _num(v.mean_sd_across_inputs),
-             _num(v.mean_sd_across_positions), _num(v.ratio_inputs_to_layers),
-             _num(v.ratio_positions_to_layers)) for fam, v in _by_family(r, r.variation))
+    rows = ((md_code(fam), fmt_num(v.across_layer_sd), fmt_num(v.mean_sd_across_inputs),
+             fmt_num(v.mean_sd_across_positions), fmt_num(v.ratio_inputs_to_layers),
+             fmt_num(v.ratio_positions_to_layers)) for fam, v in _by_family(r, r.variation))
     return ["## Variation summary",
             "Standard deviation of coefficients across inputs and across positions within a "
             "layer (mean over layers), relative to the spread of layer means.",
@@ -548,13 +364,13 @@ def _routing(r: AuditResult) -> list[str]:
     for fam, summary in _by_family(r, r.routing):
         conditions = [c for c in r.conditions if c in summary.changed]
         rows = [(md_code(c), f"{100 * summary.changed[c]:.1f}%",
-                 _with_ci(r.conditions[c].delta, r.conditions[c].ci95)) for c in conditions]
+                 fmt_with_ci(r.conditions[c].delta, r.conditions[c].ci95)) for c in conditions]
         per_layer = [(str(x.layer), md_code(x.site), f"{x.entropy_normalized:.3f}",
-                      _seq([f"{v:.3f}" for v in x.load], str, limit=16),
+                      fmt_seq([f"{v:.3f}" for v in x.load], str, limit=16),
                       *(f"{100 * x.changed.get(c, 0.0):.1f}%" for c in conditions[:3]))
                      for x in summary.per_layer]
         blocks += [f"### Family {md_code(fam)} ({summary.num_experts} experts, "
-                   f"{_num(summary.tokens)} tokens per layer)",
+                   f"{fmt_num(summary.tokens)} tokens per layer)",
                    md_table(("condition", "top-k sets changed", "Δ NLL [95% CI]"), rows, "lrr"),
                    md_table(("layer", "site", "load entropy / log E", "expert load",
                              *(f"changed: {c}" for c in conditions[:3])), per_layer,
@@ -575,11 +391,11 @@ def _expert_rows(ex: Execution) -> list[tuple[str, str, str, str]]:
             ("experts run per token: min / max over layers",
              f"{min(x.experts_per_token_per_layer):.2f} / "
              f"{max(x.experts_per_token_per_layer):.2f}", "", ""),
-            ("experts that ran = routers' choices", _num(x.matches_routing), "", "")]
+            ("experts that ran = routers' choices", fmt_num(x.matches_routing), "", "")]
     if x.active_expert_flops_per_token and x.all_expert_flops_per_token:
         rows.append(("expert FLOPs per token: active / if every expert ran",
-                     f"{_num(x.active_expert_flops_per_token)} / "
-                     f"{_num(x.all_expert_flops_per_token)}", "",
+                     f"{fmt_num(x.active_expert_flops_per_token)} / "
+                     f"{fmt_num(x.all_expert_flops_per_token)}", "",
                      f"{x.active_expert_flops_per_token / x.all_expert_flops_per_token:.3f}"))
     return rows
 
@@ -590,13 +406,13 @@ def _execution(r: AuditResult) -> list[str]:
     if not ex.measured:
         return blocks + [_not_measured(ex)]
     t = ex.timing
-    fractions = [f for f in ex.blocks_executed_per_layer or () if _finite(f)]
+    fractions = [f for f in ex.blocks_executed_per_layer or () if fmt_finite(f)]
     rows = [
-        ("blocks executed per token", f"{_num(ex.blocks_executed, 2)} of "
-         f"{_num(ex.blocks_present)}", f"{_num(ex.dense_blocks_executed, 2)} of "
-         f"{_num(ex.dense_blocks_present)}", ""),
-        ("FLOPs per token", _num(ex.flops_per_token), _num(ex.dense_flops_per_token),
-         _num(ex.flops_ratio)),
+        ("blocks executed per token", f"{fmt_num(ex.blocks_executed, 2)} of "
+         f"{fmt_num(ex.blocks_present)}", f"{fmt_num(ex.dense_blocks_executed, 2)} of "
+         f"{fmt_num(ex.dense_blocks_present)}", ""),
+        ("FLOPs per token", fmt_num(ex.flops_per_token), fmt_num(ex.dense_flops_per_token),
+         fmt_num(ex.flops_ratio)),
     ]
     if t is None:
         rows.append(("latency per batch", "not measured", "not measured", ""))
@@ -605,7 +421,7 @@ def _execution(r: AuditResult) -> list[str]:
         rows += [("latency per batch (ms), median [min, max]",
                   *(f"{1e3 * s.median_s:.3f} [{1e3 * s.min_s:.3f}, {1e3 * s.max_s:.3f}]"
                     for s in (t.model, t.dense)),
-                  f"{_with_ci(ratio.value, ratio.ci95, sign=False)} (95% CI)"),
+                  f"{fmt_with_ci(ratio.value, ratio.ci95, sign=False)} (95% CI)"),
                  ("throughput (tokens/s)", f"{t.model.tokens_per_s:,.0f}",
                   f"{t.dense.tokens_per_s:,.0f}", "")]
     rows += _expert_rows(ex)
@@ -615,12 +431,12 @@ def _execution(r: AuditResult) -> list[str]:
                                                       sum(fractions) / len(fractions),
                                                       max(fractions))), "", ""))
     blocks += [md_table(("measure", "model", "dense", "model / dense"), rows, "lrrr"),
-               f"Conditional execution: **{_num(ex.conditional_execution)}** "
+               f"Conditional execution: **{fmt_num(ex.conditional_execution)}** "
                f"({CONDITIONAL_MEANING}; counted, not read from the coefficients)."]
     if ex.uncounted_operators:
         blocks.append(_uncounted(ex.uncounted_operators))
     notes = [f"Dense counterpart: {md_code(ex.dense)}." if ex.dense else "",
-             f"Counted on {_num(ex.tokens_counted)} tokens; FLOPs: "
+             f"Counted on {fmt_num(ex.tokens_counted)} tokens; FLOPs: "
              f"{md_text(ex.flops_counted or 'not counted')}."]
     if t is not None:
         notes.append(f"Latency: {t.pairs} interleaved pairs after {t.warmup} warm-up runs on "
@@ -700,7 +516,7 @@ def _figure_specs(r: AuditResult) -> list[FigureSpec]:
 
 def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tuple[str, str]:
     """The whole report as (plain-text title, Markdown); the three answers come first."""
-    title = f"Frozen Controller Audit: {_one_line(result.model.spec)}"
+    title = f"Frozen Controller Audit: {one_line(result.model.spec)}"
     blocks = [f"# Frozen Controller Audit: {md_text(result.model.spec)}"]
     if inexact := _inexact(result):
         blocks.append(_identity_warning(inexact))

@@ -35,7 +35,6 @@ from fcaudit.io.fileio import read_json, write_json, write_text
 from fcaudit.io.loading import LoadedModel, is_run_folder
 from fcaudit.io.outdir import STUDY_RESULTS, hold_output, replacing_results
 from fcaudit.io.runtime import versions
-from fcaudit.report.audit_report import md_code, md_fenced, md_figures, md_table, md_text, to_html
 from fcaudit.report.figures import (
     FigureSpec,
     RenderedFigure,
@@ -47,6 +46,7 @@ from fcaudit.report.figures import (
     variance_figure,
     write_figures,
 )
+from fcaudit.report.markdown import md_code, md_fenced, md_figures, md_table, md_text, to_html
 from fcaudit.study import paper, trend
 from fcaudit.study.train import TrainPreset, resolve_schedule, train
 from fcaudit.study.trend import SeedResult

@@ -50,7 +50,6 @@ from fcaudit.core.errors import FcauditError
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.result import AuditResult
 from fcaudit.io.fileio import read_json, write_text
-from fcaudit.report.audit_report import md_code, md_figures, md_table, md_text
 from fcaudit.report.figures import (
     Anchor,
     RenderedFigure,
@@ -60,6 +59,7 @@ from fcaudit.report.figures import (
     trend_figure,
     write_figures,
 )
+from fcaudit.report.markdown import md_code, md_figures, md_table, md_text
 from fcaudit.study import paper
 from fcaudit.study.train import TRAIN_PRESETS, TrainPreset
 

@@ -5,7 +5,6 @@ built-in corpus are checked against what was recorded. Catalogue: docs/reliabili
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -607,6 +606,8 @@ def test_a_deleted_or_edited_corpus_work_is_detected_and_fetched_again(
 
 
 def test_the_pinned_texts_digest_is_over_work_names_and_file_hashes() -> None:
-    texts = {"b": b"two", "a": b"one"}
-    lines = "".join(f"{w} {hashlib.sha256(t).hexdigest()}\n" for w, t in sorted(texts.items()))
-    assert data.texts_digest(texts) == hashlib.sha256(lines.encode()).hexdigest()
+    """The digest of two works, worked out with coreutils: ``printf one | sha256sum`` and
+    ``printf two | sha256sum``, then the two lines "a <hash>\\nb <hash>\\n" through
+    ``sha256sum`` again (sorted by work name, whatever the dict order)."""
+    assert data.texts_digest({"b": b"two", "a": b"one"}) == \
+        "a10d1fa05764ffc27440aa18ea4f3eea5c16e3c37f7458422dfb3d7dce4b1682"

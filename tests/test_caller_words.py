@@ -37,7 +37,7 @@ def _data() -> fcaudit.AuditData:
 
 CASES = [  # (Python call, CLI arguments, Python words, CLI words)
     (lambda: fcaudit.audit(toys.content_model(), sites=["nothing.*"], data=_data()),
-     ["--sites", "nothing.*"], "sites='nothing.*'", "--sites nothing.*"),
+     ["--sites", "nothing.*"], "sites='nothing.*'", "--sites 'nothing.*'"),
     (lambda: fcaudit.audit(toys.content_model(), sites=["gates.*"], data=_data(),
                            options=fcaudit.AuditOptions(repeats=0)),
      [*TOY[2:], "--repeats", "0"], "AuditOptions(repeats=0)", "--repeats 0"),

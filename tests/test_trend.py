@@ -165,7 +165,7 @@ def test_read_points_rejects_other_files(tmp_path):
     with pytest.raises(FcauditError, match="no point summaries"):
         trend.read_points(tmp_path)
     (tmp_path / "x.json").write_text(json.dumps({"schema": "fcaudit.audit/1"}))
-    with pytest.raises(FcauditError, match="not a complete fcaudit.study.trend-point/1"):
+    with pytest.raises(FcauditError, match="not a complete fcaudit.trend-point/1"):
         trend.read_points(tmp_path)
 
 

@@ -10,6 +10,7 @@ other's. ``str(error)`` is the Python form; :meth:`FcauditError.for_cli` the CLI
 """
 
 import re
+import shlex
 
 _MARK = "\x1f"  # wraps PY\x1eCLI in a message until it is rendered for its reader
 _ARG = re.compile(f"{_MARK}([^{_MARK}\x1e]*)\x1e([^{_MARK}]*){_MARK}")
@@ -30,7 +31,7 @@ def arg(name: str, value: object = _UNSET, *, owner: str = "", py: str = "",
         return f"{_MARK}{python}\x1e{flag}{_MARK}"
     python = py or name
     python = f"{owner}({python}={value!r})" if owner else f"{python}={value!r}"
-    return f"{_MARK}{python}\x1e{flag} {value}{_MARK}"
+    return f"{_MARK}{python}\x1e{flag} {shlex.quote(str(value))}{_MARK}"
 
 
 def render(message: str, cli: bool = False) -> str:

@@ -63,7 +63,7 @@ from fcaudit.report.markdown import md_code, md_figures, md_table, md_text
 from fcaudit.study import paper
 from fcaudit.study.train import TRAIN_PRESETS, TrainPreset
 
-SCHEMA = "fcaudit.study.trend-point/1"
+SCHEMA = "fcaudit.trend-point/1"
 POINTS = "points"  # the study folder's sub-folder of point summaries
 SEEDS = 2
 BATCH = TRAIN_PRESETS["tiny"]  # the batch shape and warm-up every point trains with

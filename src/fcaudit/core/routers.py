@@ -196,6 +196,31 @@ class TopKLogits:
         return output.topk(self.top_k, dim=-1).indices
 
 
+# ---- expert ablation: logits whose routing rule never picks one expert ----
+
+ABLATION_MARGIN = 1e4  # below every other logit of the token: exp(-1e4) and sigmoid(-1e4) are 0
+
+
+def ablate_expert(logits: Tensor, expert: int) -> Tensor:
+    """``logits [..., E]`` with expert ``expert``'s column set ``ABLATION_MARGIN`` below the
+    token's smallest other logit (never under the dtype's most negative finite value).
+
+    A value relative to the other logits, not ``-inf`` or the dtype's minimum: ``-inf``
+    turns rules that subtract or average logits into NaN, and the minimum swamps a
+    row's mean or sum in float rounding; a finite gap of 10^4 gives the expert exactly 0
+    probability under softmax (over all experts or over the top-k) and sigmoid alike,
+    and leaves the other logits as they were. Whether the family's rule then never picks
+    the expert (a score bias can still favour it) is checked on the rule's own output.
+    """
+    others = torch.cat([logits[..., :expert], logits[..., expert + 1:]], dim=-1)
+    lowest = torch.finfo(logits.dtype).min
+    floor = others.double().amin(dim=-1) - ABLATION_MARGIN if others.shape[-1] else \
+        torch.full(logits.shape[:-1], lowest, dtype=torch.float64, device=logits.device)
+    out = logits.clone()
+    out[..., expert] = floor.clamp_min(lowest).to(logits.dtype)
+    return out
+
+
 # ---- routing metrics (pure functions of top-k index tensors [..., k]) ----
 
 def expert_load(indices: Tensor, num_experts: int) -> Tensor:

@@ -202,8 +202,9 @@ ABLATION_MARGIN = 1e4  # below every other logit of the token: exp(-1e4) and sig
 
 
 def ablate_expert(logits: Tensor, expert: int) -> Tensor:
-    """``logits [..., E]`` with expert ``expert``'s column set ``ABLATION_MARGIN`` below the
-    token's smallest other logit (never under the dtype's most negative finite value).
+    """``logits [..., E]`` with expert ``expert``'s column set ``ABLATION_MARGIN`` (or 1/16 of
+    its size, if larger) below the token's smallest other logit, never under the dtype's
+    most negative finite value.
 
     A value relative to the other logits, not ``-inf`` or the dtype's minimum: ``-inf``
     turns rules that subtract or average logits into NaN, and the minimum swamps a
@@ -214,8 +215,11 @@ def ablate_expert(logits: Tensor, expert: int) -> Tensor:
     """
     others = torch.cat([logits[..., :expert], logits[..., expert + 1:]], dim=-1)
     lowest = torch.finfo(logits.dtype).min
-    floor = others.double().amin(dim=-1) - ABLATION_MARGIN if others.shape[-1] else \
-        torch.full(logits.shape[:-1], lowest, dtype=torch.float64, device=logits.device)
+    if others.shape[-1]:  # a gap of at least the margin and the lowest logit's own size,
+        low = others.double().amin(dim=-1)  # so rounding cannot absorb it
+        floor = low - (low.abs() * 2**-4).clamp_min(ABLATION_MARGIN)
+    else:
+        floor = torch.full(logits.shape[:-1], lowest, dtype=torch.float64, device=logits.device)
     out = logits.clone()
     out[..., expert] = floor.clamp_min(lowest).to(logits.dtype)
     return out

@@ -151,6 +151,9 @@ def test_option_is_validated_and_auto_follows_the_expert_count(tmp_path: Path) -
         audit(content_model(), tmp_path / "out", sites=["gates.*"], data=_data(),
               options=AuditOptions(**{**OPTIONS.__dict__, "expert_ablation": True}))
     assert not (tmp_path / "out").exists()  # refused before anything was written
+    with pytest.raises(FcauditError, match="give a new name"):  # a run key of the audit's own
+        audit(planted_moe(), None, data=_data(), options=OPTIONS,
+              interventions={"expert-ablation:1@router": lambda fed, ctx: fed})
     from fcaudit.engine.plan import ablation_experts
     from fcaudit.models.moe import PRESETS
     sites = MoEGPT(PRESETS["tiny"]).controller_sites()

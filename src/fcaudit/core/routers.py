@@ -202,9 +202,9 @@ ABLATION_MARGIN = 1e4  # below every other logit of the token: exp(-1e4) and sig
 
 
 def ablate_expert(logits: Tensor, expert: int) -> Tensor:
-    """``logits [..., E]`` with expert ``expert``'s column set ``ABLATION_MARGIN`` (or 1/16 of
-    its size, if larger) below the token's smallest other logit, never under the dtype's
-    most negative finite value.
+    """``logits [..., E]`` with expert ``expert``'s column set below the token's lowest other
+    logit by ``ABLATION_MARGIN`` or 1/16 of that logit's magnitude, whichever is larger,
+    never under the dtype's most negative finite value.
 
     A value relative to the other logits, not ``-inf`` or the dtype's minimum: ``-inf``
     turns rules that subtract or average logits into NaN, and the minimum swamps a

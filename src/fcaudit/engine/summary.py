@@ -138,8 +138,8 @@ def routing_summary(sites: Sequence[Any], runs: Sequence[Any], load: dict[str, T
 
 IMPORTANCE_NOTE = (
     "each expert removed from every token's choice in its layer alone (its router logit set "
-    f"{ABLATION_MARGIN:g} below the token's other logits; the routing rule picks the next "
-    "expert and weights the chosen ones as the family does); delta = NLL of that replay "
+    f"at least {ABLATION_MARGIN:g} below the token's other logits; the routing rule picks the "
+    "next expert and weights the chosen ones as the family does); delta = NLL of that replay "
     "minus the correct replay's, 95% paired bootstrap interval over sequences")
 
 
@@ -160,9 +160,9 @@ def expert_importance(runs: Sequence[Run], replayed: Sequence[np.ndarray],
         picks = int(still[j]) if still is not None else 0
         if picks:
             item = ExpertImportance(run.expert, None, None, share, picks, reason=(
-                f"the routing rule still picked it for {picks} token-slots with its logit "
-                f"{ABLATION_MARGIN:g} below every other expert's (a score bias in the rule, or "
-                "top-k as large as the number of experts), so no removal was measured"))
+                f"the routing rule still picked it for {picks} token-slots with its logit at "
+                f"least {ABLATION_MARGIN:g} below every other expert's (a score bias in the "
+                "rule, or top-k as large as the number of experts), so no removal was measured"))
         else:
             delta, ci = penalty(values, correct, boot)
             item = ExpertImportance(run.expert, delta, ci, share, 0)

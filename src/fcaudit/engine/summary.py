@@ -149,6 +149,7 @@ def expert_importance(runs: Sequence[Run], replayed: Sequence[np.ndarray],
     """Per router family, every ablated layer and expert: the penalty of its ablation run
     with a paired interval, its load, and the token-slots that still chose it (``still[j]``
     for the ``j``-th ablation run); an expert still chosen gets no penalty."""
+    assert still is not None  # every replay shard of an audit with ablations counts them
     correct = replayed[0]
     boot = paired_bootstrap(len(correct), options)
     per_site: dict[Site, list[ExpertImportance]] = {}
@@ -157,7 +158,7 @@ def expert_importance(runs: Sequence[Run], replayed: Sequence[np.ndarray],
     for j, (run, values) in enumerate(ablated):
         counts = load[run.site.name].double()
         share = float(counts[run.expert] / max(float(counts.sum()), 1.0))
-        picks = int(still[j]) if still is not None else 0
+        picks = int(still[j])
         if picks:
             item = ExpertImportance(run.expert, None, None, share, picks, reason=(
                 f"the routing rule still picked it for {picks} token-slots with its logit at "

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import matplotlib
 import matplotlib.style
 import numpy as np
 from matplotlib.axes import Axes
@@ -201,18 +202,21 @@ def expert_importance_figure(deltas: Mapping[str, Sequence[Sequence[float | None
                              ) -> Figure | None:
     """Expert importance, one panel per router family: the NLL change when each layer's
     expert is removed from every token's choice (layer x expert), on a diverging scale
-    centred on 0; an expert the rule still picked (no removal measured) is left blank."""
+    centred on 0; an expert the rule still picked (no removal measured) is grey."""
     maps = _layer_expert_maps(deltas)
     if not maps:
         return None
     fig, axes = _stacked_axes(len(maps), 2.8)
     for ax, (fam, m) in zip(axes, maps.items(), strict=True):
         bound = float(np.nanmax(np.abs(m))) or 1.0
-        image = _layer_expert_image(ax, m, cmap="RdBu_r", vmin=-bound, vmax=bound)
+        image = _layer_expert_image(ax, m, cmap=IMPORTANCE_CMAP, vmin=-bound, vmax=bound)
         fig.colorbar(image, ax=ax, label="Δ NLL when removed (nats)")
-        ax.set(title=f"{fam}: expert importance (Δ NLL with the expert removed; blank: "
-                     "still picked)", xlabel="expert", ylabel="layer")
+        ax.set(title=f"{fam}: expert importance (Δ NLL with the expert removed; grey: "
+                     "still picked, not measured)", xlabel="expert", ylabel="layer")
     return fig
+
+
+IMPORTANCE_CMAP = matplotlib.colormaps["RdBu_r"].with_extremes(bad="0.6")
 
 
 def _layer_expert_maps(rows_by_family: Mapping[str, Sequence[Sequence[float | None]]]
@@ -235,8 +239,8 @@ def _layer_expert_image(ax: Axes, m: np.ndarray, **scale: Any) -> Any:
     """``m`` drawn as a layer x expert map with integer ticks (NaN cells blank)."""
     image = ax.imshow(np.ma.masked_invalid(m), aspect="auto", interpolation="nearest",
                       extent=(-0.5, m.shape[1] - 0.5, m.shape[0] - 0.5, -0.5), **scale)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.grid(False)
     return image
 

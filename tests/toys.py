@@ -100,3 +100,89 @@ class RankSkewed(ToyModel):
 
 def rank_skewed_model() -> nn.Module:
     return RankSkewed("content")
+
+
+# ---- a routed toy with planted expert importance (tests/test_expert_ablation.py) ----
+
+TOY_EXPERTS, TOY_TOP_K = 4, 2
+TOY_LOGITS = (-1.0, 3.0, 2.0, 1.0)  # every token ranks 1 > 2 > 3 > 0: top-2 is {1, 2}
+TOY_BIAS = (0.0, 0.0, 0.0, 5.0)  # the biased rule always picks 3, whatever its logit
+
+
+class ToyExpert(nn.Module):
+    """Expert 1 (critical) predicts the successor of a token below V / 2 at even
+    positions; the others output zeros."""
+
+    def __init__(self, critical: bool, scale: float = 8.0) -> None:
+        super().__init__()
+        self.critical, self.scale = critical, scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.critical:
+            return torch.zeros(*ids.shape, V)
+        even = (torch.arange(ids.shape[1]) % 2 == 0).view(1, -1, 1)
+        low = (ids < V // 2).unsqueeze(-1)
+        return self.scale * F.one_hot((ids + 1) % V, V).float() * even * low
+
+
+class ToyLogitRouter(nn.Module):
+    """Returns the same logits ``TOY_LOGITS`` for every token; the block picks the top-2
+    and softmaxes over them (Mixtral-style renormalised top-k)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.new_tensor(TOY_LOGITS).expand(*h.shape[:2], TOY_EXPERTS).clone()
+
+
+class ToyBiasedRouter(nn.Module):
+    """DeepSeek-V3-style: one projection to logits, sigmoid scores plus a bias pick the
+    top-2, weights are the unbiased sigmoid scores (not renormalised)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor(TOY_LOGITS).view(-1, 1).expand(-1, V).clone())
+        self.register_buffer("bias", torch.tensor(TOY_BIAS))
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(h, self.weight)
+        scores = logits.sigmoid()
+        experts = (scores + self.bias).topk(TOY_TOP_K, dim=-1).indices
+        return logits, scores.gather(-1, experts), experts
+
+
+class PlantedMoE(nn.Module):
+    """One routed layer over one-hot tokens: known answers for expert ablation."""
+
+    def __init__(self, biased: bool = False) -> None:
+        super().__init__()
+        self.biased = biased
+        self.router = ToyBiasedRouter() if biased else ToyLogitRouter()
+        self.experts = nn.ModuleList(ToyExpert(e == 1) for e in range(TOY_EXPERTS))
+        self.anchor = nn.Parameter(torch.zeros(()))  # a parameter: dtype and device
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.router(F.one_hot(ids, V).float())
+        if self.biased:
+            _, weights, experts = out
+        else:
+            top, experts = out.topk(TOY_TOP_K, dim=-1)
+            weights = top.softmax(dim=-1)
+        mixed = torch.zeros(*ids.shape, V)
+        for e, expert in enumerate(self.experts):
+            share = (weights * (experts == e)).sum(dim=-1, keepdim=True)
+            if bool((experts == e).any()):
+                mixed = mixed + share * expert(ids)
+        return mixed + self.anchor
+
+    def controller_sites(self) -> list:
+        from fcaudit.core.contract import Site
+        from fcaudit.core.routers import RouterAdapter, TopKLogits
+        adapter = RouterAdapter() if self.biased else TopKLogits(TOY_TOP_K)
+        return [Site("router", "router", "toy", 0, adapter)]
+
+
+def planted_moe() -> nn.Module:
+    return PlantedMoE()
+
+
+def biased_moe() -> nn.Module:
+    return PlantedMoE(biased=True)

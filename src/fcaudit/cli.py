@@ -71,6 +71,11 @@ def _add_audit_options(p: argparse.ArgumentParser) -> None:
                    help="skip the per-layer variants (reassign@layer, static-layer@layer)")
     g.add_argument("--no-execution", action="store_true",
                    help="skip the execution audit (blocks, FLOPs, speed)")
+    g.add_argument("--expert-ablation", action=argparse.BooleanOptionalAction, default=None,
+                   help="expert importance: one replay per routed layer and expert with that "
+                        "expert never picked (costs layers x experts replays, each "
+                        "recomputing only the blocks after its layer); default: on when "
+                        "every routed layer has at most 64 experts")
     g.add_argument("--timing-pairs", type=int, default=10,
                    help="interleaved model/dense timing pairs, 10 to 1000; 0 disables timing "
                         "(default 10)")
@@ -91,7 +96,8 @@ def _options(args: argparse.Namespace) -> Any:
                         batch_size=args.batch_size, per_layer=not args.no_per_layer,
                         execution=not args.no_execution, timing_pairs=args.timing_pairs,
                         progress=not args.quiet, schedule=args.schedule,
-                        allow_nonexact_identity=args.allow_nonexact_identity)
+                        allow_nonexact_identity=args.allow_nonexact_identity,
+                        expert_ablation=args.expert_ablation)
 
 
 def _add_train(sub: Any) -> None:

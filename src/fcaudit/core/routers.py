@@ -196,6 +196,35 @@ class TopKLogits:
         return output.topk(self.top_k, dim=-1).indices
 
 
+# ---- expert ablation: logits whose routing rule never picks one expert ----
+
+ABLATION_MARGIN = 1e4  # below every other logit of the token: exp(-1e4) and sigmoid(-1e4) are 0
+
+
+def ablate_expert(logits: Tensor, expert: int) -> Tensor:
+    """``logits [..., E]`` with expert ``expert``'s column set below the token's lowest other
+    logit by ``ABLATION_MARGIN`` or 1/16 of that logit's magnitude, whichever is larger,
+    never under the dtype's most negative finite value.
+
+    A value relative to the other logits, not ``-inf`` or the dtype's minimum: ``-inf``
+    turns rules that subtract or average logits into NaN, and the minimum swamps a
+    row's mean or sum in float rounding; a finite gap of 10^4 gives the expert exactly 0
+    probability under softmax (over all experts or over the top-k) and sigmoid alike,
+    and leaves the other logits as they were. Whether the family's rule then never picks
+    the expert (a score bias can still favour it) is checked on the rule's own output.
+    """
+    others = torch.cat([logits[..., :expert], logits[..., expert + 1:]], dim=-1)
+    lowest = torch.finfo(logits.dtype).min
+    if others.shape[-1]:  # a gap of at least the margin and the lowest logit's own size,
+        low = others.double().amin(dim=-1)  # so rounding cannot absorb it
+        floor = low - (low.abs() * 2**-4).clamp_min(ABLATION_MARGIN)
+    else:
+        floor = torch.full(logits.shape[:-1], lowest, dtype=torch.float64, device=logits.device)
+    out = logits.clone()
+    out[..., expert] = floor.clamp_min(lowest).to(logits.dtype)
+    return out
+
+
 # ---- routing metrics (pure functions of top-k index tensors [..., k]) ----
 
 def expert_load(indices: Tensor, num_experts: int) -> Tensor:

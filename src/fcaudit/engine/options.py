@@ -28,6 +28,9 @@ MAX_BOOTSTRAP = 100_000
 MAX_REPEATS = 100
 MAX_TIMING_PAIRS = 1000  # each pair times a full pass of model and dense
 MAX_SEED = 2**32 - 1  # torch and numpy generators; seeds derive as seed * 1000 + k
+# expert ablation costs one replay per layer and expert: on by default up to this many
+# experts per routed layer (a 4-layer, 64-expert model: 256 more replays), else opt-in
+AUTO_ABLATION_MAX_EXPERTS = 64
 
 
 SCHEDULES = ("prefix", "naive")
@@ -51,6 +54,9 @@ class AuditOptions:
     progress: bool = True  # the CLI shows progress bars (the engine takes a callback)
     allow_nonexact_identity: bool = False
     schedule: str = "prefix"  # "prefix": per-layer runs recompute only the suffix; "naive"
+    # one replay per routed layer and expert, that expert never picked; None: on when every
+    # routed layer has at most AUTO_ABLATION_MAX_EXPERTS experts
+    expert_ablation: bool | None = None
 
     def validate(self) -> None:
         """Refuse option values no audit can run with, naming the option in the caller's
@@ -70,6 +76,10 @@ class AuditOptions:
         if self.schedule not in SCHEDULES:
             raise FcauditError(f"{name('schedule', self.schedule)}: choose one of "
                                f"{', '.join(SCHEDULES)}")
+        if self.expert_ablation is not None and not isinstance(self.expert_ablation, bool):
+            raise FcauditError(f"{name('--expert-ablation', self.expert_ablation)}: must be "
+                               "True, False or None (on for at most "
+                               f"{AUTO_ABLATION_MAX_EXPERTS} experts per routed layer)")
         if 0 < self.timing_pairs < 10:
             raise FcauditError(f"{name('timing_pairs', self.timing_pairs)}: use 0 (no "
                                "timing) or at least 10 pairs for a meaningful interval")

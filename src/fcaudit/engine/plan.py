@@ -1,8 +1,9 @@
 """The replay plan: which runs the audit replays, and what each feeds every site.
 
 The conditions of docs/method.md (Conditions), their per-layer variants (one site
-intervened, the others correct) and user-defined interventions, all as :class:`Run`;
-:func:`feed` turns a run and a batch into the coefficient tensor each site receives.
+intervened, the others correct), expert ablations (one router's logits with one expert
+never picked) and user-defined interventions, all as :class:`Run`; :func:`feed` turns a
+run and a batch into the coefficient tensor each site receives.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from fcaudit.core.interventions import (
     shuffle_positions,
     static_tensor,
 )
+from fcaudit.core.routers import ablate_expert
 from fcaudit.engine.cache import CoefficientCache
-from fcaudit.engine.options import AuditOptions
+from fcaudit.engine.options import AUTO_ABLATION_MAX_EXPERTS, AuditOptions
 from fcaudit.engine.result import RANDOM_CONDITIONS, STATIC_CONDITIONS
 
 
@@ -37,14 +39,40 @@ class Run:
     repeat: int = 0
     site: Site | None = None  # per-layer variant: only this site is intervened
     custom: Intervention | None = None
+    expert: int | None = None  # expert ablation: this expert of ``site`` is never picked
 
     @property
     def key(self) -> str:
+        if self.expert is not None:
+            return ablation_key(self.site, self.expert)
         return self.condition if self.site is None else f"{self.condition}@{self.site.name}"
 
 
+EXPERT_ABLATION = "expert-ablation"
+
+
+def ablation_key(site: Site | None, expert: int) -> str:
+    """The run key of ablating ``expert`` at ``site`` (custom interventions may not take it)."""
+    return f"{EXPERT_ABLATION}:{expert}@{site.name if site else ''}"
+
+
+def ablation_experts(sites: Sequence[Site], options: AuditOptions,
+                     experts: Mapping[str, int]) -> dict[Site, int]:
+    """The routing sites whose experts are ablated, with their number of experts
+    (``experts``: site name -> the last axis of its recorded logits, for sites whose
+    coefficients are ``[B, T, ..., E]``). Auto (``expert_ablation`` None): every such site
+    when none has more than ``AUTO_ABLATION_MAX_EXPERTS`` experts, else none."""
+    routed = {s: experts[s.name] for s in routing_sites(sites) if s.name in experts}
+    if options.expert_ablation is None:
+        return routed if max(routed.values(), default=0) <= AUTO_ABLATION_MAX_EXPERTS else {}
+    return routed if options.expert_ablation else {}
+
+
 def plan_runs(sites: Sequence[Site], options: AuditOptions,
-              interventions: Sequence[Intervention] = ()) -> list[Run]:
+              interventions: Sequence[Intervention] = (),
+              ablated: Mapping[Site, int] | None = None) -> list[Run]:
+    """Every run, in order: correct first, then the conditions, per-layer variants, expert
+    ablations (``ablated``: site -> its number of experts) and user interventions."""
     runs = [Run("correct")]
     runs += [Run(c, k) for k in range(options.repeats) for c in RANDOM_CONDITIONS]
     runs += [Run(c) for c in STATIC_CONDITIONS]
@@ -52,6 +80,8 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
         for site in sites:
             runs += [Run("reassign", k, site) for k in range(options.repeats)]
             runs.append(Run("static-layer", 0, site))
+    runs += [Run(EXPERT_ABLATION, site=site, expert=e)
+             for site, n in (ablated or {}).items() for e in range(n)]
     runs += [Run(iv.name, k, custom=iv) for iv in interventions for k in range(iv.repeats)]
     return runs
 
@@ -70,8 +100,9 @@ def digest_tensors(named: Iterable[tuple[str, Tensor]], head: bytes = b"") -> by
 def run_digest(run: Run, fed: Mapping[Site, Tensor], context: bytes) -> bytes:
     """What one run's NLL on a batch is computed from: ``context`` (the batch's token ids
     and the schedule), the run's identity, and every fed tensor in site order."""
+    ablated = () if run.expert is None else (run.expert,)  # earlier runs' digests unchanged
     identity = repr((run.condition, run.repeat, run.site and run.site.name,
-                     run.custom is not None)).encode()
+                     run.custom is not None, *ablated)).encode()
     return digest_tensors(((s.name, t) for s, t in fed.items()), context + identity)
 
 
@@ -93,6 +124,10 @@ def feed(run: Run, b: int, inputs: ReplayInputs, device: torch.device) -> dict[S
     if run.custom is not None:
         fed = dict(correct)
         fed.update(_custom_feed(run, b, rows, inputs, correct))
+        return {s: t.to(device) for s, t in fed.items()}
+    if run.expert is not None:
+        assert run.site is not None
+        fed = {**correct, run.site: ablate_expert(correct[run.site], run.expert)}
         return {s: t.to(device) for s, t in fed.items()}
     rand = inputs.draws[run.repeat] if run.condition in RANDOM_CONDITIONS else None
     targets = [run.site] if run.site is not None else inputs.sites
@@ -128,6 +163,11 @@ def _custom_feed(run: Run, b: int, rows: range, inputs: ReplayInputs,
                                "coefficients")
         fed[site] = tensor.to(correct[site].dtype)
     return fed
+
+
+def ablation_runs(runs: Sequence[Run]) -> list[Run]:
+    """The expert-ablation runs, in plan order."""
+    return [r for r in runs if r.expert is not None]
 
 
 def tracked_runs(runs: Sequence[Run]) -> list[Run]:

@@ -273,6 +273,41 @@ class RoutingSummary:
 
 
 @dataclass
+class ExpertImportance:
+    """One expert of one routed layer, removed from every token's choice (its logit put
+    below the others; the family's rule picks the next expert and weights it as it does).
+
+    ``delta``: NLL of that replay minus the correct replay's, with its paired interval;
+    None, with ``reason``, when the rule still picked the expert (``selected_after`` > 0:
+    token-slots that chose it under ablation), so no removal was measured. ``load``:
+    its share of the original routing's token-slots."""
+
+    expert: int
+    delta: float | None
+    ci95: Interval | None
+    load: float
+    selected_after: int
+    reason: str | None = _omit_none()
+
+
+@dataclass
+class LayerImportance:
+    site: str
+    layer: int
+    experts: list[ExpertImportance]
+
+
+@dataclass
+class ImportanceSummary:
+    """Expert importance of one router family: one replay per layer and expert."""
+
+    num_experts: int
+    per_layer: list[LayerImportance]
+    replays: int  # layers x experts
+    note: str
+
+
+@dataclass
 class Verdict:
     variation: str
     dependence: str
@@ -358,6 +393,7 @@ class AuditResult:
     identity: Identity | None = _omit_none()
     custom_conditions: dict[str, ConditionResult] | None = _omit_none()
     routing: dict[str, RoutingSummary] | None = _omit_none()
+    expert_importance: dict[str, ImportanceSummary] | None = _omit_none()
 
     def to_json(self) -> dict[str, Any]:
         """The ``audit.json`` content (plain JSON types)."""
@@ -389,7 +425,8 @@ class AuditResult:
         """One table of the result as a pandas DataFrame (``pip install pandas``), to go on
         in a notebook: ``conditions`` (one row per condition, custom ones included),
         ``per_layer`` (one row per condition and site), ``retention`` (one row per static
-        profile) or ``routing`` (one row per router site and expert)."""
+        profile), ``routing`` (one row per router site and expert) or ``experts`` (expert
+        importance: one row per ablated layer and expert)."""
         try:
             import pandas as pd
         except ImportError as exc:
@@ -442,8 +479,17 @@ def _routing_rows(r: AuditResult) -> list[dict[str, Any]]:
             for e, share in enumerate(layer.load)]
 
 
+def _expert_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"family": family, "site": layer.site, "layer": layer.layer, "expert": x.expert,
+             "delta": x.delta, "ci_low": x.ci95[0] if x.ci95 else None,
+             "ci_high": x.ci95[1] if x.ci95 else None, "load": x.load,
+             "selected_after": x.selected_after}
+            for family, summary in (r.expert_importance or {}).items()
+            for layer in summary.per_layer for x in layer.experts]
+
+
 _TABLES = {"conditions": _condition_rows, "per_layer": _per_layer_rows,
-           "retention": _retention_rows, "routing": _routing_rows}
+           "retention": _retention_rows, "routing": _routing_rows, "experts": _expert_rows}
 
 
 def _json_name(f: dataclasses.Field) -> str:

@@ -43,7 +43,16 @@ from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.distributed import Ranks, current
 from fcaudit.engine.options import AuditOptions, Progress, Setup, silent
 from fcaudit.engine.passes import batches, record_batch, replay_batch
-from fcaudit.engine.plan import ReplayInputs, digest_tensors, plan_runs, routing_sites, tracked_runs
+from fcaudit.engine.plan import (
+    EXPERT_ABLATION,
+    ReplayInputs,
+    ablation_experts,
+    ablation_runs,
+    digest_tensors,
+    plan_runs,
+    routing_sites,
+    tracked_runs,
+)
 from fcaudit.engine.result import (
     MAIN_CONDITIONS,
     NONDETERMINISTIC_KEYS,
@@ -69,7 +78,13 @@ from fcaudit.engine.stages import (
     replay_results,
     replay_stage,
 )
-from fcaudit.engine.summary import Summary, describe, routing_summary, summarize
+from fcaudit.engine.summary import (
+    Summary,
+    describe,
+    expert_importance,
+    routing_summary,
+    summarize,
+)
 from fcaudit.engine.verdicts import dependence, qualified, variation
 from fcaudit.io.data import AuditData, DataSpec, resolve_data
 from fcaudit.io.loading import LoadedModel, load, load_module
@@ -117,6 +132,7 @@ def _interventions(given: Mapping[str, Any] | Sequence[Intervention] | None,
                                "name (results are reported by name, so both would be merged "
                                "into one condition)")
         if not isinstance(iv.name, str) or not iv.name or iv.name in builtin or \
+                iv.name.startswith(f"{EXPERT_ABLATION}:") or \
                 not callable(iv.fn) or isinstance(iv.repeats, bool) or \
                 not isinstance(iv.repeats, int) or iv.repeats < 1:
             raise FcauditError(f"intervention {iv.name!r}: give a new name (not a built-in "
@@ -313,6 +329,19 @@ def _first_nonexact_site(net: nn.Module, sites: Sequence[Site], coefficients: di
     return None
 
 
+def ablation_plan(setup: Setup, first: Probe) -> dict[Site, int]:
+    """The routing sites whose experts are ablated, with their expert counts (the last
+    axis of the probe's logits ``[B, T, ..., E]``); an explicit ``expert_ablation`` with
+    no such site is refused."""
+    experts = {name: int(c.shape[-1]) for name, c in first.coefficients.items() if c.dim() >= 3}
+    ablated = ablation_experts(setup.sites, setup.options, experts)
+    if setup.options.expert_ablation and not ablated:
+        raise FcauditError("--expert-ablation: the audited sites have no router with per-expert "
+                           "logits [batch, positions, experts] (a routing adapter's site); "
+                           "drop the option, or audit the model's router sites")
+    return ablated
+
+
 def cache_identity(setup: Setup) -> dict[str, Any]:
     net, data = setup.model, setup.data.summary()
     param = next(net.parameters(), None)
@@ -440,6 +469,7 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     if ranks.main and options.progress:
         print(f"fcaudit: {window_line(setup.data.summary())}", file=sys.stderr, flush=True)
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
+    ablation_plan(setup, first)  # an impossible --expert-ablation stops before any file
     if not ranks.main:
         _run(setup, open_cache(setup, setup.out / "cache", ranks), first, progress, command,
              ranks)
@@ -503,7 +533,7 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     inputs = ReplayInputs(cache, setup.sites, profiles,
                           [draw(opts.seed * 1000 + 17 + k, n, seq_len)
                            for k in range(opts.repeats)], opts.seed)
-    runs = plan_runs(setup.sites, opts, setup.interventions)
+    runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first))
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
     if not ranks.main:
@@ -528,6 +558,10 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
                       reuse_summary(reuse, len(runs)))
     result = assemble(setup, cache, summary, stats, execution, identity, command, runtime)
     result.routing = routing
+    result.settings["expert_ablation_runs"] = len(ablation_runs(runs))
+    if ablation_runs(runs):
+        result.expert_importance = expert_importance(runs, replays.per_run, replays.route_load,
+                                                     replays.still_selected, opts)
     return result
 
 

@@ -5,7 +5,8 @@ and evaluation batches (per-token NLL and every site's coefficients). **Replay**
 planned run on every evaluation batch, batch-outer (all runs of a batch before the next
 batch), the identity replay checked on each batch (first and again after every other
 run), per-layer runs on the suffix of the model when each site's prefix reuse is proven
-exact on that batch, routers' choices counted. Each finished batch is a checksummed
+exact on that batch, routers' choices counted (and, under an expert ablation, how
+often the ablated expert is still picked). Each finished batch is a checksummed
 shard holding the digest of what every run was fed, so either stage resumes after an
 interruption, a rerun reuses a batch only when every run would be fed the same tensors,
 and under torchrun each rank takes its own batches.
@@ -38,7 +39,15 @@ from fcaudit.engine.passes import (
     record_batch,
     replay_batch,
 )
-from fcaudit.engine.plan import ReplayInputs, Run, digest_tensors, feed, routing_sites, run_digest
+from fcaudit.engine.plan import (
+    ReplayInputs,
+    Run,
+    ablation_runs,
+    digest_tensors,
+    feed,
+    routing_sites,
+    run_digest,
+)
 
 ALLOW_NONEXACT = arg("allow_nonexact_identity", py="AuditOptions(allow_nonexact_identity=True)")
 IDENTITY_CAUSES = (
@@ -167,6 +176,8 @@ class Replays:
     schedule: dict[str, Any]
     route_load: dict[str, Tensor]  # router site -> token-slots per expert (correct replay)
     route_changed: Tensor | None  # [tracked runs, router sites] tokens re-routed
+    # [expert-ablation runs] token-slots that still picked the ablated expert (0: removed)
+    still_selected: Tensor | None = None
 
 
 def replay_results(cache: CoefficientCache, options: AuditOptions) -> Replays:
@@ -180,8 +191,12 @@ def replay_results(cache: CoefficientCache, options: AuditOptions) -> Replays:
     load = {k.removeprefix("route_load::"): sum(s[k] for s in shards)
             for k in shards[0] if k.startswith("route_load::")}
     changed = sum(s["route_changed"] for s in shards) if "route_changed" in shards[0] else None
+    still = sum(s[STILL_SELECTED] for s in shards) if STILL_SELECTED in shards[0] else None
     return Replays(list(per_run), max(float(s["identity_diff"]) for s in shards), schedule,
-                   load, changed)
+                   load, changed, still)
+
+
+STILL_SELECTED = "ablation_still_selected"
 
 
 PREFIX_OFF, PREFIX_REUSED, PREFIX_FELL_BACK = 0, 1, 2
@@ -195,6 +210,7 @@ class _Passes:
         self.net, self.inputs, self.b, self.x = setup.model, inputs, b, x
         self.context = _context(setup, b)
         self.correct_fed: dict[Site, Tensor] = {}
+        self.still_selected: dict[str, int] = {}  # ablation run key -> picks of its expert
 
     def replay(self, run: Run, **kw: Any) -> tuple[Replayed, Tensor, bytes]:
         fed = feed(run, self.b, self.inputs, torch.device("cpu"))
@@ -202,7 +218,11 @@ class _Passes:
         fed = {s: t.to(self.x.device) for s, t in fed.items()}
         if run.condition == "correct":
             self.correct_fed = fed
-        out = replay_batch(self.net, self.x, fed, **kw)
+        ablating = run.expert is not None and run.site is not None
+        out = replay_batch(self.net, self.x, fed, **{**kw, "select": kw.get("select") or ablating})
+        if ablating:  # the family's own rule, on the ablated logits: does it still pick it?
+            chosen = out.chosen[run.site.name]
+            self.still_selected[run.key] = int((chosen == run.expert).sum())
         nll = token_nll(out.logits, self.x).cpu()
         check_finite_nll(nll, f"replay under {run.key}, batch {self.b}")
         return out, nll, digest
@@ -244,6 +264,9 @@ def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b
     diff = max(diff, _history_diff(setup, passes, first.logits, len(runs)))
     if routed:
         shard["route_changed"] = torch.tensor(changed, dtype=torch.float64)
+    if ablated := ablation_runs(runs):
+        shard[STILL_SELECTED] = torch.tensor([passes.still_selected[r.key] for r in ablated],
+                                             dtype=torch.int64)
     rows = [done[i] for i in range(len(runs))]
     return {"nll": torch.stack([r[0] for r in rows]),
             "feed_digest": _digest_tensor([r[1] for r in rows]),

@@ -2,7 +2,8 @@
 
 Penalties, retention and interaction (paired bootstrap over sequences) for every
 condition, per-layer variant and user intervention; the variance decomposition,
-variation and profiles of each family's coefficients.
+variation and profiles of each family's coefficients; each routed expert's importance
+(its ablation's penalty, beside its load).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from torch import Tensor
 
 from fcaudit.core.contract import Site
-from fcaudit.core.routers import load_entropy
+from fcaudit.core.routers import ABLATION_MARGIN, load_entropy
 from fcaudit.core.sites import families
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
@@ -27,7 +28,10 @@ from fcaudit.engine.result import (
     PER_LAYER_CONDITIONS,
     RETENTION_PROFILES,
     ConditionResult,
+    ExpertImportance,
+    ImportanceSummary,
     LayerConditionResult,
+    LayerImportance,
     LayerRouting,
     RoutingSummary,
 )
@@ -41,6 +45,11 @@ def _condition(per_seq: Mapping[str, np.ndarray], repeats: Mapping[str, list[np.
     return ConditionResult(float(per_seq[key].mean()), delta, ci,
                            [float(r.mean()) for r in reps],
                            [float((r - correct).mean()) for r in reps])
+
+
+def paired_bootstrap(n: int, options: AuditOptions) -> Bootstrap:
+    """The one resample stream every interval of an audit uses (paired contrasts)."""
+    return Bootstrap(n, options.bootstrap, options.seed * 1000 + 7)
 
 
 @dataclass
@@ -61,7 +70,7 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
         repeats.setdefault(run.key, []).append(values)
     repeats["original"] = [original]
     per_seq = {k: np.mean(v, axis=0) for k, v in repeats.items()}
-    boot = Bootstrap(len(original), options.bootstrap, options.seed * 1000 + 7)
+    boot = paired_bootstrap(len(original), options)
     conditions = {c: _condition(per_seq, repeats, c, boot) for c in MAIN_CONDITIONS}
     per_layer = {c: [LayerConditionResult(**dataclasses.asdict(_condition(
         per_seq, repeats, f"{c}@{s.name}", boot)), layer=s.layer, site=s.name, family=s.family)
@@ -124,4 +133,46 @@ def routing_summary(sites: Sequence[Any], runs: Sequence[Any], load: dict[str, T
         out[family] = RoutingSummary(
             num_experts=max(len(x.load) for x in layers), tokens=tokens, per_layer=layers,
             changed={c: v / len(members) for c, v in totals.items()}, note=ROUTING_NOTE)
+    return out
+
+
+IMPORTANCE_NOTE = (
+    "each expert removed from every token's choice in its layer alone (its router logit set "
+    f"at least {ABLATION_MARGIN:g} below the token's other logits; the routing rule picks the "
+    "next expert and weights the chosen ones as the family does); delta = NLL of that replay "
+    "minus the correct replay's, 95% paired bootstrap interval over sequences")
+
+
+def expert_importance(runs: Sequence[Run], replayed: Sequence[np.ndarray],
+                      load: Mapping[str, Tensor], still: Tensor | None,
+                      options: AuditOptions) -> dict[str, ImportanceSummary]:
+    """Per router family, every ablated layer and expert: the penalty of its ablation run
+    with a paired interval, its load, and the token-slots that still chose it (``still[j]``
+    for the ``j``-th ablation run); an expert still chosen gets no penalty."""
+    assert still is not None  # every replay shard of an audit with ablations counts them
+    correct = replayed[0]
+    boot = paired_bootstrap(len(correct), options)
+    per_site: dict[Site, list[ExpertImportance]] = {}
+    ablated = [(run, values) for run, values in zip(runs, replayed, strict=True)
+               if run.expert is not None and run.site is not None]
+    for j, (run, values) in enumerate(ablated):
+        counts = load[run.site.name].double()
+        share = float(counts[run.expert] / max(float(counts.sum()), 1.0))
+        picks = int(still[j])
+        if picks:
+            item = ExpertImportance(run.expert, None, None, share, picks, reason=(
+                f"the routing rule still picked it for {picks} token-slots with its logit at "
+                f"least {ABLATION_MARGIN:g} below every other expert's (a score bias in the "
+                "rule, or top-k as large as the number of experts), so no removal was measured"))
+        else:
+            delta, ci = penalty(values, correct, boot)
+            item = ExpertImportance(run.expert, delta, ci, share, 0)
+        per_site.setdefault(run.site, []).append(item)
+    out = {}
+    for family in dict.fromkeys(s.family for s in per_site):
+        members = [(s, items) for s, items in per_site.items() if s.family == family]
+        out[family] = ImportanceSummary(
+            num_experts=max(len(items) for _, items in members),
+            per_layer=[LayerImportance(s.name, s.layer, items) for s, items in members],
+            replays=sum(len(items) for _, items in members), note=IMPORTANCE_NOTE)
     return out

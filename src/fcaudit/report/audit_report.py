@@ -25,7 +25,9 @@ from fcaudit.engine.result import (
     AuditResult,
     ConditionResult,
     Execution,
+    ExpertImportance,
     Identity,
+    ImportanceSummary,
     LayerConditionResult,
     LayerVariation,
     Retention,
@@ -36,6 +38,7 @@ from fcaudit.report.figures import (
     FigureSpec,
     RenderedFigure,
     Span,
+    expert_importance_figure,
     expert_load_figure,
     heatmap_figure,
     penalty_figure,
@@ -379,6 +382,43 @@ def _routing(r: AuditResult) -> list[str]:
     return blocks
 
 
+def _expert_importance(r: AuditResult) -> list[str]:
+    """Expert importance of router families: the 3 experts whose removal costs most and
+    the 3 that cost least, with intervals and loads; experts the rule still picked."""
+    if not r.expert_importance:
+        return []
+    blocks = ["## Expert importance",
+              "For each routed layer and expert, one replay with that expert removed from every "
+              "token's choice in that layer (the next expert takes its place, weighted as the "
+              "family's routing rule does): its NLL change vs the correct replay, beside its "
+              "load under the original routing. The layer x expert map is in the figures."]
+    for fam, summary in _by_family(r, r.expert_importance):
+        blocks += [f"### Family {md_code(fam)} ({summary.num_experts} experts, "
+                   f"{summary.replays} ablation replays)", *_importance_tables(summary),
+                   f"Note: {md_text(summary.note)}."]
+    return blocks
+
+
+def _importance_tables(summary: ImportanceSummary) -> list[str]:
+    items = [(layer.layer, layer.site, x) for layer in summary.per_layer for x in layer.experts]
+    measured = sorted((i for i in items if i[2].delta is not None), key=lambda i: -i[2].delta)
+    ranked = [("most", i) for i in measured[:3]] + \
+        [("least", i) for i in measured[max(3, len(measured) - 3):]]
+
+    def row(rank: str, layer: int, site: str, x: ExpertImportance) -> tuple[str, ...]:
+        return (rank, str(layer), md_code(site), str(x.expert), fmt_with_ci(x.delta, x.ci95),
+                f"{100 * x.load:.1f}%", fmt_num(x.selected_after))
+    out = [md_table(("importance", "layer", "site", "expert", "Δ NLL removed [95% CI]", "load",
+                     "picked when removed"), [row(k, *i) for k, i in ranked], "lrlrrrr")] \
+        if ranked else []
+    kept = [f"layer {layer} expert {x.expert} ({fmt_num(x.selected_after)} token-slots)"
+            for layer, _, x in items if x.delta is None]
+    if kept:
+        out.append(f"Not removable, so no importance measured: the routing rule still picked "
+                   f"{md_text(', '.join(kept))} with its logit far below the others.")
+    return out
+
+
 def _expert_rows(ex: Execution) -> list[tuple[str, str, str, str]]:
     x = ex.experts
     if x is None:
@@ -508,6 +548,11 @@ def _figure_specs(r: AuditResult) -> list[FigureSpec]:
         ("expert-load", "Expert load by layer: share of token-slots routed to each expert.",
          partial(expert_load_figure, {fam: [x.load for x in summary.per_layer]
                                       for fam, summary in routed.items()})),
+        ("expert-importance", "Expert importance by layer: NLL change with each expert removed "
+         "from every token's choice.",
+         partial(expert_importance_figure, {
+             fam: [[x.delta for x in layer.experts] for layer in summary.per_layer]
+             for fam, summary in _by_family(r, r.expert_importance or {})})),
         ("penalties", "NLL penalties vs correct replay with 95% bootstrap CIs.",
          partial(penalty_figure, conditions, per_layer)),
         ("variance", "Variance shares of the coefficients.", partial(variance_figure, shares)),
@@ -522,7 +567,7 @@ def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tu
         blocks.append(_identity_warning(inexact))
     blocks.append(_lead(result))
     for section in (_answers, _conditions, _retention, _interaction, _per_layer, _variance,
-                    _variation, _routing, _execution, _reproducibility):
+                    _variation, _routing, _expert_importance, _execution, _reproducibility):
         blocks += section(result)
     blocks += ["## Figures", *(md_figures(figures) or ["No figure data in this audit."])]
     return title, "\n\n".join(blocks) + "\n"

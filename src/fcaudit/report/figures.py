@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import matplotlib
 import matplotlib.style
 import numpy as np
 from matplotlib.axes import Axes
@@ -185,8 +186,45 @@ def expert_load_figure(loads: Mapping[str, Sequence[Sequence[float]]]) -> Figure
     """What routing does, one panel per router family: the share of token-slots each layer
     routes to each expert (from the original routing; uniform is 1/E). A map of mean
     router logits would say nothing about which experts are picked."""
+    maps = _layer_expert_maps(loads)
+    if not maps:
+        return None
+    fig, axes = _stacked_axes(len(maps), 2.8)
+    for ax, (fam, m) in zip(axes, maps.items(), strict=True):
+        image = _layer_expert_image(ax, m, cmap="viridis", vmin=0.0)
+        fig.colorbar(image, ax=ax, label="share of token-slots")
+        ax.set(title=f"{fam}: expert load by layer (share of token-slots per expert; uniform "
+                     f"= 1/{m.shape[1]})", xlabel="expert", ylabel="layer")
+    return fig
+
+
+def expert_importance_figure(deltas: Mapping[str, Sequence[Sequence[float | None]]]
+                             ) -> Figure | None:
+    """Expert importance, one panel per router family: the NLL change when each layer's
+    expert is removed from every token's choice (layer x expert), on a diverging scale
+    centred on 0; an expert the rule still picked (no removal measured) is grey."""
+    maps = _layer_expert_maps(deltas)
+    if not maps:
+        return None
+    fig, axes = _stacked_axes(len(maps), 2.8)
+    for ax, (fam, m) in zip(axes, maps.items(), strict=True):
+        bound = float(np.nanmax(np.abs(m))) or 1.0
+        image = _layer_expert_image(ax, m, cmap=IMPORTANCE_CMAP, vmin=-bound, vmax=bound)
+        fig.colorbar(image, ax=ax, label="Δ NLL when removed (nats)")
+        ax.set(title=f"{fam}: expert importance (Δ NLL with the expert removed; grey: "
+                     "still picked, not measured)", xlabel="expert", ylabel="layer")
+    return fig
+
+
+IMPORTANCE_CMAP = matplotlib.colormaps["RdBu_r"].with_extremes(bad="0.6")
+
+
+def _layer_expert_maps(rows_by_family: Mapping[str, Sequence[Sequence[float | None]]]
+                       ) -> dict[str, np.ndarray]:
+    """Per family, a layer x expert matrix (NaN where a layer has fewer experts or a value
+    is None); families with no finite value are left out."""
     maps = {}
-    for fam, rows in loads.items():
+    for fam, rows in rows_by_family.items():
         if not rows:
             continue
         m = np.full((len(rows), max(len(r) for r in rows)), np.nan)
@@ -194,20 +232,17 @@ def expert_load_figure(loads: Mapping[str, Sequence[Sequence[float]]]) -> Figure
             m[i, :len(row)] = _floats(row)
         if np.isfinite(m).any():
             maps[fam] = m
-    if not maps:
-        return None
-    fig, axes = _stacked_axes(len(maps), 2.8)
-    for ax, (fam, m) in zip(axes, maps.items(), strict=True):
-        image = ax.imshow(np.ma.masked_invalid(m), aspect="auto", interpolation="nearest",
-                          cmap="viridis", vmin=0.0, extent=(-0.5, m.shape[1] - 0.5,
-                                                            m.shape[0] - 0.5, -0.5))
-        fig.colorbar(image, ax=ax, label="share of token-slots")
-        ax.set(title=f"{fam}: expert load by layer (share of token-slots per expert; uniform "
-                     f"= 1/{m.shape[1]})", xlabel="expert", ylabel="layer")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(False)
-    return fig
+    return maps
+
+
+def _layer_expert_image(ax: Axes, m: np.ndarray, **scale: Any) -> Any:
+    """``m`` drawn as a layer x expert map with integer ticks (NaN cells blank)."""
+    image = ax.imshow(np.ma.masked_invalid(m), aspect="auto", interpolation="nearest",
+                      extent=(-0.5, m.shape[1] - 0.5, m.shape[0] - 0.5, -0.5), **scale)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.grid(False)
+    return image
 
 
 def penalty_figure(conditions: Mapping[str, Mapping[str, Span]],

@@ -141,13 +141,13 @@ def test_an_expert_the_rule_still_picks_is_reported_not_measured() -> None:
 
 def test_option_is_validated_and_auto_follows_the_expert_count(tmp_path: Path) -> None:
     with pytest.raises(FcauditError, match=r"AuditOptions\(expert_ablation=1\)"):
-        AuditOptions(expert_ablation=1).validate(api=True)
+        AuditOptions(expert_ablation=1).validate()
     off = audit(planted_moe(), None, data=_data(),
                 options=AuditOptions(**{**OPTIONS.__dict__, "expert_ablation": False}))
     assert off.expert_importance is None and off.settings["expert_ablation_runs"] == 0
     from toys import content_model
-    with pytest.raises(FcauditError, match="--expert-ablation: the audited sites have no "
-                                           "router"):
+    with pytest.raises(FcauditError, match=r"AuditOptions\(expert_ablation=True\): the "
+                                           "audited sites have no router"):
         audit(content_model(), tmp_path / "out", sites=["gates.*"], data=_data(),
               options=AuditOptions(**{**OPTIONS.__dict__, "expert_ablation": True}))
     assert not (tmp_path / "out").exists()  # refused before anything was written

@@ -77,7 +77,7 @@ class AuditOptions:
             raise FcauditError(f"{name('schedule', self.schedule)}: choose one of "
                                f"{', '.join(SCHEDULES)}")
         if self.expert_ablation is not None and not isinstance(self.expert_ablation, bool):
-            raise FcauditError(f"{name('--expert-ablation', self.expert_ablation)}: must be "
+            raise FcauditError(f"{name('expert_ablation', self.expert_ablation)}: must be "
                                "True, False or None (on for at most "
                                f"{AUTO_ABLATION_MAX_EXPERTS} experts per routed layer)")
         if 0 < self.timing_pairs < 10:

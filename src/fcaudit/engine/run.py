@@ -336,9 +336,10 @@ def ablation_plan(setup: Setup, first: Probe) -> dict[Site, int]:
     experts = {name: int(c.shape[-1]) for name, c in first.coefficients.items() if c.dim() >= 3}
     ablated = ablation_experts(setup.sites, setup.options, experts)
     if setup.options.expert_ablation and not ablated:
-        raise FcauditError("--expert-ablation: the audited sites have no router with per-expert "
-                           "logits [batch, positions, experts] (a routing adapter's site); "
-                           "drop the option, or audit the model's router sites")
+        raise FcauditError(f"{arg('expert_ablation', py='AuditOptions(expert_ablation=True)')}"
+                           ": the audited sites have no router with per-expert logits [batch, "
+                           "positions, experts] (a routing adapter's site); drop the option, "
+                           "or audit the model's router sites")
     return ablated
 
 

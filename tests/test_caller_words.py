@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import toys
-from test_reliability import TOY, run_inprocess
+from conftest import TOY, run_inprocess
 
 import fcaudit
 from fcaudit.core.errors import FcauditError, arg, render

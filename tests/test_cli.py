@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_reliability import run_inprocess
+from conftest import run_inprocess
 
 from fcaudit.report.progress import ProgressReporter
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import toys
+from conftest import FAST, toy_data
 from torch import nn
 
 import fcaudit
@@ -24,13 +25,6 @@ from fcaudit.engine.plan import ReplayInputs, Run, feed
 from fcaudit.engine.result import AuditResult
 from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import AuditData
-
-FAST = AuditOptions(repeats=2, bootstrap=200, batch_size=4, execution=False, progress=False)
-
-
-def toy_data(n_eval: int = 12, n_calib: int = 12, seq_len: int = 16) -> AuditData:
-    return AuditData(toys.pair_sequences(n_eval, seq_len, 1),
-                     toys.pair_sequences(n_calib, seq_len, 2), {"source": "tokens"})
 
 
 def toy_audit(mode: str, tmp_path, **kw) -> AuditResult:

@@ -242,7 +242,7 @@ def test_hf_router_ablation_follows_the_family_rule(family: str, renormalise: bo
                                                     tmp_path: Path) -> None:
     from conftest import optional_extra
     optional_extra("transformers")
-    from test_hf import FAMILIES, save, token_batches
+    from conftest import FAMILIES, save, token_batches
 
     from fcaudit.core.contract import SiteCall
     from fcaudit.core.replaying import replaying

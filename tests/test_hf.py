@@ -17,13 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import optional_extra
+from conftest import COMMON, FAMILIES, SEQ_LEN, VOCAB, optional_extra, save, token_batches
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 transformers = optional_extra("transformers")
 
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
 
 from fcaudit.core.contract import Site, SiteCall  # noqa: E402
 from fcaudit.core.discovery import transformers_layer_stack as discover_blocks  # noqa: E402
@@ -35,79 +34,10 @@ from fcaudit.core.routers import moe_expert_layers as discover_experts  # noqa: 
 from fcaudit.core.routers import moe_router_sites as discover_sites  # noqa: E402
 from fcaudit.io.hf import is_hf_folder, load_hf_folder  # noqa: E402
 
-VOCAB = 120
-SEQ_LEN = 12
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-TEXT = ("the router picks two experts for every token and the audit replays the frozen model "
-        "with cached logits from other inputs to see whether the choice matters ") * 4
-
-# family -> (config, shared-expert gates per layer, experts executed per token)
-FAMILIES: dict[str, tuple[Callable[[], Any], int, int]] = {
-    "mixtral": (lambda: transformers.MixtralConfig(
-        **COMMON, intermediate_size=64, num_key_value_heads=2, num_local_experts=4,
-        num_experts_per_tok=2), 0, 2),
-    "qwen2_moe": (lambda: transformers.Qwen2MoeConfig(
-        **COMMON, intermediate_size=64, num_key_value_heads=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2), 1, 2),
-    "qwen3_moe": (lambda: transformers.Qwen3MoeConfig(
-        **COMMON, intermediate_size=64, num_key_value_heads=2, head_dim=8,
-        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2), 0, 2),
-    "olmoe": (lambda: transformers.OlmoeConfig(
-        **COMMON, intermediate_size=32, num_key_value_heads=2, num_experts=4,
-        num_experts_per_tok=2), 0, 2),
-    "deepseek_v3": (lambda: transformers.DeepseekV3Config(  # group-limited, biased sigmoid
-        **COMMON, intermediate_size=64, num_key_value_heads=4, moe_intermediate_size=32,
-        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-        n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8), 0, 2),
-    "gpt_oss": (lambda: transformers.GptOssConfig(
-        **COMMON, intermediate_size=32, num_key_value_heads=2, head_dim=8,
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=8), 0, 2),
-    "gemma4_text": (lambda: transformers.Gemma4TextConfig(  # router returns probabilities
-        **COMMON, intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=2,
-        head_dim=8, global_head_dim=8, num_experts=4, top_k_experts=2, enable_moe_block=True,
-        per_layer_config={}, hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=VOCAB, layer_types=["sliding_attention", "full_attention"]),
-        0, 2),
-    "llama4_text": (lambda: transformers.Llama4TextConfig(  # experts run densely
-        **COMMON, intermediate_size=32, intermediate_size_mlp=64, num_key_value_heads=2,
-        head_dim=8, num_local_experts=4, num_experts_per_tok=1), 0, 4),
-}
-
-
-def tokenizer_file(folder: Path) -> Path:
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([TEXT], trainers.WordLevelTrainer(vocab_size=VOCAB,
-                                                              special_tokens=["[UNK]"]))
-    tok.save(str(folder / "tokenizer.json"))
-    return folder / "tokenizer.json"
-
-
-def save(config: Any, folder: Path, **kwargs: Any) -> Path:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # routers start near zero; give them spread like a trained router
-        for name, param in model.named_parameters():
-            if ".gate." in name or ".router." in name:
-                param.normal_(0, 0.5)
-    model.save_pretrained(folder, **kwargs)
-    tokenizer_file(folder)
-    return folder
-
 
 @pytest.fixture(scope="module")
 def mixtral_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save(FAMILIES["mixtral"][0](), tmp_path_factory.mktemp("mixtral"))
-
-
-def token_batches(tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Evaluation [4, T] and calibration [4, T] windows of the tokenized text."""
-    ids = torch.tensor(tokenizer.encode(TEXT * 2).ids)
-    windows = ids[: len(ids) // SEQ_LEN * SEQ_LEN].view(-1, SEQ_LEN)
-    assert len(windows) >= 8 and int(windows.max()) < VOCAB
-    return windows[:4], windows[4:8]
 
 
 def replay_routing(model: nn.Module, sites: list[Site], fed: dict[str, torch.Tensor],

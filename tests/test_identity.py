@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import toys
+from conftest import FAST_ARGS, run_inprocess, write_folder
 from safetensors.torch import load_file
-from test_mudd import tiny_state, write_folder  # noqa: F401 (fixture)
-from test_reliability import FAST, run_folder, run_inprocess  # noqa: F401 (fixture)
 
 from fcaudit.core.errors import FcauditError
 from fcaudit.io.mudd_checkpoint import load_mudd_folder
@@ -32,7 +31,7 @@ def test_a_changed_config_is_a_different_model(run_folder: Path, tmp_path: Path,
     run = tmp_path / "run"
     shutil.copytree(run_folder / "run", run)
     argv = ["audit", "--model", run, "--data", run_folder / "text.txt", "--out",
-            tmp_path / "out", *FAST]
+            tmp_path / "out", *FAST_ARGS]
     assert run_inprocess(argv, capsys).returncode == 0
     config = json.loads((run / "config.json").read_text())
     config["model_config"]["n_head"] = 1
@@ -54,7 +53,7 @@ def test_an_edited_factory_is_a_different_model(tmp_path: Path, monkeypatch: pyt
     monkeypatch.chdir(tmp_path)  # the factory is imported from the current folder
     (tmp_path / "mymodels.py").write_text(FACTORY.format(mode="content"))
     argv = ["audit", "--model", "mymodels:build", "--sites", "gates.*", *_tokens(tmp_path),
-            "--out", tmp_path / "out", *FAST]
+            "--out", tmp_path / "out", *FAST_ARGS]
     assert run_inprocess(argv, capsys).returncode == 0
     result = json.loads((tmp_path / "out" / "audit.json").read_text())
     assert "mymodels.py" in result["model"]["identity_note"]

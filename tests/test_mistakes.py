@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import toys
-from test_reliability import FAST, TOY, run_folder, run_inprocess  # noqa: F401 (fixture)
+from conftest import FAST_ARGS, TOY, run_inprocess
 
 TOKENS = ["--tokens", "{eval}", "--calib-tokens", "{calib}"]
 
@@ -182,7 +182,7 @@ def _argv(template: list[str], places: dict[str, Path], tmp: Path) -> list[str]:
             item = str(_config(places["run"], tmp, **{key: json.loads(value)}))
         argv.append(item.format(**{k: str(v) for k, v in values.items()}))
     if argv[0] not in ("train", "reproduce", "bench", "sites", "demo"):
-        fast = [a for a in FAST if a != "--no-execution" or "--execution" not in argv]
+        fast = [a for a in FAST_ARGS if a != "--no-execution" or "--execution" not in argv]
         argv = ["audit", *fast, *(a for a in argv if a != "--execution")]
         if "--out" not in argv:
             argv += ["--out", str(tmp / "out")]
@@ -365,7 +365,7 @@ def test_bench_json_replaces_only_its_own_file(places: dict[str, Path], tmp_path
 
 def test_quiet_does_not_change_audit_json(places: dict[str, Path], tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    from test_reliability import strip_nondeterministic
+    from conftest import strip_nondeterministic
     audits = []
     for quiet in (True, False):
         out = tmp_path / f"quiet-{quiet}"

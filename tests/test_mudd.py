@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from conftest import FIXTURES, write_folder
+from safetensors.torch import load_file
 from torch import nn
 
 from fcaudit.core.errors import FcauditError
@@ -35,7 +36,6 @@ from fcaudit.io.mudd_checkpoint import (
 )
 from fcaudit.models.mudd import PRESETS, MuddConfig, MuddModel
 
-FIXTURES = Path(__file__).parent / "fixtures"
 VARIANTS = ["mudd_tiny", "muddformer_tiny"]
 
 
@@ -180,41 +180,6 @@ def test_1p4b_config_from_official_json() -> None:
 
 
 # --- checkpoint layouts -------------------------------------------------------------
-
-
-def write_folder(tmp_path: Path, state: dict[str, torch.Tensor], layout: str,
-                 config: dict | None = None) -> Path:
-    """A folder in one of the Hugging Face layouts, holding ``state``."""
-    folder = tmp_path / layout
-    folder.mkdir()
-    config = config or json.loads((FIXTURES / "mudd_tiny" / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config))
-    keys = sorted(state)
-    if layout == "safetensors":
-        save_file(state, folder / "model.safetensors")
-    elif layout == "bin":
-        torch.save(state, folder / "pytorch_model.bin")
-    else:  # sharded-safetensors, sharded-bin: two shards + index
-        ext = "safetensors" if layout == "sharded-safetensors" else "bin"
-        stem = "model" if ext == "safetensors" else "pytorch_model"
-        halves = [keys[: len(keys) // 2], keys[len(keys) // 2:]]
-        weight_map = {}
-        for n, part in enumerate(halves, 1):
-            shard = f"{stem}-0000{n}-of-00002.{ext}"
-            chunk = {k: state[k] for k in part}
-            if ext == "safetensors":
-                save_file(chunk, folder / shard)
-            else:
-                torch.save(chunk, folder / shard)
-            weight_map.update(dict.fromkeys(part, shard))
-        index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
-        (folder / f"{stem}.{ext}.index.json").write_text(json.dumps(index))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tiny_state() -> dict[str, torch.Tensor]:
-    return load_file(FIXTURES / "mudd_tiny" / "model.safetensors")
 
 
 @pytest.mark.parametrize("layout", ["safetensors", "sharded-safetensors", "bin", "sharded-bin"])

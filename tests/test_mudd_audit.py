@@ -4,26 +4,11 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from conftest import make_mudd_folder
 
 from fcaudit.cli import main
-
-FIXTURE = Path(__file__).parent / "fixtures" / "mudd_tiny"
-
-
-def make_mudd_folder(root: Path) -> Path:
-    """The tiny official-layout fixture plus a byte-level tokenizer with its 256 ids."""
-    folder = root / "MUDDPythia-tiny"
-    shutil.copytree(FIXTURE, folder, ignore=shutil.ignore_patterns("expected.*"))
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(folder / "tokenizer.json"))
-    return folder
 
 
 def test_audit_a_mudd_folder_end_to_end(tmp_path: Path) -> None:

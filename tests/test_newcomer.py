@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_reliability import run_inprocess
+from conftest import run_inprocess
 from torch import nn
 
 from fcaudit.core.sites import NOT_CALLED
@@ -81,7 +81,7 @@ def test_sites_all_describes_every_featuregate_module(
 def test_sites_all_describes_every_module_of_a_hugging_face_moe(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     transformers = pytest.importorskip("transformers")
-    from test_hf import FAMILIES, save
+    from conftest import FAMILIES, save
     folder = save(FAMILIES["mixtral"][0](), tmp_path / "mixtral")
     res = run_inprocess(["sites", "--model", folder, "--all"], capsys)
     assert res.returncode == 0, res.stderr
@@ -227,7 +227,7 @@ AUDIT_FAST = ["--max-eval", "4", "--max-calib", "2", "--repeats", "1", "--bootst
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
-    from test_hf import FAMILIES, save
+    from conftest import FAMILIES, save
     return save(FAMILIES["mixtral"][0](), tmp_path_factory.mktemp("mixtral"))
 
 

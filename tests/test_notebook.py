@@ -7,8 +7,7 @@ import json
 
 import pytest
 import toys
-from conftest import optional_extra
-from test_engine import FAST, toy_data
+from conftest import FAST, optional_extra, toy_data
 
 import fcaudit
 

@@ -11,7 +11,6 @@ run ``python -m fcaudit.cli`` in a subprocess.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
@@ -25,39 +24,21 @@ import numpy as np
 import pytest
 import torch
 import toys
+from conftest import FAST_ARGS, TOY, Result, run_inprocess, strip_nondeterministic
 from torch import nn
 
-from fcaudit import cli
 from fcaudit.api import audit
 from fcaudit.core.errors import FcauditError
 from fcaudit.engine.result import NONDETERMINISTIC_KEYS, ConditionResult, Retention
 from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import AuditData, Document, train_tokenizer
 from fcaudit.io.fileio import write_json
-from fcaudit.io.loading import save_run_model
 from fcaudit.io.outdir import MARKER, RUN_FILES, record_files
-from fcaudit.models.featuregate import GPT, GPTConfig
 
 TESTS = Path(__file__).parent
-TOY = ["--model", "toys:content_model", "--sites", "gates.*"]
-FAST = ["--quiet", "--no-execution", "--repeats", "1", "--bootstrap", "10", "--no-per-layer",
-        "--batch-size", "4"]
 
 
 # ---------------------------------------------------------------------------- helpers
-
-@dataclasses.dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def run_inprocess(argv: list[str], capsys: pytest.CaptureFixture[str]) -> Result:
-    capsys.readouterr()
-    code = cli.main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return Result(code, captured.out, captured.err)
 
 
 def run_subprocess(argv: list[str], cwd: Path, prefix: list[str] | None = None) -> Result:
@@ -85,18 +66,6 @@ def assert_clean_failure(res: Result, root: Path, out: Path, needle: str | tuple
     assert not temporaries(root), temporaries(root)
 
 
-def strip_nondeterministic(audit: dict) -> dict:
-    audit = json.loads(json.dumps(audit))
-    for dotted in audit["nondeterministic_keys"]:
-        *parents, leaf = dotted.split(".")
-        node = audit
-        for key in parents:
-            node = node.get(key, {}) if isinstance(node, dict) else {}
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    return audit
-
-
 def canonical(path: Path) -> str:
     """audit.json re-serialised like fileio.write_json after removing the
     nondeterministic keys: byte-comparable."""
@@ -113,33 +82,6 @@ def tokens(tmp_path: Path) -> dict[str, Path]:
         out[name] = tmp_path / f"{name}.npy"
         np.save(out[name], arr)
     return out
-
-
-WORDS = ["king", "queen", "crown", "sword", "night", "day", "love", "death", "honour", "fool",
-         "ghost", "castle", "letter", "storm", "father", "daughter", "poison", "ring", "river",
-         "court"]
-
-
-@pytest.fixture(scope="module")
-def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A hand-made fcaudit run folder: a random tiny FeatureGate (context 32) with its own
-    small tokenizer, written in the layout of `fcaudit train` (no training)."""
-    root = tmp_path_factory.mktemp("run")
-    rng = np.random.default_rng(0)
-    text = " ".join(rng.choice(WORDS, size=4000))
-    (root / "text.txt").write_text(text, encoding="utf-8")
-    tok = train_tokenizer([Document("text", text)], 300)
-    cfg = GPTConfig(vocab_size=tok.get_vocab_size(), block_size=32, n_layer=2, n_head=2,
-                    n_embd=16)
-    torch.manual_seed(0)
-    run = root / "run"
-    run.mkdir()
-    save_run_model(run, GPT(cfg))
-    (run / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
-    (run / "config.json").write_text(json.dumps({
-        "fcaudit_run": 1, "arch": "featuregate", "preset": "tiny", "seed": 0,
-        "model_config": dataclasses.asdict(cfg), "train": {"seq_len": 16}}), encoding="utf-8")
-    return root
 
 
 # ------------------------------------------------------------------ bad inputs, table
@@ -223,7 +165,7 @@ def test_bad_token_arrays(case: str, tmp_path: Path, tokens: dict[str, Path],
                           capsys: pytest.CaptureFixture[str]) -> None:
     extra, needle = _tokens_case(tmp_path, case, tokens)
     out = tmp_path / "out"
-    res = run_inprocess(["audit", *TOY, "--out", out, *FAST, *extra], capsys)
+    res = run_inprocess(["audit", *TOY, "--out", out, *FAST_ARGS, *extra], capsys)
     assert_clean_failure(res, tmp_path, out, needle)
     assert not out.exists()  # refused before anything was written
 
@@ -233,7 +175,7 @@ def test_token_pickle_is_never_unpickled(tmp_path: Path, tokens: dict[str, Path]
     marker = tmp_path / "code-ran"
     payload = tmp_path / "evil.npy"
     payload.write_bytes(pickle.dumps(_RunsCode(marker)))
-    res = run_inprocess(["audit", *TOY, "--out", tmp_path / "out", *FAST, "--tokens", payload,
+    res = run_inprocess(["audit", *TOY, "--out", tmp_path / "out", *FAST_ARGS, "--tokens", payload,
                          "--calib-tokens", tokens["calib"]], capsys)
     assert_clean_failure(res, tmp_path, tmp_path / "out", "evil.npy")
     assert not marker.exists()
@@ -250,7 +192,7 @@ class _RunsCode:
 def test_sites_matching_nothing(tmp_path: Path, tokens: dict[str, Path],
                                 capsys: pytest.CaptureFixture[str]) -> None:
     res = run_inprocess(["audit", "--model", "toys:content_model", "--sites", "blocks.*.gate",
-                         "--out", tmp_path / "out", *FAST, "--tokens", tokens["eval"],
+                         "--out", tmp_path / "out", *FAST_ARGS, "--tokens", tokens["eval"],
                          "--calib-tokens", tokens["calib"]], capsys)
     assert_clean_failure(res, tmp_path, tmp_path / "out", "'blocks.*.gate' matched no module")
 
@@ -259,7 +201,7 @@ def test_bad_option_values(tmp_path: Path, tokens: dict[str, Path],
                            capsys: pytest.CaptureFixture[str]) -> None:
     for extra, needle in ((["--max-eval", "1"], "--max-eval 1"),
                           (["--repeats", "0"], "--repeats")):
-        res = run_inprocess(["audit", *TOY, "--out", tmp_path / "out", *FAST, *extra,
+        res = run_inprocess(["audit", *TOY, "--out", tmp_path / "out", *FAST_ARGS, *extra,
                              "--tokens", tokens["eval"], "--calib-tokens", tokens["calib"]],
                             capsys)
         assert_clean_failure(res, tmp_path, tmp_path / "out", needle)
@@ -336,7 +278,7 @@ def test_bad_run_folders_and_text(case: str, run_folder: Path, tmp_path: Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     extra, needle = _run_case(run_folder, case, tmp_path)
     out = tmp_path / "out"
-    res = run_inprocess(["audit", "--out", out, *FAST, *extra], capsys)
+    res = run_inprocess(["audit", "--out", out, *FAST_ARGS, *extra], capsys)
     assert_clean_failure(res, tmp_path, out, needle)
     assert not out.exists()
 
@@ -345,7 +287,7 @@ def test_intact_run_folder_audits(run_folder: Path, tmp_path: Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     """Positive control for the table above: the undamaged folder and text work."""
     res = run_inprocess(["audit", "--model", run_folder / "run", "--data",
-                         run_folder / "text.txt", "--out", tmp_path / "out", *FAST,
+                         run_folder / "text.txt", "--out", tmp_path / "out", *FAST_ARGS,
                          "--max-eval", "8", "--max-calib", "8"], capsys)
     assert res.returncode == 0, res.stderr
     audit = json.loads((tmp_path / "out" / "audit.json").read_text())
@@ -361,7 +303,7 @@ def test_mudd_bin_pickle_that_runs_code_is_refused_by_the_cli(
                                           "config.json").read_bytes())
     marker = tmp_path / "code-ran"
     torch.save({"payload": _RunsCode(marker)}, folder / "pytorch_model.bin")
-    res = run_inprocess(["audit", "--model", folder, "--out", tmp_path / "out", *FAST], capsys)
+    res = run_inprocess(["audit", "--model", folder, "--out", tmp_path / "out", *FAST_ARGS], capsys)
     assert_clean_failure(res, tmp_path, tmp_path / "out", "refused to load")
     assert not marker.exists()
 
@@ -372,20 +314,20 @@ def test_mudd_bin_pickle_that_runs_code_is_refused_by_the_cli(
 def test_subprocess_errors_are_one_line(case: str, tmp_path: Path,
                                         tokens: dict[str, Path]) -> None:
     extra, needle = _tokens_case(tmp_path, case, tokens)
-    res = run_subprocess(["audit", *TOY, "--out", tmp_path / "out", *FAST, *extra], tmp_path)
+    res = run_subprocess(["audit", *TOY, "--out", tmp_path / "out", *FAST_ARGS, *extra], tmp_path)
     assert_clean_failure(res, tmp_path, tmp_path / "out", needle)
 
 
 def test_subprocess_run_folder_error_is_one_line(run_folder: Path, tmp_path: Path) -> None:
     extra, needle = _run_case(run_folder, "weights_truncated", tmp_path)
-    res = run_subprocess(["audit", "--out", tmp_path / "out", *FAST, *extra], tmp_path)
+    res = run_subprocess(["audit", "--out", tmp_path / "out", *FAST_ARGS, *extra], tmp_path)
     assert_clean_failure(res, tmp_path, tmp_path / "out", needle)
 
 
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_debug_shows_the_traceback(where: str, tmp_path: Path, tokens: dict[str, Path]) -> None:
     extra, _ = _tokens_case(tmp_path, "float", tokens)
-    argv = ["audit", *TOY, "--out", tmp_path / "out", *FAST, *extra]
+    argv = ["audit", *TOY, "--out", tmp_path / "out", *FAST_ARGS, *extra]
     argv = ["--debug", *argv] if where == "before" else [*argv, "--debug"]
     res = run_subprocess(argv, tmp_path)
     assert res.returncode != 0
@@ -400,7 +342,7 @@ def test_unexpected_errors_are_one_line_too(tmp_path: Path, tokens: dict[str, Pa
     def boom(self, ids):  # noqa: ANN001, ANN202
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied\n(second line)")
     monkeypatch.setattr(toys.ToyModel, "forward", boom)
-    res = run_inprocess(["audit", *TOY, "--out", tmp_path / "out", *FAST, "--tokens",
+    res = run_inprocess(["audit", *TOY, "--out", tmp_path / "out", *FAST_ARGS, "--tokens",
                          tokens["eval"], "--calib-tokens", tokens["calib"]], capsys)
     assert_clean_failure(res, tmp_path, tmp_path / "out", "--debug", code=1)
     assert "RuntimeError (mat1 and mat2 shapes cannot be multiplied (second line))" in res.stderr
@@ -410,7 +352,7 @@ def test_unexpected_errors_are_one_line_too(tmp_path: Path, tokens: dict[str, Pa
 
 def _audit_argv(out: Path, tokens: dict[str, Path], model: str = "toys:content_model",
                 extra: tuple = ()) -> list:
-    return ["audit", "--model", model, "--sites", "gates.*", "--out", out, *FAST, *extra,
+    return ["audit", "--model", model, "--sites", "gates.*", "--out", out, *FAST_ARGS, *extra,
             "--tokens", tokens["eval"], "--calib-tokens", tokens["calib"]]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import toys
-from test_engine import FAST, toy_data
+from conftest import FAST, chromium, toy_data
 
 from fcaudit.api import audit
 from fcaudit.engine.result import (
@@ -346,14 +345,9 @@ def test_many_families_and_sites(audited: AuditResult, tmp_path: Path) -> None:
     assert _table(_section(md, "Variation summary"))[1]["inputs / layers"] == "n/a"
 
 
-def _chromium() -> str | None:
-    found = shutil.which("chromium")
-    return found or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
-
-
 def test_renders_in_headless_chromium(rendered: tuple[Path, list[Path]], audited: AuditResult,
                                       tmp_path: Path) -> None:
-    browser = _chromium()
+    browser = chromium()
     if browser is None:
         pytest.skip("chromium not installed (apt-get install -y chromium); render check skipped")
     page = (rendered[0] / "report.html").resolve().as_uri()

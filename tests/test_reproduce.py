@@ -6,8 +6,7 @@ import json
 import subprocess
 
 import pytest
-from test_mudd_audit import make_mudd_folder
-from test_report import _chromium
+from conftest import chromium, make_mudd_folder
 
 from fcaudit.engine.run import AuditOptions
 from fcaudit.io.outdir import output_kind
@@ -58,7 +57,7 @@ def test_study_writes_tables_and_resumes(small_study):
 
 
 def test_reproduction_html_renders_in_chromium(small_study, tmp_path):
-    browser = _chromium()
+    browser = chromium()
     if browser is None:
         pytest.skip("chromium not installed (apt-get install -y chromium); render check skipped")
     out = small_study[0]

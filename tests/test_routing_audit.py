@@ -66,7 +66,7 @@ def test_the_report_shows_routing(moe_audit) -> None:
 
 def test_a_hugging_face_moe_folder_is_audited_with_one_command(tmp_path: Path) -> None:
     optional_extra("transformers")
-    from test_hf import FAMILIES, save, token_batches
+    from conftest import FAMILIES, save, token_batches
 
     from fcaudit.cli import main
     from fcaudit.io.data import folder_tokenizer

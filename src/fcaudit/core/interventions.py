@@ -122,9 +122,9 @@ def static_tensor(condition: str, site: Site, profiles: StaticProfiles,
     return prof.to(device=like.device, dtype=like.dtype).contiguous()
 
 
-def shuffle_positions(x: Tensor, perms: np.ndarray) -> Tensor:
+def shuffle_positions(x: Tensor, positions: np.ndarray) -> Tensor:
     """``x[n, sigma_n(t)]`` for a batch ``x [B, T, ...]`` and permutations ``[B, T]``."""
-    idx = torch.from_numpy(np.asarray(perms)).to(x.device)
+    idx = torch.from_numpy(np.asarray(positions)).to(x.device)
     idx = idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand_as(x)
     return torch.gather(x, 1, idx)
 
@@ -167,11 +167,12 @@ def reassign(coefficients: Coefficients, donor: Sequence[int]) -> Mapping[str, T
     return _like(coefficients, {k: v[idx.to(v.device)] for k, v in coefficients.items()})
 
 
-def shuffle(coefficients: Coefficients, perms: np.ndarray) -> Mapping[str, Tensor]:
-    """Sequence ``n`` gets its own coefficients at positions ``perms[n]`` (every site alike)."""
-    batch, positions = _batch_shape(coefficients)
-    perms = _indices(perms, (batch, positions), positions, "shuffle(perms=...)")
-    return _like(coefficients, {k: shuffle_positions(v, perms) for k, v in coefficients.items()})
+def shuffle(coefficients: Coefficients, positions: np.ndarray) -> Mapping[str, Tensor]:
+    """Sequence ``n`` gets its own coefficients at positions ``positions[n]`` (every site
+    alike)."""
+    batch, length = _batch_shape(coefficients)
+    order = _indices(positions, (batch, length), length, "shuffle(positions=...)")
+    return _like(coefficients, {k: shuffle_positions(v, order) for k, v in coefficients.items()})
 
 
 def static(coefficients: Coefficients, profiles: StaticProfiles,

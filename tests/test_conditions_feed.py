@@ -4,6 +4,8 @@ set (the engine's only extra: donors from any batch), and the engine calls them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import toys
@@ -21,12 +23,11 @@ CPU = torch.device("cpu")
 def inputs(tmp_path_factory):
     data = toy_data(n_eval=10)  # batches of 4: the last one is short, donors cross batches
     inputs = _inputs(toys.content_model(), data, tmp_path_factory.mktemp("feed"))
-    cache, n_calib = inputs.cache, len(data.calib_ids)
-    for b in range(-(-n_calib // cache.batch_size)):  # the profiles of the audit's own cache
-        sums = cache.read(cache.calib_name(b))
-        inputs.profiles.add_sums({k.removeprefix("site::"): v for k, v in sums.items()},
-                                 min(cache.batch_size, n_calib - b * cache.batch_size))
-    return inputs
+    calib = torch.from_numpy(data.calib_ids)
+    for batch in calib.split(5):  # the content gates are one_hot(token id)
+        inputs.profiles.add({s.name: toys.F.one_hot(batch, toys.V).float()
+                             for s in inputs.sites}, ids=batch)
+    return dataclasses.replace(inputs, ids=data.eval_ids)
 
 
 def _whole_set(inputs) -> dict[str, torch.Tensor]:
@@ -43,7 +44,8 @@ def _reference(condition: str, inputs) -> dict[str, torch.Tensor]:
     if condition in ("shuffle", "reassign+shuffle"):
         full = dict(interventions.shuffle(full, rand.positions))
     if condition in interventions.STATIC_CONDITIONS:
-        full = dict(interventions.static(full, inputs.profiles, condition))
+        ids = torch.from_numpy(inputs.ids)
+        full = dict(interventions.static(full, inputs.profiles, condition, ids))
     return full
 
 

@@ -79,13 +79,15 @@ def run_digest(run: Run, fed: Mapping[Site, Tensor], context: bytes) -> bytes:
 
 @dataclass
 class ReplayInputs:
-    """What feeding a batch needs: the cache, calibration profiles and random draws."""
+    """What feeding a batch needs: the cache, calibration profiles, random draws and the
+    evaluation token ids (static-layer-token feeds each token its id's profile)."""
 
     cache: CoefficientCache
     sites: list[Site]
     profiles: StaticProfiles
     draws: list[RandomDraw]
     seed: int
+    ids: np.ndarray | None = None  # [N, T] evaluation token ids
 
 
 def feed(run: Run, b: int, inputs: ReplayInputs, device: torch.device) -> dict[Site, Tensor]:
@@ -115,8 +117,13 @@ def _intervened(run: Run, rows: range, inputs: ReplayInputs,
         if run.condition in ("shuffle", "reassign+shuffle"):
             x = shuffle(x, rand.positions[rows.start:rows.stop])
     elif run.condition in STATIC_CONDITIONS:
-        x = static(x, inputs.profiles, run.condition)
+        x = static(x, inputs.profiles, run.condition, _batch_ids(inputs, rows))
     return {by_name[k]: v for k, v in x.items()}
+
+
+def _batch_ids(inputs: ReplayInputs, rows: range) -> Tensor | None:
+    return None if inputs.ids is None else torch.from_numpy(
+        np.ascontiguousarray(inputs.ids[rows.start:rows.stop]))
 
 
 def _reassigned(coefficients: Mapping[str, Tensor], donors: np.ndarray,
@@ -137,7 +144,7 @@ def _custom_feed(run: Run, b: int, rows: range, inputs: ReplayInputs,
     context = InterventionContext(
         tuple(inputs.sites), rows, inputs.profiles, run.repeat,
         run.custom.rng(inputs.seed, run.repeat, b),
-        lambda name, idx: inputs.cache.rows(f"site::{name}", idx))
+        lambda name, idx: inputs.cache.rows(f"site::{name}", idx), _batch_ids(inputs, rows))
     given = run.custom.fn({s.name: t.clone() for s, t in correct.items()}, context)
     fed = {}
     for name, tensor in given.items():

@@ -68,7 +68,13 @@ from fcaudit.engine.stages import (
     replay_results,
     replay_stage,
 )
-from fcaudit.engine.summary import Summary, describe, routing_summary, summarize
+from fcaudit.engine.summary import (
+    Summary,
+    describe,
+    routing_summary,
+    summarize,
+    token_profile,
+)
 from fcaudit.engine.verdicts import dependence, qualified, variation
 from fcaudit.io.data import AuditData, DataSpec, resolve_data
 from fcaudit.io.loading import LoadedModel, load, load_module
@@ -500,7 +506,7 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     n, seq_len = setup.data.eval_ids.shape
     inputs = ReplayInputs(cache, setup.sites, profiles,
                           [draw(opts.seed * 1000 + 17 + k, n, seq_len)
-                           for k in range(opts.repeats)], opts.seed)
+                           for k in range(opts.repeats)], opts.seed, setup.data.eval_ids)
     runs = plan_runs(setup.sites, opts, setup.interventions)
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
@@ -511,7 +517,7 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     diff = replays.identity_diff
     identity = dataclasses.replace(first.identity, exact=first.identity.exact and diff == 0,
                                    max_abs_diff=max(first.identity.max_abs_diff, diff))
-    stats = describe(cache, setup.sites)
+    stats = describe(cache, setup.sites, setup.data.eval_ids)
     summary = summarize(runs, replays.per_run, stats[3], setup.sites, opts)
     routed = routing_sites(setup.sites)
     routing = routing_summary(routed, tracked_runs(runs), replays.route_load,
@@ -526,6 +532,7 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
                       reuse_summary(reuse, len(runs)))
     result = assemble(setup, cache, summary, stats, execution, identity, command, runtime)
     result.routing = routing
+    result.token_profile = token_profile(profiles, setup.data.eval_ids)
     return result
 
 

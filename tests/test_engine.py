@@ -40,7 +40,8 @@ def test_correct_replay_is_bitwise_identical(tiny_runs, tmp_path):
     assert result.conditions["correct"].nll == result.conditions["original"].nll
     assert set(result.conditions) == {"original", "correct", "reassign", "shuffle",
                                       "reassign+shuffle", "static-layer",
-                                      "static-layer-position", "global-mean"}
+                                      "static-layer-position", "static-layer-token",
+                                      "global-mean"}
     assert len(result.per_layer["reassign"]) == 4
     assert result.data["eval_sequences"] == 10 and result.data["calib_sequences"] == 6
     on_disk = AuditResult.read(tmp_path / "a" / "audit.json")
@@ -560,11 +561,11 @@ def test_an_edited_intervention_is_replayed_again_not_reused(edit: str, tmp_path
         assert after.custom_conditions["edited"].delta == 0.0
     again = run(second, out)
     assert again.runtime.reuse == {**after.runtime.reuse, "batches_reused": 3,
-                                   "batches_recomputed": 0, "runs_reused": 3 * 17,
+                                   "batches_recomputed": 0, "runs_reused": 3 * 18,
                                    "runs_recomputed": 0}
     assert again.to_json()["custom_conditions"] == fresh.to_json()["custom_conditions"]
     from fcaudit.report.audit_report import build_markdown
-    assert "Replay results: 3 of 3 batches (51 runs) reused" in build_markdown(again, [])[1]
+    assert "Replay results: 3 of 3 batches (54 runs) reused" in build_markdown(again, [])[1]
 
 
 def test_another_schedule_into_the_same_out_is_replayed_again(tmp_path):

@@ -252,9 +252,9 @@ def _reassign(donor: object, coefficients: object = None) -> object:
     return reassign(coefficients or _coefficients(), donor)  # type: ignore[arg-type]
 
 
-def _shuffle(perms: object) -> object:
+def _shuffle(positions: object) -> object:
     from fcaudit import shuffle
-    return shuffle(_coefficients(), perms)  # type: ignore[arg-type]
+    return shuffle(_coefficients(), positions)  # type: ignore[arg-type]
 
 
 # (name, call, fragment naming the Python argument): each an FcauditError in one line
@@ -302,8 +302,8 @@ API_MISTAKES = [
     ("donor floats", lambda: _reassign([1.0, 0.0, 3.0, 2.0]),
      "reassign(donor=...) must be integers in [0, 4) of shape [4] (one per sequence of the "
      "batch), got float64 [4]"),
-    ("perms wrong shape", lambda: _shuffle(np.zeros((4, 5), np.int64)),
-     "shuffle(perms=...) must be integers in [0, 6) of shape [4, 6]"),
+    ("positions wrong shape", lambda: _shuffle(np.zeros((4, 5), np.int64)),
+     "shuffle(positions=...) must be integers in [0, 6) of shape [4, 6]"),
 ]
 
 

@@ -38,7 +38,8 @@ def expected_dependence(result: dict) -> str:
     if kept is not None and kept >= 90 and max(r["delta"], s["delta"]) < 0.05:
         return "Weak"
     penalties = [c[k]["ci95"] for k in ("reassign", "shuffle", "reassign+shuffle",
-                                        "static-layer", "static-layer-position")]
+                                        "static-layer", "static-layer-position",
+                                        "static-layer-token")]
     if kept is None and not any(lo > 0 or hi < 0 for lo, hi in penalties):
         return "No measurable"
     return "Partial"

@@ -678,7 +678,7 @@ def test_each_dependence_verdict_follows_its_rule(case: str, r: tuple, s: tuple,
     from fcaudit.engine.verdicts import dependence
     conditions = {name: _cond(*c) for name, c in (
         ("reassign", r), ("shuffle", s), ("reassign+shuffle", rs), ("static-layer", sl),
-        ("static-layer-position", slp))}
+        ("static-layer-position", slp), ("static-layer-token", ZERO))}
     sentence = dependence(conditions, {"static-layer": kept})
     assert sentence.startswith(label + " on the coefficient assignment"), sentence
     numbers = (f"reassigning coefficients across inputs costs {r[0]:+.4f} nats [{r[1]:+.4f}, "

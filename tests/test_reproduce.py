@@ -67,3 +67,27 @@ def test_reproduction_html_renders_in_chromium(small_study, tmp_path):
                           (out / "report.html").resolve().as_uri()],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert "Findings at this scale" in dom and dom.count("<img") >= 4
+
+
+def test_study_reports_static_layer_token_and_the_token_id_share(small_study):
+    """Every audited controller kind gets the static-layer-token rows, from its audits."""
+    out, _, result, _ = small_study
+    text = (out / "reproduction.md").read_text()
+    for label in ("retention: static-layer-token", "penalty: static-layer-token",
+                  "token-id share of within-layer variance"):
+        assert label in text
+    for name, label in (("featuregate-tiny", "FeatureGate"), ("mudd-tiny", "MUDD"),
+                        ("moe-tiny", "MoE")):
+        (seed,) = result["groups"][name]["per_seed"]  # one seed: its audit.json's numbers
+        written = json.loads((out / "audits" / f"{name}-s0" / "audit.json").read_text())
+        family = written["sites"][0]["family"]
+        assert seed["retention_static_layer_token"] == \
+            written["retention"]["static-layer-token"]["value"]
+        assert seed["delta_static-layer-token"] == \
+            written["conditions"]["static-layer-token"]["delta"]
+        assert seed["eta2_token_id"] == written["variance"][family]["eta2_token_id"]
+        assert f"{label}: a static profile per (layer, token id)" in text
+    (moe,) = result["groups"]["moe-tiny"]["per_seed"]
+    written = json.loads((out / "audits" / "moe-tiny-s0" / "audit.json").read_text())
+    assert moe["rerouted_static-layer-token"] == \
+        written["routing"]["moe"]["changed"]["static-layer-token"]

@@ -39,7 +39,7 @@ def test_routing_metrics_of_a_routed_model(moe_audit) -> None:
         assert 0 < layer.entropy_normalized <= 1
     changed = routing.changed
     assert set(changed) == {"reassign", "shuffle", "reassign+shuffle", "static-layer",
-                            "static-layer-position", "global-mean"}
+                            "static-layer-position", "static-layer-token", "global-mean"}
     assert all(0 <= v <= 1 for v in changed.values())
     assert changed["reassign"] > 0.3  # another input's logits pick other experts
     assert result.variance["moe"].eta2_layer >= 0  # the decomposition of router logits

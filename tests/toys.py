@@ -9,6 +9,16 @@ predicts it only through its gates, in a way that fixes the expected audit resul
 * ``constant``: gates are per-layer constants -> no penalty, retention ~100%.
 * ``position``: gates depend on the position only -> shuffle hurts, reassign does not,
   static-layer-position keeps ~100%.
+
+Two routers (:class:`ToyRouterModel`, sites with the ``TopKLogits(1)`` adapter) route
+each token to one of ``V`` experts, expert ``e`` predicting ``e + 1 - offset``:
+
+* ``token_router``: the logits are ``4 * one_hot(x_t)``, a pure function of the token
+  id (offset 0) -> static-layer-token keeps 100% of the gap when calibration saw every
+  evaluation id, and the token id explains all of the within-layer variance;
+* ``context_router``: the logits are ``4 * one_hot((x_t + x_{t-1}) % V)`` (offset
+  ``x_{t-1}``, ``x_{-1} = 0``): at even positions the expert depends on the previous
+  token, so a profile per token id keeps little.
 """
 
 from __future__ import annotations
@@ -19,6 +29,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fcaudit.core.contract import Site
+from fcaudit.core.routers import TopKLogits
 
 V = 64
 
@@ -55,6 +68,53 @@ class ToyModel(nn.Module):
             return self.scale * predicted * even
         target = F.one_hot((ids + 1) % V, V).float()
         return self.scale * target * (g[0] - g[1]) * even
+
+
+class ToyRouter(nn.Module):
+    """Router logits ``[B, T, V]``: ``4 * one_hot(key)`` with ``key`` the token id, or for
+    ``context`` the token id plus the previous one."""
+
+    def __init__(self, context: bool) -> None:
+        super().__init__()
+        self.context = context
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return 4.0 * F.one_hot((ids + previous(ids) * self.context) % V, V).float()
+
+
+def previous(ids: torch.Tensor) -> torch.Tensor:
+    """``x_{t-1}`` at every position (0 before the first)."""
+    return torch.cat([torch.zeros_like(ids[:, :1]), ids[:, :-1]], dim=1)
+
+
+class ToyRouterModel(nn.Module):
+    """Two routed layers; the top-1 expert ``e`` of each predicts ``e + 1 - offset``,
+    which is ``x_t + 1`` under the model's own routing (even positions only)."""
+
+    def __init__(self, context: bool) -> None:
+        super().__init__()
+        self.context = context
+        self.routers = nn.ModuleList(ToyRouter(context) for _ in range(2))
+        self.scale = nn.Parameter(torch.tensor(8.0))
+
+    def controller_sites(self) -> list[Site]:
+        return [Site(f"routers.{i}", f"routers.{i}", "router", i, adapter=TopKLogits(1))
+                for i in range(len(self.routers))]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        even = (torch.arange(ids.shape[1]) % 2 == 0).float().view(1, -1, 1)
+        offset = previous(ids) * self.context
+        votes = [F.one_hot((r(ids).topk(1, dim=-1).indices[..., 0] + 1 - offset) % V, V)
+                 for r in self.routers]
+        return self.scale * (sum(votes) / len(votes)).float() * even
+
+
+def token_router_model() -> nn.Module:
+    return ToyRouterModel(context=False)
+
+
+def context_router_model() -> nn.Module:
+    return ToyRouterModel(context=True)
 
 
 _CALLS = [0]

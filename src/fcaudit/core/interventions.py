@@ -2,10 +2,11 @@
 Conditions).
 
 The built-in conditions are compositions of three coefficient-preserving
-transformations, usable on any recorded dict ``{site name: [B, T, ...]}``:
-:func:`reassign` (another sequence's coefficients), :func:`shuffle` (positions
-permuted per sequence) and :func:`static` (calibration means from
-:class:`StaticProfiles`). All randomness comes from numpy generators seeded per
+transformations, usable on any recorded dict ``{site name: [B, T, ...]}`` or
+Recording (each returns the same kind): :func:`reassign` (another sequence's
+coefficients), :func:`shuffle` (positions permuted per sequence) and :func:`static`
+(calibration means from :class:`StaticProfiles`); the engine's conditions call these
+same functions. All randomness comes from numpy generators seeded per
 condition and repeat, so a seed always yields the same derangement and permutations.
 
 User-defined interventions (:class:`Intervention`) are functions from a batch's
@@ -65,34 +66,129 @@ def batch_sums(coefficients: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.to(torch.float64).sum(0) for k, v in coefficients.items()}
 
 
+@dataclass(frozen=True)
+class TokenSums:
+    """Float64 sums of every site's coefficients per token id, for the ids present only
+    (sparse: memory is bounded by the tokens seen, not by the vocabulary)."""
+
+    ids: Tensor  # [U] int64, sorted, distinct
+    counts: Tensor  # [U] int64, tokens with that id
+    sums: dict[str, Tensor]  # site name -> [U, *trailing] float64
+
+
+def token_sums(coefficients: Mapping[str, Tensor], ids: Tensor) -> TokenSums:
+    """The batch's :class:`TokenSums`: ``ids [B, T]`` are the token ids the coefficients
+    ``[B, T, ...]`` were recorded at."""
+    flat = torch.as_tensor(ids).to("cpu", torch.int64).reshape(-1)
+    unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
+    sums = {}
+    for name, v in coefficients.items():
+        x = v.detach().to("cpu", torch.float64).reshape(flat.numel(), *v.shape[2:])
+        sums[name] = torch.zeros((len(unique), *v.shape[2:]), dtype=torch.float64).index_add_(
+            0, inverse, x)
+    return TokenSums(unique, counts, sums)
+
+
+def merge_token_sums(acc: TokenSums | None, more: TokenSums) -> TokenSums:
+    """``acc`` plus ``more`` (ids united): each id's sums are added in call order."""
+    if acc is None:
+        return more
+    ids, inverse = torch.unique(torch.cat([acc.ids, more.ids]), return_inverse=True)
+    old, new = inverse[:len(acc.ids)], inverse[len(acc.ids):]
+
+    def merged(a: Tensor, b: Tensor) -> Tensor:
+        out = torch.zeros((len(ids), *a.shape[1:]), dtype=a.dtype)
+        return out.index_add_(0, old, a).index_add_(0, new, b)
+    return TokenSums(ids, merged(acc.counts, more.counts),
+                     {k: merged(v, more.sums[k]) for k, v in acc.sums.items()})
+
+
+def _token_ids(ids: Any, shape: tuple[int, ...], what: str) -> Tensor:
+    """Token ids ``[B, T]`` for coefficients of leading shape ``shape``, or one clear line."""
+    if ids is None:
+        raise FcauditError(f"{what} needs the token ids the coefficients were recorded at: "
+                           "pass ids=[B, T] (a Recording from fcaudit.record carries them)")
+    arr = torch.as_tensor(np.asarray(ids) if not isinstance(ids, Tensor) else ids)
+    if arr.dtype.is_floating_point or arr.dtype == torch.bool or tuple(arr.shape) != shape:
+        raise FcauditError(f"{what}: ids must be integer token ids of shape {list(shape)}, "
+                           f"got {arr.dtype} {list(arr.shape)}")
+    return arr.to("cpu", torch.int64)
+
+
 class StaticProfiles:
     """Static coefficient profiles estimated from calibration sequences only.
 
     ``layer(s)`` is the mean of site ``s`` over positions and sequences (trailing
     shape kept); ``layer_position(s)`` the mean over sequences at each position;
-    ``global_mean(f)`` one scalar per family over every coefficient of the family.
-    Float64 sums are added batch by batch, in batch order.
+    ``layer_token(s, ids)`` the mean over every calibration token with the same id
+    (ids unseen in calibration get ``layer(s)``); ``global_mean(f)`` one scalar per
+    family over every coefficient of the family. Float64 sums are added batch by
+    batch, in batch order.
     """
 
     def __init__(self, sites: Sequence[Site]) -> None:
         self.sites = list(sites)
         self._sum_pos: dict[str, Tensor] = {}
         self.count = 0
+        self.tokens: TokenSums | None = None  # per token id; None without token ids
+        self._token_means: dict[str, Tensor] = {}
 
-    def add_sums(self, sums: Mapping[str, Tensor], count: int) -> None:
+    def add_sums(self, sums: Mapping[str, Tensor], count: int,
+                 tokens: TokenSums | None = None) -> None:
         for site in self.sites:
             acc = self._sum_pos.get(site.name)
             self._sum_pos[site.name] = sums[site.name] if acc is None else acc + sums[site.name]
         self.count += count
+        if tokens is not None:
+            self.tokens = merge_token_sums(self.tokens, tokens)
+            self._token_means.clear()
 
-    def add(self, coefficients: Mapping[str, Tensor]) -> None:
-        self.add_sums(batch_sums(coefficients), next(iter(coefficients.values())).shape[0])
+    def add(self, coefficients: Mapping[str, Tensor], ids: Any = None) -> None:
+        """A calibration batch; with its token ids (``ids``, or a Recording's own) the
+        per-token-id profile too."""
+        ids = getattr(coefficients, "input_ids", None) if ids is None else ids
+        shape = tuple(next(iter(coefficients.values())).shape[:2])
+        tokens = None if ids is None else token_sums(
+            coefficients, _token_ids(ids, shape, "StaticProfiles.add"))
+        self.add_sums(batch_sums(coefficients), shape[0], tokens)
 
     def layer_position(self, site: Site) -> Tensor:
         return self._sum_pos[site.name] / self.count  # [T, *trailing]
 
     def layer(self, site: Site) -> Tensor:
         return self.layer_position(site).mean(0)  # [*trailing]
+
+    def layer_token(self, site: Site, ids: Tensor) -> Tensor:
+        """The per-token-id means at ``ids`` (any shape): ``[*ids.shape, *trailing]``;
+        an id no calibration token had gets the static-layer profile."""
+        if self.tokens is None:
+            raise FcauditError("static-layer-token needs per-token-id calibration sums: add "
+                               "calibration batches with their token ids (StaticProfiles.add"
+                               "(coefficients, ids))")
+        means = self._token_means.get(site.name)
+        if means is None:
+            sums = self.tokens.sums[site.name]
+            means = sums / self.tokens.counts.view(-1, *[1] * (sums.dim() - 1))
+            self._token_means[site.name] = means
+        seen, where = self._lookup(ids)
+        out = means[where]
+        out[~seen] = self.layer(site)
+        return out
+
+    def _lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """For each id: whether calibration saw it, and its row in :attr:`tokens` (which
+        holds at least one id: a calibration batch has tokens)."""
+        assert self.tokens is not None
+        known = self.tokens.ids
+        where = torch.searchsorted(known, ids).clamp(max=len(known) - 1)
+        return known[where] == ids, where
+
+    def unseen(self, ids: Any) -> tuple[int, int]:
+        """How many of ``ids`` (tokens, then distinct ids) no calibration token had."""
+        flat = torch.as_tensor(np.asarray(ids)).to(torch.int64).reshape(-1)
+        seen = self._lookup(flat)[0] if self.tokens is not None else torch.zeros_like(
+            flat, dtype=torch.bool)
+        return int((~seen).sum()), len(torch.unique(flat[~seen]))
 
     def global_mean(self, family: str) -> float:
         total, n = 0.0, 0
@@ -105,8 +201,9 @@ class StaticProfiles:
 
 
 def static_tensor(condition: str, site: Site, profiles: StaticProfiles,
-                  like: Tensor) -> Tensor:
-    """The coefficients a static condition feeds ``site``, shaped and typed like ``like``."""
+                  like: Tensor, ids: Tensor | None = None) -> Tensor:
+    """The coefficients a static condition feeds ``site``, shaped and typed like ``like``
+    (``ids [B, T]``: the token ids fed, for static-layer-token)."""
     shape = like.shape
     if condition == "static-layer":
         prof = profiles.layer(site).expand(shape)
@@ -115,6 +212,9 @@ def static_tensor(condition: str, site: Site, profiles: StaticProfiles,
         if prof.shape[0] != shape[1]:
             raise ValueError(f"calibration length {prof.shape[0]} != evaluation length {shape[1]}")
         prof = prof.unsqueeze(0).expand(shape)
+    elif condition == "static-layer-token":
+        prof = profiles.layer_token(site, _token_ids(ids, tuple(shape[:2]),
+                                                     "static-layer-token"))
     elif condition == "global-mean":
         prof = torch.full(shape, profiles.global_mean(site.family), dtype=torch.float64)
     else:
@@ -123,9 +223,9 @@ def static_tensor(condition: str, site: Site, profiles: StaticProfiles,
     return prof.to(device=like.device, dtype=like.dtype).contiguous()
 
 
-def shuffle_positions(x: Tensor, perms: np.ndarray) -> Tensor:
+def shuffle_positions(x: Tensor, positions: np.ndarray) -> Tensor:
     """``x[n, sigma_n(t)]`` for a batch ``x [B, T, ...]`` and permutations ``[B, T]``."""
-    idx = torch.from_numpy(np.asarray(perms)).to(x.device)
+    idx = torch.from_numpy(np.asarray(positions)).to(x.device)
     idx = idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand_as(x)
     return torch.gather(x, 1, idx)
 
@@ -168,18 +268,22 @@ def reassign(coefficients: Coefficients, donor: Sequence[int]) -> Mapping[str, T
     return _like(coefficients, {k: v[idx.to(v.device)] for k, v in coefficients.items()})
 
 
-def shuffle(coefficients: Coefficients, perms: np.ndarray) -> Mapping[str, Tensor]:
-    """Sequence ``n`` gets its own coefficients at positions ``perms[n]`` (every site alike)."""
-    batch, positions = _batch_shape(coefficients)
-    perms = _indices(perms, (batch, positions), positions, "shuffle(perms=...)")
-    return _like(coefficients, {k: shuffle_positions(v, perms) for k, v in coefficients.items()})
+def shuffle(coefficients: Coefficients, positions: np.ndarray) -> Mapping[str, Tensor]:
+    """Sequence ``n`` gets its own coefficients at positions ``positions[n]`` (every site
+    alike)."""
+    batch, length = _batch_shape(coefficients)
+    order = _indices(positions, (batch, length), length, "shuffle(positions=...)")
+    return _like(coefficients, {k: shuffle_positions(v, order) for k, v in coefficients.items()})
 
 
 def static(coefficients: Coefficients, profiles: StaticProfiles,
-           condition: str = "static-layer") -> Mapping[str, Tensor]:
-    """Every site's coefficients replaced by a static calibration profile."""
+           condition: str = "static-layer", ids: Any = None) -> Mapping[str, Tensor]:
+    """Every site's coefficients replaced by a static calibration profile; for
+    ``static-layer-token``, the profile of each token's id (``ids [B, T]``, or the
+    Recording's own input ids)."""
     by_name = {s.name: s for s in profiles.sites}
-    return _like(coefficients, {k: static_tensor(condition, by_name[k], profiles, v)
+    ids = getattr(coefficients, "input_ids", None) if ids is None else ids
+    return _like(coefficients, {k: static_tensor(condition, by_name[k], profiles, v, ids)
                                 for k, v in coefficients.items()})
 
 
@@ -193,6 +297,7 @@ class InterventionContext:
     repeat: int
     rng: np.random.Generator  # seeded by (master seed, name, repeat, batch)
     donors: Callable[[str, Sequence[int]], Tensor]  # any sequences' coefficients of a site
+    ids: Tensor | None = None  # the batch's token ids [B, T] (static(..., ids=context.ids))
 
 
 InterventionFn = Callable[[dict[str, Tensor], InterventionContext], Mapping[str, Tensor]]

@@ -119,11 +119,13 @@ class Recording(Mapping[str, Tensor]):
     ``sites``: the resolved :class:`~fcaudit.Site` objects, each with the adapter its
     output was found to fit (so :func:`fcaudit.replay` needs no globs and no memory of
     an earlier call); ``output``: the model's output on the recorded pass (None for
-    coefficients derived with :meth:`with_coefficients`); ``logits``: its logits.
+    coefficients derived with :meth:`with_coefficients`); ``logits``: its logits;
+    ``input_ids``: the token ids ``[B, T]`` it was recorded at (kept by derived
+    coefficients: they are fed to the same tokens), which ``static-layer-token`` reads.
     """
 
     def __init__(self, coefficients: Mapping[str, Tensor], sites: Sequence[Site],
-                 output: Any = None) -> None:
+                 output: Any = None, input_ids: Tensor | None = None) -> None:
         names = [s.name for s in sites]
         unknown = [k for k in coefficients if k not in names]
         if unknown:
@@ -132,6 +134,7 @@ class Recording(Mapping[str, Tensor]):
         self._coefficients = {n: coefficients[n] for n in names if n in coefficients}
         self.sites = tuple(s for s in sites if s.name in self._coefficients)
         self.output = output
+        self.input_ids = input_ids
 
     def __getitem__(self, name: str) -> Tensor:
         return self._coefficients[name]
@@ -158,7 +161,7 @@ class Recording(Mapping[str, Tensor]):
     def with_coefficients(self, coefficients: Mapping[str, Tensor]) -> Recording:
         """The same sites fed other coefficients (some or all of them), e.g. an
         intervention's; replay uses these sites as for the original recording."""
-        return Recording(coefficients, self.sites)
+        return Recording(coefficients, self.sites, input_ids=self.input_ids)
 
 
 def _fitted(site: Site, adapter: ControllerAdapter) -> Site:
@@ -178,4 +181,5 @@ def record(model: nn.Module, input_ids: Tensor, sites: SiteSpec = None) -> Recor
     with recording(model, site_list, *input_ids.shape[:2], adapters=adapters) as captured:
         output = model(input_ids)
     return Recording({s.name: captured[s.name] for s in site_list},
-                     [_fitted(s, adapters[s.name]) for s in site_list], output)
+                     [_fitted(s, adapters[s.name]) for s in site_list], output,
+                     input_ids.detach().clone())

@@ -3,8 +3,10 @@
 * ``eval-00000.safetensors``: one evaluation batch of the unperturbed pass: the
   per-token NLL and every site's full coefficient tensor;
 * ``calib-00000.safetensors``: one calibration batch: every site's float64 sum
-  over the batch's sequences, by position (static profiles add them in batch order,
-  so the result does not depend on how batches were spread over processes);
+  over the batch's sequences, by position, and per token id for the ids present
+  (``token_ids``, ``token_counts``, ``token::SITE``: sparse, bounded by the batch's
+  tokens); static profiles add them in batch order, so the result does not depend
+  on how batches were spread over processes;
 * ``replay-runs/replay-00000.safetensors``: one evaluation batch's per-sequence NLL
   under every planned run, with the SHA-256 of what each run was fed (``feed_digest``),
   so an interrupted replay resumes too, and a rerun reuses a batch only when every run
@@ -37,7 +39,7 @@ from fcaudit.io.fileio import (
     write_text,
 )
 
-SCHEMA = "fcaudit.cache/4"
+SCHEMA = "fcaudit.cache/5"  # 5: calibration shards hold sums per token id
 _OPEN_HANDLES = 16
 _REPLAY_FOLDER = "replay-runs"
 _SHARD_SUFFIXES = (".safetensors", ".safetensors.sha256")

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from fcaudit.core.contract import RoutingAdapter, Site
+from fcaudit.core.interventions import TokenSums, merge_token_sums, token_sums
 from fcaudit.engine.result import (
     ComponentShares,
     Estimate,
@@ -222,6 +223,54 @@ class VarianceAccumulator:
             stride = max(1, int(np.ceil(len(row) / max_positions)))
             pos.append([round(float(v), 6) for v in row[::stride]])
         return Profile([s.name for s in self.sites], means, sds, pos, stride)
+
+
+class TokenShare:
+    """Streams one family's coefficients with the token ids they were recorded at: the
+    share of within-layer variance the current token id explains.
+
+    Per (site, component) cell it is a one-way ANOVA on token id, ``SS_between /
+    SS_total`` with both taken about the cell's mean, pooled over the family's cells
+    (sums of squares added, then divided): 1 when every coefficient is a function of
+    its token id within its layer, about ``(ids - 1) / (tokens - 1)`` for noise. Values
+    are accumulated in float64 minus each cell's first value, so coefficients that do
+    not vary within a layer give exactly 0 / 0: undefined (None), not a rounding ratio.
+    """
+
+    def __init__(self, sites: Sequence[Site]) -> None:
+        self.sites = list(sites)
+        self.shift: dict[str, torch.Tensor] = {}
+        self.t1: dict[str, torch.Tensor] = {}
+        self.t2: dict[str, torch.Tensor] = {}
+        self.by_id: TokenSums | None = None
+        self.n = 0
+
+    def add(self, coefficients: Mapping[str, torch.Tensor], ids: torch.Tensor) -> None:
+        centred = {}
+        for site in self.sites:
+            x = coefficients[site.name].to(torch.float64)
+            d = x - self.shift.setdefault(site.name, x[0, 0].clone())
+            flat = d.reshape(-1, *d.shape[2:])
+            t1, t2 = flat.sum(0), (flat * flat).sum(0)
+            if site.name in self.t1:
+                self.t1[site.name] += t1
+                self.t2[site.name] += t2
+            else:
+                self.t1[site.name], self.t2[site.name] = t1, t2
+            centred[site.name] = d
+        self.by_id = merge_token_sums(self.by_id, token_sums(centred, ids))
+        self.n += ids.numel()
+
+    def share(self) -> float | None:
+        assert self.by_id is not None
+        between = total = 0.0
+        for site in self.sites:
+            t1, t2, sums = self.t1[site.name], self.t2[site.name], self.by_id.sums[site.name]
+            mean = t1 / self.n  # the cell's mean (minus its shift), [*trailing]
+            counts = self.by_id.counts.to(torch.float64).view(-1, *[1] * t1.dim())
+            total += float((t2 - t1 * mean).sum())
+            between += float((counts * (sums / counts - mean) ** 2).sum())
+        return min(between / total, 1.0) if total > 0 else None  # min: rounding only
 
 
 def aggregate(per_seed: Sequence[Mapping[str, float | None]]) -> dict[str, dict[str, Any]]:

@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,8 +23,9 @@ from fcaudit.core.interventions import (
     InterventionContext,
     RandomDraw,
     StaticProfiles,
-    shuffle_positions,
-    static_tensor,
+    reassign,
+    shuffle,
+    static,
 )
 from fcaudit.core.routers import ablate_expert
 from fcaudit.engine.cache import CoefficientCache
@@ -108,40 +110,65 @@ def run_digest(run: Run, fed: Mapping[Site, Tensor], context: bytes) -> bytes:
 
 @dataclass
 class ReplayInputs:
-    """What feeding a batch needs: the cache, calibration profiles and random draws."""
+    """What feeding a batch needs: the cache, calibration profiles, random draws and the
+    evaluation token ids (static-layer-token feeds each token its id's profile)."""
 
     cache: CoefficientCache
     sites: list[Site]
     profiles: StaticProfiles
     draws: list[RandomDraw]
     seed: int
+    ids: np.ndarray | None = None  # [N, T] evaluation token ids
 
 
 def feed(run: Run, b: int, inputs: ReplayInputs, device: torch.device) -> dict[Site, Tensor]:
     """The coefficient tensors every site receives for batch ``b`` under ``run``."""
     cache, rows = inputs.cache, inputs.cache.batch_range(b)
     correct = {s: cache.batch(b, f"site::{s.name}") for s in inputs.sites}
-    if run.custom is not None:
-        fed = dict(correct)
-        fed.update(_custom_feed(run, b, rows, inputs, correct))
-        return {s: t.to(device) for s, t in fed.items()}
-    if run.expert is not None:
-        assert run.site is not None
-        fed = {**correct, run.site: ablate_expert(correct[run.site], run.expert)}
-        return {s: t.to(device) for s, t in fed.items()}
-    rand = inputs.draws[run.repeat] if run.condition in RANDOM_CONDITIONS else None
-    targets = [run.site] if run.site is not None else inputs.sites
     fed = dict(correct)
-    for site in targets:
-        x = correct[site]
-        if rand is not None and run.condition in ("reassign", "reassign+shuffle"):
-            x = cache.rows(f"site::{site.name}", rand.donor[rows.start:rows.stop])
-        if rand is not None and run.condition in ("shuffle", "reassign+shuffle"):
-            x = shuffle_positions(x, rand.positions[rows.start:rows.stop])
-        if run.condition in STATIC_CONDITIONS:
-            x = static_tensor(run.condition, site, inputs.profiles, x)
-        fed[site] = x
+    if run.custom is not None:
+        fed.update(_custom_feed(run, b, rows, inputs, correct))
+    elif run.expert is not None:
+        assert run.site is not None
+        fed[run.site] = ablate_expert(correct[run.site], run.expert)
+    else:
+        targets = [run.site] if run.site is not None else inputs.sites
+        fed.update(_intervened(run, rows, inputs, {s: correct[s] for s in targets}))
     return {s: t.to(device) for s, t in fed.items()}
+
+
+def _intervened(run: Run, rows: range, inputs: ReplayInputs,
+                targets: dict[Site, Tensor]) -> dict[Site, Tensor]:
+    """A main condition on the targeted sites, through the public interventions (one
+    implementation each); the engine adds only the donors drawn from the whole
+    evaluation set."""
+    by_name = {s.name: s for s in targets}
+    x: Mapping[str, Tensor] = {s.name: t for s, t in targets.items()}
+    if run.condition in RANDOM_CONDITIONS:
+        rand = inputs.draws[run.repeat]
+        if run.condition in ("reassign", "reassign+shuffle"):
+            x = _reassigned(x, rand.donor[rows.start:rows.stop], inputs.cache)
+        if run.condition in ("shuffle", "reassign+shuffle"):
+            x = shuffle(x, rand.positions[rows.start:rows.stop])
+    elif run.condition in STATIC_CONDITIONS:
+        x = static(x, inputs.profiles, run.condition, _batch_ids(inputs, rows))
+    return {by_name[k]: v for k, v in x.items()}
+
+
+def _batch_ids(inputs: ReplayInputs, rows: range) -> Tensor | None:
+    return None if inputs.ids is None else torch.from_numpy(
+        np.ascontiguousarray(inputs.ids[rows.start:rows.stop]))
+
+
+def _reassigned(coefficients: Mapping[str, Tensor], donors: np.ndarray,
+                cache: CoefficientCache) -> Mapping[str, Tensor]:
+    """Sequence ``n`` of the batch gets evaluation sequence ``donors[n]``'s coefficients,
+    from any batch: the donor rows are read from the cache (each once, in increasing
+    order) and :func:`reassign` pairs them with their receivers. ``donors`` is a slice of
+    a derangement, so its rows are distinct and the pool has one row per receiver."""
+    pool_rows, donor = np.unique(donors, return_inverse=True)
+    pool = {k: cache.rows(f"site::{k}", pool_rows) for k in coefficients}
+    return reassign(pool, donor.reshape(-1))
 
 
 def _custom_feed(run: Run, b: int, rows: range, inputs: ReplayInputs,
@@ -151,7 +178,7 @@ def _custom_feed(run: Run, b: int, rows: range, inputs: ReplayInputs,
     context = InterventionContext(
         tuple(inputs.sites), rows, inputs.profiles, run.repeat,
         run.custom.rng(inputs.seed, run.repeat, b),
-        lambda name, idx: inputs.cache.rows(f"site::{name}", idx))
+        lambda name, idx: inputs.cache.rows(f"site::{name}", idx), _batch_ids(inputs, rows))
     given = run.custom.fn({s.name: t.clone() for s, t in correct.items()}, context)
     fed = {}
     for name, tensor in given.items():

@@ -29,7 +29,7 @@ from fcaudit.core.errors import FcauditError
 SCHEMA = "fcaudit.audit/1"
 
 PER_LAYER_CONDITIONS = ("reassign", "static-layer")  # one site intervened, others correct
-RETENTION_PROFILES = ("static-layer", "static-layer-position")
+RETENTION_PROFILES = ("static-layer", "static-layer-position", "static-layer-token")
 ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
              "eta2_residual")
 
@@ -112,6 +112,10 @@ class VarianceShares:
     # what the trailing index is: "expert" (a router's logits), "component" (any other
     # vector coefficient); None for one value per token, where that share is 0
     component_axis: str | None = _omit_none()
+    # the token-id share: within each layer (and component), the share of variance the
+    # current token id explains (one-way ANOVA, pooled over the family's layers); apart
+    # from the shares above, which split the total. None: no variance within layers
+    eta2_token_id: float | None = None
 
     def axes(self) -> list[tuple[str, float]]:
         """Every axis of the decomposition with its share, named; the shares sum to 1
@@ -128,7 +132,21 @@ class VarianceShares:
             return "they have no variance to decompose"
         parts = ", ".join(f"{name} {100 * share:.1f}%" for name, share in self.axes())
         total = 100 * sum(share for _, share in self.axes())
-        return f"their variance splits into {parts} (total {total:.1f}%)"
+        token = "" if self.eta2_token_id is None else (
+            f"; within layers, the current token id explains {100 * self.eta2_token_id:.1f}%")
+        return f"their variance splits into {parts} (total {total:.1f}%){token}"
+
+
+@dataclass
+class TokenProfile:
+    """How far static-layer-token's profiles (one per layer and token id, from the
+    calibration set) cover the evaluation tokens: a token whose id no calibration token
+    had is fed the static-layer profile instead."""
+
+    calibration_token_ids: int  # distinct ids in the calibration set
+    eval_tokens: int
+    eval_tokens_unseen: int  # fed the static-layer profile
+    eval_token_ids_unseen: int  # distinct ids among them
 
 
 @dataclass
@@ -394,6 +412,7 @@ class AuditResult:
     custom_conditions: dict[str, ConditionResult] | None = _omit_none()
     routing: dict[str, RoutingSummary] | None = _omit_none()
     expert_importance: dict[str, ImportanceSummary] | None = _omit_none()
+    token_profile: TokenProfile | None = _omit_none()
 
     def to_json(self) -> dict[str, Any]:
         """The ``audit.json`` content (plain JSON types)."""

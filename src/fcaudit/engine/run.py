@@ -84,6 +84,7 @@ from fcaudit.engine.summary import (
     expert_importance,
     routing_summary,
     summarize,
+    token_profile,
 )
 from fcaudit.engine.verdicts import dependence, qualified, variation
 from fcaudit.io.data import AuditData, DataSpec, resolve_data
@@ -533,7 +534,7 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     n, seq_len = setup.data.eval_ids.shape
     inputs = ReplayInputs(cache, setup.sites, profiles,
                           [draw(opts.seed * 1000 + 17 + k, n, seq_len)
-                           for k in range(opts.repeats)], opts.seed)
+                           for k in range(opts.repeats)], opts.seed, setup.data.eval_ids)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first))
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
@@ -544,7 +545,7 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     diff = replays.identity_diff
     identity = dataclasses.replace(first.identity, exact=first.identity.exact and diff == 0,
                                    max_abs_diff=max(first.identity.max_abs_diff, diff))
-    stats = describe(cache, setup.sites)
+    stats = describe(cache, setup.sites, setup.data.eval_ids)
     summary = summarize(runs, replays.per_run, stats[3], setup.sites, opts)
     routed = routing_sites(setup.sites)
     routing = routing_summary(routed, tracked_runs(runs), replays.route_load,
@@ -563,6 +564,7 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     if ablation_runs(runs):
         result.expert_importance = expert_importance(runs, replays.per_run, replays.route_load,
                                                      replays.still_selected, opts)
+    result.token_profile = token_profile(profiles, setup.data.eval_ids)
     return result
 
 

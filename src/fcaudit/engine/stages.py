@@ -25,7 +25,7 @@ from torch import Tensor
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError, arg
-from fcaudit.core.interventions import StaticProfiles, batch_sums
+from fcaudit.core.interventions import StaticProfiles, TokenSums, batch_sums, token_sums
 from fcaudit.core.nll import device_of, token_nll
 from fcaudit.core.routers import changed_rows, expert_counts
 from fcaudit.engine.cache import CoefficientCache
@@ -59,7 +59,8 @@ IDENTITY_CAUSES = (
 
 def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress,
                        ranks: Ranks = SINGLE) -> None:
-    """This rank's calibration batches: each batch's float64 sums, cached."""
+    """This rank's calibration batches: each batch's float64 sums (by position and by
+    token id), cached."""
     net, size = setup.model, setup.options.batch_size
     n = -(-len(setup.data.calib_ids) // size)
     todo = ranks.mine([b for b in range(n) if not cache.has(cache.calib_name(b))])
@@ -67,8 +68,12 @@ def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress
                                   start=1):
         _, coefficients, _ = record_batch(net, setup.sites, x)
         check_finite(coefficients, "calibration data")
-        sums = batch_sums({k: c.cpu() for k, c in coefficients.items()})
-        cache.write(cache.calib_name(b), {f"site::{k}": v for k, v in sums.items()})
+        on_cpu = {k: c.cpu() for k, c in coefficients.items()}
+        tokens = token_sums(on_cpu, x.cpu())
+        cache.write(cache.calib_name(b), {
+            **{f"site::{k}": v for k, v in batch_sums(on_cpu).items()},
+            "token_ids": tokens.ids, "token_counts": tokens.counts,
+            **{f"token::{k}": v for k, v in tokens.sums.items()}})
         progress("record calibration", done, len(todo), "")
 
 
@@ -78,9 +83,11 @@ def calibration_profiles(setup: Setup, cache: CoefficientCache) -> StaticProfile
     size, ids = setup.options.batch_size, setup.data.calib_ids
     profiles = StaticProfiles(setup.sites)
     for b in range(-(-len(ids) // size)):
-        sums = cache.read(cache.calib_name(b))
-        profiles.add_sums({k.removeprefix("site::"): v for k, v in sums.items()},
-                          len(ids[b * size:(b + 1) * size]))
+        shard = cache.read(cache.calib_name(b))
+        tokens = TokenSums(shard["token_ids"], shard["token_counts"],
+                           {s.name: shard[f"token::{s.name}"] for s in setup.sites})
+        profiles.add_sums({s.name: shard[f"site::{s.name}"] for s in setup.sites},
+                          len(ids[b * size:(b + 1) * size]), tokens)
     return profiles
 
 

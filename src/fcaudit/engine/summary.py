@@ -14,13 +14,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from fcaudit.core.contract import Site
+from fcaudit.core.interventions import StaticProfiles
 from fcaudit.core.routers import ABLATION_MARGIN, load_entropy
 from fcaudit.core.sites import families
 from fcaudit.engine.cache import CoefficientCache
-from fcaudit.engine.metrics import Bootstrap, VarianceAccumulator, interaction, penalty, retention
+from fcaudit.engine.metrics import (
+    Bootstrap,
+    TokenShare,
+    VarianceAccumulator,
+    interaction,
+    penalty,
+    retention,
+)
 from fcaudit.engine.options import AuditOptions
 from fcaudit.engine.plan import Run
 from fcaudit.engine.result import (
@@ -34,6 +43,7 @@ from fcaudit.engine.result import (
     LayerImportance,
     LayerRouting,
     RoutingSummary,
+    TokenProfile,
 )
 
 
@@ -85,24 +95,38 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
     return Summary(conditions, per_layer, ret, inter, custom)
 
 
-def describe(cache: CoefficientCache, sites: Sequence[Site]) -> tuple[dict, dict, dict, np.ndarray]:
-    """Variance, variation and profiles per family, and the original per-sequence NLL."""
-    accumulators = {f: VarianceAccumulator([s for s in sites if s.family == f])
-                    for f in families(sites)}
+def describe(cache: CoefficientCache, sites: Sequence[Site],
+             ids: np.ndarray) -> tuple[dict, dict, dict, np.ndarray]:
+    """Variance (with the token-id share, from the evaluation token ids ``ids``),
+    variation and profiles per family, and the original per-sequence NLL."""
+    members = {f: [s for s in sites if s.family == f] for f in families(sites)}
+    accumulators = {f: VarianceAccumulator(m) for f, m in members.items()}
+    tokens = {f: TokenShare(m) for f, m in members.items()}
     original = np.empty(cache.n_sequences)
     for b in range(cache.n_batches):
         coefficients = {s.name: cache.batch(b, f"site::{s.name}") for s in sites}
-        for acc in accumulators.values():
-            acc.add(coefficients)
         rows = cache.batch_range(b)
+        batch_ids = torch.from_numpy(np.ascontiguousarray(ids[rows.start:rows.stop]))
+        for f, acc in accumulators.items():
+            acc.add(coefficients)
+            tokens[f].add(coefficients, batch_ids)
         original[rows.start:rows.stop] = cache.batch(b, "nll").double().mean(1).numpy()
-    return ({f: a.decompose() for f, a in accumulators.items()},
-            {f: a.variation() for f, a in accumulators.items()},
+    variance = {f: dataclasses.replace(a.decompose(), eta2_token_id=tokens[f].share())
+                for f, a in accumulators.items()}
+    return (variance, {f: a.variation() for f, a in accumulators.items()},
             {f: a.profile() for f, a in accumulators.items()}, original)
 
 
+def token_profile(profiles: StaticProfiles, ids: np.ndarray) -> TokenProfile:
+    """How many evaluation tokens static-layer-token feeds the static-layer fallback."""
+    assert profiles.tokens is not None
+    unseen, distinct = profiles.unseen(ids)
+    return TokenProfile(len(profiles.tokens.ids), int(ids.size), unseen, distinct)
+
+
 ROUTING_NOTE = ("static-layer feeds every token of a layer the same logits, so all of them "
-                "select the same experts (one ranking per layer); global-mean gives every expert "
+                "select the same experts (one ranking per layer); static-layer-token, one "
+                "ranking per layer and token id; global-mean gives every expert "
                 "the same logit, so the routing rule's tie-break (torch.topk) picks the experts")
 
 

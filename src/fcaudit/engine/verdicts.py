@@ -51,7 +51,8 @@ PENALTIES = {"reassign": "reassigning coefficients across inputs",
              "shuffle": "shuffling them across tokens",
              "reassign+shuffle": "reassigning and shuffling them",
              "static-layer": "a static per-layer profile",
-             "static-layer-position": "a static per-layer-and-position profile"}
+             "static-layer-position": "a static per-layer-and-position profile",
+             "static-layer-token": "a static per-layer-and-token-id profile"}
 
 
 def _label(conditions: Mapping[str, ConditionResult], kept: float | None) -> str:

@@ -119,6 +119,7 @@ CONDITION_MEANING = {
     "reassign+shuffle": "both at once",
     "static-layer": "per-site calibration mean",
     "static-layer-position": "per-site, per-position calibration mean",
+    "static-layer-token": "per-site, per-token-id calibration mean",
     "global-mean": "one mean for the whole family",
 }
 
@@ -271,12 +272,19 @@ def _retention(r: AuditResult) -> list[str]:
              fmt_with_ci(ret.gap, ret.gap_ci95, sign=False),
              md_text(ret.reason or "") if ret.value is None else "")
             for name, ret in _ordered(r.retention, RETENTION_PROFILES)]
-    return ["## Gap retention",
-            "R(P) = (NLL(global-mean) − NLL(P)) / (NLL(global-mean) − NLL(correct)): the share "
-            "of the correct-to-global-mean gap a static profile P keeps. Undefined when the "
-            "gap's 95% CI includes 0.",
-            md_table(("profile", "retention", "95% CI", "gap (nats) [95% CI]", "note"), rows,
-                     "lrrrl")]
+    blocks = ["## Gap retention",
+              "R(P) = (NLL(global-mean) − NLL(P)) / (NLL(global-mean) − NLL(correct)): the "
+              "share of the correct-to-global-mean gap a static profile P keeps. Undefined when "
+              "the gap's 95% CI includes 0.",
+              md_table(("profile", "retention", "95% CI", "gap (nats) [95% CI]", "note"), rows,
+                       "lrrrl")]
+    if (t := r.token_profile) is not None:
+        blocks.append(f"`static-layer-token` has a profile for each of the "
+                      f"{fmt_num(t.calibration_token_ids)} token ids of the calibration set; "
+                      f"{fmt_num(t.eval_tokens_unseen)} of the {fmt_num(t.eval_tokens)} evaluation "
+                      f"tokens ({fmt_num(t.eval_token_ids_unseen)} distinct ids) have an id it "
+                      "lacks and were fed the static-layer profile.")
+    return blocks
 
 
 def _interaction(r: AuditResult) -> list[str]:

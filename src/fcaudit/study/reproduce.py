@@ -124,8 +124,9 @@ def metrics_of(audit: AuditResult) -> dict[str, float | None]:
     out["interaction"] = audit.interaction.value
     out["retention_static_layer"] = r["static-layer"].value
     out["retention_static_layer_position"] = r["static-layer-position"].value
+    out["retention_static_layer_token"] = r["static-layer-token"].value
     main = audit.variance[audit.families[0]]  # the first family in site order is the main one
-    for key in ETA2_KEYS:
+    for key in (*ETA2_KEYS, "eta2_token_id"):
         out[key] = getattr(main, key)
     ex = audit.execution
     if ex.measured:
@@ -137,7 +138,7 @@ def metrics_of(audit: AuditResult) -> dict[str, float | None]:
             ex.experts.experts_present_summed_over_layers
     for family, routing in (audit.routing or {}).items():
         if family == audit.families[0]:
-            for condition in ("reassign", "shuffle", "static-layer"):
+            for condition in ("reassign", "shuffle", "static-layer", "static-layer-token"):
                 out[f"rerouted_{condition}"] = routing.changed[condition]
     return out
 
@@ -251,20 +252,24 @@ ROWS: tuple[tuple[str, str, int, bool], ...] = (
     ("interaction", "factorial interaction", 4, False),
     ("delta_static-layer", "penalty: static-layer", 4, False),
     ("delta_static-layer-position", "penalty: static-layer-position", 4, False),
+    ("delta_static-layer-token", "penalty: static-layer-token", 4, False),
     ("delta_global-mean", "penalty: global-mean", 4, False),
     ("retention_static_layer", "retention: static-layer", 2, True),
     ("retention_static_layer_position", "retention: static-layer-position", 2, True),
+    ("retention_static_layer_token", "retention: static-layer-token", 2, True),
     ("eta2_layer", "eta2 layer", 3, False),
     ("eta2_position", "eta2 position", 3, False),
     ("eta2_layer_position", "eta2 layer x position", 3, False),
     ("eta2_component", "eta2 component", 3, False),
     ("eta2_residual", "eta2 residual (content)", 3, False),
+    ("eta2_token_id", "token-id share of within-layer variance", 3, False),
     ("blocks_executed_fraction", "blocks executed / present", 3, False),
     ("flops_ratio", "FLOPs ratio vs dense", 3, False),
     ("experts_executed_fraction", "experts executed / present", 3, False),
     ("rerouted_reassign", "expert sets re-routed: reassign", 3, False),
     ("rerouted_shuffle", "expert sets re-routed: shuffle", 3, False),
     ("rerouted_static-layer", "expert sets re-routed: static-layer", 3, False),
+    ("rerouted_static-layer-token", "expert sets re-routed: static-layer-token", 3, False),
     ("speed_ratio", "time ratio vs dense", 3, False),
 )
 
@@ -322,6 +327,27 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
                                                  f": {frac:.3f} of blocks executed per token"))
     out += _routing_findings(next((g for n, g in groups.items() if n.startswith("moe")), None),
                              mean)
+    return out + _token_findings(groups, mean)
+
+
+TOKEN_GROUPS = (("featuregate", "FeatureGate"), ("mudd", "MUDD"), ("moe", "MoE"))
+
+
+def _token_findings(groups: Mapping[str, Mapping[str, Any]], mean: Any) -> list[tuple[str, str]]:
+    """Beyond the paper: how much a static profile per (layer, token id) keeps, and how
+    much of the within-layer variance the token id explains, per controller kind."""
+    out = []
+    for prefix, label in TOKEN_GROUPS:
+        group = next((g for n, g in groups.items() if n.startswith(f"{prefix}-")), None)
+        if group is None:
+            continue
+        ret, share = mean(group, "retention_static_layer_token"), mean(group, "eta2_token_id")
+        out.append((f"{label}: a static profile per (layer, token id) (not in the paper)",
+                    ("retention undefined (no clear gap)" if ret is None else
+                     f"keeps {ret:.2f}% of the gap on average")
+                    + ("; no variance within layers" if share is None else
+                       f"; the token id explains {100 * share:.1f}% of the within-layer "
+                       "variance")))
     return out
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import optional_extra
 
 README = Path(__file__).parent.parent / "README.md"
 
@@ -29,8 +30,9 @@ DUMP = "\nimport json\nprint('RESULT ' + json.dumps(result.to_json()))\n"
 
 
 def expected_dependence(result: dict) -> str:
-    """The verdict word from the thresholds docs/method.md states (computed here, not by
-    fcaudit.engine.verdicts): strong, weak, none measurable or partial."""
+    """The verdict word from the rules docs/method.md states (computed here, not by
+    fcaudit.engine.verdicts): strong, weak, none (only intervals below 0), none
+    measurable or partial."""
     c, kept = result["conditions"], result["retention"]["static-layer"]["value"]
     r, s = c["reassign"], c["shuffle"]
     if max(r["ci95"][0], s["ci95"][0]) > 0.1 or (kept is not None and kept < 50):
@@ -40,8 +42,8 @@ def expected_dependence(result: dict) -> str:
     penalties = [c[k]["ci95"] for k in ("reassign", "shuffle", "reassign+shuffle",
                                         "static-layer", "static-layer-position",
                                         "static-layer-token")]
-    if kept is None and not any(lo > 0 or hi < 0 for lo, hi in penalties):
-        return "No measurable"
+    if kept is None and not any(lo > 0 for lo, _ in penalties):
+        return "No" if any(hi < 0 for _, hi in penalties) else "No measurable"
     return "Partial"
 
 
@@ -58,7 +60,7 @@ def _run_example(code: str, cwd: Path) -> tuple[list[str], dict]:
 def test_the_python_api_example_runs(model: str, tmp_path: Path) -> None:
     code = _python_example()
     if model != "as written":
-        pytest.importorskip("transformers")
+        optional_extra("transformers")
         assert FEATUREGATE_LINE in code
         code = code.replace(FEATUREGATE_LINE, MIXTRAL)
     lines, result = _run_example(code, tmp_path)

@@ -70,16 +70,18 @@ def millions(n: float) -> str:
     return f"{n / 1e6:.2f}M" if n < 1e7 else f"{n / 1e6:.1f}M"
 
 
-def ci(value: float, interval: Sequence[float], digits: int, sign: str = "") -> str:
-    """``value [low, high]``."""
+def ci(value: float, interval: Sequence[float], digits: int, sign: str = "",
+       unit: str = "") -> str:
+    """``value<unit> [low, high]``."""
     lo, hi = interval
-    return f"{value:{sign}.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+    return f"{value:{sign}.{digits}f}{unit} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
-def span(stats: Mapping[str, Any], digits: int, scale: float = 1.0, unit: str = "") -> str:
+def span(stats: Mapping[str, Any], digits: int, scale: float = 1.0, unit: str = "",
+         sign: str = "") -> str:
     """A mean over seeds with the seed range: ``mean (min to max)``."""
     m, lo, hi = (stats[k] * scale for k in ("mean", "min", "max"))
-    return f"{m:.{digits}f}{unit} ({lo:.{digits}f} to {hi:.{digits}f})"
+    return f"{m:{sign}.{digits}f}{unit} ({lo:.{digits}f} to {hi:.{digits}f})"
 
 
 def paper_retention() -> str:
@@ -152,11 +154,11 @@ def _demo_table(d: Mapping[str, Any]) -> str:
         f"input and token content {100 * eta['residual']:.1f}% |",
         f"| dependence | reassigning gates across inputs costs {ci(r['delta'], r['ci95'], 3, '+')}"
         f" nats, shuffling them across tokens {ci(s['delta'], s['ci95'], 3, '+')}; a static "
-        f"per-layer profile keeps {ci(ret['value'], ret['ci95'], 1)}% of the "
+        f"per-layer profile keeps {ci(ret['value'], ret['ci95'], 1, unit='%')} of the "
         f"Correct-to-GlobalMean gap; identity replay is {exact} |",
         f"| execution | {ex['blocks_executed']:.2f} of {ex['blocks_present']} blocks run per "
         f"token, FLOPs {ex['flops_ratio']:.3f}x Dense, latency "
-        f"{ci(ex['speed_ratio_vs_dense'], t['ci95'], 2)}x Dense: "
+        f"{ci(ex['speed_ratio_vs_dense'], t['ci95'], 2, unit='x Dense')}: "
         f"{'conditional' if ex['conditional_execution'] else 'no conditional'} execution |"])
 
 
@@ -228,13 +230,14 @@ def _study_rows(s: Mapping[str, Any]) -> list[str]:
          f"{mudd['speed_ratio']['mean']:.2f}x"),
         ("(routing, named by the paper but not measured there) MoE routing changes what is "
          "computed", "MoE (hard routing)",
-         f"{x['top_k'][0]} of {x['num_experts'][0]} experts per token and layer, "
+         f"{moe['experts_executed_fraction']['mean'] * x['num_experts'][0]:.2f} of "
+         f"{x['num_experts'][0]} experts run per token and layer, "
          f"{100 * share:.0f}% of the expert FLOPs"),
         ("the frozen MoE depends on its routing staying matched to the input", "MoE: the frozen",
          f"reassigning router logits re-routes {100 * moe['rerouted_reassign']['mean']:.1f}% of "
-         f"the (token, layer) expert sets and costs {span(moe['delta_reassign'], 2)} nats; a "
-         f"static per-layer profile keeps {span(moe['retention_static_layer'], 1, unit='%')} "
-         "of the gap"),
+         "the (token, layer) expert sets and costs "
+         f"{span(moe['delta_reassign'], 2, sign='+')} nats; a static per-layer profile keeps "
+         f"{span(moe['retention_static_layer'], 1, unit='%')} of the gap"),
     ]
     return [f"| {claim} | {verdict(f, prefix)}: {here} |" for claim, prefix, here in rows]
 
@@ -263,10 +266,11 @@ def study_tiny(r: Results) -> str:
         "", f"`fcaudit reproduce --preset tiny --seeds {seeds}` ({seeds} seeds each of tiny "
         f"FeatureGate with its Dense twin, tiny MUDD and a tiny top-{x['top_k'][0]}-of-"
         f"{x['num_experts'][0]} MoE, {sg['seeds']} seed of SkipGate; "
-        f"{r.minutes('reproduce_tiny')} minutes on 2 cores) writes `reproduction.md` with our "
-        f"numbers beside the paper's. From its findings table ({provenance(s)}, copied to "
-        "`docs/results/study-tiny.json`; latencies are medians of interleaved pairs on a "
-        "2-core CPU shared with other jobs):", "",
+        f"{r.minutes('reproduce_tiny')} minutes on 2 cores as `benchmarks/timings.py` timed it) "
+        "writes `reproduction.md` with our numbers beside the paper's. From its findings table "
+        f"(one run, {provenance(s)}, trained and audited at {s['host']['torch_threads']} torch "
+        "threads on a 2-core CPU shared with other jobs, copied to "
+        "`docs/results/study-tiny.json`; latencies are medians of interleaved pairs):", "",
         f"| paper finding | here (mean over {seeds} seeds, seed range in parentheses) |",
         "|---|---|", *_study_rows(s), "",
         f"SkipGate, the reference with real savings (seed 0), runs {_blocks(sg)} per token at "

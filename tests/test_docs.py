@@ -9,6 +9,7 @@ hand-typed result cannot come back unnoticed.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "docs"))
 
+import doc_blocks  # noqa: E402
+import extract_results  # noqa: E402
 import make_docs  # noqa: E402
 
 # A number: digits not glued to a word on their left (bf16, SHA-256, Qwen2 are names).
@@ -144,3 +147,153 @@ def test_quoted_settings_equal_the_code(page: str, pattern: str, names: tuple[st
     assert match, f"{page} no longer says {pattern!r}: update CONSTANTS"
     defaults = _defaults()
     assert [float(g) for g in match.groups()] == [float(defaults[n]) for n in names]
+
+
+# ------------------------------------------------------------------ the generator itself
+
+def test_check_names_a_block_whose_text_was_edited(tmp_path: Path) -> None:
+    """A hand edit inside a generated block is caught, and only that block is named."""
+    for rel in (*make_docs.PAGES, make_docs.INDEX):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text((REPO / rel).read_text(encoding="utf-8"), encoding="utf-8")
+    for rel in ("docs/results", "docs/trend/results"):
+        for f in (REPO / rel).glob("*.json"):
+            (tmp_path / rel / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "src" / "fcaudit").mkdir(parents=True)
+    (tmp_path / doc_blocks.TIMINGS).write_bytes((REPO / doc_blocks.TIMINGS).read_bytes())
+    assert all(not changed for _, _, changed in make_docs.build(tmp_path).values())
+    readme = tmp_path / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    begin, end = "<!-- fcaudit:begin time-demo -->", "<!-- fcaudit:end time-demo -->"
+    start = text.index(begin) + len(begin)
+    readme.write_text(text[:start] + "about 1.0 minutes" + text[text.index(end):],
+                      encoding="utf-8")
+    stale = {p: c for p, (_, _, c) in make_docs.build(tmp_path).items() if c}
+    assert stale == {"README.md": ["time-demo"]}
+
+
+def test_an_unknown_block_is_refused() -> None:
+    with pytest.raises(make_docs.DocsError, match="unknown block 'nope'"):
+        make_docs.render_page("<!-- fcaudit:begin nope -->x<!-- fcaudit:end nope -->",
+                              doc_blocks.Results(REPO), "page.md")
+
+
+def test_presets_file_holds_the_code_s_parameter_counts() -> None:
+    import torch
+
+    from fcaudit.loading import get_arch
+    committed = json.loads((REPO / doc_blocks.PRESETS).read_text())["presets"]
+    assert committed["featuregate"]["tiny"]["n_params"] == 1_335_556  # known, see test_trend
+    for arch, sizes in committed.items():
+        spec = get_arch(arch)
+        for size, row in sizes.items():
+            with torch.device("meta"):
+                model = spec.build(spec.config(size))
+            assert row["n_params"] == sum(p.numel() for p in model.parameters()), (arch, size)
+
+
+# ------------------------------------------------------------------ extraction
+
+def _audit_json(**override: object) -> dict:
+    """The keys of audit.json that extract_results reads, with hand-picked values."""
+    audit = {
+        "model": {"n_params": 1_335_556},
+        "sites": [{"family": "featuregate"}] * 4,
+        "identity_replay_max_abs_diff": 0.0,
+        "conditions": {"reassign": {"delta": 0.11472, "ci95": [0.10381, 0.12594]},
+                       "shuffle": {"delta": 0.1161, "ci95": [0.1049, 0.1277]}},
+        "retention": {"static-layer": {"value": 72.2449, "ci95": [68.551, 75.849]}},
+        "variance": {"featuregate": {"eta2_layer": 0.38904, "eta2_residual": 0.6012}},
+        "variation": {"featuregate": {"mean_sd_across_inputs": 0.18712,
+                                      "mean_sd_across_positions": 0.1866,
+                                      "across_layer_sd": 0.1556}},
+        "execution": {"blocks_executed": 4.0, "blocks_present": 4, "flops_ratio": 1.0,
+                      "speed_ratio_vs_dense": 1.0637, "conditional_execution": False,
+                      "timing": {"speed_ratio_vs_dense": {"ci95": [1.031, 1.1049]},
+                                 "pairs": 10, "threads": 2, "batch_size": 16}},
+        "runtime": {"host": {"torch_threads": 2}},
+    }
+    audit.update(override)
+    return audit
+
+
+def _demo_folder(root: Path, audit: dict) -> Path:
+    (root / "audit").mkdir(parents=True)
+    (root / "featuregate").mkdir()
+    (root / "audit" / "audit.json").write_text(json.dumps(audit))
+    (root / "featuregate" / "config.json").write_text(json.dumps(
+        {"results": {"eval_nll": 4.4968, "unigram_nll": 6.0412}, "train": {"steps": 600}}))
+    return root
+
+
+def test_demo_extraction_and_table_quote_the_audit(tmp_path: Path) -> None:
+    demo = extract_results.demo(_demo_folder(tmp_path / "demo", _audit_json()))
+    table = doc_blocks._demo_table(demo)
+    # the audit's numbers rounded by hand to the digits the README shows
+    for text in ("4 layers, 1.34M parameters, eval NLL 4.50 vs unigram 6.04",
+                 "sd 0.187 across inputs, 0.187 across positions, 0.156 across layers",
+                 "explains 38.9% of their variance, input and token content 60.1%",
+                 "costs +0.115 [0.104, 0.126] nats", "tokens +0.116 [0.105, 0.128]",
+                 "keeps 72.2% [68.6, 75.8] of", "identity replay is bitwise exact",
+                 "4.00 of 4 blocks run per token, FLOPs 1.000x Dense, latency 1.06x Dense "
+                 "[1.03, 1.10]: no conditional execution"):
+        assert text in table, text
+
+
+def test_a_missing_audit_key_is_named_not_dropped(tmp_path: Path) -> None:
+    audit = _audit_json()
+    del audit["variation"]["featuregate"]["across_layer_sd"]
+    with pytest.raises(SystemExit, match="variation.featuregate.across_layer_sd"):
+        extract_results.demo(_demo_folder(tmp_path / "demo", audit))
+
+
+def _stats(mean: float, low: float, high: float) -> dict:
+    return {"mean": mean, "min": low, "max": high, "n": 3, "sd": 0.1}
+
+
+def _fake_study() -> dict:
+    """A study-tiny.json with hand-picked aggregates, and verdicts the renderer must copy."""
+    ex = {"execution": {"blocks_present": 4}}
+    experts = {"num_experts": [8] * 4, "top_k": [2] * 4, "active_expert_flops_per_token": 1.0,
+               "all_expert_flops_per_token": 4.0}
+    one = {"blocks_executed_fraction": _stats(1, 1, 1), "flops_ratio": _stats(1.0314, 1, 1.1),
+           "speed_ratio": _stats(1.0684, 1.0621, 1.0779)}
+    groups = {
+        "featuregate-tiny": {**one, "retention_static_layer": _stats(72.14, 66.04, 75.36),
+                             "eta2_layer": _stats(0.2924, 0.2051, 0.3834),
+                             "delta_reassign": _stats(0.1171, 0.11, 0.12)},
+        "mudd-tiny": {**one, "delta_reassign": _stats(0.3341, 0.3, 0.36),
+                      "delta_shuffle": _stats(0.3212, 0.3, 0.34)},
+        "moe-tiny": {**one, "rerouted_reassign": _stats(0.9271, 0.9, 0.95),
+                     "delta_reassign": _stats(1.5614, 1.3811, 1.6932),
+                     "retention_static_layer": _stats(7.51, -1.84, 14.66),
+                     "experts_executed_fraction": _stats(0.25, 0.25, 0.25)},
+        "skipgate-tiny": {**one, "blocks_executed_fraction": _stats(0.505, 0.505, 0.505)},
+    }
+    claims = ("FeatureGate: a static per-layer", "FeatureGate: layer identity",
+              "FeatureGate runs every block", "FeatureGate is slower", "MUDD: reassignment",
+              "The contrast: MUDD", "MUDD runs every block", "MoE (hard routing)",
+              "MoE: the frozen")
+    words = ("does not hold", "does not hold", "holds", "holds", "holds",
+             "holds: ... seed ranges overlap", "holds", "holds", "does not hold")
+    return {"commit": "abc1234", "date": "2026-12-01", "command": "fcaudit reproduce",
+            "steps": 600, "host": {"torch_threads": 1},
+            "findings": [[c, f"{w}: ..."] for c, w in zip(claims, words, strict=True)],
+            "groups": {n: {"seeds": 1 if n.startswith("skip") else 3, "aggregate": a,
+                           "seed0": {**ex, **({"experts": experts} if n == "moe-tiny" else {})}}
+                       for n, a in groups.items()}}
+
+
+def test_study_rows_quote_the_aggregates_and_the_study_s_own_verdicts() -> None:
+    rows = doc_blocks._study_rows(_fake_study())
+    expected = ("does not hold: 72.1% (66.0 to 75.4)", "does not hold: 29.2% (20.5 to 38.3)",
+                "holds: 4.00 of 4 blocks", "holds: latency 1.068x (1.062 to 1.078)",
+                "holds: +0.334 and +0.321 nats", "holds: +0.334 vs +0.117 nats, seed ranges "
+                "overlap", "holds: 4.00 of 4 blocks, FLOPs 1.03x, latency 1.07x",
+                "holds: 2.00 of 8 experts run per token and layer, 25% of the expert FLOPs",
+                "does not hold: reassigning router logits re-routes 92.7% of the (token, layer) "
+                "expert sets and costs +1.56 (1.38 to 1.69) nats; a static per-layer profile "
+                "keeps 7.5% (-1.8 to 14.7) of the gap")
+    assert len(rows) == len(expected)
+    for row, here in zip(rows, expected, strict=True):
+        assert row.endswith(f"| {here} |"), (row, here)

@@ -94,7 +94,8 @@ def paper_eta2() -> str:
 
 
 def provenance(data: Mapping[str, Any]) -> str:
-    return f"commit {data['commit']}, {data['date']}"
+    dirty = " plus uncommitted changes" if data["src_dirty"] else ""
+    return f"fcaudit's code at commit {data['commit']}{dirty}, {data['date']}"
 
 
 def load_note(host: Mapping[str, Any] | None) -> str:
@@ -168,16 +169,21 @@ def demo(r: Results) -> str:
     d = r.json(DEMO)
     a, t = d["audit"], d["audit"]["execution"]["timing"]
     ret = a["retention_static_layer"]["value"]
+    load = r.json(TIMINGS)["load_average"]["demo"]
     uses = "still uses its gates' content" if ret < 90 else \
         "like them, keeps most of the gap with a static profile"
     return "\n".join([
         "", f"`fcaudit demo` (seed 0; numbers from `fcaudit-demo/audit/audit.json` of one run, "
         f"{provenance(d)}, copied to `docs/results/demo.json`):", "", _demo_table(d), "",
-        f"That run took {r.minutes('demo')} minutes (`benchmarks/timings.py`). Its latency "
+        f"That run took {r.minutes('demo')} minutes (`benchmarks/timings.py`, load average "
+        f"{load['before'][0]:.2f} before and {load['after'][0]:.2f} after). Its latency "
         f"ratio is the one machine-dependent number above: Dense and FeatureGate timed in "
         f"{t['pairs']} interleaved pairs of a batch of {t['batch_size']} at {t['threads']} "
         f"torch threads, on a 2-core CPU shared with other jobs; it moves from run to run "
-        f"(the study below gives its range over seeds). Unlike the paper's 76M/504M "
+        f"(the study below gives its range over seeds). The other numbers repeat exactly at "
+        f"the same torch thread count ({a['host']['torch_threads']} here, torch's default on "
+        "2 cores): training sums in an order that depends on it, so another count trains a "
+        "slightly different model. Unlike the paper's 76M/504M "
         f"FeatureGates ({' and '.join(f'{v:.2f}%' for v in trend.PAPER_RETENTION.values())} "
         f"kept), the tiny model {uses}: fcaudit reports what it measures.", ""])
 
@@ -262,15 +268,19 @@ def study_tiny(r: Results) -> str:
     seeds, sg = g["featuregate-tiny"]["seeds"], g["skipgate-tiny"]
     x = g["moe-tiny"]["seed0"]["experts"]
     sga, moe = sg["aggregate"], g["moe-tiny"]["aggregate"]
+    threads = s["host"]["torch_threads"]
     return "\n".join([
-        "", f"`fcaudit reproduce --preset tiny --seeds {seeds}` ({seeds} seeds each of tiny "
+        "", f"`OMP_NUM_THREADS={threads} fcaudit reproduce --preset tiny --seeds {seeds}` "
+        f"({seeds} seeds each of tiny "
         f"FeatureGate with its Dense twin, tiny MUDD and a tiny top-{x['top_k'][0]}-of-"
         f"{x['num_experts'][0]} MoE, {sg['seeds']} seed of SkipGate; "
         f"{r.minutes('reproduce_tiny')} minutes on 2 cores as `benchmarks/timings.py` timed it) "
         "writes `reproduction.md` with our numbers beside the paper's. From its findings table "
-        f"(one run, {provenance(s)}, trained and audited at {s['host']['torch_threads']} torch "
-        "threads on a 2-core CPU shared with other jobs, copied to "
-        "`docs/results/study-tiny.json`; latencies are medians of interleaved pairs):", "",
+        f"(one run, {provenance(s)}, copied to `docs/results/study-tiny.json`; latencies are "
+        "medians of interleaved pairs on a 2-core CPU shared with other jobs). It ran at "
+        f"{threads} torch thread(s), steadier on a shared machine; at another thread count "
+        "each seed trains to a slightly different model (seed 0 here against the demo above), "
+        "so the numbers differ.", "",
         f"| paper finding | here (mean over {seeds} seeds, seed range in parentheses) |",
         "|---|---|", *_study_rows(s), "",
         f"SkipGate, the reference with real savings (seed 0), runs {_blocks(sg)} per token at "

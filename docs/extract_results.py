@@ -59,12 +59,16 @@ def read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
 def provenance(folder: Path, command: str) -> dict[str, Any]:
-    """Which code made the folder (the commit checked out now: run this right after)."""
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
+    """Which code made the folder: the last commit that changed src/ (run this right after
+    the command, on the same checkout), and whether src/ had uncommitted changes."""
     made = time.strftime("%Y-%m-%d", time.gmtime(folder.stat().st_mtime))
-    return {"command": command, "commit": commit, "date": made}
+    return {"command": command, "commit": _git("log", "-1", "--format=%h", "--", "src"),
+            "src_dirty": bool(_git("status", "--porcelain", "--", "src")), "date": made}
 
 
 def audit_numbers(path: Path) -> dict[str, Any]:

@@ -61,7 +61,9 @@ class ResultFile:
         self.started = time.strftime("%Y-%m-%d", time.gmtime())
         self.commit = _git("rev-parse", "--short=12", "HEAD")
         # uncommitted changes to the code that was measured make the commit a lie
-        self.dirty = bool(_git("status", "--porcelain", "--", "src", "benchmarks"))
+        # (timings.json is a result that benchmarks/timings.py writes, not code)
+        self.dirty = bool(_git("status", "--porcelain", "--", "src", "benchmarks",
+                               ":!src/fcaudit/timings.json"))
         self.before: dict[str, Any] | None = None
 
     def start(self) -> None:

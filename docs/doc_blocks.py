@@ -278,7 +278,8 @@ def study_tiny(r: Results) -> str:
         "writes `reproduction.md` with our numbers beside the paper's. From its findings table "
         f"(one run, {provenance(s)}, copied to `docs/results/study-tiny.json`; latencies are "
         "medians of interleaved pairs on a 2-core CPU shared with other jobs). It ran at "
-        f"{threads} torch thread(s), steadier on a shared machine; at another thread count "
+        f"{threads} torch thread{'s' if threads != 1 else ''}, steadier on a shared machine; "
+        "at another thread count "
         "each seed trains to a slightly different model (seed 0 here against the demo above), "
         "so the numbers differ.", "",
         f"| paper finding | here (mean over {seeds} seeds, seed range in parentheses) |",

@@ -34,6 +34,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
+TIMINGS = "src/fcaudit/timings.json"  # written by benchmarks/timings.py, not code
 PRESET_ARCHES = ("featuregate", "dense", "mudd", "moe")
 PRESET_SIZES = ("tiny", "mid", "small", "76m", "504m")
 
@@ -67,8 +68,10 @@ def provenance(folder: Path, command: str) -> dict[str, Any]:
     """Which code made the folder: the last commit that changed src/ (run this right after
     the command, on the same checkout), and whether src/ had uncommitted changes."""
     made = time.strftime("%Y-%m-%d", time.gmtime(folder.stat().st_mtime))
-    return {"command": command, "commit": _git("log", "-1", "--format=%h", "--", "src"),
-            "src_dirty": bool(_git("status", "--porcelain", "--", "src")), "date": made}
+    return {"command": command,
+            "commit": _git("log", "-1", "--format=%h", "--", "src", f":!{TIMINGS}"),
+            "src_dirty": bool(_git("status", "--porcelain", "--", "src", f":!{TIMINGS}")),
+            "date": made}
 
 
 def audit_numbers(path: Path) -> dict[str, Any]:
@@ -117,7 +120,8 @@ def demo(folder: Path) -> dict[str, Any]:
 
 def study(folder: Path) -> dict[str, Any]:
     """``fcaudit reproduce --preset tiny``: every group's aggregate over seeds, the findings,
-    each group's seed-0 audit (layers, blocks, experts) and the study's summed wall time."""
+    and each group's seed-0 audit (layers, blocks, experts). Its wall time is not read: a
+    study may have been paused or resumed (benchmarks/timings.py times one)."""
     source = folder / "reproduction.json"
     rep = read(source)
     groups = {}
@@ -127,10 +131,9 @@ def study(folder: Path) -> dict[str, Any]:
                         "seed0": {k: first[k] for k in ("n_params", "layers", "execution",
                                                         "experts") if k in first}}
     run = read(folder / "runs" / "featuregate-tiny-s0" / "config.json")
-    seconds = read(folder / "timings.json")
     return {**provenance(folder, get(rep, "command", source)), "groups": groups,
             "findings": get(rep, "findings", source), "steps": run["train"]["steps"],
-            "host": first["host"], "wall_minutes": round(sum(seconds.values()) / 60, 1)}
+            "host": first["host"]}
 
 
 def presets() -> dict[str, Any]:

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 import torch
+from resultfile import ResultFile, add_json_option
 from torch import nn
 
 from fcaudit.api import audit
@@ -68,7 +69,8 @@ def bench(name: str, model: nn.Module, seq_len: int, args: argparse.Namespace) -
     data = AuditData(rng.integers(0, vocab, (args.eval, seq_len)),
                      rng.integers(0, vocab, (args.calib, seq_len)), {"source": "random"})
     options = AuditOptions(execution=False, progress=False, batch_size=args.batch)
-    replays = len(plan_runs(find_sites(model), options))
+    runs = plan_runs(find_sites(model), options)
+    replays = len(runs)
     forward_pass_seconds(model, data.eval_ids, args.batch)  # warm-up
     ratios: dict[str, list[float]] = {"naive": [], "prefix": []}
     results = {}
@@ -80,7 +82,8 @@ def bench(name: str, model: nn.Module, seq_len: int, args: argparse.Namespace) -
                 model, data, dataclasses.replace(options, schedule=schedule))
             ratios[schedule].append(seconds / ((1 + replays) * forward))
     same = results["naive"] == results["prefix"]
-    return {"model": name, "replays": replays, "naive": ratios["naive"],
+    return {"model": name, "seq_len": seq_len, "replays": replays,
+            "per_layer_runs": sum(r.site is not None for r in runs), "naive": ratios["naive"],
             "prefix": ratios["prefix"], "equal": same}
 
 
@@ -91,19 +94,26 @@ def main() -> None:
     p.add_argument("--eval", type=int, default=32, help="evaluation sequences")
     p.add_argument("--calib", type=int, default=16, help="calibration sequences")
     p.add_argument("--batch", type=int, default=8)
+    add_json_option(p, "audit_schedule")
     args = p.parse_args()
+    record = ResultFile("audit_schedule.py")
+    record.start()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.eval} eval / "
           f"{args.calib} calib sequences, batch {args.batch}, {args.rounds} rounds")
     print(f"{'model':20} {'replays':>7}  {'naive audit / (1+replays) fwd':>30}  "
           f"{'prefix audit / (1+replays) fwd':>31}  {'prefix / naive':>14}  equal")
+    rows = []
     for name, (model, seq_len) in models().items():
         if args.models and name not in args.models:
             continue
         row = bench(name, model, seq_len, args)
         rel = [p / n for p, n in zip(row["prefix"], row["naive"], strict=True)]
+        rows.append({**row, "prefix_over_naive": rel})
         span = lambda v: f"{min(v):.3f}-{max(v):.3f}"  # noqa: E731
         print(f"{name:20} {row['replays']:>7}  {span(row['naive']):>30}  "
               f"{span(row['prefix']):>31}  {span(rel):>14}  {row['equal']}", flush=True)
+    record.write(args.json, {"rounds": args.rounds, "eval": args.eval, "calib": args.calib,
+                             "batch": args.batch, "models": rows})
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ contain 1.
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 
 import torch
+from resultfile import ResultFile, add_json_option
 from torch import nn
 
 from fcaudit.engine.execution import format_table, measure_execution
@@ -55,8 +56,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write all results as JSON")
+    add_json_option(parser, "execution_featuregate_vs_dense")
     args = parser.parse_args()
+    record = ResultFile("execution_featuregate_vs_dense.py")
+    record.start()
 
     models = {arch: model_for(arch, getattr(args, arch), args.preset, args.seed)
               for arch in ("featuregate", "skipgate", "dense")}
@@ -66,17 +69,19 @@ def main() -> None:
                                        pairs=args.pairs, warmup=args.warmup, seed=args.seed,
                                        threads=args.threads)
                for name, model in models.items()}
-    timing = results["dense"]["timing"]
+    timing = results["dense"].timing
     print(f"{args.preset}: {len(input_ids)} windows x {args.seq_len} tokens, timing batch "
-          f"{timing['batch_size']}, {timing['pairs']} pairs after {timing['warmup']} warm-up, "
-          f"{timing['threads']} threads on {timing['device']} ({timing['device_name']})\n")
+          f"{timing.batch_size}, {timing.pairs} pairs after {timing.warmup} warm-up, "
+          f"{timing.threads} threads on {timing.device} ({timing.device_name})\n")
     print(format_table(results))
     print()
     for name, result in results.items():
         print(f"{name}: {verdict_execution(result)}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(results, fh, indent=2)
+    record.write(args.json, {"preset": args.preset, "windows": len(input_ids),
+                             "seq_len": args.seq_len,
+                             "trained": {arch: getattr(args, arch) for arch in models},
+                             "measurements": {name: dataclasses.asdict(result)
+                                              for name, result in results.items()}})
 
 
 if __name__ == "__main__":

@@ -19,11 +19,12 @@ MoE family it checks, on a batch of 2 x 8 random tokens:
 A family whose model cannot be built from the shrunk config is reported as skipped (not an
 error of fcaudit). Prints a Markdown table and a summary line.
 
-    python benchmarks/hf_moe_sweep.py [model_type ...]
+    python benchmarks/hf_moe_sweep.py [model_type ...] [--json PATH]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 import warnings
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 import transformers
+from resultfile import ResultFile, add_json_option
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import fcaudit
@@ -246,11 +248,17 @@ def check(model: torch.nn.Module, sites: list[Any]) -> dict[str, str]:
     return row
 
 
-def main(only: list[str]) -> None:
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("only", nargs="*", metavar="model_type", help="default: every family")
+    add_json_option(parser, "hf_moe_sweep")
+    args = parser.parse_args()
+    record = ResultFile("hf_moe_sweep.py")
+    record.start()
     start = time.perf_counter()
     names = sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if t in transformers.CONFIG_MAPPING)
-    if only:
-        names = [t for t in names if t in only]
+    if args.only:
+        names = [t for t in names if t in args.only]
     rows: dict[str, dict[str, str]] = {}
     skipped: dict[str, str] = {}
     dense: list[str] = []
@@ -279,6 +287,23 @@ def main(only: list[str]) -> None:
         del model
         print(f"  {model_type}: {rows[model_type]}", file=sys.stderr, flush=True)
 
+    report(rows, skipped, dense, time.perf_counter() - start)
+    record.write(args.json, {"transformers": transformers.__version__, "batch": BATCH,
+                             "seq_len": SEQ_LEN, "rows": rows, "skipped": skipped,
+                             "passed": [t for t, r in rows.items() if passes(r)],
+                             "failed": [t for t, r in rows.items() if not passes(r)],
+                             "dense": dense, "wall_s": time.perf_counter() - start})
+
+
+def passes(row: dict[str, str]) -> bool:
+    """Every check of the family passed (all experts running counts, see docs/moe.md)."""
+    return row["identity"] == "yes" and row["donor"] == "yes" and \
+        row["experts"] in ("yes", "dense")
+
+
+def report(rows: dict[str, dict[str, str]], skipped: dict[str, str], dense: list[str],
+           wall: float) -> None:
+    """The Markdown table and the summary line."""
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
           f"batch {BATCH} x {SEQ_LEN} tokens\n")
     print("| family | router sites | shared gates | identity | donor | experts = top-k | note |")
@@ -287,20 +312,18 @@ def main(only: list[str]) -> None:
     for model_type, r in rows.items():
         print(f"| {model_type} | {r['sites']} | {r['shared']} | {r['identity']} | "
               f"{r['donor']} | {r['experts']} | {r['note']} |")
-        ok = r["identity"] == "yes" and r["donor"] == "yes" and r["experts"] in ("yes", "dense")
-        (passed if ok else failed).append(model_type)
+        (passed if passes(r) else failed).append(model_type)
     for model_type, reason in skipped.items():
         print(f"| {model_type} | | | | | | skipped: {reason} |")
     print(f"\nPass: {', '.join(passed) or 'none'}")
     print(f"Fail: {', '.join(failed) or 'none'}")
     print(f"Dense ({len(dense)}): {', '.join(dense)}")
     print(f"\n{len(passed)} MoE families pass all checks, {len(failed)} fail, "
-          f"{len(skipped)} skipped, {len(dense)} dense "
-          f"({time.perf_counter() - start:.0f} s)")
+          f"{len(skipped)} skipped, {len(dense)} dense ({wall:.0f} s)")
 
 
 if __name__ == "__main__":
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     torch.set_num_threads(2)
-    main(sys.argv[1:])
+    main()

@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from resultfile import ResultFile, add_json_option
 from sidebyside import machine
 
 AUDIT_FLAGS = ["--no-per-layer", "--no-execution", "--repeats", "1", "--quiet"]
@@ -62,15 +63,19 @@ def main() -> None:
     parser.add_argument("--max-calib", type=int, default=64)
     parser.add_argument("--run", metavar="FOLDER", help="a trained run folder (default: "
                         "train a tiny FeatureGate for 30 steps into a temporary folder)")
+    add_json_option(parser, "memory")
     args = parser.parse_args()
 
     print(f"{machine()}\n")
+    record = ResultFile("memory.py")
+    record.start()
+    train_s = None
     with tempfile.TemporaryDirectory(prefix="fcaudit-memory-") as tmp:
         run = args.run or str(Path(tmp) / "fg")
         if not args.run:
-            seconds, _ = run_child(["train", "--arch", "featuregate", "--preset", "tiny",
+            train_s, _ = run_child(["train", "--arch", "featuregate", "--preset", "tiny",
                                     "--steps", "30", "--out", run, "--quiet"])
-            print(f"trained {run} in {seconds:.0f}s")
+            print(f"trained {run} in {train_s:.0f}s")
         rows = []
         for i, factor in enumerate(args.factors):
             out = Path(tmp) / f"audit-{i}"  # a fresh folder each: no cache is reused
@@ -98,6 +103,12 @@ def main() -> None:
         slope = (rss_last - rss_first) / (n_last - n_first)
         print(f"\npeak RSS slope {slope:+.0f} bytes per evaluation sequence (first to last row)")
     print(f"after: {machine()}")
+    record.write(args.json, {
+        "command": f"fcaudit audit --max-eval k*{args.n} --max-calib {args.max_calib} "
+                   + " ".join(AUDIT_FLAGS), "train_s": train_s,
+        "rows": [{"factor": f, "eval_sequences": n, "peak_rss_bytes": rss, "cache_bytes": total,
+                  "growing_cache_bytes": growing, "wall_s": sec}
+                 for f, n, rss, total, growing, sec in rows]})
 
 
 if __name__ == "__main__":

@@ -7,17 +7,19 @@ their intervals, the share of top-k expert sets reassign changes, and the expert
 ran per token and layer. Random weights: the penalties say the audit reaches each
 family's routing, not what a trained model does.
 
-    python benchmarks/moe_families.py
+    python benchmarks/moe_families.py [--json PATH]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from resultfile import ResultFile, add_json_option  # noqa: E402
 from test_hf import FAMILIES, save, token_batches  # noqa: E402
 
 from fcaudit.api import audit  # noqa: E402
@@ -27,6 +29,12 @@ from fcaudit.io.loading import load  # noqa: E402
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_json_option(parser, "moe_families")
+    args = parser.parse_args()
+    record = ResultFile("moe_families.py")
+    record.start()
+    rows = []
     options = AuditOptions(repeats=2, bootstrap=500, batch_size=2, timing_pairs=0,
                            per_layer=False, progress=False)
     print("| family | sites (routers + shared gates) | identity max diff | reassign Δ [95% CI] "
@@ -51,6 +59,16 @@ def main() -> None:
             print(f"| {family} | {' + '.join(f'{n} {f}' for f, n in families.items())} | "
                   f"{result.identity_replay_max_abs_diff:g} | {cell['reassign']} | "
                   f"{cell['shuffle']} | {100 * moved:.1f}% | {per_layer} |", flush=True)
+            rows.append({"family": family, "sites": families,
+                         "identity_max_abs_diff": result.identity_replay_max_abs_diff,
+                         **{k: {"delta": result.conditions[k].delta,
+                                "ci95": result.conditions[k].ci95}
+                            for k in ("reassign", "shuffle")},
+                         "rerouted_reassign": moved,
+                         "experts_per_token_per_layer":
+                             ex.experts_per_token_per_layer if ex else None})
+    record.write(args.json, {"repeats": options.repeats, "bootstrap": options.bootstrap,
+                             "families": rows})
 
 
 if __name__ == "__main__":

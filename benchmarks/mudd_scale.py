@@ -35,10 +35,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from resultfile import ResultFile, add_json_option
 
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.recording import record
@@ -93,8 +94,9 @@ def build(preset: str, dtype: torch.dtype) -> MuddModel:
 
 
 def prefix_schedule(model: MuddModel, ids: torch.Tensor, coefficients: dict[str, torch.Tensor],
-                    samples: int) -> None:
-    """Time suffix-only per-layer replays and print both schedules' forward equivalents."""
+                    samples: int) -> dict[str, Any]:
+    """Time suffix-only per-layer replays; print and return both schedules' forward
+    equivalents."""
     sites = model.controller_sites()
     fed = {site: coefficients[site.name] for site in sites}
     blocks = list(model.execution_blocks())
@@ -102,12 +104,14 @@ def prefix_schedule(model: MuddModel, ids: torch.Tensor, coefficients: dict[str,
     trace = full.trace
     prefix_len = [len(trace.prefix(s.path)) for s in sites]
     picked = sorted({round(i) for i in np.linspace(0, len(sites) - 1, samples)})
-    suffix_cost = []
+    suffix_cost, timed = [], []
     for i in picked:
         known = {p: trace.outputs[p] for p in trace.prefix(sites[i].path)}
         out, s, _ = measure(lambda known=known: replay_batch(model, ids, fed, known=known))
         exact = same_bits(out.logits, full.logits)
         suffix_cost.append(s / full_s)
+        timed.append({"site": sites[i].name, "layer": i, "blocks_stubbed": prefix_len[i],
+                      "suffix_over_full": s / full_s, "equal": exact})
         print(f"  site {sites[i].name}: {prefix_len[i]} blocks stubbed, replay "
               f"{s:.2f}s = {s / full_s:.3f}x a full replay, equal to it: {exact}")
     costs = np.interp(prefix_len, [prefix_len[i] for i in picked], suffix_cost)
@@ -120,32 +124,18 @@ def prefix_schedule(model: MuddModel, ids: torch.Tensor, coefficients: dict[str,
     print(f"audit plan: {len(runs)} replays ({sum(r.site is not None for r in runs)} per-layer); "
           f"forward-pass equivalents: naive {naive}, prefix reuse {prefix:.1f} "
           f"(incl. the proof, {proof:.2f}) = {prefix / naive:.3f}x the naive schedule")
+    return {"sites": timed, "replays": len(runs),
+            "per_layer_runs": sum(r.site is not None for r in runs), "naive_passes": naive,
+            "prefix_passes": prefix, "proof_cost": proof}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="1.4b", choices=sorted(PRESETS))
-    parser.add_argument("--seqs", type=int, default=2, help="sequences (batches) to time")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--suffix-sites", type=int, default=4,
-                        help="sites at which to time a suffix-only replay (0: skip)")
-    args = parser.parse_args()
-
-    torch.manual_seed(args.seed)
-    exact_peaks = reset_peak_rss()
-    model, build_s, build_gb = measure(lambda: build(args.preset, DTYPES[args.dtype]))
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"{args.preset}: {n_params / 1e9:.3f}B params in {args.dtype}, built in {build_s:.0f}s "
-          f"(peak RSS {build_gb:.2f} GB); torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+def time_modes(model: MuddModel, args: argparse.Namespace) -> tuple[
+        dict[str, list[float]], dict[str, float], float, dict[str, Any] | None]:
+    """Seconds and peak RSS of native, record and replay per sequence, the largest logits
+    difference between replay and native, and the prefix schedule (first sequence)."""
     sites = model.controller_sites()
     vocab = model.config.vocab_size
-    with torch.no_grad():  # warm-up: kernel selection and allocator, not timed
-        model(torch.randint(0, vocab, (1, 64)))
-
+    schedule = None
     seconds: dict[str, list[float]] = {"native": [], "record": [], "replay": []}
     peaks: dict[str, float] = dict.fromkeys(seconds, 0.0)
     worst = 0.0
@@ -172,12 +162,40 @@ def main() -> None:
             peaks["replay"] = max(peaks["replay"], gb)
             if n == 0 and args.suffix_sites > 0:
                 print("prefix reuse (first sequence):")
-                prefix_schedule(model, ids, coefficients, args.suffix_sites)
+                schedule = prefix_schedule(model, ids, coefficients, args.suffix_sites)
             native = torch.load(native_file, mmap=True)
             worst = max(worst, (replayed.float() - native.float()).abs().max().item())
             del native, replayed, coefficients
             print(f"sequence {n + 1}/{args.seqs}: " + ", ".join(
                 f"{mode} {times[-1]:.1f}s" for mode, times in seconds.items()))
+    return seconds, peaks, worst, schedule
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="1.4b", choices=sorted(PRESETS))
+    parser.add_argument("--seqs", type=int, default=2, help="sequences (batches) to time")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--suffix-sites", type=int, default=4,
+                        help="sites at which to time a suffix-only replay (0: skip)")
+    add_json_option(parser, "mudd_scale")
+    args = parser.parse_args()
+    result = ResultFile("mudd_scale.py")
+    result.start()
+
+    torch.manual_seed(args.seed)
+    exact_peaks = reset_peak_rss()
+    model, build_s, build_gb = measure(lambda: build(args.preset, DTYPES[args.dtype]))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{args.preset}: {n_params / 1e9:.3f}B params in {args.dtype}, built in {build_s:.0f}s "
+          f"(peak RSS {build_gb:.2f} GB); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    with torch.no_grad():  # warm-up: kernel selection and allocator, not timed
+        model(torch.randint(0, model.config.vocab_size, (1, 64)))
+    seconds, peaks, worst, schedule = time_modes(model, args)
 
     tokens = args.batch * args.seq_len
     print(f"\n{args.seqs} x [{args.batch}, {args.seq_len}] tokens, mean over sequences; "
@@ -190,6 +208,11 @@ def main() -> None:
     print(f"max |logits replay - native| = {worst:g}")
     print(f"process peak RSS (getrusage) = "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB")
+    result.write(args.json, {
+        "preset": args.preset, "dtype": args.dtype, "n_params": n_params, "seqs": args.seqs,
+        "batch": args.batch, "seq_len": args.seq_len, "exact_peaks": exact_peaks,
+        "ms_per_token": {m: [1e3 * t / tokens for t in times] for m, times in seconds.items()},
+        "peak_rss_gb": peaks, "max_abs_diff": worst, "schedule": schedule})
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@ time over the forward's in the same round (median [min-max] over rounds).
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from resultfile import ResultFile, add_json_option
 from sidebyside import (
     add_timing_options,
     apply_timing_options,
@@ -39,7 +41,7 @@ def old_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def measure(preset: str, batch: int, rounds: int, seconds: float, seed: int) -> dict[str, str]:
+def measure(preset: str, batch: int, rounds: int, seconds: float, seed: int) -> dict[str, Any]:
     torch.manual_seed(seed)
     cfg = PRESETS[preset]
     model = GPT(cfg).eval()
@@ -53,12 +55,18 @@ def measure(preset: str, batch: int, rounds: int, seconds: float, seed: int) -> 
     per_round = ratios(times, "forward")
     logits = model(ids)
     diff = float((token_nll(logits, ids) - old_token_nll(logits, ids)).abs().max())
-    return {"preset": preset, "shape": f"{batch}x{cfg.block_size}x{cfg.vocab_size}",
-            "forward ms": f"{1e3 * min(times['forward']):.1f}",
-            "old / forward": summary(per_round["old"]),
-            "new / forward": summary(per_round["new"]),
-            "floor / forward": summary(per_round["floor"]),
-            "max abs(new - old)": f"{diff:.1e}"}
+    return {"preset": preset, "shape": [batch, cfg.block_size, cfg.vocab_size],
+            "forward_ms": 1e3 * min(times["forward"]),
+            **{f"{mode}_over_forward": per_round[mode] for mode in ("old", "new", "floor")},
+            "max_abs_new_minus_old": diff}
+
+
+def table_row(row: dict[str, Any]) -> str:
+    """One Markdown row: ratios as median [min-max] over rounds."""
+    cells = [row["preset"], "x".join(map(str, row["shape"])), f"{row['forward_ms']:.1f}",
+             *(summary(row[f"{m}_over_forward"]) for m in ("old", "new", "floor")),
+             f"{row['max_abs_new_minus_old']:.1e}"]
+    return "| " + " | ".join(cells) + " |"
 
 
 def main() -> None:
@@ -67,15 +75,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     add_timing_options(parser, seconds=0.3)
+    add_json_option(parser, "nll_cost")
     args = parser.parse_args()
 
     print(apply_timing_options(args) + "\n")
+    record = ResultFile("nll_cost.py")
+    record.start()
     rows = [measure(p, args.batch, args.rounds, args.seconds, args.seed) for p in args.presets]
-    print("| " + " | ".join(rows[0]) + " |")
-    print("|" + "---|" * len(rows[0]))
+    print("| preset | shape | forward ms | old / forward | new / forward | floor / forward | "
+          "max abs(new - old) |")
+    print("|" + "---|" * 7)
     for row in rows:
-        print("| " + " | ".join(row.values()) + " |")
+        print(table_row(row))
     print(f"\nafter: {machine()}")
+    record.write(args.json, {"rounds": args.rounds, "seconds": args.seconds, "rows": rows})
 
 
 if __name__ == "__main__":

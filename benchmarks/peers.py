@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.metadata
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from resultfile import ResultFile, add_json_option
 from sidebyside import (
     add_timing_options,
     apply_timing_options,
@@ -187,9 +189,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     add_timing_options(parser, seconds=0.2)
+    add_json_option(parser, "peers")
     args = parser.parse_args()
 
     print(apply_timing_options(args))
+    record = ResultFile("peers.py")
+    record.start()
+    tables = []
     for preset in args.presets:
         rows, skipped = measure(preset, args.batch, args.seq_len, args.rounds, args.seconds,
                                 args.seed)
@@ -201,6 +207,10 @@ def main() -> None:
         print("|" + "---|" * len(rows[0]))
         for row in rows:
             print("| " + " | ".join(row.values()) + " |")
+        tables.append({"preset": preset, "load_average": [round(x, 2) for x in os.getloadavg()],
+                       "skipped": skipped, "rows": rows})
+    record.write(args.json, {"rounds": args.rounds, "seconds": args.seconds,
+                             "batch": args.batch, "seq_len": args.seq_len, "presets": tables})
 
 
 if __name__ == "__main__":

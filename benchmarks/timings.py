@@ -9,7 +9,11 @@ trend study (about 1.5 hours) is not rerun here: ``--trend-timings`` takes the
 audit's seconds) and records their sum.
 
     python benchmarks/timings.py --study --keep study-tiny --keep-demo demo
+    python benchmarks/timings.py --demo --keep-demo demo     # the demo alone
     python benchmarks/timings.py --trend-timings study-trend/timings.json
+
+Each measured entry also records the load average before and after it (``load_average``),
+since the machine may be shared.
 """
 
 from __future__ import annotations
@@ -29,15 +33,26 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGET = ROOT / "src" / "fcaudit" / "timings.json"
 
 
-def timed(argv: list[str], cwd: Path) -> float:
+def timed(argv: list[str], cwd: Path, key: str, minutes: dict) -> None:
+    """Run ``argv``; its minutes go to ``minutes[key]``, the load around it beside them."""
+    before = [round(x, 2) for x in os.getloadavg()]
     start = time.perf_counter()
     subprocess.run(argv, cwd=cwd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return time.perf_counter() - start
+    minutes[key] = (time.perf_counter() - start) / 60
+    minutes.setdefault("load_average", {})[key] = {
+        "before": before, "after": [round(x, 2) for x in os.getloadavg()]}
+    minutes.setdefault("measured_at", {})[key] = today()
+
+
+def today() -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime())
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--study", action="store_true", help="also time reproduce --preset tiny")
+    p.add_argument("--demo", action="store_true",
+                   help="time the demo only (keep the other entries as they are)")
     p.add_argument("--keep", type=Path, default=None,
                    help="keep the study folder here (its numbers go into the README)")
     p.add_argument("--keep-demo", type=Path, default=None,
@@ -49,6 +64,7 @@ def main() -> None:
     if args.trend_timings:
         seconds = json.loads(args.trend_timings.read_text())
         minutes["reproduce_trend"] = sum(seconds.values()) / 60
+        minutes.setdefault("measured_at", {})["reproduce_trend"] = today()
     else:
         measure(args, minutes)
     minutes = {k: round(v, 1) if isinstance(v, float) else v for k, v in minutes.items()}
@@ -64,13 +80,14 @@ def measure(args: argparse.Namespace, minutes: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         demo = args.keep_demo or work / "demo"
-        minutes["demo"] = timed([*fcaudit, "demo", "--quiet", "--out", str(demo)], work) / 60
-        minutes["tests"] = timed([sys.executable, "-m", "pytest", "-q"], ROOT) / 60
+        timed([*fcaudit, "demo", "--quiet", "--out", str(demo)], work, "demo", minutes)
+        if args.demo:
+            return
+        timed([sys.executable, "-m", "pytest", "-q"], ROOT, "tests", minutes)
         if args.study:
             study = args.keep or work / "study"
-            minutes["reproduce_tiny"] = timed([*fcaudit, "reproduce", "--preset", "tiny",
-                                               "--seeds", "3", "--quiet", "--out", str(study)],
-                                              work) / 60
+            timed([*fcaudit, "reproduce", "--preset", "tiny", "--seeds", "3", "--quiet",
+                   "--out", str(study)], work, "reproduce_tiny", minutes)
     shutil.rmtree(ROOT / ".pytest_cache", ignore_errors=True)
 
 

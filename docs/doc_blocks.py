@@ -141,7 +141,7 @@ def _demo_table(d: Mapping[str, Any]) -> str:
     a, run = d["audit"], d["run"]
     v, eta, ex = a["variation"], a["eta2"], a["execution"]
     r, s = a["conditions"]["reassign"], a["conditions"]["shuffle"]
-    ret = a["retention_static_layer"]
+    ret, tok = a["retention_static_layer"], a["retention_static_layer_token"]
     exact = "bitwise exact" if a["identity_max_abs_diff"] == 0 else \
         f"NOT exact (max difference {a['identity_max_abs_diff']:g})"
     t = ex["timing"]
@@ -152,11 +152,13 @@ def _demo_table(d: Mapping[str, Any]) -> str:
         f"| variation | gates vary: sd {v['mean_sd_across_inputs']:.3f} across inputs, "
         f"{v['mean_sd_across_positions']:.3f} across positions, {v['across_layer_sd']:.3f} "
         f"across layers; layer identity explains {100 * eta['layer']:.1f}% of their variance, "
-        f"input and token content {100 * eta['residual']:.1f}% |",
+        f"input and token content {100 * eta['residual']:.1f}%; within a layer the current "
+        f"token id alone explains {100 * eta['token_id']:.1f}% |",
         f"| dependence | reassigning gates across inputs costs {ci(r['delta'], r['ci95'], 3, '+')}"
         f" nats, shuffling them across tokens {ci(s['delta'], s['ci95'], 3, '+')}; a static "
         f"per-layer profile keeps {ci(ret['value'], ret['ci95'], 1, unit='%')} of the "
-        f"Correct-to-GlobalMean gap; identity replay is {exact} |",
+        f"Correct-to-GlobalMean gap, a static profile per (layer, token id) "
+        f"{ci(tok['value'], tok['ci95'], 1, unit='%')}; identity replay is {exact} |",
         f"| execution | {ex['blocks_executed']:.2f} of {ex['blocks_present']} blocks run per "
         f"token, FLOPs {ex['flops_ratio']:.3f}x Dense, latency "
         f"{ci(ex['speed_ratio_vs_dense'], t['ci95'], 2, unit='x Dense')}: "
@@ -185,7 +187,19 @@ def demo(r: Results) -> str:
         "2 cores): training sums in an order that depends on it, so another count trains a "
         "slightly different model. Unlike the paper's 76M/504M "
         f"FeatureGates ({' and '.join(f'{v:.2f}%' for v in trend.PAPER_RETENTION.values())} "
-        f"kept), the tiny model {uses}: fcaudit reports what it measures.", ""])
+        f"kept), the tiny model {uses}; {token_sentence(a)}: fcaudit reports what it "
+        "measures.", ""])
+
+
+def token_sentence(a: Mapping[str, Any]) -> str:
+    """What the per-token-id profile adds to the per-layer one, from the two retentions."""
+    layer, tok = a["retention_static_layer"], a["retention_static_layer_token"]
+    if tok["ci95"][0] > layer["ci95"][1]:
+        return (f"a profile per token id keeps more ({tok['value']:.1f}% against "
+                f"{layer['value']:.1f}%), so most of what its gates carry is the current "
+                "token's identity, not its context")
+    return (f"a profile per token id keeps no more ({tok['value']:.1f}% against "
+            f"{layer['value']:.1f}%): its gates carry context beyond the current token")
 
 
 # ------------------------------------------------------------------------- the tiny study

@@ -10,8 +10,8 @@ made; ``docs/make_docs.py`` renders the docs from those files.
     python docs/extract_results.py presets                 # -> docs/results/presets.json
 
 Keys read (a missing one is an error naming it, never a silently dropped number):
-``audit.json``: conditions.{reassign,shuffle}.{delta,ci95}, retention.static-layer.{value,
-ci95}, variance[family].eta2_{layer,residual}, variation[family].{mean_sd_across_inputs,
+``audit.json``: conditions.{reassign,shuffle}.{delta,ci95}, retention.{static-layer,static-layer-token}.{value,
+ci95}, variance[family].eta2_{layer,residual,token_id}, variation[family].{mean_sd_across_inputs,
 mean_sd_across_positions,across_layer_sd}, identity_replay_max_abs_diff, model.n_params,
 sites, execution.{blocks_executed,blocks_present,flops_ratio,speed_ratio_vs_dense,
 conditional_execution},
@@ -88,7 +88,10 @@ def audit_numbers(path: Path) -> dict[str, Any]:
                        for c in ("reassign", "shuffle")},
         "retention_static_layer": {k: get(a, f"retention.static-layer.{k}", path)
                                    for k in ("value", "ci95")},
-        "eta2": {k: get(a, f"variance.{family}.eta2_{k}", path) for k in ("layer", "residual")},
+        "retention_static_layer_token": {k: get(a, f"retention.static-layer-token.{k}", path)
+                                         for k in ("value", "ci95")},
+        "eta2": {k: get(a, f"variance.{family}.eta2_{k}", path)
+                 for k in ("layer", "residual", "token_id")},
         "variation": {k: get(a, f"variation.{family}.{k}", path) for k in
                       ("mean_sd_across_inputs", "mean_sd_across_positions", "across_layer_sd")},
         "execution": {k: get(ex, k, path) for k in (

@@ -10,6 +10,7 @@ hand-typed result cannot come back unnoticed.
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -52,6 +53,12 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
      "its test, and its numbers are what that test constructs or asserts"),
     ("docs/method.md", r"or 256 capped|the first 16", "defaults of the code: window length, "
      "variance components reported"),
+    ("*", r"(?m)^\s*\d+\. |by step \d|step \d or \d|\bbatch 0\b", "numbered steps of a "
+     "procedure and the batch they name"),
+    ("*", r"keeps 100% of the gap|the total \(100%\)|(?:leaves: |exactly |above |below |"
+          r"score is |around )[01]\b", "mathematical facts: whole shares, zero and one"),
+    ("*", r"`max\(10\^4, abs\(lowest\) / 16\)`|a gap of 10\^4", "the ablation logit's rule, "
+     "checked against the code in CONSTANTS"),
     ("docs/performance.md", r"tiny FeatureGate for 30 steps|--max-calib 64 --no-per-layer"
      r"[^`]*--repeats 1|K = 3 repeats",
      "the settings the benchmark's text describes (its defaults)"),
@@ -63,7 +70,11 @@ def _defaults() -> dict[str, float]:
     from fcaudit.io.data import DataSpec
     from fcaudit.models.moe import MoEConfig
     from fcaudit.models.skipgate import SkipGateConfig
+    from fcaudit.engine import options
     from fcaudit.engine.options import AuditOptions
+    from fcaudit.core import routers
+    from fcaudit.io.loading import get_arch
+    tiny_moe = get_arch("moe").presets["tiny"]
     return {"strong_penalty": verdicts.STRONG_PENALTY,
             "strong_retention": verdicts.STRONG_RETENTION,
             "weak_retention": verdicts.WEAK_RETENTION, "weak_penalty": verdicts.WEAK_PENALTY,
@@ -73,7 +84,12 @@ def _defaults() -> dict[str, float]:
             "chunk_log2": metrics.CHUNK_ELEMENTS.bit_length() - 1,
             "max_eval": DataSpec().max_eval, "max_calib": DataSpec().max_calib,
             "capacity": 100 * SkipGateConfig().capacity, "experts": MoEConfig().num_experts,
-            "top_k": MoEConfig().top_k, "aux": MoEConfig().aux_loss_coef}
+            "top_k": MoEConfig().top_k, "aux": MoEConfig().aux_loss_coef,
+            "auto_ablation": options.AUTO_ABLATION_MAX_EXPERTS,
+            "ablation_margin_log10": math.log10(routers.ABLATION_MARGIN),
+            "ablation_fraction_inverse": 1 / routers.ABLATION_FRACTION,
+            "moe_layers": tiny_moe.n_layer, "moe_ablation_runs": tiny_moe.n_layer
+            * MoEConfig().num_experts}
 
 
 # (page, regex whose groups are numbers, the code constants they must equal): settings
@@ -94,6 +110,12 @@ CONSTANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("docs/method.md", r"by (8) experts", ("experts",)),
     ("docs/method.md", r"coefficient (0\.01)\)", ("aux",)),
     ("README.md", r"top-(2) of (8) experts", ("top_k", "experts")),
+    ("docs/method.md", r"at most (64) experts, else off", ("auto_ablation",)),
+    ("docs/moe.md", r"on by default up to (64) experts per layer", ("auto_ablation",)),
+    ("docs/method.md", r"`max\(10\^(4), abs\(lowest\) / (16)\)`",
+     ("ablation_margin_log10", "ablation_fraction_inverse")),
+    ("docs/performance.md", r"the tiny MoE: (4) x (8) = (32)\)",
+     ("moe_layers", "experts", "moe_ablation_runs")),
 )
 
 

@@ -199,6 +199,7 @@ class TopKLogits:
 # ---- expert ablation: logits whose routing rule never picks one expert ----
 
 ABLATION_MARGIN = 1e4  # below every other logit of the token: exp(-1e4) and sigmoid(-1e4) are 0
+ABLATION_FRACTION = 2**-4  # ... or by this share of the lowest logit's magnitude, if larger
 
 
 def ablate_expert(logits: Tensor, expert: int) -> Tensor:
@@ -217,7 +218,7 @@ def ablate_expert(logits: Tensor, expert: int) -> Tensor:
     lowest = torch.finfo(logits.dtype).min
     if others.shape[-1]:  # a gap of at least the margin and the lowest logit's own size,
         low = others.double().amin(dim=-1)  # so rounding cannot absorb it
-        floor = low - (low.abs() * 2**-4).clamp_min(ABLATION_MARGIN)
+        floor = low - (low.abs() * ABLATION_FRACTION).clamp_min(ABLATION_MARGIN)
     else:
         floor = torch.full(logits.shape[:-1], lowest, dtype=torch.float64, device=logits.device)
     out = logits.clone()

@@ -15,6 +15,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from fcaudit.engine.verdicts import WEAK_RETENTION
 from fcaudit.study import trend
 from fcaudit.study.reproduce import PAPER
 
@@ -259,7 +260,27 @@ def _study_rows(s: Mapping[str, Any]) -> list[str]:
          f"{span(moe['delta_reassign'], 2, sign='+')} nats; a static per-layer profile keeps "
          f"{span(moe['retention_static_layer'], 1, unit='%')} of the gap"),
     ]
-    return [f"| {claim} | {verdict(f, prefix)}: {here} |" for claim, prefix, here in rows]
+    return [f"| {claim} | {verdict(f, prefix)}: {here} |" for claim, prefix, here in rows] + \
+        [_token_row(label, g[f"{arch}-tiny"]["aggregate"]) for arch, label in
+         (("featuregate", "FeatureGate"), ("mudd", "MUDD"), ("moe", "MoE"))
+         if f"{arch}-tiny" in g]
+
+
+def _token_row(label: str, agg: Mapping[str, Any]) -> str:
+    """Beyond the paper: is the controller's output a function of the current token id?
+    (Hash Layers, Mixtral's routing analysis.) The word follows the seed range."""
+    tok, layer, share = (agg.get(k) for k in ("retention_static_layer_token",
+                                              "retention_static_layer", "eta2_token_id"))
+    if tok is None or share is None:
+        return f"| (not in the paper) {label}: a static profile per (layer, token id) | undefined |"
+    weak = WEAK_RETENTION  # the verdicts' "keeps most of the gap" line
+    word = (f"mostly the token id: a profile per token id keeps at least {weak:g}% in every "
+            "seed" if tok["min"] >= weak else "context beyond the token id: a profile per "
+            f"token id keeps less than {weak:g}% in some seed")
+    return (f"| (not in the paper) {label}: is it the token or the context? | {word}; "
+            f"static-layer-token keeps {span(tok, 1, unit='%')} (static-layer "
+            f"{span(layer, 1, unit='%')}), the token id explains {span(share, 1, 100, '%')} "
+            "of the within-layer variance |")
 
 
 def mean3(stats: Mapping[str, Any], key: str) -> str:

@@ -26,8 +26,9 @@ sys.path.insert(0, str(HERE))
 
 from doc_blocks import BLOCKS, Results  # noqa: E402
 
-PAGES = ("README.md", "docs/method.md", "docs/moe.md", "docs/performance.md",
-         "docs/reliability.md")
+# Every hand-written page: the README and each docs/*.md (a new page is covered the day it
+# is added). docs/trend/trend.md and docs/results/README.md are written whole by scripts.
+PAGES = ("README.md", *sorted(f"docs/{p.name}" for p in (HERE).glob("*.md")))
 INDEX = "docs/results/README.md"
 MARKER = re.compile(r"<!-- fcaudit:begin (?P<name>[\w.:-]+) -->(?P<body>.*?)"
                     r"<!-- fcaudit:end (?P=name) -->", re.S)

@@ -34,10 +34,11 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return ["--tokens", str(root / "eval.npy"), "--calib-tokens", str(root / "calib.npy")]
 
 
-def fcaudit(args: list[str], out: Path, processes: int = 1,
+def fcaudit(args: list[str], out: Path, processes: int | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The audit in one plain process (``processes`` None) or under torchrun."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                 str(processes), "--standalone", "-m", "fcaudit"] if processes > 1
+                 str(processes), "--standalone", "-m", "fcaudit"] if processes
                 else [sys.executable, "-m", "fcaudit"])
     argv = ["audit", "--model", "toys:content_model", "--sites", "gates.*", "--out", str(out),
             "--batch-size", "4", "--bootstrap", "100", "--repeats", "2", "--no-execution",
@@ -57,6 +58,22 @@ def test_two_processes_give_the_single_process_audit(tokens: list[str], tmp_path
         canonical(tmp_path / "single" / "audit.json")
     runtime = json.loads((tmp_path / "double" / "audit.json").read_text())["runtime"]
     assert runtime["schedule"]["processes"] == 2
+    assert runtime["schedule"]["process_group"] == "gloo"
+
+
+def test_one_process_under_torchrun_joins_a_group_and_gives_the_single_process_audit(
+        tokens: list[str], tmp_path: Path) -> None:
+    """A 1-process torchrun runs every barrier and gather through a real process group
+    (how NCCL is checked on one GPU); a plain process has no group."""
+    single = fcaudit(tokens, tmp_path / "single")
+    assert single.returncode == 0, single.stderr
+    one = fcaudit(tokens, tmp_path / "one", processes=1)
+    assert one.returncode == 0, one.stderr
+    assert canonical(tmp_path / "one" / "audit.json") == \
+        canonical(tmp_path / "single" / "audit.json")
+    for folder, group in (("one", "gloo"), ("single", None)):
+        schedule = json.loads((tmp_path / folder / "audit.json").read_text())["runtime"]["schedule"]
+        assert (schedule["processes"], schedule["process_group"]) == (1, group), folder
 
 
 def test_a_dead_process_stops_the_audit_which_then_resumes(tokens: list[str],

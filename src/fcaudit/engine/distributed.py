@@ -39,6 +39,7 @@ class Ranks:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    backend: str | None = None  # the process group's ("gloo", "nccl"), None without one
 
     @property
     def main(self) -> bool:
@@ -50,7 +51,7 @@ class Ranks:
 
     def barrier(self, stage: str) -> None:
         """Wait for every rank; a dead or failed rank becomes one clear error here."""
-        if self.world == 1:
+        if self.backend is None:
             return
         import torch.distributed as dist
         try:
@@ -61,7 +62,7 @@ class Ranks:
     def gather(self, value: Any, stage: str) -> list[Any]:
         """Every rank's ``value`` (a small picklable object), in rank order, on every rank;
         also a barrier."""
-        if self.world == 1:
+        if self.backend is None:
             return [value]
         import torch.distributed as dist
         out: list[Any] = [None] * self.world
@@ -88,13 +89,17 @@ def current() -> Ranks:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         return Ranks(dist.get_rank(), dist.get_world_size(),
-                     int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+                     int(os.environ.get("LOCAL_RANK", dist.get_rank())), dist.get_backend())
     return SINGLE
 
 
 def launched() -> bool:
-    """True inside ``torchrun`` with more than one process."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """True inside ``torchrun``, also with one process: a 1-process group runs the same
+    barriers and gathers as K processes do (NCCL on one GPU can be checked that way).
+    ``WORLD_SIZE`` alone is not enough, as other launchers and clusters set it too."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return True
+    return "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def init(device: str) -> Ranks:

@@ -556,7 +556,8 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     timings["execution_s"] = time.perf_counter() - started
     timings["total_s"] = time.perf_counter() - setup.started
     runtime = Runtime(host(), {k: round(v, 3) for k, v in timings.items()},
-                      {**replays.schedule, "processes": ranks.world}, cache.disk_usage(),
+                      {**replays.schedule, "processes": ranks.world,
+                       "process_group": ranks.backend}, cache.disk_usage(),
                       reuse_summary(reuse, len(runs)))
     result = assemble(setup, cache, summary, stats, execution, identity, command, runtime)
     result.routing = routing

@@ -262,7 +262,8 @@ def main() -> None:
     results["skipped"] = [k for k in ("torchrun", "mudd_1.4b") if "skipped" in results[k]]
     print(f"device {results['device']}, torch {torch.__version__}, batch {batch} x {seq_len} "
           f"tokens, {rounds} rounds")
-    print(table(results))
+    results["table"] = table(results)  # as printed, so the docs show what the run printed
+    print(results["table"])
     if results["skipped"]:
         print("skipped rows: " + ", ".join(results["skipped"]))
     out.write(args.json, results)

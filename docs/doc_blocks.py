@@ -607,3 +607,16 @@ def hf_moe_count(r: Results) -> str:
     if missing:
         raise ValueError(f"the README names {', '.join(missing)}, which the sweep did not pass")
     return f"{len(passed) - len(README_MOE)} more families"
+
+
+@block("gpu-check", "the GPU check's table, on the device it last ran on",
+       [bench("gpu_check")], ["python benchmarks/gpu_check.py"])
+def gpu_check(r: Results) -> str:
+    d = r.json(bench("gpu_check"))
+    res = d["results"]
+    where = ("on a CPU (no GPU was lent when this was run: the CUDA rows are to be run "
+             "where one is)" if res["device"] == "cpu" else f"on {res['device']}")
+    skipped = (f" Rows skipped: {', '.join(res['skipped'])}." if res["skipped"] else "")
+    return "\n".join(["", f"Last run {where}, batch {res['batch']} x {res['seq_len']} tokens, "
+                      f"{res['rounds']} timing rounds (ratios: median [min-max]).{skipped} "
+                      + measured(d), "", res["table"], ""])

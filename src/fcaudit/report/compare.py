@@ -64,6 +64,7 @@ MISSING = "—"  # a quantity this audit does not hold
 DATA_FIELDS = ("seq_len", "eval_sequences", "eval_fingerprint", "calib_sequences",
                "calib_fingerprint")
 REROUTED_CONDITIONS = ("reassign", "shuffle", "static-layer")
+LABELS = arg("labels", cli="--label")  # the CLI's --label is repeated, once per audit
 
 Row = dict[str, Any]
 AuditLike = str | Path | AuditResult
@@ -95,16 +96,15 @@ def _default_label(result: AuditResult, path: Path | None) -> str:
 
 
 def _check_labels(labels: Sequence[str], given: bool) -> None:
-    option = arg("labels", cli="--label")
     blank = [i for i, label in enumerate(labels) if not label.strip()]
     if blank:
-        raise FcauditError(f"label {blank[0] + 1} is empty; give each audit a name with {option}")
+        raise FcauditError(f"label {blank[0] + 1} is empty; give each audit a name with {LABELS}")
     seen: dict[str, int] = {}
     for i, label in enumerate(labels):
         if label in seen:
             how = "labels" if given else "folder names"
             raise FcauditError(f"audits {seen[label] + 1} and {i + 1} have the same name "
-                               f"{label!r} (their {how}); name each audit with {option}, "
+                               f"{label!r} (their {how}); name each audit with {LABELS}, "
                                "one per audit in order")
         seen[label] = i
 
@@ -496,7 +496,7 @@ def compare(paths_or_results: Sequence[AuditLike], out: str | Path | None = None
     if len(items) < 2:
         raise FcauditError(f"compare needs at least two audits, got {len(items)}")
     if labels is not None and len(labels) != len(items):
-        raise FcauditError(f"{len(labels)} {arg('labels', cli='--label')} for {len(items)} "
+        raise FcauditError(f"{len(labels)} {LABELS} for {len(items)} "
                            "audits: give one label per audit, in order")
     loaded = [_load(item) for item in items]
     results = [r for r, _ in loaded]

@@ -72,7 +72,7 @@ OUT/compare.json (every table's rows, raw numbers); OUT is new, empty, or a fold
 `fcaudit compare` wrote, where only its own unchanged files are replaced.
 
 examples:
-  fcaudit compare audits/fg-seed0 audits/fg-seed1 audits/mudd --out cmp
+  fcaudit compare audits/fg-seed0 audits/fg-seed1 audits/fg-seed2 --out cmp
   fcaudit compare audits/step1000 audits/step2000 audits/step4000 \\
       --label 1k --label 2k --label 4k --out cmp/steps
 """

@@ -302,7 +302,7 @@ class Comparison:
     files. :meth:`to_json` is ``compare.json``."""
 
     labels: list[str]
-    results: list[AuditResult]
+    results: list[AuditResult] = field(repr=False)
     sources: list[Path | None]
     data: Row
     tables: dict[str, list[Row]]

@@ -125,6 +125,9 @@ def test_execution_and_routing_rows_equal_their_audits(audits: dict[str, Path],
         assert row["speed_ratio_vs_dense"] == (timing and timing["speed_ratio_vs_dense"]["value"])
         assert row["speed_ratio_ci95"] == (timing and timing["speed_ratio_vs_dense"]["ci95"])
     assert execution["gate"]["measured"] and execution["gate"]["speed_ratio_ci95"]
+    shares = _raw(audits["gate"])["execution"]["blocks_executed_per_layer"]
+    assert result["per_layer"]["blocks executed"] == {
+        "gate": [[k, share, None, None] for k, share in enumerate(shares)]}
     md = _md_rows((compared / "compare.md").read_text(encoding="utf-8"), "Execution")
     ratio = _raw(audits["gate"])["execution"]["timing"]["speed_ratio_vs_dense"]
     assert fmt_with_ci(ratio["value"], ratio["ci95"], sign=False) in md["gate"]
@@ -289,7 +292,8 @@ def test_html_embeds_every_figure_and_links_its_svg(compared: Path) -> None:
     pngs = sorted((compared / "figures").glob("*.png"))
     stems = {p.stem for p in pngs}
     assert {"penalties-retentions", "profile", "per-layer-reassign",
-            "per-layer-static-layer", "per-layer-load-entropy"} <= stems
+            "per-layer-static-layer", "per-layer-load-entropy", "per-layer-blocks-executed",
+            "per-layer-sd-across-inputs", "per-layer-sd-across-positions"} <= stems
     assert html.count('src="data:image/png;base64,') == len(pngs)
     for png in pngs:
         assert f'href="figures/{png.stem}.svg"' in html

@@ -15,6 +15,7 @@ Public API (imported lazily, so ``import fcaudit`` and ``fcaudit --help`` stay f
     fcaudit.logits_of(output)                  # logits, also of a Hugging Face output
     fcaudit.reassign / shuffle / static        # interventions on recorded dicts
     fcaudit.audit(model, out=None, ...)        # -> AuditResult
+    fcaudit.compare([a, b], out=None, labels=None)  # audits side by side -> Comparison
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from fcaudit.core.errors import FcauditError
 _EXPORTS = {
     "AuditOptions": "engine.options", "audit": "api",
     "AuditResult": "engine.result",
+    "compare": "report.compare", "Comparison": "report.compare",
     "DataSpec": "io.data", "AuditData": "io.data",
     "Site": "core.contract", "SiteCall": "core.contract", "ExpertLayer": "core.contract",
     "TupleAdapter": "core.adapters", "RouterAdapter": "core.routers",

@@ -1,4 +1,4 @@
-"""Command line: ``fcaudit {train,audit,demo,bench,sites,reproduce}``.
+"""Command line: ``fcaudit {train,audit,compare,demo,bench,sites,reproduce}``.
 
 User errors print one line and exit with status 2; ``--debug`` shows tracebacks. This
 module imports nothing heavy at the top, so ``--help`` and argument errors are instant.
@@ -56,6 +56,25 @@ generator, a router). `fcaudit sites` lists the sites the model declares (or tha
 finds, e.g. Mixture-of-Experts routers of Hugging Face models). With --all it runs one
 small forward pass and lists every module with its output type and shape, marking
 likely controllers: pass those paths to `fcaudit audit --sites GLOB`.
+"""
+
+
+EPILOG_COMPARE = """\
+Audits are compared on the same evaluation data: each audit.json records its windows
+(count, length and a SHA-256 fingerprint of the token ids) and its calibration windows.
+Audits whose data differ are refused, naming the audits and the field, since their
+numbers are not paired; --allow-different-data compares them anyway and the report
+says so first. Audits of identical data (checkpoints of one run, or families on the
+built-in corpus) are reported as paired. Models are named by their folders or --label.
+
+writes OUT/compare.md, OUT/compare.html (self-contained), OUT/figures/ and
+OUT/compare.json (every table's rows, raw numbers); OUT is new, empty, or a folder
+`fcaudit compare` wrote, where only its own unchanged files are replaced.
+
+examples:
+  fcaudit compare audits/fg-seed0 audits/fg-seed1 audits/fg-seed2 --out cmp
+  fcaudit compare audits/step1000 audits/step2000 audits/step4000 \\
+      --label 1k --label 2k --label 4k --out cmp/steps
 """
 
 
@@ -161,6 +180,22 @@ def _add_audit(sub: Any) -> None:
     _add_audit_options(a)
 
 
+def _add_compare(sub: Any) -> None:
+    c = sub.add_parser("compare", help="several audits side by side (tables and figures)",
+                       description="Compare finished audits side by side: the three answers "
+                                   "per model, every penalty and retention with its 95%% CI, "
+                                   "per-layer profiles overlaid, routing and execution.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=EPILOG_COMPARE)
+    c.add_argument("audits", nargs="+", type=user_path, metavar="AUDIT",
+                   help="audit folders written by `fcaudit audit` (at least two)")
+    c.add_argument("--out", required=True, type=user_path, help="output folder")
+    c.add_argument("--label", action="append", default=None, dest="labels", metavar="NAME",
+                   help="name of each model, once per AUDIT in order (default: folder names)")
+    c.add_argument("--allow-different-data", action="store_true",
+                   help="compare audits measured on different data (reported as not paired)")
+
+
 def _add_bench(sub: Any) -> None:
     b = sub.add_parser("bench", help="execution audit only: model vs dense counterpart",
                        description="Blocks executed, FLOPs per token and interleaved timing of "
@@ -226,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(sub)
     _add_audit(sub)
+    _add_compare(sub)
     d = sub.add_parser("demo", help=f"train tiny FeatureGate + Dense and audit them "
                                     f"(about {measured_minutes('demo')} minutes on 2 cores)",
                        description="The built-in default end to end: train tiny FeatureGate and "
@@ -321,6 +357,18 @@ def print_summary(result: Any, out: Path) -> None:
         console.print(Text.assemble((key, "bold"), f": {getattr(result.verdict, key)}"),
                       soft_wrap=True)
     console.print(f"wrote {out / 'audit.json'}, {out / 'report.md'}, {out / 'report.html'}")
+
+
+def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    from fcaudit.report.compare import compare
+    result = compare(args.audits, args.out, labels=args.labels,
+                     allow_different_data=args.allow_different_data,
+                     command=shlex.join(["fcaudit", *argv]))
+    if not result.data["identical"]:
+        print("fcaudit: warning: these audits were measured on different data; their numbers "
+              "are not paired (the report says so first)", file=sys.stderr)
+    print(f"compared {', '.join(result.labels)}: wrote {args.out / 'compare.md'}, "
+          f"{args.out / 'compare.html'} and {args.out / 'compare.json'}")
 
 
 def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
@@ -483,7 +531,8 @@ def cmd_sites(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"train": cmd_train, "bench": cmd_bench, "sites": cmd_sites}
-WITH_ARGV = {"audit": cmd_audit, "demo": cmd_demo, "reproduce": cmd_reproduce}
+WITH_ARGV = {"audit": cmd_audit, "compare": cmd_compare, "demo": cmd_demo,
+             "reproduce": cmd_reproduce}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -518,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 INTERRUPTED = {
     "train": "no run folder was written; rerun the command to train again",
     "audit": "finished cache shards are kept: rerun the same command to resume",
+    "compare": "the previous comparison, if any, is kept: rerun the same command",
     "demo": "finished runs and cache shards are kept: rerun the same command to resume",
     "reproduce": "finished runs and audits are kept: rerun the same command to resume",
 }

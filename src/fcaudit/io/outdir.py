@@ -55,14 +55,16 @@ MARKER_SCHEMA = "fcaudit.output/1"
 LOCK = ".fcaudit-lock"
 PREVIOUS = ".previous"
 BOOKKEEPING = frozenset({MARKER, LOCK})
-KINDS = ("run", "audit", "study", "demo")
+KINDS = ("run", "audit", "study", "demo", "compare")
 
 RUN_FILES = frozenset({"config.json", "model.safetensors", "tokenizer.json", "train_log.jsonl"})
 # Result files of one audit or study; the first, written last, means the run finished.
 AUDIT_RESULTS = ("audit.json", "report.md", "report.html", "figures")
 STUDY_RESULTS = ("reproduction.json", "reproduction.md", "report.html", "figures")
+COMPARE_RESULTS = ("compare.json", "compare.md", "compare.html", "figures")  # fcaudit compare
 FIGURES = "figures"  # the one result that is a folder
-RESULTS = {"audit": AUDIT_RESULTS, "study": (*STUDY_RESULTS, "trend.md")}
+RESULTS = {"audit": AUDIT_RESULTS, "study": (*STUDY_RESULTS, "trend.md"),
+           "compare": COMPARE_RESULTS}
 
 # What a demo folder holds (sub-folder: kind), and a study's folders of outputs; they also
 # recognise such folders that fcaudit wrote before the marker existed.
@@ -127,7 +129,8 @@ def _is_legacy_study(held: list[Path]) -> bool:
 
 
 def output_kind(path: str | Path) -> str | None:
-    """``run``, ``audit``, ``study`` or ``demo`` for a folder fcaudit wrote, else None."""
+    """``run``, ``audit``, ``study``, ``demo`` or ``compare`` for a folder fcaudit wrote,
+    else None."""
     path = Path(path)
     if not path.is_dir():
         return None

@@ -250,42 +250,96 @@ def penalty_figure(conditions: Mapping[str, Mapping[str, Span]],
                    ) -> Figure | None:
     """Penalties vs correct with intervals: per condition (one marker per series: the
     audit, or each study group), and per layer (one line per ``name@layer`` series)."""
-    series = {s: {c: span for c, span in conds.items() if span.value is not None}
-              for s, conds in conditions.items()}
-    names = list(dict.fromkeys(c for conds in series.values() for c in conds))
-    layers = {s: [(k, span) for k, span in entries if span.value is not None]
-              for s, entries in (per_layer or {}).items()}
-    layers = {s: entries for s, entries in layers.items() if entries}
-    if not names and not layers:
+    series = _named_spans(conditions)
+    layers = _layer_spans(per_layer or {})
+    if not series and not layers:
         return None
-    fig, axes = _stacked_axes(bool(names) + bool(layers), 3.2)
-    if names:
-        ax = axes[0]
-        y = np.arange(len(names))[::-1].astype(float)
-        offsets = 0.5 * (np.arange(len(series)) - (len(series) - 1) / 2) / max(1, len(series))
-        for i, (label, conds) in enumerate(series.items()):
-            spans = [conds.get(n, Span(None)) for n in names]
-            ax.errorbar(_floats([s.value for s in spans]), y + offsets[i],
-                        xerr=_error_bars(spans), fmt="o", color=f"C{i}", capsize=3, label=label)
-        ax.axvline(0, color="grey", lw=0.8)
-        ax.set_yticks(y, names)
-        ax.set(title="Penalty per condition (all sites at once)",
-               xlabel="Δ NLL vs correct (nats) with interval")
-        if len(series) > 1:
-            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig, axes = _stacked_axes(bool(series) + bool(layers), 3.2)
+    if series:
+        _condition_panel(axes[0], series, "Penalty per condition (all sites at once)",
+                         "Δ NLL vs correct (nats) with interval")
     if layers:
-        ax = axes[-1]
-        for i, (label, entries) in enumerate(layers.items()):
-            x = np.array([k for k, _ in entries], dtype=float) + 0.15 * (i - (len(layers) - 1) / 2)
-            spans = [s for _, s in entries]
-            ax.errorbar(x, _floats([s.value for s in spans]), yerr=_error_bars(spans), fmt="o-",
-                        ms=3, lw=1, capsize=2, color=f"C{i}", label=label)
-        ax.axhline(0, color="grey", lw=0.8)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set(title="Penalty of intervening on one layer (others correct)", xlabel="layer",
-               ylabel="Δ NLL (nats), 95% CI")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        _layer_panel(axes[-1], layers, "Penalty of intervening on one layer (others correct)",
+                     "Δ NLL (nats), 95% CI", legend=True)
     return fig
+
+
+def comparison_figure(penalties: Mapping[str, Mapping[str, Span]],
+                      retentions: Mapping[str, Mapping[str, Span]]) -> Figure | None:
+    """Several audits side by side (one colour per model): each condition's penalty and
+    each static profile's gap retention with their intervals (undefined ones left out)."""
+    panels = [(spans, title, xlabel, refs) for spans, title, xlabel, refs in (
+        (_named_spans(penalties), "Penalty per condition (all sites at once)",
+         "Δ NLL vs correct (nats), 95% CI", (0.0,)),
+        (_named_spans(retentions), "Gap retention of the static profiles",
+         "share of the correct-to-global-mean gap kept (%), 95% CI", (0.0, 100.0)))
+        if spans]
+    if not panels:
+        return None
+    fig, axes = _stacked_axes(len(panels), 3.2)
+    for ax, (spans, title, xlabel, refs) in zip(axes, panels, strict=True):
+        _condition_panel(ax, spans, title, xlabel, refs, legend=True)
+    return fig
+
+
+def layer_figure(series: Mapping[str, Sequence[tuple[int, Span]]], title: str,
+                 ylabel: str, reference: float | None = None) -> Figure | None:
+    """One per-layer quantity, one line per series (a model), with intervals if any."""
+    layers = _layer_spans(series)
+    if not layers:
+        return None
+    fig, axes = _stacked_axes(1, 3.2)
+    _layer_panel(axes[0], layers, title, ylabel, legend=len(layers) > 1, reference=reference)
+    return fig
+
+
+def _named_spans(series: Mapping[str, Mapping[str, Span]]) -> dict[str, dict[str, Span]]:
+    """Each series' spans that have a value; None when no series has any."""
+    kept = {s: {c: span for c, span in spans.items() if span.value is not None}
+            for s, spans in series.items()}
+    return kept if any(kept.values()) else {}
+
+
+def _layer_spans(series: Mapping[str, Sequence[tuple[int, Span]]]
+                 ) -> dict[str, list[tuple[int, Span]]]:
+    kept = {s: [(k, span) for k, span in entries if span.value is not None]
+            for s, entries in series.items()}
+    return {s: entries for s, entries in kept.items() if entries}
+
+
+def _condition_panel(ax: Axes, series: Mapping[str, Mapping[str, Span]], title: str,
+                     xlabel: str, references: Sequence[float] = (0.0,),
+                     legend: bool = False) -> None:
+    """One row per name, one marker with its interval per series, dodged vertically."""
+    names = list(dict.fromkeys(c for conds in series.values() for c in conds))
+    y = np.arange(len(names))[::-1].astype(float)
+    offsets = 0.5 * (np.arange(len(series)) - (len(series) - 1) / 2) / max(1, len(series))
+    for i, (label, conds) in enumerate(series.items()):
+        spans = [conds.get(n, Span(None)) for n in names]
+        ax.errorbar(_floats([s.value for s in spans]), y + offsets[i],
+                    xerr=_error_bars(spans), fmt="o", color=f"C{i}", capsize=3, label=label)
+    for ref in references:
+        ax.axvline(ref, color="grey", lw=0.8)
+    ax.set_yticks(y, names)
+    ax.set(title=title, xlabel=xlabel)
+    if len(series) > 1 or legend:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def _layer_panel(ax: Axes, series: Mapping[str, Sequence[tuple[int, Span]]], title: str,
+                 ylabel: str, legend: bool, reference: float | None = 0.0) -> None:
+    """One line per series over the layers, dodged horizontally, with interval bars."""
+    for i, (label, entries) in enumerate(series.items()):
+        x = np.array([k for k, _ in entries], dtype=float) + 0.15 * (i - (len(series) - 1) / 2)
+        spans = [s for _, s in entries]
+        ax.errorbar(x, _floats([s.value for s in spans]), yerr=_error_bars(spans), fmt="o-",
+                    ms=3, lw=1, capsize=2, color=f"C{i}", label=label)
+    if reference is not None:
+        ax.axhline(reference, color="grey", lw=0.8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(title=title, xlabel="layer", ylabel=ylabel)
+    if legend:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def variance_figure(shares: Mapping[str, Mapping[str, float | None]]) -> Figure | None:

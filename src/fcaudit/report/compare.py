@@ -382,7 +382,8 @@ def _stem(quantity: str) -> str:
 
 def _data_block(data: Row) -> str:
     if data["identical"]:
-        return (f"**Identical evaluation data.** All {data['audits']} audits were measured "
+        every = "Both" if data["audits"] == 2 else f"All {data['audits']}"
+        return (f"**Identical evaluation data.** {every} audits were measured "
                 f"on the same {fmt_num(data['eval_sequences'])} evaluation windows of "
                 f"{fmt_num(data['seq_len'])} tokens (fingerprint "
                 f"{md_code(_short(data['eval_fingerprint']))}) with the same calibration "

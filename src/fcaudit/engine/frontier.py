@@ -66,7 +66,8 @@ class FrontierPoint:
     layers: tuple[int, ...] = ()  # gates, static-layer: layers zeroed
     cells: tuple[tuple[int, int], ...] = ()  # gates, static-layer-position: (layer, position)
     mass: float | None = None  # routers, dynamic: top-p mass
-    keep: tuple[int, ...] = ()  # routers: k per layer (static); the family's k (dynamic)
+    keep: tuple[int, ...] = ()  # routers, static-k: k per layer
+    top_k: tuple[int, ...] = ()  # routers: the family's k per layer
 
     @property
     def key(self) -> str:
@@ -157,9 +158,10 @@ def _router_points(fam: Covered, calib: Mapping[str, Tensor],
     for q in levels(points):
         if pooled.size:
             made.append(FrontierPoint(fam.family, ROUTER, DYNAMIC, q,
-                                      mass=float(np.quantile(pooled, 1 - q)), keep=fam.top_k))
+                                      mass=float(np.quantile(pooled, 1 - q)),
+                                      top_k=fam.top_k))
         if steps:
-            made.append(FrontierPoint(fam.family, ROUTER, STATIC_K, q,
+            made.append(FrontierPoint(fam.family, ROUTER, STATIC_K, q, top_k=fam.top_k,
                                       keep=steps[min(len(steps), max(1, round(q * len(steps))))
                                                  - 1]))
     return made
@@ -177,13 +179,13 @@ def skipped(point: FrontierPoint, layer: int, t: Tensor) -> Tensor:
         mask = torch.zeros(shape, dtype=torch.bool)
         mask[:, [p for i, p in point.cells if i == layer]] = True
         return mask
-    return (point.keep[layer] - _kept(point, layer, t)).double()
+    return (point.top_k[layer] - _kept(point, layer, t)).double()
 
 
 def _kept(point: FrontierPoint, layer: int, t: Tensor) -> Tensor:
     if point.rule == DYNAMIC:
         assert point.mass is not None
-        return top_p_keep(t, point.keep[layer], point.mass)
+        return top_p_keep(t, point.top_k[layer], point.mass)
     return torch.full(t.shape[:-1], point.keep[layer], dtype=torch.int64)
 
 
@@ -283,7 +285,7 @@ def summarize_family(fam: Covered, points: Sequence[FrontierPoint],
     for p in mine:
         d = per_seq[p.key] - correct
         saved = float(np.dot(units[p.key], per_unit)) / tokens
-        slots = sum(p.keep) if fam.kind == ROUTER else len(fam.sites)
+        slots = sum(fam.top_k) if fam.kind == ROUTER else len(fam.sites)
         delta, ci = penalty(per_seq[p.key], correct, boot)
         results.append(FrontierPointResult(
             p.rule, p.level, p.tau if fam.kind == GATE else p.mass,

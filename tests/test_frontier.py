@@ -24,13 +24,15 @@ from toys import (
     pair_sequences,
 )
 
+from fcaudit.api import audit
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.recording import record
 from fcaudit.core.routers import drop_experts, top_p_keep
 from fcaudit.engine.frontier import levels
 from fcaudit.engine.result import AuditResult
-from fcaudit.engine.run import AuditOptions, audit
+from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import AuditData
+from fcaudit.report.figures import Span
 
 N, T = 8, 16
 OPTIONS = AuditOptions(repeats=1, bootstrap=200, batch_size=4, per_layer=False, timing_pairs=0,
@@ -128,6 +130,15 @@ def test_frontier_in_audit_json_frame_and_report(constant) -> None:
     assert list(frame["delta"]) == [p.delta for p in points]
     assert list(frame["flops_saved_fraction"]) == [p.flops_saved_fraction for p in points]
     assert result.settings["frontier_runs"] == len(points)
+    report = (out / "report.md").read_text()
+    assert "## Savings frontier" in report and result.frontier["toygate"].sentence in report
+    assert report.count("| dynamic |") == sum(p.rule == "dynamic" for p in points)
+    assert (out / "figures" / "frontier.png").exists()
+    from fcaudit.report.figures import frontier_figure
+    fig = frontier_figure({"toygate": {"dynamic": [(0.5, Span(0.1, 0.0, 0.2))]}})
+    (ax,) = fig.axes
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("FLOPs saved (%)", "Δ NLL vs correct (nats)")
+    assert list(ax.lines[0].get_xdata()) == [0.0, 50.0]
 
 
 def test_informative_gate_dynamic_beats_static(tmp_path: Path) -> None:
@@ -186,8 +197,9 @@ def test_tiny_moe_top_p_routing_matches_numpy() -> None:
         cached = record(model, ids, sites)
     for p in (0.5, 0.8, 0.95):
         fed = {s: drop_experts(cached[s.name], top_p_keep(cached[s.name], 3, p)) for s in sites}
-        seen = {}
-        hooks = [b.register_forward_hook(lambda _m, a, o, i=i: seen.update({i: (a[0], o)}))
+        seen: dict = {}
+        hooks = [b.register_forward_hook(lambda _m, a, o, i=i, seen=seen: seen.update(
+            {i: (a[0], o)}))
                  for i, b in enumerate(model.blocks)]
         with torch.no_grad(), replay(model, fed):
             model(ids)

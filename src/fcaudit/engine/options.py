@@ -59,8 +59,9 @@ class AuditOptions:
     # routed layer has at most AUTO_ABLATION_MAX_EXPERTS experts
     expert_ablation: bool | None = None
     # the savings frontier: NLL penalty vs FLOPs skippable, dynamic vs static rules, with
-    # frontier_points replays per rule (needs the execution audit for the FLOPs)
-    frontier: bool = False
+    # frontier_points replays per rule (needs the execution audit for the FLOPs); None:
+    # on for the families it covers when the execution audit runs (the study's setting)
+    frontier: bool | None = False
     frontier_points: int = 6
 
     def validate(self) -> None:
@@ -86,8 +87,9 @@ class AuditOptions:
             raise FcauditError(f"{name('expert_ablation', self.expert_ablation)}: must be "
                                "True, False or None (on for at most "
                                f"{AUTO_ABLATION_MAX_EXPERTS} experts per routed layer)")
-        if not isinstance(self.frontier, bool):
-            raise FcauditError(f"{name('frontier', self.frontier)}: must be True or False")
+        if self.frontier is not None and not isinstance(self.frontier, bool):
+            raise FcauditError(f"{name('frontier', self.frontier)}: must be True, False or "
+                               "None (on where a family is covered and execution measured)")
         if self.frontier and not self.execution:
             off = arg("execution", py="AuditOptions(execution=False)", cli="--no-execution")
             raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} needs the "

@@ -360,11 +360,12 @@ def ablation_plan(setup: Setup, first: Probe) -> dict[Site, int]:
 def frontier_plan(setup: Setup, first: Probe) -> list[Covered]:
     """The families the savings frontier covers (none without ``frontier``); a frontier
     asked for a model with no soft-gate or routed family is refused."""
-    if not setup.options.frontier:
+    asked = setup.options.frontier
+    if asked is False or (asked is None and not setup.options.execution):
         return []
     covered = frontier_families(setup.sites, first.coefficients,
                                 declared_experts(setup.model) or [])
-    if not covered:
+    if not covered and asked:
         raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')}: the audited "
                            "sites have no soft gate (one coefficient per token) and no router "
                            "with declared experts, so nothing could be skipped; drop the "

@@ -109,7 +109,7 @@ PAPER_ETA2_LAYER, PAPER_MUDD = paper.ETA2_LAYER, paper.MUDD
 # Per-seed numbers of a point: those with a 95% bootstrap interval over sequences, the rest.
 WITH_CI = ("retention_static_layer", "retention_static_layer_position", "delta_reassign",
            "delta_shuffle")
-PLAIN = ("eta2_layer", "nll_correct", "eval_nll", "unigram_nll", "wall_s", "frontier_gap_25")
+PLAIN = ("eta2_layer", "nll_correct", "eval_nll", "unigram_nll", "wall_s")
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,6 @@ class SeedResult:
     audit: AuditResult
     dense_config: Mapping[str, Any] | None
     wall_s: float
-
-
-def reproduce_gap(a: AuditResult) -> float | None:
-    """The main family's frontier gap at 25% saved (None: no frontier)."""
-    fam = (a.frontier or {}).get(a.families[0])
-    return fam.gap_at_25.value if fam is not None and fam.gap_at_25 is not None else None
 
 
 def _estimate(value: float | None, ci95: Sequence[float] | None) -> dict[str, Any]:
@@ -146,7 +140,6 @@ def seed_numbers(r: SeedResult) -> dict[str, Any]:
         "delta_reassign": _estimate(cond["reassign"].delta, cond["reassign"].ci95),
         "delta_shuffle": _estimate(cond["shuffle"].delta, cond["shuffle"].ci95),
         "eta2_layer": a.variance[a.families[0]].eta2_layer,  # the main family comes first
-        "frontier_gap_25": reproduce_gap(a),
         "nll_correct": cond["correct"].nll,
         "eval_nll": results["eval_nll"],
         "unigram_nll": results["unigram_nll"],

@@ -246,3 +246,77 @@ def planted_moe() -> nn.Module:
 
 def biased_moe() -> nn.Module:
     return PlantedMoE(biased=True)
+
+
+# ---- gated blocks with real FLOPs: known savings frontiers (tests/test_frontier.py) ----
+
+TOY_GATE_LAYERS = 4
+TOY_GATE_CONSTANTS = (0.9, 0.3, 0.7, 0.5)  # per layer; lowest mean first: 1, 3, 2, 0
+TOY_UPDATE = 1.0  # each block adds this times its gate to the logit of x + 1 (4 blocks:
+# at most 4 < log(V - 1), below the best constant logit, so removing any update costs)
+
+
+class ToyBlockGate(nn.Module):
+    """``[B, T, 1]`` from the block input ``h``: ``constant``, the layer's constant;
+    ``informative``, 1 where the current token is below V / 2, exactly 0 elsewhere."""
+
+    def __init__(self, mode: str, layer: int) -> None:
+        super().__init__()
+        self.mode, self.layer = mode, layer
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.mode == "constant":
+            return torch.full((*h.shape[:2], 1), TOY_GATE_CONSTANTS[self.layer])
+        return h[..., : V // 2].sum(-1, keepdim=True)
+
+
+class ToyGatedBlock(nn.Module):
+    """``h + g * body(h)``; ``h [B, T, 2V]`` holds the token one-hot, then the logits.
+    ``body`` is one ``2V x 2V`` matmul (``8 V^2`` FLOPs per token) writing ``TOY_UPDATE`` to
+    the logit of ``x + 1``."""
+
+    def __init__(self, mode: str | None, layer: int) -> None:
+        super().__init__()
+        self.gate = ToyBlockGate(mode, layer) if mode else None
+        self.body = nn.Linear(2 * V, 2 * V, bias=False)
+        weight = torch.zeros(2 * V, 2 * V)
+        weight[V + (torch.arange(V) + 1) % V, torch.arange(V)] = TOY_UPDATE
+        self.body.weight.data.copy_(weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        update = self.body(h)
+        return h + update if self.gate is None else h + self.gate(h) * update
+
+
+class ToyGatedModel(nn.Module):
+    """Four gated blocks over the one-hot input; the logits are the second half of ``h``.
+    Its dense counterpart is the same network with every gate 1."""
+
+    def __init__(self, mode: str | None) -> None:
+        super().__init__()
+        self.mode = mode
+        self.blocks = nn.ModuleList(ToyGatedBlock(mode, i) for i in range(TOY_GATE_LAYERS))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([F.one_hot(ids, V).float(), torch.zeros(*ids.shape, V)], dim=-1)
+        for block in self.blocks:
+            h = block(h)
+        return h[..., V:]
+
+    def controller_sites(self) -> list[Site]:
+        return [Site(f"blocks.{i}.gate", f"blocks.{i}.gate", "toygate", i)
+                for i in range(TOY_GATE_LAYERS)] if self.mode else []
+
+    def execution_blocks(self) -> list[str]:
+        return [f"blocks.{i}" for i in range(TOY_GATE_LAYERS)]
+
+    def dense_counterpart(self) -> nn.Module:
+        return ToyGatedModel(None)
+
+
+def constant_gated_model() -> nn.Module:
+    return ToyGatedModel("constant")
+
+
+def informative_gated_model() -> nn.Module:
+    return ToyGatedModel("informative")

@@ -95,6 +95,13 @@ def _add_audit_options(p: argparse.ArgumentParser) -> None:
                         "expert never picked (costs layers x experts replays, each "
                         "recomputing only the blocks after its layer); default: on when "
                         "every routed layer has at most 64 experts")
+    g.add_argument("--frontier", action="store_true",
+                   help="the savings frontier: NLL penalty against FLOPs that could be skipped, "
+                        "a dynamic rule on the recorded gates or routing weights against static "
+                        "rules (costs --frontier-points replays per rule; needs the execution "
+                        "audit)")
+    g.add_argument("--frontier-points", type=int, default=6,
+                   help="points per frontier curve, 2 to 20 (default 6)")
     g.add_argument("--timing-pairs", type=int, default=10,
                    help="interleaved model/dense timing pairs, 10 to 1000; 0 disables timing "
                         "(default 10)")
@@ -116,7 +123,8 @@ def _options(args: argparse.Namespace) -> Any:
                         execution=not args.no_execution, timing_pairs=args.timing_pairs,
                         progress=not args.quiet, schedule=args.schedule,
                         allow_nonexact_identity=args.allow_nonexact_identity,
-                        expert_ablation=args.expert_ablation)
+                        expert_ablation=args.expert_ablation, frontier=args.frontier,
+                        frontier_points=args.frontier_points)
 
 
 def _add_train(sub: Any) -> None:

@@ -226,6 +226,35 @@ def ablate_expert(logits: Tensor, expert: int) -> Tensor:
     return out
 
 
+def topk_mass(logits: Tensor, k: int) -> Tensor:
+    """Cumulative routing weight ``[..., k]`` of each token's top-``k`` experts, largest
+    first: a softmax over the token's top-``k`` logits (Mixtral's and the tiny MoE's
+    renormalised weights; for any family, each chosen expert's share of the routed mass)."""
+    top = logits.double().topk(k, dim=-1).values
+    return top.softmax(dim=-1).cumsum(dim=-1)
+
+
+def top_p_keep(logits: Tensor, k: int, mass: float) -> Tensor:
+    """Experts each token keeps under top-p routing (int64 ``[...]``, 1 to ``k``): the fewest
+    of its top-``k`` experts whose routing weight (:func:`topk_mass`) reaches ``mass``."""
+    cum = topk_mass(logits, k)
+    return ((cum < mass).sum(dim=-1) + 1).clamp(max=k)
+
+
+def drop_experts(logits: Tensor, keep: Tensor) -> Tensor:
+    """``logits [..., E]`` with every expert outside each token's top-``keep`` (by logit) set
+    below the token's lowest kept logit, as :func:`ablate_expert` sets one expert: the
+    family's rule renormalises over the kept experts, and an expert it must still pick to
+    fill its ``k`` slots gets routing weight exactly 0 (``exp(-1e4)`` underflows)."""
+    rank = logits.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    dropped = rank >= keep.to(logits.device).unsqueeze(-1)
+    kept = logits.double().masked_fill(dropped, float("inf"))
+    low = kept.amin(dim=-1, keepdim=True)
+    floor = (low - (low.abs() * 2**-4).clamp_min(ABLATION_MARGIN)).clamp_min(
+        torch.finfo(logits.dtype).min)
+    return torch.where(dropped, floor.to(logits.dtype), logits)
+
+
 # ---- routing metrics (pure functions of top-k index tensors [..., k]) ----
 
 def expert_load(indices: Tensor, num_experts: int) -> Tensor:

@@ -214,6 +214,11 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
     if flops:
         result["flops_per_token"] = counter.get_total_flops() / tokens
         result["uncounted"] = uncounted_operators(recorder.ops, counter)
+        by_module = counter.get_flop_counts()
+        root = type(model).__name__
+        result["flops_per_block"] = [  # per token that entered the block (0: none did)
+            sum(by_module.get(f"{root}.{path}", {}).values()) / c if c else 0.0
+            for path, c in zip(paths, counts, strict=True)]
     if experts:
         flop_counts = counter.get_flop_counts() if flops else {}
         result["experts"] = expert_execution(model, experts, expert_counts, chosen,
@@ -254,7 +259,7 @@ def expert_execution(model: nn.Module, layers: Sequence[ExpertLayer],
     """Experts run per token and layer, whether that is exactly what the routers chose,
     and the FLOPs spent in experts against every expert running for every token."""
     root = type(model).__name__
-    per_layer, active, full = [], 0.0, 0.0
+    per_layer, active, full, per_slot = [], 0.0, 0.0, []
     matches = True
     for layer in layers:
         count = counts[layer.name]
@@ -266,6 +271,7 @@ def expert_execution(model: nn.Module, layers: Sequence[ExpertLayer],
         spent = sum(sum(flop_counts.get(f"{root}.{path}", {}).values())
                     for path in layer.experts) / tokens
         active += spent
+        per_slot.append(spent / ran if ran else 0.0)
         full += spent * layer.num_experts / ran if ran else 0.0
     present = sum(layer.num_experts for layer in layers)
     return ExpertExecution(
@@ -279,7 +285,8 @@ def expert_execution(model: nn.Module, layers: Sequence[ExpertLayer],
         all_expert_flops_per_token=full if flop_counts else None,
         routing_changes_computation=any(
             0 < ran < x.num_experts * (1 - TOLERANCE) for ran, x in zip(per_layer, layers,
-                                                                      strict=True)))
+                                                                      strict=True)),
+        flops_per_slot_per_layer=per_slot if flop_counts else None)
 
 
 def count_block_executions(model: nn.Module, block_paths: Sequence[str],
@@ -418,7 +425,9 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torc
         flops_counted="forward matmuls and attention (torch.utils.flop_counter)",
         uncounted_operators=uncounted or None,
         conditional_execution=saves or bool(experts and experts.routing_changes_computation),
-        saves_against_dense=saves if twin is not None else None, experts=experts)
+        saves_against_dense=saves if twin is not None else None, experts=experts,
+        flops_per_block=own["flops_per_block"],
+        dense_flops_per_block=twin["flops_per_block"] if twin else None)
     if timing and dense is not None:
         result.timing = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
                                          threads)

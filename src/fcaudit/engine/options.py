@@ -31,6 +31,7 @@ MAX_SEED = 2**32 - 1  # torch and numpy generators; seeds derive as seed * 1000 
 # expert ablation costs one replay per layer and expert: on by default up to this many
 # experts per routed layer (a 4-layer, 64-expert model: 256 more replays), else opt-in
 AUTO_ABLATION_MAX_EXPERTS = 64
+MAX_FRONTIER_POINTS = 20  # each point of each rule is one more replay
 
 
 SCHEDULES = ("prefix", "naive")
@@ -57,6 +58,11 @@ class AuditOptions:
     # one replay per routed layer and expert, that expert never picked; None: on when every
     # routed layer has at most AUTO_ABLATION_MAX_EXPERTS experts
     expert_ablation: bool | None = None
+    # the savings frontier: NLL penalty vs FLOPs skippable, dynamic vs static rules, with
+    # frontier_points replays per rule (needs the execution audit for the FLOPs); None:
+    # on for the families it covers when the execution audit runs (the study's setting)
+    frontier: bool | None = False
+    frontier_points: int = 6
 
     def validate(self) -> None:
         """Refuse option values no audit can run with, naming the option in the caller's
@@ -64,7 +70,8 @@ class AuditOptions:
         checks = (("repeats", self.repeats, 1, MAX_REPEATS), ("seed", self.seed, 0, MAX_SEED),
                   ("bootstrap", self.bootstrap, 10, MAX_BOOTSTRAP),
                   ("batch_size", self.batch_size, 1, None),
-                  ("timing_pairs", self.timing_pairs, 0, MAX_TIMING_PAIRS))
+                  ("timing_pairs", self.timing_pairs, 0, MAX_TIMING_PAIRS),
+                  ("frontier_points", self.frontier_points, 2, MAX_FRONTIER_POINTS))
 
         def name(option: str, value: object) -> str:
             return arg(option, value, owner="AuditOptions")
@@ -80,6 +87,14 @@ class AuditOptions:
             raise FcauditError(f"{name('expert_ablation', self.expert_ablation)}: must be "
                                "True, False or None (on for at most "
                                f"{AUTO_ABLATION_MAX_EXPERTS} experts per routed layer)")
+        if self.frontier is not None and not isinstance(self.frontier, bool):
+            raise FcauditError(f"{name('frontier', self.frontier)}: must be True, False or "
+                               "None (on where a family is covered and execution measured)")
+        if self.frontier and not self.execution:
+            off = arg("execution", py="AuditOptions(execution=False)", cli="--no-execution")
+            raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} needs the "
+                               f"execution audit (its x axis is the FLOPs it counts): drop {off} "
+                               "or the frontier")
         if 0 < self.timing_pairs < 10:
             raise FcauditError(f"{name('timing_pairs', self.timing_pairs)}: use 0 (no "
                                "timing) or at least 10 pairs for a meaningful interval")

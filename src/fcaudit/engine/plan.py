@@ -29,6 +29,7 @@ from fcaudit.core.interventions import (
 )
 from fcaudit.core.routers import ablate_expert
 from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.frontier import FrontierPoint, point_feed
 from fcaudit.engine.options import AUTO_ABLATION_MAX_EXPERTS, AuditOptions
 from fcaudit.engine.result import RANDOM_CONDITIONS, STATIC_CONDITIONS
 
@@ -42,9 +43,12 @@ class Run:
     site: Site | None = None  # per-layer variant: only this site is intervened
     custom: Intervention | None = None
     expert: int | None = None  # expert ablation: this expert of ``site`` is never picked
+    point: FrontierPoint | None = None  # a savings-frontier replay
 
     @property
     def key(self) -> str:
+        if self.point is not None:
+            return self.point.key
         if self.expert is not None:
             return ablation_key(self.site, self.expert)
         return self.condition if self.site is None else f"{self.condition}@{self.site.name}"
@@ -72,9 +76,11 @@ def ablation_experts(sites: Sequence[Site], options: AuditOptions,
 
 def plan_runs(sites: Sequence[Site], options: AuditOptions,
               interventions: Sequence[Intervention] = (),
-              ablated: Mapping[Site, int] | None = None) -> list[Run]:
+              ablated: Mapping[Site, int] | None = None,
+              points: Sequence[FrontierPoint] = ()) -> list[Run]:
     """Every run, in order: correct first, then the conditions, per-layer variants, expert
-    ablations (``ablated``: site -> its number of experts) and user interventions."""
+    ablations (``ablated``: site -> its number of experts), frontier points and user
+    interventions."""
     runs = [Run("correct")]
     runs += [Run(c, k) for k in range(options.repeats) for c in RANDOM_CONDITIONS]
     runs += [Run(c) for c in STATIC_CONDITIONS]
@@ -84,8 +90,17 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
             runs.append(Run("static-layer", 0, site))
     runs += [Run(EXPERT_ABLATION, site=site, expert=e)
              for site, n in (ablated or {}).items() for e in range(n)]
+    runs += [Run(FRONTIER, point=p) for p in points]
     runs += [Run(iv.name, k, custom=iv) for iv in interventions for k in range(iv.repeats)]
     return runs
+
+
+FRONTIER = "frontier"
+
+
+def frontier_runs(runs: Sequence[Run]) -> list[Run]:
+    """The savings-frontier runs, in plan order."""
+    return [r for r in runs if r.point is not None]
 
 
 def digest_tensors(named: Iterable[tuple[str, Tensor]], head: bytes = b"") -> bytes:
@@ -102,7 +117,9 @@ def digest_tensors(named: Iterable[tuple[str, Tensor]], head: bytes = b"") -> by
 def run_digest(run: Run, fed: Mapping[Site, Tensor], context: bytes) -> bytes:
     """What one run's NLL on a batch is computed from: ``context`` (the batch's token ids
     and the schedule), the run's identity, and every fed tensor in site order."""
-    ablated = () if run.expert is None else (run.expert,)  # earlier runs' digests unchanged
+    # earlier runs' digests unchanged; a frontier point's key names its rule and level
+    ablated = () if run.expert is None else (run.expert,)
+    ablated += () if run.point is None else (run.point.key,)
     identity = repr((run.condition, run.repeat, run.site and run.site.name,
                      run.custom is not None, *ablated)).encode()
     return digest_tensors(((s.name, t) for s, t in fed.items()), context + identity)
@@ -128,6 +145,8 @@ def feed(run: Run, b: int, inputs: ReplayInputs, device: torch.device) -> dict[S
     fed = dict(correct)
     if run.custom is not None:
         fed.update(_custom_feed(run, b, rows, inputs, correct))
+    elif run.point is not None:
+        fed.update(point_feed(run.point, correct))
     elif run.expert is not None:
         assert run.site is not None
         fed[run.site] = ablate_expert(correct[run.site], run.expert)
@@ -199,7 +218,8 @@ def ablation_runs(runs: Sequence[Run]) -> list[Run]:
 
 def tracked_runs(runs: Sequence[Run]) -> list[Run]:
     """The runs whose re-routing is counted: main conditions other than correct."""
-    return [r for r in runs if r.site is None and r.custom is None and r.condition != "correct"]
+    return [r for r in runs if r.site is None and r.custom is None and r.point is None
+            and r.condition != "correct"]
 
 
 def routing_sites(sites: Sequence[Site]) -> list[Site]:

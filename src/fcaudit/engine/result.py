@@ -224,6 +224,8 @@ class ExpertExecution:
     all_expert_flops_per_token: float | None  # had every token run every expert
     # in some routed layer a token runs fewer than every expert, the ones its router picks
     routing_changes_computation: bool
+    # expert FLOPs per executed token-slot, per routed layer (the frontier's unit cost)
+    flops_per_slot_per_layer: list[float] | None = _omit_none()
 
     def experts_present_text(self) -> str:
         """Experts present per routed layer: one number, or the range when layers differ."""
@@ -259,6 +261,9 @@ class Execution:
     speed_ratio_vs_dense: float | None = None
     timing: Timing | None = None
     experts: ExpertExecution | None = _omit_none()
+    # FLOPs per token that entered each block, counted on the model and the dense twin
+    flops_per_block: list[float] | None = _omit_none()
+    dense_flops_per_block: list[float] | None = _omit_none()
 
     def omitted(self) -> set[str]:
         """An unmeasured execution is written as ``{measured, reason}`` alone."""
@@ -323,6 +328,64 @@ class ImportanceSummary:
     per_layer: list[LayerImportance]
     replays: int  # layers x experts
     note: str
+
+
+@dataclass
+class FrontierPointResult:
+    """One frontier replay: a rule at one level (docs/method.md, Savings frontier)."""
+
+    rule: str  # dynamic, static-layer, static-layer-position (gates); dynamic, static-k
+    level: float  # target share of gated units skipped, set on calibration
+    threshold: float | None  # gates: tau (zeroed below); routers, dynamic: top-p mass
+    layers: list[int] | None  # static-layer: layers zeroed; static-k: k per layer
+    skipped_fraction: float  # of the gated units (token-layers or expert slots), evaluation
+    flops_saved_per_token: float
+    flops_saved_fraction: float  # of total_flops_per_token
+    nll: float
+    delta: float
+    ci95: Interval
+
+
+@dataclass
+class FrontierMatch:
+    """The curves interpolated at one FLOPs-saved fraction (None: beyond a curve's reach);
+    ``gap[rule]``: that static rule's penalty minus the dynamic one's, paired interval."""
+
+    saved: float
+    dynamic: Estimate | None
+    static: dict[str, Estimate | None]
+    gap: dict[str, Estimate | None]
+
+
+@dataclass
+class FrontierCheck:
+    """A model that really skips (SkipGate): its measured point against its dynamic curve."""
+
+    measured_flops_saved_fraction: float  # dense FLOPs minus the model's, counted
+    accounted_flops_saved_fraction: float  # blocks executed per layer x per-block FLOPs
+    delta: float  # the model's own penalty: 0 (its pass is the correct replay)
+    curve_delta: Estimate | None  # the dynamic curve at the accounted fraction
+    on_curve: bool
+    note: str
+
+
+@dataclass
+class FrontierFamily:
+    """One family's savings frontier: every point, the matched comparisons at 10/25/50%
+    saved, the mean gap over the common range (``area``) and the one sentence."""
+
+    kind: str  # gate or router
+    flops_per_unit: list[float] | None  # per layer: per skipped token (gate) or slot (router)
+    total_flops_per_token: float | None  # the denominator of the saved fractions
+    flops_source: str | None
+    points: list[FrontierPointResult]
+    matched: list[FrontierMatch]
+    area: dict[str, Estimate | None]  # static rule -> mean (static - dynamic) penalty
+    best_static: str | None  # the static rule with the smallest gap at 25% saved
+    gap_at_25: Estimate | None
+    sentence: str
+    check: FrontierCheck | None = _omit_none()
+    reason: str | None = _omit_none()
 
 
 @dataclass
@@ -413,6 +476,7 @@ class AuditResult:
     routing: dict[str, RoutingSummary] | None = _omit_none()
     expert_importance: dict[str, ImportanceSummary] | None = _omit_none()
     token_profile: TokenProfile | None = _omit_none()
+    frontier: dict[str, FrontierFamily] | None = _omit_none()
 
     def to_json(self) -> dict[str, Any]:
         """The ``audit.json`` content (plain JSON types)."""
@@ -445,7 +509,8 @@ class AuditResult:
         in a notebook: ``conditions`` (one row per condition, custom ones included),
         ``per_layer`` (one row per condition and site), ``retention`` (one row per static
         profile), ``routing`` (one row per router site and expert) or ``experts`` (expert
-        importance: one row per ablated layer and expert)."""
+        importance: one row per ablated layer and expert) or ``frontier`` (one row per
+        frontier point, with the origin of each rule omitted)."""
         try:
             import pandas as pd
         except ImportError as exc:
@@ -507,8 +572,18 @@ def _expert_rows(r: AuditResult) -> list[dict[str, Any]]:
             for layer in summary.per_layer for x in layer.experts]
 
 
+def _frontier_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"family": family, "kind": f.kind, "rule": p.rule, "level": p.level,
+             "threshold": p.threshold, "skipped_fraction": p.skipped_fraction,
+             "flops_saved_per_token": p.flops_saved_per_token,
+             "flops_saved_fraction": p.flops_saved_fraction, "nll": p.nll, "delta": p.delta,
+             "ci_low": p.ci95[0], "ci_high": p.ci95[1]}
+            for family, f in (r.frontier or {}).items() for p in f.points]
+
+
 _TABLES = {"conditions": _condition_rows, "per_layer": _per_layer_rows,
-           "retention": _retention_rows, "routing": _routing_rows, "experts": _expert_rows}
+           "retention": _retention_rows, "routing": _routing_rows, "experts": _expert_rows,
+           "frontier": _frontier_rows}
 
 
 def _json_name(f: dataclasses.Field) -> str:

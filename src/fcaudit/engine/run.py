@@ -41,14 +41,24 @@ from fcaudit.core.nll import device_of, model_limits, probe_vocab, token_nll
 from fcaudit.core.sites import SiteSpec, find_sites, match_modules
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.distributed import Ranks, current
+from fcaudit.engine.frontier import (
+    Covered,
+    FrontierPoint,
+    frontier_families,
+    frontier_summary,
+    plan_points,
+    skipped_units,
+)
 from fcaudit.engine.options import AuditOptions, Progress, Setup, silent
 from fcaudit.engine.passes import batches, record_batch, replay_batch
 from fcaudit.engine.plan import (
     EXPERT_ABLATION,
+    FRONTIER,
     ReplayInputs,
     ablation_experts,
     ablation_runs,
     digest_tensors,
+    frontier_runs,
     plan_runs,
     routing_sites,
     tracked_runs,
@@ -73,8 +83,10 @@ from fcaudit.engine.stages import (
     IDENTITY_CAUSES,
     adopt_probe,
     calibration_profiles,
+    frontier_calibration,
     record_calibration,
     record_evaluation,
+    record_frontier_calibration,
     replay_results,
     replay_stage,
 )
@@ -82,6 +94,7 @@ from fcaudit.engine.summary import (
     Summary,
     describe,
     expert_importance,
+    paired_bootstrap,
     routing_summary,
     summarize,
     token_profile,
@@ -133,7 +146,7 @@ def _interventions(given: Mapping[str, Any] | Sequence[Intervention] | None,
                                "name (results are reported by name, so both would be merged "
                                "into one condition)")
         if not isinstance(iv.name, str) or not iv.name or iv.name in builtin or \
-                iv.name.startswith(f"{EXPERT_ABLATION}:") or \
+                iv.name.startswith((f"{EXPERT_ABLATION}:", f"{FRONTIER}:")) or \
                 not callable(iv.fn) or isinstance(iv.repeats, bool) or \
                 not isinstance(iv.repeats, int) or iv.repeats < 1:
             raise FcauditError(f"intervention {iv.name!r}: give a new name (not a built-in "
@@ -344,6 +357,22 @@ def ablation_plan(setup: Setup, first: Probe) -> dict[Site, int]:
     return ablated
 
 
+def frontier_plan(setup: Setup, first: Probe) -> list[Covered]:
+    """The families the savings frontier covers (none without ``frontier``); a frontier
+    asked for a model with no soft-gate or routed family is refused."""
+    asked = setup.options.frontier
+    if asked is False or (asked is None and not setup.options.execution):
+        return []
+    covered = frontier_families(setup.sites, first.coefficients,
+                                declared_experts(setup.model) or [])
+    if not covered and asked:
+        raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')}: the audited "
+                           "sites have no soft gate (one coefficient per token) and no router "
+                           "with declared experts, so nothing could be skipped; drop the "
+                           "option")
+    return covered
+
+
 def cache_identity(setup: Setup) -> dict[str, Any]:
     net, data = setup.model, setup.data.summary()
     param = next(net.parameters(), None)
@@ -472,6 +501,7 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
         print(f"fcaudit: {window_line(setup.data.summary())}", file=sys.stderr, flush=True)
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
     ablation_plan(setup, first)  # an impossible --expert-ablation stops before any file
+    frontier_plan(setup, first)  # so does an impossible --frontier
     if not ranks.main:
         _run(setup, open_cache(setup, setup.out / "cache", ranks), first, progress, command,
              ranks)
@@ -535,7 +565,16 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     inputs = ReplayInputs(cache, setup.sites, profiles,
                           [draw(opts.seed * 1000 + 17 + k, n, seq_len)
                            for k in range(opts.repeats)], opts.seed, setup.data.eval_ids)
-    runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first))
+    covered = frontier_plan(setup, first)
+    points = []
+    if covered:
+        frontier_sites = [s for fam in covered for s in fam.sites]
+        record_frontier_calibration(setup, cache, frontier_sites, progress, ranks)
+        ranks.barrier("recorded the frontier's calibration")
+        points = plan_points(covered, frontier_calibration(setup, cache, frontier_sites),
+                             profiles, opts.frontier_points)
+    runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),
+                     points)
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
     if not ranks.main:
@@ -566,7 +605,27 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
         result.expert_importance = expert_importance(runs, replays.per_run, replays.route_load,
                                                      replays.still_selected, opts)
     result.token_profile = token_profile(profiles, setup.data.eval_ids)
+    result.settings["frontier_runs"] = len(frontier_runs(runs))
+    if covered:
+        result.frontier = frontier_summary(
+            covered, points, dict(zip((r.key for r in runs), replays.per_run, strict=True)),
+            replays.per_run[0], frontier_units(cache, covered, points), setup.data.eval_ids.size,
+            execution, paired_bootstrap(n, opts))
     return result
+
+
+def frontier_units(cache: CoefficientCache, covered: Sequence[Covered],
+                   points: Sequence[FrontierPoint]) -> dict[str, np.ndarray]:
+    """Point key -> skipped units per layer (tokens or expert slots), summed over the
+    evaluation set's recorded coefficients."""
+    by_family = {fam.family: fam for fam in covered}
+    units = {p.key: np.zeros(len(by_family[p.family].sites)) for p in points}
+    for b in range(cache.n_batches):
+        coefficients = {s.name: cache.batch(b, f"site::{s.name}")
+                        for fam in covered for s in fam.sites}
+        for p in points:
+            units[p.key] += skipped_units(p, coefficients, by_family[p.family])
+    return units
 
 
 def reuse_summary(per_rank: Sequence[Mapping[str, int]], n_runs: int) -> dict[str, Any]:

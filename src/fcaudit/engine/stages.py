@@ -77,6 +77,30 @@ def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress
         progress("record calibration", done, len(todo), "")
 
 
+def record_frontier_calibration(setup: Setup, cache: CoefficientCache, sites: Sequence[Site],
+                                progress: Progress, ranks: Ranks = SINGLE) -> None:
+    """The frontier's calibration coefficients of ``sites``, whole (its thresholds are
+    calibration quantiles, which sums cannot give); resumes at the shards not on disk."""
+    from fcaudit.engine.frontier import calib_name
+    net, size = setup.model, setup.options.batch_size
+    n = -(-len(setup.data.calib_ids) // size)
+    todo = ranks.mine([b for b in range(n) if not cache.has(calib_name(b))])
+    for done, (b, x) in enumerate(batches(setup.data.calib_ids, size, device_of(net), todo),
+                                  start=1):
+        _, coefficients, _ = record_batch(net, sites, x)
+        cache.write(calib_name(b), {f"site::{k}": v.cpu() for k, v in coefficients.items()})
+        progress("record frontier calibration", done, len(todo), "")
+
+
+def frontier_calibration(setup: Setup, cache: CoefficientCache,
+                         sites: Sequence[Site]) -> dict[str, Tensor]:
+    """Site name -> its calibration coefficients, all batches in order."""
+    from fcaudit.engine.frontier import calib_name
+    size = setup.options.batch_size
+    shards = [cache.read(calib_name(b)) for b in range(-(-len(setup.data.calib_ids) // size))]
+    return {s.name: torch.cat([sh[f"site::{s.name}"] for sh in shards]) for s in sites}
+
+
 def calibration_profiles(setup: Setup, cache: CoefficientCache) -> StaticProfiles:
     """Static profiles from calibration data only: every batch's sums, added in batch
     order (so the result does not depend on which process recorded which batch)."""

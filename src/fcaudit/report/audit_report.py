@@ -40,6 +40,7 @@ from fcaudit.report.figures import (
     Span,
     expert_importance_figure,
     expert_load_figure,
+    frontier_figure,
     heatmap_figure,
     penalty_figure,
     profile_figure,
@@ -427,6 +428,53 @@ def _importance_tables(summary: ImportanceSummary) -> list[str]:
     return out
 
 
+def _frontier(r: AuditResult) -> list[str]:
+    """The savings frontier: the sentence, matched comparisons, the SkipGate check, points."""
+    if not r.frontier:
+        return []
+    blocks = ["## Savings frontier",
+              "NLL penalty against the share of FLOPs that could be skipped: a dynamic rule "
+              "driven by the recorded coefficients (soft gates: zero every gate below a "
+              "threshold; routers: top-p) against static rules that ignore the input "
+              "(whole layers or (layer, position) cells; a smaller fixed k per layer), "
+              "thresholds and orders from the calibration set, one replay per point. Penalties "
+              "are interpolated at matched FLOPs saved; gaps are static minus dynamic, 95% "
+              "paired bootstrap intervals."]
+    for fam, f in _by_family(r, r.frontier):
+        blocks += [f"### Family {md_code(fam)} ({f.kind})", md_text(f.sentence)]
+        if f.reason:
+            continue
+        statics = list(f.matched[0].static) if f.matched else []
+        rows = [(f"{100 * m.saved:.0f}%", fmt_with_ci(m.dynamic.value, m.dynamic.ci95)
+                 if m.dynamic else "not reached",
+                 *(fmt_with_ci(m.gap[s].value, m.gap[s].ci95) if m.gap[s] else "not reached"
+                   for s in statics)) for m in f.matched]
+        blocks.append(md_table(("FLOPs saved", "Δ dynamic [95% CI]",
+                                *(f"gap {s} [95% CI]" for s in statics)), rows,
+                               "r" * (2 + len(statics))))
+        area = "; ".join(f"{s} {fmt_with_ci(a.value, a.ci95)}" if a else f"{s} none"
+                         for s, a in f.area.items())
+        blocks.append(f"Mean gap over the x range both curves reach (area between curves / "
+                      f"range): {md_text(area)}. FLOPs: {md_text(f.flops_source or '')}.")
+        if f.check:
+            c = f.check
+            curve = fmt_with_ci(c.curve_delta.value, c.curve_delta.ci95) if c.curve_delta \
+                else "n/a"
+            blocks.append(
+                f"Check (the model really skips): its own pass saves "
+                f"{100 * c.measured_flops_saved_fraction:.1f}% of the dense FLOPs measured, "
+                f"{100 * c.accounted_flops_saved_fraction:.1f}% by blocks executed; the "
+                f"dynamic curve there: {curve} vs its own 0: "
+                f"{'on its curve' if c.on_curve else 'NOT on its curve'}.")
+        blocks.append(md_table(
+            ("rule", "level", "threshold", "skipped", "FLOPs saved", "Δ NLL [95% CI]"),
+            [(p.rule, f"{p.level:.2f}", fmt_num(p.threshold) if p.threshold is not None
+              else md_text(str(p.layers)), f"{100 * p.skipped_fraction:.1f}%",
+              f"{100 * p.flops_saved_fraction:.1f}%", fmt_with_ci(p.delta, p.ci95))
+             for p in f.points], "lrrrrr"))
+    return blocks
+
+
 def _expert_rows(ex: Execution) -> list[tuple[str, str, str, str]]:
     x = ex.experts
     if x is None:
@@ -561,6 +609,13 @@ def _figure_specs(r: AuditResult) -> list[FigureSpec]:
          partial(expert_importance_figure, {
              fam: [[x.delta for x in layer.experts] for layer in summary.per_layer]
              for fam, summary in _by_family(r, r.expert_importance or {})})),
+        ("frontier", "Savings frontier: NLL penalty vs FLOPs saved, dynamic vs static rules, "
+         "95% CI bars.",
+         partial(frontier_figure, {
+             fam: {rule: [(p.flops_saved_fraction, Span.of(p.delta, p.ci95))
+                          for p in f.points if p.rule == rule]
+                   for rule in dict.fromkeys(p.rule for p in f.points)}
+             for fam, f in _by_family(r, r.frontier or {})})),
         ("penalties", "NLL penalties vs correct replay with 95% bootstrap CIs.",
          partial(penalty_figure, conditions, per_layer)),
         ("variance", "Variance shares of the coefficients.", partial(variance_figure, shares)),
@@ -575,7 +630,8 @@ def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tu
         blocks.append(_identity_warning(inexact))
     blocks.append(_lead(result))
     for section in (_answers, _conditions, _retention, _interaction, _per_layer, _variance,
-                    _variation, _routing, _expert_importance, _execution, _reproducibility):
+                    _variation, _routing, _expert_importance, _frontier, _execution,
+                    _reproducibility):
         blocks += section(result)
     blocks += ["## Figures", *(md_figures(figures) or ["No figure data in this audit."])]
     return title, "\n\n".join(blocks) + "\n"

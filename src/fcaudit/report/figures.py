@@ -216,6 +216,31 @@ def expert_importance_figure(deltas: Mapping[str, Sequence[Sequence[float | None
     return fig
 
 
+def frontier_figure(curves: Mapping[str, Mapping[str, Sequence[tuple[float, Span]]]]
+                    ) -> Figure | None:
+    """The savings frontier, one panel per family: NLL penalty against the share of FLOPs
+    saved, each rule a curve from the origin with 95% CI bars (dynamic solid, static
+    dashed): a static curve on or under the dynamic one means the input-driven rule buys
+    nothing."""
+    panels = {f: rules for f, rules in curves.items() if any(rules.values())}
+    if not panels:
+        return None
+    fig, axes = _stacked_axes(len(panels), 3.2)
+    for ax, (fam, rules) in zip(axes, panels.items(), strict=True):
+        for rule, points in rules.items():
+            pts = [(0.0, Span(0.0, 0.0, 0.0)), *sorted(points, key=lambda p: p[0])]
+            x = np.array([100 * p[0] for p in pts])
+            spans = [p[1] for p in pts]
+            ax.errorbar(x, _floats([s.value for s in spans]), yerr=_error_bars(spans),
+                        marker="o", ms=3, capsize=2, label=rule,
+                        linestyle="-" if rule == "dynamic" else "--")
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set(title=f"{fam}: savings frontier", xlabel="FLOPs saved (%)",
+               ylabel="Δ NLL vs correct (nats)")
+        ax.legend()
+    return fig
+
+
 IMPORTANCE_CMAP = matplotlib.colormaps["RdBu_r"].with_extremes(bad="0.6")
 
 

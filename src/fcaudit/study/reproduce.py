@@ -136,11 +136,20 @@ def metrics_of(audit: AuditResult) -> dict[str, float | None]:
     if ex.experts is not None:
         out["experts_executed_fraction"] = ex.experts.experts_per_token_summed_over_layers / \
             ex.experts.experts_present_summed_over_layers
+    out["frontier_gap_25"] = frontier_gap_25(audit).get("value")
     for family, routing in (audit.routing or {}).items():
         if family == audit.families[0]:
             for condition in ("reassign", "shuffle", "static-layer", "static-layer-token"):
                 out[f"rerouted_{condition}"] = routing.changed[condition]
     return out
+
+
+def frontier_gap_25(audit: AuditResult) -> dict[str, Any]:
+    """The main family's frontier gap at 25% of FLOPs saved (best static rule's penalty
+    minus the dynamic rule's), with its interval; empty without a frontier."""
+    fam = (audit.frontier or {}).get(audit.families[0])
+    gap = fam.gap_at_25 if fam is not None else None
+    return {} if gap is None else {"value": gap.value, "ci95": list(gap.ci95)}
 
 
 @dataclass(frozen=True)
@@ -271,6 +280,8 @@ ROWS: tuple[tuple[str, str, int, bool], ...] = (
     ("rerouted_static-layer", "expert sets re-routed: static-layer", 3, False),
     ("rerouted_static-layer-token", "expert sets re-routed: static-layer-token", 3, False),
     ("speed_ratio", "time ratio vs dense", 3, False),
+    ("frontier_gap_25", "frontier gap at 25% FLOPs saved (best static - dynamic, nats)", 4,
+     False),
 )
 
 
@@ -489,7 +500,8 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
            mudd_checkpoint: LoadedModel | None, settings: StudySettings | None,
            command: str | None) -> dict[str, Any]:
     out = Path(out)
-    st = settings or StudySettings(AuditOptions())
+    # the frontier where a family has one (soft gates, routers; not MUDD's mixing weights)
+    st = settings or StudySettings(AuditOptions(frontier=None))
     if preset == "trend":
         # the trend reads whole-family conditions only; the per-layer variants would more
         # than double each audit's replays for numbers no point summary holds

@@ -1,0 +1,386 @@
+"""The savings frontier (docs/method.md, Savings frontier): NLL penalty against the FLOPs
+that could be skipped, for a dynamic rule driven by the recorded coefficients and static
+rules that ignore the input, each point one replay of the cached coefficients.
+
+Soft gates (one coefficient per token and layer): the dynamic rule zeroes every recorded
+gate below a threshold ``tau`` (for ``h + g F(h)``, exactly what skipping the block
+computes); the static rules zero whole layers (lowest calibration mean first) or whole
+(layer, position) cells. Routers: the dynamic rule keeps per token the fewest top experts
+whose routing weight reaches a mass ``p`` (top-p); the static rule keeps a smaller fixed
+``k`` per layer. Thresholds, layer orders and cells come from the calibration set only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fcaudit.core.contract import ExpertLayer, RoutingAdapter, Site
+from fcaudit.core.interventions import StaticProfiles
+from fcaudit.core.routers import drop_experts, top_p_keep, topk_mass
+from fcaudit.engine.metrics import Bootstrap, penalty
+from fcaudit.engine.result import (
+    Estimate,
+    Execution,
+    FrontierCheck,
+    FrontierFamily,
+    FrontierMatch,
+    FrontierPointResult,
+)
+
+GATE, ROUTER = "gate", "router"
+DYNAMIC, STATIC_LAYER, STATIC_CELL, STATIC_K = ("dynamic", "static-layer",
+                                                "static-layer-position", "static-k")
+STATIC_RULES = {GATE: (STATIC_LAYER, STATIC_CELL), ROUTER: (STATIC_K,)}
+MATCHED = (0.10, 0.25, 0.50)  # FLOPs-saved fractions the curves are compared at
+HEADLINE = 0.25  # the one-sentence comparison
+LEVEL_MAX = 0.9  # the largest target level: skipping everything says nothing
+GRID = 101  # x points of the area between curves
+FLOPS_TOLERANCE = 0.05  # |measured - accounted| saved fraction for the SkipGate check
+CALIB = "frontier-calib"
+
+
+@dataclass(frozen=True)
+class Covered:
+    """A family the frontier covers: its kind, sites in layer order and (routers) top-k."""
+
+    family: str
+    kind: str
+    sites: tuple[Site, ...]
+    top_k: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One frontier replay: a rule at one level, with everything its feed needs."""
+
+    family: str
+    kind: str
+    rule: str
+    level: float  # target share of the gated units skipped (calibration)
+    tau: float | None = None  # gates, dynamic: zero gates below
+    layers: tuple[int, ...] = ()  # gates, static-layer: layers zeroed
+    cells: tuple[tuple[int, int], ...] = ()  # gates, static-layer-position: (layer, position)
+    mass: float | None = None  # routers, dynamic: top-p mass
+    keep: tuple[int, ...] = ()  # routers, static-k: k per layer
+    top_k: tuple[int, ...] = ()  # routers: the family's k per layer
+
+    @property
+    def key(self) -> str:
+        return f"frontier:{self.family}:{self.rule}:{self.level:.4f}"
+
+
+def calib_name(b: int) -> str:
+    return f"{CALIB}-{b:05d}.safetensors"
+
+
+def frontier_families(sites: Sequence[Site], coefficients: Mapping[str, Tensor],
+                      experts: Sequence[ExpertLayer]) -> list[Covered]:
+    """Soft-gate families (one coefficient per token, not a router) and router families
+    whose every layer declares its experts; others have no frontier."""
+    out = []
+    layers = {e.name: e for e in experts}
+    for family in dict.fromkeys(s.family for s in sites):
+        members = tuple(sorted((s for s in sites if s.family == family), key=lambda s: s.layer))
+        shapes = [coefficients[s.name].shape for s in members]
+        if all(isinstance(s.adapter, RoutingAdapter) for s in members):
+            if all(s.name in layers for s in members) and all(len(x) >= 3 for x in shapes):
+                out.append(Covered(family, ROUTER, members,
+                                           tuple(layers[s.name].top_k for s in members)))
+        elif all(int(np.prod(x[2:])) == 1 for x in shapes) and \
+                not any(isinstance(s.adapter, RoutingAdapter) for s in members):
+            out.append(Covered(family, GATE, members))
+    return out
+
+
+def levels(points: int) -> list[float]:
+    return [LEVEL_MAX * j / points for j in range(1, points + 1)]
+
+
+def plan_points(families: Sequence[Covered], calib: Mapping[str, Tensor],
+                profiles: StaticProfiles, points: int) -> list[FrontierPoint]:
+    """Each rule's points at the target levels, from calibration data only (``calib``:
+    site name -> its calibration coefficients); a level that gives the same feed as an
+    earlier one of its rule is dropped (its replay would repeat that one)."""
+    out: list[FrontierPoint] = []
+    for fam in families:
+        made = _gate_points(fam, calib, profiles, points) if fam.kind == GATE else \
+            _router_points(fam, calib, points)
+        seen = set()
+        for p in made:
+            what = (p.rule, p.tau, p.layers, p.cells, p.mass, p.keep)
+            if what not in seen:
+                seen.add(what)
+                out.append(p)
+    return out
+
+
+def _gate_points(fam: Covered, calib: Mapping[str, Tensor], profiles: StaticProfiles,
+                 points: int) -> list[FrontierPoint]:
+    pooled = torch.cat([calib[s.name].double().reshape(-1) for s in fam.sites]).numpy()
+    means = [float(profiles.layer(s).double().mean()) for s in fam.sites]
+    by_mean = sorted(range(len(fam.sites)), key=lambda i: (means[i], i))
+    cell_means = [(float(m), i, t) for i, s in enumerate(fam.sites)
+                  for t, m in enumerate(profiles.layer_position(s).double().reshape(
+                      calib[s.name].shape[1], -1).mean(-1))]
+    cell_order = [(i, t) for _, i, t in sorted(cell_means)]
+    n = len(fam.sites)
+    made = []
+    for q in levels(points):
+        made.append(FrontierPoint(fam.family, GATE, DYNAMIC, q, tau=float(np.quantile(pooled, q))))
+        count = min(n, max(1, round(q * n)))
+        made.append(FrontierPoint(fam.family, GATE, STATIC_LAYER, q,
+                                  layers=tuple(sorted(by_mean[:count]))))
+        cells = max(1, round(q * len(cell_order)))
+        made.append(FrontierPoint(fam.family, GATE, STATIC_CELL, q,
+                                  cells=tuple(sorted(cell_order[:cells]))))
+    return made
+
+
+def _router_points(fam: Covered, calib: Mapping[str, Tensor],
+                   points: int) -> list[FrontierPoint]:
+    masses = [topk_mass(calib[s.name], k).reshape(-1, k) for s, k in zip(fam.sites, fam.top_k,
+                                                                        strict=True)]
+    pooled = torch.cat([m[:, :-1].reshape(-1) for m in masses]).numpy()
+    # static: drop one slot at a time in the layer whose tokens keep the most mass
+    keep, steps = list(fam.top_k), []
+    while any(k > 1 for k in keep):
+        retained = [float(m[:, k - 2].mean()) if k > 1 else -1.0 for m, k in zip(masses, keep,
+                                                                                strict=True)]
+        layer = int(np.argmax(retained))
+        keep[layer] -= 1
+        steps.append(tuple(keep))
+    made = []
+    for q in levels(points):
+        if pooled.size:
+            made.append(FrontierPoint(fam.family, ROUTER, DYNAMIC, q,
+                                      mass=float(np.quantile(pooled, 1 - q)),
+                                      top_k=fam.top_k))
+        if steps:
+            made.append(FrontierPoint(fam.family, ROUTER, STATIC_K, q, top_k=fam.top_k,
+                                      keep=steps[min(len(steps), max(1, round(q * len(steps))))
+                                                 - 1]))
+    return made
+
+
+def skipped(point: FrontierPoint, layer: int, t: Tensor) -> Tensor:
+    """Per token of ``t [B, T, ...]`` (layer ``layer`` of the family): gates, True where the
+    rule zeroes the gate; routers, the expert slots the rule drops (float ``[B, T]``)."""
+    if point.kind == GATE:
+        shape = t.shape[:2]
+        if point.rule == DYNAMIC:
+            return (t.reshape(*shape, -1) < point.tau).any(-1)
+        if point.rule == STATIC_LAYER:
+            return torch.full(shape, layer in point.layers, dtype=torch.bool)
+        mask = torch.zeros(shape, dtype=torch.bool)
+        mask[:, [p for i, p in point.cells if i == layer]] = True
+        return mask
+    return (point.top_k[layer] - _kept(point, layer, t)).double()
+
+
+def _kept(point: FrontierPoint, layer: int, t: Tensor) -> Tensor:
+    if point.rule == DYNAMIC:
+        assert point.mass is not None
+        return top_p_keep(t, point.top_k[layer], point.mass)
+    return torch.full(t.shape[:-1], point.keep[layer], dtype=torch.int64)
+
+
+def point_feed(point: FrontierPoint, correct: Mapping[Site, Tensor]) -> dict[Site, Tensor]:
+    """What the family's sites are fed under ``point`` (other sites stay correct)."""
+    members = sorted((s for s in correct if s.family == point.family), key=lambda s: s.layer)
+    fed = {}
+    for i, site in enumerate(members):
+        t = correct[site]
+        if point.kind == GATE:
+            mask = skipped(point, i, t).reshape(*t.shape[:2], *([1] * (t.dim() - 2)))
+            fed[site] = t.masked_fill(mask, 0)
+        else:
+            fed[site] = drop_experts(t, _kept(point, i, t))
+    return fed
+
+
+def skipped_units(point: FrontierPoint, coefficients: Mapping[str, Tensor],
+                  fam: Covered) -> np.ndarray:
+    """Skipped units summed over a batch, per layer: tokens (gates) or expert slots."""
+    return np.array([float(skipped(point, i, coefficients[s.name]).double().sum())
+                     for i, s in enumerate(fam.sites)])
+
+
+# ---- the summary: curves in FLOPs, matched comparisons, the area between curves ----
+
+def unit_flops(fam: Covered, execution: Execution) -> tuple[list[float], float, str] | str:
+    """FLOPs per skipped unit of each layer, the denominator and where they come from; or
+    why the execution audit gives none."""
+    if not execution.measured:
+        return f"execution not measured ({execution.reason})"
+    n = len(fam.sites)
+    if fam.kind == ROUTER:
+        ex = execution.experts
+        names = [s.name for s in fam.sites]
+        if ex is None or ex.flops_per_slot_per_layer is None or \
+                not set(names) <= set(ex.layers):
+            return "the execution audit counted no per-expert FLOPs for these routers"
+        per = [ex.flops_per_slot_per_layer[ex.layers.index(name)] for name in names]
+        return per, float(execution.flops_per_token or 0.0), \
+            "the model's measured FLOPs per executed expert slot (execution audit)"
+    per = execution.dense_flops_per_block
+    if per is None or len(per) != n or not execution.dense_flops_per_token:
+        return (f"the dense counterpart has {len(per) if per else 'no'} counted blocks for the "
+                f"{n} gated layers: name the dense blocks (--blocks)")
+    return list(per), float(execution.dense_flops_per_token), \
+        "the dense counterpart's measured FLOPs per token of each block (execution audit)"
+
+
+@dataclass
+class _Curve:
+    x: np.ndarray  # [points + 1] FLOPs-saved fractions, increasing, from 0
+    d: np.ndarray  # [points + 1, sequences] per-sequence penalties
+
+
+def _curve(pairs: Sequence[tuple[float, np.ndarray]], n: int) -> _Curve:
+    """Origin plus the points, sorted by x; points at the same x averaged."""
+    xs: dict[float, list[np.ndarray]] = {0.0: [np.zeros(n)]}
+    for x, d in pairs:
+        xs.setdefault(round(x, 12), []).append(d)
+    keys = sorted(xs)
+    return _Curve(np.array(keys), np.stack([np.mean(xs[k], axis=0) for k in keys]))
+
+
+def _at(curve: _Curve, x: float) -> np.ndarray | None:
+    """Per-sequence penalties interpolated at ``x`` (None beyond the curve's last point)."""
+    if x > curve.x[-1] + 1e-12:
+        return None
+    j = int(np.searchsorted(curve.x, x))
+    if j == 0 or curve.x[j] == x:
+        return curve.d[min(j, len(curve.x) - 1)]
+    w = (x - curve.x[j - 1]) / (curve.x[j] - curve.x[j - 1])
+    return (1 - w) * curve.d[j - 1] + w * curve.d[j]
+
+
+def _estimate(values: np.ndarray | None, boot: Bootstrap) -> Estimate | None:
+    if values is None:
+        return None
+    value, ci = penalty(values, np.zeros_like(values), boot)
+    return Estimate(value, ci)
+
+
+def summarize_family(fam: Covered, points: Sequence[FrontierPoint],
+                     per_seq: Mapping[str, np.ndarray], correct: np.ndarray,
+                     units: Mapping[str, np.ndarray], tokens: int, execution: Execution,
+                     boot: Bootstrap) -> FrontierFamily:
+    """One family's curves (``units[key]``: skipped units per layer summed over evaluation;
+    ``tokens``: evaluation tokens per layer)."""
+    flops = unit_flops(fam, execution)
+    mine = [p for p in points if p.family == fam.family]
+    rules = (DYNAMIC, *STATIC_RULES[fam.kind])
+    if isinstance(flops, str):
+        return FrontierFamily(fam.kind, None, None, None, [], [], {}, None, None,
+                              f"No frontier in FLOPs: {flops}.", None, reason=flops)
+    per_unit, total, source = flops
+    results, pairs = [], {r: [] for r in rules}
+    for p in mine:
+        d = per_seq[p.key] - correct
+        saved = float(np.dot(units[p.key], per_unit)) / tokens
+        slots = sum(fam.top_k) if fam.kind == ROUTER else len(fam.sites)
+        delta, ci = penalty(per_seq[p.key], correct, boot)
+        results.append(FrontierPointResult(
+            p.rule, p.level, p.tau if fam.kind == GATE else p.mass,
+            list(p.layers) if p.rule == STATIC_LAYER else list(p.keep) if p.rule == STATIC_K
+            else None, float(units[p.key].sum()) / (tokens * slots), saved, saved / total,
+            float(per_seq[p.key].mean()), delta, ci))
+        pairs[p.rule].append((saved / total, d))
+    n = len(correct)
+    curves = {r: _curve(pairs[r], n) for r in rules}
+    matched = []
+    for f in MATCHED:
+        dyn = _at(curves[DYNAMIC], f)
+        static = {r: _at(curves[r], f) for r in rules[1:]}
+        matched.append(FrontierMatch(f, _estimate(dyn, boot),
+                                     {r: _estimate(v, boot) for r, v in static.items()},
+                                     {r: _estimate(None if v is None or dyn is None else v - dyn,
+                                                   boot) for r, v in static.items()}))
+    area = {r: _area(curves[DYNAMIC], curves[r], boot) for r in rules[1:]}
+    head = next(m for m in matched if m.saved == HEADLINE)
+    best = min((r for r in rules[1:] if head.gap[r] is not None),
+               key=lambda r: head.gap[r].value, default=None)
+    return FrontierFamily(fam.kind, per_unit, total, source, results, matched, area, best,
+                          head.gap[best] if best else None,
+                          _sentence(head, best, curves), None)
+
+
+def _area(dynamic: _Curve, static: _Curve, boot: Bootstrap) -> Estimate | None:
+    """Mean of (static - dynamic) penalty over the x range both curves cover."""
+    end = min(dynamic.x[-1], static.x[-1])
+    if end <= 0:
+        return None
+    grid = np.linspace(0.0, end, GRID)
+    gaps = [_at(static, x) - _at(dynamic, x) for x in grid]  # type: ignore[operator]
+    return _estimate(np.mean(gaps, axis=0), boot)
+
+
+def _sentence(head: FrontierMatch, best: str | None, curves: Mapping[str, _Curve]) -> str:
+    pct = f"{100 * HEADLINE:.0f}% of FLOPs saved"
+    if best is None or head.dynamic is None:
+        reach = ", ".join(f"{r} {100 * c.x[-1]:.1f}%" for r, c in curves.items())
+        return f"No comparison at {pct}: the curves reach only {reach}."
+    gap = head.gap[best]
+    assert gap is not None
+    text = f"{gap.value:+.4f} nats [{gap.ci95[0]:+.4f}, {gap.ci95[1]:+.4f}]"
+    if gap.ci95[0] > 0:
+        verdict = f"loses to the dynamic one by {text}"
+    elif gap.ci95[1] < 0:
+        verdict = f"beats the dynamic one by {text}"
+    else:
+        verdict = f"matches the dynamic one (gap {text}, interval includes 0)"
+    return (f"At {pct}, the best static rule ({best}) {verdict}; the dynamic rule's "
+            f"penalty there is {head.dynamic.value:+.4f} nats.")
+
+
+def skip_check(fam: FrontierFamily, sites: Sequence[Site], execution: Execution,
+               per_seq_curve: _Curve | None, boot: Bootstrap) -> FrontierCheck | None:
+    """For a model that really skips gated blocks: its measured point (FLOPs saved against
+    the dense counterpart, penalty 0: its own pass is the correct replay) against its
+    dynamic curve at the fraction its blocks-executed counts account for."""
+    executed = execution.blocks_executed_per_layer
+    if fam.kind != GATE or fam.flops_per_unit is None or executed is None or \
+            len(executed) != len(sites) or min(executed) >= 1 or per_seq_curve is None:
+        return None
+    total = fam.total_flops_per_token
+    assert total and execution.flops_per_token is not None
+    measured = (total - execution.flops_per_token) / total
+    own = sum(c * (1 - e) for c, e in zip(fam.flops_per_unit, executed, strict=True)) / total
+    at = _estimate(_at(per_seq_curve, own), boot)
+    on = at is not None and at.ci95[0] <= 1e-9 and abs(measured - own) <= FLOPS_TOLERANCE
+    return FrontierCheck(measured, own, 0.0, at, on, (
+        "the model's own pass (penalty 0) at the FLOPs its blocks-executed counts skip, "
+        "against its dynamic curve interpolated there; on the curve when the curve's interval "
+        f"reaches 0 and the FLOPs counted by the execution audit agree within "
+        f"{100 * FLOPS_TOLERANCE:.0f} points of the dense counterpart's FLOPs"))
+
+
+def dynamic_curve(fam: FrontierFamily, correct_n: int, per_seq: Mapping[str, np.ndarray],
+                  correct: np.ndarray, points: Sequence[FrontierPoint], family: str) -> _Curve:
+    """The dynamic rule's curve of a summarized family (per-sequence penalties)."""
+    pairs = [(r.flops_saved_fraction, per_seq[p.key] - correct)
+             for p, r in zip([p for p in points if p.family == family], fam.points, strict=True)
+             if r.rule == DYNAMIC]
+    return _curve(pairs, correct_n)
+
+
+def frontier_summary(covered: Sequence[Covered], points: Sequence[FrontierPoint],
+                     per_seq: Mapping[str, np.ndarray], correct: np.ndarray,
+                     units: Mapping[str, np.ndarray], tokens: int, execution: Execution,
+                     boot: Bootstrap) -> dict[str, FrontierFamily]:
+    """Every covered family's frontier, with the skip check where the model skips."""
+    out = {}
+    for fam in covered:
+        result = summarize_family(fam, points, per_seq, correct, units, tokens, execution, boot)
+        if result.reason is None:
+            curve = dynamic_curve(result, len(correct), per_seq, correct, points, fam.family)
+            result.check = skip_check(result, fam.sites, execution, curve, boot)
+        out[fam.family] = result
+    return out

@@ -263,7 +263,22 @@ def _study_rows(s: Mapping[str, Any]) -> list[str]:
     return [f"| {claim} | {verdict(f, prefix)}: {here} |" for claim, prefix, here in rows] + \
         [_token_row(label, g[f"{arch}-tiny"]["aggregate"]) for arch, label in
          (("featuregate", "FeatureGate"), ("mudd", "MUDD"), ("moe", "MoE"))
-         if f"{arch}-tiny" in g]
+         if f"{arch}-tiny" in g] + \
+        [_frontier_row(label, g[f"{arch}-tiny"]["aggregate"]) for arch, label in
+         (("featuregate", "FeatureGate"), ("moe", "MoE"))
+         if f"{arch}-tiny" in g and g[f"{arch}-tiny"]["aggregate"].get("frontier_gap_25")]
+
+
+def _frontier_row(label: str, agg: Mapping[str, Any]) -> str:
+    """Beyond the paper: would an input-independent rule save as much compute? The gap is
+    the best static rule's NLL penalty minus the dynamic rule's at 25% of FLOPs saved."""
+    gap = agg["frontier_gap_25"]
+    word = ("the dynamic rule is cheaper in NLL in every seed" if gap["min"] > 0 else
+            "a static rule does at least as well in every seed" if gap["max"] <= 0 else
+            "the seeds disagree")
+    return (f"| (not in the paper) {label}: would a static rule skip 25% of the FLOPs as "
+            f"cheaply as the controller? | {word}: best static minus dynamic penalty "
+            f"{span(gap, 4, sign='+')} nats (`--frontier`) |")
 
 
 def _token_row(label: str, agg: Mapping[str, Any]) -> str:

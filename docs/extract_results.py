@@ -10,8 +10,9 @@ made; ``docs/make_docs.py`` renders the docs from those files.
     python docs/extract_results.py presets                 # -> docs/results/presets.json
 
 Keys read (a missing one is an error naming it, never a silently dropped number):
-``audit.json``: conditions.{reassign,shuffle}.{delta,ci95}, retention.{static-layer,static-layer-token}.{value,
-ci95}, variance[family].eta2_{layer,residual,token_id}, variation[family].{mean_sd_across_inputs,
+``audit.json``: conditions.{reassign,shuffle}.{delta,ci95},
+retention.{static-layer,static-layer-token}.{value,ci95},
+variance[family].eta2_{layer,residual,token_id}, variation[family].{mean_sd_across_inputs,
 mean_sd_across_positions,across_layer_sd}, identity_replay_max_abs_diff, model.n_params,
 sites, execution.{blocks_executed,blocks_present,flops_ratio,speed_ratio_vs_dense,
 conditional_execution},

@@ -38,7 +38,8 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
     ("*", r"torch ?(?:==|>=) ?[\d.]+|Python >= [\d.]+|CC-BY [\d.]+",
      "versions required, and the corpus licence's version"),
     ("*", r"SPEC section \d+", "section numbers of the specification"),
-    ("*", r"95% (?:percentile )?intervals?|lower 95% bound", "the interval level, a convention"),
+    ("*", r"95% (?:percentile )?intervals?|95% CIs?\b|lower 95% bound",
+     "the interval level, a convention"),
     ("*", r"(?:MUDDPythia-|public )?1\.4B(?:-shaped)?|76M/504M|Qwen2/3-MoE|Gemma 4|Llama 4|2-D",
      "names of models, model families and layouts"),
     ("*", r"rank \d+|layers 0, 1, \.\.\.|layers 0\.\.N-2|sources 0 and 1|block 0's|"
@@ -53,10 +54,11 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
      "its test, and its numbers are what that test constructs or asserts"),
     ("docs/method.md", r"or 256 capped|the first 16", "defaults of the code: window length, "
      "variance components reported"),
-    ("*", r"(?m)^\s*\d+\. |by step \d|step \d or \d|\bbatch 0\b", "numbered steps of a "
+    ("*", r"(?m)^\s*\d+\. |(?:by )?step \d(?: or \d)?|\bbatch 0\b", "numbered steps of a "
      "procedure and the batch they name"),
-    ("*", r"keeps 100% of the gap|the total \(100%\)|(?:leaves: |exactly |above |below |"
-          r"score is |around )[01]\b", "mathematical facts: whole shares, zero and one"),
+    ("*", r"keeps 100% of the gap|the total \(100%\)|(?:leaves:|exactly|above|below|"
+          r"score is|around|reaches|penalty|executed <)\s+[01]\b|\(0, 0\)",
+     "mathematical facts: whole shares, zero and one, the origin"),
     ("*", r"`max\(10\^4, abs\(lowest\) / 16\)`|a gap of 10\^4", "the ablation logit's rule, "
      "checked against the code in CONSTANTS"),
     ("docs/performance.md", r"tiny FeatureGate for 30 steps|--max-calib 64 --no-per-layer"
@@ -66,14 +68,13 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
 
 
 def _defaults() -> dict[str, float]:
-    from fcaudit.engine import execution, metrics, verdicts
+    from fcaudit.core import routers
+    from fcaudit.engine import execution, frontier, metrics, options, verdicts
+    from fcaudit.engine.options import AuditOptions
     from fcaudit.io.data import DataSpec
+    from fcaudit.io.loading import get_arch
     from fcaudit.models.moe import MoEConfig
     from fcaudit.models.skipgate import SkipGateConfig
-    from fcaudit.engine import options
-    from fcaudit.engine.options import AuditOptions
-    from fcaudit.core import routers
-    from fcaudit.io.loading import get_arch
     tiny_moe = get_arch("moe").presets["tiny"]
     return {"strong_penalty": verdicts.STRONG_PENALTY,
             "strong_retention": verdicts.STRONG_RETENTION,
@@ -88,6 +89,11 @@ def _defaults() -> dict[str, float]:
             "auto_ablation": options.AUTO_ABLATION_MAX_EXPERTS,
             "ablation_margin_log10": math.log10(routers.ABLATION_MARGIN),
             "ablation_fraction_inverse": 1 / routers.ABLATION_FRACTION,
+            "frontier_points": AuditOptions().frontier_points,
+            "min_frontier_points": options.MIN_FRONTIER_POINTS,
+            "max_frontier_points": options.MAX_FRONTIER_POINTS,
+            **{f"matched_{round(100 * x)}": 100 * x for x in frontier.MATCHED},
+            "frontier_grid": frontier.GRID, "frontier_tolerance": 100 * frontier.FLOPS_TOLERANCE,
             "moe_layers": tiny_moe.n_layer, "moe_ablation_runs": tiny_moe.n_layer
             * MoEConfig().num_experts}
 
@@ -114,6 +120,12 @@ CONSTANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("docs/moe.md", r"on by default up to (64) experts per layer", ("auto_ablation",)),
     ("docs/method.md", r"`max\(10\^(4), abs\(lowest\) / (16)\)`",
      ("ablation_margin_log10", "ablation_fraction_inverse")),
+    ("docs/method.md", r"default (6), (2) to (20);", ("frontier_points", "min_frontier_points",
+                                                      "max_frontier_points")),
+    ("docs/method.md", r"at (10)/(25)/(50)% saved", ("matched_10", "matched_25", "matched_50")),
+    ("docs/method.md", r"both curves reach \((101) points\)", ("frontier_grid",)),
+    ("docs/method.md", r"smallest gap at (25)%", ("matched_25",)),
+    ("docs/method.md", r"agree within (5) points", ("frontier_tolerance",)),
     ("docs/performance.md", r"the tiny MoE: (4) x (8) = (32)\)",
      ("moe_layers", "experts", "moe_ablation_runs")),
 )

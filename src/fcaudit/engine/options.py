@@ -32,6 +32,7 @@ MAX_SEED = 2**32 - 1  # torch and numpy generators; seeds derive as seed * 1000 
 # experts per routed layer (a 4-layer, 64-expert model: 256 more replays), else opt-in
 AUTO_ABLATION_MAX_EXPERTS = 64
 MAX_FRONTIER_POINTS = 20  # each point of each rule is one more replay
+MIN_FRONTIER_POINTS = 2  # a curve needs two points
 
 
 SCHEDULES = ("prefix", "naive")
@@ -71,7 +72,8 @@ class AuditOptions:
                   ("bootstrap", self.bootstrap, 10, MAX_BOOTSTRAP),
                   ("batch_size", self.batch_size, 1, None),
                   ("timing_pairs", self.timing_pairs, 0, MAX_TIMING_PAIRS),
-                  ("frontier_points", self.frontier_points, 2, MAX_FRONTIER_POINTS))
+                  ("frontier_points", self.frontier_points, MIN_FRONTIER_POINTS,
+                   MAX_FRONTIER_POINTS))
 
         def name(option: str, value: object) -> str:
             return arg(option, value, owner="AuditOptions")

@@ -8,9 +8,8 @@ import subprocess
 import pytest
 from conftest import chromium, make_mudd_folder
 
-from fcaudit.engine.run import AuditOptions
 from fcaudit.io.outdir import output_kind
-from fcaudit.study.reproduce import StudySettings, aggregate, reproduce, study
+from fcaudit.study.reproduce import StudySettings, aggregate, reproduce, study, study_options
 
 
 def test_aggregate_mean_sd_range_skips_nulls():
@@ -29,8 +28,8 @@ def test_study_presets():
 @pytest.fixture(scope="module")
 def small_study(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("study")
-    settings = StudySettings(AuditOptions(repeats=1, bootstrap=50, batch_size=4, per_layer=False,
-                                          timing_pairs=0, progress=False),
+    settings = StudySettings(study_options(repeats=1, bootstrap=50, batch_size=4, per_layer=False,
+                                           timing_pairs=0, progress=False),
                              steps=3, max_eval=6, max_calib=4)
     checkpoint = str(make_mudd_folder(tmp_path_factory.mktemp("checkpoint")))
     result = reproduce("tiny", out, seeds=1, settings=settings, mudd_checkpoint=checkpoint)
@@ -91,3 +90,19 @@ def test_study_reports_static_layer_token_and_the_token_id_share(small_study):
     written = json.loads((out / "audits" / "moe-tiny-s0" / "audit.json").read_text())
     assert moe["rerouted_static-layer-token"] == \
         written["routing"]["moe"]["changed"]["static-layer-token"]
+
+
+def test_the_study_runs_the_frontier_where_a_family_has_one(small_study):
+    """The study's audits (as `fcaudit reproduce` sets them) run the savings frontier for
+    soft gates and routers, and each seed's frontier gap is its audit.json's."""
+    out, _, result, _ = small_study
+    for name, covered in (("featuregate-tiny", True), ("moe-tiny", True), ("mudd-tiny", False),
+                          ("skipgate-tiny", True)):
+        written = json.loads((out / "audits" / f"{name}-s0" / "audit.json").read_text())
+        assert written["settings"]["frontier"] is None, name
+        family = written["sites"][0]["family"]
+        frontier = written.get("frontier") or {}
+        assert (family in frontier) is covered, name
+        (seed,) = result["groups"][name]["per_seed"]
+        gap = frontier.get(family, {}).get("gap_at_25")
+        assert seed["frontier_gap_25"] == (gap["value"] if gap else None), name

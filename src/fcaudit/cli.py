@@ -409,14 +409,13 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
 
 
 def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from fcaudit.engine.run import AuditOptions
-    from fcaudit.study.reproduce import StudySettings, reproduce
+    from fcaudit.study.reproduce import StudySettings, reproduce, study_options
     if args.seeds is not None and args.seeds < 1:
         raise FcauditError(f"--seeds {args.seeds}: must be at least 1")
     if args.steps is not None and args.steps < 1:
         raise FcauditError(f"--steps {args.steps}: must be at least 1")
-    options = AuditOptions(repeats=args.repeats, bootstrap=args.bootstrap,
-                           progress=not args.quiet)
+    options = study_options(repeats=args.repeats, bootstrap=args.bootstrap,
+                            progress=not args.quiet)
     options.validate()
     result = reproduce(args.preset, args.out, seeds=args.seeds,
                        mudd_checkpoint=args.mudd_checkpoint,

@@ -163,6 +163,12 @@ class StudySettings:
     train_data: str | None = None  # train on this text instead of the built-in corpus
 
 
+def study_options(**overrides: Any) -> AuditOptions:
+    """The study's audit options: the savings frontier where a family has one (soft gates,
+    routers; not MUDD's mixing weights), on top of the audit's defaults."""
+    return AuditOptions(**{"frontier": None, **overrides})
+
+
 TIMINGS = "timings.json"
 
 
@@ -500,8 +506,7 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
            mudd_checkpoint: LoadedModel | None, settings: StudySettings | None,
            command: str | None) -> dict[str, Any]:
     out = Path(out)
-    # the frontier where a family has one (soft gates, routers; not MUDD's mixing weights)
-    st = settings or StudySettings(AuditOptions(frontier=None))
+    st = settings or StudySettings(study_options())
     if preset == "trend":
         # the trend reads whole-family conditions only; the per-layer variants would more
         # than double each audit's replays for numbers no point summary holds

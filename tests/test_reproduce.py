@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -106,3 +108,19 @@ def test_the_study_runs_the_frontier_where_a_family_has_one(small_study):
         (seed,) = result["groups"][name]["per_seed"]
         gap = frontier.get(family, {}).get("gap_at_25")
         assert seed["frontier_gap_25"] == (gap["value"] if gap else None), name
+
+
+def test_a_resumed_study_reaudits_with_its_own_options(small_study, tmp_path):
+    """A finished audit is not taken as it is when the study's options changed (before: a
+    study resumed with the frontier on kept audits made without it)."""
+    out, settings, _, checkpoint = small_study
+    copy = tmp_path / "study"
+    shutil.copytree(out, copy)
+    off = dataclasses.replace(settings, options=dataclasses.replace(settings.options,
+                                                                    frontier=False))
+    result = reproduce("tiny", copy, seeds=1, settings=off, mudd_checkpoint=checkpoint)
+    for name in ("featuregate-tiny", "moe-tiny"):
+        written = json.loads((copy / "audits" / f"{name}-s0" / "audit.json").read_text())
+        assert written["settings"]["frontier"] is False and "frontier" not in written, name
+        (seed,) = result["groups"][name]["per_seed"]
+        assert seed["frontier_gap_25"] is None, name

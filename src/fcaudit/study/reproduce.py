@@ -221,9 +221,9 @@ def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettin
 
 def _audit(audit_dir: Path, model: str | LoadedModel, st: StudySettings, options: AuditOptions,
            dense: str | None, clock: Clock) -> AuditResult:
-    """The audit in ``audit_dir``: read when finished (resuming), else run now."""
-    if (audit_dir / "audit.json").is_file():
-        return AuditResult.read(audit_dir / "audit.json")
+    """The audit in ``audit_dir``, always through the engine: a finished one is not read
+    back as it is (its options or model may differ from this study's), but rerun, and the
+    engine reuses every cached record and replay whose digests prove it the same."""
     with clock.timing(audit_dir):
         return audit(model, audit_dir, dense=dense, options=options,
                      data=DataSpec(max_eval=st.max_eval, max_calib=st.max_calib))

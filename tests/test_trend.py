@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fcaudit.core.errors import FcauditError
+from fcaudit.engine.result import NONDETERMINISTIC_KEYS
 from fcaudit.engine.run import AuditOptions
 from fcaudit.io.loading import get_arch
 from fcaudit.study import trend
@@ -207,19 +208,34 @@ def test_point_summary_schema(smoke_study):
     assert "[trend.md](trend.md)" in (smoke_study / "reproduction.md").read_text()
 
 
-def test_finished_point_is_neither_retrained_nor_reaudited(smoke_study):
-    parts = [*smoke_study.glob("runs/*/model.safetensors"),
-             *smoke_study.glob("audits/*/audit.json")]
-    assert len(parts) == 5  # featuregate, dense, mudd; two audits
-    stamps = {p: p.stat().st_mtime_ns for p in parts}
-    timings = (smoke_study / "timings.json").read_bytes()
+def test_finished_point_is_not_retrained_and_its_audits_come_from_the_cache(smoke_study):
+    """A resumed study retrains nothing; its audits go through the engine again (a finished
+    audit.json is never taken as it is), which reuses every cached batch and gives the same
+    audits and the same point summary."""
+    runs = [*smoke_study.glob("runs/*/model.safetensors")]
+    audits = sorted(smoke_study.glob("audits/*/audit.json"))
+    assert len(runs) == 3 and len(audits) == 2  # featuregate, dense, mudd; two audits
+    stamps = {p: p.stat().st_mtime_ns for p in runs}
+    before = [canonical(p) for p in audits]
     point = (smoke_study / "points" / "tiny-600.json").read_bytes()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trend, "LADDER", (trend.Point("tiny", 600),))
         reproduce("trend", smoke_study, seeds=1, settings=SMOKE)
-    assert {p: p.stat().st_mtime_ns for p in parts} == stamps
-    assert (smoke_study / "timings.json").read_bytes() == timings
+    assert {p: p.stat().st_mtime_ns for p in runs} == stamps
+    assert [canonical(p) for p in audits] == before
+    for path in audits:
+        reuse = json.loads(path.read_text())["runtime"]["reuse"]
+        assert reuse["batches_recomputed"] == 0 and reuse["batches_reused"] > 0, (path, reuse)
     assert (smoke_study / "points" / "tiny-600.json").read_bytes() == point
+
+
+def canonical(path: Path) -> dict:
+    """audit.json without what differs between runs of one audit (times, host, reuse)."""
+    result = json.loads(path.read_text())
+    for key in NONDETERMINISTIC_KEYS:
+        head, _, tail = key.partition(".")
+        (result.get(head, {}).pop(tail, None) if tail else result.pop(head, None))
+    return result
 
 
 def test_runs_of_other_settings_are_refused_not_reused(smoke_study):

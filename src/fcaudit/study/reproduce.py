@@ -191,7 +191,14 @@ class Clock:
     def timing(self, part: Path) -> Iterator[None]:
         started = time.perf_counter()
         yield
-        self.seconds[self._key(part)] = round(time.perf_counter() - started, 1)
+        self.record(part, time.perf_counter() - started)
+
+    def record(self, part: Path, seconds: float, made_before: bool = False) -> None:
+        """``made_before``: this pass only proved an earlier one's results (all reused), so
+        the earlier time, if known, stays the part's cost."""
+        if made_before and self._key(part) in self.seconds:
+            return
+        self.seconds[self._key(part)] = round(seconds, 1)
         write_json(self.path, self.seconds)
 
     def of(self, part: Path, recorded: float) -> float:
@@ -224,9 +231,14 @@ def _audit(audit_dir: Path, model: str | LoadedModel, st: StudySettings, options
     """The audit in ``audit_dir``, always through the engine: a finished one is not read
     back as it is (its options or model may differ from this study's), but rerun, and the
     engine reuses every cached record and replay whose digests prove it the same."""
-    with clock.timing(audit_dir):
-        return audit(model, audit_dir, dense=dense, options=options,
-                     data=DataSpec(max_eval=st.max_eval, max_calib=st.max_calib))
+    started = time.perf_counter()
+    result = audit(model, audit_dir, dense=dense, options=options,
+                   data=DataSpec(max_eval=st.max_eval, max_calib=st.max_calib))
+    reuse = (result.runtime.reuse or {}) if result.runtime else {}
+    clock.record(audit_dir, time.perf_counter() - started,
+                 made_before=reuse.get("batches_recomputed") == 0
+                 and reuse.get("batches_reused", 0) > 0)
+    return result
 
 
 def run_group(group: Group, out: Path, st: StudySettings, clock: Clock) -> list[SeedResult]:

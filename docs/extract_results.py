@@ -17,7 +17,7 @@ mean_sd_across_positions,across_layer_sd}, identity_replay_max_abs_diff, model.n
 sites, execution.{blocks_executed,blocks_present,flops_ratio,speed_ratio_vs_dense,
 conditional_execution},
 execution.timing.{speed_ratio_vs_dense.ci95,pairs,threads,batch_size},
-execution.experts.{num_experts,top_k,active_expert_flops_per_token,
+execution.experts.{num_experts_per_layer,top_k_per_layer,active_expert_flops_per_token,
 all_expert_flops_per_token}, runtime.host; a run's ``config.json``: results.{eval_nll,
 unigram_nll}, train.steps; a study's ``reproduction.json``: groups[*].{seeds,aggregate},
 findings, command; its ``timings.json``: the seconds of every run and audit.
@@ -106,7 +106,7 @@ def audit_numbers(path: Path) -> dict[str, Any]:
             **{k: get(ex, f"timing.{k}", path) for k in ("pairs", "threads", "batch_size")}}
     if ex.get("experts"):
         out["experts"] = {k: get(ex, f"experts.{k}", path) for k in (
-            "num_experts", "top_k", "active_expert_flops_per_token",
+            "num_experts_per_layer", "top_k_per_layer", "active_expert_flops_per_token",
             "all_expert_flops_per_token")}
     return out
 

@@ -288,7 +288,8 @@ def _stats(mean: float, low: float, high: float) -> dict:
 def _fake_study() -> dict:
     """A study-tiny.json with hand-picked aggregates, and verdicts the renderer must copy."""
     ex = {"execution": {"blocks_present": 4}}
-    experts = {"num_experts": [8] * 4, "top_k": [2] * 4, "active_expert_flops_per_token": 1.0,
+    experts = {"num_experts_per_layer": [8] * 4, "top_k_per_layer": [2] * 4,
+               "active_expert_flops_per_token": 1.0,
                "all_expert_flops_per_token": 4.0}
     one = {"blocks_executed_fraction": _stats(1, 1, 1), "flops_ratio": _stats(1.0314, 1, 1.1),
            "speed_ratio": _stats(1.0684, 1.0621, 1.0779)}

@@ -187,6 +187,7 @@ def test_check_names_a_block_whose_text_was_edited(tmp_path: Path) -> None:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text((REPO / rel).read_text(encoding="utf-8"), encoding="utf-8")
     for rel in ("docs/results", "docs/trend/results"):
+        (tmp_path / rel).mkdir(parents=True, exist_ok=True)
         for f in (REPO / rel).glob("*.json"):
             (tmp_path / rel / f.name).write_bytes(f.read_bytes())
     (tmp_path / "src" / "fcaudit").mkdir(parents=True)

@@ -129,7 +129,11 @@ class Site:
     (``model.get_submodule(path)``); ``family`` groups sites of the same kind across
     layers; ``layer`` is the site's index within its family; ``adapter`` maps the
     module's output to the coefficient tensor and back (default: the output *is*
-    the coefficient tensor ``[B, T, ...]``).
+    the coefficient tensor ``[B, T, ...]``). ``axes`` names the coefficient tensor's
+    leading axes in the model's words (the first is always the examples axis) and
+    ``positions`` says which of them are position axes (tokens, patches, pixels), the
+    axes that shuffle and per-position profiles act on: ``()`` for a per-example
+    coefficient ``[B, K]`` such as CondConv's kernel mixing weights.
     """
 
     name: str
@@ -137,6 +141,8 @@ class Site:
     family: str
     layer: int
     adapter: ControllerAdapter = field(default=TENSOR, compare=False)
+    axes: tuple[str, ...] = field(default=("example", "token"), compare=False)
+    positions: tuple[int, ...] = field(default=(1,), compare=False)
 
 
 @dataclass(frozen=True)

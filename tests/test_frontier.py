@@ -245,31 +245,70 @@ def test_tiny_moe_frontier_uses_the_per_slot_expert_flops() -> None:
 
 # ---- SkipGate, which really skips: its own point sits on its dynamic curve ----
 
-def test_skipgate_sits_on_its_own_dynamic_curve() -> None:
+def _skipgate(shares: tuple[float, ...]) -> torch.nn.Module:
+    """A 2-layer SkipGate whose blocks skip ``shares`` of the evaluation tokens, each by
+    its own threshold (so no single pooled threshold reproduces its skips)."""
     from fcaudit.models.skipgate import SkipGateConfig, SkipGateGPT
     torch.manual_seed(0)
-    model = SkipGateGPT(SkipGateConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2,
-                                       n_embd=16)).eval()
-    torch.nn.init.normal_(model.blocks[0].gate.proj.weight, std=1.0)
-    calib = record(model, torch.from_numpy(_data().calib_ids), model.controller_sites())
-    tau = float(np.quantile(calib["blocks.0.gate"].double().numpy(), levels(6)[2]))
-    model.blocks[0].threshold.fill_(tau)  # the model skips what the 45% point zeroes
+    model = SkipGateGPT(SkipGateConfig(vocab_size=64, block_size=16, n_layer=len(shares),
+                                       n_head=2, n_embd=16)).eval()
+    sites = model.controller_sites()
+    for block in model.blocks:
+        torch.nn.init.normal_(block.gate.proj.weight, std=1.0)
+    gates = record(model, torch.from_numpy(_data().eval_ids), sites)
+    for block, site, q in zip(model.blocks, sites, shares, strict=True):
+        g = np.sort(gates[site.name].double().numpy().reshape(-1))
+        j = int(q * g.size)
+        block.threshold.fill_(float((g[j - 1] + g[j]) / 2))  # between two recorded gates
+    return model
+
+
+def test_skipgate_sits_on_its_own_dynamic_curve() -> None:
+    shares = (0.3, 0.6)
+    model = _skipgate(shares)
     result = audit(model, None, data=_data(), options=OPTIONS)
     fam, ex = result.frontier["skipgate"], result.execution
-    point = next(p for p in fam.points if p.rule == "dynamic" and p.level == levels(6)[2])
-    gates = record(model, torch.from_numpy(_data().eval_ids),
-                   model.controller_sites())["blocks.0.gate"].numpy()
-    assert point.threshold == pytest.approx(tau)
-    assert point.delta == 0.0  # zeroing those gates is what skipping them computes
-    assert point.skipped_fraction == pytest.approx(float((gates < tau).mean()))
-    assert 1 - ex.blocks_executed_per_layer[0] == pytest.approx(point.skipped_fraction)
+    gates = record(model, torch.from_numpy(_data().eval_ids), model.controller_sites())
+    g = [gates[f"blocks.{i}.gate"].double().numpy().reshape(-1) for i in range(2)]
+    own = [g[i] < float(model.blocks[i].threshold) for i in range(2)]
+    assert [float(m.mean()) for m in own] == pytest.approx(list(shares), abs=0.05)
+    assert [1 - e for e in ex.blocks_executed_per_layer] == \
+        pytest.approx([float(m.mean()) for m in own])
+    point = next(p for p in fam.points if p.own_thresholds)
+    assert point.delta == 0.0 and point.ci95 == [0.0, 0.0]  # zeroing = skipping, bit for bit
+    assert point.skipped_fraction == pytest.approx(float(np.mean(own)))
+    per_block = ex.dense_flops_per_block
+    accounted = sum(c * m.mean() for c, m in zip(per_block, own, strict=True))
+    assert point.flops_saved_fraction == pytest.approx(accounted / ex.dense_flops_per_token)
     check = fam.check
     assert check is not None and check.on_curve, check
     assert check.accounted_flops_saved_fraction == pytest.approx(point.flops_saved_fraction)
-    assert check.curve_delta.value == pytest.approx(0.0, abs=1e-12)
+    assert (check.delta, check.ci95) == (0.0, [0.0, 0.0])
     measured = (ex.dense_flops_per_token - ex.flops_per_token) / ex.dense_flops_per_token
     assert check.measured_flops_saved_fraction == pytest.approx(measured)
     assert abs(measured - point.flops_saved_fraction) <= 0.05
+    assert check.pooled_curve_delta is not None
+    # every other point skips, beside what its rule zeroes, what the model skips anyway
+    for p in fam.points:
+        if p.rule == "dynamic" and not p.own_thresholds:
+            union = [(x < p.threshold) | m for x, m in zip(g, own, strict=True)]
+            assert p.skipped_fraction == pytest.approx(float(np.mean(union))), p
+        if p.rule == "static-layer":
+            union = [np.ones_like(m) if i in p.layers else m for i, m in enumerate(own)]
+            assert p.skipped_fraction == pytest.approx(float(np.mean(union))), p
+
+
+def test_a_model_that_skips_by_no_threshold_on_its_gate_gets_no_curves(monkeypatch) -> None:
+    """A block that skips every other token whatever its gate: no threshold on the recorded
+    gate reproduces its counts, so the FLOPs a rule would save cannot be counted."""
+    from fcaudit.models.skipgate import SkipBlock
+    model = _skipgate((0.5, 0.5))
+    monkeypatch.setattr(SkipBlock, "select", lambda self, g: torch.arange(
+        g.shape[1]).expand_as(g) % 2 == 0)
+    result = audit(model, None, data=_data(), options=OPTIONS)
+    fam = result.frontier["skipgate"]
+    assert fam.points == [] and fam.check is None
+    assert "its skips are not a threshold on the recorded gate" in fam.reason
 
 
 # ---- resumable, digest-checked; options and the CLI ----
@@ -318,3 +357,58 @@ def test_cli_frontier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     saved = json.loads((tmp_path / "out" / "audit.json").read_text())
     assert saved["settings"]["frontier"] is True and saved["settings"]["frontier_points"] == 3
     assert "toygate" in saved["frontier"]
+
+
+# ---- Qwen2-MoE's shared-expert gates: a pre-sigmoid logit, switched off at -inf ----
+
+def test_shared_expert_gates_are_switched_off_at_minus_inf(tmp_path: Path) -> None:
+    """The shared-expert gate is a logit passed through a sigmoid: 'gate = 0' would keep
+    half the shared expert. The frontier feeds -inf (checked on the first batch to remove
+    exactly the shared expert's update), and counts the shared expert's own FLOPs."""
+    pytest.importorskip("transformers")
+    from conftest import FAMILIES, save, token_batches
+
+    from fcaudit.io.data import folder_tokenizer
+    folder = save(FAMILIES["qwen2_moe"][0](), tmp_path / "qwen2-moe")
+    x, calib = token_batches(folder_tokenizer(folder))
+    data = AuditData(x.numpy(), calib.numpy(), {})
+    result = audit(str(folder), None, data=data, options=OPTIONS)
+    fam = result.frontier["shared_expert_gate"]
+    assert fam.reason is None and fam.kind == "gate"
+    hidden, inter = 32, 32  # the config's hidden_size and shared_expert_intermediate_size
+    swiglu = 3 * 2 * hidden * inter  # gate, up and down projections, 2 FLOPs per MAC
+    assert fam.flops_per_unit == [swiglu, swiglu]
+    assert fam.total_flops_per_token == result.execution.flops_per_token
+    everything = next(p for p in fam.points if p.rule == "static-layer" and p.layers == [0, 1])
+    assert everything.flops_saved_per_token == pytest.approx(2 * swiglu)
+    # reference: the same model with the shared experts' outputs zeroed by hand
+    import transformers
+    net = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    handles = [net.get_submodule(f"model.layers.{i}.mlp.shared_expert").register_forward_hook(
+        lambda m, a, out: torch.zeros_like(out)) for i in range(2)]
+    with torch.no_grad():
+        logp = torch.log_softmax(net(x).logits.double(), -1)
+    for h in handles:
+        h.remove()
+    nll = -logp[:, :-1].gather(-1, x[:, 1:, None]).squeeze(-1).mean(1).numpy()
+    assert everything.nll == pytest.approx(float(nll.mean()), rel=1e-5)
+
+
+def test_a_gate_whose_off_value_does_not_switch_its_module_off_gets_no_curves(
+        tmp_path: Path, monkeypatch) -> None:
+    """A gate declared to switch its module off at a value that does not (here 0, which
+    the sigmoid makes 1/2): refused by the first-batch check, with the reason in place of
+    the curves, never a number."""
+    pytest.importorskip("transformers")
+    from conftest import FAMILIES, save, token_batches
+
+    import fcaudit.core.routers as routers
+    from fcaudit.io.data import folder_tokenizer
+    monkeypatch.setattr(routers, "SHARED_GATE_OFF", 0.0)  # sigmoid(0) = 1/2: not off
+    folder = save(FAMILIES["qwen2_moe"][0](), tmp_path / "qwen2-moe")
+    x, calib = token_batches(folder_tokenizer(folder))
+    result = audit(str(folder), None, data=AuditData(x.numpy(), calib.numpy(), {}),
+                   options=OPTIONS)
+    fam = result.frontier["shared_expert_gate"]
+    assert fam.points == [] and "does not remove exactly the gated modules' updates" in \
+        fam.reason

@@ -61,8 +61,10 @@ def _seed(seed: int, ret: float, eta: float, reassign: float, shuffle: float) ->
         return {"value": v, "ci95": [v - half, v + half]}
     return {"seed": seed, "retention_static_layer": est(ret, 3.0),
             "retention_static_layer_position": est(ret + 5, 3.0),
+            "retention_static_layer_token": est(ret + 10, 2.0),
             "delta_reassign": est(reassign, 0.01), "delta_shuffle": est(shuffle, 0.01),
-            "eta2_layer": eta, "nll_correct": 4.5, "eval_nll": 4.4, "unigram_nll": 6.0,
+            "frontier_gap_25": est(0.02, 0.01), "eta2_layer": eta, "eta2_token_id": 0.9,
+            "nll_correct": 4.5, "eval_nll": 4.4, "unigram_nll": 6.0,
             "wall_s": 100.0 + seed}
 
 

@@ -133,7 +133,11 @@ class Site:
     leading axes in the model's words (the first is always the examples axis) and
     ``positions`` says which of them are position axes (tokens, patches, pixels), the
     axes that shuffle and per-position profiles act on: ``()`` for a per-example
-    coefficient ``[B, K]`` such as CondConv's kernel mixing weights.
+    coefficient ``[B, K]`` such as CondConv's kernel mixing weights. For a soft gate,
+    ``gated`` is the module whose update the coefficient scales (its FLOPs are what
+    switching the gate off saves; None: the dense counterpart's blocks say) and ``off``
+    the coefficient value that switches it off: 0 for ``h + g F(h)``, ``-inf`` for a
+    pre-sigmoid logit such as Qwen2-MoE's shared-expert gate.
     """
 
     name: str
@@ -143,6 +147,8 @@ class Site:
     adapter: ControllerAdapter = field(default=TENSOR, compare=False)
     axes: tuple[str, ...] = field(default=("example", "token"), compare=False)
     positions: tuple[int, ...] = field(default=(1,), compare=False)
+    gated: str | None = field(default=None, compare=False)
+    off: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)

@@ -414,6 +414,10 @@ def counting_experts(model: nn.Module,
 ROUTER_NAMES = ("gate", "router")
 ROUTER_FAMILY = "router"
 SHARED_GATE_FAMILY = "shared_expert_gate"
+# the gate is a logit that the block passes through a sigmoid (Qwen2-MoE and its
+# successors): the shared expert is switched off at -inf, not at 0 (sigmoid(0) = 0.5);
+# the frontier checks on the first batch that this switches off exactly the gated module
+SHARED_GATE_OFF = float("-inf")
 TOP_K_SETTINGS = ("top_k", "num_experts_per_tok", "top_k_experts", "moe_top_k")
 NUM_EXPERTS_SETTINGS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -457,10 +461,14 @@ def moe_router_sites(model: nn.Module) -> list[Site]:
         router_path = _join(path, router)
         routers.append(Site(router_path, router_path, ROUTER_FAMILY, len(routers),
                             RouterAdapter(top_k=top_k)))
-        for name, child in block.named_children():
+        children = dict(block.named_children())
+        for name, child in children.items():
             if name != router and isinstance(child, nn.Linear) and child.out_features == 1:
                 gate_path = _join(path, name)
-                gates.append(Site(gate_path, gate_path, SHARED_GATE_FAMILY, len(gates), FLAT))
+                body = name.removesuffix("_gate")
+                gates.append(Site(gate_path, gate_path, SHARED_GATE_FAMILY, len(gates), FLAT,
+                                  gated=_join(path, body) if body in children else None,
+                                  off=SHARED_GATE_OFF))
     return routers + gates
 
 

@@ -175,13 +175,15 @@ def uncounted_operators(ops: Iterable[Any], counter: FlopCounterMode) -> list[st
 def execution_pass(model: nn.Module, block_paths: Sequence[str],
                    batches: Iterable[torch.Tensor], flops: bool = True,
                    experts: Sequence[ExpertLayer] = (),
-                   routers: Mapping[str, Site] | None = None) -> dict[str, Any]:
+                   routers: Mapping[str, Site] | None = None,
+                   gated: Sequence[str] = ()) -> dict[str, Any]:
     """Run ``batches`` of ``input_ids`` once, counting the tokens entering each block,
     (with ``flops``) the forward FLOPs, and (with ``experts``) the experts that ran and
     what the routers chose, so one pass over the data serves them all.
 
     Blocks executed per token is the mean over tokens of the number of blocks that
     ran on it; ``blocks_executed_per_layer`` is each block's executed fraction.
+    ``gated``: module paths (soft gates' gated modules) whose FLOPs per token to report.
     """
     paths = list(block_paths)
     counts = [0] * len(paths)
@@ -219,6 +221,8 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
         result["flops_per_block"] = [  # per token that entered the block (0: none did)
             sum(by_module.get(f"{root}.{path}", {}).values()) / c if c else 0.0
             for path, c in zip(paths, counts, strict=True)]
+        result["gated_flops_per_token"] = {
+            path: sum(by_module.get(f"{root}.{path}", {}).values()) / tokens for path in gated}
     if experts:
         flop_counts = counter.get_flop_counts() if flops else {}
         result["experts"] = expert_execution(model, experts, expert_counts, chosen,
@@ -385,7 +389,8 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torc
                       warmup: int = 2, seed: int = 0, timing: bool = True,
                       threads: int | None = None, dense_source: str | None = None,
                       experts: Sequence[ExpertLayer] = (),
-                      routers: Mapping[str, Site] | None = None) -> Execution:
+                      routers: Mapping[str, Site] | None = None,
+                      gated: Sequence[str] = ()) -> Execution:
     """The execution section of ``audit.json``: counts and FLOPs on every sequence of
     ``input_ids [N, T]``, timing on its first batch of ``batch_size``; with ``experts``,
     the experts that ran. Without ``dense`` only the model's own counts are measured.
@@ -402,7 +407,7 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torc
                            f"{tuple(input_ids.shape)}")
     batches = input_ids.split(batch_size)
     own = execution_pass(model, resolve_blocks(model, block_paths), batches, experts=experts,
-                         routers=routers)
+                         routers=routers, gated=gated)
     twin = execution_pass(dense, resolve_blocks(dense, dense_block_paths), batches) \
         if dense is not None else None
     uncounted = sorted(set(own["uncounted"]) | set(twin["uncounted"] if twin else []))
@@ -427,7 +432,8 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torc
         conditional_execution=saves or bool(experts and experts.routing_changes_computation),
         saves_against_dense=saves if twin is not None else None, experts=experts,
         flops_per_block=own["flops_per_block"],
-        dense_flops_per_block=twin["flops_per_block"] if twin else None)
+        dense_flops_per_block=twin["flops_per_block"] if twin else None,
+        gated_flops_per_token=own["gated_flops_per_token"] or None)
     if timing and dense is not None:
         result.timing = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
                                          threads)

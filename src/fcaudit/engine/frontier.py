@@ -13,7 +13,7 @@ whose routing weight reaches a mass ``p`` (top-p); the static rule keeps a small
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -52,6 +52,11 @@ class Covered:
     kind: str
     sites: tuple[Site, ...]
     top_k: tuple[int, ...] = ()
+    # gates of a model that skips on its own: per layer, the recorded gate below which the
+    # model's blocks did not run (read off its execution counts; see own_thresholds)
+    own: tuple[float, ...] | None = None
+    own_share: float = 0.0  # the share of token-layers the model skipped on its own
+    reason: str | None = None  # why the family gets no curves (set before any replay)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class FrontierPoint:
     rule: str
     level: float  # target share of the gated units skipped (calibration)
     tau: float | None = None  # gates, dynamic: zero gates below
+    taus: tuple[float, ...] = ()  # gates, the model's own skips: per-layer thresholds
     layers: tuple[int, ...] = ()  # gates, static-layer: layers zeroed
     cells: tuple[tuple[int, int], ...] = ()  # gates, static-layer-position: (layer, position)
     mass: float | None = None  # routers, dynamic: top-p mass
@@ -71,7 +77,8 @@ class FrontierPoint:
 
     @property
     def key(self) -> str:
-        return f"frontier:{self.family}:{self.rule}:{self.level:.4f}"
+        own = ":own" if self.taus else ""
+        return f"frontier:{self.family}:{self.rule}{own}:{self.level:.4f}"
 
 
 def calib_name(b: int) -> str:
@@ -173,7 +180,8 @@ def skipped(point: FrontierPoint, layer: int, t: Tensor) -> Tensor:
     if point.kind == GATE:
         shape = t.shape[:2]
         if point.rule == DYNAMIC:
-            return (t.reshape(*shape, -1) < point.tau).any(-1)
+            tau = point.taus[layer] if point.taus else point.tau
+            return (t.reshape(*shape, -1) < tau).any(-1)
         if point.rule == STATIC_LAYER:
             return torch.full(shape, layer in point.layers, dtype=torch.bool)
         mask = torch.zeros(shape, dtype=torch.bool)
@@ -197,7 +205,7 @@ def point_feed(point: FrontierPoint, correct: Mapping[Site, Tensor]) -> dict[Sit
         t = correct[site]
         if point.kind == GATE:
             mask = skipped(point, i, t).reshape(*t.shape[:2], *([1] * (t.dim() - 2)))
-            fed[site] = t.masked_fill(mask, 0)
+            fed[site] = t.masked_fill(mask, site.off)
         else:
             fed[site] = drop_experts(t, _kept(point, i, t))
     return fed
@@ -205,9 +213,62 @@ def point_feed(point: FrontierPoint, correct: Mapping[Site, Tensor]) -> dict[Sit
 
 def skipped_units(point: FrontierPoint, coefficients: Mapping[str, Tensor],
                   fam: Covered) -> np.ndarray:
-    """Skipped units summed over a batch, per layer: tokens (gates) or expert slots."""
-    return np.array([float(skipped(point, i, coefficients[s.name]).double().sum())
-                     for i, s in enumerate(fam.sites)])
+    """Skipped units summed over a batch, per layer: tokens (gates) or expert slots. A
+    model that skips on its own also skips, under any rule, the tokens below its own
+    thresholds: those are counted too (the replay skips them as the model does)."""
+    out = []
+    for i, s in enumerate(fam.sites):
+        t = coefficients[s.name]
+        mask = skipped(point, i, t)
+        if fam.own is not None:
+            mask = mask | (t.reshape(*t.shape[:2], -1) < fam.own[i]).any(-1)
+        out.append(float(mask.double().sum()))
+    return np.array(out)
+
+
+# ---- a model that skips on its own (SkipGate): its thresholds and its own point ----
+
+def own_thresholds(fam: Covered, executed: Sequence[float] | None, tokens: int,
+                   gates: Mapping[str, Tensor]) -> Covered:
+    """``fam`` with the model's own per-layer thresholds, when its blocks skip tokens.
+
+    ``executed``: each block's executed fraction on the evaluation set (execution counts,
+    one block per gated layer), ``gates``: site -> every evaluation gate of that layer.
+    A block that ran on ``E`` of its tokens ran, under a threshold rule, on exactly the
+    ``E`` largest gates: the threshold is the smallest of those. Where no threshold on the
+    recorded gate splits the tokens as the counts do (ties, or a rule that is not a
+    threshold), the family gets a reason instead: its rules' FLOPs could not be counted.
+    """
+    if fam.kind != GATE or executed is None or min(executed, default=1.0) >= 1.0:
+        return fam
+    if len(executed) != len(fam.sites):
+        return replace(fam, reason=f"the model skips tokens on its own, and its "
+                       f"{len(executed)} counted blocks are not one per gated layer "
+                       f"({len(fam.sites)}): name one block per gate (--blocks)")
+    taus = []
+    for site, share in zip(fam.sites, executed, strict=True):
+        g = gates[site.name].double().reshape(-1)
+        ran = round(share * tokens)
+        if ran >= g.numel():
+            taus.append(float("-inf"))
+            continue
+        tau = float(g.sort(descending=True).values[ran - 1]) if ran else float("inf")
+        if int((g >= tau).sum()) != ran:
+            return replace(fam, reason=(
+                f"the model skips tokens on its own, but no threshold on {site.name}'s "
+                f"recorded gate selects the {ran} of {g.numel()} tokens its block ran on "
+                "(ties, or a rule that is not a threshold on this gate): the FLOPs a rule "
+                "saves on top of the model's own skips cannot be counted"))
+        taus.append(tau)
+    return replace(fam, own=tuple(taus), own_share=1.0 - float(np.mean(executed)))
+
+
+def own_point(fam: Covered) -> FrontierPoint | None:
+    """The dynamic rule at the model's own per-layer thresholds: it zeroes exactly the
+    gates whose blocks the model skipped, so its replay must reproduce the model's pass."""
+    if fam.own is None:
+        return None
+    return FrontierPoint(fam.family, GATE, DYNAMIC, fam.own_share, taus=fam.own)
 
 
 # ---- the summary: curves in FLOPs, matched comparisons, the area between curves ----
@@ -227,6 +288,13 @@ def unit_flops(fam: Covered, execution: Execution) -> tuple[list[float], float, 
         per = [ex.flops_per_slot_per_layer[ex.layers.index(name)] for name in names]
         return per, float(execution.flops_per_token or 0.0), \
             "the model's measured FLOPs per executed expert slot (execution audit)"
+    gated = [s.gated for s in fam.sites]
+    if all(gated):
+        counted = execution.gated_flops_per_token or {}
+        if not set(gated) <= set(counted) or not execution.flops_per_token:
+            return "the execution audit counted no FLOPs for the gated modules"
+        return [counted[g] for g in gated], float(execution.flops_per_token), \
+            "the model's measured FLOPs per token of each gated module (execution audit)"
     per = execution.dense_flops_per_block
     if per is None or len(per) != n or not execution.dense_flops_per_token:
         return (f"the dense counterpart has {len(per) if per else 'no'} counted blocks for the "
@@ -291,7 +359,8 @@ def summarize_family(fam: Covered, points: Sequence[FrontierPoint],
             p.rule, p.level, p.tau if fam.kind == GATE else p.mass,
             list(p.layers) if p.rule == STATIC_LAYER else list(p.keep) if p.rule == STATIC_K
             else None, float(units[p.key].sum()) / (tokens * slots), saved, saved / total,
-            float(per_seq[p.key].mean()), delta, ci))
+            float(per_seq[p.key].mean()), delta, ci,
+            list(p.taus) if p.taus else None))
         pairs[p.rule].append((saved / total, d))
     n = len(correct)
     curves = {r: _curve(pairs[r], n) for r in rules}
@@ -340,35 +409,33 @@ def _sentence(head: FrontierMatch, best: str | None, curves: Mapping[str, _Curve
             f"penalty there is {head.dynamic.value:+.4f} nats.")
 
 
-def skip_check(fam: FrontierFamily, sites: Sequence[Site], execution: Execution,
-               per_seq_curve: _Curve | None, boot: Bootstrap) -> FrontierCheck | None:
-    """For a model that really skips gated blocks: its measured point (FLOPs saved against
-    the dense counterpart, penalty 0: its own pass is the correct replay) against its
-    dynamic curve at the fraction its blocks-executed counts account for."""
-    executed = execution.blocks_executed_per_layer
-    if fam.kind != GATE or fam.flops_per_unit is None or executed is None or \
-            len(executed) != len(sites) or min(executed) >= 1 or per_seq_curve is None:
+def skip_check(fam: Covered, result: FrontierFamily, points: Sequence[FrontierPoint],
+               per_seq: Mapping[str, np.ndarray], correct: np.ndarray, execution: Execution,
+               boot: Bootstrap) -> FrontierCheck | None:
+    """For a model that really skips gated blocks: the dynamic rule at its own thresholds
+    (the point that zeroes exactly the gates whose blocks it skipped) must cost nothing
+    (its replay is the model's own pass) at the FLOPs the model measurably saves."""
+    own = own_point(fam)
+    if own is None or result.total_flops_per_token is None or \
+            execution.flops_per_token is None:
         return None
-    total = fam.total_flops_per_token
-    assert total and execution.flops_per_token is not None
+    mine = [p for p in points if p.family == fam.family]
+    at = next(r for p, r in zip(mine, result.points, strict=True) if p.key == own.key)
+    total = result.total_flops_per_token
     measured = (total - execution.flops_per_token) / total
-    own = sum(c * (1 - e) for c, e in zip(fam.flops_per_unit, executed, strict=True)) / total
-    at = _estimate(_at(per_seq_curve, own), boot)
-    on = at is not None and at.ci95[0] <= 1e-9 and abs(measured - own) <= FLOPS_TOLERANCE
-    return FrontierCheck(measured, own, 0.0, at, on, (
-        "the model's own pass (penalty 0) at the FLOPs its blocks-executed counts skip, "
-        "against its dynamic curve interpolated there; on the curve when the curve's interval "
-        f"reaches 0 and the FLOPs counted by the execution audit agree within "
-        f"{100 * FLOPS_TOLERANCE:.0f} points of the dense counterpart's FLOPs"))
-
-
-def dynamic_curve(fam: FrontierFamily, correct_n: int, per_seq: Mapping[str, np.ndarray],
-                  correct: np.ndarray, points: Sequence[FrontierPoint], family: str) -> _Curve:
-    """The dynamic rule's curve of a summarized family (per-sequence penalties)."""
-    pairs = [(r.flops_saved_fraction, per_seq[p.key] - correct)
-             for p, r in zip([p for p in points if p.family == family], fam.points, strict=True)
-             if r.rule == DYNAMIC]
-    return _curve(pairs, correct_n)
+    pooled = _curve([(r.flops_saved_fraction, per_seq[p.key] - correct)
+                     for p, r in zip(mine, result.points, strict=True)
+                     if r.rule == DYNAMIC and p.key != own.key], len(correct))
+    on = at.ci95[0] <= 0.0 <= at.ci95[1] and \
+        abs(measured - at.flops_saved_fraction) <= FLOPS_TOLERANCE
+    return FrontierCheck(measured, at.flops_saved_fraction, at.delta, at.ci95,
+                         _estimate(_at(pooled, at.flops_saved_fraction), boot), on, (
+        "the dynamic rule at the model's own per-layer thresholds (read off its execution "
+        "counts) zeroes exactly the gates whose blocks it skipped: on its curve when that "
+        "replay's penalty interval includes 0 (zeroing a gate computes what skipping does) "
+        f"and its counted FLOPs saved agree within {100 * FLOPS_TOLERANCE:.0f} points with "
+        "the FLOPs measured against the dense counterpart; pooled_curve_delta is the "
+        "calibrated single-threshold rule at the same FLOPs, for comparison"))
 
 
 def frontier_summary(covered: Sequence[Covered], points: Sequence[FrontierPoint],
@@ -378,9 +445,21 @@ def frontier_summary(covered: Sequence[Covered], points: Sequence[FrontierPoint]
     """Every covered family's frontier, with the skip check where the model skips."""
     out = {}
     for fam in covered:
+        own = own_point(fam)
+        if own is not None and not np.array_equal(per_seq[own.key], correct):
+            fam = replace(fam, reason=(
+                "the model skips tokens on its own, but zeroing the gates below the thresholds "
+                "its execution counts imply does not reproduce its pass (max per-sequence NLL "
+                f"difference {float(np.abs(per_seq[own.key] - correct).max()):.3g}): its skips "
+                "are not a threshold on the recorded gate, so the FLOPs a rule saves on top "
+                "of them cannot be counted"))
+        if fam.reason is not None:
+            out[fam.family] = FrontierFamily(fam.kind, None, None, None, [], [], {}, None, None,
+                                             f"No frontier: {fam.reason}.", None,
+                                             reason=fam.reason)
+            continue
         result = summarize_family(fam, points, per_seq, correct, units, tokens, execution, boot)
         if result.reason is None:
-            curve = dynamic_curve(result, len(correct), per_seq, correct, points, fam.family)
-            result.check = skip_check(result, fam.sites, execution, curve, boot)
+            result.check = skip_check(fam, result, points, per_seq, correct, execution, boot)
         out[fam.family] = result
     return out

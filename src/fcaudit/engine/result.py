@@ -264,6 +264,8 @@ class Execution:
     # FLOPs per token that entered each block, counted on the model and the dense twin
     flops_per_block: list[float] | None = _omit_none()
     dense_flops_per_block: list[float] | None = _omit_none()
+    # soft gates' gated modules (e.g. Qwen2-MoE's shared experts): FLOPs per token
+    gated_flops_per_token: dict[str, float] | None = _omit_none()
 
     def omitted(self) -> set[str]:
         """An unmeasured execution is written as ``{measured, reason}`` alone."""
@@ -344,6 +346,8 @@ class FrontierPointResult:
     nll: float
     delta: float
     ci95: Interval
+    # the dynamic rule at the model's own per-layer thresholds (a model that skips)
+    own_thresholds: list[float] | None = _omit_none()
 
 
 @dataclass
@@ -362,9 +366,10 @@ class FrontierCheck:
     """A model that really skips (SkipGate): its measured point against its dynamic curve."""
 
     measured_flops_saved_fraction: float  # dense FLOPs minus the model's, counted
-    accounted_flops_saved_fraction: float  # blocks executed per layer x per-block FLOPs
-    delta: float  # the model's own penalty: 0 (its pass is the correct replay)
-    curve_delta: Estimate | None  # the dynamic curve at the accounted fraction
+    accounted_flops_saved_fraction: float  # the own-threshold point's skips x block FLOPs
+    delta: float  # the own-threshold point's replay penalty (0: zeroing = skipping)
+    ci95: Interval
+    pooled_curve_delta: Estimate | None  # the calibrated dynamic rule at the same FLOPs
     on_curve: bool
     note: str
 

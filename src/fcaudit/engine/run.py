@@ -36,16 +36,19 @@ from fcaudit.core.adapters import adapter_name, same_bits
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks, declared_experts
 from fcaudit.core.errors import FcauditError, arg
-from fcaudit.core.interventions import Intervention, draw
-from fcaudit.core.nll import device_of, model_limits, probe_vocab, token_nll
+from fcaudit.core.interventions import Intervention, StaticProfiles, draw
+from fcaudit.core.nll import device_of, logits_of, model_limits, probe_vocab, token_nll
 from fcaudit.core.sites import SiteSpec, find_sites, match_modules
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.distributed import Ranks, current
 from fcaudit.engine.frontier import (
+    GATE,
     Covered,
     FrontierPoint,
     frontier_families,
     frontier_summary,
+    own_point,
+    own_thresholds,
     plan_points,
     skipped_units,
 )
@@ -407,7 +410,8 @@ def execute(setup: Setup) -> Execution:
                              block_paths=setup.blocks, dense_block_paths=dense_blocks or None,
                              pairs=opts.timing_pairs, seed=opts.seed,
                              timing=opts.timing_pairs > 0, dense_source=setup.dense_source or None,
-                             experts=[e for e in experts if e.name in routers], routers=routers)
+                             experts=[e for e in experts if e.name in routers], routers=routers,
+                             gated=[s.gated for s in setup.sites if s.gated])
 
 
 def _model_info(setup: Setup) -> ModelInfo:
@@ -565,14 +569,8 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     inputs = ReplayInputs(cache, setup.sites, profiles,
                           [draw(opts.seed * 1000 + 17 + k, n, seq_len)
                            for k in range(opts.repeats)], opts.seed, setup.data.eval_ids)
-    covered = frontier_plan(setup, first)
-    points = []
-    if covered:
-        frontier_sites = [s for fam in covered for s in fam.sites]
-        record_frontier_calibration(setup, cache, frontier_sites, progress, ranks)
-        ranks.barrier("recorded the frontier's calibration")
-        points = plan_points(covered, frontier_calibration(setup, cache, frontier_sites),
-                             profiles, opts.frontier_points)
+    covered, points = frontier_points(setup, cache, frontier_plan(setup, first), profiles,
+                                      progress, ranks)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),
                      points)
     started = time.perf_counter()
@@ -612,6 +610,77 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
             replays.per_run[0], frontier_units(cache, covered, points), setup.data.eval_ids.size,
             execution, paired_bootstrap(n, opts))
     return result
+
+
+def frontier_points(setup: Setup, cache: CoefficientCache, covered: Sequence[Covered],
+                    profiles: StaticProfiles, progress: Progress, ranks: Ranks
+                    ) -> tuple[list[Covered], list[FrontierPoint]]:
+    """The covered families made ready (off values checked, a skipping model's own
+    thresholds read) and every point to replay: the rules' points from calibration, and
+    for a model that skips, the dynamic rule at its own thresholds."""
+    if not covered:
+        return [], []
+    sites = [s for fam in covered for s in fam.sites]
+    record_frontier_calibration(setup, cache, sites, progress, ranks)
+    ranks.barrier("recorded the frontier's calibration")
+    executed = own_skips(setup) if any(f.kind == GATE for f in covered) else None
+    ready = []
+    for fam in covered:
+        reason = off_mismatch(setup, fam) if fam.kind == GATE else None
+        fam = dataclasses.replace(fam, reason=reason) if reason else \
+            own_thresholds(fam, executed, setup.data.eval_ids.size, eval_gates(cache, fam))
+        ready.append(fam)
+    live = [f for f in ready if f.reason is None]
+    points = plan_points(live, frontier_calibration(setup, cache, sites), profiles,
+                         setup.options.frontier_points)
+    return ready, points + [p for f in live if (p := own_point(f)) is not None]
+
+
+def own_skips(setup: Setup) -> list[float] | None:
+    """Each declared block's executed fraction on the evaluation set (a counting pass,
+    no FLOPs): below 1 where the model skips tokens on its own."""
+    from fcaudit.engine.execution import execution_pass
+    if setup.blocks is None:
+        return None
+    size, net = setup.options.batch_size, setup.model
+    counted = execution_pass(net, setup.blocks, (x for _, x in batches(
+        setup.data.eval_ids, size, device_of(net))), flops=False)
+    return counted["blocks_executed_per_layer"]
+
+
+def eval_gates(cache: CoefficientCache, fam: Covered) -> dict[str, Tensor]:
+    return {s.name: torch.cat([cache.batch(b, f"site::{s.name}").reshape(-1)
+                               for b in range(cache.n_batches)]) for s in fam.sites}
+
+
+@torch.no_grad()
+def off_mismatch(setup: Setup, fam: Covered) -> str | None:
+    """Why switching the family's gates to their ``off`` value does not remove exactly
+    their gated modules' updates on the first evaluation batch (None: it does, bit for
+    bit). Gates without a declared gated module act on the dense counterpart's blocks."""
+    gated = [s.gated for s in fam.sites]
+    if not all(gated):
+        return None
+    net = setup.model
+    _, x = next(batches(setup.data.eval_ids, setup.options.batch_size, device_of(net)))
+    recorded = record_batch(net, fam.sites, x)[1]
+    off = replay_batch(net, x, {s: torch.full_like(recorded[s.name], s.off)
+                                for s in fam.sites}).logits
+
+    def zero(_m: nn.Module, _a: Any, out: Any) -> Any:
+        return torch.zeros_like(out) if isinstance(out, Tensor) else out
+    handles = [net.get_submodule(g).register_forward_hook(zero) for g in gated if g]
+    try:
+        removed = logits_of(net(x))
+    finally:
+        for handle in handles:
+            handle.remove()
+    if torch.equal(off, removed):
+        return None
+    diff = float((off.double() - removed.double()).abs().max())
+    return (f"setting {fam.family}'s gates to {fam.sites[0].off} does not remove exactly "
+            f"the gated modules' updates ({', '.join(g for g in gated if g)[:120]}; max logit "
+            f"difference {diff:.3g}): the gate does not switch its module off there")
 
 
 def frontier_units(cache: CoefficientCache, covered: Sequence[Covered],

@@ -458,18 +458,20 @@ def _frontier(r: AuditResult) -> list[str]:
                       f"range): {md_text(area)}. FLOPs: {md_text(f.flops_source or '')}.")
         if f.check:
             c = f.check
-            curve = fmt_with_ci(c.curve_delta.value, c.curve_delta.ci95) if c.curve_delta \
-                else "n/a"
+            pooled = fmt_with_ci(c.pooled_curve_delta.value, c.pooled_curve_delta.ci95) \
+                if c.pooled_curve_delta else "not reached"
             blocks.append(
-                f"Check (the model really skips): its own pass saves "
-                f"{100 * c.measured_flops_saved_fraction:.1f}% of the dense FLOPs measured, "
-                f"{100 * c.accounted_flops_saved_fraction:.1f}% by blocks executed; the "
-                f"dynamic curve there: {curve} vs its own 0: "
-                f"{'on its curve' if c.on_curve else 'NOT on its curve'}.")
+                f"Check (the model really skips): the dynamic rule at its own per-layer "
+                f"thresholds saves {100 * c.accounted_flops_saved_fraction:.1f}% of the FLOPs "
+                f"by its count, {100 * c.measured_flops_saved_fraction:.1f}% measured against "
+                f"the dense counterpart, at Δ {fmt_with_ci(c.delta, c.ci95)}: "
+                f"{'on its curve' if c.on_curve else 'NOT on its curve'}. One threshold "
+                f"pooled over layers at the same FLOPs: {pooled}.")
         blocks.append(md_table(
             ("rule", "level", "threshold", "skipped", "FLOPs saved", "Δ NLL [95% CI]"),
-            [(p.rule, f"{p.level:.2f}", fmt_num(p.threshold) if p.threshold is not None
-              else md_text(str(p.layers)), f"{100 * p.skipped_fraction:.1f}%",
+            [(p.rule + (" (own thresholds)" if p.own_thresholds else ""), f"{p.level:.2f}",
+              fmt_num(p.threshold) if p.threshold is not None
+              else md_text(str(p.layers or p.own_thresholds)), f"{100 * p.skipped_fraction:.1f}%",
               f"{100 * p.flops_saved_fraction:.1f}%", fmt_with_ci(p.delta, p.ci95))
              for p in f.points], "lrrrrr"))
     return blocks

@@ -49,7 +49,7 @@ from fcaudit.report.figures import (
 from fcaudit.report.markdown import md_code, md_fenced, md_figures, md_table, md_text, to_html
 from fcaudit.study import paper, trend
 from fcaudit.study.train import TrainPreset, resolve_schedule, train
-from fcaudit.study.trend import SeedResult
+from fcaudit.study.trend import SeedResult, frontier_gap_25
 
 SCHEMA = "fcaudit.reproduction/1"
 
@@ -136,20 +136,12 @@ def metrics_of(audit: AuditResult) -> dict[str, float | None]:
     if ex.experts is not None:
         out["experts_executed_fraction"] = ex.experts.experts_per_token_summed_over_layers / \
             ex.experts.experts_present_summed_over_layers
-    out["frontier_gap_25"] = frontier_gap_25(audit).get("value")
+    out["frontier_gap_25"] = frontier_gap_25(audit)["value"]
     for family, routing in (audit.routing or {}).items():
         if family == audit.families[0]:
             for condition in ("reassign", "shuffle", "static-layer", "static-layer-token"):
                 out[f"rerouted_{condition}"] = routing.changed[condition]
     return out
-
-
-def frontier_gap_25(audit: AuditResult) -> dict[str, Any]:
-    """The main family's frontier gap at 25% of FLOPs saved (best static rule's penalty
-    minus the dynamic rule's), with its interval; empty without a frontier."""
-    fam = (audit.frontier or {}).get(audit.families[0])
-    gap = fam.gap_at_25 if fam is not None else None
-    return {} if gap is None else {"value": gap.value, "ci95": list(gap.ci95)}
 
 
 @dataclass(frozen=True)

@@ -107,9 +107,9 @@ PAPER_ETA2_LAYER, PAPER_MUDD = paper.ETA2_LAYER, paper.MUDD
 # --------------------------------------------------------------------- point summary
 
 # Per-seed numbers of a point: those with a 95% bootstrap interval over sequences, the rest.
-WITH_CI = ("retention_static_layer", "retention_static_layer_position", "delta_reassign",
-           "delta_shuffle")
-PLAIN = ("eta2_layer", "nll_correct", "eval_nll", "unigram_nll", "wall_s")
+WITH_CI = ("retention_static_layer", "retention_static_layer_position",
+           "retention_static_layer_token", "delta_reassign", "delta_shuffle", "frontier_gap_25")
+PLAIN = ("eta2_layer", "eta2_token_id", "nll_correct", "eval_nll", "unigram_nll", "wall_s")
 
 
 @dataclass(frozen=True)
@@ -128,18 +128,33 @@ def _estimate(value: float | None, ci95: Sequence[float] | None) -> dict[str, An
     return {"value": value, "ci95": None if ci95 is None else list(ci95)}
 
 
+def frontier_gap_25(audit: AuditResult) -> dict[str, Any]:
+    """The main family's frontier gap at 25% of FLOPs saved (best static rule's penalty
+    minus the dynamic rule's), with its interval; value None without a frontier (MUDD's
+    mixing weights have none: no value of them switches a block off)."""
+    fam = (audit.frontier or {}).get(audit.families[0])
+    gap = fam.gap_at_25 if fam is not None else None
+    return _estimate(None, None) if gap is None else _estimate(gap.value, gap.ci95)
+
+
 def seed_numbers(r: SeedResult) -> dict[str, Any]:
     """The numbers of one seed."""
     a, results = r.audit, r.config["results"]
     ret, cond = a.retention, a.conditions
+    token = ret.get("static-layer-token")
+    main = a.variance[a.families[0]]  # the main family comes first
     return {
         "seed": r.seed,
         "retention_static_layer": _estimate(ret["static-layer"].value, ret["static-layer"].ci95),
         "retention_static_layer_position": _estimate(ret["static-layer-position"].value,
                                                      ret["static-layer-position"].ci95),
         "delta_reassign": _estimate(cond["reassign"].delta, cond["reassign"].ci95),
+        "retention_static_layer_token": _estimate(token.value if token else None,
+                                                  token.ci95 if token else None),
         "delta_shuffle": _estimate(cond["shuffle"].delta, cond["shuffle"].ci95),
-        "eta2_layer": a.variance[a.families[0]].eta2_layer,  # the main family comes first
+        "frontier_gap_25": frontier_gap_25(a),
+        "eta2_layer": main.eta2_layer,
+        "eta2_token_id": main.eta2_token_id,
         "nll_correct": cond["correct"].nll,
         "eval_nll": results["eval_nll"],
         "unigram_nll": results["unigram_nll"],
@@ -225,7 +240,7 @@ Stats = Mapping[str, Any]
 def stats(point: Mapping[str, Any], arch: str, key: str) -> Stats | None:
     """One number's statistics over seeds at a point (None: that model was not audited)."""
     model = point["models"].get(arch)
-    return None if model is None else model["mean"][key]
+    return None if model is None else model["mean"].get(key)
 
 
 @dataclass(frozen=True)
@@ -259,6 +274,9 @@ METRICS = {m.key: m for m in (
     Metric("eta2_layer", "layer share of gate variance (eta2 layer)", 100.0, "%", 1),
     Metric("delta_reassign", "reassign penalty", 1.0, " nats", 3),
     Metric("delta_shuffle", "shuffle penalty", 1.0, " nats", 3),
+    Metric("retention_static_layer_token", "static-layer-token retention", 1.0, "%", 1),
+    Metric("eta2_token_id", "token-id share of gate variance", 100.0, "%", 1),
+    Metric("frontier_gap_25", "frontier gap at 25% FLOPs saved", 1.0, " nats", 4),
     Metric("eval_nll", "eval NLL", 1.0, "", 3),
 )}
 
@@ -444,17 +462,23 @@ def cannot_show(points: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _cell(s: Stats | None, metric: Metric) -> str:
-    if s is None or s["mean"] is None:
+    """A point made before a column existed has no entry: "not measured" (rerun the study
+    to fill it); a column measured with no defined value (MUDD's frontier) is "undefined"."""
+    if s is None:
+        return "not measured"
+    if s["mean"] is None:
         return "undefined"
     return (f"{metric.number(s['mean'])} [{metric.number(s['min'])}, "
             f"{metric.number(s['max'])}]" if s["n"] > 1 else metric.number(s["mean"]))
 
 
 TABLE_KEYS = ("eval_nll", "retention_static_layer", "retention_static_layer_position",
-              "eta2_layer", "delta_reassign", "delta_shuffle")
+              "eta2_layer", "delta_reassign", "delta_shuffle", "retention_static_layer_token",
+              "eta2_token_id", "frontier_gap_25")
 TABLE_HEAD = ("eval NLL (nats)", "static-layer retention (%)",
               "static-layer-position retention (%)", "eta2 layer (%)", "reassign (nats)",
-              "shuffle (nats)")
+              "shuffle (nats)", "static-layer-token retention (%)", "token-id share (%)",
+              "frontier gap at 25% saved (nats)")
 WALL_HEAD = "point wall (min, all its runs and audits)"
 
 
@@ -470,7 +494,7 @@ def _table(points: Sequence[Mapping[str, Any]], arch: str,
         m = p["models"][arch]
         rows.append((md_text(p["point"]), _millions(m["n_params"]), str(p["steps"]),
                      _millions(p["training_tokens"]), str(len(m["seeds"])),
-                     *(_cell(m["mean"][k], METRICS[k]) for k in TABLE_KEYS),
+                     *(_cell(m["mean"].get(k), METRICS[k]) for k in TABLE_KEYS),
                      *([f"{p['wall_s'] / 60:.1f}"] if wall else [])))
     rows += [(*r, *([""] if wall else [])) for r in paper]
     return md_table(("point", "parameters", "steps", "training tokens", "seeds", *TABLE_HEAD,

@@ -270,7 +270,21 @@ def _study_rows(s: Mapping[str, Any]) -> list[str]:
         [_frontier_row(label, g[f"{arch}-tiny"]["aggregate"]) for arch, label in
          (("featuregate", "FeatureGate"), ("moe", "MoE"))
          if f"{arch}-tiny" in g
-         and (g[f"{arch}-tiny"]["aggregate"].get("frontier_gap_25") or {}).get("n")]
+         and (g[f"{arch}-tiny"]["aggregate"].get("frontier_gap_25") or {}).get("n")] + \
+        ([_skip_check_row(g["skipgate-tiny"]["aggregate"])]
+         if "frontier_on_curve" in g.get("skipgate-tiny", {}).get("aggregate", {}) else [])
+
+
+def _skip_check_row(agg: Mapping[str, Any]) -> str:
+    """The frontier's check on the model that really skips: the dynamic rule at SkipGate's
+    own thresholds must reproduce its pass at the FLOPs it measurably saves."""
+    on = agg["frontier_on_curve"]["min"] == 1
+    return (f"| (not in the paper) SkipGate: does the frontier's accounting match a model "
+            f"that really skips? | {'holds' if on else 'does NOT hold'}: the dynamic rule at "
+            f"its own thresholds costs {span(agg['frontier_own_delta'], 4, sign='+')} nats at "
+            f"{100 * agg['frontier_own_flops_saved']['mean']:.1f}% of the FLOPs saved by the "
+            f"frontier's count, {100 * agg['frontier_measured_flops_saved']['mean']:.1f}% "
+            "measured against Dense |")
 
 
 def _frontier_row(label: str, agg: Mapping[str, Any]) -> str:

@@ -137,6 +137,13 @@ def metrics_of(audit: AuditResult) -> dict[str, float | None]:
         out["experts_executed_fraction"] = ex.experts.experts_per_token_summed_over_layers / \
             ex.experts.experts_present_summed_over_layers
     out["frontier_gap_25"] = frontier_gap_25(audit)["value"]
+    front = (audit.frontier or {}).get(audit.families[0])
+    check = front.check if front is not None else None
+    if check is not None:  # a model that skips on its own (SkipGate): its own point
+        out["frontier_own_delta"] = check.delta
+        out["frontier_own_flops_saved"] = check.accounted_flops_saved_fraction
+        out["frontier_measured_flops_saved"] = check.measured_flops_saved_fraction
+        out["frontier_on_curve"] = float(check.on_curve)
     for family, routing in (audit.routing or {}).items():
         if family == audit.families[0]:
             for condition in ("reassign", "shuffle", "static-layer", "static-layer-token"):
@@ -292,6 +299,11 @@ ROWS: tuple[tuple[str, str, int, bool], ...] = (
     ("speed_ratio", "time ratio vs dense", 3, False),
     ("frontier_gap_25", "frontier gap at 25% FLOPs saved (best static - dynamic, nats)", 4,
      False),
+    ("frontier_own_delta", "own-threshold frontier point: penalty (nats)", 4, False),
+    ("frontier_own_flops_saved", "own-threshold frontier point: FLOPs saved, counted", 3,
+     False),
+    ("frontier_measured_flops_saved", "FLOPs saved measured against dense", 3, False),
+    ("frontier_on_curve", "on its own dynamic curve (1 = yes)", 0, False),
 )
 
 

@@ -1,0 +1,93 @@
+"""The schedule's cost account (benchmarks/audit_schedule.py): the forward passes and
+block evaluations each schedule performs, against a hand count for 4-layer models, with
+both schedules' results equal."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fcaudit.engine.options import AuditOptions
+from fcaudit.io.data import AuditData
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import audit_schedule  # noqa: E402
+
+L, K, N_EVAL, N_CALIB, BATCH = 4, 1, 8, 8, 4
+OPTIONS = AuditOptions(repeats=K, bootstrap=10, batch_size=BATCH, execution=False,
+                       progress=False)
+
+
+def _model(family: str) -> nn.Module:
+    from fcaudit.models.featuregate import GPT, GPTConfig
+    from fcaudit.models.mudd import PRESETS, MuddModel
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=L, n_head=2, n_embd=32)) \
+        if family == "featuregate" else \
+        MuddModel(dataclasses.replace(PRESETS["tiny"], vocab_size=64, n_layer=L, dim=32))
+    for p in model.parameters():  # weights large enough that every coefficient matters
+        nn.init.normal_(p, std=0.2)
+    return model.eval()
+
+
+def hand_count(family: str, schedule: str) -> dict[str, float]:
+    """Per evaluation batch: the record pass, the correct replay, 3K random and 4 static
+    main conditions, L(K + 1) per-layer runs, the correct replay again at the end; on top,
+    the calibration's record passes (N_CALIB / N_EVAL evaluation-set passes) and the
+    probe's identity replay of the first batch before anything is written (BATCH / N_EVAL)."""
+    main = 3 * K + 4
+    full = 1 + 1 + main + 1  # always full passes, both schedules
+    extra = (N_CALIB + BATCH) / N_EVAL
+    if schedule == "naive":
+        passes = full + L * (K + 1)
+        return {"passes": passes + extra, "block_passes": passes + extra}
+    # prefix: a site's runs and its proof (the correct feed on the same suffix) recompute
+    # the blocks after its prefix; a site with no prefix runs its K + 1 runs in full
+    if family == "mudd":  # site i (dynamic_dense.i) runs after block i: L - 1 - i blocks
+        suffixes = [L - 1 - i for i in range(L)]
+        per_layer_passes, per_layer_blocks = L * (K + 2), (K + 2) * sum(suffixes)
+    else:  # site i (blocks.i.gate) runs inside block i: L - i blocks; site 0 has no prefix
+        suffixes = [L - i for i in range(1, L)]
+        per_layer_passes = (K + 1) + (L - 1) * (K + 2)
+        per_layer_blocks = (K + 1) * L + (K + 2) * sum(suffixes)
+    return {"passes": full + per_layer_passes + extra,
+            "block_passes": (full * L + per_layer_blocks) / L + extra}
+
+
+@pytest.mark.parametrize("family", ["featuregate", "mudd"])
+def test_block_evaluations_match_a_hand_count_and_results_are_equal(family: str):
+    model = _model(family)
+    rng = np.random.default_rng(0)
+    data = AuditData(rng.integers(0, 64, (N_EVAL, 16)), rng.integers(0, 64, (N_CALIB, 16)), {})
+    results, counted = {}, {}
+    for schedule in ("naive", "prefix"):
+        options = dataclasses.replace(OPTIONS, schedule=schedule)
+        _, results[schedule], counts = audit_schedule.audit_seconds(model, data, options)
+        counted[schedule] = counts
+        assert counts.in_passes(N_EVAL) == hand_count(family, schedule), schedule
+    assert results["naive"] == results["prefix"]
+    # naive: every block evaluated on every sequence of every pass
+    naive = counted["naive"]
+    assert list(naive.blocks.values()) == [naive.passes] * L
+
+
+def test_ideal_ratio_is_the_cost_formula():
+    """Passes pay the fixed part and the NLL, block evaluations their share of the rest."""
+    shares = {"full": 2.0, "fixed": 0.5, "nll": 0.1}
+    account = {"passes": 10.0, "block_passes": 6.0}
+    # (10 x (0.5 + 0.1) + 6 x 1.5) / (8 x 2.0) = (6 + 9) / 16
+    assert audit_schedule.ideal_ratio(account, shares, 8) == pytest.approx(15 / 16)
+
+
+def test_pass_shares_time_the_stubbed_pass_below_the_full_one():
+    model = _model("mudd")
+    ids = np.random.default_rng(0).integers(0, 64, (4, 16))
+    shares = audit_schedule.pass_shares(model, ids, 4, model.execution_blocks(), repeats=1)
+    assert set(shares) == {"full", "fixed", "nll"}
+    assert all(v > 0 for v in shares.values())

@@ -42,6 +42,7 @@ from fcaudit.api import audit
 from fcaudit.core.nll import token_nll
 from fcaudit.core.replaying import OutputStub, swapped, tracing
 from fcaudit.core.sites import find_sites
+from fcaudit.engine import stages
 from fcaudit.engine.plan import plan_runs
 from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import AuditData
@@ -70,43 +71,64 @@ def forward_pass_seconds(model: nn.Module, ids: np.ndarray, batch: int) -> float
     return time.perf_counter() - start
 
 
+CHECKS = ("proof", "repeat")  # the schedule's check passes, counted apart
+
+
 @dataclasses.dataclass
 class Counts:
-    """What the forward passes of one audit evaluated, in sequences: ``passes`` (model
-    calls, each weighted by its batch's rows) and each block's evaluations."""
+    """What the forward passes of one audit evaluated, in sequences: passes (model calls,
+    each weighted by its batch's rows) and block evaluations, in all and in the schedule's
+    checks: a site's prefix proof (the correct feed on that site's suffix) and the correct
+    replay repeated in full at the end of each batch."""
 
-    passes: int = 0
-    blocks: dict[str, int] = dataclasses.field(default_factory=dict)
+    blocks: Sequence[str]
+    passes: dict[str, int] = dataclasses.field(default_factory=dict)  # kind -> sequences
+    evaluated: dict[str, int] = dataclasses.field(default_factory=dict)  # kind -> block rows
     rows: int = 0  # rows of the pass running now
+    kind: str = "run"  # what the pass running now is: "run" or one of CHECKS
 
     def in_passes(self, n_eval: int) -> dict[str, float]:
-        """Evaluation-set passes, and block evaluations in evaluation-set passes of all
-        blocks (``L`` blocks on every sequence of the evaluation set is 1)."""
-        per_pass = n_eval * len(self.blocks)
-        return {"passes": self.passes / n_eval,
-                "block_passes": sum(self.blocks.values()) / per_pass}
+        """Evaluation-set passes and block evaluations in evaluation-set passes of all the
+        blocks (every block on every evaluation sequence once is 1), in all and per check."""
+        scale = n_eval * len(self.blocks)
+        out = {"passes": sum(self.passes.values()) / n_eval,
+               "block_passes": sum(self.evaluated.values()) / scale}
+        for kind in CHECKS:
+            out[f"{kind}_passes"] = self.passes.get(kind, 0) / n_eval
+            out[f"{kind}_block_passes"] = self.evaluated.get(kind, 0) / scale
+        return out
 
 
 @contextlib.contextmanager
 def counting(model: nn.Module, blocks: Sequence[str]) -> Iterator[Counts]:
     """Count every forward pass of ``model`` and every call of its ``blocks`` (a block
-    swapped out for a stub is not called, so prefix reuse shows as fewer evaluations)."""
-    counts = Counts(blocks=dict.fromkeys(blocks, 0))
+    swapped out for a stub is not called, so prefix reuse shows as fewer evaluations);
+    passes made by the replay stage's checks are also counted apart."""
+    counts = Counts(blocks)
 
     def on_pass(_m: nn.Module, args: tuple, kwargs: dict) -> None:
         ids = args[0] if args else next(iter(kwargs.values()))
         counts.rows = int(ids.shape[0])
-        counts.passes += counts.rows
+        counts.passes[counts.kind] = counts.passes.get(counts.kind, 0) + counts.rows
 
-    def on_block(path: str) -> Any:
-        def hook(_m: nn.Module, _a: Any) -> None:
-            counts.blocks[path] += counts.rows
-        return hook
+    def on_block(_m: nn.Module, _a: Any) -> None:
+        counts.evaluated[counts.kind] = counts.evaluated.get(counts.kind, 0) + counts.rows
+
+    checked = stages._Passes.correct_with
+
+    def correct_with(self: Any, known: Any = None) -> Any:
+        counts.kind = "proof" if known else "repeat"
+        try:
+            return checked(self, known)
+        finally:
+            counts.kind = "run"
     handles = [model.register_forward_pre_hook(on_pass, with_kwargs=True)]
-    handles += [model.get_submodule(p).register_forward_pre_hook(on_block(p)) for p in blocks]
+    handles += [model.get_submodule(p).register_forward_pre_hook(on_block) for p in blocks]
+    stages._Passes.correct_with = correct_with
     try:
         yield counts
     finally:
+        stages._Passes.correct_with = checked
         for handle in handles:
             handle.remove()
 

@@ -288,6 +288,10 @@ def test_skipgate_sits_on_its_own_dynamic_curve() -> None:
     assert check.measured_flops_saved_fraction == pytest.approx(measured)
     assert abs(measured - point.flops_saved_fraction) <= 0.05
     assert check.pooled_curve_delta is not None
+    # no rule saves less than the model does on its own: the curves start at its point
+    assert all(p.flops_saved_fraction >= point.flops_saved_fraction - 1e-12 for p in fam.points)
+    below = [m for m in fam.matched if m.saved < point.flops_saved_fraction]
+    assert below and all(m.dynamic is None and set(m.gap.values()) == {None} for m in below)
     # every other point skips, beside what its rule zeroes, what the model skips anyway
     for p in fam.points:
         if p.rule == "dynamic" and not p.own_thresholds:

@@ -309,9 +309,10 @@ class _Curve:
     d: np.ndarray  # [points + 1, sequences] per-sequence penalties
 
 
-def _curve(pairs: Sequence[tuple[float, np.ndarray]], n: int) -> _Curve:
-    """Origin plus the points, sorted by x; points at the same x averaged."""
-    xs: dict[float, list[np.ndarray]] = {0.0: [np.zeros(n)]}
+def _curve(pairs: Sequence[tuple[float, np.ndarray]], n: int, origin: bool = True) -> _Curve:
+    """Origin (unless the model skips on its own: no rule saves less than it does) plus the
+    points, sorted by x; points at the same x averaged."""
+    xs: dict[float, list[np.ndarray]] = {0.0: [np.zeros(n)]} if origin or not pairs else {}
     for x, d in pairs:
         xs.setdefault(round(x, 12), []).append(d)
     keys = sorted(xs)
@@ -319,8 +320,8 @@ def _curve(pairs: Sequence[tuple[float, np.ndarray]], n: int) -> _Curve:
 
 
 def _at(curve: _Curve, x: float) -> np.ndarray | None:
-    """Per-sequence penalties interpolated at ``x`` (None beyond the curve's last point)."""
-    if x > curve.x[-1] + 1e-12:
+    """Per-sequence penalties interpolated at ``x`` (None outside the curve's x range)."""
+    if x > curve.x[-1] + 1e-12 or x < curve.x[0] - 1e-12:
         return None
     j = int(np.searchsorted(curve.x, x))
     if j == 0 or curve.x[j] == x:
@@ -363,7 +364,7 @@ def summarize_family(fam: Covered, points: Sequence[FrontierPoint],
             list(p.taus) if p.taus else None))
         pairs[p.rule].append((saved / total, d))
     n = len(correct)
-    curves = {r: _curve(pairs[r], n) for r in rules}
+    curves = {r: _curve(pairs[r], n, origin=fam.own is None) for r in rules}
     matched = []
     for f in MATCHED:
         dyn = _at(curves[DYNAMIC], f)
@@ -383,10 +384,10 @@ def summarize_family(fam: Covered, points: Sequence[FrontierPoint],
 
 def _area(dynamic: _Curve, static: _Curve, boot: Bootstrap) -> Estimate | None:
     """Mean of (static - dynamic) penalty over the x range both curves cover."""
-    end = min(dynamic.x[-1], static.x[-1])
-    if end <= 0:
+    start, end = max(dynamic.x[0], static.x[0]), min(dynamic.x[-1], static.x[-1])
+    if end <= start:
         return None
-    grid = np.linspace(0.0, end, GRID)
+    grid = np.linspace(start, end, GRID)
     gaps = [_at(static, x) - _at(dynamic, x) for x in grid]  # type: ignore[operator]
     return _estimate(np.mean(gaps, axis=0), boot)
 
@@ -394,8 +395,9 @@ def _area(dynamic: _Curve, static: _Curve, boot: Bootstrap) -> Estimate | None:
 def _sentence(head: FrontierMatch, best: str | None, curves: Mapping[str, _Curve]) -> str:
     pct = f"{100 * HEADLINE:.0f}% of FLOPs saved"
     if best is None or head.dynamic is None:
-        reach = ", ".join(f"{r} {100 * c.x[-1]:.1f}%" for r, c in curves.items())
-        return f"No comparison at {pct}: the curves reach only {reach}."
+        reach = ", ".join(f"{r} {100 * c.x[0]:.1f}% to {100 * c.x[-1]:.1f}%"
+                          for r, c in curves.items())
+        return f"No comparison at {pct}: the curves cover only {reach}."
     gap = head.gap[best]
     assert gap is not None
     text = f"{gap.value:+.4f} nats [{gap.ci95[0]:+.4f}, {gap.ci95[1]:+.4f}]"

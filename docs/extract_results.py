@@ -66,11 +66,14 @@ def _git(*args: str) -> str:
 
 
 def provenance(folder: Path, command: str) -> dict[str, Any]:
-    """Which code made the folder: the last commit that changed src/ (run this right after
-    the command, on the same checkout), and whether src/ had uncommitted changes."""
-    made = time.strftime("%Y-%m-%d", time.gmtime(folder.stat().st_mtime))
+    """Which code made the folder: the last commit that changed src/ before the folder was
+    last written (so a commit made after the run is not credited with it; run this on the
+    checkout that ran the command), and whether src/ has uncommitted changes now."""
+    stamp = folder.stat().st_mtime
+    made = time.strftime("%Y-%m-%d", time.gmtime(stamp))
     return {"command": command,
-            "commit": _git("log", "-1", "--format=%h", "--", "src", f":!{TIMINGS}"),
+            "commit": _git("log", "-1", "--format=%h", f"--before=@{int(stamp)}", "--", "src",
+                           f":!{TIMINGS}"),
             "src_dirty": bool(_git("status", "--porcelain", "--", "src", f":!{TIMINGS}")),
             "date": made}
 

@@ -414,5 +414,23 @@ def test_a_gate_whose_off_value_does_not_switch_its_module_off_gets_no_curves(
     result = audit(str(folder), None, data=AuditData(x.numpy(), calib.numpy(), {}),
                    options=OPTIONS)
     fam = result.frontier["shared_expert_gate"]
-    assert fam.points == [] and "does not remove exactly the gated modules' updates" in \
-        fam.reason
+    assert fam.points == [] and "does not remove exactly one module per gate" in fam.reason
+
+
+def test_a_coefficient_that_only_reweights_gets_no_curves(monkeypatch) -> None:
+    """One coefficient per token that reweights its block (``h + (1 + c) F(h)``): at 0 the
+    block still runs, so zeroing it saves nothing; the first-batch check finds that no
+    module is switched off, and the family gets a reason, not a frontier priced as skips."""
+    from fcaudit.models.featuregate import GPT, Block, GPTConfig
+
+    def forward(self: Block, h: torch.Tensor) -> torch.Tensor:
+        if self.gate is None:
+            return h + self.body(h)
+        return h + (1 + self.gate(h)) * self.body(h)
+    monkeypatch.setattr(Block, "forward", forward)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)).eval()
+    result = audit(model, None, data=_data(), options=OPTIONS)
+    fam = result.frontier["featuregate"]
+    assert fam.points == [] and fam.matched == []
+    assert "do not switch a computation off" in fam.reason

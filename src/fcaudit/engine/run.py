@@ -655,32 +655,53 @@ def eval_gates(cache: CoefficientCache, fam: Covered) -> dict[str, Tensor]:
 
 @torch.no_grad()
 def off_mismatch(setup: Setup, fam: Covered) -> str | None:
-    """Why switching the family's gates to their ``off`` value does not remove exactly
-    their gated modules' updates on the first evaluation batch (None: it does, bit for
-    bit). Gates without a declared gated module act on the dense counterpart's blocks."""
+    """Why switching the family's gates to their ``off`` value does not remove exactly one
+    module per gate on the first evaluation batch (None: it does, bit for bit). The module
+    is the site's declared gated module (its output zeroed), else the block of its layer
+    (the block passing its input through, as ``h + 0 F(h)`` does, or its update zeroed, as
+    for SkipGate's ``body``). A coefficient that only reweights (mixing weights, a keep-score
+    that reorders tokens) removes no module, and gets no frontier: it would be mispriced."""
     gated = [s.gated for s in fam.sites]
-    if not all(gated):
-        return None
+    modules = gated if all(gated) else setup.blocks
+    if modules is None or len(modules) != len(fam.sites):
+        return (f"the {len(fam.sites)} gates are not one per declared block "
+                f"({len(modules) if modules else 'no'} blocks): no module to price their skips")
     net = setup.model
     _, x = next(batches(setup.data.eval_ids, setup.options.batch_size, device_of(net)))
     recorded = record_batch(net, fam.sites, x)[1]
     off = replay_batch(net, x, {s: torch.full_like(recorded[s.name], s.off)
                                 for s in fam.sites}).logits
+    modes = (_zeroed,) if all(gated) else (_passed_through, _zeroed)
+    diffs = []
+    for mode in modes:
+        removed = _with_hooks(net, x, {m: mode for m in modules if m})
+        if torch.equal(off, removed):
+            return None
+        diffs.append(float((off.double() - removed.double()).abs().max()))
+    return (f"setting {fam.family}'s gates to {fam.sites[0].off} does not remove exactly "
+            f"one module per gate ({', '.join(m for m in modules if m)[:120]}; max logit "
+            f"difference {min(diffs):.3g}): these coefficients do not switch a computation "
+            "off, so no skipped FLOPs can be priced")
 
-    def zero(_m: nn.Module, _a: Any, out: Any) -> Any:
-        return torch.zeros_like(out) if isinstance(out, Tensor) else out
-    handles = [net.get_submodule(g).register_forward_hook(zero) for g in gated if g]
+
+def _zeroed(_m: nn.Module, _args: tuple[Any, ...], out: Any) -> Any:
+    return torch.zeros_like(out) if isinstance(out, Tensor) else out
+
+
+def _passed_through(_m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+    first = args[0] if args else None
+    same = isinstance(first, Tensor) and isinstance(out, Tensor) and first.shape == out.shape
+    return first if same else out
+
+
+def _with_hooks(net: nn.Module, x: Tensor, hooks: Mapping[str, Callable[..., Any]]) -> Tensor:
+    handles = [net.get_submodule(path).register_forward_hook(hook)
+               for path, hook in hooks.items()]
     try:
-        removed = logits_of(net(x))
+        return logits_of(net(x))
     finally:
         for handle in handles:
             handle.remove()
-    if torch.equal(off, removed):
-        return None
-    diff = float((off.double() - removed.double()).abs().max())
-    return (f"setting {fam.family}'s gates to {fam.sites[0].off} does not remove exactly "
-            f"the gated modules' updates ({', '.join(g for g in gated if g)[:120]}; max logit "
-            f"difference {diff:.3g}): the gate does not switch its module off there")
 
 
 def frontier_units(cache: CoefficientCache, covered: Sequence[Covered],

@@ -137,11 +137,12 @@ def adopt_probe(cache: CoefficientCache, coefficients: Mapping[str, Tensor], nll
 
 
 def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
-                      ranks: Ranks = SINGLE) -> None:
+                      ranks: Ranks = SINGLE) -> dict[str, int]:
     """This rank's evaluation batches, one unperturbed pass each; resumes at the shards
-    not yet on disk."""
+    not yet on disk. Returns how many of this rank's batches were on disk and recorded."""
     net, sites = setup.model, setup.sites
-    todo = ranks.mine([b for b in range(cache.n_batches) if not cache.has(cache.eval_name(b))])
+    mine = ranks.mine(list(range(cache.n_batches)))
+    todo = [b for b in mine if not cache.has(cache.eval_name(b))]
     for done, (b, x) in enumerate(batches(setup.data.eval_ids, cache.batch_size,
                                           device_of(net), todo), start=1):
         _, coefficients, nll = record_batch(net, sites, x)
@@ -149,6 +150,7 @@ def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
         check_finite_nll(nll, f"the unperturbed record pass, batch {b}")
         cache.write(cache.eval_name(b), _eval_shard(nll, coefficients))
         progress("record evaluation", done, len(todo), "")
+    return {"batches_reused": len(mine) - len(todo), "batches_recorded": len(todo)}
 
 
 def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], progress: Progress,

@@ -117,22 +117,38 @@ def test_rerun_reuses_every_round_and_gives_the_same_audit(tmp_path):
     cost = first.runtime.rounds
     assert [c["sequences"] for c in cost] == [x.sequences for x in first.stopping.rounds]
     assert cost[0]["record_batches_recorded"] == 1  # batch 0 came from the probe
+    per_batch = first.stopping.rounds[0].replay_passes // first.stopping.rounds[0].batches
     for before, c in zip(cost, cost[1:], strict=False):  # earlier batches' record passes reused
         assert c["record_batches_reused"] == before["sequences"] // 4
-        assert c["runs_reused"] == 0  # the derangement changed with n: every batch replayed
+        # of an earlier batch's runs, the 4 static conditions and the 2 per-layer
+        # static-layer runs are fed the same tensors again; the random ones (the
+        # derangement and permutations depend on n), and correct, are replayed
+        assert c["runs_reused"] == before["sequences"] // 4 * (4 + 2)
+        assert c["runs_reused"] + c["runs_recomputed"] == c["sequences"] // 4 * per_batch
     for c in again.runtime.rounds:  # nothing recomputed on the rerun
         assert c["record_batches_recorded"] == 0 and c["batches_recomputed"] == 0
-        assert c["runs_reused"] == c["sequences"] // 4 * (first.stopping.rounds[0].replay_passes
-                                                          // first.stopping.rounds[0].batches)
+        assert c["runs_reused"] == c["sequences"] // 4 * per_batch
+
+
+def test_shards_of_another_plan_in_the_folder_are_not_taken(tmp_path):
+    """A rerun into the same folder with other options: every earlier round's shards hold
+    another plan's rows, which must not leak into this audit (compare a fresh folder)."""
+    pool = toy_data(24)
+    run(toys.content_model(), tmp_path, "t", pool, target_ci=0.15, min_sequences=8, repeats=1)
+    again = run(toys.content_model(), tmp_path, "t", pool, target_ci=0.15, min_sequences=8)
+    fresh = run(toys.content_model(), tmp_path, "fresh", pool, target_ci=0.15, min_sequences=8)
+    assert strip_nondeterministic(again.to_json()) == strip_nondeterministic(fresh.to_json())
+    assert [c["runs_reused"] for c in again.runtime.rounds] == \
+        [c["runs_reused"] for c in fresh.runtime.rounds]
 
 
 def test_tiny_featuregate_and_moe_equal_their_fixed_audits(run_folder, tmp_path):
     tok = load_tokenizer(run_folder / "run" / "tokenizer.json")
     from fcaudit.io.data import DataSpec
     text_pool = resolve_data(tok, DataSpec(text=run_folder / "text.txt", seq_len=16,
-                                           max_eval=16, max_calib=8), 16)
+                                           max_eval=12, max_calib=8), 16)
     rng = np.random.default_rng(3)
-    moe_pool = AuditData(rng.integers(0, 97, (16, 16)), rng.integers(0, 97, (8, 16)),
+    moe_pool = AuditData(rng.integers(0, 97, (12, 16)), rng.integers(0, 97, (8, 16)),
                          {"source": "tokens"})
     cfg = MoEConfig(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=16)
     cases = [(str(run_folder / "run"), text_pool, {}),
@@ -146,6 +162,7 @@ def test_tiny_featuregate_and_moe_equal_their_fixed_audits(run_folder, tmp_path)
         fixed = run(net, tmp_path, f"f{id(pool)}", first_n(pool, r.stopping.sequences_used),
                     None, **extra)
         assert without_stopping(r) == without_stopping(fixed)
+        assert r.runtime.rounds[1]["runs_reused"] > 0  # rows kept from round 1 were used
         if extra:
             assert r.expert_importance and r.frontier and r.execution.measured
 

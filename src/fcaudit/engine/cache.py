@@ -151,6 +151,18 @@ class CoefficientCache:
             (self.folder / _REPLAY_FOLDER / self.replay_round).mkdir(parents=True,
                                                                       exist_ok=True)
 
+    def earlier_replay_name(self, b: int) -> str | None:
+        """Batch ``b``'s replay shard from the largest earlier (smaller) round that holds it
+        whole, or None: the batch has the same rows there (whole batches of one pool)."""
+        if not self.replay_round:
+            return None
+        for folder in reversed(self._replay_folders()[1:]):
+            n = int(folder.name.removeprefix(_ROUND_PREFIX))
+            name = f"{_REPLAY_FOLDER}/{folder.name}/replay-{b:05d}.safetensors"
+            if n < self.n_sequences and (b + 1) * self.batch_size <= n and self.has(name):
+                return name
+        return None
+
     def _replay_folders(self) -> list[Path]:
         """The replay folders fcaudit made here, if any (the folder and its round
         subfolders): only their own names, never a link."""

@@ -734,8 +734,9 @@ def reuse_summary(per_rank: Sequence[Mapping[str, int]], n_runs: int) -> dict[st
     run's fed tensors were bit for bit the stored ones (else the batch was replayed)."""
     reused = sum(r["batches_reused"] for r in per_rank)
     recomputed = sum(r["batches_recomputed"] for r in per_rank)
+    kept = sum(r.get("runs_kept_from_earlier_rounds", 0) for r in per_rank)  # --target-ci
     return {"batches_reused": reused, "batches_recomputed": recomputed,
-            "runs_reused": reused * n_runs, "runs_recomputed": recomputed * n_runs,
+            "runs_reused": reused * n_runs + kept, "runs_recomputed": recomputed * n_runs - kept,
             "rule": "a cached batch is reused only if every run's SHA-256 of its token ids, "
                     "schedule, identity and fed coefficient tensors equals the stored one"}
 

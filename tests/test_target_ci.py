@@ -130,6 +130,25 @@ def test_rerun_reuses_every_round_and_gives_the_same_audit(tmp_path):
         assert c["runs_reused"] == c["sequences"] // 4 * per_batch
 
 
+def test_an_interrupted_audit_resumes_in_its_round(tmp_path):
+    pool, calls = toy_data(24), []
+
+    def interrupt(stage: str, done: int, total: int, info: str = "") -> None:
+        calls.append(stage)
+        if calls.count("replay") == 3:  # round 1 has 2 batches: stop after round 2's first
+            raise KeyboardInterrupt
+    opts = dataclasses.replace(FAST, target_ci=0.15, min_sequences=8)
+    with pytest.raises(KeyboardInterrupt):
+        audit(toys.content_model(), tmp_path / "t", sites=["gates.*"], data=pool,
+              options=opts, report=False, progress=interrupt)
+    resumed = run(toys.content_model(), tmp_path, "t", pool, target_ci=0.15, min_sequences=8)
+    fresh = run(toys.content_model(), tmp_path, "fresh", pool, target_ci=0.15, min_sequences=8)
+    assert strip_nondeterministic(resumed.to_json()) == strip_nondeterministic(fresh.to_json())
+    one, two = resumed.runtime.rounds[:2]
+    assert one["batches_reused"] == 2 and one["batches_recomputed"] == 0
+    assert two["batches_reused"] == 1 and two["batches_recomputed"] == two["sequences"] // 4 - 1
+
+
 def test_shards_of_another_plan_in_the_folder_are_not_taken(tmp_path):
     """A rerun into the same folder with other options: every earlier round's shards hold
     another plan's rows, which must not leak into this audit (compare a fresh folder)."""

@@ -9,7 +9,7 @@ fixed audit of the whole pool. Execution (timing) is off: it runs once at the en
 way and would only add noise.
 
     python benchmarks/target_ci.py --runs /tmp/study-h/runs
-    python benchmarks/target_ci.py --runs RUNS --models featuregate-tiny-s0 --targets 0.05
+    python benchmarks/target_ci.py --runs RUNS --targets featuregate-tiny-s0=0.05,0.015
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def measure(folder: Path, targets: list[float], pool: int, calib: int, floor: in
                      "runs_reused": sum(c["runs_reused"] for c in r.runtime.rounds or []),
                      "target_ci_s": round(ci_s, 2), "fixed_n_s": round(fixed_s, 2),
                      "equal_to_fixed_n": comparable(r) == comparable(fixed)})
-        print(json.dumps(rows[-1]))
+        print(json.dumps(rows[-1]), flush=True)
     widths = {c: max(v.delta - v.ci95[0], v.ci95[1] - v.delta)
               for c, v in full.conditions.items() if c not in ("original", "correct")}
     return {"model": folder.name, "seq_len": loaded_seq_len(model)[0], "pool": len(data.eval_ids),
@@ -93,25 +93,36 @@ def measure(folder: Path, targets: list[float], pool: int, calib: int, floor: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=Path, required=True, help="folder of trained tiny runs")
-    parser.add_argument("--models", nargs="+", default=["featuregate-tiny-s0", "moe-tiny-s0"])
-    parser.add_argument("--targets", nargs="+", type=float, default=[0.05, 0.02])
-    parser.add_argument("--pool", type=int, default=64)
+    parser.add_argument("--targets", nargs="+", type=model_targets,
+                        default=[("featuregate-tiny-s0", [0.05, 0.015]),
+                                 ("moe-tiny-s0", [0.1])], metavar="MODEL=T[,T...]",
+                        help="run folder names under --runs and their targets in nats")
+    parser.add_argument("--pool", type=int, default=32)
     parser.add_argument("--calib", type=int, default=32)
     parser.add_argument("--min-sequences", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--expert-ablation", action=argparse.BooleanOptionalAction,
+                        default=False, help="also ablate every expert (layers x experts runs)")
     add_json_option(parser, "target_ci")
     args = parser.parse_args()
-    options = AuditOptions(repeats=args.repeats, execution=False, progress=False)
+    options = AuditOptions(repeats=args.repeats, execution=False, progress=False,
+                           expert_ablation=args.expert_ablation)
     record = ResultFile("target_ci.py")
     record.start()
+    settings = {"repeats": args.repeats, "bootstrap": options.bootstrap,
+                "batch_size": options.batch_size, "min_sequences": args.min_sequences,
+                "calib": args.calib, "expert_ablation": args.expert_ablation}
+    models: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="fcaudit-target-ci-") as tmp:
-        models = [measure(args.runs / name, args.targets, args.pool, args.calib,
-                          args.min_sequences, options, Path(tmp)) for name in args.models]
-    record.write(args.json, {"options": {"repeats": args.repeats, "bootstrap": options.bootstrap,
-                                         "batch_size": options.batch_size,
-                                         "min_sequences": args.min_sequences,
-                                         "calib": args.calib},
-                             "models": models})
+        for name, targets in args.targets:  # the file is rewritten after every model
+            models.append(measure(args.runs / name, targets, args.pool, args.calib,
+                                  args.min_sequences, options, Path(tmp)))
+            record.write(args.json, {"options": settings, "models": models})
+
+
+def model_targets(text: str) -> tuple[str, list[float]]:
+    name, _, targets = text.partition("=")
+    return name, [float(t) for t in targets.split(",")]
 
 
 if __name__ == "__main__":

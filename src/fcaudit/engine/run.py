@@ -693,7 +693,7 @@ def _run_to_target(pool: Setup, cache: CoefficientCache, first: Probe, progress:
         entries.append(entry)
         spent.append(_round_cost(n, m, time.perf_counter() - started))
         if opts.progress:
-            print(f"fcaudit: --target-ci round {len(entries)}: {n} of {n_pool} sequences, "
+            print(f"fcaudit: target-ci round {len(entries)}: {n} of {n_pool} sequences, "
                   f"widest half-width {entry.half_widths[entry.widest]:.4g} nats "
                   f"({entry.widest}), target {target:g}", file=sys.stderr, flush=True)
         if entry.met or n == n_pool:

@@ -22,10 +22,10 @@ def _reuse_line(r: AuditResult) -> str:
              f"{c['record_batches_recorded']} recorded, {c['runs_reused']} replay passes "
              f"reused, {c['runs_recomputed']} recomputed, {c['wall_s']:.1f} s"
              for i, c in enumerate(r.runtime.rounds or [], start=1)]
-    return ("This run: " + "; ".join(parts) + ". A replay batch is reused only when every "
-            "fed tensor matches bit for bit; a round's derangement depends on its number of "
-            "sequences, so earlier batches are replayed again in each new round.") if parts \
-        else ""
+    return ("This run: " + "; ".join(parts) + ". A replay run is reused only when its token "
+            "ids and every tensor it is fed match bit for bit; the random conditions' feeds "
+            "depend on the number of sequences (the derangement), so they are replayed again "
+            "in each new round.") if parts else ""
 
 
 def stopping_section(r: AuditResult) -> list[str]:

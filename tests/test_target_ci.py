@@ -229,3 +229,17 @@ def test_report_states_rule_cost_and_caveat(tmp_path):
         assert f"| {i} | {x.sequences} | {x.batches} |" in text
     on_disk = AuditResult.read(tmp_path / "t" / "audit.json")
     assert on_disk.stopping == s
+
+
+@pytest.mark.parametrize(("n", "widest", "target", "pool", "expected"), [
+    (16, 0.03, 0.02, 64, 32),  # projection 36, capped at twice the last round
+    (16, 0.021, 0.02, 64, 24),  # projection 17.6: at least one batch of 8 more
+    (16, 0.025, 0.02, 64, 32),  # projection 25, rounded up to whole batches
+    (32, 1.0, 0.01, 40, 40),  # capped at the pool (its last batch may be partial)
+    (16, float("nan"), 0.02, 64, 32),  # no width to project from: double
+])
+def test_growth_rule_by_hand(n, widest, target, pool, expected):
+    from fcaudit.engine.stopping import first_size, next_size
+    assert next_size(n, widest, target, 8, pool) == expected
+    assert first_size(5, 8, pool) == 8 and first_size(16, 8, pool) == 16
+    assert first_size(16, 8, 10) == 10

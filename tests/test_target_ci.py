@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import toys
-from conftest import FAST, run_inprocess, strip_nondeterministic, toy_data
+from conftest import FAST, FAST_ARGS, run_inprocess, strip_nondeterministic, toy_data
 
 from fcaudit.api import audit
 from fcaudit.core.errors import FcauditError
@@ -212,6 +212,23 @@ def test_cli_refuses_a_non_number_in_one_line(tmp_path, capsys):
         assert res.returncode == 2 and res.stderr.count("\n") == 1
         assert res.stderr.startswith(f"fcaudit: error: {shown}: must be a number of nats")
     assert not out.exists()
+
+
+def test_cli_audit_states_its_stop_and_writes_the_stopping_section(tmp_path, capsys):
+    pool = toy_data(24)
+    np.save(tmp_path / "eval.npy", pool.eval_ids)
+    np.save(tmp_path / "calib.npy", pool.calib_ids)
+    out = tmp_path / "cli"
+    res = run_inprocess(["audit", *toys_cli(), "--tokens", tmp_path / "eval.npy",
+                         "--calib-tokens", tmp_path / "calib.npy", *FAST_ARGS, "--out", out,
+                         "--target-ci", "0.15", "--min-sequences", "8"], capsys)
+    assert res.returncode == 0, res.stderr
+    saved = AuditResult.read(out / "audit.json")
+    assert saved.stopping is not None and saved.stopping.target_ci == 0.15
+    assert saved.stopping.min_sequences == 8 and saved.data["eval_sequences"] == \
+        saved.stopping.sequences_used
+    assert f"--target-ci: {saved.stopping.reason}" in " ".join(res.stdout.split())
+    assert "## Stopping rule (--target-ci)" in (out / "report.md").read_text(encoding="utf-8")
 
 
 def toys_cli() -> list[str]:

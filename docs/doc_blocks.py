@@ -596,13 +596,18 @@ def target_ci(r: Results) -> str:
         f"{o['repeats']} repeats, {o['bootstrap']} resamples, {o['calib']} calibration "
         f"sequences, {'with' if o['expert_ablation'] else 'no'} expert ablation, no execution "
         "audit; one run each, in one process:", "",
-        md_table(("model", "target (nats)", "pool", "sequences used", "rounds",
+        md_table(("model", "target (nats)", "pool", "sequences used", "round sizes",
                   "target met (widest, half-width)", "replay passes: rounds / fixed-N",
                   "replay runs kept", "target-ci s", "fixed-N s", "full pool s",
                   "equal to fixed-N"), rows, "lrrrllrrrrrl"), "",
-        "The replay passes of the rounds add up to more than the fixed audit of the sequences "
-        "used (each round replays the random conditions of every earlier batch again); the "
-        "saving is against the full pool, when the target is met early.", ""])
+        "*Fixed-N*: the fixed audit of the sequences the target-ci audit used (its audit.json "
+        "must be equal outside `runtime` and `stopping`); *full pool*: the fixed audit of "
+        "every pool sequence, what an audit without a target costs. The replay passes of the "
+        "rounds add up to more than the fixed-N audit's (each round replays the random "
+        "conditions of every earlier batch again; *replay runs kept* are the runs taken from "
+        "the previous round by digest); the saving is against the full pool, when the target "
+        "is met early. The pass counts are exact; the wall times are single runs on a shared "
+        "machine (see the load average above) and move with its load.", ""])
 
 
 @block("mudd-scale", "a 1.4B-shaped MUDDPythia: native, record, replay and suffix replays",

@@ -100,7 +100,7 @@ def _defaults() -> dict[str, float]:
 # quoted in prose, checked against the code that applies them.
 CONSTANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("docs/method.md", r"exceeds (0\.1) nats", ("strong_penalty",)),
-    ("docs/method.md", r"`--min-sequences`, default\s+(16),", ("min_sequences",)),
+    ("docs/method.md", r"a floor of default (16)\s+sequences", ("min_sequences",)),
     ("docs/method.md", r"keeps less than (50)% of", ("strong_retention",)),
     ("docs/method.md", r"keeps at least (90)%", ("weak_retention",)),
     ("docs/method.md", r"below\s+(0\.05) nats", ("weak_penalty",)),

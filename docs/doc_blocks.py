@@ -635,6 +635,39 @@ def _schedule_bound(m: Mapping[str, Any]) -> str:
             "the audit's work outside its forward passes (feeds, digests, bootstrap).")
 
 
+@block("target-ci", "--target-ci against fixed audits: sequences used and wall time",
+       [bench("target_ci")], ["python benchmarks/target_ci.py --runs RUNS"])
+def target_ci(r: Results) -> str:
+    d = r.json(bench("target_ci"))
+    res = d["results"]
+    rows = [(m["model"], f"{row['target']:g}", str(m["pool"]), str(row["sequences_used"]),
+             " > ".join(map(str, row["round_sizes"])),
+             f"yes ({row['widest']} {row['widest_half_width']:.4f})" if row["reached"] else
+             f"no, pool used up ({row['widest']} {row['widest_half_width']:.4f})",
+             f"{row['replay_passes_total']} / {row['replay_passes_fixed']}",
+             str(row["runs_reused"]), f"{row['target_ci_s']:.1f}", f"{row['fixed_n_s']:.1f}",
+             f"{m['full_pool_s']:.1f}", "yes" if row["equal_to_fixed_n"] else "NO")
+            for m in res["models"] for row in m["rows"]]
+    o = res["options"]
+    return "\n".join([
+        "", f"{measured(d)} Floor {o['min_sequences']}, batch {o['batch_size']}, "
+        f"{o['repeats']} repeats, {o['bootstrap']} resamples, {o['calib']} calibration "
+        f"sequences, {'with' if o['expert_ablation'] else 'no'} expert ablation, no execution "
+        "audit; one run each, in one process:", "",
+        md_table(("model", "target (nats)", "pool", "sequences used", "round sizes",
+                  "target met (widest, half-width)", "replay passes: rounds / fixed-N",
+                  "replay runs kept", "target-ci s", "fixed-N s", "full pool s",
+                  "equal to fixed-N"), rows, "lrrrllrrrrrl"), "",
+        "*Fixed-N*: the fixed audit of the sequences the target-ci audit used (its audit.json "
+        "must be equal outside `runtime` and `stopping`); *full pool*: the fixed audit of "
+        "every pool sequence, what an audit without a target costs. The replay passes of the "
+        "rounds add up to more than the fixed-N audit's (each round replays the random "
+        "conditions of every earlier batch again; *replay runs kept* are the runs taken from "
+        "the previous round by digest); the saving is against the full pool, when the target "
+        "is met early. The pass counts are exact; the wall times are single runs on a shared "
+        "machine (see the load average above) and move with its load.", ""])
+
+
 @block("mudd-scale", "a 1.4B-shaped MUDDPythia: native, record, replay and suffix replays",
        [bench("mudd_scale")],
        ["python benchmarks/mudd_scale.py --seqs 1 --seq-len 512 --suffix-sites 5"])

@@ -67,7 +67,7 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
 
 def _defaults() -> dict[str, float]:
     from fcaudit.core import routers
-    from fcaudit.engine import execution, frontier, metrics, options, verdicts
+    from fcaudit.engine import execution, frontier, metrics, options, stopping, verdicts
     from fcaudit.engine.options import AuditOptions
     from fcaudit.io.data import DataSpec
     from fcaudit.io.loading import get_arch
@@ -91,6 +91,7 @@ def _defaults() -> dict[str, float]:
             "max_frontier_points": options.MAX_FRONTIER_POINTS,
             **{f"matched_{round(100 * x)}": 100 * x for x in frontier.MATCHED},
             "frontier_grid": frontier.GRID, "frontier_tolerance": 100 * frontier.FLOPS_TOLERANCE,
+            "min_sequences": stopping.DEFAULT_MIN_SEQUENCES,
             "moe_layers": tiny_moe.n_layer, "moe_ablation_runs": tiny_moe.n_layer
             * MoEConfig().num_experts}
 
@@ -99,6 +100,7 @@ def _defaults() -> dict[str, float]:
 # quoted in prose, checked against the code that applies them.
 CONSTANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("docs/method.md", r"exceeds (0\.1) nats", ("strong_penalty",)),
+    ("docs/method.md", r"a floor of default (16)\s+sequences", ("min_sequences",)),
     ("docs/method.md", r"keeps less than (50)% of", ("strong_retention",)),
     ("docs/method.md", r"keeps at least (90)%", ("weak_retention",)),
     ("docs/method.md", r"below\s+(0\.05) nats", ("weak_penalty",)),

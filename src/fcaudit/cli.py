@@ -113,6 +113,14 @@ def _add_audit_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-nonexact-identity", action="store_true",
                    help="continue when replaying the recorded coefficients does not reproduce "
                         "the original pass bit for bit (every verdict is then flagged)")
+    g.add_argument("--target-ci", default=None, metavar="NATS",
+                   help="precision-driven stopping: add evaluation batches in rounds until "
+                        "every main penalty's 95%% interval reaches at most NATS on each side "
+                        "of its estimate, or the --max-eval pool runs out; the numbers equal a "
+                        "fixed audit of the sequences used (audit.json `stopping`)")
+    g.add_argument("--min-sequences", type=int, default=None, metavar="N",
+                   help="with --target-ci: sequences of the first round (default 16, or the "
+                        "whole pool when smaller)")
     g.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -124,7 +132,20 @@ def _options(args: argparse.Namespace) -> Any:
                         progress=not args.quiet, schedule=args.schedule,
                         allow_nonexact_identity=args.allow_nonexact_identity,
                         expert_ablation=args.expert_ablation, frontier=args.frontier,
-                        frontier_points=args.frontier_points)
+                        frontier_points=args.frontier_points,
+                        target_ci=_nats(args.target_ci, "--target-ci"),
+                        min_sequences=args.min_sequences)
+
+
+def _nats(value: str | None, flag: str) -> float | str | None:
+    """A number of nats as given on the command line; anything else is kept as given, so
+    AuditOptions.validate refuses it in the one line every bad value gets."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 def _add_train(sub: Any) -> None:
@@ -364,6 +385,8 @@ def print_summary(result: Any, out: Path) -> None:
     for key in ("variation", "dependence", "execution"):
         console.print(Text.assemble((key, "bold"), f": {getattr(result.verdict, key)}"),
                       soft_wrap=True)
+    if result.stopping is not None:
+        console.print(f"--target-ci: {result.stopping.reason}", soft_wrap=True)
     console.print(f"wrote {out / 'audit.json'}, {out / 'report.md'}, {out / 'report.html'}")
 
 

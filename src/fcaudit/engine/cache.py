@@ -42,6 +42,7 @@ from fcaudit.io.fileio import (
 SCHEMA = "fcaudit.cache/5"  # 5: calibration shards hold sums per token id
 _OPEN_HANDLES = 16
 _REPLAY_FOLDER = "replay-runs"
+_ROUND_PREFIX = "round-n"  # replay-runs/round-n0000032/: a --target-ci round's replays
 _SHARD_SUFFIXES = (".safetensors", ".safetensors.sha256")
 
 
@@ -65,10 +66,12 @@ class CoefficientCache:
         self.identity = identity
         self.batch_size = batch_size
         self.n_sequences = n_sequences
+        self.pool_sequences = n_sequences  # what the manifest holds (use_prefix narrows)
         self.manifest_path = self.folder / "manifest.json"
         self._handles: OrderedDict[str, Any] = OrderedDict()
         self._verified: set[str] = set()
         self.owner = owner
+        self.replay_round = ""  # a --target-ci round's replay subfolder (see use_prefix)
         _check_folder(self.folder)
         if self.manifest_path.exists():
             self._adopt()
@@ -95,7 +98,7 @@ class CoefficientCache:
                                f"version ({manifest.get('schema')!r}); delete that folder and "
                                "rerun to record it again")
         recorded = manifest.get("identity") if isinstance(manifest.get("identity"), dict) else {}
-        setup = {"batch_size": self.batch_size, "n_sequences": self.n_sequences}
+        setup = {"batch_size": self.batch_size, "n_sequences": self.pool_sequences}
         diff = sorted(k for k in set(self.identity) | set(recorded)
                       if recorded.get(k) != self.identity.get(k))
         diff += [k for k, v in setup.items() if manifest.get(k) != v]
@@ -110,7 +113,7 @@ class CoefficientCache:
     def _write_manifest(self) -> None:
         write_json(self.manifest_path, {"schema": SCHEMA, "identity": self.identity,
                                         "batch_size": self.batch_size,
-                                        "n_sequences": self.n_sequences})
+                                        "n_sequences": self.pool_sequences})
 
     # ------------------------------------------------------------------ layout
 
@@ -129,14 +132,45 @@ class CoefficientCache:
     def calib_name(b: int) -> str:
         return f"calib-{b:05d}.safetensors"
 
-    @staticmethod
-    def replay_name(b: int) -> str:
-        return f"{_REPLAY_FOLDER}/replay-{b:05d}.safetensors"
+    def replay_name(self, b: int) -> str:
+        return f"{_REPLAY_FOLDER}/{self.replay_round}replay-{b:05d}.safetensors"
+
+    def use_prefix(self, n: int) -> None:
+        """Read and write only the first ``n`` evaluation sequences (a ``--target-ci``
+        round, in whole batches of the pool the manifest was opened with, so every earlier
+        batch keeps its rows and its record shard). Each round size keeps its own replay
+        shards (a round's derangement depends on ``n``), so a resumed audit finds every
+        finished round's replays again; reuse still needs every fed tensor to match."""
+        if not 2 <= n <= self.pool_sequences or (n % self.batch_size and
+                                                 n != self.pool_sequences):
+            raise ValueError(f"a prefix of {n} is not whole batches of the "
+                             f"{self.pool_sequences}-sequence pool")
+        self.n_sequences = n
+        self.replay_round = f"{_ROUND_PREFIX}{n:07d}/"
+        if self.owner:
+            (self.folder / _REPLAY_FOLDER / self.replay_round).mkdir(parents=True,
+                                                                      exist_ok=True)
+
+    def earlier_replay_name(self, b: int) -> str | None:
+        """Batch ``b``'s replay shard from the largest earlier (smaller) round that holds it
+        whole, or None: the batch has the same rows there (whole batches of one pool)."""
+        if not self.replay_round:
+            return None
+        for folder in reversed(self._replay_folders()[1:]):
+            n = int(folder.name.removeprefix(_ROUND_PREFIX))
+            name = f"{_REPLAY_FOLDER}/{folder.name}/replay-{b:05d}.safetensors"
+            if n < self.n_sequences and (b + 1) * self.batch_size <= n and self.has(name):
+                return name
+        return None
 
     def _replay_folders(self) -> list[Path]:
-        """The replay folder fcaudit made here, if any: only its own name, never a link."""
+        """The replay folders fcaudit made here, if any (the folder and its round
+        subfolders): only their own names, never a link."""
         folder = self.folder / _REPLAY_FOLDER
-        return [folder] if folder.is_dir() and not folder.is_symlink() else []
+        if not folder.is_dir() or folder.is_symlink():
+            return []
+        return [folder, *(p for p in sorted(folder.glob(f"{_ROUND_PREFIX}*"))
+                          if p.is_dir() and not p.is_symlink())]
 
     def _clear_stale_temporaries(self) -> None:
         """Remove temporary files a killed writer of this cache left behind (never under a

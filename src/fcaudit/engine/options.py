@@ -6,6 +6,7 @@ is the plain data that validation produces and every later stage takes.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +65,12 @@ class AuditOptions:
     # on for the families it covers when the execution audit runs (the study's setting)
     frontier: bool | None = False
     frontier_points: int = 6
+    # precision-driven stopping (engine/stopping.py): evaluation batches are added in rounds
+    # until every counted penalty's 95% interval reaches at most target_ci nats on each side
+    # of its estimate, or the evaluation pool runs out; min_sequences is the first round's
+    # size (None: DEFAULT_MIN_SEQUENCES, or the whole pool when smaller)
+    target_ci: float | None = None
+    min_sequences: int | None = None
 
     def validate(self) -> None:
         """Refuse option values no audit can run with, naming the option in the caller's
@@ -97,9 +104,30 @@ class AuditOptions:
             raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} needs the "
                                f"execution audit (its x axis is the FLOPs it counts): drop {off} "
                                "or the frontier")
+        _check_target(self.target_ci, self.min_sequences)
         if 0 < self.timing_pairs < 10:
             raise FcauditError(f"{name('timing_pairs', self.timing_pairs)}: use 0 (no "
                                "timing) or at least 10 pairs for a meaningful interval")
+
+
+def _check_target(target: object, floor: object) -> None:
+    """``target_ci`` a finite number of nats above 0; ``min_sequences`` an integer of at
+    least 2 (a derangement needs two sequences), and only with a target."""
+    target_arg = arg("target_ci", target, owner="AuditOptions")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                               or not math.isfinite(target) or target <= 0):
+        raise FcauditError(f"{target_arg}: must be a number of nats above 0 (the largest "
+                           "half-width of a penalty's 95% interval to stop at, e.g. 0.02)")
+    if floor is None:
+        return
+    floor_arg = arg("min_sequences", floor, owner="AuditOptions")
+    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 2:
+        raise FcauditError(f"{floor_arg}: must be an integer of at least 2 (reassignment "
+                           "needs two sequences)")
+    if target is None:
+        target_name = arg("target_ci", owner="AuditOptions")
+        raise FcauditError(f"{floor_arg} is the floor of {target_name}'s rounds: give a "
+                           "target too, or drop it (a fixed audit uses every sequence)")
 
 
 @dataclass

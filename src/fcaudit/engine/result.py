@@ -449,6 +449,46 @@ class Runtime:
     schedule: dict[str, Any] | None = _omit_none()
     cache: dict[str, Any] | None = _omit_none()
     reuse: dict[str, Any] | None = _omit_none()  # replay batches reused from the cache
+    # --target-ci: each round's wall time and what it took from the cache (record passes of
+    # sequences already recorded, replay batches whose every fed tensor matched)
+    rounds: list[dict[str, Any]] | None = _omit_none()
+
+
+@dataclass
+class StoppingRound:
+    """One round of a ``--target-ci`` audit: the first ``sequences`` of the pool's seeded
+    order, audited as a fixed audit of exactly those sequences would be."""
+
+    sequences: int
+    batches: int
+    record_batches_new: int  # evaluation batches this round adds to the previous round's
+    replay_passes: int  # batches x planned runs: every run of every batch is replayed
+    half_widths: dict[str, float]  # counted condition -> max(delta - lo, hi - delta)
+    widest: str
+    met: bool  # every counted half-width <= target
+
+
+@dataclass
+class Stopping:
+    """The ``--target-ci`` stopping rule, what it cost and why it stopped (deterministic
+    given model, data, seeds and options; wall times are in ``runtime.rounds``)."""
+
+    target_ci: float
+    min_sequences: int
+    pool_sequences: int
+    pool_fingerprint: str  # SHA-256 of the pool's windows in their given order
+    order_seed: int  # numpy default_rng(order_seed).permutation(pool) is the audit order
+    pool_rows: list[int]  # the audited sequences: pool rows, in audit order
+    conditions: list[str]  # the penalties whose half-widths must reach the target
+    rule: str
+    growth: str
+    rounds: list[StoppingRound]
+    sequences_used: int
+    reached: bool
+    reason: str
+    replay_passes_total: int  # summed over rounds
+    replay_passes_fixed: int  # a fixed audit of sequences_used sequences
+    caveat: str
 
 
 @dataclass
@@ -482,6 +522,7 @@ class AuditResult:
     expert_importance: dict[str, ImportanceSummary] | None = _omit_none()
     token_profile: TokenProfile | None = _omit_none()
     frontier: dict[str, FrontierFamily] | None = _omit_none()
+    stopping: Stopping | None = _omit_none()
 
     def to_json(self) -> dict[str, Any]:
         """The ``audit.json`` content (plain JSON types)."""

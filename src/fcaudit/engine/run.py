@@ -40,6 +40,7 @@ from fcaudit.core.interventions import Intervention, StaticProfiles, draw
 from fcaudit.core.nll import device_of, logits_of, model_limits, probe_vocab, token_nll
 from fcaudit.core.sites import SiteSpec, find_sites, match_modules
 from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.distributed import SINGLE as SINGLE_RANK
 from fcaudit.engine.distributed import Ranks, current
 from fcaudit.engine.frontier import (
     GATE,
@@ -205,6 +206,10 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     if vocab is None:
         vocab = probe_vocab(net, audit_data.eval_ids.shape[1])
     audit_data.validate(vocab, ctx)
+    if options.target_ci is not None:  # the floor is checked against the pool, then ordered
+        from fcaudit.engine.stopping import min_sequences, ordered_pool
+        min_sequences(options.min_sequences, len(audit_data.eval_ids))
+        audit_data = ordered_pool(audit_data, options.seed)
     setup = Setup(loaded, site_list, block_paths, blocks, audit_data, options,
                   custom, out=Path(out) if out is not None else None)
     if options.execution:
@@ -451,7 +456,7 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
         seeds=Seeds(opts.seed, seeds, seeds, opts.seed * 1000 + 7),
         # how the audit is shown or scheduled changes no number: not part of its settings
         settings={**{k: v for k, v in dataclasses.asdict(opts).items()
-                     if k not in ("schedule", "progress")},
+                     if k not in ("schedule", "progress", *STOPPING_OPTIONS)},
                   "bootstrap_resamples": opts.bootstrap,
                   "calibration_sequences_used_for_static": len(setup.data.calib_ids),
                   "layer_index": "a site's index within its family"},
@@ -460,6 +465,11 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
         runtime=runtime,
         identity=None if identity.exact and not identity.allowed_nonexact else identity,
         custom_conditions=summary.custom or None)
+
+
+# recorded in audit.json's ``stopping`` section, not in ``settings``: a --target-ci audit
+# that stopped at N has the settings of the fixed audit of those N sequences
+STOPPING_OPTIONS = ("target_ci", "min_sequences")
 
 
 def _adapter_name(site: Site, model: nn.Module) -> str | None:
@@ -501,6 +511,9 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     if setup.out is None and ranks.world > 1:
         raise FcauditError(f"an audit over several processes needs {arg('out')}, a folder "
                            "every process sees")
+    if options.target_ci is not None and ranks.world > 1:
+        raise FcauditError(f"{arg('target_ci', owner='AuditOptions')} runs in one process: "
+                           "start it without torchrun, or give a fixed number of sequences")
     if ranks.main and options.progress:
         print(f"fcaudit: {window_line(setup.data.summary())}", file=sys.stderr, flush=True)
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
@@ -554,13 +567,45 @@ def same_probe_on_every_rank(ranks: Ranks, first: Probe) -> None:
             "fix the differing processes and rerun")
 
 
+@dataclass
+class Measured:
+    """One audit of ``setup``'s evaluation sequences up to (not including) execution:
+    what :func:`_finish` assembles into the result."""
+
+    setup: Setup
+    runs: list
+    replays: Any
+    identity: Identity
+    stats: tuple
+    summary: Summary
+    covered: list[Covered]
+    points: list
+    profiles: Any
+    reuse: list
+    recorded: dict[str, int]
+
+
 def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress,
          command: str | None, ranks: Ranks) -> AuditResult | None:
-    """Record and replay this rank's batches; rank 0 then summarizes every batch."""
-    opts, timings = setup.options, {}
+    """Record and replay this rank's batches; rank 0 then summarizes every batch (with
+    ``target_ci``, round after round: :func:`_run_to_target`)."""
     same_probe_on_every_rank(ranks, first)
+    if setup.options.target_ci is not None:
+        return _run_to_target(setup, cache, first, progress, command)
+    timings: dict[str, float] = {}
+    measured = _measure(setup, cache, first, progress, ranks, timings)
+    if measured is None:
+        return None
+    return _finish(measured, cache, command, ranks, timings)
+
+
+def _measure(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress,
+             ranks: Ranks, timings: dict[str, float]) -> Measured | None:
+    """Record and replay every batch of ``setup``'s evaluation sequences and summarize
+    them (rank 0; the other ranks return None after their replays)."""
+    opts = setup.options
     record_calibration(setup, cache, progress, ranks)
-    record_evaluation(setup, cache, progress, ranks)
+    recorded = record_evaluation(setup, cache, progress, ranks)
     ranks.barrier("recorded")
     profiles = calibration_profiles(setup, cache)
     cache.verify_all()
@@ -584,6 +629,16 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
                                    max_abs_diff=max(first.identity.max_abs_diff, diff))
     stats = describe(cache, setup.sites, setup.data.eval_ids)
     summary = summarize(runs, replays.per_run, stats[3], setup.sites, opts)
+    return Measured(setup, runs, replays, identity, stats, summary, covered, points, profiles,
+                    reuse, recorded)
+
+
+def _finish(m: Measured, cache: CoefficientCache, command: str | None, ranks: Ranks,
+            timings: dict[str, float], rounds: list[dict[str, Any]] | None = None
+            ) -> AuditResult:
+    """Execution, runtime and the result of one measured audit."""
+    setup, runs, replays, opts = m.setup, m.runs, m.replays, m.setup.options
+    n = len(setup.data.eval_ids)
     routed = routing_sites(setup.sites)
     routing = routing_summary(routed, tracked_runs(runs), replays.route_load,
                               replays.route_changed, setup.data.eval_ids.size) \
@@ -595,20 +650,21 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     runtime = Runtime(host(), {k: round(v, 3) for k, v in timings.items()},
                       {**replays.schedule, "processes": ranks.world,
                        "process_group": ranks.backend}, cache.disk_usage(),
-                      reuse_summary(reuse, len(runs)))
-    result = assemble(setup, cache, summary, stats, execution, identity, command, runtime)
+                      reuse_summary(m.reuse, len(runs)), rounds)
+    result = assemble(setup, cache, m.summary, m.stats, execution, m.identity, command,
+                      runtime)
     result.routing = routing
     result.settings["expert_ablation_runs"] = len(ablation_runs(runs))
     if ablation_runs(runs):
         result.expert_importance = expert_importance(runs, replays.per_run, replays.route_load,
                                                      replays.still_selected, opts)
-    result.token_profile = token_profile(profiles, setup.data.eval_ids)
+    result.token_profile = token_profile(m.profiles, setup.data.eval_ids)
     result.settings["frontier_runs"] = len(frontier_runs(runs))
-    if covered:
+    if m.covered:
         result.frontier = frontier_summary(
-            covered, points, dict(zip((r.key for r in runs), replays.per_run, strict=True)),
-            replays.per_run[0], frontier_units(cache, covered, points), setup.data.eval_ids.size,
-            execution, paired_bootstrap(n, opts))
+            m.covered, m.points, dict(zip((r.key for r in runs), replays.per_run, strict=True)),
+            replays.per_run[0], frontier_units(cache, m.covered, m.points),
+            setup.data.eval_ids.size, execution, paired_bootstrap(n, opts))
     return result
 
 
@@ -704,6 +760,51 @@ def _with_hooks(net: nn.Module, x: Tensor, hooks: Mapping[str, Callable[..., Any
             handle.remove()
 
 
+def _run_to_target(pool: Setup, cache: CoefficientCache, first: Probe, progress: Progress,
+                   command: str | None) -> AuditResult:
+    """``target_ci``: round ``k`` audits the first ``n_k`` sequences of the (already
+    ordered) pool exactly as a fixed audit of them would; stop when every counted
+    half-width reaches the target or the pool is used up (engine/stopping.py)."""
+    from fcaudit.engine import stopping as st
+    opts, n_pool = pool.options, len(pool.data.eval_ids)
+    target = float(opts.target_ci)  # type: ignore[arg-type]
+    floor = st.min_sequences(opts.min_sequences, n_pool)
+    n, previous, entries, spent = st.first_size(floor, opts.batch_size, n_pool), 0, [], []
+    while True:
+        started = time.perf_counter()
+        cache.use_prefix(n)
+        setup = dataclasses.replace(pool, data=dataclasses.replace(
+            pool.data, eval_ids=pool.data.eval_ids[:n]))
+        timings: dict[str, float] = {}
+        m = _measure(setup, cache, first, progress, SINGLE_RANK, timings)
+        assert m is not None
+        entry = st.round_entry(n, opts.batch_size, previous, len(m.runs),
+                               st.half_widths(m.summary.conditions), target)
+        entries.append(entry)
+        spent.append(_round_cost(n, m, time.perf_counter() - started))
+        if opts.progress:
+            print(f"fcaudit: target-ci round {len(entries)}: {n} of {n_pool} sequences, "
+                  f"widest half-width {entry.half_widths[entry.widest]:.4g} nats "
+                  f"({entry.widest}), target {target:g}", file=sys.stderr, flush=True)
+        if entry.met or n == n_pool:
+            break
+        previous, n = n, st.next_size(n, entry.half_widths[entry.widest], target,
+                                      opts.batch_size, n_pool)
+    result = _finish(m, cache, command, SINGLE_RANK, timings, spent)
+    result.stopping = st.stopping(pool.data, opts.seed, target, floor, entries, len(m.runs))
+    return result
+
+
+def _round_cost(n: int, m: Measured, wall_s: float) -> dict[str, Any]:
+    """A round's runtime facts: its wall time and what it took from the cache."""
+    replayed = reuse_summary(m.reuse, len(m.runs))
+    return {"sequences": n, "wall_s": round(wall_s, 3),
+            "record_batches_reused": m.recorded["batches_reused"],
+            "record_batches_recorded": m.recorded["batches_recorded"],
+            **{k: replayed[k] for k in ("batches_reused", "batches_recomputed",
+                                        "runs_reused", "runs_recomputed")}}
+
+
 def frontier_units(cache: CoefficientCache, covered: Sequence[Covered],
                    points: Sequence[FrontierPoint]) -> dict[str, np.ndarray]:
     """Point key -> skipped units per layer (tokens or expert slots), summed over the
@@ -723,8 +824,9 @@ def reuse_summary(per_rank: Sequence[Mapping[str, int]], n_runs: int) -> dict[st
     run's fed tensors were bit for bit the stored ones (else the batch was replayed)."""
     reused = sum(r["batches_reused"] for r in per_rank)
     recomputed = sum(r["batches_recomputed"] for r in per_rank)
+    kept = sum(r.get("runs_kept_from_earlier_rounds", 0) for r in per_rank)  # --target-ci
     return {"batches_reused": reused, "batches_recomputed": recomputed,
-            "runs_reused": reused * n_runs, "runs_recomputed": recomputed * n_runs,
+            "runs_reused": reused * n_runs + kept, "runs_recomputed": recomputed * n_runs - kept,
             "rule": "a cached batch is reused only if every run's SHA-256 of its token ids, "
                     "schedule, identity and fed coefficient tensors equals the stored one"}
 

@@ -137,11 +137,12 @@ def adopt_probe(cache: CoefficientCache, coefficients: Mapping[str, Tensor], nll
 
 
 def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
-                      ranks: Ranks = SINGLE) -> None:
+                      ranks: Ranks = SINGLE) -> dict[str, int]:
     """This rank's evaluation batches, one unperturbed pass each; resumes at the shards
-    not yet on disk."""
+    not yet on disk. Returns how many of this rank's batches were on disk and recorded."""
     net, sites = setup.model, setup.sites
-    todo = ranks.mine([b for b in range(cache.n_batches) if not cache.has(cache.eval_name(b))])
+    mine = ranks.mine(list(range(cache.n_batches)))
+    todo = [b for b in mine if not cache.has(cache.eval_name(b))]
     for done, (b, x) in enumerate(batches(setup.data.eval_ids, cache.batch_size,
                                           device_of(net), todo), start=1):
         _, coefficients, nll = record_batch(net, sites, x)
@@ -149,6 +150,7 @@ def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
         check_finite_nll(nll, f"the unperturbed record pass, batch {b}")
         cache.write(cache.eval_name(b), _eval_shard(nll, coefficients))
         progress("record evaluation", done, len(todo), "")
+    return {"batches_reused": len(mine) - len(todo), "batches_recorded": len(todo)}
 
 
 def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], progress: Progress,
@@ -164,11 +166,69 @@ def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], progre
     cache = inputs.cache
     mine = ranks.mine(list(range(cache.n_batches)))
     todo = [b for b in mine if not _reusable(setup, inputs, runs, b)]
+    kept_runs = 0
     for done, (b, x) in enumerate(batches(setup.data.eval_ids, cache.batch_size,
                                           device_of(setup.model), todo), start=1):
-        cache.write(cache.replay_name(b), _replay_one_batch(setup, inputs, runs, b, x))
+        kept = _earlier_runs(setup, inputs, runs, b)
+        kept_runs += len(kept.rows)
+        cache.write(cache.replay_name(b), _replay_one_batch(setup, inputs, runs, b, x, kept))
         progress("replay", done, len(todo), f"batch {b + 1} of {cache.n_batches}")
-    return {"batches_reused": len(mine) - len(todo), "batches_recomputed": len(todo)}
+    return {"batches_reused": len(mine) - len(todo), "batches_recomputed": len(todo),
+            "runs_kept_from_earlier_rounds": kept_runs}
+
+
+def plan_digest(runs: Sequence[Run]) -> Tensor:
+    """SHA-256 of the plan's run identities in order: rows of another shard (routing and
+    ablation rows are stored by position) are taken only from a shard of the same plan."""
+    names = repr([(r.condition, r.repeat, r.site and r.site.name, r.custom is not None,
+                   r.expert, r.point and r.point.key) for r in runs]).encode()
+    return torch.tensor(list(digest_tensors([], names)), dtype=torch.uint8)
+
+
+@dataclass
+class Kept:
+    """Runs of one batch taken from an earlier ``--target-ci`` round's shard of the same
+    batch and plan, each only because its digest (token ids, schedule, identity, every fed
+    tensor) equals the one this round computes: run index -> its NLL row and digest, its
+    re-routing row (tracked runs) and its ablated expert's picks (ablation runs)."""
+
+    rows: dict[int, tuple[Tensor, bytes]]
+    changed: dict[int, Tensor]
+    still: dict[int, int]
+
+
+NONE_KEPT = Kept({}, {}, {})
+
+
+def _replay_tracked(runs: Sequence[Run]) -> list[int]:
+    """Indices of the runs whose re-routing rows a shard holds, in its row order."""
+    return [i for i, r in enumerate(runs) if i and r.site is None and r.custom is None]
+
+
+def _earlier_runs(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> Kept:
+    """The runs of batch ``b`` an earlier round already replayed with bitwise the same
+    inputs (a round's derangement and permutations depend on its size, so the random
+    conditions differ; static, per-layer static, ablation and frontier runs do not)."""
+    name = inputs.cache.earlier_replay_name(b)
+    if name is None:
+        return NONE_KEPT
+    shard = inputs.cache.read(name)  # checksum verified
+    if not same_bits(shard.get("plan_digest"), plan_digest(runs)) or \
+            float(shard["identity_diff"]) != 0:
+        return NONE_KEPT
+    context, cpu = _context(setup, b), torch.device("cpu")
+    old = [bytes(row.tolist()) for row in shard["feed_digest"]]
+    rows = {}
+    for i, run in enumerate(runs[1:], start=1):  # the correct replay always runs again
+        digest = run_digest(run, feed(run, b, inputs, cpu), context)
+        if digest == old[i]:
+            rows[i] = (shard["nll"][i], digest)
+    tracked = _replay_tracked(runs)
+    changed = {i: shard["route_changed"][j] for j, i in enumerate(tracked) if i in rows} \
+        if "route_changed" in shard else {}
+    ablated = [i for i, r in enumerate(runs) if r.expert is not None]
+    still = {i: int(shard[STILL_SELECTED][j]) for j, i in enumerate(ablated) if i in rows}
+    return Kept(rows, changed, still)
 
 
 def _context(setup: Setup, b: int) -> bytes:
@@ -265,36 +325,39 @@ class _Passes:
 
 @torch.no_grad()
 def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int,
-                      x: Tensor) -> dict[str, Tensor]:
+                      x: Tensor, kept: Kept = NONE_KEPT) -> dict[str, Tensor]:
     """Every run on batch ``b``: the correct replay first, then the per-layer runs (on the
     suffix when prefix reuse holds, see :func:`_per_layer`), then the other runs, then the
     correct replay again, which must equal the first bit for bit; for router sites, the
     expert load of the correct replay and how many tokens each main condition re-routes.
-    Rows stay in plan order, each with the digest of what its run was fed."""
+    Rows stay in plan order, each with the digest of what its run was fed; the runs in
+    ``kept`` are not replayed again (their rows come from an earlier round's shard)."""
     assert runs[0].condition == "correct" and runs[0].site is None
     passes, routed = _Passes(setup, inputs, b, x), routing_sites(inputs.sites)
+    passes.still_selected.update({runs[i].key: n for i, n in kept.still.items()})
     traced = setup.blocks if setup.options.schedule == "prefix" and \
         any(r.site is not None for r in runs) else None
     first, nll, digest = passes.replay(runs[0], select=bool(routed), trace=traced)
     diff = _identity_diff(setup, nll, inputs.cache.batch(b, "nll"), b)
-    done = {0: (nll.double().mean(1), digest)}
+    done = {0: (nll.double().mean(1), digest), **kept.rows}
     state = _per_layer(passes, runs, first, done)
     shard = {f"route_load::{s.name}": expert_counts(first.chosen[s.name],
                                                     passes.correct_fed[s].shape[-1])
              for s in routed}
-    changed = []
+    changed = {i: row.tolist() for i, row in kept.changed.items()}
     for i, run in enumerate(runs):
         if i in done:
             continue
         tracked = bool(routed) and run.site is None and run.custom is None
         out, nll, digest = passes.replay(run, select=tracked)
         if tracked:
-            changed.append([changed_rows(first.chosen[s.name], out.chosen[s.name])
-                            for s in routed])
+            changed[i] = [changed_rows(first.chosen[s.name], out.chosen[s.name])
+                          for s in routed]
         done[i] = (nll.double().mean(1), digest)
     diff = max(diff, _history_diff(setup, passes, first.logits, len(runs)))
     if routed:
-        shard["route_changed"] = torch.tensor(changed, dtype=torch.float64)
+        shard["route_changed"] = torch.tensor([changed[i] for i in _replay_tracked(runs)],
+                                              dtype=torch.float64)
     if ablated := ablation_runs(runs):
         shard[STILL_SELECTED] = torch.tensor([passes.still_selected[r.key] for r in ablated],
                                              dtype=torch.int64)
@@ -302,7 +365,7 @@ def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b
     return {"nll": torch.stack([r[0] for r in rows]),
             "feed_digest": _digest_tensor([r[1] for r in rows]),
             "identity_diff": torch.tensor(diff, dtype=torch.float64),
-            "prefix": torch.tensor(state), **shard}
+            "prefix": torch.tensor(state), "plan_digest": plan_digest(runs), **shard}
 
 
 def _identity_diff(setup: Setup, nll: Tensor, recorded: Tensor, b: int) -> float:
@@ -341,7 +404,7 @@ def _per_layer(passes: _Passes, runs: Sequence[Run], first: Replayed,
     correct replay have not run since it; before a site's runs, the correct replay with
     that site's prefix stubbed must equal the full one bit for bit, from the state those
     runs start in. One failure: every per-layer run of the batch becomes a full pass."""
-    layer = [(i, r.site) for i, r in enumerate(runs) if r.site is not None]
+    layer = [(i, r.site) for i, r in enumerate(runs) if r.site is not None and i not in done]
     trace = first.trace
     if trace is not None:
         layer.sort(key=lambda item: -trace.starts[item[1].path])

@@ -67,6 +67,7 @@ from fcaudit.report.markdown import (
     one_line,
     to_html,
 )
+from fcaudit.report.stopping import stopping_section
 
 T = TypeVar("T")
 
@@ -631,9 +632,9 @@ def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tu
     if inexact := _inexact(result):
         blocks.append(_identity_warning(inexact))
     blocks.append(_lead(result))
-    for section in (_answers, _conditions, _retention, _interaction, _per_layer, _variance,
-                    _variation, _routing, _expert_importance, _frontier, _execution,
-                    _reproducibility):
+    for section in (_answers, _conditions, stopping_section, _retention, _interaction,
+                    _per_layer, _variance, _variation, _routing, _expert_importance, _frontier,
+                    _execution, _reproducibility):
         blocks += section(result)
     blocks += ["## Figures", *(md_figures(figures) or ["No figure data in this audit."])]
     return title, "\n\n".join(blocks) + "\n"

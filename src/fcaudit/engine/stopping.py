@@ -1,0 +1,134 @@
+"""Precision-driven stopping (``--target-ci``): the rule, the growth of the rounds, the
+order of the evaluation pool (docs/method.md, "Cost that follows the precision asked for").
+
+The pool (the evaluation windows the data gives) is put in one seeded order before the
+probe; round ``k`` audits exactly the first ``n_k`` sequences of that order, as a fixed
+audit of those sequences would (same batches, same derangement of ``n_k``, same
+bootstrap), and the audit stops at the first round whose counted penalties all have
+95% intervals reaching at most ``target_ci`` nats on each side of their estimate, or
+when the pool is used up. So the numbers at the stop are those of a fixed audit of
+:func:`prefix_data` ``(pool, N, seed)``; only the choice of ``N`` depends on the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from fcaudit.core.errors import FcauditError, arg
+from fcaudit.engine.result import ConditionResult, Stopping, StoppingRound
+from fcaudit.io.data import AuditData, fingerprint_array
+
+DEFAULT_MIN_SEQUENCES = 16  # the first round: a bootstrap over fewer is too coarse to trust
+ORDER_SEED_OFFSET = 500  # order seed = seed * 1000 + 500 (draws use + 17 + k, bootstrap + 7)
+# the penalties whose intervals must reach the target: every main condition's penalty
+# against correct (the interaction, retention and per-layer variants follow from them or
+# are localisations, and are not counted)
+COUNTED = ("reassign", "shuffle", "reassign+shuffle", "static-layer", "static-layer-position",
+           "static-layer-token", "global-mean")
+MAX_GROWTH = 2  # a round at most doubles the sequences of the last one
+RULE = ("stop at the first round where every counted penalty's 95% paired bootstrap "
+        "interval [lo, hi] has max(delta - lo, hi - delta) <= target_ci, or when the pool "
+        "is used up")
+GROWTH = ("first round: min_sequences rounded up to a whole batch; next: the projection "
+          "n * (widest half-width / target)^2 (half-widths shrink as 1/sqrt(n)), rounded up "
+          "to a whole batch, at least one batch more and at most twice the last round, "
+          "capped at the pool")
+CAVEAT = ("N was chosen by looking at the intervals (optional stopping): the 95% intervals "
+          "at N are those of a fixed audit of the same N sequences, but their coverage after "
+          "a data-dependent stop is approximate, not exactly 95%")
+
+
+def order_seed(seed: int) -> int:
+    return seed * 1000 + ORDER_SEED_OFFSET
+
+
+def pool_order(n_pool: int, seed: int) -> np.ndarray:
+    """The audit order of the pool's rows: one seeded permutation, so every prefix is a
+    random subset of the pool (the pool's own order may run work by work)."""
+    return np.random.default_rng(order_seed(seed)).permutation(n_pool)
+
+
+def ordered_pool(data: AuditData, seed: int) -> AuditData:
+    """``data`` with its evaluation windows in the audit order (calibration unchanged)."""
+    return dataclasses.replace(data, eval_ids=data.eval_ids[pool_order(len(data.eval_ids),
+                                                                       seed)])
+
+
+def prefix_data(pool: AuditData, n: int, seed: int) -> AuditData:
+    """The first ``n`` sequences of ``pool`` in the audit order: what a fixed audit must
+    be given to reproduce a ``target_ci`` audit that stopped at ``n`` (same sources)."""
+    ordered = ordered_pool(pool, seed)
+    return dataclasses.replace(ordered, eval_ids=ordered.eval_ids[:n])
+
+
+def min_sequences(given: int | None, pool: int) -> int:
+    """The floor: as given (refused above the pool), else the default capped at the pool."""
+    if given is None:
+        return min(DEFAULT_MIN_SEQUENCES, pool)
+    if given > pool:
+        raise FcauditError(f"{arg('min_sequences', given, owner='AuditOptions')} exceeds the "
+                           f"{pool} evaluation sequences the data gives: lower it, or give "
+                           f"more data ({arg('max_eval', owner='DataSpec')})")
+    return given
+
+
+def _whole_batches(n: float, batch_size: int, pool: int) -> int:
+    return min(pool, batch_size * math.ceil(n / batch_size))
+
+
+def first_size(floor: int, batch_size: int, pool: int) -> int:
+    return _whole_batches(floor, batch_size, pool)
+
+
+def next_size(n: int, widest: float, target: float, batch_size: int, pool: int) -> int:
+    """The next round's sequences (see :data:`GROWTH`): whole batches, so the batches of
+    earlier rounds keep their composition and their record passes stay valid."""
+    projected = n * (widest / target) ** 2 if math.isfinite(widest) else MAX_GROWTH * n
+    return _whole_batches(min(max(projected, n + batch_size), MAX_GROWTH * n), batch_size, pool)
+
+
+def half_widths(conditions: Mapping[str, ConditionResult]) -> dict[str, float]:
+    """Counted condition -> the larger distance from its penalty to an end of its interval."""
+    return {c: max(conditions[c].delta - conditions[c].ci95[0],
+                   conditions[c].ci95[1] - conditions[c].delta) for c in COUNTED}
+
+
+def met(widths: Mapping[str, float], target: float) -> bool:
+    return all(math.isfinite(w) and w <= target for w in widths.values())
+
+
+def round_entry(n: int, batch_size: int, previous: int, n_runs: int,
+                widths: dict[str, float], target: float) -> StoppingRound:
+    batches = -(-n // batch_size)
+    return StoppingRound(sequences=n, batches=batches,
+                         record_batches_new=batches - -(-previous // batch_size),
+                         replay_passes=batches * n_runs, half_widths=widths,
+                         widest=max(widths, key=lambda c: widths[c]), met=met(widths, target))
+
+
+def stopping(ordered: AuditData, seed: int, target: float, floor: int,
+             rounds: list[StoppingRound], n_runs: int) -> Stopping:
+    """The ``stopping`` section: the rule, each round, and why the audit stopped
+    (``ordered``: the pool in audit order, as :func:`ordered_pool` gives it)."""
+    last = rounds[-1]
+    n, n_pool = last.sequences, len(ordered.eval_ids)
+    order = pool_order(n_pool, seed)
+    if last.met:
+        reason = (f"target reached: every counted half-width <= {target:g} nats at {n} of "
+                  f"{n_pool} sequences (round {len(rounds)})")
+    else:
+        reason = (f"the data ran out: all {n_pool} sequences audited and the widest "
+                  f"half-width, {last.widest}'s {last.half_widths[last.widest]:.4g} nats, is "
+                  f"still above the target of {target:g}")
+    return Stopping(
+        target_ci=float(target), min_sequences=floor, pool_sequences=n_pool,
+        pool_fingerprint=fingerprint_array(ordered.eval_ids[np.argsort(order)]),
+        order_seed=order_seed(seed), pool_rows=[int(i) for i in order[:n]],
+        conditions=list(COUNTED),
+        rule=RULE, growth=GROWTH, rounds=rounds, sequences_used=n, reached=last.met,
+        reason=reason, replay_passes_total=sum(r.replay_passes for r in rounds),
+        replay_passes_fixed=last.batches * n_runs, caveat=CAVEAT)

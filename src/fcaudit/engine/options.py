@@ -18,6 +18,7 @@ from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.interventions import Intervention
 from fcaudit.io.data import AuditData
 from fcaudit.io.loading import LoadedModel
+from fcaudit.io.placement import Placement, placement
 
 # progress(stage, done, total, info): an optional callback, never threaded through compute
 Progress = Callable[[str, int, int, str], None]
@@ -64,6 +65,12 @@ class AuditOptions:
     # on for the families it covers when the execution audit runs (the study's setting)
     frontier: bool | None = False
     frontier_points: int = 6
+    # models bigger than memory (a Hugging Face folder given by path): accelerate's device
+    # map ("auto"), its budget ("cpu=8GiB,cuda:0=70GiB" or a dict) and the folder for the
+    # weights it puts on disk; where weights sit changes no number (runtime, not settings)
+    device_map: str | None = None
+    max_memory: str | dict[str, str | int] | None = None
+    offload_folder: str | Path | None = None
 
     def validate(self) -> None:
         """Refuse option values no audit can run with, naming the option in the caller's
@@ -97,9 +104,14 @@ class AuditOptions:
             raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} needs the "
                                f"execution audit (its x axis is the FLOPs it counts): drop {off} "
                                "or the frontier")
+        self.placement()  # the device map, budget syntax and offload folder
         if 0 < self.timing_pairs < 10:
             raise FcauditError(f"{name('timing_pairs', self.timing_pairs)}: use 0 (no "
                                "timing) or at least 10 pairs for a meaningful interval")
+
+    def placement(self) -> Placement | None:
+        """Where accelerate may put the weights (None: the model loads whole)."""
+        return placement(self.device_map, self.max_memory, self.offload_folder)
 
 
 @dataclass

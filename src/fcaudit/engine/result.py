@@ -444,6 +444,7 @@ class Runtime:
     schedule: dict[str, Any] | None = _omit_none()
     cache: dict[str, Any] | None = _omit_none()
     reuse: dict[str, Any] | None = _omit_none()  # replay batches reused from the cache
+    placement: dict[str, Any] | None = _omit_none()  # accelerate's device map, budget
 
 
 @dataclass

@@ -42,20 +42,33 @@ def four_layers(family: str) -> Any:
                            "layer_types": None})
 
 
+def model_and_args(family: str, root: Path) -> tuple[Path, list[str]]:
+    """A saved 4-layer model and the arguments of a small audit of it (per-layer runs on,
+    for prefix reuse; expert ablation off, which only repeats the replays per expert)."""
+    folder = save(four_layers(family), root / "model")
+    ev, ca = token_batches(load_tokenizer(folder / "tokenizer.json"))
+    np.save(root / "eval.npy", ev.numpy())
+    np.save(root / "calib.npy", ca.numpy())
+    return folder, ["--model", str(folder), "--tokens", str(root / "eval.npy"),
+                    "--calib-tokens", str(root / "calib.npy"), "--quiet", "--repeats", "1",
+                    "--bootstrap", "10", "--batch-size", "2", "--timing-pairs", "0",
+                    "--no-expert-ablation"]
+
+
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
 def moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         ) -> tuple[Path, list[str], dict]:
     """(model folder, audit arguments, the in-memory audit.json) for one family."""
     root = tmp_path_factory.mktemp(request.param)
-    folder = save(four_layers(request.param), root / "model")
-    ev, ca = token_batches(load_tokenizer(folder / "tokenizer.json"))
-    np.save(root / "eval.npy", ev.numpy())
-    np.save(root / "calib.npy", ca.numpy())
-    args = ["--model", str(folder), "--tokens", str(root / "eval.npy"), "--calib-tokens",
-            str(root / "calib.npy"), "--quiet", "--repeats", "1", "--bootstrap", "10",
-            "--batch-size", "2", "--timing-pairs", "0"]
+    folder, args = model_and_args(request.param, root)
     assert main(["audit", *args, "--out", str(root / "memory")]) == 0
     return folder, args, json.loads((root / "memory" / "audit.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A model folder and audit arguments, for the refusals (no audit run)."""
+    return model_and_args("mixtral", tmp_path_factory.mktemp("mixtral"))
 
 
 def check_same_audit(in_memory: dict, offloaded: dict, budget: int) -> None:
@@ -101,7 +114,7 @@ def test_python_api_places_the_model_and_keeps_a_given_folder(
     offload.mkdir()
     budget = BUDGETS["part-on-disk"]
     options = AuditOptions(repeats=1, bootstrap=10, batch_size=2, timing_pairs=0,
-                           progress=False, device_map="auto",
+                           progress=False, expert_ablation=False, device_map="auto",
                            max_memory={"cpu": f"{budget}B"}, offload_folder=offload)
     audit(str(folder), tmp_path / "out", options=options, report=False,
           data=DataSpec(tokens=tokens["eval"], calib_tokens=tokens["calib"]))
@@ -139,9 +152,9 @@ def test_max_memory_units() -> None:
 
 
 def test_a_budget_below_the_weights_needs_an_offload_folder(
-        moe: tuple[Path, list[str], dict], tmp_path: Path,
+        mixtral: tuple[Path, list[str]], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    folder, args, _ = moe
+    _, args = mixtral
     err = fails(["audit", *args, "--out", str(tmp_path / "out"), "--device-map", "auto",
                  "--max-memory", "cpu=100KB"], capsys)
     assert "--offload-folder DIR" in err and "0.00 GiB outside disk" in err
@@ -151,9 +164,9 @@ def test_a_budget_below_the_weights_needs_an_offload_folder(
 @pytest.mark.parametrize("state", ["no marker", "marker of another audit",
                                    "marker listing other files"])
 def test_a_folder_holding_what_fcaudit_did_not_write_is_refused_and_kept(
-        moe: tuple[Path, list[str], dict], state: str, tmp_path: Path,
+        mixtral: tuple[Path, list[str]], state: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    folder, args, _ = moe
+    _, args = mixtral
     offload = tmp_path / "offload"
     offload.mkdir()
     (offload / "notes.txt").write_text("mine")
@@ -167,10 +180,10 @@ def test_a_folder_holding_what_fcaudit_did_not_write_is_refused_and_kept(
     assert not (tmp_path / "out").exists()
 
 
-def test_a_folder_in_use_by_a_live_audit_is_refused(moe: tuple[Path, list[str], dict],
+def test_a_folder_in_use_by_a_live_audit_is_refused(mixtral: tuple[Path, list[str]],
                                                     tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    folder, args, _ = moe
+    _, args = mixtral
     offload = tmp_path / "offload"
     offload.mkdir()
     (offload / "w.safetensors").write_bytes(b"x")
@@ -183,9 +196,9 @@ def test_a_folder_in_use_by_a_live_audit_is_refused(moe: tuple[Path, list[str], 
 
 
 def test_what_a_crashed_audit_left_is_cleared_and_the_folder_reused(
-        moe: tuple[Path, list[str], dict], tmp_path: Path) -> None:
+        mixtral: tuple[Path, list[str]], tmp_path: Path) -> None:
     """A marker whose process is gone, listing exactly the files there: fcaudit's own."""
-    folder, args, in_memory = moe
+    _, args = mixtral
     offload = tmp_path / "offload"
     offload.mkdir()
     (offload / "old.safetensors").write_bytes(b"stale")
@@ -193,11 +206,12 @@ def test_what_a_crashed_audit_left_is_cleared_and_the_folder_reused(
                           capture_output=True, text=True, check=True).stdout.strip()
     (offload / MARKER).write_text(json.dumps({"pid": int(dead), "created": True,
                                               "files": ["old.safetensors"]}))
-    budget = BUDGETS["part-on-disk"]
-    assert main(["audit", *args, "--out", str(tmp_path / "out"), "--device-map", "auto",
-                 "--max-memory", f"cpu={budget}", "--offload-folder", str(offload)]) == 0
-    check_same_audit(in_memory, json.loads((tmp_path / "out" / "audit.json").read_text()),
-                     budget)
+    assert main(["audit", *args, "--no-per-layer", "--no-execution", "--out",
+                 str(tmp_path / "out"), "--device-map", "auto", "--max-memory", "cpu=50KB",
+                 "--offload-folder", str(offload)]) == 0
+    offloaded = json.loads((tmp_path / "out" / "audit.json").read_text())
+    assert offloaded["runtime"]["placement"]["modules_per_device"] == {"disk": 1}
+    assert offloaded["identity_replay_max_abs_diff"] == 0.0
     assert not offload.exists()  # the crashed audit had created it
 
 

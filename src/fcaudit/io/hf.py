@@ -39,7 +39,7 @@ from fcaudit.core.routers import NUM_EXPERTS_SETTINGS
 from fcaudit.io.data import load_tokenizer
 from fcaudit.io.fileio import read_json
 from fcaudit.io.mudd_checkpoint import weight_files
-from fcaudit.io.placement import Placement, check_budget, note_written
+from fcaudit.io.placement import Placement, align_offloaded, check_budget, note_written
 from fcaudit.io.weights import Shapes, check_depth, header_shapes
 from fcaudit.models.mudd import VARIANTS
 
@@ -200,6 +200,7 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None,
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise _load_error(folder, exc) from exc
     note_written(placement)
+    align_offloaded(model)  # weights read from disk compute as the in-memory ones do
     problems = {kind: sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key, []))
                 for kind, key in (("missing", "missing_keys"), ("unexpected", "unexpected_keys"),
                                   ("of the wrong shape", "mismatched_keys"))}

@@ -154,6 +154,45 @@ def check_budget(place: Placement, files: list[Path], itemsize: int | None) -> N
             "the layers placed on disk")
 
 
+class AlignedWeights(Mapping):
+    """An accelerate hook's ``weights_map`` whose tensors are fresh torch allocations.
+
+    Read from disk, a weight is a view into the memory-mapped safetensors file, at whatever
+    offset the file's header leaves (8 bytes past a 64-byte boundary, say). CPU matrix
+    kernels pick their code path by alignment, so the same weights at another address can
+    change the last bits of a product: the audit of the in-memory model would then differ
+    from the offloaded one. A copy lands where torch puts every in-memory weight.
+    """
+
+    def __init__(self, inner: Mapping) -> None:
+        self.inner = inner
+
+    def __getitem__(self, key: str) -> Any:
+        value = self.inner[key]
+        return value.clone() if hasattr(value, "clone") else value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.inner  # without reading the weight, as the wrapped map does
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def align_offloaded(model: Any) -> int:
+    """Wrap every accelerate hook's weights map in :class:`AlignedWeights`; how many."""
+    hooks = [getattr(m, "_hf_hook", None) for m in model.modules()]
+    wrapped = 0
+    for hook in hooks:
+        inner = getattr(hook, "weights_map", None)
+        if inner is not None and not isinstance(inner, AlignedWeights):
+            hook.weights_map = AlignedWeights(inner)
+            wrapped += 1
+    return wrapped
+
+
 def _listing(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir()} - {MARKER}
 

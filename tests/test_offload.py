@@ -239,3 +239,34 @@ def test_without_accelerate_the_error_says_what_to_install(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, "accelerate", None)  # import fails as if not installed
     with pytest.raises(FcauditError, match=r'pip install "fcaudit\[hf\]"'):
         AuditOptions(device_map="auto").validate()
+
+
+def test_weights_read_from_disk_sit_where_in_memory_weights_do(
+        mixtral: tuple[Path, list[str]], tmp_path: Path) -> None:
+    """Every tensor accelerate reads in for a module on disk is a fresh torch allocation
+    (64-byte aligned, as the in-memory weights are), bitwise the in-memory weight: a view
+    into the memory-mapped file sits at the header's offset, and CPU kernels choose their
+    path, hence the last bits, by alignment (a 1024-wide MoE's audit differed by 1e-8)."""
+    import torch
+
+    from fcaudit.io.hf import load_hf_folder
+    from fcaudit.io.placement import AlignedWeights, offload_space, placement
+    folder, _ = mixtral
+    whole, _, _ = load_hf_folder(folder)
+    expected = dict(whole.named_parameters())
+    place = placement("auto", {"cpu": "50KB"}, tmp_path / "offload")
+    with offload_space(place):
+        model, _, _ = load_hf_folder(folder, placement=place)
+        checked = set()
+        for path, module in model.named_modules():
+            hook = getattr(module, "_hf_hook", None)
+            if getattr(hook, "weights_map", None) is None:
+                continue
+            assert isinstance(hook.weights_map, AlignedWeights)
+            for name, _ in module.named_parameters(recurse=False):
+                value = hook.weights_map[name]
+                full = f"{path}.{name}" if path else name
+                assert value.data_ptr() % 64 == 0, full
+                assert torch.equal(value, expected[full]), full
+                checked.add(full)
+    assert checked == set(expected)  # every parameter was on disk and was checked

@@ -14,6 +14,17 @@ folder (about half a minute).
 
     python benchmarks/memory.py                   # N = 64: 64, 256, 1024 sequences
     python benchmarks/memory.py --n 32 --run runs/fg
+
+``--offload`` measures instead a model bigger than its memory budget (and writes
+``docs/results/offload.json``): a random-initialised Mixtral-shaped MoE of about
+``--offload-gb`` GB in float32 is saved as a Hugging Face folder under /tmp, then audited
+twice on a few short sequences, once loaded whole and once with ``--device-map auto
+--max-memory cpu=BUDGET --offload-folder DIR`` (layers beyond the budget read from disk per
+call); it prints both peak RSS and wall times and whether the two audit.json agree outside
+``runtime`` (several minutes; about the model's size in memory for the whole-model run).
+
+    python benchmarks/memory.py --offload                 # 6 GB model, cpu=2GiB
+    python benchmarks/memory.py --offload --offload-model /tmp/moe-6gb  # reuse a folder
 """
 
 from __future__ import annotations
@@ -28,10 +39,17 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from resultfile import ResultFile, add_json_option
+from resultfile import RESULTS, ResultFile
 from sidebyside import machine
 
 AUDIT_FLAGS = ["--no-per-layer", "--no-execution", "--repeats", "1", "--quiet"]
+# the offload case: every main condition once, experts counted, no per-layer or ablation runs
+OFFLOAD_FLAGS = ["--repeats", "1", "--bootstrap", "100", "--no-per-layer",
+                 "--no-expert-ablation", "--timing-pairs", "0", "--batch-size", "4", "--quiet"]
+MOE_SHAPE = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2048,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "num_local_experts": 8,
+             "num_experts_per_tok": 2, "max_position_embeddings": 256,
+             "tie_word_embeddings": False}
 
 
 def run_child(args: Sequence[str]) -> tuple[float, int]:
@@ -56,6 +74,89 @@ def cache_bytes(cache: Path) -> tuple[int, int]:
     return total, total - fixed
 
 
+def build_moe(folder: Path, gigabytes: float) -> dict:
+    """A random Mixtral-shaped MoE of about ``gigabytes`` (1e9 bytes) in float32, saved with
+    ``save_pretrained``; as many layers as that size holds. Its facts, for the result file."""
+    import torch
+    import transformers
+    probe = transformers.MixtralConfig(**MOE_SHAPE, num_hidden_layers=1)
+    with torch.device("meta"):
+        one = sum(p.numel() for p in transformers.MixtralForCausalLM(probe).parameters())
+        two = sum(p.numel() for p in transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(**MOE_SHAPE, num_hidden_layers=2)).parameters())
+    layers = max(1, round((gigabytes * 1e9 / 4 - (2 * one - two)) / (two - one)))
+    config = transformers.MixtralConfig(**MOE_SHAPE, num_hidden_layers=layers)
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(config).eval()
+        with torch.no_grad():  # routers with a trained router's spread, not near zero
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.normal_(0, 0.05)
+        model.save_pretrained(folder)
+        del model
+    disk = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    return {"family": "mixtral", "dtype": "float32", "layers": layers,
+            "experts": MOE_SHAPE["num_local_experts"], "shape": MOE_SHAPE,
+            "params": (two - one) * (layers - 1) + one, "weights_bytes_on_disk": disk}
+
+
+def canonical(audit_json: Path) -> dict:
+    """audit.json without the keys it lists as differing between identical audits."""
+    result = json.loads(audit_json.read_text())
+    for dotted in result["nondeterministic_keys"]:
+        *parents, leaf = dotted.split(".")
+        node = result
+        for key in parents:
+            node = node.get(key, {})
+        node.pop(leaf, None)
+    return result
+
+
+def offload_case(args: argparse.Namespace) -> None:
+    """The whole-model audit against the offloaded one, each in its own child process."""
+    import numpy as np
+    print(f"{machine()}\n")
+    record = ResultFile("memory.py")
+    record.start()
+    with tempfile.TemporaryDirectory(prefix="fcaudit-offload-", dir="/tmp") as tmp:
+        folder = Path(args.offload_model or Path(tmp) / "moe")
+        started = time.perf_counter()
+        model = build_moe(folder, args.offload_gb)
+        build_s = time.perf_counter() - started
+        print(f"model {folder}: {model['params'] / 1e9:.2f}B parameters, "
+              f"{model['weights_bytes_on_disk'] / 1e9:.2f} GB, {build_s:.0f}s", flush=True)
+        rng = np.random.default_rng(0)
+        for name in ("eval", "calib"):
+            ids = rng.integers(0, MOE_SHAPE["vocab_size"], (args.offload_seqs, 32))
+            np.save(Path(tmp) / f"{name}.npy", ids.astype(np.int64))
+        data = ["--tokens", f"{tmp}/eval.npy", "--calib-tokens", f"{tmp}/calib.npy"]
+        placed = ["--device-map", "auto", "--max-memory", f"cpu={args.budget}",
+                  "--offload-folder", f"{tmp}/offload"]
+        rows = {}
+        for case, extra in (("in_memory", []), ("offloaded", placed)):
+            out = Path(tmp) / case
+            seconds, rss = run_child(["audit", "--model", str(folder), "--out", str(out),
+                                      *data, *OFFLOAD_FLAGS, *extra])
+            audit = json.loads((out / "audit.json").read_text())
+            rows[case] = {"peak_rss_bytes": rss, "wall_s": seconds,
+                          "identity_max_abs_diff": audit["identity_replay_max_abs_diff"],
+                          "identity_exact": "identity" not in audit,
+                          "placement": audit["runtime"].get("placement"),
+                          "canonical": canonical(out / "audit.json")}
+            print(f"{case}: {seconds:.0f}s, peak RSS {rss / 2**30:.2f} GiB, load "
+                  f"{os.getloadavg()[0]:.2f}", flush=True)
+        same = rows["in_memory"].pop("canonical") == rows["offloaded"].pop("canonical")
+        left = (Path(tmp) / "offload").exists()
+    print(f"\naudit.json equal outside runtime: {same}; offload folder left behind: {left}")
+    print(f"after: {machine()}")
+    record.write(args.json or RESULTS / "offload.json", {
+        "command": " ".join(["fcaudit audit", *OFFLOAD_FLAGS]), "budget": args.budget,
+        "eval_sequences": args.offload_seqs, "seq_len": 32, "model": model,
+        "build_s": build_s, "equal_outside_runtime": same, "offload_folder_left": left,
+        "rows": rows})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=64, help="N: the first evaluation set size")
@@ -63,8 +164,22 @@ def main() -> None:
     parser.add_argument("--max-calib", type=int, default=64)
     parser.add_argument("--run", metavar="FOLDER", help="a trained run folder (default: "
                         "train a tiny FeatureGate for 30 steps into a temporary folder)")
-    add_json_option(parser, "memory")
+    parser.add_argument("--offload", action="store_true", help="the model-bigger-than-memory "
+                        "case instead (writes docs/results/offload.json)")
+    parser.add_argument("--offload-gb", type=float, default=6.0, help="its size in GB")
+    parser.add_argument("--offload-model", metavar="FOLDER",
+                        help="build the model here, or reuse the one already there")
+    parser.add_argument("--offload-seqs", type=int, default=4,
+                        help="evaluation and calibration sequences of 32 tokens")
+    parser.add_argument("--budget", default="2GiB", help="--max-memory cpu=BUDGET")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="result file (default: docs/results/memory.json, with --offload "
+                             "docs/results/offload.json)")
     args = parser.parse_args()
+    if args.offload:
+        offload_case(args)
+        return
+    args.json = args.json or RESULTS / "memory.json"
 
     print(f"{machine()}\n")
     record = ResultFile("memory.py")

@@ -134,7 +134,8 @@ def _options(args: argparse.Namespace) -> Any:
                         expert_ablation=args.expert_ablation, frontier=args.frontier,
                         frontier_points=args.frontier_points,
                         target_ci=_nats(args.target_ci, "--target-ci"),
-                        min_sequences=args.min_sequences)
+                        min_sequences=args.min_sequences, device_map=args.device_map,
+                        max_memory=args.max_memory, offload_folder=args.offload_folder)
 
 
 def _nats(value: str | None, flag: str) -> float | str | None:
@@ -206,6 +207,17 @@ def _add_audit(sub: Any) -> None:
                    help="load the model (and --dense) in this dtype (default: as stored)")
     a.add_argument("--device", default="cpu",
                    help="cpu or cuda (default cpu, where identity replay is bitwise exact)")
+    big = a.add_argument_group("models bigger than memory (a Hugging Face folder; needs "
+                               "accelerate, in fcaudit[hf])")
+    big.add_argument("--device-map", default=None, choices=["auto", "balanced",
+                                                            "balanced_low_0", "sequential"],
+                     help="place the weights across GPUs, CPU memory and disk with "
+                          "accelerate (instead of --device)")
+    big.add_argument("--max-memory", default=None, metavar="DEV=SIZE,...",
+                     help="budget per device, e.g. cpu=8GiB,cuda:0=70GiB")
+    big.add_argument("--offload-folder", default=None, type=user_path, metavar="DIR",
+                     help="folder for the weights placed on disk (new or empty; what fcaudit "
+                          "writes there is removed afterwards)")
     _add_audit_options(a)
 
 
@@ -336,29 +348,40 @@ def _data_spec(args: argparse.Namespace) -> Any:
 
 
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from fcaudit.api import audit
     from fcaudit.engine import distributed
     from fcaudit.engine.run import as_loaded
+    from fcaudit.io.placement import offload_space
     from fcaudit.io.runtime import resolve_device, resolve_dtype
-    from fcaudit.report.progress import ProgressReporter
     options = _options(args)
     options.validate()
     spec = _data_spec(args)
     spec.validate()
+    place = options.placement()
+    if place is not None and args.device != "cpu":
+        raise FcauditError("--device-map places the weights itself: drop --device "
+                           f"{args.device} (the budget --max-memory names the GPUs)")
     ranks = distributed.init(args.device)  # a no-op outside torchrun
     try:
         device = resolve_device(distributed.device_for(args.device, ranks))
-        loaded = as_loaded(args.model, resolve_dtype(args.dtype))
-        loaded.model.to(device)
-        with ProgressReporter(options.progress and ranks.main) as progress:
-            result = audit(loaded, args.out, sites=args.sites,
-                           data=spec, dense=args.dense,
-                           blocks=args.blocks, options=options, progress=progress,
-                           command=shlex.join(["fcaudit", *argv]))
+        with offload_space(place):
+            loaded = as_loaded(args.model, resolve_dtype(args.dtype), place)
+            if place is None:
+                loaded.model.to(device)
+            result = _audit_loaded(loaded, args, options, spec, ranks, argv)
     finally:
         distributed.finish()
     if result is not None:
         print_summary(result, args.out)
+
+
+def _audit_loaded(loaded: Any, args: argparse.Namespace, options: Any, spec: Any, ranks: Any,
+                  argv: Sequence[str]) -> Any:
+    from fcaudit.api import audit
+    from fcaudit.report.progress import ProgressReporter
+    with ProgressReporter(options.progress and ranks.main) as progress:
+        return audit(loaded, args.out, sites=args.sites, data=spec, dense=args.dense,
+                     blocks=args.blocks, options=options, progress=progress,
+                     command=shlex.join(["fcaudit", *argv]))
 
 
 def print_summary(result: Any, out: Path) -> None:

@@ -201,5 +201,6 @@ def dense_twin(model: nn.Module, seed: int) -> nn.Module | None:
     twin = model.dense_counterpart()
     param = next(model.parameters(), None)
     if param is not None:
-        twin = twin.to(dtype=param.dtype, device=param.device)
+        from fcaudit.core.nll import device_of  # not param.device: meta when offloaded
+        twin = twin.to(dtype=param.dtype, device=device_of(model))
     return twin.eval()

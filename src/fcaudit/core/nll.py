@@ -68,7 +68,13 @@ def model_nll(model: nn.Module, ids: Tensor) -> Tensor:
 
 
 def device_of(model: nn.Module) -> torch.device:
-    param = next(model.parameters(), None)
+    """Where the model's inputs go. A model dispatched by accelerate (``device_map``) keeps
+    offloaded weights on the meta device and states its own execution device; otherwise
+    the first parameter's device (cpu for a model without any)."""
+    stated = getattr(getattr(model, "_hf_hook", None), "execution_device", None)
+    if stated is not None:
+        return torch.device(stated)
+    param = next((p for p in model.parameters() if p.device.type != "meta"), None)
     return param.device if param is not None else torch.device("cpu")
 
 

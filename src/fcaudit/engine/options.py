@@ -19,6 +19,7 @@ from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.interventions import Intervention
 from fcaudit.io.data import AuditData
 from fcaudit.io.loading import LoadedModel
+from fcaudit.io.placement import Placement, placement
 
 # progress(stage, done, total, info): an optional callback, never threaded through compute
 Progress = Callable[[str, int, int, str], None]
@@ -71,6 +72,12 @@ class AuditOptions:
     # size (None: DEFAULT_MIN_SEQUENCES, or the whole pool when smaller)
     target_ci: float | None = None
     min_sequences: int | None = None
+    # models bigger than memory (a Hugging Face folder given by path): accelerate's device
+    # map ("auto"), its budget ("cpu=8GiB,cuda:0=70GiB" or a dict) and the folder for the
+    # weights it puts on disk; where weights sit changes no number (runtime, not settings)
+    device_map: str | None = None
+    max_memory: str | dict[str, str | int] | None = None
+    offload_folder: str | Path | None = None
 
     def validate(self) -> None:
         """Refuse option values no audit can run with, naming the option in the caller's
@@ -105,9 +112,14 @@ class AuditOptions:
                                f"execution audit (its x axis is the FLOPs it counts): drop {off} "
                                "or the frontier")
         _check_target(self.target_ci, self.min_sequences)
+        self.placement()  # the device map, budget syntax and offload folder
         if 0 < self.timing_pairs < 10:
             raise FcauditError(f"{name('timing_pairs', self.timing_pairs)}: use 0 (no "
                                "timing) or at least 10 pairs for a meaningful interval")
+
+    def placement(self) -> Placement | None:
+        """Where accelerate may put the weights (None: the model loads whole)."""
+        return placement(self.device_map, self.max_memory, self.offload_folder)
 
 
 def _check_target(target: object, floor: object) -> None:

@@ -452,6 +452,7 @@ class Runtime:
     # --target-ci: each round's wall time and what it took from the cache (record passes of
     # sequences already recorded, replay batches whose every fed tensor matched)
     rounds: list[dict[str, Any]] | None = _omit_none()
+    placement: dict[str, Any] | None = _omit_none()  # accelerate's device map, budget
 
 
 @dataclass

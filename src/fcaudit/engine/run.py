@@ -106,6 +106,7 @@ from fcaudit.engine.summary import (
 from fcaudit.engine.verdicts import dependence, qualified, variation
 from fcaudit.io.data import AuditData, DataSpec, resolve_data
 from fcaudit.io.loading import LoadedModel, load, load_module
+from fcaudit.io.placement import PLACEMENT, Placement, offload_space
 from fcaudit.io.runtime import host, versions
 
 __all__ = ["AuditOptions", "audit"]
@@ -114,12 +115,17 @@ Renderer = Callable[[AuditResult, Path], None]  # writes the human-readable repo
 
 
 def as_loaded(model: str | Path | nn.Module | LoadedModel,
-              dtype: torch.dtype | None = None) -> LoadedModel:
+              dtype: torch.dtype | None = None,
+              placement: Placement | None = None) -> LoadedModel:
     if isinstance(model, LoadedModel):
         return model
     if isinstance(model, nn.Module):
+        if placement is not None:
+            raise FcauditError(f"{arg('device_map', placement.device_map)} places a model "
+                               "fcaudit loads from a folder; give the folder's path, not a "
+                               "module already in memory")
         return load_module(model, type(model).__name__)
-    return load(str(model), dtype)
+    return load(str(model), dtype, placement)
 
 
 def resolve_block_paths(model: nn.Module, pattern: str | None) -> list[str] | None:
@@ -190,7 +196,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         no_execution = arg("execution", py="AuditOptions(execution=False)", cli="--no-execution")
         raise FcauditError(f"{arg('dense')} is ignored with {no_execution} (the dense "
                            "counterpart only serves the execution audit): drop one of them")
-    loaded = as_loaded(model)
+    loaded = as_loaded(model, placement=options.placement())
     net = loaded.model.eval()
     site_list = find_sites(net, sites)
     custom = _interventions(interventions, site_list)  # before the first forward pass
@@ -268,7 +274,7 @@ def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | No
     twin = as_loaded(dense).model
     param = next(net.parameters(), None)
     if param is not None:
-        twin = twin.to(dtype=param.dtype, device=param.device)
+        twin = twin.to(dtype=param.dtype, device=device_of(net))
     twin.eval()
     ids = torch.from_numpy(setup.data.eval_ids[:1]).to(device_of(net))
     vocab, _ = model_limits(twin)
@@ -456,7 +462,7 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
         seeds=Seeds(opts.seed, seeds, seeds, opts.seed * 1000 + 7),
         # how the audit is shown or scheduled changes no number: not part of its settings
         settings={**{k: v for k, v in dataclasses.asdict(opts).items()
-                     if k not in ("schedule", "progress", *STOPPING_OPTIONS)},
+                     if k not in ("schedule", "progress", *STOPPING_OPTIONS, *PLACEMENT)},
                   "bootstrap_resamples": opts.bootstrap,
                   "calibration_sequences_used_for_static": len(setup.data.calib_ids),
                   "layer_index": "a site's index within its family"},
@@ -502,6 +508,17 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     (the other ranks return None).
     """
     options = AuditOptions() if options is None else options
+    place = options.placement() if isinstance(model, (str, Path)) else None
+    with offload_space(place):  # weights on disk stay readable until the audit ends
+        return _audit(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
+                      options=options, interventions=interventions, progress=progress,
+                      command=command, render=render)
+
+
+def _audit(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, dense: Any,
+           blocks: str | None, options: AuditOptions, interventions: Any,
+           progress: Progress | None, command: str | None,
+           render: Renderer | None) -> AuditResult | None:
     progress = progress or silent
     ranks = current()
     if not ranks.main:
@@ -650,7 +667,8 @@ def _finish(m: Measured, cache: CoefficientCache, command: str | None, ranks: Ra
     runtime = Runtime(host(), {k: round(v, 3) for k, v in timings.items()},
                       {**replays.schedule, "processes": ranks.world,
                        "process_group": ranks.backend}, cache.disk_usage(),
-                      reuse_summary(m.reuse, len(runs)), rounds)
+                      reuse_summary(m.reuse, len(runs)), rounds=rounds,
+                      placement=setup.loaded.placement)
     result = assemble(setup, cache, m.summary, m.stats, execution, m.identity, command,
                       runtime)
     result.routing = routing

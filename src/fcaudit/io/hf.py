@@ -34,11 +34,12 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.routers import NUM_EXPERTS_SETTINGS
 from fcaudit.io.data import load_tokenizer
 from fcaudit.io.fileio import read_json
 from fcaudit.io.mudd_checkpoint import weight_files
+from fcaudit.io.placement import Placement, align_offloaded, check_budget, note_written
 from fcaudit.io.weights import Shapes, check_depth, header_shapes
 from fcaudit.models.mudd import VARIANTS
 
@@ -145,10 +146,31 @@ def _check_sizes(folder: Path, config: Any, weights: list[Path]) -> None:
                                f"{held}; the config and the weights come from different models")
 
 
-def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None
+def _placing(place: Placement | None, weights: list[Path], dtype: torch.dtype | None
+             ) -> dict[str, Any]:
+    """``from_pretrained``'s placement arguments, after the checks that need no loading."""
+    if place is None:
+        return {}
+    itemsize = torch.empty(0, dtype=dtype).element_size() if dtype is not None else None
+    check_budget(place, [w for w in weights if w.suffix == ".safetensors"], itemsize)
+    return place.load_kwargs()
+
+
+def _load_error(folder: Path, exc: Exception) -> FcauditError:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if "offload_folder" in first:  # the device map put weights on disk that need re-saving
+        return FcauditError(f"{folder}: the budget places weights on disk and transformers "
+                            f"must re-save some of them: add {arg('offload_folder', 'DIR')}")
+    return FcauditError(f"transformers could not load {folder} ({first}); check that "
+                        "config.json and the weights belong together")
+
+
+def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None,
+                   placement: Placement | None = None
                    ) -> tuple[nn.Module, Tokenizer | None, list[Path]]:
     """The folder's causal LM in eval mode (``dtype``, default the config's), its
     tokenizer.json if any, and every file loading opened (for cache identity).
+    ``placement``: accelerate's big-model dispatch (:mod:`fcaudit.io.placement`).
 
     The model maps ``input_ids [B, T]`` to an output with ``.logits [B, T, V]``.
     """
@@ -168,16 +190,17 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None
             folder, local_files_only=True, trust_remote_code=False)
         config.transformers_weights = weights[0].name
         _check_sizes(folder, config, weights)
+        placing = _placing(placement, weights, dtype)
         extra = [folder / f for f in getattr(type(config), "extra_files", ())
                  if (folder / f).is_file()]
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             folder, config=config, dtype=dtype or "auto", local_files_only=True,
             trust_remote_code=False, use_safetensors=True, output_loading_info=True,
-            generation_config=transformers.GenerationConfig())
+            generation_config=transformers.GenerationConfig(), **placing)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise FcauditError(f"transformers could not load {folder} ({first}); check that "
-                           "config.json and the weights belong together") from exc
+        raise _load_error(folder, exc) from exc
+    note_written(placement)
+    align_offloaded(model)  # weights read from disk compute as the in-memory ones do
     problems = {kind: sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key, []))
                 for kind, key in (("missing", "missing_keys"), ("unexpected", "unexpected_keys"),
                                   ("of the wrong shape", "mismatched_keys"))}
@@ -189,6 +212,10 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None
                            "config and weights come from different models")
     model.eval()
     model.config.use_cache = False  # fcaudit runs whole windows, never incremental decoding
+    if getattr(model.config, "output_router_logits", False):
+        # routers are read through hooks; the aux loss over every layer's logits changes no
+        # logit and, with layers on several devices, breaks the forward (transformers #29087)
+        model.config.output_router_logits = False
     tokenizer_file = folder / "tokenizer.json"
     tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
     files = [folder / "config.json", *weights, *extra]

@@ -34,6 +34,7 @@ from torch import nn
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.io.data import folder_tokenizer
 from fcaudit.io.fileio import read_json, sha256_file, write_safetensors
+from fcaudit.io.placement import Placement
 from fcaudit.io.weights import check_depth, check_keys, header_shapes, load_into, read_tensors
 
 
@@ -97,6 +98,7 @@ class LoadedModel:
     fingerprint: str = ""
     files: dict[str, str] = field(default_factory=dict)  # path in folder -> SHA-256
     identity_note: str | None = None  # what the fingerprint cannot see
+    placement: dict[str, Any] | None = None  # accelerate's dispatch: where the weights went
 
 
 def is_run_folder(path: Path) -> bool:
@@ -164,13 +166,20 @@ def _load_mudd(folder: Path, dtype: torch.dtype | None) -> LoadedModel:
                        _digest({"config": config, "files": files}), files)
 
 
-def _load_hf(folder: Path, dtype: torch.dtype | None) -> LoadedModel:
+def _load_hf(folder: Path, dtype: torch.dtype | None,
+             placement: Placement | None = None) -> LoadedModel:
     from fcaudit.io import hf
-    model, tokenizer, read = hf.load_hf_folder(folder, dtype=dtype)
+    model, tokenizer, read = hf.load_hf_folder(folder, dtype=dtype, placement=placement)
     files = _hash_files(folder, read)
     config = read_json(folder / "config.json", "model config")
+    placed = None
+    if placement is not None:  # how many modules each device holds (disk: read per call)
+        mapped = getattr(model, "hf_device_map", None) or {"": "cpu"}  # None: all fitted
+        where = [str(d) for d in mapped.values()]
+        placed = {**placement.describe(), "modules_per_device": {d: where.count(d)
+                                                                 for d in sorted(set(where))}}
     return LoadedModel(model, str(folder), "hf", tokenizer, None,
-                       _digest({"config": config, "files": files}), files)
+                       _digest({"config": config, "files": files}), files, placement=placed)
 
 
 def state_fingerprint(model: nn.Module) -> str:
@@ -241,10 +250,19 @@ def load_factory(spec: str, dtype: torch.dtype | None = None) -> LoadedModel:
     return load_module(model, spec, "factory", code=module)
 
 
-def load(spec: str, dtype: torch.dtype | None = None) -> LoadedModel:
-    """Resolve any model spec (see module docstring) to a :class:`LoadedModel`."""
+def load(spec: str, dtype: torch.dtype | None = None,
+         placement: Placement | None = None) -> LoadedModel:
+    """Resolve any model spec (see module docstring) to a :class:`LoadedModel`;
+    ``placement`` (accelerate's dispatch) for Hugging Face folders only."""
     path = Path(spec)
+    if placement is not None and not (path.is_dir() and _hf_layout(path)):
+        raise FcauditError(f"{arg('device_map', placement.device_map)} loads a local Hugging "
+                           f"Face model folder; {spec} is not one (run folders and factories "
+                           "load whole)")
     if path.is_dir():
+        if placement is not None:
+            read_json(path / "config.json", "model config")
+            return _load_hf(path, dtype, placement)
         if is_run_folder(path):
             return load_run(path, dtype)
         from fcaudit.io.mudd_checkpoint import is_mudd_folder
@@ -259,6 +277,13 @@ def load(spec: str, dtype: torch.dtype | None = None) -> LoadedModel:
     if ":" in spec and not path.exists():
         return load_factory(spec, dtype)
     raise FcauditError(f"model not found: {spec} (expected a folder or package.module:factory)")
+
+
+def _hf_layout(path: Path) -> bool:
+    from fcaudit.io.hf import is_hf_folder
+    from fcaudit.io.mudd_checkpoint import is_mudd_folder
+    return (path / "config.json").is_file() and not is_run_folder(path) \
+        and not is_mudd_folder(path) and is_hf_folder(path)
 
 
 def load_model(spec: str, dtype: torch.dtype | None = None) -> nn.Module:

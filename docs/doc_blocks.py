@@ -21,6 +21,7 @@ from fcaudit.study.reproduce import PAPER
 
 DEMO = "docs/results/demo.json"
 STUDY = "docs/results/study-tiny.json"
+VISION = "docs/results/study-vision.json"
 PRESETS = "docs/results/presets.json"
 TIMINGS = "src/fcaudit/timings.json"
 TREND = "docs/trend/results/*.json"
@@ -464,6 +465,29 @@ def md_table(head: Sequence[str], rows: Sequence[Sequence[str]], align: str = ""
     sep = "|" + "|".join("---:" if a == "r" else "---" for a in align.ljust(len(head), "l"))
     return "\n".join(["| " + " | ".join(head) + " |", sep + "|",
                       *("| " + " | ".join(r) + " |" for r in rows)])
+
+
+VISION_COLUMNS = ("family", "seeds", "accuracy (twin)", "reassign", "shuffle",
+                  "static-layer retention", "static-layer-position retention", "executed",
+                  "FLOPs vs twin", "latency vs twin")
+
+
+@block("study-vision", "the vision study's table and findings (sklearn digits)",
+       [VISION], [f"{EXTRACT} vision study-vision",
+                  "fcaudit reproduce --preset vision --seeds 3 --out study-vision"])
+def study_vision(r: Results) -> str:
+    """The study writes its own table cells from its aggregates; they are copied as they are."""
+    v = r.json(VISION)
+    seeds = {g["seeds"] for g in v["groups"].values()}
+    return "\n".join([
+        "", f"`{v['command'].split(' --out')[0]}` (fcaudit's code at commit {v['commit']}, "
+        f"{v['date']}; {'/'.join(map(str, sorted(seeds)))} seeds per family, each with its "
+        "dense twin; penalties in nats of cross-entropy with the span of the seeds' 95% "
+        "intervals; latencies are medians of interleaved pairs on a 2-core CPU shared with "
+        "other jobs; copied to `docs/results/study-vision.json`):", "",
+        md_table(VISION_COLUMNS, [[row[c] for c in VISION_COLUMNS] for row in v["table"]],
+                 "lr" + "r" * (len(VISION_COLUMNS) - 2)), "",
+        md_table(("finding", "here"), [(f, h) for f, h in v["findings"]]), ""])
 
 
 NLL_TARGET = 1.03  # issue 13's goal for new / forward on tiny

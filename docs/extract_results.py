@@ -7,6 +7,7 @@ made; ``docs/make_docs.py`` renders the docs from those files.
 
     python docs/extract_results.py demo fcaudit-demo       # -> docs/results/demo.json
     python docs/extract_results.py study study-tiny        # -> docs/results/study-tiny.json
+    python docs/extract_results.py vision study-vision     # -> docs/results/study-vision.json
     python docs/extract_results.py presets                 # -> docs/results/presets.json
 
 Keys read (a missing one is an error naming it, never a silently dropped number):
@@ -65,15 +66,18 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
-def provenance(folder: Path, command: str) -> dict[str, Any]:
+def provenance(folder: Path, command: str, commit: str | None = None) -> dict[str, Any]:
     """Which code made the folder: the last commit that changed src/ before the folder was
     last written (so a commit made after the run is not credited with it; run this on the
     checkout that ran the command), and whether src/ has uncommitted changes now."""
     stamp = folder.stat().st_mtime
     made = time.strftime("%Y-%m-%d", time.gmtime(stamp))
+    if commit is not None and not _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"):
+        raise SystemExit(f"--commit {commit} is not a commit of this repository")
     return {"command": command,
-            "commit": _git("log", "-1", "--format=%h", f"--before=@{int(stamp)}", "--", "src",
-                           f":!{TIMINGS}"),
+            "commit": _git("rev-parse", "--short", commit) if commit else
+            _git("log", "-1", "--format=%h", f"--before=@{int(stamp)}", "--", "src",
+                 f":!{TIMINGS}"),
             "src_dirty": bool(_git("status", "--porcelain", "--", "src", f":!{TIMINGS}")),
             "date": made}
 
@@ -143,6 +147,20 @@ def study(folder: Path) -> dict[str, Any]:
             "host": first["host"]}
 
 
+def vision(folder: Path, commit: str | None) -> dict[str, Any]:
+    """``fcaudit reproduce --preset vision``: the study's own table rows (written by the
+    study from its aggregates), its findings, each group's aggregate over seeds, and the
+    wall time its timings.json recorded (runs and audits this folder made)."""
+    source = folder / "reproduction.json"
+    rep = read(source)
+    timings = read(folder / "timings.json")
+    return {**provenance(folder, get(rep, "command", source), commit),
+            "table": get(rep, "vision", source), "findings": get(rep, "findings", source),
+            "groups": {name: {"seeds": g["seeds"], "aggregate": g["aggregate"]}
+                       for name, g in get(rep, "groups", source).items()},
+            "timed_s": round(sum(timings.values()), 1), "timed_items": len(timings)}
+
+
 def presets() -> dict[str, Any]:
     """Parameter counts and shapes of every preset, counted on the meta device."""
     import torch
@@ -173,13 +191,17 @@ def write(name: str, content: Mapping[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("demo", "study", "presets"))
+    p.add_argument("what", choices=("demo", "study", "vision", "presets"))
     p.add_argument("folder", type=Path, nargs="?", help="the demo or study output folder")
+    p.add_argument("--commit", help="the commit whose code made the folder, when it is not "
+                   "the last one before the folder was written (a study run from a worktree)")
     args = p.parse_args(argv)
     if args.what == "presets":
         write("presets", presets())
     elif args.folder is None:
         p.error(f"{args.what} needs the output folder")
+    elif args.what == "vision":
+        write("study-vision", vision(args.folder, args.commit))
     else:
         write("demo" if args.what == "demo" else "study-tiny",
               demo(args.folder) if args.what == "demo" else study(args.folder))

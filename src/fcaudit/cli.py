@@ -133,7 +133,10 @@ def _add_train(sub: Any) -> None:
                                    "the built-in Shakespeare corpus (seeded, deterministic on "
                                    "CPU).")
     t.add_argument("--arch", required=True, choices=["featuregate", "dense", "skipgate", "mudd",
-                                                      "moe"])
+                                                      "moe", "vit-moe", "tokenprune", "condconv",
+                                                      "dense-vit", "dense-cnn"],
+                   help="vit-moe, tokenprune, condconv and their dense twins dense-vit and "
+                        "dense-cnn train on scikit-learn's bundled digits (fcaudit[vision])")
     t.add_argument("--preset", default="tiny",
                    help="tiny, mid, small, 76m or 504m (default tiny)")
     t.add_argument("--seed", type=int, default=0)
@@ -302,9 +305,10 @@ def cmd_train(args: argparse.Namespace) -> None:
                    steps=args.steps, progress=not args.quiet, device=args.device,
                    data=args.data)
     info = describe_run(folder)
+    score = (f"eval accuracy {info['eval_accuracy']:.4f}" if "eval_accuracy" in info else
+             f"eval NLL {info['eval_nll']:.4f} (unigram {info['unigram_nll']:.4f})")
     print(f"wrote {folder}: {info['arch']}/{info['preset']} seed {info['seed']}, "
-          f"{info['n_params']:,} parameters, eval NLL {info['eval_nll']:.4f} "
-          f"(unigram {info['unigram_nll']:.4f}), {info['train_wall_s']:.0f} s")
+          f"{info['n_params']:,} parameters, {score}, {info['train_wall_s']:.0f} s")
 
 
 def _data_spec(args: argparse.Namespace) -> Any:

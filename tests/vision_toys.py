@@ -147,3 +147,83 @@ def image_data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     x = rng.normal(scale=0.5, size=(n, 1, 8, 8))
     x[:, 0, :2, :2] = (2 * y - 1)[:, None, None] * (1.0 + rng.random((n, 1, 1)))
     return x.astype(np.float32), y.astype(np.int64)
+
+
+K, D, CLASSES = 3, 64, 10  # kernels, pixels of an 8x8 image, classes of tiny_condconv
+
+
+class Route(nn.Module):
+    """Per-example kernel mixing weights ``[B, K]`` (CondConv's routing function)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(D, K)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.proj(x), dim=-1)
+
+
+class MixedLinear(nn.Module):
+    """One mixed kernel per example: ``W_b = sum_k w_bk W_k``, then ``x_b W_b``."""
+
+    def __init__(self, kernels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(kernels, D, CLASSES) / 8)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        mixed = torch.einsum("bk,kdc->bdc", w, self.weight)
+        return torch.einsum("bd,bdc->bc", x, mixed)
+
+
+class TinyCondConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.route = Route()
+        self.body = MixedLinear(K)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.flatten(1)
+        return self.body(x, self.route(x))
+
+    def controller_sites(self) -> list[Site]:
+        return [Site("route", "route", "mixing", 0, axes=("example", "kernel"), positions=())]
+
+    def execution_blocks(self) -> list[str]:
+        return ["body"]
+
+    def dense_counterpart(self) -> nn.Module:
+        return TinyDense()
+
+
+class TinyDense(nn.Module):
+    """The dense twin: one fixed kernel ``[D, CLASSES]``, no routing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(D, CLASSES, bias=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.body(images.flatten(1))
+
+    def execution_blocks(self) -> list[str]:
+        return ["body"]
+
+
+def tiny_condconv() -> TinyCondConv:
+    torch.manual_seed(0)
+    return TinyCondConv().eval()
+
+
+class DictMixer(nn.Module):
+    """``class_mixer`` fed a dict: ``model(features=..., offset=...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Mixer(constant=False)
+
+    def forward(self, features: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        return self.inner(features + 0 * offset)
+
+    def controller_sites(self) -> list[Site]:
+        return [Site("mix", "inner.mix", "mixing", 0, axes=("example", "kernel"),
+                     positions=())]

@@ -190,7 +190,10 @@ def record(model: nn.Module, input_ids: Tensor, sites: SiteSpec = None) -> Recor
     """
     site_list = find_sites(model, sites)
     adapters: dict[str, ControllerAdapter] = {}
-    with recording(model, site_list, *input_ids.shape[:2], adapters=adapters) as captured:
+    tokens = input_ids.dim() == 2 and not input_ids.is_floating_point()
+    seq_len = int(input_ids.shape[1]) if tokens else None  # images: each site's own layout
+    with recording(model, site_list, int(input_ids.shape[0]), seq_len,
+                   adapters=adapters) as captured:
         output = model(input_ids)
     return Recording({s.name: captured[s.name] for s in site_list},
                      [_fitted(s, adapters[s.name]) for s in site_list], output,

@@ -266,6 +266,9 @@ class Execution:
     # FLOPs per token that entered each block, counted on the model and the dense twin
     flops_per_block: list[float] | None = _omit_none()
     dense_flops_per_block: list[float] | None = _omit_none()
+    # what "per token" counts for inputs that are not token ids: "example" (blocks run per
+    # example, FLOPs per example; experts per routed token); absent for token ids
+    unit: str | None = _omit_none()
 
     def omitted(self) -> set[str]:
         """An unmeasured execution is written as ``{measured, reason}`` alone."""

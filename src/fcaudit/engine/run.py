@@ -233,8 +233,8 @@ def _prepare_examples(loaded: LoadedModel, out: str | Path | None, sites: list[S
     if objective.tokens:
         raise FcauditError(
             f"{arg('objective', 'token-nll', owner='AuditOptions')} scores token ids, but the "
-            "data are other inputs: choose objective='classification' (integer targets) "
-            "or a callable (model_output, batch) -> per-unit losses")
+            f"data are other inputs: choose {arg('objective', 'classification')} (integer "
+            "targets) or a callable (model_output, batch) -> per-unit losses")
     if options.frontier:
         raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} is measured "
                            "on token inputs only; drop it for these inputs")
@@ -281,6 +281,9 @@ def window_source(data: DataSpec | AuditData, default: str) -> str:
 def window_line(data: Mapping[str, Any]) -> str:
     """One line saying how long the scored windows are and why, for the start of an audit
     and its summary (a model scored past its training length scores differently)."""
+    if "eval_examples" in data:
+        return (f"scoring {data['eval_examples']} evaluation examples "
+                f"({data['calib_examples']} calibrate the static profiles)")
     source = data.get("seq_len_source", "source not recorded")
     change = "" if source == GIVEN_DATA else "; --seq-len to change"
     return f"scoring windows of {data['seq_len']} tokens ({source}{change})"
@@ -493,13 +496,17 @@ def execute(setup: Setup) -> Execution:
     if setup.blocks is None or dense_blocks is None:
         return Execution(measured=False, reason="the model does not declare its blocks: pass "
                                                 "--blocks GLOB (e.g. 'layers.*')")
-    x = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids)).to(device_of(setup.model))
+    x = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids)).to(device_of(setup.model)) \
+        if setup.data.tokens else setup.data.examples
     routers = {s.name: s for s in routing_sites(setup.sites)}
-    return measure_execution(setup.model, setup.dense, x, batch_size=opts.batch_size,
-                             block_paths=setup.blocks, dense_block_paths=dense_blocks or None,
-                             pairs=opts.timing_pairs, seed=opts.seed,
-                             timing=opts.timing_pairs > 0, dense_source=setup.dense_source or None,
-                             experts=[e for e in experts if e.name in routers], routers=routers)
+    measured = measure_execution(
+        setup.model, setup.dense, x, batch_size=opts.batch_size, block_paths=setup.blocks,
+        dense_block_paths=dense_blocks or None, pairs=opts.timing_pairs, seed=opts.seed,
+        timing=opts.timing_pairs > 0, dense_source=setup.dense_source or None,
+        experts=[e for e in experts if e.name in routers], routers=routers)
+    if not setup.data.tokens:
+        measured.unit = "example"
+    return measured
 
 
 def _model_info(setup: Setup) -> ModelInfo:

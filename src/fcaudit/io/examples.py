@@ -63,14 +63,16 @@ def _tensor(value: Any, where: str) -> Tensor:
         if value.dtype.hasobject or value.dtype.kind not in "biuf":
             raise FcauditError(f"{where} has dtype {value.dtype}; give numeric arrays (float "
                                "or integer), not objects or strings")
-        tensor = torch.from_numpy(np.ascontiguousarray(value))
+        tensor = torch.from_numpy(value)
     else:
         raise FcauditError(f"{where} is a {type(value).__name__}; give a numpy array or torch "
                            "tensor [N, ...] (or a dict of them)")
     if tensor.dim() < 1 or tensor.is_complex():
         raise FcauditError(f"{where} has shape {list(tensor.shape)} {tensor.dtype}; give real "
                            "arrays with the examples on the first axis [N, ...]")
-    return tensor.contiguous()
+    # a fresh row-major copy: numpy views may carry 0 strides, and the caller's array may
+    # change after the audit read it
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
 
 
 def as_inputs(value: Any, where: str) -> Inputs:

@@ -88,7 +88,8 @@ def _classes(output: Any, batch: ExampleBatch) -> tuple[Tensor, Tensor]:
         raise FcauditError("objective 'classification' needs logits [batch, classes] (or an "
                            f"object with .logits); the model returned {type(logits).__name__}"
                            f"{list(logits.shape) if isinstance(logits, Tensor) else ''}")
-    assert batch.targets is not None  # checked with the data
+    if batch.targets is None:  # checked with the data first (check_targets)
+        raise FcauditError("objective 'classification' needs targets")
     return logits, batch.targets.long()
 
 
@@ -119,6 +120,7 @@ def check_targets(objective: Objective, logits: Any, targets: Any, where: str) -
     classes (read off the first batch's logits), before any heavy work."""
     if not objective.accuracy:
         return
+    _classes(logits, ExampleBatch(None, targets))
     if targets is None:
         raise FcauditError(f"objective 'classification' needs targets: pass {where} targets "
                            "(AuditData(targets=...), --targets)")

@@ -353,8 +353,9 @@ def probe(setup: Setup) -> Probe:
     """
     net, sites, objective = setup.model, setup.sites, setup.objective
     _, x = next(batches(setup.eval_source, setup.options.batch_size, device_of(net)))
+    if objective.accuracy:  # every target against the logits' classes, before scoring any
+        _check_targets(setup, record_batch(net, sites, x, None)[0])
     logits, coefficients, nll = record_batch(net, sites, x, objective)
-    _check_targets(setup, logits)
     _check_axes(net, sites, x)
     replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites},
                             objective=objective)

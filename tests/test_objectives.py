@@ -75,12 +75,15 @@ def test_user_callable_objective_matches_a_hand_computation() -> None:
         assert r.identity_replay_max_abs_diff == 0.0
 
 
+def cross_entropy(output: torch.Tensor, batch) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(output, batch.targets, reduction="none")
+
+
 def test_constant_coefficient_under_a_callable_objective_is_exactly_unchanged() -> None:
     x, y = vt.mixer_data(16, 0)
     xc, _ = vt.mixer_data(16, 1)
     r = fcaudit.audit(vt.constant_mixer(), data=AuditData(inputs=x, targets=y, calib_inputs=xc),
-                      options=AuditOptions(objective=lambda out, b: torch.nn.functional.cross_entropy(
-                          out, b.targets, reduction="none"), **FAST))
+                      options=AuditOptions(objective=cross_entropy, **FAST))
     assert r.conditions["reassign"].delta == 0.0
     assert r.retention["static-layer"].value == 100.0
 

@@ -165,3 +165,18 @@ def test_execution_per_example_against_the_dense_twin() -> None:
     assert e.dense_flops_per_token == apply
     assert e.flops_ratio == (mix + apply + route) / apply
     assert e.saves_against_dense is False and e.conditional_execution is False
+
+
+def test_positions_entering_patch_blocks_are_counted_per_example() -> None:
+    """A block fed patch tokens [B, P, C] reports P positions per example (a pruned block
+    would report fewer); a block fed anything else reports none (n/a, not a number)."""
+    from fcaudit.engine.execution import measure_execution
+    from fcaudit.io.examples import Examples
+    x, y = vt.image_data(6, 0)
+    examples = Examples.of(x, y, "")
+    e = measure_execution(vt.patch_model(), None, examples, batch_size=4,
+                          block_paths=["gate"], timing=False)
+    assert (e.blocks_executed, e.tokens_counted, e.positions_per_block) == (1.0, 6, [16.0])
+    m = measure_execution(vt.spatial_model(), None, examples, batch_size=4,
+                          block_paths=["mask"], timing=False)
+    assert m.positions_per_block == [None] and m.blocks_executed == 1.0

@@ -132,6 +132,16 @@ def _tokens_entering(path: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     return int(first.shape[0]) if per_example else first.numel() // first.shape[-1]
 
 
+def _positions_entering(sofar: int | None, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> int | None:
+    """Positions entering a block whose first input is a sequence ``[B, P, C]`` (patch
+    tokens: a pruned block gets fewer), added to ``sofar``; None for any other input."""
+    first = _first_tensor((*args, *kwargs.values()))
+    if sofar is None or first is None or first.dim() != 3:
+        return None
+    return sofar + int(first.shape[0]) * int(first.shape[1])
+
+
 def _units(x: Any) -> int:
     """Units a batch counts for: tokens of token ids ``[B, T]``, else its examples."""
     return len(x) if isinstance(x, ExampleBatch) else x.numel()
@@ -196,10 +206,13 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
     handles = []
     batches = list(batches)
     per_example = bool(batches) and isinstance(batches[0], ExampleBatch)
+    positions: list[int | None] = [0] * len(paths)  # per example: tokens entering [B, P, C]
     for i, path in enumerate(paths):
         def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  i: int = i, path: str = path) -> None:
             counts[i] += _tokens_entering(path, args, kwargs, per_example)
+            if per_example:
+                positions[i] = _positions_entering(positions[i], args, kwargs)
         handles.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
     counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
     recorder = _OpRecorder()
@@ -221,6 +234,8 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
     per_layer = [c / tokens for c in counts]
     result = {"blocks_executed": sum(per_layer), "blocks_present": len(paths),
               "blocks_executed_per_layer": per_layer, "tokens": tokens, "blocks": paths}
+    if per_example:
+        result["positions_per_block"] = [None if p is None else p / tokens for p in positions]
     if flops:
         result["flops_per_token"] = counter.get_total_flops() / tokens
         result["uncounted"] = uncounted_operators(recorder.ops, counter)
@@ -447,7 +462,9 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
         conditional_execution=saves or bool(experts and experts.routing_changes_computation),
         saves_against_dense=saves if twin is not None else None, experts=experts,
         flops_per_block=own["flops_per_block"],
-        dense_flops_per_block=twin["flops_per_block"] if twin else None)
+        dense_flops_per_block=twin["flops_per_block"] if twin else None,
+        positions_per_block=own.get("positions_per_block"),
+        dense_positions_per_block=twin.get("positions_per_block") if twin else None)
     if timing and dense is not None:
         result.timing = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
                                          threads)

@@ -269,6 +269,10 @@ class Execution:
     # what "per token" counts for inputs that are not token ids: "example" (blocks run per
     # example, FLOPs per example; experts per routed token); absent for token ids
     unit: str | None = _omit_none()
+    # per example, the positions entering each block whose input is [B, P, C] (patch
+    # tokens; None for other inputs): fewer than P where tokens are pruned
+    positions_per_block: list[float | None] | None = _omit_none()
+    dense_positions_per_block: list[float | None] | None = _omit_none()
 
     def omitted(self) -> set[str]:
         """An unmeasured execution is written as ``{measured, reason}`` alone."""

@@ -133,7 +133,8 @@ def verdict_execution(e: Execution) -> str:
         flops = "no FLOPs compared" if e.dense_flops_per_token is None else "no FLOPs counted"
     dense = f" (Dense {e.dense_blocks_executed:.2f})" if e.dense_blocks_executed is not None \
         else ""
-    text = (f"{head}: {e.blocks_executed:.2f} of {e.blocks_present} blocks run per token"
+    text = (f"{head}: {e.blocks_executed:.2f} of {e.blocks_present} blocks run per "
+            f"{e.unit or 'token'}"
             f"{dense}, {flops}")
     if e.timing is not None:
         ratio = e.timing.speed_ratio_vs_dense

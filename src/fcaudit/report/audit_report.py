@@ -191,11 +191,15 @@ def _execution_facts(r: AuditResult) -> list[str]:
     ex = r.execution
     if not ex.measured:
         return [] if (ex.reason or "") in r.verdict.execution else [_not_measured(ex)]
-    facts = [f"Blocks executed per token: {fmt_num(ex.blocks_executed, 2)} of "
+    unit = ex.unit or "token"
+    facts = [f"Blocks executed per {unit}: {fmt_num(ex.blocks_executed, 2)} of "
              f"{fmt_num(ex.blocks_present)} present (dense: "
              f"{fmt_num(ex.dense_blocks_executed, 2)}).",
-             f"FLOPs per token: {fmt_num(ex.flops_per_token)} vs dense "
+             f"FLOPs per {unit}: {fmt_num(ex.flops_per_token)} vs dense "
              f"{fmt_num(ex.dense_flops_per_token)} (ratio {fmt_num(ex.flops_ratio)})."]
+    if ex.positions_per_block and any(p is not None for p in ex.positions_per_block):
+        facts.append("Positions entering each block per example: " + ", ".join(
+            "n/a" if p is None else fmt_num(p, 2) for p in ex.positions_per_block) + ".")
     if ex.uncounted_operators:
         facts.append(_uncounted(ex.uncounted_operators))
     if ex.timing is not None:

@@ -7,6 +7,7 @@ module imports nothing heavy at the top, so ``--help`` and argument errors are i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from collections.abc import Sequence
@@ -176,6 +177,19 @@ def _add_audit(sub: Any) -> None:
                    help="evaluation token ids, integer .npy [N, T]")
     a.add_argument("--calib-tokens", type=user_file, default=None,
                    help="calibration token ids .npy [N, T]")
+    a.add_argument("--inputs", type=user_file, default=None,
+                   help="evaluation inputs that are not token ids, a numeric .npy [N, ...] "
+                        "fed as model(x) (e.g. images [N, 1, 8, 8]); every row is used")
+    a.add_argument("--targets", type=user_file, default=None,
+                   help="evaluation targets .npy [N] (with --inputs; classification: ints)")
+    a.add_argument("--calib-inputs", type=user_file, default=None,
+                   help="calibration inputs .npy [N, ...] (with --inputs)")
+    a.add_argument("--calib-targets", type=user_file, default=None,
+                   help="calibration targets .npy [N] (optional; checked like --targets)")
+    a.add_argument("--objective", choices=["token-nll", "classification"], default=None,
+                   help="per-unit loss: token-nll (token ids, the default) or classification "
+                        "(cross-entropy and accuracy of [N, C] logits; the default with "
+                        "--inputs)")
     a.add_argument("--seq-len", type=int, default=None,
                    help="tokens per scored window (default: a run folder's training length; "
                         "a Hugging Face folder or other model: min(256, its context), which "
@@ -313,9 +327,36 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def _data_spec(args: argparse.Namespace) -> Any:
     from fcaudit.io.data import DataSpec
+    if args.inputs is not None or args.calib_inputs is not None:
+        return _array_data(args)
+    for flag in ("targets", "calib_targets"):
+        if getattr(args, flag) is not None:
+            raise FcauditError(f"--{flag.replace('_', '-')} needs --inputs and --calib-inputs")
     return DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
                     calib_tokens=args.calib_tokens, seq_len=args.seq_len,
                     max_eval=args.max_eval, max_calib=args.max_calib)
+
+
+def _array_data(args: argparse.Namespace) -> Any:
+    """``--inputs`` and friends as AuditData; token options beside them are refused."""
+    from fcaudit.io.data import AuditData
+    from fcaudit.io.examples import load_npy
+    mixed = [f for f in ("data", "calib_data", "tokens", "calib_tokens", "seq_len")
+             if getattr(args, f) is not None]
+    if mixed:
+        raise FcauditError(f"--inputs and --{mixed[0].replace('_', '-')} both given: choose "
+                           "one source (arrays of inputs, or token ids / text)")
+    if args.inputs is None or args.calib_inputs is None:
+        raise FcauditError("pass both --inputs (evaluation) and --calib-inputs (calibration) "
+                           ".npy arrays")
+    if args.objective == "token-nll":
+        raise FcauditError("--objective token-nll scores token ids: give them with --tokens, "
+                           "or use --objective classification with --inputs")
+    arrays = {f: load_npy(getattr(args, f), f"--{f.replace('_', '-')}")
+              if getattr(args, f) is not None else None
+              for f in ("inputs", "targets", "calib_inputs", "calib_targets")}
+    return AuditData(**arrays, sources={"source": "arrays", "eval_path": str(args.inputs),
+                                        "calib_path": str(args.calib_inputs)})
 
 
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
@@ -324,10 +365,14 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from fcaudit.engine.run import as_loaded
     from fcaudit.io.runtime import resolve_device, resolve_dtype
     from fcaudit.report.progress import ProgressReporter
-    options = _options(args)
-    options.validate()
     spec = _data_spec(args)
-    spec.validate()
+    options = _options(args)
+    if args.objective is not None or args.inputs is not None:
+        options = dataclasses.replace(options, objective=args.objective or "classification")
+    options.validate()
+    from fcaudit.io.data import DataSpec
+    if isinstance(spec, DataSpec):
+        spec.validate()
     ranks = distributed.init(args.device)  # a no-op outside torchrun
     try:
         device = resolve_device(distributed.device_for(args.device, ranks))
@@ -353,11 +398,16 @@ def print_summary(result: Any, out: Path) -> None:
         console.print(f"[bold red]WARNING[/bold red]: {result.identity.note}", soft_wrap=True)
     table = Table(title=f"Frozen Controller Audit: {result.model.spec}")
     table.add_column("condition")
-    table.add_column("NLL", justify="right")
+    objective = result.settings.get("objective", "token-nll")
+    table.add_column("NLL" if objective == "token-nll" else f"loss ({objective})",
+                     justify="right")
     table.add_column("delta vs correct [95% CI]", justify="right")
     for name, c in {**result.conditions, **(result.custom_conditions or {})}.items():
+        accuracy = "" if c.accuracy is None else f", accuracy {100 * c.accuracy:.1f}%"
         table.add_row(name, f"{c.nll:.4f}",
-                      f"{c.delta:+.4f} [{c.ci95[0]:+.4f}, {c.ci95[1]:+.4f}]")
+                      f"{c.delta:+.4f} [{c.ci95[0]:+.4f}, {c.ci95[1]:+.4f}]{accuracy}")
+    for name, why in (result.not_applicable or {}).items():
+        table.add_row(name, "not applicable", why)
     console.print(table)
     from fcaudit.engine.run import window_line
     console.print(window_line(result.data), soft_wrap=True)

@@ -248,13 +248,15 @@ def _add_reproduce(sub: Any) -> None:
                                    "and SkipGate), audit each, aggregate across seeds and write "
                                    "OUT/reproduction.md, OUT/report.html and figures. Finished "
                                    "runs and audits are reused, so an interrupted study resumes.")
-    r.add_argument("--preset", choices=["tiny", "paper", "trend"], default="tiny",
+    r.add_argument("--preset", choices=["tiny", "paper", "trend", "vision"], default="tiny",
                    help=f"tiny: CPU scale (about {measured_minutes('reproduce_tiny')} minutes "
                         "for 3 seeds on 2 cores); paper: 76m x7 and 504m x3 seeds (GPU); "
                         "trend: FeatureGate and Dense at a ladder of sizes and training lengths, "
                         "MUDD at the tiny points (about "
                         f"{measured_minutes('reproduce_trend')} minutes for 2 seeds on 2 "
-                        "cores), with OUT/points/*.json and OUT/trend.md")
+                        "cores), with OUT/points/*.json and OUT/trend.md; vision: ViT-MoE, "
+                        "TokenPrune and CondConv with their dense twins on scikit-learn's "
+                        "digits, audited by classification (fcaudit[vision])")
     r.add_argument("--seeds", type=int, default=None,
                    help="seeds per group (default: tiny 3; paper 7 for 76m and 3 for 504m; "
                         "trend 2)")
@@ -263,8 +265,12 @@ def _add_reproduce(sub: Any) -> None:
                    help="also audit a local MUDDPythia-1.4B checkpoint folder")
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--bootstrap", type=int, default=1000)
-    r.add_argument("--max-eval", type=int, default=64, help="evaluation sequences per audit")
-    r.add_argument("--max-calib", type=int, default=64, help="calibration sequences per audit")
+    r.add_argument("--max-eval", type=int, default=None,
+                   help="evaluation sequences per audit (default 64; vision: all the "
+                        "evaluation images)")
+    r.add_argument("--max-calib", type=int, default=None,
+                   help="calibration sequences per audit (default 64; vision: all the "
+                        "calibration images)")
     r.add_argument("--steps", type=int, default=None,
                    help="override every training run's step count (quick smoke runs)")
     r.add_argument("--train-data", type=user_file, default=None, metavar="FILE_OR_DIR",
@@ -462,6 +468,11 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
     print_summary(result, out / "audit")
 
 
+def _study_rows(given: int | None, preset: str) -> int | None:
+    """``--max-eval`` / ``--max-calib``: as given; else 64, or every image for vision."""
+    return given if given is not None else None if preset == "vision" else 64
+
+
 def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from fcaudit.study.reproduce import StudySettings, reproduce, study_options
     if args.seeds is not None and args.seeds < 1:
@@ -473,8 +484,9 @@ def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
     options.validate()
     result = reproduce(args.preset, args.out, seeds=args.seeds,
                        mudd_checkpoint=args.mudd_checkpoint,
-                       settings=StudySettings(options, steps=args.steps, max_eval=args.max_eval,
-                                              max_calib=args.max_calib,
+                       settings=StudySettings(options, steps=args.steps,
+                                              max_eval=_study_rows(args.max_eval, args.preset),
+                                              max_calib=_study_rows(args.max_calib, args.preset),
                                               train_data=args.train_data),
                        command=shlex.join(["fcaudit", *argv]))
     for finding, verdict in result["findings"]:

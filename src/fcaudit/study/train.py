@@ -186,6 +186,16 @@ def resolve_schedule(preset: str, steps: int | None = None,
     return tp
 
 
+def run_schedule(arch_name: str, preset: str, steps: int | None = None,
+                 schedule: TrainPreset | None = None) -> Any:
+    """The settings a run of ``arch_name`` trains with: a vision arch's
+    (:func:`fcaudit.study.vision.schedule`), else :func:`resolve_schedule`'s."""
+    if get_arch(arch_name).task == "vision":
+        from fcaudit.study import vision
+        return vision.schedule(preset, steps)
+    return resolve_schedule(preset, steps, schedule)
+
+
 def check_run_out(out: Path, force: bool) -> None:
     """Refuse an ``--out`` that training may not replace; touches nothing.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ class VisionSchedule:
 
 
 SCHEDULES: dict[str, VisionSchedule] = {
-    "tiny": VisionSchedule(batch_size=64, steps=400, lr=3e-3, warmup=20),
+    "tiny": VisionSchedule(batch_size=128, steps=300, lr=1e-2, warmup=30),
 }
 
 
@@ -119,3 +120,85 @@ def train_vision(arch: Arch, preset: str, seed: int, out: Path, tp: VisionSchedu
             "results": {**scores, "n_params": sum(p.numel() for p in model.parameters()),
                         "train_wall_s": round(wall, 2), "device": device}})
     return out
+
+
+# ------------------------------------------------- the study's table and findings (reproduce)
+
+FAMILIES = (("vit-moe", "ViT-MoE"), ("tokenprune", "TokenPrune"), ("condconv", "CondConv"))
+
+
+def _stat(group: Mapping[str, Any], key: str, field: str = "mean") -> float | None:
+    return (group["aggregate"].get(key) or {}).get(field)
+
+
+def _penalty(group: Mapping[str, Any], condition: str) -> str:
+    """Mean penalty over seeds with the span of the seeds' 95% intervals, or n/a."""
+    audits = group["audits"]
+    if not all(condition in a.conditions for a in audits):
+        return "not applicable (no position axis)"
+    mean = float(np.mean([a.conditions[condition].delta for a in audits]))
+    lo = min(a.conditions[condition].ci95[0] for a in audits)
+    hi = max(a.conditions[condition].ci95[1] for a in audits)
+    return f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def _num(value: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def table(groups: Mapping[str, Mapping[str, Any]]) -> list[dict[str, str]]:
+    """One row per vision family: means over seeds (penalties: mean [span of the seeds'
+    95% intervals], in nats of cross-entropy); execution against the trained twin."""
+    rows = []
+    for prefix, label in FAMILIES:
+        group = next((g for n, g in groups.items() if n.startswith(f"{prefix}-")), None)
+        if group is None:
+            continue
+        executed = _stat(group, "experts_executed_fraction")
+        unit = "experts"
+        if executed is None:
+            executed, unit = _stat(group, "tokens_executed_fraction"), "patch tokens"
+        retention = _stat(group, "retention_static_layer")
+        rows.append({
+            "family": label, "seeds": str(len(group["audits"])),
+            "accuracy (twin)": f"{_num(_stat(group, 'accuracy_correct'), '.3f')} "
+                               f"({_num(_stat(group, 'twin_accuracy'), '.3f')})",
+            "reassign": _penalty(group, "reassign"), "shuffle": _penalty(group, "shuffle"),
+            "static-layer retention": "undefined" if retention is None else f"{retention:.1f}%",
+            "executed": "every block, one mixed kernel per example" if executed is None
+            else f"{100 * executed:.1f}% of the {unit}",
+            "FLOPs vs twin": _num(_stat(group, "flops_ratio"), ".3f", "x"),
+            "latency vs twin": _num(_stat(group, "speed_ratio"), ".2f", "x")})
+    return rows
+
+
+def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """What each family shows on the three questions, from the numbers."""
+    out = []
+    for prefix, label in FAMILIES:
+        group = next((g for n, g in groups.items() if n.startswith(f"{prefix}-")), None)
+        if group is None:
+            continue
+        audits = group["audits"]
+        every = all(a.conditions["reassign"].ci95[0] > 0 for a in audits)
+        out.append((f"{label}: the frozen model needs its coefficients matched to the image",
+                    f"{'holds' if every else 'does not hold'} in "
+                    f"{'every seed' if every else 'some seed'}: reassigning costs "
+                    f"{_penalty(group, 'reassign')} nats"))
+        out += _execution(label, group)
+    return out
+
+
+def _execution(label: str, group: Mapping[str, Any]) -> list[tuple[str, str]]:
+    flops, experts = _stat(group, "flops_ratio"), _stat(group, "experts_executed_fraction")
+    if flops is None:
+        return []
+    if experts is not None:  # routing saves against running every expert, not the twin
+        return [(f"{label}: routing changes which experts run",
+                 f"{'holds' if experts < 0.99 else 'does not hold'}: each patch token runs "
+                 f"{100 * experts:.1f}% of the experts; FLOPs {flops:.3f}x the dense twin, "
+                 "whose MLP has the active experts' width")]
+    saves = flops < 0.99
+    return [(f"{label}: the mechanism computes less than its dense twin",
+             f"{'holds' if saves else 'does not hold'}: FLOPs {flops:.3f}x the twin"
+             + ("" if saves else "; every example runs the full network"))]

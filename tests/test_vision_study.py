@@ -43,7 +43,7 @@ def test_each_family_audits_end_to_end_with_exact_identity(make):
         assert (tuple(got.axes), tuple(got.positions)) == (site.axes, site.positions)
     ex = r.execution
     if isinstance(model, CNN):  # per-example weights: no position axis, and dense execution
-        assert NO_POSITION <= set(r.not_applicable) and not NO_POSITION & set(r.conditions)
+        assert set(r.not_applicable) >= NO_POSITION and not NO_POSITION & set(r.conditions)
         assert ex.flops_ratio > 1.0 and ex.blocks_executed == ex.blocks_present
     elif isinstance(model, ViTMoE):  # 2 of 8 experts run per patch token and layer
         assert ex.experts.experts_per_token_summed_over_layers == 2 * 4

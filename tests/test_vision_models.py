@@ -262,18 +262,30 @@ def test_digits_split_is_fixed_disjoint_and_scaled():
     assert max(p[0].max() for p in parts.values()) <= 1.0
 
 
-def test_a_short_condconv_training_beats_chance():
+def _trained_accuracy(name: str, steps: int | None) -> tuple[float, float]:
     from fcaudit.io.loading import get_arch
     from fcaudit.study.vision import evaluate, fit, schedule
     torch.manual_seed(0)
-    arch = get_arch("dense-cnn")
+    arch = get_arch(name)
     model = arch.build(arch.config("tiny"))
     x, y = digits("train")
     ex, ey = digits("eval")
     before = evaluate(model, ex, ey)["eval_accuracy"]
-    fit(model, x, y, schedule("tiny", 120), np.random.default_rng(0), False, "test")
-    after = evaluate(model, ex, ey)["eval_accuracy"]
+    fit(model, x, y, schedule("tiny", steps), np.random.default_rng(0), False, "test")
+    return before, evaluate(model, ex, ey)["eval_accuracy"]
+
+
+def test_a_short_condconv_training_beats_chance():
+    before, after = _trained_accuracy("condconv", 60)
     assert after > 0.5 > before + 0.2  # chance is 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vit-moe", "tokenprune", "condconv", "dense-vit",
+                                  "dense-cnn"])
+def test_the_tiny_preset_trains_well_above_chance(name):
+    before, after = _trained_accuracy(name, None)
+    assert after > 0.75 > 0.3 > before  # chance is 0.1
 
 
 def test_trained_run_folder_loads_back_bit_for_bit(tmp_path):
@@ -302,3 +314,22 @@ def test_vision_train_refuses_text_data(tmp_path):
     with pytest.raises(FcauditError, match="digits"):
         train("condconv", "tiny", 0, tmp_path / "run", data=text, progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_tokenprune_scores_send_no_gradient_into_the_backbone():
+    """The scorer reads detached hidden states: the backbone's gradients are those of the
+    same network with the score path cut, while the scorer still learns."""
+    torch.manual_seed(4)
+    model = TokenPruneViT(TokenPruneConfig(**VIT)).train()
+    x = _images(4)
+    torch.manual_seed(5)
+    model(x).square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["scorer.proj.weight"].abs().sum() > 0
+    model.zero_grad()
+    model.scorer.register_forward_hook(lambda m, a, o: o.detach())  # cut the score path
+    torch.manual_seed(5)  # the same Gumbel draw
+    model(x).square().sum().backward()
+    for name, p in model.named_parameters():
+        if not name.startswith("scorer."):
+            assert torch.equal(p.grad, grads[name]), name

@@ -20,6 +20,11 @@ the one evaluated. Two things make the scores learn through it:
   of tokens without replacement with probabilities ``softmax(s)``, so tokens that a
   noiseless top-k would drop are kept now and then and receive gradient too.
 
+The scorer reads the hidden states detached (the same values): the scores learn from
+the straight-through weights alone and send no gradient of their own into the
+backbone. With that gradient, training collapsed (seed 0 of the ``tiny`` preset: eval
+accuracy 0.40 against 0.82 without it, the dense twin 0.85).
+
 We chose these over DynamicViT's soft attention masks because a soft mask trains a
 network that sees every token, while the audited model drops them; here training
 and inference compute the same kind of pass. Evaluation ranks the scores alone.
@@ -102,8 +107,8 @@ class TokenPruneViT(ViT):
         h = self.embed(images)
         for i, block in enumerate(self.blocks):
             h = block(h)
-            if i == cfg.prune_after:
-                h = keep(h, self.scorer(h), cfg.kept_tokens, explore=self.training)
+            if i == cfg.prune_after:  # the scorer reads a detached copy (docstring)
+                h = keep(h, self.scorer(h.detach()), cfg.kept_tokens, explore=self.training)
         return self.classify(h)
 
     def controller_sites(self) -> list[Site]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from conftest import FAST_ARGS, run_inprocess
 
 import fcaudit
 from fcaudit import AuditData, AuditOptions
@@ -97,3 +99,28 @@ def test_vision_study_trains_twins_once_and_tabulates(vision_study):
     text = (out / "reproduction.md").read_text()
     assert "Vision families on digits" in text and "ViT-MoE" in text
     assert len(result["findings"]) == 6  # dependence and execution, per family
+
+
+def test_cli_audits_a_vision_run_on_its_own_digits(vision_study, tmp_path, capsys):
+    """`fcaudit audit --model RUN --objective classification`: no data options needed; a
+    token option or the token objective is refused in one line before any file."""
+    out, _ = vision_study
+    run = out / "runs" / "condconv-tiny-s0"
+    audit_dir = tmp_path / "audit"
+    base = ["audit", "--model", run, "--out", audit_dir, "--max-eval", "12", "--max-calib",
+            "8", *FAST_ARGS]
+    for extra, words in ((["--tokens", run / "config.json", "--calib-tokens",
+                           run / "config.json"], "vision run"), ([], "classification")):
+        res = run_inprocess([*base, *extra], capsys)
+        assert res.returncode == 2 and words in res.stderr and not audit_dir.exists()
+    res = run_inprocess([*base, "--objective", "classification"], capsys)
+    assert res.returncode == 0, res.stderr
+    audit = json.loads((audit_dir / "audit.json").read_text())
+    assert audit["data"]["source"] == "sklearn.datasets.load_digits"
+    assert audit["data"]["eval_examples"] == 12 and audit["data"]["calib_examples"] == 8
+    x, y = digits("eval")
+    with torch.no_grad():
+        logits = fcaudit.load_model(str(run))(torch.from_numpy(x[:12]))
+    assert audit["conditions"]["original"]["accuracy"] == \
+        float((logits.argmax(1).numpy() == y[:12]).mean())
+    assert audit["identity_replay_max_abs_diff"] == 0.0

@@ -104,8 +104,9 @@ from fcaudit.engine.summary import (
 )
 from fcaudit.engine.verdicts import dependence, qualified, variation
 from fcaudit.io.data import AuditData, DataSpec, resolve_data
+from fcaudit.io.digits import run_audit_data
 from fcaudit.io.examples import ExampleBatch, call_model
-from fcaudit.io.loading import LoadedModel, load, load_module
+from fcaudit.io.loading import LoadedModel, get_arch, load, load_module
 from fcaudit.io.runtime import host, versions
 
 __all__ = ["AuditOptions", "audit"]
@@ -196,8 +197,12 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     custom = _interventions(interventions, site_list)  # before the first forward pass
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
     default_len, default_why = loaded_seq_len(loaded)
-    audit_data = data if isinstance(data, AuditData) else resolve_data(loaded.tokenizer, data,
-                                                                       default_len)
+    if isinstance(data, AuditData):
+        audit_data = data
+    elif loaded.run_config and get_arch(loaded.run_config["arch"]).task == "vision":
+        audit_data = run_audit_data(data, loaded.spec)  # a vision run: its own digits
+    else:
+        audit_data = resolve_data(loaded.tokenizer, data, default_len)
     audit_data.check_arrays()
     if not audit_data.tokens:
         return _prepare_examples(loaded, out, site_list, audit_data, options, custom, blocks,

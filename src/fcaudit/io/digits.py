@@ -14,10 +14,14 @@ each run's reported accuracy). The three never share an image.
 from __future__ import annotations
 
 from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
+
+if TYPE_CHECKING:
+    from fcaudit.io.data import AuditData, DataSpec
 
 SPLITS: dict[str, range] = {"train": range(0, 1197), "calib": range(1197, 1497),
                             "eval": range(1497, 1797)}
@@ -51,3 +55,31 @@ def split_record() -> dict[str, object]:
     """What a run's ``config.json`` says about its data."""
     return {"source": "sklearn.datasets.load_digits", "pixels": "x / 16, float32 [N, 1, 8, 8]",
             **{f"{name}_indices": [r.start, r.stop - 1] for name, r in SPLITS.items()}}
+
+
+def audit_data(max_eval: int | None, max_calib: int | None) -> AuditData:
+    """The evaluation and calibration splits (their first ``max_*`` images) to audit on."""
+    from fcaudit.io.data import AuditData
+    x, y = digits("eval")
+    xc, _ = digits("calib")
+    return AuditData(inputs=x[:max_eval], targets=y[:max_eval], calib_inputs=xc[:max_calib],
+                     sources={**split_record(),
+                              "eval_images": len(x[:max_eval]),
+                              "calib_images": len(xc[:max_calib])})
+
+
+def run_audit_data(spec: DataSpec | None, run: str) -> AuditData:
+    """The data a vision run folder is audited on when none is given: its own digits
+    splits (``max_eval`` / ``max_calib`` of ``spec``); text or token options are refused,
+    since they would be ignored."""
+    from fcaudit.io.data import DataSpec
+    spec = spec or DataSpec()
+    spec.validate()
+    given = [name for name in ("text", "calib_text", "tokens", "calib_tokens", "seq_len")
+             if getattr(spec, name) is not None]
+    if given:
+        raise FcauditError(f"{run} is a vision run, audited on the digits' evaluation and "
+                           f"calibration images: drop {', '.join(arg(n) for n in given)}, or "
+                           "give other images as AuditData(inputs=..., targets=..., "
+                           "calib_inputs=...) / --inputs, --targets, --calib-inputs")
+    return audit_data(spec.max_eval, spec.max_calib)

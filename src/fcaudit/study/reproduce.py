@@ -30,8 +30,8 @@ from fcaudit.core.nll import logits_of
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
 from fcaudit.engine.run import AuditOptions, as_loaded
+from fcaudit.io import digits
 from fcaudit.io.data import AuditData, DataSpec
-from fcaudit.io.digits import digits, split_record
 from fcaudit.io.fileio import read_json, write_json, write_text
 from fcaudit.io.loading import LoadedModel, get_arch, is_run_folder
 from fcaudit.io.outdir import STUDY_RESULTS, hold_output, replacing_results
@@ -257,7 +257,7 @@ def _audit(audit_dir: Path, model: str | LoadedModel, st: StudySettings, options
     ``vision`` model is scored by classification on the digits' own splits."""
     started = time.perf_counter()
     if vision:
-        data: DataSpec | AuditData = digits_audit_data(st.max_eval, st.max_calib)
+        data: DataSpec | AuditData = digits.audit_data(st.max_eval, st.max_calib)
         # the savings frontier is counted in token units; not run on images (yet)
         options = dataclasses.replace(options, objective="classification", frontier=False)
     else:
@@ -268,16 +268,6 @@ def _audit(audit_dir: Path, model: str | LoadedModel, st: StudySettings, options
                  made_before=reuse.get("batches_recomputed") == 0
                  and reuse.get("batches_reused", 0) > 0)
     return result
-
-
-def digits_audit_data(max_eval: int | None, max_calib: int | None) -> AuditData:
-    """The digits' evaluation and calibration splits (their first ``max_*`` images)."""
-    x, y = digits("eval")
-    xc, _ = digits("calib")
-    return AuditData(inputs=x[:max_eval], targets=y[:max_eval], calib_inputs=xc[:max_calib],
-                     sources={"source": "digits", **split_record(),
-                              "eval_images": len(x[:max_eval]),
-                              "calib_images": len(xc[:max_calib])})
 
 
 def run_group(group: Group, out: Path, st: StudySettings, clock: Clock) -> list[SeedResult]:

@@ -95,6 +95,10 @@ def test_vision_study_trains_twins_once_and_tabulates(vision_study):
     rows = {r["family"]: r for r in result["vision"]}
     assert set(rows) == {"ViT-MoE", "TokenPrune", "CondConv"}
     assert rows["CondConv"]["shuffle"].startswith("not applicable")
+    assert rows["CondConv"]["static-layer-position retention"] == "not applicable"
+    assert rows["CondConv"]["executed"].startswith("every block")
+    assert rows["TokenPrune"]["executed"] == "75.0% of the patch tokens"
+    assert rows["ViT-MoE"]["executed"] == "25.0% of the experts"
     assert all(not r["shuffle"].startswith("not") for f, r in rows.items() if f != "CondConv")
     text = (out / "reproduction.md").read_text()
     assert "Vision families on digits" in text and "ViT-MoE" in text
@@ -124,3 +128,14 @@ def test_cli_audits_a_vision_run_on_its_own_digits(vision_study, tmp_path, capsy
     assert audit["conditions"]["original"]["accuracy"] == \
         float((logits.argmax(1).numpy() == y[:12]).mean())
     assert audit["identity_replay_max_abs_diff"] == 0.0
+
+
+def test_cli_trains_a_vision_family(tmp_path, capsys):
+    res = run_inprocess(["train", "--arch", "dense-cnn", "--steps", "2", "--out",
+                         tmp_path / "run", "--quiet"], capsys)
+    assert res.returncode == 0, res.stderr
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    accuracy = config["results"]["eval_accuracy"]
+    assert f"eval accuracy {accuracy:.4f}" in res.stdout
+    assert config["data"]["source"] == "sklearn.datasets.load_digits"
+    assert config["train"]["steps"] == 2 and config["arch"] == "dense-cnn"

@@ -217,3 +217,17 @@ def test_cli_refuses_bad_arrays_in_one_line(tmp_path, capsys, change: str,
     line = res.stderr.strip()
     assert line.startswith("fcaudit: error: ") and "\n" not in line and expected in line, line
     assert not out.exists()
+
+
+def test_non_exact_identity_and_a_bad_objective_stop_before_work(tmp_path) -> None:
+    x, y = vt.mixer_data(16, 0)
+    data = AuditData(inputs=x, targets=y, calib_inputs=vt.mixer_data(16, 1)[0])
+    message = audit_refused(tmp_path, data, vt.NoisyMixer(constant=False).eval())
+    assert "identity replay is not exact" in message and "classification loss" in message
+    for bad, got in ((lambda out, b: out.argmax(1), "int64 [8]"),
+                     (lambda out, b: out.sum(1)[:3], "float32 [3]"),
+                     (lambda out, b: out[..., None], "float32 [8, 4, 1]"),
+                     (lambda out, b: 0.5, "float")):
+        message = audit_refused(tmp_path, data, vt.class_mixer(), objective=bad)
+        assert message == ("the objective must return per-unit losses, a float tensor [B] or "
+                           f"[B, T] with B=8 examples; it returned {got}"), message

@@ -189,7 +189,7 @@ def test_cli_audit_with_inputs_and_targets(tmp_path, capsys) -> None:
     ("token-nll", "--objective token-nll scores token ids"),
     ("no calib", "pass both --inputs (evaluation) and --calib-inputs"),
     ("targets alone", "--targets needs --inputs and --calib-inputs"),
-    ("short", "holds 16 examples but AuditData.targets 15"),
+    ("short", "--inputs holds 16 examples but --targets 15"),
 ])
 def test_cli_refuses_bad_arrays_in_one_line(tmp_path, capsys, change: str,
                                             expected: str) -> None:

@@ -567,6 +567,29 @@ def _site_info(site: Site, cache: CoefficientCache, model: nn.Module) -> SiteInf
     return info
 
 
+def _routing(setup: Setup, cache: CoefficientCache, runs: Sequence[Any],
+             replays: Any) -> dict[str, Any] | None:
+    """The routers' summary; its units are the tokens (patches) each router routes."""
+    routed = routing_sites(setup.sites)
+    if not routed:
+        return None
+    units = setup.data.eval_ids.size if setup.data.tokens else \
+        setup.data.n_eval * int(cache.batch(0, f"site::{routed[0].name}").shape[1])
+    return routing_summary(routed, tracked_runs(runs), replays.route_load,
+                           replays.route_changed, units)
+
+
+def _replay_inputs(setup: Setup, cache: CoefficientCache, profiles: Any,
+                   first: Probe) -> ReplayInputs:
+    """What feeding the runs needs: one random draw per repeat (a derangement, and position
+    permutations for every position count the sites have) and the token ids, if any."""
+    opts, lengths = setup.options, _position_counts(setup, first)
+    return ReplayInputs(cache, setup.sites, profiles,
+                        [draw(opts.seed * 1000 + 17 + k, setup.data.n_eval, lengths[0],
+                              lengths[1:]) for k in range(opts.repeats)], opts.seed,
+                        setup.data.eval_ids if setup.data.tokens else None)
+
+
 def _position_counts(setup: Setup, first: Probe) -> list[int]:
     """The position counts of the sites' coefficients, the evaluation windows' first."""
     counts = [int(first.coefficients[s.name].shape[1]) for s in setup.sites]
@@ -683,11 +706,8 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     profiles = calibration_profiles(setup, cache)
     cache.verify_all()
     timings["record_s"] = time.perf_counter() - setup.started
-    tokens = setup.data.eval_ids if setup.data.tokens else None
-    n, lengths = setup.data.n_eval, _position_counts(setup, first)
-    inputs = ReplayInputs(cache, setup.sites, profiles,
-                          [draw(opts.seed * 1000 + 17 + k, n, lengths[0], lengths[1:])
-                           for k in range(opts.repeats)], opts.seed, tokens)
+    inputs = _replay_inputs(setup, cache, profiles, first)
+    n, tokens = setup.data.n_eval, inputs.ids
     skipped = not_applicable(setup.sites, tokens is not None)
     covered = frontier_plan(setup, first)
     points = []
@@ -712,11 +732,7 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     summary = summarize(runs, replays.per_run, stats[3], setup.sites, opts, skipped,
                         accuracies(runs, replays.hits, _original_hits(cache)
                                    if setup.objective.accuracy else None))
-    routed = routing_sites(setup.sites)
-    units = tokens.size if tokens is not None else \
-        n * int(cache.batch(0, f"site::{routed[0].name}").shape[1]) if routed else 0
-    routing = routing_summary(routed, tracked_runs(runs), replays.route_load,
-                              replays.route_changed, units) if routed else None
+    routing = _routing(setup, cache, runs, replays)
     started = time.perf_counter()
     execution = execute(setup)
     timings["execution_s"] = time.perf_counter() - started

@@ -202,12 +202,13 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     if not audit_data.tokens:
         return _prepare_examples(loaded, out, site_list, audit_data, options, custom, blocks,
                                  block_paths, dense)
-    if options.objective == "classification" or site_list != [
-            s for s in site_list if s.positions == (1,)]:
+    if options.objective == "classification" or any(s.positions != (1,) for s in site_list):
         raise FcauditError(
             "token ids are scored by next-token NLL on sites [batch, tokens, ...]: for "
             f"{arg('objective', 'classification', owner='AuditOptions')} or sites without a "
-            "token axis give AuditData(inputs=..., targets=..., calib_inputs=...)")
+            "token axis give "
+            + arg("inputs", py="AuditData(inputs=..., targets=..., calib_inputs=...)",
+                  cli="--inputs, --targets and --calib-inputs"))
     if "seq_len_source" not in audit_data.sources:  # a copy: the caller's data stays as given
         audit_data = dataclasses.replace(audit_data, sources={
             **audit_data.sources, "seq_len_source": window_source(data, default_why)})

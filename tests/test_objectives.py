@@ -231,3 +231,14 @@ def test_non_exact_identity_and_a_bad_objective_stop_before_work(tmp_path) -> No
         message = audit_refused(tmp_path, data, vt.class_mixer(), objective=bad)
         assert message == ("the objective must return per-unit losses, a float tensor [B] or "
                            f"[B, T] with B=8 examples; it returned {got}"), message
+
+
+def test_token_ids_with_a_site_without_token_axis_are_refused(tmp_path) -> None:
+    from conftest import toy_data
+
+    from fcaudit.core.contract import Site
+    site = Site("g0", "gates.0", "gate", 0, axes=("example", "kernel"), positions=())
+    message = audit_refused(tmp_path, toy_data(), __import__("toys").content_model(), [site],
+                            objective="token-nll")
+    assert message.startswith("token ids are scored by next-token NLL on sites") and \
+        "AuditData(inputs=..., targets=..., calib_inputs=...)" in message

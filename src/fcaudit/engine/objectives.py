@@ -124,7 +124,7 @@ def check_targets(objective: Objective, logits: Any, targets: Any, where: str) -
     _classes(logits, ExampleBatch(None, targets))
     if targets is None:
         raise FcauditError(f"objective 'classification' needs targets: pass {where} targets "
-                           "(AuditData(targets=...), --targets)")
+                           f"({arg('targets', py='AuditData(targets=...)')})")
     if targets.is_floating_point() or targets.dtype == torch.bool or targets.dim() != 1:
         raise FcauditError(f"{where} targets are {str(targets.dtype).removeprefix('torch.')} "
                            f"{list(targets.shape)}; classification needs integer class "

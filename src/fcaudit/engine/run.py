@@ -206,9 +206,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         raise FcauditError(
             "token ids are scored by next-token NLL on sites [batch, tokens, ...]: for "
             f"{arg('objective', 'classification', owner='AuditOptions')} or sites without a "
-            "token axis give "
-            + arg("inputs", py="AuditData(inputs=..., targets=..., calib_inputs=...)",
-                  cli="--inputs, --targets and --calib-inputs"))
+            f"token axis give {OTHER_INPUTS}")
     if "seq_len_source" not in audit_data.sources:  # a copy: the caller's data stays as given
         audit_data = dataclasses.replace(audit_data, sources={
             **audit_data.sources, "seq_len_source": window_source(data, default_why)})
@@ -224,6 +222,11 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         from fcaudit.io.outdir import check_output
         check_output(setup.out, "audit")
     return setup
+
+
+# inputs that are not token ids, in the caller's words
+OTHER_INPUTS = arg("inputs", py="AuditData(inputs=..., targets=..., calib_inputs=...)",
+                   cli="--inputs, --targets and --calib-inputs")
 
 
 def _prepare_examples(loaded: LoadedModel, out: str | Path | None, sites: list[Site],

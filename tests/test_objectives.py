@@ -189,7 +189,7 @@ def test_cli_audit_with_inputs_and_targets(tmp_path, capsys) -> None:
     ("token-nll", "--objective token-nll scores token ids"),
     ("no calib", "pass both --inputs (evaluation) and --calib-inputs"),
     ("targets alone", "--targets needs --inputs and --calib-inputs"),
-    ("short", "holds 16 examples but AuditData.targets 15"),
+    ("short", "--inputs holds 16 examples but --targets 15"),
 ])
 def test_cli_refuses_bad_arrays_in_one_line(tmp_path, capsys, change: str,
                                             expected: str) -> None:
@@ -217,3 +217,28 @@ def test_cli_refuses_bad_arrays_in_one_line(tmp_path, capsys, change: str,
     line = res.stderr.strip()
     assert line.startswith("fcaudit: error: ") and "\n" not in line and expected in line, line
     assert not out.exists()
+
+
+def test_non_exact_identity_and_a_bad_objective_stop_before_work(tmp_path) -> None:
+    x, y = vt.mixer_data(16, 0)
+    data = AuditData(inputs=x, targets=y, calib_inputs=vt.mixer_data(16, 1)[0])
+    message = audit_refused(tmp_path, data, vt.NoisyMixer(constant=False).eval())
+    assert "identity replay is not exact" in message and "classification loss" in message
+    for bad, got in ((lambda out, b: out.argmax(1), "int64 [8]"),
+                     (lambda out, b: out.sum(1)[:3], "float32 [3]"),
+                     (lambda out, b: out[..., None], "float32 [8, 4, 1]"),
+                     (lambda out, b: 0.5, "float")):
+        message = audit_refused(tmp_path, data, vt.class_mixer(), objective=bad)
+        assert message == ("the objective must return per-unit losses, a float tensor [B] or "
+                           f"[B, T] with B=8 examples; it returned {got}"), message
+
+
+def test_token_ids_with_a_site_without_token_axis_are_refused(tmp_path) -> None:
+    from conftest import toy_data
+
+    from fcaudit.core.contract import Site
+    site = Site("g0", "gates.0", "gate", 0, axes=("example", "kernel"), positions=())
+    message = audit_refused(tmp_path, toy_data(), __import__("toys").content_model(), [site],
+                            objective="token-nll")
+    assert message.startswith("token ids are scored by next-token NLL on sites") and \
+        "AuditData(inputs=..., targets=..., calib_inputs=...)" in message

@@ -180,3 +180,44 @@ def test_positions_entering_patch_blocks_are_counted_per_example() -> None:
     m = measure_execution(vt.spatial_model(), None, examples, batch_size=4,
                           block_paths=["mask"], timing=False)
     assert m.positions_per_block == [None] and m.blocks_executed == 1.0
+
+
+def test_two_processes_give_the_single_process_audit_on_images(tmp_path) -> None:
+    """torchrun shares the example batches out; audit.json equals one process's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fcaudit.engine.result import NONDETERMINISTIC_KEYS
+    x, y = vt.image_data(20, 0)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    np.save(tmp_path / "xc.npy", vt.image_data(12, 1)[0])
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [tests, *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+    def audit(out: str, processes: int | None) -> dict:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                    str(processes), "--standalone", "-m", "fcaudit"] if processes else \
+            [sys.executable, "-m", "fcaudit"]
+        argv = ["audit", "--model", "vision_toys:patch_model", "--inputs", tmp_path / "x.npy",
+                "--targets", tmp_path / "y.npy", "--calib-inputs", tmp_path / "xc.npy",
+                "--objective", "classification", "--out", tmp_path / out, "--batch-size", "4",
+                "--bootstrap", "100",
+                "--repeats", "2", "--no-execution", "--quiet"]
+        done = subprocess.run([*launcher, *map(str, argv)], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert done.returncode == 0, done.stderr
+        result = json.loads((tmp_path / out / "audit.json").read_text())
+        for key in NONDETERMINISTIC_KEYS:
+            head, _, tail = key.partition(".")
+            (result.get(head, {}).pop(tail, None) if tail else result.pop(head, None))
+        return result
+
+    single, double = audit("single", None), audit("double", 2)
+    assert double == single
+    assert single["conditions"]["shuffle"]["ci95"][0] > 0
+

@@ -227,3 +227,10 @@ class DictMixer(nn.Module):
     def controller_sites(self) -> list[Site]:
         return [Site("mix", "inner.mix", "mixing", 0, axes=("example", "kernel"),
                      positions=())]
+
+
+class NoisyMixer(Mixer):
+    """``class_mixer`` with noise in its forward pass: no replay can be exact."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 1e-3 * torch.rand(x.shape[0], C)

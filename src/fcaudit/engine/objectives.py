@@ -96,7 +96,8 @@ def _classes(output: Any, batch: ExampleBatch) -> tuple[Tensor, Tensor]:
 def _user_units(value: Any, batch: int) -> Tensor:
     if not isinstance(value, Tensor) or not value.is_floating_point() or \
             value.dim() not in (1, 2) or value.shape[0] != batch or value.numel() == 0:
-        got = f"{value.dtype} {list(value.shape)}" if isinstance(value, Tensor) else \
+        got = f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}" \
+            if isinstance(value, Tensor) else \
             type(value).__name__
         raise FcauditError(f"the objective must return per-unit losses, a float tensor [B] "
                            f"or [B, T] with B={batch} examples; it returned {got}")
@@ -123,7 +124,7 @@ def check_targets(objective: Objective, logits: Any, targets: Any, where: str) -
     _classes(logits, ExampleBatch(None, targets))
     if targets is None:
         raise FcauditError(f"objective 'classification' needs targets: pass {where} targets "
-                           "(AuditData(targets=...), --targets)")
+                           f"({arg('targets', py='AuditData(targets=...)')})")
     if targets.is_floating_point() or targets.dtype == torch.bool or targets.dim() != 1:
         raise FcauditError(f"{where} targets are {str(targets.dtype).removeprefix('torch.')} "
                            f"{list(targets.shape)}; classification needs integer class "

@@ -207,12 +207,11 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     if not audit_data.tokens:
         return _prepare_examples(loaded, out, site_list, audit_data, options, custom, blocks,
                                  block_paths, dense)
-    if options.objective == "classification" or site_list != [
-            s for s in site_list if s.positions == (1,)]:
+    if options.objective == "classification" or any(s.positions != (1,) for s in site_list):
         raise FcauditError(
             "token ids are scored by next-token NLL on sites [batch, tokens, ...]: for "
             f"{arg('objective', 'classification', owner='AuditOptions')} or sites without a "
-            "token axis give AuditData(inputs=..., targets=..., calib_inputs=...)")
+            f"token axis give {OTHER_INPUTS}")
     if "seq_len_source" not in audit_data.sources:  # a copy: the caller's data stays as given
         audit_data = dataclasses.replace(audit_data, sources={
             **audit_data.sources, "seq_len_source": window_source(data, default_why)})
@@ -228,6 +227,11 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         from fcaudit.io.outdir import check_output
         check_output(setup.out, "audit")
     return setup
+
+
+# inputs that are not token ids, in the caller's words
+OTHER_INPUTS = arg("inputs", py="AuditData(inputs=..., targets=..., calib_inputs=...)",
+                   cli="--inputs, --targets and --calib-inputs")
 
 
 def _prepare_examples(loaded: LoadedModel, out: str | Path | None, sites: list[Site],
@@ -572,6 +576,29 @@ def _site_info(site: Site, cache: CoefficientCache, model: nn.Module) -> SiteInf
     return info
 
 
+def _routing(setup: Setup, cache: CoefficientCache, runs: Sequence[Any],
+             replays: Any) -> dict[str, Any] | None:
+    """The routers' summary; its units are the tokens (patches) each router routes."""
+    routed = routing_sites(setup.sites)
+    if not routed:
+        return None
+    units = setup.data.eval_ids.size if setup.data.tokens else \
+        setup.data.n_eval * int(cache.batch(0, f"site::{routed[0].name}").shape[1])
+    return routing_summary(routed, tracked_runs(runs), replays.route_load,
+                           replays.route_changed, units)
+
+
+def _replay_inputs(setup: Setup, cache: CoefficientCache, profiles: Any,
+                   first: Probe) -> ReplayInputs:
+    """What feeding the runs needs: one random draw per repeat (a derangement, and position
+    permutations for every position count the sites have) and the token ids, if any."""
+    opts, lengths = setup.options, _position_counts(setup, first)
+    return ReplayInputs(cache, setup.sites, profiles,
+                        [draw(opts.seed * 1000 + 17 + k, setup.data.n_eval, lengths[0],
+                              lengths[1:]) for k in range(opts.repeats)], opts.seed,
+                        setup.data.eval_ids if setup.data.tokens else None)
+
+
 def _position_counts(setup: Setup, first: Probe) -> list[int]:
     """The position counts of the sites' coefficients, the evaluation windows' first."""
     counts = [int(first.coefficients[s.name].shape[1]) for s in setup.sites]
@@ -688,11 +715,8 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     profiles = calibration_profiles(setup, cache)
     cache.verify_all()
     timings["record_s"] = time.perf_counter() - setup.started
-    tokens = setup.data.eval_ids if setup.data.tokens else None
-    n, lengths = setup.data.n_eval, _position_counts(setup, first)
-    inputs = ReplayInputs(cache, setup.sites, profiles,
-                          [draw(opts.seed * 1000 + 17 + k, n, lengths[0], lengths[1:])
-                           for k in range(opts.repeats)], opts.seed, tokens)
+    inputs = _replay_inputs(setup, cache, profiles, first)
+    n, tokens = setup.data.n_eval, inputs.ids
     skipped = not_applicable(setup.sites, tokens is not None)
     covered = frontier_plan(setup, first)
     points = []
@@ -717,11 +741,7 @@ def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress
     summary = summarize(runs, replays.per_run, stats[3], setup.sites, opts, skipped,
                         accuracies(runs, replays.hits, _original_hits(cache)
                                    if setup.objective.accuracy else None))
-    routed = routing_sites(setup.sites)
-    units = tokens.size if tokens is not None else \
-        n * int(cache.batch(0, f"site::{routed[0].name}").shape[1]) if routed else 0
-    routing = routing_summary(routed, tracked_runs(runs), replays.route_load,
-                              replays.route_changed, units) if routed else None
+    routing = _routing(setup, cache, runs, replays)
     started = time.perf_counter()
     execution = execute(setup)
     timings["execution_s"] = time.perf_counter() - started

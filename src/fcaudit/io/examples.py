@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, arg
 
 Inputs = Tensor | dict[str, Tensor]
 
@@ -125,12 +125,15 @@ class Examples:
 
     @classmethod
     def of(cls, inputs: Any, targets: Any, where: str) -> Examples:
-        x = as_inputs(inputs, f"AuditData.{where}inputs")
-        y = None if targets is None else _tensor(targets, f"AuditData.{where}targets")
+        """``where``: "" (evaluation) or "calib_", naming the fields in errors."""
+        named_x, named_y = (arg(f"{where}{f}", py=f"AuditData.{where}{f}")
+                            for f in ("inputs", "targets"))
+        x = as_inputs(inputs, named_x)
+        y = None if targets is None else _tensor(targets, named_y)
         examples = cls(x, y)
         if y is not None and len(y) != len(examples):
-            raise FcauditError(f"AuditData.{where}inputs holds {len(examples)} examples but "
-                               f"AuditData.{where}targets {len(y)}; give one target per example")
+            raise FcauditError(f"{named_x} holds {len(examples)} examples but {named_y} "
+                               f"{len(y)}; give one target per example")
         return examples
 
     def __len__(self) -> int:

@@ -74,7 +74,10 @@ def _defaults() -> dict[str, float]:
     from fcaudit.models.moe import MoEConfig
     from fcaudit.models.skipgate import SkipGateConfig
     tiny_moe = get_arch("moe").presets["tiny"]
-    return {"strong_penalty": verdicts.STRONG_PENALTY,
+    from fcaudit.io.digits import SPLITS  # first and last image of each split
+    splits = {f"digits_{name}_{end}": getattr(rows, end) - (end == "stop")
+              for name, rows in SPLITS.items() for end in ("start", "stop")}
+    return {**splits, "strong_penalty": verdicts.STRONG_PENALTY,
             "strong_retention": verdicts.STRONG_RETENTION,
             "weak_retention": verdicts.WEAK_RETENTION, "weak_penalty": verdicts.WEAK_PENALTY,
             "min_pairs": execution.MIN_PAIRS, "tolerance": 100 * verdicts.TOLERANCE,
@@ -124,6 +127,10 @@ CONSTANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("docs/method.md", r"curves reach \((101) points\)", ("frontier_grid",)),
     ("docs/method.md", r"smallest gap at (25)%", ("matched_25",)),
     ("docs/method.md", r"agree within (5) points", ("frontier_tolerance",)),
+    ("docs/method.md", r"images (0) to (1196)\s+train, (1197) to (1496) calibrate "
+     r"\(static profiles only\), (1497) to (1796) evaluate",
+     ("digits_train_start", "digits_train_stop", "digits_calib_start", "digits_calib_stop",
+      "digits_eval_start", "digits_eval_stop")),
     ("docs/performance.md", r"the tiny MoE: (4) x (8) = (32)\)",
      ("moe_layers", "experts", "moe_ablation_runs")),
 )

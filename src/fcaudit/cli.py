@@ -7,6 +7,7 @@ module imports nothing heavy at the top, so ``--help`` and argument errors are i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from collections.abc import Sequence
@@ -155,7 +156,10 @@ def _add_train(sub: Any) -> None:
                                    "the built-in Shakespeare corpus (seeded, deterministic on "
                                    "CPU).")
     t.add_argument("--arch", required=True, choices=["featuregate", "dense", "skipgate", "mudd",
-                                                      "moe"])
+                                                      "moe", "vit-moe", "tokenprune", "condconv",
+                                                      "dense-vit", "dense-cnn"],
+                   help="vit-moe, tokenprune, condconv and their dense twins dense-vit and "
+                        "dense-cnn train on scikit-learn's bundled digits (fcaudit[vision])")
     t.add_argument("--preset", default="tiny",
                    help="tiny, mid, small, 76m or 504m (default tiny)")
     t.add_argument("--seed", type=int, default=0)
@@ -195,6 +199,19 @@ def _add_audit(sub: Any) -> None:
                    help="evaluation token ids, integer .npy [N, T]")
     a.add_argument("--calib-tokens", type=user_file, default=None,
                    help="calibration token ids .npy [N, T]")
+    a.add_argument("--inputs", type=user_file, default=None,
+                   help="evaluation inputs that are not token ids, a numeric .npy [N, ...] "
+                        "fed as model(x) (e.g. images [N, 1, 8, 8]); every row is used")
+    a.add_argument("--targets", type=user_file, default=None,
+                   help="evaluation targets .npy [N] (with --inputs; classification: ints)")
+    a.add_argument("--calib-inputs", type=user_file, default=None,
+                   help="calibration inputs .npy [N, ...] (with --inputs)")
+    a.add_argument("--calib-targets", type=user_file, default=None,
+                   help="calibration targets .npy [N] (optional; checked like --targets)")
+    a.add_argument("--objective", choices=["token-nll", "classification"], default=None,
+                   help="per-unit loss: token-nll (token ids, the default) or classification "
+                        "(cross-entropy and accuracy of [N, C] logits; the default with "
+                        "--inputs)")
     a.add_argument("--seq-len", type=int, default=None,
                    help="tokens per scored window (default: a run folder's training length; "
                         "a Hugging Face folder or other model: min(256, its context), which "
@@ -264,13 +281,15 @@ def _add_reproduce(sub: Any) -> None:
                                    "and SkipGate), audit each, aggregate across seeds and write "
                                    "OUT/reproduction.md, OUT/report.html and figures. Finished "
                                    "runs and audits are reused, so an interrupted study resumes.")
-    r.add_argument("--preset", choices=["tiny", "paper", "trend"], default="tiny",
+    r.add_argument("--preset", choices=["tiny", "paper", "trend", "vision"], default="tiny",
                    help=f"tiny: CPU scale (about {measured_minutes('reproduce_tiny')} minutes "
                         "for 3 seeds on 2 cores); paper: 76m x7 and 504m x3 seeds (GPU); "
                         "trend: FeatureGate and Dense at a ladder of sizes and training lengths, "
                         "MUDD at the tiny points (about "
                         f"{measured_minutes('reproduce_trend')} minutes for 2 seeds on 2 "
-                        "cores), with OUT/points/*.json and OUT/trend.md")
+                        "cores), with OUT/points/*.json and OUT/trend.md; vision: ViT-MoE, "
+                        "TokenPrune and CondConv with their dense twins on scikit-learn's "
+                        "digits, audited by classification (fcaudit[vision])")
     r.add_argument("--seeds", type=int, default=None,
                    help="seeds per group (default: tiny 3; paper 7 for 76m and 3 for 504m; "
                         "trend 2)")
@@ -279,8 +298,12 @@ def _add_reproduce(sub: Any) -> None:
                    help="also audit a local MUDDPythia-1.4B checkpoint folder")
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--bootstrap", type=int, default=1000)
-    r.add_argument("--max-eval", type=int, default=64, help="evaluation sequences per audit")
-    r.add_argument("--max-calib", type=int, default=64, help="calibration sequences per audit")
+    r.add_argument("--max-eval", type=int, default=None,
+                   help="evaluation sequences per audit (default 64; vision: all the "
+                        "evaluation images)")
+    r.add_argument("--max-calib", type=int, default=None,
+                   help="calibration sequences per audit (default 64; vision: all the "
+                        "calibration images)")
     r.add_argument("--steps", type=int, default=None,
                    help="override every training run's step count (quick smoke runs)")
     r.add_argument("--train-data", type=user_file, default=None, metavar="FILE_OR_DIR",
@@ -335,16 +358,44 @@ def cmd_train(args: argparse.Namespace) -> None:
                    steps=args.steps, progress=not args.quiet, device=args.device,
                    data=args.data)
     info = describe_run(folder)
+    score = (f"eval accuracy {info['eval_accuracy']:.4f}" if "eval_accuracy" in info else
+             f"eval NLL {info['eval_nll']:.4f} (unigram {info['unigram_nll']:.4f})")
     print(f"wrote {folder}: {info['arch']}/{info['preset']} seed {info['seed']}, "
-          f"{info['n_params']:,} parameters, eval NLL {info['eval_nll']:.4f} "
-          f"(unigram {info['unigram_nll']:.4f}), {info['train_wall_s']:.0f} s")
+          f"{info['n_params']:,} parameters, {score}, {info['train_wall_s']:.0f} s")
 
 
 def _data_spec(args: argparse.Namespace) -> Any:
     from fcaudit.io.data import DataSpec
+    if args.inputs is not None or args.calib_inputs is not None:
+        return _array_data(args)
+    for flag in ("targets", "calib_targets"):
+        if getattr(args, flag) is not None:
+            raise FcauditError(f"--{flag.replace('_', '-')} needs --inputs and --calib-inputs")
     return DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
                     calib_tokens=args.calib_tokens, seq_len=args.seq_len,
                     max_eval=args.max_eval, max_calib=args.max_calib)
+
+
+def _array_data(args: argparse.Namespace) -> Any:
+    """``--inputs`` and friends as AuditData; token options beside them are refused."""
+    from fcaudit.io.data import AuditData
+    from fcaudit.io.examples import load_npy
+    mixed = [f for f in ("data", "calib_data", "tokens", "calib_tokens", "seq_len")
+             if getattr(args, f) is not None]
+    if mixed:
+        raise FcauditError(f"--inputs and --{mixed[0].replace('_', '-')} both given: choose "
+                           "one source (arrays of inputs, or token ids / text)")
+    if args.inputs is None or args.calib_inputs is None:
+        raise FcauditError("pass both --inputs (evaluation) and --calib-inputs (calibration) "
+                           ".npy arrays")
+    if args.objective == "token-nll":
+        raise FcauditError("--objective token-nll scores token ids: give them with --tokens, "
+                           "or use --objective classification with --inputs")
+    arrays = {f: load_npy(getattr(args, f), f"--{f.replace('_', '-')}")
+              if getattr(args, f) is not None else None
+              for f in ("inputs", "targets", "calib_inputs", "calib_targets")}
+    return AuditData(**arrays, sources={"source": "arrays", "eval_path": str(args.inputs),
+                                        "calib_path": str(args.calib_inputs)})
 
 
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
@@ -352,10 +403,14 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from fcaudit.engine.run import as_loaded
     from fcaudit.io.placement import offload_space
     from fcaudit.io.runtime import resolve_device, resolve_dtype
-    options = _options(args)
-    options.validate()
     spec = _data_spec(args)
-    spec.validate()
+    options = _options(args)
+    if args.objective is not None or args.inputs is not None:
+        options = dataclasses.replace(options, objective=args.objective or "classification")
+    options.validate()
+    from fcaudit.io.data import DataSpec
+    if isinstance(spec, DataSpec):
+        spec.validate()
     place = options.placement()
     if place is not None and args.device != "cpu":
         raise FcauditError("--device-map places the weights itself: drop --device "
@@ -393,11 +448,16 @@ def print_summary(result: Any, out: Path) -> None:
         console.print(f"[bold red]WARNING[/bold red]: {result.identity.note}", soft_wrap=True)
     table = Table(title=f"Frozen Controller Audit: {result.model.spec}")
     table.add_column("condition")
-    table.add_column("NLL", justify="right")
+    objective = result.settings.get("objective", "token-nll")
+    table.add_column("NLL" if objective == "token-nll" else f"loss ({objective})",
+                     justify="right")
     table.add_column("delta vs correct [95% CI]", justify="right")
     for name, c in {**result.conditions, **(result.custom_conditions or {})}.items():
+        accuracy = "" if c.accuracy is None else f", accuracy {100 * c.accuracy:.1f}%"
         table.add_row(name, f"{c.nll:.4f}",
-                      f"{c.delta:+.4f} [{c.ci95[0]:+.4f}, {c.ci95[1]:+.4f}]")
+                      f"{c.delta:+.4f} [{c.ci95[0]:+.4f}, {c.ci95[1]:+.4f}]{accuracy}")
+    for name, why in (result.not_applicable or {}).items():
+        table.add_row(name, "not applicable", why)
     console.print(table)
     from fcaudit.engine.run import window_line
     console.print(window_line(result.data), soft_wrap=True)
@@ -454,6 +514,11 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
     print_summary(result, out / "audit")
 
 
+def _study_rows(given: int | None, preset: str) -> int | None:
+    """``--max-eval`` / ``--max-calib``: as given; else 64, or every image for vision."""
+    return given if given is not None else None if preset == "vision" else 64
+
+
 def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from fcaudit.study.reproduce import StudySettings, reproduce, study_options
     if args.seeds is not None and args.seeds < 1:
@@ -465,8 +530,9 @@ def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
     options.validate()
     result = reproduce(args.preset, args.out, seeds=args.seeds,
                        mudd_checkpoint=args.mudd_checkpoint,
-                       settings=StudySettings(options, steps=args.steps, max_eval=args.max_eval,
-                                              max_calib=args.max_calib,
+                       settings=StudySettings(options, steps=args.steps,
+                                              max_eval=_study_rows(args.max_eval, args.preset),
+                                              max_calib=_study_rows(args.max_calib, args.preset),
                                               train_data=args.train_data),
                        command=shlex.join(["fcaudit", *argv]))
     for finding, verdict in result["findings"]:

@@ -38,6 +38,10 @@ class FlatAdapter:
     name: str = "flat"
 
     def extract(self, output: Any, call: SiteCall) -> Tensor:
+        if call.seq_len is None:
+            raise FcauditError(f"a flattened output {describe(output)} needs the number of "
+                               "positions per example, which these inputs do not give: "
+                               f"{ADAPTER_API}")
         n = call.batch * call.seq_len
         if not isinstance(output, Tensor) or output.dim() < 1 or output.shape[0] != n:
             raise FcauditError(f"output is {describe(output)}, expected a flattened tensor "
@@ -45,7 +49,7 @@ class FlatAdapter:
         return output.view(call.batch, call.seq_len, *output.shape[1:])
 
     def rebuild(self, coefficients: Tensor, call: SiteCall) -> Tensor:
-        return coefficients.reshape(call.batch * call.seq_len, *coefficients.shape[2:])
+        return coefficients.reshape(-1, *coefficients.shape[2:])
 
 
 FLAT = FlatAdapter()
@@ -81,11 +85,14 @@ def infer_adapter(output: Any, call: SiteCall) -> ControllerAdapter:
     if isinstance(output, Tensor):
         if output.dim() >= 2 and tuple(output.shape[:2]) == (call.batch, call.seq_len):
             return TENSOR
+        if call.seq_len is None and output.dim() >= 2 and output.shape[0] == call.batch:
+            return TENSOR
         if output.dim() >= 1 and output.shape[0] == call.batch * call.seq_len:
             return FLAT
         raise FcauditError(
             f"output is {describe(output)}: neither [batch={call.batch}, "
-            f"positions={call.seq_len}, ...] nor flattened [{call.batch * call.seq_len}, ...]; "
+            f"positions={call.seq_len}, ...] nor flattened "
+            f"[{call.batch * (call.seq_len or 1)}, ...]; "
             "name per-token coefficient modules")
     raise FcauditError(f"output is {describe(output)}, not a coefficient tensor; fcaudit cannot "
                        f"tell which part holds the coefficients: {ADAPTER_API}")

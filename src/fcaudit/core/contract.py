@@ -41,7 +41,9 @@ class SiteCall:
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
     batch: int
-    seq_len: int
+    # positions on axis 1 when the engine knows them (token ids, or a [B, P, C] input to
+    # the site); None for inputs that are not token sequences (images, per-example sites)
+    seq_len: int | None
 
 
 class ControllerAdapter(Protocol):
@@ -107,6 +109,11 @@ class TensorAdapter:
         from torch import Tensor
         if not isinstance(output, Tensor):
             raise FcauditError(f"output is {describe(output)}, not a tensor; {ADAPTER_API}")
+        if call.seq_len is None:  # no position count to check: the examples must match
+            if output.dim() < 1 or output.shape[0] != call.batch:
+                raise FcauditError(f"output has shape {list(output.shape)}, expected "
+                                   f"[batch={call.batch}, ...]; {ADAPTER_API}")
+            return output
         if output.dim() < 2 or output.shape[0] != call.batch or output.shape[1] != call.seq_len:
             raise FcauditError(
                 f"output has shape {list(output.shape)}, expected [batch={call.batch}, "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,11 +54,23 @@ class RandomDraw:
     seed: int
     donor: np.ndarray  # [N] donor sequence for each evaluation sequence
     positions: np.ndarray  # [N, T] position permutation per sequence
+    # sites with other position counts (patch tokens after pruning, spatial maps): length ->
+    # [N, length] permutations, drawn after the main ones
+    extra: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def positions_for(self, length: int) -> np.ndarray:
+        """The ``[N, length]`` permutations for sites with ``length`` positions."""
+        return self.positions if self.positions.shape[1] == length else self.extra[length]
 
 
-def draw(seed: int, n_seq: int, seq_len: int) -> RandomDraw:
+def draw(seed: int, n_seq: int, seq_len: int, others: Sequence[int] = ()) -> RandomDraw:
+    """One repeat's derangement and permutations (``others``: further position counts)."""
     rng = np.random.default_rng(seed)
-    return RandomDraw(seed, derangement(n_seq, rng), position_permutations(n_seq, seq_len, rng))
+    donor = derangement(n_seq, rng)
+    main = position_permutations(n_seq, seq_len, rng)
+    extra = {length: position_permutations(n_seq, length, rng)
+             for length in dict.fromkeys(others) if length != seq_len}
+    return RandomDraw(seed, donor, main, extra)
 
 
 def batch_sums(coefficients: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -43,10 +43,12 @@ def capture(site: Site, module: nn.Module, call: SiteCall, output: Any) -> Tenso
             f"coefficients are {str(coefficients.dtype).removeprefix('torch.')}, not floating "
             "point; coefficients must be real numbers (a gate's value, a router's logits): "
             "name the module that produces the scores, not the decision"))
-    if coefficients.dim() < 2 or tuple(coefficients.shape[:2]) != (call.batch, call.seq_len):
+    positions = call.seq_len if site.positions == (1,) else None  # else a LayoutAdapter's
+    if coefficients.dim() < 2 or coefficients.shape[0] != call.batch or (
+            positions is not None and coefficients.shape[1] != positions):
         raise _site_error(site, module, f"coefficients have shape {list(coefficients.shape)}, "
                                         f"expected [batch={call.batch}, "
-                                        f"positions={call.seq_len}, ...]")
+                                        f"positions={positions or 'P'}, ...]")
     kept = coefficients.detach().clone()
     rebuilt = site.adapter.rebuild(kept.clone(), call)
     if not same_bits(rebuilt, output):
@@ -74,8 +76,17 @@ def hooked(model: nn.Module, hooks: Mapping[str, Callable[..., Any]],
             handle.remove()
 
 
+def _positions_of(args: tuple[Any, ...], batch: int) -> int | None:
+    """For inputs that are not token ids: the positions of a site whose first input is a
+    sequence of vectors ``[batch, P, C]`` (patch tokens), else None (unknown)."""
+    first = args[0] if args else None
+    if isinstance(first, Tensor) and first.dim() == 3 and first.shape[0] == batch:
+        return int(first.shape[1])
+    return None
+
+
 @contextlib.contextmanager
-def recording(model: nn.Module, sites: Sequence[Site], batch: int, seq_len: int,
+def recording(model: nn.Module, sites: Sequence[Site], batch: int, seq_len: int | None,
               adapters: dict[str, ControllerAdapter] | None = None
               ) -> Iterator[dict[str, Tensor]]:
     """Hook every site for one forward pass; the yielded dict fills with coefficients
@@ -97,7 +108,8 @@ def recording(model: nn.Module, sites: Sequence[Site], batch: int, seq_len: int,
                     "it ran twice in one forward pass; fcaudit records one coefficient tensor "
                     "per site and pass, and a second call would overwrite the first: name a "
                     "module that runs once per forward (one per layer)"))
-            call = SiteCall(module, args, kwargs, batch, seq_len)
+            call = SiteCall(module, args, kwargs, batch,
+                            seq_len if seq_len is not None else _positions_of(args, batch))
             captured[site.name] = capture(site, module, call, output)
             fitted[site.name] = infer_adapter(output, call) \
                 if isinstance(site.adapter, AutoAdapter) else site.adapter
@@ -178,7 +190,10 @@ def record(model: nn.Module, input_ids: Tensor, sites: SiteSpec = None) -> Recor
     """
     site_list = find_sites(model, sites)
     adapters: dict[str, ControllerAdapter] = {}
-    with recording(model, site_list, *input_ids.shape[:2], adapters=adapters) as captured:
+    tokens = input_ids.dim() == 2 and not input_ids.is_floating_point()
+    seq_len = int(input_ids.shape[1]) if tokens else None  # images: each site's own layout
+    with recording(model, site_list, int(input_ids.shape[0]), seq_len,
+                   adapters=adapters) as captured:
         output = model(input_ids)
     return Recording({s.name: captured[s.name] for s in site_list},
                      [_fitted(s, adapters[s.name]) for s in site_list], output,

@@ -47,6 +47,7 @@ from fcaudit.core.recording import hooked
 from fcaudit.core.routers import counting_experts
 from fcaudit.engine.result import Estimate, Execution, ExpertExecution, SideTiming, Timing
 from fcaudit.engine.verdicts import TOLERANCE
+from fcaudit.io.examples import ExampleBatch, Examples, call_model
 
 MIN_PAIRS = 10
 BOOTSTRAP_RESAMPLES = 2000
@@ -121,12 +122,29 @@ def _first_tensor(values: Iterable[Any]) -> torch.Tensor | None:
     return None
 
 
-def _tokens_entering(path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+def _tokens_entering(path: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     per_example: bool = False) -> int:
+    """Tokens entering a block (``per_example``: examples, its first input's first axis)."""
     first = _first_tensor((*args, *kwargs.values()))
     if first is None or first.dim() == 0:
         raise FcauditError(f"execution block {path!r} received no per-token tensor input; "
                            "name modules that take hidden states [..., features]")
-    return first.numel() // first.shape[-1]
+    return int(first.shape[0]) if per_example else first.numel() // first.shape[-1]
+
+
+def _positions_entering(sofar: int | None, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> int | None:
+    """Positions entering a block whose first input is a sequence ``[B, P, C]`` (patch
+    tokens: a pruned block gets fewer), added to ``sofar``; None for any other input."""
+    first = _first_tensor((*args, *kwargs.values()))
+    if sofar is None or first is None or first.dim() != 3:
+        return None
+    return sofar + int(first.shape[0]) * int(first.shape[1])
+
+
+def _units(x: Any) -> int:
+    """Units a batch counts for: tokens of token ids ``[B, T]``, else its examples."""
+    return len(x) if isinstance(x, ExampleBatch) else x.numel()
 
 
 def _cpu_sdpa_flops(query_shape: torch.Size, key_shape: torch.Size, value_shape: torch.Size,
@@ -173,7 +191,7 @@ def uncounted_operators(ops: Iterable[Any], counter: FlopCounterMode) -> list[st
 
 
 def execution_pass(model: nn.Module, block_paths: Sequence[str],
-                   batches: Iterable[torch.Tensor], flops: bool = True,
+                   batches: Iterable[Any], flops: bool = True,
                    experts: Sequence[ExpertLayer] = (),
                    routers: Mapping[str, Site] | None = None,
                    gated: Sequence[str] = ()) -> dict[str, Any]:
@@ -188,10 +206,15 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
     paths = list(block_paths)
     counts = [0] * len(paths)
     handles = []
+    batches = list(batches)
+    per_example = bool(batches) and isinstance(batches[0], ExampleBatch)
+    positions: list[int | None] = [0] * len(paths)  # per example: tokens entering [B, P, C]
     for i, path in enumerate(paths):
         def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  i: int = i, path: str = path) -> None:
-            counts[i] += _tokens_entering(path, args, kwargs)
+            counts[i] += _tokens_entering(path, args, kwargs, per_example)
+            if per_example:
+                positions[i] = _positions_entering(positions[i], args, kwargs)
         handles.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
     counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
     recorder = _OpRecorder()
@@ -203,8 +226,8 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
                 watching_routers(model, [routers[e.name] for e in experts]
                                  if experts and routers else []) as chosen:
             for ids in batches:
-                model(ids)
-                tokens += ids.numel()
+                call_model(model, ids)
+                tokens += _units(ids)
     finally:
         for handle in handles:
             handle.remove()
@@ -213,6 +236,8 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
     per_layer = [c / tokens for c in counts]
     result = {"blocks_executed": sum(per_layer), "blocks_present": len(paths),
               "blocks_executed_per_layer": per_layer, "tokens": tokens, "blocks": paths}
+    if per_example:
+        result["positions_per_block"] = [None if p is None else p / tokens for p in positions]
     if flops:
         result["flops_per_token"] = counter.get_total_flops() / tokens
         result["uncounted"] = uncounted_operators(recorder.ops, counter)
@@ -225,8 +250,11 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
             path: sum(by_module.get(f"{root}.{path}", {}).values()) / tokens for path in gated}
     if experts:
         flop_counts = counter.get_flop_counts() if flops else {}
+        # per-example inputs: experts are still counted per token routed (a ViT's patches)
+        routed = sum(c.numel() // c.shape[-1] for c in chosen.get(experts[0].name, []))
         result["experts"] = expert_execution(model, experts, expert_counts, chosen,
-                                             flop_counts, tokens)
+                                             flop_counts,
+                                             routed if per_example and routed else tokens)
     return result
 
 
@@ -342,7 +370,7 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, pairs: int = 10,
+def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: Any, pairs: int = 10,
                      warmup: int = 2, seed: int = 0, threads: int | None = None) -> Timing:
     """Time one batch on model and dense in ``pairs`` pairs (A B, B A, ...) after warm-up."""
     if pairs < MIN_PAIRS:
@@ -353,7 +381,7 @@ def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor
         if on_cuda:
             torch.cuda.synchronize(input_ids.device)
         start = time.perf_counter()
-        net(input_ids)
+        call_model(net, input_ids)
         if on_cuda:
             torch.cuda.synchronize(input_ids.device)
         return time.perf_counter() - start
@@ -368,22 +396,24 @@ def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor
             s1, s2 = seconds(first), seconds(second)
             timed.append((s1, s2) if model_first else (s2, s1))
     model_s, dense_s = zip(*timed, strict=True)
-    batch_size, seq_len = input_ids.shape
+    # examples count as one unit each (seq_len 1): tokens_per_s is then examples per second
+    batch_size, seq_len = (len(input_ids), 1) if isinstance(input_ids, ExampleBatch) else \
+        input_ids.shape
     ratio = ratio_interval(model_s, dense_s, seed)
     return Timing(
         speed_ratio_vs_dense=ratio,
         ratio_definition="median over pairs of model/dense latency (> 1: model slower); "
                          "pair order alternates AB, BA",
         slowdown_percent=100 * (ratio.value - 1),
-        model=side_summary(model_s, input_ids.numel()),
-        dense=side_summary(dense_s, input_ids.numel()),
+        model=side_summary(model_s, _units(input_ids)),
+        dense=side_summary(dense_s, _units(input_ids)),
         pairs_s=[list(p) for p in timed], pairs=pairs, warmup=warmup,
         bootstrap_resamples=BOOTSTRAP_RESAMPLES, seed=seed, threads=used_threads,
         device=str(input_ids.device), device_name=device_name(input_ids.device),
         batch_size=batch_size, seq_len=seq_len)
 
 
-def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torch.Tensor, *,
+def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any, *,
                       batch_size: int = 16, block_paths: Sequence[str] | None = None,
                       dense_block_paths: Sequence[str] | None = None, pairs: int = 10,
                       warmup: int = 2, seed: int = 0, timing: bool = True,
@@ -402,10 +432,15 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torc
     matrix work that the FLOP counter cannot count are listed, and then no FLOPs ratio
     (and no FLOPs-based verdict) is given.
     """
-    if input_ids.dim() != 2 or input_ids.numel() == 0:
+    if isinstance(input_ids, Examples):  # inputs that are not token ids: per example
+        device = next(model.parameters()).device
+        batches = [input_ids.rows(i, i + batch_size).to(device)
+                   for i in range(0, len(input_ids), batch_size)]
+    elif input_ids.dim() != 2 or input_ids.numel() == 0:
         raise FcauditError(f"execution measurement needs input_ids [N, T], got shape "
                            f"{tuple(input_ids.shape)}")
-    batches = input_ids.split(batch_size)
+    else:
+        batches = input_ids.split(batch_size)
     own = execution_pass(model, resolve_blocks(model, block_paths), batches, experts=experts,
                          routers=routers, gated=gated)
     twin = execution_pass(dense, resolve_blocks(dense, dense_block_paths), batches) \
@@ -433,7 +468,9 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: torc
         saves_against_dense=saves if twin is not None else None, experts=experts,
         flops_per_block=own["flops_per_block"],
         dense_flops_per_block=twin["flops_per_block"] if twin else None,
-        gated_flops_per_token=own["gated_flops_per_token"] or None)
+        gated_flops_per_token=own["gated_flops_per_token"] or None,
+        positions_per_block=own.get("positions_per_block"),
+        dense_positions_per_block=twin.get("positions_per_block") if twin else None)
     if timing and dense is not None:
         result.timing = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
                                          threads)

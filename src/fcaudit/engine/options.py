@@ -11,12 +11,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.interventions import Intervention
+from fcaudit.engine.objectives import Objective, resolve
 from fcaudit.io.data import AuditData
 from fcaudit.io.loading import LoadedModel
 from fcaudit.io.placement import Placement, placement
@@ -78,6 +80,10 @@ class AuditOptions:
     device_map: str | None = None
     max_memory: str | dict[str, str | int] | None = None
     offload_folder: str | Path | None = None
+    # the per-unit loss: "token-nll" (next-token NLL of token ids), "classification"
+    # (cross-entropy of [B, C] logits against integer targets, accuracy beside it), or a
+    # callable (model_output, batch) -> per-unit losses [B] or [B, T]
+    objective: Any = "token-nll"
 
     def validate(self) -> None:
         """Refuse option values no audit can run with, naming the option in the caller's
@@ -113,6 +119,7 @@ class AuditOptions:
                                "or the frontier")
         _check_target(self.target_ci, self.min_sequences)
         self.placement()  # the device map, budget syntax and offload folder
+        resolve(self.objective)
         if 0 < self.timing_pairs < 10:
             raise FcauditError(f"{name('timing_pairs', self.timing_pairs)}: use 0 (no "
                                "timing) or at least 10 pairs for a meaningful interval")
@@ -161,3 +168,16 @@ class Setup:
     @property
     def model(self) -> nn.Module:
         return self.loaded.model
+
+    @property
+    def objective(self) -> Objective:
+        return resolve(self.options.objective)
+
+    @property
+    def eval_source(self) -> Any:
+        """What evaluation batches are cut from: token ids [N, T] or Examples."""
+        return self.data.eval_ids if self.data.tokens else self.data.examples
+
+    @property
+    def calib_source(self) -> Any:
+        return self.data.calib_ids if self.data.tokens else self.data.calib_examples

@@ -18,41 +18,63 @@ from torch import Tensor, nn
 
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError
-from fcaudit.core.nll import logits_of, token_nll
 from fcaudit.core.recording import recording
 from fcaudit.core.replaying import BlockTrace, OutputStub, replaying, selecting, swapped, tracing
+from fcaudit.engine.objectives import Objective, output_tensors
+from fcaudit.io.examples import ExampleBatch, Examples, call_model
+
+TOKEN_NLL = Objective("token-nll")
 
 
-def batches(ids: np.ndarray, batch_size: int, device: torch.device,
-            only: Sequence[int] | None = None) -> Iterator[tuple[int, Tensor]]:
+def batches(ids: np.ndarray | Examples, batch_size: int, device: torch.device,
+            only: Sequence[int] | None = None) -> Iterator[tuple[int, Any]]:
+    """Batches of token ids ``[B, T]`` (a tensor) or of :class:`Examples` (an
+    :class:`ExampleBatch`), on ``device``."""
     for b, start in enumerate(range(0, len(ids), batch_size)):
         if only is None or b in only:
+            if isinstance(ids, Examples):
+                yield b, ids.rows(start, start + batch_size).to(device)
+                continue
             chunk = np.ascontiguousarray(ids[start:start + batch_size])
             yield b, torch.from_numpy(chunk).to(device)
 
 
+def batch_shape(x: Any) -> tuple[int, int | None]:
+    """(examples, positions) of a batch: token ids ``[B, T]``, or examples of unknown
+    positions (each site's layout says)."""
+    if isinstance(x, ExampleBatch):
+        return len(x), None
+    return int(x.shape[0]), int(x.shape[1])
+
+
 @torch.no_grad()
-def record_batch(model: nn.Module, sites: Sequence[Site], x: Tensor
-                 ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
-    """One unperturbed pass: logits, every site's coefficients, per-token NLL."""
-    with recording(model, sites, *x.shape) as captured:
-        logits = logits_of(model(x))
-    return logits, {s.name: captured[s.name] for s in sites}, token_nll(logits, x)
+def record_batch(model: nn.Module, sites: Sequence[Site], x: Any,
+                 objective: Objective | None = TOKEN_NLL
+                 ) -> tuple[Any, dict[str, Tensor], Any]:
+    """One unperturbed pass: logits, every site's coefficients, per-unit losses (None
+    without an objective: calibration passes score nothing)."""
+    with recording(model, sites, *batch_shape(x)) as captured:
+        output = call_model(model, x)
+    coefficients = {s.name: captured[s.name] for s in sites}
+    if objective is None:
+        return output_tensors(output), coefficients, None
+    return objective.logits(output), coefficients, objective.units(output, x)
 
 
 @dataclass
 class Replayed:
     """One replay pass: logits, the block trace (if asked) and the routers' choices."""
 
-    logits: Tensor
+    logits: Any
     trace: BlockTrace | None = None
     chosen: dict[str, Tensor] = field(default_factory=dict)
+    output: Any = None  # the model's whole output, which the objective scores
 
 
 @torch.no_grad()
-def replay_batch(model: nn.Module, x: Tensor, fed: Mapping[Site, Tensor], *,
+def replay_batch(model: nn.Module, x: Any, fed: Mapping[Site, Tensor], *,
                  known: Mapping[str, Any] | None = None, trace: Sequence[str] | None = None,
-                 select: bool = False) -> Replayed:
+                 select: bool = False, objective: Objective = TOKEN_NLL) -> Replayed:
     """One pass with the given sites fed; each stub must run exactly once.
 
     ``known``: block outputs to stand in for those blocks (prefix reuse); sites inside
@@ -66,7 +88,8 @@ def replay_batch(model: nn.Module, x: Tensor, fed: Mapping[Site, Tensor], *,
             swapped(model, {p: OutputStub(out) for p, out in known.items()}), \
             observed as traced, \
             selecting(stubs) if select else contextlib.nullcontext({}) as chosen:
-        logits = logits_of(model(x))
+        output = call_model(model, x)
+        logits = objective.logits(output)
     skipped = {s.name for s in fed
                if any(s.path == p or s.path.startswith(p + ".") for p in known)}
     wrong = {n: s.calls for n, s in stubs.items() if s.calls != (0 if n in skipped else 1)}
@@ -75,7 +98,7 @@ def replay_batch(model: nn.Module, x: Tensor, fed: Mapping[Site, Tensor], *,
         raise FcauditError(f"site {name} ran {calls} times during replay (once when recorded); "
                            "the model takes another path when its controller is replaced: "
                            "name a module the model calls exactly once per forward pass")
-    return Replayed(logits, traced, chosen)
+    return Replayed(logits, traced, chosen, output)
 
 
 def check_finite(values: Mapping[str, Tensor], where: str) -> None:

@@ -9,7 +9,7 @@ run and a batch into the coefficient tensor each site receives.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,13 +77,15 @@ def ablation_experts(sites: Sequence[Site], options: AuditOptions,
 def plan_runs(sites: Sequence[Site], options: AuditOptions,
               interventions: Sequence[Intervention] = (),
               ablated: Mapping[Site, int] | None = None,
-              points: Sequence[FrontierPoint] = ()) -> list[Run]:
+              points: Sequence[FrontierPoint] = (),
+              skipped: Collection[str] = ()) -> list[Run]:
     """Every run, in order: correct first, then the conditions, per-layer variants, expert
     ablations (``ablated``: site -> its number of experts), frontier points and user
-    interventions."""
+    interventions; conditions in ``skipped`` (not applicable to these sites) are not run."""
     runs = [Run("correct")]
-    runs += [Run(c, k) for k in range(options.repeats) for c in RANDOM_CONDITIONS]
-    runs += [Run(c) for c in STATIC_CONDITIONS]
+    runs += [Run(c, k) for k in range(options.repeats) for c in RANDOM_CONDITIONS
+             if c not in skipped]
+    runs += [Run(c) for c in STATIC_CONDITIONS if c not in skipped]
     if options.per_layer:
         for site in sites:
             runs += [Run("reassign", k, site) for k in range(options.repeats)]
@@ -168,10 +170,22 @@ def _intervened(run: Run, rows: range, inputs: ReplayInputs,
         if run.condition in ("reassign", "reassign+shuffle"):
             x = _reassigned(x, rand.donor[rows.start:rows.stop], inputs.cache)
         if run.condition in ("shuffle", "reassign+shuffle"):
-            x = shuffle(x, rand.positions[rows.start:rows.stop])
+            x = _shuffled(x, rand, rows)
     elif run.condition in STATIC_CONDITIONS:
         x = static(x, inputs.profiles, run.condition, _batch_ids(inputs, rows))
     return {by_name[k]: v for k, v in x.items()}
+
+
+def _shuffled(x: Mapping[str, Tensor], rand: RandomDraw, rows: range) -> dict[str, Tensor]:
+    """Each site's positions permuted per sequence; sites with the same number of positions
+    share one permutation per sequence (token sites all have ``T``)."""
+    groups: dict[int, dict[str, Tensor]] = {}
+    for name, tensor in x.items():
+        groups.setdefault(int(tensor.shape[1]), {})[name] = tensor
+    out: dict[str, Tensor] = {}
+    for length, part in groups.items():
+        out.update(shuffle(part, rand.positions_for(length)[rows.start:rows.stop]))
+    return {name: out[name] for name in x}
 
 
 def _batch_ids(inputs: ReplayInputs, rows: range) -> Tensor | None:

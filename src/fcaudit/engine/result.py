@@ -57,6 +57,8 @@ class ConditionResult:
     ci95: Interval
     repeats: list[float]
     repeat_deltas: list[float]
+    # classification: share of evaluation examples classified correctly (repeats averaged)
+    accuracy: float | None = _omit_none()
 
 
 @dataclass
@@ -266,6 +268,13 @@ class Execution:
     dense_flops_per_block: list[float] | None = _omit_none()
     # soft gates' gated modules (e.g. Qwen2-MoE's shared experts): FLOPs per token
     gated_flops_per_token: dict[str, float] | None = _omit_none()
+    # what "per token" counts for inputs that are not token ids: "example" (blocks run per
+    # example, FLOPs per example; experts per routed token); absent for token ids
+    unit: str | None = _omit_none()
+    # per example, the positions entering each block whose input is [B, P, C] (patch
+    # tokens; None for other inputs): fewer than P where tokens are pruned
+    positions_per_block: list[float | None] | None = _omit_none()
+    dense_positions_per_block: list[float | None] | None = _omit_none()
 
     def omitted(self) -> set[str]:
         """An unmeasured execution is written as ``{measured, reason}`` alone."""
@@ -429,6 +438,10 @@ class SiteInfo:
     layer: int
     trailing_shape: list[int]
     adapter: str | None = _omit_none()
+    # the coefficient's leading axes in the model's words and which are positions, for
+    # sites declared with other axes than [example, token]
+    axes: list[str] | None = _omit_none()
+    positions: list[int] | None = _omit_none()
 
 
 @dataclass
@@ -505,7 +518,7 @@ class AuditResult:
     conditions: dict[str, ConditionResult]
     per_layer: dict[str, list[LayerConditionResult]]
     retention: dict[str, Retention]
-    interaction: Estimate
+    interaction: Estimate | None  # None: shuffle is not applicable (see not_applicable)
     variance: dict[str, VarianceShares]
     variation: dict[str, Variation]
     profiles: dict[str, Profile]
@@ -524,6 +537,8 @@ class AuditResult:
     token_profile: TokenProfile | None = _omit_none()
     frontier: dict[str, FrontierFamily] | None = _omit_none()
     stopping: Stopping | None = _omit_none()
+    # conditions that cannot act on these sites or inputs, with the reason (not run)
+    not_applicable: dict[str, str] | None = _omit_none()
 
     def to_json(self) -> dict[str, Any]:
         """The ``audit.json`` content (plain JSON types)."""

@@ -37,7 +37,8 @@ from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks, declared_experts
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.interventions import Intervention, StaticProfiles, draw
-from fcaudit.core.nll import device_of, logits_of, model_limits, probe_vocab, token_nll
+from fcaudit.core.layout import canonical_sites, not_applicable
+from fcaudit.core.nll import device_of, logits_of, model_limits, probe_vocab
 from fcaudit.core.sites import SiteSpec, find_sites, match_modules
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.distributed import SINGLE as SINGLE_RANK
@@ -53,6 +54,7 @@ from fcaudit.engine.frontier import (
     plan_points,
     skipped_units,
 )
+from fcaudit.engine.objectives import check_targets, output_tensors, resolve
 from fcaudit.engine.options import AuditOptions, Progress, Setup, silent
 from fcaudit.engine.passes import batches, record_batch, replay_batch
 from fcaudit.engine.plan import (
@@ -96,6 +98,7 @@ from fcaudit.engine.stages import (
 )
 from fcaudit.engine.summary import (
     Summary,
+    accuracies,
     describe,
     expert_importance,
     paired_bootstrap,
@@ -105,7 +108,9 @@ from fcaudit.engine.summary import (
 )
 from fcaudit.engine.verdicts import dependence, qualified, variation
 from fcaudit.io.data import AuditData, DataSpec, resolve_data
-from fcaudit.io.loading import LoadedModel, load, load_module
+from fcaudit.io.digits import run_audit_data
+from fcaudit.io.examples import ExampleBatch, call_model
+from fcaudit.io.loading import LoadedModel, get_arch, load, load_module
 from fcaudit.io.placement import PLACEMENT, Placement, offload_space
 from fcaudit.io.runtime import host, versions
 
@@ -198,13 +203,25 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
                            "counterpart only serves the execution audit): drop one of them")
     loaded = as_loaded(model, placement=options.placement())
     net = loaded.model.eval()
-    site_list = find_sites(net, sites)
+    site_list = canonical_sites(find_sites(net, sites))
     custom = _interventions(interventions, site_list)  # before the first forward pass
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
     default_len, default_why = loaded_seq_len(loaded)
-    audit_data = data if isinstance(data, AuditData) else resolve_data(loaded.tokenizer, data,
-                                                                       default_len)
+    if isinstance(data, AuditData):
+        audit_data = data
+    elif loaded.run_config and get_arch(loaded.run_config["arch"]).task == "vision":
+        audit_data = run_audit_data(data, loaded.spec)  # a vision run: its own digits
+    else:
+        audit_data = resolve_data(loaded.tokenizer, data, default_len)
     audit_data.check_arrays()
+    if not audit_data.tokens:
+        return _prepare_examples(loaded, out, site_list, audit_data, options, custom, blocks,
+                                 block_paths, dense)
+    if options.objective == "classification" or any(s.positions != (1,) for s in site_list):
+        raise FcauditError(
+            "token ids are scored by next-token NLL on sites [batch, tokens, ...]: for "
+            f"{arg('objective', 'classification', owner='AuditOptions')} or sites without a "
+            f"token axis give {OTHER_INPUTS}")
     if "seq_len_source" not in audit_data.sources:  # a copy: the caller's data stays as given
         audit_data = dataclasses.replace(audit_data, sources={
             **audit_data.sources, "seq_len_source": window_source(data, default_why)})
@@ -218,6 +235,38 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         audit_data = ordered_pool(audit_data, options.seed)
     setup = Setup(loaded, site_list, block_paths, blocks, audit_data, options,
                   custom, out=Path(out) if out is not None else None)
+    if options.execution:
+        setup.dense, setup.dense_source = _dense(setup, dense, blocks)
+    if setup.out is not None:
+        from fcaudit.io.outdir import check_output
+        check_output(setup.out, "audit")
+    return setup
+
+
+# inputs that are not token ids, in the caller's words
+OTHER_INPUTS = arg("inputs", py="AuditData(inputs=..., targets=..., calib_inputs=...)",
+                   cli="--inputs, --targets and --calib-inputs")
+
+
+def _prepare_examples(loaded: LoadedModel, out: str | Path | None, sites: list[Site],
+                      data: AuditData, options: AuditOptions, custom: list[Intervention],
+                      blocks: str | None, block_paths: list[str] | None, dense: Any) -> Setup:
+    """:func:`prepare` for inputs that are not token ids (``AuditData(inputs=...)``)."""
+    objective = resolve(options.objective)
+    if objective.tokens:
+        raise FcauditError(
+            f"{arg('objective', 'token-nll', owner='AuditOptions')} scores token ids, but the "
+            f"data are other inputs: choose {arg('objective', 'classification')} (integer "
+            "targets) or a callable (model_output, batch) -> per-unit losses")
+    if options.frontier:
+        raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} is measured "
+                           "on token inputs only; drop it for these inputs")
+    if options.target_ci is not None:
+        raise FcauditError(f"{arg('target_ci', py='AuditOptions(target_ci=...)')} grows a pool "
+                           "of token windows; for these inputs give a fixed evaluation set")
+    data.validate(None, None)
+    setup = Setup(loaded, sites, block_paths, blocks, data, options, custom,
+                  out=Path(out) if out is not None else None)
     if options.execution:
         setup.dense, setup.dense_source = _dense(setup, dense, blocks)
     if setup.out is not None:
@@ -258,6 +307,9 @@ def window_source(data: DataSpec | AuditData, default: str) -> str:
 def window_line(data: Mapping[str, Any]) -> str:
     """One line saying how long the scored windows are and why, for the start of an audit
     and its summary (a model scored past its training length scores differently)."""
+    if "eval_examples" in data:
+        return (f"scoring {data['eval_examples']} evaluation examples "
+                f"({data['calib_examples']} calibrate the static profiles)")
     source = data.get("seq_len_source", "source not recorded")
     change = "" if source == GIVEN_DATA else "; --seq-len to change"
     return f"scoring windows of {data['seq_len']} tokens ({source}{change})"
@@ -276,6 +328,10 @@ def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | No
     if param is not None:
         twin = twin.to(dtype=param.dtype, device=device_of(net))
     twin.eval()
+    if not setup.data.tokens:
+        _comparable_examples(setup, twin, str(dense))
+        resolve_block_paths(twin, blocks)
+        return twin, str(dense)
     ids = torch.from_numpy(setup.data.eval_ids[:1]).to(device_of(net))
     vocab, _ = model_limits(twin)
     if vocab is not None and int(ids.max()) >= vocab:
@@ -288,6 +344,21 @@ def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | No
     return twin, str(dense)
 
 
+@torch.no_grad()
+def _comparable_examples(setup: Setup, twin: nn.Module, source: str) -> None:
+    """A dense counterpart must give outputs of the model's shape on the same example."""
+    assert setup.data.examples is not None
+    x = setup.data.examples.rows(0, 1).to(device_of(setup.model))
+    shapes = []
+    for net in (setup.model, twin):
+        out = output_tensors(call_model(net, x))
+        shapes.append(list(out.shape) if isinstance(out, Tensor) else type(out).__name__)
+    if shapes[0] != shapes[1]:
+        raise FcauditError(f"{arg('dense', source)} is not comparable with the model: on the "
+                           f"same example it gives {shapes[1]}, the model {shapes[0]}; give "
+                           "a dense model with the model's inputs and outputs")
+
+
 @dataclass
 class Probe:
     """The first evaluation batch, recorded and replayed in memory."""
@@ -295,53 +366,81 @@ class Probe:
     identity: Identity
     coefficients: dict[str, Tensor]
     nll: Tensor
+    hits: Tensor | None = None  # classification: 1 per correctly classified example
 
 
 @torch.no_grad()
 def probe(setup: Setup) -> Probe:
     """Record and replay the first evaluation batch in memory, before anything is written.
 
-    Sites that run twice, outputs no adapter fits, non-floating coefficients and a
-    non-exact identity replay all stop the audit here (the last one unless
-    ``allow_nonexact_identity``), naming the site and the likely causes.
+    Sites that run twice, outputs no adapter fits, non-floating coefficients, targets the
+    objective cannot score and a non-exact identity replay all stop the audit here (the
+    last one unless ``allow_nonexact_identity``), naming the site and the likely causes.
     """
-    net, sites = setup.model, setup.sites
-    _, x = next(batches(setup.data.eval_ids, setup.options.batch_size, device_of(net)))
-    logits, coefficients, nll = record_batch(net, sites, x)
+    net, sites, objective = setup.model, setup.sites, setup.objective
+    _, x = next(batches(setup.eval_source, setup.options.batch_size, device_of(net)))
+    if objective.accuracy:  # every target against the logits' classes, before scoring any
+        _check_targets(setup, record_batch(net, sites, x, None)[0])
+    logits, coefficients, nll = record_batch(net, sites, x, objective)
     _check_axes(net, sites, x)
-    replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites}).logits
-    if same_bits(logits, replayed):
+    replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites},
+                            objective=objective)
+    hits = objective.hits(logits, x)
+    if same_bits(logits, replayed.logits):
         return Probe(Identity(True, 0.0, setup.options.allow_nonexact_identity,
-                              "identity replay is bitwise exact"), coefficients, nll)
-    diff = float((token_nll(replayed, x) - nll).abs().max())
-    again, _, _ = record_batch(net, sites, x)
+                              "identity replay is bitwise exact"), coefficients, nll, hits)
+    diff = float((objective.units(replayed.output, x) - nll).abs().max())
+    again, _, _ = record_batch(net, sites, x, objective)
     if not same_bits(logits, again):
         cause = "two unperturbed passes over the same batch already differ: the forward " \
                 "pass is not deterministic (dropout, sampling or training mode?)"
     else:
-        culprit = _first_nonexact_site(net, sites, coefficients, x, logits)
+        culprit = _first_nonexact_site(setup, coefficients, x, logits)
         cause = f"replaying site {culprit} alone already changes the output" if culprit \
             else "replaying all sites together changes the output"
+    unit = "per-token NLL" if objective.tokens else f"{objective.name} loss"
     message = (f"identity replay is not exact: replaying the recorded coefficients changes "
-               f"the per-token NLL by up to {diff:.3g} nats ({cause}). Likely causes: "
+               f"the {unit} by up to {diff:.3g} nats ({cause}). Likely causes: "
                f"{IDENTITY_CAUSES}")
     if not setup.options.allow_nonexact_identity:
         raise FcauditError(f"{message}. No verdict can rest on such a replay: fix the model "
                            "(model.eval(), fixed seeds, deterministic kernels) or rerun with "
                            f"{ALLOW_NONEXACT} to see the numbers flagged as not exact")
-    return Probe(Identity(False, diff, True, message), coefficients, nll)
+    return Probe(Identity(False, diff, True, message), coefficients, nll, hits)
 
 
-def _check_axes(net: nn.Module, sites: Sequence[Site], x: Tensor) -> None:
+def _check_targets(setup: Setup, logits: Any) -> None:
+    """Every evaluation and calibration target must be one the objective can score
+    (classification: an integer class of the first batch's logits)."""
+    data, objective = setup.data, setup.objective
+    if data.tokens:
+        return
+    assert data.examples is not None and data.calib_examples is not None
+    check_targets(objective, logits, data.examples.targets, "evaluation")
+    if data.calib_examples.targets is not None:
+        check_targets(objective, logits, data.calib_examples.targets, "calibration")
+
+
+def _check_axes(net: nn.Module, sites: Sequence[Site], x: Any) -> None:
     """With as many sequences as positions, a ``[positions, batch, ...]`` output has the
     shape of ``[batch, positions, ...]``: record once more with one sequence added (a
     repeat), where the two differ, so that a site with swapped axes is refused now."""
-    batch, positions = x.shape
-    if batch != positions:
-        return
+    if isinstance(x, ExampleBatch):  # any axis may equal the batch: always add one
+        batch, positions = len(x), None
+        bigger = ExampleBatch(_cat_first(x.inputs), None)
+    else:
+        batch, positions = x.shape
+        if batch != positions:
+            return
+        bigger = torch.cat([x, x[:1]])
     try:
-        record_batch(net, sites, torch.cat([x, x[:1]]))
+        record_batch(net, sites, bigger, None)
     except FcauditError as exc:
+        if positions is None:
+            raise FcauditError(
+                f"{exc} (with {batch + 1} examples; with {batch} the shape fitted only "
+                "because an axis has as many entries as the batch: are the output's axes "
+                "swapped? give the site an adapter that puts the examples first)") from exc
         raise FcauditError(
             f"{exc} (with {batch + 1} sequences of {positions} tokens; with {batch} of "
             f"{positions} the shape fitted only because the two counts are equal: are the "
@@ -349,10 +448,19 @@ def _check_axes(net: nn.Module, sites: Sequence[Site], x: Tensor) -> None:
             "them)") from exc
 
 
-def _first_nonexact_site(net: nn.Module, sites: Sequence[Site], coefficients: dict[str, Tensor],
-                         x: Tensor, logits: Tensor) -> str | None:
-    for site in sites:
-        if not same_bits(replay_batch(net, x, {site: coefficients[site.name]}).logits, logits):
+def _cat_first(inputs: Any) -> Any:
+    """The batch's inputs with its first example repeated at the end."""
+    if isinstance(inputs, dict):
+        return {k: torch.cat([v, v[:1]]) for k, v in inputs.items()}
+    return torch.cat([inputs, inputs[:1]])
+
+
+def _first_nonexact_site(setup: Setup, coefficients: dict[str, Tensor], x: Any,
+                         logits: Any) -> str | None:
+    for site in setup.sites:
+        replayed = replay_batch(setup.model, x, {site: coefficients[site.name]},
+                                objective=setup.objective)
+        if not same_bits(replayed.logits, logits):
             return site.name
     return None
 
@@ -375,7 +483,8 @@ def frontier_plan(setup: Setup, first: Probe) -> list[Covered]:
     """The families the savings frontier covers (none without ``frontier``); a frontier
     asked for a model with no soft-gate or routed family is refused."""
     asked = setup.options.frontier
-    if asked is False or (asked is None and not setup.options.execution):
+    if asked is False or (asked is None and not setup.options.execution) or \
+            not setup.data.tokens:  # token inputs only (other inputs refuse frontier=True)
         return []
     covered = frontier_families(setup.sites, first.coefficients,
                                 declared_experts(setup.model) or [])
@@ -415,14 +524,18 @@ def execute(setup: Setup) -> Execution:
     if setup.blocks is None or dense_blocks is None:
         return Execution(measured=False, reason="the model does not declare its blocks: pass "
                                                 "--blocks GLOB (e.g. 'layers.*')")
-    x = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids)).to(device_of(setup.model))
+    x = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids)).to(device_of(setup.model)) \
+        if setup.data.tokens else setup.data.examples
     routers = {s.name: s for s in routing_sites(setup.sites)}
-    return measure_execution(setup.model, setup.dense, x, batch_size=opts.batch_size,
-                             block_paths=setup.blocks, dense_block_paths=dense_blocks or None,
-                             pairs=opts.timing_pairs, seed=opts.seed,
-                             timing=opts.timing_pairs > 0, dense_source=setup.dense_source or None,
-                             experts=[e for e in experts if e.name in routers], routers=routers,
-                             gated=[s.gated for s in setup.sites if s.gated])
+    measured = measure_execution(
+        setup.model, setup.dense, x, batch_size=opts.batch_size, block_paths=setup.blocks,
+        dense_block_paths=dense_blocks or None, pairs=opts.timing_pairs, seed=opts.seed,
+        timing=opts.timing_pairs > 0, dense_source=setup.dense_source or None,
+        experts=[e for e in experts if e.name in routers], routers=routers,
+        gated=[s.gated for s in setup.sites if s.gated])
+    if not setup.data.tokens:
+        measured.unit = "example"
+    return measured
 
 
 def _model_info(setup: Setup) -> ModelInfo:
@@ -452,9 +565,7 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
         data=setup.data.summary(),
-        sites=[SiteInfo(s.name, s.family, s.layer,
-                        list(cache.batch(0, f"site::{s.name}").shape[2:]),
-                        _adapter_name(s, setup.model)) for s in setup.sites],
+        sites=[_site_info(s, cache, setup.model) for s in setup.sites],
         identity_replay_max_abs_diff=identity.max_abs_diff, conditions=summary.conditions,
         per_layer=summary.per_layer, retention=summary.retention,
         interaction=summary.interaction, variance=variance, variation=spread,
@@ -464,7 +575,8 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
         settings={**{k: v for k, v in dataclasses.asdict(opts).items()
                      if k not in ("schedule", "progress", *STOPPING_OPTIONS, *PLACEMENT)},
                   "bootstrap_resamples": opts.bootstrap,
-                  "calibration_sequences_used_for_static": len(setup.data.calib_ids),
+                  "calibration_sequences_used_for_static": setup.data.n_calib,
+                  "objective": setup.objective.name,
                   "layer_index": "a site's index within its family"},
         versions=versions(), command=command,
         nondeterministic_keys=[*NONDETERMINISTIC_KEYS, *([TIMED_VERDICT_KEY] if timed else [])],
@@ -476,6 +588,52 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
 # recorded in audit.json's ``stopping`` section, not in ``settings``: a --target-ci audit
 # that stopped at N has the settings of the fixed audit of those N sequences
 STOPPING_OPTIONS = ("target_ci", "min_sequences")
+
+
+def _site_info(site: Site, cache: CoefficientCache, model: nn.Module) -> SiteInfo:
+    """A site in audit.json: its axes in the model's words when it declared its own."""
+    info = SiteInfo(site.name, site.family, site.layer,
+                    list(cache.batch(0, f"site::{site.name}").shape[2:]),
+                    _adapter_name(site, model))
+    if (site.axes, site.positions) != (Site.__dataclass_fields__["axes"].default, (1,)):
+        info.axes, info.positions = list(site.axes), list(site.positions)
+    return info
+
+
+def _routing(setup: Setup, cache: CoefficientCache, runs: Sequence[Any],
+             replays: Any) -> dict[str, Any] | None:
+    """The routers' summary; its units are the tokens (patches) each router routes."""
+    routed = routing_sites(setup.sites)
+    if not routed:
+        return None
+    units = setup.data.eval_ids.size if setup.data.tokens else \
+        setup.data.n_eval * int(cache.batch(0, f"site::{routed[0].name}").shape[1])
+    return routing_summary(routed, tracked_runs(runs), replays.route_load,
+                           replays.route_changed, units)
+
+
+def _replay_inputs(setup: Setup, cache: CoefficientCache, profiles: Any,
+                   first: Probe) -> ReplayInputs:
+    """What feeding the runs needs: one random draw per repeat (a derangement, and position
+    permutations for every position count the sites have) and the token ids, if any."""
+    opts, lengths = setup.options, _position_counts(setup, first)
+    return ReplayInputs(cache, setup.sites, profiles,
+                        [draw(opts.seed * 1000 + 17 + k, setup.data.n_eval, lengths[0],
+                              lengths[1:]) for k in range(opts.repeats)], opts.seed,
+                        setup.data.eval_ids if setup.data.tokens else None)
+
+
+def _position_counts(setup: Setup, first: Probe) -> list[int]:
+    """The position counts of the sites' coefficients, the evaluation windows' first."""
+    counts = [int(first.coefficients[s.name].shape[1]) for s in setup.sites]
+    if setup.data.tokens:
+        return [int(setup.data.eval_ids.shape[1]), *counts]
+    return list(dict.fromkeys(counts))
+
+
+def _original_hits(cache: CoefficientCache) -> np.ndarray:
+    """The record pass's correct classifications per example (classification only)."""
+    return np.concatenate([cache.batch(b, "hits").numpy() for b in range(cache.n_batches)])
 
 
 def _adapter_name(site: Site, model: nn.Module) -> str | None:
@@ -564,9 +722,9 @@ def open_cache(setup: Setup, folder: Path, ranks: Ranks,
     """The cache; rank 0 opens (or creates) it and adopts the probe's batch before the
     other ranks open it."""
     cache = CoefficientCache(folder, cache_identity(setup), setup.options.batch_size,
-                             len(setup.data.eval_ids), owner=ranks.main)
+                             setup.data.n_eval, owner=ranks.main)
     if first is not None:
-        adopt_probe(cache, first.coefficients, first.nll)
+        adopt_probe(cache, first.coefficients, first.nll, first.hits)
     return cache
 
 
@@ -627,14 +785,13 @@ def _measure(setup: Setup, cache: CoefficientCache, first: Probe, progress: Prog
     profiles = calibration_profiles(setup, cache)
     cache.verify_all()
     timings["record_s"] = time.perf_counter() - setup.started
-    n, seq_len = setup.data.eval_ids.shape
-    inputs = ReplayInputs(cache, setup.sites, profiles,
-                          [draw(opts.seed * 1000 + 17 + k, n, seq_len)
-                           for k in range(opts.repeats)], opts.seed, setup.data.eval_ids)
+    inputs = _replay_inputs(setup, cache, profiles, first)
+    tokens = inputs.ids
+    skipped = not_applicable(setup.sites, tokens is not None)
     covered, points = frontier_points(setup, cache, frontier_plan(setup, first), profiles,
                                       progress, ranks)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),
-                     points)
+                     points, skipped)
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
     if not ranks.main:
@@ -644,8 +801,10 @@ def _measure(setup: Setup, cache: CoefficientCache, first: Probe, progress: Prog
     diff = replays.identity_diff
     identity = dataclasses.replace(first.identity, exact=first.identity.exact and diff == 0,
                                    max_abs_diff=max(first.identity.max_abs_diff, diff))
-    stats = describe(cache, setup.sites, setup.data.eval_ids)
-    summary = summarize(runs, replays.per_run, stats[3], setup.sites, opts)
+    stats = describe(cache, setup.sites, tokens)
+    summary = summarize(runs, replays.per_run, stats[3], setup.sites, opts, skipped,
+                        accuracies(runs, replays.hits, _original_hits(cache)
+                                   if setup.objective.accuracy else None))
     return Measured(setup, runs, replays, identity, stats, summary, covered, points, profiles,
                     reuse, recorded)
 
@@ -655,11 +814,9 @@ def _finish(m: Measured, cache: CoefficientCache, command: str | None, ranks: Ra
             ) -> AuditResult:
     """Execution, runtime and the result of one measured audit."""
     setup, runs, replays, opts = m.setup, m.runs, m.replays, m.setup.options
-    n = len(setup.data.eval_ids)
-    routed = routing_sites(setup.sites)
-    routing = routing_summary(routed, tracked_runs(runs), replays.route_load,
-                              replays.route_changed, setup.data.eval_ids.size) \
-        if routed else None
+    n = setup.data.n_eval
+    tokens = setup.data.eval_ids if setup.data.tokens else None
+    routing = _routing(setup, cache, runs, replays)
     started = time.perf_counter()
     execution = execute(setup)
     timings["execution_s"] = time.perf_counter() - started
@@ -676,7 +833,8 @@ def _finish(m: Measured, cache: CoefficientCache, command: str | None, ranks: Ra
     if ablation_runs(runs):
         result.expert_importance = expert_importance(runs, replays.per_run, replays.route_load,
                                                      replays.still_selected, opts)
-    result.token_profile = token_profile(m.profiles, setup.data.eval_ids)
+    result.token_profile = token_profile(m.profiles, tokens) if tokens is not None else None
+    result.not_applicable = not_applicable(setup.sites, tokens is not None) or None
     result.settings["frontier_runs"] = len(frontier_runs(runs))
     if m.covered:
         result.frontier = frontier_summary(

@@ -26,7 +26,7 @@ from fcaudit.core.adapters import same_bits
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.interventions import StaticProfiles, TokenSums, batch_sums, token_sums
-from fcaudit.core.nll import device_of, token_nll
+from fcaudit.core.nll import device_of
 from fcaudit.core.routers import changed_rows, expert_counts
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.distributed import SINGLE, Ranks
@@ -62,18 +62,19 @@ def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress
     """This rank's calibration batches: each batch's float64 sums (by position and by
     token id), cached."""
     net, size = setup.model, setup.options.batch_size
-    n = -(-len(setup.data.calib_ids) // size)
+    n = -(-setup.data.n_calib // size)
     todo = ranks.mine([b for b in range(n) if not cache.has(cache.calib_name(b))])
-    for done, (b, x) in enumerate(batches(setup.data.calib_ids, size, device_of(net), todo),
+    for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net), todo),
                                   start=1):
-        _, coefficients, _ = record_batch(net, setup.sites, x)
+        _, coefficients, _ = record_batch(net, setup.sites, x, None)
         check_finite(coefficients, "calibration data")
         on_cpu = {k: c.cpu() for k, c in coefficients.items()}
-        tokens = token_sums(on_cpu, x.cpu())
-        cache.write(cache.calib_name(b), {
-            **{f"site::{k}": v for k, v in batch_sums(on_cpu).items()},
-            "token_ids": tokens.ids, "token_counts": tokens.counts,
-            **{f"token::{k}": v for k, v in tokens.sums.items()}})
+        shard = {f"site::{k}": v for k, v in batch_sums(on_cpu).items()}
+        if setup.data.tokens:  # per token id: for inputs that are token ids only
+            tokens = token_sums(on_cpu, x.cpu())
+            shard.update({"token_ids": tokens.ids, "token_counts": tokens.counts,
+                          **{f"token::{k}": v for k, v in tokens.sums.items()}})
+        cache.write(cache.calib_name(b), shard)
         progress("record calibration", done, len(todo), "")
 
 
@@ -83,11 +84,11 @@ def record_frontier_calibration(setup: Setup, cache: CoefficientCache, sites: Se
     calibration quantiles, which sums cannot give); resumes at the shards not on disk."""
     from fcaudit.engine.frontier import calib_name
     net, size = setup.model, setup.options.batch_size
-    n = -(-len(setup.data.calib_ids) // size)
+    n = -(-setup.data.n_calib // size)
     todo = ranks.mine([b for b in range(n) if not cache.has(calib_name(b))])
-    for done, (b, x) in enumerate(batches(setup.data.calib_ids, size, device_of(net), todo),
+    for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net), todo),
                                   start=1):
-        _, coefficients, _ = record_batch(net, sites, x)
+        _, coefficients, _ = record_batch(net, sites, x, None)
         cache.write(calib_name(b), {f"site::{k}": v.cpu() for k, v in coefficients.items()})
         progress("record frontier calibration", done, len(todo), "")
 
@@ -97,33 +98,42 @@ def frontier_calibration(setup: Setup, cache: CoefficientCache,
     """Site name -> its calibration coefficients, all batches in order."""
     from fcaudit.engine.frontier import calib_name
     size = setup.options.batch_size
-    shards = [cache.read(calib_name(b)) for b in range(-(-len(setup.data.calib_ids) // size))]
+    shards = [cache.read(calib_name(b)) for b in range(-(-setup.data.n_calib // size))]
     return {s.name: torch.cat([sh[f"site::{s.name}"] for sh in shards]) for s in sites}
 
 
 def calibration_profiles(setup: Setup, cache: CoefficientCache) -> StaticProfiles:
     """Static profiles from calibration data only: every batch's sums, added in batch
     order (so the result does not depend on which process recorded which batch)."""
-    size, ids = setup.options.batch_size, setup.data.calib_ids
+    size, n = setup.options.batch_size, setup.data.n_calib
     profiles = StaticProfiles(setup.sites)
-    for b in range(-(-len(ids) // size)):
+    for b in range(-(-n // size)):
         shard = cache.read(cache.calib_name(b))
         tokens = TokenSums(shard["token_ids"], shard["token_counts"],
-                           {s.name: shard[f"token::{s.name}"] for s in setup.sites})
+                           {s.name: shard[f"token::{s.name}"] for s in setup.sites}) \
+            if "token_ids" in shard else None
         profiles.add_sums({s.name: shard[f"site::{s.name}"] for s in setup.sites},
-                          len(ids[b * size:(b + 1) * size]), tokens)
+                          len(range(n)[b * size:(b + 1) * size]), tokens)
     return profiles
 
 
-def _eval_shard(nll: Tensor, coefficients: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    return {"nll": nll.cpu(), **{f"site::{k}": v.cpu() for k, v in coefficients.items()}}
+def _eval_shard(nll: Tensor, coefficients: Mapping[str, Tensor],
+                hits: Tensor | None = None) -> dict[str, Tensor]:
+    """``nll``: the objective's per-unit losses; ``hits``: per example, 1 when classified
+    correctly (classification only)."""
+    shard = {"nll": nll.cpu(), **{f"site::{k}": v.cpu() for k, v in coefficients.items()}}
+    return shard if hits is None else {**shard, HITS: hits.cpu()}
 
 
-def adopt_probe(cache: CoefficientCache, coefficients: Mapping[str, Tensor], nll: Tensor) -> None:
+HITS = "hits"
+
+
+def adopt_probe(cache: CoefficientCache, coefficients: Mapping[str, Tensor], nll: Tensor,
+                hits: Tensor | None = None) -> None:
     """Write the probe's batch as shard 0, or check it against a cached shard 0: a cache
     whose first batch a fresh pass does not reproduce bit for bit is never reused."""
     name = cache.eval_name(0)
-    shard = _eval_shard(nll, coefficients)
+    shard = _eval_shard(nll, coefficients, hits)
     if not cache.has(name):
         check_finite(coefficients, "evaluation data")
         check_finite_nll(nll, "the unperturbed record pass, batch 0")
@@ -143,12 +153,14 @@ def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
     net, sites = setup.model, setup.sites
     mine = ranks.mine(list(range(cache.n_batches)))
     todo = [b for b in mine if not cache.has(cache.eval_name(b))]
-    for done, (b, x) in enumerate(batches(setup.data.eval_ids, cache.batch_size,
+    objective = setup.objective
+    for done, (b, x) in enumerate(batches(setup.eval_source, cache.batch_size,
                                           device_of(net), todo), start=1):
-        _, coefficients, nll = record_batch(net, sites, x)
+        logits, coefficients, nll = record_batch(net, sites, x, objective)
         check_finite(coefficients, "evaluation data")
         check_finite_nll(nll, f"the unperturbed record pass, batch {b}")
-        cache.write(cache.eval_name(b), _eval_shard(nll, coefficients))
+        cache.write(cache.eval_name(b), _eval_shard(nll, coefficients,
+                                                    objective.hits(logits, x)))
         progress("record evaluation", done, len(todo), "")
     return {"batches_reused": len(mine) - len(todo), "batches_recorded": len(todo)}
 
@@ -167,7 +179,7 @@ def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], progre
     mine = ranks.mine(list(range(cache.n_batches)))
     todo = [b for b in mine if not _reusable(setup, inputs, runs, b)]
     kept_runs = 0
-    for done, (b, x) in enumerate(batches(setup.data.eval_ids, cache.batch_size,
+    for done, (b, x) in enumerate(batches(setup.eval_source, cache.batch_size,
                                           device_of(setup.model), todo), start=1):
         kept = _earlier_runs(setup, inputs, runs, b)
         kept_runs += len(kept.rows)
@@ -232,8 +244,14 @@ def _earlier_runs(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: in
 
 
 def _context(setup: Setup, b: int) -> bytes:
-    """What a batch's runs depend on besides their fed tensors: its token ids, the schedule."""
+    """What a batch's runs depend on besides their fed tensors: its token ids (or every
+    input and target tensor of its examples, bitwise), the schedule."""
     size = setup.options.batch_size
+    if not setup.data.tokens:
+        assert setup.data.examples is not None
+        named = setup.data.examples.named(b * size, (b + 1) * size)
+        head = f"{setup.options.schedule}\n{setup.objective.identity()}"
+        return digest_tensors(named, head.encode())
     ids = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids[b * size:(b + 1) * size]))
     return digest_tensors([("ids", ids)], setup.options.schedule.encode())
 
@@ -269,6 +287,7 @@ class Replays:
     route_changed: Tensor | None  # [tracked runs, router sites] tokens re-routed
     # [expert-ablation runs] token-slots that still picked the ablated expert (0: removed)
     still_selected: Tensor | None = None
+    hits: list[np.ndarray] | None = None  # per run: 1 per correctly classified example
 
 
 def replay_results(cache: CoefficientCache, options: AuditOptions) -> Replays:
@@ -283,8 +302,10 @@ def replay_results(cache: CoefficientCache, options: AuditOptions) -> Replays:
             for k in shards[0] if k.startswith("route_load::")}
     changed = sum(s["route_changed"] for s in shards) if "route_changed" in shards[0] else None
     still = sum(s[STILL_SELECTED] for s in shards) if STILL_SELECTED in shards[0] else None
+    hits = list(torch.cat([s[HITS] for s in shards], dim=1).numpy()) \
+        if HITS in shards[0] else None
     return Replays(list(per_run), max(float(s["identity_diff"]) for s in shards), schedule,
-                   load, changed, still)
+                   load, changed, still, hits)
 
 
 STILL_SELECTED = "ablation_still_selected"
@@ -299,9 +320,11 @@ class _Passes:
 
     def __init__(self, setup: Setup, inputs: ReplayInputs, b: int, x: Tensor) -> None:
         self.net, self.inputs, self.b, self.x = setup.model, inputs, b, x
+        self.objective = setup.objective
         self.context = _context(setup, b)
         self.correct_fed: dict[Site, Tensor] = {}
         self.still_selected: dict[str, int] = {}  # ablation run key -> picks of its expert
+        self.hits: dict[tuple[str, int], Tensor | None] = {}  # run -> correct per example
 
     def replay(self, run: Run, **kw: Any) -> tuple[Replayed, Tensor, bytes]:
         fed = feed(run, self.b, self.inputs, torch.device("cpu"))
@@ -310,17 +333,21 @@ class _Passes:
         if run.condition == "correct":
             self.correct_fed = fed
         ablating = run.expert is not None and run.site is not None
-        out = replay_batch(self.net, self.x, fed, **{**kw, "select": kw.get("select") or ablating})
+        out = replay_batch(self.net, self.x, fed, objective=self.objective,
+                           **{**kw, "select": kw.get("select") or ablating})
         if ablating:  # the family's own rule, on the ablated logits: does it still pick it?
             chosen = out.chosen[run.site.name]
             self.still_selected[run.key] = int((chosen == run.expert).sum())
-        nll = token_nll(out.logits, self.x).cpu()
+        nll = self.objective.units(out.output, self.x).cpu()
         check_finite_nll(nll, f"replay under {run.key}, batch {self.b}")
+        hits = self.objective.hits(out.output, self.x)
+        self.hits[run.key, run.repeat] = hits.cpu() if hits is not None else None
         return out, nll, digest
 
-    def correct_with(self, known: Mapping[str, Any] | None = None) -> Tensor:
-        """The correct replay's logits again (with ``known`` blocks stubbed)."""
-        return replay_batch(self.net, self.x, self.correct_fed, known=known).logits
+    def correct_with(self, known: Mapping[str, Any] | None = None) -> Replayed:
+        """The correct replay again (with ``known`` blocks stubbed)."""
+        return replay_batch(self.net, self.x, self.correct_fed, known=known,
+                            objective=self.objective)
 
 
 @torch.no_grad()
@@ -354,7 +381,7 @@ def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b
             changed[i] = [changed_rows(first.chosen[s.name], out.chosen[s.name])
                           for s in routed]
         done[i] = (nll.double().mean(1), digest)
-    diff = max(diff, _history_diff(setup, passes, first.logits, len(runs)))
+    diff = max(diff, _history_diff(setup, passes, first, len(runs)))
     if routed:
         shard["route_changed"] = torch.tensor([changed[i] for i in _replay_tracked(runs)],
                                               dtype=torch.float64)
@@ -362,6 +389,8 @@ def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b
         shard[STILL_SELECTED] = torch.tensor([passes.still_selected[r.key] for r in ablated],
                                              dtype=torch.int64)
     rows = [done[i] for i in range(len(runs))]
+    if passes.objective.accuracy:
+        shard[HITS] = torch.stack([passes.hits[r.key, r.repeat] for r in runs])
     return {"nll": torch.stack([r[0] for r in rows]),
             "feed_digest": _digest_tensor([r[1] for r in rows]),
             "identity_diff": torch.tensor(diff, dtype=torch.float64),
@@ -378,14 +407,14 @@ def _identity_diff(setup: Setup, nll: Tensor, recorded: Tensor, b: int) -> float
     return diff
 
 
-def _history_diff(setup: Setup, passes: _Passes, logits: Tensor, n_runs: int) -> float:
+def _history_diff(setup: Setup, passes: _Passes, first: Replayed, n_runs: int) -> float:
     """The correct replay once more, after every other run of the batch: a model whose
     output depends on earlier passes (state kept between calls) shows here, any schedule."""
     again = passes.correct_with()
-    if same_bits(again, logits):
+    if same_bits(again.logits, first.logits):
         return 0.0
-    x = passes.x
-    diff = float((token_nll(again, x) - token_nll(logits, x)).abs().max())
+    x, units = passes.x, passes.objective.units
+    diff = float((units(again.output, x) - units(first.output, x)).abs().max())
     if not setup.options.allow_nonexact_identity:
         raise FcauditError(
             f"the correct replay of batch {passes.b}, repeated after the batch's other "
@@ -412,7 +441,7 @@ def _per_layer(passes: _Passes, runs: Sequence[Run], first: Replayed,
     for i, site in layer:
         known = {p: trace.outputs[p] for p in trace.prefix(site.path)} if trace else {}
         if known and site.path not in proven:
-            if not same_bits(passes.correct_with(known), first.logits):
+            if not same_bits(passes.correct_with(known).logits, first.logits):
                 for j, _ in layer:
                     done[j] = _row(passes, runs[j])
                 return PREFIX_FELL_BACK

@@ -42,19 +42,35 @@ from fcaudit.engine.result import (
     LayerConditionResult,
     LayerImportance,
     LayerRouting,
+    Retention,
     RoutingSummary,
     TokenProfile,
 )
 
 
 def _condition(per_seq: Mapping[str, np.ndarray], repeats: Mapping[str, list[np.ndarray]],
-               key: str, boot: Bootstrap) -> ConditionResult:
+               key: str, boot: Bootstrap,
+               hits: Mapping[str, float] | None = None) -> ConditionResult:
     correct = per_seq["correct"]
     delta, ci = penalty(per_seq[key], correct, boot)
     reps = repeats[key]
     return ConditionResult(float(per_seq[key].mean()), delta, ci,
                            [float(r.mean()) for r in reps],
-                           [float((r - correct).mean()) for r in reps])
+                           [float((r - correct).mean()) for r in reps],
+                           None if hits is None else hits[key])
+
+
+def accuracies(runs: Sequence[Run], hits: Sequence[np.ndarray] | None,
+               original: np.ndarray | None) -> dict[str, float] | None:
+    """Run key -> share of examples classified correctly, repeats averaged (None where the
+    objective defines no accuracy)."""
+    if hits is None or original is None:
+        return None
+    by_key: dict[str, list[np.ndarray]] = {}
+    for run, values in zip(runs, hits, strict=True):
+        by_key.setdefault(run.key, []).append(values)
+    out = {k: float(np.mean([v.mean() for v in vs])) for k, vs in by_key.items()}
+    return {**out, "original": float(original.mean())}
 
 
 def paired_bootstrap(n: int, options: AuditOptions) -> Bootstrap:
@@ -72,33 +88,48 @@ class Summary:
 
 
 def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.ndarray,
-              sites: Sequence[Site], options: AuditOptions) -> Summary:
+              sites: Sequence[Site], options: AuditOptions,
+              skipped: Mapping[str, str] | None = None,
+              hits: Mapping[str, float] | None = None) -> Summary:
     """Penalties, retention and interaction from per-sequence NLLs (paired bootstrap);
-    ``replayed`` holds one array per run, in run order."""
+    ``replayed`` holds one array per run, in run order. ``skipped``: conditions not
+    applicable (not run) with the reason; ``hits``: accuracy per run key."""
+    skipped = skipped or {}
     repeats: dict[str, list[np.ndarray]] = {}
     for run, values in zip(runs, replayed, strict=True):  # repeats of a key come in order
         repeats.setdefault(run.key, []).append(values)
     repeats["original"] = [original]
     per_seq = {k: np.mean(v, axis=0) for k, v in repeats.items()}
     boot = paired_bootstrap(len(original), options)
-    conditions = {c: _condition(per_seq, repeats, c, boot) for c in MAIN_CONDITIONS}
+    conditions = {c: _condition(per_seq, repeats, c, boot, hits) for c in MAIN_CONDITIONS
+                  if c not in skipped}
     per_layer = {c: [LayerConditionResult(**dataclasses.asdict(_condition(
-        per_seq, repeats, f"{c}@{s.name}", boot)), layer=s.layer, site=s.name, family=s.family)
-        for s in sites] for c in PER_LAYER_CONDITIONS} if options.per_layer else {}
+        per_seq, repeats, f"{c}@{s.name}", boot, hits)), layer=s.layer, site=s.name,
+        family=s.family) for s in sites] for c in PER_LAYER_CONDITIONS} \
+        if options.per_layer else {}
     correct = per_seq["correct"]
     ret = {p: retention(per_seq[p], correct, per_seq["global-mean"], boot)
+           if p not in skipped else _not_applicable(per_seq, boot, skipped[p])
            for p in RETENTION_PROFILES}
     inter = interaction(per_seq["reassign+shuffle"], per_seq["reassign"], per_seq["shuffle"],
-                        correct, boot)
-    custom = {r.custom.name: _condition(per_seq, repeats, r.key, boot)
+                        correct, boot) if "shuffle" not in skipped else None
+    custom = {r.custom.name: _condition(per_seq, repeats, r.key, boot, hits)
               for r in runs if r.custom is not None}
     return Summary(conditions, per_layer, ret, inter, custom)
 
 
+def _not_applicable(per_seq: Mapping[str, np.ndarray], boot: Bootstrap,
+                    reason: str) -> Retention:
+    """The retention of a profile that does not apply: the gap as measured, no value."""
+    gap = retention(per_seq["static-layer"], per_seq["correct"], per_seq["global-mean"], boot)
+    return dataclasses.replace(gap, value=None, ci95=None, defined=False,
+                               reason=f"not applicable: {reason}")
+
+
 def describe(cache: CoefficientCache, sites: Sequence[Site],
-             ids: np.ndarray) -> tuple[dict, dict, dict, np.ndarray]:
-    """Variance (with the token-id share, from the evaluation token ids ``ids``),
-    variation and profiles per family, and the original per-sequence NLL."""
+             ids: np.ndarray | None) -> tuple[dict, dict, dict, np.ndarray]:
+    """Variance (with the token-id share, from the evaluation token ids ``ids``; none
+    without them), variation and profiles per family, and the original per-sequence NLL."""
     members = {f: [s for s in sites if s.family == f] for f in families(sites)}
     accumulators = {f: VarianceAccumulator(m) for f, m in members.items()}
     tokens = {f: TokenShare(m) for f, m in members.items()}
@@ -106,12 +137,14 @@ def describe(cache: CoefficientCache, sites: Sequence[Site],
     for b in range(cache.n_batches):
         coefficients = {s.name: cache.batch(b, f"site::{s.name}") for s in sites}
         rows = cache.batch_range(b)
-        batch_ids = torch.from_numpy(np.ascontiguousarray(ids[rows.start:rows.stop]))
         for f, acc in accumulators.items():
             acc.add(coefficients)
-            tokens[f].add(coefficients, batch_ids)
+            if ids is not None:
+                tokens[f].add(coefficients, torch.from_numpy(
+                    np.ascontiguousarray(ids[rows.start:rows.stop])))
         original[rows.start:rows.stop] = cache.batch(b, "nll").double().mean(1).numpy()
-    variance = {f: dataclasses.replace(a.decompose(), eta2_token_id=tokens[f].share())
+    variance = {f: dataclasses.replace(a.decompose(), eta2_token_id=tokens[f].share()
+                                       if ids is not None else None)
                 for f, a in accumulators.items()}
     return (variance, {f: a.variation() for f, a in accumulators.items()},
             {f: a.profile() for f, a in accumulators.items()}, original)

@@ -57,13 +57,15 @@ PENALTIES = {"reassign": "reassigning coefficients across inputs",
 
 def _label(conditions: Mapping[str, ConditionResult], kept: float | None) -> str:
     """The verdict's label; dependence rests on intervals above 0 only."""
-    r, s = conditions["reassign"], conditions["shuffle"]
-    above = [n for n in PENALTIES if conditions[n].ci95[0] > 0]
-    below = [n for n in PENALTIES if conditions[n].ci95[1] < 0]
-    if max(r.ci95[0], s.ci95[0]) > STRONG_PENALTY or (kept is not None
-                                                      and kept < STRONG_RETENTION):
+    # conditions not applicable to the sites (no position axis, no token ids) are absent
+    main = [conditions[n] for n in ("reassign", "shuffle") if n in conditions]
+    above = [n for n in PENALTIES if n in conditions and conditions[n].ci95[0] > 0]
+    below = [n for n in PENALTIES if n in conditions and conditions[n].ci95[1] < 0]
+    if max(c.ci95[0] for c in main) > STRONG_PENALTY or (kept is not None
+                                                         and kept < STRONG_RETENTION):
         return "Strong dependence on the coefficient assignment"
-    if kept is not None and kept >= WEAK_RETENTION and max(r.delta, s.delta) < WEAK_PENALTY:
+    if kept is not None and kept >= WEAK_RETENTION and \
+            max(c.delta for c in main) < WEAK_PENALTY:
         return "Weak dependence on the coefficient assignment"
     if kept is None and not above and below:
         helps = "; ".join(f"{PENALTIES[n]} lowers the NLL by {-conditions[n].delta:.4f} nats "
@@ -80,15 +82,18 @@ def _label(conditions: Mapping[str, ConditionResult], kept: float | None) -> str
 
 def dependence(conditions: Mapping[str, ConditionResult],
                retention: Mapping[str, Retention]) -> str:
-    r, s = conditions["reassign"], conditions["shuffle"]
+    r, s = conditions["reassign"], conditions.get("shuffle")
     sl = retention["static-layer"]
     kept = sl.value
     kept_txt = (f"a static per-layer profile keeps {kept:.2f}% [{sl.ci95[0]:.2f}, "
                 f"{sl.ci95[1]:.2f}] of the Correct-to-GlobalMean gap" if kept is not None
                 else "static-profile retention is undefined (no clear Correct-to-GlobalMean gap)")
+    shuffled = f"shuffling them across tokens {s.delta:+.4f} [{s.ci95[0]:+.4f}, " \
+        f"{s.ci95[1]:+.4f}]" if s is not None else \
+        "shuffling is not applicable (the coefficients have no position axis)"
     return (f"{_label(conditions, kept)}: reassigning coefficients across inputs costs "
-            f"{r.delta:+.4f} nats [{r.ci95[0]:+.4f}, {r.ci95[1]:+.4f}], shuffling them across "
-            f"tokens {s.delta:+.4f} [{s.ci95[0]:+.4f}, {s.ci95[1]:+.4f}]; {kept_txt}.")
+            f"{r.delta:+.4f} nats [{r.ci95[0]:+.4f}, {r.ci95[1]:+.4f}], {shuffled}; "
+            f"{kept_txt}.")
 
 
 def qualified(sentence: str, identity: Identity | None) -> str:
@@ -128,7 +133,8 @@ def verdict_execution(e: Execution) -> str:
         flops = "no FLOPs compared" if e.dense_flops_per_token is None else "no FLOPs counted"
     dense = f" (Dense {e.dense_blocks_executed:.2f})" if e.dense_blocks_executed is not None \
         else ""
-    text = (f"{head}: {e.blocks_executed:.2f} of {e.blocks_present} blocks run per token"
+    text = (f"{head}: {e.blocks_executed:.2f} of {e.blocks_present} blocks run per "
+            f"{e.unit or 'token'}"
             f"{dense}, {flops}")
     if e.timing is not None:
         ratio = e.timing.speed_ratio_vs_dense

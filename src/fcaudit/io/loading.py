@@ -47,6 +47,7 @@ class Arch:
     model_class: str
     config_class: str
     fixed: tuple[tuple[str, Any], ...] = ()  # config fields this arch forces
+    task: str = "lm"  # "lm": tokens to next-token logits; "vision": digits to class logits
 
     def _attr(self, name: str) -> Any:
         return getattr(importlib.import_module(self.module), name)
@@ -77,6 +78,15 @@ ARCHES: dict[str, Arch] = {
     "skipgate": Arch("skipgate", "fcaudit.models.skipgate", "SkipGateGPT", "SkipGateConfig"),
     "mudd": Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig"),
     "moe": Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig"),
+    "vit-moe": Arch("vit-moe", "fcaudit.models.vit_moe", "ViTMoE", "ViTMoEConfig",
+                    task="vision"),
+    "tokenprune": Arch("tokenprune", "fcaudit.models.tokenprune", "TokenPruneViT",
+                       "TokenPruneConfig", task="vision"),
+    "dense-vit": Arch("dense-vit", "fcaudit.models.vit", "ViT", "ViTConfig", task="vision"),
+    "condconv": Arch("condconv", "fcaudit.models.condconv", "CNN", "CNNConfig",
+                     (("condconv", True),), task="vision"),
+    "dense-cnn": Arch("dense-cnn", "fcaudit.models.condconv", "CNN", "CNNConfig",
+                      (("condconv", False),), task="vision"),
 }
 
 

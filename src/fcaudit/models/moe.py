@@ -91,13 +91,17 @@ def load_balance(logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
 
 
 class MoEBlock(nn.Module):
-    """Attention, then the routed expert mixture; ``h [B, T, C] -> [B, T, C]``."""
+    """Attention, then the routed expert mixture; ``h [B, T, C] -> [B, T, C]``. ``cfg``
+    needs ``n_embd``, ``n_head``, ``num_experts``, ``top_k`` and ``expert_hidden``;
+    the vision MoE swaps in unmasked attention."""
+
+    attention: type[nn.Module] = CausalSelfAttention
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.top_k = cfg.top_k
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = self.attention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.router = nn.Linear(cfg.n_embd, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg, hidden=cfg.expert_hidden, out_bias=False)
@@ -130,10 +134,15 @@ class MoEBlock(nn.Module):
         return (out + self.expert_bias).view_as(x)
 
 
-class MoEGPT(GPT):
-    """FeatureGate's network with :class:`MoEBlock`; ``input_ids [B, T] -> logits [B, T, V]``."""
+class Routed:
+    """What a network of :class:`MoEBlock` s (``self.blocks``, ``self.config.top_k``)
+    declares: its training term, router sites and expert layers. ``site_axes`` names
+    the router logits' leading axes (the language MoE's tokens, the vision MoE's patches)."""
 
-    block_class = MoEBlock
+    site_family = "moe"
+    site_axes: tuple[str, ...] = ("example", "token")
+    blocks: nn.ModuleList
+    config: MoEConfig
 
     @property
     def aux_loss(self) -> torch.Tensor | float:
@@ -145,8 +154,9 @@ class MoEGPT(GPT):
 
     def controller_sites(self) -> list[Site]:
         adapter = TopKLogits(self.config.top_k)  # the block picks the top-k of these logits
-        return [Site(name=f"blocks.{i}.router", path=f"blocks.{i}.router", family="moe",
-                     layer=i, adapter=adapter) for i in range(len(self.blocks))]
+        return [Site(name=f"blocks.{i}.router", path=f"blocks.{i}.router",
+                     family=self.site_family, layer=i, adapter=adapter, axes=self.site_axes,
+                     positions=(1,)) for i in range(len(self.blocks))]
 
     def expert_layers(self) -> list[ExpertLayer]:
         return [ExpertLayer(name=f"blocks.{i}.router",
@@ -154,3 +164,9 @@ class MoEGPT(GPT):
                                           for e in range(len(b.experts))),
                             num_experts=len(b.experts), top_k=b.top_k)
                 for i, b in enumerate(self.blocks)]
+
+
+class MoEGPT(Routed, GPT):
+    """FeatureGate's network with :class:`MoEBlock`; ``input_ids [B, T] -> logits [B, T, V]``."""
+
+    block_class = MoEBlock

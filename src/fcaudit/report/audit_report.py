@@ -140,6 +140,12 @@ def _lead(r: AuditResult) -> str:
                  + "; ")
     if data.get("calib_sequences") is not None:
         text += f"calibration: {fmt_num(data['calib_sequences'])} sequences. "
+    if data.get("eval_examples") is not None:  # inputs that are not token ids
+        objective = r.settings.get("objective", "")
+        return text + (f"Evaluation: {fmt_num(data['eval_examples'])} examples; calibration: "
+                       f"{fmt_num(data['calib_examples'])} examples. Loss: "
+                       f"{md_code(objective)} in nats per unit; Δ is relative to correct "
+                       "replay.")
     return text + "NLL in nats per token; Δ is relative to correct replay."
 
 
@@ -186,11 +192,15 @@ def _execution_facts(r: AuditResult) -> list[str]:
     ex = r.execution
     if not ex.measured:
         return [] if (ex.reason or "") in r.verdict.execution else [_not_measured(ex)]
-    facts = [f"Blocks executed per token: {fmt_num(ex.blocks_executed, 2)} of "
+    unit = ex.unit or "token"
+    facts = [f"Blocks executed per {unit}: {fmt_num(ex.blocks_executed, 2)} of "
              f"{fmt_num(ex.blocks_present)} present (dense: "
              f"{fmt_num(ex.dense_blocks_executed, 2)}).",
-             f"FLOPs per token: {fmt_num(ex.flops_per_token)} vs dense "
+             f"FLOPs per {unit}: {fmt_num(ex.flops_per_token)} vs dense "
              f"{fmt_num(ex.dense_flops_per_token)} (ratio {fmt_num(ex.flops_ratio)})."]
+    if ex.positions_per_block and any(p is not None for p in ex.positions_per_block):
+        facts.append("Positions entering each block per example: " + ", ".join(
+            "n/a" if p is None else fmt_num(p, 2) for p in ex.positions_per_block) + ".")
     if ex.uncounted_operators:
         facts.append(_uncounted(ex.uncounted_operators))
     if ex.timing is not None:
@@ -235,11 +245,24 @@ def _repeats_cell(c: ConditionResult) -> str:
 
 
 def _condition_table(conditions: Sequence[tuple[str, ConditionResult]]) -> str:
-    rows = ((md_code(n), CONDITION_MEANING.get(n, "user-defined intervention"), fmt_num(c.nll),
+    rows = [(md_code(n), CONDITION_MEANING.get(n, "user-defined intervention"), fmt_num(c.nll),
              fmt_num(c.delta, sign=True), fmt_ci(c.ci95, sign=True), _repeats_cell(c))
-            for n, c in conditions)
-    return md_table(("condition", "coefficients fed", "NLL (nats)", "Δ vs correct", "95% CI",
-                     "repeats"), rows, "llrrrl")
+            for n, c in conditions]
+    header = ("condition", "coefficients fed", "NLL (nats)", "Δ vs correct", "95% CI",
+              "repeats")
+    if any(c.accuracy is not None for _, c in conditions):  # classification
+        rows = [(*row, fmt_pct(100 * c.accuracy) if c.accuracy is not None else "n/a")
+                for row, (_, c) in zip(rows, conditions, strict=True)]
+        return md_table((*header, "accuracy"), rows, "llrrrlr")
+    return md_table(header, rows, "llrrrl")
+
+
+def _not_applicable(r: AuditResult) -> list[str]:
+    """Conditions that cannot act on these sites or inputs, each with its reason."""
+    if not r.not_applicable:
+        return []
+    return ["Not applicable (not run, no number): " + "; ".join(
+        f"{md_code(name)}: {md_text(why)}" for name, why in r.not_applicable.items()) + "."]
 
 
 def _identity_check(r: AuditResult) -> str:
@@ -259,7 +282,7 @@ def _identity_check(r: AuditResult) -> str:
 
 def _conditions(r: AuditResult) -> list[str]:
     blocks = ["## Conditions", _condition_table(_ordered(r.conditions, MAIN_CONDITIONS)),
-              _identity_check(r)]
+              *_not_applicable(r), _identity_check(r)]
     if r.custom_conditions:
         blocks += ["## Custom conditions",
                    "User-defined interventions, replayed and measured like the conditions "
@@ -291,6 +314,9 @@ def _retention(r: AuditResult) -> list[str]:
 
 def _interaction(r: AuditResult) -> list[str]:
     i = r.interaction
+    if i is None:
+        return ["## Interaction", "Not applicable: "
+                + md_text((r.not_applicable or {}).get("shuffle", "shuffle was not run")) + "."]
     return ["## Interaction",
             "I = Δ(reassign+shuffle) − Δ(reassign) − Δ(shuffle) = "
             f"**{fmt_with_ci(i.value, i.ci95)}**"
@@ -553,8 +579,12 @@ def _sites_table(r: AuditResult) -> str:
         shapes = list(dict.fromkeys(str(s.trailing_shape) for s in sites))
         shown = ", ".join(shapes) if len(shapes) <= 3 else \
             f"{shapes[0]} … {shapes[-1]} ({len(shapes)} distinct)"
+        axes = sites[0].axes
+        named = "" if axes is None else " (axes " + ", ".join(
+            f"{a}*" if i in (sites[0].positions or []) else a for i, a in enumerate(axes)) + \
+            "; * = positions)"
         rows.append((md_code(fam), str(len(sites)), md_code(sites[0].name),
-                     md_code(sites[-1].name), shown))
+                     md_code(sites[-1].name), shown + md_text(named)))
     return md_table(("family", "sites", "first", "last", "trailing shapes"), rows, "lrlll")
 
 

@@ -30,9 +30,10 @@ from fcaudit.core.nll import logits_of
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
 from fcaudit.engine.run import AuditOptions, as_loaded
-from fcaudit.io.data import DataSpec
+from fcaudit.io import digits
+from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.fileio import read_json, write_json, write_text
-from fcaudit.io.loading import LoadedModel, is_run_folder
+from fcaudit.io.loading import LoadedModel, get_arch, is_run_folder
 from fcaudit.io.outdir import STUDY_RESULTS, hold_output, replacing_results
 from fcaudit.io.runtime import versions
 from fcaudit.report.figures import (
@@ -47,8 +48,8 @@ from fcaudit.report.figures import (
     write_figures,
 )
 from fcaudit.report.markdown import md_code, md_fenced, md_figures, md_table, md_text, to_html
-from fcaudit.study import paper, trend
-from fcaudit.study.train import TrainPreset, resolve_schedule, train
+from fcaudit.study import paper, trend, vision
+from fcaudit.study.train import TrainPreset, run_schedule, train
 from fcaudit.study.trend import SeedResult, frontier_gap_25
 
 SCHEMA = "fcaudit.reproduction/1"
@@ -61,7 +62,8 @@ class Group:
     arch: str
     preset: str
     seeds: int
-    dense: str | None = "own"  # "own": the trained Dense twin of the same seed
+    dense: str | None = "own"  # "own": the trained Dense twin of the same seed; or the
+    # twin's arch (the vision families' dense-vit, dense-cnn), trained at the same preset
     schedule: TrainPreset | None = None  # None: the preset's own training settings
     point: str = ""  # a trend point (size and length, "tiny-600"); names the run folders
 
@@ -73,8 +75,12 @@ class Group:
     def name(self) -> str:
         return f"{self.arch}-{self.stem}"
 
+    @property
+    def dense_arch(self) -> str | None:
+        return "dense" if self.dense == "own" else self.dense
 
-STUDY_PRESETS = ("tiny", "paper", "trend")
+
+STUDY_PRESETS = ("tiny", "paper", "trend", "vision")
 
 
 def study(preset: str, seeds: int | None) -> list[Group]:
@@ -88,6 +94,11 @@ def study(preset: str, seeds: int | None) -> list[Group]:
                 Group("moe", "tiny", n), Group("skipgate", "tiny", 1)]
     if preset == "paper":
         return [Group("featuregate", "76m", seeds or 7), Group("featuregate", "504m", seeds or 3)]
+    if preset == "vision":  # routing, per-example kernel mixing, token pruning (on digits)
+        n = seeds or 3
+        return [Group("vit-moe", "tiny", n, dense="dense-vit"),
+                Group("tokenprune", "tiny", n, dense="dense-vit"),
+                Group("condconv", "tiny", n, dense="dense-cnn")]
     if preset == "trend":
         n = seeds or trend.SEEDS
         return [Group(arch, p.size, n, dense="own" if arch == "featuregate" else None,
@@ -119,9 +130,11 @@ def metrics_of(audit: AuditResult) -> dict[str, float | None]:
     """The numbers aggregated across seeds, flat, from one audit."""
     c, r = audit.conditions, audit.retention
     out: dict[str, float | None] = {"nll_correct": c["correct"].nll}
-    for name in CONDITIONS:
-        out[f"delta_{name}"] = c[name].delta
-    out["interaction"] = audit.interaction.value
+    if c["correct"].accuracy is not None:  # a classification objective
+        out["accuracy_correct"] = c["correct"].accuracy
+    for name in CONDITIONS:  # a condition that does not apply (no position axis) is None
+        out[f"delta_{name}"] = c[name].delta if name in c else None
+    out["interaction"] = audit.interaction.value if audit.interaction else None
     out["retention_static_layer"] = r["static-layer"].value
     out["retention_static_layer_position"] = r["static-layer-position"].value
     out["retention_static_layer_token"] = r["static-layer-token"].value
@@ -133,6 +146,10 @@ def metrics_of(audit: AuditResult) -> dict[str, float | None]:
         out["blocks_executed_fraction"] = ex.blocks_executed / ex.blocks_present
         out["flops_ratio"] = ex.flops_ratio
         out["speed_ratio"] = ex.speed_ratio_vs_dense
+    if ex.measured and ex.positions_per_block and ex.dense_positions_per_block \
+            and None not in (*ex.positions_per_block, *ex.dense_positions_per_block):
+        out["tokens_executed_fraction"] = sum(ex.positions_per_block) / \
+            sum(ex.dense_positions_per_block)
     if ex.experts is not None:
         out["experts_executed_fraction"] = ex.experts.experts_per_token_summed_over_layers / \
             ex.experts.experts_present_summed_over_layers
@@ -147,8 +164,14 @@ def metrics_of(audit: AuditResult) -> dict[str, float | None]:
     for family, routing in (audit.routing or {}).items():
         if family == audit.families[0]:
             for condition in ("reassign", "shuffle", "static-layer", "static-layer-token"):
-                out[f"rerouted_{condition}"] = routing.changed[condition]
+                out[f"rerouted_{condition}"] = routing.changed.get(condition)
     return out
+
+
+def twin_metrics(dense_config: Mapping[str, Any] | None) -> dict[str, float]:
+    """The trained dense twin's own evaluation accuracy (vision twins), beside the model's."""
+    results = (dense_config or {}).get("results", {})
+    return {"twin_accuracy": results["eval_accuracy"]} if "eval_accuracy" in results else {}
 
 
 @dataclass(frozen=True)
@@ -211,7 +234,7 @@ def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettin
     A finished run trained with other settings (a smoke study's ``--steps``, say) is
     refused rather than reused, so a study never mixes training lengths silently.
     """
-    expected = dataclasses.asdict(resolve_schedule(preset, st.steps, schedule))
+    expected = dataclasses.asdict(run_schedule(arch, preset, st.steps, schedule))
     if not is_run_folder(folder):
         with clock.timing(folder):
             train(arch, preset, seed, folder, force=True, steps=st.steps,
@@ -226,13 +249,19 @@ def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettin
 
 
 def _audit(audit_dir: Path, model: str | LoadedModel, st: StudySettings, options: AuditOptions,
-           dense: str | None, clock: Clock) -> AuditResult:
+           dense: str | None, clock: Clock, vision: bool = False) -> AuditResult:
     """The audit in ``audit_dir``, always through the engine: a finished one is not read
     back as it is (its options or model may differ from this study's), but rerun, and the
-    engine reuses every cached record and replay whose digests prove it the same."""
+    engine reuses every cached record and replay whose digests prove it the same. A
+    ``vision`` model is scored by classification on the digits' own splits."""
     started = time.perf_counter()
-    result = audit(model, audit_dir, dense=dense, options=options,
-                   data=DataSpec(max_eval=st.max_eval, max_calib=st.max_calib))
+    if vision:
+        data: DataSpec | AuditData = digits.audit_data(st.max_eval, st.max_calib)
+        # the savings frontier is counted in token units; not run on images (yet)
+        options = dataclasses.replace(options, objective="classification", frontier=False)
+    else:
+        data = DataSpec(max_eval=st.max_eval, max_calib=st.max_calib)
+    result = audit(model, audit_dir, dense=dense, options=options, data=data)
     reuse = (result.runtime.reuse or {}) if result.runtime else {}
     clock.record(audit_dir, time.perf_counter() - started,
                  made_before=reuse.get("batches_recomputed") == 0
@@ -248,14 +277,16 @@ def run_group(group: Group, out: Path, st: StudySettings, clock: Clock) -> list[
         config = _ensure_run(group.arch, group.preset, seed, run, st, group.schedule, clock)
         wall = clock.of(run, config["results"]["train_wall_s"])
         dense, dense_config = None, None
-        if group.dense == "own" and st.options.execution:  # the twin serves execution only
-            dense = out / "runs" / f"dense-{group.stem}-s{seed}"
-            dense_config = _ensure_run("dense", group.preset, seed, dense, st, group.schedule,
+        twin = group.dense_arch
+        if twin is not None and st.options.execution:  # the twin serves execution only
+            dense = out / "runs" / f"{twin}-{group.stem}-s{seed}"
+            dense_config = _ensure_run(twin, group.preset, seed, dense, st, group.schedule,
                                        clock)
             wall += clock.of(dense, dense_config["results"]["train_wall_s"])
         audit_dir = out / "audits" / f"{group.name}-s{seed}"
         audit = _audit(audit_dir, str(run), st, dataclasses.replace(st.options, seed=seed),
-                       None if dense is None else str(dense), clock)
+                       None if dense is None else str(dense), clock,
+                       vision=get_arch(group.arch).task == "vision")
         wall += clock.of(audit_dir, audit.runtime.timings["total_s"])
         done.append(SeedResult(seed, config, audit, dense_config, round(wall, 1)))
     return done
@@ -271,7 +302,9 @@ def _fmt(stats: Mapping[str, Any] | None, digits: int = 4, pct: bool = False) ->
 
 
 ROWS: tuple[tuple[str, str, int, bool], ...] = (
-    ("nll_correct", "NLL (correct replay)", 4, False),
+    ("nll_correct", "NLL (correct replay; classification: cross-entropy)", 4, False),
+    ("accuracy_correct", "accuracy (correct replay)", 4, False),
+    ("twin_accuracy", "dense twin's accuracy", 4, False),
     ("delta_reassign", "penalty: reassign", 4, False),
     ("delta_shuffle", "penalty: shuffle", 4, False),
     ("delta_reassign+shuffle", "penalty: reassign+shuffle", 4, False),
@@ -292,6 +325,7 @@ ROWS: tuple[tuple[str, str, int, bool], ...] = (
     ("blocks_executed_fraction", "blocks executed / present", 3, False),
     ("flops_ratio", "FLOPs ratio vs dense", 3, False),
     ("experts_executed_fraction", "experts executed / present", 3, False),
+    ("tokens_executed_fraction", "patch tokens entering blocks / dense twin's", 3, False),
     ("rerouted_reassign", "expert sets re-routed: reassign", 3, False),
     ("rerouted_shuffle", "expert sets re-routed: shuffle", 3, False),
     ("rerouted_static-layer", "expert sets re-routed: static-layer", 3, False),
@@ -421,11 +455,13 @@ def _figure_specs(groups: Mapping[str, Mapping[str, Any]]) -> list[FigureSpec]:
     penalties = {name: {c: Span(float(np.mean([a.conditions[c].delta for a in g["audits"]])),
                                 min(a.conditions[c].ci95[0] for a in g["audits"]),
                                 max(a.conditions[c].ci95[1] for a in g["audits"]))
-                        for c in CONDITIONS} for name, g in groups.items()}
+                        for c in CONDITIONS  # not those a layout has no use for (no positions)
+                        if all(c in a.conditions for a in g["audits"])}
+                 for name, g in groups.items()}
     retention = {name: [Span.of(r.value, r.ci95)
                         for r in (a.retention["static-layer"] for a in g["audits"])]
                  for name, g in groups.items()}
-    shares = {name: {k: g["aggregate"][k]["mean"] for k in ETA2_KEYS}
+    shares = {name: {k: (g["aggregate"].get(k) or {}).get("mean") for k in ETA2_KEYS}
               for name, g in groups.items()}
     ratios = {name: {label: _seed_span(g["aggregate"].get(key)) for key, label in RATIOS}
               for name, g in groups.items()}
@@ -447,9 +483,15 @@ def _markdown(result: Mapping[str, Any], figures: Sequence[RenderedFigure]) -> s
     listing = ", ".join(f"{md_text(n)} ({len(g['audits'])})" for n, g in groups.items())
     blocks = ["# fcaudit reproduction: Dynamic Parameterization Is Not Dynamic Inference",
               f"Study preset {md_text(result['preset'])}; groups (seeds): {listing}."]
+    if result.get("vision"):
+        rows = result["vision"]
+        blocks += ["## Vision families on digits (mean over seeds; penalties in nats of "
+                   "cross-entropy, [span of the seeds' 95% intervals])",
+                   md_table(tuple(rows[0]), ([md_text(v) for v in r.values()] for r in rows),
+                            "l" * len(rows[0]))]
     if result["findings"]:
         blocks += ["## Findings at this scale",
-                   md_table(("paper finding", "here"),
+                   md_table(("finding" if result.get("vision") else "paper finding", "here"),
                             ((md_text(f), md_text(v)) for f, v in result["findings"]), "ll")]
     else:
         blocks += ["## Findings across scales",
@@ -533,27 +575,32 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
     for stem, members in itertools.groupby(study(preset, seeds), key=lambda g: g.stem):
         done = {group.arch: run_group(group, out, st, clock) for group in members}
         for arch, seed_results in done.items():
-            audits = [r.audit for r in seed_results]
-            groups[f"{arch}-{stem}"] = {"audits": audits,
-                                        "aggregate": aggregate([metrics_of(a) for a in audits])}
+            per_seed = [{**metrics_of(r.audit), **twin_metrics(r.dense_config)}
+                        for r in seed_results]
+            groups[f"{arch}-{stem}"] = {"audits": [r.audit for r in seed_results],
+                                        "per_seed": per_seed, "aggregate": aggregate(per_seed)}
         if preset == "trend":  # the point is finished: its summary, before the next one
             write_json(out / trend.POINTS / f"{stem}.json", trend.point_summary(points[stem], done))
     if mudd_checkpoint:
         audit = _audit(out / "audits" / "muddpythia-checkpoint", mudd_checkpoint, st, st.options,
                        None, clock)
-        groups["mudd-checkpoint"] = {"audits": [audit], "aggregate": aggregate([metrics_of(audit)])}
+        groups["mudd-checkpoint"] = {"audits": [audit], "per_seed": [metrics_of(audit)],
+                                     "aggregate": aggregate([metrics_of(audit)])}
     command = command or shlex.join(["fcaudit", "reproduce", "--preset", preset, "--out",
                                      str(out)])
     result = {"schema": SCHEMA, "preset": preset, "command": command, "groups": groups,
               # one scale's findings; a trend's are in trend.md, point by point
-              "findings": [] if preset == "trend" else findings(groups),
+              "findings": [] if preset == "trend" else
+              vision.findings(groups) if preset == "vision" else findings(groups),
               "versions": versions()}
+    if preset == "vision":
+        result["vision"] = vision.table(groups)
     if preset == "trend":
         trend.write_trend(out / trend.POINTS, out, command)
     figures = write_figures(_figure_specs(groups), out / "figures")
     markdown = _markdown(result, figures)
     summary = {**result, "groups": {n: {"aggregate": g["aggregate"], "seeds": len(g["audits"]),
-                                        "per_seed": [metrics_of(a) for a in g["audits"]]}
+                                        "per_seed": g["per_seed"]}
                                     for n, g in groups.items()}}
     write_text(out / "reproduction.md", markdown)
     write_text(out / "report.html", to_html("fcaudit reproduction", markdown, figures))

@@ -9,11 +9,13 @@ folder holding nothing but a run's files, and removes those by name.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,11 +149,29 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
     device = str(resolve_device(device))
     out = Path(out)
     arch = get_arch(arch_name)
+    if arch.task == "vision":
+        return _train_vision(arch, preset, seed, out, force, steps, progress, device, data,
+                             schedule)
     tp = resolve_schedule(preset, steps, schedule)
     cfg = arch.config(preset)
     check_run_out(out, force)
     with hold_output(out, "run"):
         return _train(arch, preset, seed, out, tp, cfg, device, progress, data)
+
+
+def _train_vision(arch: Arch, preset: str, seed: int, out: Path, force: bool,
+                  steps: int | None, progress: bool, device: str, data: str | Path | None,
+                  schedule: TrainPreset | None) -> Path:
+    """A vision arch trains on the bundled digits (:mod:`fcaudit.study.vision`)."""
+    from fcaudit.study import vision
+    if data is not None or schedule is not None:
+        raise FcauditError(f"{arg('arch', arch.name)} trains on scikit-learn's bundled digits "
+                           f"with its preset's schedule; drop {arg('data')}")
+    tp = vision.schedule(preset, steps)
+    cfg = arch.config(preset)
+    check_run_out(out, force)
+    with hold_output(out, "run"):
+        return vision.train_vision(arch, preset, seed, out, tp, cfg, device, progress)
 
 
 def resolve_schedule(preset: str, steps: int | None = None,
@@ -164,6 +184,16 @@ def resolve_schedule(preset: str, steps: int | None = None,
     if steps is not None:
         tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))
     return tp
+
+
+def run_schedule(arch_name: str, preset: str, steps: int | None = None,
+                 schedule: TrainPreset | None = None) -> Any:
+    """The settings a run of ``arch_name`` trains with: a vision arch's
+    (:func:`fcaudit.study.vision.schedule`), else :func:`resolve_schedule`'s."""
+    if get_arch(arch_name).task == "vision":
+        from fcaudit.study import vision
+        return vision.schedule(preset, steps)
+    return resolve_schedule(preset, steps, schedule)
 
 
 def check_run_out(out: Path, force: bool) -> None:
@@ -200,38 +230,54 @@ def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: 
     eval_windows = eval_windows[spread_pick(len(eval_windows), tp.eval_sequences)]
     torch.manual_seed(seed)
     model = arch.build(cfg).to(device)
-    work = make_work_dir(out)
-    try:
-        claim_output(work, "run")
+    with building(out) as work:
         log, wall = _fit(model, train_tokens, tp, np.random.default_rng(seed), progress,
                          f"train {arch.name}/{preset} seed {seed}")
         eval_nll = mean_nll(model, eval_windows)
         uni = unigram_nll(train_tokens, eval_windows, cfg.vocab_size)
         log.append({"event": "eval", "eval_nll": eval_nll, "unigram_nll": uni,
                     "train_wall_s": round(wall, 2)})
-        save_run_model(work, model.cpu())
         write_text(work / "tokenizer.json", tok.to_str())
-        write_text(work / "train_log.jsonl", "".join(json.dumps(e) + "\n" for e in log))
-        write_json(work / "config.json", {
-            "fcaudit_run": 1, "arch": arch.name, "preset": preset, "seed": seed,
+        write_run(work, model, log, {
+            "arch": arch.name, "preset": preset, "seed": seed,
             "model_config": dataclasses.asdict(cfg), "train": dataclasses.asdict(tp),
             "data": {**data_record, "train_tokens": int(len(train_tokens)),
                      "eval_sequences": int(len(eval_windows))},
             "results": {"eval_nll": eval_nll, "unigram_nll": uni,
                         "n_params": sum(p.numel() for p in model.parameters()),
-                        "train_wall_s": round(wall, 2), "device": device},
-            # load_run refuses weights changed after this
-            "weights_sha256": sha256_file(work / "model.safetensors"),
-            "versions": versions(),
-        })
+                        "train_wall_s": round(wall, 2), "device": device}})
+    return out
+
+
+@contextlib.contextmanager
+def building(out: Path) -> Iterator[Path]:
+    """A fresh work folder to assemble a run in, swapped in for ``out`` (held by the
+    caller) when the body finished; removed, and ``out`` untouched, when it failed."""
+    work = make_work_dir(out)
+    try:
+        claim_output(work, "run")
+        yield work
         record_files(work, RUN_FILES)
         _swap_in(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # this call's own mkdtemp folder
-    return out
 
 
-def _optimizer(model: nn.Module, tp: TrainPreset) -> torch.optim.Optimizer:
+def write_run(work: Path, model: nn.Module, log: list[dict[str, Any]],
+              config: dict[str, Any]) -> None:
+    """The weights, the training log and ``config.json`` (``config`` plus the run marker,
+    the weights' digest and the versions) of a trained model."""
+    save_run_model(work, model.cpu())
+    write_text(work / "train_log.jsonl", "".join(json.dumps(e) + "\n" for e in log))
+    write_json(work / "config.json", {
+        "fcaudit_run": 1, **config,
+        # load_run refuses weights changed after this
+        "weights_sha256": sha256_file(work / "model.safetensors"),
+        "versions": versions(),
+    })
+
+
+def adamw(model: nn.Module, tp: TrainPreset) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not on biases, norms or gains)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -243,7 +289,7 @@ def _optimizer(model: nn.Module, tp: TrainPreset) -> torch.optim.Optimizer:
 def _fit(model: nn.Module, tokens: np.ndarray, tp: TrainPreset, rng: np.random.Generator,
          progress: bool, label: str) -> tuple[list[dict[str, Any]], float]:
     """``tp.steps`` steps on random windows of ``tokens``; the log and the wall time."""
-    opt = _optimizer(model, tp)
+    opt = adamw(model, tp)
     device = next(model.parameters()).device
     log: list[dict[str, Any]] = []
     started = time.perf_counter()

@@ -1,0 +1,85 @@
+"""The vision families' images: scikit-learn's bundled handwritten digits, split by index.
+
+``sklearn.datasets.load_digits`` ships 1,797 grey 8x8 images of the digits 0-9 inside
+the scikit-learn package (UCI "Optical Recognition of Handwritten Digits", test part),
+so nothing is downloaded. Pixels (integers 0..16) are divided by 16 into float32
+``[N, 1, 8, 8]`` in [0, 1]; targets are int64 class ids ``[N]``.
+
+The split is fixed by index in the order ``load_digits`` returns them, the same on every
+machine, run and seed: images ``0..1196`` train, ``1197..1496`` calibrate (the audit's
+static profiles only) and ``1497..1796`` evaluate (everything the audit measures, and
+each run's reported accuracy). The three never share an image.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fcaudit.core.errors import FcauditError, arg
+
+if TYPE_CHECKING:
+    from fcaudit.io.data import AuditData, DataSpec
+
+SPLITS: dict[str, range] = {"train": range(0, 1197), "calib": range(1197, 1497),
+                            "eval": range(1497, 1797)}
+NUM_CLASSES = 10
+IMAGE_SHAPE = (1, 8, 8)
+
+
+@cache
+def _all() -> tuple[np.ndarray, np.ndarray]:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise FcauditError("the vision families read scikit-learn's bundled digits: install "
+                           "them with `pip install 'fcaudit[vision]'`") from exc
+    bunch = load_digits()
+    images = (bunch.images.astype(np.float32) / 16.0).reshape(-1, *IMAGE_SHAPE)
+    return images, bunch.target.astype(np.int64)
+
+
+def digits(split: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(images [N, 1, 8, 8] float32 in [0, 1], targets [N] int64)`` of one split
+    (``train``, ``calib`` or ``eval``); copies, so a caller may edit them."""
+    if split not in SPLITS:
+        raise FcauditError(f"unknown digits split {split!r}; choose one of {', '.join(SPLITS)}")
+    images, targets = _all()
+    rows = SPLITS[split]
+    return images[rows.start:rows.stop].copy(), targets[rows.start:rows.stop].copy()
+
+
+def split_record() -> dict[str, object]:
+    """What a run's ``config.json`` says about its data."""
+    return {"source": "sklearn.datasets.load_digits", "pixels": "x / 16, float32 [N, 1, 8, 8]",
+            **{f"{name}_indices": [r.start, r.stop - 1] for name, r in SPLITS.items()}}
+
+
+def audit_data(max_eval: int | None, max_calib: int | None) -> AuditData:
+    """The evaluation and calibration splits (their first ``max_*`` images) to audit on."""
+    from fcaudit.io.data import AuditData
+    x, y = digits("eval")
+    xc, _ = digits("calib")
+    return AuditData(inputs=x[:max_eval], targets=y[:max_eval], calib_inputs=xc[:max_calib],
+                     sources={**split_record(),
+                              "eval_images": len(x[:max_eval]),
+                              "calib_images": len(xc[:max_calib])})
+
+
+def run_audit_data(spec: DataSpec | None, run: str) -> AuditData:
+    """The data a vision run folder is audited on when none is given: its own digits
+    splits (``max_eval`` / ``max_calib`` of ``spec``); text or token options are refused,
+    since they would be ignored."""
+    from fcaudit.io.data import DataSpec
+    spec = spec or DataSpec()
+    spec.validate()
+    given = [name for name in ("text", "calib_text", "tokens", "calib_tokens", "seq_len")
+             if getattr(spec, name) is not None]
+    if given:
+        raise FcauditError(f"{run} is a vision run, audited on the digits' evaluation and "
+                           f"calibration images: drop {', '.join(arg(n) for n in given)}, or "
+                           "give other images as AuditData(inputs=..., targets=..., "
+                           "calib_inputs=...) / --inputs, --targets, --calib-inputs")
+    return audit_data(spec.max_eval, spec.max_calib)

@@ -1,0 +1,198 @@
+"""Examples that are not token ids: image tensors, dicts of tensors, a torch Dataset.
+
+:class:`Examples` holds every example's input (one tensor ``[N, ...]`` or a dict of such
+tensors, fed as ``model(x)`` or ``model(**x)``) and its target, materialised once on the
+CPU so that batching, sharding, caching and resume see exactly the same bits on every
+pass. An :class:`ExampleBatch` is one slice of it, what a model and an objective receive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fcaudit.core.errors import FcauditError, arg
+
+Inputs = Tensor | dict[str, Tensor]
+
+
+@dataclass
+class ExampleBatch:
+    """One batch: ``inputs`` (a tensor ``[B, ...]`` or a dict of them) and ``targets``
+    (``[B, ...]`` or None), what a model and a user objective receive."""
+
+    inputs: Any
+    targets: Tensor | None
+
+    def __len__(self) -> int:
+        return int(next(iter(_tensors(self.inputs))).shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(_tensors(self.inputs))).device
+
+    def to(self, device: torch.device) -> ExampleBatch:
+        moved = {k: v.to(device) for k, v in self.inputs.items()} \
+            if isinstance(self.inputs, dict) else self.inputs.to(device)
+        return ExampleBatch(moved, None if self.targets is None else self.targets.to(device))
+
+
+def _tensors(inputs: Any) -> Iterator[Tensor]:
+    yield from (inputs.values() if isinstance(inputs, dict) else (inputs,))
+
+
+def call_model(model: Any, x: Any) -> Any:
+    """``model(**inputs)`` for a dict batch, else ``model(inputs)`` (token ids alike)."""
+    if isinstance(x, ExampleBatch):
+        return model(**x.inputs) if isinstance(x.inputs, dict) else model(x.inputs)
+    return model(x)
+
+
+def _tensor(value: Any, where: str) -> Tensor:
+    """A numeric CPU tensor ``[N, ...]`` from a numpy array or tensor, or a one-line error."""
+    if isinstance(value, Tensor):
+        tensor = value.detach().to("cpu")
+    elif isinstance(value, np.ndarray):
+        if value.dtype.hasobject or value.dtype.kind not in "biuf":
+            raise FcauditError(f"{where} has dtype {value.dtype}; give numeric arrays (float "
+                               "or integer), not objects or strings")
+        tensor = torch.from_numpy(value)
+    else:
+        raise FcauditError(f"{where} is a {type(value).__name__}; give a numpy array or torch "
+                           "tensor [N, ...] (or a dict of them)")
+    if tensor.dim() < 1 or tensor.is_complex():
+        raise FcauditError(f"{where} has shape {list(tensor.shape)} {tensor.dtype}; give real "
+                           "arrays with the examples on the first axis [N, ...]")
+    # a fresh row-major copy: numpy views may carry 0 strides, and the caller's array may
+    # change after the audit read it
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+
+
+def as_inputs(value: Any, where: str) -> Inputs:
+    """One tensor, or a dict name -> tensor with the same number of examples."""
+    if isinstance(value, Mapping):
+        if not value or not all(isinstance(k, str) for k in value):
+            raise FcauditError(f"{where} is a dict: give a non-empty dict of input name -> "
+                               "array [N, ...]")
+        out = {k: _tensor(v, f"{where}[{k!r}]") for k, v in value.items()}
+        counts = {k: int(v.shape[0]) for k, v in out.items()}
+        if len(set(counts.values())) != 1:
+            raise FcauditError(f"{where}: its arrays hold different numbers of examples "
+                               f"{counts}; give one row per example in every array")
+        return out
+    return _tensor(value, where)
+
+
+def _stack(items: list[Any], where: str) -> Any:
+    first = items[0]
+    if isinstance(first, Mapping):
+        return {k: _stack([it[k] for it in items], f"{where}[{k!r}]") for k in first}
+    try:
+        return torch.stack([torch.as_tensor(np.asarray(it) if not isinstance(it, Tensor)
+                                            else it) for it in items])
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise FcauditError(f"{where}: its items cannot be stacked into one batch ({exc}); "
+                           "every item must have the same shape") from exc
+
+
+def from_dataset(dataset: Any, where: str) -> tuple[Any, Any]:
+    """A map-style torch Dataset of ``(inputs, target)`` pairs, read once into arrays."""
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise FcauditError(f"{where} is a {type(dataset).__name__}; give a map-style torch "
+                           "Dataset (len() and [i]) of (inputs, target) pairs")
+    items = [dataset[i] for i in range(len(dataset))]
+    if not items:
+        raise FcauditError(f"{where} holds no examples; give at least 2")
+    if not all(isinstance(it, (tuple, list)) and len(it) == 2 for it in items):
+        raise FcauditError(f"{where}: every item must be an (inputs, target) pair")
+    return _stack([it[0] for it in items], where), _stack([it[1] for it in items],
+                                                          f"{where} targets")
+
+
+@dataclass
+class Examples:
+    """Every example's inputs and targets, as CPU tensors with the examples first."""
+
+    inputs: Inputs
+    targets: Tensor | None
+
+    @classmethod
+    def of(cls, inputs: Any, targets: Any, where: str) -> Examples:
+        """``where``: "" (evaluation) or "calib_", naming the fields in errors."""
+        named_x, named_y = (arg(f"{where}{f}", py=f"AuditData.{where}{f}")
+                            for f in ("inputs", "targets"))
+        x = as_inputs(inputs, named_x)
+        y = None if targets is None else _tensor(targets, named_y)
+        examples = cls(x, y)
+        if y is not None and len(y) != len(examples):
+            raise FcauditError(f"{named_x} holds {len(examples)} examples but {named_y} "
+                               f"{len(y)}; give one target per example")
+        return examples
+
+    def __len__(self) -> int:
+        return int(next(iter(_tensors(self.inputs))).shape[0])
+
+    def rows(self, start: int, stop: int) -> ExampleBatch:
+        inputs = {k: v[start:stop] for k, v in self.inputs.items()} \
+            if isinstance(self.inputs, dict) else self.inputs[start:stop]
+        return ExampleBatch(inputs, None if self.targets is None else self.targets[start:stop])
+
+    def layout(self) -> dict[str, list[Any]]:
+        """Each input's per-example shape and dtype (what must match between the sets)."""
+        named = self.inputs.items() if isinstance(self.inputs, dict) else [("inputs",
+                                                                             self.inputs)]
+        return {k: [list(v.shape[1:]), str(v.dtype).removeprefix("torch.")] for k, v in named}
+
+    def named(self, start: int = 0, stop: int | None = None) -> list[tuple[str, Tensor]]:
+        """Every tensor of rows ``start:stop`` by name, targets last (for digests)."""
+        batch = self.rows(start, len(self) if stop is None else stop)
+        named = sorted(batch.inputs.items()) if isinstance(batch.inputs, dict) else \
+            [("inputs", batch.inputs)]
+        return named + ([("targets", batch.targets)] if batch.targets is not None else [])
+
+    def example_hashes(self) -> list[str]:
+        """SHA-256 of each example's input bits, to prove two sets share no example."""
+        return [_digest(self.named(i, i + 1)[:-1] if self.targets is not None
+                        else self.named(i, i + 1)) for i in range(len(self))]
+
+    def fingerprint(self) -> str:
+        return _digest(self.named())
+
+
+def _digest(named: list[tuple[str, Tensor]]) -> str:
+    hasher = hashlib.sha256()
+    for name, t in named:
+        t = t.contiguous()
+        hasher.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
+        hasher.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def load_npy(path: str | Path, what: str) -> np.ndarray:
+    """A numeric ``.npy`` array, loaded without pickle; anything else in one line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FcauditError(f"{what} file not found: {path}; check the path")
+    with open(path, "rb") as fh:
+        magic = fh.read(6)
+    if magic != b"\x93NUMPY":
+        raise FcauditError(f"{what} {path} is not a .npy file; save one array with "
+                           "np.save(path, array)")
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        raise FcauditError(f"{what} {path} needs pickle to load (an object array); save a "
+                           "numeric array with np.save") from exc
+    except Exception as exc:
+        raise FcauditError(f"{what} {path} is not a readable .npy file ({exc}); it may be "
+                           "truncated: save it again with np.save") from exc
+    if arr.dtype.kind not in "biuf":
+        raise FcauditError(f"{what} {path} has dtype {arr.dtype}; give a numeric array")
+    return arr

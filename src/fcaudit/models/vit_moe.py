@@ -1,0 +1,62 @@
+"""ViT-MoE: the tiny ViT with every MLP replaced by top-2-of-8 experts (V-MoE style).
+
+Each block is the language MoE's block (:class:`fcaudit.models.moe.MoEBlock`) with
+unmasked attention: the router ``blocks.{l}.router`` (a linear layer without bias over
+``LN_2(h)``) gives logits ``[B, P, E]`` per patch token, the ``top_k`` largest pick the
+experts and a softmax over those weights them, and each expert runs only on the patch
+tokens routed to it (the language MoE's gather, run, weighted scatter-add). The
+routers are the controller sites (family ``vit-moe``, axes example x patch), so the
+audit's shuffle permutes router logits across the patches of one image.
+
+Expert width ``4 * n_embd / top_k`` with one shared output bias, as in the language
+MoE: a patch token's active MLP parameters equal the dense ViT's MLP, so the dense
+twin (:class:`fcaudit.models.vit.ViT` of the same size) has the active parameters of
+this model without its routers. Training adds the load-balancing loss
+(:func:`fcaudit.models.moe.load_balance`), weighted by ``aux_loss_coef``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fcaudit.core.errors import FcauditError, check_sizes
+from fcaudit.models.moe import MoEBlock, Routed
+from fcaudit.models.vit import Attention, ViT, ViTConfig
+
+
+@dataclass(frozen=True)
+class ViTMoEConfig(ViTConfig):
+    num_experts: int = 8
+    top_k: int = 2
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss in training
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_sizes(self, ("num_experts", "top_k"))
+        if not 1 <= self.top_k <= self.num_experts:
+            raise FcauditError(f"top_k={self.top_k} must be in 1..num_experts="
+                               f"{self.num_experts}")
+        if 4 * self.n_embd % self.top_k:
+            raise FcauditError(f"4 * n_embd={4 * self.n_embd} must divide by top_k={self.top_k} "
+                               "for the active experts to match the dense MLP's width")
+
+    @property
+    def expert_hidden(self) -> int:
+        return 4 * self.n_embd // self.top_k
+
+
+PRESETS: dict[str, ViTMoEConfig] = {"tiny": ViTMoEConfig()}
+
+
+class ViTMoEBlock(MoEBlock):
+    """Unmasked attention, then the routed expert mixture; ``[B, P, C] -> [B, P, C]``."""
+
+    attention = Attention
+
+
+class ViTMoE(Routed, ViT):
+    """``images [B, C, H, W] -> logits [B, num_classes]`` with routed expert MLPs."""
+
+    block_class = ViTMoEBlock
+    site_family = "vit-moe"
+    site_axes = ("example", "patch")

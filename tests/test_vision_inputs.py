@@ -221,3 +221,19 @@ def test_two_processes_give_the_single_process_audit_on_images(tmp_path) -> None
     assert double == single
     assert single["conditions"]["shuffle"]["ci95"][0] > 0
 
+
+
+def test_compare_of_audits_on_other_inputs_names_examples_and_a_missing_interaction(
+        tmp_path) -> None:
+    """Two audits of per-example mixers on the same images: paired, counted in examples,
+    and the interaction (no shuffle on [B, K]) is a dash, not a crash or a number."""
+    results = [mixer_audit(vt.class_mixer), mixer_audit(vt.constant_mixer)]
+    assert all(r.interaction is None for r in results)
+    comparison = fcaudit.compare(results, tmp_path / "cmp", labels=["class", "constant"])
+    content = comparison.to_json()
+    assert content["data"]["identical"] and content["data"]["eval_examples"] == 16
+    inter = next(q for q in content["tables"]["quantities"] if q["kind"] == "interaction")
+    assert inter["models"] == {"class": None, "constant": None}
+    md = (tmp_path / "cmp" / "compare.md").read_text(encoding="utf-8")
+    assert "on the same 16 evaluation examples" in md
+    assert md.count("| 16 evaluation examples |") == 2

@@ -59,10 +59,10 @@ from fcaudit.report.markdown import (
 COMPARE_SCHEMA = "fcaudit.compare/1"
 MISSING = "—"  # a quantity this audit does not hold
 # What makes two audits' numbers paired, checked in this order: the evaluation windows
-# (their count, length and content digest), then the calibration windows, which the
-# static profiles are estimated on.
-DATA_FIELDS = ("seq_len", "eval_sequences", "eval_fingerprint", "calib_sequences",
-               "calib_fingerprint")
+# (their count, length and content digest) or examples (inputs other than token ids), then
+# the calibration data, which the static profiles are estimated on.
+DATA_FIELDS = ("seq_len", "eval_sequences", "eval_examples", "eval_fingerprint",
+               "calib_sequences", "calib_examples", "calib_fingerprint")
 REROUTED_CONDITIONS = ("reassign", "shuffle", "static-layer")
 LABELS = arg("labels", cli="--label")  # the CLI's --label is repeated, once per audit
 
@@ -179,7 +179,8 @@ def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[R
                  if n in r.conditions else None)
              for name in names(lambda r: r.conditions, MAIN_CONDITIONS) if name != "correct"]
     rows.append(row("interaction", "interaction",
-                    lambda r: {"value": r.interaction.value, "ci95": r.interaction.ci95}))
+                    lambda r: {"value": r.interaction.value, "ci95": r.interaction.ci95}
+                    if r.interaction is not None else None))  # None: shuffle not applicable
     rows += [row("retention", name, lambda r, n=name: _retention_cell(r.retention[n])
                  if n in r.retention else None)
              for name in names(lambda r: r.retention, RETENTION_PROFILES)]
@@ -384,10 +385,9 @@ def _data_block(data: Row) -> str:
     if data["identical"]:
         every = "Both" if data["audits"] == 2 else f"All {data['audits']}"
         return (f"**Identical evaluation data.** {every} audits were measured "
-                f"on the same {fmt_num(data['eval_sequences'])} evaluation windows of "
-                f"{fmt_num(data['seq_len'])} tokens (fingerprint "
+                f"on the same {_eval_units(data)} (fingerprint "
                 f"{md_code(_short(data['eval_fingerprint']))}) with the same calibration "
-                "windows, so every number below is paired across models: where models differ "
+                "data, so every number below is paired across models: where models differ "
                 "(checkpoints of one run, or families on the built-in corpus), the data by "
                 "design do not.")
     fields = "; ".join(f"{md_code(d['field'])}: " + ", ".join(
@@ -398,14 +398,22 @@ def _data_block(data: Row) -> str:
             f"(compared anyway, as asked with `--allow-different-data`). Differing: {fields}.")
 
 
+def _eval_units(row: Row) -> str:
+    """The evaluation data in its own units: token windows, or examples of other inputs."""
+    if row.get("eval_sequences") is None and row.get("eval_examples") is not None:
+        return f"{fmt_num(row['eval_examples'])} evaluation examples"
+    return (f"{fmt_num(row.get('eval_sequences'))} evaluation windows of "
+            f"{fmt_num(row.get('seq_len'))} tokens")
+
+
 def _models_md(rows: Sequence[Row]) -> list[str]:
     cells = [(md_text(r["model"]), md_code(r["audit"]) if r["audit"] else "(in memory)",
               md_code(r["spec"]), md_text(r["class"]), fmt_num(r["n_params"]),
-              f"{fmt_num(r['eval_sequences'])} × {fmt_num(r['seq_len'])}",
+              _eval_units(r),
               md_code(_short(r["eval_fingerprint"])), md_code(r["fcaudit_version"]))
              for r in rows]
     return ["## Models", md_table(("model", "audit", "spec", "class", "parameters",
-                                   "eval windows", "eval fingerprint", "fcaudit"),
+                                   "evaluation data", "eval fingerprint", "fcaudit"),
                                   cells, "lllllrll")]
 
 

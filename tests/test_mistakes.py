@@ -55,6 +55,8 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("timing pairs too few", [*TOY, *TOKENS, "--timing-pairs", "5"], "--timing-pairs 5"),
     ("frontier points 1", [*TOY, *TOKENS, "--frontier", "--frontier-points", "1"],
      "--frontier-points 1: must be an integer between 2 and 20"),
+    ("min sequences 1", [*TOY, *TOKENS, "--target-ci", "0.1", "--min-sequences", "1"],
+     "--min-sequences 1: must be an integer of at least 2"),
     ("frontier without execution", [*TOY, *TOKENS, "--frontier", "--no-execution"],
      "--frontier needs the execution audit"),
     ("seed negative", [*TOY, *TOKENS, "--seed", "-1"], "--seed -1"),

@@ -109,7 +109,7 @@ from fcaudit.engine.summary import (
 from fcaudit.engine.verdicts import dependence, qualified, variation
 from fcaudit.io.data import AuditData, DataSpec, resolve_data
 from fcaudit.io.digits import run_audit_data
-from fcaudit.io.examples import ExampleBatch, call_model
+from fcaudit.io.examples import OTHER_INPUTS, ExampleBatch, call_model
 from fcaudit.io.loading import LoadedModel, get_arch, load, load_module
 from fcaudit.io.placement import PLACEMENT, Placement, offload_space
 from fcaudit.io.runtime import host, versions
@@ -244,8 +244,6 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
 
 
 # inputs that are not token ids, in the caller's words
-OTHER_INPUTS = arg("inputs", py="AuditData(inputs=..., targets=..., calib_inputs=...)",
-                   cli="--inputs, --targets and --calib-inputs")
 
 
 def _prepare_examples(loaded: LoadedModel, out: str | Path | None, sites: list[Site],

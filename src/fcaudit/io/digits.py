@@ -78,8 +78,8 @@ def run_audit_data(spec: DataSpec | None, run: str) -> AuditData:
     given = [name for name in ("text", "calib_text", "tokens", "calib_tokens", "seq_len")
              if getattr(spec, name) is not None]
     if given:
+        from fcaudit.io.examples import OTHER_INPUTS
         raise FcauditError(f"{run} is a vision run, audited on the digits' evaluation and "
                            f"calibration images: drop {', '.join(arg(n) for n in given)}, or "
-                           "give other images as AuditData(inputs=..., targets=..., "
-                           "calib_inputs=...) / --inputs, --targets, --calib-inputs")
+                           f"give other images as {OTHER_INPUTS}")
     return audit_data(spec.max_eval, spec.max_calib)

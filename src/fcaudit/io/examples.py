@@ -20,6 +20,10 @@ from torch import Tensor
 
 from fcaudit.core.errors import FcauditError, arg
 
+# inputs other than token ids, named for either reader of a message
+OTHER_INPUTS = arg("inputs", py="AuditData(inputs=..., targets=..., calib_inputs=...)",
+                   cli="--inputs, --targets and --calib-inputs")
+
 Inputs = Tensor | dict[str, Tensor]
 
 

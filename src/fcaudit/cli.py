@@ -665,22 +665,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FcauditError as exc:
         if args.debug:
             raise
-        print(f"fcaudit: error: {_one_line(exc.for_cli())}", file=sys.stderr)
+        _say(f"fcaudit: error: {_one_line(exc.for_cli())}")
         return 2
     except KeyboardInterrupt:
         if args.debug:
             raise
-        print(f"fcaudit: interrupted; {INTERRUPTED.get(args.command, 'nothing was lost')}",
-              file=sys.stderr)
+        _say(f"fcaudit: interrupted; {INTERRUPTED.get(args.command, 'nothing was lost')}")
         return 130
     except Exception as exc:  # not a known user error: still one line, traceback on --debug
         if args.debug:
             raise
-        print(f"fcaudit: error: unexpected {type(exc).__name__} ({_one_line(exc)}); this is a "
-              "bug in fcaudit or in the model: rerun with --debug for the traceback and report "
-              "it", file=sys.stderr)
+        _say(f"fcaudit: error: unexpected {type(exc).__name__} ({_one_line(exc)}); this is a "
+             "bug in fcaudit or in the model: rerun with --debug for the traceback and report it")
         return 1
     return 0
+
+
+def _say(line: str) -> None:
+    """One line to stderr in a single write: the processes of a torchrun audit share the
+    stream, and a line written in two parts (text, then newline) interleaves with theirs."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 INTERRUPTED = {

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,17 +51,22 @@ class MoEConfig(GPTConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_sizes(self, ("num_experts", "top_k"))
-        if not 1 <= self.top_k <= self.num_experts:
-            raise FcauditError(f"top_k={self.top_k} must be in 1..num_experts="
-                               f"{self.num_experts}")
-        if 4 * self.n_embd % self.top_k:
-            raise FcauditError(f"4 * n_embd={4 * self.n_embd} must divide by top_k={self.top_k} "
-                               "for the active experts to match the Dense MLP's width")
+        check_experts(self, "Dense")
 
     @property
     def expert_hidden(self) -> int:
         return 4 * self.n_embd // self.top_k
+
+
+def check_experts(cfg: MoEConfig | Any, twin: str) -> None:
+    """``num_experts`` / ``top_k`` sizes of a routed config (the tiny MoE's, ViT-MoE's):
+    the active experts' width must equal the ``twin``'s MLP width."""
+    check_sizes(cfg, ("num_experts", "top_k"))
+    if not 1 <= cfg.top_k <= cfg.num_experts:
+        raise FcauditError(f"top_k={cfg.top_k} must be in 1..num_experts={cfg.num_experts}")
+    if 4 * cfg.n_embd % cfg.top_k:
+        raise FcauditError(f"4 * n_embd={4 * cfg.n_embd} must divide by top_k={cfg.top_k} "
+                           f"for the active experts to match the {twin} MLP's width")
 
 
 PRESETS: dict[str, MoEConfig] = {

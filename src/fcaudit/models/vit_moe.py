@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fcaudit.core.errors import FcauditError, check_sizes
-from fcaudit.models.moe import MoEBlock, Routed
+from fcaudit.models.moe import MoEBlock, Routed, check_experts
 from fcaudit.models.vit import Attention, ViT, ViTConfig
 
 
@@ -32,13 +31,7 @@ class ViTMoEConfig(ViTConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_sizes(self, ("num_experts", "top_k"))
-        if not 1 <= self.top_k <= self.num_experts:
-            raise FcauditError(f"top_k={self.top_k} must be in 1..num_experts="
-                               f"{self.num_experts}")
-        if 4 * self.n_embd % self.top_k:
-            raise FcauditError(f"4 * n_embd={4 * self.n_embd} must divide by top_k={self.top_k} "
-                               "for the active experts to match the dense MLP's width")
+        check_experts(self, "dense")
 
     @property
     def expert_hidden(self) -> int:

@@ -18,10 +18,14 @@ folder (about half a minute).
 ``--offload`` measures instead a model bigger than its memory budget (and writes
 ``docs/results/offload.json``): a random-initialised Mixtral-shaped MoE of about
 ``--offload-gb`` GB in float32 is saved as a Hugging Face folder under /tmp, then audited
-twice on a few short sequences, once loaded whole and once with ``--device-map auto
---max-memory cpu=BUDGET --offload-folder DIR`` (layers beyond the budget read from disk per
-call); it prints both peak RSS and wall times and whether the two audit.json agree outside
-``runtime`` (several minutes; about the model's size in memory for the whole-model run).
+on a few short sequences, loaded whole and with ``--device-map auto --max-memory
+cpu=BUDGET --offload-folder DIR`` (layers beyond the budget read from disk per call). Both
+run once with memory free, then again in a memory cgroup whose hard limit (``--limit``,
+default the budget plus 1 GiB) counts page cache too (``memlimit.py``): the offloaded audit
+must finish there, equal outside ``runtime`` to the whole-model one, while the whole model
+does not fit. It prints each run's peak RSS, its anonymous part (what no memory pressure
+takes back) and wall time (several minutes; about twice the model's size in memory for the
+whole-model run; the capped runs need root).
 
     python benchmarks/memory.py --offload                 # 6 GB model, cpu=2GiB
     python benchmarks/memory.py --offload --offload-model /tmp/moe-6gb  # reuse a folder
@@ -32,13 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from memlimit import ChildRun, MemoryCgroup, evict, memory_cgroup, run_measured
 from resultfile import RESULTS, ResultFile
 from sidebyside import machine
 
@@ -46,23 +50,24 @@ AUDIT_FLAGS = ["--no-per-layer", "--no-execution", "--repeats", "1", "--quiet"]
 # the offload case: every main condition once, experts counted, no per-layer or ablation runs
 OFFLOAD_FLAGS = ["--repeats", "1", "--bootstrap", "100", "--no-per-layer",
                  "--no-expert-ablation", "--timing-pairs", "0", "--batch-size", "4", "--quiet"]
+# --limit's default above the budget: torch, activations and the layer being read in
+HEADROOM = 2**30
 MOE_SHAPE = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2048,
              "num_attention_heads": 16, "num_key_value_heads": 8, "num_local_experts": 8,
              "num_experts_per_tok": 2, "max_position_embeddings": 256,
              "tie_word_embeddings": False}
 
 
-def run_child(args: Sequence[str]) -> tuple[float, int]:
-    """Run ``python -m fcaudit.cli ARGS``; its wall seconds and peak RSS in bytes."""
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "fcaudit.cli", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    stderr = proc.stderr.read() if proc.stderr else ""
-    _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage, not all children's
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"fcaudit {' '.join(args)} failed ({proc.returncode}):\n{stderr}")
-    return time.perf_counter() - start, usage.ru_maxrss * 1024  # kB on Linux
+def run_child(args: Sequence[str], group: MemoryCgroup | None = None) -> ChildRun:
+    """Run ``python -m fcaudit.cli ARGS`` (in ``group``, if given), measured."""
+    return run_measured([sys.executable, "-m", "fcaudit.cli", *args], group)
+
+
+def ok(run: ChildRun, args: Sequence[str]) -> ChildRun:
+    """``run``, or stop the benchmark with the child's error."""
+    if run.returncode != 0:
+        raise SystemExit(f"fcaudit {' '.join(args)} failed ({run.returncode}):\n{run.stderr}")
+    return run
 
 
 def cache_bytes(cache: Path) -> tuple[int, int]:
@@ -113,9 +118,59 @@ def canonical(audit_json: Path) -> dict:
     return result
 
 
+def offload_runs(folder: Path, tmp: Path, budget: str, limit: int
+                 ) -> tuple[dict[str, dict], str | None]:
+    """The four audits, each its own child process: whole and offloaded with memory free,
+    then both again in a memory cgroup capped at ``limit`` bytes (the offloaded one must
+    finish there; the whole model should not fit). Rows by case, and why the capped runs
+    were not made, if they were not."""
+    data = ["--tokens", f"{tmp}/eval.npy", "--calib-tokens", f"{tmp}/calib.npy"]
+    placed = ["--device-map", "auto", "--max-memory", f"cpu={budget}",
+              "--offload-folder", f"{tmp}/offload"]
+    cases = [("in_memory", [], False), ("offloaded", placed, False),
+             ("offloaded_capped", placed, True), ("in_memory_capped", [], True)]
+    rows: dict[str, dict] = {}
+    with memory_cgroup(limit) as group:
+        why = group if isinstance(group, str) else None
+        for case, extra, capped in cases:
+            if capped and why:
+                continue
+            out = tmp / case
+            args = ["audit", "--model", str(folder), "--out", str(out), *data,
+                    *OFFLOAD_FLAGS, *extra]
+            if capped:  # the model's pages are charged to the capped child, not to a cache
+                evict(sorted(folder.glob("*.safetensors")))
+            run = run_child(args, group if capped else None)
+            row = {"wall_s": run.wall_s, "peak_rss_bytes": run.peak_rss_bytes,
+                   "peak_anon_bytes": run.peak_anon_bytes,
+                   "peak_file_bytes": run.peak_file_bytes, "returncode": run.returncode,
+                   "limit_bytes": run.limit_bytes, "cgroup_peak_bytes": run.cgroup_peak_bytes,
+                   "oom_killed": run.oom_killed, "finished": run.returncode == 0}
+            if run.returncode == 0:
+                audit = json.loads((out / "audit.json").read_text())
+                row.update(identity_max_abs_diff=audit["identity_replay_max_abs_diff"],
+                           identity_exact="identity" not in audit,
+                           placement=audit["runtime"].get("placement"),
+                           canonical=canonical(out / "audit.json"))
+            elif not (capped and case == "in_memory_capped"):  # only that one may fail
+                ok(run, args)
+            rows[case] = row
+            state = "finished" if run.returncode == 0 else \
+                f"ended {run.returncode}{' (OOM kill)' if run.oom_killed else ''}"
+            print(f"{case}: {state}, {run.wall_s:.0f}s, peak RSS "
+                  f"{run.peak_rss_bytes / 2**30:.2f} GiB (anonymous "
+                  f"{run.peak_anon_bytes / 2**30:.2f}), load {os.getloadavg()[0]:.2f}",
+                  flush=True)
+    return rows, why
+
+
 def offload_case(args: argparse.Namespace) -> None:
-    """The whole-model audit against the offloaded one, each in its own child process."""
+    """The whole-model audit against the offloaded one, with memory free and capped."""
     import numpy as np
+
+    from fcaudit.io.placement import parse_size
+    budget = parse_size(args.budget, "--budget")
+    limit = parse_size(args.limit, "--limit") if args.limit else budget + HEADROOM
     print(f"{machine()}\n")
     record = ResultFile("memory.py")
     record.start()
@@ -130,28 +185,16 @@ def offload_case(args: argparse.Namespace) -> None:
         for name in ("eval", "calib"):
             ids = rng.integers(0, MOE_SHAPE["vocab_size"], (args.offload_seqs, 32))
             np.save(Path(tmp) / f"{name}.npy", ids.astype(np.int64))
-        data = ["--tokens", f"{tmp}/eval.npy", "--calib-tokens", f"{tmp}/calib.npy"]
-        placed = ["--device-map", "auto", "--max-memory", f"cpu={args.budget}",
-                  "--offload-folder", f"{tmp}/offload"]
-        rows = {}
-        for case, extra in (("in_memory", []), ("offloaded", placed)):
-            out = Path(tmp) / case
-            seconds, rss = run_child(["audit", "--model", str(folder), "--out", str(out),
-                                      *data, *OFFLOAD_FLAGS, *extra])
-            audit = json.loads((out / "audit.json").read_text())
-            rows[case] = {"peak_rss_bytes": rss, "wall_s": seconds,
-                          "identity_max_abs_diff": audit["identity_replay_max_abs_diff"],
-                          "identity_exact": "identity" not in audit,
-                          "placement": audit["runtime"].get("placement"),
-                          "canonical": canonical(out / "audit.json")}
-            print(f"{case}: {seconds:.0f}s, peak RSS {rss / 2**30:.2f} GiB, load "
-                  f"{os.getloadavg()[0]:.2f}", flush=True)
-        same = rows["in_memory"].pop("canonical") == rows["offloaded"].pop("canonical")
+        rows, why = offload_runs(folder, Path(tmp), args.budget, limit)
+        audits = [row.pop("canonical") for row in rows.values() if "canonical" in row]
+        same = all(a == audits[0] for a in audits[1:])
         left = (Path(tmp) / "offload").exists()
-    print(f"\naudit.json equal outside runtime: {same}; offload folder left behind: {left}")
+    print(f"\n{len(audits)} finished audit.json equal outside runtime: {same}; offload "
+          f"folder left behind: {left}" + (f"; capped runs not made: {why}" if why else ""))
     print(f"after: {machine()}")
     record.write(args.json or RESULTS / "offload.json", {
         "command": " ".join(["fcaudit audit", *OFFLOAD_FLAGS]), "budget": args.budget,
+        "limit_bytes": limit, "capped_not_made": why,
         "eval_sequences": args.offload_seqs, "seq_len": 32, "model": model,
         "build_s": build_s, "equal_outside_runtime": same, "offload_folder_left": left,
         "rows": rows})
@@ -172,6 +215,10 @@ def main() -> None:
     parser.add_argument("--offload-seqs", type=int, default=4,
                         help="evaluation and calibration sequences of 32 tokens")
     parser.add_argument("--budget", default="2GiB", help="--max-memory cpu=BUDGET")
+    parser.add_argument("--limit", default=None, metavar="SIZE",
+                        help="the memory cgroup's hard limit for the capped runs (default: "
+                             "the budget plus 1GiB, for torch, activations and the layer "
+                             "read in)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
                         help="result file (default: docs/results/memory.json, with --offload "
                              "docs/results/offload.json)")
@@ -188,15 +235,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fcaudit-memory-") as tmp:
         run = args.run or str(Path(tmp) / "fg")
         if not args.run:
-            train_s, _ = run_child(["train", "--arch", "featuregate", "--preset", "tiny",
-                                    "--steps", "30", "--out", run, "--quiet"])
+            train = ["train", "--arch", "featuregate", "--preset", "tiny", "--steps", "30",
+                     "--out", run, "--quiet"]
+            train_s = ok(run_child(train), train).wall_s
             print(f"trained {run} in {train_s:.0f}s")
         rows = []
         for i, factor in enumerate(args.factors):
             out = Path(tmp) / f"audit-{i}"  # a fresh folder each: no cache is reused
-            seconds, rss = run_child(["audit", "--model", run, "--out", str(out),
-                                      "--max-eval", str(factor * args.n),
-                                      "--max-calib", str(args.max_calib), *AUDIT_FLAGS])
+            audit = ["audit", "--model", run, "--out", str(out), "--max-eval",
+                     str(factor * args.n), "--max-calib", str(args.max_calib), *AUDIT_FLAGS]
+            done = ok(run_child(audit), audit)
+            seconds, rss = done.wall_s, done.peak_rss_bytes
             n_eval = json.loads((out / "audit.json").read_text())["data"]["eval_sequences"]
             total, growing = cache_bytes(out / "cache")
             rows.append((factor, n_eval, rss, total, growing, seconds))

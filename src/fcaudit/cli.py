@@ -231,7 +231,9 @@ def _add_audit(sub: Any) -> None:
                      help="place the weights across GPUs, CPU memory and disk with "
                           "accelerate (instead of --device)")
     big.add_argument("--max-memory", default=None, metavar="DEV=SIZE,...",
-                     help="budget per device, e.g. cpu=8GiB,cuda:0=70GiB")
+                     help="budget per device for the weights, e.g. cpu=8GiB,cuda:0=70GiB "
+                          "(the process needs some memory beyond the cpu budget: torch, "
+                          "activations, the layer being read in from disk)")
     big.add_argument("--offload-folder", default=None, type=user_path, metavar="DIR",
                      help="folder for the weights placed on disk (new or empty; what fcaudit "
                           "writes there is removed afterwards)")

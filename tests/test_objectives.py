@@ -183,7 +183,39 @@ def test_cli_audit_with_inputs_and_targets(tmp_path, capsys) -> None:
     assert "accuracy" in res.stdout
 
 
+def test_cli_max_eval_and_max_calib_pick_rows_of_the_inputs(tmp_path, capsys) -> None:
+    """--max-eval/--max-calib with --inputs take that many rows spread evenly over the
+    arrays: the audit equals one given exactly those rows (picked here by hand)."""
+    x, y = images()
+    xc = images(seed=1)[0]
+    rows, calib_rows = [0, 3, 6, 9, 12, 15], [0, 5, 10, 15]  # 6 and 4 of 16, evenly spread
+    for name, arr in (("x", x), ("y", y), ("xc", xc), ("x6", x[rows]), ("y6", y[rows]),
+                      ("xc4", xc[calib_rows])):
+        np.save(tmp_path / f"{name}.npy", arr)
+    audits = {}
+    for case, inputs, extra in (
+            ("picked", ("x", "y", "xc"), ["--max-eval", "6", "--max-calib", "4"]),
+            ("by hand", ("x6", "y6", "xc4"), [])):
+        out = tmp_path / case
+        argv = ["audit", "--model", "vision_toys:tiny_condconv", "--out", out, *FAST_ARGS,
+                *[str(v) for flag, name in zip(("--inputs", "--targets", "--calib-inputs"),
+                                               inputs, strict=True)
+                  for v in (flag, tmp_path / f"{name}.npy")], *extra]
+        res = run_inprocess(argv, capsys)
+        assert res.returncode == 0, res.stderr
+        audits[case] = json.loads((out / "audit.json").read_text())
+    picked, by_hand = audits["picked"], audits["by hand"]
+    assert picked["data"]["eval_examples"] == 6 and picked["data"]["eval_picked"] == \
+        "6 of 16, spread evenly" and picked["data"]["calib_picked"] == "4 of 16, spread evenly"
+    logits = reference_logits(x[rows])
+    assert picked["conditions"]["correct"]["accuracy"] == \
+        float((logits.argmax(1) == y[rows]).mean())
+    for key in ("conditions", "static_profiles", "identity_replay_max_abs_diff"):
+        assert picked.get(key) == by_hand.get(key), key
+
+
 @pytest.mark.parametrize(("change", "expected"), [
+    ("max eval 1", "--max-eval 1"),
     ("object", "needs pickle to load"),
     ("also tokens", "--inputs and --tokens both given"),
     ("token-nll", "--objective token-nll scores token ids"),
@@ -204,6 +236,8 @@ def test_cli_refuses_bad_arrays_in_one_line(tmp_path, capsys, change: str,
             "--calib-inputs": tmp_path / "xc.npy", "--objective": "classification"}
     if change == "also tokens":
         args["--tokens"] = tmp_path / "x.npy"
+    elif change == "max eval 1":
+        args["--max-eval"] = 1
     elif change == "token-nll":
         args["--objective"] = "token-nll"
     elif change == "no calib":

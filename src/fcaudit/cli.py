@@ -217,9 +217,12 @@ def _add_audit(sub: Any) -> None:
                         "a Hugging Face folder or other model: min(256, its context), which "
                         "may exceed the length it was trained at; token arrays: their width). "
                         "The length used and its source are printed and kept in audit.json")
-    a.add_argument("--max-eval", type=int, default=64, help="evaluation sequences (default 64)")
-    a.add_argument("--max-calib", type=int, default=64,
-                   help="calibration sequences (default 64)")
+    a.add_argument("--max-eval", type=int, default=None,
+                   help="evaluation sequences, spread evenly over what the data holds "
+                        "(default 64; with --inputs, every example unless given)")
+    a.add_argument("--max-calib", type=int, default=None,
+                   help="calibration sequences, likewise (default 64; with --calib-inputs, "
+                        "every example unless given)")
     a.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                    help="load the model (and --dense) in this dtype (default: as stored)")
     a.add_argument("--device", default="cpu",
@@ -373,14 +376,15 @@ def _data_spec(args: argparse.Namespace) -> Any:
     for flag in ("targets", "calib_targets"):
         if getattr(args, flag) is not None:
             raise FcauditError(f"--{flag.replace('_', '-')} needs --inputs and --calib-inputs")
+    counts = {k: getattr(args, k) for k in ("max_eval", "max_calib")
+              if getattr(args, k) is not None}  # else DataSpec's defaults
     return DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
-                    calib_tokens=args.calib_tokens, seq_len=args.seq_len,
-                    max_eval=args.max_eval, max_calib=args.max_calib)
+                    calib_tokens=args.calib_tokens, seq_len=args.seq_len, **counts)
 
 
 def _array_data(args: argparse.Namespace) -> Any:
     """``--inputs`` and friends as AuditData; token options beside them are refused."""
-    from fcaudit.io.data import AuditData
+    from fcaudit.io.data import AuditData, DataSpec, spread_pick
     from fcaudit.io.examples import load_npy
     mixed = [f for f in ("data", "calib_data", "tokens", "calib_tokens", "seq_len")
              if getattr(args, f) is not None]
@@ -393,11 +397,22 @@ def _array_data(args: argparse.Namespace) -> Any:
     if args.objective == "token-nll":
         raise FcauditError("--objective token-nll scores token ids: give them with --tokens, "
                            "or use --objective classification with --inputs")
+    DataSpec(max_eval=args.max_eval, max_calib=args.max_calib).validate()  # their bounds
     arrays = {f: load_npy(getattr(args, f), f"--{f.replace('_', '-')}")
               if getattr(args, f) is not None else None
               for f in ("inputs", "targets", "calib_inputs", "calib_targets")}
-    return AuditData(**arrays, sources={"source": "arrays", "eval_path": str(args.inputs),
-                                        "calib_path": str(args.calib_inputs)})
+    sources: dict[str, object] = {"source": "arrays", "eval_path": str(args.inputs),
+                                  "calib_path": str(args.calib_inputs)}
+    for prefix, count in (("", args.max_eval), ("calib_", args.max_calib)):
+        x, y = arrays[f"{prefix}inputs"], arrays[f"{prefix}targets"]
+        if count is None or count >= len(x) or (y is not None and len(y) != len(x)):
+            continue  # all of them; rows that disagree are refused by the examples' check
+        rows = spread_pick(len(x), count)
+        arrays[f"{prefix}inputs"] = x[rows]
+        if y is not None:
+            arrays[f"{prefix}targets"] = y[rows]
+        sources[f"{prefix or 'eval_'}picked"] = f"{count} of {len(x)}, spread evenly"
+    return AuditData(**arrays, sources=sources)
 
 
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:

@@ -53,17 +53,18 @@ class MemoryCgroup:
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
         name = f"fcaudit-bench-{os.getpid()}"
-        if "memory" in _read(ROOT / "cgroup.controllers").split():
-            self.v2, self.path = True, ROOT / name
-            self.path.mkdir()
-            (self.path / "memory.max").write_text(str(limit_bytes))
-            (self.path / "memory.swap.max").write_text("0")
-        else:
-            self.v2, self.path = False, ROOT / "memory" / name
-            self.path.mkdir()
-            (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
-            with contextlib.suppress(OSError):  # no swap accounting: nothing to cap
-                (self.path / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+        self.v2 = "memory" in _read(ROOT / "cgroup.controllers").split()
+        self.path = ROOT / name if self.v2 else ROOT / "memory" / name
+        self.path.mkdir()
+        limit, swap = (("memory.max", "memory.swap.max") if self.v2 else
+                       ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"))
+        try:
+            (self.path / limit).write_text(str(limit_bytes))
+        except OSError:
+            self.close()  # made but unusable (no memory controller there): leave nothing
+            raise
+        with contextlib.suppress(OSError):  # no swap accounting: no swap to cap
+            (self.path / swap).write_text(str(limit_bytes if not self.v2 else 0))
 
     def enter(self) -> None:
         """Move the calling process in (run in the child between fork and exec)."""

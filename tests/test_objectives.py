@@ -217,6 +217,8 @@ def test_cli_max_eval_and_max_calib_pick_rows_of_the_inputs(tmp_path, capsys) ->
 @pytest.mark.parametrize(("change", "expected"), [
     ("max eval 1", "--max-eval 1"),
     ("object", "needs pickle to load"),
+    ("truncated", "is truncated: its header promises 4096 bytes of [16, 1, 8, 8] float32 "
+                  "values, the file holds 4000"),
     ("also tokens", "--inputs and --tokens both given"),
     ("token-nll", "--objective token-nll scores token ids"),
     ("no calib", "pass both --inputs (evaluation) and --calib-inputs"),
@@ -231,6 +233,9 @@ def test_cli_refuses_bad_arrays_in_one_line(tmp_path, capsys, change: str,
     np.save(tmp_path / "y.npy", y[:-1] if change == "short" else y)
     if change == "object":
         np.save(tmp_path / "x.npy", x.astype(object), allow_pickle=True)
+    if change == "truncated":  # 16 x 64 float32 = 4096 data bytes, 96 of them cut off
+        whole = (tmp_path / "x.npy").read_bytes()
+        (tmp_path / "x.npy").write_bytes(whole[:-96])
     out = tmp_path / "audit"
     args = {"--inputs": tmp_path / "x.npy", "--targets": tmp_path / "y.npy",
             "--calib-inputs": tmp_path / "xc.npy", "--objective": "classification"}

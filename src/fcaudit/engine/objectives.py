@@ -10,7 +10,6 @@ of each example's units, whichever objective made them.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +20,11 @@ from torch import Tensor
 
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.nll import logits_of, token_nll
+from fcaudit.engine.codestate import Unreadable, digest_state
 from fcaudit.io.examples import ExampleBatch
 
 OBJECTIVES = ("token-nll", "classification")
+UNREADABLE = "state not readable as bits"
 ObjectiveFn = Callable[[Any, ExampleBatch], Tensor]
 
 
@@ -44,6 +45,13 @@ class Objective:
 
     name: str
     fn: ObjectiveFn | None = None  # a user callable
+    state: str = ""  # a callable's code and state digest, or why it is unreadable
+
+    @property
+    def provable(self) -> bool:
+        """False when a callable reads state fcaudit cannot digest: then no cached result
+        can be proven to be its."""
+        return not self.state.startswith(UNREADABLE)
 
     @property
     def tokens(self) -> bool:
@@ -73,13 +81,9 @@ class Objective:
         return (logits.argmax(-1) == targets).to(torch.float64)
 
     def identity(self) -> str:
-        """The objective in the cache's identity: a callable by name and bytecode."""
-        if self.fn is None:
-            return self.name
-        code = getattr(self.fn, "__code__", None)
-        digest = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest() \
-            if code is not None else "no bytecode"
-        return f"{self.name} {digest}"
+        """The objective in the cache's identity: a callable by its code and the state it
+        reads (:mod:`fcaudit.engine.codestate`), not by its name."""
+        return self.name if self.fn is None else f"{self.name} {self.state}"
 
 
 def _classes(output: Any, batch: ExampleBatch) -> tuple[Tensor, Tensor]:
@@ -108,7 +112,12 @@ def resolve(objective: Any) -> Objective:
     """``AuditOptions.objective`` as an :class:`Objective`, or a one-line error."""
     if callable(objective) and not isinstance(objective, str):
         name = getattr(objective, "__qualname__", type(objective).__name__)
-        return Objective(f"callable:{getattr(objective, '__module__', '?')}.{name}", objective)
+        try:
+            state = digest_state(objective)
+        except Unreadable as exc:
+            state = f"{UNREADABLE}: {exc}"
+        return Objective(f"callable:{getattr(objective, '__module__', '?')}.{name}", objective,
+                         state)
     if objective not in OBJECTIVES:
         raise FcauditError(f"{arg('objective', objective, owner='AuditOptions')}: choose one "
                            f"of {', '.join(OBJECTIVES)}, or pass a callable (model_output, "

@@ -54,7 +54,7 @@ from fcaudit.engine.frontier import (
     plan_points,
     skipped_units,
 )
-from fcaudit.engine.objectives import check_targets, output_tensors, resolve
+from fcaudit.engine.objectives import UNREADABLE, check_targets, output_tensors, resolve
 from fcaudit.engine.options import AuditOptions, Progress, Setup, silent
 from fcaudit.engine.passes import batches, record_batch, replay_batch
 from fcaudit.engine.plan import (
@@ -504,6 +504,7 @@ def cache_identity(setup: Setup) -> dict[str, Any]:
             "device": device_of(net).type, "sites": [s.name for s in setup.sites],
             "adapters": [getattr(s.adapter, "name", type(s.adapter).__name__)
                          for s in setup.sites],
+            "objective": setup.objective.identity(),
             "fcaudit": __version__, "torch": torch.__version__}
 
 
@@ -719,6 +720,13 @@ def open_cache(setup: Setup, folder: Path, ranks: Ranks,
                first: Probe | None = None) -> CoefficientCache:
     """The cache; rank 0 opens (or creates) it and adopts the probe's batch before the
     other ranks open it."""
+    if ranks.main and not setup.objective.provable and any(folder.glob("**/*.sha256")):
+        raise FcauditError(
+            f"{folder} holds an earlier audit's results, and the objective reads "
+            f"{setup.objective.state.removeprefix(UNREADABLE + ': ')}, whose state fcaudit "
+            "cannot read as bits, so they cannot be proven to be this objective's: delete "
+            f"that folder or choose another {arg('out')} (an objective that reads only "
+            "functions, tensors, arrays, numbers and strings resumes from its cache)")
     cache = CoefficientCache(folder, cache_identity(setup), setup.options.batch_size,
                              setup.data.n_eval, owner=ranks.main)
     if first is not None:

@@ -29,7 +29,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from fcaudit.core.errors import FcauditError, arg
-from fcaudit.io.fileio import sha256_file, write_bytes
+from fcaudit.io.fileio import read_npy, sha256_file, write_bytes
 
 if TYPE_CHECKING:  # torch is imported only for data that is not token ids
     from fcaudit.io.examples import Examples
@@ -254,49 +254,9 @@ def spread_pick(n_total: int, n_pick: int | None) -> np.ndarray:
     return np.linspace(0, n_total - 1, n_pick).round().astype(np.int64)
 
 
-def _check_npy_size(path: Path, what: str) -> None:
-    """Compare the data size a ``.npy`` header promises with the file's, so a truncated
-    file is called truncated (``np.load`` says only that it cannot reshape)."""
-    with open(path, "rb") as fh:
-        try:
-            major, _ = np.lib.format.read_magic(fh)
-            read = np.lib.format.read_array_header_1_0 if major == 1 else \
-                np.lib.format.read_array_header_2_0
-            shape, _, dtype = read(fh, max_header_size=1 << 20)
-        except (ValueError, OSError, SyntaxError) as exc:
-            raise FcauditError(f"{what} {path} has an unreadable .npy header ({exc}); it may be "
-                               "truncated: save it again with np.save") from exc
-        start = fh.tell()
-    if dtype.hasobject:
-        return  # refused by np.load below without unpickling
-    promised = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    held = path.stat().st_size - start
-    if held < promised:
-        raise FcauditError(f"{what} {path} is truncated: its header promises {promised} bytes "
-                           f"of {list(shape)} {dtype} ids, the file holds {held}; save it again "
-                           "with np.save")
-
-
 def load_token_array(path: str | Path, what: str) -> np.ndarray:
     """An integer ``.npy`` array ``[N, T]``; pickled, ragged or float arrays are refused."""
-    path = Path(path)
-    if not path.is_file():
-        raise FcauditError(f"{what} file not found: {path}; check the path")
-    with open(path, "rb") as fh:
-        magic = fh.read(6)
-    if magic != b"\x93NUMPY":  # also refuses .npz archives and pickles before np.load
-        kind = "a .npz archive" if magic.startswith(b"PK") else "not a .npy file"
-        raise FcauditError(f"{what} {path} is {kind}; save one integer array [N, T] with "
-                           "np.save(path, ids)")
-    _check_npy_size(path, what)
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except ValueError as exc:
-        raise FcauditError(f"{what} {path} needs pickle to load (object or ragged array); "
-                           "save a rectangular integer array with np.save") from exc
-    except Exception as exc:
-        raise FcauditError(f"{what} {path} is not a readable .npy file ({exc}); it may be "
-                           "truncated: save it again with np.save") from exc
+    arr = read_npy(path, what, "one rectangular integer array [N, T]", "ids")
     if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
         kind = getattr(arr, "dtype", type(arr))
         raise FcauditError(f"{what} {path} has dtype {kind}; token ids must be integers "

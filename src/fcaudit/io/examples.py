@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from fcaudit.core.errors import FcauditError, arg
+from fcaudit.io.fileio import read_npy
 
 # inputs other than token ids, named for either reader of a message
 OTHER_INPUTS = arg("inputs", py="AuditData(inputs=..., targets=..., calib_inputs=...)",
@@ -181,22 +182,7 @@ def _digest(named: list[tuple[str, Tensor]]) -> str:
 
 def load_npy(path: str | Path, what: str) -> np.ndarray:
     """A numeric ``.npy`` array, loaded without pickle; anything else in one line."""
-    path = Path(path)
-    if not path.is_file():
-        raise FcauditError(f"{what} file not found: {path}; check the path")
-    with open(path, "rb") as fh:
-        magic = fh.read(6)
-    if magic != b"\x93NUMPY":
-        raise FcauditError(f"{what} {path} is not a .npy file; save one array with "
-                           "np.save(path, array)")
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except ValueError as exc:
-        raise FcauditError(f"{what} {path} needs pickle to load (an object array); save a "
-                           "numeric array with np.save") from exc
-    except Exception as exc:
-        raise FcauditError(f"{what} {path} is not a readable .npy file ({exc}); it may be "
-                           "truncated: save it again with np.save") from exc
+    arr = read_npy(path, what, "one numeric array [N, ...]", "values")
     if arr.dtype.kind not in "biuf":
         raise FcauditError(f"{what} {path} has dtype {arr.dtype}; give a numeric array")
     return arr

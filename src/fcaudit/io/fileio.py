@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from fcaudit.core.errors import FcauditError
 
 # Called as check(temporary, final) just before a file takes its final name; an output
@@ -146,3 +148,49 @@ def read_json(path: str | Path, what: str) -> Any:
     except OSError as exc:  # a folder, no permission, I/O error
         raise FcauditError(f"cannot read {what} {path} ({exc.strerror or exc}); check that it "
                            "is a readable file") from exc
+
+
+def read_npy(path: str | Path, what: str, expected: str, unit: str) -> Any:
+    """One ``.npy`` array, read without pickle. A missing file, a ``.npz`` archive or a
+    pickle under a ``.npy`` name, a truncated file and an object or ragged array are each
+    refused in one line that says to save ``expected`` (``unit``: what its entries are)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FcauditError(f"{what} file not found: {path}; check the path")
+    with open(path, "rb") as fh:
+        magic = fh.read(6)
+    if magic != b"\x93NUMPY":  # refuses archives and pickles before np.load sees them
+        kind = "a .npz archive" if magic.startswith(b"PK") else "not a .npy file"
+        raise FcauditError(f"{what} {path} is {kind}; save {expected} with np.save")
+    _check_npy_size(path, what, unit)
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        raise FcauditError(f"{what} {path} needs pickle to load (object or ragged array); "
+                           f"save {expected} with np.save") from exc
+    except Exception as exc:
+        raise FcauditError(f"{what} {path} is not a readable .npy file ({exc}); it may be "
+                           "truncated: save it again with np.save") from exc
+
+
+def _check_npy_size(path: Path, what: str, unit: str) -> None:
+    """Compare the data size a ``.npy`` header promises with the file's, so a truncated
+    file is called truncated (``np.load`` says only that it cannot reshape)."""
+    with open(path, "rb") as fh:
+        try:
+            major, _ = np.lib.format.read_magic(fh)
+            read = np.lib.format.read_array_header_1_0 if major == 1 else \
+                np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(fh, max_header_size=1 << 20)
+        except (ValueError, OSError, SyntaxError) as exc:
+            raise FcauditError(f"{what} {path} has an unreadable .npy header ({exc}); it may be "
+                               "truncated: save it again with np.save") from exc
+        start = fh.tell()
+    if dtype.hasobject:
+        return  # refused by np.load without unpickling
+    promised = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    held = path.stat().st_size - start
+    if held < promised:
+        raise FcauditError(f"{what} {path} is truncated: its header promises {promised} bytes "
+                           f"of {list(shape)} {dtype} {unit}, the file holds {held}; save it "
+                           "again with np.save")

@@ -52,6 +52,11 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention through PyTorch's fused kernel, each token seeing the ones
+    before it; a subclass with ``causal = False`` lets every token see all (a ViT's)."""
+
+    causal = True
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
@@ -62,7 +67,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 

@@ -17,11 +17,10 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fcaudit.core.errors import FcauditError, check_sizes
-from fcaudit.models.featuregate import MLP
+from fcaudit.models.featuregate import MLP, CausalSelfAttention
 
 
 @dataclass(frozen=True)
@@ -56,21 +55,10 @@ def base_config(cfg: ViTConfig) -> ViTConfig:
     return ViTConfig(**{f.name: getattr(cfg, f.name) for f in fields(ViTConfig)})
 
 
-class Attention(nn.Module):
+class Attention(CausalSelfAttention):
     """Multi-head self-attention over all tokens (no mask: a ViT sees the whole image)."""
 
-    def __init__(self, cfg: ViTConfig) -> None:
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+    causal = False
 
 
 class Block(nn.Module):

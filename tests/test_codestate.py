@@ -23,8 +23,8 @@ import vision_toys as vt
 
 import fcaudit
 from fcaudit import AuditData, AuditOptions
+from fcaudit.core.codestate import Unreadable, digest_state
 from fcaudit.core.errors import FcauditError
-from fcaudit.engine.codestate import Unreadable, digest_state
 
 FAST = dict(bootstrap=50, repeats=1, execution=False, progress=False, batch_size=8,
             per_layer=False)

@@ -56,11 +56,45 @@ def test_an_edited_factory_is_a_different_model(tmp_path: Path, monkeypatch: pyt
             "--out", tmp_path / "out", *FAST_ARGS]
     assert run_inprocess(argv, capsys).returncode == 0
     result = json.loads((tmp_path / "out" / "audit.json").read_text())
-    assert "mymodels.py" in result["model"]["identity_note"]
+    assert "everything their code reads" in result["model"]["identity_note"]
     (tmp_path / "mymodels.py").write_text(FACTORY.format(mode="constant"))
     sys.modules.pop("mymodels", None)
     res = run_inprocess(argv, capsys)
     assert res.returncode == 2 and "recorded with a different model" in res.stderr
+
+
+HELPER = '''
+import toys
+
+SCALE = {scale}
+
+class Scaled(toys.ToyModel):
+    def forward(self, ids):
+        return super().forward(ids) * SCALE
+'''
+
+
+def test_an_edit_to_code_the_factory_imports_is_a_different_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The factory's own file is unchanged; a module-level constant in the module its
+    model's class comes from changes every logit. The cache's identity sees it (before,
+    only the first batch's recheck did, and it blamed an unseen change of the model)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "factory.py").write_text("import helpers\n\ndef build():\n"
+                                         "    return helpers.Scaled('content')\n")
+    (tmp_path / "helpers.py").write_text(HELPER.format(scale=1.0))
+    argv = ["audit", "--model", "factory:build", "--sites", "gates.*", *_tokens(tmp_path),
+            "--out", tmp_path / "out", *FAST_ARGS]
+    assert run_inprocess(argv, capsys).returncode == 0
+    for name in ("factory", "helpers"):
+        sys.modules.pop(name, None)
+    assert run_inprocess(argv, capsys).returncode == 0  # unchanged: resumed
+    (tmp_path / "helpers.py").write_text(HELPER.format(scale=2.0))
+    for name in ("factory", "helpers"):
+        sys.modules.pop(name, None)
+    res = run_inprocess(argv, capsys)
+    assert res.returncode == 2 and "recorded with a different model" in res.stderr, res.stderr
 
 
 def test_a_shard_index_pointing_at_other_files_is_a_different_model(

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fcaudit.core.codestate import Unreadable, digest_state
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.nll import logits_of, token_nll
-from fcaudit.engine.codestate import Unreadable, digest_state
 from fcaudit.io.examples import ExampleBatch
 
 OBJECTIVES = ("token-nll", "classification")
@@ -82,7 +82,7 @@ class Objective:
 
     def identity(self) -> str:
         """The objective in the cache's identity: a callable by its code and the state it
-        reads (:mod:`fcaudit.engine.codestate`), not by its name."""
+        reads (:mod:`fcaudit.core.codestate`), not by its name."""
         return self.name if self.fn is None else f"{self.name} {self.state}"
 
 

@@ -31,6 +31,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
+from fcaudit.core.codestate import Unreadable, digest_state
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.io.data import folder_tokenizer
 from fcaudit.io.fileio import read_json, sha256_file, write_safetensors
@@ -223,14 +224,33 @@ def code_identity(obj: Any) -> tuple[dict[str, str], str]:
                "OUT/cache after changing it"
 
 
+READS_NOTE = ("code identity covers the model's classes and everything their code reads (your "
+              "code by content, installed libraries by version); code reached only by name "
+              "at run time (importlib, getattr) is not seen: delete OUT/cache after changing it")
+
+
+def classes_read(model: nn.Module, code: Any) -> tuple[str | None, str | None]:
+    """The digest of ``code`` and every class the model is built of, through all the code
+    and state their methods read (:mod:`fcaudit.core.codestate`), with its note; (None,
+    why) where some of it cannot be read as bits."""
+    classes = sorted({type(m) for m in model.modules()},
+                     key=lambda c: (c.__module__, c.__qualname__))
+    try:
+        return digest_state([code, *classes]), READS_NOTE
+    except Unreadable as exc:
+        return None, f"its code reads {exc}, whose state cannot be read as bits"
+
+
 def load_module(model: nn.Module, spec: str, kind: str = "module",
                 code: Any = None) -> LoadedModel:
     """An in-memory model (a factory's, or one passed to :func:`fcaudit.audit`)."""
     model.eval()
     files, note = code_identity(code if code is not None else type(model))
+    reads, why = classes_read(model, code)
+    note = why if reads is not None else f"{note} ({why})"
     return LoadedModel(model, spec, kind, None, None,
                        _digest({"state": state_fingerprint(model), "code": files, "spec": spec,
-                                "class": type(model).__qualname__}), files, note)
+                                "class": type(model).__qualname__, "reads": reads}), files, note)
 
 
 def load_factory(spec: str, dtype: torch.dtype | None = None) -> LoadedModel:

@@ -1,5 +1,5 @@
 """A callable's code and the state it reads, as one SHA-256: what a cached result computed
-by a user's callable (an objective) may be reused under.
+by a user's code (an objective, a model's classes) may be reused under.
 
 A name or the bytecode alone does not tell two callables apart: a closure over another
 label-smoothing value, a changed default argument or module-level constant, an edited

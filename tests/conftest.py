@@ -261,3 +261,19 @@ def token_batches(tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     windows = ids[: len(ids) // SEQ_LEN * SEQ_LEN].view(-1, SEQ_LEN)
     assert len(windows) >= 8 and int(windows.max()) < VOCAB
     return windows[:4], windows[4:8]
+
+
+def observed_outputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Any]:
+    """Reference: every module's first output, seen by hooks that only look."""
+    seen: dict[str, Any] = {}
+
+    def look(name: str, out: Any) -> None:
+        seen.setdefault(name, out)
+
+    handles = [m.register_forward_hook(lambda _m, _a, out, name=name: look(name, out))
+               for name, m in model.named_modules() if name]
+    with torch.no_grad():
+        model.eval()(ids)
+    for h in handles:
+        h.remove()
+    return seen

@@ -10,29 +10,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import run_inprocess
+from conftest import observed_outputs, run_inprocess
 from torch import nn
 
 from fcaudit.core.sites import NOT_CALLED
 from fcaudit.models.featuregate import GPT, PRESETS
 
 # ---------------------------------------------------------------- item 3: sites --all
-
-
-def observed_outputs(model: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
-    """Reference: every module's first output, seen by hooks that only look."""
-    seen: dict[str, Any] = {}
-
-    def look(name: str, out: Any) -> None:
-        seen.setdefault(name, out)
-
-    handles = [m.register_forward_hook(lambda _m, _a, out, name=name: look(name, out))
-               for name, m in model.named_modules() if name]
-    with torch.no_grad():
-        model.eval()(ids)
-    for h in handles:
-        h.remove()
-    return seen
 
 
 def expected_text(value: Any) -> str:
@@ -49,8 +33,9 @@ def module_lines(stdout: str) -> dict[str, str]:
     return {path: rest for path, rest in rows}
 
 
-def assert_every_module_described(stdout: str, model: nn.Module) -> None:
-    reference = observed_outputs(model, torch.randint(0, 2, (2, 8)))
+def assert_every_module_described(stdout: str, model: nn.Module,
+                                  probe: torch.Tensor | None = None) -> None:
+    reference = observed_outputs(model, torch.randint(0, 2, (2, 8)) if probe is None else probe)
     lines = module_lines(stdout)
     names = [n for n, _ in model.named_modules() if n]
     assert list(lines) == names  # one line per module, in module order
@@ -89,6 +74,52 @@ def test_sites_all_describes_every_module_of_a_hugging_face_moe(
     model.config.use_cache = False
     assert_every_module_described(res.stdout, model)
     assert module_lines(res.stdout)["model.layers.0.mlp.gate"].endswith("<- site")
+
+
+IMAGE_MODEL = """
+import torch
+from torch import nn
+
+
+class Images(nn.Module):
+    \"\"\"No declared sites; a mixing-weight generator by its name; takes images
+    [B, 1, 8, 8].\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.mixer = nn.Linear(64, 3)
+        self.kernels = nn.ModuleList(nn.Linear(64, 10) for _ in range(3))
+
+    def forward(self, images):
+        x = images.flatten(1)
+        w = self.mixer(x).softmax(-1)
+        return sum(w[:, k:k + 1] * e(x) for k, e in enumerate(self.kernels))
+
+
+def build():
+    torch.manual_seed(0)
+    return Images().eval()
+"""
+
+
+def test_sites_all_probes_a_model_of_images_with_its_inputs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "imgmodel.py").write_text(IMAGE_MODEL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    x = np.random.default_rng(0).normal(size=(5, 1, 8, 8)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    argv = ["sites", "--model", "imgmodel:build", "--all"]
+    res = run_inprocess([*argv, "--inputs", str(tmp_path / "x.npy")], capsys)
+    assert res.returncode == 0, res.stderr
+    import imgmodel
+    assert_every_module_described(res.stdout, imgmodel.build(), torch.from_numpy(x[:2]))
+    assert module_lines(res.stdout)["mixer"].endswith(
+        "Tensor[2, 3] float32  <- likely controller ([B, ...] output: name its axes with a "
+        "Site, see docs/method.md)")
+    tokens = module_lines(run_inprocess(argv, capsys).stdout)  # token ids cannot feed it
+    assert tokens["mixer"].startswith("Linear\tfailed: RuntimeError"), tokens["mixer"]
 
 
 class _Breaks(nn.Module):

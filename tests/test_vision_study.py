@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAST_ARGS, run_inprocess
+from conftest import FAST_ARGS, observed_outputs, run_inprocess
 
 import fcaudit
 from fcaudit import AuditData, AuditOptions
@@ -128,6 +128,30 @@ def test_cli_audits_a_vision_run_on_its_own_digits(vision_study, tmp_path, capsy
     assert audit["conditions"]["original"]["accuracy"] == \
         float((logits.argmax(1).numpy() == y[:12]).mean())
     assert audit["identity_replay_max_abs_diff"] == 0.0
+
+
+def test_sites_all_probes_every_vision_run_with_its_own_digits(vision_study, capsys):
+    """`fcaudit sites --model RUN --all` on an image model: every module of every run
+    (families and twins) is called by the probe, its output as a hook sees it on two
+    digits images; only containers are never called themselves."""
+    from fcaudit.core.sites import NOT_CALLED
+    out, _ = vision_study
+    runs = sorted((out / "runs").iterdir())
+    assert len(runs) >= 4  # three families and their twins
+    x = torch.from_numpy(digits("eval")[0][:2])
+    for run in runs:
+        res = run_inprocess(["sites", "--model", run, "--all"], capsys)
+        assert res.returncode == 0, res.stderr
+        lines = dict(ln.strip().split("\t", 1) for ln in res.stdout.splitlines()
+                     if ln.startswith("  "))
+        model = fcaudit.load_model(str(run))
+        seen = observed_outputs(model, x)
+        assert list(lines) == [n for n, _ in model.named_modules() if n], run.name
+        for name, line in lines.items():
+            if name in seen and isinstance(seen[name], torch.Tensor):
+                assert f"Tensor{list(seen[name].shape)}" in line, (run.name, name, line)
+            elif name not in seen:
+                assert line.endswith(NOT_CALLED), (run.name, name, line)
 
 
 def test_cli_trains_a_vision_family(tmp_path, capsys):

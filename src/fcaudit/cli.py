@@ -56,7 +56,9 @@ A site is a module whose output carries the coefficients (a gate, a mixing-weigh
 generator, a router). `fcaudit sites` lists the sites the model declares (or that fcaudit
 finds, e.g. Mixture-of-Experts routers of Hugging Face models). With --all it runs one
 small forward pass and lists every module with its output type and shape, marking
-likely controllers: pass those paths to `fcaudit audit --sites GLOB`.
+likely controllers: pass those paths to `fcaudit audit --sites GLOB`. The pass feeds two
+random token windows; a model of other inputs is probed with two rows of --inputs X.npy
+(a vision run folder: two of its own digits images).
 """
 
 
@@ -351,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--all", action="store_true",
                    help="run one small forward pass and list every module with its output "
                         "type and shape, marking likely controllers")
+    s.add_argument("--inputs", type=user_file, default=None, metavar="NPY",
+                   help="probe with the first two rows of these inputs (.npy [N, ...]) for a "
+                        "model that does not take token ids (default: two random token "
+                        "windows; a vision run folder: two of its digits images)")
     for command in sub.choices.values():  # `--debug` also works after the command name
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="show tracebacks on errors")
@@ -648,10 +654,29 @@ def cmd_bench(args: argparse.Namespace) -> None:
         write_json(args.json, content)
 
 
+def _probe_inputs(path: Path | None, loaded: Any) -> Any:
+    """Two inputs for `sites --all`: from --inputs, a vision run's own digits, or None
+    (token ids)."""
+    import torch
+
+    from fcaudit.io.loading import get_arch
+    if path is not None:
+        from fcaudit.io.examples import load_npy
+        rows = load_npy(path, "--inputs")[:2]
+        if len(rows) == 0:
+            raise FcauditError(f"--inputs {path} holds no rows; give at least one example")
+        return torch.from_numpy(rows.copy())
+    if loaded.run_config and get_arch(loaded.run_config["arch"]).task == "vision":
+        from fcaudit.io.digits import audit_data
+        return torch.from_numpy(audit_data(2, 1).inputs)
+    return None
+
+
 def cmd_sites(args: argparse.Namespace) -> None:
     from fcaudit.core.sites import describe_modules, find_sites
     from fcaudit.engine.run import as_loaded
-    model = as_loaded(args.model).model
+    loaded = as_loaded(args.model)
+    model = loaded.model
     try:
         sites = find_sites(model)
     except FcauditError:
@@ -662,7 +687,8 @@ def cmd_sites(args: argparse.Namespace) -> None:
     if not sites:
         print("no declared controller sites; name them with --sites GLOB (see --all)")
     if args.all or not sites:
-        for path, kind, output, hint in describe_modules(model, {s.path for s in sites}):
+        probe = _probe_inputs(args.inputs, loaded)
+        for path, kind, output, hint in describe_modules(model, {s.path for s in sites}, probe):
             print(f"  {path}\t{kind}\t{output}{f'  <- {hint}' if hint else ''}")
 
 

@@ -125,20 +125,23 @@ NOT_CALLED = "not called by the forward pass (a container, or unused)"
 
 
 @torch.no_grad()
-def describe_modules(model: nn.Module, sites: set[str]) -> list[tuple[str, str, str, str]]:
+def describe_modules(model: nn.Module, sites: set[str], example: Any = None
+                     ) -> list[tuple[str, str, str, str]]:
     """Every module's (path, class, output, hint) from one small forward pass, to help
-    choose ``--sites``: per-token outputs with few channels and a controller-like name
-    are marked as likely controllers.
+    choose ``--sites``: per-token (or, with ``example``, per-example) outputs with a
+    controller-like name are marked as likely controllers. ``example``: two inputs to
+    probe with (a tensor ``[2, ...]``, or a dict of them passed as ``model(**x)``) for a
+    model that does not take token ids; default two random token windows.
 
     The hooks only look (they return None, so no module's output is replaced). When the
     pass fails, the module that raised and the modules around it say so on their own
     lines, and the modules that never ran say where the pass stopped."""
     from fcaudit.core.adapters import describe
     from fcaudit.core.nll import device_of, model_limits
-    vocab, _ = model_limits(model)
-    batch, seq_len = 2, 8
-    ids = torch.randint(0, vocab or 2, (batch, seq_len), device=device_of(model),
-                        generator=None)
+    batch, seq_len = 2, None if example is not None else 8
+    if example is None:
+        vocab, _ = model_limits(model)
+        example = torch.randint(0, vocab or 2, (batch, 8), device=device_of(model))
     outputs: dict[str, str] = {}
     entered: list[str] = []
 
@@ -150,7 +153,7 @@ def describe_modules(model: nn.Module, sites: set[str]) -> list[tuple[str, str, 
         module.register_forward_pre_hook(lambda _m, _a, name=name: entered.append(name)),
         module.register_forward_hook(lambda m, a, out, name=name: seen(m, a, out, name)))]
     try:
-        model.eval()(ids)
+        model.eval()(**example) if isinstance(example, dict) else model.eval()(example)
     except Exception as exc:  # a model that needs other inputs: list modules anyway
         _mark_failure(outputs, entered, [n for n, _ in modules], exc, type(model).__name__)
     finally:
@@ -179,12 +182,15 @@ def _mark_failure(outputs: dict[str, str], entered: list[str], names: list[str],
         outputs.setdefault(name, f"not run: the forward pass stopped in {where} ({error})")
 
 
-def _hint(name: str, output: str, sites: set[str], batch: int, seq_len: int) -> str:
+def _hint(name: str, output: str, sites: set[str], batch: int, seq_len: int | None) -> str:
     if name in sites:
         return "site"
     if not _CONTROLLER_NAME.search(name):
         return ""
     m = re.match(r"Tensor\[(\d+), (\d+)(?:, (\d+))?", output)
+    if seq_len is None:  # examples, not token windows: the positions axis is the model's own
+        return ("likely controller ([B, ...] output: name its axes with a Site, see "
+                "docs/method.md)" if m and int(m.group(1)) == batch else "")
     if m and (int(m.group(1)), int(m.group(2))) == (batch, seq_len):
         return "likely controller ([B, T, ...] output)"
     if m and int(m.group(1)) == batch * seq_len:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,9 +115,17 @@ def test_cycles_are_digested_once_and_unreadable_state_is_named() -> None:
     node = Node()
     node.me = node  # a cycle: no endless recursion
     assert digest_state(lambda o, b: node) == digest_state(lambda o, b: node)
-    generator = torch.Generator()
-    with pytest.raises(Unreadable, match="Generator"):
-        digest_state(lambda o, b: torch.randn(3, generator=generator))
+    generator = torch.Generator().manual_seed(0)  # a C object: read as pickling saves it
+    draws = lambda o, b: torch.randn(3, generator=generator)  # noqa: E731
+    before = digest_state(draws)
+    torch.randn(3, generator=generator)
+    assert digest_state(draws) != before  # its state moved on: another objective
+    lock = threading.Lock()
+    with pytest.raises(Unreadable, match="lock"):
+        digest_state(lambda o, b: lock)
+    pattern = re.compile(r"\d+")
+    assert digest_state(lambda o, b: pattern) != digest_state(
+        lambda o, b: re.compile(r"\w+"))
 
 
 def _audit(out: Path, objective: Callable) -> fcaudit.AuditResult:
@@ -146,15 +156,15 @@ def test_a_resumed_audit_with_a_changed_closure_is_refused_not_answered_from_the
 
 
 def test_an_objective_with_unreadable_state_runs_but_never_resumes(tmp_path: Path) -> None:
-    generator = torch.Generator().manual_seed(0)
+    lock = threading.Lock()
 
-    def noisy_free(out, batch):  # reads a generator, never draws from it
-        assert generator is not None
-        return torch.nn.functional.cross_entropy(out, batch.targets, reduction="none")
+    def locked(out, batch):  # a thread-safe objective: a lock has no state to digest
+        with lock:
+            return torch.nn.functional.cross_entropy(out, batch.targets, reduction="none")
 
     out = tmp_path / "audit"
-    result = _audit(out, noisy_free)
+    result = _audit(out, locked)
     assert result.identity_replay_max_abs_diff == 0.0
-    with pytest.raises(FcauditError, match=r"reads a torch\..*Generator, whose state fcaudit "
+    with pytest.raises(FcauditError, match=r"reads a _thread\.lock, whose state fcaudit "
                                            r"cannot read as bits.*delete that folder"):
-        _audit(out, noisy_free)
+        _audit(out, locked)

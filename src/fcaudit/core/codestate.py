@@ -11,13 +11,15 @@ attributes), tensors and arrays by their bits. Library code (the standard librar
 installed packages) enters by its qualified name: its version is recorded with every
 audit. A user's module enters by its file's SHA-256.
 
-Anything whose state cannot be read as bits (an object with neither ``__dict__`` nor
-``__slots__``, a tensor without data) makes the digest *unreadable*: then nothing cached
+A C object without ``__dict__`` or ``__slots__`` enters by what pickling would save of it
+(a compiled pattern, a random generator's state). Anything whose state cannot be read as
+bits (a lock, a tensor without data) makes the digest *unreadable*: then nothing cached
 can be proven to be that callable's, and the caller must not reuse it.
 """
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import hashlib
 import sys
@@ -36,6 +38,11 @@ _BUILTIN_CALLABLES = (types.BuiltinFunctionType, types.BuiltinMethodType,
                       types.MethodDescriptorType, types.ClassMethodDescriptorType,
                       types.GetSetDescriptorType, types.MemberDescriptorType)
 _MAX_DEPTH = 64
+# class members that say nothing about what its code computes (``_abc_impl``: isinstance
+# caches of abstract base classes; ``__annotations__``: type hints, which Python creates
+# empty the first time anything asks a class for them)
+_NOT_BEHAVIOUR = ("__dict__", "__weakref__", "__doc__", "__module__", "_abc_impl",
+                  "__annotations__")
 _LIBRARY_ROOTS = tuple({str(Path(p).resolve()) for key in ("stdlib", "platstdlib",
                                                              "purelib", "platlib")
                         if (p := sysconfig.get_paths().get(key))})
@@ -114,7 +121,7 @@ class _Digest:
         elif isinstance(value, (set, frozenset)):
             parts = sorted(digest_state(item, depth) for item in value)
             self.tag(type(value).__name__, parts)
-        elif isinstance(value, dict):
+        elif isinstance(value, (dict, types.MappingProxyType)):
             self.tag("dict", len(value))
             for key, item in value.items():
                 self.feed(key, depth)
@@ -187,7 +194,7 @@ class _Digest:
         for base in cls.__bases__:
             self.feed(base, depth)
         for name, member in vars(cls).items():
-            if name not in ("__dict__", "__weakref__", "__doc__", "__module__"):
+            if name not in _NOT_BEHAVIOUR:
                 self.tag("member", name)
                 self.feed(member, depth)
 
@@ -197,8 +204,9 @@ class _Digest:
         state = getattr(value, "__dict__", None)
         slots = [s for klass in cls.__mro__ for s in getattr(klass, "__slots__", ())
                  if isinstance(s, str) and s not in ("__dict__", "__weakref__")]
-        if state is None and not slots:
-            raise Unreadable(f"a {cls.__module__}.{cls.__qualname__}")
+        if state is None and not slots:  # a C type: what pickling would save, if it can
+            self._reduced(value, depth)
+            return
         if state is not None:
             self.feed(dict(state), depth)
         for slot in slots:
@@ -206,9 +214,33 @@ class _Digest:
             self.feed(getattr(value, slot, "<unset>"), depth)
 
 
+    def _reduced(self, value: Any, depth: int) -> None:
+        cls = type(value)
+        try:  # as pickle would: a reducer registered with copyreg (re.Pattern) first
+            reducer = copyreg.dispatch_table.get(cls)
+            reduced = reducer(value) if reducer else value.__reduce_ex__(4)
+        except Exception as exc:  # e.g. a lock, a generator: no state to save
+            raise Unreadable(f"a {cls.__module__}.{cls.__qualname__}") from exc
+        if isinstance(reduced, str):  # a module-level singleton, by name
+            self.tag("global", reduced)
+            return
+        parts = list(reduced[:3]) + [list(it) if it is not None else None
+                                     for it in reduced[3:5]]
+        self.tag("reduced", len(parts))
+        for part in parts:
+            self.feed(part, depth)
+
+
 def digest_state(value: Any, depth: int = 0) -> str:
     """SHA-256 hex digest of ``value``'s code and state (see the module docstring);
-    raises :class:`Unreadable` naming what could not be read."""
+    raises :class:`Unreadable` naming what could not be read (also when reading it
+    failed: an error here must mean "do not reuse", never a crash)."""
     digest = _Digest()
-    digest.feed(value, depth)
+    try:
+        digest.feed(value, depth)
+    except Unreadable:
+        raise
+    except (Exception, RecursionError) as exc:
+        raise Unreadable(f"something whose reading failed ({type(exc).__name__}: "
+                         f"{str(exc)[:80]})") from exc
     return digest.hasher.hexdigest()

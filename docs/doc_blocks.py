@@ -791,7 +791,9 @@ def mudd_scale(r: Results) -> str:
         f"{costs} a full replay at sites {layers}, {equal} the full replay, and the plan's "
         f"forward-pass equivalents fall from {sch['naive_passes']} to "
         f"{sch['prefix_passes']:.1f} ({sch['prefix_passes'] / sch['naive_passes']:.3f}x; "
-        "interpolated between the timed sites, the proof pass counted at its own cost): the "
+        f"interpolated between the timed sites; with the correct replay repeated at the end of "
+        f"the batch in both, and prefix reuse's {sch['proofs']} per-site proofs, "
+        f"{sch['proofs_cost']:.1f} passes' worth, at their suffixes' cost): the "
         "large-vocabulary output head is paid by every per-layer run. Milliseconds per token: "
         f"{ms}; peak RSS {peak:.1f} GB; replay logits against native: max difference "
         f"{res['max_abs_diff']:g}.", ""])

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -168,3 +171,35 @@ def test_an_objective_with_unreadable_state_runs_but_never_resumes(tmp_path: Pat
     with pytest.raises(FcauditError, match=r"reads a _thread\.lock, whose state fcaudit "
                                            r"cannot read as bits.*delete that folder"):
         _audit(out, locked)
+
+
+DIGESTS = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from fcaudit.io.loading import classes_read
+from fcaudit.models.featuregate import GPT, PRESETS
+from fcaudit.models.moe import MoEGPT, MoEConfig
+from fcaudit.models.mudd import PRESETS as MUDD, MuddModel
+from fcaudit.core.codestate import digest_state
+import test_codestate as t
+for model in (GPT(PRESETS["tiny"]), MoEGPT(MoEConfig()), MuddModel(MUDD["tiny"])):
+    print(classes_read(model, None)[0])
+for make in t.CASES:
+    print(digest_state(make(1.0)))
+"""
+
+
+def test_digests_are_the_same_in_every_process() -> None:
+    """A CLI rerun resumes only if a new process digests the same code alike: string
+    hashing is randomised per process (set order), ids differ; neither may enter."""
+    tests = str(Path(__file__).parent)
+    outputs = []
+    for seed in ("1", "2"):
+        proc = subprocess.run([sys.executable, "-c", DIGESTS.format(tests=tests)],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONHASHSEED": seed})
+        assert proc.returncode == 0, proc.stderr
+        outputs.append(proc.stdout.split())
+    assert len(outputs[0]) == 3 + len(CASES) and "None" not in outputs[0]
+    assert outputs[0] == outputs[1]

@@ -22,6 +22,8 @@ from __future__ import annotations
 import copyreg
 import functools
 import hashlib
+import os
+import site
 import sys
 import sysconfig
 import types
@@ -43,9 +45,13 @@ _MAX_DEPTH = 64
 # empty the first time anything asks a class for them)
 _NOT_BEHAVIOUR = ("__dict__", "__weakref__", "__doc__", "__module__", "_abc_impl",
                   "__annotations__")
-_LIBRARY_ROOTS = tuple({str(Path(p).resolve()) for key in ("stdlib", "platstdlib",
-                                                             "purelib", "platlib")
-                        if (p := sysconfig.get_paths().get(key))})
+# where the standard library and installed packages live (a distribution's own package
+# folders, e.g. Debian's dist-packages, and the user's site-packages too)
+_LIBRARY_ROOTS = tuple({os.path.join(Path(p).resolve(), "") for p in (
+    *(sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib", "purelib",
+                                                   "platlib")),
+    *getattr(site, "getsitepackages", list)(),
+    getattr(site, "getusersitepackages", str)()) if p})
 
 
 class Unreadable(Exception):

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fcaudit.io.runtime import cpu_model
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 
@@ -31,17 +33,6 @@ def add_json_option(parser: argparse.ArgumentParser, name: str) -> None:
 def _git(*args: str) -> str:
     proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
     return proc.stdout.strip() if proc.returncode == 0 else "unknown"
-
-
-def cpu_model() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it (the platform's name elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_facts() -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 from fcaudit._version import __version__
@@ -21,10 +22,23 @@ def versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (the platform's name elsewhere): a
+    trained model's numbers depend on it, since CPUs' kernels round differently."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def host() -> dict[str, Any]:
     import torch
     return {"platform": platform.platform(), "python": sys.version.split()[0],
-            "torch_threads": torch.get_num_threads(), "machine": platform.machine()}
+            "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+            "cpu": cpu_model()}
 
 
 def resolve_device(name: str | None, option: str = "device") -> Any:

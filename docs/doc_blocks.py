@@ -330,15 +330,19 @@ def paper_slowdown() -> str:
 
 
 @block("study-tiny", "the tiny study's findings (mean and seed range)",
-       [STUDY, TIMINGS], [f"{EXTRACT} study study-tiny",
-                          "fcaudit reproduce --preset tiny --seeds 3 --out study-tiny"])
+       [STUDY, DEMO, TIMINGS], [f"{EXTRACT} study study-tiny",
+                                "fcaudit reproduce --preset tiny --seeds 3 --out study-tiny"])
 def study_tiny(r: Results) -> str:
     s = r.json(STUDY)
     g = s["groups"]
     seeds, sg = g["featuregate-tiny"]["seeds"], g["skipgate-tiny"]
     x = g["moe-tiny"]["seed0"]["experts"]
     sga, moe = sg["aggregate"], g["moe-tiny"]["aggregate"]
-    threads = s["host"]["torch_threads"]
+    threads, cpu = s["host"]["torch_threads"], s["host"]["cpu"]
+    demo_host = r.json(DEMO)["audit"]["host"]
+    same_as_demo = "its seed 0 is the demo's model above" if \
+        (demo_host["cpu"], demo_host["torch_threads"]) == (cpu, threads) else \
+        "its seed 0 against the demo above, trained on another CPU or thread count"
     return "\n".join([
         "", f"`OMP_NUM_THREADS={threads} fcaudit reproduce --preset tiny --seeds {seeds}` "
         f"({seeds} seeds each of tiny "
@@ -347,11 +351,10 @@ def study_tiny(r: Results) -> str:
         f"{r.minutes('reproduce_tiny')} minutes on 2 cores as `benchmarks/timings.py` timed it) "
         "writes `reproduction.md` with our numbers beside the paper's. From its findings table "
         f"(one run, {provenance(s)}, copied to `docs/results/study-tiny.json`; latencies are "
-        "medians of interleaved pairs on a 2-core CPU shared with other jobs). It ran at "
-        f"{threads} torch thread{'s' if threads != 1 else ''}, steadier on a shared machine; "
-        "at another thread count "
-        "each seed trains to a slightly different model (seed 0 here against the demo above), "
-        "so the numbers differ.", "",
+        "medians of interleaved pairs on a 2-core CPU shared with other jobs). It ran on "
+        f"{cpu} at {threads} torch thread{'s' if threads != 1 else ''}; on another CPU model "
+        "or at another thread count each seed trains to a slightly different model, so the "
+        f"numbers differ ({same_as_demo}).", "",
         f"| paper finding | here (mean over {seeds} seeds, seed range in parentheses) |",
         "|---|---|", *_study_rows(s), "",
         f"SkipGate, the reference with real savings (seed 0), runs {_blocks(sg)} per token at "

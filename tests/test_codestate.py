@@ -184,7 +184,7 @@ from fcaudit.models.mudd import PRESETS as MUDD, MuddModel
 from fcaudit.core.codestate import digest_state
 import test_codestate as t
 for model in (GPT(PRESETS["tiny"]), MoEGPT(MoEConfig()), MuddModel(MUDD["tiny"])):
-    print(classes_read(model, None)[0])
+    print(classes_read(model, None, "")[0])
 for make in t.CASES:
     print(digest_state(make(1.0)))
 """

@@ -229,16 +229,16 @@ READS_NOTE = ("code identity covers the model's classes and everything their cod
               "at run time (importlib, getattr) is not seen: delete OUT/cache after changing it")
 
 
-def classes_read(model: nn.Module, code: Any) -> tuple[str | None, str | None]:
+def classes_read(model: nn.Module, code: Any, fallback: str) -> tuple[str | None, str]:
     """The digest of ``code`` and every class the model is built of, through all the code
-    and state their methods read (:mod:`fcaudit.core.codestate`), with its note; (None,
-    why) where some of it cannot be read as bits."""
+    and state their methods read (:mod:`fcaudit.core.codestate`), and the note on what it
+    covers; (None, ``fallback`` and why) where some of it cannot be read as bits."""
     classes = sorted({type(m) for m in model.modules()},
                      key=lambda c: (c.__module__, c.__qualname__))
     try:
         return digest_state([code, *classes]), READS_NOTE
     except Unreadable as exc:
-        return None, f"its code reads {exc}, whose state cannot be read as bits"
+        return None, f"{fallback} (its code reads {exc}, whose state cannot be read as bits)"
 
 
 def load_module(model: nn.Module, spec: str, kind: str = "module",
@@ -246,8 +246,7 @@ def load_module(model: nn.Module, spec: str, kind: str = "module",
     """An in-memory model (a factory's, or one passed to :func:`fcaudit.audit`)."""
     model.eval()
     files, note = code_identity(code if code is not None else type(model))
-    reads, why = classes_read(model, code)
-    note = why if reads is not None else f"{note} ({why})"
+    reads, note = classes_read(model, code, note)
     return LoadedModel(model, spec, kind, None, None,
                        _digest({"state": state_fingerprint(model), "code": files, "spec": spec,
                                 "class": type(model).__qualname__, "reads": reads}), files, note)

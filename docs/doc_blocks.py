@@ -488,7 +488,9 @@ def study_vision(r: Results) -> str:
         f"{v['date']}; {'/'.join(map(str, sorted(seeds)))} seeds per family, each with its "
         "dense twin; penalties in nats of cross-entropy with the span of the seeds' 95% "
         "intervals; latencies are medians of interleaved pairs on a 2-core CPU shared with "
-        "other jobs; copied to `docs/results/study-vision.json`):", "",
+        f"other jobs; run on {v['host']['cpu']} at {v['host']['torch_threads']} torch "
+        "threads, and, as for the tiny study, another CPU model or thread count trains "
+        "slightly different models; copied to `docs/results/study-vision.json`):", "",
         md_table(VISION_COLUMNS, [[row[c] for c in VISION_COLUMNS] for row in v["table"]],
                  "lr" + "r" * (len(VISION_COLUMNS) - 2)), "",
         md_table(("finding", "here"), [(f, h) for f, h in v["findings"]]), ""])

@@ -154,7 +154,9 @@ def vision(folder: Path, commit: str | None) -> dict[str, Any]:
     source = folder / "reproduction.json"
     rep = read(source)
     timings = read(folder / "timings.json")
+    first = sorted((folder / "audits").glob("*-s0"))[0] / "audit.json"
     return {**provenance(folder, get(rep, "command", source), commit),
+            "host": get(read(first), "runtime.host", first),
             "table": get(rep, "vision", source), "findings": get(rep, "findings", source),
             "groups": {name: {"seeds": g["seeds"], "aggregate": g["aggregate"]}
                        for name, g in get(rep, "groups", source).items()},

@@ -107,7 +107,8 @@ h1 { font-size: 1.6rem; margin-bottom: .2rem; }
 h2 { font-size: 1.25rem; border-bottom: 1px solid #d0d7de; padding-bottom: .2rem;
      margin-top: 2rem; }
 h3 { font-size: 1.05rem; margin-bottom: .3rem; }
-table { border-collapse: collapse; margin: .6rem 0; font-size: 13px; }
+table { border-collapse: collapse; margin: .6rem 0; font-size: 13px; display: block;
+        max-width: 100%; overflow-x: auto; }
 th, td { border: 1px solid #d0d7de; padding: .25rem .5rem; vertical-align: top; }
 th { background: #f6f8fa; text-align: left; }
 td { font-variant-numeric: tabular-nums; }
@@ -115,6 +116,7 @@ td[style*="right"] { white-space: nowrap; }
 code, pre { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
             font-size: 12.5px; background: #f6f8fa; }
 code { padding: 0 .2rem; border-radius: 3px; }
+td code { word-break: break-all; }
 pre { padding: .6rem; overflow-x: auto; white-space: pre-wrap; word-break: break-all; }
 blockquote { margin: .8rem 0; padding: .2rem .9rem; border-left: 4px solid #cf222e;
              background: #fff1f0; }

@@ -216,6 +216,7 @@ def test_cli_max_eval_and_max_calib_pick_rows_of_the_inputs(tmp_path, capsys) ->
 
 @pytest.mark.parametrize(("change", "expected"), [
     ("max eval 1", "--max-eval 1"),
+    ("scalar", "--inputs has shape []"),
     ("object", "needs pickle to load"),
     ("truncated", "is truncated: its header promises 4096 bytes of [16, 1, 8, 8] float32 "
                   "values, the file holds 4000"),
@@ -243,6 +244,9 @@ def test_cli_refuses_bad_arrays_in_one_line(tmp_path, capsys, change: str,
         args["--tokens"] = tmp_path / "x.npy"
     elif change == "max eval 1":
         args["--max-eval"] = 1
+    elif change == "scalar":  # a 0-d array with a count to pick: refused, not a crash
+        np.save(tmp_path / "x.npy", np.float32(1.0))
+        args["--max-eval"] = 4
     elif change == "token-nll":
         args["--objective"] = "token-nll"
     elif change == "no calib":

@@ -411,7 +411,8 @@ def _array_data(args: argparse.Namespace) -> Any:
                                   "calib_path": str(args.calib_inputs)}
     for prefix, count in (("", args.max_eval), ("calib_", args.max_calib)):
         x, y = arrays[f"{prefix}inputs"], arrays[f"{prefix}targets"]
-        if count is None or count >= len(x) or (y is not None and len(y) != len(x)):
+        if count is None or x.ndim == 0 or count >= len(x) or \
+                (y is not None and (y.ndim == 0 or len(y) != len(x))):
             continue  # all of them; rows that disagree are refused by the examples' check
         rows = spread_pick(len(x), count)
         arrays[f"{prefix}inputs"] = x[rows]
@@ -662,10 +663,11 @@ def _probe_inputs(path: Path | None, loaded: Any) -> Any:
     from fcaudit.io.loading import get_arch
     if path is not None:
         from fcaudit.io.examples import load_npy
-        rows = load_npy(path, "--inputs")[:2]
-        if len(rows) == 0:
-            raise FcauditError(f"--inputs {path} holds no rows; give at least one example")
-        return torch.from_numpy(rows.copy())
+        rows = load_npy(path, "--inputs")
+        if rows.ndim == 0 or len(rows) == 0:
+            raise FcauditError(f"--inputs {path} holds no rows (shape {list(rows.shape)}); "
+                               "give examples on the first axis, [N, ...]")
+        return torch.from_numpy(rows[:2].copy())
     if loaded.run_config and get_arch(loaded.run_config["arch"]).task == "vision":
         from fcaudit.io.digits import audit_data
         return torch.from_numpy(audit_data(2, 1).inputs)

@@ -13,7 +13,11 @@
   would be fed the same tensors bit for bit (else the batch is replayed and replaced).
 
 ``manifest.json`` names what the cache was recorded with (model, data, code
-fingerprints, batch size); a cache recorded with anything else is refused. Each
+fingerprints, package versions, batch size); a cache recorded with anything else is
+refused at once. A matching manifest proves nothing by itself (no fingerprint sees
+everything a model reads: environment variables, files, attributes): a record shard
+found on disk is used only once this process has recomputed it and found it bitwise
+equal (:meth:`CoefficientCache.settle`), and replay shards rest on those records. Each
 shard is written atomically and then its SHA-256 beside it (``NAME.sha256``), so
 shards can be written by several processes at once, a killed writer leaves no
 shard without checksum, and a corrupted shard is caught when read. Rows are read
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from fcaudit.core.adapters import same_bits
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.io.fileio import (
     read_json,
@@ -70,6 +75,9 @@ class CoefficientCache:
         self.manifest_path = self.folder / "manifest.json"
         self._handles: OrderedDict[str, Any] = OrderedDict()
         self._verified: set[str] = set()
+        # record shards this process wrote or recomputed bit for bit: the only ones it uses
+        self.proven: set[str] = set()
+        self.reused: set[str] = set()  # those of them that were on disk before: proven equal
         self.owner = owner
         self.replay_round = ""  # a --target-ci round's replay subfolder (see use_prefix)
         _check_folder(self.folder)
@@ -203,6 +211,27 @@ class CoefficientCache:
         (self.folder / f"{name}.sha256").unlink(missing_ok=True)
         write_safetensors(path, tensors)
         write_text(self.folder / f"{name}.sha256", sha256_file(path) + "\n")
+        self.proven.add(name)
+
+    def settle(self, name: str, fresh: dict[str, torch.Tensor], what: str) -> bool:
+        """Write ``fresh`` (a record shard this process just computed) as ``name``, or,
+        where the cache holds that shard already, prove it: the cached one is used only
+        when it equals ``fresh`` bit for bit. True when it was on disk and proven. A
+        difference means the model, or state it reads outside its code, is not the one
+        that wrote the cache: refused, naming ``what`` (the batch)."""
+        if not self.has(name):
+            self.write(name, fresh)
+            return False
+        if not same_bits(self.read(name), fresh):
+            raise FcauditError(
+                f"the cache in {self.folder} was recorded by another model: a fresh pass over "
+                f"{what} gives other coefficients or losses than its cached record (the model, "
+                "or state it reads outside its code such as environment variables, files, "
+                "attributes or package versions, changed since; or its forward pass varies "
+                f"between runs); delete {self.folder} or choose another {arg('out')}")
+        self.proven.add(name)
+        self.reused.add(name)
+        return True
 
     def _verify(self, name: str) -> None:
         if name in self._verified:

@@ -763,7 +763,7 @@ class Measured:
     points: list
     profiles: Any
     reuse: list
-    recorded: dict[str, int]
+    recorded: dict[str, dict[str, int]]  # stage -> record batches proven and recorded
 
 
 def _run(setup: Setup, cache: CoefficientCache, first: Probe, progress: Progress,
@@ -785,9 +785,9 @@ def _measure(setup: Setup, cache: CoefficientCache, first: Probe, progress: Prog
     """Record and replay every batch of ``setup``'s evaluation sequences and summarize
     them (rank 0; the other ranks return None after their replays)."""
     opts = setup.options
-    record_calibration(setup, cache, progress, ranks)
-    recorded = record_evaluation(setup, cache, progress, ranks)
-    ranks.barrier("recorded")
+    recorded = _summed(ranks.gather({
+        "calibration": record_calibration(setup, cache, progress, ranks),
+        "evaluation": record_evaluation(setup, cache, progress, ranks)}, "recorded"))
     profiles = calibration_profiles(setup, cache)
     cache.verify_all()
     timings["record_s"] = time.perf_counter() - setup.started
@@ -830,7 +830,7 @@ def _finish(m: Measured, cache: CoefficientCache, command: str | None, ranks: Ra
     runtime = Runtime(host(), {k: round(v, 3) for k, v in timings.items()},
                       {**replays.schedule, "processes": ranks.world,
                        "process_group": ranks.backend}, cache.disk_usage(),
-                      reuse_summary(m.reuse, len(runs)), rounds=rounds,
+                      reuse_summary(m.reuse, len(runs), m.recorded), rounds=rounds,
                       placement=setup.loaded.placement)
     result = assemble(setup, cache, m.summary, m.stats, execution, m.identity, command,
                       runtime)
@@ -979,10 +979,10 @@ def _run_to_target(pool: Setup, cache: CoefficientCache, first: Probe, progress:
 
 def _round_cost(n: int, m: Measured, wall_s: float) -> dict[str, Any]:
     """A round's runtime facts: its wall time and what it took from the cache."""
-    replayed = reuse_summary(m.reuse, len(m.runs))
+    replayed = reuse_summary(m.reuse, len(m.runs), m.recorded)
     return {"sequences": n, "wall_s": round(wall_s, 3),
-            "record_batches_reused": m.recorded["batches_reused"],
-            "record_batches_recorded": m.recorded["batches_recorded"],
+            "record_batches_reused": m.recorded["evaluation"]["batches_reused"],
+            "record_batches_recorded": m.recorded["evaluation"]["batches_recorded"],
             **{k: replayed[k] for k in ("batches_reused", "batches_recomputed",
                                         "runs_reused", "runs_recomputed")}}
 
@@ -1001,16 +1001,30 @@ def frontier_units(cache: CoefficientCache, covered: Sequence[Covered],
     return units
 
 
-def reuse_summary(per_rank: Sequence[Mapping[str, int]], n_runs: int) -> dict[str, Any]:
-    """Which replay results came from the cache: whole batches, reused only when every
-    run's fed tensors were bit for bit the stored ones (else the batch was replayed)."""
+def _summed(per_rank: Sequence[Mapping[str, Mapping[str, int]]]) -> dict[str, dict[str, int]]:
+    """Every rank's record counts, added up per stage."""
+    return {stage: {k: sum(r[stage][k] for r in per_rank) for k in per_rank[0][stage]}
+            for stage in per_rank[0]}
+
+
+def reuse_summary(per_rank: Sequence[Mapping[str, int]], n_runs: int,
+                  recorded: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
+    """What came from the cache: record batches only once recomputed bit for bit (one
+    forward each, the price of reuse), replay batches only on top of proven records and
+    when every run's fed tensors are bit for bit the stored ones (else replayed)."""
     reused = sum(r["batches_reused"] for r in per_rank)
     recomputed = sum(r["batches_recomputed"] for r in per_rank)
     kept = sum(r.get("runs_kept_from_earlier_rounds", 0) for r in per_rank)  # --target-ci
+    proofs = {f"{stage}_batches_{what}": recorded[stage][f"batches_{what}"]
+              for stage in ("evaluation", "calibration") for what in ("proven", "recorded")}
     return {"batches_reused": reused, "batches_recomputed": recomputed,
             "runs_reused": reused * n_runs + kept, "runs_recomputed": recomputed * n_runs - kept,
-            "rule": "a cached batch is reused only if every run's SHA-256 of its token ids, "
-                    "schedule, identity and fed coefficient tensors equals the stored one"}
+            **proofs,
+            "rule": "a cached record batch (evaluation or calibration) is used only after its "
+                    "original pass, recomputed now, equals it bit for bit (one forward pass "
+                    "per reused batch); a cached replay batch only on top of those records "
+                    "and when every run's SHA-256 of its token ids, schedule, identity and fed "
+                    "coefficient tensors equals the stored one"}
 
 
 def write_outputs(result: AuditResult, out: Path, render: Renderer | None = None) -> None:

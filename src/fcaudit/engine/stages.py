@@ -58,12 +58,14 @@ IDENTITY_CAUSES = (
 
 
 def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress,
-                       ranks: Ranks = SINGLE) -> None:
+                       ranks: Ranks = SINGLE) -> dict[str, int]:
     """This rank's calibration batches: each batch's float64 sums (by position and by
-    token id), cached."""
+    token id), cached; a shard already on disk is recomputed and used only when equal
+    (:meth:`CoefficientCache.settle`). Returns how many were proven and recorded."""
     net, size = setup.model, setup.options.batch_size
     n = -(-setup.data.n_calib // size)
-    todo = ranks.mine([b for b in range(n) if not cache.has(cache.calib_name(b))])
+    todo = ranks.mine([b for b in range(n) if cache.calib_name(b) not in cache.proven])
+    proven = 0
     for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net), todo),
                                   start=1):
         _, coefficients, _ = record_batch(net, setup.sites, x, None)
@@ -74,22 +76,32 @@ def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress
             tokens = token_sums(on_cpu, x.cpu())
             shard.update({"token_ids": tokens.ids, "token_counts": tokens.counts,
                           **{f"token::{k}": v for k, v in tokens.sums.items()}})
-        cache.write(cache.calib_name(b), shard)
+        proven += cache.settle(cache.calib_name(b), shard,
+                               f"calibration batch {b} ({_rows(size, b, setup.data.n_calib)})")
         progress("record calibration", done, len(todo), "")
+    return {"batches_recorded": len(todo) - proven,
+            "batches_proven": sum(cache.calib_name(b) in cache.reused for b in ranks.mine(
+                list(range(n))))}
+
+
+def _rows(size: int, b: int, n: int) -> str:
+    """The sequences (or examples) batch ``b`` holds, as a person counts them."""
+    return f"rows {b * size + 1}-{min((b + 1) * size, n)}"
 
 
 def record_frontier_calibration(setup: Setup, cache: CoefficientCache, sites: Sequence[Site],
                                 progress: Progress, ranks: Ranks = SINGLE) -> None:
     """The frontier's calibration coefficients of ``sites``, whole (its thresholds are
-    calibration quantiles, which sums cannot give); resumes at the shards not on disk."""
+    calibration quantiles, which sums cannot give); a shard on disk is used once proven."""
     from fcaudit.engine.frontier import calib_name
     net, size = setup.model, setup.options.batch_size
     n = -(-setup.data.n_calib // size)
-    todo = ranks.mine([b for b in range(n) if not cache.has(calib_name(b))])
+    todo = ranks.mine([b for b in range(n) if calib_name(b) not in cache.proven])
     for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net), todo),
                                   start=1):
         _, coefficients, _ = record_batch(net, sites, x, None)
-        cache.write(calib_name(b), {f"site::{k}": v.cpu() for k, v in coefficients.items()})
+        cache.settle(calib_name(b), {f"site::{k}": v.cpu() for k, v in coefficients.items()},
+                     f"calibration batch {b} ({_rows(size, b, setup.data.n_calib)})")
         progress("record frontier calibration", done, len(todo), "")
 
 
@@ -130,39 +142,39 @@ HITS = "hits"
 
 def adopt_probe(cache: CoefficientCache, coefficients: Mapping[str, Tensor], nll: Tensor,
                 hits: Tensor | None = None) -> None:
-    """Write the probe's batch as shard 0, or check it against a cached shard 0: a cache
-    whose first batch a fresh pass does not reproduce bit for bit is never reused."""
-    name = cache.eval_name(0)
-    shard = _eval_shard(nll, coefficients, hits)
-    if not cache.has(name):
+    """Write the probe's batch as shard 0, or prove a cached shard 0 with it: the probe's
+    pass is a fresh recomputation of the first batch."""
+    if not cache.has(cache.eval_name(0)):
         check_finite(coefficients, "evaluation data")
         check_finite_nll(nll, "the unperturbed record pass, batch 0")
-        cache.write(name, shard)
-    elif not same_bits(cache.read(name), shard):
-        raise FcauditError(
-            f"the cache in {cache.folder} does not match this model: a fresh pass over the "
-            "first batch gives other coefficients or NLL than the cached one (the model "
-            "changed in a way its fingerprint cannot see, or its forward pass varies between "
-            f"runs); delete {cache.folder} and rerun")
+    cache.settle(cache.eval_name(0), _eval_shard(nll, coefficients, hits),
+                 f"evaluation batch 0 ({_rows(cache.batch_size, 0, cache.n_sequences)})")
 
 
 def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
                       ranks: Ranks = SINGLE) -> dict[str, int]:
-    """This rank's evaluation batches, one unperturbed pass each; resumes at the shards
-    not yet on disk. Returns how many of this rank's batches were on disk and recorded."""
+    """This rank's evaluation batches, one unperturbed pass each. A shard already on disk
+    is used only once this pass reproduces it bit for bit (the cost of reuse: one forward
+    per batch, which proves what no fingerprint can: that the model, its objective and
+    everything they read still compute the cached record). Returns how many of this
+    rank's batches were proven from disk and recorded."""
     net, sites = setup.model, setup.sites
     mine = ranks.mine(list(range(cache.n_batches)))
-    todo = [b for b in mine if not cache.has(cache.eval_name(b))]
-    objective = setup.objective
+    todo = [b for b in mine if cache.eval_name(b) not in cache.proven]
+    objective, proven = setup.objective, 0
     for done, (b, x) in enumerate(batches(setup.eval_source, cache.batch_size,
                                           device_of(net), todo), start=1):
         logits, coefficients, nll = record_batch(net, sites, x, objective)
         check_finite(coefficients, "evaluation data")
         check_finite_nll(nll, f"the unperturbed record pass, batch {b}")
-        cache.write(cache.eval_name(b), _eval_shard(nll, coefficients,
-                                                    objective.hits(logits, x)))
+        proven += cache.settle(cache.eval_name(b),
+                               _eval_shard(nll, coefficients, objective.hits(logits, x)),
+                               f"evaluation batch {b} "
+                               f"({_rows(cache.batch_size, b, cache.n_sequences)})")
         progress("record evaluation", done, len(todo), "")
-    return {"batches_reused": len(mine) - len(todo), "batches_recorded": len(todo)}
+    earlier = len(mine) - len(todo)  # the probe's batch, or an earlier --target-ci round's
+    return {"batches_reused": earlier + proven, "batches_recorded": len(todo) - proven,
+            "batches_proven": sum(cache.eval_name(b) in cache.reused for b in mine)}
 
 
 def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], progress: Progress,

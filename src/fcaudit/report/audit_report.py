@@ -609,7 +609,12 @@ def _reproducibility(r: AuditResult) -> list[str]:
 
 def _reuse_sentence(reuse: dict[str, Any]) -> str:
     total = reuse["batches_reused"] + reuse["batches_recomputed"]
-    return (f"Replay results: {reuse['batches_reused']} of {total} batches "
+    proven = sum(reuse.get(f"{stage}_batches_proven", 0)
+                 for stage in ("evaluation", "calibration"))
+    proofs = (f"Record results: {proven} cached batches used, each only after its original "
+              "pass, recomputed in this audit (one forward pass each), equalled the cached "
+              "record bit for bit. ") if proven else ""
+    return (f"{proofs}Replay results: {reuse['batches_reused']} of {total} batches "
             f"({reuse['runs_reused']} runs) reused from the cache, each run's fed coefficients "
             f"checked bit for bit against this audit's; {reuse['batches_recomputed']} batches "
             f"({reuse['runs_recomputed']} runs) replayed.")

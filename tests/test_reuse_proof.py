@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import toys
 import torch
+import toys
 import vision_toys as vt
 from conftest import FAST_ARGS, run_inprocess
 

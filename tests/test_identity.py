@@ -128,3 +128,97 @@ def test_weights_outside_their_folder_are_refused(name: str, tiny_state: dict,  
     index_path.write_text(json.dumps(index))
     with pytest.raises(FcauditError, match="outside its folder"):
         load_mudd_folder(folder)
+
+
+FAKEPKG = '''
+import toys
+
+
+class Model(toys.ToyModel):
+    def forward(self, ids):
+        return super().forward(ids) * {scale}
+'''
+
+
+def _install_fakepkg(site: Path, version: str, scale: float) -> None:
+    """An installed distribution ``fakepkg`` (a package folder and its dist-info, as pip
+    leaves them) whose model class computes ``scale`` times the toy's logits."""
+    for old in site.glob("fakepkg-*.dist-info"):
+        shutil.rmtree(old)
+    (site / "fakepkg").mkdir(parents=True, exist_ok=True)
+    (site / "fakepkg" / "__init__.py").write_text(FAKEPKG.format(scale=scale))
+    info = site / f"fakepkg-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fakepkg\nVersion: {version}\n")
+    (info / "top_level.txt").write_text("fakepkg\n")
+    (info / "RECORD").write_text("fakepkg/__init__.py,,\n")
+
+
+def test_an_upgraded_installed_package_is_a_different_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Installed code enters the identity by name; its version enters with it, so a model
+    class from a package upgraded 1.0 -> 2.0 is refused at once, naming the package."""
+    from fcaudit.core import codestate
+    from fcaudit.io import runtime
+    site = tmp_path / "site-packages"
+    _install_fakepkg(site, "1.0", 1.0)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(codestate, "_LIBRARY_ROOTS", (*codestate._LIBRARY_ROOTS,
+                                                      str(site.resolve()) + "/"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "factory.py").write_text("import fakepkg\n\ndef build():\n"
+                                         "    return fakepkg.Model('content')\n")
+
+    def fresh_imports() -> None:
+        for name in ("factory", "fakepkg"):
+            sys.modules.pop(name, None)
+        codestate._library_module.cache_clear()
+        runtime._distributions.cache_clear()
+
+    argv = ["audit", "--model", "factory:build", "--sites", "gates.*", *_tokens(tmp_path),
+            "--out", tmp_path / "out", *FAST_ARGS]
+    fresh_imports()
+    assert run_inprocess(argv, capsys).returncode == 0
+    model = json.loads((tmp_path / "out" / "audit.json").read_text())["model"]
+    assert model["packages"]["fakepkg"] == "1.0"
+    assert "torch" in model["packages"]  # the toy's classes are torch modules
+    _install_fakepkg(site, "2.0", 2.0)
+    fresh_imports()
+    res = run_inprocess(argv, capsys)
+    assert res.returncode == 2, res.stderr
+    assert "recorded with a different package versions (fakepkg 1.0 -> 2.0)" in res.stderr
+    fresh_imports()
+
+
+@pytest.mark.parametrize("how", ["copied", "linked"])
+def test_a_factory_reached_through_another_folder_is_the_same_model(
+        how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Identity by content, as run folders already are: the same files in a copied or
+    symlinked folder resume the audit instead of being refused as another model."""
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / "mymodels.py").write_text(FACTORY.format(mode="content"))
+    tokens = _tokens(tmp_path)
+    out = tmp_path / "out"
+    argv = ["audit", "--model", "mymodels:build", "--sites", "gates.*", *tokens,
+            "--out", out, *FAST_ARGS]
+    monkeypatch.chdir(first)
+    sys.modules.pop("mymodels", None)
+    assert run_inprocess(argv, capsys).returncode == 0
+    before = json.loads((out / "audit.json").read_text())
+    other = tmp_path / "other"
+    if how == "copied":
+        shutil.copytree(first, other)
+    else:
+        other.symlink_to(first, target_is_directory=True)
+    monkeypatch.chdir(other)
+    sys.modules.pop("mymodels", None)
+    res = run_inprocess(argv, capsys)
+    assert res.returncode == 0, res.stderr
+    after = json.loads((out / "audit.json").read_text())
+    assert after["runtime"]["reuse"]["batches_reused"] == 2
+    assert {k: v for k, v in after.items() if k != "runtime"} == \
+        {k: v for k, v in before.items() if k != "runtime"}
+    sys.modules.pop("mymodels", None)

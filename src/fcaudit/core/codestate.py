@@ -8,8 +8,9 @@ the same code. So the digest follows what the callable can read: its bytecode an
 constants, its defaults, closure cells and the globals its code names (recursively,
 through nested functions, methods, ``functools.partial``, classes and the objects' own
 attributes), tensors and arrays by their bits. Library code (the standard library and
-installed packages) enters by its qualified name: its version is recorded with every
-audit. A user's module enters by its file's SHA-256.
+installed packages) enters by its qualified name; the top-level packages met are
+returned beside the digest (:func:`read_state`), so their installed versions can enter
+the identity. A user's module enters by its file's SHA-256.
 
 A C object without ``__dict__`` or ``__slots__`` enters by what pickling would save of it
 (a compiled pattern, a random generator's state). Anything whose state cannot be read as
@@ -87,6 +88,11 @@ class _Digest:
         self.hasher = hashlib.sha256()
         self.seen: set[int] = set()
         self.kept: list[Any] = []  # alive while digesting, so no id in seen is reused
+        self.libraries: set[str] = set()  # top-level library packages whose code was met
+
+    def library(self, module: Any) -> None:
+        if isinstance(module, str):
+            self.libraries.add(module.partition(".")[0])
 
     def tag(self, *parts: Any) -> None:
         self.hasher.update(repr(parts).encode())
@@ -152,6 +158,7 @@ class _Digest:
         elif isinstance(value, _BUILTIN_CALLABLES):
             owner = getattr(value, "__self__", None)
             self.tag("builtin", getattr(value, "__module__", None), value.__qualname__)
+            self.library(getattr(value, "__module__", None))
             if owner is not None and not isinstance(owner, (types.ModuleType, type)):
                 self.feed(owner, depth)
         elif isinstance(value, types.CodeType):
@@ -165,6 +172,7 @@ class _Digest:
         file = getattr(module, "__file__", None)
         if _library_module(module.__name__) or file is None:
             self.tag("module", module.__name__)
+            self.library(module.__name__)
             return
         self.tag("module", module.__name__, hashlib.sha256(Path(file).read_bytes()).hexdigest())
 
@@ -177,6 +185,7 @@ class _Digest:
     def _function(self, fn: types.FunctionType, depth: int) -> None:
         if _is_library(fn):
             self.tag("function", fn.__module__, fn.__qualname__)
+            self.library(fn.__module__)
             return
         self._code(fn.__code__, depth)
         self.feed(fn.__defaults__, depth)
@@ -196,6 +205,7 @@ class _Digest:
     def _class(self, cls: type, depth: int) -> None:
         self.tag("class", cls.__module__, cls.__qualname__)
         if _is_library(cls):
+            self.library(cls.__module__)
             return
         for base in cls.__bases__:
             self.feed(base, depth)
@@ -237,10 +247,11 @@ class _Digest:
             self.feed(part, depth)
 
 
-def digest_state(value: Any, depth: int = 0) -> str:
-    """SHA-256 hex digest of ``value``'s code and state (see the module docstring);
-    raises :class:`Unreadable` naming what could not be read (also when reading it
-    failed: an error here must mean "do not reuse", never a crash)."""
+def read_state(value: Any, depth: int = 0) -> tuple[str, frozenset[str]]:
+    """SHA-256 hex digest of ``value``'s code and state (see the module docstring) and the
+    top-level library packages its code reached (their versions are not in the digest:
+    the caller adds them); raises :class:`Unreadable` naming what could not be read (also
+    when reading it failed: an error here must mean "do not reuse", never a crash)."""
     digest = _Digest()
     try:
         digest.feed(value, depth)
@@ -249,4 +260,9 @@ def digest_state(value: Any, depth: int = 0) -> str:
     except (Exception, RecursionError) as exc:
         raise Unreadable(f"something whose reading failed ({type(exc).__name__}: "
                          f"{str(exc)[:80]})") from exc
-    return digest.hasher.hexdigest()
+    return digest.hasher.hexdigest(), frozenset(digest.libraries)
+
+
+def digest_state(value: Any, depth: int = 0) -> str:
+    """The digest of :func:`read_state` alone."""
+    return read_state(value, depth)[0]

@@ -60,6 +60,16 @@ def _check_folder(folder: Path) -> None:
         raise FcauditError(f"{manifest} is not a file; delete {folder} and rerun")
 
 
+def _changed(key: str, before: Any, now: Any) -> str:
+    """An identity entry that differs, with what changed where it is a short mapping
+    (package versions: ``mypkg 1.0 -> 2.0``)."""
+    if not (isinstance(before, dict) and isinstance(now, dict)):
+        return key
+    moved = [f"{name} {before.get(name, 'absent')} -> {now.get(name, 'absent')}"
+             for name in sorted(set(before) | set(now)) if before.get(name) != now.get(name)]
+    return f"{key} ({', '.join(moved)})"
+
+
 class CoefficientCache:
     """The shards of one audit's cache folder (see the module docstring)."""
 
@@ -107,7 +117,8 @@ class CoefficientCache:
                                "rerun to record it again")
         recorded = manifest.get("identity") if isinstance(manifest.get("identity"), dict) else {}
         setup = {"batch_size": self.batch_size, "n_sequences": self.pool_sequences}
-        diff = sorted(k for k in set(self.identity) | set(recorded)
+        diff = sorted(_changed(k, recorded.get(k), self.identity.get(k))
+                      for k in set(self.identity) | set(recorded)
                       if recorded.get(k) != self.identity.get(k))
         diff += [k for k, v in setup.items() if manifest.get(k) != v]
         if diff and (any(self.folder.glob("*.sha256")) or not self.owner):

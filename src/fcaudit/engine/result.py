@@ -429,6 +429,8 @@ class ModelInfo:
     fingerprint: str
     dtype: str
     identity_note: str | None = _omit_none()
+    # installed distribution -> version of the packages the model's classes come from
+    packages: dict[str, str] | None = _omit_none()
 
 
 @dataclass

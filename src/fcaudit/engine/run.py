@@ -505,7 +505,8 @@ def cache_identity(setup: Setup) -> dict[str, Any]:
             "adapters": [getattr(s.adapter, "name", type(s.adapter).__name__)
                          for s in setup.sites],
             "objective": setup.objective.identity(),
-            "fcaudit": __version__, "torch": torch.__version__}
+            "fcaudit": __version__, "torch": torch.__version__,
+            "package versions": setup.loaded.packages}
 
 
 def execute(setup: Setup) -> Execution:
@@ -545,7 +546,7 @@ def _model_info(setup: Setup) -> ModelInfo:
                      n_params=sum(p.numel() for p in net.parameters()),
                      fingerprint=loaded.fingerprint,
                      dtype=str(param.dtype) if param is not None else "unknown",
-                     identity_note=loaded.identity_note)
+                     identity_note=loaded.identity_note, packages=loaded.packages or None)
 
 
 def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tuple,

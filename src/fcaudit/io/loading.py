@@ -31,11 +31,12 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from fcaudit.core.codestate import Unreadable, digest_state
+from fcaudit.core.codestate import Unreadable, read_state
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.io.data import folder_tokenizer
 from fcaudit.io.fileio import read_json, sha256_file, write_safetensors
 from fcaudit.io.placement import Placement
+from fcaudit.io.runtime import package_versions
 from fcaudit.io.weights import check_depth, check_keys, header_shapes, load_into, read_tensors
 
 
@@ -110,6 +111,9 @@ class LoadedModel:
     files: dict[str, str] = field(default_factory=dict)  # path in folder -> SHA-256
     identity_note: str | None = None  # what the fingerprint cannot see
     placement: dict[str, Any] | None = None  # accelerate's dispatch: where the weights went
+    # installed distribution -> version of the packages the model's classes (and the code
+    # they read) come from: library code enters the identity by name, so its version must
+    packages: dict[str, str] = field(default_factory=dict)
 
 
 def is_run_folder(path: Path) -> bool:
@@ -229,16 +233,30 @@ READS_NOTE = ("code identity covers the model's classes and everything their cod
               "at run time (importlib, getattr) is not seen: delete OUT/cache after changing it")
 
 
-def classes_read(model: nn.Module, code: Any, fallback: str) -> tuple[str | None, str]:
+def classes_read(model: nn.Module, code: Any, fallback: str
+                 ) -> tuple[str | None, str, frozenset[str]]:
     """The digest of ``code`` and every class the model is built of, through all the code
-    and state their methods read (:mod:`fcaudit.core.codestate`), and the note on what it
-    covers; (None, ``fallback`` and why) where some of it cannot be read as bits."""
-    classes = sorted({type(m) for m in model.modules()},
-                     key=lambda c: (c.__module__, c.__qualname__))
+    and state their methods read (:mod:`fcaudit.core.codestate`), the note on what it
+    covers and the library packages that code reached; (None, ``fallback`` and why, no
+    packages) where some of it cannot be read as bits."""
     try:
-        return digest_state([code, *classes]), READS_NOTE
+        digest, libraries = read_state([code, *_classes(model)])
+        return digest, READS_NOTE, libraries
     except Unreadable as exc:
-        return None, f"{fallback} (its code reads {exc}, whose state cannot be read as bits)"
+        return (None, f"{fallback} (its code reads {exc}, whose state cannot be read as "
+                      "bits)", frozenset())
+
+
+def _classes(model: nn.Module) -> list[type]:
+    return sorted({type(m) for m in model.modules()},
+                  key=lambda c: (c.__module__, c.__qualname__))
+
+
+def model_packages(model: nn.Module, libraries: frozenset[str] = frozenset()
+                   ) -> dict[str, str]:
+    """Installed versions of the packages the model's classes come from, and of the
+    ``libraries`` their code reached."""
+    return package_versions({*(c.__module__ for c in _classes(model)), *libraries})
 
 
 def load_module(model: nn.Module, spec: str, kind: str = "module",
@@ -246,10 +264,13 @@ def load_module(model: nn.Module, spec: str, kind: str = "module",
     """An in-memory model (a factory's, or one passed to :func:`fcaudit.audit`)."""
     model.eval()
     files, note = code_identity(code if code is not None else type(model))
-    reads, note = classes_read(model, code, note)
+    reads, note, libraries = classes_read(model, code, note)
+    code_digests = sorted(files.values())  # by content: a copied or linked folder is the same
     return LoadedModel(model, spec, kind, None, None,
-                       _digest({"state": state_fingerprint(model), "code": files, "spec": spec,
-                                "class": type(model).__qualname__, "reads": reads}), files, note)
+                       _digest({"state": state_fingerprint(model), "code": code_digests,
+                                "spec": spec, "class": type(model).__qualname__,
+                                "reads": reads}), files, note,
+                       packages=model_packages(model, libraries))
 
 
 def load_factory(spec: str, dtype: torch.dtype | None = None) -> LoadedModel:
@@ -283,6 +304,13 @@ def load(spec: str, dtype: torch.dtype | None = None,
          placement: Placement | None = None) -> LoadedModel:
     """Resolve any model spec (see module docstring) to a :class:`LoadedModel`;
     ``placement`` (accelerate's dispatch) for Hugging Face folders only."""
+    loaded = _load(spec, dtype, placement)
+    if not loaded.packages:  # folders: the packages their classes come from
+        loaded.packages = model_packages(loaded.model)
+    return loaded
+
+
+def _load(spec: str, dtype: torch.dtype | None, placement: Placement | None) -> LoadedModel:
     path = Path(spec)
     if placement is not None and not (path.is_dir() and _hf_layout(path)):
         raise FcauditError(f"{arg('device_map', placement.device_map)} loads a local Hugging "

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,30 @@ def versions() -> dict[str, str]:
     return {"fcaudit": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
             "safetensors": safetensors.__version__, "tokenizers": tokenizers.__version__,
             "python": platform.python_version()}
+
+
+def package_versions(modules: Iterable[str]) -> dict[str, str]:
+    """Installed distribution -> version for every module name given (by its top-level
+    package): code from an installed package enters an identity by name, so its version
+    must too (a package upgraded under the same names computes other numbers). The
+    standard library and modules no distribution installed (the user's own) are left out:
+    the standard library goes with Python's version, the user's code by content."""
+    from importlib import metadata
+    owners = _distributions()
+    found: dict[str, str] = {}
+    for top in sorted({m.partition(".")[0] for m in modules} - set(sys.stdlib_module_names)):
+        for dist in owners.get(top, ()):
+            try:
+                found[dist] = metadata.version(dist)
+            except metadata.PackageNotFoundError:  # metadata removed under a live import
+                found[dist] = "unknown"
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _distributions() -> dict[str, list[str]]:
+    from importlib import metadata
+    return {k: sorted(set(v)) for k, v in metadata.packages_distributions().items()}
 
 
 def cpu_model() -> str:

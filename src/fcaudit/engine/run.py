@@ -41,6 +41,7 @@ from fcaudit.core.layout import canonical_sites, not_applicable
 from fcaudit.core.nll import device_of, logits_of, model_limits, probe_vocab
 from fcaudit.core.sites import SiteSpec, find_sites, match_modules
 from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.cost import check_disk, free_bytes, record_cost, replay_line
 from fcaudit.engine.distributed import SINGLE as SINGLE_RANK
 from fcaudit.engine.distributed import Ranks, current
 from fcaudit.engine.frontier import (
@@ -701,9 +702,11 @@ def _audit(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, de
     if setup.out is None:
         import tempfile
         with tempfile.TemporaryDirectory(prefix="fcaudit-") as tmp:
+            say_record_plan(setup, first, Path(tmp))
             return _run(setup, open_cache(setup, Path(tmp), ranks, first), first, progress,
                         command, ranks)
     from fcaudit.io.outdir import hold_output, replacing_results
+    say_record_plan(setup, first, setup.out / "cache")
     with hold_output(setup.out, "audit", command):
         cache = open_cache(setup, setup.out / "cache", ranks, first)
         ranks.barrier(CLAIMED)
@@ -715,6 +718,19 @@ def _audit(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, de
 
 
 CLAIMED = "rank 0 validated the inputs and claimed the output folder"
+
+
+def say_record_plan(setup: Setup, first: Probe, folder: Path) -> None:
+    """The record stage's passes and the cache's size, before any work; a cache the disk
+    cannot hold is refused here (see :mod:`fcaudit.engine.cost`)."""
+    cost = record_cost(first.coefficients, first.nll, int(first.nll.shape[0]),
+                       setup.data.n_eval, setup.data.n_calib, setup.options.batch_size)
+    free = free_bytes(folder)
+    warning = check_disk(cost, free, folder)
+    if setup.options.progress:
+        for line in (cost.line(free), warning):
+            if line:
+                print(f"fcaudit: {line}", file=sys.stderr, flush=True)
 
 
 def open_cache(setup: Setup, folder: Path, ranks: Ranks,
@@ -799,6 +815,9 @@ def _measure(setup: Setup, cache: CoefficientCache, first: Probe, progress: Prog
                                       progress, ranks)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),
                      points, skipped)
+    if ranks.main and opts.progress:
+        print(f"fcaudit: {replay_line(len(runs), cache.n_batches)}", file=sys.stderr,
+              flush=True)
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
     if not ranks.main:
@@ -983,7 +1002,7 @@ def _round_cost(n: int, m: Measured, wall_s: float) -> dict[str, Any]:
     replayed = reuse_summary(m.reuse, len(m.runs), m.recorded)
     return {"sequences": n, "wall_s": round(wall_s, 3),
             "record_batches_reused": m.recorded["evaluation"]["batches_reused"],
-            "record_batches_recorded": m.recorded["evaluation"]["batches_recorded"],
+            "record_batches_recorded": m.recorded["evaluation"]["batches_new"],
             **{k: replayed[k] for k in ("batches_reused", "batches_recomputed",
                                         "runs_reused", "runs_recomputed")}}
 

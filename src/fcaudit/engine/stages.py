@@ -14,7 +14,7 @@ and under torchrun each rank takes its own batches.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,6 @@ def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress
     net, size = setup.model, setup.options.batch_size
     n = -(-setup.data.n_calib // size)
     todo = ranks.mine([b for b in range(n) if cache.calib_name(b) not in cache.proven])
-    proven = 0
     for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net), todo),
                                   start=1):
         _, coefficients, _ = record_batch(net, setup.sites, x, None)
@@ -76,12 +75,12 @@ def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress
             tokens = token_sums(on_cpu, x.cpu())
             shard.update({"token_ids": tokens.ids, "token_counts": tokens.counts,
                           **{f"token::{k}": v for k, v in tokens.sums.items()}})
-        proven += cache.settle(cache.calib_name(b), shard,
-                               f"calibration batch {b} ({_rows(size, b, setup.data.n_calib)})")
+        cache.settle(cache.calib_name(b), shard,
+                     f"calibration batch {b} ({_rows(size, b, setup.data.n_calib)})")
         progress("record calibration", done, len(todo), "")
-    return {"batches_recorded": len(todo) - proven,
-            "batches_proven": sum(cache.calib_name(b) in cache.reused for b in ranks.mine(
-                list(range(n))))}
+    from_disk = sum(cache.calib_name(b) in cache.reused for b in ranks.mine(list(range(n))))
+    return {"batches_proven": from_disk, "batches_recorded": len(ranks.mine(list(range(n))))
+            - from_disk}
 
 
 def _rows(size: int, b: int, n: int) -> str:
@@ -173,8 +172,9 @@ def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
                                f"({_rows(cache.batch_size, b, cache.n_sequences)})")
         progress("record evaluation", done, len(todo), "")
     earlier = len(mine) - len(todo)  # the probe's batch, or an earlier --target-ci round's
-    return {"batches_reused": earlier + proven, "batches_recorded": len(todo) - proven,
-            "batches_proven": sum(cache.eval_name(b) in cache.reused for b in mine)}
+    from_disk = sum(cache.eval_name(b) in cache.reused for b in mine)
+    return {"batches_reused": earlier + proven, "batches_new": len(todo) - proven,
+            "batches_proven": from_disk, "batches_recorded": len(mine) - from_disk}
 
 
 def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], progress: Progress,
@@ -195,10 +195,24 @@ def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], progre
                                           device_of(setup.model), todo), start=1):
         kept = _earlier_runs(setup, inputs, runs, b)
         kept_runs += len(kept.rows)
-        cache.write(cache.replay_name(b), _replay_one_batch(setup, inputs, runs, b, x, kept))
-        progress("replay", done, len(todo), f"batch {b + 1} of {cache.n_batches}")
+        info = f"batch {b + 1} of {cache.n_batches}"
+        cache.write(cache.replay_name(b), _replay_one_batch(
+            setup, inputs, runs, b, x, kept, _Ticks(progress, len(runs), len(kept.rows), info)))
+        progress("replay", done, len(todo), info)
     return {"batches_reused": len(mine) - len(todo), "batches_recomputed": len(todo),
             "runs_kept_from_earlier_rounds": kept_runs}
+
+
+class _Ticks:
+    """Progress within one batch (a real model's batch can take minutes): one step per
+    replay pass, up to the batch's runs (a prefix fallback's repeated passes stay there)."""
+
+    def __init__(self, progress: Progress, runs: int, kept: int, info: str) -> None:
+        self.progress, self.runs, self.done, self.info = progress, runs, kept, info
+
+    def __call__(self) -> None:
+        self.done = min(self.done + 1, self.runs)
+        self.progress("passes of this batch", self.done, self.runs, self.info)
 
 
 def plan_digest(runs: Sequence[Run]) -> Tensor:
@@ -330,8 +344,10 @@ class _Passes:
     """The replay passes of one batch: each run fed from the cache, its digest taken from
     exactly the tensors fed, its per-token NLL checked finite."""
 
-    def __init__(self, setup: Setup, inputs: ReplayInputs, b: int, x: Tensor) -> None:
+    def __init__(self, setup: Setup, inputs: ReplayInputs, b: int, x: Tensor,
+                 tick: Callable[[], None] | None) -> None:
         self.net, self.inputs, self.b, self.x = setup.model, inputs, b, x
+        self.tick = tick or (lambda: None)  # progress within a batch: a step per pass
         self.objective = setup.objective
         self.context = _context(setup, b)
         self.correct_fed: dict[Site, Tensor] = {}
@@ -354,6 +370,7 @@ class _Passes:
         check_finite_nll(nll, f"replay under {run.key}, batch {self.b}")
         hits = self.objective.hits(out.output, self.x)
         self.hits[run.key, run.repeat] = hits.cpu() if hits is not None else None
+        self.tick()
         return out, nll, digest
 
     def correct_with(self, known: Mapping[str, Any] | None = None) -> Replayed:
@@ -364,7 +381,8 @@ class _Passes:
 
 @torch.no_grad()
 def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int,
-                      x: Tensor, kept: Kept = NONE_KEPT) -> dict[str, Tensor]:
+                      x: Tensor, kept: Kept = NONE_KEPT,
+                      tick: Callable[[], None] | None = None) -> dict[str, Tensor]:
     """Every run on batch ``b``: the correct replay first, then the per-layer runs (on the
     suffix when prefix reuse holds, see :func:`_per_layer`), then the other runs, then the
     correct replay again, which must equal the first bit for bit; for router sites, the
@@ -372,7 +390,7 @@ def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b
     Rows stay in plan order, each with the digest of what its run was fed; the runs in
     ``kept`` are not replayed again (their rows come from an earlier round's shard)."""
     assert runs[0].condition == "correct" and runs[0].site is None
-    passes, routed = _Passes(setup, inputs, b, x), routing_sites(inputs.sites)
+    passes, routed = _Passes(setup, inputs, b, x, tick), routing_sites(inputs.sites)
     passes.still_selected.update({runs[i].key: n for i, n in kept.still.items()})
     traced = setup.blocks if setup.options.schedule == "prefix" and \
         any(r.site is not None for r in runs) else None

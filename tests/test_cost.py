@@ -1,0 +1,89 @@
+"""The plan before the work: the record and replay passes and the cache's size are printed
+before any pass, the size matches the shards written, and a cache the disk cannot hold is
+refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+import pytest
+import toys
+from conftest import FAST_ARGS, run_inprocess
+from safetensors import safe_open
+
+FAST = [a for a in FAST_ARGS if a != "--quiet"]  # the plan is part of the progress output
+
+
+def _argv(root: Path, out: Path) -> list[str]:
+    np.save(root / "eval.npy", toys.pair_sequences(12, 16, 1))
+    np.save(root / "calib.npy", toys.pair_sequences(8, 16, 2))
+    return ["audit", "--model", "toys:content_model", "--sites", "gates.*", "--tokens",
+            root / "eval.npy", "--calib-tokens", root / "calib.npy", "--out", out, *FAST]
+
+
+def test_the_plan_is_printed_before_the_work_and_sizes_the_cache(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    res = run_inprocess(_argv(tmp_path, out), capsys)
+    assert res.returncode == 0, res.stderr
+    lines = res.stderr.splitlines()
+    record = next(i for i, line in enumerate(lines) if "plan: record" in line)
+    assert "plan: record 3 evaluation + 2 calibration batches (one forward pass each)" \
+        in lines[record]
+    replay = next(i for i, line in enumerate(lines) if "plan: replay" in line)
+    # runs: correct, reassign, shuffle, reassign+shuffle, global-mean, static-layer,
+    # static-layer-position, static-layer-token (one repeat each; no per-layer runs)
+    assert "plan: replay 8 runs on each of 3 evaluation batches: 24 forward passes" \
+        in lines[replay]
+    assert record < replay
+    # the per-sequence size is the evaluation shards' tensors, read back independently
+    stored = 0
+    for shard in sorted((out / "cache").glob("eval-*.safetensors")):
+        with safe_open(str(shard), framework="pt") as fh:
+            stored += sum(fh.get_tensor(k).numel() * fh.get_tensor(k).element_size()
+                          for k in fh.keys())  # noqa: SIM118 - not a dict
+    per_sequence = round(stored / 12)
+    reuse = json.loads((out / "audit.json").read_text())["runtime"]["reuse"]
+    assert (reuse["evaluation_batches_recorded"], reuse["evaluation_batches_proven"]) == (3, 0)
+    assert (reuse["calibration_batches_recorded"], reuse["calibration_batches_proven"]) == (2, 0)
+    assert f"({per_sequence / 1000:.1f} KB per evaluation sequence" in lines[record]
+
+
+def test_a_cache_the_disk_cannot_hold_is_refused_before_any_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    out = tmp_path / "out"
+    res = run_inprocess(_argv(tmp_path, out), capsys)
+    assert res.returncode == 2
+    assert "the audit's cache needs about" in res.stderr
+    assert "has 1.0 KB free: choose --out on a larger disk, or audit fewer sequences " \
+           "(--max-eval) or sites" in res.stderr
+    assert not out.exists()
+
+
+def test_a_cache_that_takes_most_of_the_disk_is_warned_about(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from fcaudit.engine import cost
+    out = tmp_path / "out"
+    argv = _argv(tmp_path, out)
+    seen = {}
+    real = cost.record_cost
+
+    def spy(*args, **kw):  # noqa: ANN002, ANN003 - passes through
+        seen["cost"] = real(*args, **kw)
+        return seen["cost"]
+    monkeypatch.setattr("fcaudit.engine.run.record_cost", spy)
+    usage = namedtuple("usage", "total used free")
+    # free space for the cache and a little more: more than half of it is taken
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda path: usage(10**12, 0, int(seen["cost"].cache_bytes * 1.5)))
+    res = run_inprocess(argv, capsys)
+    assert res.returncode == 0, res.stderr
+    assert "warning: the cache will take about" in res.stderr

@@ -106,20 +106,26 @@ def test_vision_study_trains_twins_once_and_tabulates(vision_study):
 
 
 def test_cli_audits_a_vision_run_on_its_own_digits(vision_study, tmp_path, capsys):
-    """`fcaudit audit --model RUN --objective classification`: no data options needed; a
-    token option or the token objective is refused in one line before any file."""
+    """`fcaudit audit --model RUN`: a run knows its task, so neither data options nor
+    --objective are needed (the run's own digits, classification); a token option is
+    refused in one line before any file."""
     out, _ = vision_study
     run = out / "runs" / "condconv-tiny-s0"
     audit_dir = tmp_path / "audit"
     base = ["audit", "--model", run, "--out", audit_dir, "--max-eval", "12", "--max-calib",
             "8", *FAST_ARGS]
-    for extra, words in ((["--tokens", run / "config.json", "--calib-tokens",
-                           run / "config.json"], "vision run"), ([], "classification")):
-        res = run_inprocess([*base, *extra], capsys)
-        assert res.returncode == 2 and words in res.stderr and not audit_dir.exists()
-    res = run_inprocess([*base, "--objective", "classification"], capsys)
+    res = run_inprocess([*base, "--tokens", run / "config.json", "--calib-tokens",
+                         run / "config.json"], capsys)
+    assert res.returncode == 2 and "vision run" in res.stderr and not audit_dir.exists()
+    res = run_inprocess(base, capsys)
     assert res.returncode == 0, res.stderr
     audit = json.loads((audit_dir / "audit.json").read_text())
+    assert audit["settings"]["objective"] == "classification"
+    named = tmp_path / "named"
+    res = run_inprocess([*base[:3], "--out", named, *base[5:], "--objective",
+                         "classification"], capsys)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((named / "audit.json").read_text())["conditions"] == audit["conditions"]
     assert audit["data"]["source"] == "sklearn.datasets.load_digits"
     assert audit["data"]["eval_examples"] == 12 and audit["data"]["calib_examples"] == 8
     x, y = digits("eval")

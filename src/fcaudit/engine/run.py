@@ -208,9 +208,12 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     custom = _interventions(interventions, site_list)  # before the first forward pass
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
     default_len, default_why = loaded_seq_len(loaded)
+    vision = bool(loaded.run_config) and get_arch(loaded.run_config["arch"]).task == "vision"
+    if vision and options.objective == "token-nll":  # the default: a run knows its task
+        options = dataclasses.replace(options, objective="classification")
     if isinstance(data, AuditData):
         audit_data = data
-    elif loaded.run_config and get_arch(loaded.run_config["arch"]).task == "vision":
+    elif vision:
         audit_data = run_audit_data(data, loaded.spec)  # a vision run: its own digits
     else:
         audit_data = resolve_data(loaded.tokenizer, data, default_len)

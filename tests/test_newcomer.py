@@ -116,8 +116,8 @@ def test_sites_all_probes_a_model_of_images_with_its_inputs(
     import imgmodel
     assert_every_module_described(res.stdout, imgmodel.build(), torch.from_numpy(x[:2]))
     assert module_lines(res.stdout)["mixer"].endswith(
-        "Tensor[2, 3] float32  <- likely controller ([B, ...] output: name its axes with a "
-        "Site, see docs/method.md)")
+        "Tensor[2, 3] float32  <- likely controller ([B, ...] output; a softmax of its output "
+        "that scales another branch: name its axes with a Site, see docs/method.md)")
     tokens = module_lines(run_inprocess(argv, capsys).stdout)  # token ids cannot feed it
     assert tokens["mixer"].startswith("Linear\tfailed: RuntimeError"), tokens["mixer"]
 
@@ -394,3 +394,104 @@ def test_the_cli_audits_a_router_glob(mixtral: Path, tmp_path: Path,
     assert [(s["name"], s["family"], s.get("adapter")) for s in result["sites"]] == [
         (f"model.layers.{i}.mlp.gate", ROUTER_GLOB, "router") for i in range(2)]
     assert result["identity_replay_max_abs_diff"] == 0.0
+
+
+GATED_MLP = """
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(d, 2 * d), nn.Linear(d, 2 * d)
+        self.down_proj, self.act_fn = nn.Linear(2 * d, d), nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SE(nn.Module):  # a sigmoid gate computed functionally: its linear layer is the site
+    def __init__(self, d):
+        super().__init__()
+        self.score = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.score(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.mlp, self.se, self.norm = MLP(d), SE(d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + self.se(self.mlp(self.norm(x)))
+
+
+class LM(nn.Module):
+    def __init__(self, d=8, vocab=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Layer(d) for _ in range(3))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def build():
+    torch.manual_seed(0)
+    return LM().eval()
+"""
+
+
+def test_sites_judges_candidates_by_what_their_output_multiplies(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gated MLP's `act_fn` (its SiLU output multiplies `up_proj`'s) and an SE gate's
+    scorer (its sigmoid scales the block) are candidates; `gate_proj`, a linear
+    pre-activation, is not, whatever its name. The plain listing shows the candidates and
+    the globs to audit them, --all every module."""
+    (tmp_path / "gated.py").write_text(GATED_MLP)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = run_inprocess(["sites", "--model", "gated:build"], capsys)
+    assert res.returncode == 0, res.stderr
+    listed = module_lines(res.stdout)
+    expected = [f"layers.{i}.{m}" for i in range(3) for m in ("mlp.act_fn", "se.score")]
+    assert sorted(listed) == sorted(expected)
+    for i in range(3):
+        assert listed[f"layers.{i}.mlp.act_fn"].endswith(
+            "likely controller ([B, T, ...] output; a SiLU output that scales another branch)")
+        assert listed[f"layers.{i}.se.score"].endswith(
+            "likely controller ([B, T, ...] output; a sigmoid of its output that scales "
+            "another branch)")
+    assert "suggested: fcaudit audit --sites 'layers.*.mlp.act_fn' ..." in res.stdout
+    assert "suggested: fcaudit audit --sites 'layers.*.se.score' ..." in res.stdout
+    import gated
+    total = len([n for n, _ in gated.build().named_modules() if n])
+    assert f"6 likely controllers of {total} modules; --all lists every module" in res.stdout
+    every = run_inprocess(["sites", "--model", "gated:build", "--all"], capsys)
+    lines = module_lines(every.stdout)
+    assert len(lines) == total
+    assert "likely" not in lines["layers.0.mlp.gate_proj"]  # a linear pre-activation
+    assert "likely" not in lines["layers.0.mlp.up_proj"]  # multiplied, but linear
+    assert "likely" not in lines["embed"] and "likely" not in lines["layers.0.norm"]
+
+
+def test_sites_finds_the_act_fn_of_a_hugging_face_llama(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    from conftest import COMMON, save
+    folder = save(transformers.LlamaConfig(**COMMON, intermediate_size=64), tmp_path / "llama")
+    res = run_inprocess(["sites", "--model", folder], capsys)
+    assert res.returncode == 0, res.stderr
+    listed = module_lines(res.stdout)
+    assert {p for p in listed if p.endswith("mlp.act_fn")} == \
+        {"model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"}
+    assert not any(p.endswith("gate_proj") for p in listed)
+    assert "suggested: fcaudit audit --sites 'model.layers.*.mlp.act_fn' ..." in res.stdout

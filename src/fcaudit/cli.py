@@ -54,11 +54,14 @@ examples:
 EPILOG_SITES = """\
 A site is a module whose output carries the coefficients (a gate, a mixing-weight
 generator, a router). `fcaudit sites` lists the sites the model declares (or that fcaudit
-finds, e.g. Mixture-of-Experts routers of Hugging Face models). With --all it runs one
-small forward pass and lists every module with its output type and shape, marking
-likely controllers: pass those paths to `fcaudit audit --sites GLOB`. The pass feeds two
-random token windows; a model of other inputs is probed with two rows of --inputs X.npy
-(a vision run folder: two of its own digits images).
+finds, e.g. Mixture-of-Experts routers of Hugging Face models). A model that declares
+none is probed with one small forward pass, and the modules that behave like controllers
+are listed: those whose output (or its sigmoid, softmax, SiLU...) multiplies another
+branch, such as `mlp.act_fn` of a gated MLP, not the linear `mlp.gate_proj` before it.
+It suggests the `fcaudit audit --sites GLOB` that names them. --all lists every module
+with its output type and shape. The pass feeds two random token windows; a model of
+other inputs is probed with two rows of --inputs X.npy (a vision run folder: two of its
+own digits images).
 """
 
 
@@ -675,7 +678,7 @@ def _probe_inputs(path: Path | None, loaded: Any) -> Any:
 
 
 def cmd_sites(args: argparse.Namespace) -> None:
-    from fcaudit.core.sites import describe_modules, find_sites
+    from fcaudit.core.sites import describe_modules, find_sites, suggested_globs
     from fcaudit.engine.run import as_loaded
     loaded = as_loaded(args.model)
     model = loaded.model
@@ -687,11 +690,19 @@ def cmd_sites(args: argparse.Namespace) -> None:
         adapter = getattr(s.adapter, "name", type(s.adapter).__name__)
         print(f"{s.name}\tfamily={s.family}\tlayer={s.layer}\tadapter={adapter}")
     if not sites:
-        print("no declared controller sites; name them with --sites GLOB (see --all)")
-    if args.all or not sites:
-        probe = _probe_inputs(args.inputs, loaded)
-        for path, kind, output, hint in describe_modules(model, {s.path for s in sites}, probe):
-            print(f"  {path}\t{kind}\t{output}{f'  <- {hint}' if hint else ''}")
+        print("no declared controller sites; name them with --sites GLOB")
+    if not (args.all or not sites):
+        return
+    rows = describe_modules(model, {s.path for s in sites}, _probe_inputs(args.inputs, loaded))
+    shown = rows if args.all else [r for r in rows if r[3].startswith("likely")]
+    for path, kind, output, hint in shown:
+        print(f"  {path}\t{kind}\t{output}{f'  <- {hint}' if hint else ''}")
+    candidates = [path for path, _, _, hint in rows if hint.startswith("likely controller")]
+    for glob in suggested_globs(candidates):
+        print(f"suggested: fcaudit audit --sites {shlex.quote(glob)} ...")
+    if not args.all:
+        print(f"{len(shown)} likely controllers of {len(rows)} modules; --all lists every "
+              "module with its output")
 
 
 COMMANDS = {"train": cmd_train, "bench": cmd_bench, "sites": cmd_sites}

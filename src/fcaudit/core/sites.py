@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fcaudit.core.adapters import AUTO
+from fcaudit.core.candidates import ScalingWatch
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_sites
 from fcaudit.core.errors import FcauditError, arg
@@ -144,25 +145,31 @@ def describe_modules(model: nn.Module, sites: set[str], example: Any = None
         example = torch.randint(0, vocab or 2, (batch, 8), device=device_of(model))
     outputs: dict[str, str] = {}
     entered: list[str] = []
+    watch = ScalingWatch()
 
-    def seen(_m: nn.Module, _a: Any, out: Any, name: str) -> None:
+    def seen(m: nn.Module, _a: Any, out: Any, name: str) -> None:
         outputs.setdefault(name, describe(out))
+        watch.output(name, m, out)
 
     modules = [(name, module) for name, module in model.named_modules() if name]
     handles = [h for name, module in modules for h in (
         module.register_forward_pre_hook(lambda _m, _a, name=name: entered.append(name)),
         module.register_forward_hook(lambda m, a, out, name=name: seen(m, a, out, name)))]
     try:
-        model.eval()(**example) if isinstance(example, dict) else model.eval()(example)
+        with watch:
+            model.eval()(**example) if isinstance(example, dict) else model.eval()(example)
     except Exception as exc:  # a model that needs other inputs: list modules anyway
         _mark_failure(outputs, entered, [n for n, _ in modules], exc, type(model).__name__)
     finally:
         for handle in handles:
             handle.remove()
+    by_name = not watch.scales  # no module scales another branch: names are all to go by
     rows = []
     for name, module in modules:
         out = outputs.get(name, NOT_CALLED)
-        rows.append((name, type(module).__name__, out, _hint(name, out, sites, batch, seq_len)))
+        hint = "site" if name in sites else _hint(name, out, watch.scales.get(name), by_name,
+                                                  batch, seq_len)
+        rows.append((name, type(module).__name__, out, hint))
     return rows
 
 
@@ -182,19 +189,29 @@ def _mark_failure(outputs: dict[str, str], entered: list[str], names: list[str],
         outputs.setdefault(name, f"not run: the forward pass stopped in {where} ({error})")
 
 
-def _hint(name: str, output: str, sites: set[str], batch: int, seq_len: int | None) -> str:
-    if name in sites:
-        return "site"
-    if not _CONTROLLER_NAME.search(name):
+def _hint(name: str, output: str, scales: str | None, by_name: bool, batch: int,
+          seq_len: int | None) -> str:
+    """``scales``: what of the module's output scales another branch in the probe pass
+    (:mod:`fcaudit.core.candidates`); a name alone marks a module only when nothing in
+    the model does (a toy whose gates are combined by sums, a router's tuple output)."""
+    named = bool(_CONTROLLER_NAME.search(name))
+    if output.startswith("tuple(Tensor") and named:
+        return "likely router (tuple output: needs an adapter, see docs/method.md)"
+    if not scales and not (by_name and named):
         return ""
+    why = f"; {scales} that scales another branch" if scales else ""
     m = re.match(r"Tensor\[(\d+), (\d+)(?:, (\d+))?", output)
     if seq_len is None:  # examples, not token windows: the positions axis is the model's own
-        return ("likely controller ([B, ...] output: name its axes with a Site, see "
+        return (f"likely controller ([B, ...] output{why}: name its axes with a Site, see "
                 "docs/method.md)" if m and int(m.group(1)) == batch else "")
     if m and (int(m.group(1)), int(m.group(2))) == (batch, seq_len):
-        return "likely controller ([B, T, ...] output)"
+        return f"likely controller ([B, T, ...] output{why})"
     if m and int(m.group(1)) == batch * seq_len:
-        return "likely controller (flattened [B*T, ...] output)"
-    if output.startswith("tuple(Tensor"):
-        return "likely router (tuple output: needs an adapter, see docs/method.md)"
+        return f"likely controller (flattened [B*T, ...] output{why})"
     return ""
+
+
+def suggested_globs(paths: Sequence[str]) -> list[str]:
+    """``--sites`` globs for candidate paths: layer indices become ``*``, so one glob
+    names a family of sites across layers (in the order first seen)."""
+    return list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", p) for p in paths))

@@ -1,0 +1,91 @@
+"""Which modules behave like controllers, judged by what their output does in one pass.
+
+A name says little: ``mlp.gate_proj`` of a gated MLP is a linear pre-activation, and the
+tensor that actually multiplies the other branch is the output of ``mlp.act_fn``. So the
+probe pass watches every torch call (a ``TorchFunctionMode``): a module whose output, or
+an activation of it (sigmoid, softmax, SiLU, GELU, tanh), is an operand of an elementwise
+product or an einsum with another tensor *scales another branch*; when that output is
+controller-like (an activation module's, one in [0, 1], or the activation taken of it),
+the module is a likely controller. Tensors are followed by their storage, so the views a
+gate takes before multiplying (``g[..., None]``, a slice per expert) still count.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+_ACTIVATION_CLASS = re.compile(r"sigmoid|softmax|silu|swish|gelu|tanh|activation", re.I)
+_ACTIVATIONS = {"sigmoid", "sigmoid_", "softmax", "silu", "gelu", "tanh", "tanh_",
+                "hardsigmoid", "softplus", "swish"}
+_PRODUCTS = {"mul", "mul_", "__mul__", "__rmul__", "__imul__", "multiply", "einsum",
+             "addcmul"}
+
+
+def _storage(t: Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr() if t.numel() else None
+    except (RuntimeError, NotImplementedError):  # meta or tensor subclasses without storage
+        return None
+
+
+def _tensors(values: Any) -> list[Tensor]:
+    if isinstance(values, Tensor):
+        return [values]
+    if isinstance(values, (list, tuple)):
+        return [t for v in values for t in _tensors(v)]
+    return []
+
+
+def _controller_like(module: nn.Module, out: Tensor) -> str | None:
+    """How the output looks like a coefficient by itself, or None (a linear output)."""
+    name = type(module).__name__
+    if _ACTIVATION_CLASS.search(name):
+        return f"a {name} output"
+    if out.is_floating_point() and bool(out.min() >= 0) and bool(out.max() <= 1):
+        return "a [0, 1] output"
+    return None
+
+
+class ScalingWatch(TorchFunctionMode):
+    """Records, during one forward pass, which modules' outputs scale another branch:
+    register :meth:`output` as every module's forward hook and run the pass inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owner: dict[int, tuple[str, str | None]] = {}  # storage -> module, how it looks
+        self.modules_out: set[int] = set()  # storages some module returned
+        self.kept: list[Tensor] = []  # alive during the pass, so no storage is reused
+        self.scales: dict[str, str] = {}  # module path -> what of it scales another branch
+
+    def output(self, name: str, module: nn.Module, out: Any) -> None:
+        if isinstance(out, Tensor) and (ptr := _storage(out)) is not None:
+            if ptr not in self.modules_out:  # the innermost module that returned it
+                self.owner[ptr] = (name, _controller_like(module, out))  # over an activation
+                self.modules_out.add(ptr)  # taken inside it (nn.SiLU's F.silu of gate_proj)
+            self.kept.append(out)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        word = getattr(func, "__name__", "")
+        operands = _tensors(list(args) + list((kwargs or {}).values()))
+        if word in _ACTIVATIONS and operands and isinstance(result, Tensor):
+            source = self.owner.get(_storage(operands[0]) or -1)
+            if source is not None and (ptr := _storage(result)) is not None:
+                self.owner.setdefault(ptr, (source[0], f"a {word.rstrip('_')} of its output"))
+                self.kept.append(result)
+        elif word in _PRODUCTS and len(operands) >= 2:
+            self._product(operands)
+        return result
+
+    def _product(self, operands: list[Tensor]) -> None:
+        ptrs = [_storage(t) for t in operands]
+        for ptr in ptrs:
+            source = self.owner.get(ptr or -1)
+            other = any(p != ptr and o.numel() > 1 for o, p in zip(operands, ptrs, strict=True))
+            if source is not None and source[1] is not None and other:
+                self.scales.setdefault(source[0], source[1])

@@ -376,8 +376,9 @@ def test_flat_adapter_round_trip():
 
 
 def test_rerun_reuses_the_cache_and_runs_no_replay(tmp_path):
-    """A rerun reads coefficients and replay results from the cache: it runs only the probe
-    pass (and the vocabulary probe), and gives the same result."""
+    """A rerun reads coefficients and replay results from the cache once proven: it runs
+    the probe passes and one pass per other cached record batch, no replay, and gives the
+    same result."""
     model = toys.content_model()
     passes = []
     model.register_forward_hook(lambda *_: passes.append(1))
@@ -386,7 +387,11 @@ def test_rerun_reuses_the_cache_and_runs_no_replay(tmp_path):
     first = run()
     first_passes, passes[:] = len(passes), []
     second = run()
-    assert first_passes > 40 and len(passes) == 3  # vocabulary probe, probe record, replay
+    assert FAST.batch_size == 4  # 12 + 12 sequences: 3 evaluation and 3 calibration batches
+    # vocabulary probe, probe record, probe replay; evaluation batches 1, 2 and calibration
+    # batches 0, 1, 2 recomputed to prove their cached records
+    assert first_passes > 40 and len(passes) == 3 + 2 + 3
+    assert second.runtime.reuse["batches_reused"] == 3
     assert first.to_json()["conditions"] == second.to_json()["conditions"]
 
 

@@ -629,7 +629,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import dataclasses
     import json
 
-    from fcaudit.engine.execution import check_comparable, measure_execution
+    from fcaudit.engine.execution import check_comparable, measure_execution, refuse_idle_blocks
     from fcaudit.engine.run import resolve_block_paths
     from fcaudit.engine.verdicts import verdict_execution
     from fcaudit.io.fileio import write_json
@@ -645,6 +645,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     ids = _bench_ids(loaded, args).to(device)
     source = args.dense or "dense_counterpart (fresh weights)"
     check_comparable(model, dense, ids[:1], source)
+    if args.blocks is not None:
+        refuse_idle_blocks(args.blocks, ids[:args.batch_size], {
+            "the model": (model, blocks), "the dense model": (dense, dense_blocks)})
     result = measure_execution(model, dense, ids, batch_size=args.batch_size, pairs=args.pairs,
                                seed=args.seed, block_paths=blocks, dense_block_paths=dense_blocks,
                                dense_source=source)

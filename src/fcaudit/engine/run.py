@@ -381,6 +381,11 @@ def probe(setup: Setup) -> Probe:
         _check_targets(setup, record_batch(net, sites, x, None)[0])
     logits, coefficients, nll = record_batch(net, sites, x, objective)
     _check_axes(net, sites, x)
+    if setup.blocks_glob is not None and setup.blocks is not None:
+        from fcaudit.engine.execution import refuse_idle_blocks
+        refuse_idle_blocks(setup.blocks_glob, x, {"the model": (net, setup.blocks), **(
+            {"the dense model": (setup.dense, resolve_block_paths(
+                setup.dense, setup.blocks_glob) or [])} if setup.dense is not None else {})})
     replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites},
                             objective=objective)
     hits = objective.hits(logits, x)
@@ -570,9 +575,10 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
         interaction=summary.interaction, variance=variance, variation=spread,
         profiles=profiles, execution=execution, verdict=verdict,
         seeds=Seeds(opts.seed, seeds, seeds, opts.seed * 1000 + 7),
-        # how the audit is shown or scheduled changes no number: not part of its settings
-        settings={**{k: v for k, v in dataclasses.asdict(opts).items()
-                     if k not in ("schedule", "progress", *STOPPING_OPTIONS, *PLACEMENT)},
+        # how the audit is shown or scheduled changes no number: not part of its settings;
+        # read field by field (``asdict`` deep-copies, and an objective may hold a lock)
+        settings={**{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
+                     if f.name not in ("schedule", "progress", *STOPPING_OPTIONS, *PLACEMENT)},
                   "bootstrap_resamples": opts.bootstrap,
                   "calibration_sequences_used_for_static": setup.data.n_calib,
                   "objective": setup.objective.name,

@@ -26,6 +26,7 @@ OTHER_INPUTS = arg("inputs", py="AuditData(inputs=..., targets=..., calib_inputs
                    cli="--inputs, --targets and --calib-inputs")
 
 Inputs = Tensor | dict[str, Tensor]
+TOKEN_IDS_KEY = "input_ids"  # the keyword a Hugging Face model takes its token ids by
 
 
 @dataclass
@@ -42,6 +43,17 @@ class ExampleBatch:
     @property
     def device(self) -> torch.device:
         return next(iter(_tensors(self.inputs))).device
+
+    @property
+    def positions(self) -> int | None:
+        """Token positions ``T`` when the inputs are token ids ``[B, T]`` (alone, or a
+        dict's ``input_ids`` as Hugging Face models take them), so that sites with one row
+        per token (a router's flattened logits) read as with token data; None otherwise."""
+        ids = self.inputs.get(TOKEN_IDS_KEY) if isinstance(self.inputs, dict) else self.inputs
+        if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point() \
+                and not ids.is_complex() and ids.dtype != torch.bool:
+            return int(ids.shape[1])
+        return None
 
     def to(self, device: torch.device) -> ExampleBatch:
         moved = {k: v.to(device) for k, v in self.inputs.items()} \

@@ -347,7 +347,7 @@ class FrontierPointResult:
 
     rule: str  # dynamic, static-layer, static-layer-position (gates); dynamic, static-k
     level: float  # target share of gated units skipped, set on calibration
-    threshold: float | None  # gates: tau (zeroed below); routers, dynamic: top-p mass
+    threshold: float | None  # gates: tau on |g - off| (off below); routers, dynamic: top-p mass
     layers: list[int] | None  # static-layer: layers zeroed; static-k: k per layer
     skipped_fraction: float  # of the gated units (token-layers or expert slots), evaluation
     flops_saved_per_token: float

@@ -36,7 +36,7 @@ from fcaudit.core.adapters import adapter_name, same_bits
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks, declared_experts
 from fcaudit.core.errors import FcauditError, arg
-from fcaudit.core.interventions import Intervention, StaticProfiles, draw
+from fcaudit.core.interventions import Intervention, draw
 from fcaudit.core.layout import canonical_sites, not_applicable
 from fcaudit.core.nll import device_of, logits_of, model_limits, probe_vocab
 from fcaudit.core.sites import SiteSpec, find_sites, match_modules
@@ -800,8 +800,8 @@ def _measure(setup: Setup, cache: CoefficientCache, first: Probe, progress: Prog
     inputs = _replay_inputs(setup, cache, profiles, first)
     tokens = inputs.ids
     skipped = not_applicable(setup.sites, tokens is not None)
-    covered, points = frontier_points(setup, cache, frontier_plan(setup, first), profiles,
-                                      progress, ranks)
+    covered, points = frontier_points(setup, cache, frontier_plan(setup, first), progress,
+                                      ranks)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),
                      points, skipped)
     started = time.perf_counter()
@@ -857,7 +857,7 @@ def _finish(m: Measured, cache: CoefficientCache, command: str | None, ranks: Ra
 
 
 def frontier_points(setup: Setup, cache: CoefficientCache, covered: Sequence[Covered],
-                    profiles: StaticProfiles, progress: Progress, ranks: Ranks
+                    progress: Progress, ranks: Ranks
                     ) -> tuple[list[Covered], list[FrontierPoint]]:
     """The covered families made ready (off values checked, a skipping model's own
     thresholds read) and every point to replay: the rules' points from calibration, and
@@ -875,7 +875,7 @@ def frontier_points(setup: Setup, cache: CoefficientCache, covered: Sequence[Cov
             own_thresholds(fam, executed, setup.data.eval_ids.size, eval_gates(cache, fam))
         ready.append(fam)
     live = [f for f in ready if f.reason is None]
-    points = plan_points(live, frontier_calibration(setup, cache, sites), profiles,
+    points = plan_points(live, frontier_calibration(setup, cache, sites),
                          setup.options.frontier_points)
     return ready, points + [p for f in live if (p := own_point(f)) is not None]
 

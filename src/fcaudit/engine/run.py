@@ -582,7 +582,9 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
                   "bootstrap_resamples": opts.bootstrap,
                   "calibration_sequences_used_for_static": setup.data.n_calib,
                   "objective": setup.objective.name,
-                  "layer_index": "a site's index within its family"},
+                  "layer_index": "a site's index within its family",
+                  # custom conditions in the order given (audit.json sorts its keys)
+                  **({"interventions": list(summary.custom)} if summary.custom else {})},
         versions=versions(), command=command,
         nondeterministic_keys=[*NONDETERMINISTIC_KEYS, *([TIMED_VERDICT_KEY] if timed else [])],
         runtime=runtime,

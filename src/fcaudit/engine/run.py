@@ -107,7 +107,7 @@ from fcaudit.engine.summary import (
     token_profile,
 )
 from fcaudit.engine.verdicts import dependence, qualified, variation
-from fcaudit.io.data import AuditData, DataSpec, resolve_data
+from fcaudit.io.data import AuditData, DataSpec, picked_note, resolve_data
 from fcaudit.io.digits import run_audit_data
 from fcaudit.io.examples import OTHER_INPUTS, ExampleBatch, call_model
 from fcaudit.io.loading import LoadedModel, get_arch, load, load_module
@@ -305,12 +305,14 @@ def window_source(data: DataSpec | AuditData, default: str) -> str:
 def window_line(data: Mapping[str, Any]) -> str:
     """One line saying how long the scored windows are and why, for the start of an audit
     and its summary (a model scored past its training length scores differently)."""
+    picked = picked_note(data)
+    picked = f"; {picked}" if picked else ""
     if "eval_examples" in data:
         return (f"scoring {data['eval_examples']} evaluation examples "
-                f"({data['calib_examples']} calibrate the static profiles)")
+                f"({data['calib_examples']} calibrate the static profiles){picked}")
     source = data.get("seq_len_source", "source not recorded")
     change = "" if source == GIVEN_DATA else "; --seq-len to change"
-    return f"scoring windows of {data['seq_len']} tokens ({source}{change})"
+    return f"scoring windows of {data['seq_len']} tokens ({source}{change}){picked}"
 
 
 def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | None, str]:

@@ -130,6 +130,18 @@ def _maybe_die() -> None:
             os._exit(9)
 
 
+class SpareModel(ToyModel):
+    """The content toy holding two modules its forward never calls (``spare.0``, ``.1``)."""
+
+    def __init__(self) -> None:
+        super().__init__("content")
+        self.spare = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+
+def spare_model() -> nn.Module:
+    return SpareModel()
+
+
 def content_model() -> nn.Module:
     return ToyModel("content")
 

@@ -464,8 +464,9 @@ def _frontier(r: AuditResult) -> list[str]:
         return []
     blocks = ["## Savings frontier",
               "NLL penalty against the share of FLOPs that could be skipped: a dynamic rule "
-              "driven by the recorded coefficients (soft gates: zero every gate below a "
-              "threshold; routers: top-p) against static rules that ignore the input "
+              "driven by the recorded coefficients (soft gates: switch off every gate whose "
+              "distance from its off value, the update it keeps, is below a threshold; "
+              "routers: top-p) against static rules that ignore the input "
               "(whole layers or (layer, position) cells; a smaller fixed k per layer), "
               "thresholds and orders from the calibration set, one replay per point. Penalties "
               "are interpolated at matched FLOPs saved; gaps are static minus dynamic, 95% "

@@ -144,6 +144,9 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("bench batch 0", ["bench", "--model", "{run}", "--batch-size", "0"], "--batch-size 0"),
     ("bench blocks nothing", ["bench", "--model", "{run}", "--blocks", "layers.*"],
      "--blocks 'layers.*' matched no module"),
+    ("bench blocks never called", ["bench", "--model", "toys:spare_model", "--dense",
+                                   "toys:spare_model", "--blocks", "spare.*", "--seq-len", "8"],
+     "--blocks 'spare.*': the model's forward never calls 2 of the 2 modules"),
     ("sites model missing", ["sites", "--model", "{missing}"], "model not found"),
 ]
 

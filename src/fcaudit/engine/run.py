@@ -255,7 +255,8 @@ def _prepare_examples(loaded: LoadedModel, out: str | Path | None, sites: list[S
         raise FcauditError(
             f"{arg('objective', 'token-nll', owner='AuditOptions')} scores token ids, but the "
             f"data are other inputs: choose {arg('objective', 'classification')} (integer "
-            "targets) or a callable (model_output, batch) -> per-unit losses")
+            "targets) or a callable (model_output, batch) -> per-unit losses, or give token "
+            "ids as AuditData(eval_ids=..., calib_ids=...)")
     if options.frontier:
         raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} is measured "
                            "on token inputs only; drop it for these inputs")

@@ -123,6 +123,49 @@ def test_blocks_must_be_named_modules():
                           timing=False)
 
 
+class _FourOfFive(nn.Module):
+    """The toys' dense gated network holding a fifth block its forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import toys
+        self.blocks = nn.ModuleList(toys.ToyGatedBlock(None, i) for i in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([nn.functional.one_hot(x, 64).float(), torch.zeros(*x.shape, 64)], -1)
+        for block in list(self.blocks)[:4]:
+            h = block(h)
+        return h[..., 64:]
+
+
+def test_blocks_the_forward_never_calls_are_refused_before_work(tmp_path) -> None:
+    """Blocks the forward never calls once counted as skipped by every token ("0.00 of 2
+    blocks run per token"); in the model or in the dense counterpart they are refused on
+    the first batch, named, and nothing is written. Blocks that run are accepted and
+    counted: 4.00 of 4 per token."""
+    import toys
+    from conftest import toy_data
+
+    from fcaudit import AuditOptions, audit
+    options = AuditOptions(repeats=1, bootstrap=100, batch_size=4, per_layer=False,
+                           timing_pairs=0, progress=False)
+    model = toys.informative_gated_model()
+    out = tmp_path / "out"
+    for net, sites, dense, glob, said in (
+            (toys.spare_model(), ["gates.*"], toys.spare_model(), "spare.*",
+             "the model's forward never calls 2 of the 2 modules it names on the first batch "
+             "(spare.0, spare.1)"),
+            (model, None, _FourOfFive(), "blocks.*", "the dense model's forward never calls 1 "
+             "of the 5 modules it names on the first batch (blocks.4)")):
+        with pytest.raises(FcauditError) as info:
+            audit(net, out, sites=sites, data=toy_data(), dense=dense, blocks=glob,
+                  options=options)
+        assert said in str(info.value) and str(info.value).startswith(f"blocks={glob!r}")
+        assert not out.exists()
+    r = audit(model, data=toy_data(), blocks="blocks.*", options=options)
+    assert r.execution.blocks_executed == 4.0 and r.execution.blocks_present == 4
+
+
 # --- FLOPs ------------------------------------------------------------------------------
 
 class MatMul(nn.Module):

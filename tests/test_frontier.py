@@ -21,6 +21,7 @@ from toys import (
     V,
     constant_gated_model,
     informative_gated_model,
+    inverted_gated_model,
     pair_sequences,
 )
 
@@ -163,6 +164,44 @@ def test_informative_gate_dynamic_beats_static(tmp_path: Path) -> None:
         assert head.gap[rule].ci95[0] > 0, rule  # static loses
         assert fam.area[rule].value > 0
     assert fam.gap_at_25.ci95[0] > 0 and "loses to the dynamic one" in fam.sentence
+
+
+def test_inverted_gate_switches_off_the_smallest_update_first() -> None:
+    """Gates declared ``Site(off=1.0)`` scale ``1 - g``: the layers' updates are 0.1, 0.7,
+    0.3 and 0.5 (gates 0.9, 0.3, 0.7, 0.5). Every rule switches off the smallest update
+    first (layer 0, the largest gate), never the smallest gate (layer 1, the largest
+    update); thresholds, layers and penalties are the ones worked out here by hand."""
+    result = audit(inverted_gated_model(), None, data=_data(), options=OPTIONS)
+    fam = result.frontier["toygate"]
+    assert fam.reason is None
+    ids = _data().eval_ids
+    updates = [0.1, 0.7, 0.3, 0.5]  # 1 - gate, per layer
+
+    def delta(off: list[int]) -> float:
+        kept = sum(u for i, u in enumerate(updates) if i not in off)
+        return float((hand_nll(ids, TOY_UPDATE * kept * np.ones(ids.shape))
+                      - hand_nll(ids, TOY_UPDATE * sum(updates) * np.ones(ids.shape))).mean())
+    # level -> (threshold on |g - 1|, layers below it): quantiles of 4 equal groups of
+    # N*T calibration gates; the 0.45 level repeats 0.3's threshold and is dropped
+    dynamic = {0.15: (0.1, []), 0.3: (0.3, [0]), 0.6: (0.5, [0, 2]), 0.75: (0.55, [0, 2, 3]),
+               0.9: (0.7, [0, 2, 3])}
+    static = {0.15: [0], 0.45: [0, 2], 0.75: [0, 2, 3], 0.9: [0, 1, 2, 3]}  # round(4 q)
+    got = {(p.rule, round(p.level, 2)): p for p in fam.points}
+    assert sorted(k for r, k in got if r == "dynamic") == sorted(dynamic)
+    assert sorted(k for r, k in got if r == "static-layer") == sorted(static)
+    for level, (tau, off) in dynamic.items():
+        p = got["dynamic", level]
+        assert p.threshold == pytest.approx(tau, rel=1e-6)
+        assert p.flops_saved_fraction == pytest.approx(len(off) / TOY_GATE_LAYERS)
+        assert p.delta == pytest.approx(delta(off), abs=1e-6)
+    for level, off in static.items():
+        assert got["static-layer", level].layers == off
+        assert got["static-layer", level].delta == pytest.approx(delta(off), abs=1e-6)
+    head = next(m for m in fam.matched if m.saved == 0.25)  # layer 0 off: update 0.1 gone
+    assert head.dynamic.value == pytest.approx(delta([0]), abs=1e-6)
+    # the other order (smallest gate first) removed the 0.7 update: +0.3476 against +0.0480
+    assert (round(delta([0]), 4), round(delta([1]), 4)) == (0.0480, 0.3476)
+    assert "matches the dynamic one" in fam.sentence
 
 
 # ---- routers: top-p against numpy; the extra picked expert weighs exactly 0 ----

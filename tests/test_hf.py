@@ -311,3 +311,65 @@ def test_sites_listed_by_fcaudit_sites_work_as_sites_globs(mixtral_folder: Path,
     assert code == 0, err
     sites = json.loads((tmp_path / "out" / "audit.json").read_text())["sites"]
     assert [(s["name"], s["adapter"]) for s in sites] == [(listed[0], "router")]
+
+
+def _nll_of_targets(output: Any, batch: Any) -> torch.Tensor:
+    """Next-token NLL per token ``[B, T-1]`` of the ids given as targets ``[B, T]``."""
+    logits, ids = output.logits[:, :-1].double(), batch.targets
+    return (logits.logsumexp(-1) - logits.gather(-1, ids[:, 1:, None])[..., 0]).float()
+
+
+@pytest.mark.parametrize("given", ["dict", "ids", "embeds"])
+def test_token_inputs_route_one_row_per_token(given: str, mixtral_folder: Path):
+    """A Hugging Face MoE given ``{'input_ids', 'attention_mask'}``, the ids themselves as
+    ``inputs=``, or ``{'inputs_embeds'}`` once died in a TypeError in the router adapter
+    (no positions for its flattened logits). It audits as token data does: bitwise
+    identity, the NLL of its own logits (computed here) and the config's 2 of 4 experts."""
+    from fcaudit import AuditData, AuditOptions, audit
+    model, tokenizer, _ = load_hf_folder(mixtral_folder)
+    x, calib = token_batches(tokenizer)
+    embed = model.get_input_embeddings()
+
+    def inputs(ids: torch.Tensor) -> Any:
+        with torch.no_grad():
+            return {"dict": {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                    "ids": ids, "embeds": {"inputs_embeds": embed(ids)}}[given]
+    r = audit(model, data=AuditData(inputs=inputs(x), targets=x, calib_inputs=inputs(calib),
+                                    calib_targets=calib),
+              options=AuditOptions(objective=_nll_of_targets, repeats=1, bootstrap=100,
+                                   batch_size=2, per_layer=False, timing_pairs=0,
+                                   progress=False))
+    with torch.no_grad():
+        logits = model(x).logits[:, :-1].double()
+    expected = (logits.logsumexp(-1) - logits.gather(-1, x[:, 1:, None])[..., 0]).mean()
+    assert r.identity_replay_max_abs_diff == 0.0
+    assert r.conditions["correct"].nll == pytest.approx(float(expected), rel=1e-6)
+    assert r.execution.experts.experts_per_token_per_layer == [2.0, 2.0]
+
+
+class _Embedded(nn.Module):
+    """Takes token vectors as a plain tensor: nothing says where its tokens are."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, vectors: torch.Tensor) -> Any:
+        return self.hf(inputs_embeds=vectors)
+
+
+def test_router_inputs_without_token_positions_are_refused_in_one_line(mixtral_folder: Path):
+    from fcaudit import AuditData, AuditOptions, audit
+    model, tokenizer, _ = load_hf_folder(mixtral_folder)
+    x, calib = token_batches(tokenizer)
+    with torch.no_grad():
+        vectors, calib_vectors = (model.get_input_embeddings()(i) for i in (x, calib))
+    net = _Embedded(model)
+    with pytest.raises(FcauditError) as info:
+        audit(net, data=AuditData(inputs=vectors, targets=x, calib_inputs=calib_vectors,
+                                  calib_targets=calib), sites=discover_sites(net),
+              options=AuditOptions(objective=_nll_of_targets, execution=False,
+                                   progress=False))
+    message = str(info.value)
+    assert "\n" not in message and "do not say how many tokens each of the 4 examples" in \
+        message and "'input_ids'" in message

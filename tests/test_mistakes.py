@@ -77,6 +77,14 @@ MISTAKES: list[tuple[str, list[str], str]] = [
                              *TOKENS], "matched no module"),
     ("sites twice", [*TOY, "--sites", "gates.*", *TOKENS], "more than once"),
     ("blocks match nothing", [*TOY, *TOKENS, "--blocks", "layers.*"], "matched no module"),
+    ("blocks never called", ["--model", "toys:spare_model", "--sites", "gates.*", *TOKENS,
+                             "--blocks", "spare.*"],
+     "--blocks 'spare.*': the model's forward never calls 2 of the 2 modules it names on the "
+     "first batch (spare.0, spare.1)"),
+    ("blocks partly called", ["--model", "toys:spare_model", "--sites", "gates.*", *TOKENS,
+                              "--blocks", "*.1"],
+     "--blocks '*.1': the model's forward never calls 1 of the 2 modules it names on the "
+     "first batch (spare.1)"),
     ("dense missing", [*TOY, *TOKENS, "--dense", "{missing}", "--execution"], "not found"),
     ("dense ignored", [*TOY, *TOKENS, "--dense", "{run}"], "--dense is ignored"),
     ("model missing", ["--model", "{missing}", *TOKENS], "model not found"),
@@ -136,6 +144,9 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("bench batch 0", ["bench", "--model", "{run}", "--batch-size", "0"], "--batch-size 0"),
     ("bench blocks nothing", ["bench", "--model", "{run}", "--blocks", "layers.*"],
      "--blocks 'layers.*' matched no module"),
+    ("bench blocks never called", ["bench", "--model", "toys:spare_model", "--dense",
+                                   "toys:spare_model", "--blocks", "spare.*", "--seq-len", "8"],
+     "--blocks 'spare.*': the model's forward never calls 2 of the 2 modules"),
     ("sites model missing", ["sites", "--model", "{missing}"], "model not found"),
 ]
 

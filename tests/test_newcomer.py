@@ -273,7 +273,8 @@ def test_the_scoring_window_and_its_source_are_said_everywhere(
     res = run_inprocess(["audit", "--model", mixtral, "--out", out, *AUDIT_FAST, *extra], capsys)
     assert res.returncode == 0, res.stderr
     line = f"scoring windows of {length} tokens ({source}; --seq-len to change)"
-    assert res.stderr.splitlines()[0] == f"fcaudit: {line}"  # before any progress line
+    first = res.stderr.splitlines()[0]  # before any progress line, then the rows picked
+    assert first.startswith(f"fcaudit: {line}; evaluation sequences: 4 of "), first
     assert line in " ".join(res.stdout.split())  # the printed summary (rich may wrap)
     data = json.loads((out / "audit.json").read_text())["data"]
     assert (data["seq_len"], data["seq_len_source"]) == (length, source)

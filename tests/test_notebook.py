@@ -73,3 +73,52 @@ def test_the_routing_table_has_every_router_and_expert() -> None:
             for layer in family["per_layer"] for e, share in enumerate(layer["load"])]
     assert len(want) == 2 * 8
     assert list(zip(table["site"], table["expert"], table["load"], strict=True)) == want
+
+
+MAIN = ["original", "correct", "reassign", "shuffle", "reassign+shuffle", "static-layer",
+        "static-layer-position", "static-layer-token", "global-mean"]  # docs/method.md order
+
+
+def test_read_keeps_the_order_the_audit_made(tmp_path) -> None:
+    """audit.json is written with sorted keys; read() once returned the conditions (and the
+    custom ones) alphabetically. It keeps the report order and the order they were given."""
+    def zeta(coefficients, context):
+        return {"gates.1": coefficients["gates.1"] * 0 + 1}
+
+    def alpha(coefficients, context):
+        return {"gates.0": coefficients["gates.0"] * 0}
+    fresh = fcaudit.audit(toys.content_model(), tmp_path / "o", sites=["gates.*"],
+                          data=toy_data(), options=FAST,
+                          interventions={"zeta": zeta, "alpha": alpha})
+    back = fcaudit.AuditResult.read(tmp_path / "o" / "audit.json")
+    assert list(back.conditions) == list(fresh.conditions) == MAIN
+    assert list(back.custom_conditions) == ["zeta", "alpha"]
+    assert list(back.retention) == ["static-layer", "static-layer-position",
+                                    "static-layer-token"]
+    assert list(back.to_frame("conditions")["condition"]) == [*MAIN, "zeta", "alpha"]
+
+
+def test_classification_frames_carry_accuracy() -> None:
+    """to_frame("conditions") once dropped accuracy: for a classification audit every row
+    carries it, the original's equal to numpy's share of argmax hits."""
+    import numpy as np
+    import torch
+    import vision_toys as vt
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 1, 8, 8)).astype(np.float32)
+    y = np.arange(16) % vt.CLASSES
+    xc = rng.normal(size=(16, 1, 8, 8)).astype(np.float32)
+    r = fcaudit.audit(vt.tiny_condconv(), data=fcaudit.AuditData(inputs=x, targets=y,
+                                                                 calib_inputs=xc),
+                      options=fcaudit.AuditOptions(objective="classification", repeats=1,
+                                                   bootstrap=100, execution=False,
+                                                   progress=False, batch_size=8))
+    with torch.no_grad():
+        hits = (vt.tiny_condconv()(torch.from_numpy(x)).argmax(1).numpy() == y).mean()
+    table = r.to_frame("conditions").set_index("condition")
+    assert table.loc["original", "accuracy"] == table.loc["correct", "accuracy"] == hits
+    assert list(table["accuracy"]) == [r.conditions[c].accuracy for c in table.index]
+    assert "accuracy" in r.to_frame("per_layer")
+    assert "accuracy" not in fcaudit.audit(toys.content_model(), sites=["gates.*"],
+                                           data=toy_data(), options=FAST
+                                           ).to_frame("conditions")

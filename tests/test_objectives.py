@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -285,3 +286,38 @@ def test_token_ids_with_a_site_without_token_axis_are_refused(tmp_path) -> None:
                             objective="token-nll")
     assert message.startswith("token ids are scored by next-token NLL on sites") and \
         "AuditData(inputs=..., targets=..., calib_inputs=...)" in message
+
+
+class LockedLoss:
+    """Cross-entropy behind a lock, beside an open file: state that cannot be pickled or
+    deep-copied (the objective runs, but never resumes: see core/codestate.py)."""
+
+    def __init__(self, path) -> None:
+        self.lock = threading.Lock()
+        self.log = open(path, "w")  # noqa: SIM115 (held open on purpose)
+
+    def __call__(self, output: torch.Tensor, batch) -> torch.Tensor:
+        with self.lock:
+            return cross_entropy(output, batch)
+
+
+def test_an_objective_holding_a_lock_and_an_open_file_finishes_its_audit(tmp_path) -> None:
+    """Assembling the result once deep-copied the options, objective included: the audit
+    ran to the end and died in a TypeError with no audit.json. It must finish, with the
+    numbers of the same loss as a plain function (numpy cross-entropy)."""
+    x, y = images()
+    xc, _ = images(seed=1)
+    objective = LockedLoss(tmp_path / "log.txt")
+    try:
+        r = fcaudit.audit(vt.tiny_condconv(), tmp_path / "out",
+                          data=AuditData(inputs=x, targets=y, calib_inputs=xc),
+                          options=AuditOptions(objective=objective, **FAST))
+    finally:
+        objective.log.close()
+    logits = reference_logits(x)
+    shifted = logits - logits.max(1, keepdims=True)
+    ce = np.log(np.exp(shifted).sum(1)) - shifted[np.arange(len(y)), y]
+    assert r.conditions["correct"].nll == pytest.approx(ce.mean(), rel=1e-6)
+    saved = json.loads((tmp_path / "out" / "audit.json").read_text())
+    assert saved["settings"]["objective"] == r.settings["objective"] == \
+        "callable:test_objectives.LockedLoss"

@@ -260,3 +260,52 @@ def test_growth_rule_by_hand(n, widest, target, pool, expected):
     assert next_size(n, widest, target, 8, pool) == expected
     assert first_size(5, 8, pool) == 8 and first_size(16, 8, pool) == 16
     assert first_size(16, 8, 10) == 10
+
+
+def _token_files(tmp_path, n_eval: int) -> list:
+    np.save(tmp_path / "eval.npy", toys.pair_sequences(n_eval, 8, 1))
+    np.save(tmp_path / "calib.npy", toys.pair_sequences(16, 8, 2))
+    return ["--tokens", tmp_path / "eval.npy", "--calib-tokens", tmp_path / "calib.npy"]
+
+
+def test_the_max_eval_cap_is_said_and_named_where_the_pool_ends(tmp_path, capsys):
+    """--tokens holding 128 sequences audited 64 (the --max-eval default) without a word,
+    and --target-ci then said "the data ran out". The cap is said in the console, the
+    report and audit.json; the rows audited are the 64 spread evenly over the 128 (picked
+    here by hand: round(i * 127 / 63)); the stop names the cap and --max-eval."""
+    import hashlib
+    out = tmp_path / "cap"
+    res = run_inprocess(["audit", *toys_cli(), *_token_files(tmp_path, 128), *FAST_ARGS,
+                         "--out", out, "--target-ci", "1e-4"], capsys)
+    assert res.returncode == 0, res.stderr
+    said = "evaluation sequences: 64 of 128, spread evenly (--max-eval to change)"
+    assert said in " ".join(res.stdout.split())
+    assert said[:1].upper() + said[1:] in (out / "report.md").read_text(encoding="utf-8")
+    saved = AuditResult.read(out / "audit.json")
+    assert (saved.data["eval_picked"], saved.data["eval_available"]) == \
+        ("64 of 128, spread evenly", 128)
+    rows = [round(i * 127 / 63) for i in range(64)]
+    picked = toys.pair_sequences(128, 8, 1)[rows].astype(np.int64)
+    s = saved.stopping  # the pool, in its own order, is the 64 rows picked by hand
+    assert s.pool_fingerprint == hashlib.sha256(picked.tobytes()).hexdigest()
+    assert not s.reached and s.sequences_used == s.pool_sequences == 64
+    assert "the data ran out" not in s.reason and s.reason.startswith(
+        "the pool ran out at the max_eval cap (--max-eval): all 64 sequences it picked of "
+        "the 128 the data holds audited")
+    assert f"--target-ci: {s.reason}" in " ".join(res.stdout.split())
+
+
+def test_a_max_eval_beyond_the_data_is_said(tmp_path, capsys):
+    """--max-eval 200 on 40 sequences silently audited the 40: the shortfall is said in the
+    console, the report and audit.json (a fixed audit of all 40)."""
+    out = tmp_path / "short"
+    res = run_inprocess(["audit", *toys_cli(), *_token_files(tmp_path, 40), *FAST_ARGS,
+                         "--out", out, "--max-eval", "200"], capsys)
+    assert res.returncode == 0, res.stderr
+    said = "evaluation sequences: all 40, fewer than the 200 --max-eval asked for"
+    assert said in " ".join(res.stdout.split())
+    assert said[:1].upper() + said[1:] in (out / "report.md").read_text(encoding="utf-8")
+    saved = AuditResult.read(out / "audit.json")
+    assert saved.data["eval_sequences"] == saved.data["eval_available"] == 40
+    assert saved.data["eval_picked"] == "all 40, fewer than the 200 --max-eval asked for"
+    assert "calib_picked" not in saved.data  # 16 calibration sequences, the default cap 64

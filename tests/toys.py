@@ -130,6 +130,18 @@ def _maybe_die() -> None:
             os._exit(9)
 
 
+class SpareModel(ToyModel):
+    """The content toy holding two modules its forward never calls (``spare.0``, ``.1``)."""
+
+    def __init__(self) -> None:
+        super().__init__("content")
+        self.spare = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+
+def spare_model() -> nn.Module:
+    return SpareModel()
+
+
 def content_model() -> nn.Module:
     return ToyModel("content")
 
@@ -312,6 +324,33 @@ class ToyGatedModel(nn.Module):
 
     def dense_counterpart(self) -> nn.Module:
         return ToyGatedModel(None)
+
+
+class InvertedGatedBlock(ToyGatedBlock):
+    """``h + (1 - g) * body(h)``: the gate switches its update off at ``g = 1``."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        assert self.gate is not None
+        return h + (1 - self.gate(h)) * self.body(h)
+
+
+class InvertedGatedModel(ToyGatedModel):
+    """The constant-gate toy with inverted gates, declared ``Site(off=1.0)``: layer ``l``
+    writes ``TOY_UPDATE * (1 - TOY_GATE_CONSTANTS[l])``, so its largest gate (0.9, layer 0)
+    scales the smallest update."""
+
+    def __init__(self) -> None:
+        super().__init__("constant")
+        self.blocks = nn.ModuleList(InvertedGatedBlock("constant", i)
+                                    for i in range(TOY_GATE_LAYERS))
+
+    def controller_sites(self) -> list[Site]:
+        return [Site(f"blocks.{i}.gate", f"blocks.{i}.gate", "toygate", i, off=1.0)
+                for i in range(TOY_GATE_LAYERS)]
+
+
+def inverted_gated_model() -> nn.Module:
+    return InvertedGatedModel()
 
 
 def constant_gated_model() -> nn.Module:

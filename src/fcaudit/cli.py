@@ -393,7 +393,7 @@ def _data_spec(args: argparse.Namespace) -> Any:
 
 def _array_data(args: argparse.Namespace) -> Any:
     """``--inputs`` and friends as AuditData; token options beside them are refused."""
-    from fcaudit.io.data import AuditData, DataSpec, spread_pick
+    from fcaudit.io.data import AuditData, DataSpec, pick_rows
     from fcaudit.io.examples import load_npy
     mixed = [f for f in ("data", "calib_data", "tokens", "calib_tokens", "seq_len")
              if getattr(args, f) is not None]
@@ -414,14 +414,15 @@ def _array_data(args: argparse.Namespace) -> Any:
                                   "calib_path": str(args.calib_inputs)}
     for prefix, count in (("", args.max_eval), ("calib_", args.max_calib)):
         x, y = arrays[f"{prefix}inputs"], arrays[f"{prefix}targets"]
-        if count is None or x.ndim == 0 or count >= len(x) or \
+        if count is None or x.ndim == 0 or \
                 (y is not None and (y.ndim == 0 or len(y) != len(x))):
             continue  # all of them; rows that disagree are refused by the examples' check
-        rows = spread_pick(len(x), count)
-        arrays[f"{prefix}inputs"] = x[rows]
-        if y is not None:
-            arrays[f"{prefix}targets"] = y[rows]
-        sources[f"{prefix or 'eval_'}picked"] = f"{count} of {len(x)}, spread evenly"
+        rows, said = pick_rows(len(x), count, prefix or "eval_")
+        sources.update(said)
+        if len(rows) < len(x):
+            arrays[f"{prefix}inputs"] = x[rows]
+            if y is not None:
+                arrays[f"{prefix}targets"] = y[rows]
     return AuditData(**arrays, sources=sources)
 
 
@@ -632,7 +633,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import dataclasses
     import json
 
-    from fcaudit.engine.execution import check_comparable, measure_execution
+    from fcaudit.engine.execution import check_comparable, measure_execution, refuse_idle_blocks
     from fcaudit.engine.run import resolve_block_paths
     from fcaudit.engine.verdicts import verdict_execution
     from fcaudit.io.fileio import write_json
@@ -648,6 +649,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     ids = _bench_ids(loaded, args).to(device)
     source = args.dense or "dense_counterpart (fresh weights)"
     check_comparable(model, dense, ids[:1], source)
+    if args.blocks is not None:
+        refuse_idle_blocks(args.blocks, ids[:args.batch_size], {
+            "the model": (model, blocks), "the dense model": (dense, dense_blocks)})
     result = measure_execution(model, dense, ids, batch_size=args.batch_size, pairs=args.pairs,
                                seed=args.seed, block_paths=blocks, dense_block_paths=dense_blocks,
                                dense_source=source)

@@ -87,7 +87,8 @@ def infer_adapter(output: Any, call: SiteCall) -> ControllerAdapter:
             return TENSOR
         if call.seq_len is None and output.dim() >= 2 and output.shape[0] == call.batch:
             return TENSOR
-        if output.dim() >= 1 and output.shape[0] == call.batch * call.seq_len:
+        if call.seq_len is not None and output.dim() >= 1 and \
+                output.shape[0] == call.batch * call.seq_len:
             return FLAT
         raise FcauditError(
             f"output is {describe(output)}: neither [batch={call.batch}, "

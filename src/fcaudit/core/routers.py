@@ -141,6 +141,13 @@ class RouterAdapter:
         _, mode = self._run(call, None)
         logits = mode.output
         assert logits is not None  # set by the single projection _run checked for
+        if call.seq_len is None:
+            raise FcauditError(
+                f"router {type(call.module).__name__}: its logits {describe(logits)} hold one "
+                f"row per token, and these inputs do not say how many tokens each of the "
+                f"{call.batch} examples has: give the token ids [N, T] as the inputs, or in "
+                "a dict of inputs as 'input_ids' (or token vectors [N, T, C] as "
+                "'inputs_embeds')")
         tokens = call.batch * call.seq_len
         if logits.dim() < 1 or logits.numel() % tokens:
             raise FcauditError(

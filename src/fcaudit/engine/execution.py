@@ -109,6 +109,37 @@ def resolve_blocks(model: nn.Module, block_paths: Sequence[str] | None) -> list[
     return paths
 
 
+@torch.no_grad()
+def idle_blocks(net: nn.Module, paths: Sequence[str], x: Any) -> list[str]:
+    """The modules among ``paths`` that one forward pass of ``net`` over ``x`` never calls."""
+    calls = dict.fromkeys(paths, 0)
+
+    def hook_for(path: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            calls[path] += 1
+        return hook
+    with inference(net), hooked(net, {p: hook_for(p) for p in paths}, pre=True):
+        call_model(net, x)
+    return [p for p, n in calls.items() if n == 0]
+
+
+def refuse_idle_blocks(glob: str, x: Any, nets: Mapping[str, tuple[nn.Module, Sequence[str]]]
+                       ) -> None:
+    """Blocks named by ``glob`` must each run in one forward pass over ``x`` (the first
+    batch) of every net (``who -> (net, block paths)``): a module the forward never calls
+    counts 0 executions per token, and the verdict would read it as skipped."""
+    for who, (net, paths) in nets.items():
+        idle = idle_blocks(net, paths, x)
+        if idle:
+            shown = ", ".join(idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
+            raise FcauditError(
+                f"{arg('blocks', glob)}: {who}'s forward never calls {len(idle)} of the "
+                f"{len(paths)} modules it names on the first batch ({shown}), so they would "
+                "count as blocks skipped by every token; name the blocks the forward runs "
+                "(its layers, e.g. 'layers.*'; `fcaudit sites --model SPEC --all` lists the "
+                "modules)")
+
+
 def _first_tensor(values: Iterable[Any]) -> torch.Tensor | None:
     """The first tensor in call arguments, looking inside tuples and lists (a block may take
     several streams, e.g. MUDD's Q, K, V, R, before other tensors such as a rotary table)."""

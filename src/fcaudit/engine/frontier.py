@@ -12,6 +12,7 @@ whose routing weight reaches a mass ``p`` (top-p); the static rule keeps a small
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -20,7 +21,6 @@ import torch
 from torch import Tensor
 
 from fcaudit.core.contract import ExpertLayer, RoutingAdapter, Site
-from fcaudit.core.interventions import StaticProfiles
 from fcaudit.core.routers import drop_experts, top_p_keep, topk_mass
 from fcaudit.engine.metrics import Bootstrap, penalty
 from fcaudit.engine.result import (
@@ -108,14 +108,25 @@ def levels(points: int) -> list[float]:
     return [LEVEL_MAX * j / points for j in range(1, points + 1)]
 
 
+def kept(site: Site, t: Tensor) -> Tensor:
+    """How much of its module's update each gate of ``t`` keeps, the size every gate rule
+    orders by (smallest switched off first): the distance from the site's ``off`` value,
+    ``|g - off|`` (``h + g F(h)``: ``|g|``; an inverted gate ``h + (1 - g) F(h)`` declared
+    with ``off=1``: ``|1 - g|``, so its gates nearest 1 go first, not its largest updates);
+    for ``off=-inf`` (a logit through a sigmoid) the gate itself, for ``+inf`` its negation."""
+    if math.isinf(site.off):
+        return t if site.off < 0 else -t
+    return (t - site.off).abs()
+
+
 def plan_points(families: Sequence[Covered], calib: Mapping[str, Tensor],
-                profiles: StaticProfiles, points: int) -> list[FrontierPoint]:
+                points: int) -> list[FrontierPoint]:
     """Each rule's points at the target levels, from calibration data only (``calib``:
     site name -> its calibration coefficients); a level that gives the same feed as an
     earlier one of its rule is dropped (its replay would repeat that one)."""
     out: list[FrontierPoint] = []
     for fam in families:
-        made = _gate_points(fam, calib, profiles, points) if fam.kind == GATE else \
+        made = _gate_points(fam, calib, points) if fam.kind == GATE else \
             _router_points(fam, calib, points)
         seen = set()
         for p in made:
@@ -126,13 +137,15 @@ def plan_points(families: Sequence[Covered], calib: Mapping[str, Tensor],
     return out
 
 
-def _gate_points(fam: Covered, calib: Mapping[str, Tensor], profiles: StaticProfiles,
+def _gate_points(fam: Covered, calib: Mapping[str, Tensor],
                  points: int) -> list[FrontierPoint]:
-    pooled = torch.cat([calib[s.name].double().reshape(-1) for s in fam.sites]).numpy()
-    means = [float(profiles.layer(s).double().mean()) for s in fam.sites]
+    """Thresholds, layer and cell orders on what each calibration gate keeps (:func:`kept`)."""
+    sizes = {s.name: kept(s, calib[s.name].double()) for s in fam.sites}
+    pooled = torch.cat([sizes[s.name].reshape(-1) for s in fam.sites]).numpy()
+    means = [float(sizes[s.name].mean()) for s in fam.sites]
     by_mean = sorted(range(len(fam.sites)), key=lambda i: (means[i], i))
     cell_means = [(float(m), i, t) for i, s in enumerate(fam.sites)
-                  for t, m in enumerate(profiles.layer_position(s).double().reshape(
+                  for t, m in enumerate(sizes[s.name].mean(0).reshape(
                       calib[s.name].shape[1], -1).mean(-1))]
     cell_order = [(i, t) for _, i, t in sorted(cell_means)]
     n = len(fam.sites)
@@ -174,14 +187,15 @@ def _router_points(fam: Covered, calib: Mapping[str, Tensor],
     return made
 
 
-def skipped(point: FrontierPoint, layer: int, t: Tensor) -> Tensor:
-    """Per token of ``t [B, T, ...]`` (layer ``layer`` of the family): gates, True where the
-    rule zeroes the gate; routers, the expert slots the rule drops (float ``[B, T]``)."""
+def skipped(point: FrontierPoint, site: Site, layer: int, t: Tensor) -> Tensor:
+    """Per token of ``t [B, T, ...]`` (``site``, layer ``layer`` of the family): gates, True
+    where the rule switches the gate off; routers, the expert slots the rule drops (float
+    ``[B, T]``)."""
     if point.kind == GATE:
         shape = t.shape[:2]
         if point.rule == DYNAMIC:
             tau = point.taus[layer] if point.taus else point.tau
-            return (t.reshape(*shape, -1) < tau).any(-1)
+            return (kept(site, t).reshape(*shape, -1) < tau).any(-1)
         if point.rule == STATIC_LAYER:
             return torch.full(shape, layer in point.layers, dtype=torch.bool)
         mask = torch.zeros(shape, dtype=torch.bool)
@@ -204,7 +218,7 @@ def point_feed(point: FrontierPoint, correct: Mapping[Site, Tensor]) -> dict[Sit
     for i, site in enumerate(members):
         t = correct[site]
         if point.kind == GATE:
-            mask = skipped(point, i, t).reshape(*t.shape[:2], *([1] * (t.dim() - 2)))
+            mask = skipped(point, site, i, t).reshape(*t.shape[:2], *([1] * (t.dim() - 2)))
             fed[site] = t.masked_fill(mask, site.off)
         else:
             fed[site] = drop_experts(t, _kept(point, i, t))
@@ -219,9 +233,9 @@ def skipped_units(point: FrontierPoint, coefficients: Mapping[str, Tensor],
     out = []
     for i, s in enumerate(fam.sites):
         t = coefficients[s.name]
-        mask = skipped(point, i, t)
+        mask = skipped(point, s, i, t)
         if fam.own is not None:
-            mask = mask | (t.reshape(*t.shape[:2], -1) < fam.own[i]).any(-1)
+            mask = mask | (kept(s, t).reshape(*t.shape[:2], -1) < fam.own[i]).any(-1)
         out.append(float(mask.double().sum()))
     return np.array(out)
 
@@ -247,7 +261,7 @@ def own_thresholds(fam: Covered, executed: Sequence[float] | None, tokens: int,
                        f"({len(fam.sites)}): name one block per gate (--blocks)")
     taus = []
     for site, share in zip(fam.sites, executed, strict=True):
-        g = gates[site.name].double().reshape(-1)
+        g = kept(site, gates[site.name].double()).reshape(-1)
         ran = round(share * tokens)
         if ran >= g.numel():
             taus.append(float("-inf"))

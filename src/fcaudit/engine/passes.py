@@ -40,10 +40,10 @@ def batches(ids: np.ndarray | Examples, batch_size: int, device: torch.device,
 
 
 def batch_shape(x: Any) -> tuple[int, int | None]:
-    """(examples, positions) of a batch: token ids ``[B, T]``, or examples of unknown
-    positions (each site's layout says)."""
+    """(examples, positions) of a batch: token ids ``[B, T]`` (given as such or as
+    inputs), or examples of unknown positions (each site's layout says)."""
     if isinstance(x, ExampleBatch):
-        return len(x), None
+        return len(x), x.positions
     return int(x.shape[0]), int(x.shape[1])
 
 

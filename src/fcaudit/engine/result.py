@@ -347,7 +347,7 @@ class FrontierPointResult:
 
     rule: str  # dynamic, static-layer, static-layer-position (gates); dynamic, static-k
     level: float  # target share of gated units skipped, set on calibration
-    threshold: float | None  # gates: tau (zeroed below); routers, dynamic: top-p mass
+    threshold: float | None  # gates: tau on |g - off| (off below); routers, dynamic: top-p mass
     layers: list[int] | None  # static-layer: layers zeroed; static-k: k per layer
     skipped_fraction: float  # of the gated units (token-layers or expert slots), evaluation
     flops_saved_per_token: float
@@ -554,10 +554,26 @@ class AuditResult:
             raise FcauditError(f"{source} has schema {found!r}, expected {SCHEMA!r}; rerun the "
                                "audit with this fcaudit version")
         try:
-            return _load(cls, data)
+            result = _load(cls, data)
         except (KeyError, TypeError, ValueError) as exc:
             raise FcauditError(f"{source} is not a complete {SCHEMA} result ({exc}); rerun "
                                "the audit") from exc
+        result._in_audit_order()
+        return result
+
+    def _in_audit_order(self) -> None:
+        """``audit.json`` is written with sorted keys: put every table keyed by condition,
+        family or site back in the order the audit made it (the main conditions in report
+        order, custom ones as given, families and sites as listed)."""
+        given = self.settings.get("interventions")
+        names = [*MAIN_CONDITIONS, *(given if isinstance(given, list) else []),
+                 *self.families, *(s.name for s in self.sites)]
+        rank = {name: i for i, name in reversed(list(enumerate(names)))}
+        for name in _ORDERED_TABLES:
+            table = getattr(self, name)
+            if isinstance(table, dict):  # sorted() is stable: unknown keys keep file order
+                setattr(self, name, dict(sorted(table.items(),
+                                                key=lambda kv: rank.get(kv[0], len(rank)))))
 
     @classmethod
     def read(cls, path: str | Path) -> AuditResult:
@@ -600,16 +616,29 @@ class AuditResult:
                 f"<th>95% CI</th></tr></thead><tbody>{cells}</tbody></table></div>")
 
 
+# AuditResult tables keyed by condition, family or site (see AuditResult._in_audit_order)
+_ORDERED_TABLES = ("conditions", "per_layer", "retention", "variance", "variation", "profiles",
+                   "custom_conditions", "routing", "expert_importance", "frontier",
+                   "not_applicable")
+
+
+def _accuracy(r: AuditResult, c: ConditionResult) -> dict[str, Any]:
+    """The accuracy column of a classification audit (none for other objectives)."""
+    scored = any(x.accuracy is not None for x in r.conditions.values())
+    return {"accuracy": c.accuracy} if scored else {}
+
+
 def _condition_rows(r: AuditResult) -> list[dict[str, Any]]:
     items = [*r.conditions.items(), *(r.custom_conditions or {}).items()]
     return [{"condition": name, "custom": name not in r.conditions, "nll": c.nll,
              "delta": c.delta, "ci_low": c.ci95[0], "ci_high": c.ci95[1],
-             "repeats": len(c.repeats)} for name, c in items]
+             "repeats": len(c.repeats), **_accuracy(r, c)} for name, c in items]
 
 
 def _per_layer_rows(r: AuditResult) -> list[dict[str, Any]]:
     return [{"condition": name, "site": c.site, "family": c.family, "layer": c.layer,
-             "nll": c.nll, "delta": c.delta, "ci_low": c.ci95[0], "ci_high": c.ci95[1]}
+             "nll": c.nll, "delta": c.delta, "ci_low": c.ci95[0], "ci_high": c.ci95[1],
+             **_accuracy(r, c)}
             for name, layers in r.per_layer.items() for c in layers]
 
 

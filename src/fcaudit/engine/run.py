@@ -36,7 +36,7 @@ from fcaudit.core.adapters import adapter_name, same_bits
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks, declared_experts
 from fcaudit.core.errors import FcauditError, arg
-from fcaudit.core.interventions import Intervention, StaticProfiles, draw
+from fcaudit.core.interventions import Intervention, draw
 from fcaudit.core.layout import canonical_sites, not_applicable
 from fcaudit.core.nll import device_of, logits_of, model_limits, probe_vocab
 from fcaudit.core.sites import SiteSpec, find_sites, match_modules
@@ -108,7 +108,7 @@ from fcaudit.engine.summary import (
     token_profile,
 )
 from fcaudit.engine.verdicts import dependence, qualified, variation
-from fcaudit.io.data import AuditData, DataSpec, resolve_data
+from fcaudit.io.data import AuditData, DataSpec, picked_note, resolve_data
 from fcaudit.io.digits import run_audit_data
 from fcaudit.io.examples import OTHER_INPUTS, ExampleBatch, call_model
 from fcaudit.io.loading import LoadedModel, get_arch, load, load_module
@@ -259,7 +259,8 @@ def _prepare_examples(loaded: LoadedModel, out: str | Path | None, sites: list[S
         raise FcauditError(
             f"{arg('objective', 'token-nll', owner='AuditOptions')} scores token ids, but the "
             f"data are other inputs: choose {arg('objective', 'classification')} (integer "
-            "targets) or a callable (model_output, batch) -> per-unit losses")
+            "targets) or a callable (model_output, batch) -> per-unit losses, or give token "
+            "ids as AuditData(eval_ids=..., calib_ids=...)")
     if options.frontier:
         raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} is measured "
                            "on token inputs only; drop it for these inputs")
@@ -309,12 +310,14 @@ def window_source(data: DataSpec | AuditData, default: str) -> str:
 def window_line(data: Mapping[str, Any]) -> str:
     """One line saying how long the scored windows are and why, for the start of an audit
     and its summary (a model scored past its training length scores differently)."""
+    picked = picked_note(data)
+    picked = f"; {picked}" if picked else ""
     if "eval_examples" in data:
         return (f"scoring {data['eval_examples']} evaluation examples "
-                f"({data['calib_examples']} calibrate the static profiles)")
+                f"({data['calib_examples']} calibrate the static profiles){picked}")
     source = data.get("seq_len_source", "source not recorded")
     change = "" if source == GIVEN_DATA else "; --seq-len to change"
-    return f"scoring windows of {data['seq_len']} tokens ({source}{change})"
+    return f"scoring windows of {data['seq_len']} tokens ({source}{change}){picked}"
 
 
 def _dense(setup: Setup, dense: Any, blocks: str | None) -> tuple[nn.Module | None, str]:
@@ -385,6 +388,11 @@ def probe(setup: Setup) -> Probe:
         _check_targets(setup, record_batch(net, sites, x, None)[0])
     logits, coefficients, nll = record_batch(net, sites, x, objective)
     _check_axes(net, sites, x)
+    if setup.blocks_glob is not None and setup.blocks is not None:
+        from fcaudit.engine.execution import refuse_idle_blocks
+        refuse_idle_blocks(setup.blocks_glob, x, {"the model": (net, setup.blocks), **(
+            {"the dense model": (setup.dense, resolve_block_paths(
+                setup.dense, setup.blocks_glob) or [])} if setup.dense is not None else {})})
     replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites},
                             objective=objective)
     hits = objective.hits(logits, x)
@@ -575,13 +583,16 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
         interaction=summary.interaction, variance=variance, variation=spread,
         profiles=profiles, execution=execution, verdict=verdict,
         seeds=Seeds(opts.seed, seeds, seeds, opts.seed * 1000 + 7),
-        # how the audit is shown or scheduled changes no number: not part of its settings
-        settings={**{k: v for k, v in dataclasses.asdict(opts).items()
-                     if k not in ("schedule", "progress", *STOPPING_OPTIONS, *PLACEMENT)},
+        # how the audit is shown or scheduled changes no number: not part of its settings;
+        # read field by field (``asdict`` deep-copies, and an objective may hold a lock)
+        settings={**{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
+                     if f.name not in ("schedule", "progress", *STOPPING_OPTIONS, *PLACEMENT)},
                   "bootstrap_resamples": opts.bootstrap,
                   "calibration_sequences_used_for_static": setup.data.n_calib,
                   "objective": setup.objective.name,
-                  "layer_index": "a site's index within its family"},
+                  "layer_index": "a site's index within its family",
+                  # custom conditions in the order given (audit.json sorts its keys)
+                  **({"interventions": list(summary.custom)} if summary.custom else {})},
         versions=versions(), command=command,
         nondeterministic_keys=[*NONDETERMINISTIC_KEYS, *([TIMED_VERDICT_KEY] if timed else [])],
         runtime=runtime,
@@ -814,8 +825,8 @@ def _measure(setup: Setup, cache: CoefficientCache, first: Probe, progress: Prog
     inputs = _replay_inputs(setup, cache, profiles, first)
     tokens = inputs.ids
     skipped = not_applicable(setup.sites, tokens is not None)
-    covered, points = frontier_points(setup, cache, frontier_plan(setup, first), profiles,
-                                      progress, ranks)
+    covered, points = frontier_points(setup, cache, frontier_plan(setup, first), progress,
+                                      ranks)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),
                      points, skipped)
     if ranks.main and opts.progress:
@@ -874,7 +885,7 @@ def _finish(m: Measured, cache: CoefficientCache, command: str | None, ranks: Ra
 
 
 def frontier_points(setup: Setup, cache: CoefficientCache, covered: Sequence[Covered],
-                    profiles: StaticProfiles, progress: Progress, ranks: Ranks
+                    progress: Progress, ranks: Ranks
                     ) -> tuple[list[Covered], list[FrontierPoint]]:
     """The covered families made ready (off values checked, a skipping model's own
     thresholds read) and every point to replay: the rules' points from calibration, and
@@ -892,7 +903,7 @@ def frontier_points(setup: Setup, cache: CoefficientCache, covered: Sequence[Cov
             own_thresholds(fam, executed, setup.data.eval_ids.size, eval_gates(cache, fam))
         ready.append(fam)
     live = [f for f in ready if f.reason is None]
-    points = plan_points(live, frontier_calibration(setup, cache, sites), profiles,
+    points = plan_points(live, frontier_calibration(setup, cache, sites),
                          setup.options.frontier_points)
     return ready, points + [p for f in live if (p := own_point(f)) is not None]
 

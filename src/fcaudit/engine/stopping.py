@@ -110,6 +110,16 @@ def round_entry(n: int, batch_size: int, previous: int, n_runs: int,
                          widest=max(widths, key=lambda c: widths[c]), met=met(widths, target))
 
 
+def _pool_end(sources: Mapping[str, object], n_pool: int) -> str:
+    """Why the pool ended: the data ran out, or the evaluation count picked a part of it."""
+    available = sources.get("eval_available")
+    if isinstance(available, int) and available > n_pool:
+        return (f"the pool ran out at the max_eval cap (--max-eval): all {n_pool} sequences "
+                f"it picked of the {available} the data holds audited (raise the cap to go "
+                "on),")
+    return f"the data ran out: all {n_pool} sequences audited"
+
+
 def stopping(ordered: AuditData, seed: int, target: float, floor: int,
              rounds: list[StoppingRound], n_runs: int) -> Stopping:
     """The ``stopping`` section: the rule, each round, and why the audit stopped
@@ -121,9 +131,9 @@ def stopping(ordered: AuditData, seed: int, target: float, floor: int,
         reason = (f"target reached: every counted half-width <= {target:g} nats at {n} of "
                   f"{n_pool} sequences (round {len(rounds)})")
     else:
-        reason = (f"the data ran out: all {n_pool} sequences audited and the widest "
-                  f"half-width, {last.widest}'s {last.half_widths[last.widest]:.4g} nats, is "
-                  f"still above the target of {target:g}")
+        reason = (f"{_pool_end(ordered.sources, n_pool)} and the widest half-width, "
+                  f"{last.widest}'s {last.half_widths[last.widest]:.4g} nats, is still above "
+                  f"the target of {target:g}")
     return Stopping(
         target_ci=float(target), min_sequences=floor, pool_sequences=n_pool,
         pool_fingerprint=fingerprint_array(ordered.eval_ids[np.argsort(order)]),

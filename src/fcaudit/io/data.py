@@ -254,6 +254,38 @@ def spread_pick(n_total: int, n_pick: int | None) -> np.ndarray:
     return np.linspace(0, n_total - 1, n_pick).round().astype(np.int64)
 
 
+DEFAULT_COUNT = 64  # DataSpec's max_eval and max_calib: a cap, not a request
+# what --max-eval / --max-calib (DataSpec's max_eval / max_calib) pick, by audit.json prefix
+PICK_FLAGS = {"eval_": "--max-eval", "calib_": "--max-calib"}
+
+
+def pick_rows(n_total: int, count: int | None, prefix: str, default: int | None = None
+              ) -> tuple[np.ndarray, dict[str, object]]:
+    """Rows ``count`` spread evenly over ``n_total`` (all when None), and the audit.json
+    ``data`` entries that say what was picked whenever it is not all there is, or fewer
+    than a count given (not the ``default``) asked for: ``{prefix}picked`` in words,
+    ``{prefix}available`` the rows the data holds; ``prefix``: "eval_" or "calib_"."""
+    rows = spread_pick(n_total, count)
+    if count is None or count == n_total or (count > n_total and count == default):
+        return rows, {}
+    picked = f"{count} of {n_total}, spread evenly" if count < n_total else \
+        f"all {n_total}, fewer than the {count} {PICK_FLAGS[prefix]} asked for"
+    return rows, {f"{prefix}picked": picked, f"{prefix}available": n_total}
+
+
+def picked_note(data: Mapping[str, object]) -> str:
+    """The console's and the report's words for ``data``'s picked rows ("" when all)."""
+    notes = []
+    for prefix, flag in PICK_FLAGS.items():
+        picked = data.get(f"{prefix}picked")
+        unit = "examples" if f"{prefix}examples" in data else "sequences"
+        if isinstance(picked, str):  # a cap says how to lift it; a shortfall has no more
+            notes.append(f"{'evaluation' if prefix == 'eval_' else 'calibration'} {unit}: "
+                         f"{picked}" + ("" if picked.startswith("all ") else
+                                        f" ({flag} to change)"))
+    return "; ".join(notes)
+
+
 def load_token_array(path: str | Path, what: str) -> np.ndarray:
     """An integer ``.npy`` array ``[N, T]``; pickled, ragged or float arrays are refused."""
     arr = read_npy(path, what, "one rectangular integer array [N, T]", "ids")
@@ -465,8 +497,8 @@ class DataSpec:
     tokens: str | Path | None = None
     calib_tokens: str | Path | None = None
     seq_len: int | None = None
-    max_eval: int | None = 64
-    max_calib: int | None = 64
+    max_eval: int | None = DEFAULT_COUNT
+    max_calib: int | None = DEFAULT_COUNT
 
     def validate(self) -> None:
         """Refuse combinations where an option would be silently ignored, or bad counts."""
@@ -497,10 +529,16 @@ def _from_tokens(spec: DataSpec) -> AuditData:
                            f"token sequences of {spec.tokens}; drop {arg('seq_len')} (token "
                            "arrays set it) "
                            "or re-cut the arrays")
-    return AuditData(ev[spread_pick(len(ev), spec.max_eval)],
-                     ca[spread_pick(len(ca), spec.max_calib)],
-                     {"source": "tokens", "eval_path": str(spec.tokens),
-                      "calib_path": str(spec.calib_tokens)})
+    return _picked(ev, ca, spec, {"source": "tokens", "eval_path": str(spec.tokens),
+                                  "calib_path": str(spec.calib_tokens)})
+
+
+def _picked(ev: np.ndarray, ca: np.ndarray, spec: DataSpec,
+            sources: dict[str, object]) -> AuditData:
+    """The windows ``spec``'s counts pick, saying so in the sources when it matters."""
+    ev_rows, ev_said = pick_rows(len(ev), spec.max_eval, "eval_", DEFAULT_COUNT)
+    ca_rows, ca_said = pick_rows(len(ca), spec.max_calib, "calib_", DEFAULT_COUNT)
+    return AuditData(ev[ev_rows], ca[ca_rows], {**sources, **ev_said, **ca_said})
 
 
 def resolve_data(tokenizer: Tokenizer | None, spec: DataSpec, default_seq_len: int,
@@ -535,8 +573,7 @@ def resolve_data(tokenizer: Tokenizer | None, spec: DataSpec, default_seq_len: i
         ev = cut_windows(encode_documents(tokenizer, builtin_documents("eval")), seq_len)
         ca = cut_windows(encode_documents(tokenizer, builtin_documents("calib")), seq_len)
         sources = {"source": "builtin", **builtin_split_record()}
-    return AuditData(ev[spread_pick(len(ev), spec.max_eval)],
-                     ca[spread_pick(len(ca), spec.max_calib)], sources)
+    return _picked(ev, ca, spec, sources)
 
 
 def builtin_split_record() -> dict[str, object]:

@@ -26,6 +26,8 @@ OTHER_INPUTS = arg("inputs", py="AuditData(inputs=..., targets=..., calib_inputs
                    cli="--inputs, --targets and --calib-inputs")
 
 Inputs = Tensor | dict[str, Tensor]
+# the keywords a Hugging Face model takes its token ids [B, T] and token vectors by
+TOKEN_IDS_KEY, TOKEN_VECTORS_KEY = "input_ids", "inputs_embeds"
 
 
 @dataclass
@@ -42,6 +44,22 @@ class ExampleBatch:
     @property
     def device(self) -> torch.device:
         return next(iter(_tensors(self.inputs))).device
+
+    @property
+    def positions(self) -> int | None:
+        """Token positions ``T`` when the inputs are token ids ``[B, T]`` (alone, or a
+        dict's ``input_ids`` as Hugging Face models take them) or a dict's token vectors
+        ``inputs_embeds [B, T, C]``, so that sites with one row per token (a router's
+        flattened logits) read as with token data; None otherwise."""
+        x = self.inputs
+        ids = x.get(TOKEN_IDS_KEY) if isinstance(x, dict) else x
+        if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point() \
+                and not ids.is_complex() and ids.dtype != torch.bool:
+            return int(ids.shape[1])
+        vectors = x.get(TOKEN_VECTORS_KEY) if isinstance(x, dict) else None
+        if isinstance(vectors, Tensor) and vectors.dim() == 3:
+            return int(vectors.shape[1])
+        return None
 
     def to(self, device: torch.device) -> ExampleBatch:
         moved = {k: v.to(device) for k, v in self.inputs.items()} \

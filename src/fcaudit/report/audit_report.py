@@ -32,6 +32,7 @@ from fcaudit.engine.result import (
     LayerVariation,
     Retention,
 )
+from fcaudit.io.data import picked_note
 from fcaudit.io.fileio import write_text
 from fcaudit.report.figures import (
     SHARE_LABELS,
@@ -141,11 +142,13 @@ def _lead(r: AuditResult) -> str:
     if data.get("calib_sequences") is not None:
         text += f"calibration: {fmt_num(data['calib_sequences'])} sequences. "
     if data.get("eval_examples") is not None:  # inputs that are not token ids
-        objective = r.settings.get("objective", "")
-        return text + (f"Evaluation: {fmt_num(data['eval_examples'])} examples; calibration: "
-                       f"{fmt_num(data['calib_examples'])} examples. Loss: "
-                       f"{md_code(objective)} in nats per unit; Δ is relative to correct "
-                       "replay.")
+        text += (f"Evaluation: {fmt_num(data['eval_examples'])} examples; calibration: "
+                 f"{fmt_num(data['calib_examples'])} examples. ")
+    if picked := picked_note(data):  # a cap or a shortfall of --max-eval / --max-calib
+        text += f"{md_text(picked[:1].upper() + picked[1:])}. "
+    if data.get("eval_examples") is not None:
+        return text + (f"Loss: {md_code(r.settings.get('objective', ''))} in nats per unit; "
+                       "Δ is relative to correct replay.")
     return text + "NLL in nats per token; Δ is relative to correct replay."
 
 
@@ -461,8 +464,9 @@ def _frontier(r: AuditResult) -> list[str]:
         return []
     blocks = ["## Savings frontier",
               "NLL penalty against the share of FLOPs that could be skipped: a dynamic rule "
-              "driven by the recorded coefficients (soft gates: zero every gate below a "
-              "threshold; routers: top-p) against static rules that ignore the input "
+              "driven by the recorded coefficients (soft gates: switch off every gate whose "
+              "distance from its off value, the update it keeps, is below a threshold; "
+              "routers: top-p) against static rules that ignore the input "
               "(whole layers or (layer, position) cells; a smaller fixed k per layer), "
               "thresholds and orders from the calibration set, one replay per point. Penalties "
               "are interpolated at matched FLOPs saved; gaps are static minus dynamic, 95% "

@@ -298,6 +298,20 @@ def record_files(folder: str | Path, names: Collection[str]) -> None:
                                         if (folder / n).is_file()}})
 
 
+def check_unchanged(path: str | Path, what: str) -> None:
+    """Refuse, in one line, a result file whose bytes differ from the SHA-256 its folder's
+    marker recorded when fcaudit wrote it: its numbers may no longer be the run's. A file
+    no marker records (copied out of its folder, or written before digests) is not
+    checked here; its content is still checked when it is parsed."""
+    path = Path(path)
+    digest = recorded(path.parent).get(path.name)
+    if digest is None or not path.is_file() or sha256_file(path) == digest:
+        return
+    raise FcauditError(f"{what} {path} was changed after fcaudit wrote it (its SHA-256 differs "
+                       f"from the one {path.parent / MARKER} recorded), so its numbers may not "
+                       "be the run's: rerun it, or restore the file")
+
+
 def _owned_under(folder: Path, names: Sequence[str], files: Mapping[str, str]) -> list[str]:
     """fcaudit's unchanged files among ``names`` (a name, or a path inside a named folder)."""
     return sorted(rel for rel in files

@@ -14,6 +14,7 @@ so the caller can refuse the file in one line that names the file and the field.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -86,7 +87,7 @@ def _union(options: tuple[Any, ...], data: Any, path: str) -> Any:
 
 def _dataclass(tp: Any, data: Any, path: str) -> Any:
     _expect(isinstance(data, dict), data, path, "an object")
-    hints = typing.get_type_hints(tp, include_extras=True)
+    hints = _hints(tp)
     fields = {f.metadata.get("json", f.name): f for f in dataclasses.fields(tp)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
@@ -104,11 +105,17 @@ def _typeddict(tp: Any, data: Any, path: str) -> dict[str, Any]:
     """An object whose declared keys are typed (and required when the TypedDict says so);
     its other keys are free-form (``Any``)."""
     _expect(isinstance(data, dict), data, path, "an object")
-    hints = typing.get_type_hints(tp, include_extras=True)
+    hints = _hints(tp)
     missing = sorted(tp.__required_keys__ - set(data))
     if missing:
         raise SchemaError(_key(path, missing[0]), "is missing")
     return {k: load(hints.get(k, Any), v, _key(path, k)) for k, v in data.items()}
+
+
+@functools.cache
+def _hints(tp: Any) -> dict[str, Any]:
+    """A class's resolved type hints (resolving them is most of the cost of a read)."""
+    return typing.get_type_hints(tp, include_extras=True)
 
 
 def _plain(tp: Any, data: Any, path: str) -> Any:

@@ -131,8 +131,11 @@ def _plain(tp: Any, data: Any, path: str) -> Any:
         _expect(isinstance(data, int) and not isinstance(data, bool), data, path,
                 "a whole number")
         return data
-    if tp in (str, bool):
-        _expect(type(data) is tp, data, path, "a string" if tp is str else "true or false")
+    if tp is str:  # a str subclass too (torch's version string is one)
+        _expect(isinstance(data, str), data, path, "a string")
+        return data
+    if tp is bool:
+        _expect(isinstance(data, bool), data, path, "true or false")
         return data
     raise TypeError(f"{path}: no reader for the type {tp!r}")  # a schema without a reader
 

@@ -296,3 +296,14 @@ def test_every_audit_reads_back_equal(audits: dict[str, Path]) -> None:
     for folder in audits.values():
         result = AuditResult.read(folder / "audit.json")
         assert result.to_json() == raw(folder)
+
+
+def test_a_file_of_another_version_says_which_wrote_it(audits: dict[str, Path]) -> None:
+    """The same schema tag with a field this version does not know: the advice names the
+    version that wrote it rather than calling the file damaged."""
+    data = raw(audits["gate"])
+    data["fcaudit_version"] = "99.0"
+    data["conditions"]["reassign"]["new_measure"] = 1.0
+    message = refusal(data)
+    assert "conditions.reassign.new_measure is not a field of this schema; it was written " \
+        "by fcaudit 99.0 (this is " in message and "edited" not in message, message

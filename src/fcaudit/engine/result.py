@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
+from fcaudit._version import __version__
 from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition names)
     MAIN_CONDITIONS,
     RANDOM_CONDITIONS,
@@ -571,9 +572,8 @@ class AuditResult:
             result = load(cls, data)
             _check_conditions(result)
         except SchemaError as exc:
-            raise FcauditError(f"{source} is not a valid {SCHEMA} result: {exc}; it was "
-                               "edited or damaged since fcaudit wrote it: rerun the audit "
-                               "or restore the file") from exc
+            raise FcauditError(f"{source} is not a valid {SCHEMA} result: {exc}; "
+                               f"{_why_invalid(data.get('fcaudit_version'))}") from exc
         return result
 
     @classmethod
@@ -693,6 +693,15 @@ def _dump(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_dump(v) for v in value]
     return value
+
+
+def _why_invalid(written: object) -> str:
+    """What to do about a result that does not parse: another fcaudit version wrote it, or
+    it was changed since."""
+    if isinstance(written, str) and written != __version__:
+        return (f"it was written by fcaudit {written} (this is {__version__}): read it with "
+                "that version, or rerun the audit")
+    return "it was edited or damaged since fcaudit wrote it: rerun the audit or restore the file"
 
 
 _DEFINED = {"conditions": MAIN_CONDITIONS, "per_layer": PER_LAYER_CONDITIONS,

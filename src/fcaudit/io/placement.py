@@ -7,9 +7,11 @@ Everything here runs before the weights are read: the budget's syntax, the offlo
 a budget too small for the weights needs, and whose files that folder holds.
 
 The offload folder: transformers writes there the weights it cannot read straight from the
-checkpoint (fused MoE experts). fcaudit claims the folder with a marker file listing what
-loading wrote, refuses a folder holding anything else (never deleting or overwriting what
-it did not write), and afterwards removes what loading wrote, and the folder if it made it.
+checkpoint (fused MoE experts). fcaudit checks the folder as it checks ``--out`` (a file,
+under a file, not writable) and apart from the output folder, claims it with a marker file
+listing what loading wrote, refuses a folder holding anything else (never deleting or
+overwriting what it did not write), and afterwards removes what loading wrote, and the
+folder with the missing parents it made for it.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ AUTO_ABLATION_MAX_EXPERTS = 64
 MAX_FRONTIER_POINTS = 20  # each point of each rule is one more replay
 MIN_FRONTIER_POINTS = 2  # a curve needs two points
 # --target-ci below this is never a precision an audit can stop at: intervals shrink as
-# 1/sqrt(N), so a penalty whose per-sequence sd is 0.01 nats needs ~10^8 sequences to
+# 1/sqrt(N), so a penalty whose per-sequence sd is 0.01 nats needs ~4e8 sequences to
 # reach 1e-6, and float32 losses of a few nats round at ~1e-7 (a model with no
 # dependence reaches 0 at any target; it stops at the first round at this one too)
 MIN_TARGET_CI = 1e-6

@@ -181,6 +181,9 @@ TAMPERED: dict[str, tuple[Callable[[dict], None], str]] = {
     "missing condition": (_delete(("conditions", "shuffle")),
                           "conditions.shuffle is missing (and not_applicable does not list it)"),
     "missing correct": (_delete(("conditions", "correct")), "conditions.correct is missing"),
+    "correct not applicable": (
+        lambda d: (d["conditions"].pop("correct"), d.update(not_applicable={"correct": "x"})),
+        "not_applicable.correct names a condition every audit runs"),
     "condition also not applicable": (
         _set(("not_applicable",), {"shuffle": "no positions"}),
         "conditions.shuffle is measured, yet not_applicable lists it"),

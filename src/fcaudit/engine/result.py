@@ -710,11 +710,13 @@ _DEFINED = {"conditions": MAIN_CONDITIONS, "per_layer": PER_LAYER_CONDITIONS,
 
 def _check_conditions(r: AuditResult) -> None:
     """What the types cannot say: every main condition is measured or declared not
-    applicable (never both), every static profile has its retention, no section names a
-    condition the schema does not define, and the interaction is there exactly when
-    shuffle was measured."""
+    applicable (never both; original and correct always measured), every static profile
+    has its retention, no section names a condition the schema does not define, and the
+    interaction is there exactly when shuffle was measured."""
     skipped = r.not_applicable or {}
     for name in MAIN_CONDITIONS:
+        if name in skipped and name in ("original", "correct"):  # the reference: always run
+            raise SchemaError(f"not_applicable.{name}", "names a condition every audit runs")
         if (name in r.conditions) == (name in skipped):
             raise SchemaError(f"conditions.{name}", "is measured, yet not_applicable lists it"
                               if name in skipped else "is missing (and not_applicable does "

@@ -148,20 +148,25 @@ def test_execution_and_routing_rows_equal_their_audits(audits: dict[str, Path],
 
 
 def test_a_quantity_one_audit_lacks_is_a_dash(audits: dict[str, Path], tmp_path: Path) -> None:
+    """An audit of inputs that are not token ids lacks static-layer-token (not applicable,
+    so its retention is undefined): made here by editing a copy as such an audit writes it."""
     lacking = tmp_path / "lacking"
     lacking.mkdir()
     raw = _raw(audits["gate"])
-    del raw["conditions"]["static-layer-token"], raw["retention"]["static-layer-token"]
+    del raw["conditions"]["static-layer-token"]
+    raw["not_applicable"] = {"static-layer-token": "the inputs are not token ids"}
+    raw["retention"]["static-layer-token"].update(value=None, ci95=None, defined=False,
+                                                  reason="not applicable")
     (lacking / "audit.json").write_text(json.dumps(raw), encoding="utf-8")
     comparison = fcaudit.compare([audits["position"], lacking], tmp_path / "out")
     quantities = {(q["kind"], q["name"]): q["models"]
                   for q in comparison.to_json()["tables"]["quantities"]}
     assert quantities[("penalty", "static-layer-token")]["lacking"] is None
-    assert quantities[("retention", "static-layer-token")]["lacking"] is None
+    assert quantities[("retention", "static-layer-token")]["lacking"]["defined"] is False
     rows = _md_rows((tmp_path / "out" / "compare.md").read_text(encoding="utf-8"),
                     "Penalties and retentions")
     assert rows["Δ `static-layer-token` (nats)"][-1] == "—"
-    assert rows["retention `static-layer-token`"][-1] == "—"
+    assert rows["retention `static-layer-token`"][-1] == "undefined"
 
 
 def test_identical_data_is_said_and_labels_come_from_folders_or_label(

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +93,7 @@ def check_same_audit(in_memory: dict, offloaded: dict, budget: int) -> None:
 def test_offloaded_audit_equals_the_in_memory_audit(moe: tuple[Path, list[str], dict],
                                                     where: str, tmp_path: Path) -> None:
     folder, args, in_memory = moe
-    offload = tmp_path / "offload"  # fcaudit creates it, so fcaudit removes it
+    offload = tmp_path / "new" / "parents" / "offload"  # fcaudit makes all three: removes them
     assert main(["audit", *args, "--out", str(tmp_path / "out"), "--device-map", "auto",
                  "--max-memory", f"cpu={BUDGETS[where]}", "--offload-folder",
                  str(offload)]) == 0
@@ -100,7 +103,7 @@ def test_offloaded_audit_equals_the_in_memory_audit(moe: tuple[Path, list[str], 
     else:
         assert offloaded["runtime"]["placement"]["modules_per_device"]["cpu"] > 0
     check_same_audit(in_memory, offloaded, BUDGETS[where])
-    assert not offload.exists()
+    assert not (tmp_path / "new").exists() and (tmp_path / "out").is_dir()
 
 
 def test_python_api_places_the_model_and_keeps_a_given_folder(
@@ -272,3 +275,93 @@ def test_weights_read_from_disk_sit_where_in_memory_weights_do(
                 assert torch.equal(value, expected[full]), full
                 checked.add(full)
     assert checked == set(expected)  # every parameter was on disk and was checked
+
+
+# where the offload folder is given (relative to the test's folder) -> the one line's words
+MISPLACED = {
+    "under a file": ("notes.txt/offload", "lies under {root}/notes.txt, which is a file"),
+    "a file": ("notes.txt", "--offload-folder {root}/notes.txt is a file, not a folder"),
+    "the output folder": ("out", "--offload-folder {root}/out is --out {root}/out, the "
+                                 "audit's output folder; give an offload folder outside it"),
+    "inside the output folder": ("out/offload", "--offload-folder {root}/out/offload lies "
+                                                "inside --out {root}/out"),
+    "holding the output folder": ("", "--out {root}/out lies inside --offload-folder {root}, "
+                                      "whose files fcaudit removes after the audit"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISPLACED))
+def test_a_misplaced_offload_folder_is_refused_before_any_work(
+        mixtral: tuple[Path, list[str]], case: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _, args = mixtral
+    given, words = MISPLACED[case]
+    (tmp_path / "notes.txt").write_text("mine")
+    before = sorted(tmp_path.rglob("*"))
+    err = fails(["audit", *args, "--out", str(tmp_path / "out"), "--device-map", "auto",
+                 "--max-memory", "cpu=50KB", "--offload-folder", str(tmp_path / given)],
+                capsys)
+    assert words.format(root=tmp_path) in err, err
+    assert sorted(tmp_path.rglob("*")) == before  # no output, no offload folder, no marker
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def as_nobody(call: Callable[[], object]) -> str:
+    """``call()`` in a forked child, as the user nobody when run as root (root may write
+    anywhere): the one-line FcauditError it raised, or "" when it raised none."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        message = ""
+        try:
+            os.close(read)
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            call()
+        except FcauditError as exc:
+            message = str(exc)
+        finally:
+            os.write(write, message.encode())
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as fh:
+        message = fh.read()
+    os.waitpid(pid, 0)
+    return message
+
+
+def test_a_read_only_offload_folder_is_refused_before_any_work() -> None:
+    base = Path(tempfile.mkdtemp())  # in /tmp, so that nobody can reach it
+    try:
+        os.chmod(base, 0o755)
+        (base / "ro").mkdir(mode=0o555)
+        for folder in (base / "ro", base / "ro" / "new" / "offload"):
+            options = AuditOptions(device_map="auto", offload_folder=folder)
+            message = as_nobody(options.validate)
+            assert "\n" not in message and f"offload_folder={str(folder)!r}" in message, message
+            assert "not writable" in message and str(base / "ro") in message, message
+        assert list((base / "ro").iterdir()) == []
+    finally:
+        shutil.rmtree(base)
+
+
+def test_only_the_parents_fcaudit_created_are_removed(tmp_path: Path) -> None:
+    """Missing parents are made and removed again, up to the first that existed; one the
+    user put a file in meanwhile stays with it."""
+    from fcaudit.io.placement import Placement, offload_space
+    (tmp_path / "kept").mkdir()
+    for mine in (None, "p1/mine.txt"):
+        root = tmp_path / "kept"
+        folder = root / "p1" / "p2" / "offload"
+        with offload_space(Placement("auto", None, folder), tmp_path / "out"):
+            assert folder.is_dir() and (folder / MARKER).is_file()
+            (folder / "w.safetensors").write_bytes(b"x")  # what loading writes
+            if mine:
+                (root / mine).write_text("mine")
+        if mine is None:
+            assert list(root.iterdir()) == []  # p1, p2 and the folder: fcaudit's, gone
+        else:
+            assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == \
+                ["p1", "p1/mine.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]

@@ -193,6 +193,10 @@ def test_tiny_featuregate_and_moe_equal_their_fixed_audits(run_folder, tmp_path)
     ({"target_ci": float("inf")}, "must be a number of nats above 0"),
     ({"target_ci": "0.1"}, "must be a number of nats above 0"),
     ({"target_ci": True}, "must be a number of nats above 0"),
+    ({"target_ci": 1e-300}, "target_ci=1e-300.: below 1e-06 nats is finer than an audit "
+                            "resolves"),
+    ({"target_ci": 5e-324}, "below 1e-06 nats"),  # the smallest float above 0
+    ({"target_ci": 9.9e-7}, "give at least 1e-06"),
     ({"target_ci": 0.1, "min_sequences": 1}, "at least 2"),
     ({"target_ci": 0.1, "min_sequences": 4.0}, "at least 2"),
     ({"min_sequences": 4}, "give a target too"),
@@ -212,6 +216,26 @@ def test_cli_refuses_a_non_number_in_one_line(tmp_path, capsys):
         assert res.returncode == 2 and res.stderr.count("\n") == 1
         assert res.stderr.startswith(f"fcaudit: error: {shown}: must be a number of nats")
     assert not out.exists()
+
+
+def test_cli_refuses_an_absurdly_small_target_before_any_work(tmp_path, capsys):
+    """1e-300 once ran a first round, then overflowed projecting the next (exit 1, "a bug")."""
+    out = tmp_path / "x"
+    res = run_inprocess(["audit", *toys_cli(), "--out", out, "--target-ci", "1e-300"], capsys)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("fcaudit: error: --target-ci 1e-300: below 1e-06 nats is "
+                                 "finer than an audit resolves"), res.stderr
+    assert "give at least 1e-06 (e.g. 0.02)" in res.stderr
+    assert not out.exists()
+
+
+def test_the_smallest_target_is_accepted_and_reached_without_dependence(tmp_path):
+    """1e-06 itself runs: constant gates lose the same on every sequence, so every counted
+    half-width is below it (float32 rounding, about 1e-08 here) at the first round."""
+    r = run(toys.constant_model(), tmp_path, "t", toy_data(24), target_ci=1e-6,
+            min_sequences=8)
+    assert r.stopping.reached and r.stopping.sequences_used == 8
+    assert max(r.stopping.rounds[0].half_widths.values()) <= 1e-6
 
 
 def test_cli_audit_states_its_stop_and_writes_the_stopping_section(tmp_path, capsys):
@@ -254,6 +278,8 @@ def test_report_states_rule_cost_and_caveat(tmp_path):
     (16, 0.025, 0.02, 64, 32),  # projection 25, rounded up to whole batches
     (32, 1.0, 0.01, 40, 40),  # capped at the pool (its last batch may be partial)
     (16, float("nan"), 0.02, 64, 32),  # no width to project from: double
+    (16, 1e200, 1e-6, 64, 32),  # (widest / target)^2 overflows a float: still doubles
+    (16, float("inf"), 0.02, 64, 32),
 ])
 def test_growth_rule_by_hand(n, widest, target, pool, expected):
     from fcaudit.engine.stopping import first_size, next_size

@@ -446,7 +446,7 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     ranks = distributed.init(args.device)  # a no-op outside torchrun
     try:
         device = resolve_device(distributed.device_for(args.device, ranks))
-        with offload_space(place):
+        with offload_space(place, args.out):
             loaded = as_loaded(args.model, resolve_dtype(args.dtype), place)
             if place is None:
                 loaded.model.to(device)

@@ -37,6 +37,11 @@ MAX_SEED = 2**32 - 1  # torch and numpy generators; seeds derive as seed * 1000 
 AUTO_ABLATION_MAX_EXPERTS = 64
 MAX_FRONTIER_POINTS = 20  # each point of each rule is one more replay
 MIN_FRONTIER_POINTS = 2  # a curve needs two points
+# --target-ci below this is never a precision an audit can stop at: intervals shrink as
+# 1/sqrt(N), so a penalty whose per-sequence sd is 0.01 nats needs ~4e8 sequences to
+# reach 1e-6, and float32 losses of a few nats round at ~1e-7 (a model with no
+# dependence reaches 0 at any target; it stops at the first round at this one too)
+MIN_TARGET_CI = 1e-6
 
 
 SCHEDULES = ("prefix", "naive")
@@ -130,13 +135,19 @@ class AuditOptions:
 
 
 def _check_target(target: object, floor: object) -> None:
-    """``target_ci`` a finite number of nats above 0; ``min_sequences`` an integer of at
-    least 2 (a derangement needs two sequences), and only with a target."""
+    """``target_ci`` a finite number of nats of at least :data:`MIN_TARGET_CI`;
+    ``min_sequences`` an integer of at least 2 (a derangement needs two sequences), and
+    only with a target."""
     target_arg = arg("target_ci", target, owner="AuditOptions")
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
                                or not math.isfinite(target) or target <= 0):
         raise FcauditError(f"{target_arg}: must be a number of nats above 0 (the largest "
                            "half-width of a penalty's 95% interval to stop at, e.g. 0.02)")
+    if target is not None and target < MIN_TARGET_CI:
+        raise FcauditError(f"{target_arg}: below {MIN_TARGET_CI:g} nats is finer than an "
+                           "audit resolves (float32 losses round at about 1e-07 nats, and "
+                           "intervals shrink only as 1/sqrt(sequences)): give at least "
+                           f"{MIN_TARGET_CI:g} (e.g. 0.02), or drop it to audit every sequence")
     if floor is None:
         return
     floor_arg = arg("min_sequences", floor, owner="AuditOptions")

@@ -13,18 +13,18 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypedDict
 
+from fcaudit._version import __version__
 from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition names)
     MAIN_CONDITIONS,
     RANDOM_CONDITIONS,
     STATIC_CONDITIONS,
 )
 from fcaudit.core.errors import FcauditError
+from fcaudit.io.typedjson import Length, SchemaError, load
 
 SCHEMA = "fcaudit.audit/1"
 
@@ -39,7 +39,7 @@ NONDETERMINISTIC_KEYS = ("runtime", "command", "execution.timing",
                          "execution.speed_ratio_vs_dense")
 TIMED_VERDICT_KEY = "verdict.execution"  # listed too when the verdict quotes timing
 
-Interval = list[float]  # a 95% interval [lo, hi]
+Interval = Annotated[list[float], Length(2)]  # a 95% interval [lo, hi]
 
 
 def _omit_none() -> Any:
@@ -433,6 +433,21 @@ class ModelInfo:
     packages: dict[str, str] | None = _omit_none()
 
 
+class DataSummary(TypedDict, total=False):
+    """``data``: what the audit measured on. The keys fcaudit defines are typed (compare
+    pairs audits by them); the sources a caller records (``AuditData(sources=...)``) are
+    free-form."""
+
+    eval_sequences: int
+    calib_sequences: int
+    seq_len: int
+    eval_tokens: int
+    eval_examples: int
+    calib_examples: int
+    eval_fingerprint: str
+    calib_fingerprint: str
+
+
 @dataclass
 class SiteInfo:
     name: str
@@ -514,7 +529,7 @@ class AuditResult:
     schema: str
     fcaudit_version: str
     model: ModelInfo
-    data: dict[str, Any]
+    data: DataSummary
     sites: list[SiteInfo]
     identity_replay_max_abs_diff: float
     conditions: dict[str, ConditionResult]
@@ -548,16 +563,19 @@ class AuditResult:
 
     @classmethod
     def from_json(cls, data: Any, source: str = "audit.json") -> AuditResult:
-        """Parse ``audit.json`` content; a wrong schema or a missing key is one clear error."""
+        """Parse ``audit.json`` content strictly: a wrong schema, or any field missing,
+        unknown, of the wrong type or not finite, or a condition missing, is refused in
+        one line naming ``source`` and the field (:mod:`fcaudit.io.typedjson`)."""
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             found = data.get("schema") if isinstance(data, dict) else type(data).__name__
             raise FcauditError(f"{source} has schema {found!r}, expected {SCHEMA!r}; rerun the "
                                "audit with this fcaudit version")
         try:
-            result = _load(cls, data)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FcauditError(f"{source} is not a complete {SCHEMA} result ({exc}); rerun "
-                               "the audit") from exc
+            result = load(cls, data)
+            _check_conditions(result)
+        except SchemaError as exc:
+            raise FcauditError(f"{source} is not a valid {SCHEMA} result: {exc}; "
+                               f"{_why_invalid(data.get('fcaudit_version'))}") from exc
         result._in_audit_order()
         return result
 
@@ -577,8 +595,15 @@ class AuditResult:
 
     @classmethod
     def read(cls, path: str | Path) -> AuditResult:
+        """Read an ``audit.json`` strictly (:meth:`from_json`); one that parses but whose
+        bytes differ from the SHA-256 its output folder's marker recorded when fcaudit
+        wrote it is refused too (:func:`~fcaudit.io.outdir.check_unchanged`): an edited
+        number is well formed, yet not what the audit measured."""
         from fcaudit.io.fileio import read_json
-        return cls.from_json(read_json(path, "audit result"), str(path))
+        from fcaudit.io.outdir import check_unchanged
+        result = cls.from_json(read_json(path, "audit result"), str(path))
+        check_unchanged(path, "audit result")
+        return result
 
     @property
     def families(self) -> list[str]:
@@ -700,37 +725,42 @@ def _dump(value: Any) -> Any:
     return value
 
 
-def _load(tp: Any, data: Any) -> Any:
-    """Build ``tp`` (a dataclass, list[X], dict[str, X], X | None or a plain type)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(tp) if a is not type(None)]
-        if data is None:
-            return None
-        return _load(options[0], data) if len(options) == 1 else data
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(data, list):
-            raise TypeError(f"expected a list, got {type(data).__name__}")
-        return [_load(item, v) for v in data]
-    if origin is dict:
-        _, item = typing.get_args(tp)
-        if not isinstance(data, dict):
-            raise TypeError(f"expected an object, got {type(data).__name__}")
-        return {k: _load(item, v) for k, v in data.items()}
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(data, dict):
-            raise TypeError(f"expected an object for {tp.__name__}, got {type(data).__name__}")
-        hints = typing.get_type_hints(tp)
-        kwargs = {}
-        for f in dataclasses.fields(tp):
-            key = _json_name(f)
-            if key in data:
-                kwargs[f.name] = _load(hints[f.name], data[key])
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise KeyError(f"{tp.__name__}.{key}")
-        return tp(**kwargs)
-    return data
+def _why_invalid(written: object) -> str:
+    """What to do about a result that does not parse: another fcaudit version wrote it, or
+    it was changed since."""
+    if isinstance(written, str) and written != __version__:
+        return (f"it was written by fcaudit {written} (this is {__version__}): read it with "
+                "that version, or rerun the audit")
+    return "it was edited or damaged since fcaudit wrote it: rerun the audit or restore the file"
+
+
+_DEFINED = {"conditions": MAIN_CONDITIONS, "per_layer": PER_LAYER_CONDITIONS,
+            "retention": RETENTION_PROFILES}  # the names each of these sections may hold
+
+
+def _check_conditions(r: AuditResult) -> None:
+    """What the types cannot say: every main condition is measured or declared not
+    applicable (never both; original and correct always measured), every static profile
+    has its retention, no section names a condition the schema does not define, and the
+    interaction is there exactly when shuffle was measured."""
+    skipped = r.not_applicable or {}
+    for name in MAIN_CONDITIONS:
+        if name in skipped and name in ("original", "correct"):  # the reference: always run
+            raise SchemaError(f"not_applicable.{name}", "names a condition every audit runs")
+        if (name in r.conditions) == (name in skipped):
+            raise SchemaError(f"conditions.{name}", "is measured, yet not_applicable lists it"
+                              if name in skipped else "is missing (and not_applicable does "
+                              "not list it)")
+    for key, known in _DEFINED.items():
+        unknown = [n for n in getattr(r, key) if n not in known]
+        if unknown:
+            raise SchemaError(f"{key}.{unknown[0]}", "is not a condition this schema defines")
+    missing = [n for n in RETENTION_PROFILES if n not in r.retention]
+    if missing:
+        raise SchemaError(f"retention.{missing[0]}", "is missing")
+    if ("shuffle" in r.conditions) != (r.interaction is not None):
+        raise SchemaError("interaction", "is missing, yet shuffle was measured"
+                          if r.interaction is None else "is given, yet shuffle was not run")
 
 
 def dumps(result: AuditResult) -> str:

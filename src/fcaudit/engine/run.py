@@ -682,7 +682,7 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     """
     options = AuditOptions() if options is None else options
     place = options.placement() if isinstance(model, (str, Path)) else None
-    with offload_space(place):  # weights on disk stay readable until the audit ends
+    with offload_space(place, out):  # weights on disk stay readable until the audit ends
         return _audit(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
                       options=options, interventions=interventions, progress=progress,
                       command=command, render=render)

@@ -87,7 +87,9 @@ def first_size(floor: int, batch_size: int, pool: int) -> int:
 def next_size(n: int, widest: float, target: float, batch_size: int, pool: int) -> int:
     """The next round's sequences (see :data:`GROWTH`): whole batches, so the batches of
     earlier rounds keep their composition and their record passes stay valid."""
-    projected = n * (widest / target) ** 2 if math.isfinite(widest) else MAX_GROWTH * n
+    ratio = widest / target  # inf when it overflows; nan when no width could be measured
+    growth = MAX_GROWTH if math.isnan(ratio) else min(ratio, MAX_GROWTH)  # capped: no overflow
+    projected = n * growth ** 2
     return _whole_batches(min(max(projected, n + batch_size), MAX_GROWTH * n), batch_size, pool)
 
 

@@ -166,17 +166,10 @@ def _check_new(path: Path, where: str) -> None:
         return
 
 
-def check_output(path: str | Path, kind: str, option: str = "out") -> None:
-    """Refuse, in one line, an output path fcaudit must not write to. Touches nothing.
-
-    Refused: a file, a path under a file, a dangling symbolic link, a folder that is not
-    writable (or, for a new folder, whose nearest existing parent is not), a folder of
-    another kind of fcaudit output, a non-empty folder fcaudit did not write, and a result
-    name (``report.md``) held by a file fcaudit did not record writing. An audit folder's
-    ``cache`` must be a folder and its ``cache/manifest.json`` a file.
-    """
-    path = Path(path)
-    where = arg(option, str(path))
+def check_folder(path: Path, where: str) -> None:
+    """Refuse, in one line, a folder fcaudit cannot create or write (touches nothing): a
+    dangling symbolic link, a file, a path under a file, a folder that is not writable,
+    or a new one whose nearest existing parent is not. ``where`` names the option."""
     if path.is_symlink() and not path.exists():
         raise FcauditError(f"{where} is a symbolic link to {os.readlink(path)}, which does "
                            "not exist; remove the link or choose another folder")
@@ -188,6 +181,22 @@ def check_output(path: str | Path, kind: str, option: str = "out") -> None:
     if not _usable(path):
         raise FcauditError(f"{where} is not writable (or not readable); fix its permissions "
                            "or choose another folder")
+
+
+def check_output(path: str | Path, kind: str, option: str = "out") -> None:
+    """Refuse, in one line, an output path fcaudit must not write to. Touches nothing.
+
+    Refused: a file, a path under a file, a dangling symbolic link, a folder that is not
+    writable (or, for a new folder, whose nearest existing parent is not), a folder of
+    another kind of fcaudit output, a non-empty folder fcaudit did not write, and a result
+    name (``report.md``) held by a file fcaudit did not record writing. An audit folder's
+    ``cache`` must be a folder and its ``cache/manifest.json`` a file.
+    """
+    path = Path(path)
+    where = arg(option, str(path))
+    check_folder(path, where)
+    if not path.exists():
+        return
     found = output_kind(path)
     held = entries(path)
     if found is None and held:
@@ -296,6 +305,20 @@ def record_files(folder: str | Path, names: Collection[str]) -> None:
     files = recorded(folder)
     _save_recorded(folder, {**files, **{n: sha256_file(folder / n) for n in names
                                         if (folder / n).is_file()}})
+
+
+def check_unchanged(path: str | Path, what: str) -> None:
+    """Refuse, in one line, a result file whose bytes differ from the SHA-256 its folder's
+    marker recorded when fcaudit wrote it: its numbers may no longer be the run's. A file
+    no marker records (copied out of its folder, or written before digests) is not
+    checked here; its content is still checked when it is parsed."""
+    path = Path(path)
+    digest = recorded(path.parent).get(path.name)
+    if digest is None or not path.is_file() or sha256_file(path) == digest:
+        return
+    raise FcauditError(f"{what} {path} was changed after fcaudit wrote it (its SHA-256 differs "
+                       f"from the one {path.parent / MARKER} recorded), so its numbers may not "
+                       "be the run's: rerun it, or restore the file")
 
 
 def _owned_under(folder: Path, names: Sequence[str], files: Mapping[str, str]) -> list[str]:
@@ -436,7 +459,7 @@ def hold_output(path: str | Path, kind: str, command: str | None = None,
     """
     path = Path(path)
     check_output(path, kind, option)
-    created = _topmost_missing(path)
+    created = topmost_missing(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -453,15 +476,11 @@ def hold_output(path: str | Path, kind: str, command: str | None = None,
                 if empty:
                     (path / MARKER).unlink(missing_ok=True)
     finally:
-        if empty:  # after the lock file went with the lock
-            with contextlib.suppress(OSError):  # not empty: another run has just locked it
-                for folder in (path, *path.parents):
-                    folder.rmdir()
-                    if folder == created:
-                        break
+        if empty and created is not None:  # after the lock file went with the lock
+            remove_created(path, created)
 
 
-def _topmost_missing(path: Path) -> Path | None:
+def topmost_missing(path: Path) -> Path | None:
     """The outermost folder that creating ``path`` makes (None: ``path`` exists)."""
     missing = None
     for folder in (path, *path.parents):
@@ -469,6 +488,17 @@ def _topmost_missing(path: Path) -> Path | None:
             break
         missing = folder
     return missing
+
+
+def remove_created(path: Path, created: Path) -> None:
+    """Remove the empty folder ``path`` and its parents up to ``created`` (the outermost one
+    fcaudit made, :func:`topmost_missing`); stop at the first that holds anything, so
+    nothing fcaudit did not create is ever removed."""
+    with contextlib.suppress(OSError):  # not empty: another run or the user put files there
+        for folder in (path, *path.parents):
+            folder.rmdir()
+            if folder == created:
+                break
 
 
 # --------------------------------------------------------------- replace and clean

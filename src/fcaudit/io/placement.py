@@ -7,9 +7,11 @@ Everything here runs before the weights are read: the budget's syntax, the offlo
 a budget too small for the weights needs, and whose files that folder holds.
 
 The offload folder: transformers writes there the weights it cannot read straight from the
-checkpoint (fused MoE experts). fcaudit claims the folder with a marker file listing what
-loading wrote, refuses a folder holding anything else (never deleting or overwriting what
-it did not write), and afterwards removes what loading wrote, and the folder if it made it.
+checkpoint (fused MoE experts). fcaudit checks the folder as it checks ``--out`` (a file,
+under a file, not writable) and apart from the output folder, claims it with a marker file
+listing what loading wrote, refuses a folder holding anything else (never deleting or
+overwriting what it did not write), and afterwards removes what loading wrote, and the
+folder with the missing parents it made for it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fcaudit.core.errors import FcauditError, arg
+from fcaudit.io.outdir import check_folder, remove_created, topmost_missing
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 PLACEMENT = ("device_map", "max_memory", "offload_folder")  # the AuditOptions that place
@@ -108,9 +111,8 @@ def placement(device_map: str | None, max_memory: Any = None,
     require_accelerate()
     budget = parse_max_memory(max_memory) if max_memory is not None else None
     folder = Path(offload_folder) if offload_folder is not None else None
-    if folder is not None and folder.exists() and not folder.is_dir():
-        raise FcauditError(f"{arg('offload_folder', str(folder))} is a file; give a folder "
-                           "(new, empty, or one fcaudit offloaded to before)")
+    if folder is not None:  # a file, a path under one, no write permission: said before work
+        check_folder(folder, arg("offload_folder", str(folder)))
     return Placement(device_map, budget, folder)
 
 
@@ -209,12 +211,36 @@ def _alive(pid: Any) -> bool:
     return True
 
 
-def _claim(folder: Path) -> bool:
-    """Make ``folder`` fcaudit's for one load (True if fcaudit created it); refuse a folder
-    holding files fcaudit did not write, or one another live audit is using."""
+def check_apart(folder: Path, out: str | Path | None) -> None:
+    """The offload folder and the output folder must not overlap: fcaudit empties the
+    offload folder after the audit, and refuses an output folder holding files it did not
+    write there (so the same folder, either inside the other, is refused before work)."""
+    if out is None:
+        return
+    offload, output = folder.resolve(), Path(out).resolve()
+    where, out_arg = arg("offload_folder", str(folder)), arg("out", str(out))
+    if offload == output or output in offload.parents:
+        inside = "is" if offload == output else "lies inside"
+        raise FcauditError(f"{where} {inside} {out_arg}, the audit's output folder; give an "
+                           "offload folder outside it (it holds weights only while the audit "
+                           "runs)")
+    if offload in output.parents:
+        raise FcauditError(f"{out_arg} lies inside {where}, whose files fcaudit removes after "
+                           "the audit; give folders apart from each other")
+
+
+def _claim(folder: Path) -> int | None:
+    """Make ``folder`` fcaudit's for one load; refuse a folder holding files fcaudit did
+    not write, or one another live audit is using. Returns how many folders above
+    ``folder`` fcaudit created with it (None: ``folder`` was there already)."""
     where = arg("offload_folder", str(folder))
-    created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
+    top = topmost_missing(folder)
+    created = None if top is None else len(folder.relative_to(top).parts)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FcauditError(f"cannot create {where} ({exc.strerror or exc}); check the path "
+                           "and its permissions") from exc
     found = _listing(folder)
     marker = folder / MARKER
     if marker.is_file():
@@ -231,7 +257,7 @@ def _claim(folder: Path) -> bool:
             raise FcauditError(f"{where} holds {len(foreign)} file(s) fcaudit did not write "
                                f"(e.g. {foreign[0]}); fcaudit never deletes them: give an "
                                "empty or new folder")
-        created = bool(state.get("created", False))
+        created = _created(state)
         _remove(folder, ours & found)  # a previous run's, left by a crash
     elif found:
         raise FcauditError(f"{where} holds {len(found)} file(s) fcaudit did not write (e.g. "
@@ -241,11 +267,27 @@ def _claim(folder: Path) -> bool:
     return created
 
 
-def _write_marker(folder: Path, created: bool, files: set[str] | None) -> None:
-    # files None: loading is under way, so nothing in the folder is known to be ours yet
+def _created(state: dict[str, Any]) -> int | None:
+    """From a marker: how many folders above the offload folder fcaudit created with it
+    (None: none, the folder was there). A marker of an earlier version says only
+    ``created: true``, the folder itself."""
+    made = state.get("created")
+    if made is True:
+        made = 0
+    return made if isinstance(made, int) and not isinstance(made, bool) and made >= 0 else None
+
+
+def _write_marker(folder: Path, created: int | None, files: set[str] | None) -> None:
+    # files None: loading is under way, so nothing in the folder is known to be ours yet;
+    # created: how many parent folders fcaudit made with this one (None: it was there)
     state = {"written_by": "fcaudit (accelerate disk offload)", "pid": os.getpid(),
              "created": created, "files": sorted(files) if files is not None else None}
-    (folder / MARKER).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
+    try:
+        (folder / MARKER).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise FcauditError(f"cannot write in {arg('offload_folder', str(folder))} "
+                           f"({exc.strerror or exc}); fix its permissions or give another "
+                           "folder") from exc
 
 
 def _remove(folder: Path, files: set[str]) -> None:
@@ -254,24 +296,34 @@ def _remove(folder: Path, files: set[str]) -> None:
 
 
 @contextlib.contextmanager
-def offload_space(place: Placement | None) -> Iterator[None]:
-    """The offload folder claimed for a load and the audit using it; afterwards what loading
-    wrote there is removed (and the folder, if fcaudit created it)."""
+def offload_space(place: Placement | None, out: str | Path | None = None) -> Iterator[None]:
+    """The offload folder claimed for a load and the audit using it (refused first when it
+    overlaps ``out``, the audit's output folder); afterwards what loading wrote there is
+    removed, and the folder with the parents fcaudit created for it, when empty."""
     folder = place.offload_folder if place is not None else None
     if folder is None:
         yield
         return
+    check_apart(folder, out)
     created = _claim(folder)
     try:
         yield
     finally:
         _remove(folder, _written(folder))
         (folder / MARKER).unlink(missing_ok=True)
-        if created:
-            with contextlib.suppress(OSError):  # not empty: someone added files meanwhile
-                for sub in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-                    sub.rmdir()
-                folder.rmdir()
+        if created is not None:
+            _remove_folders(folder, created)
+
+
+def _remove_folders(folder: Path, created: int) -> None:
+    """The emptied offload folder, its empty sub-folders and the ``created`` parent folders
+    fcaudit made for it; a folder holding anything stops the removal there."""
+    with contextlib.suppress(OSError):  # not empty: someone added files meanwhile
+        for sub in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            sub.rmdir()
+    folder = folder.absolute()
+    top = folder.parents[created - 1] if 0 < created < len(folder.parents) else folder
+    remove_created(folder, top)
 
 
 def _written(folder: Path) -> set[str]:
@@ -290,4 +342,4 @@ def note_written(place: Placement | None) -> None:
     folder = place.offload_folder if place is not None else None
     if folder is not None and (folder / MARKER).is_file():
         state = json.loads((folder / MARKER).read_text(encoding="utf-8"))
-        _write_marker(folder, bool(state.get("created")), _listing(folder))
+        _write_marker(folder, _created(state), _listing(folder))

@@ -187,6 +187,16 @@ def _add_audit(sub: Any) -> None:
                    help="output folder: new, empty, or one fcaudit wrote (its cache is reused)")
     a.add_argument("--sites", action="append", default=None, metavar="GLOB",
                    help="module-path glob of controller modules (repeatable; one family each)")
+    a.add_argument("--site-axes", action="append", default=None, metavar="GLOB=AXES",
+                   help="declare the coefficient layout of the sites a --sites GLOB names: "
+                        "their axes, the examples axis first, a * after each position axis "
+                        "(repeatable). 'blocks.*.gate=example,channel': one value set per "
+                        "example (a squeeze-and-excitation gate [B, C]; no shuffle); "
+                        "'blocks.*.gate=example,patch*': [B, P, ...] per patch; "
+                        "'blocks.*.mask=example,channel,row*,column*': a spatial map. "
+                        "Default: read off the first batch, a position axis only where its "
+                        "length is the tokens, patches or cells the module reads. Sites the "
+                        "model declares keep their own layout")
     a.add_argument("--dense", default=None, type=user_file, metavar="SPEC",
                    help="dense counterpart for the execution audit (default: built from the "
                         "model's architecture when it knows one)")
@@ -460,7 +470,7 @@ def _audit_loaded(loaded: Any, args: argparse.Namespace, options: Any, spec: Any
     with ProgressReporter(options.progress and ranks.main) as progress:
         return audit(loaded, args.out, sites=args.sites, data=spec, dense=args.dense,
                      blocks=args.blocks, options=options, progress=progress,
-                     command=shlex.join(["fcaudit", *argv]))
+                     command=shlex.join(["fcaudit", *argv]), site_axes=args.site_axes)
 
 
 def print_summary(result: Any, out: Path) -> None:

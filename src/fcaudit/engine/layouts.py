@@ -45,15 +45,24 @@ Shape = tuple[int, ...]
 @dataclass(frozen=True)
 class Seen:
     """One site on one pass: its coefficients' shape (``flat``: rows ``[B*P, ...]``
-    viewed as ``[B, P, ...]``), the shape of the tensor it reads, and whether every
-    coefficient lies in [0, 1]; ``error``: why its adapter did not fit."""
+    viewed as ``[B, P, ...]``), the shape of the tensor it reads and of its output, and
+    whether every coefficient lies in [0, 1]."""
 
-    shape: Shape = ()
-    read: Shape | None = None
-    output: Shape | None = None
-    flat: bool = False
-    unit_range: bool = True
-    error: str | None = None
+    shape: Shape
+    read: Shape | None
+    output: Shape | None
+    flat: bool
+    unit_range: bool
+
+
+class _Misfit(Exception):
+    """A site's adapter did not fit its output on a look: stops that pass at once (the
+    model would go on with an output it cannot use)."""
+
+    def __init__(self, site: Site, module: nn.Module, output: Shape | None,
+                 error: FcauditError) -> None:
+        super().__init__(f"{error}")
+        self.site, self.module, self.output, self.error = site, module, output, error
 
 
 def _read_shape(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int) -> Shape | None:
@@ -100,8 +109,7 @@ def look(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Seen]:
                 coef, flat = _coefficients(site, SiteCall(module, args, kwargs, batch,
                                                           positions), output, tokens is not None)
             except FcauditError as exc:
-                seen[site.name] = Seen(read=read, output=raw, error=f"{exc}")
-                return
+                raise _Misfit(site, module, raw, exc) from exc
             unit = bool(coef.is_floating_point() and coef.numel() and coef.min() >= 0
                         and coef.max() <= 1)
             seen[site.name] = Seen(tuple(coef.shape), read, raw, flat, unit)
@@ -110,6 +118,17 @@ def look(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Seen]:
     with hooked(model, {s.path: hook_for(s) for s in sites}):
         call_model(model, x)
     return seen
+
+
+def _look_first(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Seen]:
+    """:func:`look` on the first batch; a site whose output no adapter fits stops the
+    audit, naming it (as the record pass would)."""
+    try:
+        return look(model, sites, x)
+    except _Misfit as bad:
+        adapter = getattr(bad.site.adapter, "name", type(bad.site.adapter).__name__)
+        raise FcauditError(f"site {bad.site.name} ({type(bad.module).__name__}, adapter "
+                           f"{adapter}): {bad.error:}") from bad.error
 
 
 def resolve_layouts(setup: Setup, x: Any) -> list[str]:
@@ -121,10 +140,7 @@ def resolve_layouts(setup: Setup, x: Any) -> list[str]:
         setup.sites = canonical_sites(setup.sites)
         return []
     _refuse_blocks(setup, open_sites)
-    seen = look(setup.model, open_sites, x)
-    for site in open_sites:
-        if site.name in seen and seen[site.name].error is not None:
-            raise FcauditError(f"site {site.name}: {seen[site.name].error}")
+    seen = _look_first(setup.model, open_sites, x)
     tokens = batch_shape(x)[1] is not None
     if tokens:
         _prove_token_axis(setup.model, open_sites, x, seen)
@@ -154,19 +170,17 @@ def _prove_token_axis(model: nn.Module, sites: Sequence[Site], x: Tensor,
     if length < 2:
         return
     try:
-        short = look(model, sites, x[:, :-1])
+        look(model, sites, x[:, :-1])
+    except _Misfit as bad:
+        before = seen[bad.site.name].output if bad.site.name in seen else None
+        raise FcauditError(
+            f"site {bad.site.name}: its output {list(before or ())} at {length} tokens is "
+            f"{list(bad.output or ())} at {length - 1}: its axis of {length} does not follow "
+            "the sequence length, so it is a width, not the token axis; token ids are scored "
+            "per token: name a module with one coefficient set per token [B, T, ...], or "
+            f"audit per-example coefficients on {OTHER_INPUTS}") from bad.error
     except Exception:  # noqa: BLE001 - a model that needs exactly T tokens: equality stands
         return
-    for site in sites:
-        again = short.get(site.name)
-        if again is not None and again.error is not None and site.name in seen:
-            raise FcauditError(
-                f"site {site.name}: its output {list(seen[site.name].output or ())} at "
-                f"{length} tokens is {list(again.output or ())} at {length - 1}: its axis of "
-                f"{length} does not follow the sequence length, so it is a width, not the "
-                "token axis; token ids are scored per token: name a module with one "
-                f"coefficient set per token [B, T, ...], or audit per-example coefficients "
-                f"on {OTHER_INPUTS}")
 
 
 def _refuse_blocks(setup: Setup, sites: Sequence[Site]) -> None:
@@ -206,6 +220,6 @@ def _lines(sites: Sequence[Site], seen: dict[str, Seen],
 
 
 def _looks_hidden(seen: Seen | None) -> bool:
-    return seen is not None and seen.error is None and not seen.flat and \
+    return seen is not None and not seen.flat and \
         seen.shape == seen.read and len(seen.shape) >= 3 and seen.shape[-1] > 1 and \
         not seen.unit_range

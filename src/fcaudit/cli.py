@@ -474,12 +474,16 @@ def _audit_loaded(loaded: Any, args: argparse.Namespace, options: Any, spec: Any
 
 
 def print_summary(result: Any, out: Path) -> None:
+    """The audit's summary on the console. Every text in it is printed literally (no rich
+    markup: site names, axes, conditions and paths may hold ``[bold]`` or ``[/]``), the
+    styles set as styles."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
-    console = Console()
+    console = Console(markup=False)
     if result.identity is not None and not result.identity.exact:
-        console.print(f"[bold red]WARNING[/bold red]: {result.identity.note}", soft_wrap=True)
+        console.print(Text.assemble(("WARNING", "bold red"), f": {result.identity.note}"),
+                      soft_wrap=True)
     table = Table(title=f"Frozen Controller Audit: {result.model.spec}")
     table.add_column("condition")
     objective = result.settings.get("objective", "token-nll")

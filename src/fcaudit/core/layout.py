@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,7 +107,7 @@ def declare_axes(sites: Sequence[Site], site_axes: SiteAxes) -> list[Site]:
     entries = _entries(site_axes)
     out = []
     for site in (_declared(s) for s in sites):
-        given = {(g, parse_axes(spec, arg(SITE_AXES, f"{g}={spec}"))) for g, spec in entries
+        given = {(g, parse_axes(spec, _entry(g, spec))) for g, spec in entries
                  if fnmatch.fnmatchcase(site.path, g) or g == site.family}
         layouts = {layout for _, layout in given}
         if len(layouts) > 1 or (layouts and site.axes is not None
@@ -121,13 +122,19 @@ def declare_axes(sites: Sequence[Site], site_axes: SiteAxes) -> list[Site]:
             site = dataclasses.replace(site, axes=axes, positions=positions)
             check_layout(site)
         out.append(site)
-    unused = [g for g, _ in entries if not any(
+    unused = [_entry(g, spec) for g, spec in entries if not any(
         fnmatch.fnmatchcase(s.path, g) or g == s.family for s in sites)]
     if unused:
-        raise FcauditError(f"{arg(SITE_AXES, unused[0])} matches none of the audited sites "
+        raise FcauditError(f"{unused[0]} matches none of the audited sites "
                            f"({', '.join(s.path for s in sites[:4])}"
                            f"{', ...' if len(sites) > 4 else ''}); give a glob of their paths")
     return out
+
+
+def _entry(glob: str, spec: str | Sequence[str]) -> str:
+    """One ``site_axes`` entry as its reader wrote it."""
+    cli = shlex.quote(f"{glob}={spec if isinstance(spec, str) else ','.join(spec)}")
+    return arg(SITE_AXES, py=f"{SITE_AXES}[{glob!r}]={spec!r}", cli=f"--site-axes {cli}")
 
 
 def _entries(site_axes: SiteAxes) -> list[tuple[str, str | Sequence[str]]]:
@@ -143,7 +150,8 @@ def _entries(site_axes: SiteAxes) -> list[tuple[str, str | Sequence[str]]]:
     else:
         pairs = [("", site_axes)]
     for glob, spec in pairs:
-        if not isinstance(glob, str) or not glob or not spec:
+        if not isinstance(glob, str) or not glob or not spec or not isinstance(
+                spec, (str, list, tuple)):
             raise FcauditError(f"{arg(SITE_AXES)} takes GLOB=AXES for each glob of sites, e.g. "
                                f"'blocks.*.gate=example,channel' (one value set per example) or "
                                f"'blocks.*.mask=example,channel,row*,column*'; got {glob!r}")

@@ -147,8 +147,10 @@ def resolve_layouts(setup: Setup, x: Any) -> list[str]:
     decided = {s.name: _decide(s, seen.get(s.name), tokens) for s in open_sites}
     setup.sites = canonical_sites([decided[s.name][0] if s.name in decided else s
                                    for s in setup.sites])
-    setup.layouts = {name: note for name, (_, note) in decided.items() if note}
-    return _lines(open_sites, seen, decided)
+    notes = {s.name: "; ".join(n for n in (decided[s.name][1], _hidden(seen.get(s.name))) if n)
+             for s in open_sites}
+    setup.layouts = {name: note for name, note in notes.items() if note}
+    return _lines(open_sites, notes)
 
 
 def _decide(site: Site, seen: Seen | None, tokens: bool) -> tuple[Site, str]:
@@ -195,31 +197,26 @@ def _refuse_blocks(setup: Setup, sites: Sequence[Site]) -> None:
             "likely controllers)")
 
 
-def _lines(sites: Sequence[Site], seen: dict[str, Seen],
-           decided: dict[str, tuple[Site, str]]) -> list[str]:
-    """One line per family: how its layout was found, and a warning when its coefficients
-    look like the hidden states the module reads."""
+def _lines(sites: Sequence[Site], notes: dict[str, str]) -> list[str]:
+    """One line per family that has something to say: how its layout was found (inputs
+    other than token ids) and whether its coefficients look like hidden states."""
     lines = []
     for family in dict.fromkeys(s.family for s in sites):
         members = [s for s in sites if s.family == family]
-        first = members[0]
-        _, note = decided[first.name]
-        if note:
-            lines.append(f"layout of {family} ({len(members)} sites): {note}")
-        hidden = next((s for s in members if _looks_hidden(seen.get(s.name))), None)
-        if hidden is not None:
-            shape = list(seen[hidden.name].shape)
-            lines.append(
-                f"warning: site {hidden.name}: its coefficients {shape} have exactly the "
-                "shape of the hidden states it reads and values outside [0, 1]: a glob that "
-                "matches whole blocks (an MLP, an attention, a layer) audits their outputs "
-                "as coefficients; name the gate or router inside unless this is a "
-                "feature-wise gate (`fcaudit sites --model SPEC --all` marks likely "
-                "controllers)")
+        said = next((s for s in members if notes[s.name]), None)
+        if said is not None:
+            lines.append(f"sites {family} ({len(members)}, e.g. {said.name}): {notes[said.name]}")
     return lines
 
 
-def _looks_hidden(seen: Seen | None) -> bool:
-    return seen is not None and not seen.flat and \
-        seen.shape == seen.read and len(seen.shape) >= 3 and seen.shape[-1] > 1 and \
-        not seen.unit_range
+def _hidden(seen: Seen | None) -> str:
+    """A warning when the coefficients have exactly the shape of the hidden states the
+    module reads (``[B, T, d]``, ``d`` > 1) and values outside [0, 1]: a block's output."""
+    if seen is None or seen.flat or seen.shape != seen.read or len(seen.shape) < 3 or \
+            seen.shape[-1] == 1 or seen.unit_range:
+        return ""
+    return (f"warning: its coefficients {list(seen.shape)} have exactly the shape of the "
+            "hidden states it reads and values outside [0, 1]: a glob that matches whole "
+            "blocks (an MLP, an attention, a layer) audits their outputs as coefficients; "
+            "name the gate or router inside unless this is a feature-wise gate (`fcaudit "
+            "sites --model SPEC --all` marks likely controllers)")

@@ -66,6 +66,7 @@ def test_axes_are_spelled_as_the_report_marks_them() -> None:
     ((8, 4, 4), (8, 3, 4, 4), ("example", "row", "column"), (1, 2)),
     ((8, 16), (8, 3, 4, 4), ("example", "cell"), (1,)),  # flattened cells
     ((8, 2, 4, 4), (8, 1, 8, 8), ("example",), ()),  # not the input's 8x8 cells: unproven
+    ((8, 4, 1, 1), (8, 4, 1, 1), ("example",), ()),  # a pooled map: one cell, no positions
 ])
 def test_a_position_axis_only_where_the_input_has_those_positions(
         shape: tuple, read: tuple | None, axes: tuple, positions: tuple) -> None:
@@ -224,6 +225,39 @@ def test_an_undecidable_patch_gate_is_refused_then_declared() -> None:
     assert "--site-axes 'gate=example,patch*'" in caught.value.for_cli()
     r = image_audit(SquarePatches(), sites=["gate"], site_axes={"gate": "example,patch*"})
     assert r.sites[0].positions == [1] and "shuffle" in r.conditions
+
+
+class PatchesAndChannel(nn.Module):
+    """PatchModel's gate [B, 16] beside a per-example gate [B, 1] (an SE gate on the one
+    image channel, the same for every example): two layouts in one audit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.se = vt.PatchGate(), vt.SEGate(1)
+        self.scale = nn.Parameter(torch.tensor(6.0))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        patches = F.unfold(images, 2, stride=2).transpose(1, 2)
+        read = (self.gate(patches).unsqueeze(-1) * patches).sum(1).mean(-1) * \
+            self.se(images)[:, 0]
+        return torch.stack([-self.scale * read, self.scale * read], dim=1)
+
+
+def test_patch_and_per_example_sites_in_one_audit() -> None:
+    """Before: reassign refused the pair ("coefficients must map site names to tensors
+    [B, T, ...] of one batch"). Now shuffle permutes the 16 patches only (it hurts: the
+    class is read from patch 0), both gates are the same for every example (reassign
+    exactly 0) and every per-position profile is the gate itself (exactly 0)."""
+    r = image_audit(PatchesAndChannel().eval(), sites=["gate", "se"])
+    assert [(s.axes, s.positions) for s in r.sites] == [(["example", "patch"], [1]),
+                                                        (["example"], [])]
+    assert r.conditions["reassign"].delta == 0.0
+    assert r.conditions["static-layer-position"].delta == 0.0
+    assert r.conditions["shuffle"].ci95[0] > 0.3
+    mixed = {"a": torch.arange(24.0).view(4, 6), "b": torch.arange(4.0).view(4, 1)}
+    swapped = fcaudit.reassign(mixed, [1, 0, 3, 2])
+    assert torch.equal(swapped["b"], torch.tensor([[1.0], [0.0], [3.0], [2.0]]))
+    assert torch.equal(swapped["a"][0], mixed["a"][1])
 
 
 # ------------------------------------------------------------- token ids

@@ -219,8 +219,9 @@ def _position_readings(rest: Shape, read: Shape | None
                        ) -> list[tuple[tuple[str, ...], tuple[int, ...], bool]]:
     """Every reading of ``[B, *rest]`` with the input's positions: (axes, positions,
     ambiguous), ambiguous when the position axis is as long as the input's width too."""
-    if read is None or len(read) not in (3, 4):
-        return []
+    if read is None or len(read) not in (3, 4) or math.prod(read[1:-1] if len(read) == 3
+                                                            else read[2:]) < 2:
+        return []  # no positions, or a single one (a pooled [B, C, 1, 1]): nothing to permute
     if len(read) == 3:  # patches [B, P, D]
         _, count, width = read
         return [(("example", "patch"), (1,), count == width)] if rest[:1] == (count,) else []

@@ -64,7 +64,8 @@ def test_axes_are_spelled_as_the_report_marks_them() -> None:
     ((8, 16, 1), (8, 16, 4), ("example", "patch"), (1,)),
     ((8, 2, 4, 4), (8, 1, 4, 4), ("example", "channel", "row", "column"), (2, 3)),
     ((8, 4, 4), (8, 3, 4, 4), ("example", "row", "column"), (1, 2)),
-    ((8, 16), (8, 3, 4, 4), ("example", "cell"), (1,)),  # flattened cells
+    ((8, 16), (8, 3, 4, 4), ("example",), ()),  # flattened cells are not read as such
+    ((8, 64), (8, 64, 8, 8), ("example",), ()),  # SE on 64 channels of an 8x8 map
     ((8, 2, 4, 4), (8, 1, 8, 8), ("example",), ()),  # not the input's 8x8 cells: unproven
     ((8, 4, 1, 1), (8, 4, 1, 1), ("example",), ()),  # a pooled map: one cell, no positions
 ])
@@ -79,7 +80,7 @@ def test_a_position_axis_only_where_the_input_has_those_positions(
 
 @pytest.mark.parametrize("shape, read", [
     ((8, 16), (8, 16, 16)),  # 16 patches of 16 features: which one is axis 1?
-    ((8, 16), (8, 16, 4, 4)),  # 16 channels, 4x4 = 16 cells
+    ((8, 8, 8), (8, 8, 8, 8)),  # [B, H, W] or [B, C, H] of 8 channels
     ((8, 8, 8, 8), (8, 8, 8, 8)),  # [B, H, W, ...] or [B, C, H, W]
 ])
 def test_an_axis_as_long_as_a_width_is_refused_naming_the_declaration(

@@ -179,8 +179,9 @@ def decide_layout(site: Site, shape: Shape, read: Shape | None) -> tuple[Site, s
     """The layout of an undeclared site on inputs other than token ids, from the shape
     ``[B, *S]`` of its coefficients and ``read``, the shape of the tensor the module reads
     (its first tensor input): a position axis only where ``S`` has the patches ``P`` of a
-    ``[B, P, D]`` input or the cells ``H, W`` of a ``[B, C, H, W]`` input, and ``S`` can be
-    read that way alone; else per-example. Returns the site and how its layout was found."""
+    ``[B, P, D]`` input or the rows and columns ``H, W`` of a ``[B, C, H, W]`` input, and
+    ``S`` can be read that way alone; else per-example. Returns the site and how its
+    layout was found."""
     candidates = _position_readings(shape[1:], read)
     if not candidates:
         where = f"its input {_shape(read)}" if read is not None else "its inputs"
@@ -225,10 +226,10 @@ def _position_readings(rest: Shape, read: Shape | None
     if len(read) == 3:  # patches [B, P, D]
         _, count, width = read
         return [(("example", "patch"), (1,), count == width)] if rest[:1] == (count,) else []
-    _, width, rows, cols = read  # a map [B, C, H, W]
+    # a map [B, C, H, W]. A flattened [B, H*W] is not read as cells: a squeeze-and-excitation
+    # gate [B, C] on 64 channels of an 8x8 map has that shape too (declare cells with *)
+    _, width, rows, cols = read
     out = []
-    if rest[:1] == (rows * cols,):
-        out.append((("example", "cell"), (1,), rows * cols == width))
     if rest[:2] == (rows, cols):
         out.append((("example", "row", "column"), (1, 2), rows == width))
     if rest[1:3] == (rows, cols):

@@ -58,16 +58,17 @@ def test_axes_are_spelled_as_the_report_marks_them() -> None:
 
 
 @pytest.mark.parametrize("shape, read, axes, positions", [
-    ((8, 4), (8, 4, 8, 8), ("example",), ()),  # an SE gate: channels, not cells
+    ((8, 4), (8, 4, 8, 8), ("example", "channel"), ()),  # an SE gate: channels, not cells
     ((8, 4), None, ("example",), ()),  # an input without positions
     ((8, 16), (8, 16, 4), ("example", "patch"), (1,)),  # 16 patches of 4 features
     ((8, 16, 1), (8, 16, 4), ("example", "patch"), (1,)),
     ((8, 2, 4, 4), (8, 1, 4, 4), ("example", "channel", "row", "column"), (2, 3)),
     ((8, 4, 4), (8, 3, 4, 4), ("example", "row", "column"), (1, 2)),
     ((8, 16), (8, 3, 4, 4), ("example",), ()),  # flattened cells are not read as such
-    ((8, 64), (8, 64, 8, 8), ("example",), ()),  # SE on 64 channels of an 8x8 map
+    ((8, 64), (8, 64, 8, 8), ("example", "channel"), ()),  # SE on 64 channels of 8x8
+    ((8, 4), (8, 16, 4), ("example", "feature"), ()),  # pooled over 16 patches
     ((8, 2, 4, 4), (8, 1, 8, 8), ("example",), ()),  # not the input's 8x8 cells: unproven
-    ((8, 4, 1, 1), (8, 4, 1, 1), ("example",), ()),  # a pooled map: one cell, no positions
+    ((8, 4, 1, 1), (8, 4, 1, 1), ("example", "channel"), ()),  # a pooled map: one cell
 ])
 def test_a_position_axis_only_where_the_input_has_those_positions(
         shape: tuple, read: tuple | None, axes: tuple, positions: tuple) -> None:
@@ -105,7 +106,7 @@ def test_an_se_gate_named_by_a_glob_is_per_example(factory, widths: list[int]) -
     bits (exactly 0) and the static per-layer profile is that gate (exactly 0)."""
     r = image_audit(factory(), sites=["blocks.*.gate"])
     assert [(s.axes, s.positions, s.trailing_shape) for s in r.sites] == [
-        (["example"], [], [w]) for w in widths]
+        (["example", "channel"], [], [w]) for w in widths]
     assert all(s.layout.startswith("one value set per example") for s in r.sites)
     assert set(r.not_applicable) >= NO_POSITION and not NO_POSITION & set(r.conditions)
     assert r.conditions["reassign"].delta == 0.0 and r.conditions["static-layer"].delta == 0.0
@@ -251,7 +252,7 @@ def test_patch_and_per_example_sites_in_one_audit() -> None:
     exactly 0) and every per-position profile is the gate itself (exactly 0)."""
     r = image_audit(PatchesAndChannel().eval(), sites=["gate", "se"])
     assert [(s.axes, s.positions) for s in r.sites] == [(["example", "patch"], [1]),
-                                                        (["example"], [])]
+                                                        (["example", "channel"], [])]
     assert r.conditions["reassign"].delta == 0.0
     assert r.conditions["static-layer-position"].delta == 0.0
     assert r.conditions["shuffle"].ci95[0] > 0.3

@@ -187,7 +187,7 @@ def decide_layout(site: Site, shape: Shape, read: Shape | None) -> tuple[Site, s
         where = f"its input {_shape(read)}" if read is not None else "its inputs"
         seen = f"{where} has no patches [B, P, D] or cells [B, C, H, W]" \
             if _positions(read) is None else f"no axis has the positions of {where}"
-        return (dataclasses.replace(site, axes=("example",), positions=()),
+        return (dataclasses.replace(site, axes=_per_example_axes(shape, read), positions=()),
                 f"one value set per example: {seen}")
     if len(candidates) > 1 or candidates[0][2]:
         spec = spell_axes(*candidates[0][:2])
@@ -201,6 +201,15 @@ def decide_layout(site: Site, shape: Shape, read: Shape | None) -> tuple[Site, s
     return (dataclasses.replace(site, axes=axes, positions=positions),
             f"positions proven: axes {spell_axes(axes, positions)} match the "
             f"{_positions(read)} positions of its input {_shape(read)}")
+
+
+def _per_example_axes(shape: Shape, read: Shape | None) -> tuple[str, ...]:
+    """``example``, then ``channel`` (``feature``) when axis 1 is as long as the channels
+    of a ``[B, C, H, W]`` input (the features of a ``[B, P, D]`` one): an SE gate's."""
+    width = {4: (1, "channel"), 3: (2, "feature")}.get(len(read) if read else 0)
+    if read is not None and width is not None and shape[1:2] == (read[width[0]],):
+        return "example", width[1]
+    return ("example",)
 
 
 def _shape(shape: Shape | None) -> str:

@@ -341,3 +341,19 @@ def test_markup_in_site_names_prints_literally(tmp_path: Path, capsys, monkeypat
     print_summary(r, tmp_path)
     out = " ".join(capsys.readouterr().out.split())
     assert "[example, [bold]k[/]]" in out
+
+
+def test_progress_bars_print_markup_literally() -> None:
+    """On a terminal the rich bars printed stage and info as markup: "[/]" raised."""
+    import io
+
+    from fcaudit.report.progress import ProgressReporter
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    with ProgressReporter(True, stream) as progress:
+        progress("record [/]x[bold]", 1, 2, "site [red]g[/]")
+    assert "record [/]x[bold]" in stream.getvalue() and "site [red]g[/]" in stream.getvalue()

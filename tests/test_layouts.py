@@ -311,11 +311,17 @@ def test_a_per_sequence_gate_as_wide_as_the_sequence_is_not_a_token_axis() -> No
 
 
 def test_a_glob_over_whole_blocks(capsys) -> None:
-    """An execution block is refused; an MLP (the hidden states it reads, in and out) is
-    audited with a warning on the console and in the site's layout note."""
+    """An execution block that outputs the hidden states it reads is refused; an MLP (the
+    hidden states it reads, in and out) is audited with a warning on the console and in
+    the site's layout note; gates counted as blocks (the toy's) are audited as ever."""
     with pytest.raises(FcauditError, match="site blocks.0 is one of the model's execution "
-                                           "blocks"):
+                                           "blocks and outputs the hidden states it reads "
+                                           "\\[4, 16, 16\\]"):
         token_audit(_tiny_gpt(), sites=["blocks.*"])
+    with pytest.raises(FcauditError, match="site blocks.0.body.mlp is one of the model's "):
+        token_audit(_tiny_gpt(), sites=["blocks.*.body.mlp"], blocks="blocks.*.body.mlp")
+    toy = token_audit(toys.content_model(), sites=["gates.*"], blocks="gates.*")
+    assert all(s.layout is None for s in toy.sites) and toy.conditions["shuffle"].ci95[0] > 1
     capsys.readouterr()
     r = token_audit(_tiny_gpt(), sites=["blocks.*.body.mlp"], options={"progress": True})
     err = capsys.readouterr().err

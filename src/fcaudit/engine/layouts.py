@@ -12,12 +12,11 @@ the proof is a second look at the batch cut one token short: a token axis follow
 length, a width ``d`` that happens to equal ``T`` does not (a model that refuses the
 shorter batch keeps the equality as its proof).
 
-The same pass catches a glob that names whole blocks: a site that is one of the model's
-execution blocks is refused (its output is the block's hidden state, never a
-controller's coefficients); a site whose coefficients have exactly the shape of the
-hidden states it reads, with values outside [0, 1] (no gate, mixing weight or
-probability), is audited but said to look like hidden states, since a feature-wise gate
-can have that shape too.
+The same pass catches a glob that names whole blocks: a site whose coefficients have
+exactly the shape of the hidden states it reads, with values outside [0, 1] (no gate,
+mixing weight or probability), is refused when it is one of the execution blocks (it is
+the block, its output the hidden state), and otherwise audited but said to look like
+hidden states, since a feature-wise gate can have that shape too.
 """
 
 from __future__ import annotations
@@ -139,8 +138,8 @@ def resolve_layouts(setup: Setup, x: Any) -> list[str]:
     if not open_sites:
         setup.sites = canonical_sites(setup.sites)
         return []
-    _refuse_blocks(setup, open_sites)
     seen = _look_first(setup.model, open_sites, x)
+    _refuse_blocks(setup, open_sites, seen)
     tokens = batch_shape(x)[1] is not None
     if tokens:
         _prove_token_axis(setup.model, open_sites, x, seen)
@@ -188,16 +187,18 @@ def _prove_token_axis(model: nn.Module, sites: Sequence[Site], x: Tensor,
         return
 
 
-def _refuse_blocks(setup: Setup, sites: Sequence[Site]) -> None:
-    """A site that is one of the execution blocks outputs hidden states, not coefficients."""
+def _refuse_blocks(setup: Setup, sites: Sequence[Site], seen: dict[str, Seen]) -> None:
+    """A site that is one of the execution blocks and outputs the hidden states it reads
+    (:func:`_hidden`) is that block, not a controller (a block that outputs a gate, as a
+    toy's may, is audited)."""
     blocks = set(setup.blocks or [])
-    inside = next((s for s in sites if s.path in blocks), None)
+    inside = next((s for s in sites if s.path in blocks and _hidden(seen.get(s.name))), None)
     if inside is not None:
         raise FcauditError(
-            f"site {inside.name} is one of the model's execution blocks: its output is the "
-            "block's hidden state, not a controller's coefficients; name the controller "
-            "inside the block (`fcaudit sites --model SPEC --all` lists the modules and marks "
-            "likely controllers)")
+            f"site {inside.name} is one of the model's execution blocks and outputs the hidden "
+            f"states it reads {list(seen[inside.name].shape)}, not a controller's "
+            "coefficients; name the controller inside the block (`fcaudit sites --model SPEC "
+            "--all` lists the modules and marks likely controllers)")
 
 
 def _lines(sites: Sequence[Site], notes: dict[str, str]) -> list[str]:

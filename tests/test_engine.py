@@ -377,8 +377,8 @@ def test_flat_adapter_round_trip():
 
 def test_rerun_reuses_the_cache_and_runs_no_replay(tmp_path):
     """A rerun reads coefficients and replay results from the cache once proven: it runs
-    the probe passes and one pass per other cached record batch, no replay, and gives the
-    same result."""
+    the probe passes (with the two looks that prove the glob sites' token axis) and one
+    pass per other cached record batch, no replay, and gives the same result."""
     model = toys.content_model()
     passes = []
     model.register_forward_hook(lambda *_: passes.append(1))
@@ -388,9 +388,10 @@ def test_rerun_reuses_the_cache_and_runs_no_replay(tmp_path):
     first_passes, passes[:] = len(passes), []
     second = run()
     assert FAST.batch_size == 4  # 12 + 12 sequences: 3 evaluation and 3 calibration batches
-    # vocabulary probe, probe record, probe replay; evaluation batches 1, 2 and calibration
-    # batches 0, 1, 2 recomputed to prove their cached records
-    assert first_passes > 40 and len(passes) == 3 + 2 + 3
+    # vocabulary probe, layout look, the look one token shorter, probe record, probe replay;
+    # evaluation batches 1, 2 and calibration batches 0, 1, 2 recomputed to prove their
+    # cached records
+    assert first_passes > 40 and len(passes) == 5 + 2 + 3
     assert second.runtime.reuse["batches_reused"] == 3
     assert first.to_json()["conditions"] == second.to_json()["conditions"]
 
@@ -429,15 +430,16 @@ def test_user_model_execution_with_blocks_glob(tmp_path):
 
 def test_controllers_never_run_during_replay(tmp_path):
     """Only live passes call the gates (the probe's record, calibration and the remaining
-    evaluation batches, and one vocabulary probe for a model that states no vocabulary
-    size): every replay feeds stubs instead."""
+    evaluation batches, one vocabulary probe for a model that states no vocabulary size,
+    and the two looks that prove the glob sites' token axis): every replay feeds stubs
+    instead."""
     model = toys.content_model()
     calls = []
     for gate in model.gates:
         gate.register_forward_hook(lambda *_: calls.append(1))
     data = toy_data(n_eval=12, n_calib=8)
     audit(model, tmp_path, sites=["gates.*"], data=data, options=FAST, report=False)
-    live_passes = -(-12 // FAST.batch_size) + -(-8 // FAST.batch_size) + 1
+    live_passes = -(-12 // FAST.batch_size) + -(-8 // FAST.batch_size) + 1 + 2
     assert len(calls) == live_passes * len(model.gates)
 
 

@@ -234,3 +234,66 @@ class NoisyMixer(Mixer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + 1e-3 * torch.rand(x.shape[0], C)
+
+
+class SEGate(nn.Module):
+    """Squeeze-and-excitation without the squeeze's learning: one weight per channel of a
+    map ``[B, C, H, W]`` -> ``[B, C]``, ``sigmoid(8)`` ~ 1 on channel 0 and ``sigmoid(-8)``
+    ~ 0 elsewhere, whatever the input (the channel mean enters at weight 0, so the gate is
+    computed from the map as a real one is)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        bias = torch.full((channels,), -8.0)
+        bias[0] = 8.0
+        self.fc = nn.Linear(channels, channels)
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.bias.copy_(bias)
+
+    def forward(self, fmap: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.fc(fmap.mean((2, 3))))
+
+
+class SEBlock(nn.Module):
+    """Map ``[B, C_in, 8, 8]`` -> ``[B, C, 8, 8]``: channel 0 copies the input's channel 0,
+    every other channel its negative; then each channel scaled by its gate."""
+
+    def __init__(self, c_in: int, channels: int) -> None:
+        super().__init__()
+        self.gate = SEGate(channels)
+        sign = -torch.ones(channels, 1)
+        sign[0] = 1.0
+        self.register_buffer("mix", sign * F.one_hot(torch.tensor(0), c_in).float())
+
+    def forward(self, fmap: torch.Tensor) -> torch.Tensor:
+        mapped = torch.einsum("oc,bchw->bohw", self.mix, fmap)
+        return mapped * self.gate(mapped)[:, :, None, None]
+
+
+class SEModel(nn.Module):
+    """Blocks of per-example channel gates ``[B, C]`` (no position axis) on 8x8 maps; the
+    class is the sign of the top-left 2x2 of the last map, summed over channels: with the
+    gate open on channel 0 alone it is the image's sign, a gate moved to another channel
+    reads its negative."""
+
+    def __init__(self, widths: tuple[int, ...]) -> None:
+        super().__init__()
+        ins = (1, *widths[:-1])
+        self.blocks = nn.ModuleList(SEBlock(i, w) for i, w in zip(ins, widths, strict=True))
+        self.scale = nn.Parameter(torch.tensor(6.0))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        fmap = images
+        for block in self.blocks:
+            fmap = block(fmap)
+        read = fmap[:, :, :2, :2].mean((2, 3)).sum(1)
+        return torch.stack([-self.scale * read, self.scale * read], dim=1)
+
+
+def se_equal() -> SEModel:
+    return SEModel((4, 4)).eval()
+
+
+def se_unequal() -> SEModel:
+    return SEModel((4, 6)).eval()

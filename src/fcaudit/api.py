@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fcaudit.core.interventions import Intervention
+from fcaudit.core.layout import SiteAxes
 from fcaudit.core.sites import SiteSpec
 from fcaudit.engine import run as engine
 from fcaudit.engine.options import AuditOptions, Progress
@@ -27,10 +28,11 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
           blocks: str | None = None, options: AuditOptions | None = None,
           interventions: Mapping[str, Any] | Sequence[Intervention] | None = None,
           progress: Progress | None = None, command: str | None = None,
-          report: bool = True) -> AuditResult | None:
+          report: bool = True, site_axes: SiteAxes = None) -> AuditResult | None:
     """Run the whole Frozen Controller Audit (:func:`fcaudit.engine.run.audit` explains
     every argument); with ``out`` and ``report``, also write report.md, report.html and
     the figures before audit.json."""
     return engine.audit(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
                         options=options, interventions=interventions, progress=progress,
-                        command=command, render=write_report if report else None)
+                        command=command, render=write_report if report else None,
+                        site_axes=site_axes)

@@ -190,6 +190,16 @@ def _add_audit(sub: Any) -> None:
                    help="output folder: new, empty, or one fcaudit wrote (its cache is reused)")
     a.add_argument("--sites", action="append", default=None, metavar="GLOB",
                    help="module-path glob of controller modules (repeatable; one family each)")
+    a.add_argument("--site-axes", action="append", default=None, metavar="GLOB=AXES",
+                   help="declare the coefficient layout of the sites a --sites GLOB names: "
+                        "their axes, the examples axis first, a * after each position axis "
+                        "(repeatable). 'blocks.*.gate=example,channel': one value set per "
+                        "example (a squeeze-and-excitation gate [B, C]; no shuffle); "
+                        "'blocks.*.gate=example,patch*': [B, P, ...] per patch; "
+                        "'blocks.*.mask=example,channel,row*,column*': a spatial map. "
+                        "Default: read off the first batch, a position axis only where its "
+                        "length is the tokens, patches or cells the module reads. Sites the "
+                        "model declares keep their own layout")
     a.add_argument("--dense", default=None, type=user_file, metavar="SPEC",
                    help="dense counterpart for the execution audit (default: built from the "
                         "model's architecture when it knows one)")
@@ -464,16 +474,20 @@ def _audit_loaded(loaded: Any, args: argparse.Namespace, options: Any, spec: Any
     with ProgressReporter(options.progress and ranks.main) as progress:
         return audit(loaded, args.out, sites=args.sites, data=spec, dense=args.dense,
                      blocks=args.blocks, options=options, progress=progress,
-                     command=shlex.join(["fcaudit", *argv]))
+                     command=shlex.join(["fcaudit", *argv]), site_axes=args.site_axes)
 
 
 def print_summary(result: Any, out: Path) -> None:
+    """The audit's summary on the console. Every text in it is printed literally (no rich
+    markup: site names, axes, conditions and paths may hold ``[bold]`` or ``[/]``), the
+    styles set as styles."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
-    console = Console()
+    console = Console(markup=False)
     if result.identity is not None and not result.identity.exact:
-        console.print(f"[bold red]WARNING[/bold red]: {result.identity.note}", soft_wrap=True)
+        console.print(Text.assemble(("WARNING", "bold red"), f": {result.identity.note}"),
+                      soft_wrap=True)
     table = Table(title=f"Frozen Controller Audit: {result.model.spec}")
     table.add_column("condition")
     objective = result.settings.get("objective", "token-nll")

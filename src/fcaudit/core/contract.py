@@ -140,7 +140,11 @@ class Site:
     leading axes in the model's words (the first is always the examples axis) and
     ``positions`` says which of them are position axes (tokens, patches, pixels), the
     axes that shuffle and per-position profiles act on: ``()`` for a per-example
-    coefficient ``[B, K]`` such as CondConv's kernel mixing weights. For a soft gate,
+    coefficient ``[B, K]`` such as CondConv's kernel mixing weights. Left at None (as
+    for sites named by globs), the audit reads the layout off the first batch and
+    accepts a position axis only where it is proven (see :mod:`fcaudit.core.layout`):
+    ``[B, T, ...]`` on token ids; on other inputs an axis as long as the module input's
+    patches or cells, else one value set per example. For a soft gate,
     ``gated`` is the module whose update the coefficient scales (its FLOPs are what
     switching the gate off saves; None: the dense counterpart's blocks say) and ``off``
     the coefficient value that switches it off: 0 for ``h + g F(h)``, ``-inf`` for a
@@ -152,8 +156,8 @@ class Site:
     family: str
     layer: int
     adapter: ControllerAdapter = field(default=TENSOR, compare=False)
-    axes: tuple[str, ...] = field(default=("example", "token"), compare=False)
-    positions: tuple[int, ...] = field(default=(1,), compare=False)
+    axes: tuple[str, ...] | None = field(default=None, compare=False)
+    positions: tuple[int, ...] | None = field(default=None, compare=False)
     gated: str | None = field(default=None, compare=False)
     off: float = field(default=0.0, compare=False)
 

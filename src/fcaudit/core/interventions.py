@@ -272,9 +272,20 @@ def _batch_shape(coefficients: Coefficients) -> tuple[int, int]:
     return next(iter(shapes))  # type: ignore[return-value]
 
 
+def _examples(coefficients: Coefficients) -> int:
+    """The examples every site's coefficients ``[B, P, ...]`` share; their position counts
+    may differ (patch sites beside per-example ones, ``P = 1``)."""
+    counts = {int(v.shape[0]) for v in coefficients.values() if v.dim() >= 2}
+    if len(counts) != 1 or any(v.dim() < 2 for v in coefficients.values()):
+        raise FcauditError("coefficients must map site names to tensors [B, P, ...] with "
+                           "the same examples B, got shapes "
+                           f"{sorted(tuple(v.shape[:2]) for v in coefficients.values())}")
+    return counts.pop()
+
+
 def reassign(coefficients: Coefficients, donor: Sequence[int]) -> Mapping[str, Tensor]:
     """Sequence ``n`` gets the coefficients of sequence ``donor[n]`` (every site alike)."""
-    batch, _ = _batch_shape(coefficients)
+    batch = _examples(coefficients)
     idx = torch.as_tensor(_indices(donor, (batch,), batch, "reassign(donor=...)"),
                           dtype=torch.long)
     return _like(coefficients, {k: v[idx.to(v.device)] for k, v in coefficients.items()})

@@ -43,7 +43,7 @@ def capture(site: Site, module: nn.Module, call: SiteCall, output: Any) -> Tenso
             f"coefficients are {str(coefficients.dtype).removeprefix('torch.')}, not floating "
             "point; coefficients must be real numbers (a gate's value, a router's logits): "
             "name the module that produces the scores, not the decision"))
-    positions = call.seq_len if site.positions == (1,) else None  # else a LayoutAdapter's
+    positions = call.seq_len if site.positions in (None, (1,)) else None  # else a layout's
     if coefficients.dim() < 2 or coefficients.shape[0] != call.batch or (
             positions is not None and coefficients.shape[1] != positions):
         raise _site_error(site, module, f"coefficients have shape {list(coefficients.shape)}, "

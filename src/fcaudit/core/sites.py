@@ -12,6 +12,7 @@ twice.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from collections.abc import Sequence
@@ -48,17 +49,21 @@ SITES_OPTION = arg("sites")  # sites= for a Python caller, --sites on the comman
 
 def _from_globs(model: nn.Module, patterns: Sequence[str]) -> list[Site]:
     """One family per glob. A matched module the model declares as a site, or that
-    fcaudit discovers (a Hugging Face MoE router), keeps that site's adapter (e.g.
-    :class:`~fcaudit.core.routers.RouterAdapter`); any other gets :data:`AUTO`."""
+    fcaudit discovers (a Hugging Face MoE router), keeps what that site declares: its
+    adapter (e.g. :class:`~fcaudit.core.routers.RouterAdapter`), its layout (``axes``,
+    ``positions``: a declared layout wins over any guess) and its gate's ``gated`` and
+    ``off``; the glob gives only the name, family and layer. Any other module gets
+    :data:`AUTO` and a layout the audit decides from the first batch."""
     repeated = sorted({p for p in patterns if list(patterns).count(p) > 1})
     if repeated:
         raise FcauditError(f"{arg('sites', repeated[0])} is given more than once; give each "
                            "glob once (each glob is one family)")
-    known = {s.path: s.adapter for s in declared_sites(model) or []}
+    known = {s.path: s for s in declared_sites(model) or []}
     sites: list[Site] = []
     for pattern in patterns:
         hits = match_modules(model, pattern, "sites", "blocks.*.gate")
-        sites += [Site(name=n, path=n, family=pattern, layer=i, adapter=known.get(n, AUTO))
+        sites += [dataclasses.replace(known[n], name=n, family=pattern, layer=i) if n in known
+                  else Site(name=n, path=n, family=pattern, layer=i, adapter=AUTO)
                   for i, n in enumerate(hits)]
     return sites
 

@@ -175,6 +175,7 @@ class Setup:
     dense_source: str = ""
     out: Path | None = None
     started: float = field(default_factory=time.perf_counter)
+    layouts: dict[str, str] = field(default_factory=dict)  # site -> how its layout was found
 
     @property
     def model(self) -> nn.Module:

@@ -459,6 +459,8 @@ class SiteInfo:
     # sites declared with other axes than [example, token]
     axes: list[str] | None = _omit_none()
     positions: list[int] | None = _omit_none()
+    # how the layout was found when neither the model nor the user declared it
+    layout: str | None = _omit_none()
 
 
 @dataclass

@@ -37,7 +37,15 @@ from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks, declared_experts
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.interventions import Intervention, draw
-from fcaudit.core.layout import canonical_sites, not_applicable
+from fcaudit.core.layout import (
+    TOKEN_AXES,
+    TOKEN_LAYOUT,
+    SiteAxes,
+    declare_axes,
+    not_applicable,
+    shuffled_axes,
+    spell_axes,
+)
 from fcaudit.core.nll import device_of, logits_of, model_limits, probe_vocab
 from fcaudit.core.sites import SiteSpec, find_sites, match_modules
 from fcaudit.engine.cache import CoefficientCache
@@ -55,6 +63,7 @@ from fcaudit.engine.frontier import (
     plan_points,
     skipped_units,
 )
+from fcaudit.engine.layouts import resolve_layouts
 from fcaudit.engine.objectives import UNREADABLE, check_targets, output_tensors, resolve
 from fcaudit.engine.options import AuditOptions, Progress, Setup, silent
 from fcaudit.engine.passes import batches, record_batch, replay_batch
@@ -194,7 +203,7 @@ def _check_arguments(sites: Any, data: Any, blocks: Any, options: Any) -> SiteSp
 
 def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSpec | AuditData,
             dense: Any, blocks: str | None, options: AuditOptions,
-            interventions: Any) -> Setup:
+            interventions: Any, site_axes: SiteAxes = None) -> Setup:
     """Every check that does not need a forward pass of the audit itself."""
     sites = _check_arguments(sites, data, blocks, options)
     options.validate()
@@ -204,7 +213,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
                            "counterpart only serves the execution audit): drop one of them")
     loaded = as_loaded(model, placement=options.placement())
     net = loaded.model.eval()
-    site_list = canonical_sites(find_sites(net, sites))
+    site_list = declare_axes(find_sites(net, sites), site_axes)
     custom = _interventions(interventions, site_list)  # before the first forward pass
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
     default_len, default_why = loaded_seq_len(loaded)
@@ -221,7 +230,8 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     if not audit_data.tokens:
         return _prepare_examples(loaded, out, site_list, audit_data, options, custom, blocks,
                                  block_paths, dense)
-    if options.objective == "classification" or any(s.positions != (1,) for s in site_list):
+    if options.objective == "classification" or any(
+            s.positions not in (None, TOKEN_LAYOUT) for s in site_list):
         raise FcauditError(
             "token ids are scored by next-token NLL on sites [batch, tokens, ...]: for "
             f"{arg('objective', 'classification', owner='AuditOptions')} or sites without a "
@@ -374,6 +384,11 @@ class Probe:
     hits: Tensor | None = None  # classification: 1 per correctly classified example
 
 
+def first_batch(setup: Setup) -> Any:
+    """The first evaluation batch, on the model's device."""
+    return next(batches(setup.eval_source, setup.options.batch_size, device_of(setup.model)))[1]
+
+
 @torch.no_grad()
 def probe(setup: Setup) -> Probe:
     """Record and replay the first evaluation batch in memory, before anything is written.
@@ -383,7 +398,7 @@ def probe(setup: Setup) -> Probe:
     last one unless ``allow_nonexact_identity``), naming the site and the likely causes.
     """
     net, sites, objective = setup.model, setup.sites, setup.objective
-    _, x = next(batches(setup.eval_source, setup.options.batch_size, device_of(net)))
+    x = first_batch(setup)
     if objective.accuracy:  # every target against the logits' classes, before scoring any
         _check_targets(setup, record_batch(net, sites, x, None)[0])
     logits, coefficients, nll = record_batch(net, sites, x, objective)
@@ -516,6 +531,7 @@ def cache_identity(setup: Setup) -> dict[str, Any]:
             "device": device_of(net).type, "sites": [s.name for s in setup.sites],
             "adapters": [getattr(s.adapter, "name", type(s.adapter).__name__)
                          for s in setup.sites],
+            "layouts": [spell_axes(s.axes or (), s.positions or ()) for s in setup.sites],
             "objective": setup.objective.identity(),
             "fcaudit": __version__, "torch": torch.__version__,
             "package versions": setup.loaded.packages}
@@ -571,13 +587,15 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
     execution_text = verdict_execution(execution) if execution.measured else \
         f"Execution not measured: {execution.reason}."
     verdict = Verdict(qualified(variation(variance, spread), identity),
-                      qualified(dependence(summary.conditions, summary.retention), identity),
+                      qualified(dependence(summary.conditions, summary.retention,
+                                           shuffled_axes(setup.sites)), identity),
                       qualified(execution_text, identity))
     timed = execution.timing is not None
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
         data=setup.data.summary(),
-        sites=[_site_info(s, cache, setup.model) for s in setup.sites],
+        sites=[_site_info(s, cache, setup.model, setup.layouts.get(s.name))
+               for s in setup.sites],
         identity_replay_max_abs_diff=identity.max_abs_diff, conditions=summary.conditions,
         per_layer=summary.per_layer, retention=summary.retention,
         interaction=summary.interaction, variance=variance, variation=spread,
@@ -605,13 +623,16 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
 STOPPING_OPTIONS = ("target_ci", "min_sequences")
 
 
-def _site_info(site: Site, cache: CoefficientCache, model: nn.Module) -> SiteInfo:
-    """A site in audit.json: its axes in the model's words when it declared its own."""
+def _site_info(site: Site, cache: CoefficientCache, model: nn.Module,
+               layout: str | None) -> SiteInfo:
+    """A site in audit.json: its axes in the model's words when they are not [example,
+    token], and how they were found when no one declared them (``layout``)."""
     info = SiteInfo(site.name, site.family, site.layer,
                     list(cache.batch(0, f"site::{site.name}").shape[2:]),
                     _adapter_name(site, model))
-    if (site.axes, site.positions) != (Site.__dataclass_fields__["axes"].default, (1,)):
-        info.axes, info.positions = list(site.axes), list(site.positions)
+    if (site.axes, site.positions) != (TOKEN_AXES, TOKEN_LAYOUT):
+        info.axes, info.positions = list(site.axes or ()), list(site.positions or ())
+    info.layout = layout
     return info
 
 
@@ -661,7 +682,7 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
           blocks: str | None = None, options: AuditOptions | None = None,
           interventions: Mapping[str, Any] | Sequence[Intervention] | None = None,
           progress: Progress | None = None, command: str | None = None,
-          render: Renderer | None = None) -> AuditResult | None:
+          render: Renderer | None = None, site_axes: SiteAxes = None) -> AuditResult | None:
     """Run the whole Frozen Controller Audit and return its :class:`AuditResult`.
 
     The public entry is :func:`fcaudit.api.audit`, which also renders the report: this
@@ -672,8 +693,11 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     ``nn.Module`` or a :class:`~fcaudit.io.loading.LoadedModel`. ``out``: the output
     folder (cache, ``audit.json``, report); None runs in a temporary cache and writes
     nothing. ``sites``: module-path globs or :class:`~fcaudit.Site` objects (default:
-    the model's declaration). ``data``: a :class:`DataSpec` (text, token arrays or the
-    built-in corpus) or ready :class:`AuditData`. ``interventions``: user-defined
+    the model's declaration). ``site_axes``: the coefficient layout of sites no one
+    declared, ``{glob: "example,channel"}`` (a ``*`` after each position axis, e.g.
+    ``"example,channel,row*,column*"``); without it such a layout is read off the first
+    batch, a position axis only where proven. ``data``: a :class:`DataSpec` (text, token
+    arrays or the built-in corpus) or ready :class:`AuditData`. ``interventions``: user-defined
     conditions, ``{name: fn}`` or :class:`~fcaudit.core.interventions.Intervention` objects.
 
     In a ``torchrun`` process group every rank calls this; rank 0 validates and claims
@@ -685,27 +709,30 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     with offload_space(place, out):  # weights on disk stay readable until the audit ends
         return _audit(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
                       options=options, interventions=interventions, progress=progress,
-                      command=command, render=render)
+                      command=command, render=render, site_axes=site_axes)
 
 
 def _audit(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, dense: Any,
            blocks: str | None, options: AuditOptions, interventions: Any,
            progress: Progress | None, command: str | None,
-           render: Renderer | None) -> AuditResult | None:
+           render: Renderer | None, site_axes: SiteAxes = None) -> AuditResult | None:
     progress = progress or silent
     ranks = current()
     if not ranks.main:
         ranks.barrier(CLAIMED)
     setup = prepare(model, out, sites=sites, data=DataSpec() if data is None else data, dense=dense,
-                    blocks=blocks, options=options, interventions=interventions)
+                    blocks=blocks, options=options, interventions=interventions,
+                    site_axes=site_axes)
     if setup.out is None and ranks.world > 1:
         raise FcauditError(f"an audit over several processes needs {arg('out')}, a folder "
                            "every process sees")
     if options.target_ci is not None and ranks.world > 1:
         raise FcauditError(f"{arg('target_ci', owner='AuditOptions')} runs in one process: "
                            "start it without torchrun, or give a fixed number of sequences")
+    layout_lines = resolve_layouts(setup, first_batch(setup))
     if ranks.main and options.progress:
-        print(f"fcaudit: {window_line(setup.data.summary())}", file=sys.stderr, flush=True)
+        for line in [window_line(setup.data.summary()), *layout_lines]:
+            print(f"fcaudit: {line}", file=sys.stderr, flush=True)
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
     ablation_plan(setup, first)  # an impossible --expert-ablation stops before any file
     frontier_plan(setup, first)  # so does an impossible --frontier

@@ -81,14 +81,16 @@ def _label(conditions: Mapping[str, ConditionResult], kept: float | None) -> str
 
 
 def dependence(conditions: Mapping[str, ConditionResult],
-               retention: Mapping[str, Retention]) -> str:
+               retention: Mapping[str, Retention], across: str = "tokens") -> str:
+    """The dependence verdict; ``across``: what shuffle permutes, in the sites' own axis
+    names (tokens, patches, rows and columns)."""
     r, s = conditions["reassign"], conditions.get("shuffle")
     sl = retention["static-layer"]
     kept = sl.value
     kept_txt = (f"a static per-layer profile keeps {kept:.2f}% [{sl.ci95[0]:.2f}, "
                 f"{sl.ci95[1]:.2f}] of the Correct-to-GlobalMean gap" if kept is not None
                 else "static-profile retention is undefined (no clear Correct-to-GlobalMean gap)")
-    shuffled = f"shuffling them across tokens {s.delta:+.4f} [{s.ci95[0]:+.4f}, " \
+    shuffled = f"shuffling them across {across} {s.delta:+.4f} [{s.ci95[0]:+.4f}, " \
         f"{s.ci95[1]:+.4f}]" if s is not None else \
         "shuffling is not applicable (the coefficients have no position axis)"
     return (f"{_label(conditions, kept)}: reassigning coefficients across inputs costs "

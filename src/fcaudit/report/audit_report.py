@@ -587,6 +587,8 @@ def _sites_table(r: AuditResult) -> str:
         named = "" if axes is None else " (axes " + ", ".join(
             f"{a}*" if i in (sites[0].positions or []) else a for i, a in enumerate(axes)) + \
             "; * = positions)"
+        found = next((s.layout for s in sites if s.layout), None)  # how, when undeclared
+        named += f"; {found}" if found else ""
         rows.append((md_code(fam), str(len(sites)), md_code(sites[0].name),
                      md_code(sites[-1].name), shown + md_text(named)))
     return md_table(("family", "sites", "first", "last", "trailing shapes"), rows, "lrlll")

@@ -40,10 +40,12 @@ class ProgressReporter:
                 TimeElapsedColumn,
                 TimeRemainingColumn,
             )
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(),
+            # stages and infos are printed literally (a site name may hold "[/]")
+            self._bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                                 console=Console(file=self.stream))
+                                 TimeRemainingColumn(),
+                                 TextColumn("{task.fields[info]}", markup=False),
+                                 console=Console(file=self.stream, markup=False))
             self._bar.__enter__()
         return self
 

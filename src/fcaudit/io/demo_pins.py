@@ -1,0 +1,3 @@
+"""placeholder until python -m fcaudit.study.demo writes it."""
+
+PINNED: dict[str, dict[str, str]] = {}

@@ -1,0 +1,141 @@
+"""The demo's shipped models: pinned files, refused when altered, never mixed with trained
+runs in one demo folder; and the thread advice training gives on a busy machine."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import run_inprocess
+
+from fcaudit.io import demo_models
+from fcaudit.io.demo_pins import PINNED
+from fcaudit.io.outdir import RUN_FILES
+from fcaudit.io.runtime import thread_note
+from fcaudit.study import demo
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_shipped_file_is_pinned_packaged_and_small() -> None:
+    """The pins are the files' SHA-256 (hashlib here, not fcaudit's reader), every run file
+    of both models is pinned, pyproject ships them, and they stay small."""
+    section = (REPO / "pyproject.toml").read_text().split("[tool.setuptools.package-data]")[1]
+    package_data = re.findall(r'"([^"]+)"', section.split("\n[")[0])  # tomllib: Python 3.11
+    total = 0
+    for arch in ("featuregate", "dense"):
+        folder = REPO / "src" / "fcaudit" / "demo_models" / arch
+        assert sorted(PINNED[arch]) == sorted(RUN_FILES)
+        for name, digest in PINNED[arch].items():
+            data = (folder / name).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == digest, (arch, name)
+            assert any((folder / name).match(f"fcaudit/{glob}") for glob in package_data), name
+            total += len(data)
+    assert total < 12 * 2**20  # two float32 models of 1.34M parameters or fewer, and text
+
+
+@pytest.fixture
+def shipped_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The package's demo_models folder copied, and fcaudit pointed at the copy."""
+    copy = tmp_path / "demo_models"
+    shutil.copytree(demo_models.SHIPPED, copy)
+    monkeypatch.setattr(demo_models, "SHIPPED", copy)
+    return copy
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_an_altered_shipped_file_is_refused_in_one_line(name: str, shipped_copy: Path,
+                                                        tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    path = shipped_copy / "dense" / name
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 1  # one bit of the last bytes: a JSON file stays readable
+    path.write_bytes(bytes(data))
+    out = tmp_path / "demo"
+    result = run_inprocess(["demo", "--quiet", "--out", out], capsys)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    found = hashlib.sha256(bytes(data)).hexdigest()[:12]
+    assert f"{path} has SHA-256 {found}..., not the pinned {PINNED['dense'][name][:12]}..." \
+        in lines[0]
+    assert "shipped demo model was altered or corrupted; reinstall fcaudit" in lines[0]
+    assert not (out / "dense").exists() and not (out / "audit").exists()
+
+
+def test_a_missing_shipped_file_is_named(shipped_copy: Path) -> None:
+    (shipped_copy / "featuregate" / "tokenizer.json").unlink()
+    with pytest.raises(Exception, match=r"featuregate/tokenizer.json is missing: fcaudit's "
+                                        "shipped demo model"):
+        demo_models.shipped_folder("featuregate")
+
+
+def test_the_shipped_copy_is_a_run_folder_that_matches_its_pins(tmp_path: Path) -> None:
+    from fcaudit.io.loading import load_run
+    from fcaudit.io.outdir import owns
+    demo.copy_shipped("dense", tmp_path / "dense")
+    assert demo_models.pin_mismatch(tmp_path / "dense", "dense") is None
+    assert all(owns(tmp_path / "dense", name) for name in RUN_FILES)
+    loaded = load_run(tmp_path / "dense")
+    assert sum(p.numel() for p in loaded.model.parameters()) == \
+        loaded.config["results"]["n_params"]
+
+
+def _demo_folder_with(tmp_path: Path, edit: bool) -> Path:
+    """A demo folder whose featuregate is the shipped copy, edited (as a run trained by
+    ``--train`` differs) or not."""
+    out = tmp_path / "demo"
+    demo.copy_shipped("featuregate", out / "featuregate")
+    if edit:
+        log = out / "featuregate" / "train_log.jsonl"
+        log.write_text(log.read_text() + "\n")
+    return out
+
+
+def test_demo_refuses_a_folder_of_trained_runs_without_train(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
+    out = _demo_folder_with(tmp_path, edit=True)
+    result = run_inprocess(["demo", "--quiet", "--out", out], capsys)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert f"{out / 'featuregate'} is not fcaudit's shipped demo model (" in line
+    assert "train_log.jsonl has SHA-256" in line
+    assert "pass --train to resume that demo, or choose another --out" in line
+    assert not (out / "dense").exists() and not (out / "audit").exists()
+
+
+def test_demo_train_refuses_a_folder_of_the_shipped_models(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    out = _demo_folder_with(tmp_path, edit=False)
+    result = run_inprocess(["demo", "--train", "--quiet", "--out", out], capsys)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert f"{out / 'featuregate'} holds fcaudit's shipped demo model, and --train trains " \
+           "afresh: choose another --out" in line
+    assert not (out / "dense").exists() and not (out / "audit").exists()
+
+
+@pytest.mark.parametrize(("threads", "cores", "load", "chosen", "advised"), [
+    (2, 2, 3.93, False, True),   # the issue's shared 2-core machine: 2 threads, no core free
+    (2, 2, 0.31, False, False),  # a quiet machine: background noise under half a core
+    (2, 2, 0.0, False, False),   # idle: both cores free
+    (1, 2, 5.0, False, False),   # one thread never waits for another
+    (2, 2, 3.93, True, False),   # OMP_NUM_THREADS set: the user chose
+    (8, 8, 1.5, False, True),    # 6.5 cores free for 8 threads
+    (4, 8, 1.5, False, False),   # 6.5 free for 4
+    (2, 2, 0.6, False, True),    # more than half a core taken by others
+])
+def test_thread_advice_follows_free_cores(threads: int, cores: int, load: float, chosen: bool,
+                                          advised: bool) -> None:
+    note = thread_note(threads, cores, load, chosen)
+    assert (note is not None) == advised
+    if note:
+        assert note.startswith(f"the load average is {load:.2f} on {cores} cores, so torch's "
+                               f"{threads} threads will wait for each other")
+        assert "OMP_NUM_THREADS=1" in note

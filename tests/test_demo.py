@@ -4,6 +4,8 @@ runs in one demo folder; and the thread advice training gives on a busy machine.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -139,3 +141,44 @@ def test_thread_advice_follows_free_cores(threads: int, cores: int, load: float,
         assert note.startswith(f"the load average is {load:.2f} on {cores} cores, so torch's "
                                f"{threads} threads will wait for each other")
         assert "OMP_NUM_THREADS=1" in note
+
+
+# The largest change another CPU's float32 rounding made to the shipped demo's audit
+# (measured: torch's, MKL's and oneDNN's kernels forced to SSE with ATEN_CPU_CAPABILITY,
+# MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA, against AVX2; 1 against 2 threads gave a
+# bitwise-equal audit.json): the README may promise its digits only when every quoted number
+# lies farther than this, times a safety factor of 100, from the edge its rounding flips at.
+MOVED = {"nats": 1e-8, "percent": 1e-4, "share": 1e-8}
+SAFETY = 100
+
+
+def _digits(value: float, significant: int) -> int:
+    """Decimals that ``f"{value:.{significant}g}"`` shows."""
+    return significant - 1 - math.floor(math.log10(abs(value)))
+
+
+def _quoted(audit: dict) -> list[tuple[str, float, int, str]]:
+    """(name, value, decimals shown, unit) of every number the README's demo table quotes
+    but the latency, at the digits docs/doc_blocks.py renders them with."""
+    out = []
+    for c in ("reassign", "shuffle"):
+        cond = audit["conditions"][c]
+        out += [(f"{c} {k}", v, 4, "nats") for k, v in
+                (("delta", cond["delta"]), ("low", cond["ci95"][0]), ("high", cond["ci95"][1]))]
+    for r in ("retention_static_layer", "retention_static_layer_token"):
+        ret = audit[r]
+        out += [(f"{r} {k}", v, 2, "percent") for k, v in
+                (("value", ret["value"]), ("low", ret["ci95"][0]), ("high", ret["ci95"][1]))]
+    out += [(f"eta2 {k}", 100 * v, 1, "percent") for k, v in audit["eta2"].items()]
+    out += [(k, v, _digits(v, 3), "share") for k, v in audit["variation"].items()]
+    return out
+
+
+def test_no_quoted_demo_number_sits_at_a_rounding_edge() -> None:
+    audit = json.loads((REPO / "docs" / "results" / "demo.json").read_text())["audit"]
+    quoted = _quoted(audit)
+    assert len(quoted) == 18
+    for name, value, digits, unit in quoted:
+        scaled = value * 10 ** digits
+        edge = abs(scaled - math.floor(scaled) - 0.5) / 10 ** digits
+        assert edge > SAFETY * MOVED[unit], (name, value, edge)

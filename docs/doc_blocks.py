@@ -45,7 +45,7 @@ class Results:
 
     def minutes(self, key: str) -> str:
         """A wall time of timings.json as the README and ``--help`` quote it."""
-        return f"{self.json(TIMINGS)[key]:g}"
+        return f"{self.json(TIMINGS)[key]:.1f}"
 
 
 @dataclass(frozen=True)
@@ -368,9 +368,9 @@ def study_tiny(r: Results) -> str:
     x = g["moe-tiny"]["seed0"]["experts"]
     sga, moe = sg["aggregate"], g["moe-tiny"]["aggregate"]
     threads, cpu = s["host"]["torch_threads"], s["host"]["cpu"]
-    demo_host = r.json(DEMO)["audit"]["host"]
+    demo_run = r.json(DEMO)["run"]  # where the shipped demo model was trained
     same_as_demo = "its seed 0 is the demo's model above" if \
-        (demo_host["cpu"], demo_host["torch_threads"]) == (cpu, threads) else \
+        (demo_run["cpu"], demo_run["torch_threads"]) == (cpu, threads) else \
         "its seed 0 against the demo above, trained on another CPU or thread count"
     return "\n".join([
         "", f"`OMP_NUM_THREADS={threads} fcaudit reproduce --preset tiny --seeds {seeds}` "

@@ -102,4 +102,4 @@ def measured_minutes(key: str) -> str:
     import json
     from importlib import resources
     minutes = json.loads(resources.files("fcaudit").joinpath("timings.json").read_text())
-    return f"{minutes[key]:g}"
+    return f"{minutes[key]:.1f}"

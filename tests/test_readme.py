@@ -151,7 +151,7 @@ def test_the_readme_demo_is_what_fcaudit_demo_prints(tmp_path: Path,
     for pattern, as_printed in PRINTED_AS:
         [number] = re.findall(pattern, block)
         assert as_printed.format(number) in printed, (pattern, number)
-    table = [line for line in block.splitlines() if line.startswith("| ")]
+    table = [line for line in block.splitlines() if line.startswith("|")]
     fresh = doc_blocks._demo_table(extract_results.demo(out)).splitlines()
     assert [LATENCY.sub("latency", line) for line in fresh] == \
         [LATENCY.sub("latency", line) for line in table]

@@ -125,6 +125,33 @@ def test_demo_train_refuses_a_folder_of_the_shipped_models(tmp_path: Path,
     assert not (out / "dense").exists() and not (out / "audit").exists()
 
 
+def test_train_trains_both_models_with_the_seed_and_reuses_them(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]
+                                                                ) -> None:
+    """``--train`` calls training for each model with the demo's seed (training itself is
+    tests/test_train.py's), never copies the shipped files, and a rerun reuses its runs."""
+    calls = []
+
+    def fake_train(arch: str, preset: str, seed: int, folder: Path, **_: object) -> Path:
+        calls.append((arch, preset, seed))
+        demo.copy_shipped(arch, folder)  # a run folder, made different from the shipped one
+        log = folder / "train_log.jsonl"
+        log.write_text(log.read_text() + "\n")
+        return folder
+
+    monkeypatch.setattr(demo, "train", fake_train)
+    out = tmp_path / "demo"
+    runs = demo.demo_runs(out, train_afresh=True, seed=3, progress=False)
+    assert calls == [("featuregate", "tiny", 3), ("dense", "tiny", 3)]
+    assert runs == {"featuregate": out / "featuregate", "dense": out / "dense"}
+    capsys.readouterr()
+    assert demo.demo_runs(out, train_afresh=True, seed=3, progress=False) == runs
+    assert len(calls) == 2
+    assert capsys.readouterr().out.splitlines() == [f"reusing {out / 'featuregate'}",
+                                                    f"reusing {out / 'dense'}"]
+
+
 @pytest.mark.parametrize(("threads", "cores", "load", "chosen", "advised"), [
     (2, 2, 3.93, False, True),   # the issue's shared 2-core machine: 2 threads, no core free
     (2, 2, 0.31, False, False),  # a quiet machine: background noise under half a core

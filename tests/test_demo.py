@@ -89,34 +89,37 @@ def test_the_shipped_copy_is_a_run_folder_that_matches_its_pins(tmp_path: Path) 
     assert loaded.run_config["seed"] == demo.SEED and loaded.run_config["preset"] == "tiny"
 
 
-def _demo_folder_with(tmp_path: Path, edit: bool) -> Path:
-    """A demo folder whose featuregate is the shipped copy, edited (as a run trained by
-    ``--train`` differs) or not."""
+def _demo_folder_with(tmp_path: Path, trained: bool) -> Path:
+    """A demo folder whose featuregate is the shipped copy, or a run that differs from it
+    as one trained by ``--train`` does (its log differs, recorded as fcaudit's)."""
+    from fcaudit.io.outdir import record_files
     out = tmp_path / "demo"
     demo.copy_shipped("featuregate", out / "featuregate")
-    if edit:
+    if trained:
         log = out / "featuregate" / "train_log.jsonl"
         log.write_text(log.read_text() + "\n")
+        record_files(out / "featuregate", ["train_log.jsonl"])
     return out
 
 
 def test_demo_refuses_a_folder_of_trained_runs_without_train(tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]
                                                              ) -> None:
-    out = _demo_folder_with(tmp_path, edit=True)
+    out = _demo_folder_with(tmp_path, trained=True)
     result = run_inprocess(["demo", "--quiet", "--out", out], capsys)
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert f"{out / 'featuregate'} is not fcaudit's shipped demo model (" in line
     assert "train_log.jsonl has SHA-256" in line
-    assert "pass --train to resume that demo, or choose another --out" in line
+    assert "but a run of `fcaudit demo --train`: pass --train to resume that demo, or choose " \
+           "another --out" in line
     assert not (out / "dense").exists() and not (out / "audit").exists()
 
 
 def test_demo_train_refuses_a_folder_of_the_shipped_models(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]
                                                            ) -> None:
-    out = _demo_folder_with(tmp_path, edit=False)
+    out = _demo_folder_with(tmp_path, trained=False)
     result = run_inprocess(["demo", "--train", "--quiet", "--out", out], capsys)
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
@@ -131,6 +134,7 @@ def test_train_trains_both_models_with_the_seed_and_reuses_them(tmp_path: Path,
                                                                 ) -> None:
     """``--train`` calls training for each model with the demo's seed (training itself is
     tests/test_train.py's), never copies the shipped files, and a rerun reuses its runs."""
+    from fcaudit.io.outdir import record_files
     calls = []
 
     def fake_train(arch: str, preset: str, seed: int, folder: Path, **_: object) -> Path:
@@ -138,6 +142,7 @@ def test_train_trains_both_models_with_the_seed_and_reuses_them(tmp_path: Path,
         demo.copy_shipped(arch, folder)  # a run folder, made different from the shipped one
         log = folder / "train_log.jsonl"
         log.write_text(log.read_text() + "\n")
+        record_files(folder, ["train_log.jsonl"])
         return folder
 
     monkeypatch.setattr(demo, "train", fake_train)
@@ -150,6 +155,23 @@ def test_train_trains_both_models_with_the_seed_and_reuses_them(tmp_path: Path,
     assert len(calls) == 2
     assert capsys.readouterr().out.splitlines() == [f"reusing {out / 'featuregate'}",
                                                     f"reusing {out / 'dense'}"]
+
+
+@pytest.mark.parametrize("train_flag", [[], ["--train"]])
+def test_a_demo_model_edited_after_fcaudit_wrote_it_is_refused(train_flag: list[str],
+                                                                tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]
+                                                                ) -> None:
+    out = _demo_folder_with(tmp_path, trained=False)
+    config = out / "featuregate" / "config.json"
+    config.write_text(config.read_text().replace('"seed": 0', '"seed": 1'))
+    result = run_inprocess(["demo", *train_flag, "--quiet", "--out", out], capsys)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.endswith(f"{out / 'featuregate'}: config.json changed since fcaudit wrote it; "
+                         f"remove {out / 'featuregate'} to copy or train that model again, or "
+                         "choose another --out")
+    assert not (out / "dense").exists() and not (out / "audit").exists()
 
 
 @pytest.mark.parametrize(("threads", "cores", "load", "chosen", "advised"), [

@@ -26,7 +26,7 @@ from fcaudit.core.errors import FcauditError
 from fcaudit.io.demo_models import DEMO_ARCHES, SHIPPED, pin_mismatch, shipped_folder
 from fcaudit.io.fileio import sha256_file, write_text
 from fcaudit.io.loading import is_run_folder
-from fcaudit.io.outdir import RUN_FILES, hold_output
+from fcaudit.io.outdir import RUN_FILES, hold_output, owns
 from fcaudit.study.train import building, train
 
 SEED = 0  # the shipped models' training seed
@@ -54,17 +54,23 @@ def demo_runs(out: Path, *, train_afresh: bool, seed: int, progress: bool) -> di
 
 
 def check_kind(folder: Path, arch: str, train_afresh: bool) -> None:
-    """Refuse to audit trained runs as the shipped demo, or the shipped copies as a fresh
-    training: either would print numbers the command does not promise."""
+    """Refuse a run whose files changed since fcaudit wrote them, trained runs audited as
+    the shipped demo, or the shipped copies as a fresh training: each would print numbers
+    the command does not promise."""
+    changed = sorted(name for name in RUN_FILES if not owns(folder, name))
+    if changed:
+        raise FcauditError(f"{folder}: {', '.join(changed)} changed since fcaudit wrote "
+                           f"{'them' if len(changed) > 1 else 'it'}; remove {folder} to copy or "
+                           "train that model again, or choose another --out")
     mismatch = pin_mismatch(folder, arch)
     if train_afresh and mismatch is None:
         raise FcauditError(f"{folder} holds fcaudit's shipped demo model, and --train trains "
                            "afresh: choose another --out, or drop --train to audit the shipped "
                            "models")
     if not train_afresh and mismatch is not None:
-        raise FcauditError(f"{folder} is not fcaudit's shipped demo model ({mismatch}): a run "
-                           "of `fcaudit demo --train` or files changed since; pass --train to "
-                           "resume that demo, or choose another --out")
+        raise FcauditError(f"{folder} is not fcaudit's shipped demo model ({mismatch}) but a "
+                           "run of `fcaudit demo --train`: pass --train to resume that demo, or "
+                           "choose another --out")
 
 
 def copy_shipped(arch: str, folder: Path) -> None:

@@ -39,6 +39,14 @@ def test_every_shipped_file_is_pinned_packaged_and_small() -> None:
     assert total < 12 * 2**20  # two float32 models of 1.34M parameters or fewer, and text
 
 
+def test_the_pins_are_what_the_training_script_writes() -> None:
+    """demo_pins.py is byte for byte the module ``python -m fcaudit.study.demo`` writes
+    for these digests: nobody edited a pin by hand."""
+    pins = REPO / "src" / "fcaudit" / "io" / "demo_pins.py"
+    assert demo.pins_module(PINNED) == pins.read_text()
+    assert pins.resolve() == demo.PINS
+
+
 @pytest.fixture
 def shipped_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The package's demo_models folder copied, and fcaudit pointed at the copy."""

@@ -85,9 +85,10 @@ def copy_shipped(arch: str, folder: Path) -> None:
                            "rerun the command")
 
 
-def retrain(dest: Path = SHIPPED, progress: bool = True) -> dict[str, dict[str, str]]:
-    """Train the demo pair at :data:`TRAIN_THREADS` thread, put the run files in ``dest``
-    and rewrite :data:`PINS` with their digests."""
+def retrain(progress: bool = True) -> dict[str, dict[str, str]]:
+    """Train the demo pair at :data:`TRAIN_THREADS` thread, put their run files in the
+    package (:data:`~fcaudit.io.demo_models.SHIPPED`) and rewrite :data:`PINS`."""
+    dest = SHIPPED
     before = torch.get_num_threads()
     torch.set_num_threads(TRAIN_THREADS)
     try:

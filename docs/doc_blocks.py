@@ -45,7 +45,7 @@ class Results:
 
     def minutes(self, key: str) -> str:
         """A wall time of timings.json as the README and ``--help`` quote it."""
-        return f"{self.json(TIMINGS)[key]:g}"
+        return f"{self.json(TIMINGS)[key]:.1f}"
 
 
 @dataclass(frozen=True)
@@ -110,14 +110,27 @@ def load_note(host: Mapping[str, Any] | None) -> str:
 
 # ------------------------------------------------------------------------- times
 
-def _minutes_block(key: str, phrase: str) -> None:
-    @block(f"time-{key}", f"wall time of {key.replace('_', ' ')}", [TIMINGS], [TIMINGS_SCRIPT])
+def timed(r: Results, key: str) -> str:
+    """A time of timings.json with the machine and load it was measured at."""
+    t = r.json(TIMINGS)
+    load, host = t["load_average"][key], t.get("host", {}).get(key)
+    where = (f"{host['cores']} cores ({host['cpu']}) at {host['threads']} torch "
+             f"thread{'s' if host['threads'] != 1 else ''}" if host else
+             "2 cores, threads not recorded")
+    return (f"{r.minutes(key)} minutes on {where}, load average {load['before'][0]:.2f} "
+            f"before and {load['after'][0]:.2f} after")
+
+
+def _minutes_block(key: str, what: str) -> None:
+    @block(f"time-{key}", f"wall time of {what}, with its machine, threads and load",
+           [TIMINGS], [TIMINGS_SCRIPT])
     def render(r: Results) -> str:
-        return phrase.format(r.minutes(key))
+        return f"about {timed(r, key)}"
 
 
-_minutes_block("demo", "about {} minutes on a 2-core CPU")
-_minutes_block("tests", "about {} minutes on 2 cores")
+_minutes_block("demo", "the demo")
+_minutes_block("demo_train", "the demo with --train")
+_minutes_block("tests", "the tests")
 
 
 def featuregate_presets(r: Results) -> list[tuple[str, Mapping[str, Any]]]:
@@ -142,11 +155,22 @@ def presets_shapes(r: Results) -> str:
 
 # ------------------------------------------------------------------------- demo
 
+def nats(delta: float, interval: Sequence[float]) -> str:
+    """A penalty as ``fcaudit demo`` prints it: ``+0.1147 [+0.1038, +0.1259]``."""
+    return f"{delta:+.4f} [{interval[0]:+.4f}, {interval[1]:+.4f}]"
+
+
+def kept(stats: Mapping[str, Any]) -> str:
+    """A retention as ``fcaudit demo`` prints it: ``72.24% [68.55, 75.85]``."""
+    return f"{stats['value']:.2f}% [{stats['ci95'][0]:.2f}, {stats['ci95'][1]:.2f}]"
+
+
 def _demo_table(d: Mapping[str, Any]) -> str:
+    """The demo's findings, every number at the digits ``fcaudit demo`` prints it with
+    (tests/test_readme.py finds each one in the demo's own output)."""
     a, run = d["audit"], d["run"]
     v, eta, ex = a["variation"], a["eta2"], a["execution"]
     r, s = a["conditions"]["reassign"], a["conditions"]["shuffle"]
-    ret, tok = a["retention_static_layer"], a["retention_static_layer_token"]
     exact = "bitwise exact" if a["identity_max_abs_diff"] == 0 else \
         f"NOT exact (max difference {a['identity_max_abs_diff']:g})"
     t = ex["timing"]
@@ -154,16 +178,16 @@ def _demo_table(d: Mapping[str, Any]) -> str:
         f"| question | answer for tiny FeatureGate ({a['layers']} layers, "
         f"{millions(a['n_params'])} parameters, eval NLL {run['eval_nll']:.2f} vs unigram "
         f"{run['unigram_nll']:.2f}) |", "|---|---|",
-        f"| variation | gates vary: sd {v['mean_sd_across_inputs']:.3f} across inputs, "
-        f"{v['mean_sd_across_positions']:.3f} across positions, {v['across_layer_sd']:.3f} "
-        f"across layers; layer identity explains {100 * eta['layer']:.1f}% of their variance, "
-        f"input and token content {100 * eta['residual']:.1f}%; within a layer the current "
-        f"token id alone explains {100 * eta['token_id']:.1f}% |",
-        f"| dependence | reassigning gates across inputs costs {ci(r['delta'], r['ci95'], 3, '+')}"
-        f" nats, shuffling them across tokens {ci(s['delta'], s['ci95'], 3, '+')}; a static "
-        f"per-layer profile keeps {ci(ret['value'], ret['ci95'], 1, unit='%')} of the "
-        f"Correct-to-GlobalMean gap, a static profile per (layer, token id) "
-        f"{ci(tok['value'], tok['ci95'], 1, unit='%')}; identity replay is {exact} |",
+        f"| variation | gates vary: sd across inputs {v['mean_sd_across_inputs']:.3g}, across "
+        f"positions {v['mean_sd_across_positions']:.3g}, across layers "
+        f"{v['across_layer_sd']:.3g}; layer identity explains {100 * eta['layer']:.1f}% of "
+        f"their variance, input and token content {100 * eta['residual']:.1f}%; within a layer "
+        f"the current token id alone explains {100 * eta['token_id']:.1f}% |",
+        f"| dependence | reassigning gates across inputs costs {nats(r['delta'], r['ci95'])} "
+        f"nats, shuffling them across tokens {nats(s['delta'], s['ci95'])}; a static per-layer "
+        f"profile keeps {kept(a['retention_static_layer'])} of the Correct-to-GlobalMean gap, "
+        f"a static profile per (layer, token id) {kept(a['retention_static_layer_token'])}; "
+        f"identity replay is {exact} |",
         f"| execution | {ex['blocks_executed']:.2f} of {ex['blocks_present']} blocks run per "
         f"token, FLOPs {ex['flops_ratio']:.3f}x Dense, latency "
         f"{ci(ex['speed_ratio_vs_dense'], t['ci95'], 2, unit='x Dense')}: "
@@ -171,41 +195,46 @@ def _demo_table(d: Mapping[str, Any]) -> str:
 
 
 @block("demo", "the demo's findings and how its one latency was timed",
-       [DEMO, TIMINGS], [f"{EXTRACT} demo fcaudit-demo", "python benchmarks/timings.py --demo"])
+       [DEMO, TIMINGS], [f"{EXTRACT} demo fcaudit-demo", f"{TIMINGS_SCRIPT} --demo",
+                         "python -m fcaudit.study.demo"])
 def demo(r: Results) -> str:
     d = r.json(DEMO)
-    a, t = d["audit"], d["audit"]["execution"]["timing"]
+    a, t, run = d["audit"], d["audit"]["execution"]["timing"], d["run"]
     ret = a["retention_static_layer"]["value"]
-    load = r.json(TIMINGS)["load_average"]["demo"]
     uses = "still uses its gates' content" if ret < 90 else \
         "like them, keeps most of the gap with a static profile"
     return "\n".join([
-        "", f"`fcaudit demo` (seed 0; numbers from `fcaudit-demo/audit/audit.json` of one run, "
-        f"{provenance(d)}, copied to `docs/results/demo.json`):", "", _demo_table(d), "",
-        f"That run took {r.minutes('demo')} minutes (`benchmarks/timings.py`, load average "
-        f"{load['before'][0]:.2f} before and {load['after'][0]:.2f} after). Its latency "
-        f"ratio is the one machine-dependent number above: Dense and FeatureGate timed in "
-        f"{t['pairs']} interleaved pairs of a batch of {t['batch_size']} at {t['threads']} "
-        f"torch threads, on a 2-core CPU shared with other jobs; it moves from run to run "
-        f"(the study below gives its range over seeds). The other numbers repeat exactly on "
-        f"the same CPU model at the same torch thread count (here {a['host']['cpu']}, "
-        f"{a['host']['torch_threads']} threads, torch's default on 2 cores): training rounds "
-        "as the CPU's kernels do and sums in an order the thread count sets, so another CPU "
-        "or count trains a slightly different model. Unlike the paper's 76M/504M "
-        f"FeatureGates ({' and '.join(f'{v:.2f}%' for v in trend.PAPER_RETENTION.values())} "
-        f"kept), the tiny model {uses}; {token_sentence(a)}: fcaudit reports what it "
-        "measures.", ""])
+        "", "`fcaudit demo` audits the tiny FeatureGate and its Dense twin shipped inside "
+        f"fcaudit (seed 0, {run['steps']} steps, trained by `python -m fcaudit.study.demo` on "
+        f"{run['cpu']} at {run['torch_threads']} torch thread"
+        f"{'s' if run['torch_threads'] != 1 else ''}; every file's SHA-256 is pinned in "
+        "`fcaudit/io/demo_pins.py` and checked before use). Its numbers, from "
+        f"`fcaudit-demo/audit/audit.json` ({provenance(d)}, copied to `docs/results/demo.json`):",
+        "", _demo_table(d), "",
+        "Every number above but the latency is what `fcaudit demo` prints, digit for digit, on "
+        "any CPU at any torch thread count (`tests/test_readme.py` reruns the audit and checks "
+        f"it; this one ran on {a['host']['cpu']} at {a['host']['torch_threads']} torch "
+        f"thread{'s' if a['host']['torch_threads'] != 1 else ''}). The latency ratio is "
+        f"machine-dependent: Dense and FeatureGate timed in {t['pairs']} interleaved pairs of a "
+        f"batch of {t['batch_size']}; it moves from run to run (the study below gives its range "
+        f"over seeds). That demo took {timed(r, 'demo')} (`benchmarks/timings.py`). "
+        f"`fcaudit demo --train` trains the pair afresh first ({timed(r, 'demo_train')}): "
+        "training rounds as the CPU's kernels do and sums in an order the thread count sets, so "
+        "another CPU or thread count trains a slightly different model, whose numbers differ "
+        "from these. Unlike the paper's 76M/504M FeatureGates "
+        f"({' and '.join(f'{v:.2f}%' for v in trend.PAPER_RETENTION.values())} kept), the tiny "
+        f"model {uses}; {token_sentence(a)}: fcaudit reports what it measures.", ""])
 
 
 def token_sentence(a: Mapping[str, Any]) -> str:
     """What the per-token-id profile adds to the per-layer one, from the two retentions."""
     layer, tok = a["retention_static_layer"], a["retention_static_layer_token"]
     if tok["ci95"][0] > layer["ci95"][1]:
-        return (f"a profile per token id keeps more ({tok['value']:.1f}% against "
-                f"{layer['value']:.1f}%), so most of what its gates carry is the current "
+        return (f"a profile per token id keeps more ({tok['value']:.2f}% against "
+                f"{layer['value']:.2f}%), so most of what its gates carry is the current "
                 "token's identity, not its context")
-    return (f"a profile per token id keeps no more ({tok['value']:.1f}% against "
-            f"{layer['value']:.1f}%): its gates carry context beyond the current token")
+    return (f"a profile per token id keeps no more ({tok['value']:.2f}% against "
+            f"{layer['value']:.2f}%): its gates carry context beyond the current token")
 
 
 # ------------------------------------------------------------------------- the tiny study
@@ -339,9 +368,9 @@ def study_tiny(r: Results) -> str:
     x = g["moe-tiny"]["seed0"]["experts"]
     sga, moe = sg["aggregate"], g["moe-tiny"]["aggregate"]
     threads, cpu = s["host"]["torch_threads"], s["host"]["cpu"]
-    demo_host = r.json(DEMO)["audit"]["host"]
+    demo_run = r.json(DEMO)["run"]  # where the shipped demo model was trained
     same_as_demo = "its seed 0 is the demo's model above" if \
-        (demo_host["cpu"], demo_host["torch_threads"]) == (cpu, threads) else \
+        (demo_run["cpu"], demo_run["torch_threads"]) == (cpu, threads) else \
         "its seed 0 against the demo above, trained on another CPU or thread count"
     return "\n".join([
         "", f"`OMP_NUM_THREADS={threads} fcaudit reproduce --preset tiny --seeds {seeds}` "

@@ -6,6 +6,8 @@ such a folder into a small committed JSON file, with where and on what code they
 made; ``docs/make_docs.py`` renders the docs from those files.
 
     python docs/extract_results.py demo fcaudit-demo       # -> docs/results/demo.json
+                                     # (fcaudit-demo: made by benchmarks/timings.py --demo
+                                     # --keep-demo fcaudit-demo)
     python docs/extract_results.py study study-tiny        # -> docs/results/study-tiny.json
     python docs/extract_results.py vision study-vision     # -> docs/results/study-vision.json
     python docs/extract_results.py presets                 # -> docs/results/presets.json
@@ -20,8 +22,9 @@ conditional_execution},
 execution.timing.{speed_ratio_vs_dense.ci95,pairs,threads,batch_size},
 execution.experts.{num_experts_per_layer,top_k_per_layer,active_expert_flops_per_token,
 all_expert_flops_per_token}, runtime.host; a run's ``config.json``: results.{eval_nll,
-unigram_nll}, train.steps; a study's ``reproduction.json``: groups[*].{seeds,aggregate},
-findings, command; its ``timings.json``: the seconds of every run and audit.
+unigram_nll,cpu,torch_threads}, train.steps; a study's ``reproduction.json``:
+groups[*].{seeds,aggregate}, findings, command; its ``timings.json``: the seconds of every
+run and audit.
 """
 
 from __future__ import annotations
@@ -119,14 +122,15 @@ def audit_numbers(path: Path) -> dict[str, Any]:
 
 
 def demo(folder: Path) -> dict[str, Any]:
-    """``fcaudit demo``'s audit and its FeatureGate run."""
+    """``fcaudit demo``'s audit and its FeatureGate run (the shipped model: where it was
+    trained, and at how many threads, is in its config.json)."""
     run = read(folder / "featuregate" / "config.json")
     src = folder / "featuregate" / "config.json"
     return {**provenance(folder, "fcaudit demo"),
             "audit": audit_numbers(folder / "audit" / "audit.json"),
-            "run": {"eval_nll": get(run, "results.eval_nll", src),
-                    "unigram_nll": get(run, "results.unigram_nll", src),
-                    "steps": get(run, "train.steps", src)}}
+            "run": {k.split(".")[-1]: get(run, k, src) for k in (
+                "results.eval_nll", "results.unigram_nll", "train.steps", "results.cpu",
+                "results.torch_threads")}}
 
 
 def study(folder: Path) -> dict[str, Any]:

@@ -277,21 +277,24 @@ def _demo_folder(root: Path, audit: dict) -> Path:
     (root / "featuregate").mkdir()
     (root / "audit" / "audit.json").write_text(json.dumps(audit))
     (root / "featuregate" / "config.json").write_text(json.dumps(
-        {"results": {"eval_nll": 4.4968, "unigram_nll": 6.0412}, "train": {"steps": 600}}))
+        {"results": {"eval_nll": 4.4968, "unigram_nll": 6.0412, "cpu": "AMD EPYC",
+                     "torch_threads": 1}, "train": {"steps": 600}}))
     return root
 
 
 def test_demo_extraction_and_table_quote_the_audit(tmp_path: Path) -> None:
     demo = extract_results.demo(_demo_folder(tmp_path / "demo", _audit_json()))
     table = doc_blocks._demo_table(demo)
-    # the audit's numbers rounded by hand to the digits the README shows
+    assert demo["run"] == {"eval_nll": 4.4968, "unigram_nll": 6.0412, "steps": 600,
+                           "cpu": "AMD EPYC", "torch_threads": 1}
+    # the audit's numbers rounded by hand to the digits `fcaudit demo` prints
     for text in ("4 layers, 1.34M parameters, eval NLL 4.50 vs unigram 6.04",
-                 "sd 0.187 across inputs, 0.187 across positions, 0.156 across layers",
+                 "sd across inputs 0.187, across positions 0.187, across layers 0.156",
                  "explains 38.9% of their variance, input and token content 60.1%",
-                 "costs +0.115 [0.104, 0.126] nats", "tokens +0.116 [0.105, 0.128]",
-                 "keeps 72.2% [68.6, 75.8] of", "identity replay is bitwise exact",
+                 "costs +0.1147 [+0.1038, +0.1259] nats", "tokens +0.1161 [+0.1049, +0.1277]",
+                 "keeps 72.24% [68.55, 75.85] of", "identity replay is bitwise exact",
                  "the current token id alone explains 97.5%",
-                 "a static profile per (layer, token id) 94.6% [92.1, 96.6]",
+                 "a static profile per (layer, token id) 94.58% [92.08, 96.60]",
                  "4.00 of 4 blocks run per token, FLOPs 1.000x Dense, latency 1.06x Dense "
                  "[1.03, 1.10]: no conditional execution"):
         assert text in table, text

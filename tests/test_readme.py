@@ -84,13 +84,74 @@ def test_every_command_the_readme_shows_exists() -> None:
 
 
 def test_quoted_wall_times_come_from_the_timings_script() -> None:
-    """benchmarks/timings.py measures them; README and --help quote the same numbers."""
+    """benchmarks/timings.py measures them, with the load and threads beside each; README
+    and --help quote the same numbers, and the README says at what load and threads."""
     from fcaudit.cli import build_parser
     from fcaudit.io.runtime import measured_minutes
-    text = README.read_text(encoding="utf-8")
-    assert f"about {measured_minutes('demo')} minutes on a 2-core CPU" in text
-    assert f"about {measured_minutes('tests')} minutes on 2 cores" in text
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    timings = json.loads((README.parent / "src" / "fcaudit" / "timings.json").read_text())
+    for key in ("demo", "demo_train", "tests"):
+        load = timings["load_average"][key]
+        assert f"about {measured_minutes(key)} minutes on " in text, key
+        assert f"load average {load['before'][0]:.2f} before and {load['after'][0]:.2f} " \
+               "after" in text, key
+    host = timings["host"]["demo"]
+    assert f"{measured_minutes('demo')} minutes on {host['cores']} cores ({host['cpu']}) at " \
+           f"{host['threads']} torch thread" in text
     assert f"{measured_minutes('reproduce_tiny')} minutes on 2 cores" in text
     assert f"about {measured_minutes('reproduce_trend')} minutes on 2 cores" in text
-    help_text = build_parser().format_help()
-    assert f"about {measured_minutes('demo')} minutes" in help_text
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["demo"]
+                         .format_help().split())
+    assert f"about {measured_minutes('demo_train')} minutes" in help_text
+    assert f"about {measured_minutes('demo')} minutes" in " ".join(
+        build_parser().format_help().split())
+
+
+def _demo_block() -> str:
+    text = README.read_text(encoding="utf-8")
+    return re.search(r"<!-- fcaudit:begin demo -->(.*?)<!-- fcaudit:end demo -->", text,
+                     re.S).group(1)
+
+
+# (a number of the README's demo block, how `fcaudit demo` prints that number)
+PRINTED_AS = (
+    (r"across inputs costs ([+-]\d\.\d{4} \[[^]]+\]) nats", "{}"),
+    (r"across tokens ([+-]\d\.\d{4} \[[^]]+\]);", "{}"),
+    (r"per-layer profile keeps (\d+\.\d\d% \[[^]]+\])", "retention static-layer: {}"),
+    (r"\(layer, token id\) (\d+\.\d\d% \[[^]]+\])", "retention static-layer-token: {}"),
+    (r"gates vary: (sd across inputs [^;]+);", "({})"),
+    (r"layer identity explains ([\d.]+%)", "layer identity {}"),
+    (r"input and token content ([\d.]+%)", "input and token content {}"),
+    (r"token id alone explains ([\d.]+%)", "the current token id explains {}"),
+    (r"\| (\d\.\d\d of \d+ blocks run per token),", "{}"),
+    (r"(FLOPs \d\.\d{3}x Dense), latency", "{}"),
+)
+LATENCY = re.compile(r"latency [\d.]+x Dense \[[\d.]+, [\d.]+\]")
+
+
+def test_the_readme_demo_is_what_fcaudit_demo_prints(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """`fcaudit demo` audits the shipped models, here on whatever CPU and thread count this
+    test runs at, and prints every number of the README's demo table but the latency:
+    penalties, retentions, spreads and shares are found verbatim in its output, and the
+    table rendered from this run's audit.json is the README's."""
+    sys.path.insert(0, str(README.parent / "docs"))
+    try:
+        import doc_blocks
+        import extract_results
+    finally:
+        sys.path.remove(str(README.parent / "docs"))
+    from conftest import run_inprocess
+    out = tmp_path / "demo"
+    result = run_inprocess(["demo", "--quiet", "--out", out], capsys)
+    assert result.returncode == 0, result.stderr
+    printed = " ".join(result.stdout.split())  # rich may wrap a long line
+    block = _demo_block()
+    for pattern, as_printed in PRINTED_AS:
+        [number] = re.findall(pattern, block)
+        assert as_printed.format(number) in printed, (pattern, number)
+    table = [line for line in block.splitlines() if line.startswith("|")]
+    fresh = doc_blocks._demo_table(extract_results.demo(out)).splitlines()
+    assert [LATENCY.sub("latency", line) for line in fresh] == \
+        [LATENCY.sub("latency", line) for line in table]

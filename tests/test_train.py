@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -104,6 +105,11 @@ def test_training_on_user_text(tmp_path):
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["data"]["source"] == "text" and cfg["data"]["path"] == str(corpus)
     assert cfg["results"]["eval_nll"] > 0 and (run / "tokenizer.json").is_file()
+    # what fixes the weights beside the seed: the CPU model and the thread count
+    assert cfg["results"]["torch_threads"] == torch.get_num_threads()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        assert f": {cfg['results']['cpu']}\n" in cpuinfo.read_text()
     (tmp_path / "short.txt").write_text("To be, or not to be.")
     with pytest.raises(FcauditError, match="too short to train on"):
         train("dense", "tiny", 0, tmp_path / "short", steps=1, progress=False,

@@ -67,6 +67,30 @@ def host() -> dict[str, Any]:
             "cpu": cpu_model()}
 
 
+def thread_note(threads: int, cores: int, load: float, chosen: bool) -> str | None:
+    """One line of advice when torch's CPU threads outnumber the cores other jobs leave free
+    (``cores`` less the 1-minute ``load`` average, with half a core of slack for background
+    noise), unless the user ``chosen`` the count: such threads wait for each other, and on a
+    shared machine one thread trains several times faster. fcaudit does not pick the count
+    itself: it is part of what fixes a trained model's weights, so it must not follow the
+    load of the moment."""
+    if chosen or threads <= 1 or load <= cores - threads + 0.5:
+        return None
+    return (f"the load average is {load:.2f} on {cores} cores, so torch's {threads} threads "
+            "will wait for each other; on a busy machine OMP_NUM_THREADS=1 usually runs "
+            "faster (the count also changes a trained model's last bits: config.json "
+            "records it)")
+
+
+def threads_advice() -> str | None:
+    """:func:`thread_note` for this process and machine now."""
+    import os
+
+    import torch
+    return thread_note(torch.get_num_threads(), os.cpu_count() or 1, os.getloadavg()[0],
+                       "OMP_NUM_THREADS" in os.environ)
+
+
 def resolve_device(name: str | None, option: str = "device") -> Any:
     """A usable ``torch.device`` (default: CUDA when available), or one clear error."""
     import torch
@@ -104,4 +128,4 @@ def measured_minutes(key: str) -> str:
     import json
     from importlib import resources
     minutes = json.loads(resources.files("fcaudit").joinpath("timings.json").read_text())
-    return f"{minutes[key]:g}"
+    return f"{minutes[key]:.1f}"

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from fcaudit.io.outdir import (
     record_files,
     remove_output,
 )
-from fcaudit.io.runtime import resolve_device, versions
+from fcaudit.io.runtime import cpu_model, resolve_device, threads_advice, versions
 from fcaudit.report.progress import ProgressReporter
 
 
@@ -147,6 +148,9 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
                                   or value < least):
             raise FcauditError(f"{arg(option, value)}: must be an integer of at least {least}")
     device = str(resolve_device(device))
+    note = threads_advice() if progress and device == "cpu" else None
+    if note:
+        print(f"fcaudit: note: {note}", file=sys.stderr)
     out = Path(out)
     arch = get_arch(arch_name)
     if arch.task == "vision":
@@ -245,7 +249,9 @@ def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: 
                      "eval_sequences": int(len(eval_windows))},
             "results": {"eval_nll": eval_nll, "unigram_nll": uni,
                         "n_params": sum(p.numel() for p in model.parameters()),
-                        "train_wall_s": round(wall, 2), "device": device}})
+                        "train_wall_s": round(wall, 2), "device": device,
+                        # the weights depend on both (kernels round per CPU, sums per thread)
+                        "cpu": cpu_model(), "torch_threads": torch.get_num_threads()}})
     return out
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from fcaudit.core.arrays import token_ids
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.io.fileio import read_npy, sha256_file, write_bytes
 
@@ -257,21 +258,7 @@ def spread_pick(n_total: int, n_pick: int | None) -> np.ndarray:
 def load_token_array(path: str | Path, what: str) -> np.ndarray:
     """An integer ``.npy`` array ``[N, T]``; pickled, ragged or float arrays are refused."""
     arr = read_npy(path, what, "one rectangular integer array [N, T]", "ids")
-    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
-        kind = getattr(arr, "dtype", type(arr))
-        raise FcauditError(f"{what} {path} has dtype {kind}; token ids must be integers "
-                           "(np.int64 or np.int32)")
-    if arr.ndim != 2:
-        raise FcauditError(f"{what} {path} has shape {arr.shape}; expected [N, T] "
-                           "(sequences x tokens)")
-    if arr.shape[0] == 0:
-        raise FcauditError(f"{what} {path} holds no sequences (shape {arr.shape}); pass an "
-                           "array with at least 2 rows")
-    if arr.shape[1] < 2:
-        raise FcauditError(f"{what} {path} has sequences of {arr.shape[1]} token(s); next-token "
-                           "NLL needs at least 2: save arrays [N, T] with T >= 2")
-    _beyond_int64(arr, f"{what} {path}")
-    return arr.astype(np.int64, copy=False)
+    return token_ids(arr, f"{what} {path}")
 
 
 def window_hashes(windows: np.ndarray) -> list[str]:
@@ -282,34 +269,6 @@ def window_hashes(windows: np.ndarray) -> list[str]:
 
 def fingerprint_array(windows: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(windows, dtype=np.int64).tobytes()).hexdigest()
-
-
-INT64_MAX = int(np.iinfo(np.int64).max)
-
-
-def _beyond_int64(arr: np.ndarray, what: str) -> None:
-    """Refuse unsigned ids above int64, quoting the true value (a cast would wrap it)."""
-    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > INT64_MAX:
-        raise FcauditError(f"{what} holds token id {int(arr.max())}, beyond any vocabulary "
-                           "(ids must be below 2**63); tokenize with the model's tokenizer")
-
-
-def _id_array(value: object, field: str) -> np.ndarray:
-    """``AuditData.<field>`` as an int64 array [N, T], or a one-line error naming it."""
-    where = f"AuditData.{field}"
-    if not isinstance(value, np.ndarray):
-        hint = " (use tensor.cpu().numpy())" if type(value).__module__.startswith("torch") \
-            else ""
-        raise FcauditError(f"{where} is a {type(value).__name__}, not a numpy integer array "
-                           f"[N, T]{hint}")
-    if value.dtype.kind not in "iu":
-        raise FcauditError(f"{where} has dtype {value.dtype}; token ids must be integers "
-                           "(np.int64)")
-    if value.ndim != 2 or value.shape[1] < 2:
-        raise FcauditError(f"{where} has shape {list(value.shape)}; expected [N, T] "
-                           "(sequences x tokens) with T >= 2 (one sequence: ids[None])")
-    _beyond_int64(value, where)
-    return value.astype(np.int64, copy=False)
 
 
 @dataclass
@@ -345,8 +304,8 @@ class AuditData:
         if not self.tokens:
             self._check_examples()
             return
-        self.eval_ids = _id_array(self.eval_ids, "eval_ids")
-        self.calib_ids = _id_array(self.calib_ids, "calib_ids")
+        self.eval_ids = token_ids(self.eval_ids, "AuditData.eval_ids")
+        self.calib_ids = token_ids(self.calib_ids, "AuditData.calib_ids")
 
     def _check_examples(self) -> None:
         from fcaudit.io.examples import Examples, from_dataset

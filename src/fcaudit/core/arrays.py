@@ -164,7 +164,9 @@ class InputSpec:
             return ""
         hints = []
         if x.dtype != self.dtype:
-            hints.append(f"cast to {dtype_name(self.dtype)}")
+            name = dtype_name(self.dtype)
+            hints.append(f"cast: x.astype(np.{name})" if hasattr(np, name) else
+                         f"cast to {name}")
         if tuple(x.shape[1:]) != self.shape:
             if x.dim() >= 1 and math.prod(x.shape[1:]) == math.prod(self.shape):
                 hints.append(f"reshape: x.reshape(-1, {', '.join(map(str, self.shape))})")
@@ -180,7 +182,7 @@ def _input_hint(x: Any) -> str:
     if x.dim() == 3 and x.shape[-1] == 1 and not x.is_floating_point():
         return "; token ids are [B, T]: drop the trailing axis (ids[..., 0])"
     if x.dtype == torch.float64:
-        return "; float64 inputs meet float32 weights: cast them to float32"
+        return "; float64 inputs: cast them to the dtype of the model's weights (float32, usually)"
     if x.dim() == 2 and x.is_floating_point():
         return "; token ids must be integers (np.int64)"
     if x.dim() <= 1:

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from fcaudit._version import __version__
 from fcaudit.core.adapters import adapter_name, same_bits
+from fcaudit.core.arrays import blamed_on_inputs
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks, declared_experts
 from fcaudit.core.errors import FcauditError, arg
@@ -56,7 +57,14 @@ from fcaudit.engine.frontier import (
 )
 from fcaudit.engine.objectives import UNREADABLE, check_targets, output_tensors, resolve
 from fcaudit.engine.options import AuditOptions, Progress, Setup, silent
-from fcaudit.engine.passes import batches, record_batch, replay_batch
+from fcaudit.engine.passes import (
+    batches,
+    check_finite,
+    check_finite_losses,
+    check_units,
+    record_batch,
+    replay_batch,
+)
 from fcaudit.engine.plan import (
     EXPERT_ABLATION,
     FRONTIER,
@@ -110,7 +118,7 @@ from fcaudit.engine.verdicts import dependence, qualified, variation
 from fcaudit.io.data import AuditData, DataSpec, resolve_data
 from fcaudit.io.digits import run_audit_data
 from fcaudit.io.examples import OTHER_INPUTS, ExampleBatch, call_model
-from fcaudit.io.loading import LoadedModel, get_arch, load, load_module
+from fcaudit.io.loading import LoadedModel, get_arch, input_spec, load, load_module
 from fcaudit.io.placement import PLACEMENT, Placement, offload_space
 from fcaudit.io.runtime import host, versions
 
@@ -210,7 +218,8 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     if isinstance(data, AuditData):
         audit_data = data
     elif loaded.run_config and get_arch(loaded.run_config["arch"]).task == "vision":
-        audit_data = run_audit_data(data, loaded.spec)  # a vision run: its own digits
+        # a vision run: its own digits, in the dtype the model computes in
+        audit_data = run_audit_data(data, loaded.spec, next(net.parameters()).dtype)
     else:
         audit_data = resolve_data(loaded.tokenizer, data, default_len)
     audit_data.check_arrays()
@@ -262,6 +271,7 @@ def _prepare_examples(loaded: LoadedModel, out: str | Path | None, sites: list[S
     if options.target_ci is not None:
         raise FcauditError(f"{arg('target_ci', py='AuditOptions(target_ci=...)')} grows a pool "
                            "of token windows; for these inputs give a fixed evaluation set")
+    data.check_inputs(input_spec(loaded))
     data.validate(None, None)
     setup = Setup(loaded, sites, block_paths, blocks, data, options, custom,
                   out=Path(out) if out is not None else None)
@@ -291,6 +301,7 @@ def loaded_seq_len(loaded: LoadedModel) -> tuple[int, str]:
 
 
 GIVEN_DATA = "the AuditData given"
+TOKEN_WIDTH = "the width of the --tokens arrays"  # which --seq-len cannot change
 
 
 def window_source(data: DataSpec | AuditData, default: str) -> str:
@@ -298,7 +309,7 @@ def window_source(data: DataSpec | AuditData, default: str) -> str:
     if isinstance(data, AuditData):
         return GIVEN_DATA
     if data.tokens is not None:
-        return "the width of the --tokens arrays"
+        return TOKEN_WIDTH
     return "--seq-len" if data.seq_len is not None else default
 
 
@@ -309,7 +320,8 @@ def window_line(data: Mapping[str, Any]) -> str:
         return (f"scoring {data['eval_examples']} evaluation examples "
                 f"({data['calib_examples']} calibrate the static profiles)")
     source = data.get("seq_len_source", "source not recorded")
-    change = "" if source == GIVEN_DATA else "; --seq-len to change"
+    change = "" if source == GIVEN_DATA else "; re-cut the arrays to change" \
+        if source == TOKEN_WIDTH else "; --seq-len to change"
     return f"scoring windows of {data['seq_len']} tokens ({source}{change})"
 
 
@@ -377,9 +389,12 @@ def probe(setup: Setup) -> Probe:
     """
     net, sites, objective = setup.model, setup.sites, setup.objective
     _, x = next(batches(setup.eval_source, setup.options.batch_size, device_of(net)))
-    if objective.accuracy:  # every target against the logits' classes, before scoring any
-        _check_targets(setup, record_batch(net, sites, x, None)[0])
-    logits, coefficients, nll = record_batch(net, sites, x, objective)
+    with blamed_on_inputs(lambda: call_model(net, x), x, "the first evaluation batch"):
+        if objective.accuracy:  # every target against the logits' classes, before any score
+            _check_targets(setup, record_batch(net, sites, x, None)[0])
+        logits, coefficients, nll = record_batch(net, sites, x, objective)
+    check_finite(coefficients, "evaluation data")  # before any file is written
+    check_finite_losses(nll, objective, "the unperturbed record pass, batch 0")
     _check_axes(net, sites, x)
     replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites},
                             objective=objective)
@@ -387,7 +402,9 @@ def probe(setup: Setup) -> Probe:
     if same_bits(logits, replayed.logits):
         return Probe(Identity(True, 0.0, setup.options.allow_nonexact_identity,
                               "identity replay is bitwise exact"), coefficients, nll, hits)
-    diff = float((objective.units(replayed.output, x) - nll).abs().max())
+    units = objective.units(replayed.output, x)
+    check_units(units, nll.shape, objective, "the identity replay of batch 0")
+    diff = float((units - nll).abs().max())
     again, _, _ = record_batch(net, sites, x, objective)
     if not same_bits(logits, again):
         cause = "two unperturbed passes over the same batch already differ: the forward " \

@@ -35,7 +35,8 @@ from fcaudit.engine.passes import (
     Replayed,
     batches,
     check_finite,
-    check_finite_nll,
+    check_finite_losses,
+    check_units,
     record_batch,
     replay_batch,
 )
@@ -134,9 +135,7 @@ def adopt_probe(cache: CoefficientCache, coefficients: Mapping[str, Tensor], nll
     whose first batch a fresh pass does not reproduce bit for bit is never reused."""
     name = cache.eval_name(0)
     shard = _eval_shard(nll, coefficients, hits)
-    if not cache.has(name):
-        check_finite(coefficients, "evaluation data")
-        check_finite_nll(nll, "the unperturbed record pass, batch 0")
+    if not cache.has(name):  # its values were checked by the probe (engine.run.probe)
         cache.write(name, shard)
     elif not same_bits(cache.read(name), shard):
         raise FcauditError(
@@ -158,7 +157,7 @@ def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
                                           device_of(net), todo), start=1):
         logits, coefficients, nll = record_batch(net, sites, x, objective)
         check_finite(coefficients, "evaluation data")
-        check_finite_nll(nll, f"the unperturbed record pass, batch {b}")
+        check_finite_losses(nll, objective, f"the unperturbed record pass, batch {b}")
         cache.write(cache.eval_name(b), _eval_shard(nll, coefficients,
                                                     objective.hits(logits, x)))
         progress("record evaluation", done, len(todo), "")
@@ -321,6 +320,7 @@ class _Passes:
     def __init__(self, setup: Setup, inputs: ReplayInputs, b: int, x: Tensor) -> None:
         self.net, self.inputs, self.b, self.x = setup.model, inputs, b, x
         self.objective = setup.objective
+        self.recorded = inputs.cache.batch(b, "nll")  # the record pass's losses
         self.context = _context(setup, b)
         self.correct_fed: dict[Site, Tensor] = {}
         self.still_selected: dict[str, int] = {}  # ablation run key -> picks of its expert
@@ -339,7 +339,9 @@ class _Passes:
             chosen = out.chosen[run.site.name]
             self.still_selected[run.key] = int((chosen == run.expert).sum())
         nll = self.objective.units(out.output, self.x).cpu()
-        check_finite_nll(nll, f"replay under {run.key}, batch {self.b}")
+        where = f"replay under {run.key}, batch {self.b}"
+        check_units(nll, self.recorded.shape, self.objective, where)
+        check_finite_losses(nll, self.objective, where)
         hits = self.objective.hits(out.output, self.x)
         self.hits[run.key, run.repeat] = hits.cpu() if hits is not None else None
         return out, nll, digest
@@ -365,7 +367,7 @@ def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b
     traced = setup.blocks if setup.options.schedule == "prefix" and \
         any(r.site is not None for r in runs) else None
     first, nll, digest = passes.replay(runs[0], select=bool(routed), trace=traced)
-    diff = _identity_diff(setup, nll, inputs.cache.batch(b, "nll"), b)
+    diff = _identity_diff(setup, nll, passes.recorded, b)
     done = {0: (nll.double().mean(1), digest), **kept.rows}
     state = _per_layer(passes, runs, first, done)
     shard = {f"route_load::{s.name}": expert_counts(first.chosen[s.name],

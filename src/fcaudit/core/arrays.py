@@ -128,6 +128,28 @@ def example_tensor(value: Any, where: str) -> Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
 
 
+def model_input(value: Any, where: str) -> Tensor:
+    """A batch for one forward pass (``record``'s ``input_ids``): a tensor with examples
+    on its first axis; token ids of shape ``[B, T, 1]`` are refused (the trailing axis
+    would be read as positions); unsigned ids wider than 8 bits become int64, unwrapped."""
+    if not isinstance(value, Tensor):
+        hint = " (torch.from_numpy(ids))" if isinstance(value, np.ndarray) else ""
+        raise FcauditError(f"{where} is a {type(value).__name__}; give a torch tensor with the "
+                           f"examples on the first axis, token ids [B, T]{hint}")
+    if value.dim() == 0 or value.shape[0] == 0:
+        raise FcauditError(f"{where} holds {describe(value)}: no examples; give a batch with "
+                           "the examples on the first axis, token ids [B, T]")
+    integer = not value.is_floating_point() and not value.is_complex() \
+        and value.dtype != torch.bool
+    if integer and value.dim() == 3 and value.shape[-1] == 1:
+        raise FcauditError(f"{where} holds {describe(value)}; token ids are [B, T]: drop the "
+                           "trailing axis of length 1 (ids[..., 0])")
+    if value.dtype in _WIDE_UNSIGNED:
+        no_wrap(value, where, ids=True)
+        return value.to(torch.int64)
+    return value
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """What a model takes per example, where fcaudit knows it (a run folder's arch):
@@ -184,9 +206,9 @@ def _input_hint(x: Any) -> str:
     if x.dtype == torch.float64:
         return "; float64 inputs: cast them to the dtype of the model's weights (float32, usually)"
     if x.dim() == 2 and x.is_floating_point():
-        return "; token ids must be integers (np.int64)"
+        return "; token ids must be integers (int64)"
     if x.dim() <= 1:
-        return "; give a batch with the examples on the first axis"
+        return "; one example? give a batch with the examples on the first axis: x[None]"
     return ""
 
 
@@ -205,7 +227,7 @@ def blamed_on_inputs(plain: Callable[[], Any], x: Any, what: str) -> Iterator[No
             with torch.no_grad():
                 plain()
         except Exception:
-            first = " ".join(str(exc).split()) or type(exc).__name__
+            first = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
             raise FcauditError(f"the model raised {type(exc).__name__} on {what} "
                                f"({describe(x)}): {first}; give inputs of the shape and "
                                f"dtype the model takes{_input_hint(_tensor_of(x))}") from exc

@@ -121,8 +121,8 @@ def example_tensor(value: Any, where: str) -> Tensor:
         raise FcauditError(f"{where} is a {type(value).__name__}; give a numpy array or torch "
                            "tensor [N, ...] (or a dict of them)")
     if tensor.dim() < 1 or tensor.is_complex():
-        raise FcauditError(f"{where} holds {describe(tensor)}; give real arrays with the "
-                           "examples on the first axis [N, ...]")
+        raise FcauditError(f"{where} has shape {list(tensor.shape)} ({dtype_name(tensor.dtype)});"
+                           " give real arrays with the examples on the first axis [N, ...]")
     # a fresh row-major copy: numpy views may carry 0 strides, and the caller's array may
     # change after the audit read it
     return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)

@@ -65,9 +65,11 @@ def places(tmp_path_factory: pytest.TempPathFactory, run_folder: Path) -> dict[s
 def _cli(places: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
          model: str, *args: str) -> tuple[int, str]:
     """Run `fcaudit audit`; the return code and the stderr of a refused run."""
-    root = places["root"]
+    root, execution = places["root"], "--execution" in args
+    fast = [a for a in FAST_ARGS if a != "--no-execution" or not execution]
     argv = ["audit", "--model", str(places.get(model, model)), "--out", str(tmp_path / "out"),
-            *FAST_ARGS, *(str(root / a) if a.endswith(".npy") else a for a in args)]
+            *fast, *(str(root / a) if a.endswith(".npy") else a for a in args
+                     if a != "--execution")]
     res = run_inprocess(argv, capsys)
     return res.returncode, res.stderr
 
@@ -112,6 +114,10 @@ CLI_CASES = [
      ["--inputs", "x64.npy", "--targets", "y.npy", "--calib-inputs", "xc64.npy"],
      "the model raised RuntimeError on the first evaluation batch (float64 [4, 1, 8, 8]): "
      "mat1 and mat2 must have the same dtype"),
+    ("float64 images into a factory model and its --dense twin", "vision_toys:tiny_condconv",
+     ["--inputs", "x64.npy", "--targets", "y.npy", "--calib-inputs", "xc64.npy", "--dense",
+      "vision_toys:tiny_condconv", "--execution"],  # the twin is probed before the audit
+     "the model raised RuntimeError on the first evaluation example (float64 [1, 1, 8, 8])"),
     ("a model that contains itself", "toys:self_containing_model",
      ["--sites", "gates.*", "--tokens", "ids.npy", "--calib-tokens", "longc.npy"],
      "ToyModel's module tree contains itself: gates.0.owner is the model itself"),

@@ -661,13 +661,14 @@ def _probe_inputs(path: Path | None, loaded: Any) -> Any:
     import torch
 
     from fcaudit.io.loading import get_arch
-    if path is not None:
+    if path is not None:  # the audit's rules for --inputs (core/arrays.py), then two rows
+        from fcaudit.core.arrays import example_tensor
         from fcaudit.io.examples import load_npy
-        rows = load_npy(path, "--inputs")
-        if rows.ndim == 0 or len(rows) == 0:
+        rows = example_tensor(load_npy(path, "--inputs"), "--inputs")
+        if len(rows) == 0:
             raise FcauditError(f"--inputs {path} holds no rows (shape {list(rows.shape)}); "
                                "give examples on the first axis, [N, ...]")
-        return torch.from_numpy(rows[:2].copy())
+        return rows[:2]
     if loaded.run_config and get_arch(loaded.run_config["arch"]).task == "vision":
         from fcaudit.io.digits import audit_data
         return torch.from_numpy(audit_data(2, 1).inputs)

@@ -360,8 +360,10 @@ def _comparable_examples(setup: Setup, twin: nn.Module, source: str) -> None:
     assert setup.data.examples is not None
     x = setup.data.examples.rows(0, 1).to(device_of(setup.model))
     shapes = []
-    for net in (setup.model, twin):
-        out = output_tensors(call_model(net, x))
+    for net, what in ((setup.model, "the first evaluation example"),
+                      (twin, f"the first evaluation example, as {arg('dense', source)}")):
+        with blamed_on_inputs(lambda net=net: call_model(net, x), x, what):
+            out = output_tensors(call_model(net, x))
         shapes.append(list(out.shape) if isinstance(out, Tensor) else type(out).__name__)
     if shapes[0] != shapes[1]:
         raise FcauditError(f"{arg('dense', source)} is not comparable with the model: on the "

@@ -49,7 +49,8 @@ def places(tmp_path_factory: pytest.TempPathFactory, run_folder: Path) -> dict[s
     arrays = {"x": x, "xc": xc, "y": y, "x64": x.astype(np.float64),
               "xc64": xc.astype(np.float64),
               "xflat": x.reshape(16, 64), "x9": rng.random((16, 1, 9, 9), dtype=np.float32),
-              "ids": rng.integers(0, 50, (16, 16)), "x1d": x[:8, 0, 0, 0].copy(),
+              "ids": rng.integers(0, 50, (16, 16)),
+              "ids3d": rng.integers(0, 50, (16, 16, 1)), "x1d": x[:8, 0, 0, 0].copy(),
               "x0d": np.float64(3.0), "ybig": np.full(16, BIG, np.uint64),
               "yu32": y.astype(np.uint32), "long": rng.integers(0, 50, (16, 40)),
               "longc": rng.integers(0, 50, (8, 40))}
@@ -107,6 +108,9 @@ CLI_CASES = [
                                                     "longc.npy"],
      "sequence length 40 exceeds the model's context of 32 tokens; re-cut the token arrays "
      "into windows of at most 32 tokens"),  # before: "use --seq-len 32", which they refuse
+    ("token ids [N, T, 1]", "lm", ["--tokens", "ids3d.npy", "--calib-tokens", "longc.npy"],
+     "ids3d.npy has shape [16, 16, 1]; expected [N, T] (sequences x tokens) with T >= 2 (drop "
+     "the trailing axis of length 1: ids[..., 0])"),
     ("a huge .npy header", "lm", ["--tokens", "huge.npy", "--calib-tokens", "longc.npy"],
      f"is truncated: its header promises {2**83} bytes of [{2**40}, {2**40}] int64 ids, "
      "the file holds 64"),  # before: "needs pickle to load"

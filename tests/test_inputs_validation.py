@@ -50,7 +50,8 @@ def places(tmp_path_factory: pytest.TempPathFactory, run_folder: Path) -> dict[s
               "xc64": xc.astype(np.float64),
               "xflat": x.reshape(16, 64), "x9": rng.random((16, 1, 9, 9), dtype=np.float32),
               "ids": rng.integers(0, 50, (16, 16)),
-              "ids3d": rng.integers(0, 50, (16, 16, 1)), "x1d": x[:8, 0, 0, 0].copy(),
+              "ids3d": rng.integers(0, 50, (16, 16, 1)), "idsc": rng.integers(50, 99, (8, 16)),
+              "x1d": x[:8, 0, 0, 0].copy(),
               "x0d": np.float64(3.0), "ybig": np.full(16, BIG, np.uint64),
               "yu32": y.astype(np.uint32), "long": rng.integers(0, 50, (16, 40)),
               "longc": rng.integers(0, 50, (8, 40))}
@@ -165,6 +166,24 @@ def test_a_vision_run_loaded_in_bfloat16_audits_its_own_digits(places: dict[str,
                       data=fcaudit.DataSpec(max_eval=8, max_calib=8),
                       options=AuditOptions(objective="classification", **FAST))
     assert r.identity_replay_max_abs_diff == 0.0 and r.data["eval_examples"] == 8
+
+
+def test_the_window_line_names_the_option_that_changes_it(
+        places: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Token arrays set their width (--seq-len cannot change it); a Python caller reads
+    DataSpec(seq_len=...), not the command line's flag."""
+    res = run_inprocess(["audit", "--model", places["lm"], "--out", tmp_path / "out",
+                         *FAST_ARGS, "--tokens", places["root"] / "ids.npy", "--calib-tokens",
+                         places["root"] / "idsc.npy"], capsys)
+    assert res.returncode == 0, res.stderr
+    assert "scoring windows of 16 tokens (the width of the --tokens arrays; re-cut the arrays " \
+        "to change)" in " ".join(res.stdout.split())  # before: "--seq-len to change"
+    fcaudit.audit(str(places["lm"]), data=fcaudit.DataSpec(
+        text=str(places["lm"].parent / "text.txt"), max_eval=4, max_calib=4),
+        options=AuditOptions(**{**FAST, "progress": True}))
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first == "fcaudit: scoring windows of 16 tokens (the run's training length; " \
+        "DataSpec(seq_len=...) to change)", first
 
 
 def test_python_inputs_into_a_run_are_named_in_python_words(places: dict[str, Path]) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, render
 from fcaudit.io.runtime import measured_minutes
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
@@ -484,7 +484,7 @@ def print_summary(result: Any, out: Path) -> None:
         table.add_row(name, "not applicable", why)
     console.print(table)
     from fcaudit.engine.run import window_line
-    console.print(window_line(result.data), soft_wrap=True)
+    console.print(render(window_line(result.data), cli=True), soft_wrap=True)
     for name, r in result.retention.items():
         value = (f"{r.value:.2f}% [{r.ci95[0]:.2f}, {r.ci95[1]:.2f}]"
                  if r.value is not None else "undefined")

@@ -37,6 +37,7 @@ from fcaudit.core.arrays import blamed_on_inputs
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks, declared_experts
 from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import render as for_reader
 from fcaudit.core.interventions import Intervention, StaticProfiles, draw
 from fcaudit.core.layout import canonical_sites, not_applicable
 from fcaudit.core.nll import device_of, logits_of, model_limits, probe_vocab
@@ -315,13 +316,14 @@ def window_source(data: DataSpec | AuditData, default: str) -> str:
 
 def window_line(data: Mapping[str, Any]) -> str:
     """One line saying how long the scored windows are and why, for the start of an audit
-    and its summary (a model scored past its training length scores differently)."""
+    and its summary (a model scored past its training length scores differently); its
+    option is rendered for its reader (:func:`fcaudit.core.errors.render`)."""
     if "eval_examples" in data:
         return (f"scoring {data['eval_examples']} evaluation examples "
                 f"({data['calib_examples']} calibrate the static profiles)")
     source = data.get("seq_len_source", "source not recorded")
     change = "" if source == GIVEN_DATA else "; re-cut the arrays to change" \
-        if source == TOKEN_WIDTH else "; --seq-len to change"
+        if source == TOKEN_WIDTH else f"; {arg('seq_len', owner='DataSpec')} to change"
     return f"scoring windows of {data['seq_len']} tokens ({source}{change})"
 
 
@@ -708,7 +710,8 @@ def _audit(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, de
         raise FcauditError(f"{arg('target_ci', owner='AuditOptions')} runs in one process: "
                            "start it without torchrun, or give a fixed number of sequences")
     if ranks.main and options.progress:
-        print(f"fcaudit: {window_line(setup.data.summary())}", file=sys.stderr, flush=True)
+        line = for_reader(window_line(setup.data.summary()), cli=command is not None)
+        print(f"fcaudit: {line}", file=sys.stderr, flush=True)
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
     ablation_plan(setup, first)  # an impossible --expert-ablation stops before any file
     frontier_plan(setup, first)  # so does an impossible --frontier

@@ -229,7 +229,7 @@ API_CASES = [
     ("record float ids", lambda: _record(IDS.float()),
      "the model raised RuntimeError on record(input_ids=...) (float32 [4, 16]): one_hot is only "
      "applicable to index tensor of type LongTensor; give inputs of the shape and dtype the "
-     "model takes; token ids must be integers (int64)"),
+     "model takes; if these are token ids, they must be integers (int64)"),
     ("record [B, T, 1] ids", lambda: _record(IDS[..., None]),
      "record(input_ids=...) holds int64 [4, 16, 1]; token ids are [B, T]: drop the trailing "
      "axis of length 1 (ids[..., 0])"),
@@ -260,6 +260,12 @@ API_CASES = [
     ("static-layer-token ids beyond int64", lambda: _static(
         dict(_recorded()[0]), "static-layer-token", ids=np.full((4, 16), BIG, np.uint64)),
      f"static-layer-token holds token id {BIG}, beyond any vocabulary"),
+    ("unseen ids beyond int64", lambda: _recorded()[1].unseen(np.full((2, 3), BIG, np.uint64)),
+     f"StaticProfiles.unseen holds token id {BIG}, beyond any vocabulary"),  # before: (6, 1)
+    ("a model with weights on the meta device", lambda: fcaudit.audit(
+        toys.content_model().to("meta"), sites=["gates.*"], data=toy_data(),
+        options=AuditOptions(**FAST)),
+     "ToyModel: its weight scale is on the meta device, which holds no values"),
     ("a module that contains itself", lambda: fcaudit.record(toys.self_containing_model(), IDS,
                                                              ["gates.*"]),
      "ToyModel's module tree contains itself: gates.0.owner is the model itself"),

@@ -92,12 +92,14 @@ def _ids_hint(shape: tuple[int, ...]) -> str:
     return ""
 
 
-def id_tensor(value: Any, shape: tuple[int, ...], where: str) -> Tensor:
-    """Token ids of exactly ``shape`` as an int64 CPU tensor (no unsigned wrap-around)."""
+def id_tensor(value: Any, shape: tuple[int, ...] | None, where: str) -> Tensor:
+    """Token ids (of exactly ``shape``, when given) as an int64 CPU tensor, with no
+    unsigned wrap-around."""
     arr = as_numpy(value)
-    if arr.dtype.kind not in "iu" or arr.shape != shape:
-        raise FcauditError(f"{where}: ids must be integer token ids of shape {list(shape)}, "
-                           f"got {describe(arr)}")
+    if arr.dtype.kind not in "iu" or (shape is not None and arr.shape != shape):
+        wanted = f" of shape {list(shape)}" if shape is not None else ""
+        raise FcauditError(f"{where}: ids must be integer token ids{wanted}, got "
+                           f"{describe(arr)}")
     no_wrap(arr, where, ids=True)
     return torch.from_numpy(arr.astype(np.int64))
 
@@ -206,7 +208,7 @@ def _input_hint(x: Any) -> str:
     if x.dtype == torch.float64:
         return "; float64 inputs: cast them to the dtype of the model's weights (float32, usually)"
     if x.dim() == 2 and x.is_floating_point():
-        return "; token ids must be integers (int64)"
+        return "; if these are token ids, they must be integers (int64)"
     if x.dim() <= 1:
         return "; one example? give a batch with the examples on the first axis: x[None]"
     return ""

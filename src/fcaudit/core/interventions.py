@@ -210,7 +210,7 @@ class StaticProfiles:
 
     def unseen(self, ids: Any) -> tuple[int, int]:
         """How many of ``ids`` (tokens, then distinct ids) no calibration token had."""
-        flat = torch.as_tensor(np.asarray(ids)).to(torch.int64).reshape(-1)
+        flat = id_tensor(ids, None, "StaticProfiles.unseen").reshape(-1)
         seen = self._lookup(flat)[0] if self.tokens is not None else torch.zeros_like(
             flat, dtype=torch.bool)
         return int((~seen).sum()), len(torch.unique(flat[~seen]))

@@ -247,6 +247,13 @@ def load_module(model: nn.Module, spec: str, kind: str = "module",
                 code: Any = None) -> LoadedModel:
     """An in-memory model (a factory's, or one passed to :func:`fcaudit.audit`)."""
     check_module_tree(model)  # before any walk of its submodules recurses forever
+    dispatched = any(hasattr(m, "_hf_hook") for m in model.modules())  # accelerate loads
+    empty = next((n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                  if t.is_meta), None)  # offloaded weights at call time; nothing else does
+    if empty is not None and not dispatched:
+        raise FcauditError(f"{spec}: its weight {empty} is on the meta device, which holds no "
+                           "values (a model built under torch.device('meta') or "
+                           "init_empty_weights); load its weights before auditing it")
     model.eval()
     files, note = code_identity(code if code is not None else type(model))
     reads, note = classes_read(model, code, note)

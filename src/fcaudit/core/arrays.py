@@ -29,7 +29,11 @@ from fcaudit.core.errors import FcauditError
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 # unsigned widths torch cannot reduce or index with (min, max, one_hot, embedding)
-_WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+# (torch 2.3 added them; torch 2.2, the oldest supported, reads such numpy arrays not at all)
+_WIDE_UNSIGNED = tuple(getattr(torch, f"uint{bits}") for bits in (16, 32, 64)
+                       if hasattr(torch, f"uint{bits}"))
+# every device's (torch.OutOfMemoryError is this class under another name since torch 2.5)
+_OUT_OF_MEMORY = (MemoryError, torch.cuda.OutOfMemoryError)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -49,8 +53,12 @@ def describe(value: Any) -> str:
 
 
 def as_numpy(value: Any) -> np.ndarray:
-    """A CPU numpy view of an array or tensor (unsigned widths kept, unlike a cast)."""
-    return value.detach().cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)
+    """A CPU numpy view of an array or tensor (unsigned widths kept, unlike a cast;
+    bfloat16, which numpy lacks, as float32)."""
+    if not isinstance(value, Tensor):
+        return np.asarray(value)
+    value = value.detach().cpu()
+    return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
 
 
 def no_wrap(value: Any, where: str, ids: bool = False) -> None:
@@ -222,7 +230,7 @@ def blamed_on_inputs(plain: Callable[[], Any], x: Any, what: str) -> Iterator[No
     the original error propagates. Out-of-memory errors always propagate."""
     try:
         yield
-    except (FcauditError, MemoryError, torch.OutOfMemoryError):
+    except (FcauditError, *_OUT_OF_MEMORY):
         raise
     except Exception as exc:
         try:

@@ -331,9 +331,8 @@ def input_spec(loaded: LoadedModel) -> InputSpec | None:
     the dtype it computes in, a language run token ids ``[T]``."""
     if not loaded.run_config:
         return None
-    arch, cfg = get_arch(loaded.run_config["arch"]), loaded.model.config
-    if arch.task == "vision":
-        dtype = next(p.dtype for p in loaded.model.parameters())
+    if get_arch(loaded.run_config["arch"]).task == "vision":
+        cfg, dtype = loaded.model.config, next(p.dtype for p in loaded.model.parameters())
         return InputSpec(f"the vision run {loaded.spec}", "images",
                          (cfg.channels, cfg.image_size, cfg.image_size), dtype)
     how = arg("tokens", py="AuditData(eval_ids=..., calib_ids=...)",

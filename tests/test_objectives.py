@@ -273,8 +273,10 @@ def test_non_exact_identity_and_a_bad_objective_stop_before_work(tmp_path) -> No
                      (lambda out, b: out[..., None], "float32 [8, 4, 1]"),
                      (lambda out, b: 0.5, "float")):
         message = audit_refused(tmp_path, data, vt.class_mixer(), objective=bad)
-        assert message == ("the objective must return per-unit losses, a float tensor [B] or "
-                           f"[B, T] with B=8 examples; it returned {got}"), message
+        name = ("callable:test_objectives.test_non_exact_identity_and_a_bad_objective_stop_"
+                "before_work.<locals>.<lambda>")  # the objective by name, not "the objective"
+        assert message == (f"objective {name} must return per-unit losses, a float tensor [B] "
+                           f"or [B, T] with B=8 examples; it returned {got}"), message
 
 
 def test_token_ids_with_a_site_without_token_axis_are_refused(tmp_path) -> None:

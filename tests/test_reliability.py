@@ -145,10 +145,11 @@ BAD_TOKENS_SAY = {
                  "holds 1948",
     "out_of_vocab": f"span [0, {toys.V + 10}] but the model's vocabulary has {toys.V} entries",
     "negative": "span [-1, ",
-    "no_rows": "holds no sequences",
-    "no_columns": "has sequences of 0 token(s)",
-    "one_token": "has sequences of 1 token(s)",
-    "one_dimensional": "has shape (16,); expected [N, T]",
+    "no_rows": "needs at least 2 evaluation sequences of 16 tokens",
+    "no_columns": "has shape [4, 0]; expected [N, T] (sequences x tokens) with T >= 2",
+    "one_token": "has shape [4, 1]; expected [N, T] (sequences x tokens) with T >= 2",
+    "one_dimensional": "has shape [16]; expected [N, T] (sequences x tokens) with T >= 2 "
+                       "(one sequence: ids[None])",
     "one_sequence": "gives 1: reassignment has no derangement of one sequence",
     "missing": "evaluation tokens file not found",
 }

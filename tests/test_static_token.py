@@ -160,14 +160,16 @@ def test_static_of_a_recording_reads_its_token_ids():
     for name in recording:  # every id was in calibration: its profile is its own logits
         assert torch.equal(fed[name], recording[name])
     as_dict = {k: v for k, v in recording.items()}
+    without_ids = StaticProfiles(profiles.sites)  # calibrated on a dict: no token ids
+    without_ids.add(as_dict)
     assert torch.equal(static(as_dict, profiles, "static-layer-token", ids=ids)["routers.0"],
                        recording["routers.0"])
     for call, fragment in ((lambda: static(as_dict, profiles, "static-layer-token"),
                             "needs the token ids"),
                            (lambda: static(as_dict, profiles, "static-layer-token",
                                            ids=ids[:, :4]), "ids must be integer token ids"),
-                           (lambda: static(recording, StaticProfiles(profiles.sites),
-                                           "static-layer-token"), "per-token-id")):
+                           (lambda: static(recording, without_ids, "static-layer-token"),
+                            "per-token-id")):
         with pytest.raises(FcauditError, match=fragment) as caught:
             call()
         assert "\n" not in str(caught.value)

@@ -146,6 +146,14 @@ def content_model() -> nn.Module:
     return ToyModel("content")
 
 
+def self_containing_model() -> nn.Module:
+    """``content_model`` whose first gate holds the model itself as a submodule (a
+    back-reference kept in the module tree): a tree that contains itself."""
+    model = ToyModel("content")
+    model.gates[0].owner = model
+    return model
+
+
 def constant_model() -> nn.Module:
     return ToyModel("constant")
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, render
 from fcaudit.io.runtime import measured_minutes
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
@@ -509,7 +509,7 @@ def print_summary(result: Any, out: Path) -> None:
         table.add_row(name, "not applicable", why)
     console.print(table)
     from fcaudit.engine.run import window_line
-    console.print(window_line(result.data), soft_wrap=True)
+    console.print(render(window_line(result.data), cli=True), soft_wrap=True)
     for name, r in result.retention.items():
         value = (f"{r.value:.2f}% [{r.ci95[0]:.2f}, {r.ci95[1]:.2f}]"
                  if r.value is not None else "undefined")
@@ -681,13 +681,14 @@ def _probe_inputs(path: Path | None, loaded: Any) -> Any:
     import torch
 
     from fcaudit.io.loading import get_arch
-    if path is not None:
+    if path is not None:  # the audit's rules for --inputs (core/arrays.py), then two rows
+        from fcaudit.core.arrays import example_tensor
         from fcaudit.io.examples import load_npy
-        rows = load_npy(path, "--inputs")
-        if rows.ndim == 0 or len(rows) == 0:
+        rows = example_tensor(load_npy(path, "--inputs"), "--inputs")
+        if len(rows) == 0:
             raise FcauditError(f"--inputs {path} holds no rows (shape {list(rows.shape)}); "
                                "give examples on the first axis, [N, ...]")
-        return torch.from_numpy(rows[:2].copy())
+        return rows[:2]
     if loaded.run_config and get_arch(loaded.run_config["arch"]).task == "vision":
         from fcaudit.io.digits import audit_data
         return torch.from_numpy(audit_data(2, 1).inputs)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fcaudit.core.arrays import id_tensor
 from fcaudit.core.conditions import STATIC_CONDITIONS
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError
@@ -120,11 +121,7 @@ def _token_ids(ids: Any, shape: tuple[int, ...], what: str) -> Tensor:
     if ids is None:
         raise FcauditError(f"{what} needs the token ids the coefficients were recorded at: "
                            "pass ids=[B, T] (a Recording from fcaudit.record carries them)")
-    arr = torch.as_tensor(np.asarray(ids) if not isinstance(ids, Tensor) else ids)
-    if arr.dtype.is_floating_point or arr.dtype == torch.bool or tuple(arr.shape) != shape:
-        raise FcauditError(f"{what}: ids must be integer token ids of shape {list(shape)}, "
-                           f"got {arr.dtype} {list(arr.shape)}")
-    return arr.to("cpu", torch.int64)
+    return id_tensor(ids, shape, what)
 
 
 class StaticProfiles:
@@ -149,6 +146,14 @@ class StaticProfiles:
                  tokens: TokenSums | None = None) -> None:
         for site in self.sites:
             acc = self._sum_pos.get(site.name)
+            if site.name not in sums:
+                raise FcauditError(f"StaticProfiles.add: no coefficients for site {site.name}; "
+                                   "give every site's coefficients of the batch")
+            if acc is not None and acc.shape != sums[site.name].shape:
+                raise FcauditError(
+                    f"StaticProfiles.add: site {site.name} has [positions, ...] "
+                    f"{list(sums[site.name].shape)} in this batch, {list(acc.shape)} in earlier "
+                    "ones; every calibration batch must have the same length and shape")
             self._sum_pos[site.name] = sums[site.name] if acc is None else acc + sums[site.name]
         self.count += count
         if tokens is not None:
@@ -164,7 +169,15 @@ class StaticProfiles:
             coefficients, _token_ids(ids, shape, "StaticProfiles.add"))
         self.add_sums(batch_sums(coefficients), shape[0], tokens)
 
+    def shape(self, site: Site) -> torch.Size:
+        """The per-position profile's shape ``[T, *trailing]``, once a batch was added."""
+        if not self.count:
+            raise FcauditError("StaticProfiles holds no calibration batch yet; add one with "
+                               "profiles.add(recording) before asking for a profile")
+        return self._sum_pos[site.name].shape
+
     def layer_position(self, site: Site) -> Tensor:
+        self.shape(site)
         return self._sum_pos[site.name] / self.count  # [T, *trailing]
 
     def layer(self, site: Site) -> Tensor:
@@ -197,7 +210,7 @@ class StaticProfiles:
 
     def unseen(self, ids: Any) -> tuple[int, int]:
         """How many of ``ids`` (tokens, then distinct ids) no calibration token had."""
-        flat = torch.as_tensor(np.asarray(ids)).to(torch.int64).reshape(-1)
+        flat = id_tensor(ids, None, "StaticProfiles.unseen").reshape(-1)
         seen = self._lookup(flat)[0] if self.tokens is not None else torch.zeros_like(
             flat, dtype=torch.bool)
         return int((~seen).sum()), len(torch.unique(flat[~seen]))
@@ -217,22 +230,35 @@ def static_tensor(condition: str, site: Site, profiles: StaticProfiles,
     """The coefficients a static condition feeds ``site``, shaped and typed like ``like``
     (``ids [B, T]``: the token ids fed, for static-layer-token)."""
     shape = like.shape
+    _check_profile(condition, site, profiles, like)
     if condition == "static-layer":
         prof = profiles.layer(site).expand(shape)
     elif condition == "static-layer-position":
-        prof = profiles.layer_position(site)
-        if prof.shape[0] != shape[1]:
-            raise ValueError(f"calibration length {prof.shape[0]} != evaluation length {shape[1]}")
-        prof = prof.unsqueeze(0).expand(shape)
+        prof = profiles.layer_position(site).unsqueeze(0).expand(shape)
     elif condition == "static-layer-token":
         prof = profiles.layer_token(site, _token_ids(ids, tuple(shape[:2]),
                                                      "static-layer-token"))
     elif condition == "global-mean":
         prof = torch.full(shape, profiles.global_mean(site.family), dtype=torch.float64)
-    else:
-        raise ValueError(f"not a static condition: {condition}; choose one of "
-                         f"{', '.join(STATIC_CONDITIONS)}")
     return prof.to(device=like.device, dtype=like.dtype).contiguous()
+
+
+def _check_profile(condition: str, site: Site, profiles: StaticProfiles, like: Tensor) -> None:
+    """Refuse in one line a condition that is not static, and coefficients whose shape the
+    site's calibration profile does not have: [positions, *trailing] for the per-position
+    profile, the trailing shape for the others."""
+    if condition not in STATIC_CONDITIONS:
+        raise FcauditError(f"static(condition={condition!r}): choose one of "
+                           f"{', '.join(STATIC_CONDITIONS)}")
+    profile = profiles.shape(site)  # [T, *trailing]
+    given, kept = (like.shape[1:], profile) if condition == "static-layer-position" \
+        else (like.shape[2:], profile[1:])
+    if like.dim() < 2 or given != kept:
+        part = "[positions, *trailing]" if condition == "static-layer-position" else "trailing"
+        raise FcauditError(f"static(..., {condition!r}): site {site.name}'s coefficients "
+                           f"{list(like.shape)} have {part} shape {list(given)}, its calibration "
+                           f"profile {list(kept)}; record calibration and these coefficients at "
+                           "the same sites and length")
 
 
 def shuffle_positions(x: Tensor, positions: np.ndarray) -> Tensor:
@@ -305,6 +331,10 @@ def static(coefficients: Coefficients, profiles: StaticProfiles,
     ``static-layer-token``, the profile of each token's id (``ids [B, T]``, or the
     Recording's own input ids)."""
     by_name = {s.name: s for s in profiles.sites}
+    unknown = [k for k in coefficients if k not in by_name]
+    if unknown:
+        raise FcauditError(f"static: the profiles have no site {unknown[0]!r}; they were added "
+                           f"for {', '.join(by_name) or 'no site'}")
     ids = getattr(coefficients, "input_ids", None) if ids is None else ids
     return _like(coefficients, {k: static_tensor(condition, by_name[k], profiles, v, ids)
                                 for k, v in coefficients.items()})

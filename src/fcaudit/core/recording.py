@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from fcaudit.core.adapters import AutoAdapter, describe, infer_adapter, same_bits
+from fcaudit.core.arrays import blamed_on_inputs, model_input
 from fcaudit.core.contract import ControllerAdapter, Site, SiteCall
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.sites import SiteSpec, find_sites
@@ -189,11 +190,13 @@ def record(model: nn.Module, input_ids: Tensor, sites: SiteSpec = None) -> Recor
     adapter), :class:`~fcaudit.Site` objects, or None for the model's own declaration.
     """
     site_list = find_sites(model, sites)
+    input_ids = model_input(input_ids, "record(input_ids=...)")
     adapters: dict[str, ControllerAdapter] = {}
     tokens = input_ids.dim() == 2 and not input_ids.is_floating_point()
     seq_len = int(input_ids.shape[1]) if tokens else None  # images: each site's own layout
-    with recording(model, site_list, int(input_ids.shape[0]), seq_len,
-                   adapters=adapters) as captured:
+    with blamed_on_inputs(lambda: model(input_ids), input_ids, "record(input_ids=...)"), \
+            recording(model, site_list, int(input_ids.shape[0]), seq_len,
+                      adapters=adapters) as captured:
         output = model(input_ids)
     return Recording({s.name: captured[s.name] for s in site_list},
                      [_fitted(s, adapters[s.name]) for s in site_list], output,

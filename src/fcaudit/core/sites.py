@@ -99,9 +99,38 @@ def check_sites(model: nn.Module, sites: Sequence[Site]) -> list[Site]:
     return list(sites)
 
 
+def check_module_tree(model: nn.Module) -> None:
+    """Refuse a model whose module tree contains itself (``block.parent = model``): torch's
+    recursive walks (``eval()``, ``to()``, ``state_dict()``) never end on it. A module
+    reached twice without a cycle (tied or shared submodules) is fine."""
+    stack: list[tuple[str, nn.Module, Any]] = [("", model, iter(model._modules.items()))]
+    open_ids = {id(model): ""}  # the path from the root to the module being walked
+    done: set[int] = set()
+    while stack:
+        path, module, children = stack[-1]
+        child_name, child = next(children, (None, None))
+        if child_name is None:
+            stack.pop()
+            del open_ids[id(module)]
+            done.add(id(module))
+            continue
+        if child is None or id(child) in done:
+            continue
+        where = f"{path}.{child_name}" if path else child_name
+        if id(child) in open_ids:
+            owner = open_ids[id(child)] or "the model itself"
+            raise FcauditError(f"{type(model).__name__}'s module tree contains itself: {where} "
+                               f"is {owner}, so walking its submodules never ends; keep such "
+                               "a back-reference out of the tree (a weakref, or "
+                               "object.__setattr__(module, name, value))")
+        open_ids[id(child)] = where
+        stack.append((where, child, iter(child._modules.items())))
+
+
 def find_sites(model: nn.Module, sites: SiteSpec = None) -> list[Site]:
     """The sites to audit: ``sites`` as module-path globs or :class:`Site` objects, or
     the model's own declaration when None."""
+    check_module_tree(model)
     if sites:
         items = list(sites)
         if all(isinstance(s, Site) for s in items):

@@ -61,6 +61,26 @@ class Objective:
     def accuracy(self) -> bool:
         return self.name == "classification"
 
+    @property
+    def unit(self) -> str:
+        """What one of its losses scores."""
+        return "token" if self.tokens else "example" if self.accuracy else "unit"
+
+    def describe(self) -> str:
+        """The losses in words with their verb, naming the objective (a callable by its
+        qualified name)."""
+        if self.fn is not None:
+            return f"objective {self.name}: the losses it returned are"
+        what = "next-token NLL" if self.tokens else "cross-entropy of its logits"
+        return f"objective {self.name!r}: the model's {what} is"
+
+    @property
+    def fix(self) -> str:
+        """What to check when its losses are not finite."""
+        if self.fn is not None:
+            return "fix the objective, or the model output it reads"
+        return "check the model's weights and dtype (try float32)"
+
     def logits(self, output: Any) -> Any:
         """The tensor(s) the identity replay compares bit for bit."""
         return logits_of(output) if self.tokens else output_tensors(output)
@@ -72,7 +92,17 @@ class Objective:
             logits, targets = _classes(output, _batch(x))
             return F.cross_entropy(logits.float(), targets, reduction="none").unsqueeze(1)
         assert self.fn is not None
-        return _user_units(self.fn(output, _batch(x)), len(_batch(x)))
+        batch = _batch(x)
+        try:
+            losses = self.fn(output, batch)
+        except FcauditError:
+            raise
+        except Exception as exc:  # the user's own code: theirs to fix, not fcaudit's bug
+            raise FcauditError(f"objective {self.name} raised {type(exc).__name__}: "
+                               f"{' '.join(str(exc).split())}; it is called as fn(model_output, "
+                               "batch) with batch.inputs and batch.targets, and must return "
+                               "per-unit losses [B] or [B, T]") from exc
+        return _user_units(losses, len(batch), self.name)
 
     def hits(self, output: Any, x: Any) -> Tensor | None:
         if not self.accuracy:
@@ -97,13 +127,16 @@ def _classes(output: Any, batch: ExampleBatch) -> tuple[Tensor, Tensor]:
     return logits, batch.targets.long()
 
 
-def _user_units(value: Any, batch: int) -> Tensor:
+def _user_units(value: Any, batch: int, name: str) -> Tensor:
+    """A callable's losses as ``[B, U]`` float32, or one line naming the objective: not a
+    float tensor, another shape, or a meta tensor (one without values)."""
     if not isinstance(value, Tensor) or not value.is_floating_point() or \
-            value.dim() not in (1, 2) or value.shape[0] != batch or value.numel() == 0:
-        got = f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}" \
-            if isinstance(value, Tensor) else \
-            type(value).__name__
-        raise FcauditError(f"the objective must return per-unit losses, a float tensor [B] "
+            value.dim() not in (1, 2) or value.shape[0] != batch or value.numel() == 0 or \
+            value.is_meta:
+        got = f"{'a meta tensor (no values) ' if value.is_meta else ''}" \
+              f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}" \
+            if isinstance(value, Tensor) else type(value).__name__
+        raise FcauditError(f"objective {name} must return per-unit losses, a float tensor [B] "
                            f"or [B, T] with B={batch} examples; it returned {got}")
     return (value.unsqueeze(1) if value.dim() == 1 else value).detach().to(torch.float32)
 

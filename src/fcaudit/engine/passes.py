@@ -111,8 +111,20 @@ def check_finite(values: Mapping[str, Tensor], where: str) -> None:
                            "model or its weights (try float32)")
 
 
-def check_finite_nll(nll: Tensor, where: str) -> None:
-    if not torch.isfinite(nll).all():
-        raise FcauditError(f"the model's NLL is not finite (NaN or inf) in {where} "
-                           f"({int((~torch.isfinite(nll)).sum())} tokens); no metric can be "
-                           "computed: check the model's weights and dtype (try float32)")
+def check_finite_losses(losses: Tensor, objective: Objective, where: str) -> None:
+    """Refuse NaN or inf per-unit losses, naming the objective that gave them."""
+    bad = int((~torch.isfinite(losses)).sum())
+    if bad:
+        raise FcauditError(f"{objective.describe()} not finite (NaN or inf) for {bad} of "
+                           f"{losses.numel()} {objective.unit}s in {where}; no metric can be "
+                           f"computed: {objective.fix}")
+
+
+def check_units(losses: Tensor, recorded: torch.Size, objective: Objective, where: str) -> None:
+    """Refuse losses whose shape is not the record pass's for the same examples: replayed
+    and recorded units are compared one for one."""
+    if losses.shape != recorded:
+        raise FcauditError(f"objective {objective.name} returned losses {list(losses.shape)} in "
+                           f"{where}, but {list(recorded)} for the same examples in their record "
+                           "pass; per-unit losses must depend on the batch alone, not on the "
+                           "pass (the same units of the same examples every time)")

@@ -33,9 +33,11 @@ from torch import Tensor, nn
 
 from fcaudit._version import __version__
 from fcaudit.core.adapters import adapter_name, same_bits
+from fcaudit.core.arrays import blamed_on_inputs
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks, declared_experts
 from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import render as for_reader
 from fcaudit.core.interventions import Intervention, draw
 from fcaudit.core.layout import (
     TOKEN_AXES,
@@ -66,7 +68,14 @@ from fcaudit.engine.frontier import (
 from fcaudit.engine.layouts import resolve_layouts
 from fcaudit.engine.objectives import UNREADABLE, check_targets, output_tensors, resolve
 from fcaudit.engine.options import AuditOptions, Progress, Setup, silent
-from fcaudit.engine.passes import batches, record_batch, replay_batch
+from fcaudit.engine.passes import (
+    batches,
+    check_finite,
+    check_finite_losses,
+    check_units,
+    record_batch,
+    replay_batch,
+)
 from fcaudit.engine.plan import (
     EXPERT_ABLATION,
     FRONTIER,
@@ -120,7 +129,7 @@ from fcaudit.engine.verdicts import dependence, qualified, variation
 from fcaudit.io.data import AuditData, DataSpec, picked_note, resolve_data
 from fcaudit.io.digits import run_audit_data
 from fcaudit.io.examples import OTHER_INPUTS, ExampleBatch, call_model
-from fcaudit.io.loading import LoadedModel, get_arch, load, load_module
+from fcaudit.io.loading import LoadedModel, get_arch, input_spec, load, load_module
 from fcaudit.io.placement import PLACEMENT, Placement, offload_space
 from fcaudit.io.runtime import host, versions
 
@@ -222,8 +231,8 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         options = dataclasses.replace(options, objective="classification")
     if isinstance(data, AuditData):
         audit_data = data
-    elif vision:
-        audit_data = run_audit_data(data, loaded.spec)  # a vision run: its own digits
+    elif vision:  # a vision run: its own digits, in the dtype the model computes in
+        audit_data = run_audit_data(data, loaded.spec, next(net.parameters()).dtype)
     else:
         audit_data = resolve_data(loaded.tokenizer, data, default_len)
     audit_data.check_arrays()
@@ -277,6 +286,7 @@ def _prepare_examples(loaded: LoadedModel, out: str | Path | None, sites: list[S
     if options.target_ci is not None:
         raise FcauditError(f"{arg('target_ci', py='AuditOptions(target_ci=...)')} grows a pool "
                            "of token windows; for these inputs give a fixed evaluation set")
+    data.check_inputs(input_spec(loaded))
     data.validate(None, None)
     setup = Setup(loaded, sites, block_paths, blocks, data, options, custom,
                   out=Path(out) if out is not None else None)
@@ -306,6 +316,7 @@ def loaded_seq_len(loaded: LoadedModel) -> tuple[int, str]:
 
 
 GIVEN_DATA = "the AuditData given"
+TOKEN_WIDTH = "the width of the --tokens arrays"  # which --seq-len cannot change
 
 
 def window_source(data: DataSpec | AuditData, default: str) -> str:
@@ -313,20 +324,22 @@ def window_source(data: DataSpec | AuditData, default: str) -> str:
     if isinstance(data, AuditData):
         return GIVEN_DATA
     if data.tokens is not None:
-        return "the width of the --tokens arrays"
+        return TOKEN_WIDTH
     return "--seq-len" if data.seq_len is not None else default
 
 
 def window_line(data: Mapping[str, Any]) -> str:
     """One line saying how long the scored windows are and why, for the start of an audit
-    and its summary (a model scored past its training length scores differently)."""
+    and its summary (a model scored past its training length scores differently); its
+    option is rendered for its reader (:func:`fcaudit.core.errors.render`)."""
     picked = picked_note(data)
     picked = f"; {picked}" if picked else ""
     if "eval_examples" in data:
         return (f"scoring {data['eval_examples']} evaluation examples "
                 f"({data['calib_examples']} calibrate the static profiles){picked}")
     source = data.get("seq_len_source", "source not recorded")
-    change = "" if source == GIVEN_DATA else "; --seq-len to change"
+    change = "" if source == GIVEN_DATA else "; re-cut the arrays to change" \
+        if source == TOKEN_WIDTH else f"; {arg('seq_len', owner='DataSpec')} to change"
     return f"scoring windows of {data['seq_len']} tokens ({source}{change}){picked}"
 
 
@@ -365,8 +378,10 @@ def _comparable_examples(setup: Setup, twin: nn.Module, source: str) -> None:
     assert setup.data.examples is not None
     x = setup.data.examples.rows(0, 1).to(device_of(setup.model))
     shapes = []
-    for net in (setup.model, twin):
-        out = output_tensors(call_model(net, x))
+    for net, what in ((setup.model, "the first evaluation example"),
+                      (twin, f"the first evaluation example, as {arg('dense', source)}")):
+        with blamed_on_inputs(lambda net=net: call_model(net, x), x, what):
+            out = output_tensors(call_model(net, x))
         shapes.append(list(out.shape) if isinstance(out, Tensor) else type(out).__name__)
     if shapes[0] != shapes[1]:
         raise FcauditError(f"{arg('dense', source)} is not comparable with the model: on the "
@@ -399,9 +414,12 @@ def probe(setup: Setup) -> Probe:
     """
     net, sites, objective = setup.model, setup.sites, setup.objective
     x = first_batch(setup)
-    if objective.accuracy:  # every target against the logits' classes, before scoring any
-        _check_targets(setup, record_batch(net, sites, x, None)[0])
-    logits, coefficients, nll = record_batch(net, sites, x, objective)
+    with blamed_on_inputs(lambda: call_model(net, x), x, "the first evaluation batch"):
+        if objective.accuracy:  # every target against the logits' classes, before any score
+            _check_targets(setup, record_batch(net, sites, x, None)[0])
+        logits, coefficients, nll = record_batch(net, sites, x, objective)
+    check_finite(coefficients, "evaluation data")  # before any file is written
+    check_finite_losses(nll, objective, "the unperturbed record pass, batch 0")
     _check_axes(net, sites, x)
     if setup.blocks_glob is not None and setup.blocks is not None:
         from fcaudit.engine.execution import refuse_idle_blocks
@@ -414,7 +432,9 @@ def probe(setup: Setup) -> Probe:
     if same_bits(logits, replayed.logits):
         return Probe(Identity(True, 0.0, setup.options.allow_nonexact_identity,
                               "identity replay is bitwise exact"), coefficients, nll, hits)
-    diff = float((objective.units(replayed.output, x) - nll).abs().max())
+    units = objective.units(replayed.output, x)
+    check_units(units, nll.shape, objective, "the identity replay of batch 0")
+    diff = float((units - nll).abs().max())
     again, _, _ = record_batch(net, sites, x, objective)
     if not same_bits(logits, again):
         cause = "two unperturbed passes over the same batch already differ: the forward " \
@@ -732,7 +752,8 @@ def _audit(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, de
     layout_lines = resolve_layouts(setup, first_batch(setup))
     if ranks.main and options.progress:
         for line in [window_line(setup.data.summary()), *layout_lines]:
-            print(f"fcaudit: {line}", file=sys.stderr, flush=True)
+            print(f"fcaudit: {for_reader(line, cli=command is not None)}", file=sys.stderr,
+                  flush=True)
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
     ablation_plan(setup, first)  # an impossible --expert-ablation stops before any file
     frontier_plan(setup, first)  # so does an impossible --frontier

@@ -35,7 +35,8 @@ from fcaudit.engine.passes import (
     Replayed,
     batches,
     check_finite,
-    check_finite_nll,
+    check_finite_losses,
+    check_units,
     record_batch,
     replay_batch,
 )
@@ -142,10 +143,7 @@ HITS = "hits"
 def adopt_probe(cache: CoefficientCache, coefficients: Mapping[str, Tensor], nll: Tensor,
                 hits: Tensor | None = None) -> None:
     """Write the probe's batch as shard 0, or prove a cached shard 0 with it: the probe's
-    pass is a fresh recomputation of the first batch."""
-    if not cache.has(cache.eval_name(0)):
-        check_finite(coefficients, "evaluation data")
-        check_finite_nll(nll, "the unperturbed record pass, batch 0")
+    pass is a fresh recomputation of the first batch (its values were checked there)."""
     cache.settle(cache.eval_name(0), _eval_shard(nll, coefficients, hits),
                  f"evaluation batch 0 ({_rows(cache.batch_size, 0, cache.n_sequences)})")
 
@@ -165,7 +163,7 @@ def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
                                           device_of(net), todo), start=1):
         logits, coefficients, nll = record_batch(net, sites, x, objective)
         check_finite(coefficients, "evaluation data")
-        check_finite_nll(nll, f"the unperturbed record pass, batch {b}")
+        check_finite_losses(nll, objective, f"the unperturbed record pass, batch {b}")
         proven += cache.settle(cache.eval_name(b),
                                _eval_shard(nll, coefficients, objective.hits(logits, x)),
                                f"evaluation batch {b} "
@@ -349,6 +347,7 @@ class _Passes:
         self.net, self.inputs, self.b, self.x = setup.model, inputs, b, x
         self.tick = tick or (lambda: None)  # progress within a batch: a step per pass
         self.objective = setup.objective
+        self.recorded = inputs.cache.batch(b, "nll")  # the record pass's losses
         self.context = _context(setup, b)
         self.correct_fed: dict[Site, Tensor] = {}
         self.still_selected: dict[str, int] = {}  # ablation run key -> picks of its expert
@@ -367,7 +366,9 @@ class _Passes:
             chosen = out.chosen[run.site.name]
             self.still_selected[run.key] = int((chosen == run.expert).sum())
         nll = self.objective.units(out.output, self.x).cpu()
-        check_finite_nll(nll, f"replay under {run.key}, batch {self.b}")
+        where = f"replay under {run.key}, batch {self.b}"
+        check_units(nll, self.recorded.shape, self.objective, where)
+        check_finite_losses(nll, self.objective, where)
         hits = self.objective.hits(out.output, self.x)
         self.hits[run.key, run.repeat] = hits.cpu() if hits is not None else None
         self.tick()
@@ -395,7 +396,7 @@ def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b
     traced = setup.blocks if setup.options.schedule == "prefix" and \
         any(r.site is not None for r in runs) else None
     first, nll, digest = passes.replay(runs[0], select=bool(routed), trace=traced)
-    diff = _identity_diff(setup, nll, inputs.cache.batch(b, "nll"), b)
+    diff = _identity_diff(setup, nll, passes.recorded, b)
     done = {0: (nll.double().mean(1), digest), **kept.rows}
     state = _per_layer(passes, runs, first, done)
     shard = {f"route_load::{s.name}": expert_counts(first.chosen[s.name],

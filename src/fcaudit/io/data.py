@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from fcaudit.core.arrays import InputSpec, token_ids
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.io.fileio import read_npy, sha256_file, write_bytes
 
@@ -289,21 +290,7 @@ def picked_note(data: Mapping[str, object]) -> str:
 def load_token_array(path: str | Path, what: str) -> np.ndarray:
     """An integer ``.npy`` array ``[N, T]``; pickled, ragged or float arrays are refused."""
     arr = read_npy(path, what, "one rectangular integer array [N, T]", "ids")
-    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
-        kind = getattr(arr, "dtype", type(arr))
-        raise FcauditError(f"{what} {path} has dtype {kind}; token ids must be integers "
-                           "(np.int64 or np.int32)")
-    if arr.ndim != 2:
-        raise FcauditError(f"{what} {path} has shape {arr.shape}; expected [N, T] "
-                           "(sequences x tokens)")
-    if arr.shape[0] == 0:
-        raise FcauditError(f"{what} {path} holds no sequences (shape {arr.shape}); pass an "
-                           "array with at least 2 rows")
-    if arr.shape[1] < 2:
-        raise FcauditError(f"{what} {path} has sequences of {arr.shape[1]} token(s); next-token "
-                           "NLL needs at least 2: save arrays [N, T] with T >= 2")
-    _beyond_int64(arr, f"{what} {path}")
-    return arr.astype(np.int64, copy=False)
+    return token_ids(arr, f"{what} {path}")
 
 
 def window_hashes(windows: np.ndarray) -> list[str]:
@@ -314,34 +301,6 @@ def window_hashes(windows: np.ndarray) -> list[str]:
 
 def fingerprint_array(windows: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(windows, dtype=np.int64).tobytes()).hexdigest()
-
-
-INT64_MAX = int(np.iinfo(np.int64).max)
-
-
-def _beyond_int64(arr: np.ndarray, what: str) -> None:
-    """Refuse unsigned ids above int64, quoting the true value (a cast would wrap it)."""
-    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > INT64_MAX:
-        raise FcauditError(f"{what} holds token id {int(arr.max())}, beyond any vocabulary "
-                           "(ids must be below 2**63); tokenize with the model's tokenizer")
-
-
-def _id_array(value: object, field: str) -> np.ndarray:
-    """``AuditData.<field>`` as an int64 array [N, T], or a one-line error naming it."""
-    where = f"AuditData.{field}"
-    if not isinstance(value, np.ndarray):
-        hint = " (use tensor.cpu().numpy())" if type(value).__module__.startswith("torch") \
-            else ""
-        raise FcauditError(f"{where} is a {type(value).__name__}, not a numpy integer array "
-                           f"[N, T]{hint}")
-    if value.dtype.kind not in "iu":
-        raise FcauditError(f"{where} has dtype {value.dtype}; token ids must be integers "
-                           "(np.int64)")
-    if value.ndim != 2 or value.shape[1] < 2:
-        raise FcauditError(f"{where} has shape {list(value.shape)}; expected [N, T] "
-                           "(sequences x tokens) with T >= 2 (one sequence: ids[None])")
-    _beyond_int64(value, where)
-    return value.astype(np.int64, copy=False)
 
 
 @dataclass
@@ -377,8 +336,8 @@ class AuditData:
         if not self.tokens:
             self._check_examples()
             return
-        self.eval_ids = _id_array(self.eval_ids, "eval_ids")
-        self.calib_ids = _id_array(self.calib_ids, "calib_ids")
+        self.eval_ids = token_ids(self.eval_ids, "AuditData.eval_ids")
+        self.calib_ids = token_ids(self.calib_ids, "AuditData.calib_ids")
 
     def _check_examples(self) -> None:
         from fcaudit.io.examples import Examples, from_dataset
@@ -397,6 +356,15 @@ class AuditData:
         self.examples = Examples.of(*ev, "")
         self.calib_examples = Examples.of(*ca, "calib_")
 
+    def check_inputs(self, spec: InputSpec | None) -> None:
+        """Refuse inputs other than token ids that a model known to take others (a run
+        folder's: ``spec``) cannot take, in one line naming the array, before any pass."""
+        if spec is None or self.examples is None or self.calib_examples is None:
+            return
+        for name, examples in (("inputs", self.examples), ("calib_inputs",
+                                                           self.calib_examples)):
+            spec.check(examples.inputs, arg(name, py=f"AuditData.{name}"))
+
     def validate(self, vocab_size: int | None, max_len: int | None) -> None:
         """Check the audit's data rules; raise one clear error for the first broken one."""
         self.check_arrays()
@@ -407,22 +375,24 @@ class AuditData:
         ev_src = self.sources.get("eval_path") or "the evaluation data"
         ca_src = self.sources.get("calib_path") or "the calibration data"
         more = "pass an array with more rows" if self.sources.get("source") == "tokens" else \
-            f"give more data or a shorter {arg('seq_len')}"
+            f"give more data or {self._shorter()}"
         if n_eval < 2:
             raise FcauditError(
                 f"the audit needs at least 2 evaluation sequences of {seq_len} tokens, {ev_src} "
                 f"gives {n_eval}: reassignment has no derangement of one sequence; {more}")
         if len(self.calib_ids) < 1:
+            more = f"pass a {arg('calib_tokens')} array with rows" \
+                if self.sources.get("source") == "tokens" else \
+                f"give more calibration data or {self._shorter()}"
             raise FcauditError(f"{ca_src} gives no calibration sequences of {seq_len} tokens; "
-                               f"give more calibration data ({CALIB_TEXT} or "
-                               f"{arg('calib_tokens')}) or a shorter {arg('seq_len')}")
+                               f"{more}")
         if self.calib_ids.shape[1] != seq_len:
             raise FcauditError(f"calibration sequences have length {self.calib_ids.shape[1]} "
                                f"in {ca_src}, evaluation sequences {seq_len} in {ev_src}; cut "
                                "both to the same length")
         if max_len is not None and seq_len > max_len:
             raise FcauditError(f"sequence length {seq_len} exceeds the model's context of "
-                               f"{max_len} tokens; use {arg('seq_len', max_len)} or less")
+                               f"{max_len} tokens; {self._shorter(max_len)}")
         for name, src, arr in (("evaluation", ev_src, self.eval_ids),
                                ("calibration", ca_src, self.calib_ids)):
             lo, hi = int(arr.min()), int(arr.max())
@@ -437,6 +407,18 @@ class AuditData:
             raise FcauditError(
                 f"calibration ({ca_src}) and evaluation ({ev_src}) share {len(shared)} identical "
                 "window(s); static profiles must come from independent data: pass disjoint sets")
+
+    def _shorter(self, most: int | None = None) -> str:
+        """How to cut shorter windows, in the words of their source: ``--seq-len`` cuts
+        text, while token arrays and ids given directly are cut by their owner."""
+        source = self.sources.get("source")
+        at_most = f" of at most {most} tokens" if most else ""
+        if source == "tokens":
+            return f"re-cut the token arrays into windows{at_most} (their width sets the length)"
+        if source in ("text", "builtin"):
+            return f"use {arg('seq_len', most)} or less" if most else \
+                f"a shorter {arg('seq_len')}"
+        return f"cut the ids into shorter windows{at_most}"
 
     def _validate_examples(self) -> None:
         ev, ca = self.examples, self.calib_examples

@@ -21,6 +21,8 @@ import numpy as np
 from fcaudit.core.errors import FcauditError, arg
 
 if TYPE_CHECKING:
+    import torch
+
     from fcaudit.io.data import AuditData, DataSpec
 
 SPLITS: dict[str, range] = {"train": range(0, 1197), "calib": range(1197, 1497),
@@ -57,21 +59,28 @@ def split_record() -> dict[str, object]:
             **{f"{name}_indices": [r.start, r.stop - 1] for name, r in SPLITS.items()}}
 
 
-def audit_data(max_eval: int | None, max_calib: int | None) -> AuditData:
-    """The evaluation and calibration splits (their first ``max_*`` images) to audit on."""
+def audit_data(max_eval: int | None, max_calib: int | None,
+               dtype: torch.dtype | None = None) -> AuditData:
+    """The evaluation and calibration splits (their first ``max_*`` images) to audit on,
+    in ``dtype`` when given (a run loaded in bfloat16: the pixels k/16 are exact in it)."""
+    import torch
+
     from fcaudit.io.data import AuditData
     x, y = digits("eval")
     xc, _ = digits("calib")
+    if dtype is not None:
+        x, xc = (torch.from_numpy(a).to(dtype) for a in (x, xc))
     return AuditData(inputs=x[:max_eval], targets=y[:max_eval], calib_inputs=xc[:max_calib],
                      sources={**split_record(),
                               "eval_images": len(x[:max_eval]),
                               "calib_images": len(xc[:max_calib])})
 
 
-def run_audit_data(spec: DataSpec | None, run: str) -> AuditData:
+def run_audit_data(spec: DataSpec | None, run: str,
+                   dtype: torch.dtype | None = None) -> AuditData:
     """The data a vision run folder is audited on when none is given: its own digits
-    splits (``max_eval`` / ``max_calib`` of ``spec``); text or token options are refused,
-    since they would be ignored."""
+    splits (``max_eval`` / ``max_calib`` of ``spec``, in the model's ``dtype``); text or
+    token options are refused, since they would be ignored."""
     from fcaudit.io.data import DataSpec
     spec = spec or DataSpec()
     spec.validate()
@@ -82,4 +91,4 @@ def run_audit_data(spec: DataSpec | None, run: str) -> AuditData:
         raise FcauditError(f"{run} is a vision run, audited on the digits' evaluation and "
                            f"calibration images: drop {', '.join(arg(n) for n in given)}, or "
                            f"give other images as {OTHER_INPUTS}")
-    return audit_data(spec.max_eval, spec.max_calib)
+    return audit_data(spec.max_eval, spec.max_calib, dtype)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fcaudit.core.arrays import example_tensor
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.io.fileio import read_npy
 
@@ -78,39 +79,19 @@ def call_model(model: Any, x: Any) -> Any:
     return model(x)
 
 
-def _tensor(value: Any, where: str) -> Tensor:
-    """A numeric CPU tensor ``[N, ...]`` from a numpy array or tensor, or a one-line error."""
-    if isinstance(value, Tensor):
-        tensor = value.detach().to("cpu")
-    elif isinstance(value, np.ndarray):
-        if value.dtype.hasobject or value.dtype.kind not in "biuf":
-            raise FcauditError(f"{where} has dtype {value.dtype}; give numeric arrays (float "
-                               "or integer), not objects or strings")
-        tensor = torch.from_numpy(value)
-    else:
-        raise FcauditError(f"{where} is a {type(value).__name__}; give a numpy array or torch "
-                           "tensor [N, ...] (or a dict of them)")
-    if tensor.dim() < 1 or tensor.is_complex():
-        raise FcauditError(f"{where} has shape {list(tensor.shape)} {tensor.dtype}; give real "
-                           "arrays with the examples on the first axis [N, ...]")
-    # a fresh row-major copy: numpy views may carry 0 strides, and the caller's array may
-    # change after the audit read it
-    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
-
-
 def as_inputs(value: Any, where: str) -> Inputs:
     """One tensor, or a dict name -> tensor with the same number of examples."""
     if isinstance(value, Mapping):
         if not value or not all(isinstance(k, str) for k in value):
             raise FcauditError(f"{where} is a dict: give a non-empty dict of input name -> "
                                "array [N, ...]")
-        out = {k: _tensor(v, f"{where}[{k!r}]") for k, v in value.items()}
+        out = {k: example_tensor(v, f"{where}[{k!r}]") for k, v in value.items()}
         counts = {k: int(v.shape[0]) for k, v in out.items()}
         if len(set(counts.values())) != 1:
             raise FcauditError(f"{where}: its arrays hold different numbers of examples "
                                f"{counts}; give one row per example in every array")
         return out
-    return _tensor(value, where)
+    return example_tensor(value, where)
 
 
 def _stack(items: list[Any], where: str) -> Any:
@@ -152,7 +133,7 @@ class Examples:
         named_x, named_y = (arg(f"{where}{f}", py=f"AuditData.{where}{f}")
                             for f in ("inputs", "targets"))
         x = as_inputs(inputs, named_x)
-        y = None if targets is None else _tensor(targets, named_y)
+        y = None if targets is None else example_tensor(targets, named_y)
         examples = cls(x, y)
         if y is not None and len(y) != len(examples):
             raise FcauditError(f"{named_x} holds {len(examples)} examples but {named_y} "

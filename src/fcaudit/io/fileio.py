@@ -10,6 +10,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -152,8 +153,10 @@ def read_json(path: str | Path, what: str) -> Any:
 
 def read_npy(path: str | Path, what: str, expected: str, unit: str) -> Any:
     """One ``.npy`` array, read without pickle. A missing file, a ``.npz`` archive or a
-    pickle under a ``.npy`` name, a truncated file and an object or ragged array are each
-    refused in one line that says to save ``expected`` (``unit``: what its entries are)."""
+    pickle under a ``.npy`` name, an unreadable or truncated file and an object array
+    are each refused in one line that says to save ``expected`` (``unit``: what its
+    entries are). The header is read first, so only an object array is ever called one
+    that "needs pickle"."""
     path = Path(path)
     if not path.is_file():
         raise FcauditError(f"{what} file not found: {path}; check the path")
@@ -162,35 +165,41 @@ def read_npy(path: str | Path, what: str, expected: str, unit: str) -> Any:
     if magic != b"\x93NUMPY":  # refuses archives and pickles before np.load sees them
         kind = "a .npz archive" if magic.startswith(b"PK") else "not a .npy file"
         raise FcauditError(f"{what} {path} is {kind}; save {expected} with np.save")
-    _check_npy_size(path, what, unit)
+    if _check_npy_size(path, what, unit).hasobject:
+        raise FcauditError(f"{what} {path} needs pickle to load (object or ragged array); "
+                           f"save {expected} with np.save")
     try:
         return np.load(path, allow_pickle=False)
-    except ValueError as exc:
-        raise FcauditError(f"{what} {path} needs pickle to load (object or ragged array); "
-                           f"save {expected} with np.save") from exc
-    except Exception as exc:
-        raise FcauditError(f"{what} {path} is not a readable .npy file ({exc}); it may be "
-                           "truncated: save it again with np.save") from exc
+    except Exception as exc:  # the header promised what the file holds: numpy's own limits
+        raise FcauditError(f"{what} {path} is not a readable .npy file ({exc}); save it again "
+                           "with np.save") from exc
 
 
-def _check_npy_size(path: Path, what: str, unit: str) -> None:
-    """Compare the data size a ``.npy`` header promises with the file's, so a truncated
-    file is called truncated (``np.load`` says only that it cannot reshape)."""
+_NPY_HEADERS = {1: np.lib.format.read_array_header_1_0, 2: np.lib.format.read_array_header_2_0,
+                3: np.lib.format.read_array_header_2_0}  # 3.0 differs in its encoding only
+
+
+def _check_npy_size(path: Path, what: str, unit: str) -> np.dtype:
+    """The dtype a ``.npy`` header declares, after comparing the data size it promises
+    (in Python integers: a product of huge axes must not wrap) with the file's, so a
+    truncated file is called truncated (``np.load`` says only that it cannot reshape)."""
     with open(path, "rb") as fh:
         try:
             major, _ = np.lib.format.read_magic(fh)
-            read = np.lib.format.read_array_header_1_0 if major == 1 else \
-                np.lib.format.read_array_header_2_0
-            shape, _, dtype = read(fh, max_header_size=1 << 20)
-        except (ValueError, OSError, SyntaxError) as exc:
-            raise FcauditError(f"{what} {path} has an unreadable .npy header ({exc}); it may be "
-                               "truncated: save it again with np.save") from exc
+            if major not in _NPY_HEADERS:
+                raise ValueError(f"format version {major} is not one numpy writes")
+            shape, _, dtype = _NPY_HEADERS[major](fh, max_header_size=1 << 20)
+        except Exception as exc:  # numpy's header parser raises many kinds
+            raise FcauditError(f"{what} {path} has an unreadable .npy header ({exc}); it may "
+                               "be truncated: save it again with np.save") from exc
         start = fh.tell()
-    if dtype.hasobject:
-        return  # refused by np.load without unpickling
-    promised = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if any(n < 0 for n in shape):
+        raise FcauditError(f"{what} {path} has an invalid .npy header (shape {list(shape)}); "
+                           "save it again with np.save")
+    promised = math.prod(shape) * dtype.itemsize
     held = path.stat().st_size - start
-    if held < promised:
+    if not dtype.hasobject and held < promised:
         raise FcauditError(f"{what} {path} is truncated: its header promises {promised} bytes "
                            f"of {list(shape)} {dtype} {unit}, the file holds {held}; save it "
                            "again with np.save")
+    return dtype

@@ -31,8 +31,10 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
+from fcaudit.core.arrays import InputSpec
 from fcaudit.core.codestate import Unreadable, read_state
 from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.sites import check_module_tree
 from fcaudit.io.data import folder_tokenizer
 from fcaudit.io.fileio import read_json, sha256_file, write_safetensors
 from fcaudit.io.placement import Placement
@@ -262,6 +264,14 @@ def model_packages(model: nn.Module, libraries: frozenset[str] = frozenset()
 def load_module(model: nn.Module, spec: str, kind: str = "module",
                 code: Any = None) -> LoadedModel:
     """An in-memory model (a factory's, or one passed to :func:`fcaudit.audit`)."""
+    check_module_tree(model)  # before any walk of its submodules recurses forever
+    dispatched = any(hasattr(m, "_hf_hook") for m in model.modules())  # accelerate loads
+    empty = next((n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                  if t.is_meta), None)  # offloaded weights at call time; nothing else does
+    if empty is not None and not dispatched:
+        raise FcauditError(f"{spec}: its weight {empty} is on the meta device, which holds no "
+                           "values (a model built under torch.device('meta') or "
+                           "init_empty_weights); load its weights before auditing it")
     model.eval()
     files, note = code_identity(code if code is not None else type(model))
     reads, note, libraries = classes_read(model, code, note)
@@ -341,6 +351,22 @@ def _hf_layout(path: Path) -> bool:
     from fcaudit.io.mudd_checkpoint import is_mudd_folder
     return (path / "config.json").is_file() and not is_run_folder(path) \
         and not is_mudd_folder(path) and is_hf_folder(path)
+
+
+def input_spec(loaded: LoadedModel) -> InputSpec | None:
+    """What a run folder's model takes per example, from its arch's task (None for other
+    models, whose inputs fcaudit cannot know): a vision run its images ``[C, H, W]`` in
+    the dtype it computes in, a language run token ids ``[T]``."""
+    if not loaded.run_config:
+        return None
+    if get_arch(loaded.run_config["arch"]).task == "vision":
+        cfg, dtype = loaded.model.config, next(p.dtype for p in loaded.model.parameters())
+        return InputSpec(f"the vision run {loaded.spec}", "images",
+                         (cfg.channels, cfg.image_size, cfg.image_size), dtype)
+    how = arg("tokens", py="AuditData(eval_ids=..., calib_ids=...)",
+              cli="--tokens and --calib-tokens")
+    return InputSpec(f"the language run {loaded.spec}", "token ids", None, None,
+                     f": give them as {how}, scored by next-token NLL")
 
 
 def load_model(spec: str, dtype: torch.dtype | None = None) -> nn.Module:

@@ -182,8 +182,9 @@ def test_the_window_line_names_the_option_that_changes_it(
         text=str(places["lm"].parent / "text.txt"), max_eval=4, max_calib=4),
         options=AuditOptions(**{**FAST, "progress": True}))
     first = capsys.readouterr().err.splitlines()[0]
-    assert first == "fcaudit: scoring windows of 16 tokens (the run's training length; " \
-        "DataSpec(seq_len=...) to change)", first
+    assert first.startswith("fcaudit: scoring windows of 16 tokens (the run's training "
+                            "length; DataSpec(seq_len=...) to change)"), first
+    assert "4 of 332, spread evenly (DataSpec(max_eval=...) to change)" in first, first
 
 
 def test_python_inputs_into_a_run_are_named_in_python_words(places: dict[str, Path]) -> None:

@@ -332,7 +332,7 @@ def window_line(data: Mapping[str, Any]) -> str:
     """One line saying how long the scored windows are and why, for the start of an audit
     and its summary (a model scored past its training length scores differently); its
     option is rendered for its reader (:func:`fcaudit.core.errors.render`)."""
-    picked = picked_note(data)
+    picked = picked_note(data, for_api=True)
     picked = f"; {picked}" if picked else ""
     if "eval_examples" in data:
         return (f"scoring {data['eval_examples']} evaluation examples "

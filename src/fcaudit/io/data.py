@@ -274,10 +274,14 @@ def pick_rows(n_total: int, count: int | None, prefix: str, default: int | None 
     return rows, {f"{prefix}picked": picked, f"{prefix}available": n_total}
 
 
-def picked_note(data: Mapping[str, object]) -> str:
-    """The console's and the report's words for ``data``'s picked rows ("" when all)."""
+def picked_note(data: Mapping[str, object], for_api: bool = False) -> str:
+    """The console's and the report's words for ``data``'s picked rows ("" when all);
+    ``for_api``: the options as :func:`arg` marks them, for a message rendered for its
+    reader (the report keeps the flags)."""
     notes = []
     for prefix, flag in PICK_FLAGS.items():
+        if for_api:
+            flag = arg(flag.removeprefix("--").replace("-", "_"), owner="DataSpec")
         picked = data.get(f"{prefix}picked")
         unit = "examples" if f"{prefix}examples" in data else "sequences"
         if isinstance(picked, str):  # a cap says how to lift it; a shortfall has no more

@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from fcaudit.core.adapters import ADAPTER_API, FLAT, TENSOR, describe
 from fcaudit.core.contract import ExpertLayer, Site, SiteCall
 from fcaudit.core.errors import FcauditError
+from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT
 
 # every way a router may compute its projection: intercepted, and counted
 PROJECTIONS = frozenset({
@@ -467,7 +468,7 @@ def moe_router_sites(model: nn.Module) -> list[Site]:
         top_k = _setting(model, [block.get_submodule(router), block], TOP_K_SETTINGS)
         router_path = _join(path, router)
         routers.append(Site(router_path, router_path, ROUTER_FAMILY, len(routers),
-                            RouterAdapter(top_k=top_k)))
+                            RouterAdapter(top_k=top_k), axes=TOKEN_AXES, positions=TOKEN_LAYOUT))
         children = dict(block.named_children())
         for name, child in children.items():
             if name != router and isinstance(child, nn.Linear) and child.out_features == 1:
@@ -475,7 +476,8 @@ def moe_router_sites(model: nn.Module) -> list[Site]:
                 body = name.removesuffix("_gate")
                 gates.append(Site(gate_path, gate_path, SHARED_GATE_FAMILY, len(gates), FLAT,
                                   gated=_join(path, body) if body in children else None,
-                                  off=SHARED_GATE_OFF))
+                                  off=SHARED_GATE_OFF, axes=TOKEN_AXES,
+                                  positions=TOKEN_LAYOUT))
     return routers + gates
 
 

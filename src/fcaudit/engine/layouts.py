@@ -36,7 +36,7 @@ from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, canonical_sites, decid
 from fcaudit.core.recording import hooked
 from fcaudit.engine.options import Setup
 from fcaudit.engine.passes import batch_shape
-from fcaudit.io.examples import OTHER_INPUTS, call_model
+from fcaudit.io.examples import OTHER_INPUTS, ExampleBatch, call_model
 
 Shape = tuple[int, ...]
 
@@ -163,18 +163,17 @@ def _decide(site: Site, seen: Seen | None, tokens: bool) -> tuple[Site, str]:
     return decide_layout(site, seen.shape, seen.read)
 
 
-def _prove_token_axis(model: nn.Module, sites: Sequence[Site], x: Tensor,
+def _prove_token_axis(model: nn.Module, sites: Sequence[Site], x: Tensor | ExampleBatch,
                       seen: dict[str, Seen]) -> None:
     """Each site's axis 1 (or its rows) must follow the sequence length: the batch cut one
-    token short must give one position fewer."""
-    length = int(x.shape[1])
-    if length < 2:
+    token short (ids given as such or as inputs) must give one position fewer."""
+    batch, length = batch_shape(x)
+    if length is None or length < 2:
         return
     try:
-        look(model, sites, x[:, :-1])
+        look(model, sites, x.shorter() if isinstance(x, ExampleBatch) else x[:, :-1])
     except _Misfit as bad:
         before = seen[bad.site.name].output if bad.site.name in seen else None
-        batch = int(x.shape[0])
         if before and before[0] == batch and (not bad.output or bad.output[0] != batch):
             return  # axis 0 followed the length ([T, B] with B == T): the probe's check says
         raise FcauditError(

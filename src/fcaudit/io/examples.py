@@ -62,6 +62,17 @@ class ExampleBatch:
             return int(vectors.shape[1])
         return None
 
+    def shorter(self) -> ExampleBatch:
+        """The batch one position shorter (token inputs: every tensor whose axis 1 is the
+        positions, ids, mask or vectors alike), to see which coefficient axes follow it."""
+        n = self.positions
+
+        def cut(t: Tensor) -> Tensor:
+            return t[:, :-1] if n is not None and t.dim() >= 2 and t.shape[1] == n else t
+        inputs = {k: cut(v) for k, v in self.inputs.items()} \
+            if isinstance(self.inputs, dict) else cut(self.inputs)
+        return ExampleBatch(inputs, None if self.targets is None else cut(self.targets))
+
     def to(self, device: torch.device) -> ExampleBatch:
         moved = {k: v.to(device) for k, v in self.inputs.items()} \
             if isinstance(self.inputs, dict) else self.inputs.to(device)

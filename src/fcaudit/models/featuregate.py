@@ -164,7 +164,8 @@ class GPT(nn.Module):
 
     def controller_sites(self) -> list[Site]:
         return [Site(name=f"blocks.{i}.gate", path=f"blocks.{i}.gate", family="featuregate",
-                     layer=i) for i, b in enumerate(self.blocks) if b.gate is not None]
+                     layer=i, axes=("example", "token"), positions=(1,))
+                for i, b in enumerate(self.blocks) if b.gate is not None]
 
     def execution_blocks(self) -> list[str]:
         return [f"blocks.{i}" for i in range(len(self.blocks))]

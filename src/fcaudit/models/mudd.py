@@ -426,7 +426,8 @@ class MuddModel(nn.Module):
         last = self.config.n_layer - 1
         return [Site(name=f"dynamic_dense.{i}", path=f"dynamic_dense.{i}",
                      family="mudd" if i < last else "mudd.final",
-                     layer=i if i < last else 0) for i in range(self.config.n_layer)]
+                     layer=i if i < last else 0, axes=("example", "token"), positions=(1,))
+                for i in range(self.config.n_layer)]
 
     def execution_blocks(self) -> list[str]:
         return [f"layers.{i}" for i in range(self.config.n_layer)]

@@ -148,9 +148,6 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
                                   or value < least):
             raise FcauditError(f"{arg(option, value)}: must be an integer of at least {least}")
     device = str(resolve_device(device))
-    note = threads_advice() if progress and device == "cpu" else None
-    if note:
-        print(f"fcaudit: note: {note}", file=sys.stderr)
     out = Path(out)
     arch = get_arch(arch_name)
     if arch.task == "vision":
@@ -174,8 +171,17 @@ def _train_vision(arch: Arch, preset: str, seed: int, out: Path, force: bool,
     tp = vision.schedule(preset, steps)
     cfg = arch.config(preset)
     check_run_out(out, force)
+    say_thread_advice(progress, device)
     with hold_output(out, "run"):
         return vision.train_vision(arch, preset, seed, out, tp, cfg, device, progress)
+
+
+def say_thread_advice(progress: bool, device: str) -> None:
+    """The thread note (:func:`fcaudit.io.runtime.threads_advice`), once every input is
+    checked: a mistake stays one line."""
+    note = threads_advice() if progress and device == "cpu" else None
+    if note:
+        print(f"fcaudit: note: {note}", file=sys.stderr)
 
 
 def resolve_schedule(preset: str, steps: int | None = None,
@@ -232,6 +238,7 @@ def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: 
     tok, train_tokens, eval_windows, data_record = training_data(cfg.vocab_size, tp.seq_len,
                                                                  data)
     eval_windows = eval_windows[spread_pick(len(eval_windows), tp.eval_sequences)]
+    say_thread_advice(progress, device)
     torch.manual_seed(seed)
     model = arch.build(cfg).to(device)
     with building(out) as work:

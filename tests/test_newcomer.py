@@ -117,7 +117,8 @@ def test_sites_all_probes_a_model_of_images_with_its_inputs(
     assert_every_module_described(res.stdout, imgmodel.build(), torch.from_numpy(x[:2]))
     assert module_lines(res.stdout)["mixer"].endswith(
         "Tensor[2, 3] float32  <- likely controller ([B, ...] output; a softmax of its output "
-        "that scales another branch: name its axes with a Site, see docs/method.md)")
+        "that scales another branch: name its axes with --site-axes or a Site, see "
+        "docs/method.md)")
     tokens = module_lines(run_inprocess(argv, capsys).stdout)  # token ids cannot feed it
     assert tokens["mixer"].startswith("Linear\tfailed: RuntimeError"), tokens["mixer"]
 

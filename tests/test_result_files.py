@@ -198,6 +198,8 @@ TAMPERED: dict[str, tuple[Callable[[dict], None], str]] = {
                             "interaction is missing, yet shuffle was measured"),
     "interval of three": (_set(("conditions", "reassign", "ci95"), [0.1, 0.2, 0.3]),
                           "conditions.reassign.ci95 holds 3 values, expected 2"),
+    "reversed interval": (_set(("conditions", "reassign", "ci95"), [0.3, 0.1]),
+                          "conditions.reassign.ci95 is [0.3, 0.1], whose bounds are reversed"),
     "true for a number": (_set(("per_layer", "reassign", 1, "delta"), True),
                           "per_layer.reassign[1].delta is true, expected a number"),
     "null for a number": (_set(("execution", "timing", "pairs"), None),

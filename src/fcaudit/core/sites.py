@@ -236,8 +236,8 @@ def _hint(name: str, output: str, scales: str | None, by_name: bool, batch: int,
     why = f"; {scales} that scales another branch" if scales else ""
     m = re.match(r"Tensor\[(\d+), (\d+)(?:, (\d+))?", output)
     if seq_len is None:  # examples, not token windows: the positions axis is the model's own
-        return (f"likely controller ([B, ...] output{why}: name its axes with a Site, see "
-                "docs/method.md)" if m and int(m.group(1)) == batch else "")
+        return (f"likely controller ([B, ...] output{why}: name its axes with --site-axes "
+                "or a Site, see docs/method.md)" if m and int(m.group(1)) == batch else "")
     if m and (int(m.group(1)), int(m.group(2))) == (batch, seq_len):
         return f"likely controller ([B, T, ...] output{why})"
     if m and int(m.group(1)) == batch * seq_len:

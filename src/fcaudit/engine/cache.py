@@ -239,7 +239,8 @@ class CoefficientCache:
                 f"{what} gives other coefficients or losses than its cached record (the model, "
                 "or state it reads outside its code such as environment variables, files, "
                 "attributes or package versions, changed since; or its forward pass varies "
-                f"between runs); delete {self.folder} or choose another {arg('out')}")
+                "between runs: another thread count or device can change the last bits); "
+                f"delete {self.folder} or choose another {arg('out')}")
         self.proven.add(name)
         self.reused.add(name)
         return True

@@ -24,7 +24,7 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
     STATIC_CONDITIONS,
 )
 from fcaudit.core.errors import FcauditError
-from fcaudit.io.typedjson import Length, SchemaError, load
+from fcaudit.io.typedjson import Length, Ordered, SchemaError, load
 
 SCHEMA = "fcaudit.audit/1"
 
@@ -39,7 +39,7 @@ NONDETERMINISTIC_KEYS = ("runtime", "command", "execution.timing",
                          "execution.speed_ratio_vs_dense")
 TIMED_VERDICT_KEY = "verdict.execution"  # listed too when the verdict quotes timing
 
-Interval = Annotated[list[float], Length(2)]  # a 95% interval [lo, hi]
+Interval = Annotated[list[float], Length(2), Ordered()]  # a 95% interval [lo, hi]
 
 
 def _omit_none() -> Any:

@@ -5,7 +5,8 @@ their type hints, so every field of every nested object is checked with no hand-
 list: the JSON type (a number where ``float`` is declared, never a string or a bool), a
 finite number (``NaN``/``Infinity`` never come out of fcaudit, which writes with
 ``allow_nan=False``), no missing and no unknown field, and :class:`Length` where a
-hint carries it (an interval is two numbers); a TypedDict types the keys it declares
+hint carries it (an interval is two numbers), :class:`Ordered` (its lower bound first); a
+TypedDict types the keys it declares
 and leaves the others free-form. The first problem is raised as
 :class:`SchemaError` with the dotted path of the field (``conditions.reassign.delta``),
 so the caller can refuse the file in one line that names the file and the field.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import re
 import types
@@ -30,6 +32,12 @@ class Length:
     """``Annotated[list[X], Length(n)]``: the list holds exactly ``n`` items."""
 
     n: int
+
+
+@dataclass(frozen=True)
+class Ordered:
+    """``Annotated[list[X], Ordered()]``: the items never decrease (an interval's lower
+    bound is never above its upper one)."""
 
 
 class SchemaError(ValueError):
@@ -52,6 +60,9 @@ def load(tp: Any, data: Any, path: str = "") -> Any:
         for extra in extras:
             if isinstance(extra, Length) and len(value) != extra.n:
                 raise SchemaError(path, f"holds {len(value)} values, expected {extra.n}")
+            if isinstance(extra, Ordered) and any(a > b for a, b in itertools.pairwise(value)):
+                raise SchemaError(path, f"is {value}, whose bounds are reversed (the lower "
+                                        "one must not exceed the upper one)")
         return value
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):

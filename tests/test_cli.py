@@ -50,6 +50,19 @@ def test_progress_prints_plain_lines_when_not_a_terminal() -> None:
             progress("replay", done, 3, f"batch {done}")
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("fcaudit: replay: 1/3 batch 1") and len(lines) == 3
+    within = io.StringIO()  # a stage that starts over each batch: the interval only
+    with ProgressReporter(True, stream=within, interval=3600.0) as progress:
+        for batch in range(1, 5):
+            for done in range(1, 31):
+                progress("passes of this batch", done, 30, f"batch {batch} of 4")
+            progress("replay", batch, 4, f"batch {batch} of 4")
+    lines = within.getvalue().splitlines()
+    # the inner stage's first line and its first completion, then nothing until the
+    # interval; the batch stage's first line and its completion
+    assert [ln.split(" [")[0] for ln in lines] == [
+        "fcaudit: passes of this batch: 1/30 batch 1 of 4",
+        "fcaudit: passes of this batch: 30/30 batch 1 of 4",
+        "fcaudit: replay: 1/4 batch 1 of 4", "fcaudit: replay: 4/4 batch 4 of 4"]
     quiet = io.StringIO()
     with ProgressReporter(False, stream=quiet) as progress:
         progress("replay", 1, 3)

@@ -27,6 +27,8 @@ class ProgressReporter:
         self._bar: Any = None
         self._tasks: dict[str, Any] = {}
         self._last: dict[str, float] = {}
+        self._done: dict[str, int] = {}
+        self._repeating: set[str] = set()
         self._started = time.monotonic()
 
     def __enter__(self) -> ProgressReporter:
@@ -65,7 +67,11 @@ class ProgressReporter:
             return
         now = time.monotonic()
         first = stage not in self._last
-        if first or done >= total or now - self._last[stage] >= self.interval:
+        if done < self._done.get(stage, 0):  # it starts over (progress within each batch):
+            self._repeating.add(stage)  # from now on a line at the interval only
+        self._done[stage] = done
+        edge = (first or done >= total) and stage not in self._repeating
+        if edge or now - self._last.get(stage, -self.interval) >= self.interval:
             self._last[stage] = now
             elapsed = now - self._started
             print(f"fcaudit: {stage}: {done}/{total}{f' {info}' if info else ''} "

@@ -5,14 +5,18 @@ A real model's default audit can run for many minutes and write gigabytes (SmolL
 before any pass, and a cache that would not fit the disk holding it is refused before
 the first shard, not discovered when the disk is full.
 
-The evaluation shards are sized exactly from the probe's batch (every batch holds the same
-tensors for its rows); calibration shards hold float64 sums per position (and per token
-id, bounded by the tokens of a batch); replay shards hold a few numbers per run and row.
+Every shard is sized from the tensors it will hold, built from the probe's batch by the
+functions that build the real shards (evaluation: coefficients and losses per row;
+calibration: float64 sums by position and by token id, whose distinct ids the probe's
+batch shows; the frontier's calibration: whole coefficients per row), and counted as a disk
+stores it: each file (a shard and its checksum, each batch's replay shard, the manifest) and
+folder takes whole blocks, with a header per tensor.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +26,9 @@ from fcaudit.core.errors import FcauditError, arg
 
 # a cache may take this share of the free space before the plan warns
 _WARN_SHARE = 0.5
+_BLOCK = 4096  # a file takes whole blocks of this size on common file systems
+_FOLDERS = 3  # the cache's folder, its replay folder and its manifest: a block each
+_HEADER = 128  # a safetensors header's bytes per tensor (name, dtype, shape, offsets)
 
 
 @dataclass(frozen=True)
@@ -41,17 +48,34 @@ class RecordCost:
                 f"sequence{disk})")
 
 
-def record_cost(coefficients: dict[str, Tensor], nll: Tensor, rows: int, n_eval: int,
-                n_calib: int, batch_size: int) -> RecordCost:
+def record_cost(eval_shard: Mapping[str, Tensor], calib_shard: Mapping[str, Tensor],
+                frontier_shard: Mapping[str, Tensor], rows: int, n_eval: int, n_calib: int,
+                batch_size: int) -> RecordCost:
     """The cost of recording ``n_eval`` evaluation and ``n_calib`` calibration rows, from
-    the probe's batch of ``rows`` rows (its coefficients and per-unit losses)."""
-    per_row = sum(t.element_size() * t.numel() for t in (*coefficients.values(), nll)) / rows
-    # calibration: float64 sums over a batch, by position (a row's coefficients, doubled in
-    # width), and per token id (bounded by a batch's tokens times a row's width again)
-    calib_shard = 2 * 2 * per_row
-    n_calib_batches = -(-n_calib // batch_size)
-    total = per_row * n_eval + calib_shard * n_calib_batches
-    return RecordCost(-(-n_eval // batch_size), n_calib_batches, round(per_row), round(total))
+    the shards the probe's batch of ``rows`` rows would write (``frontier_shard``: the
+    frontier's whole calibration coefficients, empty without a frontier)."""
+    n_eval_batches, n_calib_batches = -(-n_eval // batch_size), -(-n_calib // batch_size)
+    per_row = _bytes(eval_shard) / rows
+    eval_disk = sum(_on_disk(per_row * len(range(n_eval)[b * batch_size:][:batch_size]),
+                             len(eval_shard)) + _on_disk(0, 1)  # and its replay shard
+                    for b in range(n_eval_batches))
+    calib_disk = n_calib_batches * _on_disk(_bytes(calib_shard), len(calib_shard))
+    if frontier_shard:
+        calib_disk += sum(_on_disk(_bytes(frontier_shard) / rows * len(range(n_calib)[
+            b * batch_size:][:batch_size]), len(frontier_shard)) for b in range(n_calib_batches))
+    return RecordCost(n_eval_batches, n_calib_batches, round(per_row),
+                      round(eval_disk + calib_disk + _FOLDERS * _BLOCK))
+
+
+def _bytes(shard: Mapping[str, Tensor]) -> int:
+    return sum(t.element_size() * t.numel() for t in shard.values())
+
+
+def _on_disk(data: float, tensors: int) -> int:
+    """A shard of ``data`` bytes in ``tensors`` tensors and its checksum file, in whole
+    blocks as a disk stores them."""
+    blocks = -(-int(data + _HEADER * tensors + _HEADER) // _BLOCK)
+    return (blocks + 1) * _BLOCK
 
 
 def replay_line(n_runs: int, n_batches: int) -> str:

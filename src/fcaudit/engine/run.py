@@ -108,6 +108,8 @@ from fcaudit.engine.stages import (
     IDENTITY_CAUSES,
     adopt_probe,
     calibration_profiles,
+    calibration_shard,
+    eval_shard,
     frontier_calibration,
     record_calibration,
     record_evaluation,
@@ -749,14 +751,15 @@ def _audit(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, de
     if options.target_ci is not None and ranks.world > 1:
         raise FcauditError(f"{arg('target_ci', owner='AuditOptions')} runs in one process: "
                            "start it without torchrun, or give a fixed number of sequences")
-    layout_lines = resolve_layouts(setup, first_batch(setup))
+    x = first_batch(setup)
+    layout_lines = resolve_layouts(setup, x)
     if ranks.main and options.progress:
         for line in [window_line(setup.data.summary()), *layout_lines]:
             print(f"fcaudit: {for_reader(line, cli=command is not None)}", file=sys.stderr,
                   flush=True)
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
     ablation_plan(setup, first)  # an impossible --expert-ablation stops before any file
-    frontier_plan(setup, first)  # so does an impossible --frontier
+    covered = frontier_plan(setup, first)  # so does an impossible --frontier
     if not ranks.main:
         _run(setup, open_cache(setup, setup.out / "cache", ranks), first, progress, command,
              ranks)
@@ -764,11 +767,11 @@ def _audit(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, de
     if setup.out is None:
         import tempfile
         with tempfile.TemporaryDirectory(prefix="fcaudit-") as tmp:
-            say_record_plan(setup, first, Path(tmp))
+            say_record_plan(setup, first, x, covered, Path(tmp))
             return _run(setup, open_cache(setup, Path(tmp), ranks, first), first, progress,
                         command, ranks)
     from fcaudit.io.outdir import hold_output, replacing_results
-    say_record_plan(setup, first, setup.out / "cache")
+    say_record_plan(setup, first, x, covered, setup.out / "cache")
     with hold_output(setup.out, "audit", command):
         cache = open_cache(setup, setup.out / "cache", ranks, first)
         ranks.barrier(CLAIMED)
@@ -782,11 +785,16 @@ def _audit(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, de
 CLAIMED = "rank 0 validated the inputs and claimed the output folder"
 
 
-def say_record_plan(setup: Setup, first: Probe, folder: Path) -> None:
-    """The record stage's passes and the cache's size, before any work; a cache the disk
-    cannot hold is refused here (see :mod:`fcaudit.engine.cost`)."""
-    cost = record_cost(first.coefficients, first.nll, int(first.nll.shape[0]),
-                       setup.data.n_eval, setup.data.n_calib, setup.options.batch_size)
+def say_record_plan(setup: Setup, first: Probe, x: Any, covered: Sequence[Covered],
+                    folder: Path) -> None:
+    """The record stage's passes and the cache's size (from the shards the probe's batch
+    ``x`` would write), before any work; a cache the disk cannot hold is refused here (see
+    :mod:`fcaudit.engine.cost`)."""
+    frontier = {s.name: first.coefficients[s.name] for fam in covered for s in fam.sites}
+    cost = record_cost(eval_shard(first.nll, first.coefficients, first.hits),
+                       calibration_shard(setup, first.coefficients, x), frontier,
+                       int(first.nll.shape[0]), setup.data.n_eval, setup.data.n_calib,
+                       setup.options.batch_size)
     free = free_bytes(folder)
     warning = check_disk(cost, free, folder)
     if setup.options.progress:

@@ -70,18 +70,25 @@ def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress
                                   start=1):
         _, coefficients, _ = record_batch(net, setup.sites, x, None)
         check_finite(coefficients, "calibration data")
-        on_cpu = {k: c.cpu() for k, c in coefficients.items()}
-        shard = {f"site::{k}": v for k, v in batch_sums(on_cpu).items()}
-        if setup.data.tokens:  # per token id: for inputs that are token ids only
-            tokens = token_sums(on_cpu, x.cpu())
-            shard.update({"token_ids": tokens.ids, "token_counts": tokens.counts,
-                          **{f"token::{k}": v for k, v in tokens.sums.items()}})
-        cache.settle(cache.calib_name(b), shard,
+        cache.settle(cache.calib_name(b), calibration_shard(setup, coefficients, x),
                      f"calibration batch {b} ({_rows(size, b, setup.data.n_calib)})")
         progress("record calibration", done, len(todo), "")
     from_disk = sum(cache.calib_name(b) in cache.reused for b in ranks.mine(list(range(n))))
     return {"batches_proven": from_disk, "batches_recorded": len(ranks.mine(list(range(n))))
             - from_disk}
+
+
+def calibration_shard(setup: Setup, coefficients: Mapping[str, Tensor],
+                      x: Any) -> dict[str, Tensor]:
+    """What a calibration batch's shard holds: float64 sums by position and, for token
+    inputs, by token id (the cost plan sizes the cache from the same tensors)."""
+    on_cpu = {k: c.cpu() for k, c in coefficients.items()}
+    shard = {f"site::{k}": v for k, v in batch_sums(on_cpu).items()}
+    if setup.data.tokens:  # per token id: for inputs that are token ids only
+        tokens = token_sums(on_cpu, x.cpu())
+        shard.update({"token_ids": tokens.ids, "token_counts": tokens.counts,
+                      **{f"token::{k}": v for k, v in tokens.sums.items()}})
+    return shard
 
 
 def _rows(size: int, b: int, n: int) -> str:
@@ -129,7 +136,7 @@ def calibration_profiles(setup: Setup, cache: CoefficientCache) -> StaticProfile
     return profiles
 
 
-def _eval_shard(nll: Tensor, coefficients: Mapping[str, Tensor],
+def eval_shard(nll: Tensor, coefficients: Mapping[str, Tensor],
                 hits: Tensor | None = None) -> dict[str, Tensor]:
     """``nll``: the objective's per-unit losses; ``hits``: per example, 1 when classified
     correctly (classification only)."""
@@ -144,7 +151,7 @@ def adopt_probe(cache: CoefficientCache, coefficients: Mapping[str, Tensor], nll
                 hits: Tensor | None = None) -> None:
     """Write the probe's batch as shard 0, or prove a cached shard 0 with it: the probe's
     pass is a fresh recomputation of the first batch (its values were checked there)."""
-    cache.settle(cache.eval_name(0), _eval_shard(nll, coefficients, hits),
+    cache.settle(cache.eval_name(0), eval_shard(nll, coefficients, hits),
                  f"evaluation batch 0 ({_rows(cache.batch_size, 0, cache.n_sequences)})")
 
 
@@ -165,7 +172,7 @@ def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
         check_finite(coefficients, "evaluation data")
         check_finite_losses(nll, objective, f"the unperturbed record pass, batch {b}")
         proven += cache.settle(cache.eval_name(b),
-                               _eval_shard(nll, coefficients, objective.hits(logits, x)),
+                               eval_shard(nll, coefficients, objective.hits(logits, x)),
                                f"evaluation batch {b} "
                                f"({_rows(cache.batch_size, b, cache.n_sequences)})")
         progress("record evaluation", done, len(todo), "")

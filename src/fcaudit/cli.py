@@ -716,7 +716,7 @@ def cmd_sites(args: argparse.Namespace) -> None:
     for path, kind, output, hint in shown:
         print(f"  {path}\t{kind}\t{output}{f'  <- {hint}' if hint else ''}")
     candidates = [path for path, _, _, hint in rows if hint.startswith("likely controller")]
-    for glob in suggested_globs(candidates):
+    for glob in suggested_globs(candidates, [path for path, *_ in rows]):
         print(f"suggested: fcaudit audit --sites {shlex.quote(glob)} ...")
     if not args.all:
         print(f"{len(shown)} likely controllers of {len(rows)} modules; --all lists every "

@@ -33,15 +33,19 @@ SiteSpec = Sequence[str] | Sequence[Site] | None
 def match_modules(model: nn.Module, pattern: str, option: str, example: str) -> list[str]:
     """Module paths matching a glob, outermost matches only, in module order (``option``:
     the argument that gave the glob, named in the caller's words on failure)."""
-    names = [name for name, _ in model.named_modules() if name]
-    hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-    # a glob like "blocks.*" would also match children; keep outermost matches
-    hits = [n for n in hits if not any(n.startswith(h + ".") for h in hits if h != n)]
+    hits = glob_hits([name for name, _ in model.named_modules() if name], pattern)
     if not hits:
         raise FcauditError(
             f"{arg(option, pattern)} matched no module of {type(model).__name__}; list module "
             f"paths with `fcaudit sites --model SPEC --all` and pass a glob such as {example!r}")
     return hits
+
+
+def glob_hits(names: Sequence[str], pattern: str) -> list[str]:
+    """The paths a ``--sites`` glob names: its matches, outermost only (a glob like
+    ``blocks.*`` also matches the blocks' children)."""
+    hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    return [n for n in hits if not any(n.startswith(h + ".") for h in hits if h != n)]
 
 
 SITES_OPTION = arg("sites")  # sites= for a Python caller, --sites on the command line
@@ -197,11 +201,12 @@ def describe_modules(model: nn.Module, sites: set[str], example: Any = None
     finally:
         for handle in handles:
             handle.remove()
-    by_name = not watch.scales  # no module scales another branch: names are all to go by
+    scales = {} if watch.broken else watch.scales  # a watch that failed proves nothing
+    by_name = not scales  # no module scales another branch: names are all to go by
     rows = []
     for name, module in modules:
         out = outputs.get(name, NOT_CALLED)
-        hint = "site" if name in sites else _hint(name, out, watch.scales.get(name), by_name,
+        hint = "site" if name in sites else _hint(name, out, scales.get(name), by_name,
                                                   batch, seq_len)
         rows.append((name, type(module).__name__, out, hint))
     return rows
@@ -245,7 +250,19 @@ def _hint(name: str, output: str, scales: str | None, by_name: bool, batch: int,
     return ""
 
 
-def suggested_globs(paths: Sequence[str]) -> list[str]:
-    """``--sites`` globs for candidate paths: layer indices become ``*``, so one glob
-    names a family of sites across layers (in the order first seen)."""
-    return list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", p) for p in paths))
+def suggested_globs(paths: Sequence[str], names: Sequence[str]) -> list[str]:
+    """``--sites`` globs for candidate paths (in the order first seen): a layer index
+    becomes ``*`` so one glob names a family of sites across layers, but only where the
+    glob then names candidates alone among every module path in ``names`` (the ``1`` of
+    a ``scorer.1`` in a ``Sequential(Linear, Sigmoid)`` stays, or the glob would audit
+    the linear ``scorer.0`` too)."""
+    wanted = set(paths)
+    globs = []
+    for path in paths:
+        glob = path
+        for index in reversed(list(re.finditer(r"(?<=\.)\d+(?=\.|$)", path))):
+            wider = glob[:index.start()] + "*" + glob[index.end():]
+            if set(glob_hits(names, wider)) <= wanted:
+                glob = wider
+        globs.append(glob)
+    return list(dict.fromkeys(globs))

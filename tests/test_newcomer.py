@@ -13,7 +13,7 @@ import torch
 from conftest import observed_outputs, run_inprocess
 from torch import nn
 
-from fcaudit.core.sites import NOT_CALLED
+from fcaudit.core.sites import NOT_CALLED, PROBE_TOKENS
 from fcaudit.models.featuregate import GPT, PRESETS
 
 # ---------------------------------------------------------------- item 3: sites --all
@@ -35,7 +35,7 @@ def module_lines(stdout: str) -> dict[str, str]:
 
 def assert_every_module_described(stdout: str, model: nn.Module,
                                   probe: torch.Tensor | None = None) -> None:
-    reference = observed_outputs(model, torch.randint(0, 2, (2, 8)) if probe is None else probe)
+    reference = observed_outputs(model, torch.randint(0, 2, (2, PROBE_TOKENS)) if probe is None else probe)
     lines = module_lines(stdout)
     names = [n for n, _ in model.named_modules() if n]
     assert list(lines) == names  # one line per module, in module order
@@ -144,8 +144,8 @@ class _ThreeSteps(nn.Module):
 def test_a_failed_pass_says_which_module_raised_and_what_never_ran() -> None:
     from fcaudit.core.sites import describe_modules
     rows = {path: output for path, _, output, _ in describe_modules(_ThreeSteps(), set())}
-    assert rows["emb"] == "Tensor[2, 8, 3] float32"
-    assert rows["block.0"] == "Tensor[2, 8, 3] float32"
+    assert rows["emb"] == "Tensor[2, 7, 3] float32"
+    assert rows["block.0"] == "Tensor[2, 7, 3] float32"
     assert rows["block.1"] == "failed: ValueError: needs attention_mask"
     assert rows["block"] == "failed (inside it, block.1 raised)"
     assert rows["head"] == ("not run: the forward pass stopped in block.1 (ValueError: needs "

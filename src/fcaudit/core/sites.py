@@ -161,6 +161,7 @@ _CONTROLLER_NAME = re.compile(r"gate|router|rout|mix|dense|controller|halt|selec
 
 
 NOT_CALLED = "not called by the forward pass (a container, or unused)"
+PROBE_TOKENS = 7  # odd, so a width of 8 (experts, kernels, heads) is never read as positions
 
 
 @torch.no_grad()
@@ -177,10 +178,10 @@ def describe_modules(model: nn.Module, sites: set[str], example: Any = None
     lines, and the modules that never ran say where the pass stopped."""
     from fcaudit.core.adapters import describe
     from fcaudit.core.nll import device_of, model_limits
-    batch, seq_len = 2, None if example is not None else 8
+    batch, seq_len = 2, None if example is not None else PROBE_TOKENS
     if example is None:
         vocab, _ = model_limits(model)
-        example = torch.randint(0, vocab or 2, (batch, 8), device=device_of(model))
+        example = torch.randint(0, vocab or 2, (batch, seq_len), device=device_of(model))
     outputs: dict[str, str] = {}
     entered: list[str] = []
     watch = ScalingWatch()
@@ -247,6 +248,9 @@ def _hint(name: str, output: str, scales: str | None, by_name: bool, batch: int,
         return f"likely controller ([B, T, ...] output{why})"
     if m and int(m.group(1)) == batch * seq_len:
         return f"likely controller (flattened [B*T, ...] output{why})"
+    if m and int(m.group(1)) == batch and scales:  # an SE gate [B, C]: no token axis
+        return (f"likely per-example controller ([B, ...] output{why}; token ids are "
+                "scored per token: audit it on --inputs, --targets and --calib-inputs)")
     return ""
 
 

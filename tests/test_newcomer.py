@@ -497,3 +497,153 @@ def test_sites_finds_the_act_fn_of_a_hugging_face_llama(
         {"model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"}
     assert not any(p.endswith("gate_proj") for p in listed)
     assert "suggested: fcaudit audit --sites 'model.layers.*.mlp.act_fn' ..." in res.stdout
+
+
+HOSTILE = """
+import torch
+from torch import nn
+
+
+class Layer(nn.Module):
+    def __init__(self, d, kind):
+        super().__init__()
+        self.kind = kind
+        self.score = nn.Sequential(nn.Linear(d, d), nn.Sigmoid())  # score.0 is linear
+        self.gate = nn.Linear(d, d)
+
+    def forward(self, x):
+        if self.kind == "sequential":  # the gate is Sequential's index 1
+            return x * self.score(x)
+        if self.kind == "cast":  # a router's weights cast to the hidden dtype, then picked
+            g = torch.sigmoid(self.gate(x)).to(torch.float64)[:, :, torch.arange(x.shape[-1])]
+            return (x.double() * g).float()
+        g = self.gate(x)  # an in-place sigmoid, then an in-place product
+        g.sigmoid_()
+        return x.clone().mul_(g)
+
+
+class SEToken(nn.Module):
+    \"\"\"A per-example channel gate [B, 8] on token states [B, T, 8].\"\"\"
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.act = nn.Sigmoid()
+
+    def forward(self, x):
+        return x * self.act(self.fc(x.mean(1)))[:, None, :]
+
+
+class LM(nn.Module):
+    def __init__(self, kind, d=8, vocab=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(
+            SEToken(d) if kind == "se" else Layer(d, kind) for _ in range(2))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def build(kind):
+    torch.manual_seed(0)
+    return LM(kind).eval()
+
+
+sequential, cast, inplace, se = (lambda k=k: build(k) for k in ("sequential", "cast", "inplace", "se"))
+"""
+
+
+@pytest.fixture
+def hostile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "hostile.py").write_text(HOSTILE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_a_suggested_glob_names_the_candidates_alone_and_audits(
+        hostile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`layers.N.score` is `Sequential(Linear, Sigmoid)`: the candidate is `score.1`, and
+    `layers.*.score.*` would also audit the linear `score.0`; the suggestion keeps the
+    `1` and widens the layer index only, and auditing with it records the two sigmoids."""
+    import json
+    res = run_inprocess(["sites", "--model", "hostile:sequential"], capsys)
+    assert res.returncode == 0, res.stderr
+    assert sorted(module_lines(res.stdout)) == ["layers.0.score.1", "layers.1.score.1"]
+    assert "suggested: fcaudit audit --sites 'layers.*.score.1' ..." in res.stdout
+    assert "score.*" not in res.stdout
+    np.save(hostile / "eval.npy", np.arange(48).reshape(6, 8) % 16)
+    np.save(hostile / "calib.npy", (np.arange(48).reshape(6, 8) * 7) % 16)
+    audit = run_inprocess(["audit", "--model", "hostile:sequential", "--sites",
+                           "layers.*.score.1", "--tokens", "eval.npy", "--calib-tokens",
+                           "calib.npy", "--out", "out", *AUDIT_FAST], capsys)
+    assert audit.returncode == 0, audit.stderr
+    sites = json.loads((hostile / "out" / "audit.json").read_text())["sites"]
+    assert [s["name"] for s in sites] == ["layers.0.score.1", "layers.1.score.1"]
+
+
+@pytest.mark.parametrize(("kind", "why"), [
+    ("cast", "a sigmoid of its output that scales another branch"),  # cast + picked copy
+    ("inplace", "a sigmoid of its output that scales another branch")])  # sigmoid_, mul_
+def test_the_watch_follows_a_gate_through_casts_copies_and_in_place_ops(
+        hostile: Path, capsys: pytest.CaptureFixture[str], kind: str, why: str) -> None:
+    res = run_inprocess(["sites", "--model", f"hostile:{kind}"], capsys)
+    assert res.returncode == 0, res.stderr
+    listed = module_lines(res.stdout)
+    assert sorted(listed) == ["layers.0.gate", "layers.1.gate"]
+    assert listed["layers.0.gate"].endswith(f"likely controller ([B, T, ...] output; {why})")
+    assert "suggested: fcaudit audit --sites 'layers.*.gate' ..." in res.stdout
+
+
+def test_a_per_example_gate_of_a_token_model_is_not_read_as_positions(
+        hostile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An SE gate `[B, 8]` on tokens: a probe of 8 tokens read its 8 channels as positions
+    and suggested a glob the token audit refuses; it is per-example, and not suggested."""
+    res = run_inprocess(["sites", "--model", "hostile:se"], capsys)
+    assert res.returncode == 0, res.stderr
+    listed = module_lines(res.stdout)
+    assert sorted(listed) == ["layers.0.act", "layers.1.act"]
+    assert listed["layers.0.act"] == (
+        f"Sigmoid\tTensor[2, 8] float32  <- likely per-example controller ([B, ...] output; "
+        "a Sigmoid output that scales another branch; token ids are scored per token: "
+        "audit it on --inputs, --targets and --calib-inputs)")
+    assert PROBE_TOKENS != 8 and "suggested" not in res.stdout
+
+
+class _NoMin(torch.Tensor):
+    """A tensor subclass whose min/max raise: the watch cannot judge its values."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in ("min", "max"):
+            raise RuntimeError("no min here")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _OddGate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x).as_subclass(_NoMin)
+
+
+class _OddModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.gate, self.head = nn.Embedding(8, 4), _OddGate(), nn.Linear(4, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.head((x * self.gate(x)).as_subclass(torch.Tensor))
+
+
+def test_an_error_of_the_watch_falls_back_to_names_and_never_stops_the_pass() -> None:
+    from fcaudit.core.sites import describe_modules
+    rows = {path: (output, hint) for path, _, output, hint in describe_modules(_OddModel(),
+                                                                                 set())}
+    assert rows["head"][0] == f"Tensor[2, {PROBE_TOKENS}, 8] float32"  # the pass finished
+    assert rows["gate"][1] == "likely controller ([B, T, ...] output)"  # by its name
+    assert rows["embed"][1] == "" and rows["head"][1] == ""

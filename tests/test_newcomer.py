@@ -35,7 +35,8 @@ def module_lines(stdout: str) -> dict[str, str]:
 
 def assert_every_module_described(stdout: str, model: nn.Module,
                                   probe: torch.Tensor | None = None) -> None:
-    reference = observed_outputs(model, torch.randint(0, 2, (2, PROBE_TOKENS)) if probe is None else probe)
+    probe = torch.randint(0, 2, (2, PROBE_TOKENS)) if probe is None else probe
+    reference = observed_outputs(model, probe)
     lines = module_lines(stdout)
     names = [n for n, _ in model.named_modules() if n]
     assert list(lines) == names  # one line per module, in module order
@@ -553,7 +554,8 @@ def build(kind):
     return LM(kind).eval()
 
 
-sequential, cast, inplace, se = (lambda k=k: build(k) for k in ("sequential", "cast", "inplace", "se"))
+sequential, cast, inplace, se = (
+    lambda k=k: build(k) for k in ("sequential", "cast", "inplace", "se"))
 """
 
 
@@ -608,7 +610,7 @@ def test_a_per_example_gate_of_a_token_model_is_not_read_as_positions(
     listed = module_lines(res.stdout)
     assert sorted(listed) == ["layers.0.act", "layers.1.act"]
     assert listed["layers.0.act"] == (
-        f"Sigmoid\tTensor[2, 8] float32  <- likely per-example controller ([B, ...] output; "
+        "Sigmoid\tTensor[2, 8] float32  <- likely per-example controller ([B, ...] output; "
         "a Sigmoid output that scales another branch; token ids are scored per token: "
         "audit it on --inputs, --targets and --calib-inputs)")
     assert PROBE_TOKENS != 8 and "suggested" not in res.stdout

@@ -310,6 +310,19 @@ def test_a_per_sequence_gate_as_wide_as_the_sequence_is_not_a_token_axis() -> No
         token_audit(TokenSE(8), sites=["gate"])
 
 
+def test_a_declared_position_axis_on_tokens_must_follow_the_length() -> None:
+    """`site_axes={'gate': 'example,channel*'}` on the [B, 16] gate of 16-token windows:
+    before, the declaration skipped the proof and shuffle permuted 16 channels as
+    "positions (channel)"; now it gets the undeclared site's proof. A real per-token gate
+    declared under another axis name passes it."""
+    with pytest.raises(FcauditError, match="its output \\[4, 16\\] at 16 tokens is "
+                                           "\\[4, 16\\] at 15"):
+        token_audit(TokenSE(16), sites=["gate"], site_axes={"gate": "example,channel*"})
+    r = token_audit(toys.content_model(), sites=["gates.*"],
+                    site_axes={"gates.*": "example,position*"})
+    assert "shuffle" in r.conditions and r.conditions["shuffle"].ci95[0] > 1.0
+
+
 def test_a_glob_over_whole_blocks(capsys) -> None:
     """An execution block that outputs the hidden states it reads is refused; an MLP (the
     hidden states it reads, in and out) is audited with a warning on the console and in

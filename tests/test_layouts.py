@@ -193,6 +193,41 @@ def test_site_axes_cannot_contradict_the_model() -> None:
         image_audit(vt.spatial_model(), sites=["mask"], site_axes={"mask": "example,cell*"})
 
 
+@pytest.mark.parametrize(("site_axes", "got"), [
+    ({"blocks.*.gate": ["example", 3]}, "got 'blocks.*.gate': ['example', 3]"),  # raw TypeError
+    ({"blocks.*.gate": 5}, "got 'blocks.*.gate': 5"),
+    ({"blocks.*.gate": None}, "got 'blocks.*.gate': None"),
+    ({3: "example,channel"}, "got 3: 'example,channel'"),
+    (5, "got 5"),  # before: "got ''"
+    (["blocks.*.gate"], "got 'blocks.*.gate'")])
+def test_a_site_axes_entry_of_the_wrong_type_is_one_line(site_axes: object,
+                                                         got: str) -> None:
+    with pytest.raises(FcauditError) as caught:
+        image_audit(vt.se_unequal(), sites=["blocks.*.gate"], site_axes=site_axes)
+    assert str(caught.value) == (
+        "give site_axes={GLOB: AXES} for each glob of sites (AXES: comma-separated axis "
+        "names), e.g. 'blocks.*.gate=example,channel' (one value set per example) or "
+        f"'blocks.*.mask=example,channel,row*,column*'; {got}")
+
+
+def test_a_family_declared_with_positions_of_unequal_lengths_is_refused_first(
+        tmp_path: Path) -> None:
+    """SE gates of widths 4 and 6 declared `example,channel*`: before, the whole audit ran
+    and then crashed in the variance split ("The size of tensor a (4) must match the
+    size of tensor b (6)"); now the first batch refuses it, naming both sites."""
+    with pytest.raises(FcauditError) as caught:
+        image_audit(vt.se_unequal(), sites=["blocks.*.gate"],
+                    site_axes={"blocks.*.gate": "example,channel*"}, out=tmp_path / "out")
+    assert str(caught.value).startswith(
+        "sites of family blocks.*.gate have different numbers of positions (blocks.0.gate: "
+        "4, blocks.1.gate: 6), so no position can be compared across them")
+    assert "--site-axes, or name each site" in caught.value.for_cli()
+    assert not (tmp_path / "out" / "audit.json").exists()
+    equal = image_audit(vt.se_equal(), sites=["blocks.*.gate"],  # 4 and 4: as declared
+                        site_axes={"blocks.*.gate": "example,channel*"})
+    assert "shuffle" in equal.conditions
+
+
 # ------------------------------------------------------------- patches, proven or not
 
 

@@ -649,3 +649,26 @@ def test_an_error_of_the_watch_falls_back_to_names_and_never_stops_the_pass() ->
     assert rows["head"][0] == f"Tensor[2, {PROBE_TOKENS}, 8] float32"  # the pass finished
     assert rows["gate"][1] == "likely controller ([B, T, ...] output)"  # by its name
     assert rows["embed"][1] == "" and rows["head"][1] == ""
+
+
+def test_the_short_listing_says_when_the_probe_pass_did_not_finish(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token ids into an image model (no --inputs): the pass stops in `blocks.0`. Before,
+    the short listing said only "0 likely controllers of 7 modules", as for a model
+    without any; now it says where the pass stopped and how to probe it."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    res = run_inprocess(["sites", "--model", "vision_toys:se_unequal"], capsys)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[-2] == "0 likely controllers of 7 modules; --all lists every module with " \
+        "its output"
+    assert lines[-1].startswith("the probe pass did not finish (blocks.0: failed: ")
+    assert lines[-1].endswith("so the modules it did not reach were not judged; give two "
+                              "inputs the model takes with --inputs X.npy (--all shows "
+                              "every module)")
+    np.save(tmp_path / "x.npy", np.zeros((2, 1, 8, 8), dtype=np.float32))
+    given = run_inprocess(["sites", "--model", "vision_toys:se_unequal", "--inputs",
+                           tmp_path / "x.npy"], capsys)
+    assert given.returncode == 0 and "did not finish" not in given.stdout
+    assert "suggested: fcaudit audit --sites 'blocks.*.gate' ..." in given.stdout

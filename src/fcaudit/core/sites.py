@@ -213,6 +213,18 @@ def describe_modules(model: nn.Module, sites: set[str], example: Any = None
     return rows
 
 
+def probe_failure(rows: Sequence[tuple[str, str, str, str]]) -> str | None:
+    """A line for the short listing when the probe pass of :func:`describe_modules` did
+    not finish: "0 likely controllers" alone would read as a model without any."""
+    stop = next((r for r in rows if r[2].startswith("failed: ")), None) or \
+        next((r for r in rows if r[2].startswith("not run: ")), None)
+    if stop is None:
+        return None
+    return (f"the probe pass did not finish ({stop[0]}: {stop[2]}), so the modules it did "
+            "not reach were not judged; give two inputs the model takes with --inputs X.npy "
+            "(--all shows every module)")
+
+
 def _mark_failure(outputs: dict[str, str], entered: list[str], names: list[str],
                   exc: Exception, root: str) -> None:
     """Fill in what a failed pass left open: the innermost unfinished module raised, the

@@ -672,3 +672,42 @@ def test_the_short_listing_says_when_the_probe_pass_did_not_finish(
                            tmp_path / "x.npy"], capsys)
     assert given.returncode == 0 and "did not finish" not in given.stdout
     assert "suggested: fcaudit audit --sites 'blocks.*.gate' ..." in given.stdout
+
+
+class _EinsumAttention(nn.Module):
+    """Attention written with einsum (an nn.Softmax module's [B, H, T, T] output is an
+    einsum operand, as a mixture's weights are), with as many heads as the probe has
+    tokens, beside a real per-token gate."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, width = heads, 2 * heads
+        self.embed, self.qkv, self.head = nn.Embedding(16, width), \
+            nn.Linear(width, 3 * width), nn.Linear(width, 16)
+        self.softmax = nn.Softmax(-1)
+        self.gate = nn.Sequential(nn.Linear(width, width), nn.Sigmoid())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        b, t, w = x.shape
+        q, k, v = (z.view(b, t, self.heads, 2).transpose(1, 2)
+                   for z in self.qkv(x).chunk(3, -1))
+        weights = self.softmax(torch.einsum("bhqd,bhkd->bhqk", q, k))
+        mixed = torch.einsum("bhqk,bhkd->bhqd", weights, v).transpose(1, 2).reshape(b, t, w)
+        return self.head(mixed * self.gate(mixed))
+
+
+@pytest.mark.parametrize("heads", [PROBE_TOKENS, 2])
+def test_attention_weights_over_token_pairs_are_not_a_controller(heads: int) -> None:
+    """Before: with as many heads as probe tokens the [2, T, T, T] softmax read as a
+    "[B, T, ...]" controller (with 2 heads, once per-example gates were judged, as one of
+    those); weights over token pairs are attention, the gate beside them is marked."""
+    from fcaudit.core.sites import describe_modules
+    t = PROBE_TOKENS
+    hints = {path: (out, hint) for path, _, out, hint in describe_modules(
+        _EinsumAttention(heads), set())}
+    assert hints["softmax"] == (f"Tensor[2, {heads}, {t}, {t}] float32", "")
+    assert hints["gate.1"][1] == "likely controller ([B, T, ...] output; a Sigmoid output " \
+        "that scales another branch)"
+    assert [p for p, (_, h) in hints.items() if h] == ["gate.1"]

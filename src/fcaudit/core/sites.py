@@ -252,15 +252,20 @@ def _hint(name: str, output: str, scales: str | None, by_name: bool, batch: int,
     if not scales and not (by_name and named):
         return ""
     why = f"; {scales} that scales another branch" if scales else ""
-    m = re.match(r"Tensor\[(\d+), (\d+)(?:, (\d+))?", output)
+    found = re.match(r"Tensor\[([\d, ]+)\]", output)
+    dims = [int(d) for d in found.group(1).split(",")] if found else []
+    if len(dims) < 2:
+        return ""
     if seq_len is None:  # examples, not token windows: the positions axis is the model's own
         return (f"likely controller ([B, ...] output{why}: name its axes with --site-axes "
-                "or a Site, see docs/method.md)" if m and int(m.group(1)) == batch else "")
-    if m and (int(m.group(1)), int(m.group(2))) == (batch, seq_len):
+                "or a Site, see docs/method.md)" if dims[0] == batch else "")
+    if dims[1:].count(seq_len) > 1:  # [B, T, T], [B, H, T, T]: weights over token pairs
+        return ""  # (attention), not one coefficient set per token
+    if dims[:2] == [batch, seq_len]:
         return f"likely controller ([B, T, ...] output{why})"
-    if m and int(m.group(1)) == batch * seq_len:
+    if dims[0] == batch * seq_len:
         return f"likely controller (flattened [B*T, ...] output{why})"
-    if m and int(m.group(1)) == batch and scales:  # an SE gate [B, C]: no token axis
+    if dims[0] == batch and scales and seq_len not in dims:  # an SE gate [B, C]
         return (f"likely per-example controller ([B, ...] output{why}; token ids are "
                 "scored per token: audit it on --inputs, --targets and --calib-inputs)")
     return ""

@@ -534,12 +534,26 @@ class SEToken(nn.Module):
         return x * self.act(self.fc(x.mean(1)))[:, None, :]
 
 
+class SoftMixture(nn.Module):
+    \"\"\"A dense (soft) mixture: a linear `router` and `experts`, no top-k anywhere.\"\"\"
+    def __init__(self, d):
+        super().__init__()
+        self.router = nn.Linear(d, 4)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        weights = torch.softmax(self.router(x), -1)
+        outs = torch.stack([e(x) for e in self.experts], -2)
+        return torch.einsum("btk,btkd->btd", weights, outs)
+
+
 class LM(nn.Module):
     def __init__(self, kind, d=8, vocab=16):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList(
-            SEToken(d) if kind == "se" else Layer(d, kind) for _ in range(2))
+            SEToken(d) if kind == "se" else SoftMixture(d) if kind == "soft"
+            else Layer(d, kind) for _ in range(2))
         self.head = nn.Linear(d, vocab)
 
     def forward(self, ids):
@@ -554,8 +568,8 @@ def build(kind):
     return LM(kind).eval()
 
 
-sequential, cast, inplace, se = (
-    lambda k=k: build(k) for k in ("sequential", "cast", "inplace", "se"))
+sequential, cast, inplace, se, soft = (
+    lambda k=k: build(k) for k in ("sequential", "cast", "inplace", "se", "soft"))
 """
 
 
@@ -711,3 +725,30 @@ def test_attention_weights_over_token_pairs_are_not_a_controller(heads: int) -> 
     assert hints["gate.1"][1] == "likely controller ([B, T, ...] output; a Sigmoid output " \
         "that scales another branch)"
     assert [p for p, (_, h) in hints.items() if h] == ["gate.1"]
+
+
+def test_a_soft_mixture_without_top_k_is_judged_by_its_output_and_audits(
+        hostile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A block with a linear `router` and `experts` but no top-k: before, discovery made
+    it a router site whose audit failed with "give RouterAdapter(top_k=...)", which no
+    flag can give; now the probe marks the router (its softmax weights the experts) and
+    the suggested glob audits its [B, T, 4] logits."""
+    import json
+    res = run_inprocess(["sites", "--model", "hostile:soft"], capsys)
+    assert res.returncode == 0, res.stderr
+    assert "family=router" not in res.stdout
+    listed = module_lines(res.stdout)
+    assert sorted(listed) == ["layers.0.router", "layers.1.router"]
+    assert listed["layers.0.router"] == (
+        f"Linear\tTensor[2, {PROBE_TOKENS}, 4] float32  <- likely controller ([B, T, ...] "
+        "output; a softmax of its output that scales another branch)")
+    assert "suggested: fcaudit audit --sites 'layers.*.router' ..." in res.stdout
+    np.save(hostile / "eval.npy", np.arange(48).reshape(6, 8) % 16)
+    np.save(hostile / "calib.npy", (np.arange(48).reshape(6, 8) * 7) % 16)
+    audit = run_inprocess(["audit", "--model", "hostile:soft", "--sites", "layers.*.router",
+                           "--tokens", "eval.npy", "--calib-tokens", "calib.npy", "--out",
+                           "out", *AUDIT_FAST], capsys)
+    assert audit.returncode == 0, audit.stderr
+    sites = json.loads((hostile / "out" / "audit.json").read_text())["sites"]
+    assert [(s["name"], s["family"], s.get("adapter")) for s in sites] == [
+        (f"layers.{i}.router", "layers.*.router", None) for i in range(2)]  # no RouterAdapter

@@ -193,6 +193,19 @@ def test_site_axes_cannot_contradict_the_model() -> None:
         image_audit(vt.spatial_model(), sites=["mask"], site_axes={"mask": "example,cell*"})
 
 
+def test_site_axes_naming_the_trailing_axes_of_a_declared_layout_agree() -> None:
+    """FeatureGate declares its gates `example,token*`; `example,token*,unit` says the same
+    and names the trailing axis: before, "gives it more than one layout"; now it audits
+    (the model's declaration kept). Other positions still contradict it."""
+    r = token_audit(_tiny_gpt(), site_axes={"blocks.*.gate": "example,token*,unit"})
+    assert [(s.name, s.axes) for s in r.sites] == [("blocks.0.gate", None),
+                                                   ("blocks.1.gate", None)]
+    assert "shuffle" in r.conditions
+    with pytest.raises(FcauditError, match="more than one layout \\(blocks.\\*.gate="
+                                           "example,unit\\*, and it declares example,token"):
+        token_audit(_tiny_gpt(), site_axes={"blocks.*.gate": "example,unit*"})
+
+
 @pytest.mark.parametrize(("site_axes", "got"), [
     ({"blocks.*.gate": ["example", 3]}, "got 'blocks.*.gate': ['example', 3]"),  # raw TypeError
     ({"blocks.*.gate": 5}, "got 'blocks.*.gate': 5"),

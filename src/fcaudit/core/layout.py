@@ -109,9 +109,9 @@ def declare_axes(sites: Sequence[Site], site_axes: SiteAxes) -> list[Site]:
     for site in (_declared(s) for s in sites):
         given = {(g, parse_axes(spec, _entry(g, spec))) for g, spec in entries
                  if fnmatch.fnmatchcase(site.path, g) or g == site.family}
-        layouts = {layout for _, layout in given}
-        if len(layouts) > 1 or (layouts and site.axes is not None
-                                and layouts != {(site.axes, site.positions)}):
+        own = set() if site.axes is None else {(site.axes, site.positions)}
+        layouts = _one_layout({layout for _, layout in given} | own)
+        if len(layouts) > 1:
             said = "; ".join(sorted(f"{g}={spell_axes(*lay)}" for g, lay in given))
             own = "" if site.axes is None else \
                 f", and it declares {spell_axes(site.axes, site.positions or ())}"
@@ -129,6 +129,18 @@ def declare_axes(sites: Sequence[Site], site_axes: SiteAxes) -> list[Site]:
                            f"({', '.join(s.path for s in sites[:4])}"
                            f"{', ...' if len(sites) > 4 else ''}); give a glob of their paths")
     return out
+
+
+def _one_layout(layouts: set[tuple[tuple[str, ...], tuple[int, ...]]]
+                ) -> set[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Layouts with the same positions whose axes each extend a shorter one's (a router's
+    declared ``example,token*`` and a user's ``example,token*,expert``: trailing axes
+    named or not) are one layout, the longest; any other difference stays two."""
+    longest = max(layouts, key=lambda lay: len(lay[0]), default=None)
+    if longest is not None and all(lay[1] == longest[1] and longest[0][:len(lay[0])] == lay[0]
+                                   for lay in layouts):
+        return {longest}
+    return layouts
 
 
 def _entry(glob: str, spec: str | Sequence[str]) -> str:

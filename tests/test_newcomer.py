@@ -547,13 +547,33 @@ class SoftMixture(nn.Module):
         return torch.einsum("btk,btkd->btd", weights, outs)
 
 
+class HardMask(nn.Module):
+    \"\"\"A token-pruning scorer: tokens kept where the score is above 0 (no activation).\"\"\"
+    def __init__(self, d):
+        super().__init__()
+        self.scorer = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return x * (self.scorer(x) > 0).float()
+
+
+class Scripted(nn.Module):
+    \"\"\"A gate compiled with torch.jit.script: a TorchScript module takes no hooks.\"\"\"
+    def __init__(self, d):
+        super().__init__()
+        self.gate = torch.jit.script(nn.Sequential(nn.Linear(d, d), nn.Sigmoid()))
+
+    def forward(self, x):
+        return x * self.gate(x)
+
+
 class LM(nn.Module):
     def __init__(self, kind, d=8, vocab=16):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList(
-            SEToken(d) if kind == "se" else SoftMixture(d) if kind == "soft"
-            else Layer(d, kind) for _ in range(2))
+            {"se": SEToken, "soft": SoftMixture, "hard": HardMask, "scripted": Scripted}.get(
+                kind, lambda d: Layer(d, kind))(d) for _ in range(2))
         self.head = nn.Linear(d, vocab)
 
     def forward(self, ids):
@@ -568,8 +588,8 @@ def build(kind):
     return LM(kind).eval()
 
 
-sequential, cast, inplace, se, soft = (
-    lambda k=k: build(k) for k in ("sequential", "cast", "inplace", "se", "soft"))
+sequential, cast, inplace, se, soft, hard, scripted = (lambda k=k: build(k) for k in (
+    "sequential", "cast", "inplace", "se", "soft", "hard", "scripted"))
 """
 
 
@@ -752,3 +772,38 @@ def test_a_soft_mixture_without_top_k_is_judged_by_its_output_and_audits(
     sites = json.loads((hostile / "out" / "audit.json").read_text())["sites"]
     assert [(s["name"], s["family"], s.get("adapter")) for s in sites] == [
         (f"layers.{i}.router", "layers.*.router", None) for i in range(2)]  # no RouterAdapter
+
+
+def test_a_hard_mask_scorer_is_a_controller(hostile: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """`x * (scorer(x) > 0).float()`: before, a threshold was not followed (0 candidates);
+    a mask kept where a score passes a threshold scales the tokens as a gate does."""
+    res = run_inprocess(["sites", "--model", "hostile:hard"], capsys)
+    assert res.returncode == 0, res.stderr
+    listed = module_lines(res.stdout)
+    assert listed == {f"layers.{i}.scorer": (
+        f"Linear\tTensor[2, {PROBE_TOKENS}, 1] float32  <- likely controller ([B, T, ...] "
+        "output; a threshold of its output that scales another branch)") for i in range(2)}
+    assert "suggested: fcaudit audit --sites 'layers.*.scorer' ..." in res.stdout
+
+
+def test_a_torchscript_module_is_listed_and_refused_as_a_site(
+        hostile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `sites` and `audit --sites layers.*.gate` both stopped with "unexpected
+    RuntimeError (register_forward_pre_hook is not supported on ScriptModules); this is a
+    bug"; now `sites` lists them as not watched and the audit refuses in one line."""
+    res = run_inprocess(["sites", "--model", "hostile:scripted", "--all"], capsys)
+    assert res.returncode == 0, res.stderr
+    listed = module_lines(res.stdout)
+    assert listed["layers.0.gate"] == ("RecursiveScriptModule\tnot watched: a TorchScript "
+                                       "module takes no hooks")
+    assert listed["head"].startswith(f"Linear\tTensor[2, {PROBE_TOKENS}, 16]")
+    np.save(hostile / "eval.npy", np.arange(48).reshape(6, 8) % 16)
+    audit = run_inprocess(["audit", "--model", "hostile:scripted", "--sites",
+                           "layers.*.gate", "--tokens", "eval.npy", "--calib-tokens",
+                           "eval.npy", "--out", "out", *AUDIT_FAST], capsys)
+    assert audit.returncode == 2
+    assert audit.stderr.strip() == (
+        "fcaudit: error: site layers.0.gate is a TorchScript module (RecursiveScriptModule), "
+        "which takes no hooks: build the model without torch.jit.script for the audit")
+    assert not (hostile / "out").exists()

@@ -3,7 +3,8 @@
 A name says little: ``mlp.gate_proj`` of a gated MLP is a linear pre-activation, and the
 tensor that actually multiplies the other branch is the output of ``mlp.act_fn``. So the
 probe pass watches every torch call (a ``TorchFunctionMode``): a module whose output, or
-an activation of it (sigmoid, softmax, SiLU, GELU, tanh), is an operand of an elementwise
+an activation of it (sigmoid, softmax, SiLU, GELU, tanh) or a threshold of it (a hard
+mask ``score > 0``), is an operand of an elementwise
 product or an einsum with another tensor *scales another branch*; when that output is
 controller-like (an activation module's, one in [0, 1], or the activation taken of it),
 the module is a likely controller. Tensors are followed by their storage, so the views a
@@ -27,6 +28,8 @@ from torch.overrides import TorchFunctionMode
 _ACTIVATION_CLASS = re.compile(r"sigmoid|softmax|silu|swish|gelu|tanh|activation", re.I)
 _ACTIVATIONS = {"sigmoid", "sigmoid_", "softmax", "silu", "gelu", "tanh", "tanh_",
                 "hardsigmoid", "softplus", "swish"}
+_THRESHOLDS = {"gt", "ge", "lt", "le", "__gt__", "__ge__", "__lt__", "__le__",
+               "heaviside"}  # a hard gate: a mask kept where the score passes a threshold
 _COPIES = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "clone",
            "contiguous", "detach", "__getitem__", "index_select", "gather", "topk", "repeat",
            "repeat_interleave", "masked_fill"}  # a new tensor holding (some of) the same values
@@ -107,6 +110,8 @@ class ScalingWatch(TorchFunctionMode):
             return None
         if word in _ACTIVATIONS:  # in place (sigmoid_) the storage is the same: overwrite
             self.owner[ptr] = (source[0], f"a {word.rstrip('_')} of its output")
+        elif word in _THRESHOLDS:
+            self.owner[ptr] = (source[0], "a threshold of its output")
         elif word in _COPIES:
             self.owner.setdefault(ptr, source)
         else:

@@ -77,11 +77,15 @@ def check_sites(model: nn.Module, sites: Sequence[Site]) -> list[Site]:
     seen: dict[str, Site] = {}
     for site in sites:
         try:
-            model.get_submodule(site.path)
+            module = model.get_submodule(site.path)
         except AttributeError as exc:
             raise FcauditError(f"site {site.name}: {site.path!r} is not a module of "
                                f"{type(model).__name__}; list module paths with "
                                "`fcaudit sites --model SPEC --all`") from exc
+        if isinstance(module, torch.jit.ScriptModule):  # hooks record and replace a site
+            raise FcauditError(f"site {site.name} is a TorchScript module "
+                               f"({type(module).__name__}), which takes no hooks: build the "
+                               "model without torch.jit.script for the audit")
         if site.path in seen:
             other = seen[site.path]
             raise FcauditError(
@@ -191,9 +195,13 @@ def describe_modules(model: nn.Module, sites: set[str], example: Any = None
         watch.output(name, m, out)
 
     modules = [(name, module) for name, module in model.named_modules() if name]
-    handles = [h for name, module in modules for h in (
-        module.register_forward_pre_hook(lambda _m, _a, name=name: entered.append(name)),
-        module.register_forward_hook(lambda m, a, out, name=name: seen(m, a, out, name)))]
+    handles = []
+    for name, module in modules:
+        if isinstance(module, torch.jit.ScriptModule):  # takes no hooks: say so, go on
+            outputs[name] = "not watched: a TorchScript module takes no hooks"
+            continue
+        handles += [module.register_forward_pre_hook(lambda _m, _a, n=name: entered.append(n)),
+                    module.register_forward_hook(lambda m, _a, out, n=name: seen(m, _a, out, n))]
     try:
         with watch:
             model.eval()(**example) if isinstance(example, dict) else model.eval()(example)

@@ -33,7 +33,7 @@ def test_sites_all_shows_outputs_and_marks_likely_controllers(
     assert res.returncode == 0, res.stderr
     assert "no declared controller sites" in res.stdout
     line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith("gates.0"))
-    assert "Tensor[2, 8, 64]" in line and "likely controller" in line
+    assert "Tensor[2, 7, 64]" in line and "likely controller" in line
 
 
 def test_sites_help_describes_itself(capsys: pytest.CaptureFixture[str]) -> None:

@@ -193,6 +193,54 @@ def test_site_axes_cannot_contradict_the_model() -> None:
         image_audit(vt.spatial_model(), sites=["mask"], site_axes={"mask": "example,cell*"})
 
 
+def test_site_axes_naming_the_trailing_axes_of_a_declared_layout_agree() -> None:
+    """FeatureGate declares its gates `example,token*`; `example,token*,unit` says the same
+    and names the trailing axis: before, "gives it more than one layout"; now it audits
+    (the model's declaration kept). Other positions still contradict it."""
+    r = token_audit(_tiny_gpt(), site_axes={"blocks.*.gate": "example,token*,unit"})
+    assert [(s.name, s.axes) for s in r.sites] == [("blocks.0.gate", None),
+                                                   ("blocks.1.gate", None)]
+    assert "shuffle" in r.conditions
+    with pytest.raises(FcauditError, match="more than one layout \\(blocks.\\*.gate="
+                                           "example,unit\\*, and it declares example,token"):
+        token_audit(_tiny_gpt(), site_axes={"blocks.*.gate": "example,unit*"})
+
+
+@pytest.mark.parametrize(("site_axes", "got"), [
+    ({"blocks.*.gate": ["example", 3]}, "got 'blocks.*.gate': ['example', 3]"),  # raw TypeError
+    ({"blocks.*.gate": 5}, "got 'blocks.*.gate': 5"),
+    ({"blocks.*.gate": None}, "got 'blocks.*.gate': None"),
+    ({3: "example,channel"}, "got 3: 'example,channel'"),
+    (5, "got 5"),  # before: "got ''"
+    (["blocks.*.gate"], "got 'blocks.*.gate'")])
+def test_a_site_axes_entry_of_the_wrong_type_is_one_line(site_axes: object,
+                                                         got: str) -> None:
+    with pytest.raises(FcauditError) as caught:
+        image_audit(vt.se_unequal(), sites=["blocks.*.gate"], site_axes=site_axes)
+    assert str(caught.value) == (
+        "give site_axes={GLOB: AXES} for each glob of sites (AXES: comma-separated axis "
+        "names), e.g. 'blocks.*.gate=example,channel' (one value set per example) or "
+        f"'blocks.*.mask=example,channel,row*,column*'; {got}")
+
+
+def test_a_family_declared_with_positions_of_unequal_lengths_is_refused_first(
+        tmp_path: Path) -> None:
+    """SE gates of widths 4 and 6 declared `example,channel*`: before, the whole audit ran
+    and then crashed in the variance split ("The size of tensor a (4) must match the
+    size of tensor b (6)"); now the first batch refuses it, naming both sites."""
+    with pytest.raises(FcauditError) as caught:
+        image_audit(vt.se_unequal(), sites=["blocks.*.gate"],
+                    site_axes={"blocks.*.gate": "example,channel*"}, out=tmp_path / "out")
+    assert str(caught.value).startswith(
+        "sites of family blocks.*.gate have different numbers of positions (blocks.0.gate: "
+        "4, blocks.1.gate: 6), so no position can be compared across them")
+    assert "--site-axes, or name each site" in caught.value.for_cli()
+    assert not (tmp_path / "out" / "audit.json").exists()
+    equal = image_audit(vt.se_equal(), sites=["blocks.*.gate"],  # 4 and 4: as declared
+                        site_axes={"blocks.*.gate": "example,channel*"})
+    assert "shuffle" in equal.conditions
+
+
 # ------------------------------------------------------------- patches, proven or not
 
 
@@ -308,6 +356,19 @@ def test_a_per_sequence_gate_as_wide_as_the_sequence_is_not_a_token_axis() -> No
         token_audit(TokenSE(16), sites=["gate"])
     with pytest.raises(FcauditError, match="neither \\[batch=4, positions=16"):
         token_audit(TokenSE(8), sites=["gate"])
+
+
+def test_a_declared_position_axis_on_tokens_must_follow_the_length() -> None:
+    """`site_axes={'gate': 'example,channel*'}` on the [B, 16] gate of 16-token windows:
+    before, the declaration skipped the proof and shuffle permuted 16 channels as
+    "positions (channel)"; now it gets the undeclared site's proof. A real per-token gate
+    declared under another axis name passes it."""
+    with pytest.raises(FcauditError, match="its output \\[4, 16\\] at 16 tokens is "
+                                           "\\[4, 16\\] at 15"):
+        token_audit(TokenSE(16), sites=["gate"], site_axes={"gate": "example,channel*"})
+    r = token_audit(toys.content_model(), sites=["gates.*"],
+                    site_axes={"gates.*": "example,position*"})
+    assert "shuffle" in r.conditions and r.conditions["shuffle"].ci95[0] > 1.0
 
 
 def test_a_glob_over_whole_blocks(capsys) -> None:

@@ -77,7 +77,7 @@ MISTAKES: list[tuple[str, list[str], str]] = [
                              *TOKENS], "matched no module"),
     ("sites twice", [*TOY, "--sites", "gates.*", *TOKENS], "more than once"),
     ("site axes without a layout", [*TOY, *TOKENS, "--site-axes", "gates.*"],
-     "--site-axes takes GLOB=AXES"),
+     "give --site-axes GLOB=AXES for each glob of sites (AXES: comma-separated axis names)"),
     ("site axes on no site", [*TOY, *TOKENS, "--site-axes", "blocks.*=example,token*"],
      "--site-axes 'blocks.*=example,token*' matches none of the audited sites"),
     ("site axes starred examples", [*TOY, *TOKENS, "--site-axes", "gates.*=example*,token"],

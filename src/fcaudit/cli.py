@@ -696,7 +696,7 @@ def _probe_inputs(path: Path | None, loaded: Any) -> Any:
 
 
 def cmd_sites(args: argparse.Namespace) -> None:
-    from fcaudit.core.sites import describe_modules, find_sites, suggested_globs
+    from fcaudit.core.sites import describe_modules, find_sites, probe_failure, suggested_globs
     from fcaudit.engine.run import as_loaded
     loaded = as_loaded(args.model)
     model = loaded.model
@@ -716,11 +716,13 @@ def cmd_sites(args: argparse.Namespace) -> None:
     for path, kind, output, hint in shown:
         print(f"  {path}\t{kind}\t{output}{f'  <- {hint}' if hint else ''}")
     candidates = [path for path, _, _, hint in rows if hint.startswith("likely controller")]
-    for glob in suggested_globs(candidates):
+    for glob in suggested_globs(candidates, [path for path, *_ in rows]):
         print(f"suggested: fcaudit audit --sites {shlex.quote(glob)} ...")
     if not args.all:
         print(f"{len(shown)} likely controllers of {len(rows)} modules; --all lists every "
               "module with its output")
+    if (failure := probe_failure(rows)) is not None:
+        print(failure)
 
 
 COMMANDS = {"train": cmd_train, "bench": cmd_bench, "sites": cmd_sites}

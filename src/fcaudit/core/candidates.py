@@ -3,11 +3,18 @@
 A name says little: ``mlp.gate_proj`` of a gated MLP is a linear pre-activation, and the
 tensor that actually multiplies the other branch is the output of ``mlp.act_fn``. So the
 probe pass watches every torch call (a ``TorchFunctionMode``): a module whose output, or
-an activation of it (sigmoid, softmax, SiLU, GELU, tanh), is an operand of an elementwise
+an activation of it (sigmoid, softmax, SiLU, GELU, tanh) or a threshold of it (a hard
+mask ``score > 0``), is an operand of an elementwise
 product or an einsum with another tensor *scales another branch*; when that output is
 controller-like (an activation module's, one in [0, 1], or the activation taken of it),
 the module is a likely controller. Tensors are followed by their storage, so the views a
-gate takes before multiplying (``g[..., None]``, a slice per expert) still count.
+gate takes before multiplying (``g[..., None]``, a slice per expert) still count, and
+through the copies that keep its values (a dtype cast, ``clone``, ``contiguous``, an
+indexed pick, ``topk``'s values): a router's weights cast to the hidden dtype still scale.
+
+The watch only looks: an error in its own bookkeeping (a tensor subclass whose ``min``
+raises) stops the watching, never the pass, and :attr:`ScalingWatch.broken` says why, so
+the caller falls back to names.
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ from torch.overrides import TorchFunctionMode
 _ACTIVATION_CLASS = re.compile(r"sigmoid|softmax|silu|swish|gelu|tanh|activation", re.I)
 _ACTIVATIONS = {"sigmoid", "sigmoid_", "softmax", "silu", "gelu", "tanh", "tanh_",
                 "hardsigmoid", "softplus", "swish"}
+_THRESHOLDS = {"gt", "ge", "lt", "le", "__gt__", "__ge__", "__lt__", "__le__",
+               "heaviside"}  # a hard gate: a mask kept where the score passes a threshold
+_COPIES = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "clone",
+           "contiguous", "detach", "__getitem__", "index_select", "gather", "topk", "repeat",
+           "repeat_interleave", "masked_fill"}  # a new tensor holding (some of) the same values
 _PRODUCTS = {"mul", "mul_", "__mul__", "__rmul__", "__imul__", "multiply", "einsum",
              "addcmul"}
 
@@ -60,8 +72,21 @@ class ScalingWatch(TorchFunctionMode):
         self.modules_out: set[int] = set()  # storages some module returned
         self.kept: list[Tensor] = []  # alive during the pass, so no storage is reused
         self.scales: dict[str, str] = {}  # module path -> what of it scales another branch
+        self.broken: str | None = None  # the watch's own error, when it had one
 
     def output(self, name: str, module: nn.Module, out: Any) -> None:
+        """A module's forward hook: remember which module returned this storage."""
+        if self.broken is None:
+            self._guarded(self._output, name, module, out)
+
+    def _guarded(self, step: Any, *args: Any) -> None:
+        """Run one bookkeeping step; its error ends the watching, not the model's pass."""
+        try:
+            step(*args)
+        except Exception as exc:  # noqa: BLE001 - any error of the watch degrades to names
+            self.broken = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+
+    def _output(self, name: str, module: nn.Module, out: Any) -> None:
         if isinstance(out, Tensor) and (ptr := _storage(out)) is not None:
             if ptr not in self.modules_out:  # the innermost module that returned it
                 self.owner[ptr] = (name, _controller_like(module, out))  # over an activation
@@ -71,16 +96,28 @@ class ScalingWatch(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         result = func(*args, **(kwargs or {}))
-        word = getattr(func, "__name__", "")
-        operands = _tensors(list(args) + list((kwargs or {}).values()))
-        if word in _ACTIVATIONS and operands and isinstance(result, Tensor):
-            source = self.owner.get(_storage(operands[0]) or -1)
-            if source is not None and (ptr := _storage(result)) is not None:
-                self.owner.setdefault(ptr, (source[0], f"a {word.rstrip('_')} of its output"))
-                self.kept.append(result)
-        elif word in _PRODUCTS and len(operands) >= 2:
-            self._product(operands)
+        if self.broken is None:
+            self._guarded(self._follow, getattr(func, "__name__", ""), args, kwargs, result)
         return result
+
+    def _follow(self, word: str, args: Any, kwargs: Any, result: Any) -> None:
+        operands = _tensors(list(args) + list((kwargs or {}).values()))
+        if word in _PRODUCTS and len(operands) >= 2:
+            return self._product(operands)
+        source = self.owner.get(_storage(operands[0]) or -1) if operands else None
+        first = _tensors(result)[:1]  # topk: (values, indices)
+        if source is None or not first or (ptr := _storage(first[0])) is None:
+            return None
+        if word in _ACTIVATIONS:  # in place (sigmoid_) the storage is the same: overwrite
+            self.owner[ptr] = (source[0], f"a {word.rstrip('_')} of its output")
+        elif word in _THRESHOLDS:
+            self.owner[ptr] = (source[0], "a threshold of its output")
+        elif word in _COPIES:
+            self.owner.setdefault(ptr, source)
+        else:
+            return None
+        self.kept.append(first[0])
+        return None
 
     def _product(self, operands: list[Tensor]) -> None:
         ptrs = [_storage(t) for t in operands]

@@ -109,9 +109,9 @@ def declare_axes(sites: Sequence[Site], site_axes: SiteAxes) -> list[Site]:
     for site in (_declared(s) for s in sites):
         given = {(g, parse_axes(spec, _entry(g, spec))) for g, spec in entries
                  if fnmatch.fnmatchcase(site.path, g) or g == site.family}
-        layouts = {layout for _, layout in given}
-        if len(layouts) > 1 or (layouts and site.axes is not None
-                                and layouts != {(site.axes, site.positions)}):
+        own = set() if site.axes is None else {(site.axes, site.positions)}
+        layouts = _one_layout({layout for _, layout in given} | own)
+        if len(layouts) > 1:
             said = "; ".join(sorted(f"{g}={spell_axes(*lay)}" for g, lay in given))
             own = "" if site.axes is None else \
                 f", and it declares {spell_axes(site.axes, site.positions or ())}"
@@ -129,6 +129,18 @@ def declare_axes(sites: Sequence[Site], site_axes: SiteAxes) -> list[Site]:
                            f"({', '.join(s.path for s in sites[:4])}"
                            f"{', ...' if len(sites) > 4 else ''}); give a glob of their paths")
     return out
+
+
+def _one_layout(layouts: set[tuple[tuple[str, ...], tuple[int, ...]]]
+                ) -> set[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Layouts with the same positions whose axes each extend a shorter one's (a router's
+    declared ``example,token*`` and a user's ``example,token*,expert``: trailing axes
+    named or not) are one layout, the longest; any other difference stays two."""
+    longest = max(layouts, key=lambda lay: len(lay[0]), default=None)
+    if longest is not None and all(lay[1] == longest[1] and longest[0][:len(lay[0])] == lay[0]
+                                   for lay in layouts):
+        return {longest}
+    return layouts
 
 
 def _entry(glob: str, spec: str | Sequence[str]) -> str:
@@ -150,12 +162,39 @@ def _entries(site_axes: SiteAxes) -> list[tuple[str, str | Sequence[str]]]:
     else:
         pairs = [("", site_axes)]
     for glob, spec in pairs:
+        names = [spec] if isinstance(spec, str) else spec
         if not isinstance(glob, str) or not glob or not spec or not isinstance(
-                spec, (str, list, tuple)):
-            raise FcauditError(f"{arg(SITE_AXES)} takes GLOB=AXES for each glob of sites, e.g. "
-                               f"'blocks.*.gate=example,channel' (one value set per example) or "
-                               f"'blocks.*.mask=example,channel,row*,column*'; got {glob!r}")
+                spec, (str, list, tuple)) or not all(isinstance(n, str) for n in names):
+            got = f"{glob!r}: {spec!r}" if isinstance(site_axes, Mapping) else \
+                repr(glob or site_axes)
+            raise FcauditError(
+                f"give {arg(SITE_AXES, py='site_axes={GLOB: AXES}', cli='--site-axes GLOB=AXES')}"
+                " for each glob of sites (AXES: comma-separated axis names), e.g. "
+                "'blocks.*.gate=example,channel' (one value set per example) or "
+                f"'blocks.*.mask=example,channel,row*,column*'; got {got}")
     return pairs  # type: ignore[return-value]
+
+
+def check_family_positions(sites: Sequence[Site], coefficients: Mapping[str, Tensor]
+                           ) -> None:
+    """The sites of one family must have as many positions each (``[B, P, ...]`` as the
+    engine reads them): the per-position conditions and the variance split compare one
+    position across layers. Declared layouts of unequal lengths (a channel axis of 4 in
+    one block and 6 in the next, marked as positions) are refused here, on the first
+    batch, not by an arithmetic error after the whole audit."""
+    for family in dict.fromkeys(s.family for s in sites):
+        counts = {s.name: int(coefficients[s.name].shape[1]) for s in sites
+                  if s.family == family and s.name in coefficients
+                  and coefficients[s.name].dim() >= 2}
+        if len(set(counts.values())) > 1:
+            (a, pa) = next(iter(counts.items()))
+            (b, pb) = next(item for item in counts.items() if item[1] != pa)
+            raise FcauditError(
+                f"sites of family {family} have different numbers of positions ({a}: {pa}, "
+                f"{b}: {pb}), so no position can be compared across them; give the axis "
+                f"that differs without a * (one value set per example), e.g. "
+                f"{arg(SITE_AXES, py=f'site_axes={{{family!r}: ...}}', cli='--site-axes')}, "
+                "or name each site with its own glob")
 
 
 def check_layout(site: Site) -> None:

@@ -466,6 +466,9 @@ def moe_router_sites(model: nn.Module) -> list[Site]:
     gates: list[Site] = []
     for path, block, router in _moe_blocks(model):
         top_k = _setting(model, [block.get_submodule(router), block], TOP_K_SETTINGS)
+        if top_k is None and isinstance(block.get_submodule(router), nn.Linear):
+            continue  # a soft mixture's logits: no top-k for RouterAdapter to read (and no
+            # flag to give one), so `fcaudit sites` judges it by its output, as any module
         router_path = _join(path, router)
         routers.append(Site(router_path, router_path, ROUTER_FAMILY, len(routers),
                             RouterAdapter(top_k=top_k), axes=TOKEN_AXES, positions=TOKEN_LAYOUT))

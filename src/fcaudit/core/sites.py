@@ -33,15 +33,19 @@ SiteSpec = Sequence[str] | Sequence[Site] | None
 def match_modules(model: nn.Module, pattern: str, option: str, example: str) -> list[str]:
     """Module paths matching a glob, outermost matches only, in module order (``option``:
     the argument that gave the glob, named in the caller's words on failure)."""
-    names = [name for name, _ in model.named_modules() if name]
-    hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-    # a glob like "blocks.*" would also match children; keep outermost matches
-    hits = [n for n in hits if not any(n.startswith(h + ".") for h in hits if h != n)]
+    hits = glob_hits([name for name, _ in model.named_modules() if name], pattern)
     if not hits:
         raise FcauditError(
             f"{arg(option, pattern)} matched no module of {type(model).__name__}; list module "
             f"paths with `fcaudit sites --model SPEC --all` and pass a glob such as {example!r}")
     return hits
+
+
+def glob_hits(names: Sequence[str], pattern: str) -> list[str]:
+    """The paths a ``--sites`` glob names: its matches, outermost only (a glob like
+    ``blocks.*`` also matches the blocks' children)."""
+    hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    return [n for n in hits if not any(n.startswith(h + ".") for h in hits if h != n)]
 
 
 SITES_OPTION = arg("sites")  # sites= for a Python caller, --sites on the command line
@@ -73,11 +77,15 @@ def check_sites(model: nn.Module, sites: Sequence[Site]) -> list[Site]:
     seen: dict[str, Site] = {}
     for site in sites:
         try:
-            model.get_submodule(site.path)
+            module = model.get_submodule(site.path)
         except AttributeError as exc:
             raise FcauditError(f"site {site.name}: {site.path!r} is not a module of "
                                f"{type(model).__name__}; list module paths with "
                                "`fcaudit sites --model SPEC --all`") from exc
+        if isinstance(module, torch.jit.ScriptModule):  # hooks record and replace a site
+            raise FcauditError(f"site {site.name} is a TorchScript module "
+                               f"({type(module).__name__}), which takes no hooks: build the "
+                               "model without torch.jit.script for the audit")
         if site.path in seen:
             other = seen[site.path]
             raise FcauditError(
@@ -157,6 +165,7 @@ _CONTROLLER_NAME = re.compile(r"gate|router|rout|mix|dense|controller|halt|selec
 
 
 NOT_CALLED = "not called by the forward pass (a container, or unused)"
+PROBE_TOKENS = 7  # odd, so a width of 8 (experts, kernels, heads) is never read as positions
 
 
 @torch.no_grad()
@@ -173,10 +182,10 @@ def describe_modules(model: nn.Module, sites: set[str], example: Any = None
     lines, and the modules that never ran say where the pass stopped."""
     from fcaudit.core.adapters import describe
     from fcaudit.core.nll import device_of, model_limits
-    batch, seq_len = 2, None if example is not None else 8
+    batch, seq_len = 2, None if example is not None else PROBE_TOKENS
     if example is None:
         vocab, _ = model_limits(model)
-        example = torch.randint(0, vocab or 2, (batch, 8), device=device_of(model))
+        example = torch.randint(0, vocab or 2, (batch, seq_len), device=device_of(model))
     outputs: dict[str, str] = {}
     entered: list[str] = []
     watch = ScalingWatch()
@@ -186,9 +195,13 @@ def describe_modules(model: nn.Module, sites: set[str], example: Any = None
         watch.output(name, m, out)
 
     modules = [(name, module) for name, module in model.named_modules() if name]
-    handles = [h for name, module in modules for h in (
-        module.register_forward_pre_hook(lambda _m, _a, name=name: entered.append(name)),
-        module.register_forward_hook(lambda m, a, out, name=name: seen(m, a, out, name)))]
+    handles = []
+    for name, module in modules:
+        if isinstance(module, torch.jit.ScriptModule):  # takes no hooks: say so, go on
+            outputs[name] = "not watched: a TorchScript module takes no hooks"
+            continue
+        handles += [module.register_forward_pre_hook(lambda _m, _a, n=name: entered.append(n)),
+                    module.register_forward_hook(lambda m, _a, out, n=name: seen(m, _a, out, n))]
     try:
         with watch:
             model.eval()(**example) if isinstance(example, dict) else model.eval()(example)
@@ -197,14 +210,27 @@ def describe_modules(model: nn.Module, sites: set[str], example: Any = None
     finally:
         for handle in handles:
             handle.remove()
-    by_name = not watch.scales  # no module scales another branch: names are all to go by
+    scales = {} if watch.broken else watch.scales  # a watch that failed proves nothing
+    by_name = not scales  # no module scales another branch: names are all to go by
     rows = []
     for name, module in modules:
         out = outputs.get(name, NOT_CALLED)
-        hint = "site" if name in sites else _hint(name, out, watch.scales.get(name), by_name,
+        hint = "site" if name in sites else _hint(name, out, scales.get(name), by_name,
                                                   batch, seq_len)
         rows.append((name, type(module).__name__, out, hint))
     return rows
+
+
+def probe_failure(rows: Sequence[tuple[str, str, str, str]]) -> str | None:
+    """A line for the short listing when the probe pass of :func:`describe_modules` did
+    not finish: "0 likely controllers" alone would read as a model without any."""
+    stop = next((r for r in rows if r[2].startswith("failed: ")), None) or \
+        next((r for r in rows if r[2].startswith("not run: ")), None)
+    if stop is None:
+        return None
+    return (f"the probe pass did not finish ({stop[0]}: {stop[2]}), so the modules it did "
+            "not reach were not judged; give two inputs the model takes with --inputs X.npy "
+            "(--all shows every module)")
 
 
 def _mark_failure(outputs: dict[str, str], entered: list[str], names: list[str],
@@ -234,18 +260,38 @@ def _hint(name: str, output: str, scales: str | None, by_name: bool, batch: int,
     if not scales and not (by_name and named):
         return ""
     why = f"; {scales} that scales another branch" if scales else ""
-    m = re.match(r"Tensor\[(\d+), (\d+)(?:, (\d+))?", output)
+    found = re.match(r"Tensor\[([\d, ]+)\]", output)
+    dims = [int(d) for d in found.group(1).split(",")] if found else []
+    if len(dims) < 2:
+        return ""
     if seq_len is None:  # examples, not token windows: the positions axis is the model's own
         return (f"likely controller ([B, ...] output{why}: name its axes with --site-axes "
-                "or a Site, see docs/method.md)" if m and int(m.group(1)) == batch else "")
-    if m and (int(m.group(1)), int(m.group(2))) == (batch, seq_len):
+                "or a Site, see docs/method.md)" if dims[0] == batch else "")
+    if dims[1:].count(seq_len) > 1:  # [B, T, T], [B, H, T, T]: weights over token pairs
+        return ""  # (attention), not one coefficient set per token
+    if dims[:2] == [batch, seq_len]:
         return f"likely controller ([B, T, ...] output{why})"
-    if m and int(m.group(1)) == batch * seq_len:
+    if dims[0] == batch * seq_len:
         return f"likely controller (flattened [B*T, ...] output{why})"
+    if dims[0] == batch and scales and seq_len not in dims:  # an SE gate [B, C]
+        return (f"likely per-example controller ([B, ...] output{why}; token ids are "
+                "scored per token: audit it on --inputs, --targets and --calib-inputs)")
     return ""
 
 
-def suggested_globs(paths: Sequence[str]) -> list[str]:
-    """``--sites`` globs for candidate paths: layer indices become ``*``, so one glob
-    names a family of sites across layers (in the order first seen)."""
-    return list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", p) for p in paths))
+def suggested_globs(paths: Sequence[str], names: Sequence[str]) -> list[str]:
+    """``--sites`` globs for candidate paths (in the order first seen): a layer index
+    becomes ``*`` so one glob names a family of sites across layers, but only where the
+    glob then names candidates alone among every module path in ``names`` (the ``1`` of
+    a ``scorer.1`` in a ``Sequential(Linear, Sigmoid)`` stays, or the glob would audit
+    the linear ``scorer.0`` too)."""
+    wanted = set(paths)
+    globs = []
+    for path in paths:
+        glob = path
+        for index in reversed(list(re.finditer(r"(?<=\.)\d+(?=\.|$)", path))):
+            wider = glob[:index.start()] + "*" + glob[index.end():]
+            if set(glob_hits(names, wider)) <= wanted:
+                glob = wider
+        globs.append(glob)
+    return list(dict.fromkeys(globs))

@@ -134,13 +134,16 @@ def resolve_layouts(setup: Setup, x: Any) -> list[str]:
     """Give every undeclared site of ``setup`` its layout (``setup.sites`` becomes the
     engine's canonical sites) and return the lines to tell the user: how each family's
     layout was found on inputs other than token ids, and warnings."""
+    tokens = batch_shape(x)[1] is not None
     open_sites = [s for s in setup.sites if s.axes is None]
+    named = [s for s in setup.sites if tokens and _unproven_token_axis(s)]
+    if named:  # declared, but not as the token axis: it must follow the length too
+        _prove_token_axis(setup.model, named, x, _look_first(setup.model, named, x))
     if not open_sites:
         setup.sites = canonical_sites(setup.sites)
         return []
     seen = _look_first(setup.model, open_sites, x)
     _refuse_blocks(setup, open_sites, seen)
-    tokens = batch_shape(x)[1] is not None
     if tokens:
         _prove_token_axis(setup.model, open_sites, x, seen)
     decided = {s.name: _decide(s, seen.get(s.name), tokens) for s in open_sites}
@@ -150,6 +153,14 @@ def resolve_layouts(setup: Setup, x: Any) -> list[str]:
              for s in open_sites}
     setup.layouts = {name: note for name, note in notes.items() if note}
     return _lines(open_sites, notes)
+
+
+def _unproven_token_axis(site: Site) -> bool:
+    """A declared position axis 1 on token ids not named as the token axis
+    (``--site-axes 'gate=example,channel*'``): a channel width equal to the length would
+    pass every shape check, so it gets the proof an undeclared site gets. The sites our
+    models and the router discovery declare say ``("example", "token")``: no extra pass."""
+    return site.positions == TOKEN_LAYOUT and tuple(site.axes or ())[:2] != TOKEN_AXES
 
 
 def _decide(site: Site, seen: Seen | None, tokens: bool) -> tuple[Site, str]:

@@ -43,6 +43,7 @@ from fcaudit.core.layout import (
     TOKEN_AXES,
     TOKEN_LAYOUT,
     SiteAxes,
+    check_family_positions,
     declare_axes,
     not_applicable,
     shuffled_axes,
@@ -422,6 +423,7 @@ def probe(setup: Setup) -> Probe:
         logits, coefficients, nll = record_batch(net, sites, x, objective)
     check_finite(coefficients, "evaluation data")  # before any file is written
     check_finite_losses(nll, objective, "the unperturbed record pass, batch 0")
+    check_family_positions(sites, coefficients)
     _check_axes(net, sites, x)
     if setup.blocks_glob is not None and setup.blocks is not None:
         from fcaudit.engine.execution import refuse_idle_blocks

@@ -167,9 +167,9 @@ def _entries(site_axes: SiteAxes) -> list[tuple[str, str | Sequence[str]]]:
                 spec, (str, list, tuple)) or not all(isinstance(n, str) for n in names):
             got = f"{glob!r}: {spec!r}" if isinstance(site_axes, Mapping) else \
                 repr(glob or site_axes)
+            option = arg(SITE_AXES, py='site_axes={GLOB: AXES}', cli='--site-axes GLOB=AXES')
             raise FcauditError(
-                f"give {arg(SITE_AXES, py='site_axes={GLOB: AXES}', cli='--site-axes GLOB=AXES')}"
-                " for each glob of sites (AXES: comma-separated axis names), e.g. "
+                f"give {option} for each glob of sites (AXES: comma-separated axis names), e.g. "
                 "'blocks.*.gate=example,channel' (one value set per example) or "
                 f"'blocks.*.mask=example,channel,row*,column*'; got {got}")
     return pairs  # type: ignore[return-value]
@@ -189,11 +189,11 @@ def check_family_positions(sites: Sequence[Site], coefficients: Mapping[str, Ten
         if len(set(counts.values())) > 1:
             (a, pa) = next(iter(counts.items()))
             (b, pb) = next(item for item in counts.items() if item[1] != pa)
+            option = arg(SITE_AXES, py=f"site_axes={{{family!r}: ...}}", cli="--site-axes")
             raise FcauditError(
                 f"sites of family {family} have different numbers of positions ({a}: {pa}, "
                 f"{b}: {pb}), so no position can be compared across them; give the axis "
-                f"that differs without a * (one value set per example), e.g. "
-                f"{arg(SITE_AXES, py=f'site_axes={{{family!r}: ...}}', cli='--site-axes')}, "
+                f"that differs without a * (one value set per example), e.g. {option}, "
                 "or name each site with its own glob")
 
 

@@ -56,15 +56,21 @@ def record_cost(eval_shard: Mapping[str, Tensor], calib_shard: Mapping[str, Tens
     frontier's whole calibration coefficients, empty without a frontier)."""
     n_eval_batches, n_calib_batches = -(-n_eval // batch_size), -(-n_calib // batch_size)
     per_row = _bytes(eval_shard) / rows
-    eval_disk = sum(_on_disk(per_row * len(range(n_eval)[b * batch_size:][:batch_size]),
-                             len(eval_shard)) + _on_disk(0, 1)  # and its replay shard
+    eval_disk = sum(_on_disk(per_row * _rows_in(b, batch_size, n_eval), len(eval_shard))
+                    + _on_disk(0, 1)  # and its replay shard
                     for b in range(n_eval_batches))
     calib_disk = n_calib_batches * _on_disk(_bytes(calib_shard), len(calib_shard))
     if frontier_shard:
-        calib_disk += sum(_on_disk(_bytes(frontier_shard) / rows * len(range(n_calib)[
-            b * batch_size:][:batch_size]), len(frontier_shard)) for b in range(n_calib_batches))
+        calib_disk += sum(_on_disk(_bytes(frontier_shard) / rows
+                                   * _rows_in(b, batch_size, n_calib), len(frontier_shard))
+                          for b in range(n_calib_batches))
     return RecordCost(n_eval_batches, n_calib_batches, round(per_row),
                       round(eval_disk + calib_disk + _FOLDERS * _BLOCK))
+
+
+def _rows_in(b: int, batch_size: int, n: int) -> int:
+    """How many of ``n`` rows batch ``b`` holds (the last batch may be short)."""
+    return min(batch_size, n - b * batch_size)
 
 
 def _bytes(shard: Mapping[str, Tensor]) -> int:

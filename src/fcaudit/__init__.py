@@ -24,7 +24,14 @@ import importlib
 from typing import Any
 
 from fcaudit._version import __version__
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import (
+    CacheError,
+    DataError,
+    FcauditError,
+    IdentityError,
+    ModelError,
+    UsageError,
+)
 
 # public name -> the module that defines it (docs/architecture.md shows the layers)
 _EXPORTS = {
@@ -47,7 +54,8 @@ _EXPORTS = {
 _MODULES = {"adapters": "core.adapters", "routers": "core.routers",
             "interventions": "core.interventions", "errors": "core.errors"}
 
-__all__ = ["FcauditError", "__version__", *_EXPORTS]
+__all__ = ["FcauditError", "UsageError", "DataError", "ModelError", "IdentityError",
+           "CacheError", "__version__", *_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:

@@ -40,7 +40,15 @@ def render(message: str, cli: bool = False) -> str:
 
 
 class FcauditError(Exception):
-    """A problem with the user's input or environment, explained in one line."""
+    """A problem with the user's input or environment, explained in one line.
+
+    The subclasses say which kind of input is at fault and carry it as fields, so a
+    caller can branch on the kind (``except DataError``) and read what was wrong
+    (``error.path``) without parsing the sentence; the message and the CLI's exit code are
+    the same for every kind."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
 
     def __str__(self) -> str:
         return render(super().__str__())
@@ -57,6 +65,50 @@ class FcauditError(Exception):
 
     def for_cli(self) -> str:
         return render(self.raw, cli=True)
+
+
+class UsageError(FcauditError):
+    """An argument or option outside its domain, or options that contradict each other."""
+
+    def __init__(self, message: str, *, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option  # the Python name of the option at fault, where one is
+
+
+class DataError(FcauditError):
+    """Evaluation or calibration data that cannot be read or does not fit the model."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path  # the file or folder read, where one was
+
+
+class ModelError(FcauditError):
+    """A model, checkpoint, site or dense twin that cannot be audited as given."""
+
+    def __init__(self, message: str, *, site: str | None = None) -> None:
+        super().__init__(message)
+        self.site = site  # the controller site at fault, where one is
+
+
+class IdentityError(ModelError):
+    """The identity replay, or an adapter's rebuild, does not reproduce the recorded pass
+    bit for bit: no number of the audit can be trusted."""
+
+    def __init__(self, message: str, *, site: str | None = None,
+                 max_abs_diff: float | None = None) -> None:
+        super().__init__(message, site=site)
+        self.max_abs_diff = max_abs_diff
+
+
+class CacheError(FcauditError):
+    """An output folder or cached result that cannot be reused: not written by fcaudit,
+    written for another model or data, or no longer reproduced by a fresh pass."""
+
+    def __init__(self, message: str, *, folder: str | None = None,
+                 batch: int | None = None) -> None:
+        super().__init__(message)
+        self.folder, self.batch = folder, batch
 
 
 def check_sizes(config: object, names: tuple[str, ...]) -> None:

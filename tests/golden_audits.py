@@ -50,7 +50,8 @@ def _cli(args: list[str], out: Path) -> Path:
 
 
 def demo(tmp: Path) -> Path:
-    return _cli(["audit", "--timing-pairs", "0"], tmp / "demo")
+    _cli(["demo"], tmp / "demo")
+    return tmp / "demo" / "audit" / "audit.json"
 
 
 def toys_case(mode: str) -> Callable[[Path], Path]:
@@ -90,7 +91,8 @@ def tiny_moe(tmp: Path) -> Path:
 def mixtral(tmp: Path) -> Path:
     from conftest import FAMILIES, TEXT, save
     folder = save(FAMILIES["mixtral"][0](), tmp / "mixtral")
-    (tmp / "text.txt").write_text(TEXT * 8)
+    rng = random.Random(0)  # varied windows: calibration and evaluation disjoint
+    (tmp / "text.txt").write_text(" ".join(rng.choice(TEXT.split()) for _ in range(800)))
     return _cli(["audit", "--model", str(folder), "--data", str(tmp / "text.txt"),
                  "--seq-len", "12", "--max-eval", "8", "--max-calib", "8", "--repeats", "1",
                  "--bootstrap", "50", "--timing-pairs", "0", "--frontier",

@@ -21,9 +21,9 @@ from torch import Tensor
 from fcaudit.core.codestate import Unreadable, digest_state
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.nll import logits_of, token_nll
+from fcaudit.engine.options import OBJECTIVES
 from fcaudit.io.examples import ExampleBatch
 
-OBJECTIVES = ("token-nll", "classification")
 UNREADABLE = "state not readable as bits"
 ObjectiveFn = Callable[[Any, ExampleBatch], Tensor]
 

@@ -2,26 +2,41 @@
 
 :class:`AuditOptions` are the user's knobs (recorded in ``audit.json``); :class:`Setup`
 is the plain data that validation produces and every later stage takes.
+
+``AuditOptions`` stays one flat frozen dataclass, so every caller's flat keywords,
+attribute reads, ``dataclasses.replace`` and ``AuditOptions(**other.__dict__)`` keep
+working; each field carries an :class:`OptionSpec` in its metadata (its part, help,
+integer bounds and command-line form). Validation and the ``fcaudit audit`` flags are
+read off that metadata, and the parts are typed views: ``options.statistics``
+(:class:`StatisticsOptions`), ``options.scope``, ``options.scheduling``,
+``options.stopping`` and ``options.placing``.
+
+This module imports neither torch nor numpy: ``fcaudit --help`` builds its flags from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from fcaudit.core.errors import UsageError, arg
+from fcaudit.io.placement import DEVICE_MAPS
 
-from fcaudit.core.contract import Site
-from fcaudit.core.errors import FcauditError, arg
-from fcaudit.core.interventions import Intervention
-from fcaudit.engine.objectives import Objective, resolve
-from fcaudit.io.data import AuditData
-from fcaudit.io.loading import LoadedModel
-from fcaudit.io.placement import Placement, placement
+if TYPE_CHECKING:
+    from torch import nn
+
+    from fcaudit.core.contract import Site
+    from fcaudit.core.interventions import Intervention
+    from fcaudit.engine.objectives import Objective
+    from fcaudit.io.data import AuditData
+    from fcaudit.io.loading import LoadedModel
+    from fcaudit.io.placement import Placement
 
 # progress(stage, done, total, info): an optional callback, never threaded through compute
 Progress = Callable[[str, int, int, str], None]
@@ -37,6 +52,7 @@ MAX_SEED = 2**32 - 1  # torch and numpy generators; seeds derive as seed * 1000 
 AUTO_ABLATION_MAX_EXPERTS = 64
 MAX_FRONTIER_POINTS = 20  # each point of each rule is one more replay
 MIN_FRONTIER_POINTS = 2  # a curve needs two points
+MIN_TIMING_PAIRS = 10  # fewer give no meaningful interval (0: no timing)
 # --target-ci below this is never a precision an audit can stop at: intervals shrink as
 # 1/sqrt(N), so a penalty whose per-sequence sd is 0.01 nats needs ~4e8 sequences to
 # reach 1e-6, and float32 losses of a few nats round at ~1e-7 (a model with no
@@ -45,6 +61,7 @@ MIN_TARGET_CI = 1e-6
 
 
 SCHEDULES = ("prefix", "naive")
+OBJECTIVES = ("token-nll", "classification")  # the built-in per-unit losses
 
 
 def silent(stage: str, done: int, total: int, info: str = "") -> None:
@@ -52,86 +69,264 @@ def silent(stage: str, done: int, total: int, info: str = "") -> None:
 
 
 @dataclass(frozen=True)
-class AuditOptions:
-    """Knobs of one audit; every one is recorded in ``audit.json`` (``settings``)."""
+class OptionSpec:
+    """What one :class:`AuditOptions` field is: its part, its meaning, its integer bounds
+    and its command-line form. Validation and the ``fcaudit audit`` flags read this."""
 
-    repeats: int = 3  # K seeds per random condition
-    seed: int = 0
-    bootstrap: int = 1000
-    batch_size: int = 8
-    per_layer: bool = True
-    execution: bool = True
-    timing_pairs: int = 10
-    progress: bool = True  # the CLI shows progress bars (the engine takes a callback)
-    allow_nonexact_identity: bool = False
-    schedule: str = "prefix"  # "prefix": per-layer runs recompute only the suffix; "naive"
+    part: str  # "statistics", "scope", "schedule", "stopping" or "placement"
+    help: str  # one sentence; options named through ``arg`` (rendered for each reader)
+    bounds: tuple[int, int | None] | None = None  # an integer, lo..hi (None: no ceiling)
+    span: str = ""  # how the help says the bounds, where "lo to hi" does not
+    flag: str = ""  # the CLI flag ("" : --name); "-": none
+    # the flag's action: "value"; "on" (--frontier sets True); "off" (--quiet sets False);
+    # "either" (--expert-ablation / --no-expert-ablation, unset: None)
+    action: str = "value"
+    kind: str = "text"  # how the flag's text is read: "int", "nats", "path" or "text"
+    choices: tuple[str, ...] = ()
+    metavar: str = ""
+    # the flag unset is None, not the field's default (--objective: the data decides)
+    unset_is_none: bool = False
+
+
+def option(default: Any, part: str, help: str, **spec: Any) -> Any:
+    """A field of :class:`AuditOptions` with its :class:`OptionSpec`."""
+    return field(default=default, metadata={"option": OptionSpec(part, help, **spec)})
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    """Knobs of one audit; every one is recorded in ``audit.json`` (``settings``) except
+    how it is scheduled, shown, stopped and placed (these change no number)."""
+
+    # statistics: how many random draws, which seeds, how intervals are drawn, what loss
+    repeats: int = option(3, "statistics", "seeds per random condition (reassign, shuffle)",
+                          bounds=(1, MAX_REPEATS), kind="int")
+    seed: int = option(0, "statistics", "master seed", bounds=(0, MAX_SEED), span="0 to 2**32-1",
+                       kind="int")
+    bootstrap: int = option(1000, "statistics", "bootstrap resamples for 95% intervals",
+                            bounds=(10, MAX_BOOTSTRAP), kind="int")
+    # schedule: how the work is cut and run (the numbers do not depend on it)
+    batch_size: int = option(8, "schedule", "sequences per batch", bounds=(1, None), kind="int")
+    # scope: what is measured
+    per_layer: bool = option(True, "scope", "skip the per-layer variants (reassign@layer, "
+                             "static-layer@layer)", flag="--no-per-layer", action="off")
+    execution: bool = option(True, "scope", "skip the execution audit (blocks, FLOPs, speed)",
+                             flag="--no-execution", action="off")
+    timing_pairs: int = option(
+        10, "scope", "interleaved model/dense timing pairs", kind="int",
+        bounds=(0, MAX_TIMING_PAIRS), span=f"{MIN_TIMING_PAIRS} to {MAX_TIMING_PAIRS}; 0 "
+        "disables timing")
+    progress: bool = option(True, "schedule", "no progress output", flag="--quiet",
+                            action="off")  # the CLI's bars (the engine takes a callback)
+    allow_nonexact_identity: bool = option(
+        False, "scope", "continue when replaying the recorded coefficients does not reproduce "
+        "the original pass bit for bit (every verdict is then flagged)", action="on")
+    schedule: str = option(
+        "prefix", "schedule", "prefix (default): a per-layer run recomputes only the blocks "
+        "after its site, reusing the correct replay's outputs before it (checked bitwise per "
+        "site and batch, else full passes); naive: every run is a full pass. Both give the "
+        "same audit.json", choices=SCHEDULES)
     # one replay per routed layer and expert, that expert never picked; None: on when every
     # routed layer has at most AUTO_ABLATION_MAX_EXPERTS experts
-    expert_ablation: bool | None = None
+    expert_ablation: bool | None = option(
+        None, "scope", "expert importance: one replay per routed layer and expert with that "
+        "expert never picked (costs layers x experts replays, each recomputing only the blocks "
+        "after its layer); default: on when every routed layer has at most "
+        f"{AUTO_ABLATION_MAX_EXPERTS} experts", action="either")
     # the savings frontier: NLL penalty vs FLOPs skippable, dynamic vs static rules, with
     # frontier_points replays per rule (needs the execution audit for the FLOPs); None:
     # on for the families it covers when the execution audit runs (the study's setting)
-    frontier: bool | None = False
-    frontier_points: int = 6
-    # precision-driven stopping (engine/stopping.py): evaluation batches are added in rounds
-    # until every counted penalty's 95% interval reaches at most target_ci nats on each side
-    # of its estimate, or the evaluation pool runs out; min_sequences is the first round's
-    # size (None: DEFAULT_MIN_SEQUENCES, or the whole pool when smaller)
-    target_ci: float | None = None
-    min_sequences: int | None = None
-    # models bigger than memory (a Hugging Face folder given by path): accelerate's device
-    # map ("auto"), its budget ("cpu=8GiB,cuda:0=70GiB" or a dict) and the folder for the
-    # weights it puts on disk; where weights sit changes no number (runtime, not settings)
-    device_map: str | None = None
-    max_memory: str | dict[str, str | int] | None = None
-    offload_folder: str | Path | None = None
+    frontier: bool | None = option(
+        False, "scope", "the savings frontier: NLL penalty against FLOPs that could be "
+        "skipped, a dynamic rule on the recorded gates or routing weights against static "
+        f"rules (costs {arg('frontier_points')} replays per rule; needs the execution audit)",
+        action="on")
+    frontier_points: int = option(6, "scope", "points per frontier curve", kind="int",
+                                  bounds=(MIN_FRONTIER_POINTS, MAX_FRONTIER_POINTS))
+    # stopping (engine/stopping.py): evaluation batches are added in rounds until every
+    # counted penalty's 95% interval reaches at most target_ci nats on each side of its
+    # estimate, or the evaluation pool runs out; min_sequences is the first round's size
+    # (None: DEFAULT_MIN_SEQUENCES, or the whole pool when smaller)
+    target_ci: float | None = option(
+        None, "stopping", "precision-driven stopping: add evaluation batches in rounds until "
+        "every main penalty's 95% interval reaches at most NATS on each side of its estimate, "
+        f"or the {arg('max_eval', owner='DataSpec')} pool runs out; the numbers equal a fixed "
+        "audit of the sequences used (audit.json `stopping`)", kind="nats", metavar="NATS")
+    min_sequences: int | None = option(
+        None, "stopping", f"with {arg('target_ci')}: sequences of the first round (default 16, "
+        "or the whole pool when smaller)", kind="int", metavar="N")
+    # placement, for models bigger than memory (a Hugging Face folder given by path):
+    # accelerate's device map ("auto"), its budget ("cpu=8GiB,cuda:0=70GiB" or a dict) and
+    # the folder for the weights it puts on disk; where weights sit changes no number
+    device_map: str | None = option(
+        None, "placement", "place the weights across GPUs, CPU memory and disk with accelerate "
+        "(instead of --device)", choices=DEVICE_MAPS)
+    max_memory: str | dict[str, str | int] | None = option(
+        None, "placement", "budget per device for the weights, e.g. cpu=8GiB,cuda:0=70GiB (the "
+        "process needs some memory beyond the cpu budget: torch, activations, the layer being "
+        "read in from disk)", metavar="DEV=SIZE,...")
+    offload_folder: str | Path | None = option(
+        None, "placement", "folder for the weights placed on disk (new or empty; what fcaudit "
+        "writes there is removed afterwards)", kind="path", metavar="DIR")
     # the per-unit loss: "token-nll" (next-token NLL of token ids), "classification"
     # (cross-entropy of [B, C] logits against integer targets, accuracy beside it), or a
     # callable (model_output, batch) -> per-unit losses [B] or [B, T]
-    objective: Any = "token-nll"
+    objective: Any = option(
+        "token-nll", "statistics", "per-unit loss: token-nll (token ids, the default) or "
+        "classification (cross-entropy and accuracy of [N, C] logits; the default with "
+        "--inputs)", choices=OBJECTIVES, unset_is_none=True)
 
     def validate(self) -> None:
         """Refuse option values no audit can run with, naming the option in the caller's
-        words (the ``AuditOptions`` field, or the CLI flag)."""
-        checks = (("repeats", self.repeats, 1, MAX_REPEATS), ("seed", self.seed, 0, MAX_SEED),
-                  ("bootstrap", self.bootstrap, 10, MAX_BOOTSTRAP),
-                  ("batch_size", self.batch_size, 1, None),
-                  ("timing_pairs", self.timing_pairs, 0, MAX_TIMING_PAIRS),
-                  ("frontier_points", self.frontier_points, MIN_FRONTIER_POINTS,
-                   MAX_FRONTIER_POINTS))
+        words (the ``AuditOptions`` field, or the CLI flag). Runs once per instance: the
+        CLI checks before it loads a model, and ``audit`` finds these options checked."""
+        if _CHECKED.get(id(self), _dead)() is self:
+            return
+        self._check()
+        key = id(self)
+        _CHECKED[key] = weakref.ref(self, lambda _: _CHECKED.pop(key, None))
 
-        def name(option: str, value: object) -> str:
-            return arg(option, value, owner="AuditOptions")
-        for option, value, lo, hi in checks:
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
-                    hi is not None and value > hi):
-                bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-                raise FcauditError(f"{name(option, value)}: must be an integer {bound}")
+    def _check(self) -> None:
+        for f, spec in option_specs():
+            if spec.bounds is not None:
+                _check_int(f.name, getattr(self, f.name), *spec.bounds)
         if self.schedule not in SCHEDULES:
-            raise FcauditError(f"{name('schedule', self.schedule)}: choose one of "
-                               f"{', '.join(SCHEDULES)}")
+            raise UsageError(f"{_name('schedule', self.schedule)}: choose one of "
+                             f"{', '.join(SCHEDULES)}", option="schedule")
         if self.expert_ablation is not None and not isinstance(self.expert_ablation, bool):
-            raise FcauditError(f"{name('expert_ablation', self.expert_ablation)}: must be "
-                               "True, False or None (on for at most "
-                               f"{AUTO_ABLATION_MAX_EXPERTS} experts per routed layer)")
+            raise UsageError(f"{_name('expert_ablation', self.expert_ablation)}: must be "
+                             "True, False or None (on for at most "
+                             f"{AUTO_ABLATION_MAX_EXPERTS} experts per routed layer)",
+                             option="expert_ablation")
         if self.frontier is not None and not isinstance(self.frontier, bool):
-            raise FcauditError(f"{name('frontier', self.frontier)}: must be True, False or "
-                               "None (on where a family is covered and execution measured)")
+            raise UsageError(f"{_name('frontier', self.frontier)}: must be True, False or "
+                             "None (on where a family is covered and execution measured)",
+                             option="frontier")
         if self.frontier and not self.execution:
             off = arg("execution", py="AuditOptions(execution=False)", cli="--no-execution")
-            raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} needs the "
-                               f"execution audit (its x axis is the FLOPs it counts): drop {off} "
-                               "or the frontier")
+            raise UsageError(f"{arg('frontier', py='AuditOptions(frontier=True)')} needs the "
+                             f"execution audit (its x axis is the FLOPs it counts): drop {off} "
+                             "or the frontier", option="frontier")
         _check_target(self.target_ci, self.min_sequences)
         self.placement()  # the device map, budget syntax and offload folder
+        from fcaudit.engine.objectives import resolve
         resolve(self.objective)
-        if 0 < self.timing_pairs < 10:
-            raise FcauditError(f"{name('timing_pairs', self.timing_pairs)}: use 0 (no "
-                               "timing) or at least 10 pairs for a meaningful interval")
+        if 0 < self.timing_pairs < MIN_TIMING_PAIRS:
+            raise UsageError(f"{_name('timing_pairs', self.timing_pairs)}: use 0 (no "
+                             f"timing) or at least {MIN_TIMING_PAIRS} pairs for a meaningful "
+                             "interval", option="timing_pairs")
 
     def placement(self) -> Placement | None:
         """Where accelerate may put the weights (None: the model loads whole)."""
+        from fcaudit.io.placement import placement
         return placement(self.device_map, self.max_memory, self.offload_folder)
+
+    def _part(self, part: type[Any]) -> Any:
+        return part(**{f.name: getattr(self, f.name) for f in dataclasses.fields(part)})
+
+    @property
+    def statistics(self) -> StatisticsOptions:
+        return self._part(StatisticsOptions)
+
+    @property
+    def scope(self) -> ScopeOptions:
+        return self._part(ScopeOptions)
+
+    @property
+    def scheduling(self) -> ScheduleOptions:
+        """The schedule part (the field ``schedule`` predates the parts and keeps its name)."""
+        return self._part(ScheduleOptions)
+
+    @property
+    def stopping(self) -> StoppingOptions:
+        return self._part(StoppingOptions)
+
+    @property
+    def placing(self) -> PlacementOptions:
+        """The placement part (the method ``placement()`` predates the parts)."""
+        return self._part(PlacementOptions)
+
+
+# AuditOptions' parts, read-only views of its fields (no defaults: AuditOptions holds them)
+
+
+@dataclass(frozen=True)
+class StatisticsOptions:
+    """How many random draws, from which seeds, with what loss and intervals."""
+
+    repeats: int
+    seed: int
+    bootstrap: int
+    objective: Any
+
+
+@dataclass(frozen=True)
+class ScopeOptions:
+    """What is measured beyond the main conditions, and what the identity gate allows."""
+
+    per_layer: bool
+    execution: bool
+    timing_pairs: int
+    allow_nonexact_identity: bool
+    expert_ablation: bool | None
+    frontier: bool | None
+    frontier_points: int
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """How the work is cut and run; the numbers do not depend on it."""
+
+    batch_size: int
+    progress: bool
+    schedule: str
+
+
+@dataclass(frozen=True)
+class StoppingOptions:
+    """Precision-driven stopping (engine/stopping.py); None: a fixed audit."""
+
+    target_ci: float | None
+    min_sequences: int | None
+
+
+@dataclass(frozen=True)
+class PlacementOptions:
+    """Where accelerate puts the weights of a model bigger than memory."""
+
+    device_map: str | None
+    max_memory: str | dict[str, str | int] | None
+    offload_folder: str | Path | None
+
+
+PARTS: dict[str, type[Any]] = {"statistics": StatisticsOptions, "scope": ScopeOptions,
+                               "schedule": ScheduleOptions, "stopping": StoppingOptions,
+                               "placement": PlacementOptions}
+
+
+def option_specs() -> Iterator[tuple[dataclasses.Field[Any], OptionSpec]]:
+    """Every field of :class:`AuditOptions` with its spec, in declaration order."""
+    for f in dataclasses.fields(AuditOptions):
+        yield f, f.metadata["option"]
+
+
+# the instances validate() passed, by identity (AuditOptions may hold a dict: unhashable)
+_CHECKED: dict[int, weakref.ref[AuditOptions]] = {}
+
+
+def _dead() -> None:
+    return None
+
+
+def _name(option: str, value: object) -> str:
+    return arg(option, value, owner="AuditOptions")
+
+
+def _check_int(option: str, value: object, lo: int, hi: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
+            hi is not None and value > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise UsageError(f"{_name(option, value)}: must be an integer {bound}", option=option)
 
 
 def _check_target(target: object, floor: object) -> None:
@@ -141,23 +336,26 @@ def _check_target(target: object, floor: object) -> None:
     target_arg = arg("target_ci", target, owner="AuditOptions")
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
                                or not math.isfinite(target) or target <= 0):
-        raise FcauditError(f"{target_arg}: must be a number of nats above 0 (the largest "
-                           "half-width of a penalty's 95% interval to stop at, e.g. 0.02)")
+        raise UsageError(f"{target_arg}: must be a number of nats above 0 (the largest "
+                         "half-width of a penalty's 95% interval to stop at, e.g. 0.02)",
+                         option="target_ci")
     if target is not None and target < MIN_TARGET_CI:
-        raise FcauditError(f"{target_arg}: below {MIN_TARGET_CI:g} nats is finer than an "
-                           "audit resolves (float32 losses round at about 1e-07 nats, and "
-                           "intervals shrink only as 1/sqrt(sequences)): give at least "
-                           f"{MIN_TARGET_CI:g} (e.g. 0.02), or drop it to audit every sequence")
+        raise UsageError(f"{target_arg}: below {MIN_TARGET_CI:g} nats is finer than an "
+                         "audit resolves (float32 losses round at about 1e-07 nats, and "
+                         "intervals shrink only as 1/sqrt(sequences)): give at least "
+                         f"{MIN_TARGET_CI:g} (e.g. 0.02), or drop it to audit every sequence",
+                         option="target_ci")
     if floor is None:
         return
     floor_arg = arg("min_sequences", floor, owner="AuditOptions")
     if isinstance(floor, bool) or not isinstance(floor, int) or floor < 2:
-        raise FcauditError(f"{floor_arg}: must be an integer of at least 2 (reassignment "
-                           "needs two sequences)")
+        raise UsageError(f"{floor_arg}: must be an integer of at least 2 (reassignment "
+                         "needs two sequences)", option="min_sequences")
     if target is None:
         target_name = arg("target_ci", owner="AuditOptions")
-        raise FcauditError(f"{floor_arg} is the floor of {target_name}'s rounds: give a "
-                           "target too, or drop it (a fixed audit uses every sequence)")
+        raise UsageError(f"{floor_arg} is the floor of {target_name}'s rounds: give a "
+                         "target too, or drop it (a fixed audit uses every sequence)",
+                         option="min_sequences")
 
 
 @dataclass
@@ -183,6 +381,7 @@ class Setup:
 
     @property
     def objective(self) -> Objective:
+        from fcaudit.engine.objectives import resolve
         return resolve(self.options.objective)
 
     @property

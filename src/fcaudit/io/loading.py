@@ -16,7 +16,6 @@ inside the folder); for a factory, its weights and the source of its module.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib
 import inspect
@@ -35,69 +34,16 @@ from fcaudit.core.arrays import InputSpec
 from fcaudit.core.codestate import Unreadable, read_state
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.sites import check_module_tree
+from fcaudit.io.arches import (  # re-exported: the registry lives torch-free in io/arches
+    ARCHES as ARCHES,
+)
+from fcaudit.io.arches import Arch as Arch
+from fcaudit.io.arches import get_arch as get_arch
 from fcaudit.io.data import folder_tokenizer
 from fcaudit.io.fileio import read_json, sha256_file, write_safetensors
 from fcaudit.io.placement import Placement
 from fcaudit.io.runtime import package_versions
 from fcaudit.io.weights import check_depth, check_keys, header_shapes, load_into, read_tensors
-
-
-@dataclass(frozen=True)
-class Arch:
-    """How to build one architecture from a preset or a saved config (imported lazily)."""
-
-    name: str
-    module: str  # fcaudit.models.<file>
-    model_class: str
-    config_class: str
-    fixed: tuple[tuple[str, Any], ...] = ()  # config fields this arch forces
-    task: str = "lm"  # "lm": tokens to next-token logits; "vision": digits to class logits
-
-    def _attr(self, name: str) -> Any:
-        return getattr(importlib.import_module(self.module), name)
-
-    @property
-    def presets(self) -> dict[str, Any]:
-        return self._attr("PRESETS")
-
-    def config(self, preset: str, vocab_size: int | None = None) -> Any:
-        if preset not in self.presets:
-            raise FcauditError(f"unknown preset {preset!r} for {arg('arch', self.name)}; choose "
-                               "one of "
-                               f"{', '.join(sorted(self.presets))}")
-        extra = {"vocab_size": vocab_size} if vocab_size else {}
-        return dataclasses.replace(self.presets[preset], **dict(self.fixed), **extra)
-
-    def config_from_dict(self, values: dict[str, Any]) -> Any:
-        return self._attr(self.config_class)(**values)
-
-    def build(self, config: Any) -> nn.Module:
-        return self._attr(self.model_class)(config)
-
-
-ARCHES: dict[str, Arch] = {
-    "featuregate": Arch("featuregate", "fcaudit.models.featuregate", "GPT", "GPTConfig",
-                        (("gated", True),)),
-    "dense": Arch("dense", "fcaudit.models.featuregate", "GPT", "GPTConfig", (("gated", False),)),
-    "skipgate": Arch("skipgate", "fcaudit.models.skipgate", "SkipGateGPT", "SkipGateConfig"),
-    "mudd": Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig"),
-    "moe": Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig"),
-    "vit-moe": Arch("vit-moe", "fcaudit.models.vit_moe", "ViTMoE", "ViTMoEConfig",
-                    task="vision"),
-    "tokenprune": Arch("tokenprune", "fcaudit.models.tokenprune", "TokenPruneViT",
-                       "TokenPruneConfig", task="vision"),
-    "dense-vit": Arch("dense-vit", "fcaudit.models.vit", "ViT", "ViTConfig", task="vision"),
-    "condconv": Arch("condconv", "fcaudit.models.condconv", "CNN", "CNNConfig",
-                     (("condconv", True),), task="vision"),
-    "dense-cnn": Arch("dense-cnn", "fcaudit.models.condconv", "CNN", "CNNConfig",
-                      (("condconv", False),), task="vision"),
-}
-
-
-def get_arch(name: str) -> Arch:
-    if name not in ARCHES:
-        raise FcauditError(f"unknown arch {name!r}; choose one of {', '.join(ARCHES)}")
-    return ARCHES[name]
 
 
 @dataclass

@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from fcaudit.core.errors import FcauditError, arg
-from fcaudit.io.outdir import check_folder, remove_created, topmost_missing
+
+# io/outdir is imported where used: it brings numpy, and the ``fcaudit audit`` flags read
+# DEVICE_MAPS while ``--help`` must stay instant
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 PLACEMENT = ("device_map", "max_memory", "offload_folder")  # the AuditOptions that place
@@ -112,6 +114,7 @@ def placement(device_map: str | None, max_memory: Any = None,
     budget = parse_max_memory(max_memory) if max_memory is not None else None
     folder = Path(offload_folder) if offload_folder is not None else None
     if folder is not None:  # a file, a path under one, no write permission: said before work
+        from fcaudit.io.outdir import check_folder
         check_folder(folder, arg("offload_folder", str(folder)))
     return Placement(device_map, budget, folder)
 
@@ -233,6 +236,7 @@ def _claim(folder: Path) -> int | None:
     """Make ``folder`` fcaudit's for one load; refuse a folder holding files fcaudit did
     not write, or one another live audit is using. Returns how many folders above
     ``folder`` fcaudit created with it (None: ``folder`` was there already)."""
+    from fcaudit.io.outdir import topmost_missing
     where = arg("offload_folder", str(folder))
     top = topmost_missing(folder)
     created = None if top is None else len(folder.relative_to(top).parts)
@@ -323,6 +327,7 @@ def _remove_folders(folder: Path, created: int) -> None:
             sub.rmdir()
     folder = folder.absolute()
     top = folder.parents[created - 1] if 0 < created < len(folder.parents) else folder
+    from fcaudit.io.outdir import remove_created
     remove_created(folder, top)
 
 

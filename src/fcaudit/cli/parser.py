@@ -1,0 +1,362 @@
+"""The ``fcaudit`` argument parser. The ``fcaudit audit`` flags of :class:`AuditOptions`
+fields (defaults, bounds, choices, help) are generated from the fields' metadata
+(:class:`~fcaudit.engine.options.OptionSpec`), and ``--arch`` lists the model registry.
+Nothing heavy is imported: ``--help`` and argument errors are instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from fcaudit.core.errors import render
+from fcaudit.engine.options import AuditOptions, OptionSpec, option_specs
+from fcaudit.io.arches import ARCHES
+from fcaudit.io.runtime import measured_minutes
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+
+def user_path(text: str) -> Path:
+    """A path option as the shell would have expanded it: ``~`` is the home folder (a
+    quoted '~' must not create a folder named ``~``)."""
+    return Path(text).expanduser()
+
+
+def user_file(text: str) -> str:
+    return str(user_path(text)) if text.startswith("~") else text
+
+EPILOG_AUDIT = """\
+model SPEC is one of:
+  RUN_FOLDER                 a folder written by `fcaudit train`
+  CHECKPOINT_FOLDER          a local Hugging Face folder (config.json + safetensors): MUDDPythia /
+                             MUDDFormer (fcaudit's own code) or any causal LM transformers knows
+                             (pip install "fcaudit[hf]"; Mixture-of-Experts routers are found
+                             automatically; never remote code)
+  package.module:factory     a zero-argument callable returning a torch.nn.Module, imported from
+                             the current folder; name its controllers with --sites 'blocks.*.gate'
+
+data (default: the built-in Shakespeare evaluation and calibration plays):
+  --data FILE_OR_DIR [--calib-data FILE_OR_DIR]   text, tokenized with the model's tokenizer
+  --tokens eval.npy --calib-tokens calib.npy      integer arrays [N, T]
+
+examples:
+  fcaudit audit --model runs/featuregate --out audits/fg
+  fcaudit audit --model ./MUDDPythia-1.4B --data essay.txt --seq-len 512 --out audits/mudd
+  fcaudit audit --model ./OLMoE-tiny --tokens eval.npy --calib-tokens calib.npy --out audits/moe
+  fcaudit audit --model mypkg.models:build --sites 'layers.*.router' \\
+      --tokens eval.npy --calib-tokens calib.npy --dense mypkg.models:build_dense --out audits/my
+"""
+
+EPILOG_SITES = """\
+A site is a module whose output carries the coefficients (a gate, a mixing-weight
+generator, a router). `fcaudit sites` lists the sites the model declares (or that fcaudit
+finds, e.g. Mixture-of-Experts routers of Hugging Face models). A model that declares
+none is probed with one small forward pass, and the modules that behave like controllers
+are listed: those whose output (or its sigmoid, softmax, SiLU...) multiplies another
+branch, such as `mlp.act_fn` of a gated MLP, not the linear `mlp.gate_proj` before it.
+It suggests the `fcaudit audit --sites GLOB` that names them. --all lists every module
+with its output type and shape. The pass feeds two random token windows; a model of
+other inputs is probed with two rows of --inputs X.npy (a vision run folder: two of its
+own digits images).
+"""
+
+
+EPILOG_COMPARE = """\
+Audits are compared on the same evaluation data: each audit.json records its windows
+(count, length and a SHA-256 fingerprint of the token ids) and its calibration windows.
+Audits whose data differ are refused, naming the audits and the field, since their
+numbers are not paired; --allow-different-data compares them anyway and the report
+says so first. Audits of identical data (checkpoints of one run, or families on the
+built-in corpus) are reported as paired. Models are named by their folders or --label.
+
+writes OUT/compare.md, OUT/compare.html (self-contained), OUT/figures/ and
+OUT/compare.json (every table's rows, raw numbers); OUT is new, empty, or a folder
+`fcaudit compare` wrote, where only its own unchanged files are replaced.
+
+examples:
+  fcaudit compare audits/fg-seed0 audits/fg-seed1 audits/fg-seed2 --out cmp
+  fcaudit compare audits/step1000 audits/step2000 audits/step4000 \\
+      --label 1k --label 2k --label 4k --out cmp/steps
+"""
+
+
+def _nats(value: str) -> float | str:
+    """A number of nats as given on the command line; anything else is kept as given, so
+    AuditOptions.validate refuses it in the one line every bad value gets."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+READERS: dict[str, Any] = {"int": int, "nats": _nats, "path": user_path, "text": None}
+PLACEMENT_GROUP = ("models bigger than memory (a Hugging Face folder; needs accelerate, in "
+                   "fcaudit[hf])")
+
+
+def add_audit_options(parser: argparse.ArgumentParser) -> None:
+    """Every :class:`AuditOptions` field as a flag; placement in a group of its own."""
+    groups = {"placement": parser.add_argument_group(PLACEMENT_GROUP)}
+    settings = parser.add_argument_group("audit settings")
+    for f, spec in option_specs():
+        _add_flag(groups.get(spec.part, settings), f, spec)
+
+
+def add_option(parser: argparse.ArgumentParser | Any, name: str) -> None:
+    """The flag of one :class:`AuditOptions` field (``fcaudit reproduce --repeats``)."""
+    f, spec = next((f, spec) for f, spec in option_specs() if f.name == name)
+    _add_flag(parser, f, spec)
+
+
+def _add_flag(group: Any, f: dataclasses.Field[Any], spec: OptionSpec) -> None:
+    flag = spec.flag or "--" + f.name.replace("_", "-")
+    text = _help(f, spec)
+    if spec.action == "on":
+        group.add_argument(flag, dest=f.name, action="store_true", help=text)
+    elif spec.action == "off":
+        group.add_argument(flag, dest=f.name, action="store_false", help=text)
+    elif spec.action == "either":
+        group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=None, help=text)
+    else:
+        extra = {"choices": spec.choices} if spec.choices else {}
+        group.add_argument(flag, dest=f.name, type=READERS[spec.kind],
+                           default=None if spec.unset_is_none else f.default,
+                           metavar=spec.metavar or None, help=text, **extra)
+
+
+def _help(f: dataclasses.Field[Any], spec: OptionSpec) -> str:
+    """The field's help for the CLI reader, with its bounds and default where it has them."""
+    text = render(spec.help, cli=True)
+    if spec.bounds is not None:
+        lo, hi = spec.bounds
+        span = spec.span or (f"{lo} to {hi}" if hi is not None else f"at least {lo}")
+        text = f"{text}, {span} (default {f.default})"
+    return text.replace("%", "%%")
+
+
+def audit_options(args: argparse.Namespace, **given: Any) -> AuditOptions:
+    """The parsed flags as :class:`AuditOptions`; a flag left unset (None) leaves the field's
+    default, and ``given`` overrides."""
+    values = {f.name: getattr(args, f.name) for f, _ in option_specs()}
+    return AuditOptions(**{k: v for k, v in values.items() if v is not None}, **given)
+
+
+def _add_train(sub: Any) -> None:
+    t = sub.add_parser("train", help="train a model on the built-in corpus",
+                       description="Train FeatureGate, its Dense twin, SkipGate, MUDD or MoE on "
+                                   "the built-in Shakespeare corpus (seeded, deterministic on "
+                                   "CPU).")
+    vision = [name for name, arch in ARCHES.items() if arch.task == "vision"]
+    t.add_argument("--arch", required=True, choices=list(ARCHES),
+                   help=f"{', '.join(vision)} train on scikit-learn's bundled digits "
+                        "(fcaudit[vision])")
+    t.add_argument("--preset", default="tiny",
+                   help="tiny, mid, small, 76m or 504m (default tiny)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, type=user_path, help="run folder to create")
+    t.add_argument("--steps", type=int, default=None, help="override the preset's step count")
+    t.add_argument("--force", action="store_true",
+                   help="replace an existing run folder written by fcaudit (nothing else)")
+    t.add_argument("--quiet", action="store_true", help="no progress output")
+    t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    t.add_argument("--data", type=user_file, default=None, metavar="FILE_OR_DIR",
+                   help="train on your own text (a file or a folder of .txt) instead of the "
+                        "built-in corpus; its last 5%% of tokens are held out for eval NLL")
+
+
+def _add_audit(sub: Any) -> None:
+    a = sub.add_parser("audit", help="run the full audit on a model",
+                       description="Record every controller's coefficients, replay the frozen "
+                                   "model under each condition, measure execution, and write "
+                                   "OUT/audit.json, OUT/report.md, OUT/report.html and figures.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG_AUDIT)
+    a.add_argument("--model", required=True, type=user_file, help="model SPEC (see below)")
+    a.add_argument("--out", required=True, type=user_path,
+                   help="output folder: new, empty, or one fcaudit wrote (its cache is reused)")
+    a.add_argument("--sites", action="append", default=None, metavar="GLOB",
+                   help="module-path glob of controller modules (repeatable; one family each)")
+    a.add_argument("--site-axes", action="append", default=None, metavar="GLOB=AXES",
+                   help="declare the coefficient layout of the sites a --sites GLOB names: "
+                        "their axes, the examples axis first, a * after each position axis "
+                        "(repeatable). 'blocks.*.gate=example,channel': one value set per "
+                        "example (a squeeze-and-excitation gate [B, C]; no shuffle); "
+                        "'blocks.*.gate=example,patch*': [B, P, ...] per patch; "
+                        "'blocks.*.mask=example,channel,row*,column*': a spatial map. "
+                        "Default: read off the first batch, a position axis only where its "
+                        "length is the tokens, patches or cells the module reads. Sites the "
+                        "model declares keep their own layout")
+    a.add_argument("--dense", default=None, type=user_file, metavar="SPEC",
+                   help="dense counterpart for the execution audit (default: built from the "
+                        "model's architecture when it knows one)")
+    a.add_argument("--blocks", default=None, metavar="GLOB",
+                   help="module-path glob of the blocks whose executions are counted, in both "
+                        "model and dense (default: the model's own declaration)")
+    _add_audit_data(a)
+    a.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per scored window (default: a run folder's training length; "
+                        "a Hugging Face folder or other model: min(256, its context), which "
+                        "may exceed the length it was trained at; token arrays: their width). "
+                        "The length used and its source are printed and kept in audit.json")
+    a.add_argument("--max-eval", type=int, default=None,
+                   help="evaluation sequences, spread evenly over what the data holds "
+                        "(default 64; with --inputs, every example unless given)")
+    a.add_argument("--max-calib", type=int, default=None,
+                   help="calibration sequences, likewise (default 64; with --calib-inputs, "
+                        "every example unless given)")
+    a.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                   help="load the model (and --dense) in this dtype (default: as stored)")
+    a.add_argument("--device", default="cpu",
+                   help="cpu or cuda (default cpu, where identity replay is bitwise exact)")
+    add_audit_options(a)
+
+
+def _add_audit_data(p: argparse.ArgumentParser) -> None:
+    """Where the evaluation and calibration data come from (text, token ids or arrays)."""
+    p.add_argument("--data", type=user_file, default=None,
+                   help="evaluation text file or folder of .txt")
+    p.add_argument("--calib-data", type=user_file, default=None,
+                   help="calibration text (default: first half of --data's windows)")
+    p.add_argument("--tokens", type=user_file, default=None,
+                   help="evaluation token ids, integer .npy [N, T]")
+    p.add_argument("--calib-tokens", type=user_file, default=None,
+                   help="calibration token ids .npy [N, T]")
+    p.add_argument("--inputs", type=user_file, default=None,
+                   help="evaluation inputs that are not token ids, a numeric .npy [N, ...] "
+                        "fed as model(x) (e.g. images [N, 1, 8, 8]); every row is used")
+    p.add_argument("--targets", type=user_file, default=None,
+                   help="evaluation targets .npy [N] (with --inputs; classification: ints)")
+    p.add_argument("--calib-inputs", type=user_file, default=None,
+                   help="calibration inputs .npy [N, ...] (with --inputs)")
+    p.add_argument("--calib-targets", type=user_file, default=None,
+                   help="calibration targets .npy [N] (optional; checked like --targets)")
+
+
+def _add_compare(sub: Any) -> None:
+    c = sub.add_parser("compare", help="several audits side by side (tables and figures)",
+                       description="Compare finished audits side by side: the three answers "
+                                   "per model, every penalty and retention with its 95%% CI, "
+                                   "per-layer profiles overlaid, routing and execution.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=EPILOG_COMPARE)
+    c.add_argument("audits", nargs="+", type=user_path, metavar="AUDIT",
+                   help="audit folders written by `fcaudit audit` (at least two)")
+    c.add_argument("--out", required=True, type=user_path, help="output folder")
+    c.add_argument("--label", action="append", default=None, dest="labels", metavar="NAME",
+                   help="name of each model, once per AUDIT in order (default: folder names)")
+    c.add_argument("--allow-different-data", action="store_true",
+                   help="compare audits measured on different data (reported as not paired)")
+
+
+def _add_bench(sub: Any) -> None:
+    b = sub.add_parser("bench", help="execution audit only: model vs dense counterpart",
+                       description="Blocks executed, FLOPs per token and interleaved timing of "
+                                   "--model against --dense on one batch of built-in evaluation "
+                                   "text (random token ids when the model has no tokenizer).")
+    b.add_argument("--model", required=True, type=user_file,
+                   help="model SPEC (as for `fcaudit audit`)")
+    b.add_argument("--dense", default=None, type=user_file,
+                   help="default: the model's own dense counterpart")
+    b.add_argument("--blocks", default=None, metavar="GLOB",
+                   help="module-path glob of the blocks to count, in model and dense "
+                        "(default: the models' own declarations)")
+    b.add_argument("--batch-size", type=int, default=8)
+    b.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default 128, or the models' context if shorter)")
+    b.add_argument("--pairs", type=int, default=10, help="timing pairs, at least 10")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    b.add_argument("--json", type=user_path, default=None, help="also write the result as JSON")
+
+
+def _add_reproduce(sub: Any) -> None:
+    r = sub.add_parser("reproduce", help="the paper's study: multi-seed train + audit + tables",
+                       description="Train every seed of FeatureGate/Dense (and the tiny MUDD "
+                                   "and SkipGate), audit each, aggregate across seeds and write "
+                                   "OUT/reproduction.md, OUT/report.html and figures. Finished "
+                                   "runs and audits are reused, so an interrupted study resumes.")
+    r.add_argument("--preset", choices=["tiny", "paper", "trend", "vision"], default="tiny",
+                   help=f"tiny: CPU scale (about {measured_minutes('reproduce_tiny')} minutes "
+                        "for 3 seeds on 2 cores); paper: 76m x7 and 504m x3 seeds (GPU); "
+                        "trend: FeatureGate and Dense at a ladder of sizes and training lengths, "
+                        "MUDD at the tiny points (about "
+                        f"{measured_minutes('reproduce_trend')} minutes for 2 seeds on 2 "
+                        "cores), with OUT/points/*.json and OUT/trend.md; vision: ViT-MoE, "
+                        "TokenPrune and CondConv with their dense twins on scikit-learn's "
+                        "digits, audited by classification (fcaudit[vision])")
+    r.add_argument("--seeds", type=int, default=None,
+                   help="seeds per group (default: tiny 3; paper 7 for 76m and 3 for 504m; "
+                        "trend 2)")
+    r.add_argument("--out", type=user_path, default=Path("fcaudit-reproduction"))
+    r.add_argument("--mudd-checkpoint", type=user_file, default=None, metavar="PATH",
+                   help="also audit a local MUDDPythia-1.4B checkpoint folder")
+    add_option(r, "repeats")
+    add_option(r, "bootstrap")
+    r.add_argument("--max-eval", type=int, default=None,
+                   help="evaluation sequences per audit (default 64; vision: all the "
+                        "evaluation images)")
+    r.add_argument("--max-calib", type=int, default=None,
+                   help="calibration sequences per audit (default 64; vision: all the "
+                        "calibration images)")
+    r.add_argument("--steps", type=int, default=None,
+                   help="override every training run's step count (quick smoke runs)")
+    r.add_argument("--train-data", type=user_file, default=None, metavar="FILE_OR_DIR",
+                   help="train on this text instead of the built-in corpus (advised for "
+                        "--preset paper: Shakespeare is ~2M tokens); audits still use the "
+                        "built-in evaluation and calibration plays")
+    r.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fcaudit",
+        description="Frozen Controller Audit: do a model's controller coefficients vary, does "
+                    "the frozen model depend on them staying matched to their input and token, "
+                    "and does the mechanism change execution?",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Start with `fcaudit demo`; see `fcaudit COMMAND --help`.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(sub)
+    _add_audit(sub)
+    _add_compare(sub)
+    d = sub.add_parser("demo", help=f"audit the shipped tiny FeatureGate against its Dense "
+                                    f"twin (about {measured_minutes('demo')} minutes on 2 cores)",
+                       description="The built-in default end to end: audit the tiny FeatureGate "
+                                   "shipped with fcaudit against its Dense twin (the README's "
+                                   "numbers on any machine), print a summary and write the "
+                                   "reports. --train trains the pair afresh first.")
+    d.add_argument("--out", type=user_path, default=Path("fcaudit-demo"))
+    d.add_argument("--train", action="store_true",
+                   help=f"train the two models afresh (about {measured_minutes('demo_train')} "
+                        "minutes on 2 cores; another CPU or thread count trains slightly "
+                        "different models, so the numbers differ from the README's)")
+    d.add_argument("--seed", type=int, default=0,
+                   help="the audit's seed, and with --train the training seed (the shipped "
+                        "models were trained with seed 0)")
+    d.add_argument("--quiet", action="store_true", help="no progress output")
+    _add_bench(sub)
+    _add_reproduce(sub)
+    s = sub.add_parser("sites", help="list a model's controller sites (and, with --all, every "
+                                     "module's output)",
+                       description="List the controller sites of a model, to choose --sites.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=EPILOG_SITES)
+    s.add_argument("--model", required=True, type=user_file,
+                   help="model SPEC (as for `fcaudit audit`)")
+    s.add_argument("--all", action="store_true",
+                   help="run one small forward pass and list every module with its output "
+                        "type and shape, marking likely controllers")
+    s.add_argument("--inputs", type=user_file, default=None, metavar="NPY",
+                   help="probe with the first two rows of these inputs (.npy [N, ...]) for a "
+                        "model that does not take token ids (default: two random token "
+                        "windows; a vision run folder: two of its digits images)")
+    for command in sub.choices.values():  # `--debug` also works after the command name
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show tracebacks on errors")
+    return parser
+
+

@@ -1,0 +1,76 @@
+"""The architectures ``fcaudit train`` builds: the model registry.
+
+Each :class:`Arch` names the module, model and config classes of one architecture; they
+are imported when a model is built, so this registry (``--arch``'s choices) loads without
+torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fcaudit.core.errors import UsageError, arg
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How to build one architecture from a preset or a saved config (imported lazily)."""
+
+    name: str
+    module: str  # fcaudit.models.<file>
+    model_class: str
+    config_class: str
+    fixed: tuple[tuple[str, Any], ...] = ()  # config fields this arch forces
+    task: str = "lm"  # "lm": tokens to next-token logits; "vision": digits to class logits
+
+    def _attr(self, name: str) -> Any:
+        return getattr(importlib.import_module(self.module), name)
+
+    @property
+    def presets(self) -> dict[str, Any]:
+        return self._attr("PRESETS")
+
+    def config(self, preset: str, vocab_size: int | None = None) -> Any:
+        if preset not in self.presets:
+            raise UsageError(f"unknown preset {preset!r} for {arg('arch', self.name)}; choose "
+                             f"one of {', '.join(sorted(self.presets))}", option="preset")
+        extra = {"vocab_size": vocab_size} if vocab_size else {}
+        return dataclasses.replace(self.presets[preset], **dict(self.fixed), **extra)
+
+    def config_from_dict(self, values: dict[str, Any]) -> Any:
+        return self._attr(self.config_class)(**values)
+
+    def build(self, config: Any) -> nn.Module:
+        return self._attr(self.model_class)(config)
+
+
+ARCHES: dict[str, Arch] = {
+    "featuregate": Arch("featuregate", "fcaudit.models.featuregate", "GPT", "GPTConfig",
+                        (("gated", True),)),
+    "dense": Arch("dense", "fcaudit.models.featuregate", "GPT", "GPTConfig", (("gated", False),)),
+    "skipgate": Arch("skipgate", "fcaudit.models.skipgate", "SkipGateGPT", "SkipGateConfig"),
+    "mudd": Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig"),
+    "moe": Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig"),
+    "vit-moe": Arch("vit-moe", "fcaudit.models.vit_moe", "ViTMoE", "ViTMoEConfig",
+                    task="vision"),
+    "tokenprune": Arch("tokenprune", "fcaudit.models.tokenprune", "TokenPruneViT",
+                       "TokenPruneConfig", task="vision"),
+    "dense-vit": Arch("dense-vit", "fcaudit.models.vit", "ViT", "ViTConfig", task="vision"),
+    "condconv": Arch("condconv", "fcaudit.models.condconv", "CNN", "CNNConfig",
+                     (("condconv", True),), task="vision"),
+    "dense-cnn": Arch("dense-cnn", "fcaudit.models.condconv", "CNN", "CNNConfig",
+                      (("condconv", False),), task="vision"),
+}
+
+
+def get_arch(name: str) -> Arch:
+    if name not in ARCHES:
+        raise UsageError(f"unknown arch {name!r}; choose one of {', '.join(ARCHES)}",
+                         option="arch")
+    return ARCHES[name]

@@ -20,7 +20,32 @@ from fcaudit.engine.result import AuditResult
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.report.audit_report import write_report
 
-__all__ = ["AuditOptions", "audit"]
+# what the layers above (study, cli) use of the report: only this module imports
+# ``fcaudit.report`` (.importlinter), so these are their way in
+from fcaudit.report.compare import Comparison, compare
+from fcaudit.report.figures import (
+    Anchor,
+    FigureSpec,
+    RenderedFigure,
+    Span,
+    TrendPanel,
+    TrendPoint,
+    penalty_figure,
+    profile_figure,
+    ratio_figure,
+    retention_figure,
+    trend_figure,
+    variance_figure,
+    write_figures,
+)
+from fcaudit.report.markdown import md_code, md_fenced, md_figures, md_table, md_text, to_html
+from fcaudit.report.progress import ProgressReporter
+
+__all__ = ["AuditOptions", "audit", "Comparison", "compare", "ProgressReporter",
+           "Anchor", "FigureSpec", "RenderedFigure", "Span", "TrendPanel", "TrendPoint",
+           "penalty_figure", "profile_figure", "ratio_figure", "retention_figure",
+           "trend_figure", "variance_figure", "write_figures",
+           "md_code", "md_fenced", "md_figures", "md_table", "md_text", "to_html"]
 
 
 def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,

@@ -109,8 +109,7 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
 
 def _audit_loaded(loaded: Any, args: argparse.Namespace, options: Any, spec: Any, ranks: Any,
                   argv: Sequence[str]) -> Any:
-    from fcaudit.api import audit
-    from fcaudit.report.progress import ProgressReporter
+    from fcaudit.api import ProgressReporter, audit
     with ProgressReporter(options.progress and ranks.main) as progress:
         return audit(loaded, args.out, sites=args.sites, data=spec, dense=args.dense,
                      blocks=args.blocks, options=options, progress=progress,
@@ -156,7 +155,7 @@ def print_summary(result: Any, out: Path) -> None:
 
 
 def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from fcaudit.report.compare import compare
+    from fcaudit.api import compare
     result = compare(args.audits, args.out, labels=args.labels,
                      allow_different_data=args.allow_different_data,
                      command=shlex.join(["fcaudit", *argv]))
@@ -168,10 +167,9 @@ def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> None:
 
 
 def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from fcaudit.api import audit
+    from fcaudit.api import ProgressReporter, audit
     from fcaudit.engine.run import AuditOptions
     from fcaudit.io.outdir import DEMO_PARTS, check_output, hold_output
-    from fcaudit.report.progress import ProgressReporter
     from fcaudit.study.demo import demo_runs
     out: Path = args.out
     check_output(out, "demo")  # refuse before minutes of training, not after

@@ -24,7 +24,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from fcaudit.api import audit
+from fcaudit.api import (
+    FigureSpec,
+    RenderedFigure,
+    Span,
+    audit,
+    md_code,
+    md_fenced,
+    md_figures,
+    md_table,
+    md_text,
+    penalty_figure,
+    profile_figure,
+    ratio_figure,
+    retention_figure,
+    to_html,
+    variance_figure,
+    write_figures,
+)
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.nll import logits_of
 from fcaudit.engine.metrics import aggregate
@@ -36,18 +53,6 @@ from fcaudit.io.fileio import read_json, write_json, write_text
 from fcaudit.io.loading import LoadedModel, get_arch, is_run_folder
 from fcaudit.io.outdir import STUDY_RESULTS, hold_output, replacing_results
 from fcaudit.io.runtime import versions
-from fcaudit.report.figures import (
-    FigureSpec,
-    RenderedFigure,
-    Span,
-    penalty_figure,
-    profile_figure,
-    ratio_figure,
-    retention_figure,
-    variance_figure,
-    write_figures,
-)
-from fcaudit.report.markdown import md_code, md_fenced, md_figures, md_table, md_text, to_html
 from fcaudit.study import paper, trend, vision
 from fcaudit.study.train import TrainPreset, run_schedule, train
 from fcaudit.study.trend import SeedResult, frontier_gap_25

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import nn
 
+from fcaudit.api import ProgressReporter
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.nll import mean_nll
 from fcaudit.io.data import (
@@ -53,7 +54,6 @@ from fcaudit.io.outdir import (
     remove_output,
 )
 from fcaudit.io.runtime import cpu_model, resolve_device, threads_advice, versions
-from fcaudit.report.progress import ProgressReporter
 
 
 @dataclass(frozen=True)

@@ -46,20 +46,23 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fcaudit.core.errors import FcauditError
-from fcaudit.engine.metrics import aggregate
-from fcaudit.engine.result import AuditResult
-from fcaudit.io.fileio import read_json, write_text
-from fcaudit.report.figures import (
+from fcaudit.api import (
     Anchor,
     RenderedFigure,
     Span,
     TrendPanel,
     TrendPoint,
+    md_code,
+    md_figures,
+    md_table,
+    md_text,
     trend_figure,
     write_figures,
 )
-from fcaudit.report.markdown import md_code, md_figures, md_table, md_text
+from fcaudit.core.errors import FcauditError
+from fcaudit.engine.metrics import aggregate
+from fcaudit.engine.result import AuditResult
+from fcaudit.io.fileio import read_json, write_text
 from fcaudit.study import paper
 from fcaudit.study.train import TRAIN_PRESETS, TrainPreset
 

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fcaudit.api import ProgressReporter
 from fcaudit.core.errors import FcauditError
 from fcaudit.io import digits
 from fcaudit.io.loading import Arch
-from fcaudit.report.progress import ProgressReporter
 from fcaudit.study.train import adamw, building, lr_at, write_run
 
 

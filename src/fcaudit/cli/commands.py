@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fcaudit.cli.parser import audit_options, build_parser
-from fcaudit.core.errors import FcauditError, render
+from fcaudit.core.errors import DataError, FcauditError, ModelError, UsageError, render
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -34,7 +34,8 @@ def _data_spec(args: argparse.Namespace) -> Any:
         return _array_data(args)
     for flag in ("targets", "calib_targets"):
         if getattr(args, flag) is not None:
-            raise FcauditError(f"--{flag.replace('_', '-')} needs --inputs and --calib-inputs")
+            raise UsageError(f"--{flag.replace('_', '-')} needs --inputs and --calib-inputs",
+                             option=flag)
     counts = {k: getattr(args, k) for k in ("max_eval", "max_calib")
               if getattr(args, k) is not None}  # else DataSpec's defaults
     return DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
@@ -48,14 +49,15 @@ def _array_data(args: argparse.Namespace) -> Any:
     mixed = [f for f in ("data", "calib_data", "tokens", "calib_tokens", "seq_len")
              if getattr(args, f) is not None]
     if mixed:
-        raise FcauditError(f"--inputs and --{mixed[0].replace('_', '-')} both given: choose "
-                           "one source (arrays of inputs, or token ids / text)")
+        raise UsageError(f"--inputs and --{mixed[0].replace('_', '-')} both given: choose "
+                         "one source (arrays of inputs, or token ids / text)", option=mixed[0])
     if args.inputs is None or args.calib_inputs is None:
-        raise FcauditError("pass both --inputs (evaluation) and --calib-inputs (calibration) "
-                           ".npy arrays")
+        raise UsageError("pass both --inputs (evaluation) and --calib-inputs (calibration) "
+                         ".npy arrays",
+                         option="calib_inputs" if args.inputs is not None else "inputs")
     if args.objective == "token-nll":
-        raise FcauditError("--objective token-nll scores token ids: give them with --tokens, "
-                           "or use --objective classification with --inputs")
+        raise UsageError("--objective token-nll scores token ids: give them with --tokens, "
+                         "or use --objective classification with --inputs", option="objective")
     DataSpec(max_eval=args.max_eval, max_calib=args.max_calib).validate()  # their bounds
     arrays = {f: load_npy(getattr(args, f), f"--{f.replace('_', '-')}")
               if getattr(args, f) is not None else None
@@ -91,8 +93,9 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
         spec.validate()
     place = options.placement()
     if place is not None and args.device != "cpu":
-        raise FcauditError("--device-map places the weights itself: drop --device "
-                           f"{args.device} (the budget --max-memory names the GPUs)")
+        raise UsageError("--device-map places the weights itself: drop --device "
+                         f"{args.device} (the budget --max-memory names the GPUs)",
+                         option="device")
     ranks = distributed.init(args.device)  # a no-op outside torchrun
     try:
         device = resolve_device(distributed.device_for(args.device, ranks))
@@ -194,9 +197,9 @@ def _study_rows(given: int | None, preset: str) -> int | None:
 def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from fcaudit.study.reproduce import StudySettings, reproduce, study_options
     if args.seeds is not None and args.seeds < 1:
-        raise FcauditError(f"--seeds {args.seeds}: must be at least 1")
+        raise UsageError(f"--seeds {args.seeds}: must be at least 1", option="seeds")
     if args.steps is not None and args.steps < 1:
-        raise FcauditError(f"--steps {args.steps}: must be at least 1")
+        raise UsageError(f"--steps {args.steps}: must be at least 1", option="steps")
     options = study_options(repeats=args.repeats, bootstrap=args.bootstrap,
                             progress=not args.quiet)
     options.validate()
@@ -226,8 +229,8 @@ def _bench_ids(loaded: Any, args: argparse.Namespace) -> Any:
         spec = DataSpec(seq_len=args.seq_len, max_eval=args.batch_size, max_calib=1)
         ids = resolve_data(loaded.tokenizer, spec, args.seq_len, args.model).eval_ids
         if len(ids) < args.batch_size:
-            raise FcauditError(f"the built-in text gives {len(ids)} windows of --seq-len "
-                               f"{args.seq_len}; lower --batch-size or --seq-len")
+            raise DataError(f"the built-in text gives {len(ids)} windows of --seq-len "
+                            f"{args.seq_len}; lower --batch-size or --seq-len")
         return torch.from_numpy(ids)
     vocab, _ = model_limits(loaded.model)
     return torch.randint(0, vocab or 2, (args.batch_size, args.seq_len),
@@ -247,7 +250,8 @@ def _check_bench_args(args: argparse.Namespace) -> None:
                                        ("--seed", args.seed, 0, MAX_SEED)):
         if value < least or (most is not None and value > most):
             bound = f"between {least} and {most}" if most is not None else f"at least {least}"
-            raise FcauditError(f"{option} {value}: must be {bound}")
+            raise UsageError(f"{option} {value}: must be {bound}",
+                             option=option[2:].replace("-", "_"))
     if args.json is not None:
         check_output_file(args.json, BENCH_SCHEMA, "json")
 
@@ -261,15 +265,15 @@ def _bench_models(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]
     model = loaded.model.to(device)
     dense = as_loaded(args.dense).model if args.dense else dense_twin(model, args.seed)
     if dense is None:
-        raise FcauditError(f"{args.model} has no built-in dense counterpart; pass --dense SPEC")
+        raise ModelError(f"{args.model} has no built-in dense counterpart; pass --dense SPEC")
     contexts = {name: model_limits(net)[1] for name, net in (("the model", model),
                                                             ("--dense", dense))}
     if args.seq_len is None:
         args.seq_len = min([128, *(c for c in contexts.values() if c is not None)])
     for name, ctx in contexts.items():
         if ctx is not None and args.seq_len > ctx:
-            raise FcauditError(f"--seq-len {args.seq_len} exceeds the context of {name} "
-                               f"({ctx} tokens); use --seq-len {ctx} or less")
+            raise UsageError(f"--seq-len {args.seq_len} exceeds the context of {name} "
+                             f"({ctx} tokens); use --seq-len {ctx} or less", option="seq_len")
     return loaded, model, dense.to(device).eval()
 
 
@@ -287,8 +291,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     blocks = resolve_block_paths(model, args.blocks)
     dense_blocks = resolve_block_paths(dense, args.blocks)
     if blocks is None or dense_blocks is None:
-        raise FcauditError("the model (or --dense) declares no blocks; pass --blocks GLOB "
-                           "(e.g. 'layers.*')")
+        raise ModelError("the model (or --dense) declares no blocks; pass --blocks GLOB "
+                         "(e.g. 'layers.*')")
     ids = _bench_ids(loaded, args).to(device)
     source = args.dense or "dense_counterpart (fresh weights)"
     check_comparable(model, dense, ids[:1], source)
@@ -316,8 +320,8 @@ def _probe_inputs(path: Path | None, loaded: Any) -> Any:
         from fcaudit.io.examples import load_npy
         rows = example_tensor(load_npy(path, "--inputs"), "--inputs")
         if len(rows) == 0:
-            raise FcauditError(f"--inputs {path} holds no rows (shape {list(rows.shape)}); "
-                               "give examples on the first axis, [N, ...]")
+            raise DataError(f"--inputs {path} holds no rows (shape {list(rows.shape)}); "
+                            "give examples on the first axis, [N, ...]", path=str(path))
         return rows[:2]
     if loaded.run_config and get_arch(loaded.run_config["arch"]).task == "vision":
         from fcaudit.io.digits import audit_data

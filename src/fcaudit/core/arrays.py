@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import DataError, FcauditError
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 # unsigned widths torch cannot reduce or index with (min, max, one_hot, embedding)
@@ -70,7 +70,7 @@ def no_wrap(value: Any, where: str, ids: bool = False) -> None:
                         "the model's tokenizer") if ids else \
             ("the value", "int64 (values must be below 2**63); give class indices or other "
              "values that fit np.int64")
-        raise FcauditError(f"{where} holds {held} {int(arr.max())}, beyond {advice}")
+        raise DataError(f"{where} holds {held} {int(arr.max())}, beyond {advice}")
 
 
 def token_ids(value: Any, where: str) -> np.ndarray:
@@ -78,14 +78,14 @@ def token_ids(value: Any, where: str) -> np.ndarray:
     ``where``: not an array, not integers, another shape, ids beyond int64."""
     if not isinstance(value, np.ndarray):
         hint = " (use tensor.cpu().numpy())" if isinstance(value, Tensor) else ""
-        raise FcauditError(f"{where} is a {type(value).__name__}, not a numpy integer array "
-                           f"[N, T]{hint}")
+        raise DataError(f"{where} is a {type(value).__name__}, not a numpy integer array "
+                        f"[N, T]{hint}")
     if value.dtype.kind not in "iu":
-        raise FcauditError(f"{where} has dtype {value.dtype}; token ids must be integers "
-                           "(np.int64)")
+        raise DataError(f"{where} has dtype {value.dtype}; token ids must be integers "
+                        "(np.int64)")
     if value.ndim != 2 or value.shape[1] < 2:
-        raise FcauditError(f"{where} has shape {list(value.shape)}; expected [N, T] (sequences "
-                           f"x tokens) with T >= 2{_ids_hint(value.shape)}")
+        raise DataError(f"{where} has shape {list(value.shape)}; expected [N, T] (sequences "
+                        f"x tokens) with T >= 2{_ids_hint(value.shape)}")
     no_wrap(value, where, ids=True)
     return value.astype(np.int64, copy=False)
 
@@ -106,8 +106,8 @@ def id_tensor(value: Any, shape: tuple[int, ...] | None, where: str) -> Tensor:
     arr = as_numpy(value)
     if arr.dtype.kind not in "iu" or (shape is not None and arr.shape != shape):
         wanted = f" of shape {list(shape)}" if shape is not None else ""
-        raise FcauditError(f"{where}: ids must be integer token ids{wanted}, got "
-                           f"{describe(arr)}")
+        raise DataError(f"{where}: ids must be integer token ids{wanted}, got "
+                        f"{describe(arr)}")
     no_wrap(arr, where, ids=True)
     return torch.from_numpy(arr.astype(np.int64))
 
@@ -119,8 +119,8 @@ def example_tensor(value: Any, where: str) -> Tensor:
         value = as_numpy(value)
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject or value.dtype.kind not in "biuf":
-            raise FcauditError(f"{where} has dtype {value.dtype}; give numeric arrays (float "
-                               "or integer), not objects or strings")
+            raise DataError(f"{where} has dtype {value.dtype}; give numeric arrays (float "
+                            "or integer), not objects or strings")
         if value.dtype.kind == "u" and value.dtype.itemsize > 1:
             no_wrap(value, where)
             value = value.astype(np.int64)
@@ -128,11 +128,11 @@ def example_tensor(value: Any, where: str) -> Tensor:
     elif isinstance(value, Tensor):
         tensor = value.detach().to("cpu")
     else:
-        raise FcauditError(f"{where} is a {type(value).__name__}; give a numpy array or torch "
-                           "tensor [N, ...] (or a dict of them)")
+        raise DataError(f"{where} is a {type(value).__name__}; give a numpy array or torch "
+                        "tensor [N, ...] (or a dict of them)")
     if tensor.dim() < 1 or tensor.is_complex():
-        raise FcauditError(f"{where} has shape {list(tensor.shape)} ({dtype_name(tensor.dtype)});"
-                           " give real arrays with the examples on the first axis [N, ...]")
+        raise DataError(f"{where} has shape {list(tensor.shape)} ({dtype_name(tensor.dtype)});"
+                        " give real arrays with the examples on the first axis [N, ...]")
     # a fresh row-major copy: numpy views may carry 0 strides, and the caller's array may
     # change after the audit read it
     return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
@@ -144,16 +144,16 @@ def model_input(value: Any, where: str) -> Tensor:
     would be read as positions); unsigned ids wider than 8 bits become int64, unwrapped."""
     if not isinstance(value, Tensor):
         hint = " (torch.from_numpy(ids))" if isinstance(value, np.ndarray) else ""
-        raise FcauditError(f"{where} is a {type(value).__name__}; give a torch tensor with the "
-                           f"examples on the first axis, token ids [B, T]{hint}")
+        raise DataError(f"{where} is a {type(value).__name__}; give a torch tensor with the "
+                        f"examples on the first axis, token ids [B, T]{hint}")
     if value.dim() == 0 or value.shape[0] == 0:
-        raise FcauditError(f"{where} holds {describe(value)}: no examples; give a batch with "
-                           "the examples on the first axis, token ids [B, T]")
+        raise DataError(f"{where} holds {describe(value)}: no examples; give a batch with "
+                        "the examples on the first axis, token ids [B, T]")
     integer = not value.is_floating_point() and not value.is_complex() \
         and value.dtype != torch.bool
     if integer and value.dim() == 3 and value.shape[-1] == 1:
-        raise FcauditError(f"{where} holds {describe(value)}; token ids are [B, T]: drop the "
-                           "trailing axis of length 1 (ids[..., 0])")
+        raise DataError(f"{where} holds {describe(value)}; token ids are [B, T]: drop the "
+                        "trailing axis of length 1 (ids[..., 0])")
     if value.dtype in _WIDE_UNSIGNED:
         no_wrap(value, where, ids=True)
         return value.to(torch.int64)
@@ -180,11 +180,11 @@ class InputSpec:
     def check(self, inputs: Any, where: str) -> None:
         """Refuse ``inputs`` (a tensor, or a dict of them) the model cannot take."""
         if isinstance(inputs, Mapping):
-            raise FcauditError(f"{where} is {describe(inputs)}, but {self.model} takes one "
-                               f"array: {self.wanted()}{self.how}")
+            raise DataError(f"{where} is {describe(inputs)}, but {self.model} takes one "
+                            f"array: {self.wanted()}{self.how}")
         if not self._fits(inputs):
-            raise FcauditError(f"{where} holds {describe(inputs)}, but {self.model} takes "
-                               f"{self.wanted()}{self._hint(inputs)}{self.how}")
+            raise DataError(f"{where} holds {describe(inputs)}, but {self.model} takes "
+                            f"{self.wanted()}{self._hint(inputs)}{self.how}")
 
     def _fits(self, x: Tensor) -> bool:
         if self.shape is None:
@@ -238,9 +238,9 @@ def blamed_on_inputs(plain: Callable[[], Any], x: Any, what: str) -> Iterator[No
                 plain()
         except Exception:
             first = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
-            raise FcauditError(f"the model raised {type(exc).__name__} on {what} "
-                               f"({describe(x)}): {first}; give inputs of the shape and "
-                               f"dtype the model takes{_input_hint(_tensor_of(x))}") from exc
+            raise DataError(f"the model raised {type(exc).__name__} on {what} "
+                            f"({describe(x)}): {first}; give inputs of the shape and "
+                            f"dtype the model takes{_input_hint(_tensor_of(x))}") from exc
         raise
 
 

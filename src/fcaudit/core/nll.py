@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import ModelError
 
 
 def logits_of(output: Any) -> Tensor:
     """Models return logits or an object with ``.logits`` (e.g. Hugging Face outputs)."""
     logits = getattr(output, "logits", output)
     if not isinstance(logits, Tensor) or logits.dim() != 3:
-        raise FcauditError("the model must map input_ids [B, T] to logits [B, T, V] (or an "
-                           f"object with .logits); got {type(output).__name__}")
+        raise ModelError("the model must map input_ids [B, T] to logits [B, T, V] (or an "
+                         f"object with .logits); got {type(output).__name__}")
     return logits
 
 

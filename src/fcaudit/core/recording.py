@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from fcaudit.core.adapters import AutoAdapter, describe, infer_adapter, same_bits
 from fcaudit.core.arrays import blamed_on_inputs, model_input
 from fcaudit.core.contract import ControllerAdapter, Site, SiteCall
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, ModelError, UsageError
 from fcaudit.core.sites import SiteSpec, find_sites
 
 
@@ -120,8 +120,9 @@ def recording(model: nn.Module, sites: Sequence[Site], batch: int, seq_len: int 
         yield captured
     missing = [name for name, n in calls.items() if n == 0]
     if missing:
-        raise FcauditError(f"controller sites never ran during the forward pass: "
-                           f"{', '.join(missing)}; name modules the model actually calls")
+        raise ModelError(f"controller sites never ran during the forward pass: "
+                         f"{', '.join(missing)}; name modules the model actually calls",
+                         site=missing[0])
 
 
 class Recording(Mapping[str, Tensor]):
@@ -142,8 +143,8 @@ class Recording(Mapping[str, Tensor]):
         names = [s.name for s in sites]
         unknown = [k for k in coefficients if k not in names]
         if unknown:
-            raise FcauditError(f"no site named {unknown[0]!r} in this recording; its sites "
-                               f"are {', '.join(names) or 'none'}")
+            raise UsageError(f"no site named {unknown[0]!r} in this recording; its sites "
+                             f"are {', '.join(names) or 'none'}")
         self._coefficients = {n: coefficients[n] for n in names if n in coefficients}
         self.sites = tuple(s for s in sites if s.name in self._coefficients)
         self.output = output
@@ -167,8 +168,8 @@ class Recording(Mapping[str, Tensor]):
         """The recorded pass's logits ``[B, T, V]`` (``.logits`` of a Hugging Face output)."""
         from fcaudit.core.nll import logits_of
         if self.output is None:
-            raise FcauditError("these coefficients were derived, not recorded: they have no "
-                               "model output; use the Recording fcaudit.record returned")
+            raise UsageError("these coefficients were derived, not recorded: they have no "
+                             "model output; use the Recording fcaudit.record returned")
         return logits_of(self.output)
 
     def with_coefficients(self, coefficients: Mapping[str, Tensor]) -> Recording:

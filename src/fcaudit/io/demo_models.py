@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import ModelError
 from fcaudit.io.demo_pins import PINNED
 from fcaudit.io.fileio import sha256_file
 
@@ -24,9 +24,9 @@ def shipped_folder(arch: str) -> Path:
     folder = SHIPPED / arch
     mismatch = pin_mismatch(folder, arch)
     if mismatch:
-        raise FcauditError(f"{mismatch}: fcaudit's shipped demo model was altered or corrupted; "
-                           "reinstall fcaudit, or run `fcaudit demo --train` to train the demo's "
-                           "models afresh")
+        raise ModelError(f"{mismatch}: fcaudit's shipped demo model was altered or corrupted; "
+                         "reinstall fcaudit, or run `fcaudit demo --train` to train the demo's "
+                         "models afresh")
     return folder
 
 

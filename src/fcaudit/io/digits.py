@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import DataError, UsageError, arg
 
 if TYPE_CHECKING:
     import torch
@@ -36,8 +36,8 @@ def _all() -> tuple[np.ndarray, np.ndarray]:
     try:
         from sklearn.datasets import load_digits
     except ImportError as exc:
-        raise FcauditError("the vision families read scikit-learn's bundled digits: install "
-                           "them with `pip install 'fcaudit[vision]'`") from exc
+        raise DataError("the vision families read scikit-learn's bundled digits: install "
+                        "them with `pip install 'fcaudit[vision]'`") from exc
     bunch = load_digits()
     images = (bunch.images.astype(np.float32) / 16.0).reshape(-1, *IMAGE_SHAPE)
     return images, bunch.target.astype(np.int64)
@@ -47,7 +47,8 @@ def digits(split: str) -> tuple[np.ndarray, np.ndarray]:
     """``(images [N, 1, 8, 8] float32 in [0, 1], targets [N] int64)`` of one split
     (``train``, ``calib`` or ``eval``); copies, so a caller may edit them."""
     if split not in SPLITS:
-        raise FcauditError(f"unknown digits split {split!r}; choose one of {', '.join(SPLITS)}")
+        raise UsageError(f"unknown digits split {split!r}; choose one of {', '.join(SPLITS)}",
+                         option="split")
     images, targets = _all()
     rows = SPLITS[split]
     return images[rows.start:rows.stop].copy(), targets[rows.start:rows.stop].copy()
@@ -88,7 +89,7 @@ def run_audit_data(spec: DataSpec | None, run: str,
              if getattr(spec, name) is not None]
     if given:
         from fcaudit.io.examples import OTHER_INPUTS
-        raise FcauditError(f"{run} is a vision run, audited on the digits' evaluation and "
-                           f"calibration images: drop {', '.join(arg(n) for n in given)}, or "
-                           f"give other images as {OTHER_INPUTS}")
+        raise UsageError(f"{run} is a vision run, audited on the digits' evaluation and "
+                         f"calibration images: drop {', '.join(arg(n) for n in given)}, or "
+                         f"give other images as {OTHER_INPUTS}", option=given[0])
     return audit_data(spec.max_eval, spec.max_calib, dtype)

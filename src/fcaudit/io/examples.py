@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fcaudit.core.arrays import example_tensor
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import DataError, arg
 from fcaudit.io.fileio import read_npy
 
 # inputs other than token ids, named for either reader of a message
@@ -94,13 +94,13 @@ def as_inputs(value: Any, where: str) -> Inputs:
     """One tensor, or a dict name -> tensor with the same number of examples."""
     if isinstance(value, Mapping):
         if not value or not all(isinstance(k, str) for k in value):
-            raise FcauditError(f"{where} is a dict: give a non-empty dict of input name -> "
-                               "array [N, ...]")
+            raise DataError(f"{where} is a dict: give a non-empty dict of input name -> "
+                            "array [N, ...]")
         out = {k: example_tensor(v, f"{where}[{k!r}]") for k, v in value.items()}
         counts = {k: int(v.shape[0]) for k, v in out.items()}
         if len(set(counts.values())) != 1:
-            raise FcauditError(f"{where}: its arrays hold different numbers of examples "
-                               f"{counts}; give one row per example in every array")
+            raise DataError(f"{where}: its arrays hold different numbers of examples "
+                            f"{counts}; give one row per example in every array")
         return out
     return example_tensor(value, where)
 
@@ -113,20 +113,20 @@ def _stack(items: list[Any], where: str) -> Any:
         return torch.stack([torch.as_tensor(np.asarray(it) if not isinstance(it, Tensor)
                                             else it) for it in items])
     except (RuntimeError, TypeError, ValueError) as exc:
-        raise FcauditError(f"{where}: its items cannot be stacked into one batch ({exc}); "
-                           "every item must have the same shape") from exc
+        raise DataError(f"{where}: its items cannot be stacked into one batch ({exc}); "
+                        "every item must have the same shape") from exc
 
 
 def from_dataset(dataset: Any, where: str) -> tuple[Any, Any]:
     """A map-style torch Dataset of ``(inputs, target)`` pairs, read once into arrays."""
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-        raise FcauditError(f"{where} is a {type(dataset).__name__}; give a map-style torch "
-                           "Dataset (len() and [i]) of (inputs, target) pairs")
+        raise DataError(f"{where} is a {type(dataset).__name__}; give a map-style torch "
+                        "Dataset (len() and [i]) of (inputs, target) pairs")
     items = [dataset[i] for i in range(len(dataset))]
     if not items:
-        raise FcauditError(f"{where} holds no examples; give at least 2")
+        raise DataError(f"{where} holds no examples; give at least 2")
     if not all(isinstance(it, (tuple, list)) and len(it) == 2 for it in items):
-        raise FcauditError(f"{where}: every item must be an (inputs, target) pair")
+        raise DataError(f"{where}: every item must be an (inputs, target) pair")
     return _stack([it[0] for it in items], where), _stack([it[1] for it in items],
                                                           f"{where} targets")
 
@@ -147,8 +147,8 @@ class Examples:
         y = None if targets is None else example_tensor(targets, named_y)
         examples = cls(x, y)
         if y is not None and len(y) != len(examples):
-            raise FcauditError(f"{named_x} holds {len(examples)} examples but {named_y} "
-                               f"{len(y)}; give one target per example")
+            raise DataError(f"{named_x} holds {len(examples)} examples but {named_y} "
+                            f"{len(y)}; give one target per example")
         return examples
 
     def __len__(self) -> int:
@@ -194,5 +194,6 @@ def load_npy(path: str | Path, what: str) -> np.ndarray:
     """A numeric ``.npy`` array, loaded without pickle; anything else in one line."""
     arr = read_npy(path, what, "one numeric array [N, ...]", "values")
     if arr.dtype.kind not in "biuf":
-        raise FcauditError(f"{what} {path} has dtype {arr.dtype}; give a numeric array")
+        raise DataError(f"{what} {path} has dtype {arr.dtype}; give a numeric array",
+                        path=str(path))
     return arr

@@ -34,7 +34,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import FcauditError, ModelError, arg
 from fcaudit.core.routers import NUM_EXPERTS_SETTINGS
 from fcaudit.io.data import load_tokenizer
 from fcaudit.io.fileio import read_json
@@ -65,8 +65,8 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as exc:
-        raise FcauditError("loading a Hugging Face model folder needs the optional dependency "
-                           "transformers: pip install 'fcaudit[hf]'") from exc
+        raise ModelError("loading a Hugging Face model folder needs the optional dependency "
+                         "transformers: pip install 'fcaudit[hf]'") from exc
     return transformers
 
 
@@ -75,32 +75,32 @@ def _check_architecture(folder: Path, raw: dict[str, Any], transformers: Any) ->
     model_type = raw.get("model_type")
     where = folder / "config.json"
     if model_type in VARIANTS:
-        raise FcauditError(f"{folder} is a MUDD checkpoint ({model_type}); load it with "
-                           "fcaudit.load_model, which has its own MUDD loader")
+        raise ModelError(f"{folder} is a MUDD checkpoint ({model_type}); load it with "
+                         "fcaudit.load_model, which has its own MUDD loader")
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
         version = transformers.__version__
         if "auto_map" in raw:
-            raise FcauditError(
+            raise ModelError(
                 f"{where}: model_type {model_type!r} needs the checkpoint's own Python code "
                 f"(auto_map), which fcaudit never runs (no trust_remote_code), and transformers "
                 f"{version} has no built-in implementation; use a transformers version that "
                 "implements it, or wrap the model in a package.module:factory you trust")
-        raise FcauditError(f"{where}: model_type {model_type!r} is unknown to transformers "
-                           f"{version}; upgrade transformers or check the folder")
+        raise ModelError(f"{where}: model_type {model_type!r} is unknown to transformers "
+                         f"{version}; upgrade transformers or check the folder")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise FcauditError(f"{where}: {model_type} is not a causal language model in "
-                           "transformers (no AutoModelForCausalLM class); fcaudit audits models "
-                           "that map input_ids to next-token logits")
+        raise ModelError(f"{where}: {model_type} is not a causal language model in "
+                         "transformers (no AutoModelForCausalLM class); fcaudit audits models "
+                         "that map input_ids to next-token logits")
 
 
 def _weights(folder: Path) -> list[Path]:
     """The safetensors files to load (index first when sharded), or a one-line error."""
     if (folder / "adapter_config.json").is_file():
-        raise FcauditError(f"{folder} holds a PEFT adapter (adapter_config.json); merge it into "
-                           "its base model and save the merged model with safetensors")
+        raise ModelError(f"{folder} holds a PEFT adapter (adapter_config.json); merge it into "
+                         "its base model and save the merged model with safetensors")
     files = weight_files(folder)
     if files[0].suffix != ".safetensors":
-        raise FcauditError(
+        raise ModelError(
             f"{folder} has only PyTorch pickle weights ({files[0].name}); fcaudit reads "
             "safetensors only: convert them (e.g. load once with transformers and "
             "save_pretrained, which writes model.safetensors)")
@@ -142,8 +142,8 @@ def _check_sizes(folder: Path, config: Any, weights: list[Path]) -> None:
         claims += [(name, stated.get(name), experts) for name in NUM_EXPERTS_SETTINGS]
     for name, value, held in claims:
         if isinstance(value, int) and not isinstance(value, bool) and value > held:
-            raise FcauditError(f"{where}: config.json says {name}={value} but the weights hold "
-                               f"{held}; the config and the weights come from different models")
+            raise ModelError(f"{where}: config.json says {name}={value} but the weights hold "
+                             f"{held}; the config and the weights come from different models")
 
 
 def _placing(place: Placement | None, weights: list[Path], dtype: torch.dtype | None
@@ -176,11 +176,11 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None,
     """
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise FcauditError(f"{folder} has no config.json: not a Hugging Face model folder "
-                           "(expected config.json and model.safetensors)")
+        raise ModelError(f"{folder} has no config.json: not a Hugging Face model folder "
+                         "(expected config.json and model.safetensors)")
     raw = read_json(folder / "config.json", "model config")
     if not isinstance(raw, dict):
-        raise FcauditError(f"{folder / 'config.json'} is not a JSON object")
+        raise ModelError(f"{folder / 'config.json'} is not a JSON object")
     transformers = _transformers()
     _check_architecture(folder, raw, transformers)
     weights = _weights(folder)
@@ -207,9 +207,9 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None,
     if any(problems.values()):
         found = "; ".join(f"{len(keys)} {kind}: {', '.join(keys[:3])}"
                           for kind, keys in problems.items() if keys)
-        raise FcauditError(f"weights in {folder} do not fit its config.json ({found}); "
-                           "transformers would leave weights random or drop some: the folder's "
-                           "config and weights come from different models")
+        raise ModelError(f"weights in {folder} do not fit its config.json ({found}); "
+                         "transformers would leave weights random or drop some: the folder's "
+                         "config and weights come from different models")
     model.eval()
     model.config.use_cache = False  # fcaudit runs whole windows, never incremental decoding
     if getattr(model.config, "output_router_logits", False):

@@ -32,7 +32,7 @@ from torch import nn
 
 from fcaudit.core.arrays import InputSpec
 from fcaudit.core.codestate import Unreadable, read_state
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import FcauditError, ModelError, UsageError, arg
 from fcaudit.core.sites import check_module_tree
 from fcaudit.io.arches import (  # re-exported: the registry lives torch-free in io/arches
     ARCHES as ARCHES,
@@ -92,10 +92,10 @@ def _run_config(folder: Path) -> tuple[dict[str, Any], Arch, Any]:
         arch = get_arch(cfg["arch"])
         return cfg, arch, arch.config_from_dict(cfg["model_config"])
     except (KeyError, TypeError) as exc:
-        raise FcauditError(f"{folder / 'config.json'} is missing or has wrong fields ({exc}); "
-                           "retrain the run or restore its config.json") from exc
+        raise ModelError(f"{folder / 'config.json'} is missing or has wrong fields ({exc}); "
+                         "retrain the run or restore its config.json") from exc
     except FcauditError as exc:
-        raise FcauditError(f"{folder / 'config.json'}: {exc}") from exc
+        raise ModelError(f"{folder / 'config.json'}: {exc}") from exc
 
 
 def load_run(folder: Path, dtype: torch.dtype | None = None) -> LoadedModel:
@@ -107,10 +107,10 @@ def load_run(folder: Path, dtype: torch.dtype | None = None) -> LoadedModel:
     files = _hash_files(folder, [folder / "config.json", weights])
     recorded = cfg.get("weights_sha256")  # absent in runs trained before it was recorded
     if recorded is not None and recorded != files[weights.name]:
-        raise FcauditError(f"{weights} has SHA-256 {files[weights.name][:12]}..., but "
-                           f"{folder / 'config.json'} records {str(recorded)[:12]}... from "
-                           "training; the weights were changed or corrupted since: re-copy "
-                           "the run folder or retrain it")
+        raise ModelError(f"{weights} has SHA-256 {files[weights.name][:12]}..., but "
+                         f"{folder / 'config.json'} records {str(recorded)[:12]}... from "
+                         "training; the weights were changed or corrupted since: re-copy "
+                         "the run folder or retrain it")
     check_depth(str(folder), found, model_config.n_layer)
     with torch.device("meta"):
         model = arch.build(model_config)
@@ -215,9 +215,9 @@ def load_module(model: nn.Module, spec: str, kind: str = "module",
     empty = next((n for n, t in [*model.named_parameters(), *model.named_buffers()]
                   if t.is_meta), None)  # offloaded weights at call time; nothing else does
     if empty is not None and not dispatched:
-        raise FcauditError(f"{spec}: its weight {empty} is on the meta device, which holds no "
-                           "values (a model built under torch.device('meta') or "
-                           "init_empty_weights); load its weights before auditing it")
+        raise ModelError(f"{spec}: its weight {empty} is on the meta device, which holds no "
+                         "values (a model built under torch.device('meta') or "
+                         "init_empty_weights); load its weights before auditing it")
     model.eval()
     files, note = code_identity(code if code is not None else type(model))
     reads, note, libraries = classes_read(model, code, note)
@@ -236,21 +236,21 @@ def load_factory(spec: str, dtype: torch.dtype | None = None) -> LoadedModel:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise FcauditError(f"cannot import {module_name!r} for {arg('model', spec)} ({exc}); "
-                           "run from "
-                           "the folder that holds it, or add that folder to PYTHONPATH") from exc
+        raise ModelError(f"cannot import {module_name!r} for {arg('model', spec)} ({exc}); "
+                         "run from "
+                         "the folder that holds it, or add that folder to PYTHONPATH") from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise FcauditError(f"{spec}: {module_name} has no callable {attr!r}; name a "
-                           "zero-argument function that builds the model")
+        raise ModelError(f"{spec}: {module_name} has no callable {attr!r}; name a "
+                         "zero-argument function that builds the model")
     try:
         model = factory()
     except Exception as exc:  # the user's own code: their error to fix, not fcaudit's bug
-        raise FcauditError(f"{spec}() raised {type(exc).__name__}: {exc}; the factory must "
-                           "build the model with no arguments") from exc
+        raise ModelError(f"{spec}() raised {type(exc).__name__}: {exc}; the factory must "
+                         "build the model with no arguments") from exc
     if not isinstance(model, nn.Module):
-        raise FcauditError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module; "
-                           "the factory must return the model itself")
+        raise ModelError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module; "
+                         "the factory must return the model itself")
     if dtype is not None:
         model = model.to(dtype)
     return load_module(model, spec, "factory", code=module)
@@ -269,9 +269,9 @@ def load(spec: str, dtype: torch.dtype | None = None,
 def _load(spec: str, dtype: torch.dtype | None, placement: Placement | None) -> LoadedModel:
     path = Path(spec)
     if placement is not None and not (path.is_dir() and _hf_layout(path)):
-        raise FcauditError(f"{arg('device_map', placement.device_map)} loads a local Hugging "
-                           f"Face model folder; {spec} is not one (run folders and factories "
-                           "load whole)")
+        raise UsageError(f"{arg('device_map', placement.device_map)} loads a local Hugging "
+                         f"Face model folder; {spec} is not one (run folders and factories "
+                         "load whole)", option="device_map")
     if path.is_dir():
         if placement is not None:
             read_json(path / "config.json", "model config")
@@ -284,12 +284,12 @@ def _load(spec: str, dtype: torch.dtype | None, placement: Placement | None) -> 
         if (path / "config.json").is_file():
             read_json(path / "config.json", "model config")  # garbled JSON: clear error
             return _load_hf(path, dtype)
-        raise FcauditError(f"{path} has no config.json: it is neither an fcaudit run folder nor "
-                           "a checkpoint folder in the Hugging Face layout; see "
-                           "`fcaudit audit --help`")
+        raise ModelError(f"{path} has no config.json: it is neither an fcaudit run folder nor "
+                         "a checkpoint folder in the Hugging Face layout; see "
+                         "`fcaudit audit --help`")
     if ":" in spec and not path.exists():
         return load_factory(spec, dtype)
-    raise FcauditError(f"model not found: {spec} (expected a folder or package.module:factory)")
+    raise ModelError(f"model not found: {spec} (expected a folder or package.module:factory)")
 
 
 def _hf_layout(path: Path) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, ModelError
 from fcaudit.io.fileio import read_json
 from fcaudit.io.weights import (
     check_depth,
@@ -55,11 +55,11 @@ def load_mudd_folder(path: str | Path, dtype: torch.dtype | None = None,
     folder = Path(path)
     raw = read_json(folder / "config.json", "MUDD config")
     if not isinstance(raw, dict):
-        raise FcauditError(f"{folder / 'config.json'} is not a JSON object")
+        raise ModelError(f"{folder / 'config.json'} is not a JSON object")
     try:
         config = MuddConfig.from_hf(raw)
     except FcauditError as exc:
-        raise FcauditError(f"{folder}: {exc}") from exc
+        raise ModelError(f"{folder}: {exc}") from exc
     dtype = dtype or _config_dtype(raw, folder)
     files = weight_files(folder)
     if files[0].suffix == ".safetensors":
@@ -86,8 +86,8 @@ def _expected_shapes(config: MuddConfig) -> dict[str, tuple[int, ...]]:
 def _config_dtype(raw: dict, folder: Path) -> torch.dtype:
     name = str(raw.get("torch_dtype", "float32")).removeprefix("torch.")
     if name not in _DTYPES:
-        raise FcauditError(f"{folder / 'config.json'} has torch_dtype {name!r}; expected one of "
-                           f"{', '.join(_DTYPES)} (or pass a dtype)")
+        raise ModelError(f"{folder / 'config.json'} has torch_dtype {name!r}; expected one of "
+                         f"{', '.join(_DTYPES)} (or pass a dtype)")
     return _DTYPES[name]
 
 
@@ -96,7 +96,7 @@ def _layout(folder: Path) -> Path:
     for name in _LAYOUTS:
         if (folder / name).is_file():
             return folder / name
-    raise FcauditError(f"no weights in {folder}: expected one of {', '.join(_LAYOUTS)}")
+    raise ModelError(f"no weights in {folder}: expected one of {', '.join(_LAYOUTS)}")
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -122,20 +122,20 @@ def _bin_tensors(files: list[Path], dtype: torch.dtype,
         except pickle.UnpicklingError as exc:
             found = re.search(r"GLOBAL ([\w.]+)", str(exc))
             what = f"it imports {found.group(1)}" if found else "it holds non-tensor objects"
-            raise FcauditError(f"refused to load {file}: unpickling would run code ({what}); "
-                               "convert the checkpoint to safetensors") from exc
+            raise ModelError(f"refused to load {file}: unpickling would run code ({what}); "
+                             "convert the checkpoint to safetensors") from exc
         except Exception as exc:  # zip/IO/format errors from torch.load
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise FcauditError(f"{file} is not a readable PyTorch checkpoint ({first}); it may be "
-                               "truncated or corrupt: download it again") from exc
+            raise ModelError(f"{file} is not a readable PyTorch checkpoint ({first}); it may be "
+                             "truncated or corrupt: download it again") from exc
         if not isinstance(state, dict) or not all(
                 isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-            raise FcauditError(f"{file} is not a state dict of named tensors")
+            raise ModelError(f"{file} is not a state dict of named tensors")
         for key in list(state):
             tensor = state.pop(key)  # frees the original as soon as it is converted
             if key in seen:
-                raise FcauditError(f"{key} appears in more than one shard ({file.name} and "
-                                   "another); rebuild the checkpoint")
+                raise ModelError(f"{key} appears in more than one shard ({file.name} and "
+                                 "another); rebuild the checkpoint")
             seen.add(key)
             if not _CACHE_KEY.search(key):
                 yield key, tensor.to(device=device, dtype=dtype)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import CacheError, UsageError, arg
 
 # io/outdir is imported where used: it brings numpy, and the ``fcaudit audit`` flags read
 # DEVICE_MAPS while ``--help`` must stay instant
@@ -69,8 +69,8 @@ def parse_size(text: str, where: str) -> int:
     match = _SIZE.match(text)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
-        raise FcauditError(f"{where}: {text!r} is not a size; write a number with a unit "
-                           "(8GiB, 500MB) or plain bytes")
+        raise UsageError(f"{where}: {text!r} is not a size; write a number with a unit "
+                         "(8GiB, 500MB) or plain bytes", option="max_memory")
     return int(float(match.group(1)) * _UNITS[unit])
 
 
@@ -80,20 +80,23 @@ def parse_max_memory(value: str | Mapping[Any, Any]) -> dict[str | int, int]:
     if isinstance(value, str):
         items = [part.partition("=") for part in value.split(",")]
         if any(not sep or not key.strip() for key, sep, _ in items):
-            raise FcauditError(f"{where}: write DEVICE=SIZE pairs separated by commas, e.g. "
-                               "cpu=8GiB,cuda:0=70GiB")
+            raise UsageError(f"{where}: write DEVICE=SIZE pairs separated by commas, e.g. "
+                             "cpu=8GiB,cuda:0=70GiB", option="max_memory")
         pairs = [(key.strip(), size.strip()) for key, _, size in items]
     elif isinstance(value, Mapping):
         pairs = [(str(k), str(v)) for k, v in value.items()]
     else:
-        raise FcauditError(f"{where}: give a string like 'cpu=8GiB,cuda:0=70GiB' or a dict")
+        raise UsageError(f"{where}: give a string like 'cpu=8GiB,cuda:0=70GiB' or a dict",
+                         option="max_memory")
     budget: dict[str | int, int] = {}
     for key, size in pairs:
         if not _DEVICE.match(key):
-            raise FcauditError(f"{where}: {key!r} is not a device; use cpu, disk or cuda:N")
+            raise UsageError(f"{where}: {key!r} is not a device; use cpu, disk or cuda:N",
+                             option="max_memory")
         device: str | int = int(key.removeprefix("cuda:")) if key[-1].isdigit() else key
         if device in budget:
-            raise FcauditError(f"{where}: {key} is given twice; give each device once")
+            raise UsageError(f"{where}: {key} is given twice; give each device once",
+                             option="max_memory")
         budget[device] = parse_size(size, where)
     return budget
 
@@ -104,12 +107,13 @@ def placement(device_map: str | None, max_memory: Any = None,
     if device_map is None:
         if max_memory is not None or offload_folder is not None:
             given = arg("max_memory") if max_memory is not None else arg("offload_folder")
-            raise FcauditError(f"{given} only applies with {arg('device_map', 'auto')}: add it "
-                               "or drop the option")
+            raise UsageError(f"{given} only applies with {arg('device_map', 'auto')}: add it "
+                             "or drop the option",
+                             option="max_memory" if max_memory is not None else "offload_folder")
         return None
     if device_map not in DEVICE_MAPS:
-        raise FcauditError(f"{arg('device_map', device_map)}: choose one of "
-                           f"{', '.join(DEVICE_MAPS)}")
+        raise UsageError(f"{arg('device_map', device_map)}: choose one of "
+                         f"{', '.join(DEVICE_MAPS)}", option="device_map")
     require_accelerate()
     budget = parse_max_memory(max_memory) if max_memory is not None else None
     folder = Path(offload_folder) if offload_folder is not None else None
@@ -123,8 +127,8 @@ def require_accelerate() -> None:
     try:
         import accelerate  # noqa: F401
     except ImportError as exc:
-        raise FcauditError(f"{arg('device_map')} needs the optional dependency accelerate: "
-                           'pip install "fcaudit[hf]"') from exc
+        raise UsageError(f"{arg('device_map')} needs the optional dependency accelerate: "
+                         'pip install "fcaudit[hf]"', option="device_map") from exc
 
 
 def weight_bytes(files: list[Path], itemsize: int | None = None) -> int:
@@ -153,10 +157,10 @@ def check_budget(place: Placement, files: list[Path], itemsize: int | None) -> N
     memory = sum(v for k, v in place.max_memory.items() if k != "disk")
     needed = weight_bytes(files, itemsize)
     if needed > memory:
-        raise FcauditError(
+        raise UsageError(
             f"the weights take {needed / 2**30:.2f} GiB but {arg('max_memory')} allows "
             f"{memory / 2**30:.2f} GiB outside disk: add {arg('offload_folder', 'DIR')} for "
-            "the layers placed on disk")
+            "the layers placed on disk", option="max_memory")
 
 
 class AlignedWeights(Mapping):
@@ -224,12 +228,12 @@ def check_apart(folder: Path, out: str | Path | None) -> None:
     where, out_arg = arg("offload_folder", str(folder)), arg("out", str(out))
     if offload == output or output in offload.parents:
         inside = "is" if offload == output else "lies inside"
-        raise FcauditError(f"{where} {inside} {out_arg}, the audit's output folder; give an "
-                           "offload folder outside it (it holds weights only while the audit "
-                           "runs)")
+        raise UsageError(f"{where} {inside} {out_arg}, the audit's output folder; give an "
+                         "offload folder outside it (it holds weights only while the audit "
+                         "runs)", option="offload_folder")
     if offload in output.parents:
-        raise FcauditError(f"{out_arg} lies inside {where}, whose files fcaudit removes after "
-                           "the audit; give folders apart from each other")
+        raise UsageError(f"{out_arg} lies inside {where}, whose files fcaudit removes after "
+                         "the audit; give folders apart from each other", option="offload_folder")
 
 
 def _claim(folder: Path) -> int | None:
@@ -243,8 +247,8 @@ def _claim(folder: Path) -> int | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise FcauditError(f"cannot create {where} ({exc.strerror or exc}); check the path "
-                           "and its permissions") from exc
+        raise CacheError(f"cannot create {where} ({exc.strerror or exc}); check the path "
+                         "and its permissions", folder=str(folder)) from exc
     found = _listing(folder)
     marker = folder / MARKER
     if marker.is_file():
@@ -253,20 +257,21 @@ def _claim(folder: Path) -> int | None:
         except (OSError, ValueError):
             state = {}
         if _alive(state.get("pid")):
-            raise FcauditError(f"{where} is in use by another fcaudit process (pid "
-                               f"{state['pid']}); give each audit its own offload folder")
+            raise CacheError(f"{where} is in use by another fcaudit process (pid "
+                             f"{state['pid']}); give each audit its own offload folder",
+                             folder=str(folder))
         ours = set(state.get("files", [])) if isinstance(state.get("files"), list) else set()
         foreign = sorted(found - ours)
         if foreign:
-            raise FcauditError(f"{where} holds {len(foreign)} file(s) fcaudit did not write "
-                               f"(e.g. {foreign[0]}); fcaudit never deletes them: give an "
-                               "empty or new folder")
+            raise CacheError(f"{where} holds {len(foreign)} file(s) fcaudit did not write "
+                             f"(e.g. {foreign[0]}); fcaudit never deletes them: give an "
+                             "empty or new folder", folder=str(folder))
         created = _created(state)
         _remove(folder, ours & found)  # a previous run's, left by a crash
     elif found:
-        raise FcauditError(f"{where} holds {len(found)} file(s) fcaudit did not write (e.g. "
-                           f"{sorted(found)[0]}); fcaudit never deletes them: give an empty "
-                           "or new folder")
+        raise CacheError(f"{where} holds {len(found)} file(s) fcaudit did not write (e.g. "
+                         f"{sorted(found)[0]}); fcaudit never deletes them: give an empty "
+                         "or new folder", folder=str(folder))
     _write_marker(folder, created, None)
     return created
 
@@ -289,9 +294,9 @@ def _write_marker(folder: Path, created: int | None, files: set[str] | None) -> 
     try:
         (folder / MARKER).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
     except OSError as exc:
-        raise FcauditError(f"cannot write in {arg('offload_folder', str(folder))} "
-                           f"({exc.strerror or exc}); fix its permissions or give another "
-                           "folder") from exc
+        raise CacheError(f"cannot write in {arg('offload_folder', str(folder))} "
+                         f"({exc.strerror or exc}); fix its permissions or give another "
+                         "folder", folder=str(folder)) from exc
 
 
 def _remove(folder: Path, files: set[str]) -> None:

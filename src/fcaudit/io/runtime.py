@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fcaudit._version import __version__
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import UsageError, arg
 
 
 def versions() -> dict[str, str]:
@@ -99,18 +99,18 @@ def resolve_device(name: str | None, option: str = "device") -> Any:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError) as exc:
-        raise FcauditError(f"{arg(option, name)} is not a device; use cpu, cuda or "
-                           "cuda:N") from exc
+        raise UsageError(f"{arg(option, name)} is not a device; use cpu, cuda or "
+                         "cuda:N", option=option) from exc
     if device.type == "cpu":
         return device
     if device.type != "cuda":
-        raise FcauditError(f"{arg(option, name)}: fcaudit runs on cpu or cuda")
+        raise UsageError(f"{arg(option, name)}: fcaudit runs on cpu or cuda", option=option)
     if not torch.cuda.is_available():
-        raise FcauditError(f"{arg(option, name)}: no CUDA device is available here; use "
-                           f"{arg(option, 'cpu')}")
+        raise UsageError(f"{arg(option, name)}: no CUDA device is available here; use "
+                         f"{arg(option, 'cpu')}", option=option)
     if device.index is not None and device.index >= torch.cuda.device_count():
-        raise FcauditError(f"{arg(option, name)}: this machine has "
-                           f"{torch.cuda.device_count()} CUDA device(s)")
+        raise UsageError(f"{arg(option, name)}: this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)", option=option)
     return device
 
 

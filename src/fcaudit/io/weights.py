@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 import torch
 from safetensors import safe_open
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import ModelError
 from fcaudit.io.fileio import read_json
 
 Shapes = dict[str, tuple[int, ...]]
@@ -25,8 +25,8 @@ def open_safetensors(file: Path) -> safe_open:
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except Exception as exc:  # SafetensorError derives from Exception only
-        raise FcauditError(f"{file} is not a readable safetensors file ({exc}); it may be "
-                           "truncated or corrupt: copy or download it again") from exc
+        raise ModelError(f"{file} is not a readable safetensors file ({exc}); it may be "
+                         "truncated or corrupt: copy or download it again") from exc
 
 
 def header_shapes(files: list[Path]) -> Shapes:
@@ -34,13 +34,13 @@ def header_shapes(files: list[Path]) -> Shapes:
     shapes: Shapes = {}
     for file in files:
         if not file.is_file():
-            raise FcauditError(f"weights file not found: {file}; copy the weights into the "
-                               "folder")
+            raise ModelError(f"weights file not found: {file}; copy the weights into the "
+                             "folder")
         with open_safetensors(file) as f:
             for key in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
                 if key in shapes:
-                    raise FcauditError(f"{key} appears in more than one shard ({file.name} "
-                                       "and another); rebuild the checkpoint")
+                    raise ModelError(f"{key} appears in more than one shard ({file.name} "
+                                     "and another); rebuild the checkpoint")
                 shapes[key] = tuple(f.get_slice(key).get_shape())
     return shapes
 
@@ -65,18 +65,18 @@ def index_files(index: Path) -> list[Path]:
     data = read_json(index, "checkpoint index")
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise FcauditError(f"{index} has no 'weight_map'; restore the index file")
+        raise ModelError(f"{index} has no 'weight_map'; restore the index file")
     names = sorted(set(map(str, weight_map.values())))
     for name in names:
         parts = PurePosixPath(name.replace("\\", "/")).parts
         if len(parts) != 1 or parts[0] in (".", "..") or Path(name).is_absolute():
-            raise FcauditError(f"{index} names weight file {name!r} outside its folder; a "
-                               "checkpoint may only load files that sit beside its index")
+            raise ModelError(f"{index} names weight file {name!r} outside its folder; a "
+                             "checkpoint may only load files that sit beside its index")
     shards = [index.parent / n for n in names]
     absent = [s.name for s in shards if not s.is_file()]
     if absent:
-        raise FcauditError(f"{index} lists missing shard(s): {', '.join(absent)}; "
-                           "copy them into the folder")
+        raise ModelError(f"{index} lists missing shard(s): {', '.join(absent)}; "
+                         "copy them into the folder")
     return shards
 
 
@@ -101,9 +101,9 @@ def check_keys(source: str, found: Mapping[str, tuple[int, ...]],
     if wrong:
         problems.append(f"wrong shapes: {_names(wrong, 3)}")
     if problems:
-        raise FcauditError(f"weights in {source} do not fit its config.json ("
-                           + "; ".join(problems) + "); the config and the weights come from "
-                           "different models")
+        raise ModelError(f"weights in {source} do not fit its config.json ("
+                         + "; ".join(problems) + "); the config and the weights come from "
+                         "different models")
 
 
 _LAYER_KEY = re.compile(r"^([A-Za-z_][\w.]*?)\.(\d+)\.")
@@ -121,9 +121,9 @@ def check_depth(source: str, found: Mapping[str, tuple[int, ...]], n_layer: int,
             lists[m.group(1)] = max(lists.get(m.group(1), 0), int(m.group(2)) + 1)
     depth = max(lists.values(), default=None)
     if depth is not None and (depth != n_layer if exact else n_layer > depth):
-        raise FcauditError(f"{source}: config.json says {field}={n_layer} but the weights hold "
-                           f"{depth} layers; the config and the weights come from different "
-                           "models")
+        raise ModelError(f"{source}: config.json says {field}={n_layer} but the weights hold "
+                         f"{depth} layers; the config and the weights come from different "
+                         "models")
 
 
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -131,6 +131,6 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.n
     model.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
-        raise FcauditError(f"the weights leave {', '.join(left[:3])} unset; the checkpoint "
-                           "does not fit this model")
+        raise ModelError(f"the weights leave {', '.join(left[:3])} unset; the checkpoint "
+                         "does not fit this model")
     return model

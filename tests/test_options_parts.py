@@ -1,0 +1,141 @@
+"""AuditOptions in parts: one flat frozen dataclass whose fields carry their part, help,
+bounds and command-line form; the parts are typed views; the ``fcaudit audit`` flags are
+generated from the fields, and validation runs once per audit."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import toys
+from conftest import FAST_ARGS, TOY, run_inprocess
+
+from fcaudit.cli import build_parser
+from fcaudit.cli.parser import audit_options
+from fcaudit.core.errors import UsageError
+from fcaudit.engine.options import (
+    PARTS,
+    AuditOptions,
+    PlacementOptions,
+    ScheduleOptions,
+    ScopeOptions,
+    StatisticsOptions,
+    StoppingOptions,
+    option_specs,
+)
+
+
+def _subparser(name: str) -> object:
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
+def test_the_parts_are_views_that_split_every_field_once() -> None:
+    options = AuditOptions(repeats=2, batch_size=4, frontier=True, target_ci=0.02,
+                           device_map="auto")
+    assert options.statistics == StatisticsOptions(repeats=2, seed=0, bootstrap=1000,
+                                                   objective="token-nll")
+    assert options.scope == ScopeOptions(per_layer=True, execution=True, timing_pairs=10,
+                                         allow_nonexact_identity=False, expert_ablation=None,
+                                         frontier=True, frontier_points=6)
+    assert options.scheduling == ScheduleOptions(batch_size=4, progress=True, schedule="prefix")
+    assert options.stopping == StoppingOptions(target_ci=0.02, min_sequences=None)
+    assert options.placing == PlacementOptions(device_map="auto", max_memory=None,
+                                               offload_folder=None)
+    owner = {f.name: part for part, cls in PARTS.items() for f in dataclasses.fields(cls)}
+    fields = [f.name for f in dataclasses.fields(AuditOptions)]
+    assert sorted(owner) == sorted(fields) and len(fields) == 19
+    assert all(owner[f.name] == spec.part for f, spec in option_specs())
+
+
+def test_every_existing_way_of_building_options_still_works() -> None:
+    base = AuditOptions(3, 0, 1000, 8)  # positional, in the original field order
+    assert base == AuditOptions()
+    options = AuditOptions(repeats=2, bootstrap=200, per_layer=False)
+    assert (options.repeats, options.bootstrap, options.per_layer) == (2, 200, False)
+    moved = dataclasses.replace(options, seed=7)
+    assert (moved.seed, moved.repeats) == (7, 2)
+    copied = AuditOptions(**{**options.__dict__, "frontier_points": 3})
+    assert copied == dataclasses.replace(options, frontier_points=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.repeats = 5  # type: ignore[misc]
+
+
+def test_the_cli_defaults_are_the_fields_defaults() -> None:
+    args = build_parser().parse_args(["audit", "--model", "m", "--out", "o"])
+    assert audit_options(args) == AuditOptions()
+
+
+@pytest.mark.parametrize("argv, field, value", [
+    (["--no-per-layer"], "per_layer", False),
+    (["--no-execution"], "execution", False),
+    (["--quiet"], "progress", False),
+    (["--frontier"], "frontier", True),
+    (["--expert-ablation"], "expert_ablation", True),
+    (["--no-expert-ablation"], "expert_ablation", False),
+    (["--allow-nonexact-identity"], "allow_nonexact_identity", True),
+    (["--schedule", "naive"], "schedule", "naive"),
+    (["--repeats", "5"], "repeats", 5),
+    (["--frontier-points", "4"], "frontier_points", 4),
+    (["--target-ci", "0.02"], "target_ci", 0.02),
+    (["--target-ci", "small"], "target_ci", "small"),  # kept, so validate names it
+    (["--min-sequences", "8"], "min_sequences", 8),
+    (["--device-map", "auto"], "device_map", "auto"),
+    (["--max-memory", "cpu=8GiB"], "max_memory", "cpu=8GiB"),
+    (["--offload-folder", "~/weights"], "offload_folder", Path.home() / "weights"),
+    (["--objective", "classification"], "objective", "classification"),
+])
+def test_each_flag_sets_its_field(argv: list[str], field: str, value: object) -> None:
+    args = build_parser().parse_args(["audit", "--model", "m", "--out", "o", *argv])
+    assert getattr(audit_options(args), field) == value
+
+
+def test_the_help_states_the_bounds_and_defaults_validation_enforces() -> None:
+    text = " ".join(_subparser("audit").format_help().split())  # type: ignore[attr-defined]
+    for said in ("seeds per random condition (reassign, shuffle), 1 to 100 (default 3)",
+                 "master seed, 0 to 2**32-1 (default 0)",
+                 "bootstrap resamples for 95% intervals, 10 to 100000 (default 1000)",
+                 "points per frontier curve, 2 to 20 (default 6)",
+                 "timing pairs, 10 to 1000; 0 disables timing (default 10)",
+                 "sequences per batch, at least 1 (default 8)"):
+        assert said in text, said
+    for bad, message in ((dict(repeats=101), "between 1 and 100"),
+                         (dict(seed=2**32), "between 0 and 4294967295"),
+                         (dict(bootstrap=9), "between 10 and 100000"),
+                         (dict(frontier_points=21), "between 2 and 20"),
+                         (dict(batch_size=0), "at least 1")):
+        with pytest.raises(UsageError, match=message):
+            AuditOptions(**bad).validate()
+
+
+def test_arch_choices_are_the_model_registry() -> None:
+    train = _subparser("train")
+    arch = next(a for a in train._actions if "--arch" in a.option_strings)  # type: ignore
+    assert sorted(arch.choices) == sorted([
+        "featuregate", "dense", "skipgate", "mudd", "moe", "vit-moe", "tokenprune",
+        "condconv", "dense-vit", "dense-cnn"])
+
+
+def test_the_cli_validates_an_audit_s_options_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI checks before it loads the model; audit() finds the same options checked."""
+    checks: list[AuditOptions] = []
+    original = AuditOptions._check
+
+    def counted(self: AuditOptions) -> None:
+        checks.append(self)
+        original(self)
+    monkeypatch.setattr(AuditOptions, "_check", counted)
+    for name, seed in (("eval", 1), ("calib", 2)):
+        np.save(tmp_path / f"{name}.npy", toys.pair_sequences(8, 16, seed))
+    res = run_inprocess(["audit", *TOY, *FAST_ARGS, "--tokens", tmp_path / "eval.npy",
+                         "--calib-tokens", tmp_path / "calib.npy", "--out", tmp_path / "out"],
+                        capsys)
+    assert res.returncode == 0, res.stderr
+    assert len(checks) == 1 and checks[0].repeats == 1
+    checks[0].validate()  # checked already: not again
+    assert len(checks) == 1
+    dataclasses.replace(checks[0], repeats=2).validate()  # a new value is checked
+    assert len(checks) == 2

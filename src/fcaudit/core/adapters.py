@@ -28,7 +28,7 @@ from fcaudit.core.contract import (
     SiteCall,
     describe,
 )
-from fcaudit.core.errors import ModelError
+from fcaudit.core.errors import FcauditError
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,13 @@ class FlatAdapter:
 
     def extract(self, output: Any, call: SiteCall) -> Tensor:
         if call.seq_len is None:
-            raise ModelError(f"a flattened output {describe(output)} needs the number of "
-                             "positions per example, which these inputs do not give: "
-                             f"{ADAPTER_API}")
+            raise FcauditError(f"a flattened output {describe(output)} needs the number of "
+                               "positions per example, which these inputs do not give: "
+                               f"{ADAPTER_API}")
         n = call.batch * call.seq_len
         if not isinstance(output, Tensor) or output.dim() < 1 or output.shape[0] != n:
-            raise ModelError(f"output is {describe(output)}, expected a flattened tensor "
-                             f"[batch*positions={n}, ...]; {ADAPTER_API}")
+            raise FcauditError(f"output is {describe(output)}, expected a flattened tensor "
+                               f"[batch*positions={n}, ...]; {ADAPTER_API}")
         return output.view(call.batch, call.seq_len, *output.shape[1:])
 
     def rebuild(self, coefficients: Tensor, call: SiteCall) -> Tensor:
@@ -71,8 +71,8 @@ class TupleAdapter:
 
     def extract(self, output: Any, call: SiteCall) -> Tensor:
         if not isinstance(output, tuple) or not -len(output) <= self.index < len(output):
-            raise ModelError(f"output is {describe(output)}, expected a tuple with element "
-                             f"{self.index}; {ADAPTER_API}")
+            raise FcauditError(f"output is {describe(output)}, expected a tuple with element "
+                               f"{self.index}; {ADAPTER_API}")
         return (FLAT if self.flat else TENSOR).extract(output[self.index], call)
 
     def rebuild(self, coefficients: Tensor, call: SiteCall) -> tuple[Any, ...]:
@@ -90,13 +90,13 @@ def infer_adapter(output: Any, call: SiteCall) -> ControllerAdapter:
         if call.seq_len is not None and output.dim() >= 1 and \
                 output.shape[0] == call.batch * call.seq_len:
             return FLAT
-        raise ModelError(
+        raise FcauditError(
             f"output is {describe(output)}: neither [batch={call.batch}, "
             f"positions={call.seq_len}, ...] nor flattened "
             f"[{call.batch * (call.seq_len or 1)}, ...]; "
             "name per-token coefficient modules")
-    raise ModelError(f"output is {describe(output)}, not a coefficient tensor; fcaudit cannot "
-                     f"tell which part holds the coefficients: {ADAPTER_API}")
+    raise FcauditError(f"output is {describe(output)}, not a coefficient tensor; fcaudit cannot "
+                       f"tell which part holds the coefficients: {ADAPTER_API}")
 
 
 # What AUTO learned about each module it recorded (weakly held: no model is kept alive).
@@ -123,7 +123,7 @@ class AutoAdapter:
     def resolved(module: Any) -> ControllerAdapter:
         adapter = _LEARNED.get(module)
         if adapter is None:
-            raise ModelError(
+            raise FcauditError(
                 f"the output layout of {type(module).__name__} is not known: sites found by "
                 "globs learn it when this very module is recorded; replay the Recording that "
                 "fcaudit.record returned (fcaudit.replay(model, recording)), or give the Site "

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from fcaudit.core.errors import ModelError
+from fcaudit.core.errors import FcauditError
 
 if TYPE_CHECKING:  # torch is imported lazily so that `fcaudit --help` stays instant
     from torch import Tensor, nn
@@ -108,14 +108,14 @@ class TensorAdapter:
     def extract(self, output: Any, call: SiteCall) -> Tensor:
         from torch import Tensor
         if not isinstance(output, Tensor):
-            raise ModelError(f"output is {describe(output)}, not a tensor; {ADAPTER_API}")
+            raise FcauditError(f"output is {describe(output)}, not a tensor; {ADAPTER_API}")
         if call.seq_len is None:  # no position count to check: the examples must match
             if output.dim() < 1 or output.shape[0] != call.batch:
-                raise ModelError(f"output has shape {list(output.shape)}, expected "
-                                 f"[batch={call.batch}, ...]; {ADAPTER_API}")
+                raise FcauditError(f"output has shape {list(output.shape)}, expected "
+                                   f"[batch={call.batch}, ...]; {ADAPTER_API}")
             return output
         if output.dim() < 2 or output.shape[0] != call.batch or output.shape[1] != call.seq_len:
-            raise ModelError(
+            raise FcauditError(
                 f"output has shape {list(output.shape)}, expected [batch={call.batch}, "
                 f"positions={call.seq_len}, ...]; name per-token coefficient modules or "
                 f"{ADAPTER_API}")

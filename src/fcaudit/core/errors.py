@@ -117,4 +117,4 @@ def check_sizes(config: object, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ModelError(f"{name}={value!r} must be a positive integer")
+            raise FcauditError(f"{name}={value!r} must be a positive integer")

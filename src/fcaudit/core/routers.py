@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 from fcaudit.core.adapters import ADAPTER_API, FLAT, TENSOR, describe
 from fcaudit.core.contract import ExpertLayer, Site, SiteCall
-from fcaudit.core.errors import ModelError, UsageError
+from fcaudit.core.errors import FcauditError
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT
 
 # every way a router may compute its projection: intercepted, and counted
@@ -101,7 +101,7 @@ class _Projection(TorchFunctionMode):
                     supplied: Tensor) -> Tensor:
         like = func(*_meta(tuple(args)), **{k: _meta(v) for k, v in kwargs.items()})
         if like.numel() != supplied.numel():
-            raise UsageError(
+            raise FcauditError(
                 f"the router's projection gives {list(like.shape)}, which does not hold the "
                 f"supplied logits {list(supplied.shape)}: feed coefficients recorded from this "
                 "router (same batch, positions and experts)")
@@ -131,7 +131,7 @@ class RouterAdapter:
             # forward, not __call__: hooks on the router (the recorder's own) must not fire
             output = call.module.forward(*call.args, **call.kwargs)
         if mode.calls != 1:
-            raise ModelError(
+            raise FcauditError(
                 f"router {type(call.module).__name__} ran {mode.calls} linear projections "
                 "(F.linear, matmul, mm, einsum) in one call; fcaudit's RouterAdapter needs "
                 f"exactly one, the logits: {ADAPTER_API}")
@@ -143,7 +143,7 @@ class RouterAdapter:
         logits = mode.output
         assert logits is not None  # set by the single projection _run checked for
         if call.seq_len is None:
-            raise ModelError(
+            raise FcauditError(
                 f"router {type(call.module).__name__}: its logits {describe(logits)} hold one "
                 f"row per token, and these inputs do not say how many tokens each of the "
                 f"{call.batch} examples has: give the token ids [N, T] as the inputs, or in "
@@ -151,7 +151,7 @@ class RouterAdapter:
                 "'inputs_embeds')")
         tokens = call.batch * call.seq_len
         if logits.dim() < 1 or logits.numel() % tokens:
-            raise ModelError(
+            raise FcauditError(
                 f"router {type(call.module).__name__}: its projection gives "
                 f"{describe(logits)}, not one row of logits per token ({tokens} tokens); "
                 f"{ADAPTER_API}")
@@ -170,14 +170,14 @@ class RouterAdapter:
         if len(indices) == 1:
             return indices[0].long().reshape(call.batch, call.seq_len, -1)
         if indices:
-            raise ModelError(
+            raise FcauditError(
                 f"router {type(call.module).__name__} returned {describe(output)}: several "
                 "integer tensors, so which holds the top-k experts is ambiguous; count expert "
                 "execution on the experts module instead")
         scores = items[self.logits_index] if isinstance(output, (tuple, list)) else output
         k = self.top_k if self.top_k is not None else getattr(call.module, "top_k", None)
         if not isinstance(k, int) or not isinstance(scores, Tensor):
-            raise ModelError(
+            raise FcauditError(
                 f"router {type(call.module).__name__} returned {describe(output)} with no "
                 "top-k index tensor and has no top_k: give RouterAdapter(top_k=...)")
         return scores.reshape(call.batch * call.seq_len, -1).topk(k, dim=-1).indices.reshape(
@@ -270,8 +270,8 @@ def expert_load(indices: Tensor, num_experts: int) -> Tensor:
     float64, summing to 1."""
     counts = torch.bincount(indices.reshape(-1).long(), minlength=num_experts)
     if counts.numel() > num_experts:
-        raise ModelError(f"expert index {int(indices.max())} is out of range for "
-                         f"{num_experts} experts")
+        raise FcauditError(f"expert index {int(indices.max())} is out of range for "
+                           f"{num_experts} experts")
     return counts.double() / max(int(counts.sum()), 1)
 
 
@@ -294,8 +294,8 @@ def changed_rows(a: Tensor, b: Tensor) -> int:
     """How many rows (e.g. (layer, token) pairs) of two index tensors ``[..., k]`` of the
     same shape select different top-k expert *sets* (order within a set ignored)."""
     if a.shape != b.shape:
-        raise UsageError(f"index tensors have shapes {list(a.shape)} and {list(b.shape)}; "
-                         "compare routings of the same tokens and layers")
+        raise FcauditError(f"index tensors have shapes {list(a.shape)} and {list(b.shape)}; "
+                           "compare routings of the same tokens and layers")
     rows_a = a.reshape(-1, a.shape[-1]).sort(dim=-1).values
     rows_b = b.reshape(-1, b.shape[-1]).sort(dim=-1).values
     return int((rows_a != rows_b).any(dim=-1).sum())
@@ -330,9 +330,8 @@ class ExpertCount:
         """Experts executed per token ``[tokens]`` (fused modules only): distinct valid
         experts in each index row."""
         if not self.rows:
-            raise ModelError(f"{self.layer.name}: per-token expert counts need a fused experts "
-                             "module (its index input); per-expert modules give loads only",
-                             site=self.layer.name)
+            raise FcauditError(f"{self.layer.name}: per-token expert counts need a fused experts "
+                               "module (its index input); per-expert modules give loads only")
         rows = torch.cat(self.rows)
         valid = (rows >= 0) & (rows < self.layer.num_experts)
         marks = torch.zeros(rows.shape[0], self.layer.num_experts + 1, dtype=torch.bool)
@@ -398,7 +397,7 @@ def counting_experts(model: nn.Module,
                 if rows is None:  # no routing input: every expert runs on what it is given
                     tokens = _tokens_in(values)
                     if tokens % experts:
-                        raise ModelError(
+                        raise FcauditError(
                             f"fused experts module {path} received {describe(tuple(values))}: "
                             "no int64 [tokens, k] index tensor, and its rows do not split into "
                             f"{experts} experts; name one module per expert instead")
@@ -501,8 +500,8 @@ def moe_expert_layers(model: nn.Module) -> list[ExpertLayer]:
             num_experts = _setting(model, modules, NUM_EXPERTS_SETTINGS)
         top_k = _setting(model, modules[1:], TOP_K_SETTINGS)
         if num_experts is None or top_k is None:
-            raise ModelError(f"MoE block {path or type(block).__name__}: cannot tell its number "
-                             "of experts or top-k (no num_experts / top_k attribute or "
-                             "config entry); declare expert_layers() on the model")
+            raise FcauditError(f"MoE block {path or type(block).__name__}: cannot tell its number "
+                               "of experts or top-k (no num_experts / top_k attribute or "
+                               "config entry); declare expert_layers() on the model")
         layers.append(ExpertLayer(_join(path, router), paths, num_experts, top_k))
     return layers

@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -129,6 +130,24 @@ def toy_data(n_eval: int = 12, n_calib: int = 12, seq_len: int = 16) -> AuditDat
 
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def md_cells(line: str) -> list[str]:
+    """The cells of one GFM table row (escaped pipes do not split a cell)."""
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def md_tables(text: str) -> list[list[dict[str, str]]]:
+    """Every GFM table in ``text``, each as rows of header -> cell."""
+    tables, lines = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            lines.append(line)
+        elif lines:
+            headers = md_cells(lines[0])
+            tables.append([dict(zip(headers, md_cells(ln), strict=True)) for ln in lines[2:]])
+            lines = []
+    return tables
 
 
 def write_folder(tmp_path: Path, state: dict[str, torch.Tensor], layout: str,

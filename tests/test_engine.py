@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -784,3 +785,14 @@ def test_a_model_whose_output_depends_on_earlier_passes_stops_the_audit(schedule
                                            "passes"):
         _stateful_audit("history", schedule, tmp_path, n_eval=4)
     assert not (tmp_path / "audit.json").exists()
+
+
+def test_non_finite_nll_is_refused(tmp_path: Path) -> None:
+    model = toys.content_model()
+    with torch.no_grad():
+        model.scale.fill_(float("nan"))
+    data = AuditData(toys.pair_sequences(8, 16, 1), toys.pair_sequences(8, 16, 2), {})
+    with pytest.raises(FcauditError, match="NLL is not finite .* record pass"):
+        audit(model, tmp_path / "out", sites=["gates.*"], data=data, report=False,
+              options=AuditOptions(bootstrap=10, repeats=1, execution=False, progress=False))
+    assert not (tmp_path / "out" / "audit.json").exists()

@@ -99,6 +99,8 @@ def strip_nondeterministic(audit: dict) -> dict:
 
 
 def run_subprocess(argv: list[str], cwd: Path, prefix: list[str] | None = None) -> Result:
+    """``python -m fcaudit.cli ARGV`` (or ``python PREFIX ARGV``) in a real process: what a
+    SIGKILL, ``--debug`` and the console script's own stderr need."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, *(prefix or ["-m", "fcaudit.cli"]),
@@ -107,11 +109,14 @@ def run_subprocess(argv: list[str], cwd: Path, prefix: list[str] | None = None) 
 
 
 def temporaries(root: Path) -> list[Path]:
+    """Files left under a temporary name (a write that never reached its rename)."""
     return sorted(p for p in root.rglob("*") if p.name.endswith(".tmp"))
 
 
 def assert_clean_failure(res: Result, root: Path, out: Path, needle: str | tuple[str, ...],
                          code: int = 2) -> None:
+    """A refused run: one ``fcaudit:`` line holding ``needle``, exit ``code``, no traceback,
+    no audit.json in ``out`` and no temporary file under ``root``."""
     lines = res.stderr.strip().splitlines()
     assert res.returncode == code, res.stderr
     assert len(lines) == 1, res.stderr
@@ -140,7 +145,6 @@ def tokens(tmp_path: Path) -> dict[str, Path]:
         out[name] = tmp_path / f"{name}.npy"
         np.save(out[name], arr)
     return out
-
 
 
 def audit_argv(out: Path, tokens: dict[str, Path], model: str = "toys:content_model",

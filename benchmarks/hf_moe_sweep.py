@@ -83,7 +83,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
     "dots1": {"n_routed_experts": 8, "n_shared_experts": 1},
     "dots3_note_text": {"num_key_value_heads": 4, "shared_experts_intermediate_size": 32},
-    "gemma4_text": {"num_experts": 8, "moe_intermediate_size": 32,  # as tests/test_hf.py
+    "gemma4_text": {"num_experts": 8, "moe_intermediate_size": 32,  # as tests/test_model_hf.py
                     "per_layer_config": {}},
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
                          "mamba_chunk_size": 8, "shared_intermediate_size": 32},

@@ -1,6 +1,6 @@
 """Every supported Hugging Face MoE family, random-initialised, audited end to end.
 
-Builds the tiny random config of each family that ``tests/test_hf.py`` tests (nothing
+Builds the tiny random config of each family that ``tests/test_model_hf.py`` tests (nothing
 is downloaded), saves it as a local folder, and runs ``fcaudit.audit`` on it: the sites
 found, the identity replay's max difference, the reassign and shuffle penalties with
 their intervals, the share of top-k expert sets reassign changes, and the experts that

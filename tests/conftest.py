@@ -1,6 +1,7 @@
 """Shared test helpers and fixtures (test files import helpers from here, never from each
-other): CLI runners, fast audit options and toy data, hand-made run and checkpoint
-folders, and tiny random Hugging Face MoE families."""
+other): CLI runners and the checks of a clean failure (one line, exit 2, nothing
+half-written), fast audit options, toy data and token files, hand-made run and checkpoint
+folders, Markdown table parsing, and tiny random Hugging Face MoE families."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -92,6 +95,65 @@ def strip_nondeterministic(audit: dict) -> dict:
     return audit
 
 
+# ---- running the command line and checking what a failure leaves behind
+
+
+def run_subprocess(argv: list[str], cwd: Path, prefix: list[str] | None = None) -> Result:
+    """``python -m fcaudit.cli ARGV`` (or ``python PREFIX ARGV``) in a real process: what a
+    SIGKILL, ``--debug`` and the console script's own stderr need."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, *(prefix or ["-m", "fcaudit.cli"]),
+                           *map(str, argv)], capture_output=True, text=True, cwd=cwd, env=env)
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def temporaries(root: Path) -> list[Path]:
+    """Files left under a temporary name (a write that never reached its rename)."""
+    return sorted(p for p in root.rglob("*") if p.name.endswith(".tmp"))
+
+
+def assert_clean_failure(res: Result, root: Path, out: Path, needle: str | tuple[str, ...],
+                         code: int = 2) -> None:
+    """A refused run: one ``fcaudit:`` line holding ``needle``, exit ``code``, no traceback,
+    no audit.json in ``out`` and no temporary file under ``root``."""
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == code, res.stderr
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("fcaudit: "), lines[0]
+    for part in (needle,) if isinstance(needle, str) else needle:
+        assert part in lines[0], lines[0]
+    assert "Traceback" not in res.stderr
+    assert not (out / "audit.json").exists()
+    assert not temporaries(root), temporaries(root)
+
+
+def canonical(path: Path) -> str:
+    """audit.json re-serialised like fileio.write_json after removing the
+    nondeterministic keys: byte-comparable."""
+    audit = strip_nondeterministic(json.loads(path.read_text(encoding="utf-8")))
+    return json.dumps(audit, indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> dict[str, Path]:
+    """Evaluation (16 x 16) and calibration (12 x 16) token files for the toy models."""
+    import toys
+    files = {"eval": toys.pair_sequences(16, 16, 1), "calib": toys.pair_sequences(12, 16, 2)}
+    out = {}
+    for name, arr in files.items():
+        out[name] = tmp_path / f"{name}.npy"
+        np.save(out[name], arr)
+    return out
+
+
+def audit_argv(out: Path, tokens: dict[str, Path], model: str = "toys:content_model",
+               extra: tuple = ()) -> list:
+    """``fcaudit audit`` of a toy model on the :func:`tokens` files."""
+    return ["audit", "--model", model, "--sites", "gates.*", "--out", out, *FAST_ARGS, *extra,
+            "--tokens", tokens["eval"], "--calib-tokens", tokens["calib"]]
+
+
 WORDS = ["king", "queen", "crown", "sword", "night", "day", "love", "death", "honour", "fool",
          "ghost", "castle", "letter", "storm", "father", "daughter", "poison", "ring", "river",
          "court"]
@@ -129,6 +191,24 @@ def toy_data(n_eval: int = 12, n_calib: int = 12, seq_len: int = 16) -> AuditDat
 
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def md_cells(line: str) -> list[str]:
+    """The cells of one GFM table row (escaped pipes do not split a cell)."""
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def md_tables(text: str) -> list[list[dict[str, str]]]:
+    """Every GFM table in ``text``, each as rows of header -> cell."""
+    tables, lines = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            lines.append(line)
+        elif lines:
+            headers = md_cells(lines[0])
+            tables.append([dict(zip(headers, md_cells(ln), strict=True)) for ln in lines[2:]])
+            lines = []
+    return tables
 
 
 def write_folder(tmp_path: Path, state: dict[str, torch.Tensor], layout: str,
@@ -277,3 +357,15 @@ def observed_outputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Any
     for h in handles:
         h.remove()
     return seen
+
+
+# a small audit of a Hugging Face folder (4 evaluation windows, 1 repeat)
+AUDIT_FAST = ["--max-eval", "4", "--max-calib", "2", "--repeats", "1", "--bootstrap", "20",
+              "--batch-size", "2", "--no-per-layer", "--no-execution"]
+
+
+@pytest.fixture(scope="module")
+def hf_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Mixtral folder (FAMILIES) with its tokenizer."""
+    pytest.importorskip("transformers")
+    return save(FAMILIES["mixtral"][0](), tmp_path_factory.mktemp("mixtral"))

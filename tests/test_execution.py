@@ -1,4 +1,5 @@
-"""Execution audit: block counts, FLOPs, timing arithmetic, and the SkipGate reference model."""
+"""Execution audit: block counts, FLOPs, timing arithmetic, the SkipGate reference model,
+and the MoE expert-execution keys."""
 
 from __future__ import annotations
 
@@ -390,3 +391,42 @@ def test_an_uncounted_matrix_operator_refuses_the_flops_ratio(monkeypatch):
                                block_paths=[""], dense_block_paths=[""], timing=False)
     assert result.uncounted_operators == ["aten._grouped_mm"]
     assert result.flops_ratio is None and not result.conditional_execution
+
+
+# ---------------------------------------------------------------- MoE execution keys
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_moe_execution_keys_have_one_meaning_and_agree_with_the_verdict(top_k: int) -> None:
+    import dataclasses
+
+    from fcaudit.engine.execution import measure_execution
+    from fcaudit.engine.verdicts import verdict_execution
+    from fcaudit.models.moe import PRESETS as MOE_PRESETS
+    from fcaudit.models.moe import MoEGPT
+    torch.manual_seed(0)
+    model = MoEGPT(dataclasses.replace(MOE_PRESETS["tiny"], top_k=top_k)).eval()
+    ids = torch.randint(0, 2048, (4, 16), generator=torch.Generator().manual_seed(0))
+    routers = {s.name: s for s in model.controller_sites()}
+    ex = measure_execution(model, None, ids, batch_size=4, timing=False,
+                           block_paths=model.execution_blocks(),
+                           experts=model.expert_layers(), routers=routers)
+    x = ex.experts
+    layers = len(model.blocks)
+    assert x.num_experts_per_layer == [8] * layers and x.top_k_per_layer == [top_k] * layers
+    assert x.experts_per_token_per_layer == [float(top_k)] * layers  # each token: its top-k
+    assert x.experts_per_token_summed_over_layers == top_k * layers
+    assert x.experts_per_token_mean_over_layers == top_k
+    assert x.experts_present_summed_over_layers == 8 * layers
+    skipped = top_k < 8
+    assert x.routing_changes_computation is skipped
+    assert ex.conditional_execution is skipped  # expert granularity: skipped experts count
+    assert ex.saves_against_dense is None  # no dense counterpart given
+    verdict = verdict_execution(ex)
+    head = "Conditional execution: routing changes" if skipped else \
+        "No conditional execution: routing does not change"
+    assert verdict.startswith(head), verdict
+    assert f"each token runs {top_k:.2f} of 8 experts per routed layer" in verdict
+    assert "no dense counterpart to compare with" in verdict
+    raw = ex.experts.__dict__
+    assert "experts_per_token" not in raw and "num_experts" not in raw

@@ -1,4 +1,4 @@
-"""Expert importance (issue 20 item 2): each routed expert removed from every token's
+"""Expert importance: each routed expert removed from every token's
 choice, one replay per layer and expert. Planted toys give known answers (a dead expert
 costs exactly 0, a critical one a hand-computed penalty); the tiny MoE and Hugging Face
 routers are checked against independent top-k references: the ablated expert never

@@ -1,4 +1,4 @@
-"""The savings frontier (issue 20 item 3): NLL penalty against FLOPs that could be
+"""The savings frontier: NLL penalty against FLOPs that could be
 skipped, dynamic rule vs static rules. Planted toys give known answers computed here by
 hand (numpy), not by the code under test: a per-layer constant gate (static-layer curve =
 dynamic curve), an informative gate (dynamic beats static), top-p routing against a numpy

@@ -1,4 +1,4 @@
-"""Objectives (issue 21): classification loss and accuracy against numpy, a user callable
+"""Objectives: classification loss and accuracy against numpy, a user callable
 against a hand computation, the CLI with --inputs/--targets end to end, and bad inputs
 refused in one line before any work."""
 

@@ -8,10 +8,20 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 from conftest import chromium, make_mudd_folder
 
+from fcaudit.io.loading import get_arch
 from fcaudit.io.outdir import output_kind
-from fcaudit.study.reproduce import StudySettings, aggregate, reproduce, study, study_options
+from fcaudit.study import paper
+from fcaudit.study.reproduce import (
+    STUDY_PRESETS,
+    StudySettings,
+    aggregate,
+    reproduce,
+    study,
+    study_options,
+)
 
 
 def test_aggregate_mean_sd_range_skips_nulls():
@@ -20,11 +30,32 @@ def test_aggregate_mean_sd_range_skips_nulls():
     assert agg["b"] == {"n": 1, "mean": 2.0, "sd": None, "min": 2.0, "max": 2.0}
 
 
-def test_study_presets():
-    tiny = {g.name: g.seeds for g in study("tiny", None)}
-    assert tiny == {"featuregate-tiny": 3, "mudd-tiny": 3, "moe-tiny": 3, "skipgate-tiny": 1}
-    paper = {g.name: g.seeds for g in study("paper", None)}
-    assert paper == {"featuregate-76m": 7, "featuregate-504m": 3}
+@pytest.mark.parametrize("preset", STUDY_PRESETS)
+def test_study_presets_name_groups_the_model_registry_can_build(preset: str):
+    """Every group (and its dense twin) is an architecture and size the model registry
+    knows, group names (run folders) are distinct, and ``--seeds`` sets every group's seed
+    count but a single-seed control's (SkipGate in ``tiny``)."""
+    groups = study(preset, None)
+    assert groups and len({g.name for g in groups}) == len(groups)
+    for group in groups:
+        assert group.seeds >= 1
+        for arch in filter(None, (group.arch, group.dense_arch)):
+            get_arch(arch).config(group.preset)  # refuses an unknown arch or size
+    assert [g.seeds for g in study(preset, 5)] == [1 if g.seeds == 1 else 5 for g in groups]
+
+
+def test_paper_study_trains_the_papers_sizes_with_its_seeds():
+    """The paper preset is FeatureGate at the sizes and seed counts the paper reports
+    (fcaudit.study.paper): parameter counts within 3% of the paper's."""
+    groups = study("paper", None)
+    assert {g.arch for g in groups} == {"featuregate"}
+    assert {g.preset.upper(): g.seeds for g in groups} == paper.RETENTION_SEEDS
+    for group in groups:
+        arch = get_arch(group.arch)
+        with torch.device("meta"):
+            model = arch.build(arch.config(group.preset))
+        n_params = sum(p.numel() for p in model.parameters())
+        assert n_params == pytest.approx(paper.PARAMS[group.preset.upper()], rel=0.03)
 
 
 @pytest.fixture(scope="module")

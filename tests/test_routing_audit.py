@@ -5,12 +5,13 @@ one command."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import optional_extra
+from conftest import md_tables, optional_extra
 
 from fcaudit.api import audit
 from fcaudit.engine.run import AuditOptions
@@ -57,11 +58,43 @@ def test_experts_that_ran_are_the_routers_top_k(moe_audit) -> None:
         "each token runs 2.00 of 8 experts")
 
 
+def _percent(cell: str) -> float:
+    return float(cell.removesuffix("%")) / 100
+
+
 def test_the_report_shows_routing(moe_audit) -> None:
-    _, out = moe_audit
+    """The Routing tables quote the result's numbers: per condition the share of top-k sets
+    changed and the penalty; per layer the load entropy, every expert's load and the
+    random conditions' changed shares (shown to 0.1%, 3 decimals)."""
+    result, out = moe_audit
     report = (out / "report.md").read_text()
-    assert "## Routing" in report and "top-k sets changed" in report
-    assert "experts run per token per routed layer" in report
+    routing = result.routing["moe"]
+    section = report[report.index("## Routing"):report.index("\n## ", report.index("## Routing"))]
+    assert f"### Family `moe` ({routing.num_experts} experts, {routing.tokens} tokens per " \
+           "layer)" in section
+    by_condition, by_layer = md_tables(section)
+    assert [row["condition"].strip("`") for row in by_condition] == list(routing.changed)
+    for row in by_condition:
+        name = row["condition"].strip("`")
+        assert _percent(row["top-k sets changed"]) == pytest.approx(routing.changed[name],
+                                                                     abs=5.01e-4)
+        c = result.conditions[name]
+        shown = [float(x) for x in re.findall(r"[-+]\d+\.\d+", row["Δ NLL [95% CI]"])]
+        assert shown == pytest.approx([c.delta, *c.ci95], abs=5.01e-5)
+    assert len(by_layer) == len(routing.per_layer)
+    for row, layer in zip(by_layer, routing.per_layer, strict=True):
+        assert (int(row["layer"]), row["site"].strip("`")) == (layer.layer, layer.site)
+        assert float(row["load entropy / log E"]) == pytest.approx(layer.entropy_normalized,
+                                                                   abs=5.01e-4)
+        assert [float(x) for x in row["expert load"].split(",")] == pytest.approx(layer.load,
+                                                                                  abs=5.01e-4)
+        for name in ("reassign", "shuffle", "reassign+shuffle"):
+            assert _percent(row[f"changed: {name}"]) == pytest.approx(layer.changed[name],
+                                                                      abs=5.01e-4)
+    experts = result.execution.experts
+    rows = {r["measure"]: r["model"] for t in md_tables(report) for r in t if "measure" in r}
+    assert rows["experts run per token per routed layer (mean over layers)"] == \
+        f"{experts.experts_per_token_mean_over_layers:.2f} of {routing.num_experts}"
 
 
 def test_a_hugging_face_moe_folder_is_audited_with_one_command(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""static-layer-token (issue 20): a profile per (layer, token id) from the calibration set,
+"""static-layer-token: a profile per (layer, token id) from the calibration set,
 its fallback for ids calibration never saw, and the token-id share of the within-layer
 variance; every expected value is derived by hand or by numpy, not by the code under test."""
 

@@ -1,5 +1,5 @@
-"""Inputs that are not token ids and coefficient layouts other than [B, T, ...]
-(issue 21): planted toys with known answers (tests/vision_toys.py), each condition per
+"""Inputs that are not token ids and coefficient layouts other than [B, T, ...]:
+planted toys with known answers (tests/vision_toys.py), each condition per
 shape, identity replay, the cache and resume on input bits, execution per example."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Coefficient layouts proven, not guessed (issue 28): a position axis is accepted only
+"""Coefficient layouts proven, not guessed: a position axis is accepted only
 where its length is the positions of what the module reads; otherwise the coefficients
 are per-example, or the audit asks for the layout in one line. Planted models with
 answers known by construction (tests/vision_toys.py: SEModel, PatchModel, SpatialModel)."""
@@ -18,6 +18,7 @@ from torch import nn
 
 import fcaudit
 from fcaudit import AuditData, AuditOptions, Site
+from fcaudit.api import audit
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.layout import decide_layout, parse_axes, spell_axes
 from fcaudit.core.sites import find_sites
@@ -424,3 +425,38 @@ def test_progress_bars_print_markup_literally() -> None:
     with ProgressReporter(True, stream) as progress:
         progress("record [/]x[bold]", 1, 2, "site [red]g[/]")
     assert "record [/]x[bold]" in stream.getvalue() and "site [red]g[/]" in stream.getvalue()
+
+
+class _TimeMajorGate(nn.Module):
+    """A gate whose output is [positions, batch, 1] (time-major), not [batch, positions]."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (ids.T.unsqueeze(-1) % 7).float() / 7
+
+
+class _TimeMajorModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates = nn.ModuleList([_TimeMajorGate()])
+        self.emb = nn.Embedding(toys.V, toys.V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids) * self.gates[0](ids).transpose(0, 1)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_time_major_gate_is_refused_even_when_batch_equals_length(size: int,
+                                                                    tmp_path: Path) -> None:
+    ids = toys.pair_sequences(3 * size, size, 1)
+    data = AuditData(ids[:2 * size], ids[2 * size:], {})
+    options = AuditOptions(batch_size=size, repeats=1, bootstrap=10, per_layer=False,
+                           execution=False, progress=False)
+    with pytest.raises(FcauditError) as caught:  # batch == positions: the shapes alone agree
+        audit(_TimeMajorModel(), tmp_path / "out", sites=["gates.*"], data=data,
+              options=options)
+    message = str(caught.value)
+    assert "\n" not in message and "site gates.0" in message, message
+    assert f"with {size + 1} sequences of {size} tokens; with {size} of {size} the shape " \
+        "fitted only because the two counts are equal: are the output's axes [positions, " \
+        "batch, ...]?" in message
+    assert not (tmp_path / "out").exists()

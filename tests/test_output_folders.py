@@ -1,4 +1,4 @@
-"""Output folders (issue 10): fcaudit never destroys a user's files, one run holds a folder
+"""Output folders: fcaudit never destroys a user's files, one run holds a folder
 at a time, a rerun never leaves old and new results side by side, and weights and the
 built-in corpus are checked against what was recorded. Catalogue: docs/reliability.md.
 """

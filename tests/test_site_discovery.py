@@ -1,6 +1,6 @@
-"""What a new user hit (issue 18 items 3-9): `sites --all` on multi-module models, the
-scoring window said out loud, record/replay of Hugging Face routers by glob, variance
-decompositions that account for everything, MoE execution keys, the routing figure."""
+"""Site discovery (`fcaudit sites`): `--all` describes every module of a model, candidates
+are judged by what their output multiplies, the watch follows a gate through casts, copies
+and in-place ops, and what is not a controller (attention weights, TorchScript) is said."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import observed_outputs, run_inprocess
+from conftest import AUDIT_FAST, observed_outputs, run_inprocess
 from torch import nn
 
 from fcaudit.core.sites import NOT_CALLED, PROBE_TOKENS
 from fcaudit.models.featuregate import GPT, PRESETS
 
-# ---------------------------------------------------------------- item 3: sites --all
+# ------------------------------------------------------------------------ sites --all
 
 
 def expected_text(value: Any) -> str:
@@ -152,251 +152,6 @@ def test_a_failed_pass_says_which_module_raised_and_what_never_ran() -> None:
     assert rows["head"] == ("not run: the forward pass stopped in block.1 (ValueError: needs "
                             "attention_mask)")
     assert set(rows) == {"emb", "block", "block.0", "block.1", "head"}
-
-
-# ---------------------------------------------------- item 6: variance decompositions
-
-
-def numpy_shares(x: np.ndarray) -> dict[str, float]:
-    """Reference decomposition of values ``[layers, sequences, positions, components]``."""
-    grand = x.mean()
-    total = ((x - grand) ** 2).sum()
-    n_l, n_s, n_t, n_c = x.shape
-    layer = x.mean(axis=(1, 2, 3))
-    pos = x.mean(axis=(0, 1, 3))
-    cell = x.mean(axis=(1, 3))  # [layers, positions]
-    comp = x.mean(axis=1)  # [layers, positions, components]
-    ss_layer = n_s * n_t * n_c * ((layer - grand) ** 2).sum()
-    ss_pos = n_l * n_s * n_c * ((pos - grand) ** 2).sum()
-    ss_cell = n_s * n_c * ((cell - grand) ** 2).sum()
-    ss_comp = n_s * ((comp - cell[:, :, None]) ** 2).sum()
-    ss_resid = ((x - comp[:, None]) ** 2).sum()
-    return {"layer identity": ss_layer / total, "position": ss_pos / total,
-            "layer-by-position interaction": (ss_cell - ss_layer - ss_pos) / total,
-            "component": ss_comp / total, "input and token content": ss_resid / total}
-
-
-@pytest.mark.parametrize("kind", ["scalar gate", "vector coefficient", "router"])
-def test_every_decomposition_names_all_its_axes_and_sums_to_one(kind: str) -> None:
-    from fcaudit.core.contract import Site
-    from fcaudit.core.routers import RouterAdapter
-    from fcaudit.engine.metrics import VarianceAccumulator
-    from fcaudit.engine.result import Variation
-    from fcaudit.engine.verdicts import variation
-    width = {"scalar gate": 1, "vector coefficient": 3, "router": 8}[kind]
-    rng = np.random.default_rng(1)
-    # layer, position and component effects plus noise: every axis carries variance
-    x = (rng.normal(size=(3, 1, 1, 1)) + rng.normal(size=(1, 1, 5, 1))
-         + 2 * rng.normal(size=(1, 1, 1, width)) + rng.normal(size=(3, 6, 5, width)))
-    adapter = RouterAdapter() if kind == "router" else None
-    sites = [Site(f"l{i}", f"l{i}", "fam", i, **({"adapter": adapter} if adapter else {}))
-             for i in range(3)]
-    acc = VarianceAccumulator(sites)
-    acc.add({s.name: torch.from_numpy(x[i]) for i, s in enumerate(sites)})
-    shares = acc.decompose()
-    axes = dict(shares.axes())
-    expected = numpy_shares(x)
-    axis = {"scalar gate": None, "vector coefficient": "component", "router": "expert"}[kind]
-    assert shares.component_axis == axis
-    if axis is None:
-        assert abs(expected.pop("component")) < 1e-12
-    else:
-        expected[axis] = expected.pop("component")
-    assert set(axes) == set(expected)
-    for name, share in expected.items():
-        assert axes[name] == pytest.approx(share, abs=1e-9), name
-    assert sum(axes.values()) == pytest.approx(1.0, abs=1e-9)
-    sentence = variation({"fam": shares}, {"fam": Variation([], 0.1, 0.2, 0.3, None, None)})
-    for name, share in expected.items():
-        assert f"{name} {100 * share:.1f}%" in sentence, (name, sentence)
-    assert "(total 100.0%)" in sentence
-
-
-# ---------------------------------------------------------- item 7: MoE execution keys
-
-
-@pytest.mark.parametrize("top_k", [2, 8])
-def test_moe_execution_keys_have_one_meaning_and_agree_with_the_verdict(top_k: int) -> None:
-    import dataclasses
-
-    from fcaudit.engine.execution import measure_execution
-    from fcaudit.engine.verdicts import verdict_execution
-    from fcaudit.models.moe import PRESETS as MOE_PRESETS
-    from fcaudit.models.moe import MoEGPT
-    torch.manual_seed(0)
-    model = MoEGPT(dataclasses.replace(MOE_PRESETS["tiny"], top_k=top_k)).eval()
-    ids = torch.randint(0, 2048, (4, 16), generator=torch.Generator().manual_seed(0))
-    routers = {s.name: s for s in model.controller_sites()}
-    ex = measure_execution(model, None, ids, batch_size=4, timing=False,
-                           block_paths=model.execution_blocks(),
-                           experts=model.expert_layers(), routers=routers)
-    x = ex.experts
-    layers = len(model.blocks)
-    assert x.num_experts_per_layer == [8] * layers and x.top_k_per_layer == [top_k] * layers
-    assert x.experts_per_token_per_layer == [float(top_k)] * layers  # each token: its top-k
-    assert x.experts_per_token_summed_over_layers == top_k * layers
-    assert x.experts_per_token_mean_over_layers == top_k
-    assert x.experts_present_summed_over_layers == 8 * layers
-    skipped = top_k < 8
-    assert x.routing_changes_computation is skipped
-    assert ex.conditional_execution is skipped  # expert granularity: skipped experts count
-    assert ex.saves_against_dense is None  # no dense counterpart given
-    verdict = verdict_execution(ex)
-    head = "Conditional execution: routing changes" if skipped else \
-        "No conditional execution: routing does not change"
-    assert verdict.startswith(head), verdict
-    assert f"each token runs {top_k:.2f} of 8 experts per routed layer" in verdict
-    assert "no dense counterpart to compare with" in verdict
-    raw = ex.experts.__dict__
-    assert "experts_per_token" not in raw and "num_experts" not in raw
-
-
-# ------------------------------------------------------ item 4: the window, said aloud
-
-AUDIT_FAST = ["--max-eval", "4", "--max-calib", "2", "--repeats", "1", "--bootstrap", "20",
-              "--batch-size", "2", "--no-per-layer", "--no-execution"]
-
-
-@pytest.fixture(scope="module")
-def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("transformers")
-    from conftest import FAMILIES, save
-    return save(FAMILIES["mixtral"][0](), tmp_path_factory.mktemp("mixtral"))
-
-
-@pytest.mark.parametrize(("extra", "length", "source"), [
-    ([], 64, "default for a Hugging Face folder: min(256, context 64)"),
-    (["--seq-len", "32"], 32, "--seq-len")])
-def test_the_scoring_window_and_its_source_are_said_everywhere(
-        mixtral: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
-        length: int, source: str) -> None:
-    import json
-    out = tmp_path / "out"
-    res = run_inprocess(["audit", "--model", mixtral, "--out", out, *AUDIT_FAST, *extra], capsys)
-    assert res.returncode == 0, res.stderr
-    line = f"scoring windows of {length} tokens ({source}; --seq-len to change)"
-    first = res.stderr.splitlines()[0]  # before any progress line, then the rows picked
-    assert first.startswith(f"fcaudit: {line}; evaluation sequences: 4 of "), first
-    assert line in " ".join(res.stdout.split())  # the printed summary (rich may wrap)
-    data = json.loads((out / "audit.json").read_text())["data"]
-    assert (data["seq_len"], data["seq_len_source"]) == (length, source)
-    assert f"of {length} tokens (window length: {source})" in (out / "report.md").read_text()
-
-
-def test_a_run_folder_window_is_its_training_length_and_help_explains_the_default(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    import dataclasses
-
-    from fcaudit.engine.run import loaded_seq_len
-    from fcaudit.io.loading import load_module
-    loaded = load_module(GPT(PRESETS["tiny"]), "fg")
-    assert loaded_seq_len(loaded) == (128, "default for a model without a training run: "
-                                           "min(256, context 128)")
-    run = dataclasses.replace(loaded, run_config={"train": {"seq_len": 96}})
-    assert loaded_seq_len(run) == (96, "the run's training length")
-    with pytest.raises(SystemExit):
-        run_inprocess(["audit", "--help"], capsys)
-    text = " ".join(capsys.readouterr().out.split())
-    assert "a Hugging Face folder or other model: min(256, its context)" in text
-
-
-# ------------------------------------- item 5: record / replay round trip, by glob
-
-
-ROUTER_GLOB = "model.layers.*.mlp.gate"
-
-
-def test_a_router_glob_records_and_replays_a_hugging_face_model(mixtral: Path) -> None:
-    import fcaudit
-    from fcaudit.core.routers import RouterAdapter
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(mixtral).eval()
-    ids = torch.randint(0, 120, (3, 10), generator=torch.Generator().manual_seed(0))
-    recording = fcaudit.record(model, ids, sites=[ROUTER_GLOB])
-    names = ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
-    assert list(recording) == names and len(recording) == 2
-    assert [s.name for s in recording.sites] == names
-    for site in recording.sites:
-        assert isinstance(site.adapter, RouterAdapter) and site.family == ROUTER_GLOB
-        assert list(recording[site.name].shape) == [3, 10, 4]  # [B, T, experts]
-    with torch.no_grad():
-        live = model(ids).logits
-        assert torch.equal(recording.logits, live)
-        with fcaudit.replay(model, recording):  # no globs repeated
-            assert torch.equal(model(ids).logits, live)
-        with fcaudit.replay(model, fcaudit.reassign(recording, donor=[1, 2, 0])):
-            reassigned = model(ids).logits
-        with fcaudit.replay(model, dict(recording), sites=[ROUTER_GLOB]):  # a plain dict
-            assert torch.equal(model(ids).logits, live)
-    assert not torch.equal(reassigned, live)  # other routing, other logits
-
-
-def test_a_recording_replays_without_any_memory_of_the_record_call() -> None:
-    """Glob sites resolved to the plain tensor adapter travel in the Recording: replaying
-    it on a copy of the model (which no earlier call saw) is bit exact."""
-    import copy
-
-    import toys
-
-    import fcaudit
-    from fcaudit.core.adapters import TENSOR
-    torch.manual_seed(0)
-    model = toys.content_model().eval()
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    recording = fcaudit.record(model, ids, sites=["gates.*"])
-    assert [s.adapter for s in recording.sites] == [TENSOR] * len(recording.sites)
-    twin = copy.deepcopy(model)
-    with torch.no_grad(), fcaudit.replay(twin, recording):
-        assert torch.equal(fcaudit.logits_of(twin(ids)), recording.logits)
-
-
-class _TupleGate(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(4, 2)
-
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.proj(h)
-        return scores, scores.argmax(-1)
-
-
-class _TupleModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(8, 4)
-        self.gate = _TupleGate()
-        self.head = nn.Linear(4, 8)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.emb(ids)
-        scores, _ = self.gate(h)
-        return self.head(h * scores[..., :1].sigmoid())
-
-
-def test_an_unknown_tuple_output_names_both_adapters_and_the_python_argument() -> None:
-    import fcaudit
-    from fcaudit.core.errors import FcauditError
-    with pytest.raises(FcauditError) as err:
-        fcaudit.record(_TupleModel(), torch.zeros(2, 3, dtype=torch.long), sites=["gate"])
-    message = str(err.value)
-    assert "fcaudit.TupleAdapter" in message
-    assert "fcaudit.RouterAdapter" in message
-    assert "sites=[Site(...)]" in message
-    with pytest.raises(FcauditError, match=r"sites='nope'"):
-        fcaudit.record(_TupleModel(), torch.zeros(2, 3, dtype=torch.long), sites=["nope"])
-
-
-def test_the_cli_audits_a_router_glob(mixtral: Path, tmp_path: Path,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
-    import json
-    out = tmp_path / "out"
-    res = run_inprocess(["audit", "--model", mixtral, "--out", out, "--sites", ROUTER_GLOB,
-                         "--quiet", *AUDIT_FAST], capsys)
-    assert res.returncode == 0, res.stderr
-    result = json.loads((out / "audit.json").read_text())
-    assert [(s["name"], s["family"], s.get("adapter")) for s in result["sites"]] == [
-        (f"model.layers.{i}.mlp.gate", ROUTER_GLOB, "router") for i in range(2)]
-    assert result["identity_replay_max_abs_diff"] == 0.0
 
 
 GATED_MLP = """

@@ -1,7 +1,10 @@
-"""Property-based tests (hypothesis) of the intervention algebra and the metrics.
+"""The statistics: random draws (derangements, permutations), static profiles, penalties
+with paired intervals, retention, interaction and variance decompositions, each against an
+independent reference (numpy, scipy, a brute-force ANOVA).
 
-Values come from numpy generators seeded by hypothesis, so each example is cheap and
-every failure is reproducible from the printed seed.
+Most are property-based (hypothesis): values come from numpy generators seeded by
+hypothesis, so each example is cheap and every failure is reproducible from the printed
+seed.
 """
 
 from __future__ import annotations
@@ -295,3 +298,61 @@ def test_eta2_matches_the_known_population_value(seed: int) -> None:
     assert out.eta2_position == pytest.approx(0.25 / total, abs=0.025)
     assert out.eta2_residual == pytest.approx(sigma2 / total, abs=0.025)
     assert 0 <= out.eta2_layer_position < 0.01
+
+
+# --------------------------------------- variance decompositions: every axis named
+
+
+def numpy_shares(x: np.ndarray) -> dict[str, float]:
+    """Reference decomposition of values ``[layers, sequences, positions, components]``."""
+    grand = x.mean()
+    total = ((x - grand) ** 2).sum()
+    n_l, n_s, n_t, n_c = x.shape
+    layer = x.mean(axis=(1, 2, 3))
+    pos = x.mean(axis=(0, 1, 3))
+    cell = x.mean(axis=(1, 3))  # [layers, positions]
+    comp = x.mean(axis=1)  # [layers, positions, components]
+    ss_layer = n_s * n_t * n_c * ((layer - grand) ** 2).sum()
+    ss_pos = n_l * n_s * n_c * ((pos - grand) ** 2).sum()
+    ss_cell = n_s * n_c * ((cell - grand) ** 2).sum()
+    ss_comp = n_s * ((comp - cell[:, :, None]) ** 2).sum()
+    ss_resid = ((x - comp[:, None]) ** 2).sum()
+    return {"layer identity": ss_layer / total, "position": ss_pos / total,
+            "layer-by-position interaction": (ss_cell - ss_layer - ss_pos) / total,
+            "component": ss_comp / total, "input and token content": ss_resid / total}
+
+
+@pytest.mark.parametrize("kind", ["scalar gate", "vector coefficient", "router"])
+def test_every_decomposition_names_all_its_axes_and_sums_to_one(kind: str) -> None:
+    from fcaudit.core.contract import Site
+    from fcaudit.core.routers import RouterAdapter
+    from fcaudit.engine.metrics import VarianceAccumulator
+    from fcaudit.engine.result import Variation
+    from fcaudit.engine.verdicts import variation
+    width = {"scalar gate": 1, "vector coefficient": 3, "router": 8}[kind]
+    rng = np.random.default_rng(1)
+    # layer, position and component effects plus noise: every axis carries variance
+    x = (rng.normal(size=(3, 1, 1, 1)) + rng.normal(size=(1, 1, 5, 1))
+         + 2 * rng.normal(size=(1, 1, 1, width)) + rng.normal(size=(3, 6, 5, width)))
+    adapter = RouterAdapter() if kind == "router" else None
+    sites = [Site(f"l{i}", f"l{i}", "fam", i, **({"adapter": adapter} if adapter else {}))
+             for i in range(3)]
+    acc = VarianceAccumulator(sites)
+    acc.add({s.name: torch.from_numpy(x[i]) for i, s in enumerate(sites)})
+    shares = acc.decompose()
+    axes = dict(shares.axes())
+    expected = numpy_shares(x)
+    axis = {"scalar gate": None, "vector coefficient": "component", "router": "expert"}[kind]
+    assert shares.component_axis == axis
+    if axis is None:
+        assert abs(expected.pop("component")) < 1e-12
+    else:
+        expected[axis] = expected.pop("component")
+    assert set(axes) == set(expected)
+    for name, share in expected.items():
+        assert axes[name] == pytest.approx(share, abs=1e-9), name
+    assert sum(axes.values()) == pytest.approx(1.0, abs=1e-9)
+    sentence = variation({"fam": shares}, {"fam": Variation([], 0.1, 0.2, 0.3, None, None)})
+    for name, share in expected.items():
+        assert f"{name} {100 * share:.1f}%" in sentence, (name, sentence)
+    assert "(total 100.0%)" in sentence

@@ -194,9 +194,17 @@ def test_loads_every_layout(tmp_path: Path, tiny_state: dict, layout: str) -> No
 
 
 def test_decoding_cache_keys_are_ignored(tmp_path: Path, tiny_state: dict) -> None:
+    """Buffers the official code saves for decoding are skipped: the model loads with
+    exactly the checkpoint's other tensors and computes the official logits."""
     state = {**tiny_state, "layers.0.attention.kv_cache.k_cache": torch.zeros(1, 2, 8, 32),
              "layer_cache.layer_cache": torch.zeros(5, 1, 1, 64)}
-    load_mudd_folder(write_folder(tmp_path, state, "bin"))
+    model = load_mudd_folder(write_folder(tmp_path, state, "bin"), dtype=torch.float32)
+    loaded = model.state_dict()
+    assert sorted(loaded) == sorted(tiny_state)
+    assert all(torch.equal(loaded[k].float(), v.float()) for k, v in tiny_state.items())
+    exp = expected("mudd_tiny")
+    with torch.no_grad():
+        assert max_diff(model(exp["input_ids"]), exp["logits_fp32"]) <= 1e-5
 
 
 def one_line_error(folder: Path, match: str) -> str:

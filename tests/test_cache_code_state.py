@@ -182,7 +182,7 @@ from fcaudit.models.featuregate import GPT, PRESETS
 from fcaudit.models.moe import MoEGPT, MoEConfig
 from fcaudit.models.mudd import PRESETS as MUDD, MuddModel
 from fcaudit.core.codestate import digest_state
-import test_codestate as t
+import test_cache_code_state as t
 for model in (GPT(PRESETS["tiny"]), MoEGPT(MoEConfig()), MuddModel(MUDD["tiny"])):
     print(classes_read(model, None, "")[0])
 for make in t.CASES:

@@ -1,4 +1,4 @@
-"""Arrays and model inputs a user can get wrong (issue 28): each is refused in one line that
+"""Arrays and model inputs a user can get wrong: each is refused in one line that
 names the array, says what it holds and what the model takes, through the command line
 (exit 2, no output folder) and the Python API alike; none is reported as an fcaudit bug.
 Every rule lives in one module (fcaudit/core/arrays.py), so each case here stands for its
@@ -332,7 +332,7 @@ class PassCounting:
         return output[:, :2 if self.calls == 1 else 3].abs()
 
 
-NAME = "callable:test_inputs_validation."
+NAME = "callable:test_input_arrays."
 
 
 def test_an_objective_with_nan_losses_is_named() -> None:

@@ -19,6 +19,7 @@ from fcaudit.engine.options import AuditOptions, Progress
 from fcaudit.engine.result import AuditResult
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.report.audit_report import write_report
+from fcaudit.report.progress import with_notes
 
 __all__ = ["AuditOptions", "audit"]
 
@@ -33,6 +34,6 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     every argument); with ``out`` and ``report``, also write report.md, report.html and
     the figures before audit.json."""
     return engine.audit(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
-                        options=options, interventions=interventions, progress=progress,
+                        options=options, interventions=interventions, progress=with_notes(progress),
                         command=command, render=write_report if report else None,
                         site_axes=site_axes)

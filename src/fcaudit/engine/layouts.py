@@ -130,9 +130,18 @@ def _look_first(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Se
                            f"{adapter}): {bad.error:}") from bad.error
 
 
-def resolve_layouts(setup: Setup, x: Any) -> list[str]:
-    """Give every undeclared site of ``setup`` its layout (``setup.sites`` becomes the
-    engine's canonical sites) and return the lines to tell the user: how each family's
+@dataclass(frozen=True)
+class Resolved:
+    """The engine's canonical sites, each undeclared one with its layout, how each layout
+    was found (site -> note) and the lines to tell the user."""
+
+    sites: list[Site]
+    notes: dict[str, str]
+    lines: list[str]
+
+
+def resolve_layouts(setup: Setup, x: Any) -> Resolved:
+    """Give every undeclared site of ``setup`` its layout and say how each family's
     layout was found on inputs other than token ids, and warnings."""
     tokens = batch_shape(x)[1] is not None
     open_sites = [s for s in setup.sites if s.axes is None]
@@ -140,19 +149,18 @@ def resolve_layouts(setup: Setup, x: Any) -> list[str]:
     if named:  # declared, but not as the token axis: it must follow the length too
         _prove_token_axis(setup.model, named, x, _look_first(setup.model, named, x))
     if not open_sites:
-        setup.sites = canonical_sites(setup.sites)
-        return []
+        return Resolved(canonical_sites(setup.sites), {}, [])
     seen = _look_first(setup.model, open_sites, x)
     _refuse_blocks(setup, open_sites, seen)
     if tokens:
         _prove_token_axis(setup.model, open_sites, x, seen)
     decided = {s.name: _decide(s, seen.get(s.name), tokens) for s in open_sites}
-    setup.sites = canonical_sites([decided[s.name][0] if s.name in decided else s
-                                   for s in setup.sites])
+    sites = canonical_sites([decided[s.name][0] if s.name in decided else s
+                             for s in setup.sites])
     notes = {s.name: "; ".join(n for n in (decided[s.name][1], _hidden(seen.get(s.name))) if n)
              for s in open_sites}
-    setup.layouts = {name: note for name, note in notes.items() if note}
-    return _lines(open_sites, notes)
+    return Resolved(sites, {name: note for name, note in notes.items() if note},
+                    _lines(open_sites, notes))
 
 
 def _unproven_token_axis(site: Site) -> bool:

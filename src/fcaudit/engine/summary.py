@@ -42,10 +42,14 @@ from fcaudit.engine.result import (
     LayerConditionResult,
     LayerImportance,
     LayerRouting,
+    Profile,
     Retention,
     RoutingSummary,
     TokenProfile,
+    VarianceShares,
+    Variation,
 )
+from fcaudit.engine.seeds import SeedPlan
 
 
 def _condition(per_seq: Mapping[str, np.ndarray], repeats: Mapping[str, list[np.ndarray]],
@@ -75,7 +79,7 @@ def accuracies(runs: Sequence[Run], hits: Sequence[np.ndarray] | None,
 
 def paired_bootstrap(n: int, options: AuditOptions) -> Bootstrap:
     """The one resample stream every interval of an audit uses (paired contrasts)."""
-    return Bootstrap(n, options.bootstrap, options.seed * 1000 + 7)
+    return Bootstrap(n, options.bootstrap, SeedPlan(options.seed).bootstrap)
 
 
 @dataclass
@@ -126,8 +130,18 @@ def _not_applicable(per_seq: Mapping[str, np.ndarray], boot: Bootstrap,
                                reason=f"not applicable: {reason}")
 
 
+@dataclass(frozen=True)
+class Description:
+    """What the cached coefficients say on their own, per family, and the original NLL."""
+
+    variance: dict[str, VarianceShares]
+    variation: dict[str, Variation]
+    profiles: dict[str, Profile]
+    original_nll: np.ndarray  # [N] per-sequence mean NLL of the record pass
+
+
 def describe(cache: CoefficientCache, sites: Sequence[Site],
-             ids: np.ndarray | None) -> tuple[dict, dict, dict, np.ndarray]:
+             ids: np.ndarray | None) -> Description:
     """Variance (with the token-id share, from the evaluation token ids ``ids``; none
     without them), variation and profiles per family, and the original per-sequence NLL."""
     members = {f: [s for s in sites if s.family == f] for f in families(sites)}
@@ -146,8 +160,8 @@ def describe(cache: CoefficientCache, sites: Sequence[Site],
     variance = {f: dataclasses.replace(a.decompose(), eta2_token_id=tokens[f].share()
                                        if ids is not None else None)
                 for f, a in accumulators.items()}
-    return (variance, {f: a.variation() for f, a in accumulators.items()},
-            {f: a.profile() for f, a in accumulators.items()}, original)
+    return Description(variance, {f: a.variation() for f, a in accumulators.items()},
+                       {f: a.profile() for f, a in accumulators.items()}, original)
 
 
 def token_profile(profiles: StaticProfiles, ids: np.ndarray) -> TokenProfile:

@@ -161,7 +161,7 @@ def _site_info(site: Site, cache: CoefficientCache, model: nn.Module,
     """A site in audit.json: its axes in the model's words when they are not [example,
     token], and how they were found when no one declared them (``layout``)."""
     info = SiteInfo(site.name, site.family, site.layer,
-                    list(cache.batch(0, f"site::{site.name}").shape[2:]),
+                    list(cache.coefficients(0, site.name).shape[2:]),
                     _adapter_name(site, model))
     if (site.axes, site.positions) != (TOKEN_AXES, TOKEN_LAYOUT):
         info.axes, info.positions = list(site.axes or ()), list(site.positions or ())
@@ -176,7 +176,7 @@ def _routing(setup: Prepared, cache: CoefficientCache, runs: Sequence[Run],
     if not routed:
         return None
     units = setup.data.eval_ids.size if setup.data.tokens else \
-        setup.data.n_eval * int(cache.batch(0, f"site::{routed[0].name}").shape[1])
+        setup.data.n_eval * int(cache.coefficients(0, routed[0].name).shape[1])
     return routing_summary(routed, tracked_runs(runs), replays.route_load,
                            replays.route_changed, units)
 

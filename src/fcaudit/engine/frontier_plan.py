@@ -92,7 +92,7 @@ def own_skips(setup: Prepared) -> list[float] | None:
 
 
 def eval_gates(cache: CoefficientCache, fam: Covered) -> dict[str, Tensor]:
-    return {s.name: torch.cat([cache.batch(b, f"site::{s.name}").reshape(-1)
+    return {s.name: torch.cat([cache.coefficients(b, s.name).reshape(-1)
                                for b in range(cache.n_batches)]) for s in fam.sites}
 
 
@@ -154,7 +154,7 @@ def frontier_units(cache: CoefficientCache, covered: Sequence[Covered],
     by_family = {fam.family: fam for fam in covered}
     units = {p.key: np.zeros(len(by_family[p.family].sites)) for p in points}
     for b in range(cache.n_batches):
-        coefficients = {s.name: cache.batch(b, f"site::{s.name}")
+        coefficients = {s.name: cache.coefficients(b, s.name)
                         for fam in covered for s in fam.sites}
         for p in points:
             units[p.key] += skipped_units(p, coefficients, by_family[p.family])

@@ -18,7 +18,7 @@ import numpy as np
 
 from fcaudit.core.interventions import StaticProfiles, draw
 from fcaudit.core.layout import not_applicable
-from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.cache import CoefficientCache, EvaluationShard
 from fcaudit.engine.cost import replay_line
 from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.frontier import Covered, FrontierPoint
@@ -114,7 +114,8 @@ def _position_counts(setup: Prepared, first: Probe) -> list[int]:
 
 def _original_hits(cache: CoefficientCache) -> np.ndarray:
     """The record pass's correct classifications per example (classification only)."""
-    return np.concatenate([cache.batch(b, "hits").numpy() for b in range(cache.n_batches)])
+    return np.concatenate([cache.batch(b, EvaluationShard.HITS).numpy()
+                           for b in range(cache.n_batches)])
 
 
 def _summed(per_rank: Sequence[Mapping[str, Mapping[str, int]]]) -> dict[str, dict[str, int]]:

@@ -21,7 +21,7 @@ from fcaudit.core.contract import Site
 from fcaudit.core.interventions import StaticProfiles
 from fcaudit.core.routers import ABLATION_MARGIN, load_entropy
 from fcaudit.core.sites import families
-from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.cache import CoefficientCache, EvaluationShard
 from fcaudit.engine.metrics import (
     Bootstrap,
     TokenShare,
@@ -31,7 +31,7 @@ from fcaudit.engine.metrics import (
     retention,
 )
 from fcaudit.engine.options import AuditOptions
-from fcaudit.engine.plan import Run
+from fcaudit.engine.plan import ExpertAblation, Run, UserIntervention
 from fcaudit.engine.result import (
     MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,
@@ -117,8 +117,8 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
            for p in RETENTION_PROFILES}
     inter = interaction(per_seq["reassign+shuffle"], per_seq["reassign"], per_seq["shuffle"],
                         correct, boot) if "shuffle" not in skipped else None
-    custom = {r.custom.name: _condition(per_seq, repeats, r.key, boot, hits)
-              for r in runs if r.custom is not None}
+    custom = {r.target.intervention.name: _condition(per_seq, repeats, r.key, boot, hits)
+              for r in runs if isinstance(r.target, UserIntervention)}
     return Summary(conditions, per_layer, ret, inter, custom)
 
 
@@ -149,14 +149,15 @@ def describe(cache: CoefficientCache, sites: Sequence[Site],
     tokens = {f: TokenShare(m) for f, m in members.items()}
     original = np.empty(cache.n_sequences)
     for b in range(cache.n_batches):
-        coefficients = {s.name: cache.batch(b, f"site::{s.name}") for s in sites}
+        coefficients = {s.name: cache.coefficients(b, s.name) for s in sites}
         rows = cache.batch_range(b)
         for f, acc in accumulators.items():
             acc.add(coefficients)
             if ids is not None:
                 tokens[f].add(coefficients, torch.from_numpy(
                     np.ascontiguousarray(ids[rows.start:rows.stop])))
-        original[rows.start:rows.stop] = cache.batch(b, "nll").double().mean(1).numpy()
+        nll = cache.batch(b, EvaluationShard.NLL)
+        original[rows.start:rows.stop] = nll.double().mean(1).numpy()
     variance = {f: dataclasses.replace(a.decompose(), eta2_token_id=tokens[f].share()
                                        if ids is not None else None)
                 for f, a in accumulators.items()}
@@ -224,21 +225,21 @@ def expert_importance(runs: Sequence[Run], replayed: Sequence[np.ndarray],
     correct = replayed[0]
     boot = paired_bootstrap(len(correct), options)
     per_site: dict[Site, list[ExpertImportance]] = {}
-    ablated = [(run, values) for run, values in zip(runs, replayed, strict=True)
-               if run.expert is not None and run.site is not None]
-    for j, (run, values) in enumerate(ablated):
-        counts = load[run.site.name].double()
-        share = float(counts[run.expert] / max(float(counts.sum()), 1.0))
+    ablated = [(run.target, values) for run, values in zip(runs, replayed, strict=True)
+               if isinstance(run.target, ExpertAblation)]
+    for j, (target, values) in enumerate(ablated):
+        counts = load[target.site.name].double()
+        share = float(counts[target.expert] / max(float(counts.sum()), 1.0))
         picks = int(still[j])
         if picks:
-            item = ExpertImportance(run.expert, None, None, share, picks, reason=(
+            item = ExpertImportance(target.expert, None, None, share, picks, reason=(
                 f"the routing rule still picked it for {picks} token-slots with its logit at "
                 f"least {ABLATION_MARGIN:g} below every other expert's (a score bias in the "
                 "rule, or top-k as large as the number of experts), so no removal was measured"))
         else:
             delta, ci = penalty(values, correct, boot)
-            item = ExpertImportance(run.expert, delta, ci, share, 0)
-        per_site.setdefault(run.site, []).append(item)
+            item = ExpertImportance(target.expert, delta, ci, share, 0)
+        per_site.setdefault(target.site, []).append(item)
     out = {}
     for family in dict.fromkeys(s.family for s in per_site):
         members = [(s, items) for s, items in per_site.items() if s.family == family]

@@ -42,8 +42,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from fcaudit.core.contract import ExpertLayer, Site, SiteCall
 from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.hooks import hooks
 from fcaudit.core.nll import logits_of
-from fcaudit.core.recording import hooked
 from fcaudit.core.routers import counting_experts
 from fcaudit.engine.result import Estimate, Execution, ExpertExecution, SideTiming, Timing
 from fcaudit.engine.verdicts import TOLERANCE
@@ -118,7 +118,8 @@ def idle_blocks(net: nn.Module, paths: Sequence[str], x: Any) -> list[str]:
         def hook(*_: Any) -> None:
             calls[path] += 1
         return hook
-    with inference(net), hooked(net, {p: hook_for(p) for p in paths}, pre=True):
+    with inference(net), hooks(net, {p: hook_for(p) for p in paths}, kind="pre",
+                                     with_kwargs=True):
         call_model(net, x)
     return [p for p, n in calls.items() if n == 0]
 
@@ -236,7 +237,7 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
     """
     paths = list(block_paths)
     counts = [0] * len(paths)
-    handles = []
+    pre_hooks = {}
     batches = list(batches)
     per_example = bool(batches) and isinstance(batches[0], ExampleBatch)
     positions: list[int | None] = [0] * len(paths)  # per example: tokens entering [B, P, C]
@@ -246,22 +247,19 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
             counts[i] += _tokens_entering(path, args, kwargs, per_example)
             if per_example:
                 positions[i] = _positions_entering(positions[i], args, kwargs)
-        handles.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
+        pre_hooks[path] = hook
     counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
     recorder = _OpRecorder()
     tokens = 0
-    try:
-        with inference(model), counter if flops else contextlib.nullcontext(), \
-                recorder if flops else contextlib.nullcontext(), \
-                counting_experts(model, experts) as expert_counts, \
-                watching_routers(model, [routers[e.name] for e in experts]
-                                 if experts and routers else []) as chosen:
-            for ids in batches:
-                call_model(model, ids)
-                tokens += _units(ids)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with hooks(model, pre_hooks, kind="pre", with_kwargs=True), inference(model), \
+            counter if flops else contextlib.nullcontext(), \
+            recorder if flops else contextlib.nullcontext(), \
+            counting_experts(model, experts) as expert_counts, \
+            watching_routers(model, [routers[e.name] for e in experts]
+                             if experts and routers else []) as chosen:
+        for ids in batches:
+            call_model(model, ids)
+            tokens += _units(ids)
     if tokens == 0:
         raise FcauditError("no tokens to measure execution on; give evaluation data")
     per_layer = [c / tokens for c in counts]
@@ -302,7 +300,7 @@ def watching_routers(model: nn.Module, sites: Sequence[Site]) -> Iterator[dict[s
             chosen[site.name].append(site.adapter.selected_experts(out, call).cpu())
         return hook
 
-    with hooked(model, {s.path: hook_for(s) for s in sites}):
+    with hooks(model, {s.path: hook_for(s) for s in sites}, with_kwargs=True):
         yield chosen
 
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from fcaudit.core.discovery import declared_experts
 from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.hooks import hooks as hooked
 from fcaudit.core.nll import device_of, logits_of
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.distributed import Ranks
@@ -138,13 +139,8 @@ def _passed_through(_m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
 
 
 def _with_hooks(net: nn.Module, x: Tensor, hooks: Mapping[str, Callable[..., Any]]) -> Tensor:
-    handles = [net.get_submodule(path).register_forward_hook(hook)
-               for path, hook in hooks.items()]
-    try:
+    with hooked(net, hooks):
         return logits_of(net(x))
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def frontier_units(cache: CoefficientCache, covered: Sequence[Covered],

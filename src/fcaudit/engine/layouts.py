@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from fcaudit.core.adapters import FLAT, AutoAdapter, infer_adapter
 from fcaudit.core.contract import Site, SiteCall, TensorAdapter
 from fcaudit.core.errors import FcauditError
+from fcaudit.core.hooks import hooks
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, canonical_sites, decide_layout
-from fcaudit.core.recording import hooked
 from fcaudit.engine.options import Setup
 from fcaudit.engine.passes import batch_shape
 from fcaudit.io.examples import OTHER_INPUTS, ExampleBatch, call_model
@@ -114,7 +114,7 @@ def look(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Seen]:
             seen[site.name] = Seen(tuple(coef.shape), read, raw, flat, unit)
         return hook
 
-    with hooked(model, {s.path: hook_for(s) for s in sites}):
+    with hooks(model, {s.path: hook_for(s) for s in sites}, with_kwargs=True):
         call_model(model, x)
     return seen
 

@@ -22,8 +22,11 @@ NOTE`): the engine never prints.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +64,12 @@ from fcaudit.engine.result import AuditResult
 from fcaudit.engine.stages import adopt_probe, calibration_shard, eval_shard
 from fcaudit.engine.target_ci import run_to_target
 from fcaudit.io.data import AuditData, DataSpec
+from fcaudit.io.outdir import hold_output
 from fcaudit.io.placement import offload_space
+from fcaudit.io.results import ResultWriter, replacing_results
 
-__all__ = ["AuditOptions", "Measurements", "Prepared", "audit", "build_result", "measure",
-           "prepare"]
+__all__ = ["AuditOptions", "Audited", "Measurements", "Prepared", "audit", "audited",
+           "build_result", "measure", "prepare"]
 
 Renderer = Callable[[AuditResult, Path], None]  # writes the human-readable report
 
@@ -77,9 +82,10 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
           render: Renderer | None = None, site_axes: SiteAxes = None) -> AuditResult | None:
     """Run the whole Frozen Controller Audit and return its :class:`AuditResult`.
 
-    The public entry is :func:`fcaudit.api.audit`, which also renders the report: this
-    layer writes only ``audit.json`` (and calls ``render(result, out)`` first when given),
-    so the engine never imports the report layer.
+    The public entry is :func:`fcaudit.api.audit`, which also writes the report (through
+    :func:`audited`): this one writes only ``audit.json``, so the engine never imports the
+    report layer. ``render(result, out)``, called before ``audit.json`` is written, is
+    deprecated (its files are adopted into the folder's record afterwards).
 
     ``model``: a spec (run folder, checkpoint folder, ``pkg.module:factory``), an
     ``nn.Module`` or a :class:`~fcaudit.io.loading.LoadedModel`. ``out``: the output
@@ -96,19 +102,59 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     ``out`` first, the batches are shared out, and rank 0 alone returns the result
     (the other ranks return None).
     """
+    if render is not None:
+        warnings.warn("fcaudit.engine.run.audit(render=...) is deprecated: call fcaudit.audit, "
+                      "which writes the report", DeprecationWarning, stacklevel=2)
+    with audited(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
+                 options=options, interventions=interventions, progress=progress,
+                 command=command, site_axes=site_axes) as done:
+        if done.files is not None:
+            if render is not None:
+                before = done.files.present()
+                render(done.result, done.out)
+                done.files.adopt(before)
+            done.finish()
+        return done.result
+
+
+@dataclass(frozen=True)
+class Audited:
+    """A measured audit: its result (None on ranks other than 0) and, with an output
+    folder, the writer its results go through while the folder is held."""
+
+    result: AuditResult | None
+    out: Path | None = None  # the output folder, as given
+    files: ResultWriter | None = None  # None: no output folder (or not rank 0)
+
+    def finish(self) -> None:
+        """Write ``audit.json``, the completion file: last, after any other result."""
+        assert self.result is not None and self.files is not None and self.out is not None
+        self.files.write_json(self.out / "audit.json", self.result.to_json())
+
+
+@contextlib.contextmanager
+def audited(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
+            data: DataSpec | AuditData | None = None, dense: Any = None,
+            blocks: str | None = None, options: AuditOptions | None = None,
+            interventions: Mapping[str, Any] | Sequence[Intervention] | None = None,
+            progress: Progress | None = None, command: str | None = None,
+            site_axes: SiteAxes = None) -> Iterator[Audited]:
+    """Run the audit (:func:`audit` explains the arguments) and hand its result to the
+    block; with ``out``, the block runs while the folder is held and its previous results
+    are aside: it writes the new ones through ``Audited.files``, ``audit.json`` last
+    (:meth:`Audited.finish`), and if it raises, the previous results come back."""
     options = AuditOptions() if options is None else options
     place = options.placement() if isinstance(model, (str, Path)) else None
     with offload_space(place, out):  # weights on disk stay readable until the audit ends
-        return _audit(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
-                      options=options, interventions=interventions, progress=progress,
-                      command=command, render=render, site_axes=site_axes)
+        yield from _audited(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
+                            options=options, interventions=interventions,
+                            progress=progress or silent, command=command, site_axes=site_axes)
 
 
-def _audit(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, dense: Any,
-           blocks: str | None, options: AuditOptions, interventions: Any,
-           progress: Progress | None, command: str | None,
-           render: Renderer | None, site_axes: SiteAxes = None) -> AuditResult | None:
-    progress = progress or silent
+def _audited(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, dense: Any,
+             blocks: str | None, options: AuditOptions, interventions: Any,
+             progress: Progress, command: str | None,
+             site_axes: SiteAxes = None) -> Iterator[Audited]:
     ranks = current()
     if not ranks.main:
         ranks.barrier(CLAIMED)
@@ -124,22 +170,23 @@ def _audit(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, de
     if not ranks.main:
         _run(setup, open_cache(setup, setup.out / "cache", ranks), first, progress, command,
              ranks)
-        return None
+        yield Audited(None)
+        return
     if setup.out is None:
         with tempfile.TemporaryDirectory(prefix="fcaudit-") as tmp:
             say_record_plan(setup, first, covered, Path(tmp), progress)
-            return _run(setup, open_cache(setup, Path(tmp), ranks, first), first, progress,
-                        command, ranks)
-    from fcaudit.io.outdir import hold_output, replacing_results
+            result = _run(setup, open_cache(setup, Path(tmp), ranks, first), first, progress,
+                          command, ranks)
+        yield Audited(result)
+        return
     say_record_plan(setup, first, covered, setup.out / "cache", progress)
     with hold_output(setup.out, "audit", command):
         cache = open_cache(setup, setup.out / "cache", ranks, first)
         ranks.barrier(CLAIMED)
         result = _run(setup, cache, first, progress, command, ranks)
         assert result is not None
-        with replacing_results(setup.out):
-            write_outputs(result, setup.out, render)
-    return result
+        with replacing_results(setup.out) as files:
+            yield Audited(result, setup.out, files)
 
 
 CLAIMED = "rank 0 validated the inputs and claimed the output folder"
@@ -210,11 +257,3 @@ def _run(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Progr
     if measured is None:
         return None
     return build_result(measured, cache, command, ranks)
-
-
-def write_outputs(result: AuditResult, out: Path, render: Renderer | None = None) -> None:
-    """The report (when asked) first, then audit.json: its presence means the audit finished."""
-    from fcaudit.io.fileio import write_json
-    if render is not None:
-        render(result, out)
-    write_json(out / "audit.json", result.to_json())

@@ -8,6 +8,7 @@ the other (docs/architecture.md).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,10 @@ from fcaudit.core.interventions import Intervention
 from fcaudit.core.layout import SiteAxes
 from fcaudit.core.sites import SiteSpec
 from fcaudit.engine import run as engine
-from fcaudit.engine.options import AuditOptions, Progress
+from fcaudit.engine.options import NOTE, AuditOptions, Progress
 from fcaudit.engine.result import AuditResult
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.report.audit_report import write_report
-from fcaudit.report.progress import with_notes
 
 __all__ = ["AuditOptions", "audit"]
 
@@ -44,3 +44,15 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
                 write_report(done.result, done.out, done.files)
             done.finish()
         return done.result
+
+
+def with_notes(progress: Progress | None) -> Progress:
+    """``progress`` with the engine's notes (stage :data:`~fcaudit.engine.options.NOTE`: the
+    window, layouts, the cache's size, the replay plan, each ``--target-ci`` round) printed
+    on stderr as ``fcaudit: LINE``, as they always were, whatever callback is given."""
+    def shown(stage: str, done: int, total: int, info: str = "") -> None:
+        if stage == NOTE:
+            print(f"fcaudit: {info}", file=sys.stderr, flush=True)
+        elif progress is not None:
+            progress(stage, done, total, info)
+    return shown

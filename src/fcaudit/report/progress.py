@@ -12,8 +12,6 @@ import time
 from types import TracebackType
 from typing import Any, TextIO
 
-from fcaudit.engine.options import NOTE, Progress
-
 PLAIN_INTERVAL_S = 30.0
 
 
@@ -78,15 +76,3 @@ class ProgressReporter:
             elapsed = now - self._started
             print(f"fcaudit: {stage}: {done}/{total}{f' {info}' if info else ''} "
                   f"[{elapsed:.0f} s]", file=self.stream, flush=True)
-
-
-def with_notes(progress: Progress | None) -> Progress:
-    """``progress`` with the engine's notes (stage :data:`~fcaudit.engine.options.NOTE`: the
-    window, layouts, the cache's size, the replay plan, each ``--target-ci`` round) printed
-    on stderr as ``fcaudit: LINE``, as they always were, whatever callback is given."""
-    def shown(stage: str, done: int, total: int, info: str = "") -> None:
-        if stage == NOTE:
-            print(f"fcaudit: {info}", file=sys.stderr, flush=True)
-        elif progress is not None:
-            progress(stage, done, total, info)
-    return shown

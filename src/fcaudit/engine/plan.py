@@ -2,8 +2,10 @@
 
 The conditions of docs/method.md (Conditions), their per-layer variants (one site
 intervened, the others correct), expert ablations (one router's logits with one expert
-never picked) and user-defined interventions, all as :class:`Run`; :func:`feed` turns a
-run and a batch into the coefficient tensor each site receives.
+never picked), savings-frontier points and user-defined interventions, all as
+:class:`Run`, whose :class:`Target` (a sum type) says its key, its digest identity and
+what it feeds; :func:`feed` turns a run and a batch into the coefficient tensor each site
+receives.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from fcaudit.core.contract import Site, SiteCall, TensorAdapter
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.hooks import hooks
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, canonical_sites, decide_layout
-from fcaudit.engine.options import Setup
+from fcaudit.engine.options import Prepared
 from fcaudit.engine.passes import batch_shape
 from fcaudit.io.examples import OTHER_INPUTS, ExampleBatch, call_model
 
@@ -140,7 +140,7 @@ class Resolved:
     lines: list[str]
 
 
-def resolve_layouts(setup: Setup, x: Any) -> Resolved:
+def resolve_layouts(setup: Prepared, x: Any) -> Resolved:
     """Give every undeclared site of ``setup`` its layout and say how each family's
     layout was found on inputs other than token ids, and warnings."""
     tokens = batch_shape(x)[1] is not None
@@ -205,7 +205,7 @@ def _prove_token_axis(model: nn.Module, sites: Sequence[Site], x: Tensor | Examp
         return
 
 
-def _refuse_blocks(setup: Setup, sites: Sequence[Site], seen: dict[str, Seen]) -> None:
+def _refuse_blocks(setup: Prepared, sites: Sequence[Site], seen: dict[str, Seen]) -> None:
     """A site that is one of the execution blocks and outputs the hidden states it reads
     (:func:`_hidden`) is that block, not a controller (a block that outputs a gate, as a
     toy's may, is audited)."""

@@ -205,7 +205,7 @@ class Prepared:
         return self.data.calib_ids if self.data.tokens else self.data.calib_examples
 
 
-Setup = Prepared  # the name the stages were written with
+Setup = Prepared  # its earlier name, for callers outside fcaudit
 
 
 # progress(NOTE, 0, 0, line): a line for the person running the audit, not a stage; the

@@ -35,7 +35,7 @@ from fcaudit.engine.cache import (
     ReplayShard,
 )
 from fcaudit.engine.distributed import SINGLE, Ranks
-from fcaudit.engine.options import AuditOptions, Progress, Setup
+from fcaudit.engine.options import AuditOptions, Prepared, Progress
 from fcaudit.engine.passes import (
     Replayed,
     batches,
@@ -64,7 +64,7 @@ IDENTITY_CAUSES = (
     "uses in a way the site's adapter does not reproduce")
 
 
-def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress,
+def record_calibration(setup: Prepared, cache: CoefficientCache, progress: Progress,
                        ranks: Ranks = SINGLE) -> dict[str, int]:
     """This rank's calibration batches: each batch's float64 sums (by position and by
     token id), cached; a shard already on disk is recomputed and used only when equal
@@ -84,7 +84,7 @@ def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress
             - from_disk}
 
 
-def calibration_shard(setup: Setup, coefficients: Mapping[str, Tensor],
+def calibration_shard(setup: Prepared, coefficients: Mapping[str, Tensor],
                       x: Any) -> dict[str, Tensor]:
     """What a calibration batch's shard holds: float64 sums by position and, for token
     inputs, by token id (the cost plan sizes the cache from the same tensors)."""
@@ -99,7 +99,7 @@ def _rows(size: int, b: int, n: int) -> str:
     return f"rows {b * size + 1}-{min((b + 1) * size, n)}"
 
 
-def record_frontier_calibration(setup: Setup, cache: CoefficientCache, sites: Sequence[Site],
+def record_frontier_calibration(setup: Prepared, cache: CoefficientCache, sites: Sequence[Site],
                                 progress: Progress, ranks: Ranks = SINGLE) -> None:
     """The frontier's calibration coefficients of ``sites``, whole (its thresholds are
     calibration quantiles, which sums cannot give); a shard on disk is used once proven."""
@@ -115,7 +115,7 @@ def record_frontier_calibration(setup: Setup, cache: CoefficientCache, sites: Se
         progress("record frontier calibration", done, len(todo), "")
 
 
-def frontier_calibration(setup: Setup, cache: CoefficientCache,
+def frontier_calibration(setup: Prepared, cache: CoefficientCache,
                          sites: Sequence[Site]) -> dict[str, Tensor]:
     """Site name -> its calibration coefficients, all batches in order."""
     size, names = setup.options.batch_size, [s.name for s in sites]
@@ -124,7 +124,7 @@ def frontier_calibration(setup: Setup, cache: CoefficientCache,
     return {name: torch.cat([sh[name] for sh in shards]) for name in names}
 
 
-def calibration_profiles(setup: Setup, cache: CoefficientCache) -> StaticProfiles:
+def calibration_profiles(setup: Prepared, cache: CoefficientCache) -> StaticProfiles:
     """Static profiles from calibration data only: every batch's sums, added in batch
     order (so the result does not depend on which process recorded which batch)."""
     size, n = setup.options.batch_size, setup.data.n_calib
@@ -152,7 +152,7 @@ def adopt_probe(cache: CoefficientCache, coefficients: Mapping[str, Tensor], nll
                  f"evaluation batch 0 ({_rows(cache.batch_size, 0, cache.n_sequences)})")
 
 
-def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
+def record_evaluation(setup: Prepared, cache: CoefficientCache, progress: Progress,
                       ranks: Ranks = SINGLE) -> dict[str, int]:
     """This rank's evaluation batches, one unperturbed pass each. A shard already on disk
     is used only once this pass reproduces it bit for bit (the cost of reuse: one forward
@@ -179,7 +179,7 @@ def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
             "batches_proven": from_disk, "batches_recorded": len(mine) - from_disk}
 
 
-def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], progress: Progress,
+def replay_stage(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], progress: Progress,
                  ranks: Ranks = SINGLE) -> dict[str, int]:
     """This rank's batches under every run, batch by batch (every run of one batch before
     the next batch); each finished batch is cached, so an interrupted replay resumes there.
@@ -244,7 +244,7 @@ def _replay_tracked(runs: Sequence[Run]) -> list[int]:
     return [i for i, r in enumerate(runs) if i and r.target.counts_rerouting]
 
 
-def _earlier_runs(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> Kept:
+def _earlier_runs(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> Kept:
     """The runs of batch ``b`` an earlier round already replayed with bitwise the same
     inputs (a round's derangement and permutations depend on its size, so the random
     conditions differ; static, per-layer static, ablation and frontier runs do not)."""
@@ -271,7 +271,7 @@ def _earlier_runs(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: in
     return Kept(rows, changed, still)
 
 
-def _context(setup: Setup, b: int) -> bytes:
+def _context(setup: Prepared, b: int) -> bytes:
     """What a batch's runs depend on besides their fed tensors: its token ids (or every
     input and target tensor of its examples, bitwise), the schedule."""
     size = setup.options.batch_size
@@ -284,7 +284,7 @@ def _context(setup: Setup, b: int) -> bytes:
     return digest_tensors([("ids", ids)], setup.options.schedule.encode())
 
 
-def _reusable(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> bool:
+def _reusable(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> bool:
     """True when batch ``b``'s cached shard was computed from exactly what this audit would
     feed: every run's digest, recomputed from fresh feeds, equals the stored one."""
     cache, name = inputs.cache, inputs.cache.replay_name(b)
@@ -345,7 +345,7 @@ class _Passes:
     """The replay passes of one batch: each run fed from the cache, its digest taken from
     exactly the tensors fed, its per-token NLL checked finite."""
 
-    def __init__(self, setup: Setup, inputs: ReplayInputs, b: int, x: Tensor,
+    def __init__(self, setup: Prepared, inputs: ReplayInputs, b: int, x: Tensor,
                  tick: Callable[[], None] | None) -> None:
         self.net, self.inputs, self.b, self.x = setup.model, inputs, b, x
         self.tick = tick or (lambda: None)  # progress within a batch: a step per pass
@@ -384,7 +384,7 @@ class _Passes:
 
 
 @torch.no_grad()
-def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int,
+def _replay_one_batch(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], b: int,
                       x: Tensor, kept: Kept = NONE_KEPT,
                       tick: Callable[[], None] | None = None) -> dict[str, Tensor]:
     """Every run on batch ``b``: the correct replay first, then the per-layer runs (on the
@@ -432,7 +432,7 @@ def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b
             **shard}
 
 
-def _identity_diff(setup: Setup, nll: Tensor, recorded: Tensor, b: int) -> float:
+def _identity_diff(setup: Prepared, nll: Tensor, recorded: Tensor, b: int) -> float:
     diff = float((nll - recorded).abs().max())
     if diff != 0 and not setup.options.allow_nonexact_identity:
         raise FcauditError(
@@ -442,7 +442,7 @@ def _identity_diff(setup: Setup, nll: Tensor, recorded: Tensor, b: int) -> float
     return diff
 
 
-def _history_diff(setup: Setup, passes: _Passes, first: Replayed, n_runs: int) -> float:
+def _history_diff(setup: Prepared, passes: _Passes, first: Replayed, n_runs: int) -> float:
     """The correct replay once more, after every other run of the batch: a model whose
     output depends on earlier passes (state kept between calls) shows here, any schedule."""
     again = passes.correct_with()

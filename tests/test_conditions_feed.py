@@ -14,7 +14,7 @@ from test_engine import _inputs, toy_data
 from fcaudit.core import interventions
 from fcaudit.core.conditions import MAIN_CONDITIONS
 from fcaudit.engine import plan
-from fcaudit.engine.plan import Run, feed
+from fcaudit.engine.plan import OneSite, Run, feed
 
 CPU = torch.device("cpu")
 
@@ -32,7 +32,7 @@ def inputs(tmp_path_factory):
 
 def _whole_set(inputs) -> dict[str, torch.Tensor]:
     cache = inputs.cache
-    return {s.name: torch.cat([cache.batch(b, f"site::{s.name}") for b in range(cache.n_batches)])
+    return {s.name: torch.cat([cache.coefficients(b, s.name) for b in range(cache.n_batches)])
             for s in inputs.sites}
 
 
@@ -66,7 +66,7 @@ def test_per_layer_feed_changes_only_its_site(condition, inputs):
     for target in inputs.sites:
         for b in range(inputs.cache.n_batches):
             rows = inputs.cache.batch_range(b)
-            fed = feed(Run(condition, 0, target), b, inputs, CPU)
+            fed = feed(Run(condition, 0, OneSite(target)), b, inputs, CPU)
             for site in inputs.sites:
                 source = expected if site == target else whole
                 assert torch.equal(fed[site], source[site.name][rows.start:rows.stop])

@@ -20,7 +20,7 @@ from fcaudit import cli
 from fcaudit.core.errors import FcauditError
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.io import data
-from fcaudit.io.fileio import sha256_file, write_text
+from fcaudit.io.fileio import sha256_file
 from fcaudit.io.loading import load_run
 from fcaudit.io.outdir import (
     LOCK,
@@ -33,11 +33,11 @@ from fcaudit.io.outdir import (
     owns,
     record_files,
     recorded,
-    replacing_results,
 )
+from fcaudit.io.results import replacing_results
 from fcaudit.study.train import train
 
-SRC = Path(data.__file__).parents[1]
+SRC = Path(data.__file__).parents[2]  # the src folder holding this fcaudit (not an installed one)
 TESTS = Path(__file__).parent
 
 
@@ -345,16 +345,16 @@ def test_a_second_run_on_a_held_folder_fails_naming_the_holder(
 OLD = {"audit.json": "old audit", "report.md": "old report", "report.html": "old html",
        "figures/fig.png": "old figure"}
 
-# fcaudit's writers record each result's digest in the marker; plain writes would not
+# the folder's results writer records each result's digest in the marker; plain writes
+# would not
 KILLED_WHILE_WRITING = """
 import sys, time
 from pathlib import Path
-from fcaudit.io.fileio import write_text
-from fcaudit.io.outdir import replacing_results
+from fcaudit.io.results import replacing_results
 out = Path(sys.argv[1])
-with replacing_results(out):
+with replacing_results(out) as files:
     for name in sys.argv[2:]:
-        write_text(out / name, "new " + name)
+        files.write_text(out / name, "new " + name)
     print("written", flush=True)
     time.sleep(120)
 """
@@ -362,9 +362,9 @@ with replacing_results(out):
 
 def old_results(out: Path) -> Path:
     """A folder holding results fcaudit wrote (through its writers: digests recorded)."""
-    with replacing_results(out):
+    with replacing_results(out) as files:
         for name, content in OLD.items():
-            write_text(out / name, content)
+            files.write_text(out / name, content)
     return out
 
 
@@ -387,18 +387,18 @@ def test_a_rerun_killed_between_report_and_audit_json_leaves_no_old_audit_json(t
     assert (out / "report.md").read_text() == "new report.md"
     assert {n: (out / PREVIOUS / n).read_text() for n in OLD} == OLD  # kept until replaced
     # the next run drops the half-written results, and its own replace the kept ones
-    with replacing_results(out):
+    with replacing_results(out) as files:
         assert names(out) == [PREVIOUS]
-        write_text(out / "report.md", "newer report")
-        write_text(out / "audit.json", "newer audit")
+        files.write_text(out / "report.md", "newer report")
+        files.write_text(out / "audit.json", "newer audit")
     assert names(out) == ["audit.json", "report.md"]
 
 
 def test_a_failed_rerun_puts_the_previous_results_back(tmp_path: Path) -> None:
     out = old_results(tmp_path)
     before = snapshot(out)
-    with pytest.raises(KeyboardInterrupt), replacing_results(out):
-        write_text(out / "report.md", "new report")
+    with pytest.raises(KeyboardInterrupt), replacing_results(out) as files:
+        files.write_text(out / "report.md", "new report")
         raise KeyboardInterrupt
     assert snapshot(out) == before
 
@@ -406,9 +406,9 @@ def test_a_failed_rerun_puts_the_previous_results_back(tmp_path: Path) -> None:
 def test_a_rerun_killed_after_audit_json_keeps_the_new_results(tmp_path: Path) -> None:
     out = old_results(tmp_path)
     killed_while_writing(out, "audit.json")  # written, then killed before cleanup
-    with replacing_results(out):
+    with replacing_results(out) as files:
         assert (out / PREVIOUS / "audit.json").read_text() == "new audit.json"
-        write_text(out / "audit.json", "newest audit")
+        files.write_text(out / "audit.json", "newest audit")
     assert names(out) == ["audit.json"]
 
 

@@ -1,12 +1,14 @@
 """The public entry points that span layers: an audit that also writes its report.
 
-The engine (``fcaudit.engine``) computes and writes ``audit.json``; the report layer
+The engine (``fcaudit.engine``) measures and holds the output folder; the report layer
 (``fcaudit.report``) renders an :class:`~fcaudit.engine.result.AuditResult`. This module
-joins the two, so neither imports the other (docs/architecture.md).
+joins the two and writes the results through the folder's writer, so neither imports
+the other (docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from fcaudit.core.interventions import Intervention
 from fcaudit.core.layout import SiteAxes
 from fcaudit.core.sites import SiteSpec
 from fcaudit.engine import run as engine
-from fcaudit.engine.options import AuditOptions, Progress
+from fcaudit.engine.options import NOTE, AuditOptions, Progress
 from fcaudit.engine.result import AuditResult
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.report.audit_report import write_report
@@ -55,9 +57,27 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
           progress: Progress | None = None, command: str | None = None,
           report: bool = True, site_axes: SiteAxes = None) -> AuditResult | None:
     """Run the whole Frozen Controller Audit (:func:`fcaudit.engine.run.audit` explains
-    every argument); with ``out`` and ``report``, also write report.md, report.html and
-    the figures before audit.json."""
-    return engine.audit(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
-                        options=options, interventions=interventions, progress=progress,
-                        command=command, render=write_report if report else None,
-                        site_axes=site_axes)
+    every argument); with ``out``, write its results through the folder's writer: with
+    ``report``, report.md, report.html and the figures, then audit.json (last: its
+    presence means the audit finished)."""
+    with engine.audited(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
+                        options=options, interventions=interventions,
+                        progress=with_notes(progress), command=command,
+                        site_axes=site_axes) as done:
+        if done.files is not None:
+            if report:
+                write_report(done.result, done.out, done.files)
+            done.finish()
+        return done.result
+
+
+def with_notes(progress: Progress | None) -> Progress:
+    """``progress`` with the engine's notes (stage :data:`~fcaudit.engine.options.NOTE`: the
+    window, layouts, the cache's size, the replay plan, each ``--target-ci`` round) printed
+    on stderr as ``fcaudit: LINE``, as they always were, whatever callback is given."""
+    def shown(stage: str, done: int, total: int, info: str = "") -> None:
+        if stage == NOTE:
+            print(f"fcaudit: {info}", file=sys.stderr, flush=True)
+        elif progress is not None:
+            progress(stage, done, total, info)
+    return shown

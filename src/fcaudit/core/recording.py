@@ -22,6 +22,7 @@ from fcaudit.core.adapters import AutoAdapter, describe, infer_adapter, same_bit
 from fcaudit.core.arrays import blamed_on_inputs, model_input
 from fcaudit.core.contract import ControllerAdapter, Site, SiteCall
 from fcaudit.core.errors import FcauditError, ModelError, UsageError
+from fcaudit.core.hooks import hooks
 from fcaudit.core.sites import SiteSpec, find_sites
 
 
@@ -58,23 +59,6 @@ def capture(site: Site, module: nn.Module, call: SiteCall, output: Any) -> Tenso
             f"(output {describe(output)}, rebuilt {describe(rebuilt)}); the adapter does not "
             "fit this module: replay would feed the model something else"))
     return kept
-
-
-@contextlib.contextmanager
-def hooked(model: nn.Module, hooks: Mapping[str, Callable[..., Any]],
-           pre: bool = False) -> Iterator[None]:
-    """Forward hooks (``pre``: pre-hooks) with kwargs on the modules at these paths, for the
-    duration of the block; removed again whatever happens."""
-    handles = []
-    try:
-        for path, hook in hooks.items():
-            module = model.get_submodule(path)
-            register = module.register_forward_pre_hook if pre else module.register_forward_hook
-            handles.append(register(hook, with_kwargs=True))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _positions_of(args: tuple[Any, ...], batch: int) -> int | None:
@@ -116,7 +100,7 @@ def recording(model: nn.Module, sites: Sequence[Site], batch: int, seq_len: int 
                 if isinstance(site.adapter, AutoAdapter) else site.adapter
         return hook
 
-    with hooked(model, {s.path: hook_for(s) for s in sites}):
+    with hooks(model, {s.path: hook_for(s) for s in sites}, with_kwargs=True):
         yield captured
     missing = [name for name, n in calls.items() if n == 0]
     if missing:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from fcaudit.core.contract import Site, SiteCall
 from fcaudit.core.errors import UsageError
+from fcaudit.core.hooks import hooks
 from fcaudit.core.sites import SiteSpec, check_sites, find_sites
 
 
@@ -163,22 +164,21 @@ def tracing(model: nn.Module, blocks: Sequence[str],
     """Record the call order of ``blocks`` and sites, and the blocks' outputs, for one pass."""
     trace = BlockTrace()
     clock = itertools.count()
-    handles = []
-    for path in site_paths:
-        def site_start(_m: nn.Module, _a: Any, path: str = path) -> None:
+
+    def site_start(path: str) -> Callable[..., None]:
+        def start(_m: nn.Module, _a: Any) -> None:  # returns None: the inputs stay as given
             trace.starts.setdefault(path, next(clock))
-        handles.append(model.get_submodule(path).register_forward_pre_hook(site_start))
-    for path in blocks:
-        def block_end(_m: nn.Module, _a: Any, out: Any, path: str = path) -> None:
+        return start
+
+    def block_end(path: str) -> Callable[..., None]:
+        def end(_m: nn.Module, _a: Any, out: Any) -> None:
             trace.calls[path] = trace.calls.get(path, 0) + 1
             trace.ends[path] = next(clock)
             trace.outputs[path] = clone_tree(out)
-        handles.append(model.get_submodule(path).register_forward_hook(block_end))
-    try:
+        return end
+    with hooks(model, {p: site_start(p) for p in site_paths}, kind="pre"), \
+            hooks(model, {p: block_end(p) for p in blocks}):
         yield trace
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextlib.contextmanager
@@ -187,7 +187,7 @@ def selecting(stubs: Mapping[str, CoefficientStub]) -> Iterator[dict[str, Tensor
     (``{site name: [B, T, k]}``), for sites whose adapter is a router's."""
     from fcaudit.core.contract import RoutingAdapter
     chosen: dict[str, Tensor] = {}
-    handles = []
+    watched: dict[str | nn.Module, Callable[..., None]] = {}
     for name, stub in stubs.items():
         adapter = stub.site.adapter
         if not isinstance(adapter, RoutingAdapter):
@@ -198,9 +198,6 @@ def selecting(stubs: Mapping[str, CoefficientStub]) -> Iterator[dict[str, Tensor
             batch, seq_len = module.coefficients.shape[:2]
             call = SiteCall(module._original[0], args, kwargs, batch, seq_len)
             chosen[name] = adapter.selected_experts(output, call).cpu()
-        handles.append(stub.register_forward_hook(hook, with_kwargs=True))
-    try:
+        watched[stub] = hook
+    with hooks(None, watched, with_kwargs=True):
         yield chosen
-    finally:
-        for handle in handles:
-            handle.remove()

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from fcaudit.core.adapters import ADAPTER_API, FLAT, TENSOR, describe
 from fcaudit.core.contract import ExpertLayer, Site, SiteCall
 from fcaudit.core.errors import FcauditError
+from fcaudit.core.hooks import hooks
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT
 
 # every way a router may compute its projection: intercepted, and counted
@@ -380,7 +381,7 @@ def counting_experts(model: nn.Module,
     """
     counts = {layer.name: ExpertCount(layer, torch.zeros(layer.num_experts, dtype=torch.int64))
               for layer in layers}
-    handles = []
+    pre_hooks: dict[str | nn.Module, Callable[..., None]] = {}
     for layer in layers:
         count = counts[layer.name]
         fused = len(layer.experts) == 1
@@ -407,13 +408,9 @@ def counting_experts(model: nn.Module,
                 count.rows.append(rows)
                 valid = rows[(rows >= 0) & (rows < experts)]
                 count.per_expert += torch.bincount(valid, minlength=experts)
-            handles.append(model.get_submodule(path).register_forward_pre_hook(
-                hook, with_kwargs=True))
-    try:
+            pre_hooks[path] = hook
+    with hooks(model, pre_hooks, kind="pre", with_kwargs=True):
         yield counts
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 # ---- the structural MoE rule: a module with an `experts` child and a `gate` or `router`

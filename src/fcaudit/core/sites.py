@@ -26,6 +26,7 @@ from fcaudit.core.candidates import ScalingWatch
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_sites
 from fcaudit.core.errors import ModelError, UsageError, arg
+from fcaudit.core.hooks import hooks
 
 SiteSpec = Sequence[str] | Sequence[Site] | None
 
@@ -198,21 +199,18 @@ def describe_modules(model: nn.Module, sites: set[str], example: Any = None
         watch.output(name, m, out)
 
     modules = [(name, module) for name, module in model.named_modules() if name]
-    handles = []
     for name, module in modules:
         if isinstance(module, torch.jit.ScriptModule):  # takes no hooks: say so, go on
             outputs[name] = "not watched: a TorchScript module takes no hooks"
-            continue
-        handles += [module.register_forward_pre_hook(lambda _m, _a, n=name: entered.append(n)),
-                    module.register_forward_hook(lambda m, _a, out, n=name: seen(m, _a, out, n))]
+    watched = [(n, m) for n, m in modules if not isinstance(m, torch.jit.ScriptModule)]
     try:
-        with watch:
+        with hooks(model, {m: lambda _m, _a, n=n: entered.append(n) for n, m in watched},
+                   kind="pre"), \
+                hooks(model, {m: lambda m, _a, out, n=n: seen(m, _a, out, n)
+                              for n, m in watched}), watch:
             model.eval()(**example) if isinstance(example, dict) else model.eval()(example)
     except Exception as exc:  # a model that needs other inputs: list modules anyway
         _mark_failure(outputs, entered, [n for n, _ in modules], exc, type(model).__name__)
-    finally:
-        for handle in handles:
-            handle.remove()
     scales = {} if watch.broken else watch.scales  # a watch that failed proves nothing
     by_name = not scales  # no module scales another branch: names are all to go by
     rows = []

@@ -27,6 +27,7 @@ lazily (``safe_open``): memory does not grow with the number of sequences.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.interventions import TokenSums
 from fcaudit.io.fileio import (
     read_json,
     sha256_file,
@@ -49,6 +51,77 @@ _OPEN_HANDLES = 16
 _REPLAY_FOLDER = "replay-runs"
 _ROUND_PREFIX = "round-n"  # replay-runs/round-n0000032/: a --target-ci round's replays
 _SHARD_SUFFIXES = (".safetensors", ".safetensors.sha256")
+_SITE, _TOKEN, _ROUTE_LOAD = "site::", "token::", "route_load::"  # per-site key prefixes
+
+Tensors = dict[str, torch.Tensor]
+
+
+class EvaluationShard:
+    """The keys of an evaluation shard (``eval-NNNNN``): the record pass of one batch."""
+
+    NLL = "nll"  # the objective's per-unit losses
+    HITS = "hits"  # classification: 1 per correctly classified example
+
+    @staticmethod
+    def site(name: str) -> str:
+        return f"{_SITE}{name}"
+
+    @classmethod
+    def build(cls, nll: torch.Tensor, coefficients: Mapping[str, torch.Tensor],
+              hits: torch.Tensor | None = None) -> Tensors:
+        shard = {cls.NLL: nll.cpu(), **{cls.site(k): v.cpu() for k, v in coefficients.items()}}
+        return shard if hits is None else {**shard, cls.HITS: hits.cpu()}
+
+
+class CalibrationShard:
+    """The keys of a calibration shard (``calib-NNNNN``: float64 sums by position and, for
+    token ids, by id; the frontier's ``frontier-calib-NNNNN``: whole coefficients)."""
+
+    TOKEN_IDS, TOKEN_COUNTS = "token_ids", "token_counts"
+
+    @staticmethod
+    def build(per_site: Mapping[str, torch.Tensor], tokens: TokenSums | None = None) -> Tensors:
+        shard = {f"{_SITE}{k}": v for k, v in per_site.items()}
+        if tokens is not None:
+            shard.update({CalibrationShard.TOKEN_IDS: tokens.ids,
+                          CalibrationShard.TOKEN_COUNTS: tokens.counts,
+                          **{f"{_TOKEN}{k}": v for k, v in tokens.sums.items()}})
+        return shard
+
+    @staticmethod
+    def per_site(shard: Mapping[str, torch.Tensor], names: Sequence[str]) -> Tensors:
+        return {name: shard[f"{_SITE}{name}"] for name in names}
+
+    @staticmethod
+    def tokens(shard: Mapping[str, torch.Tensor], names: Sequence[str]) -> TokenSums | None:
+        """The sums per token id, if the shard holds them (token inputs only)."""
+        if CalibrationShard.TOKEN_IDS not in shard:
+            return None
+        return TokenSums(shard[CalibrationShard.TOKEN_IDS], shard[CalibrationShard.TOKEN_COUNTS],
+                         {name: shard[f"{_TOKEN}{name}"] for name in names})
+
+
+class ReplayShard:
+    """The keys of a replay shard (``replay-runs/replay-NNNNN``): one batch under every run."""
+
+    NLL = "nll"  # [runs, batch] per-sequence mean loss
+    FEED_DIGEST = "feed_digest"  # [runs, 32] SHA-256 of what each run was fed
+    IDENTITY_DIFF = "identity_diff"
+    PREFIX = "prefix"  # how the prefix schedule went
+    PLAN_DIGEST = "plan_digest"
+    ROUTE_CHANGED = "route_changed"  # [tracked runs, routers] tokens re-routed
+    STILL_SELECTED = "ablation_still_selected"  # [ablation runs] picks of the ablated expert
+    HITS = "hits"
+
+    @staticmethod
+    def route_load(name: str) -> str:
+        return f"{_ROUTE_LOAD}{name}"
+
+    @staticmethod
+    def route_loads(shard: Mapping[str, torch.Tensor]) -> Tensors:
+        """Router site name -> its expert load in this shard."""
+        return {k.removeprefix(_ROUTE_LOAD): v for k, v in shard.items()
+                if k.startswith(_ROUTE_LOAD)}
 
 
 def _check_folder(folder: Path) -> None:
@@ -150,6 +223,12 @@ class CoefficientCache:
     @staticmethod
     def calib_name(b: int) -> str:
         return f"calib-{b:05d}.safetensors"
+
+    @staticmethod
+    def frontier_calib_name(b: int) -> str:
+        """The frontier's calibration coefficients of batch ``b``, whole (see
+        :mod:`fcaudit.engine.frontier`)."""
+        return f"frontier-calib-{b:05d}.safetensors"
 
     def replay_name(self, b: int) -> str:
         return f"{_REPLAY_FOLDER}/{self.replay_round}replay-{b:05d}.safetensors"
@@ -282,8 +361,16 @@ class CoefficientCache:
         return {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - not a dict
 
     def batch(self, b: int, key: str) -> torch.Tensor:
-        """A whole evaluation-shard tensor (``nll`` or ``site::NAME``)."""
+        """A whole evaluation-shard tensor (a key of :class:`EvaluationShard`)."""
         return self._handle(self.eval_name(b)).get_tensor(key)
+
+    def coefficients(self, b: int, site: str) -> torch.Tensor:
+        """Batch ``b``'s recorded coefficients of ``site``."""
+        return self.batch(b, EvaluationShard.site(site))
+
+    def coefficient_rows(self, site: str, indices: Any) -> torch.Tensor:
+        """``site``'s recorded coefficients of any evaluation sequences."""
+        return self.rows(EvaluationShard.site(site), indices)
 
     def rows(self, key: str, indices: Any) -> torch.Tensor:
         """Rows of ``key`` for arbitrary global sequence indices, read lazily per shard."""

@@ -42,8 +42,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from fcaudit.core.contract import ExpertLayer, Site, SiteCall
 from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.hooks import hooks
 from fcaudit.core.nll import logits_of
-from fcaudit.core.recording import hooked
 from fcaudit.core.routers import counting_experts
 from fcaudit.engine.result import Estimate, Execution, ExpertExecution, SideTiming, Timing
 from fcaudit.engine.verdicts import TOLERANCE
@@ -118,7 +118,8 @@ def idle_blocks(net: nn.Module, paths: Sequence[str], x: Any) -> list[str]:
         def hook(*_: Any) -> None:
             calls[path] += 1
         return hook
-    with inference(net), hooked(net, {p: hook_for(p) for p in paths}, pre=True):
+    with inference(net), hooks(net, {p: hook_for(p) for p in paths}, kind="pre",
+                                     with_kwargs=True):
         call_model(net, x)
     return [p for p, n in calls.items() if n == 0]
 
@@ -235,33 +236,21 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
     ``gated``: module paths (soft gates' gated modules) whose FLOPs per token to report.
     """
     paths = list(block_paths)
-    counts = [0] * len(paths)
-    handles = []
     batches = list(batches)
     per_example = bool(batches) and isinstance(batches[0], ExampleBatch)
-    positions: list[int | None] = [0] * len(paths)  # per example: tokens entering [B, P, C]
-    for i, path in enumerate(paths):
-        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 i: int = i, path: str = path) -> None:
-            counts[i] += _tokens_entering(path, args, kwargs, per_example)
-            if per_example:
-                positions[i] = _positions_entering(positions[i], args, kwargs)
-        handles.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
+    counts, positions, pre_hooks = _block_counters(paths, per_example)
     counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
     recorder = _OpRecorder()
     tokens = 0
-    try:
-        with inference(model), counter if flops else contextlib.nullcontext(), \
-                recorder if flops else contextlib.nullcontext(), \
-                counting_experts(model, experts) as expert_counts, \
-                watching_routers(model, [routers[e.name] for e in experts]
-                                 if experts and routers else []) as chosen:
-            for ids in batches:
-                call_model(model, ids)
-                tokens += _units(ids)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with hooks(model, pre_hooks, kind="pre", with_kwargs=True), inference(model), \
+            counter if flops else contextlib.nullcontext(), \
+            recorder if flops else contextlib.nullcontext(), \
+            counting_experts(model, experts) as expert_counts, \
+            watching_routers(model, [routers[e.name] for e in experts]
+                             if experts and routers else []) as chosen:
+        for ids in batches:
+            call_model(model, ids)
+            tokens += _units(ids)
     if tokens == 0:
         raise FcauditError("no tokens to measure execution on; give evaluation data")
     per_layer = [c / tokens for c in counts]
@@ -270,15 +259,7 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
     if per_example:
         result["positions_per_block"] = [None if p is None else p / tokens for p in positions]
     if flops:
-        result["flops_per_token"] = counter.get_total_flops() / tokens
-        result["uncounted"] = uncounted_operators(recorder.ops, counter)
-        by_module = counter.get_flop_counts()
-        root = type(model).__name__
-        result["flops_per_block"] = [  # per token that entered the block (0: none did)
-            sum(by_module.get(f"{root}.{path}", {}).values()) / c if c else 0.0
-            for path, c in zip(paths, counts, strict=True)]
-        result["gated_flops_per_token"] = {
-            path: sum(by_module.get(f"{root}.{path}", {}).values()) / tokens for path in gated}
+        result.update(_flop_fields(model, counter, recorder, paths, counts, tokens, gated))
     if experts:
         flop_counts = counter.get_flop_counts() if flops else {}
         # per-example inputs: experts are still counted per token routed (a ViT's patches)
@@ -287,6 +268,40 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
                                              flop_counts,
                                              routed if per_example and routed else tokens)
     return result
+
+
+def _block_counters(paths: Sequence[str], per_example: bool
+                    ) -> tuple[list[int], list[int | None], dict[str | nn.Module, Any]]:
+    """Per block: the tokens entering it, (per example) the positions entering it, and
+    the pre-hooks that count them."""
+    counts = [0] * len(paths)
+    positions: list[int | None] = [0] * len(paths)  # per example: tokens entering [B, P, C]
+    pre_hooks: dict[str | nn.Module, Any] = {}
+    for i, path in enumerate(paths):
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 i: int = i, path: str = path) -> None:
+            counts[i] += _tokens_entering(path, args, kwargs, per_example)
+            if per_example:
+                positions[i] = _positions_entering(positions[i], args, kwargs)
+        pre_hooks[path] = hook
+    return counts, positions, pre_hooks
+
+
+def _flop_fields(model: nn.Module, counter: FlopCounterMode, recorder: _OpRecorder,
+                 paths: Sequence[str], counts: Sequence[int], tokens: int,
+                 gated: Sequence[str]) -> dict[str, Any]:
+    """FLOPs per token (whole model, per block that ran, per gated module) and the
+    operators no formula counted."""
+    by_module = counter.get_flop_counts()
+    root = type(model).__name__
+    return {"flops_per_token": counter.get_total_flops() / tokens,
+            "uncounted": uncounted_operators(recorder.ops, counter),
+            "flops_per_block": [  # per token that entered the block (0: none did)
+                sum(by_module.get(f"{root}.{path}", {}).values()) / c if c else 0.0
+                for path, c in zip(paths, counts, strict=True)],
+            "gated_flops_per_token": {
+                path: sum(by_module.get(f"{root}.{path}", {}).values()) / tokens
+                for path in gated}}
 
 
 @contextlib.contextmanager
@@ -302,7 +317,7 @@ def watching_routers(model: nn.Module, sites: Sequence[Site]) -> Iterator[dict[s
             chosen[site.name].append(site.adapter.selected_experts(out, call).cpu())
         return hook
 
-    with hooked(model, {s.path: hook_for(s) for s in sites}):
+    with hooks(model, {s.path: hook_for(s) for s in sites}, with_kwargs=True):
         yield chosen
 
 
@@ -463,15 +478,7 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
     matrix work that the FLOP counter cannot count are listed, and then no FLOPs ratio
     (and no FLOPs-based verdict) is given.
     """
-    if isinstance(input_ids, Examples):  # inputs that are not token ids: per example
-        device = next(model.parameters()).device
-        batches = [input_ids.rows(i, i + batch_size).to(device)
-                   for i in range(0, len(input_ids), batch_size)]
-    elif input_ids.dim() != 2 or input_ids.numel() == 0:
-        raise FcauditError(f"execution measurement needs input_ids [N, T], got shape "
-                           f"{tuple(input_ids.shape)}")
-    else:
-        batches = input_ids.split(batch_size)
+    batches = _batches(model, input_ids, batch_size)
     own = execution_pass(model, resolve_blocks(model, block_paths), batches, experts=experts,
                          routers=routers, gated=gated)
     twin = execution_pass(dense, resolve_blocks(dense, dense_block_paths), batches) \
@@ -507,6 +514,19 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
                                          threads)
         result.speed_ratio_vs_dense = result.timing.speed_ratio_vs_dense.value
     return result
+
+
+def _batches(model: nn.Module, input_ids: Any, batch_size: int) -> Sequence[Any]:
+    """The batches to count on: token ids ``[N, T]`` split, or examples on the model's
+    device."""
+    if isinstance(input_ids, Examples):  # inputs that are not token ids: per example
+        device = next(model.parameters()).device
+        return [input_ids.rows(i, i + batch_size).to(device)
+                for i in range(0, len(input_ids), batch_size)]
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise FcauditError(f"execution measurement needs input_ids [N, T], got shape "
+                           f"{tuple(input_ids.shape)}")
+    return input_ids.split(batch_size)
 
 
 def format_table(results: dict[str, Execution]) -> str:

@@ -41,7 +41,6 @@ HEADLINE = 0.25  # the one-sentence comparison
 LEVEL_MAX = 0.9  # the largest target level: skipping everything says nothing
 GRID = 101  # x points of the area between curves
 FLOPS_TOLERANCE = 0.05  # |measured - accounted| saved fraction for the SkipGate check
-CALIB = "frontier-calib"
 
 
 @dataclass(frozen=True)
@@ -79,10 +78,6 @@ class FrontierPoint:
     def key(self) -> str:
         own = ":own" if self.taus else ""
         return f"frontier:{self.family}:{self.rule}{own}:{self.level:.4f}"
-
-
-def calib_name(b: int) -> str:
-    return f"{CALIB}-{b:05d}.safetensors"
 
 
 def frontier_families(sites: Sequence[Site], coefficients: Mapping[str, Tensor],

@@ -32,9 +32,9 @@ from torch import Tensor, nn
 from fcaudit.core.adapters import FLAT, AutoAdapter, infer_adapter
 from fcaudit.core.contract import Site, SiteCall, TensorAdapter
 from fcaudit.core.errors import FcauditError
+from fcaudit.core.hooks import hooks
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, canonical_sites, decide_layout
-from fcaudit.core.recording import hooked
-from fcaudit.engine.options import Setup
+from fcaudit.engine.options import Prepared
 from fcaudit.engine.passes import batch_shape
 from fcaudit.io.examples import OTHER_INPUTS, ExampleBatch, call_model
 
@@ -114,7 +114,7 @@ def look(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Seen]:
             seen[site.name] = Seen(tuple(coef.shape), read, raw, flat, unit)
         return hook
 
-    with hooked(model, {s.path: hook_for(s) for s in sites}):
+    with hooks(model, {s.path: hook_for(s) for s in sites}, with_kwargs=True):
         call_model(model, x)
     return seen
 
@@ -130,9 +130,18 @@ def _look_first(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Se
                            f"{adapter}): {bad.error:}") from bad.error
 
 
-def resolve_layouts(setup: Setup, x: Any) -> list[str]:
-    """Give every undeclared site of ``setup`` its layout (``setup.sites`` becomes the
-    engine's canonical sites) and return the lines to tell the user: how each family's
+@dataclass(frozen=True)
+class Resolved:
+    """The engine's canonical sites, each undeclared one with its layout, how each layout
+    was found (site -> note) and the lines to tell the user."""
+
+    sites: list[Site]
+    notes: dict[str, str]
+    lines: list[str]
+
+
+def resolve_layouts(setup: Prepared, x: Any) -> Resolved:
+    """Give every undeclared site of ``setup`` its layout and say how each family's
     layout was found on inputs other than token ids, and warnings."""
     tokens = batch_shape(x)[1] is not None
     open_sites = [s for s in setup.sites if s.axes is None]
@@ -140,19 +149,18 @@ def resolve_layouts(setup: Setup, x: Any) -> list[str]:
     if named:  # declared, but not as the token axis: it must follow the length too
         _prove_token_axis(setup.model, named, x, _look_first(setup.model, named, x))
     if not open_sites:
-        setup.sites = canonical_sites(setup.sites)
-        return []
+        return Resolved(canonical_sites(setup.sites), {}, [])
     seen = _look_first(setup.model, open_sites, x)
     _refuse_blocks(setup, open_sites, seen)
     if tokens:
         _prove_token_axis(setup.model, open_sites, x, seen)
     decided = {s.name: _decide(s, seen.get(s.name), tokens) for s in open_sites}
-    setup.sites = canonical_sites([decided[s.name][0] if s.name in decided else s
-                                   for s in setup.sites])
+    sites = canonical_sites([decided[s.name][0] if s.name in decided else s
+                             for s in setup.sites])
     notes = {s.name: "; ".join(n for n in (decided[s.name][1], _hidden(seen.get(s.name))) if n)
              for s in open_sites}
-    setup.layouts = {name: note for name, note in notes.items() if note}
-    return _lines(open_sites, notes)
+    return Resolved(sites, {name: note for name, note in notes.items() if note},
+                    _lines(open_sites, notes))
 
 
 def _unproven_token_axis(site: Site) -> bool:
@@ -197,7 +205,7 @@ def _prove_token_axis(model: nn.Module, sites: Sequence[Site], x: Tensor | Examp
         return
 
 
-def _refuse_blocks(setup: Setup, sites: Sequence[Site], seen: dict[str, Seen]) -> None:
+def _refuse_blocks(setup: Prepared, sites: Sequence[Site], seen: dict[str, Seen]) -> None:
     """A site that is one of the execution blocks and outputs the hidden states it reads
     (:func:`_hidden`) is that block, not a controller (a block that outputs a gate, as a
     toy's may, is audited)."""

@@ -1,7 +1,8 @@
 """What an audit is run with: its options, and the validated inputs every stage reads.
 
-:class:`AuditOptions` are the user's knobs (recorded in ``audit.json``); :class:`Setup`
-is the plain data that validation produces and every later stage takes.
+:class:`AuditOptions` are the user's knobs (recorded in ``audit.json``); :class:`Prepared`
+(``Setup``) is the plain, frozen data that validation produces and every later
+stage takes.
 
 ``AuditOptions`` stays one flat frozen dataclass, so every caller's flat keywords,
 attribute reads, ``dataclasses.replace`` and ``AuditOptions(**other.__dict__)`` keep
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fcaudit.core.errors import UsageError, arg
+from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.placement import DEVICE_MAPS
 
 if TYPE_CHECKING:
@@ -46,7 +48,7 @@ MAX_BOOTSTRAP = 100_000
 # come from the sequences, so beyond this more repeats only cost hours.
 MAX_REPEATS = 100
 MAX_TIMING_PAIRS = 1000  # each pair times a full pass of model and dense
-MAX_SEED = 2**32 - 1  # torch and numpy generators; seeds derive as seed * 1000 + k
+MAX_SEED = 2**32 - 1  # torch and numpy generators; every seed derives from it (engine/seeds.py)
 # expert ablation costs one replay per layer and expert: on by default up to this many
 # experts per routed layer (a 4-layer, 64-expert model: 256 more replays), else opt-in
 AUTO_ABLATION_MAX_EXPERTS = 64
@@ -358,9 +360,11 @@ def _check_target(target: object, floor: object) -> None:
                          option="min_sequences")
 
 
-@dataclass
-class Setup:
-    """Everything validated before the first forward pass."""
+@dataclass(frozen=True)
+class Prepared:
+    """Everything validated before the audit's first forward pass (:func:`fcaudit.engine.
+    prepare.prepare`): built once, never changed; a ``--target-ci`` round is a copy with a
+    prefix of the data."""
 
     loaded: LoadedModel
     sites: list[Site]
@@ -374,6 +378,12 @@ class Setup:
     out: Path | None = None
     started: float = field(default_factory=time.perf_counter)
     layouts: dict[str, str] = field(default_factory=dict)  # site -> how its layout was found
+    notes: tuple[str, ...] = ()  # what to tell the user before the audit starts
+
+    @property
+    def seeds(self) -> SeedPlan:
+        """The one plan every seed of the audit derives from."""
+        return SeedPlan(self.options.seed, self.options.repeats)
 
     @property
     def model(self) -> nn.Module:
@@ -392,3 +402,15 @@ class Setup:
     @property
     def calib_source(self) -> Any:
         return self.data.calib_ids if self.data.tokens else self.data.calib_examples
+
+
+Setup = Prepared  # its earlier name, for callers outside fcaudit
+
+
+# progress(NOTE, 0, 0, line): a line for the person running the audit, not a stage; the
+# engine never prints, its caller shows these (fcaudit.report.progress.with_notes)
+NOTE = "note"
+
+
+def say(progress: Progress, line: str) -> None:
+    progress(NOTE, 0, 0, line)

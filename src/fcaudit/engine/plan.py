@@ -2,8 +2,10 @@
 
 The conditions of docs/method.md (Conditions), their per-layer variants (one site
 intervened, the others correct), expert ablations (one router's logits with one expert
-never picked) and user-defined interventions, all as :class:`Run`; :func:`feed` turns a
-run and a batch into the coefficient tensor each site receives.
+never picked), savings-frontier points and user-defined interventions, all as
+:class:`Run`, whose :class:`Target` (a sum type) says its key, its digest identity and
+what it feeds; :func:`feed` turns a run and a batch into the coefficient tensor each site
+receives.
 """
 
 from __future__ import annotations
@@ -34,24 +36,135 @@ from fcaudit.engine.options import AUTO_ABLATION_MAX_EXPERTS, AuditOptions
 from fcaudit.engine.result import RANDOM_CONDITIONS, STATIC_CONDITIONS
 
 
+class Target:
+    """What a run intervenes on: every site (:class:`AllSites`), one site
+    (:class:`OneSite`), one router's expert (:class:`ExpertAblation`), a savings-frontier
+    point (:class:`FrontierRun`) or the user's function (:class:`UserIntervention`). Each
+    says its run's key, its part of the run's digest identity and what it feeds."""
+
+    counts_rerouting = False  # its re-routing rows are kept in the replay shard
+
+    @property
+    def only_site(self) -> Site | None:
+        """The one site the run changes (per-layer and ablation runs), else None."""
+        return None
+
+    def key(self, condition: str) -> str:
+        return condition
+
+    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
+        """(the one site's name, a user intervention, the ablated expert, the frontier
+        point's key): what, besides the condition and repeat, names the run in digests."""
+        return (None, False, None, None)
+
+    def feed(self, run: Run, b: int, inputs: ReplayInputs,
+             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
+        """The tensors fed where they differ from the recorded (``correct``) ones."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AllSites(Target):
+    """A main condition on every site (also ``correct``, which changes nothing)."""
+
+    counts_rerouting = True
+
+    def feed(self, run: Run, b: int, inputs: ReplayInputs,
+             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
+        return _intervened(run, inputs.cache.batch_range(b), inputs, dict(correct))
+
+
+@dataclass(frozen=True)
+class OneSite(Target):
+    """A per-layer variant: the condition on ``site`` alone, every other site correct."""
+
+    site: Site
+
+    @property
+    def only_site(self) -> Site | None:
+        return self.site
+
+    def key(self, condition: str) -> str:
+        return f"{condition}@{self.site.name}"
+
+    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
+        return (self.site.name, False, None, None)
+
+    def feed(self, run: Run, b: int, inputs: ReplayInputs,
+             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
+        return _intervened(run, inputs.cache.batch_range(b), inputs,
+                           {self.site: correct[self.site]})
+
+
+@dataclass(frozen=True)
+class ExpertAblation(Target):
+    """``expert`` of the router ``site`` never picked (its logit pushed below the rest)."""
+
+    site: Site
+    expert: int
+
+    @property
+    def only_site(self) -> Site | None:
+        return self.site
+
+    def key(self, condition: str) -> str:
+        return ablation_key(self.site, self.expert)
+
+    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
+        return (self.site.name, False, self.expert, None)
+
+    def feed(self, run: Run, b: int, inputs: ReplayInputs,
+             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
+        return {self.site: ablate_expert(correct[self.site], self.expert)}
+
+
+@dataclass(frozen=True)
+class FrontierRun(Target):
+    """A savings-frontier point: its rule's gates switched off where it skips."""
+
+    point: FrontierPoint
+    counts_rerouting = True
+
+    def key(self, condition: str) -> str:
+        return self.point.key
+
+    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
+        return (None, False, None, self.point.key)
+
+    def feed(self, run: Run, b: int, inputs: ReplayInputs,
+             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
+        return point_feed(self.point, correct)
+
+
+@dataclass(frozen=True)
+class UserIntervention(Target):
+    """The user's function of the recorded coefficients (:class:`Intervention`)."""
+
+    intervention: Intervention
+
+    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
+        return (None, True, None, None)
+
+    def feed(self, run: Run, b: int, inputs: ReplayInputs,
+             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
+        return _custom_feed(self.intervention, run.repeat, b, inputs, correct)
+
+
+ALL_SITES = AllSites()
+
+
 @dataclass(frozen=True)
 class Run:
-    """One replay pass over the evaluation set."""
+    """One replay pass over the evaluation set: a condition (a main condition, or a user
+    intervention's name), its repeat, and what it intervenes on."""
 
-    condition: str  # a main condition, or a user intervention's name
+    condition: str
     repeat: int = 0
-    site: Site | None = None  # per-layer variant: only this site is intervened
-    custom: Intervention | None = None
-    expert: int | None = None  # expert ablation: this expert of ``site`` is never picked
-    point: FrontierPoint | None = None  # a savings-frontier replay
+    target: Target = ALL_SITES
 
     @property
     def key(self) -> str:
-        if self.point is not None:
-            return self.point.key
-        if self.expert is not None:
-            return ablation_key(self.site, self.expert)
-        return self.condition if self.site is None else f"{self.condition}@{self.site.name}"
+        return self.target.key(self.condition)
 
 
 EXPERT_ABLATION = "expert-ablation"
@@ -88,12 +201,13 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
     runs += [Run(c) for c in STATIC_CONDITIONS if c not in skipped]
     if options.per_layer:
         for site in sites:
-            runs += [Run("reassign", k, site) for k in range(options.repeats)]
-            runs.append(Run("static-layer", 0, site))
-    runs += [Run(EXPERT_ABLATION, site=site, expert=e)
+            runs += [Run("reassign", k, OneSite(site)) for k in range(options.repeats)]
+            runs.append(Run("static-layer", 0, OneSite(site)))
+    runs += [Run(EXPERT_ABLATION, target=ExpertAblation(site, e))
              for site, n in (ablated or {}).items() for e in range(n)]
-    runs += [Run(FRONTIER, point=p) for p in points]
-    runs += [Run(iv.name, k, custom=iv) for iv in interventions for k in range(iv.repeats)]
+    runs += [Run(FRONTIER, target=FrontierRun(p)) for p in points]
+    runs += [Run(iv.name, k, UserIntervention(iv)) for iv in interventions
+             for k in range(iv.repeats)]
     return runs
 
 
@@ -102,7 +216,7 @@ FRONTIER = "frontier"
 
 def frontier_runs(runs: Sequence[Run]) -> list[Run]:
     """The savings-frontier runs, in plan order."""
-    return [r for r in runs if r.point is not None]
+    return [r for r in runs if isinstance(r.target, FrontierRun)]
 
 
 def digest_tensors(named: Iterable[tuple[str, Tensor]], head: bytes = b"") -> bytes:
@@ -120,10 +234,9 @@ def run_digest(run: Run, fed: Mapping[Site, Tensor], context: bytes) -> bytes:
     """What one run's NLL on a batch is computed from: ``context`` (the batch's token ids
     and the schedule), the run's identity, and every fed tensor in site order."""
     # earlier runs' digests unchanged; a frontier point's key names its rule and level
-    ablated = () if run.expert is None else (run.expert,)
-    ablated += () if run.point is None else (run.point.key,)
-    identity = repr((run.condition, run.repeat, run.site and run.site.name,
-                     run.custom is not None, *ablated)).encode()
+    site, user, *named = run.target.identity()
+    identity = repr((run.condition, run.repeat, site, user,
+                     *(x for x in named if x is not None))).encode()
     return digest_tensors(((s.name, t) for s, t in fed.items()), context + identity)
 
 
@@ -142,19 +255,8 @@ class ReplayInputs:
 
 def feed(run: Run, b: int, inputs: ReplayInputs, device: torch.device) -> dict[Site, Tensor]:
     """The coefficient tensors every site receives for batch ``b`` under ``run``."""
-    cache, rows = inputs.cache, inputs.cache.batch_range(b)
-    correct = {s: cache.batch(b, f"site::{s.name}") for s in inputs.sites}
-    fed = dict(correct)
-    if run.custom is not None:
-        fed.update(_custom_feed(run, b, rows, inputs, correct))
-    elif run.point is not None:
-        fed.update(point_feed(run.point, correct))
-    elif run.expert is not None:
-        assert run.site is not None
-        fed[run.site] = ablate_expert(correct[run.site], run.expert)
-    else:
-        targets = [run.site] if run.site is not None else inputs.sites
-        fed.update(_intervened(run, rows, inputs, {s: correct[s] for s in targets}))
+    correct = {s: inputs.cache.coefficients(b, s.name) for s in inputs.sites}
+    fed = {**correct, **run.target.feed(run, b, inputs, correct)}
     return {s: t.to(device) for s, t in fed.items()}
 
 
@@ -200,25 +302,25 @@ def _reassigned(coefficients: Mapping[str, Tensor], donors: np.ndarray,
     order) and :func:`reassign` pairs them with their receivers. ``donors`` is a slice of
     a derangement, so its rows are distinct and the pool has one row per receiver."""
     pool_rows, donor = np.unique(donors, return_inverse=True)
-    pool = {k: cache.rows(f"site::{k}", pool_rows) for k in coefficients}
+    pool = {k: cache.coefficient_rows(k, pool_rows) for k in coefficients}
     return reassign(pool, donor.reshape(-1))
 
 
-def _custom_feed(run: Run, b: int, rows: range, inputs: ReplayInputs,
+def _custom_feed(iv: Intervention, repeat: int, b: int, inputs: ReplayInputs,
                  correct: dict[Site, Tensor]) -> dict[Site, Tensor]:
-    assert run.custom is not None
-    by_name = {s.name: s for s in inputs.sites}
+    """The user's function on a clone of the recorded coefficients, its answer checked:
+    site names it was given, each a tensor of its recorded shape."""
+    rows, by_name = inputs.cache.batch_range(b), {s.name: s for s in inputs.sites}
     context = InterventionContext(
-        tuple(inputs.sites), rows, inputs.profiles, run.repeat,
-        run.custom.rng(inputs.seed, run.repeat, b),
-        lambda name, idx: inputs.cache.rows(f"site::{name}", idx), _batch_ids(inputs, rows))
-    given = run.custom.fn({s.name: t.clone() for s, t in correct.items()}, context)
+        tuple(inputs.sites), rows, inputs.profiles, repeat, iv.rng(inputs.seed, repeat, b),
+        inputs.cache.coefficient_rows, _batch_ids(inputs, rows))
+    given = iv.fn({s.name: t.clone() for s, t in correct.items()}, context)
     fed = {}
     for name, tensor in given.items():
         site = by_name.get(name)
         if site is None or not isinstance(tensor, Tensor) or \
                 tensor.shape != correct[site].shape:
-            raise FcauditError(f"intervention {run.custom.name!r} returned {name!r}: it must "
+            raise FcauditError(f"intervention {iv.name!r} returned {name!r}: it must "
                                "map site names to tensors shaped like their recorded "
                                "coefficients")
         fed[site] = tensor.to(correct[site].dtype)
@@ -227,13 +329,12 @@ def _custom_feed(run: Run, b: int, rows: range, inputs: ReplayInputs,
 
 def ablation_runs(runs: Sequence[Run]) -> list[Run]:
     """The expert-ablation runs, in plan order."""
-    return [r for r in runs if r.expert is not None]
+    return [r for r in runs if isinstance(r.target, ExpertAblation)]
 
 
 def tracked_runs(runs: Sequence[Run]) -> list[Run]:
     """The runs whose re-routing is counted: main conditions other than correct."""
-    return [r for r in runs if r.site is None and r.custom is None and r.point is None
-            and r.condition != "correct"]
+    return [r for r in runs if isinstance(r.target, AllSites) and r.condition != "correct"]
 
 
 def routing_sites(sites: Sequence[Site]) -> list[Site]:

@@ -25,12 +25,17 @@ from torch import Tensor
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError, arg
-from fcaudit.core.interventions import StaticProfiles, TokenSums, batch_sums, token_sums
+from fcaudit.core.interventions import StaticProfiles, batch_sums, token_sums
 from fcaudit.core.nll import device_of
 from fcaudit.core.routers import changed_rows, expert_counts
-from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.cache import (
+    CalibrationShard,
+    CoefficientCache,
+    EvaluationShard,
+    ReplayShard,
+)
 from fcaudit.engine.distributed import SINGLE, Ranks
-from fcaudit.engine.options import AuditOptions, Progress, Setup
+from fcaudit.engine.options import AuditOptions, Prepared, Progress
 from fcaudit.engine.passes import (
     Replayed,
     batches,
@@ -41,6 +46,7 @@ from fcaudit.engine.passes import (
     replay_batch,
 )
 from fcaudit.engine.plan import (
+    ExpertAblation,
     ReplayInputs,
     Run,
     ablation_runs,
@@ -58,7 +64,7 @@ IDENTITY_CAUSES = (
     "uses in a way the site's adapter does not reproduce")
 
 
-def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress,
+def record_calibration(setup: Prepared, cache: CoefficientCache, progress: Progress,
                        ranks: Ranks = SINGLE) -> dict[str, int]:
     """This rank's calibration batches: each batch's float64 sums (by position and by
     token id), cached; a shard already on disk is recomputed and used only when equal
@@ -78,17 +84,14 @@ def record_calibration(setup: Setup, cache: CoefficientCache, progress: Progress
             - from_disk}
 
 
-def calibration_shard(setup: Setup, coefficients: Mapping[str, Tensor],
+def calibration_shard(setup: Prepared, coefficients: Mapping[str, Tensor],
                       x: Any) -> dict[str, Tensor]:
     """What a calibration batch's shard holds: float64 sums by position and, for token
     inputs, by token id (the cost plan sizes the cache from the same tensors)."""
     on_cpu = {k: c.cpu() for k, c in coefficients.items()}
-    shard = {f"site::{k}": v for k, v in batch_sums(on_cpu).items()}
-    if setup.data.tokens:  # per token id: for inputs that are token ids only
-        tokens = token_sums(on_cpu, x.cpu())
-        shard.update({"token_ids": tokens.ids, "token_counts": tokens.counts,
-                      **{f"token::{k}": v for k, v in tokens.sums.items()}})
-    return shard
+    # per token id: for inputs that are token ids only
+    tokens = token_sums(on_cpu, x.cpu()) if setup.data.tokens else None
+    return CalibrationShard.build(batch_sums(on_cpu), tokens)
 
 
 def _rows(size: int, b: int, n: int) -> str:
@@ -96,43 +99,41 @@ def _rows(size: int, b: int, n: int) -> str:
     return f"rows {b * size + 1}-{min((b + 1) * size, n)}"
 
 
-def record_frontier_calibration(setup: Setup, cache: CoefficientCache, sites: Sequence[Site],
+def record_frontier_calibration(setup: Prepared, cache: CoefficientCache, sites: Sequence[Site],
                                 progress: Progress, ranks: Ranks = SINGLE) -> None:
     """The frontier's calibration coefficients of ``sites``, whole (its thresholds are
     calibration quantiles, which sums cannot give); a shard on disk is used once proven."""
-    from fcaudit.engine.frontier import calib_name
-    net, size = setup.model, setup.options.batch_size
+    calib_name, net, size = cache.frontier_calib_name, setup.model, setup.options.batch_size
     n = -(-setup.data.n_calib // size)
     todo = ranks.mine([b for b in range(n) if calib_name(b) not in cache.proven])
     for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net), todo),
                                   start=1):
         _, coefficients, _ = record_batch(net, sites, x, None)
-        cache.settle(calib_name(b), {f"site::{k}": v.cpu() for k, v in coefficients.items()},
+        cache.settle(calib_name(b), CalibrationShard.build({k: v.cpu() for k, v in
+                                                             coefficients.items()}),
                      f"calibration batch {b} ({_rows(size, b, setup.data.n_calib)})")
         progress("record frontier calibration", done, len(todo), "")
 
 
-def frontier_calibration(setup: Setup, cache: CoefficientCache,
+def frontier_calibration(setup: Prepared, cache: CoefficientCache,
                          sites: Sequence[Site]) -> dict[str, Tensor]:
     """Site name -> its calibration coefficients, all batches in order."""
-    from fcaudit.engine.frontier import calib_name
-    size = setup.options.batch_size
-    shards = [cache.read(calib_name(b)) for b in range(-(-setup.data.n_calib // size))]
-    return {s.name: torch.cat([sh[f"site::{s.name}"] for sh in shards]) for s in sites}
+    size, names = setup.options.batch_size, [s.name for s in sites]
+    shards = [CalibrationShard.per_site(cache.read(cache.frontier_calib_name(b)), names)
+              for b in range(-(-setup.data.n_calib // size))]
+    return {name: torch.cat([sh[name] for sh in shards]) for name in names}
 
 
-def calibration_profiles(setup: Setup, cache: CoefficientCache) -> StaticProfiles:
+def calibration_profiles(setup: Prepared, cache: CoefficientCache) -> StaticProfiles:
     """Static profiles from calibration data only: every batch's sums, added in batch
     order (so the result does not depend on which process recorded which batch)."""
     size, n = setup.options.batch_size, setup.data.n_calib
-    profiles = StaticProfiles(setup.sites)
+    profiles, names = StaticProfiles(setup.sites), [s.name for s in setup.sites]
     for b in range(-(-n // size)):
         shard = cache.read(cache.calib_name(b))
-        tokens = TokenSums(shard["token_ids"], shard["token_counts"],
-                           {s.name: shard[f"token::{s.name}"] for s in setup.sites}) \
-            if "token_ids" in shard else None
-        profiles.add_sums({s.name: shard[f"site::{s.name}"] for s in setup.sites},
-                          len(range(n)[b * size:(b + 1) * size]), tokens)
+        profiles.add_sums(CalibrationShard.per_site(shard, names),
+                          len(range(n)[b * size:(b + 1) * size]),
+                          CalibrationShard.tokens(shard, names))
     return profiles
 
 
@@ -140,11 +141,7 @@ def eval_shard(nll: Tensor, coefficients: Mapping[str, Tensor],
                 hits: Tensor | None = None) -> dict[str, Tensor]:
     """``nll``: the objective's per-unit losses; ``hits``: per example, 1 when classified
     correctly (classification only)."""
-    shard = {"nll": nll.cpu(), **{f"site::{k}": v.cpu() for k, v in coefficients.items()}}
-    return shard if hits is None else {**shard, HITS: hits.cpu()}
-
-
-HITS = "hits"
+    return EvaluationShard.build(nll, coefficients, hits)
 
 
 def adopt_probe(cache: CoefficientCache, coefficients: Mapping[str, Tensor], nll: Tensor,
@@ -155,7 +152,7 @@ def adopt_probe(cache: CoefficientCache, coefficients: Mapping[str, Tensor], nll
                  f"evaluation batch 0 ({_rows(cache.batch_size, 0, cache.n_sequences)})")
 
 
-def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
+def record_evaluation(setup: Prepared, cache: CoefficientCache, progress: Progress,
                       ranks: Ranks = SINGLE) -> dict[str, int]:
     """This rank's evaluation batches, one unperturbed pass each. A shard already on disk
     is used only once this pass reproduces it bit for bit (the cost of reuse: one forward
@@ -182,7 +179,7 @@ def record_evaluation(setup: Setup, cache: CoefficientCache, progress: Progress,
             "batches_proven": from_disk, "batches_recorded": len(mine) - from_disk}
 
 
-def replay_stage(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], progress: Progress,
+def replay_stage(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], progress: Progress,
                  ranks: Ranks = SINGLE) -> dict[str, int]:
     """This rank's batches under every run, batch by batch (every run of one batch before
     the next batch); each finished batch is cached, so an interrupted replay resumes there.
@@ -223,8 +220,7 @@ class _Ticks:
 def plan_digest(runs: Sequence[Run]) -> Tensor:
     """SHA-256 of the plan's run identities in order: rows of another shard (routing and
     ablation rows are stored by position) are taken only from a shard of the same plan."""
-    names = repr([(r.condition, r.repeat, r.site and r.site.name, r.custom is not None,
-                   r.expert, r.point and r.point.key) for r in runs]).encode()
+    names = repr([(r.condition, r.repeat, *r.target.identity()) for r in runs]).encode()
     return torch.tensor(list(digest_tensors([], names)), dtype=torch.uint8)
 
 
@@ -245,10 +241,10 @@ NONE_KEPT = Kept({}, {}, {})
 
 def _replay_tracked(runs: Sequence[Run]) -> list[int]:
     """Indices of the runs whose re-routing rows a shard holds, in its row order."""
-    return [i for i, r in enumerate(runs) if i and r.site is None and r.custom is None]
+    return [i for i, r in enumerate(runs) if i and r.target.counts_rerouting]
 
 
-def _earlier_runs(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> Kept:
+def _earlier_runs(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> Kept:
     """The runs of batch ``b`` an earlier round already replayed with bitwise the same
     inputs (a round's derangement and permutations depend on its size, so the random
     conditions differ; static, per-layer static, ablation and frontier runs do not)."""
@@ -256,25 +252,26 @@ def _earlier_runs(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: in
     if name is None:
         return NONE_KEPT
     shard = inputs.cache.read(name)  # checksum verified
-    if not same_bits(shard.get("plan_digest"), plan_digest(runs)) or \
-            float(shard["identity_diff"]) != 0:
+    if not same_bits(shard.get(ReplayShard.PLAN_DIGEST), plan_digest(runs)) or \
+            float(shard[ReplayShard.IDENTITY_DIFF]) != 0:
         return NONE_KEPT
     context, cpu = _context(setup, b), torch.device("cpu")
-    old = [bytes(row.tolist()) for row in shard["feed_digest"]]
+    old = [bytes(row.tolist()) for row in shard[ReplayShard.FEED_DIGEST]]
     rows = {}
     for i, run in enumerate(runs[1:], start=1):  # the correct replay always runs again
         digest = run_digest(run, feed(run, b, inputs, cpu), context)
         if digest == old[i]:
-            rows[i] = (shard["nll"][i], digest)
+            rows[i] = (shard[ReplayShard.NLL][i], digest)
     tracked = _replay_tracked(runs)
-    changed = {i: shard["route_changed"][j] for j, i in enumerate(tracked) if i in rows} \
-        if "route_changed" in shard else {}
-    ablated = [i for i, r in enumerate(runs) if r.expert is not None]
-    still = {i: int(shard[STILL_SELECTED][j]) for j, i in enumerate(ablated) if i in rows}
+    changed = {i: shard[ReplayShard.ROUTE_CHANGED][j] for j, i in enumerate(tracked)
+               if i in rows} if ReplayShard.ROUTE_CHANGED in shard else {}
+    ablated = [i for i, r in enumerate(runs) if isinstance(r.target, ExpertAblation)]
+    still = {i: int(shard[ReplayShard.STILL_SELECTED][j]) for j, i in enumerate(ablated)
+             if i in rows}
     return Kept(rows, changed, still)
 
 
-def _context(setup: Setup, b: int) -> bytes:
+def _context(setup: Prepared, b: int) -> bytes:
     """What a batch's runs depend on besides their fed tensors: its token ids (or every
     input and target tensor of its examples, bitwise), the schedule."""
     size = setup.options.batch_size
@@ -287,19 +284,20 @@ def _context(setup: Setup, b: int) -> bytes:
     return digest_tensors([("ids", ids)], setup.options.schedule.encode())
 
 
-def _reusable(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> bool:
+def _reusable(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> bool:
     """True when batch ``b``'s cached shard was computed from exactly what this audit would
     feed: every run's digest, recomputed from fresh feeds, equals the stored one."""
     cache, name = inputs.cache, inputs.cache.replay_name(b)
     if not cache.has(name):
         return False
     shard = cache.read(name)  # checksum verified: a corrupted shard is an error, not a miss
-    if float(shard["identity_diff"]) != 0 and not setup.options.allow_nonexact_identity:
+    if float(shard[ReplayShard.IDENTITY_DIFF]) != 0 and \
+            not setup.options.allow_nonexact_identity:
         return False  # replayed again: the identity check then stops the audit
     context = _context(setup, b)
     cpu = torch.device("cpu")
     expected = [run_digest(run, feed(run, b, inputs, cpu), context) for run in runs]
-    return same_bits(shard.get("feed_digest"), _digest_tensor(expected))
+    return same_bits(shard.get(ReplayShard.FEED_DIGEST), _digest_tensor(expected))
 
 
 def _digest_tensor(digests: Sequence[bytes]) -> Tensor:
@@ -323,23 +321,21 @@ class Replays:
 
 def replay_results(cache: CoefficientCache, options: AuditOptions) -> Replays:
     shards = [cache.read(cache.replay_name(b)) for b in range(cache.n_batches)]
-    per_run = torch.cat([s["nll"] for s in shards], dim=1).numpy()
-    states = [int(s["prefix"]) for s in shards]
+    R = ReplayShard
+    per_run = torch.cat([s[R.NLL] for s in shards], dim=1).numpy()
+    states = [int(s[R.PREFIX]) for s in shards]
     schedule = {"requested": options.schedule,
                 "batches_prefix_reused": states.count(PREFIX_REUSED),
                 "batches_fell_back_to_full_passes": states.count(PREFIX_FELL_BACK),
                 "batches": len(states)}
-    load = {k.removeprefix("route_load::"): sum(s[k] for s in shards)
-            for k in shards[0] if k.startswith("route_load::")}
-    changed = sum(s["route_changed"] for s in shards) if "route_changed" in shards[0] else None
-    still = sum(s[STILL_SELECTED] for s in shards) if STILL_SELECTED in shards[0] else None
-    hits = list(torch.cat([s[HITS] for s in shards], dim=1).numpy()) \
-        if HITS in shards[0] else None
-    return Replays(list(per_run), max(float(s["identity_diff"]) for s in shards), schedule,
+    loads = [R.route_loads(s) for s in shards]
+    load = {k: sum(one[k] for one in loads) for k in loads[0]}
+    changed = sum(s[R.ROUTE_CHANGED] for s in shards) if R.ROUTE_CHANGED in shards[0] else None
+    still = sum(s[R.STILL_SELECTED] for s in shards) if R.STILL_SELECTED in shards[0] else None
+    hits = list(torch.cat([s[R.HITS] for s in shards], dim=1).numpy()) \
+        if R.HITS in shards[0] else None
+    return Replays(list(per_run), max(float(s[R.IDENTITY_DIFF]) for s in shards), schedule,
                    load, changed, still, hits)
-
-
-STILL_SELECTED = "ablation_still_selected"
 
 
 PREFIX_OFF, PREFIX_REUSED, PREFIX_FELL_BACK = 0, 1, 2
@@ -349,12 +345,12 @@ class _Passes:
     """The replay passes of one batch: each run fed from the cache, its digest taken from
     exactly the tensors fed, its per-token NLL checked finite."""
 
-    def __init__(self, setup: Setup, inputs: ReplayInputs, b: int, x: Tensor,
+    def __init__(self, setup: Prepared, inputs: ReplayInputs, b: int, x: Tensor,
                  tick: Callable[[], None] | None) -> None:
         self.net, self.inputs, self.b, self.x = setup.model, inputs, b, x
         self.tick = tick or (lambda: None)  # progress within a batch: a step per pass
         self.objective = setup.objective
-        self.recorded = inputs.cache.batch(b, "nll")  # the record pass's losses
+        self.recorded = inputs.cache.batch(b, EvaluationShard.NLL)  # record pass's losses
         self.context = _context(setup, b)
         self.correct_fed: dict[Site, Tensor] = {}
         self.still_selected: dict[str, int] = {}  # ablation run key -> picks of its expert
@@ -366,12 +362,12 @@ class _Passes:
         fed = {s: t.to(self.x.device) for s, t in fed.items()}
         if run.condition == "correct":
             self.correct_fed = fed
-        ablating = run.expert is not None and run.site is not None
+        ablated = run.target if isinstance(run.target, ExpertAblation) else None
         out = replay_batch(self.net, self.x, fed, objective=self.objective,
-                           **{**kw, "select": kw.get("select") or ablating})
-        if ablating:  # the family's own rule, on the ablated logits: does it still pick it?
-            chosen = out.chosen[run.site.name]
-            self.still_selected[run.key] = int((chosen == run.expert).sum())
+                           **{**kw, "select": kw.get("select") or ablated is not None})
+        if ablated:  # the family's own rule, on the ablated logits: does it still pick it?
+            chosen = out.chosen[ablated.site.name]
+            self.still_selected[run.key] = int((chosen == ablated.expert).sum())
         nll = self.objective.units(out.output, self.x).cpu()
         where = f"replay under {run.key}, batch {self.b}"
         check_units(nll, self.recorded.shape, self.objective, where)
@@ -388,7 +384,7 @@ class _Passes:
 
 
 @torch.no_grad()
-def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b: int,
+def _replay_one_batch(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], b: int,
                       x: Tensor, kept: Kept = NONE_KEPT,
                       tick: Callable[[], None] | None = None) -> dict[str, Tensor]:
     """Every run on batch ``b``: the correct replay first, then the per-layer runs (on the
@@ -397,23 +393,23 @@ def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b
     expert load of the correct replay and how many tokens each main condition re-routes.
     Rows stay in plan order, each with the digest of what its run was fed; the runs in
     ``kept`` are not replayed again (their rows come from an earlier round's shard)."""
-    assert runs[0].condition == "correct" and runs[0].site is None
+    assert runs[0].condition == "correct" and runs[0].target.only_site is None
     passes, routed = _Passes(setup, inputs, b, x, tick), routing_sites(inputs.sites)
     passes.still_selected.update({runs[i].key: n for i, n in kept.still.items()})
     traced = setup.blocks if setup.options.schedule == "prefix" and \
-        any(r.site is not None for r in runs) else None
+        any(r.target.only_site is not None for r in runs) else None
     first, nll, digest = passes.replay(runs[0], select=bool(routed), trace=traced)
     diff = _identity_diff(setup, nll, passes.recorded, b)
     done = {0: (nll.double().mean(1), digest), **kept.rows}
     state = _per_layer(passes, runs, first, done)
-    shard = {f"route_load::{s.name}": expert_counts(first.chosen[s.name],
-                                                    passes.correct_fed[s].shape[-1])
+    shard = {ReplayShard.route_load(s.name): expert_counts(first.chosen[s.name],
+                                                          passes.correct_fed[s].shape[-1])
              for s in routed}
     changed = {i: row.tolist() for i, row in kept.changed.items()}
     for i, run in enumerate(runs):
         if i in done:
             continue
-        tracked = bool(routed) and run.site is None and run.custom is None
+        tracked = bool(routed) and run.target.counts_rerouting
         out, nll, digest = passes.replay(run, select=tracked)
         if tracked:
             changed[i] = [changed_rows(first.chosen[s.name], out.chosen[s.name])
@@ -421,21 +417,22 @@ def _replay_one_batch(setup: Setup, inputs: ReplayInputs, runs: Sequence[Run], b
         done[i] = (nll.double().mean(1), digest)
     diff = max(diff, _history_diff(setup, passes, first, len(runs)))
     if routed:
-        shard["route_changed"] = torch.tensor([changed[i] for i in _replay_tracked(runs)],
+        shard[ReplayShard.ROUTE_CHANGED] = torch.tensor([changed[i] for i in _replay_tracked(runs)],
                                               dtype=torch.float64)
     if ablated := ablation_runs(runs):
-        shard[STILL_SELECTED] = torch.tensor([passes.still_selected[r.key] for r in ablated],
-                                             dtype=torch.int64)
+        shard[ReplayShard.STILL_SELECTED] = torch.tensor(
+            [passes.still_selected[r.key] for r in ablated], dtype=torch.int64)
     rows = [done[i] for i in range(len(runs))]
     if passes.objective.accuracy:
-        shard[HITS] = torch.stack([passes.hits[r.key, r.repeat] for r in runs])
-    return {"nll": torch.stack([r[0] for r in rows]),
-            "feed_digest": _digest_tensor([r[1] for r in rows]),
-            "identity_diff": torch.tensor(diff, dtype=torch.float64),
-            "prefix": torch.tensor(state), "plan_digest": plan_digest(runs), **shard}
+        shard[ReplayShard.HITS] = torch.stack([passes.hits[r.key, r.repeat] for r in runs])
+    return {ReplayShard.NLL: torch.stack([r[0] for r in rows]),
+            ReplayShard.FEED_DIGEST: _digest_tensor([r[1] for r in rows]),
+            ReplayShard.IDENTITY_DIFF: torch.tensor(diff, dtype=torch.float64),
+            ReplayShard.PREFIX: torch.tensor(state), ReplayShard.PLAN_DIGEST: plan_digest(runs),
+            **shard}
 
 
-def _identity_diff(setup: Setup, nll: Tensor, recorded: Tensor, b: int) -> float:
+def _identity_diff(setup: Prepared, nll: Tensor, recorded: Tensor, b: int) -> float:
     diff = float((nll - recorded).abs().max())
     if diff != 0 and not setup.options.allow_nonexact_identity:
         raise FcauditError(
@@ -445,7 +442,7 @@ def _identity_diff(setup: Setup, nll: Tensor, recorded: Tensor, b: int) -> float
     return diff
 
 
-def _history_diff(setup: Setup, passes: _Passes, first: Replayed, n_runs: int) -> float:
+def _history_diff(setup: Prepared, passes: _Passes, first: Replayed, n_runs: int) -> float:
     """The correct replay once more, after every other run of the batch: a model whose
     output depends on earlier passes (state kept between calls) shows here, any schedule."""
     again = passes.correct_with()
@@ -471,7 +468,8 @@ def _per_layer(passes: _Passes, runs: Sequence[Run], first: Replayed,
     correct replay have not run since it; before a site's runs, the correct replay with
     that site's prefix stubbed must equal the full one bit for bit, from the state those
     runs start in. One failure: every per-layer run of the batch becomes a full pass."""
-    layer = [(i, r.site) for i, r in enumerate(runs) if r.site is not None and i not in done]
+    layer = [(i, r.target.only_site) for i, r in enumerate(runs)
+             if r.target.only_site is not None and i not in done]
     trace = first.trace
     if trace is not None:
         layer.sort(key=lambda item: -trace.starts[item[1].path])

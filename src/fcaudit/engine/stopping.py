@@ -20,10 +20,10 @@ import numpy as np
 
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.engine.result import ConditionResult, Stopping, StoppingRound
+from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.data import AuditData, fingerprint_array
 
 DEFAULT_MIN_SEQUENCES = 16  # the first round: a bootstrap over fewer is too coarse to trust
-ORDER_SEED_OFFSET = 500  # order seed = seed * 1000 + 500 (draws use + 17 + k, bootstrap + 7)
 # the penalties whose intervals must reach the target: every main condition's penalty
 # against correct (the interaction, retention and per-layer variants follow from them or
 # are localisations, and are not counted)
@@ -43,7 +43,7 @@ CAVEAT = ("N was chosen by looking at the intervals (optional stopping): the 95%
 
 
 def order_seed(seed: int) -> int:
-    return seed * 1000 + ORDER_SEED_OFFSET
+    return SeedPlan(seed).order
 
 
 def pool_order(n_pool: int, seed: int) -> np.ndarray:

@@ -21,7 +21,7 @@ from fcaudit.core.contract import Site
 from fcaudit.core.interventions import StaticProfiles
 from fcaudit.core.routers import ABLATION_MARGIN, load_entropy
 from fcaudit.core.sites import families
-from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.cache import CoefficientCache, EvaluationShard
 from fcaudit.engine.metrics import (
     Bootstrap,
     TokenShare,
@@ -31,7 +31,7 @@ from fcaudit.engine.metrics import (
     retention,
 )
 from fcaudit.engine.options import AuditOptions
-from fcaudit.engine.plan import Run
+from fcaudit.engine.plan import ExpertAblation, Run, UserIntervention
 from fcaudit.engine.result import (
     MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,
@@ -42,10 +42,14 @@ from fcaudit.engine.result import (
     LayerConditionResult,
     LayerImportance,
     LayerRouting,
+    Profile,
     Retention,
     RoutingSummary,
     TokenProfile,
+    VarianceShares,
+    Variation,
 )
+from fcaudit.engine.seeds import SeedPlan
 
 
 def _condition(per_seq: Mapping[str, np.ndarray], repeats: Mapping[str, list[np.ndarray]],
@@ -75,7 +79,7 @@ def accuracies(runs: Sequence[Run], hits: Sequence[np.ndarray] | None,
 
 def paired_bootstrap(n: int, options: AuditOptions) -> Bootstrap:
     """The one resample stream every interval of an audit uses (paired contrasts)."""
-    return Bootstrap(n, options.bootstrap, options.seed * 1000 + 7)
+    return Bootstrap(n, options.bootstrap, SeedPlan(options.seed).bootstrap)
 
 
 @dataclass
@@ -113,8 +117,8 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
            for p in RETENTION_PROFILES}
     inter = interaction(per_seq["reassign+shuffle"], per_seq["reassign"], per_seq["shuffle"],
                         correct, boot) if "shuffle" not in skipped else None
-    custom = {r.custom.name: _condition(per_seq, repeats, r.key, boot, hits)
-              for r in runs if r.custom is not None}
+    custom = {r.target.intervention.name: _condition(per_seq, repeats, r.key, boot, hits)
+              for r in runs if isinstance(r.target, UserIntervention)}
     return Summary(conditions, per_layer, ret, inter, custom)
 
 
@@ -126,8 +130,18 @@ def _not_applicable(per_seq: Mapping[str, np.ndarray], boot: Bootstrap,
                                reason=f"not applicable: {reason}")
 
 
+@dataclass(frozen=True)
+class Description:
+    """What the cached coefficients say on their own, per family, and the original NLL."""
+
+    variance: dict[str, VarianceShares]
+    variation: dict[str, Variation]
+    profiles: dict[str, Profile]
+    original_nll: np.ndarray  # [N] per-sequence mean NLL of the record pass
+
+
 def describe(cache: CoefficientCache, sites: Sequence[Site],
-             ids: np.ndarray | None) -> tuple[dict, dict, dict, np.ndarray]:
+             ids: np.ndarray | None) -> Description:
     """Variance (with the token-id share, from the evaluation token ids ``ids``; none
     without them), variation and profiles per family, and the original per-sequence NLL."""
     members = {f: [s for s in sites if s.family == f] for f in families(sites)}
@@ -135,19 +149,20 @@ def describe(cache: CoefficientCache, sites: Sequence[Site],
     tokens = {f: TokenShare(m) for f, m in members.items()}
     original = np.empty(cache.n_sequences)
     for b in range(cache.n_batches):
-        coefficients = {s.name: cache.batch(b, f"site::{s.name}") for s in sites}
+        coefficients = {s.name: cache.coefficients(b, s.name) for s in sites}
         rows = cache.batch_range(b)
         for f, acc in accumulators.items():
             acc.add(coefficients)
             if ids is not None:
                 tokens[f].add(coefficients, torch.from_numpy(
                     np.ascontiguousarray(ids[rows.start:rows.stop])))
-        original[rows.start:rows.stop] = cache.batch(b, "nll").double().mean(1).numpy()
+        nll = cache.batch(b, EvaluationShard.NLL)
+        original[rows.start:rows.stop] = nll.double().mean(1).numpy()
     variance = {f: dataclasses.replace(a.decompose(), eta2_token_id=tokens[f].share()
                                        if ids is not None else None)
                 for f, a in accumulators.items()}
-    return (variance, {f: a.variation() for f, a in accumulators.items()},
-            {f: a.profile() for f, a in accumulators.items()}, original)
+    return Description(variance, {f: a.variation() for f, a in accumulators.items()},
+                       {f: a.profile() for f, a in accumulators.items()}, original)
 
 
 def token_profile(profiles: StaticProfiles, ids: np.ndarray) -> TokenProfile:
@@ -210,21 +225,21 @@ def expert_importance(runs: Sequence[Run], replayed: Sequence[np.ndarray],
     correct = replayed[0]
     boot = paired_bootstrap(len(correct), options)
     per_site: dict[Site, list[ExpertImportance]] = {}
-    ablated = [(run, values) for run, values in zip(runs, replayed, strict=True)
-               if run.expert is not None and run.site is not None]
-    for j, (run, values) in enumerate(ablated):
-        counts = load[run.site.name].double()
-        share = float(counts[run.expert] / max(float(counts.sum()), 1.0))
+    ablated = [(run.target, values) for run, values in zip(runs, replayed, strict=True)
+               if isinstance(run.target, ExpertAblation)]
+    for j, (target, values) in enumerate(ablated):
+        counts = load[target.site.name].double()
+        share = float(counts[target.expert] / max(float(counts.sum()), 1.0))
         picks = int(still[j])
         if picks:
-            item = ExpertImportance(run.expert, None, None, share, picks, reason=(
+            item = ExpertImportance(target.expert, None, None, share, picks, reason=(
                 f"the routing rule still picked it for {picks} token-slots with its logit at "
                 f"least {ABLATION_MARGIN:g} below every other expert's (a score bias in the "
                 "rule, or top-k as large as the number of experts), so no removal was measured"))
         else:
             delta, ci = penalty(values, correct, boot)
-            item = ExpertImportance(run.expert, delta, ci, share, 0)
-        per_site.setdefault(run.site, []).append(item)
+            item = ExpertImportance(target.expert, delta, ci, share, 0)
+        per_site.setdefault(target.site, []).append(item)
     out = {}
     for family in dict.fromkeys(s.family for s in per_site):
         members = [(s, items) for s, items in per_site.items() if s.family == family]

@@ -22,14 +22,15 @@ import numpy as np
 
 from fcaudit.core.errors import FcauditError
 
-# Called as check(temporary, final) just before a file takes its final name; an output
-# folder being written registers one (fcaudit.io.outdir) to record what fcaudit writes there.
-RENAME_CHECKS: list[Callable[[Path, Path], None]] = []
+# check(temporary, final), called just before a file takes its final name: a results
+# writer (fcaudit.io.results.ResultWriter) refuses a file in the way and records digests
+RenameCheck = Callable[[Path, Path], None]
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success rename it onto ``path``."""
+def atomic_path(path: str | Path, check: RenameCheck | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success (and ``check``) rename it onto
+    ``path``."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -43,7 +44,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         yield tmp_path
         os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; outputs are for sharing
         _fsync(tmp_path)  # a full disk can surface only here; never rename unflushed data
-        for check in RENAME_CHECKS:
+        if check is not None:
             check(tmp_path, path)
         os.replace(tmp_path, path)
     except OSError as exc:
@@ -91,19 +92,41 @@ def make_work_dir(target: Path) -> Path:
     return work
 
 
+class FileWriter:
+    """Writes files atomically; :meth:`check` runs just before each takes its name (here:
+    nothing; a folder's results writer, :class:`fcaudit.io.results.ResultWriter`, checks
+    and records them). Whoever writes results is handed the writer to use."""
+
+    def check(self, tmp: Path, final: Path) -> None:
+        """Called as ``check(temporary, final)`` before ``final`` is replaced."""
+
+    def write_text(self, path: str | Path, text: str) -> None:
+        with atomic_path(path, self.check) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+
+    def write_bytes(self, path: str | Path, data: bytes) -> None:
+        with atomic_path(path, self.check) as tmp:
+            tmp.write_bytes(data)
+
+    def write_json(self, path: str | Path, obj: Any) -> None:
+        """Deterministic JSON (sorted keys, fixed indent) written atomically."""
+        self.write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+PLAIN_FILES = FileWriter()  # files that are no folder's results: a cache, a run, a marker
+
+
 def write_text(path: str | Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+    PLAIN_FILES.write_text(path, text)
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
+    PLAIN_FILES.write_bytes(path, data)
 
 
 def write_json(path: str | Path, obj: Any) -> None:
     """Deterministic JSON (sorted keys, fixed indent) written atomically."""
-    write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    PLAIN_FILES.write_json(path, obj)
 
 
 def write_with(path: str | Path, writer: Callable[[Path], None]) -> None:

@@ -22,11 +22,9 @@ API for a command writing the output folder ``out`` of kind ``kind``:
    creates the folder and its marker (``claim_output``), holds the lock
    (``OutputLock``) until the block exits, and removes the folder again if the run
    created it and wrote nothing into it;
-3. ``with replacing_results(out):`` around writing the results, the completion file
-   (``audit.json``) last: a rerun never leaves old and new results side by side. Its
-   steps are ``retire_results`` (before the first result is written),
-   ``discard_retired_results`` (after the completion file is in place) and
-   ``restore_retired_results`` (when writing failed).
+3. ``with replacing_results(out) as files:`` (:mod:`fcaudit.io.results`) around writing
+   the results through ``files``, the completion file (``audit.json``) last: a rerun
+   never leaves old and new results side by side.
 
 POSIX only (``fcntl``). ``flock`` may not lock across machines on some network file
 systems.
@@ -48,7 +46,7 @@ from typing import Any
 
 from fcaudit._version import __version__
 from fcaudit.core.errors import FcauditError, arg
-from fcaudit.io.fileio import RENAME_CHECKS, sha256_file, write_json
+from fcaudit.io.fileio import sha256_file, write_json
 
 MARKER = ".fcaudit-output.json"
 MARKER_SCHEMA = "fcaudit.output/1"
@@ -245,7 +243,6 @@ def _check_results(path: Path, results: Sequence[str], where: str) -> None:
                            "rerun would replace it; move it away or choose another folder")
 
 
-
 def check_output_file(path: str | Path, schema: str, option: str) -> None:
     """Refuse, in one line, a result file fcaudit may not write (touches nothing): a
     folder, a symbolic link, an existing file that is not fcaudit's own (its JSON
@@ -285,7 +282,7 @@ def recorded(folder: str | Path) -> dict[str, str]:
     return {k: v for k, v in files.items() if isinstance(v, str) and _safe(k)}
 
 
-def _save_recorded(folder: Path, files: Mapping[str, str]) -> None:
+def save_recorded(folder: Path, files: Mapping[str, str]) -> None:
     write_json(folder / MARKER, {**_marker(folder), "files": dict(sorted(files.items()))})
 
 
@@ -303,7 +300,7 @@ def record_files(folder: str | Path, names: Collection[str]) -> None:
     """Record the digests of files fcaudit has just written in ``folder`` (by name)."""
     folder = Path(folder)
     files = recorded(folder)
-    _save_recorded(folder, {**files, **{n: sha256_file(folder / n) for n in names
+    save_recorded(folder, {**files, **{n: sha256_file(folder / n) for n in names
                                         if (folder / n).is_file()}})
 
 
@@ -321,37 +318,10 @@ def check_unchanged(path: str | Path, what: str) -> None:
                        "be the run's: rerun it, or restore the file")
 
 
-def _owned_under(folder: Path, names: Sequence[str], files: Mapping[str, str]) -> list[str]:
+def owned_under(folder: Path, names: Sequence[str], files: Mapping[str, str]) -> list[str]:
     """fcaudit's unchanged files among ``names`` (a name, or a path inside a named folder)."""
     return sorted(rel for rel in files
                   if PurePosixPath(rel).parts[0] in names and owns(folder, rel, files))
-
-
-# Output folders whose results are being written (innermost last): see _check_write.
-_WRITING: list[tuple[Path, tuple[str, ...]]] = []
-
-
-def _check_write(tmp: Path, final: Path) -> None:
-    """Before a result file takes its name: refuse to replace a file fcaudit did not write
-    (or one edited since), else record the new file's digest in the marker."""
-    target = Path(os.path.abspath(final))
-    for out, results in reversed(_WRITING):
-        try:
-            rel = target.relative_to(out)
-        except ValueError:
-            continue
-        if not rel.parts or rel.parts[0] not in results:
-            continue
-        key, files = rel.as_posix(), recorded(out)
-        if (target.exists() or target.is_symlink()) and not owns(out, key, files):
-            raise FcauditError(f"{final} is in the way of a result: fcaudit did not write it "
-                               "(or it was changed since); move it away and rerun (the cache "
-                               "is kept, the previous results are put back)")
-        _save_recorded(out, {**files, key: sha256_file(tmp)})
-        return
-
-
-RENAME_CHECKS.append(_check_write)
 
 
 # ---------------------------------------------------------------------- claim, lock
@@ -503,7 +473,7 @@ def remove_created(path: Path, created: Path) -> None:
 
 # --------------------------------------------------------------- replace and clean
 
-def _prune(folder: Path, start: Path) -> None:
+def prune_empty(folder: Path, start: Path) -> None:
     """Remove ``start`` and its parents below ``folder`` while they are empty."""
     with contextlib.suppress(OSError):  # not empty: something else lives there
         while start != folder and folder in start.parents:
@@ -511,48 +481,23 @@ def _prune(folder: Path, start: Path) -> None:
             start = start.parent
 
 
-def _drop(folder: Path, rels: Sequence[str]) -> None:
+def drop_owned(folder: Path, rels: Sequence[str]) -> None:
     """Delete fcaudit's own unchanged files ``rels`` (checked again now), then their
     entries and the folders they emptied; anything else stays."""
     files = recorded(folder)
     gone = [rel for rel in rels if owns(folder, rel, files)]
     for rel in gone:
         (folder / rel).unlink()
-        _prune(folder, (folder / rel).parent)
+        prune_empty(folder, (folder / rel).parent)
     if gone:
-        _save_recorded(folder, {k: v for k, v in files.items() if k not in gone})
-
-
-def _move(folder: Path, moves: Sequence[tuple[str, str]]) -> None:
-    """Rename fcaudit's files inside ``folder``; the marker lists both names meanwhile, so a
-    kill at any moment leaves every file recognisable."""
-    files = recorded(folder)
-    moves = [(src, dst) for src, dst in moves if owns(folder, src, files)]
-    if not moves:
-        return
-    _save_recorded(folder, {**files, **{dst: files[src] for src, dst in moves}})
-    for src, dst in moves:
-        (folder / dst).parent.mkdir(parents=True, exist_ok=True)
-        os.replace(folder / src, folder / dst)
-        _prune(folder, (folder / src).parent)
-    sources = {src for src, _ in moves}
-    _save_recorded(folder, {k: v for k, v in recorded(folder).items() if k not in sources})
-
-
-def _aside(rel: str) -> str:
-    return f"{PREVIOUS}/{rel}"
-
-
-def _retired(folder: Path) -> list[str]:
-    """fcaudit's unchanged files in ``.previous/``."""
-    return _owned_under(folder, [PREVIOUS], recorded(folder))
+        save_recorded(folder, {k: v for k, v in files.items() if k not in gone})
 
 
 def remove_output(folder: Path, names: Collection[str]) -> None:
     """Remove the named files fcaudit wrote in ``folder`` (unchanged since: by recorded
     digest), its bookkeeping files, then the folder if that emptied it. Anything else in it
     stays, and so does the folder."""
-    _drop(folder, sorted(names))
+    drop_owned(folder, sorted(names))
     if entries(folder):
         return
     for name in BOOKKEEPING:
@@ -561,70 +506,3 @@ def remove_output(folder: Path, names: Collection[str]) -> None:
         folder.rmdir()
 
 
-def retire_results(out: str | Path, results: Sequence[str] = AUDIT_RESULTS) -> None:
-    """Move the previous results (fcaudit's own unchanged files only) into
-    ``out/.previous/``, before new ones are written.
-
-    ``results[0]`` is the completion file (``audit.json``): it moves first, so from
-    then on no result in ``out`` claims to be whole. A ``.previous/`` left by a killed
-    run is sorted out first: stale if the completion file is back in ``out`` (that run
-    finished), else it holds the last finished results, which stay while the
-    half-written ones in ``out`` are dropped. Files of the user's are never moved.
-    """
-    out = Path(out)
-    files = recorded(out)
-    if _retired(out):
-        if owns(out, results[0], files):
-            _drop(out, _retired(out))
-        else:
-            _drop(out, _owned_under(out, results, files))
-            return
-    held = _owned_under(out, results, files)
-    held.sort(key=lambda rel: rel != results[0])
-    _move(out, [(rel, _aside(rel)) for rel in held])
-
-
-def discard_retired_results(out: str | Path) -> None:
-    """Remove the retired results in ``out/.previous/`` once the new completion file is in
-    place (and ``.previous/`` itself if that empties it)."""
-    out = Path(out)
-    _drop(out, _retired(out))
-    _prune(out, out / PREVIOUS)
-
-
-def restore_retired_results(out: str | Path, results: Sequence[str] = AUDIT_RESULTS) -> None:
-    """Drop half-written new results and put the retired ones back (completion file last)."""
-    out = Path(out)
-    retired = _retired(out)
-    if not retired:
-        return
-    _drop(out, _owned_under(out, results, recorded(out)))
-    back = [(rel, rel.removeprefix(PREVIOUS + "/")) for rel in retired]
-    back.sort(key=lambda move: PurePosixPath(move[1]).parts[0] == results[0])
-    _move(out, back)
-    _prune(out, out / PREVIOUS)
-
-
-@contextlib.contextmanager
-def replacing_results(out: str | Path, results: Sequence[str] = AUDIT_RESULTS) -> Iterator[None]:
-    """Replace a folder's results as a whole: never a mix of old and new files.
-
-    The block writes the new results (``audit.json``, ``report.md``, ``report.html``,
-    ``figures/``; ``results`` names them, the completion file first), the completion
-    file last, through :mod:`fcaudit.io.fileio`: each file's digest is recorded in the
-    marker before it takes its name, and a file in its way that fcaudit did not write
-    stops the block. The previous results wait in ``.previous/`` meanwhile: removed on
-    success, put back if the block raises. After a ``kill -9`` the next call keeps the
-    last finished results and drops the half-written ones.
-    """
-    out = Path(os.path.abspath(out))
-    retire_results(out, results)
-    _WRITING.append((out, tuple(results)))
-    try:
-        yield
-    except BaseException:
-        restore_retired_results(out, results)
-        raise
-    finally:
-        _WRITING.remove((out, tuple(results)))
-    discard_retired_results(out)

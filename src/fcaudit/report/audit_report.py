@@ -33,7 +33,7 @@ from fcaudit.engine.result import (
     Retention,
 )
 from fcaudit.io.data import picked_note
-from fcaudit.io.fileio import write_text
+from fcaudit.io.fileio import PLAIN_FILES, FileWriter
 from fcaudit.report.figures import (
     SHARE_LABELS,
     FigureSpec,
@@ -681,13 +681,15 @@ def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tu
     return title, "\n\n".join(blocks) + "\n"
 
 
-def write_report(result: AuditResult, out_dir: str | Path) -> list[Path]:
-    """Write report.md, report.html and figures/ under ``out_dir``; return the paths written."""
+def write_report(result: AuditResult, out_dir: str | Path,
+                 files: FileWriter = PLAIN_FILES) -> list[Path]:
+    """Write report.md, report.html and figures/ under ``out_dir`` through ``files`` (the
+    folder's results writer); return the paths written."""
     out_dir = Path(out_dir)
-    figures = write_figures(_figure_specs(result), out_dir / FIGURE_DIR)
+    figures = write_figures(_figure_specs(result), out_dir / FIGURE_DIR, files)
     title, markdown = build_markdown(result, figures)
     paths = [p for f in figures for p in (f.png_path, f.svg_path)]
     for name, text in (("report.md", markdown), ("report.html", to_html(title, markdown, figures))):
         paths.append(out_dir / name)
-        write_text(paths[-1], text)
+        files.write_text(paths[-1], text)
     return paths

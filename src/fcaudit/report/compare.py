@@ -33,8 +33,9 @@ from fcaudit.engine.result import (
     AuditResult,
     Retention,
 )
-from fcaudit.io.fileio import write_json, write_text
-from fcaudit.io.outdir import COMPARE_RESULTS, check_output, hold_output, replacing_results
+from fcaudit.io.fileio import PLAIN_FILES, FileWriter
+from fcaudit.io.outdir import COMPARE_RESULTS, check_output, hold_output
+from fcaudit.io.results import replacing_results
 from fcaudit.report.audit_report import CONDITION_MEANING, _ordered
 from fcaudit.report.figures import (
     FigureSpec,
@@ -355,19 +356,20 @@ class Comparison:
                           partial(layer_figure, lines, title, ylabel, ref)))
         return specs
 
-    def write(self, out: str | Path) -> list[Path]:
-        """Write the figures, compare.md, compare.html, then compare.json (completion)."""
+    def write(self, out: str | Path, files: FileWriter = PLAIN_FILES) -> list[Path]:
+        """Write the figures, compare.md, compare.html, then compare.json (completion),
+        through ``files`` (the folder's results writer)."""
         out = Path(out)
-        figures = write_figures(self._figure_specs(), out / FIGURE_DIR)
+        figures = write_figures(self._figure_specs(), out / FIGURE_DIR, files)
         markdown = self.to_markdown(figures)
         title = f"fcaudit comparison: {', '.join(self.labels)}"
         paths = [p for f in figures for p in (f.png_path, f.svg_path)]
         for name, text in (("compare.md", markdown),
                            ("compare.html", to_html(title, markdown, figures))):
             paths.append(out / name)
-            write_text(paths[-1], text)
+            files.write_text(paths[-1], text)
         paths.append(out / "compare.json")
-        write_json(paths[-1], self.to_json())
+        files.write_json(paths[-1], self.to_json())
         self.files = paths
         return paths
 
@@ -528,6 +530,7 @@ def compare(paths_or_results: Sequence[AuditLike], out: str | Path | None = None
          "routing": _routing(names, results)},
         _per_layer(names, results), command)
     if out is not None:
-        with hold_output(out, "compare", command), replacing_results(out, COMPARE_RESULTS):
-            comparison.write(out)
+        with hold_output(out, "compare", command), \
+                replacing_results(out, COMPARE_RESULTS) as files:
+            comparison.write(out, files)
     return comparison

@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
 from fcaudit.engine.result import ETA2_KEYS, Profile
-from fcaudit.io.fileio import write_bytes
+from fcaudit.io.fileio import PLAIN_FILES, FileWriter
 
 FIG_WIDTH = 8.0
 MAX_HEATMAP_COLUMNS = 256  # wider position maps are averaged in bins (PNG size, legibility)
@@ -69,9 +69,10 @@ class RenderedFigure:
 FigureSpec = tuple[str, str, Callable[[], Figure | None]]
 
 
-def write_figures(specs: Sequence[FigureSpec], fig_dir: Path) -> list[RenderedFigure]:
+def write_figures(specs: Sequence[FigureSpec], fig_dir: Path,
+                  files: FileWriter = PLAIN_FILES) -> list[RenderedFigure]:
     """Draw each figure under the fixed style (artists read it when created) and write
-    PNG and SVG atomically; figures without data are skipped."""
+    PNG and SVG atomically through ``files``; figures without data are skipped."""
     out = []
     with matplotlib.style.context(STYLE):
         for stem, caption, draw in specs:
@@ -80,8 +81,8 @@ def write_figures(specs: Sequence[FigureSpec], fig_dir: Path) -> list[RenderedFi
                 continue
             png, svg = _render(fig)
             png_path, svg_path = fig_dir / f"{stem}.png", fig_dir / f"{stem}.svg"
-            write_bytes(png_path, png)
-            write_bytes(svg_path, svg)
+            files.write_bytes(png_path, png)
+            files.write_bytes(svg_path, svg)
             out.append(RenderedFigure(stem, caption, png, png_path, svg_path))
     return out
 

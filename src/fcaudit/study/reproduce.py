@@ -49,9 +49,10 @@ from fcaudit.engine.result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
 from fcaudit.engine.run import AuditOptions, as_loaded
 from fcaudit.io import digits
 from fcaudit.io.data import AuditData, DataSpec
-from fcaudit.io.fileio import read_json, write_json, write_text
+from fcaudit.io.fileio import PLAIN_FILES, FileWriter, read_json, write_json
 from fcaudit.io.loading import LoadedModel, get_arch, is_run_folder
-from fcaudit.io.outdir import STUDY_RESULTS, hold_output, replacing_results
+from fcaudit.io.outdir import STUDY_RESULTS, hold_output
+from fcaudit.io.results import replacing_results
 from fcaudit.io.runtime import versions
 from fcaudit.study import paper, trend, vision
 from fcaudit.study.train import TrainPreset, run_schedule, train
@@ -532,9 +533,9 @@ def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
     study(preset, seeds)  # an unknown preset fails before anything is loaded or trained
     checkpoint = _probed(mudd_checkpoint) if mudd_checkpoint else None
     results = (*STUDY_RESULTS, "trend.md") if preset == "trend" else STUDY_RESULTS
-    with hold_output(out, "study", command), replacing_results(out, results):
+    with hold_output(out, "study", command), replacing_results(out, results) as files:
         return _study(preset, out, seeds=seeds, mudd_checkpoint=checkpoint,
-                      settings=settings, command=command)
+                      settings=settings, command=command, files=files)
 
 
 def _probed(spec: str) -> LoadedModel:
@@ -567,7 +568,7 @@ def _probed(spec: str) -> LoadedModel:
 
 def _study(preset: str, out: str | Path, *, seeds: int | None,
            mudd_checkpoint: LoadedModel | None, settings: StudySettings | None,
-           command: str | None) -> dict[str, Any]:
+           command: str | None, files: FileWriter = PLAIN_FILES) -> dict[str, Any]:
     out = Path(out)
     st = settings or StudySettings(study_options())
     if preset == "trend":
@@ -601,13 +602,13 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
     if preset == "vision":
         result["vision"] = vision.table(groups)
     if preset == "trend":
-        trend.write_trend(out / trend.POINTS, out, command)
-    figures = write_figures(_figure_specs(groups), out / "figures")
+        trend.write_trend(out / trend.POINTS, out, command, files)
+    figures = write_figures(_figure_specs(groups), out / "figures", files)
     markdown = _markdown(result, figures)
     summary = {**result, "groups": {n: {"aggregate": g["aggregate"], "seeds": len(g["audits"]),
                                         "per_seed": g["per_seed"]}
                                     for n, g in groups.items()}}
-    write_text(out / "reproduction.md", markdown)
-    write_text(out / "report.html", to_html("fcaudit reproduction", markdown, figures))
-    write_json(out / "reproduction.json", summary)  # last: it means the study finished
+    files.write_text(out / "reproduction.md", markdown)
+    files.write_text(out / "report.html", to_html("fcaudit reproduction", markdown, figures))
+    files.write_json(out / "reproduction.json", summary)  # last: it means the study finished
     return summary

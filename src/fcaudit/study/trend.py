@@ -62,7 +62,7 @@ from fcaudit.api import (
 from fcaudit.core.errors import FcauditError
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.result import AuditResult
-from fcaudit.io.fileio import read_json, write_text
+from fcaudit.io.fileio import PLAIN_FILES, FileWriter, read_json
 from fcaudit.study import paper
 from fcaudit.study.train import TRAIN_PRESETS, TrainPreset
 
@@ -595,14 +595,15 @@ def markdown(points: Sequence[Mapping[str, Any]], figures: Sequence[RenderedFigu
 
 
 def write_trend(points_dir: str | Path, out: str | Path,
-                command: str = "python docs/trend/make_trend.py") -> str:
+                command: str = "python docs/trend/make_trend.py",
+                files: FileWriter = PLAIN_FILES) -> str:
     """Write ``out/trend.md`` and ``out/figures/trend.{png,svg}`` from the point summaries
     in ``points_dir``; the same summaries give byte-identical files. Returns the Markdown."""
     points = read_points(points_dir)
     out = Path(out)
     figures = write_figures([("trend", FIGURE_CAPTION, partial(trend_figure, _panels(points)))],
-                            out / "figures")
+                            out / "figures", files)
     text = markdown(points, figures, command)
-    write_text(out / "trend.md", text)
+    files.write_text(out / "trend.md", text)
     return text
 

@@ -1,0 +1,186 @@
+"""Build the result: execution measured, then one :class:`~fcaudit.engine.result.
+AuditResult` from everything computed first (the constructor is called once, nothing is
+patched after)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from fcaudit._version import __version__
+from fcaudit.core.adapters import adapter_name
+from fcaudit.core.contract import Site
+from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, not_applicable, shuffled_axes
+from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.distributed import Ranks
+from fcaudit.engine.frontier import frontier_summary
+from fcaudit.engine.frontier_plan import frontier_units
+from fcaudit.engine.measure import Measurements, reuse_summary
+from fcaudit.engine.options import Prepared
+from fcaudit.engine.plan import Run, ablation_runs, frontier_runs, routing_sites, tracked_runs
+from fcaudit.engine.result import (
+    NONDETERMINISTIC_KEYS,
+    SCHEMA,
+    TIMED_VERDICT_KEY,
+    AuditResult,
+    Execution,
+    ModelInfo,
+    Runtime,
+    Seeds,
+    SiteInfo,
+    Verdict,
+)
+from fcaudit.engine.stages import Replays
+from fcaudit.engine.summary import (
+    expert_importance,
+    paired_bootstrap,
+    routing_summary,
+    token_profile,
+)
+from fcaudit.engine.target_ci import Rounds
+from fcaudit.engine.twin import execute
+from fcaudit.engine.verdicts import dependence, qualified, variation
+from fcaudit.io.placement import PLACEMENT
+from fcaudit.io.runtime import host, versions
+
+
+def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
+                 ranks: Ranks, rounds: Rounds | None = None) -> AuditResult:
+    """Execution, runtime and the result of one measured audit (with ``rounds``, the last
+    round of a ``--target-ci`` audit)."""
+    setup, description, summary = m.setup, m.description, m.summary
+    routing = _routing(setup, cache, m.runs, m.replays)
+    timings = dict(m.timings)
+    started = time.perf_counter()
+    execution = execute(setup)
+    timings["execution_s"] = time.perf_counter() - started
+    timings["total_s"] = time.perf_counter() - setup.started
+    identity = m.identity
+    seeds = setup.seeds
+    return AuditResult(
+        schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
+        data=setup.data.summary(),
+        sites=[_site_info(s, cache, setup.model, setup.layouts.get(s.name))
+               for s in setup.sites],
+        identity_replay_max_abs_diff=identity.max_abs_diff, conditions=summary.conditions,
+        per_layer=summary.per_layer, retention=summary.retention,
+        interaction=summary.interaction, variance=description.variance,
+        variation=description.variation, profiles=description.profiles,
+        execution=execution, verdict=_verdict(m, execution),
+        seeds=Seeds(seeds.master, seeds.draws, seeds.draws, seeds.bootstrap),
+        settings=_settings(m), versions=versions(), command=command,
+        nondeterministic_keys=[*NONDETERMINISTIC_KEYS, *([TIMED_VERDICT_KEY]
+                                                        if execution.timing is not None
+                                                        else [])],
+        runtime=_runtime(m, cache, ranks, timings, rounds),
+        identity=None if identity.exact and not identity.allowed_nonexact else identity,
+        custom_conditions=summary.custom or None, routing=routing,
+        stopping=rounds.stopping if rounds is not None else None,
+        **_extras(m, cache, execution))
+
+
+def _verdict(m: Measurements, execution: Execution) -> Verdict:
+    from fcaudit.engine.verdicts import verdict_execution
+    identity, summary, description = m.identity, m.summary, m.description
+    execution_text = verdict_execution(execution) if execution.measured else \
+        f"Execution not measured: {execution.reason}."
+    return Verdict(qualified(variation(description.variance, description.variation), identity),
+                   qualified(dependence(summary.conditions, summary.retention,
+                                        shuffled_axes(m.setup.sites)), identity),
+                   qualified(execution_text, identity))
+
+
+def _settings(m: Measurements) -> dict[str, Any]:
+    """The options and facts that change numbers; how the audit is shown or scheduled
+    changes none: not part of its settings (read field by field: ``asdict`` deep-copies,
+    and an objective may hold a lock)."""
+    setup, summary, opts = m.setup, m.summary, m.setup.options
+    return {**{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
+               if f.name not in ("schedule", "progress", *STOPPING_OPTIONS, *PLACEMENT)},
+            "bootstrap_resamples": opts.bootstrap,
+            "calibration_sequences_used_for_static": setup.data.n_calib,
+            "objective": setup.objective.name,
+            "layer_index": "a site's index within its family",
+            # custom conditions in the order given (audit.json sorts its keys)
+            **({"interventions": list(summary.custom)} if summary.custom else {}),
+            "expert_ablation_runs": len(ablation_runs(m.runs)),
+            "frontier_runs": len(frontier_runs(m.runs))}
+
+
+def _runtime(m: Measurements, cache: CoefficientCache, ranks: Ranks,
+             timings: dict[str, float], rounds: Rounds | None) -> Runtime:
+    return Runtime(host(), {k: round(v, 3) for k, v in timings.items()},
+                   {**m.replays.schedule, "processes": ranks.world,
+                    "process_group": ranks.backend}, cache.disk_usage(),
+                   reuse_summary(m.reuse, len(m.runs), m.recorded),
+                   rounds=rounds.spent if rounds is not None else None,
+                   placement=m.setup.loaded.placement)
+
+
+def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> dict[str, Any]:
+    """The sections only some audits have: expert importance (expert ablation), the token
+    profile (token ids), the conditions not applicable, the savings frontier."""
+    setup, runs, replays, opts = m.setup, m.runs, m.replays, m.setup.options
+    tokens = setup.data.eval_ids if setup.data.tokens else None
+    frontier = None
+    if m.covered:
+        frontier = frontier_summary(
+            m.covered, m.points, dict(zip((r.key for r in runs), replays.per_run, strict=True)),
+            replays.per_run[0], frontier_units(cache, m.covered, m.points),
+            setup.data.eval_ids.size, execution, paired_bootstrap(setup.data.n_eval, opts))
+    return {"expert_importance": expert_importance(
+                runs, replays.per_run, replays.route_load, replays.still_selected, opts)
+            if ablation_runs(runs) else None,
+            "token_profile": token_profile(m.profiles, tokens) if tokens is not None else None,
+            "not_applicable": not_applicable(setup.sites, tokens is not None) or None,
+            "frontier": frontier}
+
+
+def _model_info(setup: Prepared) -> ModelInfo:
+    net, loaded = setup.model, setup.loaded
+    param = next(net.parameters(), None)
+    return ModelInfo(spec=loaded.spec, kind=loaded.kind, class_=type(net).__name__,
+                     arch=(loaded.run_config or {}).get("arch"),
+                     n_params=sum(p.numel() for p in net.parameters()),
+                     fingerprint=loaded.fingerprint,
+                     dtype=str(param.dtype) if param is not None else "unknown",
+                     identity_note=loaded.identity_note, packages=loaded.packages or None)
+
+
+# recorded in audit.json's ``stopping`` section, not in ``settings``: a --target-ci audit
+# that stopped at N has the settings of the fixed audit of those N sequences
+STOPPING_OPTIONS = ("target_ci", "min_sequences")
+
+
+def _site_info(site: Site, cache: CoefficientCache, model: nn.Module,
+               layout: str | None) -> SiteInfo:
+    """A site in audit.json: its axes in the model's words when they are not [example,
+    token], and how they were found when no one declared them (``layout``)."""
+    info = SiteInfo(site.name, site.family, site.layer,
+                    list(cache.coefficients(0, site.name).shape[2:]),
+                    _adapter_name(site, model))
+    if (site.axes, site.positions) != (TOKEN_AXES, TOKEN_LAYOUT):
+        info.axes, info.positions = list(site.axes or ()), list(site.positions or ())
+    info.layout = layout
+    return info
+
+
+def _routing(setup: Prepared, cache: CoefficientCache, runs: Sequence[Run],
+             replays: Replays) -> dict[str, Any] | None:
+    """The routers' summary; its units are the tokens (patches) each router routes."""
+    routed = routing_sites(setup.sites)
+    if not routed:
+        return None
+    units = setup.data.eval_ids.size if setup.data.tokens else \
+        setup.data.n_eval * int(cache.coefficients(0, routed[0].name).shape[1])
+    return routing_summary(routed, tracked_runs(runs), replays.route_load,
+                           replays.route_changed, units)
+
+
+def _adapter_name(site: Site, model: nn.Module) -> str | None:
+    name = adapter_name(site.adapter, model.get_submodule(site.path))
+    return None if name == "tensor" else name

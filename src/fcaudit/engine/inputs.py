@@ -1,0 +1,218 @@
+"""The audit's inputs, resolved and checked: the model, its sites' interventions, the
+data the model is scored on, and the window it is scored in (said in words).
+
+Everything here runs before the audit's first forward pass; a mistake is refused in
+one line naming the argument or flag (:mod:`fcaudit.core.errors`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fcaudit.core.contract import Site
+from fcaudit.core.discovery import declared_blocks
+from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.interventions import Intervention
+from fcaudit.core.layout import TOKEN_LAYOUT
+from fcaudit.core.nll import model_limits, probe_vocab
+from fcaudit.core.sites import SiteSpec, match_modules
+from fcaudit.engine.objectives import resolve
+from fcaudit.engine.options import AuditOptions
+from fcaudit.engine.plan import EXPERT_ABLATION, FRONTIER
+from fcaudit.engine.result import MAIN_CONDITIONS, PER_LAYER_CONDITIONS
+from fcaudit.io.data import AuditData, DataSpec, picked_note, resolve_data
+from fcaudit.io.digits import run_audit_data
+from fcaudit.io.examples import OTHER_INPUTS
+from fcaudit.io.loading import LoadedModel, get_arch, input_spec, load, load_module
+from fcaudit.io.placement import Placement
+
+
+def as_loaded(model: str | Path | nn.Module | LoadedModel,
+              dtype: torch.dtype | None = None,
+              placement: Placement | None = None) -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, nn.Module):
+        if placement is not None:
+            raise FcauditError(f"{arg('device_map', placement.device_map)} places a model "
+                               "fcaudit loads from a folder; give the folder's path, not a "
+                               "module already in memory")
+        return load_module(model, type(model).__name__)
+    return load(str(model), dtype, placement)
+
+
+def resolve_block_paths(model: nn.Module, pattern: str | None) -> list[str] | None:
+    if pattern is not None:
+        return match_modules(model, pattern, "blocks", "blocks.*")
+    return declared_blocks(model)
+
+
+def custom_interventions(given: Mapping[str, Any] | Sequence[Intervention] | None,
+                   sites: Sequence[Site]) -> list[Intervention]:
+    """The user's interventions, each with a name no other run of the audit has (results
+    are keyed by name: two runs under one name would be merged into one condition)."""
+    if not given:
+        return []
+    if isinstance(given, Mapping):
+        items = list(given.items())
+    elif isinstance(given, (list, tuple)) and all(isinstance(i, Intervention) for i in given):
+        items = [(i.name, i) for i in given]
+    else:
+        raise FcauditError("audit(interventions=...) must be {name: fn} or a list of "
+                           f"fcaudit.Intervention objects, not {given!r:.80}")
+    builtin = {*MAIN_CONDITIONS, *(f"{c}@{s.name}" for c in PER_LAYER_CONDITIONS for s in sites)}
+    out: list[Intervention] = []
+    for name, item in items:
+        iv = item if isinstance(item, Intervention) else Intervention(str(name), item)
+        if isinstance(iv.name, str) and iv.name in {o.name for o in out}:
+            raise FcauditError(f"two interventions are named {iv.name!r}: give each its own "
+                               "name (results are reported by name, so both would be merged "
+                               "into one condition)")
+        if not isinstance(iv.name, str) or not iv.name or iv.name in builtin or \
+                iv.name.startswith((f"{EXPERT_ABLATION}:", f"{FRONTIER}:")) or \
+                not callable(iv.fn) or isinstance(iv.repeats, bool) or \
+                not isinstance(iv.repeats, int) or iv.repeats < 1:
+            raise FcauditError(f"intervention {iv.name!r}: give a new name (not a built-in "
+                               "condition or per-layer run), a callable and repeats >= 1")
+        out.append(iv)
+    return out
+
+
+def check_arguments(sites: Any, data: Any, blocks: Any, options: Any) -> SiteSpec:
+    """A Python caller's arguments of the wrong kind, each refused in one line naming the
+    argument; a single glob string for ``sites`` is taken as one glob."""
+    if not isinstance(options, AuditOptions):
+        raise FcauditError(f"audit(options=...) must be fcaudit.AuditOptions(...), not "
+                           f"{type(options).__name__}")
+    if not isinstance(data, (AuditData, DataSpec)):
+        raise FcauditError(f"audit(data=...) must be fcaudit.DataSpec(...) or "
+                           f"fcaudit.AuditData(...), not {type(data).__name__}")
+    if blocks is not None and not isinstance(blocks, str):
+        raise FcauditError(f"audit(blocks=...) must be one module-path glob string, not "
+                           f"{type(blocks).__name__}")
+    if isinstance(sites, str):
+        return [sites]
+    if sites is not None and (not isinstance(sites, (list, tuple)) or not sites
+                              or not all(isinstance(s, (str, Site)) for s in sites)):
+        raise FcauditError(f"audit(sites=...) must be a non-empty list of module-path globs "
+                           f"or fcaudit.Site objects, not {sites!r:.80}")
+    return sites
+
+
+def resolve_inputs(loaded: LoadedModel, data: DataSpec | AuditData, options: AuditOptions,
+                   sites: Sequence[Site]) -> tuple[AuditData, AuditOptions]:
+    """The data the audit scores, checked against the model, and the options with the
+    objective a vision run implies (the default objective follows the run's task)."""
+    net = loaded.model
+    default_len, default_why = loaded_seq_len(loaded)
+    vision = bool(loaded.run_config) and get_arch(loaded.run_config["arch"]).task == "vision"
+    if vision and options.objective == "token-nll":  # the default: a run knows its task
+        options = dataclasses.replace(options, objective="classification")
+    if isinstance(data, AuditData):
+        audit_data = data
+    elif vision:  # a vision run: its own digits, in the dtype the model computes in
+        audit_data = run_audit_data(data, loaded.spec, next(net.parameters()).dtype)
+    else:
+        audit_data = resolve_data(loaded.tokenizer, data, default_len)
+    audit_data.check_arrays()
+    if not audit_data.tokens:
+        return _example_inputs(loaded, audit_data, options), options
+    return _token_inputs(net, data, audit_data, options, sites, default_why), options
+
+
+def _token_inputs(net: nn.Module, given: DataSpec | AuditData, data: AuditData,
+                  options: AuditOptions, sites: Sequence[Site], default_why: str) -> AuditData:
+    """Token ids: sites with a token axis, ids within the vocabulary and windows within
+    the context; with ``target_ci``, the pool in its audit order."""
+    if options.objective == "classification" or any(
+            s.positions not in (None, TOKEN_LAYOUT) for s in sites):
+        raise FcauditError(
+            "token ids are scored by next-token NLL on sites [batch, tokens, ...]: for "
+            f"{arg('objective', 'classification', owner='AuditOptions')} or sites without a "
+            f"token axis give {OTHER_INPUTS}")
+    if "seq_len_source" not in data.sources:  # a copy: the caller's data stays as given
+        data = dataclasses.replace(data, sources={
+            **data.sources, "seq_len_source": window_source(given, default_why)})
+    vocab, ctx = model_limits(net)
+    if vocab is None:
+        vocab = probe_vocab(net, data.eval_ids.shape[1])
+    data.validate(vocab, ctx)
+    if options.target_ci is not None:  # the floor is checked against the pool, then ordered
+        from fcaudit.engine.stopping import min_sequences, ordered_pool
+        min_sequences(options.min_sequences, len(data.eval_ids))
+        data = ordered_pool(data, options.seed)
+    return data
+
+
+def _example_inputs(loaded: LoadedModel, data: AuditData, options: AuditOptions) -> AuditData:
+    """Inputs that are not token ids (``AuditData(inputs=...)``): an objective that scores
+    them, no token-only option, and inputs the model takes."""
+    objective = resolve(options.objective)
+    if objective.tokens:
+        raise FcauditError(
+            f"{arg('objective', 'token-nll', owner='AuditOptions')} scores token ids, but the "
+            f"data are other inputs: choose {arg('objective', 'classification')} (integer "
+            "targets) or a callable (model_output, batch) -> per-unit losses, or give token "
+            "ids as AuditData(eval_ids=..., calib_ids=...)")
+    if options.frontier:
+        raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} is measured "
+                           "on token inputs only; drop it for these inputs")
+    if options.target_ci is not None:
+        raise FcauditError(f"{arg('target_ci', py='AuditOptions(target_ci=...)')} grows a pool "
+                           "of token windows; for these inputs give a fixed evaluation set")
+    data.check_inputs(input_spec(loaded))
+    data.validate(None, None)
+    return data
+
+
+DEFAULT_WINDOW = 256  # tokens, for a model whose training length fcaudit does not know
+
+
+def loaded_seq_len(loaded: LoadedModel) -> tuple[int, str]:
+    """The default window and where it comes from: the run's training length, or 256
+    capped by the model's context."""
+    train_cfg = (loaded.run_config or {}).get("train")
+    if isinstance(train_cfg, dict) and isinstance(train_cfg.get("seq_len"), int):
+        return int(train_cfg["seq_len"]), "the run's training length"
+    _, ctx = model_limits(loaded.model)
+    what = "a Hugging Face folder" if loaded.kind.startswith("hf") else \
+        "a model without a training run"
+    if not ctx:
+        return DEFAULT_WINDOW, f"default for {what}: {DEFAULT_WINDOW}, the model states no context"
+    return min(DEFAULT_WINDOW, ctx), f"default for {what}: min({DEFAULT_WINDOW}, context {ctx})"
+
+
+GIVEN_DATA = "the AuditData given"
+
+
+TOKEN_WIDTH = "the width of the --tokens arrays"  # which --seq-len cannot change
+
+
+def window_source(data: DataSpec | AuditData, default: str) -> str:
+    """Where the scoring window's length came from, in words (audit.json data section)."""
+    if isinstance(data, AuditData):
+        return GIVEN_DATA
+    if data.tokens is not None:
+        return TOKEN_WIDTH
+    return "--seq-len" if data.seq_len is not None else default
+
+
+def window_line(data: Mapping[str, Any]) -> str:
+    """One line saying how long the scored windows are and why, for the start of an audit
+    and its summary (a model scored past its training length scores differently); its
+    option is rendered for its reader (:func:`fcaudit.core.errors.render`)."""
+    picked = picked_note(data, for_api=True)
+    picked = f"; {picked}" if picked else ""
+    if "eval_examples" in data:
+        return (f"scoring {data['eval_examples']} evaluation examples "
+                f"({data['calib_examples']} calibrate the static profiles){picked}")
+    source = data.get("seq_len_source", "source not recorded")
+    change = "" if source == GIVEN_DATA else "; re-cut the arrays to change" \
+        if source == TOKEN_WIDTH else f"; {arg('seq_len', owner='DataSpec')} to change"
+    return f"scoring windows of {data['seq_len']} tokens ({source}{change}){picked}"

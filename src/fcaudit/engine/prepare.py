@@ -1,0 +1,74 @@
+"""Prepare: every check that needs no pass of the audit itself, once, into a frozen
+:class:`~fcaudit.engine.options.Prepared`.
+
+Arguments and options, the model and its sites, the user's interventions, the data, the
+dense counterpart, the output folder, the process group, then the layout of every site
+no one declared (read off the first batch); nothing is written before this passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.layout import SiteAxes, declare_axes
+from fcaudit.core.sites import SiteSpec, find_sites
+from fcaudit.engine.distributed import Ranks, current
+from fcaudit.engine.inputs import (
+    as_loaded,
+    check_arguments,
+    custom_interventions,
+    resolve_block_paths,
+    resolve_inputs,
+    window_line,
+)
+from fcaudit.engine.layouts import resolve_layouts
+from fcaudit.engine.options import AuditOptions, Prepared
+from fcaudit.engine.probe import first_batch
+from fcaudit.engine.seeds import SeedPlan
+from fcaudit.engine.twin import dense_counterpart
+from fcaudit.io.data import AuditData, DataSpec
+
+
+def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSpec | AuditData,
+            dense: Any, blocks: str | None, options: AuditOptions,
+            interventions: Any, site_axes: SiteAxes = None,
+            ranks: Ranks | None = None) -> Prepared:
+    """Every check that does not need a forward pass of the audit itself; the notes say
+    how long the scored windows are and how undeclared layouts were found."""
+    sites = check_arguments(sites, data, blocks, options)
+    options.validate()
+    if dense is not None and not options.execution:
+        no_execution = arg("execution", py="AuditOptions(execution=False)", cli="--no-execution")
+        raise FcauditError(f"{arg('dense')} is ignored with {no_execution} (the dense "
+                           "counterpart only serves the execution audit): drop one of them")
+    loaded = as_loaded(model, placement=options.placement())
+    net = loaded.model.eval()
+    site_list = declare_axes(find_sites(net, sites), site_axes)
+    custom = custom_interventions(interventions, site_list)  # before the first forward pass
+    block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
+    audit_data, options = resolve_inputs(loaded, data, options, site_list)
+    twin, twin_source = dense_counterpart(net, audit_data, SeedPlan(options.seed), dense,
+                                          blocks) if options.execution else (None, "")
+    setup = Prepared(loaded, site_list, block_paths, blocks, audit_data, options, custom,
+                     twin, twin_source, out=Path(out) if out is not None else None)
+    if setup.out is not None:
+        from fcaudit.io.outdir import check_output
+        check_output(setup.out, "audit")
+    _check_ranks(setup, ranks or current())
+    layouts = resolve_layouts(setup, first_batch(setup))
+    return dataclasses.replace(setup, sites=layouts.sites, layouts=layouts.notes,
+                               notes=(window_line(audit_data.summary()), *layouts.lines))
+
+
+def _check_ranks(setup: Prepared, ranks: Ranks) -> None:
+    """An audit over several processes shares its cache through a folder, and a
+    ``target_ci`` audit runs in one process."""
+    if setup.out is None and ranks.world > 1:
+        raise FcauditError(f"an audit over several processes needs {arg('out')}, a folder "
+                           "every process sees")
+    if setup.options.target_ci is not None and ranks.world > 1:
+        raise FcauditError(f"{arg('target_ci', owner='AuditOptions')} runs in one process: "
+                           "start it without torchrun, or give a fixed number of sequences")

@@ -1,0 +1,190 @@
+"""The identity probe: the first evaluation batch recorded and replayed in memory,
+before anything is written.
+
+Sites that run twice, outputs no adapter fits, non-floating coefficients, targets the
+objective cannot score, swapped axes and a non-exact identity replay all stop the audit
+here, naming the site and the likely causes; the probe's coefficients then size the
+expert ablations and the cache, and every rank must have computed them alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fcaudit.core.adapters import same_bits
+from fcaudit.core.arrays import blamed_on_inputs
+from fcaudit.core.contract import Site
+from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.layout import check_family_positions
+from fcaudit.core.nll import device_of
+from fcaudit.engine.distributed import Ranks
+from fcaudit.engine.inputs import resolve_block_paths
+from fcaudit.engine.objectives import check_targets
+from fcaudit.engine.options import Prepared
+from fcaudit.engine.passes import (
+    batches,
+    check_finite,
+    check_finite_losses,
+    check_units,
+    record_batch,
+    replay_batch,
+)
+from fcaudit.engine.plan import ablation_experts, digest_tensors
+from fcaudit.engine.result import Identity
+from fcaudit.engine.stages import ALLOW_NONEXACT, IDENTITY_CAUSES
+from fcaudit.io.examples import ExampleBatch, call_model
+
+
+@dataclass
+class Probe:
+    """The first evaluation batch, recorded and replayed in memory."""
+
+    identity: Identity
+    coefficients: dict[str, Tensor]
+    nll: Tensor
+    hits: Tensor | None = None  # classification: 1 per correctly classified example
+
+
+def first_batch(setup: Prepared) -> Any:
+    """The first evaluation batch, on the model's device."""
+    return next(batches(setup.eval_source, setup.options.batch_size, device_of(setup.model)))[1]
+
+
+@torch.no_grad()
+def probe(setup: Prepared) -> Probe:
+    """Record and replay the first evaluation batch in memory, before anything is written.
+
+    Sites that run twice, outputs no adapter fits, non-floating coefficients, targets the
+    objective cannot score and a non-exact identity replay all stop the audit here (the
+    last one unless ``allow_nonexact_identity``), naming the site and the likely causes.
+    """
+    net, sites, objective = setup.model, setup.sites, setup.objective
+    x = first_batch(setup)
+    with blamed_on_inputs(lambda: call_model(net, x), x, "the first evaluation batch"):
+        if objective.accuracy:  # every target against the logits' classes, before any score
+            _check_targets(setup, record_batch(net, sites, x, None)[0])
+        logits, coefficients, nll = record_batch(net, sites, x, objective)
+    check_finite(coefficients, "evaluation data")  # before any file is written
+    check_finite_losses(nll, objective, "the unperturbed record pass, batch 0")
+    check_family_positions(sites, coefficients)
+    _check_axes(net, sites, x)
+    if setup.blocks_glob is not None and setup.blocks is not None:
+        from fcaudit.engine.execution import refuse_idle_blocks
+        refuse_idle_blocks(setup.blocks_glob, x, {"the model": (net, setup.blocks), **(
+            {"the dense model": (setup.dense, resolve_block_paths(
+                setup.dense, setup.blocks_glob) or [])} if setup.dense is not None else {})})
+    replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites},
+                            objective=objective)
+    hits = objective.hits(logits, x)
+    if same_bits(logits, replayed.logits):
+        return Probe(Identity(True, 0.0, setup.options.allow_nonexact_identity,
+                              "identity replay is bitwise exact"), coefficients, nll, hits)
+    units = objective.units(replayed.output, x)
+    check_units(units, nll.shape, objective, "the identity replay of batch 0")
+    diff = float((units - nll).abs().max())
+    again, _, _ = record_batch(net, sites, x, objective)
+    if not same_bits(logits, again):
+        cause = "two unperturbed passes over the same batch already differ: the forward " \
+                "pass is not deterministic (dropout, sampling or training mode?)"
+    else:
+        culprit = _first_nonexact_site(setup, coefficients, x, logits)
+        cause = f"replaying site {culprit} alone already changes the output" if culprit \
+            else "replaying all sites together changes the output"
+    unit = "per-token NLL" if objective.tokens else f"{objective.name} loss"
+    message = (f"identity replay is not exact: replaying the recorded coefficients changes "
+               f"the {unit} by up to {diff:.3g} nats ({cause}). Likely causes: "
+               f"{IDENTITY_CAUSES}")
+    if not setup.options.allow_nonexact_identity:
+        raise FcauditError(f"{message}. No verdict can rest on such a replay: fix the model "
+                           "(model.eval(), fixed seeds, deterministic kernels) or rerun with "
+                           f"{ALLOW_NONEXACT} to see the numbers flagged as not exact")
+    return Probe(Identity(False, diff, True, message), coefficients, nll, hits)
+
+
+def _check_targets(setup: Prepared, logits: Any) -> None:
+    """Every evaluation and calibration target must be one the objective can score
+    (classification: an integer class of the first batch's logits)."""
+    data, objective = setup.data, setup.objective
+    if data.tokens:
+        return
+    assert data.examples is not None and data.calib_examples is not None
+    check_targets(objective, logits, data.examples.targets, "evaluation")
+    if data.calib_examples.targets is not None:
+        check_targets(objective, logits, data.calib_examples.targets, "calibration")
+
+
+def _check_axes(net: nn.Module, sites: Sequence[Site], x: Any) -> None:
+    """With as many sequences as positions, a ``[positions, batch, ...]`` output has the
+    shape of ``[batch, positions, ...]``: record once more with one sequence added (a
+    repeat), where the two differ, so that a site with swapped axes is refused now."""
+    if isinstance(x, ExampleBatch):  # any axis may equal the batch: always add one
+        batch, positions = len(x), None
+        bigger = ExampleBatch(_cat_first(x.inputs), None)
+    else:
+        batch, positions = x.shape
+        if batch != positions:
+            return
+        bigger = torch.cat([x, x[:1]])
+    try:
+        record_batch(net, sites, bigger, None)
+    except FcauditError as exc:
+        if positions is None:
+            raise FcauditError(
+                f"{exc} (with {batch + 1} examples; with {batch} the shape fitted only "
+                "because an axis has as many entries as the batch: are the output's axes "
+                "swapped? give the site an adapter that puts the examples first)") from exc
+        raise FcauditError(
+            f"{exc} (with {batch + 1} sequences of {positions} tokens; with {batch} of "
+            f"{positions} the shape fitted only because the two counts are equal: are the "
+            "output's axes [positions, batch, ...]? give the site an adapter that transposes "
+            "them)") from exc
+
+
+def _cat_first(inputs: Any) -> Any:
+    """The batch's inputs with its first example repeated at the end."""
+    if isinstance(inputs, dict):
+        return {k: torch.cat([v, v[:1]]) for k, v in inputs.items()}
+    return torch.cat([inputs, inputs[:1]])
+
+
+def _first_nonexact_site(setup: Prepared, coefficients: dict[str, Tensor], x: Any,
+                         logits: Any) -> str | None:
+    for site in setup.sites:
+        replayed = replay_batch(setup.model, x, {site: coefficients[site.name]},
+                                objective=setup.objective)
+        if not same_bits(replayed.logits, logits):
+            return site.name
+    return None
+
+
+def ablation_plan(setup: Prepared, first: Probe) -> dict[Site, int]:
+    """The routing sites whose experts are ablated, with their expert counts (the last
+    axis of the probe's logits ``[B, T, ..., E]``); an explicit ``expert_ablation`` with
+    no such site is refused."""
+    experts = {name: int(c.shape[-1]) for name, c in first.coefficients.items() if c.dim() >= 3}
+    ablated = ablation_experts(setup.sites, setup.options, experts)
+    if setup.options.expert_ablation and not ablated:
+        raise FcauditError(f"{arg('expert_ablation', py='AuditOptions(expert_ablation=True)')}"
+                           ": the audited sites have no router with per-expert logits [batch, "
+                           "positions, experts] (a routing adapter's site); drop the option, "
+                           "or audit the model's router sites")
+    return ablated
+
+
+def same_probe_on_every_rank(ranks: Ranks, first: Probe) -> None:
+    """Every process computed the first batch's coefficients and NLL bit for bit alike: a
+    rank whose model or code behaves differently is refused, not merged."""
+    named = [*sorted(first.coefficients.items()), ("nll", first.nll)]
+    digests = ranks.gather(digest_tensors(named).hex(), "comparing the first batch")
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    if odd:
+        raise FcauditError(
+            f"rank(s) {', '.join(map(str, odd))} computed other coefficients or NLL on the "
+            f"first evaluation batch than rank 0 (of {ranks.world} processes): every process "
+            "must run the same model, code, weights and data on the same kind of device; "
+            "fix the differing processes and rerun")

@@ -1,0 +1,105 @@
+"""The dense counterpart: loaded and checked before any recording, and the execution
+audit that prices the model against it.
+
+A twin is either given (``--dense``) or built from the model's declared architecture
+with fresh seeded weights; a given one must take the model's inputs and give outputs of
+its shape (and, on token ids, cover their vocabulary).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from fcaudit.core.arrays import blamed_on_inputs
+from fcaudit.core.discovery import declared_experts
+from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.nll import device_of, model_limits
+from fcaudit.engine.inputs import as_loaded, resolve_block_paths
+from fcaudit.engine.objectives import output_tensors
+from fcaudit.engine.options import Prepared
+from fcaudit.engine.plan import routing_sites
+from fcaudit.engine.result import Execution
+from fcaudit.engine.seeds import SeedPlan
+from fcaudit.io.data import AuditData
+from fcaudit.io.examples import call_model
+
+
+def dense_counterpart(net: nn.Module, data: AuditData, seeds: SeedPlan, dense: Any,
+                      blocks: str | None) -> tuple[nn.Module | None, str]:
+    """The dense counterpart and where it came from, loaded and probed now (a bad --dense
+    fails before recording)."""
+    from fcaudit.core.contract import dense_twin
+    if dense is None:
+        twin = dense_twin(net, seeds.dense_twin)
+        return twin, ("built from the model's architecture (dense_counterpart, fresh "
+                      "weights)" if twin is not None else "")
+    twin = as_loaded(dense).model
+    param = next(net.parameters(), None)
+    if param is not None:
+        twin = twin.to(dtype=param.dtype, device=device_of(net))
+    twin.eval()
+    if not data.tokens:
+        _comparable_examples(net, data, twin, str(dense))
+        resolve_block_paths(twin, blocks)
+        return twin, str(dense)
+    ids = torch.from_numpy(data.eval_ids[:1]).to(device_of(net))
+    vocab, _ = model_limits(twin)
+    if vocab is not None and int(ids.max()) >= vocab:
+        raise FcauditError(f"{arg('dense', dense)}: its vocabulary has {vocab} entries but the "
+                           f"evaluation token ids reach {int(ids.max())}; give a dense model "
+                           "with the same tokenizer")
+    from fcaudit.engine.execution import check_comparable
+    check_comparable(net, twin, ids, str(dense))
+    resolve_block_paths(twin, blocks)
+    return twin, str(dense)
+
+
+@torch.no_grad()
+def _comparable_examples(model: nn.Module, data: AuditData, twin: nn.Module,
+                         source: str) -> None:
+    """A dense counterpart must give outputs of the model's shape on the same example."""
+    assert data.examples is not None
+    x = data.examples.rows(0, 1).to(device_of(model))
+    shapes = []
+    for net, what in ((model, "the first evaluation example"),
+                      (twin, f"the first evaluation example, as {arg('dense', source)}")):
+        with blamed_on_inputs(lambda net=net: call_model(net, x), x, what):
+            out = output_tensors(call_model(net, x))
+        shapes.append(list(out.shape) if isinstance(out, Tensor) else type(out).__name__)
+    if shapes[0] != shapes[1]:
+        raise FcauditError(f"{arg('dense', source)} is not comparable with the model: on the "
+                           f"same example it gives {shapes[1]}, the model {shapes[0]}; give "
+                           "a dense model with the model's inputs and outputs")
+
+
+def execute(setup: Prepared) -> Execution:
+    """The execution section: counts, FLOPs and (with timing pairs) latency vs dense; for a
+    routed model, the experts that ran (measured even without a dense counterpart)."""
+    from fcaudit.engine.execution import measure_execution
+    opts = setup.options
+    if not opts.execution:
+        return Execution(measured=False, reason="disabled (--no-execution)")
+    experts = declared_experts(setup.model) or []
+    if setup.dense is None and not experts:
+        return Execution(measured=False, reason="no dense counterpart: pass --dense SPEC")
+    dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) \
+        if setup.dense is not None else []
+    if setup.blocks is None or dense_blocks is None:
+        return Execution(measured=False, reason="the model does not declare its blocks: pass "
+                                                "--blocks GLOB (e.g. 'layers.*')")
+    x = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids)).to(device_of(setup.model)) \
+        if setup.data.tokens else setup.data.examples
+    routers = {s.name: s for s in routing_sites(setup.sites)}
+    measured = measure_execution(
+        setup.model, setup.dense, x, batch_size=opts.batch_size, block_paths=setup.blocks,
+        dense_block_paths=dense_blocks or None, pairs=opts.timing_pairs, seed=setup.seeds.timing,
+        timing=opts.timing_pairs > 0, dense_source=setup.dense_source or None,
+        experts=[e for e in experts if e.name in routers], routers=routers,
+        gated=[s.gated for s in setup.sites if s.gated])
+    if not setup.data.tokens:
+        measured.unit = "example"
+    return measured

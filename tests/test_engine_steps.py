@@ -1,0 +1,154 @@
+"""The audit as typed steps (issue 29): one seed plan, run targets that say their key and
+digest identity, one AuditResult constructor call, lines through the progress callback,
+one hook lifetime, and results written through the output folder's writer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import toys
+from conftest import FAST, toy_data
+from torch import nn
+
+from fcaudit.api import audit as api_audit
+from fcaudit.core.contract import Site
+from fcaudit.core.hooks import hooks
+from fcaudit.core.interventions import Intervention
+from fcaudit.engine import assemble
+from fcaudit.engine import run as engine
+from fcaudit.engine.options import NOTE
+from fcaudit.engine.plan import (
+    ALL_SITES,
+    ExpertAblation,
+    OneSite,
+    Run,
+    UserIntervention,
+    run_digest,
+)
+from fcaudit.engine.seeds import SeedPlan
+from fcaudit.engine.stages import plan_digest
+from fcaudit.io.outdir import recorded
+
+
+def test_every_seed_derives_from_one_plan() -> None:
+    """seed 3, 2 repeats: draws 3*1000+17+k, bootstrap 3*1000+7, pool order 3*1000+500."""
+    plan = SeedPlan(3, 2)
+    assert plan.draws == [3017, 3018]
+    assert (plan.bootstrap, plan.order, plan.interventions, plan.dense_twin) == (3007, 3500, 3, 3)
+
+
+def test_audit_json_seeds_come_from_the_plan() -> None:
+    result = engine.audit(toys.content_model(), sites=["gates.*"], data=toy_data(),
+                          options=dataclasses.replace(FAST, seed=5, repeats=3))
+    assert result is not None
+    assert (result.seeds.master, result.seeds.reassign, result.seeds.bootstrap) == \
+        (5, [5017, 5018, 5019], 5007)
+
+
+SITE = Site("gate", "gates.0", "gate", 0)
+
+
+def test_targets_say_their_keys_and_identities() -> None:
+    """Keys and digest identities as the optional fields spelled them before."""
+    runs = [Run("correct"), Run("reassign", 1, OneSite(SITE)),
+            Run("expert-ablation", 0, ExpertAblation(SITE, 0))]
+    assert [r.key for r in runs] == ["correct", "reassign@gate", "expert-ablation:0@gate"]
+    assert [r.target.identity() for r in runs] == [
+        (None, False, None, None), ("gate", False, None, None), ("gate", False, 0, None)]
+    assert Run("correct").target is ALL_SITES and ALL_SITES.only_site is None
+    assert runs[2].target.only_site == SITE
+
+
+def test_run_digests_are_the_ones_the_optional_fields_gave() -> None:
+    """The digest of an expert ablation of expert 0 names the expert (0 is not dropped)
+    exactly as ``repr((condition, repeat, site, custom, expert))`` did; a plan digest lists
+    six fields per run."""
+    import hashlib
+    t = torch.arange(4, dtype=torch.float32)
+    run = Run("expert-ablation", 0, ExpertAblation(SITE, 0))
+    hasher = hashlib.sha256(b"ctx" + repr(("expert-ablation", 0, "gate", False, 0)).encode())
+    hasher.update(repr(("gate", "torch.float32", (4,))).encode())
+    hasher.update(t.view(torch.uint8).numpy())
+    assert run_digest(run, {SITE: t}, b"ctx") == hasher.digest()
+    user = Run("mine", 2, UserIntervention(Intervention("mine", lambda x, c: x)))
+    names = repr([("mine", 2, None, True, None, None)]).encode()
+    expected = hashlib.sha256(names).digest()
+    assert bytes(plan_digest([user]).tolist()) == expected
+
+
+def test_the_result_is_constructed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = assemble.AuditResult
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(assemble, "AuditResult", counted)
+    engine.audit(toys.content_model(), sites=["gates.*"], data=toy_data(), options=FAST)
+    assert len(calls) == 1
+
+
+def test_the_engine_prints_nothing_its_lines_go_to_the_callback(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    events: list[tuple[str, str]] = []
+    engine.audit(toys.content_model(), sites=["gates.*"], data=toy_data(),
+                 options=dataclasses.replace(FAST, progress=True),
+                 progress=lambda stage, done, total, info="": events.append((stage, info)))
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+    notes = [info for stage, info in events if stage == NOTE]
+    assert notes[0].startswith("scoring windows of 16 tokens")
+    plan = [re.fullmatch(r"plan: replay (\d+) runs on each of 3 evaluation batches: "
+                         r"(\d+) forward passes", n) for n in notes]
+    runs, passes = next(m.groups() for m in plan if m)  # 12 sequences, batches of 4
+    assert int(passes) == 3 * int(runs)
+
+
+def test_fcaudit_audit_still_shows_the_lines_with_a_callback_of_its_own(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    stages: list[str] = []
+    api_audit(toys.content_model(), sites=["gates.*"], data=toy_data(),
+              options=dataclasses.replace(FAST, progress=True),
+              progress=lambda stage, done, total, info="": stages.append(stage))
+    err = capsys.readouterr().err
+    assert err.startswith("fcaudit: scoring windows of 16 tokens") and NOTE not in stages
+
+
+def test_hooks_are_removed_when_registering_or_the_block_fails() -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    seen: list[str] = []
+    with pytest.raises(AttributeError), hooks(net, {"0": lambda *a: seen.append("0"),
+                                                    "nowhere": lambda *a: None}):
+        pass
+    with pytest.raises(KeyError), hooks(net, {"1": lambda *a: seen.append("1")}, kind="pre"):
+        raise KeyError("the block fails")
+    net(torch.zeros(1, 2))
+    assert seen == [] and not net[0]._forward_hooks and not net[1]._forward_pre_hooks
+
+
+def test_a_deprecated_render_callback_warns_and_its_files_are_recorded(tmp_path: Path) -> None:
+    """engine.audit(render=...) still writes what render writes before audit.json, warns,
+    and records those files in the marker, so a rerun replaces them."""
+    def render(result: object, out: Path) -> None:
+        (out / "report.md").write_text("a report")
+
+    for _ in range(2):  # the second run replaces the first's report: it was recorded
+        with pytest.warns(DeprecationWarning, match="render"):
+            engine.audit(toys.content_model(), tmp_path / "out", sites=["gates.*"],
+                         data=toy_data(), options=FAST,
+                         render=render)
+    files = recorded(tmp_path / "out")
+    assert {"report.md", "audit.json"} <= set(files)
+    assert json.loads((tmp_path / "out" / "audit.json").read_text())["schema"]
+
+
+def test_api_audit_writes_its_report_through_the_folders_writer(tmp_path: Path) -> None:
+    api_audit(toys.content_model(), tmp_path / "out", sites=["gates.*"], data=toy_data(),
+              options=FAST)
+    files = recorded(tmp_path / "out")
+    assert {"audit.json", "report.md", "report.html"} <= set(files)

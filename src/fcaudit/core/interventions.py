@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from fcaudit.core.arrays import id_tensor
-from fcaudit.core.conditions import STATIC_CONDITIONS
+from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER, Condition, by_kind
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError
 
@@ -228,37 +228,47 @@ class StaticProfiles:
 def static_tensor(condition: str, site: Site, profiles: StaticProfiles,
                   like: Tensor, ids: Tensor | None = None) -> Tensor:
     """The coefficients a static condition feeds ``site``, shaped and typed like ``like``
-    (``ids [B, T]``: the token ids fed, for static-layer-token)."""
-    shape = like.shape
-    _check_profile(condition, site, profiles, like)
-    if condition == "static-layer":
-        prof = profiles.layer(site).expand(shape)
-    elif condition == "static-layer-position":
-        prof = profiles.layer_position(site).unsqueeze(0).expand(shape)
-    elif condition == "static-layer-token":
-        prof = profiles.layer_token(site, _token_ids(ids, tuple(shape[:2]),
-                                                     "static-layer-token"))
-    elif condition == "global-mean":
-        prof = torch.full(shape, profiles.global_mean(site.family), dtype=torch.float64)
+    (``ids [B, T]``: the token ids fed, for the profiles keyed by token id)."""
+    cond = _check_profile(condition, site, profiles, like)
+    assert cond.profile is not None
+    prof = _PROFILES[cond.profile](profiles, site, like.shape, ids, cond.name)
     return prof.to(device=like.device, dtype=like.dtype).contiguous()
 
 
-def _check_profile(condition: str, site: Site, profiles: StaticProfiles, like: Tensor) -> None:
+ProfileFn = Callable[[StaticProfiles, Site, torch.Size, "Tensor | None", str], Tensor]
+# a static condition's profile (its registry entry's ``profile``), as the fed tensor
+_PROFILES: dict[str, ProfileFn] = {
+    "layer": lambda p, site, shape, ids, what: p.layer(site).expand(shape),
+    "layer_position": lambda p, site, shape, ids, what:
+        p.layer_position(site).unsqueeze(0).expand(shape),
+    "layer_token": lambda p, site, shape, ids, what:
+        p.layer_token(site, _token_ids(ids, tuple(shape[:2]), what)),
+    "global_mean": lambda p, site, shape, ids, what:
+        torch.full(shape, p.global_mean(site.family), dtype=torch.float64),
+}
+_PER_POSITION = ("layer_position",)  # profiles of shape [positions, *trailing]
+
+
+def _check_profile(condition: str, site: Site, profiles: StaticProfiles,
+                   like: Tensor) -> Condition:
     """Refuse in one line a condition that is not static, and coefficients whose shape the
     site's calibration profile does not have: [positions, *trailing] for the per-position
     profile, the trailing shape for the others."""
-    if condition not in STATIC_CONDITIONS:
+    static_names = by_kind("static", default=None)
+    if condition not in static_names:
         raise FcauditError(f"static(condition={condition!r}): choose one of "
-                           f"{', '.join(STATIC_CONDITIONS)}")
+                           f"{', '.join(static_names)}")
+    cond = CONDITIONS[condition]
     profile = profiles.shape(site)  # [T, *trailing]
-    given, kept = (like.shape[1:], profile) if condition == "static-layer-position" \
-        else (like.shape[2:], profile[1:])
+    per_position = cond.profile in _PER_POSITION
+    given, kept = (like.shape[1:], profile) if per_position else (like.shape[2:], profile[1:])
     if like.dim() < 2 or given != kept:
-        part = "[positions, *trailing]" if condition == "static-layer-position" else "trailing"
+        part = "[positions, *trailing]" if per_position else "trailing"
         raise FcauditError(f"static(..., {condition!r}): site {site.name}'s coefficients "
                            f"{list(like.shape)} have {part} shape {list(given)}, its calibration "
                            f"profile {list(kept)}; record calibration and these coefficients at "
                            "the same sites and length")
+    return cond
 
 
 def shuffle_positions(x: Tensor, positions: np.ndarray) -> Tensor:
@@ -326,7 +336,7 @@ def shuffle(coefficients: Coefficients, positions: np.ndarray) -> Mapping[str, T
 
 
 def static(coefficients: Coefficients, profiles: StaticProfiles,
-           condition: str = "static-layer", ids: Any = None) -> Mapping[str, Tensor]:
+           condition: str = STATIC_LAYER, ids: Any = None) -> Mapping[str, Tensor]:
     """Every site's coefficients replaced by a static calibration profile; for
     ``static-layer-token``, the profile of each token's id (``ids [B, T]``, or the
     Recording's own input ids)."""
@@ -351,6 +361,9 @@ class InterventionContext:
     rng: np.random.Generator  # seeded by (master seed, name, repeat, batch)
     donors: Callable[[str, Sequence[int]], Tensor]  # any sequences' coefficients of a site
     ids: Tensor | None = None  # the batch's token ids [B, T] (static(..., ids=context.ids))
+    # the repeat's random assignment over the whole evaluation set (the engine's built-in
+    # random conditions; None for user interventions, which draw from ``rng``)
+    draw: RandomDraw | None = None
 
 
 InterventionFn = Callable[[dict[str, Tensor], InterventionContext], Mapping[str, Tensor]]
@@ -369,3 +382,69 @@ class Intervention:
     def rng(self, master: int, repeat: int, batch: int) -> np.random.Generator:
         key = zlib.crc32(self.name.encode())
         return np.random.default_rng([master, key, repeat, batch])
+
+
+# The built-in conditions' feeds (core/conditions.py names them): the engine feeds its
+# conditions through the same InterventionContext as user interventions.
+
+def feed_own(condition: Condition, coefficients: Coefficients,
+             context: InterventionContext) -> Mapping[str, Tensor]:
+    """The reference: each site's own recorded coefficients."""
+    return coefficients
+
+
+def _drawn(condition: Condition, context: InterventionContext) -> RandomDraw:
+    if context.draw is None:
+        raise FcauditError(f"condition {condition.name!r} needs the audit's random draw of the "
+                           "repeat (InterventionContext.draw): the engine gives it")
+    return context.draw
+
+
+def feed_reassign(condition: Condition, coefficients: Coefficients,
+                  context: InterventionContext) -> Mapping[str, Tensor]:
+    """Sequence ``n`` of the batch gets evaluation sequence ``donor[n]``'s coefficients,
+    from any batch: the donor rows are read through ``context.donors`` (each once, in
+    increasing order) and :func:`reassign` pairs them with their receivers. The donors
+    are a slice of a derangement, so the pool has one distinct row per receiver."""
+    rows = context.rows
+    pool_rows, donor = np.unique(_drawn(condition, context).donor[rows.start:rows.stop],
+                                 return_inverse=True)
+    pool = {k: context.donors(k, pool_rows) for k in coefficients}
+    return reassign(pool, donor.reshape(-1))
+
+
+def feed_shuffle(condition: Condition, coefficients: Coefficients,
+                 context: InterventionContext) -> Mapping[str, Tensor]:
+    """Each site's positions permuted per sequence; sites with the same number of
+    positions share one permutation per sequence (token sites all have ``T``)."""
+    rand, rows = _drawn(condition, context), context.rows
+    groups: dict[int, dict[str, Tensor]] = {}
+    for name, tensor in coefficients.items():
+        groups.setdefault(int(tensor.shape[1]), {})[name] = tensor
+    out: dict[str, Tensor] = {}
+    for length, part in groups.items():
+        out.update(shuffle(part, rand.positions_for(length)[rows.start:rows.stop]))
+    return {name: out[name] for name in coefficients}
+
+
+def feed_reassign_shuffle(condition: Condition, coefficients: Coefficients,
+                          context: InterventionContext) -> Mapping[str, Tensor]:
+    """Another sequence's coefficients, then positions permuted (the same draws as
+    reassign and shuffle of the repeat, so the factorial contrast is paired)."""
+    return feed_shuffle(condition, feed_reassign(condition, coefficients, context), context)
+
+
+def feed_static(condition: Condition, coefficients: Coefficients,
+                context: InterventionContext) -> Mapping[str, Tensor]:
+    """The condition's calibration profile (:func:`static`)."""
+    return static(coefficients, context.profiles, condition.name, context.ids)
+
+
+def builtin(name: str, repeats: int = 1) -> Intervention:
+    """A built-in condition as an :class:`Intervention`, to run one that audits do not run
+    by default (``fcaudit.audit(..., interventions=[builtin(name)])``)."""
+    condition = CONDITIONS.get(name)
+    if condition is None or condition.feeder is None or "random" == condition.kind:
+        choices = [c.name for c in CONDITIONS.values() if c.feeder and c.kind != "random"]
+        raise FcauditError(f"builtin({name!r}): choose one of {', '.join(choices)}")
+    return Intervention(name, condition.feed, repeats)

@@ -444,7 +444,7 @@ def builtin(name: str, repeats: int = 1) -> Intervention:
     """A built-in condition as an :class:`Intervention`, to run one that audits do not run
     by default (``fcaudit.audit(..., interventions=[builtin(name)])``)."""
     condition = CONDITIONS.get(name)
-    if condition is None or condition.feeder is None or "random" == condition.kind:
+    if condition is None or condition.feeder is None or condition.kind == "random":
         choices = [c.name for c in CONDITIONS.values() if c.feeder and c.kind != "random"]
         raise FcauditError(f"builtin({name!r}): choose one of {', '.join(choices)}")
     return Intervention(name, condition.feed, repeats)

@@ -16,8 +16,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fcaudit.core.contract import RoutingAdapter, Site
-from fcaudit.core.errors import FcauditError
 from fcaudit.core.conditions import (
     CONDITIONS,
     CORRECT,
@@ -27,6 +25,8 @@ from fcaudit.core.conditions import (
     STATIC_CONDITIONS,
     by_role,
 )
+from fcaudit.core.contract import RoutingAdapter, Site
+from fcaudit.core.errors import FcauditError
 from fcaudit.core.interventions import (
     Intervention,
     InterventionContext,

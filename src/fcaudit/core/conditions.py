@@ -144,4 +144,5 @@ RANDOM_CONDITIONS = by_kind("random")
 STATIC_CONDITIONS = by_kind("static")
 PER_LAYER_CONDITIONS = by_role("per-layer")  # one site intervened, the others correct
 RETENTION_PROFILES = by_role("retention")
-STATIC_LAYER = RETENTION_PROFILES[0]  # the per-layer profile: the verdict's retention
+# the static profiles: per layer (the verdict's retention), per position, per token id
+STATIC_LAYER, STATIC_LAYER_POSITION, STATIC_LAYER_TOKEN = RETENTION_PROFILES

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from fcaudit.core.conditions import FRONTIER
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.interventions import Intervention
@@ -115,11 +116,11 @@ class AuditOptions:
                                "True, False or None (on for at most "
                                f"{AUTO_ABLATION_MAX_EXPERTS} experts per routed layer)")
         if self.frontier is not None and not isinstance(self.frontier, bool):
-            raise FcauditError(f"{name('frontier', self.frontier)}: must be True, False or "
+            raise FcauditError(f"{name(FRONTIER, self.frontier)}: must be True, False or "
                                "None (on where a family is covered and execution measured)")
         if self.frontier and not self.execution:
             off = arg("execution", py="AuditOptions(execution=False)", cli="--no-execution")
-            raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} needs the "
+            raise FcauditError(f"{arg(FRONTIER, py='AuditOptions(frontier=True)')} needs the "
                                f"execution audit (its x axis is the FLOPs it counts): drop {off} "
                                "or the frontier")
         _check_target(self.target_ci, self.min_sequences)

@@ -284,7 +284,7 @@ def _prepare_examples(loaded: LoadedModel, out: str | Path | None, sites: list[S
             "targets) or a callable (model_output, batch) -> per-unit losses, or give token "
             "ids as AuditData(eval_ids=..., calib_ids=...)")
     if options.frontier:
-        raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} is measured "
+        raise FcauditError(f"{arg(FRONTIER, py='AuditOptions(frontier=True)')} is measured "
                            "on token inputs only; drop it for these inputs")
     if options.target_ci is not None:
         raise FcauditError(f"{arg('target_ci', py='AuditOptions(target_ci=...)')} grows a pool "
@@ -538,7 +538,7 @@ def frontier_plan(setup: Setup, first: Probe) -> list[Covered]:
     covered = frontier_families(setup.sites, first.coefficients,
                                 declared_experts(setup.model) or [])
     if not covered and asked:
-        raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')}: the audited "
+        raise FcauditError(f"{arg(FRONTIER, py='AuditOptions(frontier=True)')}: the audited "
                            "sites have no soft gate (one coefficient per token) and no router "
                            "with declared experts, so nothing could be skipped; drop the "
                            "option")

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from fcaudit.core.conditions import by_role
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.engine.result import ConditionResult, Stopping, StoppingRound
 from fcaudit.io.data import AuditData, fingerprint_array
@@ -27,8 +28,7 @@ ORDER_SEED_OFFSET = 500  # order seed = seed * 1000 + 500 (draws use + 17 + k, b
 # the penalties whose intervals must reach the target: every main condition's penalty
 # against correct (the interaction, retention and per-layer variants follow from them or
 # are localisations, and are not counted)
-COUNTED = ("reassign", "shuffle", "reassign+shuffle", "static-layer", "static-layer-position",
-           "static-layer-token", "global-mean")
+COUNTED = by_role("counted")
 MAX_GROWTH = 2  # a round at most doubles the sequences of the last one
 RULE = ("stop at the first round where every counted penalty's 95% paired bootstrap "
         "interval [lo, hi] has max(delta - lo, hi - delta) <= target_ci, or when the pool "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from fcaudit.core.conditions import CONDITIONS, REASSIGN, SHUFFLE, STATIC_LAYER, by_role
 from fcaudit.engine.result import (
     ConditionResult,
     Estimate,
@@ -47,18 +48,14 @@ def variation(variance: Mapping[str, VarianceShares], spread: Mapping[str, Varia
     return "; ".join(parts) + "."
 
 
-PENALTIES = {"reassign": "reassigning coefficients across inputs",
-             "shuffle": "shuffling them across tokens",
-             "reassign+shuffle": "reassigning and shuffling them",
-             "static-layer": "a static per-layer profile",
-             "static-layer-position": "a static per-layer-and-position profile",
-             "static-layer-token": "a static per-layer-and-token-id profile"}
+# the phrase each penalty is said with, from the registry
+PENALTIES = {name: CONDITIONS[name].penalty or name for name in by_role("penalty")}
 
 
 def _label(conditions: Mapping[str, ConditionResult], kept: float | None) -> str:
     """The verdict's label; dependence rests on intervals above 0 only."""
     # conditions not applicable to the sites (no position axis, no token ids) are absent
-    main = [conditions[n] for n in ("reassign", "shuffle") if n in conditions]
+    main = [conditions[n] for n in by_role("dependence") if n in conditions]
     above = [n for n in PENALTIES if n in conditions and conditions[n].ci95[0] > 0]
     below = [n for n in PENALTIES if n in conditions and conditions[n].ci95[1] < 0]
     if max(c.ci95[0] for c in main) > STRONG_PENALTY or (kept is not None
@@ -84,8 +81,8 @@ def dependence(conditions: Mapping[str, ConditionResult],
                retention: Mapping[str, Retention], across: str = "tokens") -> str:
     """The dependence verdict; ``across``: what shuffle permutes, in the sites' own axis
     names (tokens, patches, rows and columns)."""
-    r, s = conditions["reassign"], conditions.get("shuffle")
-    sl = retention["static-layer"]
+    r, s = conditions[REASSIGN], conditions.get(SHUFFLE)
+    sl = retention[STATIC_LAYER]
     kept = sl.value
     kept_txt = (f"a static per-layer profile keeps {kept:.2f}% [{sl.ci95[0]:.2f}, "
                 f"{sl.ci95[1]:.2f}] of the Correct-to-GlobalMean gap" if kept is not None

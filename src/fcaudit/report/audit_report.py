@@ -17,11 +17,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fcaudit.engine.result import (
-    ETA2_KEYS,
+from fcaudit.core.conditions import (
+    CONDITIONS,
+    CORRECT,
+    FRONTIER,
+    GLOBAL_MEAN,
     MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,
     RETENTION_PROFILES,
+    SHUFFLE,
+    STATIC_LAYER,
+    by_role,
+)
+from fcaudit.engine.result import (
+    ETA2_KEYS,
     AuditResult,
     ConditionResult,
     Execution,
@@ -114,17 +123,7 @@ def _verdict_warning(ident: Identity) -> str:
 # ---------------------------------------------------------------------------
 # Sections; each returns Markdown blocks.
 
-CONDITION_MEANING = {
-    "original": "controller live (record pass)",
-    "correct": "own coefficients replayed (reference)",
-    "reassign": "coefficients of another sequence",
-    "shuffle": "own coefficients, positions permuted",
-    "reassign+shuffle": "both at once",
-    "static-layer": "per-site calibration mean",
-    "static-layer-position": "per-site, per-position calibration mean",
-    "static-layer-token": "per-site, per-token-id calibration mean",
-    "global-mean": "one mean for the whole family",
-}
+CONDITION_MEANING = {name: CONDITIONS[name].meaning for name in MAIN_CONDITIONS}
 
 
 def _lead(r: AuditResult) -> str:
@@ -165,7 +164,7 @@ def _variation_facts(r: AuditResult) -> list[str]:
 
 def _dependence_facts(r: AuditResult) -> list[str]:
     facts = [f"{md_code(name)}: Δ NLL {fmt_with_ci(c.delta, c.ci95)} nats vs correct."
-             for name in ("reassign", "shuffle", "static-layer", "global-mean")
+             for name in (*by_role("dependence"), STATIC_LAYER, GLOBAL_MEAN)
              if (c := r.conditions.get(name))]
     return facts + [f"{md_code(name)}{_retention_text(ret)}"
                     for name, ret in _ordered(r.retention, RETENTION_PROFILES)]
@@ -319,7 +318,7 @@ def _interaction(r: AuditResult) -> list[str]:
     i = r.interaction
     if i is None:
         return ["## Interaction", "Not applicable: "
-                + md_text((r.not_applicable or {}).get("shuffle", "shuffle was not run")) + "."]
+                + md_text((r.not_applicable or {}).get(SHUFFLE, "shuffle was not run")) + "."]
     return ["## Interaction",
             "I = Δ(reassign+shuffle) − Δ(reassign) − Δ(shuffle) = "
             f"**{fmt_with_ci(i.value, i.ci95)}**"
@@ -630,7 +629,7 @@ def _figure_specs(r: AuditResult) -> list[FigureSpec]:
     profiles = dict(_by_family(r, r.profiles))
     conditions = {"audit": {n: Span.of(c.delta, c.ci95)
                             for n, c in _ordered(r.conditions, MAIN_CONDITIONS)
-                            if n != "correct"}}
+                            if n != CORRECT}}
     multi = len(r.families) > 1
     per_layer = {f"{name}@layer" + (f" ({fam})" if multi else ""):
                  [(e.layer, Span.of(e.delta, e.ci95)) for e in entries if e.family == fam]
@@ -653,7 +652,7 @@ def _figure_specs(r: AuditResult) -> list[FigureSpec]:
          partial(expert_importance_figure, {
              fam: [[x.delta for x in layer.experts] for layer in summary.per_layer]
              for fam, summary in _by_family(r, r.expert_importance or {})})),
-        ("frontier", "Savings frontier: NLL penalty vs FLOPs saved, dynamic vs static rules, "
+        (FRONTIER, "Savings frontier: NLL penalty vs FLOPs saved, dynamic vs static rules, "
          "95% CI bars.",
          partial(frontier_figure, {
              fam: {rule: [(p.flops_saved_fraction, Span.of(p.delta, p.ci95))

@@ -25,14 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from fcaudit._version import __version__
-from fcaudit.core.errors import FcauditError, arg
-from fcaudit.engine.result import (
+from fcaudit.core.conditions import (
+    CORRECT,
     MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,
     RETENTION_PROFILES,
-    AuditResult,
-    Retention,
+    by_role,
 )
+from fcaudit.core.errors import FcauditError, arg
+from fcaudit.engine.result import AuditResult, Retention
 from fcaudit.io.fileio import write_json, write_text
 from fcaudit.io.outdir import COMPARE_RESULTS, check_output, hold_output, replacing_results
 from fcaudit.report.audit_report import CONDITION_MEANING, _ordered
@@ -63,7 +64,7 @@ MISSING = "—"  # a quantity this audit does not hold
 # the calibration data, which the static profiles are estimated on.
 DATA_FIELDS = ("seq_len", "eval_sequences", "eval_examples", "eval_fingerprint",
                "calib_sequences", "calib_examples", "calib_fingerprint")
-REROUTED_CONDITIONS = ("reassign", "shuffle", "static-layer")
+REROUTED_CONDITIONS = by_role("rerouted")
 LABELS = arg("labels", cli="--label")  # the CLI's --label is repeated, once per audit
 
 Row = dict[str, Any]
@@ -172,12 +173,12 @@ def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[R
         union = {n: None for r in results for n in pick(r)}
         return [n for n, _ in _ordered(union, canonical)]
 
-    rows = [row("nll", "correct", lambda r: {"value": r.conditions["correct"].nll, "ci95": None}
-                if "correct" in r.conditions else None)]
+    rows = [row("nll", CORRECT, lambda r: {"value": r.conditions[CORRECT].nll, "ci95": None}
+                if CORRECT in r.conditions else None)]
     rows += [row("penalty", name, lambda r, n=name: {"value": r.conditions[n].delta,
                                                      "ci95": r.conditions[n].ci95}
                  if n in r.conditions else None)
-             for name in names(lambda r: r.conditions, MAIN_CONDITIONS) if name != "correct"]
+             for name in names(lambda r: r.conditions, MAIN_CONDITIONS) if name != CORRECT]
     rows.append(row("interaction", "interaction",
                     lambda r: {"value": r.interaction.value, "ci95": r.interaction.ci95}
                     if r.interaction is not None else None))  # None: shuffle not applicable

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from fcaudit.api import audit
+from fcaudit.core.conditions import FRONTIER
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.nll import logits_of
 from fcaudit.engine.metrics import aggregate
@@ -188,7 +189,7 @@ class StudySettings:
 def study_options(**overrides: Any) -> AuditOptions:
     """The study's audit options: the savings frontier where a family has one (soft gates,
     routers; not MUDD's mixing weights), on top of the audit's defaults."""
-    return AuditOptions(**{"frontier": None, **overrides})
+    return AuditOptions(**{FRONTIER: None, **overrides})
 
 
 TIMINGS = "timings.json"

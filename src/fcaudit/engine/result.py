@@ -63,14 +63,19 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     VarianceShares,
     Variation,
     Verdict,
+    VerdictPart,
     _omit_none,
+)
+from fcaudit.engine.result_views import (
+    TABLES,
+    condition_table_html,
+    metric_intervals,
+    metrics,
 )
 from fcaudit.io.typedjson import SchemaError, load
 
 SCHEMA = "fcaudit.audit/1"
 
-ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
-             "eta2_residual")
 
 # Dotted paths of audit.json that may differ between two runs of the same model, data,
 # seeds and settings; everything else is byte-identical (docs/reliability.md).
@@ -113,6 +118,9 @@ class AuditResult:
     stopping: Stopping | None = _omit_none()
     # conditions that cannot act on these sites or inputs, with the reason (not run)
     not_applicable: dict[str, str] | None = _omit_none()
+    # the numbers each answer of ``verdict`` rests on, by question (variation, dependence,
+    # execution), named like metrics()
+    verdict_numbers: dict[str, dict[str, float | None]] | None = _omit_none()
 
     def to_json(self) -> dict[str, Any]:
         """The ``audit.json`` content (plain JSON types)."""
@@ -172,93 +180,51 @@ class AuditResult:
         ``per_layer`` (one row per condition and site), ``retention`` (one row per static
         profile), ``routing`` (one row per router site and expert) or ``experts`` (expert
         importance: one row per ablated layer and expert) or ``frontier`` (one row per
-        frontier point, with the origin of each rule omitted)."""
+        frontier point, with the origin of each rule omitted) or ``metrics`` (one row per
+        number of :meth:`metrics`, with its interval where it has one)."""
         try:
             import pandas as pd
         except ImportError as exc:
             raise FcauditError("to_frame() needs pandas: pip install pandas") from exc
-        rows = _TABLES.get(table)
+        rows = TABLES.get(table)
         if rows is None:
-            raise FcauditError(f"to_frame(table={table!r}): choose one of {', '.join(_TABLES)}")
+            raise FcauditError(f"to_frame(table={table!r}): choose one of {', '.join(TABLES)}")
         return pd.DataFrame(rows(self))
+
+    def metrics(self) -> dict[str, float | None]:
+        """The result's numbers, flat and named once (``delta_<condition>``,
+        ``retention_<profile>``, ``eta2_*``, ...): what the study, the trend, the
+        comparison and ``to_frame("metrics")`` read."""
+        return metrics(self)
+
+    def metric_intervals(self) -> dict[str, list[float] | None]:
+        """The 95% intervals of :meth:`metrics` that have one, by the same keys."""
+        return metric_intervals(self)
+
+    def verdict_parts(self) -> dict[str, VerdictPart]:
+        """Each answer's label, the numbers it rests on and its sentence, by question."""
+        numbers = self.verdict_numbers or {}
+        return {q: VerdictPart(self.verdict.label(q), numbers.get(q, {}),
+                               getattr(self.verdict, q))
+                for q in ("variation", "dependence", "execution")}
 
     def _repr_html_(self) -> str:
         """What a notebook shows for a result: the three answers and the conditions."""
         esc = html.escape
-        answers = "".join(f"<li><b>{name}</b>: {esc(text)}</li>" for name, text in (
-            ("Variation", self.verdict.variation), ("Dependence", self.verdict.dependence),
-            ("Execution", self.verdict.execution)))
-        cells = "".join(
-            f"<tr><td>{esc(r['condition'])}</td><td>{r['nll']:.4f}</td>"
-            f"<td>{r['delta']:+.4f}</td><td>[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]</td></tr>"
-            for r in _condition_rows(self))
+        answers = "".join(
+            f"<li><b>{q.title()}</b>{f' ({esc(p.label)})' if p.label else ''}: "
+            f"{esc(p.sentence)}</li>" for q, p in self.verdict_parts().items())
         return (f"<div><p><b>fcaudit audit</b> of {esc(str(self.model.spec))} "
                 f"({esc(self.model.class_)}, {len(self.sites)} sites)</p><ul>{answers}</ul>"
                 "<table><thead><tr><th>condition</th><th>NLL</th><th>&Delta; vs correct</th>"
-                f"<th>95% CI</th></tr></thead><tbody>{cells}</tbody></table></div>")
+                f"<th>95% CI</th></tr></thead><tbody>{condition_table_html(self, esc)}"
+                "</tbody></table></div>")
 
 
 # AuditResult tables keyed by condition, family or site (see AuditResult._in_audit_order)
 _ORDERED_TABLES = ("conditions", "per_layer", "retention", "variance", "variation", "profiles",
                    "custom_conditions", "routing", "expert_importance", FRONTIER,
                    "not_applicable")
-
-
-def _accuracy(r: AuditResult, c: ConditionResult) -> dict[str, Any]:
-    """The accuracy column of a classification audit (none for other objectives)."""
-    scored = any(x.accuracy is not None for x in r.conditions.values())
-    return {"accuracy": c.accuracy} if scored else {}
-
-
-def _condition_rows(r: AuditResult) -> list[dict[str, Any]]:
-    items = [*r.conditions.items(), *(r.custom_conditions or {}).items()]
-    return [{"condition": name, "custom": name not in r.conditions, "nll": c.nll,
-             "delta": c.delta, "ci_low": c.ci95[0], "ci_high": c.ci95[1],
-             "repeats": len(c.repeats), **_accuracy(r, c)} for name, c in items]
-
-
-def _per_layer_rows(r: AuditResult) -> list[dict[str, Any]]:
-    return [{"condition": name, "site": c.site, "family": c.family, "layer": c.layer,
-             "nll": c.nll, "delta": c.delta, "ci_low": c.ci95[0], "ci_high": c.ci95[1],
-             **_accuracy(r, c)}
-            for name, layers in r.per_layer.items() for c in layers]
-
-
-def _retention_rows(r: AuditResult) -> list[dict[str, Any]]:
-    return [{"profile": name, "retention_pct": ret.value,
-             "ci_low": ret.ci95[0] if ret.ci95 else None,
-             "ci_high": ret.ci95[1] if ret.ci95 else None, "gap": ret.gap,
-             "defined": ret.defined} for name, ret in r.retention.items()]
-
-
-def _routing_rows(r: AuditResult) -> list[dict[str, Any]]:
-    return [{"family": family, "site": layer.site, "layer": layer.layer, "expert": e,
-             "load": share, "entropy_normalized": layer.entropy_normalized}
-            for family, summary in (r.routing or {}).items() for layer in summary.per_layer
-            for e, share in enumerate(layer.load)]
-
-
-def _expert_rows(r: AuditResult) -> list[dict[str, Any]]:
-    return [{"family": family, "site": layer.site, "layer": layer.layer, "expert": x.expert,
-             "delta": x.delta, "ci_low": x.ci95[0] if x.ci95 else None,
-             "ci_high": x.ci95[1] if x.ci95 else None, "load": x.load,
-             "selected_after": x.selected_after}
-            for family, summary in (r.expert_importance or {}).items()
-            for layer in summary.per_layer for x in layer.experts]
-
-
-def _frontier_rows(r: AuditResult) -> list[dict[str, Any]]:
-    return [{"family": family, "kind": f.kind, "rule": p.rule, "level": p.level,
-             "threshold": p.threshold, "skipped_fraction": p.skipped_fraction,
-             "flops_saved_per_token": p.flops_saved_per_token,
-             "flops_saved_fraction": p.flops_saved_fraction, "nll": p.nll, "delta": p.delta,
-             "ci_low": p.ci95[0], "ci_high": p.ci95[1]}
-            for family, f in (r.frontier or {}).items() for p in f.points]
-
-
-_TABLES = {"conditions": _condition_rows, "per_layer": _per_layer_rows,
-           "retention": _retention_rows, "routing": _routing_rows, "experts": _expert_rows,
-           FRONTIER: _frontier_rows}
 
 
 def _json_name(f: dataclasses.Field) -> str:

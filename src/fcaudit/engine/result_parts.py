@@ -375,9 +375,30 @@ class FrontierFamily:
 
 @dataclass
 class Verdict:
+    """The three answers as sentences (the keys audit.json always had) and, since issue
+    29, each answer's label: read labels, never words inside a sentence."""
+
     variation: str
     dependence: str
     execution: str
+    variation_label: str | None = _omit_none()  # of VARIATION_LABELS (engine/verdicts.py)
+    dependence_label: str | None = _omit_none()  # of DEPENDENCE_LABELS
+    execution_label: str | None = _omit_none()  # of EXECUTION_LABELS
+
+    def label(self, question: str) -> str | None:
+        """The label of ``question`` (variation, dependence, execution); None in a result
+        written before labels existed."""
+        return getattr(self, f"{question}_label")
+
+
+@dataclass(frozen=True)
+class VerdictPart:
+    """One answer: its label, the numbers it rests on (flat, named like
+    :meth:`AuditResult.metrics`) and its sentence."""
+
+    label: str | None
+    numbers: dict[str, float | None]
+    sentence: str
 
 
 @dataclass

@@ -102,7 +102,6 @@ from fcaudit.engine.result import (
     Runtime,
     Seeds,
     SiteInfo,
-    Verdict,
 )
 from fcaudit.engine.stages import (
     ALLOW_NONEXACT,
@@ -128,7 +127,7 @@ from fcaudit.engine.summary import (
     summarize,
     token_profile,
 )
-from fcaudit.engine.verdicts import dependence, qualified, variation
+from fcaudit.engine.verdicts import judge
 from fcaudit.io.data import AuditData, DataSpec, picked_note, resolve_data
 from fcaudit.io.digits import run_audit_data
 from fcaudit.io.examples import OTHER_INPUTS, ExampleBatch, call_model
@@ -607,13 +606,8 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
     variance, spread, profiles = stats[:3]
     opts = setup.options
     seeds = [opts.seed * 1000 + 17 + k for k in range(opts.repeats)]
-    from fcaudit.engine.verdicts import verdict_execution
-    execution_text = verdict_execution(execution) if execution.measured else \
-        f"Execution not measured: {execution.reason}."
-    verdict = Verdict(qualified(variation(variance, spread), identity),
-                      qualified(dependence(summary.conditions, summary.retention,
-                                           shuffled_axes(setup.sites)), identity),
-                      qualified(execution_text, identity))
+    verdict, verdict_numbers = judge(variance, spread, summary.conditions, summary.retention,
+                                     shuffled_axes(setup.sites), execution, identity)
     timed = execution.timing is not None
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
@@ -624,6 +618,7 @@ def assemble(setup: Setup, cache: CoefficientCache, summary: Summary, stats: tup
         per_layer=summary.per_layer, retention=summary.retention,
         interaction=summary.interaction, variance=variance, variation=spread,
         profiles=profiles, execution=execution, verdict=verdict,
+        verdict_numbers=verdict_numbers,
         seeds=Seeds(opts.seed, seeds, seeds, opts.seed * 1000 + 7),
         # how the audit is shown or scheduled changes no number: not part of its settings;
         # read field by field (``asdict`` deep-copies, and an objective may hold a lock)

@@ -41,6 +41,8 @@ from fcaudit.engine.result import (
     LayerVariation,
     Retention,
 )
+from fcaudit.engine.result_views import condition_rows
+from fcaudit.engine.verdicts import EXECUTION_LABELS
 from fcaudit.io.data import picked_note
 from fcaudit.io.fileio import write_text
 from fcaudit.report.figures import (
@@ -123,6 +125,7 @@ def _verdict_warning(ident: Identity) -> str:
 # ---------------------------------------------------------------------------
 # Sections; each returns Markdown blocks.
 
+NOT_MEASURED = EXECUTION_LABELS[2]
 CONDITION_MEANING = {name: CONDITIONS[name].meaning for name in MAIN_CONDITIONS}
 
 
@@ -190,10 +193,19 @@ def _uncounted(operators: Sequence[str]) -> str:
             f"the FLOP counts are incomplete: {', '.join(md_code(op) for op in operators)}.")
 
 
+def _says_not_measured(r: AuditResult) -> bool:
+    """Whether the execution verdict already says it was not measured (and why): its
+    label; a result written before labels existed, its sentence."""
+    label = r.verdict.label("execution")
+    if label is None:
+        return (r.execution.reason or "") in r.verdict.execution
+    return label == NOT_MEASURED
+
+
 def _execution_facts(r: AuditResult) -> list[str]:
     ex = r.execution
     if not ex.measured:
-        return [] if (ex.reason or "") in r.verdict.execution else [_not_measured(ex)]
+        return [] if _says_not_measured(r) else [_not_measured(ex)]
     unit = ex.unit or "token"
     facts = [f"Blocks executed per {unit}: {fmt_num(ex.blocks_executed, 2)} of "
              f"{fmt_num(ex.blocks_present)} present (dense: "
@@ -246,17 +258,23 @@ def _repeats_cell(c: ConditionResult) -> str:
     return f"{len(c.repeats)}: Δ " + fmt_seq(c.repeat_deltas, partial(fmt_num, sign=True))
 
 
-def _condition_table(conditions: Sequence[tuple[str, ConditionResult]]) -> str:
-    rows = [(md_code(n), CONDITION_MEANING.get(n, "user-defined intervention"), fmt_num(c.nll),
-             fmt_num(c.delta, sign=True), fmt_ci(c.ci95, sign=True), _repeats_cell(c))
-            for n, c in conditions]
+Row = dict[str, Any]
+
+
+def _condition_table(r: AuditResult, rows: Sequence[Row]) -> str:
+    """The conditions table from :func:`condition_rows` (repeats with their penalties)."""
+    every = {**r.conditions, **(r.custom_conditions or {})}
+    cells = [(md_code(row["condition"]), row["meaning"], fmt_num(row["nll"]),
+              fmt_num(row["delta"], sign=True),
+              fmt_ci((row["ci_low"], row["ci_high"]), sign=True),
+              _repeats_cell(every[row["condition"]])) for row in rows]
     header = ("condition", "coefficients fed", "NLL (nats)", "Δ vs correct", "95% CI",
               "repeats")
-    if any(c.accuracy is not None for _, c in conditions):  # classification
-        rows = [(*row, fmt_pct(100 * c.accuracy) if c.accuracy is not None else "n/a")
-                for row, (_, c) in zip(rows, conditions, strict=True)]
-        return md_table((*header, "accuracy"), rows, "llrrrlr")
-    return md_table(header, rows, "llrrrl")
+    if any(row.get("accuracy") is not None for row in rows):  # classification
+        cells = [(*cell, fmt_pct(100 * row["accuracy"]) if row["accuracy"] is not None
+                  else "n/a") for cell, row in zip(cells, rows, strict=True)]
+        return md_table((*header, "accuracy"), cells, "llrrrlr")
+    return md_table(header, cells, "llrrrl")
 
 
 def _not_applicable(r: AuditResult) -> list[str]:
@@ -283,13 +301,15 @@ def _identity_check(r: AuditResult) -> str:
 
 
 def _conditions(r: AuditResult) -> list[str]:
-    blocks = ["## Conditions", _condition_table(_ordered(r.conditions, MAIN_CONDITIONS)),
+    rows = condition_rows(r)
+    blocks = ["## Conditions", _condition_table(r, [row for row in rows if not row["custom"]]),
               *_not_applicable(r), _identity_check(r)]
     if r.custom_conditions:
         blocks += ["## Custom conditions",
                    "User-defined interventions, replayed and measured like the conditions "
                    "above (Δ vs correct, paired bootstrap 95% CI).",
-                   _condition_table(sorted(r.custom_conditions.items()))]
+                   _condition_table(r, sorted((row for row in rows if row["custom"]),
+                                              key=lambda row: row["condition"]))]
     return blocks
 
 

@@ -139,8 +139,8 @@ def _refuse_different_data(labels: Sequence[str], differs: Sequence[Row]) -> Non
 
 
 def _answers(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Row]:
-    return [{"model": label, "variation": r.verdict.variation,
-             "dependence": r.verdict.dependence, "execution": r.verdict.execution,
+    return [{"model": label, **{q: p.sentence for q, p in r.verdict_parts().items()},
+             "labels": {q: p.label for q, p in r.verdict_parts().items()},
              "identity_exact": r.identity.exact if r.identity is not None else
              r.identity_replay_max_abs_diff == 0}
             for label, r in zip(labels, results, strict=True)]

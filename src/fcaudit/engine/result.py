@@ -66,7 +66,8 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     VerdictPart,
     _omit_none,
 )
-from fcaudit.engine.result_views import (
+from fcaudit.engine.result_views import (  # noqa: F401 (ETA2_KEYS re-exported)
+    ETA2_KEYS,
     TABLES,
     condition_table_html,
     metric_intervals,

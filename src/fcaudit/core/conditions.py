@@ -106,6 +106,13 @@ REGISTRY: tuple[Condition, ...] = (
               roles=frozenset({"penalty", "retention", "counted"})),
     Condition("global-mean", "static", "one mean for the whole family", _CALIB,
               feeder="feed_static", profile="global_mean", roles=frozenset({"floor", "counted"})),
+    # opt-in (its calibration sums grow with ids x positions, so an audit does not collect
+    # them): fcaudit.static(..., condition=name) with profiles from StaticProfiles.add
+    Condition("static-layer-token-position", "static",
+              "per-site, per-token-id-and-position calibration mean",
+              _CALIB | {"positions", "token_ids"}, feeder="feed_static",
+              profile="layer_token_position",
+              penalty="a static per-layer, token-id-and-position profile", default=False),
     Condition("frontier", "frontier", "a savings-frontier point: a rule skips blocks",
               frozenset({"calibration"})),
     Condition("expert-ablation", "ablation", "one expert of one router never picked",

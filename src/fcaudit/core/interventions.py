@@ -116,6 +116,12 @@ def merge_token_sums(acc: TokenSums | None, more: TokenSums) -> TokenSums:
                      {k: merged(v, more.sums[k]) for k, v in acc.sums.items()})
 
 
+def cell_keys(ids: Tensor) -> Tensor:
+    """One key per (token id, position) of ``ids [B, T]``: ``id * T + position``."""
+    length = ids.shape[-1]
+    return ids.to(torch.int64) * length + torch.arange(length, device=ids.device)
+
+
 def _token_ids(ids: Any, shape: tuple[int, ...], what: str) -> Tensor:
     """Token ids ``[B, T]`` for coefficients of leading shape ``shape``, or one clear line."""
     if ids is None:
@@ -130,7 +136,9 @@ class StaticProfiles:
     ``layer(s)`` is the mean of site ``s`` over positions and sequences (trailing
     shape kept); ``layer_position(s)`` the mean over sequences at each position;
     ``layer_token(s, ids)`` the mean over every calibration token with the same id
-    (ids unseen in calibration get ``layer(s)``); ``global_mean(f)`` one scalar per
+    (ids unseen in calibration get ``layer(s)``); ``layer_token_position(s, ids)`` the
+    mean over every calibration token with the same id at the same position (pairs unseen
+    get ``layer(s)``; collected by :meth:`add` only); ``global_mean(f)`` one scalar per
     family over every coefficient of the family. Float64 sums are added batch by
     batch, in batch order.
     """
@@ -141,6 +149,9 @@ class StaticProfiles:
         self.count = 0
         self.tokens: TokenSums | None = None  # per token id; None without token ids
         self._token_means: dict[str, Tensor] = {}
+        # per (token id, position), keyed id * T + position (cell_keys); None: not collected
+        self.cells: TokenSums | None = None
+        self._cell_means: dict[str, Tensor] = {}
 
     def add_sums(self, sums: Mapping[str, Tensor], count: int,
                  tokens: TokenSums | None = None) -> None:
@@ -165,9 +176,13 @@ class StaticProfiles:
         per-token-id profile too."""
         ids = getattr(coefficients, "input_ids", None) if ids is None else ids
         shape = tuple(next(iter(coefficients.values())).shape[:2])
-        tokens = None if ids is None else token_sums(
-            coefficients, _token_ids(ids, shape, "StaticProfiles.add"))
-        self.add_sums(batch_sums(coefficients), shape[0], tokens)
+        if ids is None:
+            self.add_sums(batch_sums(coefficients), shape[0])
+            return
+        ids = _token_ids(ids, shape, "StaticProfiles.add")
+        self.add_sums(batch_sums(coefficients), shape[0], token_sums(coefficients, ids))
+        self.cells = merge_token_sums(self.cells, token_sums(coefficients, cell_keys(ids)))
+        self._cell_means.clear()
 
     def shape(self, site: Site) -> torch.Size:
         """The per-position profile's shape ``[T, *trailing]``, once a batch was added."""
@@ -190,21 +205,37 @@ class StaticProfiles:
             raise FcauditError("static-layer-token needs per-token-id calibration sums: add "
                                "calibration batches with their token ids (StaticProfiles.add"
                                "(coefficients, ids))")
-        means = self._token_means.get(site.name)
+        return self._keyed(self.tokens, self._token_means, site, ids)
+
+    def layer_token_position(self, site: Site, ids: Tensor, what: str = "this profile") -> Tensor:
+        """The per-(token id, position) means at ``ids [B, T]``: ``[B, T, *trailing]``;
+        a pair no calibration token had gets the static-layer profile."""
+        if self.cells is None:
+            raise FcauditError(f"{what} needs per-token-id-and-position calibration sums, which "
+                               "an audit's calibration does not collect (it is opt-in): add "
+                               "calibration batches with their token ids through "
+                               "StaticProfiles.add(coefficients, ids) and call fcaudit.static")
+        return self._keyed(self.cells, self._cell_means, site, cell_keys(ids))
+
+    def _keyed(self, sums: TokenSums, cache: dict[str, Tensor], site: Site,
+               keys: Tensor) -> Tensor:
+        """The means of ``sums`` at ``keys``; a key calibration never had gets ``layer``."""
+        means = cache.get(site.name)
         if means is None:
-            sums = self.tokens.sums[site.name]
-            means = sums / self.tokens.counts.view(-1, *[1] * (sums.dim() - 1))
-            self._token_means[site.name] = means
-        seen, where = self._lookup(ids)
+            total = sums.sums[site.name]
+            means = total / sums.counts.view(-1, *[1] * (total.dim() - 1))
+            cache[site.name] = means
+        seen, where = self._lookup(keys, sums)
         out = means[where]
         out[~seen] = self.layer(site)
         return out
 
-    def _lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """For each id: whether calibration saw it, and its row in :attr:`tokens` (which
-        holds at least one id: a calibration batch has tokens)."""
-        assert self.tokens is not None
-        known = self.tokens.ids
+    def _lookup(self, ids: Tensor, sums: TokenSums | None = None) -> tuple[Tensor, Tensor]:
+        """For each id: whether calibration saw it, and its row in ``sums`` (default
+        :attr:`tokens`, which holds at least one id: a calibration batch has tokens)."""
+        sums = self.tokens if sums is None else sums
+        assert sums is not None
+        known = sums.ids
         where = torch.searchsorted(known, ids).clamp(max=len(known) - 1)
         return known[where] == ids, where
 
@@ -243,10 +274,13 @@ _PROFILES: dict[str, ProfileFn] = {
         p.layer_position(site).unsqueeze(0).expand(shape),
     "layer_token": lambda p, site, shape, ids, what:
         p.layer_token(site, _token_ids(ids, tuple(shape[:2]), what)),
+    "layer_token_position": lambda p, site, shape, ids, what:
+        p.layer_token_position(site, _token_ids(ids, tuple(shape[:2]), what), what),
     "global_mean": lambda p, site, shape, ids, what:
         torch.full(shape, p.global_mean(site.family), dtype=torch.float64),
 }
-_PER_POSITION = ("layer_position",)  # profiles of shape [positions, *trailing]
+# the profiles of shape [positions, *trailing]
+_PER_POSITION = ("layer_position", "layer_token_position")
 
 
 def _check_profile(condition: str, site: Site, profiles: StaticProfiles,

@@ -501,7 +501,7 @@ def print_summary(result: Any, out: Path) -> None:
     table.add_column("NLL" if objective == "token-nll" else f"loss ({objective})",
                      justify="right")
     table.add_column("delta vs correct [95% CI]", justify="right")
-    from fcaudit.engine.result_views import condition_rows
+    from fcaudit.engine.result import condition_rows
     for row in condition_rows(result):
         accuracy = "" if row.get("accuracy") is None else f", accuracy {100 * row['accuracy']:.1f}%"
         table.add_row(row["condition"], f"{row['nll']:.4f}", f"{row['delta']:+.4f} "

@@ -29,7 +29,11 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
     by_kind,
 )
 from fcaudit.core.errors import FcauditError
-from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema's parts)
+from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema's parts)  # noqa: F401 (re-exported: the verdicts' labels)
+    DEPENDENCE_LABELS,
+    EXECUTION_LABELS,
+    QUESTIONS,
+    VARIATION_LABELS,
     ComponentShares,
     ConditionResult,
     DataSummary,
@@ -66,9 +70,10 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     VerdictPart,
     _omit_none,
 )
-from fcaudit.engine.result_views import (  # noqa: F401 (ETA2_KEYS re-exported)
+from fcaudit.engine.result_views import (  # noqa: F401 (ETA2_KEYS, condition_rows re-exported)
     ETA2_KEYS,
     TABLES,
+    condition_rows,
     condition_table_html,
     metric_intervals,
     metrics,
@@ -207,7 +212,7 @@ class AuditResult:
         numbers = self.verdict_numbers or {}
         return {q: VerdictPart(self.verdict.label(q), numbers.get(q, {}),
                                getattr(self.verdict, q))
-                for q in ("variation", "dependence", "execution")}
+                for q in QUESTIONS}
 
     def _repr_html_(self) -> str:
         """What a notebook shows for a result: the three answers and the conditions."""

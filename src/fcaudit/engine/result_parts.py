@@ -373,6 +373,13 @@ class FrontierFamily:
     reason: str | None = _omit_none()
 
 
+# the labels of the three answers (audit.json's verdict.<question>_label)
+QUESTIONS = ("variation", "dependence", "execution")
+VARIATION_LABELS = ("varies", "mixed", "constant")  # every family, some, none
+DEPENDENCE_LABELS = ("strong", "weak", "partial", "none", "unresolved")
+EXECUTION_LABELS = ("conditional", "unconditional", "not-measured")
+
+
 @dataclass
 class Verdict:
     """The three answers as sentences (the keys audit.json always had) and, since issue

@@ -28,6 +28,11 @@ from fcaudit.engine.result import (
     Verdict,
     VerdictPart,
 )
+from fcaudit.engine.result_parts import (
+    EXECUTION_LABELS,
+    QUESTIONS,
+    VARIATION_LABELS,
+)
 from fcaudit.engine.result_views import delta_key, retention_key, with_interval
 
 STRONG_PENALTY = 0.1  # nats, lower CI bound of reassign or shuffle
@@ -37,13 +42,6 @@ WEAK_PENALTY = 0.05  # nats
 VARIES_SD = 1e-6  # spread below which coefficients "do not vary"
 TOLERANCE = 0.01  # relative saving in blocks or FLOPs below which nothing is "saved"
 SPEED_TOLERANCE = 0.02  # latency ratios within 2% of 1 are no clear difference
-
-
-# the labels of the three answers (audit.json's verdict.<question>_label)
-QUESTIONS = ("variation", "dependence", "execution")
-VARIATION_LABELS = ("varies", "mixed", "constant")  # every family, some, none
-DEPENDENCE_LABELS = ("strong", "weak", "partial", "none", "unresolved")
-EXECUTION_LABELS = ("conditional", "unconditional", "not-measured")
 
 
 def variation_part(variance: Mapping[str, VarianceShares],

@@ -29,6 +29,7 @@ from fcaudit.core.conditions import (
 )
 from fcaudit.engine.result import (
     ETA2_KEYS,
+    EXECUTION_LABELS,
     AuditResult,
     ConditionResult,
     Execution,
@@ -36,9 +37,8 @@ from fcaudit.engine.result import (
     LayerConditionResult,
     LayerVariation,
     Retention,
+    condition_rows,
 )
-from fcaudit.engine.result_views import condition_rows
-from fcaudit.engine.verdicts import EXECUTION_LABELS
 from fcaudit.io.data import picked_note
 from fcaudit.io.fileio import write_text
 from fcaudit.report.figures import (

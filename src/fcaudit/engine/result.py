@@ -70,11 +70,12 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     VerdictPart,
     _omit_none,
 )
-from fcaudit.engine.result_views import (  # noqa: F401 (ETA2_KEYS, condition_rows re-exported)
+from fcaudit.engine.result_views import (  # noqa: F401 (some re-exported)
     ETA2_KEYS,
     TABLES,
     condition_rows,
     condition_table_html,
+    delta_key,
     metric_intervals,
     metrics,
 )

@@ -44,15 +44,17 @@ def with_interval(key: str, value: float | None,
 
 def metrics(r: AuditResult) -> dict[str, float | None]:
     """The result's numbers, flat: NLL of correct (and accuracy for classification), every
-    condition's penalty (None where it does not apply), the interaction, each profile's
+    condition's penalty (None where it does not apply; custom ones too), the interaction,
+    each profile's
     retention, the main family's variance shares, execution fractions, the frontier and
     re-routing; intervals are in :func:`metric_intervals`."""
     c = r.conditions
     out: dict[str, float | None] = {"nll_correct": c[CORRECT].nll}
     if c[CORRECT].accuracy is not None:  # a classification objective
         out["accuracy_correct"] = c[CORRECT].accuracy
-    for name in MAIN_CONDITIONS[MAIN_CONDITIONS.index(CORRECT) + 1:]:
+    for name in (n for n in MAIN_CONDITIONS if n != CORRECT):  # None: not applicable
         out[delta_key(name)] = c[name].delta if name in c else None
+    out |= {delta_key(n): x.delta for n, x in (r.custom_conditions or {}).items()}
     out["interaction"] = r.interaction.value if r.interaction else None
     out |= {retention_key(p): r.retention[p].value for p in RETENTION_PROFILES}
     main = r.variance[r.families[0]]  # the first family in site order is the main one
@@ -63,7 +65,8 @@ def metrics(r: AuditResult) -> dict[str, float | None]:
 def metric_intervals(r: AuditResult) -> dict[str, list[float] | None]:
     """The 95% intervals of the :func:`metrics` that have one, by the same keys."""
     out: dict[str, list[float] | None] = {
-        delta_key(n): c.ci95 for n, c in r.conditions.items() if n != CORRECT}
+        delta_key(n): c.ci95 for n, c in [*r.conditions.items(),
+                                          *(r.custom_conditions or {}).items()] if n != CORRECT}
     out["interaction"] = r.interaction.ci95 if r.interaction else None
     out |= {retention_key(p): r.retention[p].ci95 for p in RETENTION_PROFILES}
     gap = _gap_25(r)

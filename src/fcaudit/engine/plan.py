@@ -100,7 +100,6 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
     return runs
 
 
-
 def frontier_runs(runs: Sequence[Run]) -> list[Run]:
     """The savings-frontier runs, in plan order."""
     return [r for r in runs if r.point is not None]
@@ -166,16 +165,13 @@ def _intervened(run: Run, rows: range, inputs: ReplayInputs,
     whole evaluation set (donors from any batch)."""
     condition = CONDITIONS[run.condition]
     by_name = {s.name: s for s in targets}
-    draw = inputs.draws[run.repeat] if condition.kind in RANDOM_KINDS else None
+    draw = inputs.draws[run.repeat] if run.condition in RANDOM_CONDITIONS else None
     context = InterventionContext(
         tuple(targets), rows, inputs.profiles, run.repeat,
         np.random.default_rng([inputs.seed, run.repeat, rows.start]), _donors(inputs),
         _batch_ids(inputs, rows), draw)
     x = condition.feed({s.name: t for s, t in targets.items()}, context)
     return {by_name[k]: v for k, v in x.items()}
-
-
-RANDOM_KINDS = ("random",)  # conditions fed from the repeat's draw
 
 
 def _donors(inputs: ReplayInputs) -> Callable[[str, Sequence[int]], Tensor]:

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from fcaudit.core.errors import UsageError
+
 Kind = Literal["reference", "random", "static", "ablation", "frontier", "user"]
 Need = Literal["calibration", "positions", "token_ids", "routers"]
 # what a condition does in the audit's derived numbers (besides its own penalty):
@@ -56,8 +58,8 @@ class Condition:
     def feed(self, coefficients: Mapping[str, Any], context: Any) -> Mapping[str, Any]:
         """The coefficients to feed under this condition (tensors by site name)."""
         if self.feeder is None:
-            raise ValueError(f"condition {self.name!r} has no coefficient feed: the engine "
-                             "runs it its own way")
+            raise UsageError(f"condition {self.name!r} has no coefficient feed: the audit "
+                             "runs it its own way (frontier points, expert ablations)")
         fn: Callable[..., Mapping[str, Any]] = getattr(
             importlib.import_module("fcaudit.core.interventions"), self.feeder)
         return fn(self, coefficients, context)

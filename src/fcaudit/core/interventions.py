@@ -28,7 +28,7 @@ from torch import Tensor
 from fcaudit.core.arrays import id_tensor
 from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER, Condition, by_kind
 from fcaudit.core.contract import Site
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, UsageError
 
 
 def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -480,5 +480,6 @@ def builtin(name: str, repeats: int = 1) -> Intervention:
     condition = CONDITIONS.get(name)
     if condition is None or condition.feeder is None or condition.kind == "random":
         choices = [c.name for c in CONDITIONS.values() if c.feeder and c.kind != "random"]
-        raise FcauditError(f"builtin({name!r}): choose one of {', '.join(choices)}")
+        raise UsageError(f"builtin({name!r}): choose one of {', '.join(choices)}",
+                         option="name")
     return Intervention(name, condition.feed, repeats)

@@ -19,7 +19,7 @@ from fcaudit.core.conditions import (
 
 if TYPE_CHECKING:
     from fcaudit.engine.result import AuditResult
-    from fcaudit.engine.result_parts import ConditionResult
+    from fcaudit.engine.result_parts import ConditionResult, Estimate
 
 ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
              "eta2_residual")
@@ -90,7 +90,7 @@ def _execution_metrics(r: AuditResult) -> dict[str, float | None]:
     return out
 
 
-def _gap_25(r: AuditResult) -> Any:
+def _gap_25(r: AuditResult) -> Estimate | None:
     """The main family's frontier gap at 25% of FLOPs saved (an Estimate), or None without
     a frontier (MUDD's mixing weights have none: no value of them switches a block off)."""
     fam = (r.frontier or {}).get(r.families[0])

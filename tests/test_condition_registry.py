@@ -91,3 +91,17 @@ def test_builtin_refuses_random_and_unknown_conditions():
     for name in ("shuffle", "nope"):
         with pytest.raises(fcaudit.FcauditError, match=rf"builtin\('{name}'\): choose one of"):
             builtin(name)
+
+
+def test_a_condition_the_audit_runs_its_own_way_has_no_feed():
+    with pytest.raises(fcaudit.UsageError, match="'frontier' has no coefficient feed"):
+        CONDITIONS["frontier"].feed({}, None)
+
+
+def test_the_registry_and_the_result_schema_load_without_torch():
+    """Reading an audit.json needs the condition names, never the engine's torch."""
+    import subprocess
+    import sys
+    code = ("import sys, fcaudit.core.conditions, fcaudit.engine.result; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from fcaudit.core.errors import UsageError
 
+# a per-layer variant (one site intervened, the others correct) is a role of a random or
+# static condition, not a kind of its own: it reuses that condition's feed
 Kind = Literal["reference", "random", "static", "ablation", "frontier", "user"]
 Need = Literal["calibration", "positions", "token_ids", "routers"]
 # what a condition does in the audit's derived numbers (besides its own penalty):
@@ -53,7 +55,8 @@ class Condition:
     roles: frozenset[str] = frozenset()  # of Role
     # why it does not apply without a need, when the generic reason (UNAVAILABLE) is not it
     unavailable: Mapping[str, str] | None = None
-    default: bool = True  # run by every audit; False: opt-in (see interventions.builtin)
+    # run by every audit; False: opt-in, through fcaudit.static or interventions.builtin
+    default: bool = True
 
     def feed(self, coefficients: Mapping[str, Any], context: Any) -> Mapping[str, Any]:
         """The coefficients to feed under this condition (tensors by site name)."""

@@ -136,10 +136,11 @@ def print_summary(result: Any, out: Path) -> None:
     table.add_column("NLL" if objective == "token-nll" else f"loss ({objective})",
                      justify="right")
     table.add_column("delta vs correct [95% CI]", justify="right")
-    for name, c in {**result.conditions, **(result.custom_conditions or {})}.items():
-        accuracy = "" if c.accuracy is None else f", accuracy {100 * c.accuracy:.1f}%"
-        table.add_row(name, f"{c.nll:.4f}",
-                      f"{c.delta:+.4f} [{c.ci95[0]:+.4f}, {c.ci95[1]:+.4f}]{accuracy}")
+    from fcaudit.engine.result import condition_rows
+    for row in condition_rows(result):
+        accuracy = "" if row.get("accuracy") is None else f", accuracy {100 * row['accuracy']:.1f}%"
+        table.add_row(row["condition"], f"{row['nll']:.4f}", f"{row['delta']:+.4f} "
+                      f"[{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]{accuracy}")
     for name, why in (result.not_applicable or {}).items():
         table.add_row(name, "not applicable", why)
     console.print(table)

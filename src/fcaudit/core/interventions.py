@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from fcaudit.core.arrays import id_tensor
-from fcaudit.core.conditions import STATIC_CONDITIONS
+from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER, Condition, by_kind
 from fcaudit.core.contract import Site
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, UsageError
 
 
 def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -116,6 +116,12 @@ def merge_token_sums(acc: TokenSums | None, more: TokenSums) -> TokenSums:
                      {k: merged(v, more.sums[k]) for k, v in acc.sums.items()})
 
 
+def cell_keys(ids: Tensor) -> Tensor:
+    """One key per (token id, position) of ``ids [B, T]``: ``id * T + position``."""
+    length = ids.shape[-1]
+    return ids.to(torch.int64) * length + torch.arange(length, device=ids.device)
+
+
 def _token_ids(ids: Any, shape: tuple[int, ...], what: str) -> Tensor:
     """Token ids ``[B, T]`` for coefficients of leading shape ``shape``, or one clear line."""
     if ids is None:
@@ -130,7 +136,9 @@ class StaticProfiles:
     ``layer(s)`` is the mean of site ``s`` over positions and sequences (trailing
     shape kept); ``layer_position(s)`` the mean over sequences at each position;
     ``layer_token(s, ids)`` the mean over every calibration token with the same id
-    (ids unseen in calibration get ``layer(s)``); ``global_mean(f)`` one scalar per
+    (ids unseen in calibration get ``layer(s)``); ``layer_token_position(s, ids)`` the
+    mean over every calibration token with the same id at the same position (pairs unseen
+    get ``layer(s)``; collected by :meth:`add` only); ``global_mean(f)`` one scalar per
     family over every coefficient of the family. Float64 sums are added batch by
     batch, in batch order.
     """
@@ -141,6 +149,9 @@ class StaticProfiles:
         self.count = 0
         self.tokens: TokenSums | None = None  # per token id; None without token ids
         self._token_means: dict[str, Tensor] = {}
+        # per (token id, position), keyed id * T + position (cell_keys); None: not collected
+        self.cells: TokenSums | None = None
+        self._cell_means: dict[str, Tensor] = {}
 
     def add_sums(self, sums: Mapping[str, Tensor], count: int,
                  tokens: TokenSums | None = None) -> None:
@@ -165,9 +176,13 @@ class StaticProfiles:
         per-token-id profile too."""
         ids = getattr(coefficients, "input_ids", None) if ids is None else ids
         shape = tuple(next(iter(coefficients.values())).shape[:2])
-        tokens = None if ids is None else token_sums(
-            coefficients, _token_ids(ids, shape, "StaticProfiles.add"))
-        self.add_sums(batch_sums(coefficients), shape[0], tokens)
+        if ids is None:
+            self.add_sums(batch_sums(coefficients), shape[0])
+            return
+        ids = _token_ids(ids, shape, "StaticProfiles.add")
+        self.add_sums(batch_sums(coefficients), shape[0], token_sums(coefficients, ids))
+        self.cells = merge_token_sums(self.cells, token_sums(coefficients, cell_keys(ids)))
+        self._cell_means.clear()
 
     def shape(self, site: Site) -> torch.Size:
         """The per-position profile's shape ``[T, *trailing]``, once a batch was added."""
@@ -190,21 +205,37 @@ class StaticProfiles:
             raise FcauditError("static-layer-token needs per-token-id calibration sums: add "
                                "calibration batches with their token ids (StaticProfiles.add"
                                "(coefficients, ids))")
-        means = self._token_means.get(site.name)
+        return self._keyed(self.tokens, self._token_means, site, ids)
+
+    def layer_token_position(self, site: Site, ids: Tensor, what: str = "this profile") -> Tensor:
+        """The per-(token id, position) means at ``ids [B, T]``: ``[B, T, *trailing]``;
+        a pair no calibration token had gets the static-layer profile."""
+        if self.cells is None:
+            raise FcauditError(f"{what} needs per-token-id-and-position calibration sums, which "
+                               "an audit's calibration does not collect (it is opt-in): add "
+                               "calibration batches with their token ids through "
+                               "StaticProfiles.add(coefficients, ids) and call fcaudit.static")
+        return self._keyed(self.cells, self._cell_means, site, cell_keys(ids))
+
+    def _keyed(self, sums: TokenSums, cache: dict[str, Tensor], site: Site,
+               keys: Tensor) -> Tensor:
+        """The means of ``sums`` at ``keys``; a key calibration never had gets ``layer``."""
+        means = cache.get(site.name)
         if means is None:
-            sums = self.tokens.sums[site.name]
-            means = sums / self.tokens.counts.view(-1, *[1] * (sums.dim() - 1))
-            self._token_means[site.name] = means
-        seen, where = self._lookup(ids)
+            total = sums.sums[site.name]
+            means = total / sums.counts.view(-1, *[1] * (total.dim() - 1))
+            cache[site.name] = means
+        seen, where = self._lookup(keys, sums)
         out = means[where]
         out[~seen] = self.layer(site)
         return out
 
-    def _lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """For each id: whether calibration saw it, and its row in :attr:`tokens` (which
-        holds at least one id: a calibration batch has tokens)."""
-        assert self.tokens is not None
-        known = self.tokens.ids
+    def _lookup(self, ids: Tensor, sums: TokenSums | None = None) -> tuple[Tensor, Tensor]:
+        """For each id: whether calibration saw it, and its row in ``sums`` (default
+        :attr:`tokens`, which holds at least one id: a calibration batch has tokens)."""
+        sums = self.tokens if sums is None else sums
+        assert sums is not None
+        known = sums.ids
         where = torch.searchsorted(known, ids).clamp(max=len(known) - 1)
         return known[where] == ids, where
 
@@ -228,37 +259,50 @@ class StaticProfiles:
 def static_tensor(condition: str, site: Site, profiles: StaticProfiles,
                   like: Tensor, ids: Tensor | None = None) -> Tensor:
     """The coefficients a static condition feeds ``site``, shaped and typed like ``like``
-    (``ids [B, T]``: the token ids fed, for static-layer-token)."""
-    shape = like.shape
-    _check_profile(condition, site, profiles, like)
-    if condition == "static-layer":
-        prof = profiles.layer(site).expand(shape)
-    elif condition == "static-layer-position":
-        prof = profiles.layer_position(site).unsqueeze(0).expand(shape)
-    elif condition == "static-layer-token":
-        prof = profiles.layer_token(site, _token_ids(ids, tuple(shape[:2]),
-                                                     "static-layer-token"))
-    elif condition == "global-mean":
-        prof = torch.full(shape, profiles.global_mean(site.family), dtype=torch.float64)
+    (``ids [B, T]``: the token ids fed, for the profiles keyed by token id)."""
+    cond = _check_profile(condition, site, profiles, like)
+    assert cond.profile is not None
+    prof = _PROFILES[cond.profile](profiles, site, like.shape, ids, cond.name)
     return prof.to(device=like.device, dtype=like.dtype).contiguous()
 
 
-def _check_profile(condition: str, site: Site, profiles: StaticProfiles, like: Tensor) -> None:
+ProfileFn = Callable[[StaticProfiles, Site, torch.Size, "Tensor | None", str], Tensor]
+# a static condition's profile (its registry entry's ``profile``), as the fed tensor
+_PROFILES: dict[str, ProfileFn] = {
+    "layer": lambda p, site, shape, ids, what: p.layer(site).expand(shape),
+    "layer_position": lambda p, site, shape, ids, what:
+        p.layer_position(site).unsqueeze(0).expand(shape),
+    "layer_token": lambda p, site, shape, ids, what:
+        p.layer_token(site, _token_ids(ids, tuple(shape[:2]), what)),
+    "layer_token_position": lambda p, site, shape, ids, what:
+        p.layer_token_position(site, _token_ids(ids, tuple(shape[:2]), what), what),
+    "global_mean": lambda p, site, shape, ids, what:
+        torch.full(shape, p.global_mean(site.family), dtype=torch.float64),
+}
+# the profiles of shape [positions, *trailing]
+_PER_POSITION = ("layer_position", "layer_token_position")
+
+
+def _check_profile(condition: str, site: Site, profiles: StaticProfiles,
+                   like: Tensor) -> Condition:
     """Refuse in one line a condition that is not static, and coefficients whose shape the
     site's calibration profile does not have: [positions, *trailing] for the per-position
     profile, the trailing shape for the others."""
-    if condition not in STATIC_CONDITIONS:
+    static_names = by_kind("static", default=None)
+    if condition not in static_names:
         raise FcauditError(f"static(condition={condition!r}): choose one of "
-                           f"{', '.join(STATIC_CONDITIONS)}")
+                           f"{', '.join(static_names)}")
+    cond = CONDITIONS[condition]
     profile = profiles.shape(site)  # [T, *trailing]
-    given, kept = (like.shape[1:], profile) if condition == "static-layer-position" \
-        else (like.shape[2:], profile[1:])
+    per_position = cond.profile in _PER_POSITION
+    given, kept = (like.shape[1:], profile) if per_position else (like.shape[2:], profile[1:])
     if like.dim() < 2 or given != kept:
-        part = "[positions, *trailing]" if condition == "static-layer-position" else "trailing"
+        part = "[positions, *trailing]" if per_position else "trailing"
         raise FcauditError(f"static(..., {condition!r}): site {site.name}'s coefficients "
                            f"{list(like.shape)} have {part} shape {list(given)}, its calibration "
                            f"profile {list(kept)}; record calibration and these coefficients at "
                            "the same sites and length")
+    return cond
 
 
 def shuffle_positions(x: Tensor, positions: np.ndarray) -> Tensor:
@@ -326,7 +370,7 @@ def shuffle(coefficients: Coefficients, positions: np.ndarray) -> Mapping[str, T
 
 
 def static(coefficients: Coefficients, profiles: StaticProfiles,
-           condition: str = "static-layer", ids: Any = None) -> Mapping[str, Tensor]:
+           condition: str = STATIC_LAYER, ids: Any = None) -> Mapping[str, Tensor]:
     """Every site's coefficients replaced by a static calibration profile; for
     ``static-layer-token``, the profile of each token's id (``ids [B, T]``, or the
     Recording's own input ids)."""
@@ -351,6 +395,9 @@ class InterventionContext:
     rng: np.random.Generator  # seeded by (master seed, name, repeat, batch)
     donors: Callable[[str, Sequence[int]], Tensor]  # any sequences' coefficients of a site
     ids: Tensor | None = None  # the batch's token ids [B, T] (static(..., ids=context.ids))
+    # the repeat's random assignment over the whole evaluation set (the engine's built-in
+    # random conditions; None for user interventions, which draw from ``rng``)
+    draw: RandomDraw | None = None
 
 
 InterventionFn = Callable[[dict[str, Tensor], InterventionContext], Mapping[str, Tensor]]
@@ -369,3 +416,70 @@ class Intervention:
     def rng(self, master: int, repeat: int, batch: int) -> np.random.Generator:
         key = zlib.crc32(self.name.encode())
         return np.random.default_rng([master, key, repeat, batch])
+
+
+# The built-in conditions' feeds (core/conditions.py names them): the engine feeds its
+# conditions through the same InterventionContext as user interventions.
+
+def feed_own(condition: Condition, coefficients: Coefficients,
+             context: InterventionContext) -> Mapping[str, Tensor]:
+    """The reference: each site's own recorded coefficients."""
+    return coefficients
+
+
+def _drawn(condition: Condition, context: InterventionContext) -> RandomDraw:
+    if context.draw is None:
+        raise FcauditError(f"condition {condition.name!r} needs the audit's random draw of the "
+                           "repeat (InterventionContext.draw): the engine gives it")
+    return context.draw
+
+
+def feed_reassign(condition: Condition, coefficients: Coefficients,
+                  context: InterventionContext) -> Mapping[str, Tensor]:
+    """Sequence ``n`` of the batch gets evaluation sequence ``donor[n]``'s coefficients,
+    from any batch: the donor rows are read through ``context.donors`` (each once, in
+    increasing order) and :func:`reassign` pairs them with their receivers. The donors
+    are a slice of a derangement, so the pool has one distinct row per receiver."""
+    rows = context.rows
+    pool_rows, donor = np.unique(_drawn(condition, context).donor[rows.start:rows.stop],
+                                 return_inverse=True)
+    pool = {k: context.donors(k, pool_rows) for k in coefficients}
+    return reassign(pool, donor.reshape(-1))
+
+
+def feed_shuffle(condition: Condition, coefficients: Coefficients,
+                 context: InterventionContext) -> Mapping[str, Tensor]:
+    """Each site's positions permuted per sequence; sites with the same number of
+    positions share one permutation per sequence (token sites all have ``T``)."""
+    rand, rows = _drawn(condition, context), context.rows
+    groups: dict[int, dict[str, Tensor]] = {}
+    for name, tensor in coefficients.items():
+        groups.setdefault(int(tensor.shape[1]), {})[name] = tensor
+    out: dict[str, Tensor] = {}
+    for length, part in groups.items():
+        out.update(shuffle(part, rand.positions_for(length)[rows.start:rows.stop]))
+    return {name: out[name] for name in coefficients}
+
+
+def feed_reassign_shuffle(condition: Condition, coefficients: Coefficients,
+                          context: InterventionContext) -> Mapping[str, Tensor]:
+    """Another sequence's coefficients, then positions permuted (the same draws as
+    reassign and shuffle of the repeat, so the factorial contrast is paired)."""
+    return feed_shuffle(condition, feed_reassign(condition, coefficients, context), context)
+
+
+def feed_static(condition: Condition, coefficients: Coefficients,
+                context: InterventionContext) -> Mapping[str, Tensor]:
+    """The condition's calibration profile (:func:`static`)."""
+    return static(coefficients, context.profiles, condition.name, context.ids)
+
+
+def builtin(name: str, repeats: int = 1) -> Intervention:
+    """A built-in condition as an :class:`Intervention`, to run one that audits do not run
+    by default (``fcaudit.audit(..., interventions=[builtin(name)])``)."""
+    condition = CONDITIONS.get(name)
+    if condition is None or condition.feeder is None or condition.kind == "random":
+        choices = [c.name for c in CONDITIONS.values() if c.feeder and c.kind != "random"]
+        raise UsageError(f"builtin({name!r}): choose one of {', '.join(choices)}",
+                         option="name")
+    return Intervention(name, condition.feed, repeats)

@@ -37,6 +37,7 @@ from typing import Any
 
 from torch import Tensor
 
+from fcaudit.core.conditions import CONDITIONS, MAIN_CONDITIONS
 from fcaudit.core.contract import ControllerAdapter, RoutingAdapter, Site, SiteCall, describe
 from fcaudit.core.errors import FcauditError, arg
 
@@ -373,15 +374,9 @@ def has_positions(sites: Sequence[Site]) -> bool:
 def not_applicable(sites: Sequence[Site], token_ids: bool) -> dict[str, str]:
     """The conditions that cannot act on these sites and inputs, each with the reason in
     the sites' own axis names (reported as not applicable, never as a number)."""
-    out = {}
-    if not has_positions(sites):
-        shapes = "; ".join(dict.fromkeys(f"[{', '.join(s.axes)}]" for s in sites))
-        why = (f"the coefficients ({shapes}) have no position axis, one value set per "
-               "example")
-        out["shuffle"] = f"{why}: there are no positions to permute"
-        out["reassign+shuffle"] = f"{why}: shuffle does not apply, so neither does the pair"
-        out["static-layer-position"] = f"{why}: a per-position profile is the per-layer one"
-    if not token_ids:
-        out["static-layer-token"] = ("the inputs are not token ids: there is no token id "
-                                     "to key a profile by")
-    return out
+    positions = has_positions(sites)  # sites without one all have their axes named
+    shapes = "" if positions else "; ".join(dict.fromkeys(f"[{', '.join(s.axes)}]"
+                                                          for s in sites))
+    why = {name: CONDITIONS[name].why_not(positions, token_ids, shapes)
+           for name in MAIN_CONDITIONS}
+    return {name: reason for name, reason in why.items() if reason is not None}

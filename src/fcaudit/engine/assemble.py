@@ -43,7 +43,7 @@ from fcaudit.engine.summary import (
 )
 from fcaudit.engine.target_ci import Rounds
 from fcaudit.engine.twin import execute
-from fcaudit.engine.verdicts import dependence, qualified, variation
+from fcaudit.engine.verdicts import judge
 from fcaudit.io.placement import PLACEMENT
 from fcaudit.io.runtime import host, versions
 
@@ -61,6 +61,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     timings["total_s"] = time.perf_counter() - setup.started
     identity = m.identity
     seeds = setup.seeds
+    verdict, verdict_numbers = _verdict(m, execution)
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
         data=setup.data.summary(),
@@ -70,7 +71,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
         per_layer=summary.per_layer, retention=summary.retention,
         interaction=summary.interaction, variance=description.variance,
         variation=description.variation, profiles=description.profiles,
-        execution=execution, verdict=_verdict(m, execution),
+        execution=execution, verdict=verdict, verdict_numbers=verdict_numbers,
         seeds=Seeds(seeds.master, seeds.draws, seeds.draws, seeds.bootstrap),
         settings=_settings(m), versions=versions(), command=command,
         nondeterministic_keys=[*NONDETERMINISTIC_KEYS, *([TIMED_VERDICT_KEY]
@@ -83,15 +84,10 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
         **_extras(m, cache, execution))
 
 
-def _verdict(m: Measurements, execution: Execution) -> Verdict:
-    from fcaudit.engine.verdicts import verdict_execution
-    identity, summary, description = m.identity, m.summary, m.description
-    execution_text = verdict_execution(execution) if execution.measured else \
-        f"Execution not measured: {execution.reason}."
-    return Verdict(qualified(variation(description.variance, description.variation), identity),
-                   qualified(dependence(summary.conditions, summary.retention,
-                                        shuffled_axes(m.setup.sites)), identity),
-                   qualified(execution_text, identity))
+def _verdict(m: Measurements, execution: Execution) -> tuple[Verdict, dict[str, Any]]:
+    """The verdict and the numbers each of its answers rests on."""
+    return judge(m.description.variance, m.description.variation, m.summary.conditions,
+                 m.summary.retention, shuffled_axes(m.setup.sites), execution, m.identity)
 
 
 def _settings(m: Measurements) -> dict[str, Any]:

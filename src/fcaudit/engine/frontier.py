@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fcaudit.core.conditions import STATIC_LAYER, STATIC_LAYER_POSITION
 from fcaudit.core.contract import ExpertLayer, RoutingAdapter, Site
 from fcaudit.core.routers import drop_experts, top_p_keep, topk_mass
 from fcaudit.engine.metrics import Bootstrap, penalty
@@ -33,8 +34,8 @@ from fcaudit.engine.result import (
 )
 
 GATE, ROUTER = "gate", "router"
-DYNAMIC, STATIC_LAYER, STATIC_CELL, STATIC_K = ("dynamic", "static-layer",
-                                                "static-layer-position", "static-k")
+# the static rules named after the conditions whose profiles they threshold
+DYNAMIC, STATIC_CELL, STATIC_K = "dynamic", STATIC_LAYER_POSITION, "static-k"
 STATIC_RULES = {GATE: (STATIC_LAYER, STATIC_CELL), ROUTER: (STATIC_K,)}
 MATCHED = (0.10, 0.25, 0.50)  # FLOPs-saved fractions the curves are compared at
 HEADLINE = 0.25  # the one-sentence comparison

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from fcaudit.core.conditions import FRONTIER
 from fcaudit.core.discovery import declared_experts
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.hooks import hooks as hooked
@@ -49,7 +50,7 @@ def frontier_plan(setup: Prepared, first: Probe) -> list[Covered]:
     covered = frontier_families(setup.sites, first.coefficients,
                                 declared_experts(setup.model) or [])
     if not covered and asked:
-        raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')}: the audited "
+        raise FcauditError(f"{arg(FRONTIER, py='AuditOptions(frontier=True)')}: the audited "
                            "sites have no soft gate (one coefficient per token) and no router "
                            "with declared experts, so nothing could be skipped; drop the "
                            "option")

@@ -161,7 +161,7 @@ def _example_inputs(loaded: LoadedModel, data: AuditData, options: AuditOptions)
             "targets) or a callable (model_output, batch) -> per-unit losses, or give token "
             "ids as AuditData(eval_ids=..., calib_ids=...)")
     if options.frontier:
-        raise FcauditError(f"{arg('frontier', py='AuditOptions(frontier=True)')} is measured "
+        raise FcauditError(f"{arg(FRONTIER, py='AuditOptions(frontier=True)')} is measured "
                            "on token inputs only; drop it for these inputs")
     if options.target_ci is not None:
         raise FcauditError(f"{arg('target_ci', py='AuditOptions(target_ci=...)')} grows a pool "

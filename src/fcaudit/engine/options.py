@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fcaudit.core.conditions import FRONTIER
 from fcaudit.core.errors import UsageError, arg
 from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.placement import DEVICE_MAPS
@@ -201,14 +202,14 @@ class AuditOptions:
                              f"{AUTO_ABLATION_MAX_EXPERTS} experts per routed layer)",
                              option="expert_ablation")
         if self.frontier is not None and not isinstance(self.frontier, bool):
-            raise UsageError(f"{_name('frontier', self.frontier)}: must be True, False or "
+            raise UsageError(f"{_name(FRONTIER, self.frontier)}: must be True, False or "
                              "None (on where a family is covered and execution measured)",
-                             option="frontier")
+                             option=FRONTIER)
         if self.frontier and not self.execution:
             off = arg("execution", py="AuditOptions(execution=False)", cli="--no-execution")
-            raise UsageError(f"{arg('frontier', py='AuditOptions(frontier=True)')} needs the "
+            raise UsageError(f"{arg(FRONTIER, py='AuditOptions(frontier=True)')} needs the "
                              f"execution audit (its x axis is the FLOPs it counts): drop {off} "
-                             "or the frontier", option="frontier")
+                             "or the frontier", option=FRONTIER)
         _check_target(self.target_ci, self.min_sequences)
         self.placement()  # the device map, budget syntax and offload folder
         from fcaudit.engine.objectives import resolve

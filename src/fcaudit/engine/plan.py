@@ -18,6 +18,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fcaudit.core.conditions import (
+    CONDITIONS,
+    CORRECT,
+    EXPERT_ABLATION,
+    FRONTIER,
+    RANDOM_CONDITIONS,
+    STATIC_CONDITIONS,
+    by_role,
+)
 from fcaudit.core.contract import RoutingAdapter, Site
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.interventions import (
@@ -25,15 +34,11 @@ from fcaudit.core.interventions import (
     InterventionContext,
     RandomDraw,
     StaticProfiles,
-    reassign,
-    shuffle,
-    static,
 )
 from fcaudit.core.routers import ablate_expert
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.frontier import FrontierPoint, point_feed
 from fcaudit.engine.options import AUTO_ABLATION_MAX_EXPERTS, AuditOptions
-from fcaudit.engine.result import RANDOM_CONDITIONS, STATIC_CONDITIONS
 
 
 class Target:
@@ -167,9 +172,6 @@ class Run:
         return self.target.key(self.condition)
 
 
-EXPERT_ABLATION = "expert-ablation"
-
-
 def ablation_key(site: Site | None, expert: int) -> str:
     """The run key of ablating ``expert`` at ``site`` (custom interventions may not take it)."""
     return f"{EXPERT_ABLATION}:{expert}@{site.name if site else ''}"
@@ -195,23 +197,21 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
     """Every run, in order: correct first, then the conditions, per-layer variants, expert
     ablations (``ablated``: site -> its number of experts), frontier points and user
     interventions; conditions in ``skipped`` (not applicable to these sites) are not run."""
-    runs = [Run("correct")]
+    runs = [Run(CORRECT)]
     runs += [Run(c, k) for k in range(options.repeats) for c in RANDOM_CONDITIONS
              if c not in skipped]
     runs += [Run(c) for c in STATIC_CONDITIONS if c not in skipped]
     if options.per_layer:
         for site in sites:
-            runs += [Run("reassign", k, OneSite(site)) for k in range(options.repeats)]
-            runs.append(Run("static-layer", 0, OneSite(site)))
+            for name in by_role("per-layer"):  # random ones repeated, static ones once
+                repeats = options.repeats if name in RANDOM_CONDITIONS else 1
+                runs += [Run(name, k, OneSite(site)) for k in range(repeats)]
     runs += [Run(EXPERT_ABLATION, target=ExpertAblation(site, e))
              for site, n in (ablated or {}).items() for e in range(n)]
     runs += [Run(FRONTIER, target=FrontierRun(p)) for p in points]
     runs += [Run(iv.name, k, UserIntervention(iv)) for iv in interventions
              for k in range(iv.repeats)]
     return runs
-
-
-FRONTIER = "frontier"
 
 
 def frontier_runs(runs: Sequence[Run]) -> list[Run]:
@@ -262,48 +262,23 @@ def feed(run: Run, b: int, inputs: ReplayInputs, device: torch.device) -> dict[S
 
 def _intervened(run: Run, rows: range, inputs: ReplayInputs,
                 targets: dict[Site, Tensor]) -> dict[Site, Tensor]:
-    """A main condition on the targeted sites, through the public interventions (one
-    implementation each); the engine adds only the donors drawn from the whole
-    evaluation set."""
+    """A main condition on the targeted sites: its registry feed, through the same
+    :class:`InterventionContext` as user interventions, with the repeat's draw over the
+    whole evaluation set (donors from any batch)."""
+    condition = CONDITIONS[run.condition]
     by_name = {s.name: s for s in targets}
-    x: Mapping[str, Tensor] = {s.name: t for s, t in targets.items()}
-    if run.condition in RANDOM_CONDITIONS:
-        rand = inputs.draws[run.repeat]
-        if run.condition in ("reassign", "reassign+shuffle"):
-            x = _reassigned(x, rand.donor[rows.start:rows.stop], inputs.cache)
-        if run.condition in ("shuffle", "reassign+shuffle"):
-            x = _shuffled(x, rand, rows)
-    elif run.condition in STATIC_CONDITIONS:
-        x = static(x, inputs.profiles, run.condition, _batch_ids(inputs, rows))
+    draw = inputs.draws[run.repeat] if run.condition in RANDOM_CONDITIONS else None
+    context = InterventionContext(
+        tuple(targets), rows, inputs.profiles, run.repeat,
+        np.random.default_rng([inputs.seed, run.repeat, rows.start]), inputs.cache.coefficient_rows,
+        _batch_ids(inputs, rows), draw)
+    x = condition.feed({s.name: t for s, t in targets.items()}, context)
     return {by_name[k]: v for k, v in x.items()}
-
-
-def _shuffled(x: Mapping[str, Tensor], rand: RandomDraw, rows: range) -> dict[str, Tensor]:
-    """Each site's positions permuted per sequence; sites with the same number of positions
-    share one permutation per sequence (token sites all have ``T``)."""
-    groups: dict[int, dict[str, Tensor]] = {}
-    for name, tensor in x.items():
-        groups.setdefault(int(tensor.shape[1]), {})[name] = tensor
-    out: dict[str, Tensor] = {}
-    for length, part in groups.items():
-        out.update(shuffle(part, rand.positions_for(length)[rows.start:rows.stop]))
-    return {name: out[name] for name in x}
 
 
 def _batch_ids(inputs: ReplayInputs, rows: range) -> Tensor | None:
     return None if inputs.ids is None else torch.from_numpy(
         np.ascontiguousarray(inputs.ids[rows.start:rows.stop]))
-
-
-def _reassigned(coefficients: Mapping[str, Tensor], donors: np.ndarray,
-                cache: CoefficientCache) -> Mapping[str, Tensor]:
-    """Sequence ``n`` of the batch gets evaluation sequence ``donors[n]``'s coefficients,
-    from any batch: the donor rows are read from the cache (each once, in increasing
-    order) and :func:`reassign` pairs them with their receivers. ``donors`` is a slice of
-    a derangement, so its rows are distinct and the pool has one row per receiver."""
-    pool_rows, donor = np.unique(donors, return_inverse=True)
-    pool = {k: cache.coefficient_rows(k, pool_rows) for k in coefficients}
-    return reassign(pool, donor.reshape(-1))
 
 
 def _custom_feed(iv: Intervention, repeat: int, b: int, inputs: ReplayInputs,
@@ -334,7 +309,7 @@ def ablation_runs(runs: Sequence[Run]) -> list[Run]:
 
 def tracked_runs(runs: Sequence[Run]) -> list[Run]:
     """The runs whose re-routing is counted: main conditions other than correct."""
-    return [r for r in runs if isinstance(r.target, AllSites) and r.condition != "correct"]
+    return [r for r in runs if isinstance(r.target, AllSites) and r.condition != CORRECT]
 
 
 def routing_sites(sites: Sequence[Site]) -> list[Site]:

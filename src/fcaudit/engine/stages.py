@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from fcaudit.core.adapters import same_bits
+from fcaudit.core.conditions import CORRECT
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.interventions import StaticProfiles, batch_sums, token_sums
@@ -360,7 +361,7 @@ class _Passes:
         fed = feed(run, self.b, self.inputs, torch.device("cpu"))
         digest = run_digest(run, fed, self.context)
         fed = {s: t.to(self.x.device) for s, t in fed.items()}
-        if run.condition == "correct":
+        if run.condition == CORRECT:
             self.correct_fed = fed
         ablated = run.target if isinstance(run.target, ExpertAblation) else None
         out = replay_batch(self.net, self.x, fed, objective=self.objective,
@@ -393,7 +394,7 @@ def _replay_one_batch(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run]
     expert load of the correct replay and how many tokens each main condition re-routes.
     Rows stay in plan order, each with the digest of what its run was fed; the runs in
     ``kept`` are not replayed again (their rows come from an earlier round's shard)."""
-    assert runs[0].condition == "correct" and runs[0].target.only_site is None
+    assert runs[0].condition == CORRECT and runs[0].target.only_site is None
     passes, routed = _Passes(setup, inputs, b, x, tick), routing_sites(inputs.sites)
     passes.still_selected.update({runs[i].key: n for i, n in kept.still.items()})
     traced = setup.blocks if setup.options.schedule == "prefix" and \

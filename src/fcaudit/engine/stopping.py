@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from fcaudit.core.conditions import by_role
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.engine.result import ConditionResult, Stopping, StoppingRound
 from fcaudit.engine.seeds import SeedPlan
@@ -27,8 +28,7 @@ DEFAULT_MIN_SEQUENCES = 16  # the first round: a bootstrap over fewer is too coa
 # the penalties whose intervals must reach the target: every main condition's penalty
 # against correct (the interaction, retention and per-layer variants follow from them or
 # are localisations, and are not counted)
-COUNTED = ("reassign", "shuffle", "reassign+shuffle", "static-layer", "static-layer-position",
-           "static-layer-token", "global-mean")
+COUNTED = by_role("counted")
 MAX_GROWTH = 2  # a round at most doubles the sequences of the last one
 RULE = ("stop at the first round where every counted penalty's 95% paired bootstrap "
         "interval [lo, hi] has max(delta - lo, hi - delta) <= target_ci, or when the pool "

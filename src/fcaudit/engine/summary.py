@@ -17,6 +17,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fcaudit.core.conditions import (
+    CORRECT,
+    GLOBAL_MEAN,
+    MAIN_CONDITIONS,
+    ORIGINAL,
+    PER_LAYER_CONDITIONS,
+    REASSIGN,
+    REASSIGN_SHUFFLE,
+    RETENTION_PROFILES,
+    SHUFFLE,
+    STATIC_LAYER,
+)
 from fcaudit.core.contract import Site
 from fcaudit.core.interventions import StaticProfiles
 from fcaudit.core.routers import ABLATION_MARGIN, load_entropy
@@ -33,9 +45,6 @@ from fcaudit.engine.metrics import (
 from fcaudit.engine.options import AuditOptions
 from fcaudit.engine.plan import ExpertAblation, Run, UserIntervention
 from fcaudit.engine.result import (
-    MAIN_CONDITIONS,
-    PER_LAYER_CONDITIONS,
-    RETENTION_PROFILES,
     ConditionResult,
     ExpertImportance,
     ImportanceSummary,
@@ -55,7 +64,7 @@ from fcaudit.engine.seeds import SeedPlan
 def _condition(per_seq: Mapping[str, np.ndarray], repeats: Mapping[str, list[np.ndarray]],
                key: str, boot: Bootstrap,
                hits: Mapping[str, float] | None = None) -> ConditionResult:
-    correct = per_seq["correct"]
+    correct = per_seq[CORRECT]
     delta, ci = penalty(per_seq[key], correct, boot)
     reps = repeats[key]
     return ConditionResult(float(per_seq[key].mean()), delta, ci,
@@ -74,7 +83,7 @@ def accuracies(runs: Sequence[Run], hits: Sequence[np.ndarray] | None,
     for run, values in zip(runs, hits, strict=True):
         by_key.setdefault(run.key, []).append(values)
     out = {k: float(np.mean([v.mean() for v in vs])) for k, vs in by_key.items()}
-    return {**out, "original": float(original.mean())}
+    return {**out, ORIGINAL: float(original.mean())}
 
 
 def paired_bootstrap(n: int, options: AuditOptions) -> Bootstrap:
@@ -102,7 +111,7 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
     repeats: dict[str, list[np.ndarray]] = {}
     for run, values in zip(runs, replayed, strict=True):  # repeats of a key come in order
         repeats.setdefault(run.key, []).append(values)
-    repeats["original"] = [original]
+    repeats[ORIGINAL] = [original]
     per_seq = {k: np.mean(v, axis=0) for k, v in repeats.items()}
     boot = paired_bootstrap(len(original), options)
     conditions = {c: _condition(per_seq, repeats, c, boot, hits) for c in MAIN_CONDITIONS
@@ -111,12 +120,12 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
         per_seq, repeats, f"{c}@{s.name}", boot, hits)), layer=s.layer, site=s.name,
         family=s.family) for s in sites] for c in PER_LAYER_CONDITIONS} \
         if options.per_layer else {}
-    correct = per_seq["correct"]
-    ret = {p: retention(per_seq[p], correct, per_seq["global-mean"], boot)
+    correct = per_seq[CORRECT]
+    ret = {p: retention(per_seq[p], correct, per_seq[GLOBAL_MEAN], boot)
            if p not in skipped else _not_applicable(per_seq, boot, skipped[p])
            for p in RETENTION_PROFILES}
-    inter = interaction(per_seq["reassign+shuffle"], per_seq["reassign"], per_seq["shuffle"],
-                        correct, boot) if "shuffle" not in skipped else None
+    inter = interaction(per_seq[REASSIGN_SHUFFLE], per_seq[REASSIGN], per_seq[SHUFFLE],
+                        correct, boot) if SHUFFLE not in skipped else None
     custom = {r.target.intervention.name: _condition(per_seq, repeats, r.key, boot, hits)
               for r in runs if isinstance(r.target, UserIntervention)}
     return Summary(conditions, per_layer, ret, inter, custom)
@@ -125,7 +134,7 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
 def _not_applicable(per_seq: Mapping[str, np.ndarray], boot: Bootstrap,
                     reason: str) -> Retention:
     """The retention of a profile that does not apply: the gap as measured, no value."""
-    gap = retention(per_seq["static-layer"], per_seq["correct"], per_seq["global-mean"], boot)
+    gap = retention(per_seq[STATIC_LAYER], per_seq[CORRECT], per_seq[GLOBAL_MEAN], boot)
     return dataclasses.replace(gap, value=None, ci95=None, defined=False,
                                reason=f"not applicable: {reason}")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from fcaudit.core.conditions import CONDITIONS, REASSIGN, SHUFFLE, STATIC_LAYER, by_role
 from fcaudit.engine.result import (
     ConditionResult,
     Estimate,
@@ -24,7 +25,15 @@ from fcaudit.engine.result import (
     Retention,
     VarianceShares,
     Variation,
+    Verdict,
+    VerdictPart,
 )
+from fcaudit.engine.result_parts import (
+    EXECUTION_LABELS,
+    QUESTIONS,
+    VARIATION_LABELS,
+)
+from fcaudit.engine.result_views import delta_key, retention_key, with_interval
 
 STRONG_PENALTY = 0.1  # nats, lower CI bound of reassign or shuffle
 STRONG_RETENTION = 50.0  # percent
@@ -35,57 +44,76 @@ TOLERANCE = 0.01  # relative saving in blocks or FLOPs below which nothing is "s
 SPEED_TOLERANCE = 0.02  # latency ratios within 2% of 1 are no clear difference
 
 
-def variation(variance: Mapping[str, VarianceShares], spread: Mapping[str, Variation]) -> str:
-    parts = []
+def variation_part(variance: Mapping[str, VarianceShares],
+                   spread: Mapping[str, Variation]) -> VerdictPart:
+    """Whether the coefficients vary, family by family, with the spreads it rests on."""
+    parts, varies, numbers = [], [], {}
     for family, v in spread.items():
         eta = variance[family]
-        varies = v.mean_sd_across_inputs > VARIES_SD or v.mean_sd_across_positions > VARIES_SD
+        vary = v.mean_sd_across_inputs > VARIES_SD or v.mean_sd_across_positions > VARIES_SD
+        varies.append(vary)
+        numbers |= {f"{family}.sd_across_inputs": v.mean_sd_across_inputs,
+                    f"{family}.sd_across_positions": v.mean_sd_across_positions,
+                    f"{family}.sd_across_layers": v.across_layer_sd}
         parts.append(
-            f"{family}: coefficients {'vary' if varies else 'do not vary'} (sd across inputs "
+            f"{family}: coefficients {'vary' if vary else 'do not vary'} (sd across inputs "
             f"{v.mean_sd_across_inputs:.3g}, across positions {v.mean_sd_across_positions:.3g}, "
             f"across layers {v.across_layer_sd:.3g}); {eta.sentence()}")
-    return "; ".join(parts) + "."
+    label = VARIATION_LABELS[0 if all(varies) else 1 if any(varies) else 2]
+    return VerdictPart(label, numbers, "; ".join(parts) + ".")
 
 
-PENALTIES = {"reassign": "reassigning coefficients across inputs",
-             "shuffle": "shuffling them across tokens",
-             "reassign+shuffle": "reassigning and shuffling them",
-             "static-layer": "a static per-layer profile",
-             "static-layer-position": "a static per-layer-and-position profile",
-             "static-layer-token": "a static per-layer-and-token-id profile"}
+def variation(variance: Mapping[str, VarianceShares], spread: Mapping[str, Variation]) -> str:
+    return variation_part(variance, spread).sentence
 
 
-def _label(conditions: Mapping[str, ConditionResult], kept: float | None) -> str:
-    """The verdict's label; dependence rests on intervals above 0 only."""
+# the phrase each penalty is said with, from the registry
+PENALTIES = {name: CONDITIONS[name].penalty or name for name in by_role("penalty")}
+
+
+def _judge(conditions: Mapping[str, ConditionResult], kept: float | None) -> tuple[str, str]:
+    """The verdict's label and the head of its sentence; dependence rests on intervals
+    above 0 only."""
     # conditions not applicable to the sites (no position axis, no token ids) are absent
-    main = [conditions[n] for n in ("reassign", "shuffle") if n in conditions]
+    main = [conditions[n] for n in by_role("dependence") if n in conditions]
     above = [n for n in PENALTIES if n in conditions and conditions[n].ci95[0] > 0]
     below = [n for n in PENALTIES if n in conditions and conditions[n].ci95[1] < 0]
     if max(c.ci95[0] for c in main) > STRONG_PENALTY or (kept is not None
                                                          and kept < STRONG_RETENTION):
-        return "Strong dependence on the coefficient assignment"
+        return "strong", "Strong dependence on the coefficient assignment"
     if kept is not None and kept >= WEAK_RETENTION and \
             max(c.delta for c in main) < WEAK_PENALTY:
-        return "Weak dependence on the coefficient assignment"
+        return "weak", "Weak dependence on the coefficient assignment"
     if kept is None and not above and below:
         helps = "; ".join(f"{PENALTIES[n]} lowers the NLL by {-conditions[n].delta:.4f} nats "
                           f"[{-conditions[n].ci95[1]:.4f}, {-conditions[n].ci95[0]:.4f}]"
                           for n in below)
-        return (f"No dependence on the coefficient assignment (no penalty's 95% interval lies "
-                f"above 0, and {helps}: the model does not need its coefficients matched to "
-                "their input and token)")
+        return "none", (f"No dependence on the coefficient assignment (no penalty's 95% "
+                        f"interval lies above 0, and {helps}: the model does not need its "
+                        "coefficients matched to their input and token)")
     if kept is None and not above:
-        return ("No measurable dependence on the coefficient assignment (no penalty's 95% "
-                "interval excludes 0: none found, or too few sequences to resolve one)")
-    return "Partial dependence on the coefficient assignment"
+        return "unresolved", ("No measurable dependence on the coefficient assignment (no "
+                              "penalty's 95% interval excludes 0: none found, or too few "
+                              "sequences to resolve one)")
+    return "partial", "Partial dependence on the coefficient assignment"
 
 
-def dependence(conditions: Mapping[str, ConditionResult],
-               retention: Mapping[str, Retention], across: str = "tokens") -> str:
+def _dependence_numbers(conditions: Mapping[str, ConditionResult],
+                        sl: Retention) -> dict[str, float | None]:
+    """The penalties the dependence verdict reads and the per-layer profile's retention."""
+    out: dict[str, float | None] = {}
+    for name in by_role("dependence"):
+        if (c := conditions.get(name)) is not None:
+            out |= with_interval(delta_key(name), c.delta, c.ci95)
+    return out | with_interval(retention_key(STATIC_LAYER), sl.value, sl.ci95)
+
+
+def dependence_part(conditions: Mapping[str, ConditionResult],
+                    retention: Mapping[str, Retention], across: str = "tokens") -> VerdictPart:
     """The dependence verdict; ``across``: what shuffle permutes, in the sites' own axis
     names (tokens, patches, rows and columns)."""
-    r, s = conditions["reassign"], conditions.get("shuffle")
-    sl = retention["static-layer"]
+    r, s = conditions[REASSIGN], conditions.get(SHUFFLE)
+    sl = retention[STATIC_LAYER]
     kept = sl.value
     kept_txt = (f"a static per-layer profile keeps {kept:.2f}% [{sl.ci95[0]:.2f}, "
                 f"{sl.ci95[1]:.2f}] of the Correct-to-GlobalMean gap" if kept is not None
@@ -93,9 +121,41 @@ def dependence(conditions: Mapping[str, ConditionResult],
     shuffled = f"shuffling them across {across} {s.delta:+.4f} [{s.ci95[0]:+.4f}, " \
         f"{s.ci95[1]:+.4f}]" if s is not None else \
         "shuffling is not applicable (the coefficients have no position axis)"
-    return (f"{_label(conditions, kept)}: reassigning coefficients across inputs costs "
-            f"{r.delta:+.4f} nats [{r.ci95[0]:+.4f}, {r.ci95[1]:+.4f}], {shuffled}; "
-            f"{kept_txt}.")
+    label, head = _judge(conditions, kept)
+    return VerdictPart(label, _dependence_numbers(conditions, sl),
+                       f"{head}: reassigning coefficients across inputs costs "
+                       f"{r.delta:+.4f} nats [{r.ci95[0]:+.4f}, {r.ci95[1]:+.4f}], {shuffled}; "
+                       f"{kept_txt}.")
+
+
+def dependence(conditions: Mapping[str, ConditionResult],
+               retention: Mapping[str, Retention], across: str = "tokens") -> str:
+    """The dependence verdict's sentence (:func:`dependence_part`)."""
+    return dependence_part(conditions, retention, across).sentence
+
+
+def execution_part(e: Execution) -> VerdictPart:
+    """The execution verdict, also when it was not measured (then with the reason)."""
+    if not e.measured:
+        return VerdictPart(EXECUTION_LABELS[2], {}, f"Execution not measured: {e.reason}.")
+    numbers = {"blocks_executed": e.blocks_executed, "flops_ratio": e.flops_ratio,
+               "blocks_present": None if e.blocks_present is None else float(e.blocks_present)}
+    return VerdictPart(EXECUTION_LABELS[0 if e.conditional_execution else 1], numbers,
+                       verdict_execution(e))
+
+
+def judge(variance: Mapping[str, VarianceShares], spread: Mapping[str, Variation],
+          conditions: Mapping[str, ConditionResult], retention: Mapping[str, Retention],
+          across: str, execution: Execution,
+          identity: Identity | None) -> tuple[Verdict, dict[str, dict[str, float | None]]]:
+    """The audit's :class:`Verdict` (sentences qualified by the identity check, labels)
+    and the numbers each answer rests on, by question."""
+    parts = dict(zip(QUESTIONS, (variation_part(variance, spread),
+                                 dependence_part(conditions, retention, across),
+                                 execution_part(execution)), strict=True))
+    verdict = Verdict(*(qualified(p.sentence, identity) for p in parts.values()),
+                      *(p.label for p in parts.values()))
+    return verdict, {q: p.numbers for q, p in parts.items()}
 
 
 def qualified(sentence: str, identity: Identity | None) -> str:

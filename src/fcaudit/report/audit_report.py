@@ -15,37 +15,35 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from fcaudit.engine.result import (
-    ETA2_KEYS,
+from fcaudit.core.conditions import (
+    CONDITIONS,
+    GLOBAL_MEAN,
     MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,
     RETENTION_PROFILES,
+    SHUFFLE,
+    STATIC_LAYER,
+    by_role,
+)
+from fcaudit.engine.result import (
+    ETA2_KEYS,
+    EXECUTION_LABELS,
     AuditResult,
     ConditionResult,
     Execution,
-    ExpertImportance,
     Identity,
-    ImportanceSummary,
     LayerConditionResult,
     LayerVariation,
     Retention,
+    condition_rows,
 )
 from fcaudit.io.data import picked_note
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
 from fcaudit.report.figures import (
     SHARE_LABELS,
-    FigureSpec,
     RenderedFigure,
-    Span,
-    expert_importance_figure,
-    expert_load_figure,
-    frontier_figure,
-    heatmap_figure,
-    penalty_figure,
-    profile_figure,
-    variance_figure,
     write_figures,
 )
 from fcaudit.report.format import (
@@ -68,21 +66,16 @@ from fcaudit.report.markdown import (
     one_line,
     to_html,
 )
+from fcaudit.report.report_parts import (  # noqa: F401 (_ordered: compare's too)
+    T,
+    _by_family,
+    _expert_importance,
+    _figure_specs,
+    _frontier,
+    _ordered,
+    _routing,
+)
 from fcaudit.report.stopping import stopping_section
-
-T = TypeVar("T")
-
-
-def _ordered(items: Mapping[str, T], canonical: Sequence[str]) -> list[tuple[str, T]]:
-    """Known names in their canonical order, then any others sorted (audit.json sorts keys)."""
-    names = [n for n in canonical if n in items] + sorted(n for n in items if n not in canonical)
-    return [(n, items[n]) for n in names]
-
-
-def _by_family(result: AuditResult, items: Mapping[str, T]) -> list[tuple[str, T]]:
-    """Per-family entries in site order."""
-    return _ordered(items, result.families)
-
 
 # ---------------------------------------------------------------------------
 # The identity replay: a non-exact one is a warning everywhere a verdict is given.
@@ -114,17 +107,8 @@ def _verdict_warning(ident: Identity) -> str:
 # ---------------------------------------------------------------------------
 # Sections; each returns Markdown blocks.
 
-CONDITION_MEANING = {
-    "original": "controller live (record pass)",
-    "correct": "own coefficients replayed (reference)",
-    "reassign": "coefficients of another sequence",
-    "shuffle": "own coefficients, positions permuted",
-    "reassign+shuffle": "both at once",
-    "static-layer": "per-site calibration mean",
-    "static-layer-position": "per-site, per-position calibration mean",
-    "static-layer-token": "per-site, per-token-id calibration mean",
-    "global-mean": "one mean for the whole family",
-}
+NOT_MEASURED = EXECUTION_LABELS[2]
+CONDITION_MEANING = {name: CONDITIONS[name].meaning for name in MAIN_CONDITIONS}
 
 
 def _lead(r: AuditResult) -> str:
@@ -165,7 +149,7 @@ def _variation_facts(r: AuditResult) -> list[str]:
 
 def _dependence_facts(r: AuditResult) -> list[str]:
     facts = [f"{md_code(name)}: Δ NLL {fmt_with_ci(c.delta, c.ci95)} nats vs correct."
-             for name in ("reassign", "shuffle", "static-layer", "global-mean")
+             for name in (*by_role("dependence"), STATIC_LAYER, GLOBAL_MEAN)
              if (c := r.conditions.get(name))]
     return facts + [f"{md_code(name)}{_retention_text(ret)}"
                     for name, ret in _ordered(r.retention, RETENTION_PROFILES)]
@@ -191,10 +175,19 @@ def _uncounted(operators: Sequence[str]) -> str:
             f"the FLOP counts are incomplete: {', '.join(md_code(op) for op in operators)}.")
 
 
+def _says_not_measured(r: AuditResult) -> bool:
+    """Whether the execution verdict already says it was not measured (and why): its
+    label; a result written before labels existed, its sentence."""
+    label = r.verdict.label("execution")
+    if label is None:
+        return (r.execution.reason or "") in r.verdict.execution
+    return label == NOT_MEASURED
+
+
 def _execution_facts(r: AuditResult) -> list[str]:
     ex = r.execution
     if not ex.measured:
-        return [] if (ex.reason or "") in r.verdict.execution else [_not_measured(ex)]
+        return [] if _says_not_measured(r) else [_not_measured(ex)]
     unit = ex.unit or "token"
     facts = [f"Blocks executed per {unit}: {fmt_num(ex.blocks_executed, 2)} of "
              f"{fmt_num(ex.blocks_present)} present (dense: "
@@ -247,17 +240,23 @@ def _repeats_cell(c: ConditionResult) -> str:
     return f"{len(c.repeats)}: Δ " + fmt_seq(c.repeat_deltas, partial(fmt_num, sign=True))
 
 
-def _condition_table(conditions: Sequence[tuple[str, ConditionResult]]) -> str:
-    rows = [(md_code(n), CONDITION_MEANING.get(n, "user-defined intervention"), fmt_num(c.nll),
-             fmt_num(c.delta, sign=True), fmt_ci(c.ci95, sign=True), _repeats_cell(c))
-            for n, c in conditions]
+Row = dict[str, Any]
+
+
+def _condition_table(r: AuditResult, rows: Sequence[Row]) -> str:
+    """The conditions table from :func:`condition_rows` (repeats with their penalties)."""
+    every = {**r.conditions, **(r.custom_conditions or {})}
+    cells = [(md_code(row["condition"]), row["meaning"], fmt_num(row["nll"]),
+              fmt_num(row["delta"], sign=True),
+              fmt_ci((row["ci_low"], row["ci_high"]), sign=True),
+              _repeats_cell(every[row["condition"]])) for row in rows]
     header = ("condition", "coefficients fed", "NLL (nats)", "Δ vs correct", "95% CI",
               "repeats")
-    if any(c.accuracy is not None for _, c in conditions):  # classification
-        rows = [(*row, fmt_pct(100 * c.accuracy) if c.accuracy is not None else "n/a")
-                for row, (_, c) in zip(rows, conditions, strict=True)]
-        return md_table((*header, "accuracy"), rows, "llrrrlr")
-    return md_table(header, rows, "llrrrl")
+    if any(row.get("accuracy") is not None for row in rows):  # classification
+        cells = [(*cell, fmt_pct(100 * row["accuracy"]) if row["accuracy"] is not None
+                  else "n/a") for cell, row in zip(cells, rows, strict=True)]
+        return md_table((*header, "accuracy"), cells, "llrrrlr")
+    return md_table(header, cells, "llrrrl")
 
 
 def _not_applicable(r: AuditResult) -> list[str]:
@@ -284,13 +283,15 @@ def _identity_check(r: AuditResult) -> str:
 
 
 def _conditions(r: AuditResult) -> list[str]:
-    blocks = ["## Conditions", _condition_table(_ordered(r.conditions, MAIN_CONDITIONS)),
+    rows = condition_rows(r)
+    blocks = ["## Conditions", _condition_table(r, [row for row in rows if not row["custom"]]),
               *_not_applicable(r), _identity_check(r)]
     if r.custom_conditions:
         blocks += ["## Custom conditions",
                    "User-defined interventions, replayed and measured like the conditions "
                    "above (Δ vs correct, paired bootstrap 95% CI).",
-                   _condition_table(sorted(r.custom_conditions.items()))]
+                   _condition_table(r, sorted((row for row in rows if row["custom"]),
+                                              key=lambda row: row["condition"]))]
     return blocks
 
 
@@ -319,7 +320,7 @@ def _interaction(r: AuditResult) -> list[str]:
     i = r.interaction
     if i is None:
         return ["## Interaction", "Not applicable: "
-                + md_text((r.not_applicable or {}).get("shuffle", "shuffle was not run")) + "."]
+                + md_text((r.not_applicable or {}).get(SHUFFLE, "shuffle was not run")) + "."]
     return ["## Interaction",
             "I = Δ(reassign+shuffle) − Δ(reassign) − Δ(shuffle) = "
             f"**{fmt_with_ci(i.value, i.ci95)}**"
@@ -390,122 +391,6 @@ def _variation(r: AuditResult) -> list[str]:
             "layer (mean over layers), relative to the spread of layer means.",
             md_table(("family", "sd across layers", "sd across inputs", "sd across positions",
                       "inputs / layers", "positions / layers"), rows, "lrrrrr")]
-
-
-def _routing(r: AuditResult) -> list[str]:
-    """Routing-aware metrics of router families: expert load per layer and its entropy,
-    and the share of tokens each condition re-routes (beside their NLL penalties)."""
-    if not r.routing:
-        return []
-    blocks = ["## Routing",
-              "For router sites: the expert load of the original routing per layer (share of "
-              "token-slots per expert) and its entropy (1 = perfectly balanced), and the share "
-              "of (token, layer) top-k expert sets each condition changes, beside its NLL "
-              "penalty. Layer identity's share of the router-logit variance is in the variance "
-              "decomposition above."]
-    for fam, summary in _by_family(r, r.routing):
-        conditions = [c for c in r.conditions if c in summary.changed]
-        rows = [(md_code(c), f"{100 * summary.changed[c]:.1f}%",
-                 fmt_with_ci(r.conditions[c].delta, r.conditions[c].ci95)) for c in conditions]
-        per_layer = [(str(x.layer), md_code(x.site), f"{x.entropy_normalized:.3f}",
-                      fmt_seq([f"{v:.3f}" for v in x.load], str, limit=16),
-                      *(f"{100 * x.changed.get(c, 0.0):.1f}%" for c in conditions[:3]))
-                     for x in summary.per_layer]
-        blocks += [f"### Family {md_code(fam)} ({summary.num_experts} experts, "
-                   f"{fmt_num(summary.tokens)} tokens per layer)",
-                   md_table(("condition", "top-k sets changed", "Δ NLL [95% CI]"), rows, "lrr"),
-                   md_table(("layer", "site", "load entropy / log E", "expert load",
-                             *(f"changed: {c}" for c in conditions[:3])), per_layer,
-                            "llrl" + "r" * len(conditions[:3])),
-                   f"Note: {md_text(summary.note)}."]
-    return blocks
-
-
-def _expert_importance(r: AuditResult) -> list[str]:
-    """Expert importance of router families: the 3 experts whose removal costs most and
-    the 3 that cost least, with intervals and loads; experts the rule still picked."""
-    if not r.expert_importance:
-        return []
-    blocks = ["## Expert importance",
-              "For each routed layer and expert, one replay with that expert removed from every "
-              "token's choice in that layer (the next expert takes its place, weighted as the "
-              "family's routing rule does): its NLL change vs the correct replay, beside its "
-              "load under the original routing. The layer x expert map is in the figures."]
-    for fam, summary in _by_family(r, r.expert_importance):
-        blocks += [f"### Family {md_code(fam)} ({summary.num_experts} experts, "
-                   f"{summary.replays} ablation replays)", *_importance_tables(summary),
-                   f"Note: {md_text(summary.note)}."]
-    return blocks
-
-
-def _importance_tables(summary: ImportanceSummary) -> list[str]:
-    items = [(layer.layer, layer.site, x) for layer in summary.per_layer for x in layer.experts]
-    measured = sorted((i for i in items if i[2].delta is not None), key=lambda i: -i[2].delta)
-    ranked = [("most", i) for i in measured[:3]] + \
-        [("least", i) for i in measured[max(3, len(measured) - 3):]]
-
-    def row(rank: str, layer: int, site: str, x: ExpertImportance) -> tuple[str, ...]:
-        return (rank, str(layer), md_code(site), str(x.expert), fmt_with_ci(x.delta, x.ci95),
-                f"{100 * x.load:.1f}%", fmt_num(x.selected_after))
-    out = [md_table(("importance", "layer", "site", "expert", "Δ NLL removed [95% CI]", "load",
-                     "picked when removed"), [row(k, *i) for k, i in ranked], "lrlrrrr")] \
-        if ranked else []
-    kept = [f"layer {layer} expert {x.expert} ({fmt_num(x.selected_after)} token-slots)"
-            for layer, _, x in items if x.delta is None]
-    if kept:
-        out.append(f"Not removable, so no importance measured: the routing rule still picked "
-                   f"{md_text(', '.join(kept))} with its logit far below the others.")
-    return out
-
-
-def _frontier(r: AuditResult) -> list[str]:
-    """The savings frontier: the sentence, matched comparisons, the SkipGate check, points."""
-    if not r.frontier:
-        return []
-    blocks = ["## Savings frontier",
-              "NLL penalty against the share of FLOPs that could be skipped: a dynamic rule "
-              "driven by the recorded coefficients (soft gates: switch off every gate whose "
-              "distance from its off value, the update it keeps, is below a threshold; "
-              "routers: top-p) against static rules that ignore the input "
-              "(whole layers or (layer, position) cells; a smaller fixed k per layer), "
-              "thresholds and orders from the calibration set, one replay per point. Penalties "
-              "are interpolated at matched FLOPs saved; gaps are static minus dynamic, 95% "
-              "paired bootstrap intervals."]
-    for fam, f in _by_family(r, r.frontier):
-        blocks += [f"### Family {md_code(fam)} ({f.kind})", md_text(f.sentence)]
-        if f.reason:
-            continue
-        statics = list(f.matched[0].static) if f.matched else []
-        rows = [(f"{100 * m.saved:.0f}%", fmt_with_ci(m.dynamic.value, m.dynamic.ci95)
-                 if m.dynamic else "not reached",
-                 *(fmt_with_ci(m.gap[s].value, m.gap[s].ci95) if m.gap[s] else "not reached"
-                   for s in statics)) for m in f.matched]
-        blocks.append(md_table(("FLOPs saved", "Δ dynamic [95% CI]",
-                                *(f"gap {s} [95% CI]" for s in statics)), rows,
-                               "r" * (2 + len(statics))))
-        area = "; ".join(f"{s} {fmt_with_ci(a.value, a.ci95)}" if a else f"{s} none"
-                         for s, a in f.area.items())
-        blocks.append(f"Mean gap over the x range both curves reach (area between curves / "
-                      f"range): {md_text(area)}. FLOPs: {md_text(f.flops_source or '')}.")
-        if f.check:
-            c = f.check
-            pooled = fmt_with_ci(c.pooled_curve_delta.value, c.pooled_curve_delta.ci95) \
-                if c.pooled_curve_delta else "not reached"
-            blocks.append(
-                f"Check (the model really skips): the dynamic rule at its own per-layer "
-                f"thresholds saves {100 * c.accounted_flops_saved_fraction:.1f}% of the FLOPs "
-                f"by its count, {100 * c.measured_flops_saved_fraction:.1f}% measured against "
-                f"the dense counterpart, at Δ {fmt_with_ci(c.delta, c.ci95)}: "
-                f"{'on its curve' if c.on_curve else 'NOT on its curve'}. One threshold "
-                f"pooled over layers at the same FLOPs: {pooled}.")
-        blocks.append(md_table(
-            ("rule", "level", "threshold", "skipped", "FLOPs saved", "Δ NLL [95% CI]"),
-            [(p.rule + (" (own thresholds)" if p.own_thresholds else ""), f"{p.level:.2f}",
-              fmt_num(p.threshold) if p.threshold is not None
-              else md_text(str(p.layers or p.own_thresholds)), f"{100 * p.skipped_fraction:.1f}%",
-              f"{100 * p.flops_saved_fraction:.1f}%", fmt_with_ci(p.delta, p.ci95))
-             for p in f.points], "lrrrrr"))
-    return blocks
 
 
 def _expert_rows(ex: Execution) -> list[tuple[str, str, str, str]]:
@@ -624,46 +509,6 @@ def _reuse_sentence(reuse: dict[str, Any]) -> str:
             f"({reuse['runs_reused']} runs) reused from the cache, each run's fed coefficients "
             f"checked bit for bit against this audit's; {reuse['batches_recomputed']} batches "
             f"({reuse['runs_recomputed']} runs) replayed.")
-
-
-def _figure_specs(r: AuditResult) -> list[FigureSpec]:
-    profiles = dict(_by_family(r, r.profiles))
-    conditions = {"audit": {n: Span.of(c.delta, c.ci95)
-                            for n, c in _ordered(r.conditions, MAIN_CONDITIONS)
-                            if n != "correct"}}
-    multi = len(r.families) > 1
-    per_layer = {f"{name}@layer" + (f" ({fam})" if multi else ""):
-                 [(e.layer, Span.of(e.delta, e.ci95)) for e in entries if e.family == fam]
-                 for name, entries in _ordered(r.per_layer, PER_LAYER_CONDITIONS)
-                 for fam in r.families}
-    shares = {fam: {k: getattr(v, k) for k in ETA2_KEYS} for fam, v in _by_family(r, r.variance)}
-    routed = dict(_by_family(r, r.routing or {}))
-    positional = {fam: p for fam, p in profiles.items() if fam not in routed}
-    return [
-        ("profile", "Coefficient per layer: mean with ±1 sd.",
-         partial(profile_figure, {fam: [("mean", p)] for fam, p in profiles.items()})),
-        ("heatmap", "Mean coefficient by layer and position" + (
-            " (router families: see the expert load map)." if routed else "."),
-         partial(heatmap_figure, positional)),
-        ("expert-load", "Expert load by layer: share of token-slots routed to each expert.",
-         partial(expert_load_figure, {fam: [x.load for x in summary.per_layer]
-                                      for fam, summary in routed.items()})),
-        ("expert-importance", "Expert importance by layer: NLL change with each expert removed "
-         "from every token's choice.",
-         partial(expert_importance_figure, {
-             fam: [[x.delta for x in layer.experts] for layer in summary.per_layer]
-             for fam, summary in _by_family(r, r.expert_importance or {})})),
-        ("frontier", "Savings frontier: NLL penalty vs FLOPs saved, dynamic vs static rules, "
-         "95% CI bars.",
-         partial(frontier_figure, {
-             fam: {rule: [(p.flops_saved_fraction, Span.of(p.delta, p.ci95))
-                          for p in f.points if p.rule == rule]
-                   for rule in dict.fromkeys(p.rule for p in f.points)}
-             for fam, f in _by_family(r, r.frontier or {})})),
-        ("penalties", "NLL penalties vs correct replay with 95% bootstrap CIs.",
-         partial(penalty_figure, conditions, per_layer)),
-        ("variance", "Variance shares of the coefficients.", partial(variance_figure, shares)),
-    ]
 
 
 def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tuple[str, str]:

@@ -25,14 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from fcaudit._version import __version__
-from fcaudit.core.errors import FcauditError, arg
-from fcaudit.engine.result import (
+from fcaudit.core.conditions import (
+    CORRECT,
     MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,
     RETENTION_PROFILES,
-    AuditResult,
-    Retention,
+    by_role,
 )
+from fcaudit.core.errors import FcauditError, arg
+from fcaudit.engine.result import AuditResult, Retention, delta_key
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
 from fcaudit.io.outdir import COMPARE_RESULTS, check_output, hold_output
 from fcaudit.io.results import replacing_results
@@ -64,7 +65,7 @@ MISSING = "—"  # a quantity this audit does not hold
 # the calibration data, which the static profiles are estimated on.
 DATA_FIELDS = ("seq_len", "eval_sequences", "eval_examples", "eval_fingerprint",
                "calib_sequences", "calib_examples", "calib_fingerprint")
-REROUTED_CONDITIONS = ("reassign", "shuffle", "static-layer")
+REROUTED_CONDITIONS = by_role("rerouted")
 LABELS = arg("labels", cli="--label")  # the CLI's --label is repeated, once per audit
 
 Row = dict[str, Any]
@@ -139,8 +140,8 @@ def _refuse_different_data(labels: Sequence[str], differs: Sequence[Row]) -> Non
 
 
 def _answers(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Row]:
-    return [{"model": label, "variation": r.verdict.variation,
-             "dependence": r.verdict.dependence, "execution": r.verdict.execution,
+    return [{"model": label, **{q: p.sentence for q, p in r.verdict_parts().items()},
+             "labels": {q: p.label for q, p in r.verdict_parts().items()},
              "identity_exact": r.identity.exact if r.identity is not None else
              r.identity_replay_max_abs_diff == 0}
             for label, r in zip(labels, results, strict=True)]
@@ -163,33 +164,37 @@ def _retention_cell(ret: Retention) -> Row:
 def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Row]:
     """One row per quantity (NLL of correct, each condition's penalty, the interaction,
     each profile's retention, each custom condition's penalty); each model's value with
-    its interval, or None where its audit lacks the quantity."""
-    def row(kind: str, name: str, cell: Callable[[AuditResult], Row | None]) -> Row:
-        return {"kind": kind, "name": name,
-                "models": {label: cell(r) for label, r in zip(labels, results, strict=True)}}
+    its interval (from :meth:`AuditResult.metrics`), or None where its audit lacks it."""
+    flat = [(r.metrics(), r.metric_intervals()) for r in results]
+
+    def row(kind: str, name: str, key: str | None = None,
+            cell: Callable[[AuditResult], Row | None] | None = None) -> Row:
+        cells = [cell(r) if cell is not None else _metric_cell(*f, key or name)
+                 for r, f in zip(results, flat, strict=True)]
+        return {"kind": kind, "name": name, "models": dict(zip(labels, cells, strict=True))}
 
     def names(pick: Callable[[AuditResult], Mapping[str, Any]],
               canonical: Sequence[str]) -> list[str]:
         union = {n: None for r in results for n in pick(r)}
         return [n for n, _ in _ordered(union, canonical)]
 
-    rows = [row("nll", "correct", lambda r: {"value": r.conditions["correct"].nll, "ci95": None}
-                if "correct" in r.conditions else None)]
-    rows += [row("penalty", name, lambda r, n=name: {"value": r.conditions[n].delta,
-                                                     "ci95": r.conditions[n].ci95}
-                 if n in r.conditions else None)
-             for name in names(lambda r: r.conditions, MAIN_CONDITIONS) if name != "correct"]
-    rows.append(row("interaction", "interaction",
-                    lambda r: {"value": r.interaction.value, "ci95": r.interaction.ci95}
-                    if r.interaction is not None else None))  # None: shuffle not applicable
-    rows += [row("retention", name, lambda r, n=name: _retention_cell(r.retention[n])
+    rows = [row("nll", CORRECT, "nll_correct")]
+    rows += [row("penalty", name, delta_key(name))
+             for name in names(lambda r: r.conditions, MAIN_CONDITIONS) if name != CORRECT]
+    rows.append(row("interaction", "interaction"))  # None: shuffle not applicable
+    rows += [row("retention", name, cell=lambda r, n=name: _retention_cell(r.retention[n])
                  if n in r.retention else None)
              for name in names(lambda r: r.retention, RETENTION_PROFILES)]
-    rows += [row("custom", name, lambda r, n=name: {
-        "value": r.custom_conditions[n].delta, "ci95": r.custom_conditions[n].ci95}
-        if n in (r.custom_conditions or {}) else None)
-        for name in names(lambda r: r.custom_conditions or {}, ())]
+    rows += [row("custom", name, delta_key(name))
+             for name in names(lambda r: r.custom_conditions or {}, ())]
     return rows
+
+
+def _metric_cell(metrics: Mapping[str, float | None], intervals: Mapping[str, Any],
+                 key: str) -> Row | None:
+    """One model's value of a metric with its interval (None: the audit lacks it)."""
+    value = metrics.get(key)
+    return None if value is None else {"value": value, "ci95": intervals.get(key)}
 
 
 QUANTITY_TITLE = {"nll": "NLL of correct replay (nats)", "penalty": "Δ {} (nats)",

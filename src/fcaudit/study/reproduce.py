@@ -42,10 +42,11 @@ from fcaudit.api import (
     variance_figure,
     write_figures,
 )
+from fcaudit.core.conditions import FRONTIER, REASSIGN, SHUFFLE, STATIC_LAYER, by_kind
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.nll import logits_of
 from fcaudit.engine.metrics import aggregate
-from fcaudit.engine.result import ETA2_KEYS, MAIN_CONDITIONS, AuditResult
+from fcaudit.engine.result import ETA2_KEYS, AuditResult
 from fcaudit.engine.run import AuditOptions, as_loaded
 from fcaudit.io import digits
 from fcaudit.io.data import AuditData, DataSpec
@@ -56,7 +57,7 @@ from fcaudit.io.results import replacing_results
 from fcaudit.io.runtime import versions
 from fcaudit.study import paper, trend, vision
 from fcaudit.study.train import TrainPreset, run_schedule, train
-from fcaudit.study.trend import SeedResult, frontier_gap_25
+from fcaudit.study.trend import SeedResult
 
 SCHEMA = "fcaudit.reproduction/1"
 
@@ -120,8 +121,8 @@ PAPER = {
                     "eta2_layer": paper.eta2_text(), "blocks": "every block runs",
                     "speed_ratio": f"{paper.SPEED_RATIO} "
                                    f"({100 * (paper.SPEED_RATIO - 1):.1f}% slower than Dense)"},
-    "mudd": {"reassign": f"+{paper.MUDD['delta_reassign']} nats (MUDDPythia-1.4B)",
-             "shuffle": f"+{paper.MUDD['delta_shuffle']} nats",
+    "mudd": {REASSIGN: f"+{paper.MUDD['delta_reassign']} nats (MUDDPythia-1.4B)",
+             SHUFFLE: f"+{paper.MUDD['delta_shuffle']} nats",
              "static": "static replacement also hurts strongly", "blocks": "every block runs"},
     "moe": {"routing": "the paper names sparse experts and token routing as dynamic "
                        "mechanisms; it reports no MoE measurement"},
@@ -129,49 +130,7 @@ PAPER = {
 
 
 # The penalties aggregated and plotted: every condition but the reference ones.
-CONDITIONS = tuple(c for c in MAIN_CONDITIONS if c not in ("original", "correct"))
-
-
-def metrics_of(audit: AuditResult) -> dict[str, float | None]:
-    """The numbers aggregated across seeds, flat, from one audit."""
-    c, r = audit.conditions, audit.retention
-    out: dict[str, float | None] = {"nll_correct": c["correct"].nll}
-    if c["correct"].accuracy is not None:  # a classification objective
-        out["accuracy_correct"] = c["correct"].accuracy
-    for name in CONDITIONS:  # a condition that does not apply (no position axis) is None
-        out[f"delta_{name}"] = c[name].delta if name in c else None
-    out["interaction"] = audit.interaction.value if audit.interaction else None
-    out["retention_static_layer"] = r["static-layer"].value
-    out["retention_static_layer_position"] = r["static-layer-position"].value
-    out["retention_static_layer_token"] = r["static-layer-token"].value
-    main = audit.variance[audit.families[0]]  # the first family in site order is the main one
-    for key in (*ETA2_KEYS, "eta2_token_id"):
-        out[key] = getattr(main, key)
-    ex = audit.execution
-    if ex.measured:
-        out["blocks_executed_fraction"] = ex.blocks_executed / ex.blocks_present
-        out["flops_ratio"] = ex.flops_ratio
-        out["speed_ratio"] = ex.speed_ratio_vs_dense
-    if ex.measured and ex.positions_per_block and ex.dense_positions_per_block \
-            and None not in (*ex.positions_per_block, *ex.dense_positions_per_block):
-        out["tokens_executed_fraction"] = sum(ex.positions_per_block) / \
-            sum(ex.dense_positions_per_block)
-    if ex.experts is not None:
-        out["experts_executed_fraction"] = ex.experts.experts_per_token_summed_over_layers / \
-            ex.experts.experts_present_summed_over_layers
-    out["frontier_gap_25"] = frontier_gap_25(audit)["value"]
-    front = (audit.frontier or {}).get(audit.families[0])
-    check = front.check if front is not None else None
-    if check is not None:  # a model that skips on its own (SkipGate): its own point
-        out["frontier_own_delta"] = check.delta
-        out["frontier_own_flops_saved"] = check.accounted_flops_saved_fraction
-        out["frontier_measured_flops_saved"] = check.measured_flops_saved_fraction
-        out["frontier_on_curve"] = float(check.on_curve)
-    for family, routing in (audit.routing or {}).items():
-        if family == audit.families[0]:
-            for condition in ("reassign", "shuffle", "static-layer", "static-layer-token"):
-                out[f"rerouted_{condition}"] = routing.changed.get(condition)
-    return out
+CONDITIONS = by_kind("random", "static")
 
 
 def twin_metrics(dense_config: Mapping[str, Any] | None) -> dict[str, float]:
@@ -194,7 +153,7 @@ class StudySettings:
 def study_options(**overrides: Any) -> AuditOptions:
     """The study's audit options: the savings frontier where a family has one (soft gates,
     routers; not MUDD's mixing weights), on top of the audit's defaults."""
-    return AuditOptions(**{"frontier": None, **overrides})
+    return AuditOptions(**{FRONTIER: None, **overrides})
 
 
 TIMINGS = "timings.json"
@@ -465,7 +424,7 @@ def _figure_specs(groups: Mapping[str, Mapping[str, Any]]) -> list[FigureSpec]:
                         if all(c in a.conditions for a in g["audits"])}
                  for name, g in groups.items()}
     retention = {name: [Span.of(r.value, r.ci95)
-                        for r in (a.retention["static-layer"] for a in g["audits"])]
+                        for r in (a.retention[STATIC_LAYER] for a in g["audits"])]
                  for name, g in groups.items()}
     shares = {name: {k: (g["aggregate"].get(k) or {}).get("mean") for k in ETA2_KEYS}
               for name, g in groups.items()}
@@ -581,7 +540,7 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
     for stem, members in itertools.groupby(study(preset, seeds), key=lambda g: g.stem):
         done = {group.arch: run_group(group, out, st, clock) for group in members}
         for arch, seed_results in done.items():
-            per_seed = [{**metrics_of(r.audit), **twin_metrics(r.dense_config)}
+            per_seed = [{**r.audit.metrics(), **twin_metrics(r.dense_config)}
                         for r in seed_results]
             groups[f"{arch}-{stem}"] = {"audits": [r.audit for r in seed_results],
                                         "per_seed": per_seed, "aggregate": aggregate(per_seed)}
@@ -590,8 +549,8 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
     if mudd_checkpoint:
         audit = _audit(out / "audits" / "muddpythia-checkpoint", mudd_checkpoint, st, st.options,
                        None, clock)
-        groups["mudd-checkpoint"] = {"audits": [audit], "per_seed": [metrics_of(audit)],
-                                     "aggregate": aggregate([metrics_of(audit)])}
+        groups["mudd-checkpoint"] = {"audits": [audit], "per_seed": [audit.metrics()],
+                                     "aggregate": aggregate([audit.metrics()])}
     command = command or shlex.join(["fcaudit", "reproduce", "--preset", preset, "--out",
                                      str(out)])
     result = {"schema": SCHEMA, "preset": preset, "command": command, "groups": groups,

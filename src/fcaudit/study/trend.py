@@ -131,38 +131,16 @@ def _estimate(value: float | None, ci95: Sequence[float] | None) -> dict[str, An
     return {"value": value, "ci95": None if ci95 is None else list(ci95)}
 
 
-def frontier_gap_25(audit: AuditResult) -> dict[str, Any]:
-    """The main family's frontier gap at 25% of FLOPs saved (best static rule's penalty
-    minus the dynamic rule's), with its interval; value None without a frontier (MUDD's
-    mixing weights have none: no value of them switches a block off)."""
-    fam = (audit.frontier or {}).get(audit.families[0])
-    gap = fam.gap_at_25 if fam is not None else None
-    return _estimate(None, None) if gap is None else _estimate(gap.value, gap.ci95)
-
-
 def seed_numbers(r: SeedResult) -> dict[str, Any]:
-    """The numbers of one seed."""
-    a, results = r.audit, r.config["results"]
-    ret, cond = a.retention, a.conditions
-    token = ret.get("static-layer-token")
-    main = a.variance[a.families[0]]  # the main family comes first
-    return {
-        "seed": r.seed,
-        "retention_static_layer": _estimate(ret["static-layer"].value, ret["static-layer"].ci95),
-        "retention_static_layer_position": _estimate(ret["static-layer-position"].value,
-                                                     ret["static-layer-position"].ci95),
-        "delta_reassign": _estimate(cond["reassign"].delta, cond["reassign"].ci95),
-        "retention_static_layer_token": _estimate(token.value if token else None,
-                                                  token.ci95 if token else None),
-        "delta_shuffle": _estimate(cond["shuffle"].delta, cond["shuffle"].ci95),
-        "frontier_gap_25": frontier_gap_25(a),
-        "eta2_layer": main.eta2_layer,
-        "eta2_token_id": main.eta2_token_id,
-        "nll_correct": cond["correct"].nll,
-        "eval_nll": results["eval_nll"],
-        "unigram_nll": results["unigram_nll"],
-        "wall_s": r.wall_s,
-    }
+    """The numbers of one seed, read off its audit's :meth:`AuditResult.metrics` (with
+    their intervals for :data:`WITH_CI`) and its training run."""
+    metrics, intervals = r.audit.metrics(), r.audit.metric_intervals()
+    results = r.config["results"]
+    return {"seed": r.seed,
+            **{key: _estimate(metrics.get(key), intervals.get(key)) for key in WITH_CI},
+            **{key: metrics[key] for key in ("eta2_layer", "eta2_token_id", "nll_correct")},
+            "eval_nll": results["eval_nll"], "unigram_nll": results["unigram_nll"],
+            "wall_s": r.wall_s}
 
 
 def over_seeds(seeds: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fcaudit.api import ProgressReporter
+from fcaudit.core.conditions import REASSIGN, SHUFFLE, STATIC_LAYER_POSITION
 from fcaudit.core.errors import FcauditError
 from fcaudit.io import digits
 from fcaudit.io.loading import Arch
@@ -164,10 +165,10 @@ def table(groups: Mapping[str, Mapping[str, Any]]) -> list[dict[str, str]]:
             "family": label, "seeds": str(len(group["audits"])),
             "accuracy (twin)": f"{_num(_stat(group, 'accuracy_correct'), '.3f')} "
                                f"({_num(_stat(group, 'twin_accuracy'), '.3f')})",
-            "reassign": _penalty(group, "reassign"), "shuffle": _penalty(group, "shuffle"),
+            REASSIGN: _penalty(group, REASSIGN), SHUFFLE: _penalty(group, SHUFFLE),
             "static-layer retention": "undefined" if retention is None else f"{retention:.1f}%",
             "static-layer-position retention": "not applicable"
-            if "static-layer-position" not in group["audits"][0].conditions
+            if STATIC_LAYER_POSITION not in group["audits"][0].conditions
             else "undefined" if per_patch is None else f"{per_patch:.1f}%",
             "executed": "every block, one mixed kernel per example" if executed is None
             else f"{100 * executed:.1f}% of the {unit}",
@@ -184,11 +185,11 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
         if group is None:
             continue
         audits = group["audits"]
-        above = sum(a.conditions["reassign"].ci95[0] > 0 for a in audits)
+        above = sum(a.conditions[REASSIGN].ci95[0] > 0 for a in audits)
         out.append((f"{label}: the frozen model needs its coefficients matched to the image",
                     f"{'holds' if above == len(audits) else 'does not hold'}: the reassign "
                     f"penalty's interval lies above 0 in {above} of {len(audits)} seeds; "
-                    f"reassigning costs {_penalty(group, 'reassign')} nats"))
+                    f"reassigning costs {_penalty(group, REASSIGN)} nats"))
         out += _execution(label, group)
     return out
 

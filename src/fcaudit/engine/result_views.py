@@ -1,0 +1,205 @@
+"""Views of an audit result: its flat metrics (one naming, for the study, the trend, the
+comparison and the notebook), and its tables as rows (one row builder per table, for
+the report, the notebook view and the CLI summary)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fcaudit.core.conditions import (
+    CONDITIONS,
+    CORRECT,
+    FRONTIER,
+    MAIN_CONDITIONS,
+    RETENTION_PROFILES,
+    STATIC_LAYER_TOKEN,
+    by_role,
+)
+
+if TYPE_CHECKING:
+    from fcaudit.engine.result import AuditResult
+    from fcaudit.engine.result_parts import ConditionResult, Estimate
+
+ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
+             "eta2_residual")
+
+
+def delta_key(condition: str) -> str:
+    """The metric key of a condition's penalty against correct."""
+    return f"delta_{condition}"
+
+
+def retention_key(profile: str) -> str:
+    """The metric key of a static profile's gap retention."""
+    return f"retention_{profile.replace('-', '_')}"
+
+
+def with_interval(key: str, value: float | None,
+                  ci95: Sequence[float] | None) -> dict[str, float | None]:
+    """A number with its 95% interval's bounds (``<key>_ci_low``, ``<key>_ci_high``)."""
+    low, high = (None, None) if ci95 is None else ci95
+    return {key: value, f"{key}_ci_low": low, f"{key}_ci_high": high}
+
+
+def metrics(r: AuditResult) -> dict[str, float | None]:
+    """The result's numbers, flat: NLL of correct (and accuracy for classification), every
+    condition's penalty (None where it does not apply; custom ones too), the interaction,
+    each profile's
+    retention, the main family's variance shares, execution fractions, the frontier and
+    re-routing; intervals are in :func:`metric_intervals`."""
+    c = r.conditions
+    out: dict[str, float | None] = {"nll_correct": c[CORRECT].nll}
+    if c[CORRECT].accuracy is not None:  # a classification objective
+        out["accuracy_correct"] = c[CORRECT].accuracy
+    for name in (n for n in MAIN_CONDITIONS if n != CORRECT):  # None: not applicable
+        out[delta_key(name)] = c[name].delta if name in c else None
+    out |= {delta_key(n): x.delta for n, x in (r.custom_conditions or {}).items()}
+    out["interaction"] = r.interaction.value if r.interaction else None
+    out |= {retention_key(p): r.retention[p].value for p in RETENTION_PROFILES}
+    main = r.variance[r.families[0]]  # the first family in site order is the main one
+    out |= {key: getattr(main, key) for key in (*ETA2_KEYS, "eta2_token_id")}
+    return out | _execution_metrics(r) | _frontier_metrics(r) | _rerouted(r)
+
+
+def metric_intervals(r: AuditResult) -> dict[str, list[float] | None]:
+    """The 95% intervals of the :func:`metrics` that have one, by the same keys."""
+    out: dict[str, list[float] | None] = {
+        delta_key(n): c.ci95 for n, c in [*r.conditions.items(),
+                                          *(r.custom_conditions or {}).items()] if n != CORRECT}
+    out["interaction"] = r.interaction.ci95 if r.interaction else None
+    out |= {retention_key(p): r.retention[p].ci95 for p in RETENTION_PROFILES}
+    gap = _gap_25(r)
+    out["frontier_gap_25"] = None if gap is None else gap.ci95
+    return out
+
+
+def _execution_metrics(r: AuditResult) -> dict[str, float | None]:
+    ex, out = r.execution, {}
+    if ex.measured:
+        out["blocks_executed_fraction"] = ex.blocks_executed / ex.blocks_present
+        out["flops_ratio"] = ex.flops_ratio
+        out["speed_ratio"] = ex.speed_ratio_vs_dense
+    if ex.measured and ex.positions_per_block and ex.dense_positions_per_block \
+            and None not in (*ex.positions_per_block, *ex.dense_positions_per_block):
+        out["tokens_executed_fraction"] = sum(ex.positions_per_block) / \
+            sum(ex.dense_positions_per_block)
+    if ex.experts is not None:
+        out["experts_executed_fraction"] = ex.experts.experts_per_token_summed_over_layers / \
+            ex.experts.experts_present_summed_over_layers
+    return out
+
+
+def _gap_25(r: AuditResult) -> Estimate | None:
+    """The main family's frontier gap at 25% of FLOPs saved (an Estimate), or None without
+    a frontier (MUDD's mixing weights have none: no value of them switches a block off)."""
+    fam = (r.frontier or {}).get(r.families[0])
+    return fam.gap_at_25 if fam is not None else None
+
+
+def _frontier_metrics(r: AuditResult) -> dict[str, float | None]:
+    gap = _gap_25(r)
+    out: dict[str, float | None] = {"frontier_gap_25": None if gap is None else gap.value}
+    front = (r.frontier or {}).get(r.families[0])
+    check = front.check if front is not None else None
+    if check is not None:  # a model that skips on its own (SkipGate): its own point
+        out["frontier_own_delta"] = check.delta
+        out["frontier_own_flops_saved"] = check.accounted_flops_saved_fraction
+        out["frontier_measured_flops_saved"] = check.measured_flops_saved_fraction
+        out["frontier_on_curve"] = float(check.on_curve)
+    return out
+
+
+def _rerouted(r: AuditResult) -> dict[str, float | None]:
+    """The main family's share of re-routed choices under the re-routing conditions."""
+    routing = (r.routing or {}).get(r.families[0])
+    if routing is None:
+        return {}
+    return {f"rerouted_{name}": routing.changed.get(name)
+            for name in (*by_role("rerouted"), STATIC_LAYER_TOKEN)}
+
+
+def _accuracy(r: AuditResult, c: ConditionResult) -> dict[str, Any]:
+    """The accuracy column of a classification audit (none for other objectives)."""
+    scored = any(x.accuracy is not None for x in r.conditions.values())
+    return {"accuracy": c.accuracy} if scored else {}
+
+
+def condition_rows(r: AuditResult, custom: bool = True) -> list[dict[str, Any]]:
+    """The one row builder of the conditions table (the report, the notebook view, the
+    CLI summary): the main conditions, then the custom ones as given (``custom``)."""
+    items = [*r.conditions.items(), *((r.custom_conditions or {}).items() if custom else ())]
+    return [{"condition": name, "custom": name not in r.conditions, "meaning": meaning(name),
+             "nll": c.nll, "delta": c.delta, "ci_low": c.ci95[0], "ci_high": c.ci95[1],
+             "repeats": len(c.repeats), **_accuracy(r, c)} for name, c in items]
+
+
+def meaning(name: str) -> str:
+    """What a condition feeds, in one line (a custom one: a user-defined intervention)."""
+    condition = CONDITIONS.get(name)
+    return condition.meaning if condition is not None else "user-defined intervention"
+
+
+def _per_layer_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"condition": name, "site": c.site, "family": c.family, "layer": c.layer,
+             "nll": c.nll, "delta": c.delta, "ci_low": c.ci95[0], "ci_high": c.ci95[1],
+             **_accuracy(r, c)}
+            for name, layers in r.per_layer.items() for c in layers]
+
+
+def _retention_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"profile": name, "retention_pct": ret.value,
+             "ci_low": ret.ci95[0] if ret.ci95 else None,
+             "ci_high": ret.ci95[1] if ret.ci95 else None, "gap": ret.gap,
+             "defined": ret.defined} for name, ret in r.retention.items()]
+
+
+def _routing_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"family": family, "site": layer.site, "layer": layer.layer, "expert": e,
+             "load": share, "entropy_normalized": layer.entropy_normalized}
+            for family, summary in (r.routing or {}).items() for layer in summary.per_layer
+            for e, share in enumerate(layer.load)]
+
+
+def _expert_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"family": family, "site": layer.site, "layer": layer.layer, "expert": x.expert,
+             "delta": x.delta, "ci_low": x.ci95[0] if x.ci95 else None,
+             "ci_high": x.ci95[1] if x.ci95 else None, "load": x.load,
+             "selected_after": x.selected_after}
+            for family, summary in (r.expert_importance or {}).items()
+            for layer in summary.per_layer for x in layer.experts]
+
+
+def _frontier_rows(r: AuditResult) -> list[dict[str, Any]]:
+    return [{"family": family, "kind": f.kind, "rule": p.rule, "level": p.level,
+             "threshold": p.threshold, "skipped_fraction": p.skipped_fraction,
+             "flops_saved_per_token": p.flops_saved_per_token,
+             "flops_saved_fraction": p.flops_saved_fraction, "nll": p.nll, "delta": p.delta,
+             "ci_low": p.ci95[0], "ci_high": p.ci95[1]}
+            for family, f in (r.frontier or {}).items() for p in f.points]
+
+
+
+
+
+def _metric_rows(r: AuditResult) -> list[dict[str, Any]]:
+    intervals = metric_intervals(r)
+    rows = []
+    for key, value in metrics(r).items():
+        low, high = intervals.get(key) or (None, None)
+        rows.append({"metric": key, "value": value, "ci_low": low, "ci_high": high})
+    return rows
+
+
+def condition_table_html(r: AuditResult, esc: Callable[[str], str]) -> str:
+    """The conditions as HTML table rows (the notebook view)."""
+    return "".join(
+        f"<tr><td>{esc(row['condition'])}</td><td>{row['nll']:.4f}</td>"
+        f"<td>{row['delta']:+.4f}</td><td>[{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]</td></tr>"
+        for row in condition_rows(r))
+
+
+TABLES = {"conditions": condition_rows, "per_layer": _per_layer_rows,
+           "retention": _retention_rows, "routing": _routing_rows, "experts": _expert_rows,
+           FRONTIER: _frontier_rows,
+          "metrics": _metric_rows}

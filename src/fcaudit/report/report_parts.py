@@ -1,0 +1,212 @@
+"""Report sections about what is routed and skipped (routing, expert importance, the
+savings frontier) and the report's figures, with the ordering helpers every section
+uses; :mod:`fcaudit.report.audit_report` assembles them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import TypeVar
+
+from fcaudit.core.conditions import (
+    CORRECT,
+    FRONTIER,
+    MAIN_CONDITIONS,
+    PER_LAYER_CONDITIONS,
+)
+from fcaudit.engine.result import (
+    ETA2_KEYS,
+    AuditResult,
+    ExpertImportance,
+    ImportanceSummary,
+)
+from fcaudit.report.figures import (
+    FigureSpec,
+    Span,
+    expert_importance_figure,
+    expert_load_figure,
+    frontier_figure,
+    heatmap_figure,
+    penalty_figure,
+    profile_figure,
+    variance_figure,
+)
+from fcaudit.report.format import (
+    fmt_num,
+    fmt_seq,
+    fmt_with_ci,
+)
+from fcaudit.report.markdown import (
+    md_code,
+    md_table,
+    md_text,
+)
+
+T = TypeVar("T")
+
+
+def _ordered(items: Mapping[str, T], canonical: Sequence[str]) -> list[tuple[str, T]]:
+    """Known names in their canonical order, then any others sorted (audit.json sorts keys)."""
+    names = [n for n in canonical if n in items] + sorted(n for n in items if n not in canonical)
+    return [(n, items[n]) for n in names]
+
+
+def _by_family(result: AuditResult, items: Mapping[str, T]) -> list[tuple[str, T]]:
+    """Per-family entries in site order."""
+    return _ordered(items, result.families)
+
+
+def _routing(r: AuditResult) -> list[str]:
+    """Routing-aware metrics of router families: expert load per layer and its entropy,
+    and the share of tokens each condition re-routes (beside their NLL penalties)."""
+    if not r.routing:
+        return []
+    blocks = ["## Routing",
+              "For router sites: the expert load of the original routing per layer (share of "
+              "token-slots per expert) and its entropy (1 = perfectly balanced), and the share "
+              "of (token, layer) top-k expert sets each condition changes, beside its NLL "
+              "penalty. Layer identity's share of the router-logit variance is in the variance "
+              "decomposition above."]
+    for fam, summary in _by_family(r, r.routing):
+        conditions = [c for c in r.conditions if c in summary.changed]
+        rows = [(md_code(c), f"{100 * summary.changed[c]:.1f}%",
+                 fmt_with_ci(r.conditions[c].delta, r.conditions[c].ci95)) for c in conditions]
+        per_layer = [(str(x.layer), md_code(x.site), f"{x.entropy_normalized:.3f}",
+                      fmt_seq([f"{v:.3f}" for v in x.load], str, limit=16),
+                      *(f"{100 * x.changed.get(c, 0.0):.1f}%" for c in conditions[:3]))
+                     for x in summary.per_layer]
+        blocks += [f"### Family {md_code(fam)} ({summary.num_experts} experts, "
+                   f"{fmt_num(summary.tokens)} tokens per layer)",
+                   md_table(("condition", "top-k sets changed", "Δ NLL [95% CI]"), rows, "lrr"),
+                   md_table(("layer", "site", "load entropy / log E", "expert load",
+                             *(f"changed: {c}" for c in conditions[:3])), per_layer,
+                            "llrl" + "r" * len(conditions[:3])),
+                   f"Note: {md_text(summary.note)}."]
+    return blocks
+
+
+def _expert_importance(r: AuditResult) -> list[str]:
+    """Expert importance of router families: the 3 experts whose removal costs most and
+    the 3 that cost least, with intervals and loads; experts the rule still picked."""
+    if not r.expert_importance:
+        return []
+    blocks = ["## Expert importance",
+              "For each routed layer and expert, one replay with that expert removed from every "
+              "token's choice in that layer (the next expert takes its place, weighted as the "
+              "family's routing rule does): its NLL change vs the correct replay, beside its "
+              "load under the original routing. The layer x expert map is in the figures."]
+    for fam, summary in _by_family(r, r.expert_importance):
+        blocks += [f"### Family {md_code(fam)} ({summary.num_experts} experts, "
+                   f"{summary.replays} ablation replays)", *_importance_tables(summary),
+                   f"Note: {md_text(summary.note)}."]
+    return blocks
+
+
+def _importance_tables(summary: ImportanceSummary) -> list[str]:
+    items = [(layer.layer, layer.site, x) for layer in summary.per_layer for x in layer.experts]
+    measured = sorted((i for i in items if i[2].delta is not None), key=lambda i: -i[2].delta)
+    ranked = [("most", i) for i in measured[:3]] + \
+        [("least", i) for i in measured[max(3, len(measured) - 3):]]
+
+    def row(rank: str, layer: int, site: str, x: ExpertImportance) -> tuple[str, ...]:
+        return (rank, str(layer), md_code(site), str(x.expert), fmt_with_ci(x.delta, x.ci95),
+                f"{100 * x.load:.1f}%", fmt_num(x.selected_after))
+    out = [md_table(("importance", "layer", "site", "expert", "Δ NLL removed [95% CI]", "load",
+                     "picked when removed"), [row(k, *i) for k, i in ranked], "lrlrrrr")] \
+        if ranked else []
+    kept = [f"layer {layer} expert {x.expert} ({fmt_num(x.selected_after)} token-slots)"
+            for layer, _, x in items if x.delta is None]
+    if kept:
+        out.append(f"Not removable, so no importance measured: the routing rule still picked "
+                   f"{md_text(', '.join(kept))} with its logit far below the others.")
+    return out
+
+
+def _frontier(r: AuditResult) -> list[str]:
+    """The savings frontier: the sentence, matched comparisons, the SkipGate check, points."""
+    if not r.frontier:
+        return []
+    blocks = ["## Savings frontier",
+              "NLL penalty against the share of FLOPs that could be skipped: a dynamic rule "
+              "driven by the recorded coefficients (soft gates: switch off every gate whose "
+              "distance from its off value, the update it keeps, is below a threshold; "
+              "routers: top-p) against static rules that ignore the input "
+              "(whole layers or (layer, position) cells; a smaller fixed k per layer), "
+              "thresholds and orders from the calibration set, one replay per point. Penalties "
+              "are interpolated at matched FLOPs saved; gaps are static minus dynamic, 95% "
+              "paired bootstrap intervals."]
+    for fam, f in _by_family(r, r.frontier):
+        blocks += [f"### Family {md_code(fam)} ({f.kind})", md_text(f.sentence)]
+        if f.reason:
+            continue
+        statics = list(f.matched[0].static) if f.matched else []
+        rows = [(f"{100 * m.saved:.0f}%", fmt_with_ci(m.dynamic.value, m.dynamic.ci95)
+                 if m.dynamic else "not reached",
+                 *(fmt_with_ci(m.gap[s].value, m.gap[s].ci95) if m.gap[s] else "not reached"
+                   for s in statics)) for m in f.matched]
+        blocks.append(md_table(("FLOPs saved", "Δ dynamic [95% CI]",
+                                *(f"gap {s} [95% CI]" for s in statics)), rows,
+                               "r" * (2 + len(statics))))
+        area = "; ".join(f"{s} {fmt_with_ci(a.value, a.ci95)}" if a else f"{s} none"
+                         for s, a in f.area.items())
+        blocks.append(f"Mean gap over the x range both curves reach (area between curves / "
+                      f"range): {md_text(area)}. FLOPs: {md_text(f.flops_source or '')}.")
+        if f.check:
+            c = f.check
+            pooled = fmt_with_ci(c.pooled_curve_delta.value, c.pooled_curve_delta.ci95) \
+                if c.pooled_curve_delta else "not reached"
+            blocks.append(
+                f"Check (the model really skips): the dynamic rule at its own per-layer "
+                f"thresholds saves {100 * c.accounted_flops_saved_fraction:.1f}% of the FLOPs "
+                f"by its count, {100 * c.measured_flops_saved_fraction:.1f}% measured against "
+                f"the dense counterpart, at Δ {fmt_with_ci(c.delta, c.ci95)}: "
+                f"{'on its curve' if c.on_curve else 'NOT on its curve'}. One threshold "
+                f"pooled over layers at the same FLOPs: {pooled}.")
+        blocks.append(md_table(
+            ("rule", "level", "threshold", "skipped", "FLOPs saved", "Δ NLL [95% CI]"),
+            [(p.rule + (" (own thresholds)" if p.own_thresholds else ""), f"{p.level:.2f}",
+              fmt_num(p.threshold) if p.threshold is not None
+              else md_text(str(p.layers or p.own_thresholds)), f"{100 * p.skipped_fraction:.1f}%",
+              f"{100 * p.flops_saved_fraction:.1f}%", fmt_with_ci(p.delta, p.ci95))
+             for p in f.points], "lrrrrr"))
+    return blocks
+
+
+def _figure_specs(r: AuditResult) -> list[FigureSpec]:
+    profiles = dict(_by_family(r, r.profiles))
+    conditions = {"audit": {n: Span.of(c.delta, c.ci95)
+                            for n, c in _ordered(r.conditions, MAIN_CONDITIONS)
+                            if n != CORRECT}}
+    multi = len(r.families) > 1
+    per_layer = {f"{name}@layer" + (f" ({fam})" if multi else ""):
+                 [(e.layer, Span.of(e.delta, e.ci95)) for e in entries if e.family == fam]
+                 for name, entries in _ordered(r.per_layer, PER_LAYER_CONDITIONS)
+                 for fam in r.families}
+    shares = {fam: {k: getattr(v, k) for k in ETA2_KEYS} for fam, v in _by_family(r, r.variance)}
+    routed = dict(_by_family(r, r.routing or {}))
+    positional = {fam: p for fam, p in profiles.items() if fam not in routed}
+    return [
+        ("profile", "Coefficient per layer: mean with ±1 sd.",
+         partial(profile_figure, {fam: [("mean", p)] for fam, p in profiles.items()})),
+        ("heatmap", "Mean coefficient by layer and position" + (
+            " (router families: see the expert load map)." if routed else "."),
+         partial(heatmap_figure, positional)),
+        ("expert-load", "Expert load by layer: share of token-slots routed to each expert.",
+         partial(expert_load_figure, {fam: [x.load for x in summary.per_layer]
+                                      for fam, summary in routed.items()})),
+        ("expert-importance", "Expert importance by layer: NLL change with each expert removed "
+         "from every token's choice.",
+         partial(expert_importance_figure, {
+             fam: [[x.delta for x in layer.experts] for layer in summary.per_layer]
+             for fam, summary in _by_family(r, r.expert_importance or {})})),
+        (FRONTIER, "Savings frontier: NLL penalty vs FLOPs saved, dynamic vs static rules, "
+         "95% CI bars.",
+         partial(frontier_figure, {
+             fam: {rule: [(p.flops_saved_fraction, Span.of(p.delta, p.ci95))
+                          for p in f.points if p.rule == rule]
+                   for rule in dict.fromkeys(p.rule for p in f.points)}
+             for fam, f in _by_family(r, r.frontier or {})})),
+        ("penalties", "NLL penalties vs correct replay with 95% bootstrap CIs.",
+         partial(penalty_figure, conditions, per_layer)),
+        ("variance", "Variance shares of the coefficients.", partial(variance_figure, shares)),
+    ]

@@ -125,7 +125,7 @@ def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> d
     """The sections only some audits have: expert importance (expert ablation), the token
     profile (token ids), the conditions not applicable, the savings frontier."""
     setup, runs, replays, opts = m.setup, m.runs, m.replays, m.setup.options
-    tokens = setup.data.eval_ids if setup.data.tokens else None
+    tokens = setup.inputs.token_ids
     frontier = None
     if m.covered:
         frontier = frontier_summary(
@@ -175,8 +175,8 @@ def _routing(setup: Prepared, cache: CoefficientCache, runs: Sequence[Run],
     routed = routing_sites(setup.sites)
     if not routed:
         return None
-    units = setup.data.eval_ids.size if setup.data.tokens else \
-        setup.data.n_eval * int(cache.coefficients(0, routed[0].name).shape[1])
+    units = setup.inputs.routed_units(
+        lambda: int(cache.coefficients(0, routed[0].name).shape[1]))
     return routing_summary(routed, tracked_runs(runs), replays.route_load,
                            replays.route_changed, units)
 

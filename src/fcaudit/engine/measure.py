@@ -101,15 +101,13 @@ def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticPro
     return ReplayInputs(cache, setup.sites, profiles,
                         [draw(seed, setup.data.n_eval, lengths[0], lengths[1:])
                          for seed in seeds.draws], seeds.interventions,
-                        setup.data.eval_ids if setup.data.tokens else None)
+                        setup.inputs.token_ids)
 
 
 def _position_counts(setup: Prepared, first: Probe) -> list[int]:
     """The position counts of the sites' coefficients, the evaluation windows' first."""
-    counts = [int(first.coefficients[s.name].shape[1]) for s in setup.sites]
-    if setup.data.tokens:
-        return [int(setup.data.eval_ids.shape[1]), *counts]
-    return list(dict.fromkeys(counts))
+    return setup.inputs.position_counts([int(first.coefficients[s.name].shape[1])
+                                         for s in setup.sites])
 
 
 def _original_hits(cache: CoefficientCache) -> np.ndarray:

@@ -25,7 +25,7 @@ from torch import Tensor
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError, arg
-from fcaudit.core.interventions import StaticProfiles, batch_sums, token_sums
+from fcaudit.core.interventions import StaticProfiles, batch_sums
 from fcaudit.core.nll import device_of
 from fcaudit.core.routers import changed_rows, expert_counts
 from fcaudit.engine.cache import (
@@ -89,9 +89,8 @@ def calibration_shard(setup: Prepared, coefficients: Mapping[str, Tensor],
     """What a calibration batch's shard holds: float64 sums by position and, for token
     inputs, by token id (the cost plan sizes the cache from the same tensors)."""
     on_cpu = {k: c.cpu() for k, c in coefficients.items()}
-    # per token id: for inputs that are token ids only
-    tokens = token_sums(on_cpu, x.cpu()) if setup.data.tokens else None
-    return CalibrationShard.build(batch_sums(on_cpu), tokens)
+    return CalibrationShard.build(batch_sums(on_cpu),
+                                  setup.inputs.calibration_token_sums(on_cpu, x))
 
 
 def _rows(size: int, b: int, n: int) -> str:
@@ -275,13 +274,9 @@ def _context(setup: Prepared, b: int) -> bytes:
     """What a batch's runs depend on besides their fed tensors: its token ids (or every
     input and target tensor of its examples, bitwise), the schedule."""
     size = setup.options.batch_size
-    if not setup.data.tokens:
-        assert setup.data.examples is not None
-        named = setup.data.examples.named(b * size, (b + 1) * size)
-        head = f"{setup.options.schedule}\n{setup.objective.identity()}"
-        return digest_tensors(named, head.encode())
-    ids = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids[b * size:(b + 1) * size]))
-    return digest_tensors([("ids", ids)], setup.options.schedule.encode())
+    named, head = setup.inputs.batch_context(b * size, (b + 1) * size, setup.options.schedule,
+                                             lambda: setup.objective.identity())
+    return digest_tensors(named, head)
 
 
 def _reusable(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> bool:

@@ -63,7 +63,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     seeds = setup.seeds
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
-        data=setup.data.summary(),
+        data=setup.inputs.summary(),
         sites=[_site_info(s, cache, setup.model, setup.layouts.get(s.name))
                for s in setup.sites],
         identity_replay_max_abs_diff=identity.max_abs_diff, conditions=summary.conditions,
@@ -102,7 +102,7 @@ def _settings(m: Measurements) -> dict[str, Any]:
     return {**{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
                if f.name not in ("schedule", "progress", *STOPPING_OPTIONS, *PLACEMENT)},
             "bootstrap_resamples": opts.bootstrap,
-            "calibration_sequences_used_for_static": setup.data.n_calib,
+            "calibration_sequences_used_for_static": setup.inputs.n_calib,
             "objective": setup.objective.name,
             "layer_index": "a site's index within its family",
             # custom conditions in the order given (audit.json sorts its keys)
@@ -131,7 +131,7 @@ def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> d
         frontier = frontier_summary(
             m.covered, m.points, dict(zip((r.key for r in runs), replays.per_run, strict=True)),
             replays.per_run[0], frontier_units(cache, m.covered, m.points),
-            setup.data.eval_ids.size, execution, paired_bootstrap(setup.data.n_eval, opts))
+            setup.data.eval_ids.size, execution, paired_bootstrap(setup.inputs.n_eval, opts))
     return {"expert_importance": expert_importance(
                 runs, replays.per_run, replays.route_load, replays.still_selected, opts)
             if ablation_runs(runs) else None,

@@ -99,7 +99,7 @@ def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticPro
     permutations for every position count the sites have) and the token ids, if any."""
     lengths, seeds = _position_counts(setup, first), setup.seeds
     return ReplayInputs(cache, setup.sites, profiles,
-                        [draw(seed, setup.data.n_eval, lengths[0], lengths[1:])
+                        [draw(seed, setup.inputs.n_eval, lengths[0], lengths[1:])
                          for seed in seeds.draws], seeds.interventions,
                         setup.inputs.token_ids)
 

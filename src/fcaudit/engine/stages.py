@@ -70,14 +70,14 @@ def record_calibration(setup: Prepared, cache: CoefficientCache, progress: Progr
     token id), cached; a shard already on disk is recomputed and used only when equal
     (:meth:`CoefficientCache.settle`). Returns how many were proven and recorded."""
     net, size = setup.model, setup.options.batch_size
-    n = -(-setup.data.n_calib // size)
+    n = -(-setup.inputs.n_calib // size)
     todo = ranks.mine([b for b in range(n) if cache.calib_name(b) not in cache.proven])
     for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net), todo),
                                   start=1):
         _, coefficients, _ = record_batch(net, setup.sites, x, None)
         check_finite(coefficients, "calibration data")
         cache.settle(cache.calib_name(b), calibration_shard(setup, coefficients, x),
-                     f"calibration batch {b} ({_rows(size, b, setup.data.n_calib)})")
+                     f"calibration batch {b} ({_rows(size, b, setup.inputs.n_calib)})")
         progress("record calibration", done, len(todo), "")
     from_disk = sum(cache.calib_name(b) in cache.reused for b in ranks.mine(list(range(n))))
     return {"batches_proven": from_disk, "batches_recorded": len(ranks.mine(list(range(n))))
@@ -103,14 +103,14 @@ def record_frontier_calibration(setup: Prepared, cache: CoefficientCache, sites:
     """The frontier's calibration coefficients of ``sites``, whole (its thresholds are
     calibration quantiles, which sums cannot give); a shard on disk is used once proven."""
     calib_name, net, size = cache.frontier_calib_name, setup.model, setup.options.batch_size
-    n = -(-setup.data.n_calib // size)
+    n = -(-setup.inputs.n_calib // size)
     todo = ranks.mine([b for b in range(n) if calib_name(b) not in cache.proven])
     for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net), todo),
                                   start=1):
         _, coefficients, _ = record_batch(net, sites, x, None)
         cache.settle(calib_name(b), CalibrationShard.build({k: v.cpu() for k, v in
                                                              coefficients.items()}),
-                     f"calibration batch {b} ({_rows(size, b, setup.data.n_calib)})")
+                     f"calibration batch {b} ({_rows(size, b, setup.inputs.n_calib)})")
         progress("record frontier calibration", done, len(todo), "")
 
 
@@ -119,14 +119,14 @@ def frontier_calibration(setup: Prepared, cache: CoefficientCache,
     """Site name -> its calibration coefficients, all batches in order."""
     size, names = setup.options.batch_size, [s.name for s in sites]
     shards = [CalibrationShard.per_site(cache.read(cache.frontier_calib_name(b)), names)
-              for b in range(-(-setup.data.n_calib // size))]
+              for b in range(-(-setup.inputs.n_calib // size))]
     return {name: torch.cat([sh[name] for sh in shards]) for name in names}
 
 
 def calibration_profiles(setup: Prepared, cache: CoefficientCache) -> StaticProfiles:
     """Static profiles from calibration data only: every batch's sums, added in batch
     order (so the result does not depend on which process recorded which batch)."""
-    size, n = setup.options.batch_size, setup.data.n_calib
+    size, n = setup.options.batch_size, setup.inputs.n_calib
     profiles, names = StaticProfiles(setup.sites), [s.name for s in setup.sites]
     for b in range(-(-n // size)):
         shard = cache.read(cache.calib_name(b))

@@ -64,7 +64,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     verdict, verdict_numbers = _verdict(m, execution)
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
-        data=setup.data.summary(),
+        data=setup.inputs.summary(),
         sites=[_site_info(s, cache, setup.model, setup.layouts.get(s.name))
                for s in setup.sites],
         identity_replay_max_abs_diff=identity.max_abs_diff, conditions=summary.conditions,
@@ -98,7 +98,7 @@ def _settings(m: Measurements) -> dict[str, Any]:
     return {**{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
                if f.name not in ("schedule", "progress", *STOPPING_OPTIONS, *PLACEMENT)},
             "bootstrap_resamples": opts.bootstrap,
-            "calibration_sequences_used_for_static": setup.data.n_calib,
+            "calibration_sequences_used_for_static": setup.inputs.n_calib,
             "objective": setup.objective.name,
             "layer_index": "a site's index within its family",
             # custom conditions in the order given (audit.json sorts its keys)
@@ -121,13 +121,13 @@ def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> d
     """The sections only some audits have: expert importance (expert ablation), the token
     profile (token ids), the conditions not applicable, the savings frontier."""
     setup, runs, replays, opts = m.setup, m.runs, m.replays, m.setup.options
-    tokens = setup.data.eval_ids if setup.data.tokens else None
+    tokens = setup.inputs.token_ids
     frontier = None
     if m.covered:
         frontier = frontier_summary(
             m.covered, m.points, dict(zip((r.key for r in runs), replays.per_run, strict=True)),
             replays.per_run[0], frontier_units(cache, m.covered, m.points),
-            setup.data.eval_ids.size, execution, paired_bootstrap(setup.data.n_eval, opts))
+            setup.data.eval_ids.size, execution, paired_bootstrap(setup.inputs.n_eval, opts))
     return {"expert_importance": expert_importance(
                 runs, replays.per_run, replays.route_load, replays.still_selected, opts)
             if ablation_runs(runs) else None,
@@ -171,8 +171,8 @@ def _routing(setup: Prepared, cache: CoefficientCache, runs: Sequence[Run],
     routed = routing_sites(setup.sites)
     if not routed:
         return None
-    units = setup.data.eval_ids.size if setup.data.tokens else \
-        setup.data.n_eval * int(cache.coefficients(0, routed[0].name).shape[1])
+    units = setup.inputs.routed_units(
+        lambda: int(cache.coefficients(0, routed[0].name).shape[1]))
     return routing_summary(routed, tracked_runs(runs), replays.route_load,
                            replays.route_changed, units)
 

@@ -45,7 +45,7 @@ def frontier_plan(setup: Prepared, first: Probe) -> list[Covered]:
     asked for a model with no soft-gate or routed family is refused."""
     asked = setup.options.frontier
     if asked is False or (asked is None and not setup.options.execution) or \
-            not setup.data.tokens:  # token inputs only (other inputs refuse frontier=True)
+            setup.inputs.token_ids is None:  # token ids only (others refuse frontier=True)
         return []
     covered = frontier_families(setup.sites, first.coefficients,
                                 declared_experts(setup.model) or [])
@@ -89,7 +89,7 @@ def own_skips(setup: Prepared) -> list[float] | None:
         return None
     size, net = setup.options.batch_size, setup.model
     counted = execution_pass(net, setup.blocks, (x for _, x in batches(
-        setup.data.eval_ids, size, device_of(net))), flops=False)
+        setup.eval_source, size, device_of(net))), flops=False)
     return counted["blocks_executed_per_layer"]
 
 
@@ -112,7 +112,7 @@ def off_mismatch(setup: Prepared, fam: Covered) -> str | None:
         return (f"the {len(fam.sites)} gates are not one per declared block "
                 f"({len(modules) if modules else 'no'} blocks): no module to price their skips")
     net = setup.model
-    _, x = next(batches(setup.data.eval_ids, setup.options.batch_size, device_of(net)))
+    _, x = next(batches(setup.eval_source, setup.options.batch_size, device_of(net)))
     recorded = record_batch(net, fam.sites, x)[1]
     off = replay_batch(net, x, {s: torch.full_like(recorded[s.name], s.off)
                                 for s in fam.sites}).logits

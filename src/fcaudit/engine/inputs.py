@@ -120,8 +120,8 @@ def resolve_inputs(loaded: LoadedModel, data: DataSpec | AuditData, options: Aud
         audit_data = run_audit_data(data, loaded.spec, next(net.parameters()).dtype)
     else:
         audit_data = resolve_data(loaded.tokenizer, data, default_len)
-    audit_data.check_arrays()
-    if not audit_data.tokens:
+    audit_data.check_arrays()  # read again for every audit: the caller may have changed it
+    if audit_data.checked().token_ids is None:  # each kind's rules against model and options
         return _example_inputs(loaded, audit_data, options), options
     return _token_inputs(net, data, audit_data, options, sites, default_why), options
 

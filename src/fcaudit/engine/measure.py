@@ -99,17 +99,15 @@ def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticPro
     permutations for every position count the sites have) and the token ids, if any."""
     lengths, seeds = _position_counts(setup, first), setup.seeds
     return ReplayInputs(cache, setup.sites, profiles,
-                        [draw(seed, setup.data.n_eval, lengths[0], lengths[1:])
+                        [draw(seed, setup.inputs.n_eval, lengths[0], lengths[1:])
                          for seed in seeds.draws], seeds.interventions,
-                        setup.data.eval_ids if setup.data.tokens else None)
+                        setup.inputs.token_ids)
 
 
 def _position_counts(setup: Prepared, first: Probe) -> list[int]:
     """The position counts of the sites' coefficients, the evaluation windows' first."""
-    counts = [int(first.coefficients[s.name].shape[1]) for s in setup.sites]
-    if setup.data.tokens:
-        return [int(setup.data.eval_ids.shape[1]), *counts]
-    return list(dict.fromkeys(counts))
+    return setup.inputs.position_counts([int(first.coefficients[s.name].shape[1])
+                                         for s in setup.sites])
 
 
 def _original_hits(cache: CoefficientCache) -> np.ndarray:

@@ -18,6 +18,7 @@ This module imports neither torch nor numpy: ``fcaudit --help`` builds its flags
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import weakref
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from fcaudit.core.interventions import Intervention
     from fcaudit.engine.objectives import Objective
     from fcaudit.io.data import AuditData
+    from fcaudit.io.inputs import ExampleData, TokenData
     from fcaudit.io.loading import LoadedModel
     from fcaudit.io.placement import Placement
 
@@ -395,14 +397,20 @@ class Prepared:
         from fcaudit.engine.objectives import resolve
         return resolve(self.options.objective)
 
+    @functools.cached_property
+    def inputs(self) -> TokenData | ExampleData:
+        """The engine's one view of the data, whichever kind (a copy of the Prepared with
+        other data gets its own)."""
+        return self.data.checked()
+
     @property
     def eval_source(self) -> Any:
         """What evaluation batches are cut from: token ids [N, T] or Examples."""
-        return self.data.eval_ids if self.data.tokens else self.data.examples
+        return self.inputs.eval_source
 
     @property
     def calib_source(self) -> Any:
-        return self.data.calib_ids if self.data.tokens else self.data.calib_examples
+        return self.inputs.calib_source
 
 
 Setup = Prepared  # its earlier name, for callers outside fcaudit

@@ -60,7 +60,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     _check_ranks(setup, ranks or current())
     layouts = resolve_layouts(setup, first_batch(setup))
     return dataclasses.replace(setup, sites=layouts.sites, layouts=layouts.notes,
-                               notes=(window_line(audit_data.summary()), *layouts.lines))
+                               notes=(window_line(setup.inputs.summary()), *layouts.lines))
 
 
 def _check_ranks(setup: Prepared, ranks: Ranks) -> None:

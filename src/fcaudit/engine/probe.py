@@ -109,13 +109,8 @@ def probe(setup: Prepared) -> Probe:
 def _check_targets(setup: Prepared, logits: Any) -> None:
     """Every evaluation and calibration target must be one the objective can score
     (classification: an integer class of the first batch's logits)."""
-    data, objective = setup.data, setup.objective
-    if data.tokens:
-        return
-    assert data.examples is not None and data.calib_examples is not None
-    check_targets(objective, logits, data.examples.targets, "evaluation")
-    if data.calib_examples.targets is not None:
-        check_targets(objective, logits, data.calib_examples.targets, "calibration")
+    for where, targets in setup.inputs.targets():
+        check_targets(setup.objective, logits, targets, where)
 
 
 def _check_axes(net: nn.Module, sites: Sequence[Site], x: Any) -> None:

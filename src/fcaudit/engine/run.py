@@ -200,8 +200,8 @@ def say_record_plan(setup: Prepared, first: Probe, covered: Sequence[Covered], f
     frontier = {s.name: first.coefficients[s.name] for fam in covered for s in fam.sites}
     cost = record_cost(eval_shard(first.nll, first.coefficients, first.hits),
                        calibration_shard(setup, first.coefficients, first_batch(setup)),
-                       frontier, int(first.nll.shape[0]), setup.data.n_eval,
-                       setup.data.n_calib, setup.options.batch_size)
+                       frontier, int(first.nll.shape[0]), setup.inputs.n_eval,
+                       setup.inputs.n_calib, setup.options.batch_size)
     free = free_bytes(folder)
     warning = check_disk(cost, free, folder)
     if setup.options.progress:
@@ -222,14 +222,14 @@ def open_cache(setup: Prepared, folder: Path, ranks: Ranks,
             f"that folder or choose another {arg('out')} (an objective that reads only "
             "functions, tensors, arrays, numbers and strings resumes from its cache)")
     cache = CoefficientCache(folder, cache_identity(setup), setup.options.batch_size,
-                             setup.data.n_eval, owner=ranks.main)
+                             setup.inputs.n_eval, owner=ranks.main)
     if first is not None:
         adopt_probe(cache, first.coefficients, first.nll, first.hits)
     return cache
 
 
 def cache_identity(setup: Prepared) -> dict[str, Any]:
-    net, data = setup.model, setup.data.summary()
+    net, data = setup.model, setup.inputs.summary()
     param = next(net.parameters(), None)
     return {"model": setup.loaded.fingerprint or setup.loaded.spec,
             "model_class": type(net).__name__, "eval_data": data["eval_fingerprint"],

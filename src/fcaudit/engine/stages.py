@@ -26,7 +26,7 @@ from fcaudit.core.adapters import same_bits
 from fcaudit.core.conditions import CORRECT
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError, arg
-from fcaudit.core.interventions import StaticProfiles, batch_sums, token_sums
+from fcaudit.core.interventions import StaticProfiles, batch_sums
 from fcaudit.core.nll import device_of
 from fcaudit.core.routers import changed_rows, expert_counts
 from fcaudit.engine.cache import (
@@ -71,14 +71,14 @@ def record_calibration(setup: Prepared, cache: CoefficientCache, progress: Progr
     token id), cached; a shard already on disk is recomputed and used only when equal
     (:meth:`CoefficientCache.settle`). Returns how many were proven and recorded."""
     net, size = setup.model, setup.options.batch_size
-    n = -(-setup.data.n_calib // size)
+    n = -(-setup.inputs.n_calib // size)
     todo = ranks.mine([b for b in range(n) if cache.calib_name(b) not in cache.proven])
     for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net), todo),
                                   start=1):
         _, coefficients, _ = record_batch(net, setup.sites, x, None)
         check_finite(coefficients, "calibration data")
         cache.settle(cache.calib_name(b), calibration_shard(setup, coefficients, x),
-                     f"calibration batch {b} ({_rows(size, b, setup.data.n_calib)})")
+                     f"calibration batch {b} ({_rows(size, b, setup.inputs.n_calib)})")
         progress("record calibration", done, len(todo), "")
     from_disk = sum(cache.calib_name(b) in cache.reused for b in ranks.mine(list(range(n))))
     return {"batches_proven": from_disk, "batches_recorded": len(ranks.mine(list(range(n))))
@@ -90,9 +90,8 @@ def calibration_shard(setup: Prepared, coefficients: Mapping[str, Tensor],
     """What a calibration batch's shard holds: float64 sums by position and, for token
     inputs, by token id (the cost plan sizes the cache from the same tensors)."""
     on_cpu = {k: c.cpu() for k, c in coefficients.items()}
-    # per token id: for inputs that are token ids only
-    tokens = token_sums(on_cpu, x.cpu()) if setup.data.tokens else None
-    return CalibrationShard.build(batch_sums(on_cpu), tokens)
+    return CalibrationShard.build(batch_sums(on_cpu),
+                                  setup.inputs.calibration_token_sums(on_cpu, x))
 
 
 def _rows(size: int, b: int, n: int) -> str:
@@ -105,14 +104,14 @@ def record_frontier_calibration(setup: Prepared, cache: CoefficientCache, sites:
     """The frontier's calibration coefficients of ``sites``, whole (its thresholds are
     calibration quantiles, which sums cannot give); a shard on disk is used once proven."""
     calib_name, net, size = cache.frontier_calib_name, setup.model, setup.options.batch_size
-    n = -(-setup.data.n_calib // size)
+    n = -(-setup.inputs.n_calib // size)
     todo = ranks.mine([b for b in range(n) if calib_name(b) not in cache.proven])
     for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net), todo),
                                   start=1):
         _, coefficients, _ = record_batch(net, sites, x, None)
         cache.settle(calib_name(b), CalibrationShard.build({k: v.cpu() for k, v in
                                                              coefficients.items()}),
-                     f"calibration batch {b} ({_rows(size, b, setup.data.n_calib)})")
+                     f"calibration batch {b} ({_rows(size, b, setup.inputs.n_calib)})")
         progress("record frontier calibration", done, len(todo), "")
 
 
@@ -121,14 +120,14 @@ def frontier_calibration(setup: Prepared, cache: CoefficientCache,
     """Site name -> its calibration coefficients, all batches in order."""
     size, names = setup.options.batch_size, [s.name for s in sites]
     shards = [CalibrationShard.per_site(cache.read(cache.frontier_calib_name(b)), names)
-              for b in range(-(-setup.data.n_calib // size))]
+              for b in range(-(-setup.inputs.n_calib // size))]
     return {name: torch.cat([sh[name] for sh in shards]) for name in names}
 
 
 def calibration_profiles(setup: Prepared, cache: CoefficientCache) -> StaticProfiles:
     """Static profiles from calibration data only: every batch's sums, added in batch
     order (so the result does not depend on which process recorded which batch)."""
-    size, n = setup.options.batch_size, setup.data.n_calib
+    size, n = setup.options.batch_size, setup.inputs.n_calib
     profiles, names = StaticProfiles(setup.sites), [s.name for s in setup.sites]
     for b in range(-(-n // size)):
         shard = cache.read(cache.calib_name(b))
@@ -276,13 +275,9 @@ def _context(setup: Prepared, b: int) -> bytes:
     """What a batch's runs depend on besides their fed tensors: its token ids (or every
     input and target tensor of its examples, bitwise), the schedule."""
     size = setup.options.batch_size
-    if not setup.data.tokens:
-        assert setup.data.examples is not None
-        named = setup.data.examples.named(b * size, (b + 1) * size)
-        head = f"{setup.options.schedule}\n{setup.objective.identity()}"
-        return digest_tensors(named, head.encode())
-    ids = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids[b * size:(b + 1) * size]))
-    return digest_tensors([("ids", ids)], setup.options.schedule.encode())
+    named, head = setup.inputs.batch_context(b * size, (b + 1) * size, setup.options.schedule,
+                                             lambda: setup.objective.identity())
+    return digest_tensors(named, head)
 
 
 def _reusable(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> bool:

@@ -34,7 +34,7 @@ def run_to_target(pool: Prepared, cache: CoefficientCache, first: Probe,
                   progress: Progress) -> Rounds:
     """Audit round after round, each on a larger prefix of the (already ordered) pool,
     until the target is met or the pool is used up."""
-    opts, n_pool = pool.options, len(pool.data.eval_ids)
+    opts, n_pool = pool.options, pool.inputs.n_eval
     target = float(opts.target_ci)  # type: ignore[arg-type]
     floor = st.min_sequences(opts.min_sequences, n_pool)
     n, previous, entries, spent = st.first_size(floor, opts.batch_size, n_pool), 0, [], []

@@ -25,7 +25,7 @@ from fcaudit.engine.plan import routing_sites
 from fcaudit.engine.result import Execution
 from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.data import AuditData
-from fcaudit.io.examples import call_model
+from fcaudit.io.examples import Examples, call_model
 
 
 def dense_counterpart(net: nn.Module, data: AuditData, seeds: SeedPlan, dense: Any,
@@ -42,11 +42,19 @@ def dense_counterpart(net: nn.Module, data: AuditData, seeds: SeedPlan, dense: A
     if param is not None:
         twin = twin.to(dtype=param.dtype, device=device_of(net))
     twin.eval()
-    if not data.tokens:
-        _comparable_examples(net, data, twin, str(dense))
-        resolve_block_paths(twin, blocks)
-        return twin, str(dense)
-    ids = torch.from_numpy(data.eval_ids[:1]).to(device_of(net))
+    inputs = data.checked()
+    if inputs.token_ids is None:  # token ids are checked against its vocabulary too
+        _comparable_examples(net, inputs.eval_source, twin, str(dense))
+    else:
+        _comparable_tokens(net, inputs.token_ids[:1], twin, dense)
+    resolve_block_paths(twin, blocks)
+    return twin, str(dense)
+
+
+def _comparable_tokens(net: nn.Module, first: np.ndarray, twin: nn.Module, dense: Any) -> None:
+    """A dense counterpart must know every id of the first sequence and give logits of
+    the model's shape on it."""
+    ids = torch.from_numpy(first).to(device_of(net))
     vocab, _ = model_limits(twin)
     if vocab is not None and int(ids.max()) >= vocab:
         raise FcauditError(f"{arg('dense', dense)}: its vocabulary has {vocab} entries but the "
@@ -54,16 +62,13 @@ def dense_counterpart(net: nn.Module, data: AuditData, seeds: SeedPlan, dense: A
                            "with the same tokenizer")
     from fcaudit.engine.execution import check_comparable
     check_comparable(net, twin, ids, str(dense))
-    resolve_block_paths(twin, blocks)
-    return twin, str(dense)
 
 
 @torch.no_grad()
-def _comparable_examples(model: nn.Module, data: AuditData, twin: nn.Module,
+def _comparable_examples(model: nn.Module, examples: Examples, twin: nn.Module,
                          source: str) -> None:
     """A dense counterpart must give outputs of the model's shape on the same example."""
-    assert data.examples is not None
-    x = data.examples.rows(0, 1).to(device_of(model))
+    x = examples.rows(0, 1).to(device_of(model))
     shapes = []
     for net, what in ((model, "the first evaluation example"),
                       (twin, f"the first evaluation example, as {arg('dense', source)}")):
@@ -91,8 +96,7 @@ def execute(setup: Prepared) -> Execution:
     if setup.blocks is None or dense_blocks is None:
         return Execution(measured=False, reason="the model does not declare its blocks: pass "
                                                 "--blocks GLOB (e.g. 'layers.*')")
-    x = torch.from_numpy(np.ascontiguousarray(setup.data.eval_ids)).to(device_of(setup.model)) \
-        if setup.data.tokens else setup.data.examples
+    x = setup.inputs.execution_inputs(device_of(setup.model))
     routers = {s.name: s for s in routing_sites(setup.sites)}
     measured = measure_execution(
         setup.model, setup.dense, x, batch_size=opts.batch_size, block_paths=setup.blocks,
@@ -100,6 +104,5 @@ def execute(setup: Prepared) -> Execution:
         timing=opts.timing_pairs > 0, dense_source=setup.dense_source or None,
         experts=[e for e in experts if e.name in routers], routers=routers,
         gated=[s.gated for s in setup.sites if s.gated])
-    if not setup.data.tokens:
-        measured.unit = "example"
+    measured.unit = setup.inputs.execution_unit
     return measured

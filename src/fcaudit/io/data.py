@@ -31,6 +31,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from fcaudit.core.arrays import InputSpec, token_ids
 from fcaudit.core.errors import DataError, UsageError, arg
 from fcaudit.io.fileio import read_npy, sha256_file, write_bytes
+from fcaudit.io.inputs import ExampleData, TokenData
+from fcaudit.io.inputs import fingerprint_array as fingerprint_array  # re-exported
+from fcaudit.io.inputs import window_hashes as window_hashes  # re-exported
 
 if TYPE_CHECKING:  # torch is imported only for data that is not token ids
     from fcaudit.io.examples import Examples
@@ -300,16 +303,6 @@ def load_token_array(path: str | Path, what: str) -> np.ndarray:
     return token_ids(arr, f"{what} {path}")
 
 
-def window_hashes(windows: np.ndarray) -> list[str]:
-    """Content hash per window, to prove calibration and evaluation share no window."""
-    return [hashlib.sha256(np.ascontiguousarray(w, dtype=np.int64).tobytes()).hexdigest()
-            for w in windows]
-
-
-def fingerprint_array(windows: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(windows, dtype=np.int64).tobytes()).hexdigest()
-
-
 @dataclass
 class AuditData:
     """Evaluation and calibration data plus where they came from: token ids
@@ -363,117 +356,42 @@ class AuditData:
         self.examples = Examples.of(*ev, "")
         self.calib_examples = Examples.of(*ca, "calib_")
 
+    def checked(self) -> TokenData | ExampleData:
+        """The engine's view of this data, its arrays checked (token ids as int64, other
+        inputs read once into :class:`Examples`): one kind, one protocol."""
+        if self.tokens or self.examples is None or self.calib_examples is None:
+            self.check_arrays()
+        return self._view()
+
+    def _view(self) -> TokenData | ExampleData:
+        """This data as its kind, as it stands (after :meth:`check_arrays`)."""
+        if self.examples is not None:
+            assert self.calib_examples is not None
+            return ExampleData(self.examples, self.calib_examples, self.sources)
+        return TokenData(self.eval_ids, self.calib_ids, self.sources)  # type: ignore[arg-type]
+
     def check_inputs(self, spec: InputSpec | None) -> None:
         """Refuse inputs other than token ids that a model known to take others (a run
         folder's: ``spec``) cannot take, in one line naming the array, before any pass."""
-        if spec is None or self.examples is None or self.calib_examples is None:
-            return
-        for name, examples in (("inputs", self.examples), ("calib_inputs",
-                                                           self.calib_examples)):
-            spec.check(examples.inputs, arg(name, py=f"AuditData.{name}"))
+        if self.examples is not None and self.calib_examples is not None:
+            ExampleData(self.examples, self.calib_examples, self.sources).check_inputs(spec)
 
     def validate(self, vocab_size: int | None, max_len: int | None) -> None:
         """Check the audit's data rules; raise one clear error for the first broken one."""
         self.check_arrays()
-        if not self.tokens:
-            self._validate_examples()
-            return
-        n_eval, seq_len = self.eval_ids.shape
-        ev_src = self.sources.get("eval_path") or "the evaluation data"
-        ca_src = self.sources.get("calib_path") or "the calibration data"
-        more = "pass an array with more rows" if self.sources.get("source") == "tokens" else \
-            f"give more data or {self._shorter()}"
-        if n_eval < 2:
-            raise DataError(
-                f"the audit needs at least 2 evaluation sequences of {seq_len} tokens, {ev_src} "
-                f"gives {n_eval}: reassignment has no derangement of one sequence; {more}")
-        if len(self.calib_ids) < 1:
-            more = f"pass a {arg('calib_tokens')} array with rows" \
-                if self.sources.get("source") == "tokens" else \
-                f"give more calibration data or {self._shorter()}"
-            raise DataError(f"{ca_src} gives no calibration sequences of {seq_len} tokens; "
-                            f"{more}")
-        if self.calib_ids.shape[1] != seq_len:
-            raise DataError(f"calibration sequences have length {self.calib_ids.shape[1]} "
-                            f"in {ca_src}, evaluation sequences {seq_len} in {ev_src}; cut "
-                            "both to the same length")
-        if max_len is not None and seq_len > max_len:
-            raise DataError(f"sequence length {seq_len} exceeds the model's context of "
-                            f"{max_len} tokens; {self._shorter(max_len)}")
-        for name, src, arr in (("evaluation", ev_src, self.eval_ids),
-                               ("calibration", ca_src, self.calib_ids)):
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or (vocab_size is not None and hi >= vocab_size):
-                size = f"has {vocab_size} entries" if vocab_size is not None else \
-                    "starts at id 0"
-                raise DataError(
-                    f"{name} token ids in {src} span [{lo}, {hi}] but the model's vocabulary "
-                    f"{size}; tokenize with the model's tokenizer")
-        shared = set(window_hashes(self.eval_ids)) & set(window_hashes(self.calib_ids))
-        if shared:
-            raise DataError(
-                f"calibration ({ca_src}) and evaluation ({ev_src}) share {len(shared)} identical "
-                "window(s); static profiles must come from independent data: pass disjoint sets")
-
-    def _shorter(self, most: int | None = None) -> str:
-        """How to cut shorter windows, in the words of their source: ``--seq-len`` cuts
-        text, while token arrays and ids given directly are cut by their owner."""
-        source = self.sources.get("source")
-        at_most = f" of at most {most} tokens" if most else ""
-        if source == "tokens":
-            return f"re-cut the token arrays into windows{at_most} (their width sets the length)"
-        if source in ("text", "builtin"):
-            return f"use {arg('seq_len', most)} or less" if most else \
-                f"a shorter {arg('seq_len')}"
-        return f"cut the ids into shorter windows{at_most}"
-
-    def _validate_examples(self) -> None:
-        ev, ca = self.examples, self.calib_examples
-        assert ev is not None and ca is not None
-        if len(ev) < 2:
-            raise DataError(f"the audit needs at least 2 evaluation examples, AuditData "
-                            f"gives {len(ev)}: reassignment has no derangement of one")
-        if len(ca) < 1:
-            raise DataError("AuditData gives no calibration examples; pass calib_inputs")
-        if ev.layout() != ca.layout():
-            raise DataError(f"calibration inputs {ca.layout()} and evaluation inputs "
-                            f"{ev.layout()} differ in shape or dtype; give both alike")
-        if (ev.targets is None) != (ca.targets is None) and ca.targets is not None:
-            raise UsageError("AuditData: calib_targets given without targets",
-                             option="calib_targets")
-        shared = set(ev.example_hashes()) & set(ca.example_hashes())
-        if shared:
-            raise DataError(f"calibration and evaluation share {len(shared)} identical "
-                            "example(s); static profiles must come from independent data: "
-                            "pass disjoint sets")
+        self._view().validate(vocab_size, max_len)
 
     @property
     def n_eval(self) -> int:
         """Evaluation sequences or examples."""
-        return len(self.examples) if self.examples is not None else len(self.eval_ids)
+        return self._view().n_eval
 
     @property
     def n_calib(self) -> int:
-        return len(self.calib_examples) if self.calib_examples is not None else \
-            len(self.calib_ids)
+        return self._view().n_calib
 
     def summary(self) -> dict[str, object]:
-        if self.examples is not None:
-            assert self.calib_examples is not None
-            return {"eval_examples": len(self.examples),
-                    "calib_examples": len(self.calib_examples),
-                    "inputs": self.examples.layout(),
-                    "eval_fingerprint": self.examples.fingerprint(),
-                    "calib_fingerprint": self.calib_examples.fingerprint(), **self.sources}
-        return {
-            "eval_sequences": int(self.eval_ids.shape[0]),
-            "calib_sequences": int(self.calib_ids.shape[0]),
-            "seq_len": int(self.eval_ids.shape[1]),
-            "eval_tokens": int(self.eval_ids.size),
-            "eval_fingerprint": fingerprint_array(self.eval_ids),
-            "calib_fingerprint": fingerprint_array(self.calib_ids),
-            **self.sources,
-        }
+        return self._view().summary()
 
 
 @dataclass(frozen=True)

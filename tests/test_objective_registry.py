@@ -6,8 +6,10 @@ one entry (plus its function) and audited end to end."""
 from __future__ import annotations
 
 import argparse
+import ast
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -177,3 +179,14 @@ def test_a_new_objective_is_one_entry_and_its_function(monkeypatch) -> None:
     assert r.identity_replay_max_abs_diff == 0.0
     assert Objective("mse").describe() == "objective 'mse': the model's squared distance " \
         "to the one-hot target is"
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_objective_name_spelled_only_in_the_registry(name: str) -> None:
+    """No module but the registry holds a string equal to a built-in objective's name:
+    every other one asks :class:`Objective` or a name constant (TOKEN_NLL, CLASSIFICATION)."""
+    src = Path(fcaudit.__file__).parent
+    files = [str(p.relative_to(src)) for p in sorted(src.rglob("*.py"))
+             if name in {n.value for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+                         if isinstance(n, ast.Constant) and isinstance(n.value, str)}]
+    assert files == ["engine/objectives.py"]

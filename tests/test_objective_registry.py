@@ -190,3 +190,23 @@ def test_objective_name_spelled_only_in_the_registry(name: str) -> None:
              if name in {n.value for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
                          if isinstance(n, ast.Constant) and isinstance(n.value, str)}]
     assert files == ["engine/objectives.py"]
+
+
+def test_an_entry_is_an_objective_choice_and_help_on_the_command_line() -> None:
+    """A registry entry present when the options are read (as one written in the registry
+    is) is an ``--objective`` choice with its help phrase: no other file names it."""
+    code = """if True:
+        import argparse
+        from fcaudit.engine import objectives as o
+        o.OBJECTIVES["mse"] = o.BuiltinObjective("mse", "example", "squared distance",
+                                                 "mse (squared distance)", losses="mse_units")
+        from fcaudit.cli.parser import build_parser
+        sub = next(a for a in build_parser()._actions
+                   if isinstance(a, argparse._SubParsersAction))
+        flag = next(a for a in sub.choices["audit"]._actions if "--objective" in a.option_strings)
+        print(list(flag.choices), " ".join(flag.help.split()))"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout
+    assert out.strip() == "['token-nll', 'classification', 'mse'] per-unit loss: token-nll " \
+        "(token ids, the default) or classification (cross-entropy and accuracy of [N, C] " \
+        "logits; the default with --inputs) or mse (squared distance)"

@@ -75,7 +75,7 @@ OBJECTIVES: dict[str, BuiltinObjective] = {o.name: o for o in REGISTRY}
 
 def default_for(tokens: bool) -> str:
     """The objective an audit scores token ids (or other inputs) with unless told."""
-    (name,) = (o.name for o in REGISTRY if o.default and o.tokens == tokens)
+    (name,) = (o.name for o in OBJECTIVES.values() if o.default and o.tokens == tokens)
     return name
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from fcaudit.core.conditions import FRONTIER
 from fcaudit.core.errors import UsageError, arg
-from fcaudit.engine.objectives import OBJECTIVES, REGISTRY, TOKEN_NLL, Objective, resolve
+from fcaudit.engine.objectives import OBJECTIVES, TOKEN_NLL, Objective, resolve
 from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.placement import DEVICE_MAPS
 
@@ -173,7 +173,8 @@ class AuditOptions:
     # the per-unit loss: a built-in objective's name (engine/objectives.py's registry), or
     # a callable (model_output, batch) -> per-unit losses [B] or [B, T]
     objective: Any = option(
-        TOKEN_NLL, "statistics", "per-unit loss: " + " or ".join(o.help for o in REGISTRY),
+        TOKEN_NLL, "statistics",
+        "per-unit loss: " + " or ".join(o.help for o in OBJECTIVES.values()),
         choices=tuple(OBJECTIVES), unset_is_none=True)
 
     def validate(self) -> None:

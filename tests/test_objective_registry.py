@@ -210,3 +210,18 @@ def test_an_entry_is_an_objective_choice_and_help_on_the_command_line() -> None:
     assert out.strip() == "['token-nll', 'classification', 'mse'] per-unit loss: token-nll " \
         "(token ids, the default) or classification (cross-entropy and accuracy of [N, C] " \
         "logits; the default with --inputs) or mse (squared distance)"
+
+
+def test_objective_mistakes_are_of_their_kind() -> None:
+    """An unknown name is a usage mistake naming the option; targets that do not fit the
+    logits are a data mistake."""
+    from fcaudit.core.errors import DataError, UsageError
+    with pytest.raises(UsageError) as unknown:
+        resolve("mse")
+    assert unknown.value.option == "objective"
+    assert str(unknown.value) == "AuditOptions(objective='mse'): choose one of token-nll, " \
+        "classification, or pass a callable (model_output, batch) -> per-unit losses [B] or " \
+        "[B, T]"
+    with pytest.raises(DataError, match=r"^evaluation targets are float32 \[2\]; "
+                       r"classification needs integer class indices \[N\] \(np.int64\)$"):
+        check_targets(resolve(CLASSIFICATION), torch.zeros(2, 3), torch.zeros(2), "evaluation")

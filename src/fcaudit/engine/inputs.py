@@ -131,12 +131,12 @@ def _token_inputs(net: nn.Module, given: DataSpec | AuditData, data: AuditData,
     """Token ids: sites with a token axis, ids within the vocabulary and windows within
     the context; with ``target_ci``, the pool in its audit order."""
     builtin = OBJECTIVES.get(options.objective) if isinstance(options.objective, str) else None
-    if (builtin is not None and not builtin.tokens) or any(
-            s.positions not in (None, TOKEN_LAYOUT) for s in sites):
+    examples = builtin.name if builtin is not None and not builtin.tokens else None
+    if examples or any(s.positions not in (None, TOKEN_LAYOUT) for s in sites):
         raise FcauditError(
             "token ids are scored by next-token NLL on sites [batch, tokens, ...]: for "
-            f"{arg('objective', CLASSIFICATION, owner='AuditOptions')} or sites without a "
-            f"token axis give {OTHER_INPUTS}")
+            f"{arg('objective', examples or CLASSIFICATION, owner='AuditOptions')} or sites "
+            f"without a token axis give {OTHER_INPUTS}")
     if "seq_len_source" not in data.sources:  # a copy: the caller's data stays as given
         data = dataclasses.replace(data, sources={
             **data.sources, "seq_len_source": window_source(given, default_why)})

@@ -14,6 +14,7 @@ from typing import Any
 
 from fcaudit.cli.parser import audit_options, build_parser
 from fcaudit.core.errors import DataError, FcauditError, ModelError, UsageError, render
+from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES, TOKEN_NLL
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -55,9 +56,10 @@ def _array_data(args: argparse.Namespace) -> Any:
         raise UsageError("pass both --inputs (evaluation) and --calib-inputs (calibration) "
                          ".npy arrays",
                          option="calib_inputs" if args.inputs is not None else "inputs")
-    if args.objective == "token-nll":
-        raise UsageError("--objective token-nll scores token ids: give them with --tokens, "
-                         "or use --objective classification with --inputs", option="objective")
+    if args.objective is not None and OBJECTIVES[args.objective].tokens:
+        raise UsageError(f"--objective {args.objective} scores token ids: give them with "
+                         f"--tokens, or use --objective {CLASSIFICATION} with --inputs",
+                         option="objective")
     DataSpec(max_eval=args.max_eval, max_calib=args.max_calib).validate()  # their bounds
     arrays = {f: load_npy(getattr(args, f), f"--{f.replace('_', '-')}")
               if getattr(args, f) is not None else None
@@ -86,7 +88,7 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     spec = _data_spec(args)
     # --inputs are scored by classification unless --objective says otherwise
     unset = args.objective is None and args.inputs is not None
-    options = audit_options(args, **({"objective": "classification"} if unset else {}))
+    options = audit_options(args, **({"objective": CLASSIFICATION} if unset else {}))
     options.validate()
     from fcaudit.io.data import DataSpec
     if isinstance(spec, DataSpec):
@@ -132,8 +134,8 @@ def print_summary(result: Any, out: Path) -> None:
                       soft_wrap=True)
     table = Table(title=f"Frozen Controller Audit: {result.model.spec}")
     table.add_column("condition")
-    objective = result.settings.get("objective", "token-nll")
-    table.add_column("NLL" if objective == "token-nll" else f"loss ({objective})",
+    objective = result.settings.get("objective", TOKEN_NLL)
+    table.add_column("NLL" if objective == TOKEN_NLL else f"loss ({objective})",
                      justify="right")
     table.add_column("delta vs correct [95% CI]", justify="right")
     from fcaudit.engine.result import condition_rows

@@ -22,7 +22,7 @@ from fcaudit.core.interventions import Intervention
 from fcaudit.core.layout import TOKEN_LAYOUT
 from fcaudit.core.nll import model_limits, probe_vocab
 from fcaudit.core.sites import SiteSpec, match_modules
-from fcaudit.engine.objectives import resolve
+from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES, TOKEN_NLL, resolve
 from fcaudit.engine.options import AuditOptions
 from fcaudit.engine.plan import EXPERT_ABLATION, FRONTIER
 from fcaudit.engine.result import MAIN_CONDITIONS, PER_LAYER_CONDITIONS
@@ -112,8 +112,8 @@ def resolve_inputs(loaded: LoadedModel, data: DataSpec | AuditData, options: Aud
     net = loaded.model
     default_len, default_why = loaded_seq_len(loaded)
     vision = bool(loaded.run_config) and get_arch(loaded.run_config["arch"]).task == "vision"
-    if vision and options.objective == "token-nll":  # the default: a run knows its task
-        options = dataclasses.replace(options, objective="classification")
+    if vision and options.objective == TOKEN_NLL:  # the default: a run knows its task
+        options = dataclasses.replace(options, objective=CLASSIFICATION)
     if isinstance(data, AuditData):
         audit_data = data
     elif vision:  # a vision run: its own digits, in the dtype the model computes in
@@ -130,12 +130,13 @@ def _token_inputs(net: nn.Module, given: DataSpec | AuditData, data: AuditData,
                   options: AuditOptions, sites: Sequence[Site], default_why: str) -> AuditData:
     """Token ids: sites with a token axis, ids within the vocabulary and windows within
     the context; with ``target_ci``, the pool in its audit order."""
-    if options.objective == "classification" or any(
-            s.positions not in (None, TOKEN_LAYOUT) for s in sites):
+    builtin = OBJECTIVES.get(options.objective) if isinstance(options.objective, str) else None
+    examples = builtin.name if builtin is not None and not builtin.tokens else None
+    if examples or any(s.positions not in (None, TOKEN_LAYOUT) for s in sites):
         raise FcauditError(
             "token ids are scored by next-token NLL on sites [batch, tokens, ...]: for "
-            f"{arg('objective', 'classification', owner='AuditOptions')} or sites without a "
-            f"token axis give {OTHER_INPUTS}")
+            f"{arg('objective', examples or CLASSIFICATION, owner='AuditOptions')} or sites "
+            f"without a token axis give {OTHER_INPUTS}")
     if "seq_len_source" not in data.sources:  # a copy: the caller's data stays as given
         data = dataclasses.replace(data, sources={
             **data.sources, "seq_len_source": window_source(given, default_why)})
@@ -156,8 +157,8 @@ def _example_inputs(loaded: LoadedModel, data: AuditData, options: AuditOptions)
     objective = resolve(options.objective)
     if objective.tokens:
         raise FcauditError(
-            f"{arg('objective', 'token-nll', owner='AuditOptions')} scores token ids, but the "
-            f"data are other inputs: choose {arg('objective', 'classification')} (integer "
+            f"{arg('objective', objective.name, owner='AuditOptions')} scores token ids, but "
+            f"the data are other inputs: choose {arg('objective', CLASSIFICATION)} (integer "
             "targets) or a callable (model_output, batch) -> per-unit losses, or give token "
             "ids as AuditData(eval_ids=..., calib_ids=...)")
     if options.frontier:

@@ -6,31 +6,80 @@ cross-entropy of logits ``[B, C]`` against integer targets ``[B]``, one unit per
 with accuracy beside it; a callable ``(model_output, batch) -> losses [B] or [B, T]``
 is the user's own. Penalties, retention and the bootstrap (over examples) read the mean
 of each example's units, whichever objective made them.
+
+The built-in objectives are defined once, in :data:`REGISTRY`: each entry's name, words
+and the functions of :mod:`fcaudit.engine.losses` it scores with, named here and resolved
+on first use (as the condition registry names its feeds), so this module imports no
+torch: ``--objective``'s choices and help are read off it. Adding a built-in objective is
+one :class:`BuiltinObjective` entry below plus its functions in ``engine/losses.py`` (and
+its tests); the rest of the engine asks :class:`Objective`, never a name.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+from fcaudit.core.errors import UsageError, arg
 
-from fcaudit.core.codestate import Unreadable, digest_state
-from fcaudit.core.errors import FcauditError, arg
-from fcaudit.core.nll import logits_of, token_nll
-from fcaudit.engine.options import OBJECTIVES
-from fcaudit.io.examples import ExampleBatch
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from fcaudit.io.examples import ExampleBatch
 
 UNREADABLE = "state not readable as bits"
-ObjectiveFn = Callable[[Any, ExampleBatch], Tensor]
+ObjectiveFn = Callable[[Any, "ExampleBatch"], "Tensor"]
+LOSSES = "fcaudit.engine.losses"  # the module whose functions the entries name
 
 
-def _batch(x: Any) -> ExampleBatch:
-    """Token ids as a batch whose inputs and targets are the ids (a callable sees both)."""
-    return x if isinstance(x, ExampleBatch) else ExampleBatch(x, x)
+@dataclass(frozen=True)
+class BuiltinObjective:
+    """One built-in objective. The functions are names in :mod:`fcaudit.engine.losses`:
+    ``losses(output, batch)`` per-unit losses ``[B, U]`` float32 (``batch`` an
+    :class:`~fcaudit.io.examples.ExampleBatch`, as a user callable gets; token ids are
+    its inputs); ``compared(output)`` the tensor(s) the identity replay compares bit for
+    bit; ``hits(output, batch)`` 1.0 per correctly scored example ``[B]``, or None: no
+    accuracy; ``check(logits, targets, where)`` refuses targets it cannot score before
+    any heavy work (``logits``: the first batch's), or None: any targets."""
+
+    name: str
+    unit: str  # what one of its losses scores ("token", "example")
+    what: str  # its losses in words: "the model's {what} is"
+    help: str  # its phrase in ``--objective``'s help
+    losses: str
+    compared: str = "output_tensors"
+    hits: str | None = None
+    check: str | None = None
+    tokens: bool = False  # it scores token ids (else other inputs, AuditData(inputs=...))
+    default: bool = False  # the default objective for its kind of inputs
+
+    def call(self, role: str, *args: Any) -> Any:
+        """Its function for ``role`` ("losses", "compared", "hits", "check") applied."""
+        fn: Callable[..., Any] = getattr(importlib.import_module(LOSSES), getattr(self, role))
+        return fn(*args)
+
+
+REGISTRY: tuple[BuiltinObjective, ...] = (
+    BuiltinObjective("token-nll", "token", "next-token NLL",
+                     "token-nll (token ids, the default)", losses="token_units",
+                     compared="logits_of", tokens=True, default=True),
+    BuiltinObjective("classification", "example", "cross-entropy of its logits",
+                     "classification (cross-entropy and accuracy of [N, C] logits; the "
+                     "default with --inputs)", losses="class_units", hits="class_hits",
+                     check="class_targets", default=True),
+)
+OBJECTIVES: dict[str, BuiltinObjective] = {o.name: o for o in REGISTRY}
+
+
+def default_for(tokens: bool) -> str:
+    """The objective an audit scores token ids (or other inputs) with unless told."""
+    (name,) = (o.name for o in OBJECTIVES.values() if o.default and o.tokens == tokens)
+    return name
+
+
+TOKEN_NLL, CLASSIFICATION = default_for(True), default_for(False)
 
 
 def output_tensors(output: Any) -> Any:
@@ -48,6 +97,11 @@ class Objective:
     state: str = ""  # a callable's code and state digest, or why it is unreadable
 
     @property
+    def builtin(self) -> BuiltinObjective | None:
+        """Its registry entry (None: a user callable)."""
+        return None if self.fn is not None else OBJECTIVES.get(self.name)
+
+    @property
     def provable(self) -> bool:
         """False when a callable reads state fcaudit cannot digest: then no cached result
         can be proven to be its."""
@@ -55,60 +109,54 @@ class Objective:
 
     @property
     def tokens(self) -> bool:
-        return self.name == "token-nll"
+        return self.builtin is not None and self.builtin.tokens
 
     @property
     def accuracy(self) -> bool:
-        return self.name == "classification"
+        return self.builtin is not None and self.builtin.hits is not None
+
+    @property
+    def checks_targets(self) -> bool:
+        """Whether targets are checked against the model's output before any score."""
+        return self.builtin is not None and self.builtin.check is not None
 
     @property
     def unit(self) -> str:
         """What one of its losses scores."""
-        return "token" if self.tokens else "example" if self.accuracy else "unit"
+        return "unit" if self.builtin is None else self.builtin.unit
 
     def describe(self) -> str:
         """The losses in words with their verb, naming the objective (a callable by its
         qualified name)."""
-        if self.fn is not None:
+        if self.builtin is None:
             return f"objective {self.name}: the losses it returned are"
-        what = "next-token NLL" if self.tokens else "cross-entropy of its logits"
-        return f"objective {self.name!r}: the model's {what} is"
+        return f"objective {self.name!r}: the model's {self.builtin.what} is"
 
     @property
     def fix(self) -> str:
         """What to check when its losses are not finite."""
-        if self.fn is not None:
+        if self.builtin is None:
             return "fix the objective, or the model output it reads"
         return "check the model's weights and dtype (try float32)"
 
     def logits(self, output: Any) -> Any:
         """The tensor(s) the identity replay compares bit for bit."""
-        return logits_of(output) if self.tokens else output_tensors(output)
+        return output_tensors(output) if self.builtin is None \
+            else self.builtin.call("compared", output)
 
     def units(self, output: Any, x: Any) -> Tensor:
-        if self.tokens:
-            return token_nll(logits_of(output), x)
-        if self.accuracy:
-            logits, targets = _classes(output, _batch(x))
-            return F.cross_entropy(logits.float(), targets, reduction="none").unsqueeze(1)
-        assert self.fn is not None
-        batch = _batch(x)
-        try:
-            losses = self.fn(output, batch)
-        except FcauditError:
-            raise
-        except Exception as exc:  # the user's own code: theirs to fix, not fcaudit's bug
-            raise FcauditError(f"objective {self.name} raised {type(exc).__name__}: "
-                               f"{' '.join(str(exc).split())}; it is called as fn(model_output, "
-                               "batch) with batch.inputs and batch.targets, and must return "
-                               "per-unit losses [B] or [B, T]") from exc
-        return _user_units(losses, len(batch), self.name)
+        losses = importlib.import_module(LOSSES)
+        batch = losses.as_batch(x)
+        if self.builtin is None:
+            assert self.fn is not None
+            return losses.user_units(self.fn, self.name, output, batch)
+        return self.builtin.call("losses", output, batch)
 
     def hits(self, output: Any, x: Any) -> Tensor | None:
         if not self.accuracy:
             return None
-        logits, targets = _classes(output, _batch(x))
-        return (logits.argmax(-1) == targets).to(torch.float64)
+        assert self.builtin is not None
+        return self.builtin.call("hits", output, importlib.import_module(LOSSES).as_batch(x))
 
     def identity(self) -> str:
         """The objective in the cache's identity: a callable by its code and the state it
@@ -116,34 +164,10 @@ class Objective:
         return self.name if self.fn is None else f"{self.name} {self.state}"
 
 
-def _classes(output: Any, batch: ExampleBatch) -> tuple[Tensor, Tensor]:
-    logits = output_tensors(output)
-    if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.is_floating_point():
-        raise FcauditError("objective 'classification' needs logits [batch, classes] (or an "
-                           f"object with .logits); the model returned {type(logits).__name__}"
-                           f"{list(logits.shape) if isinstance(logits, Tensor) else ''}")
-    if batch.targets is None:  # checked with the data first (check_targets)
-        raise FcauditError("objective 'classification' needs targets")
-    return logits, batch.targets.long()
-
-
-def _user_units(value: Any, batch: int, name: str) -> Tensor:
-    """A callable's losses as ``[B, U]`` float32, or one line naming the objective: not a
-    float tensor, another shape, or a meta tensor (one without values)."""
-    if not isinstance(value, Tensor) or not value.is_floating_point() or \
-            value.dim() not in (1, 2) or value.shape[0] != batch or value.numel() == 0 or \
-            value.is_meta:
-        got = f"{'a meta tensor (no values) ' if value.is_meta else ''}" \
-              f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}" \
-            if isinstance(value, Tensor) else type(value).__name__
-        raise FcauditError(f"objective {name} must return per-unit losses, a float tensor [B] "
-                           f"or [B, T] with B={batch} examples; it returned {got}")
-    return (value.unsqueeze(1) if value.dim() == 1 else value).detach().to(torch.float32)
-
-
 def resolve(objective: Any) -> Objective:
     """``AuditOptions.objective`` as an :class:`Objective`, or a one-line error."""
     if callable(objective) and not isinstance(objective, str):
+        from fcaudit.core.codestate import Unreadable, digest_state
         name = getattr(objective, "__qualname__", type(objective).__name__)
         try:
             state = digest_state(objective)
@@ -152,28 +176,16 @@ def resolve(objective: Any) -> Objective:
         return Objective(f"callable:{getattr(objective, '__module__', '?')}.{name}", objective,
                          state)
     if objective not in OBJECTIVES:
-        raise FcauditError(f"{arg('objective', objective, owner='AuditOptions')}: choose one "
-                           f"of {', '.join(OBJECTIVES)}, or pass a callable (model_output, "
-                           "batch) -> per-unit losses [B] or [B, T]")
+        raise UsageError(f"{arg('objective', objective, owner='AuditOptions')}: choose one "
+                         f"of {', '.join(OBJECTIVES)}, or pass a callable (model_output, "
+                         "batch) -> per-unit losses [B] or [B, T]", option="objective")
     return Objective(objective)
 
 
 def check_targets(objective: Objective, logits: Any, targets: Any, where: str) -> None:
-    """Classification targets must be integer class indices ``[N]`` within the logits'
-    classes (read off the first batch's logits), before any heavy work."""
-    if not objective.accuracy:
-        return
-    _classes(logits, ExampleBatch(None, targets))
-    if targets is None:
-        raise FcauditError(f"objective 'classification' needs targets: pass {where} targets "
-                           f"({arg('targets', py='AuditData(targets=...)')})")
-    if targets.is_floating_point() or targets.dtype == torch.bool or targets.dim() != 1:
-        raise FcauditError(f"{where} targets are {str(targets.dtype).removeprefix('torch.')} "
-                           f"{list(targets.shape)}; classification needs integer class "
-                           "indices [N] (np.int64)")
-    classes = int(logits.shape[-1])
-    lo, hi = int(targets.min()), int(targets.max())
-    if lo < 0 or hi >= classes:
-        raise FcauditError(f"{where} targets span [{lo}, {hi}] but the model's logits have "
-                           f"{classes} classes; targets must be class indices in [0, "
-                           f"{classes})")
+    """The targets must be ones the objective can score (classification: integer class
+    indices ``[N]`` within the logits' classes, read off the first batch's logits),
+    before any heavy work."""
+    if objective.checks_targets:
+        assert objective.builtin is not None
+        objective.builtin.call("check", logits, targets, where)

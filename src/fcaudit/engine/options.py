@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from fcaudit.core.conditions import FRONTIER
 from fcaudit.core.errors import UsageError, arg
+from fcaudit.engine.objectives import OBJECTIVES, TOKEN_NLL, Objective, resolve
 from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.placement import DEVICE_MAPS
 
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
     from fcaudit.core.contract import Site
     from fcaudit.core.interventions import Intervention
-    from fcaudit.engine.objectives import Objective
     from fcaudit.io.data import AuditData
     from fcaudit.io.inputs import ExampleData, TokenData
     from fcaudit.io.loading import LoadedModel
@@ -66,7 +66,6 @@ MIN_TARGET_CI = 1e-6
 
 
 SCHEDULES = ("prefix", "naive")
-OBJECTIVES = ("token-nll", "classification")  # the built-in per-unit losses
 
 
 def silent(stage: str, done: int, total: int, info: str = "") -> None:
@@ -173,13 +172,12 @@ class AuditOptions:
     offload_folder: str | Path | None = option(
         None, "placement", "folder for the weights placed on disk (new or empty; what fcaudit "
         "writes there is removed afterwards)", kind="path", metavar="DIR")
-    # the per-unit loss: "token-nll" (next-token NLL of token ids), "classification"
-    # (cross-entropy of [B, C] logits against integer targets, accuracy beside it), or a
-    # callable (model_output, batch) -> per-unit losses [B] or [B, T]
+    # the per-unit loss: a built-in objective's name (engine/objectives.py's registry), or
+    # a callable (model_output, batch) -> per-unit losses [B] or [B, T]
     objective: Any = option(
-        "token-nll", "statistics", "per-unit loss: token-nll (token ids, the default) or "
-        "classification (cross-entropy and accuracy of [N, C] logits; the default with "
-        "--inputs)", choices=OBJECTIVES, unset_is_none=True)
+        TOKEN_NLL, "statistics",
+        "per-unit loss: " + " or ".join(o.help for o in OBJECTIVES.values()),
+        choices=tuple(OBJECTIVES), unset_is_none=True)
 
     def validate(self) -> None:
         """Refuse option values no audit can run with, naming the option in the caller's
@@ -214,7 +212,6 @@ class AuditOptions:
                              "or the frontier", option=FRONTIER)
         _check_target(self.target_ci, self.min_sequences)
         self.placement()  # the device map, budget syntax and offload folder
-        from fcaudit.engine.objectives import resolve
         resolve(self.objective)
         if 0 < self.timing_pairs < MIN_TIMING_PAIRS:
             raise UsageError(f"{_name('timing_pairs', self.timing_pairs)}: use 0 (no "
@@ -394,7 +391,6 @@ class Prepared:
 
     @property
     def objective(self) -> Objective:
-        from fcaudit.engine.objectives import resolve
         return resolve(self.options.objective)
 
     @functools.cached_property

@@ -20,10 +20,10 @@ from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.recording import recording
 from fcaudit.core.replaying import BlockTrace, OutputStub, replaying, selecting, swapped, tracing
-from fcaudit.engine.objectives import Objective, output_tensors
+from fcaudit.engine.objectives import Objective, default_for, output_tensors
 from fcaudit.io.examples import ExampleBatch, Examples, call_model
 
-TOKEN_NLL = Objective("token-nll")
+TOKEN_NLL = Objective(default_for(tokens=True))
 
 
 def batches(ids: np.ndarray | Examples, batch_size: int, device: torch.device,

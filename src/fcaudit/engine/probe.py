@@ -66,7 +66,7 @@ def probe(setup: Prepared) -> Probe:
     net, sites, objective = setup.model, setup.sites, setup.objective
     x = first_batch(setup)
     with blamed_on_inputs(lambda: call_model(net, x), x, "the first evaluation batch"):
-        if objective.accuracy:  # every target against the logits' classes, before any score
+        if objective.checks_targets:  # every target against the logits, before any score
             _check_targets(setup, record_batch(net, sites, x, None)[0])
         logits, coefficients, nll = record_batch(net, sites, x, objective)
     check_finite(coefficients, "evaluation data")  # before any file is written

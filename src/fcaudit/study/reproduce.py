@@ -46,6 +46,7 @@ from fcaudit.core.conditions import FRONTIER, REASSIGN, SHUFFLE, STATIC_LAYER, b
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.nll import logits_of
 from fcaudit.engine.metrics import aggregate
+from fcaudit.engine.objectives import CLASSIFICATION
 from fcaudit.engine.result import ETA2_KEYS, AuditResult
 from fcaudit.engine.run import AuditOptions, as_loaded
 from fcaudit.io import digits
@@ -223,7 +224,7 @@ def _audit(audit_dir: Path, model: str | LoadedModel, st: StudySettings, options
     if vision:
         data: DataSpec | AuditData = digits.audit_data(st.max_eval, st.max_calib)
         # the savings frontier is counted in token units; not run on images (yet)
-        options = dataclasses.replace(options, objective="classification", frontier=False)
+        options = dataclasses.replace(options, objective=CLASSIFICATION, frontier=False)
     else:
         data = DataSpec(max_eval=st.max_eval, max_calib=st.max_calib)
     result = audit(model, audit_dir, dense=dense, options=options, data=data)

@@ -1,0 +1,102 @@
+"""The built-in objectives' functions, named by their entries in
+:data:`fcaudit.engine.objectives.REGISTRY`, and a user callable's losses checked: torch
+lives here so that the registry stays light to import.
+
+Every ``losses`` function takes ``(model_output, batch)`` as a user callable does and
+returns per-unit losses ``[B, U]`` float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fcaudit.core.errors import DataError, FcauditError, ModelError, UsageError, arg
+from fcaudit.core.nll import logits_of, token_nll
+from fcaudit.engine.objectives import ObjectiveFn, output_tensors
+from fcaudit.io.examples import ExampleBatch
+
+__all__ = ["as_batch", "class_hits", "class_targets", "class_units", "logits_of",
+           "output_tensors", "token_units", "user_units"]
+
+
+def as_batch(x: Any) -> ExampleBatch:
+    """Token ids as a batch whose inputs and targets are the ids (a callable sees both)."""
+    return x if isinstance(x, ExampleBatch) else ExampleBatch(x, x)
+
+
+# token-nll: next-token NLL of the token ids (the inputs)
+def token_units(output: Any, batch: ExampleBatch) -> Tensor:
+    return token_nll(logits_of(output), batch.inputs)
+
+
+# classification: cross-entropy of logits [B, C] against integer targets [B]
+def class_units(output: Any, batch: ExampleBatch) -> Tensor:
+    logits, targets = _classes(output, batch)
+    return F.cross_entropy(logits.float(), targets, reduction="none").unsqueeze(1)
+
+
+def class_hits(output: Any, batch: ExampleBatch) -> Tensor:
+    logits, targets = _classes(output, batch)
+    return (logits.argmax(-1) == targets).to(torch.float64)
+
+
+def class_targets(logits: Any, targets: Any, where: str) -> None:
+    """Integer class indices ``[N]`` within the logits' classes."""
+    _classes(logits, ExampleBatch(None, targets))
+    if targets is None:
+        raise DataError(f"objective 'classification' needs targets: pass {where} targets "
+                        f"({arg('targets', py='AuditData(targets=...)')})")
+    if targets.is_floating_point() or targets.dtype == torch.bool or targets.dim() != 1:
+        raise DataError(f"{where} targets are {str(targets.dtype).removeprefix('torch.')} "
+                        f"{list(targets.shape)}; classification needs integer class "
+                        "indices [N] (np.int64)")
+    classes = int(logits.shape[-1])
+    lo, hi = int(targets.min()), int(targets.max())
+    if lo < 0 or hi >= classes:
+        raise DataError(f"{where} targets span [{lo}, {hi}] but the model's logits have "
+                        f"{classes} classes; targets must be class indices in [0, "
+                        f"{classes})")
+
+
+def _classes(output: Any, batch: ExampleBatch) -> tuple[Tensor, Tensor]:
+    logits = output_tensors(output)
+    if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ModelError("objective 'classification' needs logits [batch, classes] (or an "
+                         f"object with .logits); the model returned {type(logits).__name__}"
+                         f"{list(logits.shape) if isinstance(logits, Tensor) else ''}")
+    if batch.targets is None:  # checked with the data first (class_targets)
+        raise DataError("objective 'classification' needs targets")
+    return logits, batch.targets.long()
+
+
+def user_units(fn: ObjectiveFn, name: str, output: Any, batch: ExampleBatch) -> Tensor:
+    """A user callable's losses as ``[B, U]`` float32, or one line naming the objective."""
+    try:
+        losses = fn(output, batch)
+    except FcauditError:
+        raise
+    except Exception as exc:  # the user's own code: theirs to fix, not fcaudit's bug
+        raise UsageError(f"objective {name} raised {type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())}; it is called as fn(model_output, "
+                         "batch) with batch.inputs and batch.targets, and must return "
+                         "per-unit losses [B] or [B, T]", option="objective") from exc
+    return _user_units(losses, len(batch), name)
+
+
+def _user_units(value: Any, batch: int, name: str) -> Tensor:
+    """Not a float tensor, another shape, or a meta tensor (one without values): one line
+    naming the objective."""
+    if not isinstance(value, Tensor) or not value.is_floating_point() or \
+            value.dim() not in (1, 2) or value.shape[0] != batch or value.numel() == 0 or \
+            value.is_meta:
+        got = f"{'a meta tensor (no values) ' if value.is_meta else ''}" \
+              f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}" \
+            if isinstance(value, Tensor) else type(value).__name__
+        raise UsageError(f"objective {name} must return per-unit losses, a float tensor [B] "
+                         f"or [B, T] with B={batch} examples; it returned {got}",
+                         option="objective")
+    return (value.unsqueeze(1) if value.dim() == 1 else value).detach().to(torch.float32)

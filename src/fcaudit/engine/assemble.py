@@ -132,7 +132,8 @@ def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> d
                 runs, replays.per_run, replays.route_load, replays.still_selected, opts)
             if ablation_runs(runs) else None,
             "token_profile": token_profile(m.profiles, tokens) if tokens is not None else None,
-            "not_applicable": not_applicable(setup.sites, tokens is not None) or None,
+            "not_applicable": not_applicable(setup.sites, tokens is not None,
+                                             opts.conditions) or None,
             "frontier": frontier}
 
 

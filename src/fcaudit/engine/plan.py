@@ -24,7 +24,8 @@ from fcaudit.core.conditions import (
     EXPERT_ABLATION,
     FRONTIER,
     RANDOM_CONDITIONS,
-    STATIC_CONDITIONS,
+    audited,
+    by_kind,
     by_role,
 )
 from fcaudit.core.contract import RoutingAdapter, Site
@@ -39,6 +40,8 @@ from fcaudit.core.routers import ablate_expert
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.frontier import FrontierPoint, point_feed
 from fcaudit.engine.options import AUTO_ABLATION_MAX_EXPERTS, AuditOptions
+
+STATIC_ALL = by_kind("static", default=None)  # the opt-in ones too, run where asked
 
 
 class Target:
@@ -200,7 +203,7 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
     runs = [Run(CORRECT)]
     runs += [Run(c, k) for k in range(options.repeats) for c in RANDOM_CONDITIONS
              if c not in skipped]
-    runs += [Run(c) for c in STATIC_CONDITIONS if c not in skipped]
+    runs += [Run(c) for c in audited(options.conditions, STATIC_ALL) if c not in skipped]
     if options.per_layer:
         for site in sites:
             for name in by_role("per-layer"):  # random ones repeated, static ones once

@@ -23,6 +23,8 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
     MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,
     RANDOM_CONDITIONS,
+    REPORTED_CONDITIONS,
+    REPORTED_RETENTION,
     RETENTION_PROFILES,
     SHUFFLE,
     STATIC_CONDITIONS,
@@ -156,7 +158,7 @@ class AuditResult:
         family or site back in the order the audit made it (the main conditions in report
         order, custom ones as given, families and sites as listed)."""
         given = self.settings.get("interventions")
-        names = [*MAIN_CONDITIONS, *(given if isinstance(given, list) else []),
+        names = [*REPORTED_CONDITIONS, *(given if isinstance(given, list) else []),
                  *self.families, *(s.name for s in self.sites)]
         rank = {name: i for i, name in reversed(list(enumerate(names)))}
         for name in _ORDERED_TABLES:
@@ -264,8 +266,8 @@ def _why_invalid(written: object) -> str:
     return "it was edited or damaged since fcaudit wrote it: rerun the audit or restore the file"
 
 
-_DEFINED = {"conditions": MAIN_CONDITIONS, "per_layer": PER_LAYER_CONDITIONS,
-            "retention": RETENTION_PROFILES}  # the names each of these sections may hold
+_DEFINED = {"conditions": REPORTED_CONDITIONS, "per_layer": PER_LAYER_CONDITIONS,
+            "retention": REPORTED_RETENTION}  # the names each of these sections may hold
 
 
 def _check_conditions(r: AuditResult) -> None:

@@ -97,6 +97,7 @@ def _settings(m: Measurements) -> dict[str, Any]:
     setup, summary, opts = m.setup, m.summary, m.setup.options
     return {**{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
                if f.name not in ("schedule", "progress", *STOPPING_OPTIONS, *PLACEMENT)},
+            "conditions": list(opts.conditions),  # JSON's list: equal once read back
             "bootstrap_resamples": opts.bootstrap,
             "calibration_sequences_used_for_static": setup.data.n_calib,
             "objective": setup.objective.name,

@@ -223,7 +223,8 @@ class StaticProfiles:
         a pair no calibration token had gets the static-layer profile."""
         if self.cells is None:
             raise FcauditError(f"{what} needs per-token-id-and-position calibration sums, which "
-                               "an audit's calibration does not collect (it is opt-in): add "
+                               "an audit collects only when asked (it is opt-in): run it with "
+                               "AuditOptions(conditions=(...,)) or --condition, or add "
                                "calibration batches with their token ids through "
                                "StaticProfiles.add(coefficients, ids) and call fcaudit.static")
         return self._keyed(self.cells, self._cell_means, site, cell_keys(ids))

@@ -109,6 +109,8 @@ def test_the_condition_flag_runs_it_from_the_command_line(tmp_path, tokens, caps
     written = json.loads((out / "audit.json").read_text())
     assert written["settings"]["conditions"] == [NEW]
     assert NEW in written["conditions"] and NEW in written["retention"]
+    row = next(line for line in done.stdout.splitlines() if f" {NEW} " in line)
+    assert f"{written['conditions'][NEW]['nll']:.4f}" in row  # the CLI's conditions table
 
 
 @pytest.mark.parametrize("name, why", [
@@ -182,3 +184,16 @@ def test_it_is_not_applicable_without_positions_like_the_others():
     assert result.not_applicable[NEW] == reason and NEW not in result.conditions
     assert not result.retention[NEW].defined
     assert result.retention[NEW].reason == f"not applicable: {reason}"
+
+
+def test_an_audit_json_missing_an_opted_in_condition_is_refused(tmp_path):
+    """audit.json's settings say which opt-in conditions ran: one of them neither measured
+    nor declared not applicable is a damaged file."""
+    out = tmp_path / "audit"
+    _audit(toys.position_model(), out=out)
+    assert fcaudit.AuditResult.read(out / "audit.json").conditions[NEW].nll > 0
+    written = json.loads((out / "audit.json").read_text())
+    del written["conditions"][NEW]
+    (out / "audit.json").write_text(json.dumps(written))
+    with pytest.raises(fcaudit.FcauditError, match=f"conditions.{NEW}.*is missing"):
+        fcaudit.AuditResult.read(out / "audit.json")

@@ -134,6 +134,15 @@ def _read_sums(shard: Mapping[str, torch.Tensor], names: Sequence[str], ids: str
     return TokenSums(shard[ids], shard[counts], {name: shard[f"{prefix}{name}"] for name in names})
 
 
+def _other_collections(cached: Tensors, fresh: Tensors) -> bool:
+    """True when two shards differ only in which optional collections they hold, and the
+    keys both hold are bitwise equal (the cached one is then proven on what it shares)."""
+    both = fresh.keys() & cached.keys()
+    return cached.keys() != fresh.keys() and all(
+        CalibrationShard.optional(k) for k in cached.keys() ^ fresh.keys()) and \
+        same_bits({k: cached[k] for k in both}, {k: fresh[k] for k in both})
+
+
 class ReplayShard:
     """The keys of a replay shard (``replay-runs/replay-NNNNN``): one batch under every run."""
 
@@ -349,10 +358,7 @@ class CoefficientCache:
             self.write(name, fresh)
             return False
         cached = self.read(name)
-        if cached.keys() != fresh.keys() and all(
-                CalibrationShard.optional(k) for k in cached.keys() ^ fresh.keys()) and \
-                same_bits({k: cached[k] for k in fresh.keys() & cached.keys()},
-                          {k: fresh[k] for k in fresh.keys() & cached.keys()}):
+        if _other_collections(cached, fresh):
             self.write(name, fresh)
             return False
         if not same_bits(cached, fresh):

@@ -121,6 +121,10 @@ def _add_flag(group: Any, f: dataclasses.Field[Any], spec: OptionSpec) -> None:
     elif spec.action == "either":
         group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                            default=None, help=text)
+    elif spec.action == "append":  # repeatable; validate() refuses a bad name in one line
+        group.add_argument(flag, dest=f.name, action="append", default=None,
+                           metavar=spec.metavar or None,
+                           help=f"{text}; one of {', '.join(spec.choices)}")
     else:
         extra = {"choices": spec.choices} if spec.choices else {}
         group.add_argument(flag, dest=f.name, type=READERS[spec.kind],
@@ -141,8 +145,13 @@ def _help(f: dataclasses.Field[Any], spec: OptionSpec) -> str:
 def audit_options(args: argparse.Namespace, **given: Any) -> AuditOptions:
     """The parsed flags as :class:`AuditOptions`; a flag left unset (None) leaves the field's
     default, and ``given`` overrides."""
-    values = {f.name: getattr(args, f.name) for f, _ in option_specs()}
+    values = {f.name: _value(getattr(args, f.name), spec) for f, spec in option_specs()}
     return AuditOptions(**{k: v for k, v in values.items() if v is not None}, **given)
+
+
+def _value(value: Any, spec: OptionSpec) -> Any:
+    """A flag's parsed value as its field holds it (a repeated flag's list: a tuple)."""
+    return tuple(value) if spec.action == "append" and value is not None else value
 
 
 def _add_train(sub: Any) -> None:

@@ -12,7 +12,7 @@ resolved on first use. Adding a built-in condition is one :class:`Condition` ent
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,8 +55,12 @@ class Condition:
     roles: frozenset[str] = frozenset()  # of Role
     # why it does not apply without a need, when the generic reason (UNAVAILABLE) is not it
     unavailable: Mapping[str, str] | None = None
-    # run by every audit; False: opt-in, through fcaudit.static or interventions.builtin
+    # run by every audit; False: opt-in, run where asked (AuditOptions.conditions,
+    # --condition), or through fcaudit.static / interventions.builtin
     default: bool = True
+    # the calibration sums its profile reads besides the default ones (a key of
+    # engine/stages.py's collections): gathered only by audits that run it
+    collects: str | None = None
 
     def feed(self, coefficients: Mapping[str, Any], context: Any) -> Mapping[str, Any]:
         """The coefficients to feed under this condition (tensors by site name)."""
@@ -111,13 +115,14 @@ REGISTRY: tuple[Condition, ...] = (
               roles=frozenset({"penalty", "retention", "counted"})),
     Condition("global-mean", "static", "one mean for the whole family", _CALIB,
               feeder="feed_static", profile="global_mean", roles=frozenset({"floor", "counted"})),
-    # opt-in (its calibration sums grow with ids x positions, so an audit does not collect
-    # them): fcaudit.static(..., condition=name) with profiles from StaticProfiles.add
+    # opt-in (its calibration sums grow with ids x positions, so only an audit that asks
+    # collects them): --condition, or fcaudit.static with profiles from StaticProfiles.add
     Condition("static-layer-token-position", "static",
               "per-site, per-token-id-and-position calibration mean",
               _CALIB | {"positions", "token_ids"}, feeder="feed_static",
               profile="layer_token_position",
-              penalty="a static per-layer, token-id-and-position profile", default=False),
+              penalty="a static per-layer, token-id-and-position profile",
+              roles=frozenset({"penalty", "retention"}), default=False, collects="cells"),
     Condition("frontier", "frontier", "a savings-frontier point: a rule skips blocks",
               frozenset({"calibration"})),
     Condition("expert-ablation", "ablation", "one expert of one router never picked",
@@ -133,9 +138,11 @@ def by_kind(*kinds: str, default: bool | None = True) -> tuple[str, ...]:
                  and (default is None or c.default == default))
 
 
-def by_role(role: str) -> tuple[str, ...]:
-    """The names of the conditions every audit runs that play ``role``, in registry order."""
-    return tuple(c.name for c in REGISTRY if role in c.roles and c.default)
+def by_role(role: str, default: bool | None = True) -> tuple[str, ...]:
+    """The names of the conditions every audit runs that play ``role``, in registry order
+    (``default`` None: opt-in ones too)."""
+    return tuple(c.name for c in REGISTRY if role in c.roles
+                 and (default is None or c.default == default))
 
 
 def the(role: str) -> str:
@@ -152,9 +159,27 @@ GLOBAL_MEAN = the("floor")  # the far end of the retention gap
 
 # every condition the audit replays, in report order
 MAIN_CONDITIONS = by_kind("reference", "random", "static")
+# those an audit runs only where asked (AuditOptions.conditions)
+OPT_IN_CONDITIONS = by_kind("reference", "random", "static", default=False)
+# what an audit.json may hold (opt-in ones where asked), in report order: for its readers
+REPORTED_CONDITIONS = by_kind("reference", "random", "static", default=None)
+REPORTED_RETENTION = by_role("retention", default=None)
 RANDOM_CONDITIONS = by_kind("random")
 STATIC_CONDITIONS = by_kind("static")
 PER_LAYER_CONDITIONS = by_role("per-layer")  # one site intervened, the others correct
 RETENTION_PROFILES = by_role("retention")
 # the static profiles: per layer (the verdict's retention), per position, per token id
 STATIC_LAYER, STATIC_LAYER_POSITION, STATIC_LAYER_TOKEN = RETENTION_PROFILES
+
+
+def audited(opted: Collection[str] = (), names: Sequence[str] = REPORTED_CONDITIONS
+            ) -> tuple[str, ...]:
+    """The conditions of ``names`` an audit runs: every default one and the opt-in ones in
+    ``opted`` (AuditOptions.conditions), in registry order (so the default runs keep
+    their order and an opted-in one comes after them in its kind)."""
+    return tuple(n for n in names if CONDITIONS[n].default or n in opted)
+
+
+def collections(opted: Collection[str]) -> frozenset[str]:
+    """The calibration sums beyond the default ones the opted-in conditions read."""
+    return frozenset(c for n in opted if (c := CONDITIONS[n].collects) is not None)

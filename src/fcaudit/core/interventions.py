@@ -122,6 +122,13 @@ def cell_keys(ids: Tensor) -> Tensor:
     return ids.to(torch.int64) * length + torch.arange(length, device=ids.device)
 
 
+# the calibration sums only the conditions that read them collect (their registry entry's
+# ``collects``), by name (a keyword of StaticProfiles.add_sums): (coefficients, ids) -> sums
+COLLECTIONS: dict[str, Callable[[Mapping[str, Tensor], Tensor], TokenSums]] = {
+    "cells": lambda coefficients, ids: token_sums(coefficients, cell_keys(ids)),
+}
+
+
 def _token_ids(ids: Any, shape: tuple[int, ...], what: str) -> Tensor:
     """Token ids ``[B, T]`` for coefficients of leading shape ``shape``, or one clear line."""
     if ids is None:
@@ -154,7 +161,9 @@ class StaticProfiles:
         self._cell_means: dict[str, Tensor] = {}
 
     def add_sums(self, sums: Mapping[str, Tensor], count: int,
-                 tokens: TokenSums | None = None) -> None:
+                 tokens: TokenSums | None = None, cells: TokenSums | None = None) -> None:
+        """A calibration batch's sums (by position; by token id; by token id and position:
+        :data:`COLLECTIONS`' ``cells``, given only where an opted-in condition reads them)."""
         for site in self.sites:
             acc = self._sum_pos.get(site.name)
             if site.name not in sums:
@@ -170,6 +179,9 @@ class StaticProfiles:
         if tokens is not None:
             self.tokens = merge_token_sums(self.tokens, tokens)
             self._token_means.clear()
+        if cells is not None:
+            self.cells = merge_token_sums(self.cells, cells)
+            self._cell_means.clear()
 
     def add(self, coefficients: Mapping[str, Tensor], ids: Any = None) -> None:
         """A calibration batch; with its token ids (``ids``, or a Recording's own) the
@@ -180,9 +192,8 @@ class StaticProfiles:
             self.add_sums(batch_sums(coefficients), shape[0])
             return
         ids = _token_ids(ids, shape, "StaticProfiles.add")
-        self.add_sums(batch_sums(coefficients), shape[0], token_sums(coefficients, ids))
-        self.cells = merge_token_sums(self.cells, token_sums(coefficients, cell_keys(ids)))
-        self._cell_means.clear()
+        self.add_sums(batch_sums(coefficients), shape[0], token_sums(coefficients, ids),
+                      **{name: collect(coefficients, ids) for name, collect in COLLECTIONS.items()})
 
     def shape(self, site: Site) -> torch.Size:
         """The per-position profile's shape ``[T, *trailing]``, once a batch was added."""
@@ -212,7 +223,8 @@ class StaticProfiles:
         a pair no calibration token had gets the static-layer profile."""
         if self.cells is None:
             raise FcauditError(f"{what} needs per-token-id-and-position calibration sums, which "
-                               "an audit's calibration does not collect (it is opt-in): add "
+                               "an audit collects only when asked (it is opt-in): run it with "
+                               "AuditOptions(conditions=(...,)) or --condition, or add "
                                "calibration batches with their token ids through "
                                "StaticProfiles.add(coefficients, ids) and call fcaudit.static")
         return self._keyed(self.cells, self._cell_means, site, cell_keys(ids))

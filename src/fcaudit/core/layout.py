@@ -31,13 +31,13 @@ import dataclasses
 import fnmatch
 import math
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
-from fcaudit.core.conditions import CONDITIONS, MAIN_CONDITIONS
+from fcaudit.core.conditions import CONDITIONS, audited
 from fcaudit.core.contract import ControllerAdapter, RoutingAdapter, Site, SiteCall, describe
 from fcaudit.core.errors import FcauditError, arg
 
@@ -371,12 +371,14 @@ def has_positions(sites: Sequence[Site]) -> bool:
     return any(s.positions for s in sites)
 
 
-def not_applicable(sites: Sequence[Site], token_ids: bool) -> dict[str, str]:
-    """The conditions that cannot act on these sites and inputs, each with the reason in
-    the sites' own axis names (reported as not applicable, never as a number)."""
+def not_applicable(sites: Sequence[Site], token_ids: bool,
+                   opted: Collection[str] = ()) -> dict[str, str]:
+    """The conditions (default ones, and the opt-in ones in ``opted``) that cannot act on
+    these sites and inputs, each with the reason in the sites' own axis names (reported as
+    not applicable, never as a number)."""
     positions = has_positions(sites)  # sites without one all have their axes named
     shapes = "" if positions else "; ".join(dict.fromkeys(f"[{', '.join(s.axes)}]"
                                                           for s in sites))
     why = {name: CONDITIONS[name].why_not(positions, token_ids, shapes)
-           for name in MAIN_CONDITIONS}
+           for name in audited(opted)}
     return {name: reason for name, reason in why.items() if reason is not None}

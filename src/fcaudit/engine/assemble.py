@@ -97,6 +97,7 @@ def _settings(m: Measurements) -> dict[str, Any]:
     setup, summary, opts = m.setup, m.summary, m.setup.options
     return {**{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
                if f.name not in ("schedule", "progress", *STOPPING_OPTIONS, *PLACEMENT)},
+            "conditions": list(opts.conditions),  # JSON's list: equal once read back
             "bootstrap_resamples": opts.bootstrap,
             "calibration_sequences_used_for_static": setup.inputs.n_calib,
             "objective": setup.objective.name,
@@ -132,7 +133,8 @@ def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> d
                 runs, replays.per_run, replays.route_load, replays.still_selected, opts)
             if ablation_runs(runs) else None,
             "token_profile": token_profile(m.profiles, tokens) if tokens is not None else None,
-            "not_applicable": not_applicable(setup.sites, tokens is not None) or None,
+            "not_applicable": not_applicable(setup.sites, tokens is not None,
+                                             opts.conditions) or None,
             "frontier": frontier}
 
 

@@ -5,8 +5,10 @@
 * ``calib-00000.safetensors``: one calibration batch: every site's float64 sum
   over the batch's sequences, by position, and per token id for the ids present
   (``token_ids``, ``token_counts``, ``token::SITE``: sparse, bounded by the batch's
-  tokens); static profiles add them in batch order, so the result does not depend
-  on how batches were spread over processes;
+  tokens), and the sums an opted-in condition reads (``+cells_keys``,
+  ``+cells_counts``, ``+cells::SITE``: per token id and position) only when asked;
+  static profiles add them in batch order, so the result does not depend on how
+  batches were spread over processes;
 * ``replay-runs/replay-00000.safetensors``: one evaluation batch's per-sequence NLL
   under every planned run, with the SHA-256 of what each run was fed (``feed_digest``),
   so an interrupted replay resumes too, and a rerun reuses a batch only when every run
@@ -52,6 +54,7 @@ _REPLAY_FOLDER = "replay-runs"
 _ROUND_PREFIX = "round-n"  # replay-runs/round-n0000032/: a --target-ci round's replays
 _SHARD_SUFFIXES = (".safetensors", ".safetensors.sha256")
 _SITE, _TOKEN, _ROUTE_LOAD = "site::", "token::", "route_load::"  # per-site key prefixes
+_COLLECTED = "+"  # the keys of a calibration collection only some audits ask for
 
 Tensors = dict[str, torch.Tensor]
 
@@ -75,17 +78,21 @@ class EvaluationShard:
 
 class CalibrationShard:
     """The keys of a calibration shard (``calib-NNNNN``: float64 sums by position and, for
-    token ids, by id; the frontier's ``frontier-calib-NNNNN``: whole coefficients)."""
+    token ids, by id; the frontier's ``frontier-calib-NNNNN``: whole coefficients). Sums an
+    opt-in condition reads (its ``collects``: ``cells``, per token id and position) are a
+    collection of their own, under keys starting ``+``, held only when an audit asked."""
 
     TOKEN_IDS, TOKEN_COUNTS = "token_ids", "token_counts"
 
     @staticmethod
-    def build(per_site: Mapping[str, torch.Tensor], tokens: TokenSums | None = None) -> Tensors:
+    def build(per_site: Mapping[str, torch.Tensor], tokens: TokenSums | None = None,
+              collected: Mapping[str, TokenSums] | None = None) -> Tensors:
         shard = {f"{_SITE}{k}": v for k, v in per_site.items()}
         if tokens is not None:
-            shard.update({CalibrationShard.TOKEN_IDS: tokens.ids,
-                          CalibrationShard.TOKEN_COUNTS: tokens.counts,
-                          **{f"{_TOKEN}{k}": v for k, v in tokens.sums.items()}})
+            shard.update(_keyed_sums(tokens, CalibrationShard.TOKEN_IDS,
+                                     CalibrationShard.TOKEN_COUNTS, _TOKEN))
+        for name, sums in (collected or {}).items():
+            shard.update(_keyed_sums(sums, *_collection_keys(name)))
         return shard
 
     @staticmethod
@@ -95,10 +102,45 @@ class CalibrationShard:
     @staticmethod
     def tokens(shard: Mapping[str, torch.Tensor], names: Sequence[str]) -> TokenSums | None:
         """The sums per token id, if the shard holds them (token inputs only)."""
-        if CalibrationShard.TOKEN_IDS not in shard:
-            return None
-        return TokenSums(shard[CalibrationShard.TOKEN_IDS], shard[CalibrationShard.TOKEN_COUNTS],
-                         {name: shard[f"{_TOKEN}{name}"] for name in names})
+        return _read_sums(shard, names, CalibrationShard.TOKEN_IDS,
+                          CalibrationShard.TOKEN_COUNTS, _TOKEN)
+
+    @staticmethod
+    def collected(shard: Mapping[str, torch.Tensor], names: Sequence[str],
+                  name: str) -> TokenSums | None:
+        """The collection ``name``'s sums, if the shard holds them (an audit that asked)."""
+        return _read_sums(shard, names, *_collection_keys(name))
+
+    @staticmethod
+    def optional(key: str) -> bool:
+        """A key of a collection: a shard recorded without it holds the same default sums."""
+        return key.startswith(_COLLECTED)
+
+
+def _collection_keys(name: str) -> tuple[str, str, str]:
+    """The keys of collection ``name``: its keys, its counts, its per-site prefix."""
+    return f"{_COLLECTED}{name}_keys", f"{_COLLECTED}{name}_counts", f"{_COLLECTED}{name}::"
+
+
+def _keyed_sums(sums: TokenSums, ids: str, counts: str, prefix: str) -> Tensors:
+    return {ids: sums.ids, counts: sums.counts,
+            **{f"{prefix}{k}": v for k, v in sums.sums.items()}}
+
+
+def _read_sums(shard: Mapping[str, torch.Tensor], names: Sequence[str], ids: str, counts: str,
+               prefix: str) -> TokenSums | None:
+    if ids not in shard:
+        return None
+    return TokenSums(shard[ids], shard[counts], {name: shard[f"{prefix}{name}"] for name in names})
+
+
+def _other_collections(cached: Tensors, fresh: Tensors) -> bool:
+    """True when two shards differ only in which optional collections they hold, and the
+    keys both hold are bitwise equal (the cached one is then proven on what it shares)."""
+    both = fresh.keys() & cached.keys()
+    return cached.keys() != fresh.keys() and all(
+        CalibrationShard.optional(k) for k in cached.keys() ^ fresh.keys()) and \
+        same_bits({k: cached[k] for k in both}, {k: fresh[k] for k in both})
 
 
 class ReplayShard:
@@ -308,11 +350,18 @@ class CoefficientCache:
         where the cache holds that shard already, prove it: the cached one is used only
         when it equals ``fresh`` bit for bit. True when it was on disk and proven. A
         difference means the model, or state it reads outside its code, is not the one
-        that wrote the cache: refused, naming ``what`` (the batch)."""
+        that wrote the cache: refused, naming ``what`` (the batch). A cached calibration
+        shard with other collections (:meth:`CalibrationShard.optional`) than this audit
+        asks for is proven on the keys both hold, then replaced by ``fresh``: an audit never
+        reads sums it did not recompute."""
         if not self.has(name):
             self.write(name, fresh)
             return False
-        if not same_bits(self.read(name), fresh):
+        cached = self.read(name)
+        if _other_collections(cached, fresh):
+            self.write(name, fresh)
+            return False
+        if not same_bits(cached, fresh):
             raise FcauditError(
                 f"the cache in {self.folder} was recorded by another model: a fresh pass over "
                 f"{what} gives other coefficients or losses than its cached record (the model, "

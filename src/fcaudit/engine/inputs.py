@@ -8,13 +8,14 @@ one line naming the argument or flag (:mod:`fcaudit.core.errors`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from fcaudit.core.conditions import PER_LAYER_CONDITIONS, audited
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks
 from fcaudit.core.errors import FcauditError, arg
@@ -25,7 +26,6 @@ from fcaudit.core.sites import SiteSpec, match_modules
 from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES, TOKEN_NLL, resolve
 from fcaudit.engine.options import AuditOptions
 from fcaudit.engine.plan import EXPERT_ABLATION, FRONTIER
-from fcaudit.engine.result import MAIN_CONDITIONS, PER_LAYER_CONDITIONS
 from fcaudit.io.data import AuditData, DataSpec, picked_note, resolve_data
 from fcaudit.io.digits import run_audit_data
 from fcaudit.io.examples import OTHER_INPUTS
@@ -54,9 +54,11 @@ def resolve_block_paths(model: nn.Module, pattern: str | None) -> list[str] | No
 
 
 def custom_interventions(given: Mapping[str, Any] | Sequence[Intervention] | None,
-                   sites: Sequence[Site]) -> list[Intervention]:
+                         sites: Sequence[Site], opted: Collection[str] = ()
+                         ) -> list[Intervention]:
     """The user's interventions, each with a name no other run of the audit has (results
-    are keyed by name: two runs under one name would be merged into one condition)."""
+    are keyed by name: two runs under one name would be merged into one condition; the
+    opt-in conditions in ``opted`` are runs of the audit too)."""
     if not given:
         return []
     if isinstance(given, Mapping):
@@ -66,7 +68,7 @@ def custom_interventions(given: Mapping[str, Any] | Sequence[Intervention] | Non
     else:
         raise FcauditError("audit(interventions=...) must be {name: fn} or a list of "
                            f"fcaudit.Intervention objects, not {given!r:.80}")
-    builtin = {*MAIN_CONDITIONS, *(f"{c}@{s.name}" for c in PER_LAYER_CONDITIONS for s in sites)}
+    builtin = {*audited(opted), *(f"{c}@{s.name}" for c in PER_LAYER_CONDITIONS for s in sites)}
     out: list[Intervention] = []
     for name, item in items:
         iv = item if isinstance(item, Intervention) else Intervention(str(name), item)

@@ -69,7 +69,7 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     cache.verify_all()
     timings = {"record_s": time.perf_counter() - setup.started}
     inputs = _replay_inputs(setup, cache, profiles, first)
-    skipped = not_applicable(setup.sites, inputs.ids is not None)
+    skipped = not_applicable(setup.sites, inputs.ids is not None, opts.conditions)
     covered, points = frontier_points(setup, cache, frontier_plan(setup, first), progress,
                                       ranks)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fcaudit.core.conditions import FRONTIER
+from fcaudit.core.conditions import FRONTIER, MAIN_CONDITIONS, OPT_IN_CONDITIONS
 from fcaudit.core.errors import UsageError, arg
 from fcaudit.engine.objectives import OBJECTIVES, TOKEN_NLL, Objective, resolve
 from fcaudit.engine.seeds import SeedPlan
@@ -83,7 +83,8 @@ class OptionSpec:
     span: str = ""  # how the help says the bounds, where "lo to hi" does not
     flag: str = ""  # the CLI flag ("" : --name); "-": none
     # the flag's action: "value"; "on" (--frontier sets True); "off" (--quiet sets False);
-    # "either" (--expert-ablation / --no-expert-ablation, unset: None)
+    # "either" (--expert-ablation / --no-expert-ablation, unset: None); "append" (repeatable:
+    # --condition A --condition B gives a tuple)
     action: str = "value"
     kind: str = "text"  # how the flag's text is read: "int", "nats", "path" or "text"
     choices: tuple[str, ...] = ()
@@ -178,6 +179,12 @@ class AuditOptions:
         TOKEN_NLL, "statistics",
         "per-unit loss: " + " or ".join(o.help for o in OBJECTIVES.values()),
         choices=tuple(OBJECTIVES), unset_is_none=True)
+    # opt-in built-in conditions (core/conditions.py, default=False), run as main conditions
+    # and reported beside the default ones; () leaves the audit as it was
+    conditions: tuple[str, ...] = option(
+        (), "scope", "an opt-in condition to run besides the default ones (repeatable); its "
+        "calibration sums are collected only when asked", flag="--condition", action="append",
+        choices=OPT_IN_CONDITIONS, metavar="NAME")
 
     def validate(self) -> None:
         """Refuse option values no audit can run with, naming the option in the caller's
@@ -211,6 +218,7 @@ class AuditOptions:
                              f"execution audit (its x axis is the FLOPs it counts): drop {off} "
                              "or the frontier", option=FRONTIER)
         _check_target(self.target_ci, self.min_sequences)
+        _check_conditions(self.conditions)
         self.placement()  # the device map, budget syntax and offload folder
         resolve(self.objective)
         if 0 < self.timing_pairs < MIN_TIMING_PAIRS:
@@ -273,6 +281,7 @@ class ScopeOptions:
     expert_ablation: bool | None
     frontier: bool | None
     frontier_points: int
+    conditions: tuple[str, ...] = ()  # the last field, so earlier constructions still work
 
 
 @dataclass(frozen=True)
@@ -358,6 +367,24 @@ def _check_target(target: object, floor: object) -> None:
         raise UsageError(f"{floor_arg} is the floor of {target_name}'s rounds: give a "
                          "target too, or drop it (a fixed audit uses every sequence)",
                          option="min_sequences")
+
+
+def _check_conditions(names: object) -> None:
+    """``conditions`` a tuple (or list) of opt-in condition names: a default one is run by
+    every audit already, anything else is not a condition an audit can opt into."""
+    what = arg("conditions", names, owner="AuditOptions")
+    choices = ", ".join(OPT_IN_CONDITIONS)
+    if not isinstance(names, (tuple, list)):
+        raise UsageError(f"{what}: must be a tuple of condition names, e.g. "
+                         f"conditions=({OPT_IN_CONDITIONS[0]!r},); choose from {choices}",
+                         option="conditions")
+    for name in names:
+        if name in OPT_IN_CONDITIONS:
+            continue
+        why = "every audit runs it already" if name in MAIN_CONDITIONS else \
+            "not an opt-in condition"
+        named = arg("conditions", name, owner="AuditOptions", cli="--condition")
+        raise UsageError(f"{named}: {why}; choose from {choices}", option="conditions")
 
 
 @dataclass(frozen=True)

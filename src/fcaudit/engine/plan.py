@@ -24,7 +24,8 @@ from fcaudit.core.conditions import (
     EXPERT_ABLATION,
     FRONTIER,
     RANDOM_CONDITIONS,
-    STATIC_CONDITIONS,
+    audited,
+    by_kind,
     by_role,
 )
 from fcaudit.core.contract import RoutingAdapter, Site
@@ -39,6 +40,9 @@ from fcaudit.core.routers import ablate_expert
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.frontier import FrontierPoint, point_feed
 from fcaudit.engine.options import AUTO_ABLATION_MAX_EXPERTS, AuditOptions
+
+# the main conditions of each kind, the opt-in ones too (run where asked)
+RANDOM_ALL, STATIC_ALL = by_kind("random", default=None), by_kind("static", default=None)
 
 
 class Target:
@@ -194,13 +198,14 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
               ablated: Mapping[Site, int] | None = None,
               points: Sequence[FrontierPoint] = (),
               skipped: Collection[str] = ()) -> list[Run]:
-    """Every run, in order: correct first, then the conditions, per-layer variants, expert
+    """Every run, in order: correct first, then the conditions (the opt-in ones asked for
+    after the default ones of their kind), per-layer variants, expert
     ablations (``ablated``: site -> its number of experts), frontier points and user
     interventions; conditions in ``skipped`` (not applicable to these sites) are not run."""
     runs = [Run(CORRECT)]
-    runs += [Run(c, k) for k in range(options.repeats) for c in RANDOM_CONDITIONS
-             if c not in skipped]
-    runs += [Run(c) for c in STATIC_CONDITIONS if c not in skipped]
+    runs += [Run(c, k) for k in range(options.repeats)
+             for c in audited(options.conditions, RANDOM_ALL) if c not in skipped]
+    runs += [Run(c) for c in audited(options.conditions, STATIC_ALL) if c not in skipped]
     if options.per_layer:
         for site in sites:
             for name in by_role("per-layer"):  # random ones repeated, static ones once
@@ -267,7 +272,7 @@ def _intervened(run: Run, rows: range, inputs: ReplayInputs,
     whole evaluation set (donors from any batch)."""
     condition = CONDITIONS[run.condition]
     by_name = {s.name: s for s in targets}
-    draw = inputs.draws[run.repeat] if run.condition in RANDOM_CONDITIONS else None
+    draw = inputs.draws[run.repeat] if condition.kind == "random" else None
     context = InterventionContext(
         tuple(targets), rows, inputs.profiles, run.repeat,
         np.random.default_rng([inputs.seed, run.repeat, rows.start]), inputs.cache.coefficient_rows,

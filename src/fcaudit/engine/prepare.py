@@ -47,7 +47,8 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     loaded = as_loaded(model, placement=options.placement())
     net = loaded.model.eval()
     site_list = declare_axes(find_sites(net, sites), site_axes)
-    custom = custom_interventions(interventions, site_list)  # before the first forward pass
+    # before the first forward pass
+    custom = custom_interventions(interventions, site_list, options.conditions)
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
     audit_data, options = resolve_inputs(loaded, data, options, site_list)
     twin, twin_source = dense_counterpart(net, audit_data, SeedPlan(options.seed), dense,

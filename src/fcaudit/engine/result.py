@@ -23,9 +23,12 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
     MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,
     RANDOM_CONDITIONS,
+    REPORTED_CONDITIONS,
+    REPORTED_RETENTION,
     RETENTION_PROFILES,
     SHUFFLE,
     STATIC_CONDITIONS,
+    audited,
     by_kind,
 )
 from fcaudit.core.errors import FcauditError
@@ -156,7 +159,7 @@ class AuditResult:
         family or site back in the order the audit made it (the main conditions in report
         order, custom ones as given, families and sites as listed)."""
         given = self.settings.get("interventions")
-        names = [*MAIN_CONDITIONS, *(given if isinstance(given, list) else []),
+        names = [*REPORTED_CONDITIONS, *(given if isinstance(given, list) else []),
                  *self.families, *(s.name for s in self.sites)]
         rank = {name: i for i, name in reversed(list(enumerate(names)))}
         for name in _ORDERED_TABLES:
@@ -264,17 +267,20 @@ def _why_invalid(written: object) -> str:
     return "it was edited or damaged since fcaudit wrote it: rerun the audit or restore the file"
 
 
-_DEFINED = {"conditions": MAIN_CONDITIONS, "per_layer": PER_LAYER_CONDITIONS,
-            "retention": RETENTION_PROFILES}  # the names each of these sections may hold
+_DEFINED = {"conditions": REPORTED_CONDITIONS, "per_layer": PER_LAYER_CONDITIONS,
+            "retention": REPORTED_RETENTION}  # the names each of these sections may hold
 
 
 def _check_conditions(r: AuditResult) -> None:
-    """What the types cannot say: every main condition is measured or declared not
-    applicable (never both; original and correct always measured), every static profile
-    has its retention, no section names a condition the schema does not define, and the
-    interaction is there exactly when shuffle was measured."""
+    """What the types cannot say: every main condition (and every opt-in one asked for) is
+    measured or declared not applicable (never both; original and correct always
+    measured), every static profile has its retention, no section names a condition the
+    schema does not define, and the interaction is there exactly when shuffle was
+    measured."""
     skipped = r.not_applicable or {}
-    for name in MAIN_CONDITIONS:
+    given = r.settings.get("conditions")
+    opted = given if isinstance(given, list) else []  # the opt-in ones it was asked to run
+    for name in audited(opted):
         if name in skipped and name in by_kind("reference"):  # the reference: always run
             raise SchemaError(f"not_applicable.{name}", "names a condition every audit runs")
         if (name in r.conditions) == (name in skipped):
@@ -285,7 +291,7 @@ def _check_conditions(r: AuditResult) -> None:
         unknown = [n for n in getattr(r, key) if n not in known]
         if unknown:
             raise SchemaError(f"{key}.{unknown[0]}", "is not a condition this schema defines")
-    missing = [n for n in RETENTION_PROFILES if n not in r.retention]
+    missing = [n for n in audited(opted, REPORTED_RETENTION) if n not in r.retention]
     if missing:
         raise SchemaError(f"retention.{missing[0]}", "is missing")
     if (SHUFFLE in r.conditions) != (r.interaction is not None):

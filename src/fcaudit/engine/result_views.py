@@ -11,9 +11,9 @@ from fcaudit.core.conditions import (
     CONDITIONS,
     CORRECT,
     FRONTIER,
-    MAIN_CONDITIONS,
-    RETENTION_PROFILES,
+    REPORTED_RETENTION,
     STATIC_LAYER_TOKEN,
+    audited,
     by_role,
 )
 
@@ -52,11 +52,12 @@ def metrics(r: AuditResult) -> dict[str, float | None]:
     out: dict[str, float | None] = {"nll_correct": c[CORRECT].nll}
     if c[CORRECT].accuracy is not None:  # a classification objective
         out["accuracy_correct"] = c[CORRECT].accuracy
-    for name in (n for n in MAIN_CONDITIONS if n != CORRECT):  # None: not applicable
+    for name in (n for n in audited(c) if n != CORRECT):  # None: not applicable
         out[delta_key(name)] = c[name].delta if name in c else None
     out |= {delta_key(n): x.delta for n, x in (r.custom_conditions or {}).items()}
     out["interaction"] = r.interaction.value if r.interaction else None
-    out |= {retention_key(p): r.retention[p].value for p in RETENTION_PROFILES}
+    out |= {retention_key(p): r.retention[p].value
+            for p in audited(r.retention, REPORTED_RETENTION)}
     main = r.variance[r.families[0]]  # the first family in site order is the main one
     out |= {key: getattr(main, key) for key in (*ETA2_KEYS, "eta2_token_id")}
     return out | _execution_metrics(r) | _frontier_metrics(r) | _rerouted(r)
@@ -68,7 +69,7 @@ def metric_intervals(r: AuditResult) -> dict[str, list[float] | None]:
         delta_key(n): c.ci95 for n, c in [*r.conditions.items(),
                                           *(r.custom_conditions or {}).items()] if n != CORRECT}
     out["interaction"] = r.interaction.ci95 if r.interaction else None
-    out |= {retention_key(p): r.retention[p].ci95 for p in RETENTION_PROFILES}
+    out |= {retention_key(p): r.retention[p].ci95 for p in audited(r.retention, REPORTED_RETENTION)}
     gap = _gap_25(r)
     out["frontier_gap_25"] = None if gap is None else gap.ci95
     return out

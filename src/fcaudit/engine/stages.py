@@ -23,10 +23,11 @@ import torch
 from torch import Tensor
 
 from fcaudit.core.adapters import same_bits
-from fcaudit.core.conditions import CORRECT
+from fcaudit.core.conditions import CORRECT, collections
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError, arg
-from fcaudit.core.interventions import StaticProfiles, batch_sums
+from fcaudit.core.interventions import COLLECTIONS, StaticProfiles, batch_sums
+from fcaudit.core.layout import not_applicable
 from fcaudit.core.nll import device_of
 from fcaudit.core.routers import changed_rows, expert_counts
 from fcaudit.engine.cache import (
@@ -91,7 +92,16 @@ def calibration_shard(setup: Prepared, coefficients: Mapping[str, Tensor],
     inputs, by token id (the cost plan sizes the cache from the same tensors)."""
     on_cpu = {k: c.cpu() for k, c in coefficients.items()}
     return CalibrationShard.build(batch_sums(on_cpu),
-                                  setup.inputs.calibration_token_sums(on_cpu, x))
+                                  setup.inputs.calibration_token_sums(on_cpu, x), {
+        name: COLLECTIONS[name](on_cpu, x.cpu()) for name in _collections(setup)})
+
+
+def _collections(setup: Prepared) -> frozenset[str]:
+    """The calibration sums beyond the default ones that the opted-in conditions which
+    apply to these sites and inputs read (none by default)."""
+    opted = setup.options.conditions
+    skipped = not_applicable(setup.sites, setup.inputs.token_ids is not None, opted)
+    return collections([name for name in opted if name not in skipped])
 
 
 def _rows(size: int, b: int, n: int) -> str:
@@ -133,7 +143,9 @@ def calibration_profiles(setup: Prepared, cache: CoefficientCache) -> StaticProf
         shard = cache.read(cache.calib_name(b))
         profiles.add_sums(CalibrationShard.per_site(shard, names),
                           len(range(n)[b * size:(b + 1) * size]),
-                          CalibrationShard.tokens(shard, names))
+                          CalibrationShard.tokens(shard, names),
+                          **{name: CalibrationShard.collected(shard, names, name)
+                             for name in _collections(setup)})
     return profiles
 
 

@@ -20,14 +20,14 @@ from torch import Tensor
 from fcaudit.core.conditions import (
     CORRECT,
     GLOBAL_MEAN,
-    MAIN_CONDITIONS,
     ORIGINAL,
     PER_LAYER_CONDITIONS,
     REASSIGN,
     REASSIGN_SHUFFLE,
-    RETENTION_PROFILES,
+    REPORTED_RETENTION,
     SHUFFLE,
     STATIC_LAYER,
+    audited,
 )
 from fcaudit.core.contract import Site
 from fcaudit.core.interventions import StaticProfiles
@@ -114,7 +114,8 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
     repeats[ORIGINAL] = [original]
     per_seq = {k: np.mean(v, axis=0) for k, v in repeats.items()}
     boot = paired_bootstrap(len(original), options)
-    conditions = {c: _condition(per_seq, repeats, c, boot, hits) for c in MAIN_CONDITIONS
+    opted = options.conditions
+    conditions = {c: _condition(per_seq, repeats, c, boot, hits) for c in audited(opted)
                   if c not in skipped}
     per_layer = {c: [LayerConditionResult(**dataclasses.asdict(_condition(
         per_seq, repeats, f"{c}@{s.name}", boot, hits)), layer=s.layer, site=s.name,
@@ -123,7 +124,7 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
     correct = per_seq[CORRECT]
     ret = {p: retention(per_seq[p], correct, per_seq[GLOBAL_MEAN], boot)
            if p not in skipped else _not_applicable(per_seq, boot, skipped[p])
-           for p in RETENTION_PROFILES}
+           for p in audited(opted, REPORTED_RETENTION)}
     inter = interaction(per_seq[REASSIGN_SHUFFLE], per_seq[REASSIGN], per_seq[SHUFFLE],
                         correct, boot) if SHUFFLE not in skipped else None
     custom = {r.target.intervention.name: _condition(per_seq, repeats, r.key, boot, hits)

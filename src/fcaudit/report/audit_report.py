@@ -20,9 +20,9 @@ from typing import Any
 from fcaudit.core.conditions import (
     CONDITIONS,
     GLOBAL_MEAN,
-    MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,
-    RETENTION_PROFILES,
+    REPORTED_CONDITIONS,
+    REPORTED_RETENTION,
     SHUFFLE,
     STATIC_LAYER,
     by_role,
@@ -108,7 +108,7 @@ def _verdict_warning(ident: Identity) -> str:
 # Sections; each returns Markdown blocks.
 
 NOT_MEASURED = EXECUTION_LABELS[2]
-CONDITION_MEANING = {name: CONDITIONS[name].meaning for name in MAIN_CONDITIONS}
+CONDITION_MEANING = {name: CONDITIONS[name].meaning for name in REPORTED_CONDITIONS}
 
 
 def _lead(r: AuditResult) -> str:
@@ -152,7 +152,7 @@ def _dependence_facts(r: AuditResult) -> list[str]:
              for name in (*by_role("dependence"), STATIC_LAYER, GLOBAL_MEAN)
              if (c := r.conditions.get(name))]
     return facts + [f"{md_code(name)}{_retention_text(ret)}"
-                    for name, ret in _ordered(r.retention, RETENTION_PROFILES)]
+                    for name, ret in _ordered(r.retention, REPORTED_RETENTION)]
 
 
 def _retention_text(ret: Retention) -> str:
@@ -300,7 +300,7 @@ def _retention(r: AuditResult) -> list[str]:
              "n/a" if ret.value is None else fmt_ci(ret.ci95, 2),
              fmt_with_ci(ret.gap, ret.gap_ci95, sign=False),
              md_text(ret.reason or "") if ret.value is None else "")
-            for name, ret in _ordered(r.retention, RETENTION_PROFILES)]
+            for name, ret in _ordered(r.retention, REPORTED_RETENTION)]
     blocks = ["## Gap retention",
               "R(P) = (NLL(global-mean) − NLL(P)) / (NLL(global-mean) − NLL(correct)): the "
               "share of the correct-to-global-mean gap a static profile P keeps. Undefined when "

@@ -27,9 +27,9 @@ from typing import Any
 from fcaudit._version import __version__
 from fcaudit.core.conditions import (
     CORRECT,
-    MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,
-    RETENTION_PROFILES,
+    REPORTED_CONDITIONS,
+    REPORTED_RETENTION,
     by_role,
 )
 from fcaudit.core.errors import FcauditError, arg
@@ -180,11 +180,11 @@ def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[R
 
     rows = [row("nll", CORRECT, "nll_correct")]
     rows += [row("penalty", name, delta_key(name))
-             for name in names(lambda r: r.conditions, MAIN_CONDITIONS) if name != CORRECT]
+             for name in names(lambda r: r.conditions, REPORTED_CONDITIONS) if name != CORRECT]
     rows.append(row("interaction", "interaction"))  # None: shuffle not applicable
     rows += [row("retention", name, cell=lambda r, n=name: _retention_cell(r.retention[n])
                  if n in r.retention else None)
-             for name in names(lambda r: r.retention, RETENTION_PROFILES)]
+             for name in names(lambda r: r.retention, REPORTED_RETENTION)]
     rows += [row("custom", name, delta_key(name))
              for name in names(lambda r: r.custom_conditions or {}, ())]
     return rows

@@ -11,8 +11,8 @@ from typing import TypeVar
 from fcaudit.core.conditions import (
     CORRECT,
     FRONTIER,
-    MAIN_CONDITIONS,
     PER_LAYER_CONDITIONS,
+    REPORTED_CONDITIONS,
 )
 from fcaudit.engine.result import (
     ETA2_KEYS,
@@ -175,7 +175,7 @@ def _frontier(r: AuditResult) -> list[str]:
 def _figure_specs(r: AuditResult) -> list[FigureSpec]:
     profiles = dict(_by_family(r, r.profiles))
     conditions = {"audit": {n: Span.of(c.delta, c.ci95)
-                            for n, c in _ordered(r.conditions, MAIN_CONDITIONS)
+                            for n, c in _ordered(r.conditions, REPORTED_CONDITIONS)
                             if n != CORRECT}}
     multi = len(r.families) > 1
     per_layer = {f"{name}@layer" + (f" ({fam})" if multi else ""):

@@ -369,3 +369,20 @@ def hf_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Mixtral folder (FAMILIES) with its tokenizer."""
     pytest.importorskip("transformers")
     return save(FAMILIES["mixtral"][0](), tmp_path_factory.mktemp("mixtral"))
+
+
+def replay_inputs(model: torch.nn.Module, data: AuditData, tmp_path: Path) -> Any:
+    """What the engine feeds from, after a real audit of ``model``'s ``gates.*`` sites:
+    its cache, the sites, empty profiles and one random draw (seed 5)."""
+    from fcaudit.api import audit
+    from fcaudit.core.interventions import StaticProfiles, draw
+    from fcaudit.core.sites import find_sites
+    from fcaudit.engine.cache import CoefficientCache
+    from fcaudit.engine.plan import ReplayInputs
+    audit(model, tmp_path, sites=["gates.*"], data=data, options=FAST, report=False)
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    cache = CoefficientCache(tmp_path / "cache", manifest["identity"], FAST.batch_size,
+                             len(data.eval_ids))
+    sites = find_sites(model, ["gates.*"])
+    n, seq_len = data.eval_ids.shape
+    return ReplayInputs(cache, sites, StaticProfiles(sites), [draw(5, n, seq_len)], 0)

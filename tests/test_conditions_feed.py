@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 import toys
-from test_engine import _inputs, toy_data
+from conftest import replay_inputs, toy_data
 
 from fcaudit.core import interventions
 from fcaudit.core.conditions import MAIN_CONDITIONS, STATIC_CONDITIONS
@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     data = toy_data(n_eval=10)  # batches of 4: the last one is short, donors cross batches
-    inputs = _inputs(toys.content_model(), data, tmp_path_factory.mktemp("feed"))
+    inputs = replay_inputs(toys.content_model(), data, tmp_path_factory.mktemp("feed"))
     calib = torch.from_numpy(data.calib_ids)
     for batch in calib.split(5):  # the content gates are one_hot(token id)
         inputs.profiles.add({s.name: toys.F.one_hot(batch, toys.V).float()

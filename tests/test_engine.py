@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import toys
-from conftest import FAST, toy_data
+from conftest import FAST, replay_inputs, toy_data
 from torch import nn
 
 import fcaudit
@@ -22,8 +22,7 @@ from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.interventions import Intervention, StaticProfiles, draw, static
 from fcaudit.core.sites import find_sites
-from fcaudit.engine.cache import CoefficientCache
-from fcaudit.engine.plan import ReplayInputs, Run, feed
+from fcaudit.engine.plan import Run, feed
 from fcaudit.engine.result import AuditResult
 from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import AuditData
@@ -189,19 +188,9 @@ def test_no_measurable_dependence_is_said_plainly(tmp_path):
 # ------------------------------------------------------------------ interventions
 
 
-def _inputs(model: nn.Module, data: AuditData, tmp_path) -> ReplayInputs:
-    audit(model, tmp_path, sites=["gates.*"], data=data, options=FAST, report=False)
-    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
-    cache = CoefficientCache(tmp_path / "cache", manifest["identity"], FAST.batch_size,
-                             len(data.eval_ids))
-    sites = find_sites(model, ["gates.*"])
-    n, seq_len = data.eval_ids.shape
-    return ReplayInputs(cache, sites, StaticProfiles(sites), [draw(5, n, seq_len)], 0)
-
-
 def test_reassign_is_a_derangement_shared_by_all_sites(tmp_path):
     data = toy_data()
-    inputs = _inputs(toys.content_model(), data, tmp_path)
+    inputs = replay_inputs(toys.content_model(), data, tmp_path)
     rand = inputs.draws[0]
     assert not np.any(rand.donor == np.arange(len(data.eval_ids)))
     for b in range(inputs.cache.n_batches):
@@ -214,7 +203,7 @@ def test_reassign_is_a_derangement_shared_by_all_sites(tmp_path):
 
 def test_shuffle_is_one_permutation_per_sequence_shared_by_sites(tmp_path):
     data = toy_data()
-    inputs = _inputs(toys.content_model(), data, tmp_path)
+    inputs = replay_inputs(toys.content_model(), data, tmp_path)
     rand = inputs.draws[0]
     assert len({tuple(p) for p in rand.positions}) == len(data.eval_ids)
     fed = feed(Run("shuffle"), 0, inputs, torch.device("cpu"))

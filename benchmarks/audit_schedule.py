@@ -206,7 +206,8 @@ def bench(name: str, model: nn.Module, seq_len: int, args: argparse.Namespace) -
     shares = pass_shares(model, data.eval_ids, args.batch, model.execution_blocks())
     ideal = {s: ideal_ratio(account[s], shares, 1 + replays) for s in account}
     return {"model": name, "seq_len": seq_len, "replays": replays,
-            "per_layer_runs": sum(r.site is not None for r in runs), "naive": ratios["naive"],
+            "per_layer_runs": sum(run.target.only_site is not None for run in runs),
+            "naive": ratios["naive"],
             "prefix": ratios["prefix"], "equal": results["naive"] == results["prefix"],
             "layers": len(model.execution_blocks()), "account": account,
             "pass_seconds": shares,

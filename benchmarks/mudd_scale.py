@@ -121,13 +121,14 @@ def prefix_schedule(model: MuddModel, ids: torch.Tensor, coefficients: dict[str,
     # at the end of the batch; prefix reuse adds each site's proof, one more suffix pass
     naive = 2 + len(runs)
     proofs = sum(by_site.values())
-    prefix = 2 + proofs + sum(1.0 if r.site is None else by_site[r.site.name] for r in runs)
-    print(f"audit plan: {len(runs)} replays ({sum(r.site is not None for r in runs)} per-layer) "
+    one_site = [r.target.only_site for r in runs]  # per-layer and ablation runs: their site
+    prefix = 2 + proofs + sum(1.0 if s is None else by_site[s.name] for s in one_site)
+    print(f"audit plan: {len(runs)} replays ({sum(s is not None for s in one_site)} per-layer) "
           f"and the end-of-batch repeat; forward-pass equivalents: naive {naive}, prefix "
           f"reuse {prefix:.1f} (incl. {len(sites)} proofs, {proofs:.1f}) = "
           f"{prefix / naive:.3f}x the naive schedule")
     return {"sites": timed, "replays": len(runs),
-            "per_layer_runs": sum(r.site is not None for r in runs), "naive_passes": naive,
+            "per_layer_runs": sum(s is not None for s in one_site), "naive_passes": naive,
             "prefix_passes": prefix, "proofs": len(sites), "proofs_cost": proofs}
 
 

@@ -71,11 +71,17 @@ def test_python_and_cli_each_read_their_own_words(case: int, tmp_path: Path,
     assert py_words not in result.stderr, result.stderr
 
 
+# FcauditError and every kind of it (UsageError, DataError, ...), by class name
+ERROR_KINDS = {cls.__name__ for cls in (FcauditError, *FcauditError.__subclasses__(),
+                                        *(k for c in FcauditError.__subclasses__()
+                                          for k in c.__subclasses__()))}
+
+
 def _messages(tree: ast.AST) -> list[tuple[int, str]]:
-    """The literal text of every FcauditError(...) message in a module."""
+    """The literal text of every FcauditError(...) message (of any kind) in a module."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "FcauditError":
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ERROR_KINDS:
             for part in ast.walk(node):
                 if isinstance(part, ast.Constant) and isinstance(part.value, str):
                     found.append((part.lineno, part.value))

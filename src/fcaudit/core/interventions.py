@@ -28,7 +28,7 @@ from torch import Tensor
 from fcaudit.core.arrays import id_tensor
 from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER, Condition, by_kind
 from fcaudit.core.contract import Site
-from fcaudit.core.errors import FcauditError, UsageError
+from fcaudit.core.errors import FcauditError, UsageError, arg
 
 
 def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -222,11 +222,12 @@ class StaticProfiles:
         """The per-(token id, position) means at ``ids [B, T]``: ``[B, T, *trailing]``;
         a pair no calibration token had gets the static-layer profile."""
         if self.cells is None:
+            asked = arg("conditions", py="AuditOptions(conditions=(...,))", cli="--condition")
             raise FcauditError(f"{what} needs per-token-id-and-position calibration sums, which "
-                               "an audit collects only when asked (it is opt-in): run it with "
-                               "AuditOptions(conditions=(...,)) or --condition, or add "
-                               "calibration batches with their token ids through "
-                               "StaticProfiles.add(coefficients, ids) and call fcaudit.static")
+                               f"an audit collects only when asked (it is opt-in): run it with "
+                               f"{asked}, or add calibration batches with their token ids "
+                               "through StaticProfiles.add(coefficients, ids) and call "
+                               "fcaudit.static")
         return self._keyed(self.cells, self._cell_means, site, cell_keys(ids))
 
     def _keyed(self, sums: TokenSums, cache: dict[str, Tensor], site: Site,

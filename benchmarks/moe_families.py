@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from conftest import FAMILIES, save, token_batches  # noqa: E402
 from resultfile import ResultFile, add_json_option  # noqa: E402
-from test_hf import FAMILIES, save, token_batches  # noqa: E402
 
 from fcaudit.api import audit  # noqa: E402
 from fcaudit.engine.run import AuditOptions

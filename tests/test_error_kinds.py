@@ -7,12 +7,15 @@ the command line (exit 2 and the one line; with ``--debug`` the same class propa
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import torch
 import toys
-from conftest import TOY, run_inprocess
+from conftest import FAST, TOY, run_inprocess, toy_data
 
+import fcaudit
 from fcaudit import cli
 from fcaudit.core.errors import CacheError, DataError, FcauditError, ModelError, UsageError
 from fcaudit.core.sites import find_sites
@@ -110,3 +113,35 @@ def test_every_kind_keeps_the_exit_status_of_a_user_error(
     error = _refused(["sites", "--model", "toys:content_model", "--all", "--inputs",
                       str(words)], capsys, DataError, "has dtype <U1")
     assert error.path == str(words)
+
+
+class _Noisy(toys.ToyModel):
+    """Randomness in the forward pass (dropout left on): no replay can be exact."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) + 0.1 * torch.randn(*ids.shape, toys.V)
+
+
+def test_a_replay_that_is_not_bit_for_bit_is_an_identity_error_with_its_difference(
+        tmp_path: Path) -> None:
+    with pytest.raises(fcaudit.IdentityError) as caught:
+        fcaudit.audit(_Noisy("content"), tmp_path / "out", sites=["gates.*"], data=toy_data(),
+                      options=FAST)
+    error = caught.value
+    assert isinstance(error, ModelError) and isinstance(error, FcauditError)
+    said = float(re.search(r"by up to ([0-9.e+-]+) nats", str(error)).group(1))
+    assert error.max_abs_diff is not None and error.max_abs_diff > 0
+    assert f"{error.max_abs_diff:.3g}" == f"{said:.3g}"  # the field is the number said
+    assert error.site is None  # two unperturbed passes differ: no site to blame
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_cache_of_other_data_is_a_cache_error_naming_its_folder(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    fcaudit.audit(toys.content_model(), out, sites=["gates.*"], data=toy_data(), options=FAST,
+                  report=False)
+    with pytest.raises(CacheError) as caught:
+        fcaudit.audit(toys.content_model(), out, sites=["gates.*"], options=FAST,
+                      data=toy_data(n_eval=8), report=False)
+    assert caught.value.folder == str(out / "cache")
+    assert "recorded with a different" in str(caught.value)

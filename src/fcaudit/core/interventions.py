@@ -28,7 +28,7 @@ from torch import Tensor
 from fcaudit.core.arrays import id_tensor
 from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER, Condition, by_kind
 from fcaudit.core.contract import Site
-from fcaudit.core.errors import FcauditError, UsageError, arg
+from fcaudit.core.errors import UsageError, arg
 
 
 def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -132,8 +132,8 @@ COLLECTIONS: dict[str, Callable[[Mapping[str, Tensor], Tensor], TokenSums]] = {
 def _token_ids(ids: Any, shape: tuple[int, ...], what: str) -> Tensor:
     """Token ids ``[B, T]`` for coefficients of leading shape ``shape``, or one clear line."""
     if ids is None:
-        raise FcauditError(f"{what} needs the token ids the coefficients were recorded at: "
-                           "pass ids=[B, T] (a Recording from fcaudit.record carries them)")
+        raise UsageError(f"{what} needs the token ids the coefficients were recorded at: "
+                         "pass ids=[B, T] (a Recording from fcaudit.record carries them)")
     return id_tensor(ids, shape, what)
 
 
@@ -167,10 +167,10 @@ class StaticProfiles:
         for site in self.sites:
             acc = self._sum_pos.get(site.name)
             if site.name not in sums:
-                raise FcauditError(f"StaticProfiles.add: no coefficients for site {site.name}; "
-                                   "give every site's coefficients of the batch")
+                raise UsageError(f"StaticProfiles.add: no coefficients for site {site.name}; "
+                                 "give every site's coefficients of the batch")
             if acc is not None and acc.shape != sums[site.name].shape:
-                raise FcauditError(
+                raise UsageError(
                     f"StaticProfiles.add: site {site.name} has [positions, ...] "
                     f"{list(sums[site.name].shape)} in this batch, {list(acc.shape)} in earlier "
                     "ones; every calibration batch must have the same length and shape")
@@ -198,8 +198,8 @@ class StaticProfiles:
     def shape(self, site: Site) -> torch.Size:
         """The per-position profile's shape ``[T, *trailing]``, once a batch was added."""
         if not self.count:
-            raise FcauditError("StaticProfiles holds no calibration batch yet; add one with "
-                               "profiles.add(recording) before asking for a profile")
+            raise UsageError("StaticProfiles holds no calibration batch yet; add one with "
+                             "profiles.add(recording) before asking for a profile")
         return self._sum_pos[site.name].shape
 
     def layer_position(self, site: Site) -> Tensor:
@@ -213,9 +213,9 @@ class StaticProfiles:
         """The per-token-id means at ``ids`` (any shape): ``[*ids.shape, *trailing]``;
         an id no calibration token had gets the static-layer profile."""
         if self.tokens is None:
-            raise FcauditError("static-layer-token needs per-token-id calibration sums: add "
-                               "calibration batches with their token ids (StaticProfiles.add"
-                               "(coefficients, ids))")
+            raise UsageError("static-layer-token needs per-token-id calibration sums: add "
+                             "calibration batches with their token ids (StaticProfiles.add"
+                             "(coefficients, ids))")
         return self._keyed(self.tokens, self._token_means, site, ids)
 
     def layer_token_position(self, site: Site, ids: Tensor, what: str = "this profile") -> Tensor:
@@ -223,11 +223,11 @@ class StaticProfiles:
         a pair no calibration token had gets the static-layer profile."""
         if self.cells is None:
             asked = arg("conditions", py="AuditOptions(conditions=(...,))", cli="--condition")
-            raise FcauditError(f"{what} needs per-token-id-and-position calibration sums, which "
-                               f"an audit collects only when asked (it is opt-in): run it with "
-                               f"{asked}, or add calibration batches with their token ids "
-                               "through StaticProfiles.add(coefficients, ids) and call "
-                               "fcaudit.static")
+            raise UsageError(f"{what} needs per-token-id-and-position calibration sums, which "
+                             f"an audit collects only when asked (it is opt-in): run it with "
+                             f"{asked}, or add calibration batches with their token ids "
+                             "through StaticProfiles.add(coefficients, ids) and call "
+                             "fcaudit.static")
         return self._keyed(self.cells, self._cell_means, site, cell_keys(ids))
 
     def _keyed(self, sums: TokenSums, cache: dict[str, Tensor], site: Site,
@@ -303,18 +303,18 @@ def _check_profile(condition: str, site: Site, profiles: StaticProfiles,
     profile, the trailing shape for the others."""
     static_names = by_kind("static", default=None)
     if condition not in static_names:
-        raise FcauditError(f"static(condition={condition!r}): choose one of "
-                           f"{', '.join(static_names)}")
+        raise UsageError(f"static(condition={condition!r}): choose one of "
+                         f"{', '.join(static_names)}")
     cond = CONDITIONS[condition]
     profile = profiles.shape(site)  # [T, *trailing]
     per_position = cond.profile in _PER_POSITION
     given, kept = (like.shape[1:], profile) if per_position else (like.shape[2:], profile[1:])
     if like.dim() < 2 or given != kept:
         part = "[positions, *trailing]" if per_position else "trailing"
-        raise FcauditError(f"static(..., {condition!r}): site {site.name}'s coefficients "
-                           f"{list(like.shape)} have {part} shape {list(given)}, its calibration "
-                           f"profile {list(kept)}; record calibration and these coefficients at "
-                           "the same sites and length")
+        raise UsageError(f"static(..., {condition!r}): site {site.name}'s coefficients "
+                         f"{list(like.shape)} have {part} shape {list(given)}, its calibration "
+                         f"profile {list(kept)}; record calibration and these coefficients at "
+                         "the same sites and length")
     return cond
 
 
@@ -341,17 +341,17 @@ def _indices(value: Any, shape: tuple[int, ...], bound: int, what: str) -> np.nd
     arr = np.asarray(value)
     if arr.dtype.kind not in "iu" or arr.shape != shape or (
             arr.size and (int(arr.min()) < 0 or int(arr.max()) >= bound)):
-        raise FcauditError(f"{what} must be integers in [0, {bound}) of shape {list(shape)} "
-                           f"(one per sequence of the batch), got {arr.dtype} "
-                           f"{list(arr.shape)}")
+        raise UsageError(f"{what} must be integers in [0, {bound}) of shape {list(shape)} "
+                         f"(one per sequence of the batch), got {arr.dtype} "
+                         f"{list(arr.shape)}")
     return arr
 
 
 def _batch_shape(coefficients: Coefficients) -> tuple[int, int]:
     shapes = {tuple(v.shape[:2]) for v in coefficients.values()}
     if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-        raise FcauditError("coefficients must map site names to tensors [B, T, ...] of one "
-                           f"batch, got shapes {sorted(shapes)}")
+        raise UsageError("coefficients must map site names to tensors [B, T, ...] of one "
+                         f"batch, got shapes {sorted(shapes)}")
     return next(iter(shapes))  # type: ignore[return-value]
 
 
@@ -360,9 +360,9 @@ def _examples(coefficients: Coefficients) -> int:
     may differ (patch sites beside per-example ones, ``P = 1``)."""
     counts = {int(v.shape[0]) for v in coefficients.values() if v.dim() >= 2}
     if len(counts) != 1 or any(v.dim() < 2 for v in coefficients.values()):
-        raise FcauditError("coefficients must map site names to tensors [B, P, ...] with "
-                           "the same examples B, got shapes "
-                           f"{sorted(tuple(v.shape[:2]) for v in coefficients.values())}")
+        raise UsageError("coefficients must map site names to tensors [B, P, ...] with "
+                         "the same examples B, got shapes "
+                         f"{sorted(tuple(v.shape[:2]) for v in coefficients.values())}")
     return counts.pop()
 
 
@@ -390,8 +390,8 @@ def static(coefficients: Coefficients, profiles: StaticProfiles,
     by_name = {s.name: s for s in profiles.sites}
     unknown = [k for k in coefficients if k not in by_name]
     if unknown:
-        raise FcauditError(f"static: the profiles have no site {unknown[0]!r}; they were added "
-                           f"for {', '.join(by_name) or 'no site'}")
+        raise UsageError(f"static: the profiles have no site {unknown[0]!r}; they were added "
+                         f"for {', '.join(by_name) or 'no site'}")
     ids = getattr(coefficients, "input_ids", None) if ids is None else ids
     return _like(coefficients, {k: static_tensor(condition, by_name[k], profiles, v, ids)
                                 for k, v in coefficients.items()})
@@ -442,8 +442,8 @@ def feed_own(condition: Condition, coefficients: Coefficients,
 
 def _drawn(condition: Condition, context: InterventionContext) -> RandomDraw:
     if context.draw is None:
-        raise FcauditError(f"condition {condition.name!r} needs the audit's random draw of the "
-                           "repeat (InterventionContext.draw): the engine gives it")
+        raise UsageError(f"condition {condition.name!r} needs the audit's random draw of the "
+                         "repeat (InterventionContext.draw): the engine gives it")
     return context.draw
 
 

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from fcaudit.core.conditions import CONDITIONS, audited
 from fcaudit.core.contract import ControllerAdapter, RoutingAdapter, Site, SiteCall, describe
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import UsageError, arg
 
 TOKEN_LAYOUT = (1,)  # positions on axis 1: the layout every condition reads directly
 TOKEN_AXES = ("example", "token")
@@ -55,15 +55,15 @@ def parse_axes(spec: str | Sequence[str], where: str) -> tuple[tuple[str, ...],
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     if not names or not all(isinstance(n, str) and n.strip().rstrip(POSITION_MARK).strip()
                             for n in names):
-        raise FcauditError(f"{where}: axes must be comma-separated names, the examples axis "
-                           f"first and a * after each position axis, e.g. "
-                           f"'example,channel' or 'example,patch*'; got {spec!r}")
+        raise UsageError(f"{where}: axes must be comma-separated names, the examples axis "
+                         f"first and a * after each position axis, e.g. "
+                         f"'example,channel' or 'example,patch*'; got {spec!r}")
     names = [n.strip() for n in names]
     axes = tuple(n.rstrip(POSITION_MARK).strip() for n in names)
     positions = tuple(i for i, n in enumerate(names) if n.endswith(POSITION_MARK))
     if 0 in positions or len(set(axes)) != len(axes):
-        raise FcauditError(f"{where}: the first axis is the examples axis (never a position "
-                           f"axis) and each axis is named once; got {spec!r}")
+        raise UsageError(f"{where}: the first axis is the examples axis (never a position "
+                         f"axis) and each axis is named once; got {spec!r}")
     return axes, positions
 
 
@@ -90,8 +90,8 @@ def _declared(site: Site) -> Site:
     or none for a lone examples axis; ``positions`` without ``axes`` is refused."""
     if site.axes is None:
         if site.positions is not None:
-            raise FcauditError(f"site {site.name}: positions={site.positions!r} needs axes=(...) "
-                               "naming every leading axis, the examples axis first")
+            raise UsageError(f"site {site.name}: positions={site.positions!r} needs axes=(...) "
+                             "naming every leading axis, the examples axis first")
         return site
     if site.positions is None:
         positions = TOKEN_LAYOUT if isinstance(site.axes, tuple) and len(site.axes) > 1 else ()
@@ -116,8 +116,8 @@ def declare_axes(sites: Sequence[Site], site_axes: SiteAxes) -> list[Site]:
             said = "; ".join(sorted(f"{g}={spell_axes(*lay)}" for g, lay in given))
             own = "" if site.axes is None else \
                 f", and it declares {spell_axes(site.axes, site.positions or ())}"
-            raise FcauditError(f"site {site.name}: {arg(SITE_AXES)} gives it more than one "
-                               f"layout ({said}{own}); give each site one")
+            raise UsageError(f"site {site.name}: {arg(SITE_AXES)} gives it more than one "
+                             f"layout ({said}{own}); give each site one")
         if layouts and site.axes is None:
             axes, positions = layouts.pop()
             site = dataclasses.replace(site, axes=axes, positions=positions)
@@ -126,9 +126,9 @@ def declare_axes(sites: Sequence[Site], site_axes: SiteAxes) -> list[Site]:
     unused = [_entry(g, spec) for g, spec in entries if not any(
         fnmatch.fnmatchcase(s.path, g) or g == s.family for s in sites)]
     if unused:
-        raise FcauditError(f"{unused[0]} matches none of the audited sites "
-                           f"({', '.join(s.path for s in sites[:4])}"
-                           f"{', ...' if len(sites) > 4 else ''}); give a glob of their paths")
+        raise UsageError(f"{unused[0]} matches none of the audited sites "
+                         f"({', '.join(s.path for s in sites[:4])}"
+                         f"{', ...' if len(sites) > 4 else ''}); give a glob of their paths")
     return out
 
 
@@ -169,7 +169,7 @@ def _entries(site_axes: SiteAxes) -> list[tuple[str, str | Sequence[str]]]:
             got = f"{glob!r}: {spec!r}" if isinstance(site_axes, Mapping) else \
                 repr(glob or site_axes)
             option = arg(SITE_AXES, py='site_axes={GLOB: AXES}', cli='--site-axes GLOB=AXES')
-            raise FcauditError(
+            raise UsageError(
                 f"give {option} for each glob of sites (AXES: comma-separated axis names), e.g. "
                 "'blocks.*.gate=example,channel' (one value set per example) or "
                 f"'blocks.*.mask=example,channel,row*,column*'; got {got}")
@@ -191,7 +191,7 @@ def check_family_positions(sites: Sequence[Site], coefficients: Mapping[str, Ten
             (a, pa) = next(iter(counts.items()))
             (b, pb) = next(item for item in counts.items() if item[1] != pa)
             option = arg(SITE_AXES, py=f"site_axes={{{family!r}: ...}}", cli="--site-axes")
-            raise FcauditError(
+            raise UsageError(
                 f"sites of family {family} have different numbers of positions ({a}: {pa}, "
                 f"{b}: {pb}), so no position can be compared across them; give the axis "
                 f"that differs without a * (one value set per example), e.g. {option}, "
@@ -202,14 +202,14 @@ def check_layout(site: Site) -> None:
     """A site's ``axes`` and ``positions`` must describe a tensor the engine can read."""
     axes, positions = site.axes, site.positions
     if not isinstance(axes, tuple) or not axes or not all(isinstance(a, str) for a in axes):
-        raise FcauditError(f"site {site.name}: axes must be a tuple of axis names, the first "
-                           f"the examples axis, got {axes!r}")
+        raise UsageError(f"site {site.name}: axes must be a tuple of axis names, the first "
+                         f"the examples axis, got {axes!r}")
     if not isinstance(positions, tuple) or any(
             isinstance(p, bool) or not isinstance(p, int) or not 0 < p < len(axes)
             for p in positions) or list(positions) != sorted(set(positions)):
-        raise FcauditError(f"site {site.name}: positions must be increasing indices of "
-                           f"axes {list(axes)} other than the examples axis 0 (() for "
-                           f"per-example coefficients), got {positions!r}")
+        raise UsageError(f"site {site.name}: positions must be increasing indices of "
+                         f"axes {list(axes)} other than the examples axis 0 (() for "
+                         f"per-example coefficients), got {positions!r}")
 
 
 Shape = tuple[int, ...]
@@ -231,7 +231,7 @@ def decide_layout(site: Site, shape: Shape, read: Shape | None) -> tuple[Site, s
                 f"one value set per example: {seen}")
     if len(candidates) > 1 or candidates[0][2]:
         spec = spell_axes(*candidates[0][:2])
-        raise FcauditError(
+        raise UsageError(
             f"site {site.name}: cannot tell which axes of its coefficients {_shape(shape)} are "
             f"positions: its input {_shape(read)} has {_positions(read)} positions, and an "
             "axis of that length can as well be a width; declare the layout with "
@@ -310,13 +310,13 @@ class LayoutAdapter:
         x = self.inner.extract(output, dataclasses.replace(call, seq_len=None))
         if not isinstance(x, Tensor) or x.dim() < len(self.axes) or x.shape[0] != call.batch:
             named = ", ".join(self.axes)
-            raise FcauditError(f"coefficients are {describe(x)}, expected [{named}, ...] "
-                               f"with {call.batch} examples (the site's axes)")
+            raise UsageError(f"coefficients are {describe(x)}, expected [{named}, ...] "
+                             f"with {call.batch} examples (the site's axes)")
         shape = tuple(x.shape[1:])
         if self._shape and self._shape[0] != shape:
-            raise FcauditError(f"coefficients have per-example shape {list(shape)}, recorded "
-                               f"earlier as {list(self._shape[0])}; a site's shape must be "
-                               "the same for every example")
+            raise UsageError(f"coefficients have per-example shape {list(shape)}, recorded "
+                             f"earlier as {list(self._shape[0])}; a site's shape must be "
+                             "the same for every example")
         if not self._shape:
             self._shape.append(shape)
         order = self._order(x.dim())
@@ -326,8 +326,8 @@ class LayoutAdapter:
 
     def rebuild(self, coefficients: Tensor, call: SiteCall) -> Any:
         if not self._shape:
-            raise FcauditError("this site's layout is not known yet: record it first "
-                               "(fcaudit.record, or the audit's first batch)")
+            raise UsageError("this site's layout is not known yet: record it first "
+                             "(fcaudit.record, or the audit's first batch)")
         shape = (coefficients.shape[0], *self._shape[0])
         order = self._order(len(shape))
         moved = coefficients.reshape(coefficients.shape[0],
@@ -343,16 +343,16 @@ def canonical_sites(sites: Sequence[Site]) -> list[Site]:
     out = []
     for site in sites:
         if site.axes is None:  # the audit decides it from the first batch before this
-            raise FcauditError(f"site {site.name}: its layout is not known yet; record it "
-                               "first (the audit's first batch decides it)")
+            raise UsageError(f"site {site.name}: its layout is not known yet; record it "
+                             "first (the audit's first batch decides it)")
         check_layout(site)
         if site.positions == TOKEN_LAYOUT:
             out.append(site)
             continue
         if isinstance(site.adapter, RoutingAdapter):
-            raise FcauditError(f"site {site.name}: a router's logits must be [examples, "
-                               "positions, experts] (positions=(1,)); got positions "
-                               f"{site.positions!r}")
+            raise UsageError(f"site {site.name}: a router's logits must be [examples, "
+                             "positions, experts] (positions=(1,)); got positions "
+                             f"{site.positions!r}")
         out.append(dataclasses.replace(site, adapter=LayoutAdapter(site.adapter, site.axes,
                                                                    site.positions)))
     return out

@@ -37,7 +37,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from fcaudit.core.adapters import same_bits
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import CacheError, FcauditError, arg
 from fcaudit.core.interventions import TokenSums
 from fcaudit.io.fileio import (
     read_json,
@@ -168,11 +168,12 @@ class ReplayShard:
 
 def _check_folder(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
-        raise FcauditError(f"{folder} is a file, but fcaudit keeps its cache folder there; "
-                           f"move that file away or choose another {arg('out')}")
+        raise CacheError(f"{folder} is a file, but fcaudit keeps its cache folder there; "
+                         f"move that file away or choose another {arg('out')}",
+                         folder=str(folder))
     manifest = folder / "manifest.json"
     if manifest.exists() and not manifest.is_file():
-        raise FcauditError(f"{manifest} is not a file; delete {folder} and rerun")
+        raise CacheError(f"{manifest} is not a file; delete {folder} and rerun", folder=str(folder))
 
 
 def _changed(key: str, before: Any, now: Any) -> str:
@@ -209,8 +210,9 @@ class CoefficientCache:
         if self.manifest_path.exists():
             self._adopt()
         elif not owner:
-            raise FcauditError(f"{self.manifest_path} is missing: rank 0 creates the cache "
-                               f"first; every process must see the same {arg('out')} folder")
+            raise CacheError(f"{self.manifest_path} is missing: rank 0 creates the cache "
+                             f"first; every process must see the same {arg('out')} folder",
+                             folder=str(self.folder))
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._write_manifest()
@@ -222,14 +224,15 @@ class CoefficientCache:
         try:
             manifest = read_json(self.manifest_path, "cache manifest")
         except FcauditError as exc:
-            raise FcauditError(f"{exc.raw}; delete {self.folder} and rerun") from exc
+            raise CacheError(f"{exc.raw}; delete {self.folder} and rerun",
+                             folder=str(self.folder)) from exc
         if not isinstance(manifest, dict):
-            raise FcauditError(f"cache manifest {self.manifest_path} is not a JSON object; "
-                               f"delete {self.folder} and rerun")
+            raise CacheError(f"cache manifest {self.manifest_path} is not a JSON object; "
+                             f"delete {self.folder} and rerun", folder=str(self.folder))
         if manifest.get("schema") != SCHEMA:
-            raise FcauditError(f"the cache in {self.folder} was written by another fcaudit "
-                               f"version ({manifest.get('schema')!r}); delete that folder and "
-                               "rerun to record it again")
+            raise CacheError(f"the cache in {self.folder} was written by another fcaudit "
+                             f"version ({manifest.get('schema')!r}); delete that folder and "
+                             "rerun to record it again", folder=str(self.folder))
         recorded = manifest.get("identity") if isinstance(manifest.get("identity"), dict) else {}
         setup = {"batch_size": self.batch_size, "n_sequences": self.pool_sequences}
         diff = sorted(_changed(k, recorded.get(k), self.identity.get(k))
@@ -237,10 +240,11 @@ class CoefficientCache:
                       if recorded.get(k) != self.identity.get(k))
         diff += [k for k, v in setup.items() if manifest.get(k) != v]
         if diff and (any(self.folder.glob("*.sha256")) or not self.owner):
-            raise FcauditError(
+            raise CacheError(
                 f"the cache in {self.folder} was recorded with a different {', '.join(diff)}; "
                 f"delete that folder or choose another {arg('out')} (or rerun with the "
-                f"original model, data and {arg('batch_size', owner='AuditOptions')})")
+                f"original model, data and {arg('batch_size', owner='AuditOptions')})",
+                folder=str(self.folder))
         if diff:  # nothing was recorded yet: nothing to lose, start afresh
             self._write_manifest()
 
@@ -362,13 +366,13 @@ class CoefficientCache:
             self.write(name, fresh)
             return False
         if not same_bits(cached, fresh):
-            raise FcauditError(
+            raise CacheError(
                 f"the cache in {self.folder} was recorded by another model: a fresh pass over "
                 f"{what} gives other coefficients or losses than its cached record (the model, "
                 "or state it reads outside its code such as environment variables, files, "
                 "attributes or package versions, changed since; or its forward pass varies "
                 "between runs: another thread count or device can change the last bits); "
-                f"delete {self.folder} or choose another {arg('out')}")
+                f"delete {self.folder} or choose another {arg('out')}", folder=str(self.folder))
         self.proven.add(name)
         self.reused.add(name)
         return True
@@ -377,12 +381,13 @@ class CoefficientCache:
         if name in self._verified:
             return
         if not self.has(name):
-            raise FcauditError(f"cache {self.folder} lacks {name}; rerun to finish recording")
+            raise CacheError(f"cache {self.folder} lacks {name}; rerun to finish recording",
+                             folder=str(self.folder))
         expected = (self.folder / f"{name}.sha256").read_text(encoding="utf-8").strip()
         if sha256_file(self.folder / name) != expected:
-            raise FcauditError(
+            raise CacheError(
                 f"cache file {self.folder / name} fails its checksum (corrupted or edited); "
-                f"delete {self.folder} and rerun to record it again")
+                f"delete {self.folder} and rerun to record it again", folder=str(self.folder))
         self._verified.add(name)
 
     def verify_all(self) -> None:
@@ -398,8 +403,8 @@ class CoefficientCache:
         try:
             fh = safe_open(str(self.folder / name), framework="pt")
         except (SafetensorError, OSError) as exc:
-            raise FcauditError(f"cannot read cache shard {name} in {self.folder} ({exc}); "
-                               "delete the folder and rerun") from exc
+            raise CacheError(f"cannot read cache shard {name} in {self.folder} ({exc}); "
+                             "delete the folder and rerun", folder=str(self.folder)) from exc
         self._handles[name] = fh
         if len(self._handles) > _OPEN_HANDLES:
             self._handles.popitem(last=False)

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from fcaudit.core.contract import ExpertLayer, Site, SiteCall
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import FcauditError, ModelError, arg
 from fcaudit.core.hooks import hooks
 from fcaudit.core.nll import logits_of
 from fcaudit.core.routers import counting_experts
@@ -77,9 +77,9 @@ def check_comparable(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor
     try:
         dense_shape = tuple(logits_of(dense(input_ids)).shape)
     except FcauditError as exc:
-        raise FcauditError(f"{arg('dense', source)}: {exc.raw}") from exc
+        raise ModelError(f"{arg('dense', source)}: {exc.raw}") from exc
     if dense_shape != model_shape:
-        raise FcauditError(
+        raise ModelError(
             f"{arg('dense', source)} is not comparable with the model: for the same "
             f"{list(input_ids.shape)} token ids it gives logits {list(dense_shape)}, the model "
             f"{list(model_shape)} (another vocabulary or sequence handling), so their blocks "
@@ -92,20 +92,20 @@ def resolve_blocks(model: nn.Module, block_paths: Sequence[str] | None) -> list[
     if block_paths is None:
         declare = getattr(model, "execution_blocks", None)
         if not callable(declare):
-            raise FcauditError(
+            raise ModelError(
                 f"{type(model).__name__} declares no execution blocks; name the modules whose "
                 "executions to count (module paths such as 'blocks.0', 'blocks.1', ...)")
         block_paths = declare()
     paths = list(block_paths)
     if not paths:
-        raise FcauditError(f"no execution blocks given for {type(model).__name__}")
+        raise ModelError(f"no execution blocks given for {type(model).__name__}")
     for path in paths:
         try:
             model.get_submodule(path)
         except AttributeError as exc:
-            raise FcauditError(f"execution block {path!r} is not a module of "
-                               f"{type(model).__name__}; list module paths with "
-                               "`fcaudit sites --model SPEC`") from exc
+            raise ModelError(f"execution block {path!r} is not a module of "
+                             f"{type(model).__name__}; list module paths with "
+                             "`fcaudit sites --model SPEC`") from exc
     return paths
 
 
@@ -133,7 +133,7 @@ def refuse_idle_blocks(glob: str, x: Any, nets: Mapping[str, tuple[nn.Module, Se
         idle = idle_blocks(net, paths, x)
         if idle:
             shown = ", ".join(idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
-            raise FcauditError(
+            raise ModelError(
                 f"{arg('blocks', glob)}: {who}'s forward never calls {len(idle)} of the "
                 f"{len(paths)} modules it names on the first batch ({shown}), so they would "
                 "count as blocks skipped by every token; name the blocks the forward runs "
@@ -159,8 +159,8 @@ def _tokens_entering(path: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     """Tokens entering a block (``per_example``: examples, its first input's first axis)."""
     first = _first_tensor((*args, *kwargs.values()))
     if first is None or first.dim() == 0:
-        raise FcauditError(f"execution block {path!r} received no per-token tensor input; "
-                           "name modules that take hidden states [..., features]")
+        raise ModelError(f"execution block {path!r} received no per-token tensor input; "
+                         "name modules that take hidden states [..., features]")
     return int(first.shape[0]) if per_example else first.numel() // first.shape[-1]
 
 
@@ -252,7 +252,7 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
             call_model(model, ids)
             tokens += _units(ids)
     if tokens == 0:
-        raise FcauditError("no tokens to measure execution on; give evaluation data")
+        raise ModelError("no tokens to measure execution on; give evaluation data")
     per_layer = [c / tokens for c in counts]
     result = {"blocks_executed": sum(per_layer), "blocks_present": len(paths),
               "blocks_executed_per_layer": per_layer, "tokens": tokens, "blocks": paths}
@@ -420,7 +420,7 @@ def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: Any, pairs: 
                      warmup: int = 2, seed: int = 0, threads: int | None = None) -> Timing:
     """Time one batch on model and dense in ``pairs`` pairs (A B, B A, ...) after warm-up."""
     if pairs < MIN_PAIRS:
-        raise FcauditError(f"timing needs at least {MIN_PAIRS} pairs, got {pairs}")
+        raise ModelError(f"timing needs at least {MIN_PAIRS} pairs, got {pairs}")
     on_cuda = input_ids.device.type == "cuda"
 
     def seconds(net: nn.Module) -> float:
@@ -524,8 +524,8 @@ def _batches(model: nn.Module, input_ids: Any, batch_size: int) -> Sequence[Any]
         return [input_ids.rows(i, i + batch_size).to(device)
                 for i in range(0, len(input_ids), batch_size)]
     if input_ids.dim() != 2 or input_ids.numel() == 0:
-        raise FcauditError(f"execution measurement needs input_ids [N, T], got shape "
-                           f"{tuple(input_ids.shape)}")
+        raise ModelError(f"execution measurement needs input_ids [N, T], got shape "
+                         f"{tuple(input_ids.shape)}")
     return input_ids.split(batch_size)
 
 

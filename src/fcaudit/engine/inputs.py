@@ -18,7 +18,7 @@ from torch import nn
 from fcaudit.core.conditions import PER_LAYER_CONDITIONS, audited
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import UsageError, arg
 from fcaudit.core.interventions import Intervention
 from fcaudit.core.layout import TOKEN_LAYOUT
 from fcaudit.core.nll import model_limits, probe_vocab
@@ -40,9 +40,9 @@ def as_loaded(model: str | Path | nn.Module | LoadedModel,
         return model
     if isinstance(model, nn.Module):
         if placement is not None:
-            raise FcauditError(f"{arg('device_map', placement.device_map)} places a model "
-                               "fcaudit loads from a folder; give the folder's path, not a "
-                               "module already in memory")
+            raise UsageError(f"{arg('device_map', placement.device_map)} places a model "
+                             "fcaudit loads from a folder; give the folder's path, not a "
+                             "module already in memory")
         return load_module(model, type(model).__name__)
     return load(str(model), dtype, placement)
 
@@ -66,22 +66,22 @@ def custom_interventions(given: Mapping[str, Any] | Sequence[Intervention] | Non
     elif isinstance(given, (list, tuple)) and all(isinstance(i, Intervention) for i in given):
         items = [(i.name, i) for i in given]
     else:
-        raise FcauditError("audit(interventions=...) must be {name: fn} or a list of "
-                           f"fcaudit.Intervention objects, not {given!r:.80}")
+        raise UsageError("audit(interventions=...) must be {name: fn} or a list of "
+                         f"fcaudit.Intervention objects, not {given!r:.80}")
     builtin = {*audited(opted), *(f"{c}@{s.name}" for c in PER_LAYER_CONDITIONS for s in sites)}
     out: list[Intervention] = []
     for name, item in items:
         iv = item if isinstance(item, Intervention) else Intervention(str(name), item)
         if isinstance(iv.name, str) and iv.name in {o.name for o in out}:
-            raise FcauditError(f"two interventions are named {iv.name!r}: give each its own "
-                               "name (results are reported by name, so both would be merged "
-                               "into one condition)")
+            raise UsageError(f"two interventions are named {iv.name!r}: give each its own "
+                             "name (results are reported by name, so both would be merged "
+                             "into one condition)")
         if not isinstance(iv.name, str) or not iv.name or iv.name in builtin or \
                 iv.name.startswith((f"{EXPERT_ABLATION}:", f"{FRONTIER}:")) or \
                 not callable(iv.fn) or isinstance(iv.repeats, bool) or \
                 not isinstance(iv.repeats, int) or iv.repeats < 1:
-            raise FcauditError(f"intervention {iv.name!r}: give a new name (not a built-in "
-                               "condition or per-layer run), a callable and repeats >= 1")
+            raise UsageError(f"intervention {iv.name!r}: give a new name (not a built-in "
+                             "condition or per-layer run), a callable and repeats >= 1")
         out.append(iv)
     return out
 
@@ -90,20 +90,20 @@ def check_arguments(sites: Any, data: Any, blocks: Any, options: Any) -> SiteSpe
     """A Python caller's arguments of the wrong kind, each refused in one line naming the
     argument; a single glob string for ``sites`` is taken as one glob."""
     if not isinstance(options, AuditOptions):
-        raise FcauditError(f"audit(options=...) must be fcaudit.AuditOptions(...), not "
-                           f"{type(options).__name__}")
+        raise UsageError(f"audit(options=...) must be fcaudit.AuditOptions(...), not "
+                         f"{type(options).__name__}")
     if not isinstance(data, (AuditData, DataSpec)):
-        raise FcauditError(f"audit(data=...) must be fcaudit.DataSpec(...) or "
-                           f"fcaudit.AuditData(...), not {type(data).__name__}")
+        raise UsageError(f"audit(data=...) must be fcaudit.DataSpec(...) or "
+                         f"fcaudit.AuditData(...), not {type(data).__name__}")
     if blocks is not None and not isinstance(blocks, str):
-        raise FcauditError(f"audit(blocks=...) must be one module-path glob string, not "
-                           f"{type(blocks).__name__}")
+        raise UsageError(f"audit(blocks=...) must be one module-path glob string, not "
+                         f"{type(blocks).__name__}")
     if isinstance(sites, str):
         return [sites]
     if sites is not None and (not isinstance(sites, (list, tuple)) or not sites
                               or not all(isinstance(s, (str, Site)) for s in sites)):
-        raise FcauditError(f"audit(sites=...) must be a non-empty list of module-path globs "
-                           f"or fcaudit.Site objects, not {sites!r:.80}")
+        raise UsageError(f"audit(sites=...) must be a non-empty list of module-path globs "
+                         f"or fcaudit.Site objects, not {sites!r:.80}")
     return sites
 
 
@@ -135,7 +135,7 @@ def _token_inputs(net: nn.Module, given: DataSpec | AuditData, data: AuditData,
     builtin = OBJECTIVES.get(options.objective) if isinstance(options.objective, str) else None
     examples = builtin.name if builtin is not None and not builtin.tokens else None
     if examples or any(s.positions not in (None, TOKEN_LAYOUT) for s in sites):
-        raise FcauditError(
+        raise UsageError(
             "token ids are scored by next-token NLL on sites [batch, tokens, ...]: for "
             f"{arg('objective', examples or CLASSIFICATION, owner='AuditOptions')} or sites "
             f"without a token axis give {OTHER_INPUTS}")
@@ -158,17 +158,17 @@ def _example_inputs(loaded: LoadedModel, data: AuditData, options: AuditOptions)
     them, no token-only option, and inputs the model takes."""
     objective = resolve(options.objective)
     if objective.tokens:
-        raise FcauditError(
+        raise UsageError(
             f"{arg('objective', objective.name, owner='AuditOptions')} scores token ids, but "
             f"the data are other inputs: choose {arg('objective', CLASSIFICATION)} (integer "
             "targets) or a callable (model_output, batch) -> per-unit losses, or give token "
             "ids as AuditData(eval_ids=..., calib_ids=...)")
     if options.frontier:
-        raise FcauditError(f"{arg(FRONTIER, py='AuditOptions(frontier=True)')} is measured "
-                           "on token inputs only; drop it for these inputs")
+        raise UsageError(f"{arg(FRONTIER, py='AuditOptions(frontier=True)')} is measured "
+                         "on token inputs only; drop it for these inputs")
     if options.target_ci is not None:
-        raise FcauditError(f"{arg('target_ci', py='AuditOptions(target_ci=...)')} grows a pool "
-                           "of token windows; for these inputs give a fixed evaluation set")
+        raise UsageError(f"{arg('target_ci', py='AuditOptions(target_ci=...)')} grows a pool "
+                         "of token windows; for these inputs give a fixed evaluation set")
     data.check_inputs(input_spec(loaded))
     data.validate(None, None)
     return data

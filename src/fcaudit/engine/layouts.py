@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from fcaudit.core.adapters import FLAT, AutoAdapter, infer_adapter
 from fcaudit.core.contract import Site, SiteCall, TensorAdapter
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, UsageError
 from fcaudit.core.hooks import hooks
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, canonical_sites, decide_layout
 from fcaudit.engine.options import Prepared
@@ -126,8 +126,8 @@ def _look_first(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Se
         return look(model, sites, x)
     except _Misfit as bad:
         adapter = getattr(bad.site.adapter, "name", type(bad.site.adapter).__name__)
-        raise FcauditError(f"site {bad.site.name} ({type(bad.module).__name__}, adapter "
-                           f"{adapter}): {bad.error:}") from bad.error
+        raise UsageError(f"site {bad.site.name} ({type(bad.module).__name__}, adapter "
+                         f"{adapter}): {bad.error:}") from bad.error
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def _prove_token_axis(model: nn.Module, sites: Sequence[Site], x: Tensor | Examp
         before = seen[bad.site.name].output if bad.site.name in seen else None
         if before and before[0] == batch and (not bad.output or bad.output[0] != batch):
             return  # axis 0 followed the length ([T, B] with B == T): the probe's check says
-        raise FcauditError(
+        raise UsageError(
             f"site {bad.site.name}: its output {list(before or ())} at {length} tokens is "
             f"{list(bad.output or ())} at {length - 1}: its axis of {length} does not follow "
             "the sequence length, so it is a width, not the token axis; token ids are scored "
@@ -212,7 +212,7 @@ def _refuse_blocks(setup: Prepared, sites: Sequence[Site], seen: dict[str, Seen]
     blocks = set(setup.blocks or [])
     inside = next((s for s in sites if s.path in blocks and _hidden(seen.get(s.name))), None)
     if inside is not None:
-        raise FcauditError(
+        raise UsageError(
             f"site {inside.name} is one of the model's execution blocks and outputs the hidden "
             f"states it reads {list(seen[inside.name].shape)}, not a controller's "
             "coefficients; name the controller inside the block (`fcaudit sites --model SPEC "

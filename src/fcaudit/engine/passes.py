@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from fcaudit.core.contract import Site
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import ModelError
 from fcaudit.core.recording import recording
 from fcaudit.core.replaying import BlockTrace, OutputStub, replaying, selecting, swapped, tracing
 from fcaudit.engine.objectives import Objective, default_for, output_tensors
@@ -95,9 +95,9 @@ def replay_batch(model: nn.Module, x: Any, fed: Mapping[Site, Tensor], *,
     wrong = {n: s.calls for n, s in stubs.items() if s.calls != (0 if n in skipped else 1)}
     if wrong:
         name, calls = next(iter(wrong.items()))
-        raise FcauditError(f"site {name} ran {calls} times during replay (once when recorded); "
-                           "the model takes another path when its controller is replaced: "
-                           "name a module the model calls exactly once per forward pass")
+        raise ModelError(f"site {name} ran {calls} times during replay (once when recorded); "
+                         "the model takes another path when its controller is replaced: "
+                         "name a module the model calls exactly once per forward pass")
     return Replayed(logits, traced, chosen, output)
 
 
@@ -106,25 +106,25 @@ def check_finite(values: Mapping[str, Tensor], where: str) -> None:
            if not torch.isfinite(v).all()}
     if bad:
         listing = ", ".join(f"{k} ({n} values)" for k, n in bad.items())
-        raise FcauditError(f"non-finite (NaN or inf) coefficients recorded on {where} at "
-                           f"{listing}; no dependence metric is computed on them: fix the "
-                           "model or its weights (try float32)")
+        raise ModelError(f"non-finite (NaN or inf) coefficients recorded on {where} at "
+                         f"{listing}; no dependence metric is computed on them: fix the "
+                         "model or its weights (try float32)")
 
 
 def check_finite_losses(losses: Tensor, objective: Objective, where: str) -> None:
     """Refuse NaN or inf per-unit losses, naming the objective that gave them."""
     bad = int((~torch.isfinite(losses)).sum())
     if bad:
-        raise FcauditError(f"{objective.describe()} not finite (NaN or inf) for {bad} of "
-                           f"{losses.numel()} {objective.unit}s in {where}; no metric can be "
-                           f"computed: {objective.fix}")
+        raise ModelError(f"{objective.describe()} not finite (NaN or inf) for {bad} of "
+                         f"{losses.numel()} {objective.unit}s in {where}; no metric can be "
+                         f"computed: {objective.fix}")
 
 
 def check_units(losses: Tensor, recorded: torch.Size, objective: Objective, where: str) -> None:
     """Refuse losses whose shape is not the record pass's for the same examples: replayed
     and recorded units are compared one for one."""
     if losses.shape != recorded:
-        raise FcauditError(f"objective {objective.name} returned losses {list(losses.shape)} in "
-                           f"{where}, but {list(recorded)} for the same examples in their record "
-                           "pass; per-unit losses must depend on the batch alone, not on the "
-                           "pass (the same units of the same examples every time)")
+        raise ModelError(f"objective {objective.name} returned losses {list(losses.shape)} in "
+                         f"{where}, but {list(recorded)} for the same examples in their record "
+                         "pass; per-unit losses must depend on the batch alone, not on the "
+                         "pass (the same units of the same examples every time)")

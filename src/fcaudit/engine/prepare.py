@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import UsageError, arg
 from fcaudit.core.layout import SiteAxes, declare_axes
 from fcaudit.core.sites import SiteSpec, find_sites
 from fcaudit.engine.distributed import Ranks, current
@@ -42,8 +42,8 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     options.validate()
     if dense is not None and not options.execution:
         no_execution = arg("execution", py="AuditOptions(execution=False)", cli="--no-execution")
-        raise FcauditError(f"{arg('dense')} is ignored with {no_execution} (the dense "
-                           "counterpart only serves the execution audit): drop one of them")
+        raise UsageError(f"{arg('dense')} is ignored with {no_execution} (the dense "
+                         "counterpart only serves the execution audit): drop one of them")
     loaded = as_loaded(model, placement=options.placement())
     net = loaded.model.eval()
     site_list = declare_axes(find_sites(net, sites), site_axes)
@@ -68,8 +68,8 @@ def _check_ranks(setup: Prepared, ranks: Ranks) -> None:
     """An audit over several processes shares its cache through a folder, and a
     ``target_ci`` audit runs in one process."""
     if setup.out is None and ranks.world > 1:
-        raise FcauditError(f"an audit over several processes needs {arg('out')}, a folder "
-                           "every process sees")
+        raise UsageError(f"an audit over several processes needs {arg('out')}, a folder "
+                         "every process sees")
     if setup.options.target_ci is not None and ranks.world > 1:
-        raise FcauditError(f"{arg('target_ci', owner='AuditOptions')} runs in one process: "
-                           "start it without torchrun, or give a fixed number of sequences")
+        raise UsageError(f"{arg('target_ci', owner='AuditOptions')} runs in one process: "
+                         "start it without torchrun, or give a fixed number of sequences")

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.arrays import blamed_on_inputs
 from fcaudit.core.contract import Site
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import FcauditError, IdentityError, ModelError, arg
 from fcaudit.core.layout import check_family_positions
 from fcaudit.core.nll import device_of
 from fcaudit.engine.distributed import Ranks
@@ -88,6 +88,7 @@ def probe(setup: Prepared) -> Probe:
     check_units(units, nll.shape, objective, "the identity replay of batch 0")
     diff = float((units - nll).abs().max())
     again, _, _ = record_batch(net, sites, x, objective)
+    culprit = None
     if not same_bits(logits, again):
         cause = "two unperturbed passes over the same batch already differ: the forward " \
                 "pass is not deterministic (dropout, sampling or training mode?)"
@@ -100,9 +101,10 @@ def probe(setup: Prepared) -> Probe:
                f"the {unit} by up to {diff:.3g} nats ({cause}). Likely causes: "
                f"{IDENTITY_CAUSES}")
     if not setup.options.allow_nonexact_identity:
-        raise FcauditError(f"{message}. No verdict can rest on such a replay: fix the model "
-                           "(model.eval(), fixed seeds, deterministic kernels) or rerun with "
-                           f"{ALLOW_NONEXACT} to see the numbers flagged as not exact")
+        raise IdentityError(f"{message}. No verdict can rest on such a replay: fix the model "
+                            "(model.eval(), fixed seeds, deterministic kernels) or rerun with "
+                            f"{ALLOW_NONEXACT} to see the numbers flagged as not exact",
+                            site=culprit, max_abs_diff=diff)
     return Probe(Identity(False, diff, True, message), coefficients, nll, hits)
 
 
@@ -129,11 +131,11 @@ def _check_axes(net: nn.Module, sites: Sequence[Site], x: Any) -> None:
         record_batch(net, sites, bigger, None)
     except FcauditError as exc:
         if positions is None:
-            raise FcauditError(
+            raise ModelError(
                 f"{exc} (with {batch + 1} examples; with {batch} the shape fitted only "
                 "because an axis has as many entries as the batch: are the output's axes "
                 "swapped? give the site an adapter that puts the examples first)") from exc
-        raise FcauditError(
+        raise ModelError(
             f"{exc} (with {batch + 1} sequences of {positions} tokens; with {batch} of "
             f"{positions} the shape fitted only because the two counts are equal: are the "
             "output's axes [positions, batch, ...]? give the site an adapter that transposes "
@@ -164,10 +166,10 @@ def ablation_plan(setup: Prepared, first: Probe) -> dict[Site, int]:
     experts = {name: int(c.shape[-1]) for name, c in first.coefficients.items() if c.dim() >= 3}
     ablated = ablation_experts(setup.sites, setup.options, experts)
     if setup.options.expert_ablation and not ablated:
-        raise FcauditError(f"{arg('expert_ablation', py='AuditOptions(expert_ablation=True)')}"
-                           ": the audited sites have no router with per-expert logits [batch, "
-                           "positions, experts] (a routing adapter's site); drop the option, "
-                           "or audit the model's router sites")
+        raise ModelError(f"{arg('expert_ablation', py='AuditOptions(expert_ablation=True)')}"
+                         ": the audited sites have no router with per-expert logits [batch, "
+                         "positions, experts] (a routing adapter's site); drop the option, "
+                         "or audit the model's router sites")
     return ablated
 
 
@@ -178,7 +180,7 @@ def same_probe_on_every_rank(ranks: Ranks, first: Probe) -> None:
     digests = ranks.gather(digest_tensors(named).hex(), "comparing the first batch")
     odd = [r for r, d in enumerate(digests) if d != digests[0]]
     if odd:
-        raise FcauditError(
+        raise ModelError(
             f"rank(s) {', '.join(map(str, odd))} computed other coefficients or NLL on the "
             f"first evaluation batch than rank 0 (of {ranks.world} processes): every process "
             "must run the same model, code, weights and data on the same kind of device; "

@@ -31,7 +31,7 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
     audited,
     by_kind,
 )
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import DataError, FcauditError, UsageError
 from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema's parts)  # noqa: F401 (re-exported: the verdicts' labels)
     DEPENDENCE_LABELS,
     EXECUTION_LABELS,
@@ -143,14 +143,14 @@ class AuditResult:
         one line naming ``source`` and the field (:mod:`fcaudit.io.typedjson`)."""
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise FcauditError(f"{source} has schema {found!r}, expected {SCHEMA!r}; rerun the "
-                               "audit with this fcaudit version")
+            raise DataError(f"{source} has schema {found!r}, expected {SCHEMA!r}; rerun the "
+                            "audit with this fcaudit version")
         try:
             result = load(cls, data)
             _check_conditions(result)
         except SchemaError as exc:
-            raise FcauditError(f"{source} is not a valid {SCHEMA} result: {exc}; "
-                               f"{_why_invalid(data.get('fcaudit_version'))}") from exc
+            raise DataError(f"{source} is not a valid {SCHEMA} result: {exc}; "
+                            f"{_why_invalid(data.get('fcaudit_version'))}") from exc
         result._in_audit_order()
         return result
 
@@ -198,7 +198,7 @@ class AuditResult:
             raise FcauditError("to_frame() needs pandas: pip install pandas") from exc
         rows = TABLES.get(table)
         if rows is None:
-            raise FcauditError(f"to_frame(table={table!r}): choose one of {', '.join(TABLES)}")
+            raise UsageError(f"to_frame(table={table!r}): choose one of {', '.join(TABLES)}")
         return pd.DataFrame(rows(self))
 
     def metrics(self) -> dict[str, float | None]:

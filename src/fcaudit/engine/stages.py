@@ -25,7 +25,7 @@ from torch import Tensor
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.conditions import CORRECT, collections
 from fcaudit.core.contract import Site
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import IdentityError, arg
 from fcaudit.core.interventions import COLLECTIONS, StaticProfiles, batch_sums
 from fcaudit.core.layout import not_applicable
 from fcaudit.core.nll import device_of
@@ -443,10 +443,10 @@ def _replay_one_batch(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run]
 def _identity_diff(setup: Prepared, nll: Tensor, recorded: Tensor, b: int) -> float:
     diff = float((nll - recorded).abs().max())
     if diff != 0 and not setup.options.allow_nonexact_identity:
-        raise FcauditError(
+        raise IdentityError(
             f"identity replay is not exact on batch {b}: the per-token NLL differs by up to "
             f"{diff:.3g} nats. Likely causes: {IDENTITY_CAUSES}. Rerun with "
-            f"{ALLOW_NONEXACT} to see the numbers flagged as not exact")
+            f"{ALLOW_NONEXACT} to see the numbers flagged as not exact", max_abs_diff=diff)
     return diff
 
 
@@ -459,13 +459,13 @@ def _history_diff(setup: Prepared, passes: _Passes, first: Replayed, n_runs: int
     x, units = passes.x, passes.objective.units
     diff = float((units(again.output, x) - units(first.output, x)).abs().max())
     if not setup.options.allow_nonexact_identity:
-        raise FcauditError(
+        raise IdentityError(
             f"the correct replay of batch {passes.b}, repeated after the batch's other "
             f"{n_runs - 1} runs, differs from the first by up to {diff:.3g} nats: the model's "
             "output depends on earlier forward passes (state kept between calls), so every "
             "replay's number would depend on the order of the runs; make the forward pass a "
             "function of its input (and coefficients) alone, or rerun with "
-            f"{ALLOW_NONEXACT} to see the numbers flagged as not exact")
+            f"{ALLOW_NONEXACT} to see the numbers flagged as not exact", max_abs_diff=diff)
     return diff
 
 

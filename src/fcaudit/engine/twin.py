@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from fcaudit.core.arrays import blamed_on_inputs
 from fcaudit.core.discovery import declared_experts
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import ModelError, arg
 from fcaudit.core.nll import device_of, model_limits
 from fcaudit.engine.inputs import as_loaded, resolve_block_paths
 from fcaudit.engine.objectives import output_tensors
@@ -57,9 +57,9 @@ def _comparable_tokens(net: nn.Module, first: np.ndarray, twin: nn.Module, dense
     ids = torch.from_numpy(first).to(device_of(net))
     vocab, _ = model_limits(twin)
     if vocab is not None and int(ids.max()) >= vocab:
-        raise FcauditError(f"{arg('dense', dense)}: its vocabulary has {vocab} entries but the "
-                           f"evaluation token ids reach {int(ids.max())}; give a dense model "
-                           "with the same tokenizer")
+        raise ModelError(f"{arg('dense', dense)}: its vocabulary has {vocab} entries but the "
+                         f"evaluation token ids reach {int(ids.max())}; give a dense model "
+                         "with the same tokenizer")
     from fcaudit.engine.execution import check_comparable
     check_comparable(net, twin, ids, str(dense))
 
@@ -76,9 +76,9 @@ def _comparable_examples(model: nn.Module, examples: Examples, twin: nn.Module,
             out = output_tensors(call_model(net, x))
         shapes.append(list(out.shape) if isinstance(out, Tensor) else type(out).__name__)
     if shapes[0] != shapes[1]:
-        raise FcauditError(f"{arg('dense', source)} is not comparable with the model: on the "
-                           f"same example it gives {shapes[1]}, the model {shapes[0]}; give "
-                           "a dense model with the model's inputs and outputs")
+        raise ModelError(f"{arg('dense', source)} is not comparable with the model: on the "
+                         f"same example it gives {shapes[1]}, the model {shapes[0]}; give "
+                         "a dense model with the model's inputs and outputs")
 
 
 def execute(setup: Prepared) -> Execution:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import DataError, FcauditError
 
 # check(temporary, final), called just before a file takes its final name: a results
 # writer (fcaudit.io.results.ResultWriter) refuses a file in the way and records digests
@@ -165,13 +165,13 @@ def read_json(path: str | Path, what: str) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
-        raise FcauditError(f"{what} not found: {path}; check the path") from exc
+        raise DataError(f"{what} not found: {path}; check the path", path=str(path)) from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FcauditError(f"{what} {path} is not valid JSON ({exc}); "
-                           "restore or regenerate the file") from exc
+        raise DataError(f"{what} {path} is not valid JSON ({exc}); "
+                        "restore or regenerate the file", path=str(path)) from exc
     except OSError as exc:  # a folder, no permission, I/O error
-        raise FcauditError(f"cannot read {what} {path} ({exc.strerror or exc}); check that it "
-                           "is a readable file") from exc
+        raise DataError(f"cannot read {what} {path} ({exc.strerror or exc}); check that it "
+                        "is a readable file", path=str(path)) from exc
 
 
 def read_npy(path: str | Path, what: str, expected: str, unit: str) -> Any:
@@ -182,20 +182,20 @@ def read_npy(path: str | Path, what: str, expected: str, unit: str) -> Any:
     that "needs pickle"."""
     path = Path(path)
     if not path.is_file():
-        raise FcauditError(f"{what} file not found: {path}; check the path")
+        raise DataError(f"{what} file not found: {path}; check the path", path=str(path))
     with open(path, "rb") as fh:
         magic = fh.read(6)
     if magic != b"\x93NUMPY":  # refuses archives and pickles before np.load sees them
         kind = "a .npz archive" if magic.startswith(b"PK") else "not a .npy file"
-        raise FcauditError(f"{what} {path} is {kind}; save {expected} with np.save")
+        raise DataError(f"{what} {path} is {kind}; save {expected} with np.save", path=str(path))
     if _check_npy_size(path, what, unit).hasobject:
-        raise FcauditError(f"{what} {path} needs pickle to load (object or ragged array); "
-                           f"save {expected} with np.save")
+        raise DataError(f"{what} {path} needs pickle to load (object or ragged array); "
+                        f"save {expected} with np.save", path=str(path))
     try:
         return np.load(path, allow_pickle=False)
     except Exception as exc:  # the header promised what the file holds: numpy's own limits
-        raise FcauditError(f"{what} {path} is not a readable .npy file ({exc}); save it again "
-                           "with np.save") from exc
+        raise DataError(f"{what} {path} is not a readable .npy file ({exc}); save it again "
+                        "with np.save", path=str(path)) from exc
 
 
 _NPY_HEADERS = {1: np.lib.format.read_array_header_1_0, 2: np.lib.format.read_array_header_2_0,
@@ -213,16 +213,16 @@ def _check_npy_size(path: Path, what: str, unit: str) -> np.dtype:
                 raise ValueError(f"format version {major} is not one numpy writes")
             shape, _, dtype = _NPY_HEADERS[major](fh, max_header_size=1 << 20)
         except Exception as exc:  # numpy's header parser raises many kinds
-            raise FcauditError(f"{what} {path} has an unreadable .npy header ({exc}); it may "
-                               "be truncated: save it again with np.save") from exc
+            raise DataError(f"{what} {path} has an unreadable .npy header ({exc}); it may "
+                            "be truncated: save it again with np.save", path=str(path)) from exc
         start = fh.tell()
     if any(n < 0 for n in shape):
-        raise FcauditError(f"{what} {path} has an invalid .npy header (shape {list(shape)}); "
-                           "save it again with np.save")
+        raise DataError(f"{what} {path} has an invalid .npy header (shape {list(shape)}); "
+                        "save it again with np.save", path=str(path))
     promised = math.prod(shape) * dtype.itemsize
     held = path.stat().st_size - start
     if not dtype.hasobject and held < promised:
-        raise FcauditError(f"{what} {path} is truncated: its header promises {promised} bytes "
-                           f"of {list(shape)} {dtype} {unit}, the file holds {held}; save it "
-                           "again with np.save")
+        raise DataError(f"{what} {path} is truncated: its header promises {promised} bytes "
+                        f"of {list(shape)} {dtype} {unit}, the file holds {held}; save it "
+                        "again with np.save", path=str(path))
     return dtype

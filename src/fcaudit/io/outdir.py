@@ -45,7 +45,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from fcaudit._version import __version__
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import CacheError, arg
 from fcaudit.io.fileio import sha256_file, write_json
 
 MARKER = ".fcaudit-output.json"
@@ -150,17 +150,17 @@ def _check_new(path: Path, where: str) -> None:
     """A path that does not exist yet: its nearest existing parent must be a writable folder."""
     for parent in path.absolute().parents:
         if parent.is_symlink() and not parent.exists():
-            raise FcauditError(f"{where} lies under {parent}, a symbolic link to "
-                               f"{os.readlink(parent)}, which does not exist; remove the link "
-                               "or choose another folder")
+            raise CacheError(f"{where} lies under {parent}, a symbolic link to "
+                             f"{os.readlink(parent)}, which does not exist; remove the link "
+                             "or choose another folder")
         if not parent.exists():
             continue
         if not parent.is_dir():
-            raise FcauditError(f"{where} lies under {parent}, which is a file; choose a path "
-                               "inside a folder")
+            raise CacheError(f"{where} lies under {parent}, which is a file; choose a path "
+                             "inside a folder")
         if not _usable(parent):
-            raise FcauditError(f"cannot create {where}: {parent} is not writable; fix its "
-                               "permissions or choose a folder you can write to")
+            raise CacheError(f"cannot create {where}: {parent} is not writable; fix its "
+                             "permissions or choose a folder you can write to")
         return
 
 
@@ -169,16 +169,16 @@ def check_folder(path: Path, where: str) -> None:
     dangling symbolic link, a file, a path under a file, a folder that is not writable,
     or a new one whose nearest existing parent is not. ``where`` names the option."""
     if path.is_symlink() and not path.exists():
-        raise FcauditError(f"{where} is a symbolic link to {os.readlink(path)}, which does "
-                           "not exist; remove the link or choose another folder")
+        raise CacheError(f"{where} is a symbolic link to {os.readlink(path)}, which does "
+                         "not exist; remove the link or choose another folder")
     if not path.exists():
         _check_new(path, where)
         return
     if not path.is_dir():
-        raise FcauditError(f"{where} is a file, not a folder; choose a folder")
+        raise CacheError(f"{where} is a file, not a folder; choose a folder")
     if not _usable(path):
-        raise FcauditError(f"{where} is not writable (or not readable); fix its permissions "
-                           "or choose another folder")
+        raise CacheError(f"{where} is not writable (or not readable); fix its permissions "
+                         "or choose another folder")
 
 
 def check_output(path: str | Path, kind: str, option: str = "out") -> None:
@@ -198,23 +198,23 @@ def check_output(path: str | Path, kind: str, option: str = "out") -> None:
     found = output_kind(path)
     held = entries(path)
     if found is None and held:
-        raise FcauditError(f"{where} holds files fcaudit did not write ({_names(held)}); "
-                           "choose an empty or new folder")
+        raise CacheError(f"{where} holds files fcaudit did not write ({_names(held)}); "
+                         "choose an empty or new folder")
     if found not in (None, kind):
-        raise FcauditError(f"{where} is an fcaudit {found} folder, not {kind} output; choose "
-                           "another folder")
+        raise CacheError(f"{where} is an fcaudit {found} folder, not {kind} output; choose "
+                         "another folder")
     cache = path / "cache"
     if kind == "audit" and (cache.exists() or cache.is_symlink()):
         if not cache.is_dir():
-            raise FcauditError(f"{where}: {cache} is a file, not the cache folder; move it away "
-                               "or choose another folder")
+            raise CacheError(f"{where}: {cache} is a file, not the cache folder; move it away "
+                             "or choose another folder")
         if not _usable(cache):
-            raise FcauditError(f"{where}: its cache folder {cache} is not writable (or not "
-                               "readable); fix its permissions or choose another folder")
+            raise CacheError(f"{where}: its cache folder {cache} is not writable (or not "
+                             "readable); fix its permissions or choose another folder")
         manifest = cache / "manifest.json"
         if (manifest.exists() or manifest.is_symlink()) and not manifest.is_file():
-            raise FcauditError(f"{where}: {manifest} is not a file; move it away or choose "
-                               "another folder")
+            raise CacheError(f"{where}: {manifest} is not a file; move it away or choose "
+                             "another folder")
     if found == kind:
         _check_results(path, RESULTS.get(kind, ()), where)
 
@@ -227,20 +227,20 @@ def _check_results(path: Path, results: Sequence[str], where: str) -> None:
     for name in results:
         item = path / name
         if item.is_symlink():
-            raise FcauditError(f"{where}: {name} is a symbolic link, which fcaudit did not "
-                               "write; move it away or choose another folder")
+            raise CacheError(f"{where}: {name} is a symbolic link, which fcaudit did not "
+                             "write; move it away or choose another folder")
         if not item.exists() or (name == FIGURES and item.is_dir()):
             continue
         if name == FIGURES or item.is_dir() or not owns(path, name, files):
-            raise FcauditError(f"{where} holds {name}{'/' if item.is_dir() else ''}, which "
-                               "fcaudit did not record writing (a file of yours, one edited "
-                               "since, or one an fcaudit version without digests wrote); move "
-                               "it away or choose another folder")
+            raise CacheError(f"{where} holds {name}{'/' if item.is_dir() else ''}, which "
+                             "fcaudit did not record writing (a file of yours, one edited "
+                             "since, or one an fcaudit version without digests wrote); move "
+                             "it away or choose another folder")
     edited = [rel for rel in files if PurePosixPath(rel).parts[0] == FIGURES
               and (path / rel).exists() and not owns(path, rel, files)]
     if edited:
-        raise FcauditError(f"{where}: {edited[0]} was changed since fcaudit wrote it, and a "
-                           "rerun would replace it; move it away or choose another folder")
+        raise CacheError(f"{where}: {edited[0]} was changed since fcaudit wrote it, and a "
+                         "rerun would replace it; move it away or choose another folder")
 
 
 def check_output_file(path: str | Path, schema: str, option: str) -> None:
@@ -250,16 +250,16 @@ def check_output_file(path: str | Path, schema: str, option: str) -> None:
     path = Path(path)
     where = arg(option, str(path))
     if path.is_symlink() or (path.exists() and not path.is_file()):
-        raise FcauditError(f"{where} is not a plain file; choose a new file name")
+        raise CacheError(f"{where} is not a plain file; choose a new file name")
     if not path.exists():
         _check_new(path, where)
         return
     if not _has_schema(path, schema):
-        raise FcauditError(f"{where} exists and is not a file fcaudit wrote ({schema}); "
-                           "fcaudit replaces only its own: choose a new file name")
+        raise CacheError(f"{where} exists and is not a file fcaudit wrote ({schema}); "
+                         "fcaudit replaces only its own: choose a new file name")
     if not os.access(path, os.W_OK) or not _usable(path.parent):
-        raise FcauditError(f"{where} is not writable; fix its permissions or choose another "
-                           "file")
+        raise CacheError(f"{where} is not writable; fix its permissions or choose another "
+                         "file")
 
 # ------------------------------------------------------------------------ manifest
 
@@ -313,9 +313,9 @@ def check_unchanged(path: str | Path, what: str) -> None:
     digest = recorded(path.parent).get(path.name)
     if digest is None or not path.is_file() or sha256_file(path) == digest:
         return
-    raise FcauditError(f"{what} {path} was changed after fcaudit wrote it (its SHA-256 differs "
-                       f"from the one {path.parent / MARKER} recorded), so its numbers may not "
-                       "be the run's: rerun it, or restore the file")
+    raise CacheError(f"{what} {path} was changed after fcaudit wrote it (its SHA-256 differs "
+                     f"from the one {path.parent / MARKER} recorded), so its numbers may not "
+                     "be the run's: rerun it, or restore the file")
 
 
 def owned_under(folder: Path, names: Sequence[str], files: Mapping[str, str]) -> list[str]:
@@ -385,24 +385,24 @@ class OutputLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             except OSError as exc:
-                raise FcauditError(f"cannot lock {where} ({exc.strerror or exc}); check its "
-                                   "permissions") from exc
+                raise CacheError(f"cannot lock {where} ({exc.strerror or exc}); check its "
+                                 "permissions") from exc
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as exc:
                 holder = _holder(fd)
                 os.close(fd)
-                raise FcauditError(f"{where} is in use by {holder}; wait for it to finish or "
-                                   f"choose another {arg(self.option)}") from exc
+                raise CacheError(f"{where} is in use by {holder}; wait for it to finish or "
+                                 f"choose another {arg(self.option)}") from exc
             except OSError as exc:  # e.g. a network file system without locks
                 os.close(fd)
-                raise FcauditError(f"cannot lock {where} ({exc.strerror or exc}); choose a "
-                                   "folder on a local disk") from exc
+                raise CacheError(f"cannot lock {where} ({exc.strerror or exc}); choose a "
+                                 "folder on a local disk") from exc
             if _same_file(fd, self.path):
                 break
             os.close(fd)  # the previous holder removed or replaced it meanwhile: lock anew
         else:
-            raise FcauditError(f"could not lock {where}: its lock file keeps changing; retry")
+            raise CacheError(f"could not lock {where}: its lock file keeps changing; retry")
         self.fd = fd
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
                 "command": self.command}
@@ -433,8 +433,8 @@ def hold_output(path: str | Path, kind: str, command: str | None = None,
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise FcauditError(f"cannot create {arg(option, str(path))} ({exc.strerror or exc}); check "
-                           "the path and its permissions") from exc
+        raise CacheError(f"cannot create {arg(option, str(path))} ({exc.strerror or exc}); check "
+                         "the path and its permissions") from exc
     empty = False
     try:
         with OutputLock(path, command, option):

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import CacheError
 from fcaudit.io.fileio import FileWriter, sha256_file
 from fcaudit.io.outdir import (
     AUDIT_RESULTS,
@@ -51,9 +51,9 @@ class ResultWriter(FileWriter):
             return
         files = recorded(self.out)
         if (final.exists() or final.is_symlink()) and not owns(self.out, key, files):
-            raise FcauditError(f"{final} is in the way of a result: fcaudit did not write it "
-                               "(or it was changed since); move it away and rerun (the cache "
-                               "is kept, the previous results are put back)")
+            raise CacheError(f"{final} is in the way of a result: fcaudit did not write it "
+                             "(or it was changed since); move it away and rerun (the cache "
+                             "is kept, the previous results are put back)")
         save_recorded(self.out, {**files, key: sha256_file(tmp)})
 
     def present(self) -> dict[str, str]:
@@ -70,9 +70,9 @@ class ResultWriter(FileWriter):
             if before.get(key) == digest:
                 continue
             if key in before:  # the owned results were retired: a file there was not ours
-                raise FcauditError(f"{self.out / key} was in the way of a result: fcaudit did "
-                                   "not write it (or it was changed since); move it away and "
-                                   "rerun")
+                raise CacheError(f"{self.out / key} was in the way of a result: fcaudit did "
+                                 "not write it (or it was changed since); move it away and "
+                                 "rerun")
             files[key] = digest
         save_recorded(self.out, files)
 

@@ -32,7 +32,7 @@ from fcaudit.core.conditions import (
     REPORTED_RETENTION,
     by_role,
 )
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import UsageError, arg
 from fcaudit.engine.result import AuditResult, Retention, delta_key
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
 from fcaudit.io.outdir import COMPARE_RESULTS, check_output, hold_output
@@ -81,11 +81,11 @@ def _load(item: AuditLike) -> tuple[AuditResult, Path | None]:
         return item, None
     path = Path(item).expanduser()
     if not path.exists():
-        raise FcauditError(f"{path} does not exist; pass folders written by `fcaudit audit`")
+        raise UsageError(f"{path} does not exist; pass folders written by `fcaudit audit`")
     file = path / "audit.json" if path.is_dir() else path
     if not file.is_file():
-        raise FcauditError(f"{path} is not an audit folder (it holds no audit.json); pass "
-                           "folders written by `fcaudit audit`")
+        raise UsageError(f"{path} is not an audit folder (it holds no audit.json); pass "
+                         "folders written by `fcaudit audit`")
     return AuditResult.read(file), path
 
 
@@ -100,14 +100,14 @@ def _default_label(result: AuditResult, path: Path | None) -> str:
 def _check_labels(labels: Sequence[str], given: bool) -> None:
     blank = [i for i, label in enumerate(labels) if not label.strip()]
     if blank:
-        raise FcauditError(f"label {blank[0] + 1} is empty; give each audit a name with {LABELS}")
+        raise UsageError(f"label {blank[0] + 1} is empty; give each audit a name with {LABELS}")
     seen: dict[str, int] = {}
     for i, label in enumerate(labels):
         if label in seen:
             how = "labels" if given else "folder names"
-            raise FcauditError(f"audits {seen[label] + 1} and {i + 1} have the same name "
-                               f"{label!r} (their {how}); name each audit with {LABELS}, "
-                               "one per audit in order")
+            raise UsageError(f"audits {seen[label] + 1} and {i + 1} have the same name "
+                             f"{label!r} (their {how}); name each audit with {LABELS}, "
+                             "one per audit in order")
         seen[label] = i
 
 
@@ -129,7 +129,7 @@ def _refuse_different_data(labels: Sequence[str], differs: Sequence[Row]) -> Non
     base = values[0][1]
     other = next((label, v) for label, v in values if v != base)
     which = "calibration" if first["field"].startswith("calib") else "evaluation"
-    raise FcauditError(
+    raise UsageError(
         f"audits {labels[0]!r} and {other[0]!r} were measured on different {which} data "
         f"({first['field']}: {_short(base)} vs {_short(other[1])}), so their numbers are not "
         f"paired; compare audits of the same data, or pass "
@@ -510,10 +510,10 @@ def compare(paths_or_results: Sequence[AuditLike], out: str | Path | None = None
     """
     items = list(paths_or_results)
     if len(items) < 2:
-        raise FcauditError(f"compare needs at least two audits, got {len(items)}")
+        raise UsageError(f"compare needs at least two audits, got {len(items)}")
     if labels is not None and len(labels) != len(items):
-        raise FcauditError(f"{len(labels)} {LABELS} for {len(items)} "
-                           "audits: give one label per audit, in order")
+        raise UsageError(f"{len(labels)} {LABELS} for {len(items)} "
+                         "audits: give one label per audit, in order")
     loaded = [_load(item) for item in items]
     results = [r for r, _ in loaded]
     sources = [src for _, src in loaded]

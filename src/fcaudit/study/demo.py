@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import UsageError
 from fcaudit.io.demo_models import DEMO_ARCHES, SHIPPED, pin_mismatch, shipped_folder
 from fcaudit.io.fileio import sha256_file, write_text
 from fcaudit.io.loading import is_run_folder
@@ -59,18 +59,18 @@ def check_kind(folder: Path, arch: str, train_afresh: bool) -> None:
     the command does not promise."""
     changed = sorted(name for name in RUN_FILES if not owns(folder, name))
     if changed:
-        raise FcauditError(f"{folder}: {', '.join(changed)} changed since fcaudit wrote "
-                           f"{'them' if len(changed) > 1 else 'it'}; remove {folder} to copy or "
-                           "train that model again, or choose another --out")
+        raise UsageError(f"{folder}: {', '.join(changed)} changed since fcaudit wrote "
+                         f"{'them' if len(changed) > 1 else 'it'}; remove {folder} to copy or "
+                         "train that model again, or choose another --out")
     mismatch = pin_mismatch(folder, arch)
     if train_afresh and mismatch is None:
-        raise FcauditError(f"{folder} holds fcaudit's shipped demo model, and --train trains "
-                           "afresh: choose another --out, or drop --train to audit the shipped "
-                           "models")
+        raise UsageError(f"{folder} holds fcaudit's shipped demo model, and --train trains "
+                         "afresh: choose another --out, or drop --train to audit the shipped "
+                         "models")
     if not train_afresh and mismatch is not None:
-        raise FcauditError(f"{folder} is not fcaudit's shipped demo model ({mismatch}) but a "
-                           "run of `fcaudit demo --train`: pass --train to resume that demo, or "
-                           "choose another --out")
+        raise UsageError(f"{folder} is not fcaudit's shipped demo model ({mismatch}) but a "
+                         "run of `fcaudit demo --train`: pass --train to resume that demo, or "
+                         "choose another --out")
 
 
 def copy_shipped(arch: str, folder: Path) -> None:
@@ -81,8 +81,8 @@ def copy_shipped(arch: str, folder: Path) -> None:
             shutil.copyfile(source / name, work / name)
     mismatch = pin_mismatch(folder, arch)  # what was read is what the pins promise
     if mismatch:
-        raise FcauditError(f"{mismatch}: the shipped demo model changed while it was copied; "
-                           "rerun the command")
+        raise UsageError(f"{mismatch}: the shipped demo model changed while it was copied; "
+                         "rerun the command")
 
 
 def retrain(progress: bool = True) -> dict[str, dict[str, str]]:

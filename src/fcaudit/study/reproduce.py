@@ -43,7 +43,7 @@ from fcaudit.api import (
     write_figures,
 )
 from fcaudit.core.conditions import FRONTIER, REASSIGN, SHUFFLE, STATIC_LAYER, by_kind
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import FcauditError, UsageError, arg
 from fcaudit.core.nll import logits_of
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.objectives import CLASSIFICATION
@@ -112,8 +112,8 @@ def study(preset: str, seeds: int | None) -> list[Group]:
         return [Group(arch, p.size, n, dense="own" if arch == "featuregate" else None,
                       schedule=p.schedule, point=p.name)
                 for p in trend.LADDER for arch in p.arches]
-    raise FcauditError(f"unknown study preset {preset!r}; choose one of "
-                       f"{', '.join(STUDY_PRESETS)}")
+    raise UsageError(f"unknown study preset {preset!r}; choose one of "
+                     f"{', '.join(STUDY_PRESETS)}")
 
 
 # What the paper reported (fcaudit.study.paper), shown beside our aggregates.
@@ -207,10 +207,10 @@ def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettin
                   progress=st.options.progress, data=st.train_data, schedule=schedule)
     config = read_json(folder / "config.json", "run config")
     if config["train"] != expected:
-        raise FcauditError(f"{folder} was trained with other settings ({config['train']}) "
-                           f"than this study asks for ({expected}); choose another "
-                           f"{arg('out')}, or "
-                           "remove that run to retrain it")
+        raise UsageError(f"{folder} was trained with other settings ({config['train']}) "
+                         f"than this study asks for ({expected}); choose another "
+                         f"{arg('out')}, or "
+                         "remove that run to retrain it")
     return config
 
 
@@ -507,22 +507,22 @@ def _probed(spec: str) -> LoadedModel:
     if (path.exists() and not is_mudd_folder(path)) or (":" in spec and not path.exists()):
         what = "an fcaudit run folder" if is_run_folder(path) else \
             "not a folder" if not path.is_dir() else "a folder"
-        raise FcauditError(f"{arg('mudd_checkpoint', spec)} is {what}, not a MUDDPythia / "
-                           "MUDDFormer "
-                           "checkpoint folder (its config.json names model_type muddpythia or "
-                           "muddformer); the study trains and audits its own runs: pass a MUDD "
-                           "checkpoint folder, or drop the option")
+        raise UsageError(f"{arg('mudd_checkpoint', spec)} is {what}, not a MUDDPythia / "
+                         "MUDDFormer "
+                         "checkpoint folder (its config.json names model_type muddpythia or "
+                         "muddformer); the study trains and audits its own runs: pass a MUDD "
+                         "checkpoint folder, or drop the option")
     loaded = as_loaded(spec)
     if loaded.tokenizer is None:
-        raise FcauditError(f"{arg('mudd_checkpoint', spec)} has no tokenizer.json: the study "
-                           "audits "
-                           "it on the built-in text; copy the model's tokenizer.json into it")
+        raise UsageError(f"{arg('mudd_checkpoint', spec)} has no tokenizer.json: the study "
+                         "audits "
+                         "it on the built-in text; copy the model's tokenizer.json into it")
     ids = torch.tensor([loaded.tokenizer.encode("To be, or not to be").ids[:4]])
     try:
         with torch.no_grad():
             logits_of(loaded.model(ids))
     except FcauditError as exc:
-        raise FcauditError(f"{arg('mudd_checkpoint', spec)}: {exc.raw}") from exc
+        raise UsageError(f"{arg('mudd_checkpoint', spec)}: {exc.raw}") from exc
     return loaded
 
 

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from fcaudit.api import ProgressReporter
-from fcaudit.core.errors import FcauditError, arg
+from fcaudit.core.errors import UsageError, arg
 from fcaudit.core.nll import mean_nll
 from fcaudit.io.data import (
     builtin_documents,
@@ -126,9 +126,9 @@ def training_data(vocab_size: int, seq_len: int,
     cut = int(len(stream) * (1 - HELD_OUT_FRACTION))
     held_out = cut_windows([stream[cut:]], seq_len)
     if cut < 2 * (seq_len + 1) or len(held_out) == 0:
-        raise FcauditError(f"{data} is too short to train on: {len(stream)} tokens; give at "
-                           f"least {math.ceil(seq_len / HELD_OUT_FRACTION)} tokens of text (a "
-                           "held-out window of the preset's sequence length)")
+        raise UsageError(f"{data} is too short to train on: {len(stream)} tokens; give at "
+                         f"least {math.ceil(seq_len / HELD_OUT_FRACTION)} tokens of text (a "
+                         "held-out window of the preset's sequence length)")
     return tok, stream[:cut], held_out, {"source": "text", "path": str(data),
                                          "held_out": "last 5% of the tokens"}
 
@@ -146,7 +146,7 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
     for option, value, least in (("seed", seed, 0), ("steps", steps, 1)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < least):
-            raise FcauditError(f"{arg(option, value)}: must be an integer of at least {least}")
+            raise UsageError(f"{arg(option, value)}: must be an integer of at least {least}")
     device = str(resolve_device(device))
     out = Path(out)
     arch = get_arch(arch_name)
@@ -166,8 +166,8 @@ def _train_vision(arch: Arch, preset: str, seed: int, out: Path, force: bool,
     """A vision arch trains on the bundled digits (:mod:`fcaudit.study.vision`)."""
     from fcaudit.study import vision
     if data is not None or schedule is not None:
-        raise FcauditError(f"{arg('arch', arch.name)} trains on scikit-learn's bundled digits "
-                           f"with its preset's schedule; drop {arg('data')}")
+        raise UsageError(f"{arg('arch', arch.name)} trains on scikit-learn's bundled digits "
+                         f"with its preset's schedule; drop {arg('data')}")
     tp = vision.schedule(preset, steps)
     cfg = arch.config(preset)
     check_run_out(out, force)
@@ -189,7 +189,7 @@ def resolve_schedule(preset: str, steps: int | None = None,
     """The settings a run trains with (``config.json`` ``train``): ``schedule`` or the
     preset's own, with ``steps`` overriding the length (warm-up capped at a tenth)."""
     if schedule is None and preset not in TRAIN_PRESETS:
-        raise FcauditError(f"unknown preset {preset!r}; choose one of {', '.join(TRAIN_PRESETS)}")
+        raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(TRAIN_PRESETS)}")
     tp = schedule or TRAIN_PRESETS[preset]
     if steps is not None:
         tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))
@@ -217,19 +217,19 @@ def check_run_out(out: Path, force: bool) -> None:
         return
     held = entries(out)
     if held and not force:
-        raise FcauditError(f"output folder {out} holds a training run; choose another "
-                           f"{arg('out')} or pass {arg('force', py='force=True')} to replace it")
+        raise UsageError(f"output folder {out} holds a training run; choose another "
+                         f"{arg('out')} or pass {arg('force', py='force=True')} to replace it")
     other = [p.name for p in held if p.name not in RUN_FILES]
     if other:
-        raise FcauditError(f"{arg('out', str(out))} is a run folder but also holds "
-                           f"{', '.join(other)}, which fcaudit train did not write; move them "
-                           f"out or choose another {arg('out')}")
+        raise UsageError(f"{arg('out', str(out))} is a run folder but also holds "
+                         f"{', '.join(other)}, which fcaudit train did not write; move them "
+                         f"out or choose another {arg('out')}")
     unrecorded = [p.name for p in held if not owns(out, p.name)]
     if unrecorded:
-        raise FcauditError(f"{arg('out', str(out))}: fcaudit train did not record writing "
-                           f"{', '.join(unrecorded)} (files of yours, edited since, or a run of "
-                           f"an fcaudit version without digests), so {arg('force')} will not "
-                           f"replace them; move them out or choose another {arg('out')}")
+        raise UsageError(f"{arg('out', str(out))}: fcaudit train did not record writing "
+                         f"{', '.join(unrecorded)} (files of yours, edited since, or a run of "
+                         f"an fcaudit version without digests), so {arg('force')} will not "
+                         f"replace them; move them out or choose another {arg('out')}")
 
 
 def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: Any,

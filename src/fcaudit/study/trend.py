@@ -59,7 +59,7 @@ from fcaudit.api import (
     trend_figure,
     write_figures,
 )
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import UsageError
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.result import AuditResult
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter, read_json
@@ -197,17 +197,17 @@ def read_points(folder: str | Path) -> list[dict[str, Any]]:
     """Every point summary in ``folder``, smallest model first, then shortest training."""
     files = sorted(Path(folder).glob("*.json"))
     if not files:
-        raise FcauditError(f"no point summaries (*.json) in {folder}; run `fcaudit reproduce "
-                           "--preset trend` first, or point at its points/ folder")
+        raise UsageError(f"no point summaries (*.json) in {folder}; run `fcaudit reproduce "
+                         "--preset trend` first, or point at its points/ folder")
     points = []
     for path in files:
         data = read_json(path, "trend point summary")
         missing = [k for k in _POINT_KEYS if k not in data] if isinstance(data, dict) else []
         if not isinstance(data, dict) or data.get("schema") != SCHEMA or missing \
                 or "featuregate" not in data["models"]:
-            raise FcauditError(f"{path} is not a complete {SCHEMA} point summary"
-                               + (f" (missing {', '.join(missing)})" if missing else "")
-                               + "; rerun `fcaudit reproduce --preset trend`")
+            raise UsageError(f"{path} is not a complete {SCHEMA} point summary"
+                             + (f" (missing {', '.join(missing)})" if missing else "")
+                             + "; rerun `fcaudit reproduce --preset trend`")
         points.append(data)
     return sorted(points, key=lambda p: (p["n_params"], p["training_tokens"],
                                          p["planned_steps"]))

@@ -67,19 +67,25 @@ def test_a_cache_the_disk_cannot_hold_is_refused_before_any_file(
     assert not out.exists()
 
 
-def test_a_cache_that_takes_most_of_the_disk_is_warned_about(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+def _spy_on_the_plan(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The engine's record plan, kept in ``seen["cost"]`` when the audit computes it."""
     from fcaudit.engine import cost
-    out = tmp_path / "out"
-    argv = _argv(tmp_path, out)
-    seen = {}
+    seen: dict = {}
     real = cost.record_cost
 
     def spy(*args, **kw):  # noqa: ANN002, ANN003 - passes through
         seen["cost"] = real(*args, **kw)
         return seen["cost"]
     monkeypatch.setattr("fcaudit.engine.run.record_cost", spy)
+    return seen
+
+
+def test_a_cache_that_takes_most_of_the_disk_is_warned_about(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    argv = _argv(tmp_path, out)
+    seen = _spy_on_the_plan(monkeypatch)
     usage = namedtuple("usage", "total used free")
     # free space for the cache and a little more: more than half of it is taken
     monkeypatch.setattr(shutil, "disk_usage",
@@ -106,14 +112,7 @@ def test_the_planned_cache_covers_what_the_cache_takes_on_disk(
     token id hold one row per distinct id: 44 of 64 tokens here), left out the frontier's
     whole calibration coefficients and the blocks every file takes, so a cache of 232 KB on
     disk was planned as 132 KB and a 200 KB disk failed mid-record instead of refusing."""
-    from fcaudit.engine import cost
-    seen = {}
-    real = cost.record_cost
-
-    def spy(*args, **kw):  # noqa: ANN002, ANN003 - passes through
-        seen["cost"] = real(*args, **kw)
-        return seen["cost"]
-    monkeypatch.setattr("fcaudit.engine.run.record_cost", spy)
+    seen = _spy_on_the_plan(monkeypatch)
     np.save(tmp_path / "eval.npy", toys.pair_sequences(8, 16, 1))
     np.save(tmp_path / "calib.npy", toys.pair_sequences(8, 16, 2))
     out = tmp_path / "out"

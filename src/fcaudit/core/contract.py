@@ -149,6 +149,14 @@ class Site:
     switching the gate off saves; None: the dense counterpart's blocks say) and ``off``
     the coefficient value that switches it off: 0 for ``h + g F(h)``, ``-inf`` for a
     pre-sigmoid logit such as Qwen2-MoE's shared-expert gate.
+
+    ``parts`` names coefficients laid side by side along the last axis, each
+    ``(name, width)`` in order (a Mamba-2 ``in_proj`` slice holds ``dt``, ``B`` and
+    ``C``), so that the variance decomposition reports each; ``()``: one coefficient,
+    named by its family. ``selection`` marks a selection parameter of a recurrence (an
+    SSM's step Δ, its B and C, a decay or an input gate) and names the space its values
+    are in (e.g. ``"dt before softplus"``): a static profile there is a time-invariant
+    (LTI) recurrence, and reports say so. None for every other controller.
     """
 
     name: str
@@ -160,6 +168,8 @@ class Site:
     positions: tuple[int, ...] | None = field(default=None, compare=False)
     gated: str | None = field(default=None, compare=False)
     off: float = field(default=0.0, compare=False)
+    parts: tuple[tuple[str, int], ...] = field(default=(), compare=False)
+    selection: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

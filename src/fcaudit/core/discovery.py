@@ -1,11 +1,12 @@
-"""What fcaudit finds in a model that declares nothing: ordered rules, first match wins.
+"""What fcaudit finds in a model: its own declaration, else every structural rule that fits.
 
-Each kind (sites, blocks, expert layers) has a list of rules, tried in order: the
-model's own declaration (:mod:`fcaudit.core.contract`'s protocols), then structural
-rules that fit any model of a shape (the Mixture-of-Experts rule lives with the routers
-in :mod:`fcaudit.core.routers`; the layer stack of a ``transformers`` model here). A rule
-returns None or an empty list when it does not apply. Every rule is a plain function of
-the model, testable alone; adding one is adding it to its list.
+Each kind (sites, blocks, expert layers) has a list of rules: the model's own
+declaration (:mod:`fcaudit.core.contract`'s protocols) first, which wins when present;
+else the structural rules that fit any model of a shape, all of them together (the
+Mixture-of-Experts rule lives with the routers in :mod:`fcaudit.core.routers`; the layer
+stack of a ``transformers`` model here). A rule returns None or an empty list when it
+does not apply. Every rule is a plain function of the model, testable alone; adding one
+is adding it to its list.
 """
 
 from __future__ import annotations
@@ -59,12 +60,17 @@ EXPERT_RULES: list[Rule] = [own_experts, moe_expert_layers]
 
 
 def _first(rules: list[Rule], model: nn.Module) -> list[Any] | None:
-    """The first rule's answer; a model's own declaration counts even when empty."""
-    for rule in rules:
-        found = rule(model)
-        if found is not None and (found or rule in (own_sites, own_blocks, own_experts)):
-            return list(found)
-    return None
+    """A model's own declaration (counted even when empty); else what every structural
+    rule finds, together (a hybrid has routers beside its selection sites), in rule order
+    and without repeats; None when nothing applies."""
+    own, *structural = rules
+    declared = own(model)
+    if declared is not None:
+        return list(declared)
+    found: list[Any] = []
+    for rule in structural:
+        found += [item for item in rule(model) or () if item not in found]
+    return found or None
 
 
 def declared_sites(model: nn.Module) -> list[Site] | None:

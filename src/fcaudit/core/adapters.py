@@ -3,6 +3,8 @@
 * :data:`TENSOR`: the output is the coefficient tensor ``[B, T, ...]``.
 * :data:`FLAT`: the output is a flattened ``[B*T, ...]`` tensor (e.g. a router or a
   gate that runs on ``hidden.view(-1, C)``).
+* :class:`SliceAdapter`: the coefficients are channel slices of a tensor output; the
+  other channels stay live.
 * :class:`TupleAdapter`: the output is a tuple; one element is the coefficient
   tensor (plain or flattened) and ``derive`` recomputes the whole tuple from it.
 
@@ -78,6 +80,35 @@ class TupleAdapter:
     def rebuild(self, coefficients: Tensor, call: SiteCall) -> tuple[Any, ...]:
         element = (FLAT if self.flat else TENSOR).rebuild(coefficients, call)
         return tuple(self.derive(element, call))
+
+
+@dataclass(frozen=True)
+class SliceAdapter:
+    """The coefficients are channels of a tensor output ``[B, T, ..., K]``: the slices
+    ``spans`` (``(start, stop)`` pairs on the last axis, in order) laid side by side. The
+    other channels are not coefficients and stay live: ``rebuild`` runs the module's own
+    forward and writes the supplied channels over its slices (Mamba-2's ``in_proj`` holds
+    the selection parameters dt, B, C beside the input path and the output gate)."""
+
+    spans: tuple[tuple[int, int], ...]
+    name: str = "slice"
+
+    def extract(self, output: Any, call: SiteCall) -> Tensor:
+        whole = TENSOR.extract(output, call)
+        if whole.shape[-1] < max(stop for _, stop in self.spans):
+            raise FcauditError(f"output is {describe(output)}, narrower than the channel "
+                               f"slices {list(self.spans)}; {ADAPTER_API}")
+        return torch.cat([whole[..., a:b] for a, b in self.spans], dim=-1)
+
+    def rebuild(self, coefficients: Tensor, call: SiteCall) -> Tensor:
+        # forward, not __call__: hooks on the module (the recorder's own) must not fire
+        live = call.module.forward(*call.args, **call.kwargs)
+        out = live.clone()
+        at = 0
+        for a, b in self.spans:
+            out[..., a:b] = coefficients[..., at:at + b - a].to(out.dtype)
+            at += b - a
+        return out
 
 
 def infer_adapter(output: Any, call: SiteCall) -> ControllerAdapter:

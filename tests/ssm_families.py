@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import transformers
 
 VOCAB = 120  # the tokenizer of tests/conftest.py has this many ids
-IDS = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)
+IDS = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
 SSM_FAMILIES: dict[str, Callable[[], Any]] = {
@@ -60,3 +61,10 @@ SSM_FAMILIES: dict[str, Callable[[], Any]] = {
         attention_head_dim=16, intermediate_size=64, num_mem_blocks=1, adapter_rank=8,
         max_position_embeddings=64),
 }
+
+
+def build(family: str) -> torch.nn.Module:
+    """The family's tiny random model (seed 0, float32, eval mode; nothing downloaded)."""
+    torch.manual_seed(0)
+    config = SSM_FAMILIES[family]()
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

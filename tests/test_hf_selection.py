@@ -182,13 +182,23 @@ def test_malformed_slices_are_refused(spans: tuple) -> None:
 # ---- fused kernels: transformers' own dispatch, given a stand-in for the mamba_ssm package
 
 
-@pytest.fixture
-def fused_mamba(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
-    """Mamba's ``mamba_inner_fn`` dispatched as transformers does when ``mamba_ssm`` is
-    installed: decorated afresh with a fake package whose kernel returns the block's
-    output without calling ``x_proj`` (as the real one reads its weight)."""
+# family -> its modeling module and the path of its first mixer
+MIXERS = {"mamba": ("mamba", "backbone.layers.0.mixer"),
+          "falcon_mamba": ("falcon_mamba", "backbone.layers.0.mixer"),
+          "jamba": ("jamba", "model.layers.0.mamba")}
+
+
+@pytest.fixture(params=sorted(MIXERS))
+def fused(request: pytest.FixtureRequest,
+          monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
+    """The family's ``mamba_inner_fn`` dispatched as transformers does when ``mamba_ssm``
+    is installed: decorated afresh with a stand-in package whose kernel returns the
+    block's output without calling ``x_proj`` (the real one reads its weight)."""
+    import importlib
+
     from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
-    from transformers.models.mamba import modeling_mamba
+    module, mixer = MIXERS[request.param]
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     calls = []
 
     def kernel(xz: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -201,41 +211,48 @@ def fused_mamba(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     package = types.ModuleType("mamba_ssm")
     package.mamba_inner_fn = kernel  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "mamba_ssm", package)
-    torch_path = modeling_mamba.mamba_inner_fn.__wrapped__
-    fused = use_kernel_func_from_hub_with_fallback("mamba_inner_fn", "mamba_ssm")(torch_path)
-    monkeypatch.setattr(modeling_mamba, "mamba_inner_fn", fused)
-    return types.SimpleNamespace(calls=calls, model=build("mamba"))
+    torch_path = modeling.mamba_inner_fn.__wrapped__
+    dispatch = use_kernel_func_from_hub_with_fallback("mamba_inner_fn", "mamba_ssm")(torch_path)
+    monkeypatch.setattr(modeling, "mamba_inner_fn", dispatch)
+    return types.SimpleNamespace(family=request.param, mixer=mixer, calls=calls,
+                                 model=build(request.param))
 
 
-def test_a_fused_training_kernel_that_skips_x_proj_is_refused(fused_mamba) -> None:
-    model = fused_mamba.model.train()
+def test_a_fused_training_kernel_that_skips_x_proj_is_refused(fused) -> None:
+    """Mamba and FalconMamba call mamba_inner_fn in training mode; Jamba's mixer never does,
+    so it is not refused there."""
+    model = fused.model.train()
     x_proj_calls = []
-    model.backbone.layers[0].mixer.x_proj.register_forward_hook(
+    model.get_submodule(f"{fused.mixer}.x_proj").register_forward_hook(
         lambda *_: x_proj_calls.append(1))
     with torch.no_grad():
-        model(tokens())  # the simulation is real: the kernel runs, x_proj is never called
-    assert len(fused_mamba.calls) == 2 and not x_proj_calls
+        model(tokens())
+    if fused.family == "jamba":
+        assert not fused.calls and x_proj_calls
+        assert len(selection(fcaudit.record(model, tokens()).sites)) == 2
+        return
+    assert len(fused.calls) == 2 and not x_proj_calls  # the kernel ran, x_proj never did
     for attempt in (lambda: declared_sites(model), lambda: fcaudit.record(model, tokens())):
         with pytest.raises(ModelError) as caught:
             attempt()
         assert str(caught.value) == (
-            "Mamba mixer backbone.layers.0.mixer is in training mode, where transformers runs "
-            "the fused kernel mamba_ssm.ops.selective_scan_interface.mamba_inner_fn, which reads "
-            "x_proj's weight without calling x_proj: its selection coefficients (dt, B, C) could "
-            "be neither recorded nor replayed; call model.eval() before the audit (fcaudit "
-            "audit does)")
-        assert caught.value.site == "backbone.layers.0.mixer.x_proj"
+            f"Mamba mixer {fused.mixer} is in training mode, where transformers runs the fused "
+            "kernel mamba_ssm.ops.selective_scan_interface.mamba_inner_fn, which reads "
+            "x_proj's weight without calling x_proj: its selection coefficients (dt, B, C) "
+            "could be neither recorded nor replayed; call model.eval() before the audit "
+            "(fcaudit audit does)")
+        assert caught.value.site == f"{fused.mixer}.x_proj"
 
 
-def test_in_eval_mode_the_module_path_runs_beside_the_kernel(fused_mamba) -> None:
-    model = fused_mamba.model.eval()
+def test_in_eval_mode_the_module_path_runs_beside_the_kernel(fused) -> None:
+    model = fused.model.eval()
     ids = tokens()
     with torch.no_grad():
         plain = model(ids).logits
         recorded = fcaudit.record(model, ids)
         with fcaudit.replay(model, recorded):
             assert torch.equal(model(ids).logits, plain)
-    assert not fused_mamba.calls
+    assert not fused.calls
 
 
 @pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba"])

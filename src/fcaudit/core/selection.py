@@ -129,7 +129,7 @@ def fused_implementation(function: Any) -> str | None:
     while callable(seen):
         try:
             chosen = inspect.getclosurevars(seen).nonlocals.get("implementation")
-        except TypeError:  # a builtin or C function: no closure to read
+        except (TypeError, ValueError):  # a builtin (no closure) or an empty cell
             chosen = None
         if callable(chosen):
             function = chosen

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 import transformers
+from conftest import VOCAB  # the ids of the tokenizer a saved folder gets
 
-VOCAB = 120  # the tokenizer of tests/conftest.py has this many ids
 IDS = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 

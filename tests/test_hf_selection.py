@@ -255,6 +255,21 @@ def test_in_eval_mode_the_module_path_runs_beside_the_kernel(fused) -> None:
     assert not fused.calls
 
 
+def test_hub_kernels_in_training_mode_are_refused_too() -> None:
+    """``use_kernels=True`` swaps transformers' functions for hub kernels at run time, out of
+    sight of the closure read: a Mamba mixer that would call ``mamba_inner_fn`` is refused."""
+    model = build("mamba").train()
+    model._use_kernels = True  # what transformers' kernelize() sets
+    with pytest.raises(ModelError, match=r"^Mamba mixer backbone\.layers\.0\.mixer is in "
+                                         r"training mode, where transformers runs the fused "
+                                         r"kernel the hub kernel for mamba_inner_fn "
+                                         r"\(use_kernels=True\), which reads x_proj's weight"):
+        declared_sites(model)
+    for module in model.modules():  # eval mode (model.eval() would call kernelize() here)
+        module.training = False
+    assert len(selection(declared_sites(model) or [])) == 2
+
+
 @pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba"])
 def test_training_mode_without_a_kernel_keeps_the_module_path(family: str) -> None:
     """transformers' PyTorch stand-in returns None there, and the module path runs."""
@@ -285,7 +300,9 @@ def test_a_hybrid_audits_selection_beside_its_routers(tmp_path: Path) -> None:
     assert set(result.variance) == {"router", MAMBA}  # families kept apart
     assert set(result.routing) == {"router"}  # routing metrics only where experts are chosen
     report = (tmp_path / "report.md").read_text()
-    assert f"`{MAMBA}`" in report and "`router`" in report
+    for family in ("router", MAMBA):  # each family its own section of the report
+        assert f"### Family `{family}`" in report
+        assert f"- `{family}`: their variance splits into layer identity" in report
 
 
 def test_the_cli_audits_a_saved_mamba_folder(tmp_path: Path,

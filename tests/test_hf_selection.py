@@ -261,9 +261,9 @@ def test_hub_kernels_in_training_mode_are_refused_too() -> None:
     model = build("mamba").train()
     model._use_kernels = True  # what transformers' kernelize() sets
     with pytest.raises(ModelError, match=r"^Mamba mixer backbone\.layers\.0\.mixer is in "
-                                         r"training mode, where transformers runs the fused "
-                                         r"kernel the hub kernel for mamba_inner_fn "
-                                         r"\(use_kernels=True\), which reads x_proj's weight"):
+                                         r"training mode, where transformers runs a hub kernel "
+                                         r"for mamba_inner_fn \(use_kernels=True\), which "
+                                         r"reads x_proj's weight"):
         declared_sites(model)
     for module in model.modules():  # eval mode (model.eval() would call kernelize() here)
         module.training = False

@@ -152,14 +152,16 @@ def fused_bypass(model: nn.Module, path: str, mixer: nn.Module) -> str | None:
     if not mixer.training or code is None or FUSED_TRAINING_PATH not in code.co_names:
         return None
     kernel = fused_implementation(forward.__globals__.get(FUSED_TRAINING_PATH))
-    if kernel is None and getattr(model, "use_kernels", False) is True:
-        kernel = f"the hub kernel for {FUSED_TRAINING_PATH} (use_kernels=True)"
-    if kernel is None:
+    if kernel is not None:
+        runs = f"the fused kernel {kernel}"
+    elif getattr(model, "use_kernels", False) is True:
+        runs = f"a hub kernel for {FUSED_TRAINING_PATH} (use_kernels=True)"
+    else:
         return None
     return (f"Mamba mixer {path or type(mixer).__name__} is in training mode, where "
-            f"transformers runs the fused kernel {kernel}, which reads x_proj's weight without "
-            "calling x_proj: its selection coefficients (dt, B, C) could be neither recorded "
-            "nor replayed; call model.eval() before the audit (fcaudit audit does)")
+            f"transformers runs {runs}, which reads x_proj's weight without calling x_proj: "
+            "its selection coefficients (dt, B, C) could be neither recorded nor replayed; "
+            "call model.eval() before the audit (fcaudit audit does)")
 
 
 def selection_sites(model: nn.Module) -> list[Site]:

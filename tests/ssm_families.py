@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-VOCAB = 96
+VOCAB = 120  # conftest.VOCAB: the tokenizer the tests train
 TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, pad_token_id=0,
             bos_token_id=1, eos_token_id=2, use_cache=False)
 

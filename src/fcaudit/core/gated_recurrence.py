@@ -90,7 +90,12 @@ class _Taps(TorchFunctionMode):
                  supplied: list[Tensor] | None) -> None:
         super().__init__()
         self.taps, self.call, self.supplied = taps, call, supplied
-        self.weights = [getattr(module, tap.weight) for tap in taps]
+        self.weights = [getattr(module, tap.weight, None) for tap in taps]
+        missing = [t.weight for t, w in zip(taps, self.weights, strict=True)
+                   if not isinstance(w, Tensor)]
+        if missing:
+            raise FcauditError(f"{type(module).__name__} has no parameter {missing[0]} for the "
+                               f"adapter to intercept; {ADAPTER_API}")
         self.calls = [0] * len(taps)
         self.outputs: list[Tensor | None] = [None] * len(taps)
 
@@ -341,7 +346,7 @@ def _check_torch_path(path: str, module: nn.Module) -> None:
     forward = getattr(module.forward, "__func__", module.forward)
     owner = getattr(forward, "__module__", None) or ""
     if type(module).__module__.startswith("transformers.") and \
-            not owner.startswith("transformers."):
+            not owner.startswith(("transformers.", "accelerate.")):
         kernel = f"{owner}.{getattr(forward, '__qualname__', type(forward).__name__)}"
         raise ModelError(f"{path or type(module).__name__} ({type(module).__name__}) runs the "
                          f"kernel {kernel} instead of its PyTorch forward, which can compute "

@@ -241,6 +241,26 @@ def test_kda_sites_feed_decay_and_beta(monkeypatch: pytest.MonkeyPatch):
     assert torch.equal(calls[0]["g"], -gate.A_log.float().exp() * softplus)
 
 
+def test_a_kernel_function_gets_the_replayed_coefficients(monkeypatch: pytest.MonkeyPatch):
+    """With flash-linear-attention installed, ``chunk_gated_delta_rule`` is its kernel, a
+    function run after ``in_proj_ba``: simulated by a stand-in, the site still records,
+    identity stays exact, and a donor's coefficients reach the kernel as its beta."""
+    from transformers.models.qwen3_next import modeling_qwen3_next
+    model = build("qwen3_next")
+    x = tokens(1)
+    calls = captured(monkeypatch, modeling_qwen3_next, "torch_chunk_gated_delta_rule")
+    recording = fcaudit.record(model, x)
+    donor = fcaudit.record(model, tokens(2))
+    site = "model.layers.0.linear_attn.in_proj_ba"
+    heads = model.config.linear_num_value_heads
+    for fed in (recording, recording.with_coefficients({site: donor[site]})):
+        calls.clear()
+        with torch.no_grad(), fcaudit.replay(model, fed):
+            logits = model(x).logits
+        assert torch.equal(logits, recording.logits) == (fed is recording)
+        assert torch.allclose(calls[0]["beta"], fed[site][..., :heads].sigmoid(), atol=1e-7)
+
+
 def test_rglru_parts_are_its_gate_preactivations():
     """RG-LRU's gates are ``baddbmm`` inside its forward: the site's parts equal the
     per-head block-diagonal projections of its input, computed here with einsum."""

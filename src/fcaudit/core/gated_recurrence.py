@@ -50,10 +50,12 @@ HEADS_BATCH_CHANNELS_TIME = "heads,batch,channels,positions"
 
 def _as_tokens(out: Tensor, layout: str, batch: int, seq_len: int) -> Tensor:
     """A view of a tap's output as ``[batch, positions, heads, channels]``."""
-    tokens = (out.shape[1],) if layout == HEADS_TOKENS else (out.shape[1], out.shape[-1])
-    if out.dim() != (3 if layout == HEADS_TOKENS else 4) or tokens not in (
-            (batch * seq_len,), (batch, seq_len)):
-        raise FcauditError(f"a projection gives {list(out.shape)}, not {layout} for "
+    if layout == HEADS_TOKENS:
+        fits = out.dim() == 3 and out.shape[1] == batch * seq_len
+    else:
+        fits = out.dim() == 4 and (out.shape[1], out.shape[3]) == (batch, seq_len)
+    if not fits:
+        raise FcauditError(f"a projection gives {list(out.shape)}, not [{layout}] for "
                            f"{batch} examples of {seq_len} positions: feed coefficients "
                            "recorded from this site (same batch and positions)")
     if layout == HEADS_TOKENS:

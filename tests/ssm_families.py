@@ -16,6 +16,17 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, pad_token_id=
             bos_token_id=1, eos_token_id=2, use_cache=False)
 
 
+def _bailing_hybrid() -> Any:
+    import transformers
+    return transformers.BailingHybridConfig(
+        **TINY, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4,
+        num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        head_dim=8, num_mtp_layers=0, num_expert_group=1, topk_group=1,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"])
+
+
 def _kimi_linear() -> Any:
     import transformers
     return transformers.KimiLinearConfig(
@@ -25,6 +36,16 @@ def _kimi_linear() -> Any:
         linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "full_attention"],
         mlp_layer_types=["dense", "sparse"])
+
+
+def _lara_mini() -> Any:
+    import transformers
+    return transformers.LaraMiniConfig(
+        **TINY, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"])
 
 
 def _lfm2() -> Any:
@@ -40,6 +61,41 @@ def _lfm2_moe() -> Any:
         **TINY, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4,
         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, num_dense_layers=0,
         layer_types=["conv", "full_attention"], conv_L_cache=3)
+
+
+def _lfm3() -> Any:
+    import transformers
+    return transformers.Lfm3Config(
+        **TINY, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        layer_types=["conv", "full_attention"], conv_L_cache=3)
+
+
+def _olmo_hybrid() -> Any:
+    import transformers
+    return transformers.OlmoHybridConfig(
+        **TINY, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"])
+
+
+def _qwen3_5() -> Any:
+    import transformers
+    return transformers.Qwen3_5TextConfig(
+        **TINY, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"])
+
+
+def _qwen3_5_moe() -> Any:
+    import transformers
+    return transformers.Qwen3_5MoeTextConfig(
+        **TINY, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"])
 
 
 def _qwen3_next() -> Any:
@@ -86,9 +142,15 @@ def _zamba() -> Any:
 
 # family -> tiny random config
 SSM_FAMILIES: dict[str, Callable[[], Any]] = {
+    "bailing_hybrid": _bailing_hybrid,
     "kimi_linear": _kimi_linear,
+    "lara_mini": _lara_mini,
     "lfm2": _lfm2,
     "lfm2_moe": _lfm2_moe,
+    "lfm3": _lfm3,
+    "olmo_hybrid": _olmo_hybrid,
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5_moe,
     "qwen3_next": _qwen3_next,
     "recurrent_gemma": _recurrent_gemma,
     "rwkv": _rwkv,

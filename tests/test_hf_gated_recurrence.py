@@ -62,14 +62,23 @@ def expected_sites(family: str, config: Any) -> list[tuple[str, str, tuple[tuple
     coefficient has the single part (its family, width)."""
     def layers(kinds: list[str], kind: str) -> list[int]:
         return [i for i, k in enumerate(kinds) if k == kind]
+    linear = layers(getattr(config, "layer_types", None) or [], "linear_attention")
     if family == "qwen3_next":
         v = config.linear_num_value_heads
         return [(f"model.layers.{i}.linear_attn.in_proj_ba", "gated_deltanet",
-                 (("beta", v), ("decay", v)))
-                for i in layers(config.layer_types, "linear_attention")]
-    if family == "kimi_linear":
-        return [site for i in layers(config.layer_types, "linear_attention") for site in (
-            (f"model.layers.{i}.self_attn.forget_gate.f_b_proj", "kda_decay",
+                 (("beta", v), ("decay", v))) for i in linear]
+    if family in ("lara_mini", "olmo_hybrid", "qwen3_5", "qwen3_5_moe"):
+        b, a = ("b_proj", "a_proj") if family == "olmo_hybrid" else ("in_proj_b", "in_proj_a")
+        v = config.linear_num_value_heads
+        return [site for i in linear for site in (
+            (f"model.layers.{i}.linear_attn.{b}", "gated_deltanet_beta",
+             (("gated_deltanet_beta", v),)),
+            (f"model.layers.{i}.linear_attn.{a}", "gated_deltanet_decay",
+             (("gated_deltanet_decay", v),)))]
+    if family in ("kimi_linear", "bailing_hybrid"):
+        decay = "f_b_proj" if family == "kimi_linear" else "f_proj"  # Bailing: not low-rank
+        return [site for i in linear for site in (
+            (f"model.layers.{i}.self_attn.forget_gate.{decay}", "kda_decay",
              (("kda_decay", config.linear_num_heads * config.linear_head_dim),)),
             (f"model.layers.{i}.self_attn.b_proj", "kda_beta",
              (("kda_beta", config.linear_num_heads),)))]
@@ -91,7 +100,7 @@ def expected_sites(family: str, config: Any) -> list[tuple[str, str, tuple[tuple
              (("rwkv_receptance", config.attention_hidden_size),)),
             (f"rwkv.blocks.{i}.attention.key", "rwkv_key",
              (("rwkv_key", config.attention_hidden_size),)))]
-    if family in ("lfm2", "lfm2_moe"):
+    if family in ("lfm2", "lfm2_moe", "lfm3"):
         h = config.hidden_size
         return [(f"model.layers.{i}.conv.in_proj", "short_conv", (("B", h), ("C", h)))
                 for i in layers(config.layer_types, "conv")]
@@ -134,9 +143,11 @@ def test_sites_found_without_sites(family: str):
         if len(parts) > 1:
             assert site.parts == parts
     routers = {s.family for s in found} & ROUTER_FAMILIES
-    # Kimi-Linear's shared expert is not gated; Qwen3-Next's is
-    assert routers == ({"router", "shared_expert_gate"} if family == "qwen3_next"
-                       else {"router"} if family in ("kimi_linear", "lfm2_moe") else set())
+    # Kimi-Linear's, Bailing's and Lara-Mini's shared experts are not gated; the Qwens' are
+    gated = family in ("qwen3_next", "qwen3_5_moe")
+    routed = gated or family in ("bailing_hybrid", "kimi_linear", "lara_mini", "lfm2_moe")
+    assert routers == ({"router", "shared_expert_gate"} if gated else {"router"} if routed
+                       else set())
 
 
 @pytest.mark.parametrize("family", sorted(SSM_FAMILIES))

@@ -213,6 +213,11 @@ class WeightTapAdapter:
 GATED_DELTANET = "gated_deltanet"
 GATED_DELTANET_SPACE = ("beta: write strength before sigmoid; decay: a before softplus "
                         "(g = -exp(A_log) softplus(a + dt_bias))")
+# the two projections of a Gated DeltaNet that computes them apart: (beta, decay)
+GDN_SPLIT = (("in_proj_b", "in_proj_a"), ("b_proj", "a_proj"))
+GDN_BETA, GDN_BETA_SPACE = "gated_deltanet_beta", "write strength before sigmoid"
+GDN_DECAY, GDN_DECAY_SPACE = "gated_deltanet_decay", (
+    "decay input a before softplus (g = -exp(A_log) softplus(a + dt_bias))")
 KDA_DECAY, KDA_DECAY_SPACE = "kda_decay", ("per-channel decay before dt_bias and softplus "
                                            "(g = -exp(A_log) softplus(f + dt_bias))")
 KDA_BETA, KDA_BETA_SPACE = "kda_beta", "write strength before sigmoid"
@@ -248,26 +253,36 @@ def _linear(module: nn.Module, *names: str) -> bool:
 
 
 def _gated_deltanet(path: str, module: nn.Module) -> list[_Found]:
-    """Qwen3-Next: ``in_proj_ba`` holds, per key head, the ``b`` then ``a`` of its
-    ``num_v_heads / num_k_heads`` value heads; regrouped as beta then decay."""
+    """Gated DeltaNet. Qwen3-Next's ``in_proj_ba`` holds, per key head, the ``b`` then ``a``
+    of its ``num_v_heads / num_k_heads`` value heads: one site, regrouped as beta then
+    decay. Later families (Qwen3.5, OLMo-Hybrid, ...) project them apart: two sites."""
     heads, groups = getattr(module, "num_v_heads", None), getattr(module, "num_k_heads", None)
-    if not _linear(module, "in_proj_ba") or not isinstance(heads, int) or not groups:
+    if _linear(module, "in_proj_ba") and isinstance(heads, int) and groups:
+        per = heads // groups
+        betas = tuple((g * 2 * per, g * 2 * per + per) for g in range(groups))
+        decays = tuple((g * 2 * per + per, (g + 1) * 2 * per) for g in range(groups))
+        return [_Found(_join(path, "in_proj_ba"), GATED_DELTANET, SliceAdapter(betas + decays),
+                       GATED_DELTANET_SPACE, (("beta", heads), ("decay", heads)))]
+    if not isinstance(getattr(module, "A_log", None), nn.Parameter):
         return []
-    per = heads // groups
-    betas = tuple((g * 2 * per, g * 2 * per + per) for g in range(groups))
-    decays = tuple((g * 2 * per + per, (g + 1) * 2 * per) for g in range(groups))
-    return [_Found(_join(path, "in_proj_ba"), GATED_DELTANET, SliceAdapter(betas + decays),
-                   GATED_DELTANET_SPACE, (("beta", heads), ("decay", heads)))]
+    for beta, decay in GDN_SPLIT:
+        if _linear(module, beta, decay):
+            return [_Found(_join(path, beta), GDN_BETA, TENSOR, GDN_BETA_SPACE),
+                    _Found(_join(path, decay), GDN_DECAY, TENSOR, GDN_DECAY_SPACE)]
+    return []
 
 
 def _kimi_delta(path: str, module: nn.Module) -> list[_Found]:
-    """Kimi Delta Attention: the forget gate's ``f_b_proj`` (per-channel decay) and
-    ``b_proj`` (per-head write strength)."""
+    """Kimi Delta Attention (and Bailing-Hybrid's): the forget gate's last projection
+    (``f_b_proj`` after a low-rank ``f_a_proj``, or one ``f_proj``: per-channel decay)
+    and ``b_proj`` (per-head write strength)."""
     gate = getattr(module, "forget_gate", None)
-    if not (isinstance(gate, nn.Module) and _linear(gate, "f_b_proj")
-            and _linear(module, "b_proj")):
+    if not (isinstance(gate, nn.Module) and _linear(module, "b_proj")):
         return []
-    return [_Found(_join(path, "forget_gate.f_b_proj"), KDA_DECAY, TENSOR, KDA_DECAY_SPACE),
+    decay = next((n for n in ("f_b_proj", "f_proj") if _linear(gate, n)), None)
+    if decay is None:
+        return []
+    return [_Found(_join(path, "forget_gate", decay), KDA_DECAY, TENSOR, KDA_DECAY_SPACE),
             _Found(_join(path, "b_proj"), KDA_BETA, TENSOR, KDA_BETA_SPACE)]
 
 
@@ -358,7 +373,8 @@ def _check_torch_path(path: str, module: nn.Module) -> None:
 
 def gated_recurrence_sites(model: nn.Module) -> list[Site]:
     """Selection sites of gated linear attention and gated recurrences (Gated DeltaNet,
-    Kimi Delta Attention, RG-LRU, mLSTM, RWKV-4, LFM2's short convolution, Zamba's Mamba),
+    Kimi Delta Attention, RG-LRU, mLSTM, RWKV-4, LFM2's short convolution, Zamba's Mamba;
+    docs/ssm.md lists the families),
     named by module path, layer = order within the family. Empty when none is found."""
     found: list[_Found] = []
     for path, module in model.named_modules():

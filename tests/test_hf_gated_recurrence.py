@@ -405,3 +405,22 @@ def test_qwen3_next_audits_selection_beside_routers(tmp_path: Any):
         "model.layers.0.mlp.gate": "router", "model.layers.1.mlp.gate": "router",
         "model.layers.0.mlp.shared_expert_gate": "shared_expert_gate",
         "model.layers.1.mlp.shared_expert_gate": "shared_expert_gate"}
+
+
+@pytest.mark.parametrize("family", ["recurrent_gemma", "zamba"])
+def test_intercepted_sites_audit_whole(family: str):
+    """The interception adapter through a whole audit: identity exact, and the static
+    profile (each layer's calibration mean fed at every token: an LTI recurrence) is
+    replayed and moves the NLL off the correct replay's."""
+    from conftest import FAST
+
+    from fcaudit import AuditData
+    ids = torch.randint(3, VOCAB, (8, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+    result = fcaudit.audit(build(family), data=AuditData(eval_ids=ids[:4].numpy(),
+                                                         calib_ids=ids[4:].numpy()),
+                           options=FAST)
+    assert result is not None and result.identity_replay_max_abs_diff == 0.0
+    assert {s.family for s in result.sites} == {"rglru" if family == "recurrent_gemma"
+                                                else "mamba"}
+    static = result.conditions["static-layer"]
+    assert static.nll != result.conditions["correct"].nll

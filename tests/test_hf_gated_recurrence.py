@@ -424,3 +424,28 @@ def test_intercepted_sites_audit_whole(family: str):
                                                 else "mamba"}
     static = result.conditions["static-layer"]
     assert static.nll != result.conditions["correct"].nll
+
+
+def test_xlstm_fused_gates_are_one_site_with_two_parts(monkeypatch: pytest.MonkeyPatch):
+    """xLSTM's ``weight_mode='fused'`` projects both gates with one ``ifgate_preact``: one
+    site per layer whose parts are the input then the forget gate, as the layer splits
+    them. (transformers' own initialisation fails on this mode, so it is skipped and the
+    weights drawn here.)"""
+    from transformers.models.xlstm import modeling_xlstm
+    monkeypatch.setattr(modeling_xlstm.xLSTMPreTrainedModel, "_init_weights", lambda *a: None)
+    config = SSM_FAMILIES["xlstm"]()
+    config.weight_mode = "fused"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+    sites = selection(declared_sites(model) or [])
+    heads = config.num_heads
+    assert [(s.path, s.family, s.parts) for s in sites] == [
+        (f"backbone.blocks.{i}.mlstm_layer.ifgate_preact", "mlstm_gates",
+         (("input_gate", heads), ("forget_gate", heads))) for i in range(2)]
+    x = tokens(1)
+    recording = fcaudit.record(model, x)
+    with torch.no_grad(), fcaudit.replay(model, recording):
+        assert torch.equal(model(x).logits, recording.logits)

@@ -361,17 +361,49 @@ def test_a_weight_hidden_or_reused_in_the_forward_is_refused(
     assert f"input_gate_weight entered {uses} projections in one call, expected 1" in message
 
 
-def test_a_generation_cache_is_refused(monkeypatch: pytest.MonkeyPatch):
-    """Zamba run with use_cache=True hands its mixers a cache: re-running a mixer to
-    rebuild its output would start from the state the recorded call left. Refused in
-    one line that says why and what to do."""
+def test_a_fresh_generation_cache_is_left_out_of_the_rebuild(monkeypatch: pytest.MonkeyPatch):
+    """Zamba run with use_cache=True hands its mixers a cache the model made for this
+    call: the adapter re-runs the mixer without it (the live call already advanced it),
+    and the recording is exact as without a cache."""
     model = build("zamba")
+    x = tokens(1)
+    plain = fcaudit.record(model, x)
     monkeypatch.setattr(model.config, "use_cache", True)
+    cached = fcaudit.record(model, x)
+    with torch.no_grad(), fcaudit.replay(model, cached):
+        assert torch.equal(model(x).logits, cached.logits)
+    assert all(torch.equal(cached[name], plain[name]) for name in plain)
+
+
+class Continued(nn.Module):
+    """Decoding that continues a prefix: each call runs the model on its ids after a copy
+    of the prefix's generation cache (state from an earlier call)."""
+
+    def __init__(self, model: nn.Module, prefix: Tensor) -> None:
+        super().__init__()
+        self.model = model
+        with torch.no_grad():
+            self.cache = model(prefix, use_cache=True).past_key_values
+
+    def forward(self, ids: Tensor) -> Tensor:
+        import copy
+        return self.model(ids, cache=copy.deepcopy(self.cache), use_cache=True).logits
+
+
+def test_a_generation_cache_holding_earlier_state_is_refused():
+    """Recording a call that continues from an earlier call's cache: the mixer's output
+    depends on state a replay cannot carry. Refused in one line that says why."""
+    model = build("zamba")
+    wrapped = Continued(model, tokens(3)[:, :4])
+    site = gated_recurrence_sites(model)[0]
+    inner = Site(site.name, "model." + site.path, site.family, 0, site.adapter)
     with pytest.raises(FcauditError) as caught:
-        fcaudit.record(model, tokens(1))
+        fcaudit.record(wrapped, tokens(1), sites=[inner])
     message = str(caught.value)
-    assert message.startswith("site model.layers.0.mamba (ZambaMambaMixer, adapter weight-taps)")
-    assert "generation cache" in message and "use_cache=False" in message
+    assert message.startswith(f"site {site.name} (ZambaMambaMixer, adapter weight-taps): "
+                              "ZambaMambaMixer was called with a generation cache (cache) "
+                              "holding state from earlier calls")
+    assert "use_cache=False" in message and "\n" not in message
 
 
 def test_an_adapter_naming_a_missing_weight_is_refused():

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from fcaudit.core.adapters import ADAPTER_API, TENSOR, SliceAdapter, describe
+from fcaudit.core.adapters import ADAPTER_API, TENSOR, SliceAdapter, describe, same_bits
 from fcaudit.core.contract import ControllerAdapter, Site, SiteCall
 from fcaudit.core.errors import FcauditError, ModelError
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT
@@ -37,7 +37,8 @@ from fcaudit.core.routers import PROJECTIONS, _device, _meta
 
 # the projections a tap may be computed with (RG-LRU's gates use baddbmm)
 TAP_OPS = PROJECTIONS | {torch.baddbmm, Tensor.baddbmm}
-# arguments of a site's forward that carry a generation cache (state between calls)
+# arguments of a site's forward that carry a generation cache (state between calls): left
+# out when the adapter re-runs the forward, which the live call already advanced
 CACHE_ARGUMENTS = ("cache", "cache_params", "past_key_values", "past_key_value")
 
 # ---- where a tap's output keeps tokens, heads and channels ----
@@ -146,16 +147,17 @@ def _spans(tap: Tap, view: Tensor) -> tuple[tuple[int, int], ...]:
     return spans
 
 
-def _refuse_cache(call: SiteCall) -> None:
-    """A generation cache makes each call start from the state the last one left: the
-    recorded call and its rebuild would then compute different things."""
-    held = [name for name in CACHE_ARGUMENTS if call.kwargs.get(name) is not None]
-    held += [type(v).__name__ for v in call.args if type(v).__name__.endswith("Cache")]
-    if held:
-        raise FcauditError(
-            f"{type(call.module).__name__} was called with a generation cache ({held[0]}): "
-            "its recurrent state would carry from the recorded call into the rebuild; run "
-            "the model with use_cache=False (fcaudit loads Hugging Face folders so)")
+def _uncached(call: SiteCall) -> tuple[dict[str, Any], str | None]:
+    """The call's keyword arguments with any generation cache left out, and the name of
+    the one left out. A re-run must not read or write the cache: the live call already
+    advanced it. A cache passed by position cannot be left out: refused."""
+    positional = [type(v).__name__ for v in call.args if type(v).__name__.endswith("Cache")]
+    if positional:
+        raise FcauditError(f"{type(call.module).__name__} was given a generation cache "
+                           f"({positional[0]}) by position; run the model with "
+                           "use_cache=False")
+    held = next((n for n in CACHE_ARGUMENTS if call.kwargs.get(n) is not None), None)
+    return {k: None if k in CACHE_ARGUMENTS else v for k, v in call.kwargs.items()}, held
 
 
 @dataclass(frozen=True)
@@ -163,13 +165,14 @@ class WeightTapAdapter:
     """Coefficients computed inside a forward by projections with the site module's own
     parameters (:class:`Tap`), side by side in ``taps`` order: the forward runs with
     those projections observed (extract) or answered with supplied coefficients
-    (rebuild); each weight must enter exactly one projection per call."""
+    (rebuild); each weight must enter exactly one projection per call. The re-runs leave
+    a generation cache out; a cache whose earlier state changed the output is refused."""
 
     taps: tuple[Tap, ...]
     name: str = field(default="weight-taps", init=False)
 
-    def _run(self, call: SiteCall, supplied: Tensor | None) -> tuple[Any, _Taps]:
-        _refuse_cache(call)
+    def _run(self, call: SiteCall, supplied: Tensor | None) -> tuple[Any, _Taps, str | None]:
+        kwargs, cache = _uncached(call)
         if call.seq_len is None:
             raise FcauditError(f"{type(call.module).__name__}: its coefficients are per token, "
                                "and these inputs do not say how many tokens each example "
@@ -179,17 +182,23 @@ class WeightTapAdapter:
         mode = _Taps(call.module, self.taps, call, chunks)
         with mode:
             # forward, not __call__: hooks on the module (the recorder's own) must not fire
-            output = call.module.forward(*call.args, **call.kwargs)
+            output = call.module.forward(*call.args, **kwargs)
         for tap, count in zip(self.taps, mode.calls, strict=True):
             if count != 1:
                 raise FcauditError(
                     f"{type(call.module).__name__}: its parameter {tap.weight} entered {count} "
                     "projections in one call, expected 1; a fused kernel that takes the weight "
                     "itself hides the coefficients: run the PyTorch path (no use_kernels=True)")
-        return output, mode
+        return output, mode, cache
 
     def extract(self, output: Any, call: SiteCall) -> Tensor:
-        _, mode = self._run(call, None)
+        rerun, mode, cache = self._run(call, None)
+        if cache is not None and not same_bits(rerun, output):
+            raise FcauditError(
+                f"{type(call.module).__name__} was called with a generation cache ({cache}) "
+                "holding state from earlier calls: its output depends on them, and a replay "
+                "cannot carry that state; run the model on whole windows with "
+                "use_cache=False and no past_key_values")
         parts = []
         for tap, out in zip(self.taps, mode.outputs, strict=True):
             assert out is not None  # every tap ran once: _run checked
@@ -204,7 +213,7 @@ class WeightTapAdapter:
             raise FcauditError(f"{type(call.module).__name__}: coefficients "
                                f"{describe(coefficients)} do not have its {width} channels: "
                                "feed coefficients recorded from this site")
-        output, _ = self._run(call, coefficients)
+        output, _, _ = self._run(call, coefficients)
         return output
 
 

@@ -1,9 +1,9 @@
 """Tiny random configs of the Hugging Face families with selective recurrences (issue 30).
 
 ``SSM_FAMILIES`` maps a family name to a factory of its tiny random config (two layers,
-hidden 32, a vocabulary of conftest's ``VOCAB``): a plain dict, one entry per family,
-sorted by name, shared by the discovery tests and the sweep. Imports live inside the
-factories so that the table loads without ``transformers``.
+three for Zamba, hidden 32, a vocabulary of conftest's ``VOCAB``, ``use_cache=False`` as
+fcaudit loads folders): a plain dict, one entry per family, sorted by name. Imports live
+inside the factories so that the table loads without ``transformers``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ for its selection sites.
 
 For each family, builds its tiny random config (``tests/ssm_families.py``; float32, eval,
 seed 0, nothing downloaded), asks fcaudit for its sites without ``--sites``
-(``fcaudit.core.discovery.declared_sites``) and, on a batch of 3 x 10 random tokens, checks:
+(``fcaudit.core.discovery.declared_sites``) and, on a batch of 3 x 12 random tokens (a
+multiple of the xLSTM config's chunk size), checks:
 
 * sites: how many selection sites (``Site.selection`` set) and every family found (a
   hybrid's routers beside them);
@@ -41,7 +42,7 @@ from ssm_families import SSM_FAMILIES, VOCAB, build  # noqa: E402
 import fcaudit  # noqa: E402
 from fcaudit.core.discovery import declared_sites  # noqa: E402
 
-BATCH, SEQ_LEN = 3, 10
+BATCH, SEQ_LEN = 3, 12
 DONOR = [1, 2, 0]  # each sequence gets the next one's selection coefficients
 
 

@@ -138,7 +138,7 @@ def test_coefficients_are_the_slices_the_scan_reads(family: str) -> None:
         assert torch.equal(recorded[site.name], expected)
 
 
-@pytest.mark.parametrize("family", list(SSM_FAMILIES))
+@pytest.mark.parametrize("family", list(EXPECTED))
 def test_identity_replay_is_exact_and_a_donor_changes_the_output(family: str) -> None:
     model = build(family)
     ids = tokens()

@@ -102,7 +102,7 @@ def expected_sites(family: str, config: Any) -> list[tuple[str, str, tuple[tuple
     assert family == "zamba"
     state = config.n_mamba_heads * config.mamba_d_state
     return [(f"model.layers.{i}." + ("mamba" if kind == "linear_attention"
-                                     else "mamba_decoder.mamba"), "mamba",
+                                     else "mamba_decoder.mamba"), "mamba_selection",
              (("dt", config.mamba_expand * config.hidden_size), ("B", state), ("C", state)))
             for i, kind in enumerate(config.layers_block_type)]
 
@@ -404,7 +404,7 @@ def test_a_generation_cache_holding_earlier_state_is_refused():
 def test_an_adapter_naming_a_missing_weight_is_refused():
     model = build("zamba")
     site = gated_recurrence_sites(model)[0]
-    wrong = Site(site.name, site.path, "mamba", 0,
+    wrong = Site(site.name, site.path, "mamba_selection", 0,
                  WeightTapAdapter((Tap("input_gate_weight", HEADS_TOKENS, 8),)))
     with pytest.raises(FcauditError, match="ZambaMambaMixer has no parameter input_gate_weight"):
         fcaudit.record(model, tokens(1), sites=[wrong])
@@ -448,7 +448,7 @@ def test_intercepted_sites_audit_whole(family: str):
                            options=FAST)
     assert result is not None and result.identity_replay_max_abs_diff == 0.0
     assert {s.family for s in result.sites} == {"rglru" if family == "recurrent_gemma"
-                                                else "mamba"}
+                                                else "mamba_selection"}
     static = result.conditions["static-layer"]
     assert static.nll != result.conditions["correct"].nll
 

@@ -239,7 +239,7 @@ RWKV_KEY, RWKV_KEY_SPACE = "rwkv_key", (
     "key before exp: each token's write weight in the WKV state (decay is static)")
 SHORT_CONV, SHORT_CONV_SPACE = "short_conv", ("input gate B and output gate C, used as they "
                                               "are (products, no activation)")
-MAMBA, MAMBA_SPACE = "mamba", "dt before bias and softplus; B and C as they are"
+MAMBA, MAMBA_SPACE = "mamba_selection", "dt before bias and softplus; B and C as they are"
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.inputs import resolve_block_paths
 from fcaudit.engine.objectives import check_targets
 from fcaudit.engine.options import Prepared
+from fcaudit.engine.parts import check_parts
 from fcaudit.engine.passes import (
     batches,
     check_finite,
@@ -72,6 +73,7 @@ def probe(setup: Prepared) -> Probe:
     check_finite(coefficients, "evaluation data")  # before any file is written
     check_finite_losses(nll, objective, "the unperturbed record pass, batch 0")
     check_family_positions(sites, coefficients)
+    check_parts(sites, coefficients)
     _check_axes(net, sites, x)
     if setup.blocks_glob is not None and setup.blocks is not None:
         from fcaudit.engine.execution import refuse_idle_blocks

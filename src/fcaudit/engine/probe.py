@@ -22,6 +22,7 @@ from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError, IdentityError, ModelError, arg
 from fcaudit.core.layout import check_family_positions
 from fcaudit.core.nll import device_of
+from fcaudit.engine.carried_state import why_passes_differ
 from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.inputs import resolve_block_paths
 from fcaudit.engine.objectives import check_targets
@@ -90,10 +91,9 @@ def probe(setup: Prepared) -> Probe:
     check_units(units, nll.shape, objective, "the identity replay of batch 0")
     diff = float((units - nll).abs().max())
     again, _, _ = record_batch(net, sites, x, objective)
-    culprit = None
+    culprit, fix = None, None
     if not same_bits(logits, again):
-        cause = "two unperturbed passes over the same batch already differ: the forward " \
-                "pass is not deterministic (dropout, sampling or training mode?)"
+        cause, fix = why_passes_differ(net, lambda: record_batch(net, sites, x, None)[0])
     else:
         culprit = _first_nonexact_site(setup, coefficients, x, logits)
         cause = f"replaying site {culprit} alone already changes the output" if culprit \
@@ -102,6 +102,13 @@ def probe(setup: Prepared) -> Probe:
     message = (f"identity replay is not exact: replaying the recorded coefficients changes "
                f"the {unit} by up to {diff:.3g} nats ({cause}). Likely causes: "
                f"{IDENTITY_CAUSES}")
+    if fix is not None:  # state carried across calls: its own fix, not the generic list
+        message = (f"identity replay is not exact: {cause}; replaying the recorded "
+                   f"coefficients changes the {unit} by up to {diff:.3g} nats")
+    if fix is not None and not setup.options.allow_nonexact_identity:
+        raise IdentityError(f"{message}. No verdict can rest on such a replay: {fix} (or "
+                            f"with {ALLOW_NONEXACT} to see the numbers flagged as not exact)",
+                            max_abs_diff=diff)
     if not setup.options.allow_nonexact_identity:
         raise IdentityError(f"{message}. No verdict can rest on such a replay: fix the model "
                             "(model.eval(), fixed seeds, deterministic kernels) or rerun with "

@@ -278,3 +278,15 @@ def test_a_wrong_declaration_is_refused_naming_the_site(sites, needle, tmp_path)
     assert needle in str(caught.value) and "\n" not in str(caught.value)
     assert caught.value.site == sites[-1].name
     assert not (tmp_path / "out" / "audit.json").exists()
+
+
+class Unnamed(ToySelective):
+    execution_mode = 3  # type: ignore[assignment]
+
+
+def test_an_execution_mode_that_is_no_string_is_refused_before_recording(tmp_path) -> None:
+    with pytest.raises(ModelError, match=r"^Unnamed.execution_mode is 3: make it a string "
+                                         "naming the compute mode"):
+        audit(Unnamed(), tmp_path / "out", data=toy_data(),
+              options=dataclasses.replace(FAST, execution=True, timing_pairs=0))
+    assert not (tmp_path / "out").exists()

@@ -217,6 +217,10 @@ def test_audit_json_lists_the_parts_the_selection_space_and_the_modes(selective)
     assert ex["conditional_execution"] is False
     back = AuditResult.read(out / "audit.json")  # the new keys read back, typed
     assert back.sites[0].parts[1].width == D
+    flat = back.metrics()  # each named coefficient's shares, flat for studies
+    assert flat["eta2_token_id@select.decay"] == raw["variance"]["select"]["parts"]["decay"][
+        "eta2_token_id"]
+    assert flat["eta2_layer@gate.gate"] == raw["variance"]["gate"]["eta2_layer"]
 
 
 def test_the_report_states_the_lti_twin_and_a_row_per_coefficient(selective) -> None:
@@ -226,6 +230,12 @@ def test_the_report_states_the_lti_twin_and_a_row_per_coefficient(selective) -> 
            "parameters: a time-invariant (LTI) recurrence" in md
     assert f"`select`: {SPACE}; `gate`: {GATE_SPACE}" in md
     assert "is selection a lookup of the current token?" in md
+    notes = {cells[0]: cells[-1] for cells in map(md_cells, md.split("## Gap retention")[1]
+                                                  .split("##")[0].splitlines())
+             if cells and cells[0].startswith("`static")}
+    assert notes["`static-layer`"].endswith("the LTI twin: a time-invariant recurrence with "
+                                            "each layer's mean selection")
+    assert notes["`static-layer-token`"].endswith("is selection a lookup of the current token?")
     table = md.split("Per coefficient", 1)[1].split("###", 1)[0]
     rows = [md_cells(line) for line in table.splitlines() if line.startswith("| `")
             or line.startswith("| pooled")]

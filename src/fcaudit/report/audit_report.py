@@ -307,7 +307,8 @@ def _retention(r: AuditResult) -> list[str]:
     rows = [(md_code(name), "undefined" if ret.value is None else fmt_pct(ret.value),
              "n/a" if ret.value is None else fmt_ci(ret.ci95, 2),
              fmt_with_ci(ret.gap, ret.gap_ci95, sign=False),
-             md_text(ret.reason or "") if ret.value is None else profile_note(r, name))
+             "; ".join(n for n in (md_text(ret.reason or "") if ret.value is None else "",
+                                   profile_note(r, name)) if n))
             for name, ret in _ordered(r.retention, REPORTED_RETENTION)]
     blocks = ["## Gap retention",
               "R(P) = (NLL(global-mean) − NLL(P)) / (NLL(global-mean) − NLL(correct)): the "

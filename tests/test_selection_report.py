@@ -243,7 +243,8 @@ def test_the_report_states_the_lti_twin_and_a_row_per_coefficient(selective) -> 
                                      ["pooled", "all", "3,072"]]  # 2 layers x 12 x 16 x 4
     assert "| `gate` | all | 384 |" in md  # the one coefficient of the gate family
     assert "compute the same for every token" in md and "(no conditional execution)" in md
-    assert "its LTI twin `ToySelective`" in md
+    assert "Twin measured against: the model's dense counterpart, class `ToySelective` " \
+           "(for a selective recurrence, its LTI twin" in md
     assert "Compute mode timed: model `recurrent scan`, dense counterpart " \
            "`fft convolution`" in md
 

@@ -105,21 +105,25 @@ def execution_note(r: AuditResult) -> list[str]:
     """For selection families: no conditional execution from selection, the twin it was
     measured against, and the compute modes timed (any audit whose models declare them)."""
     ex, spaces = r.execution, selection_spaces(r)
+    if not ex.measured:
+        return []
     notes = []
-    if spaces and ex.measured:
+    if spaces:
         own = ("no conditional execution" if not ex.conditional_execution else
                "the conditional execution above comes from the audit's other controllers")
-        twin = md_code(ex.dense_class) if ex.dense_class else "the dense counterpart"
+        twin = f"class {md_code(ex.dense_class)}" if ex.dense_class else "none given"
         notes.append(f"Selective recurrences ({', '.join(md_code(f) for f in spaces)}) compute "
                      "the same for every token: selection changes the values the recurrence "
-                     f"runs with, not which blocks or how many FLOPs run ({own}). Measured "
-                     f"against the model's dense counterpart, its LTI twin {twin}.")
-    if ex.measured and (ex.mode or ex.dense_mode):
-        notes.append("Compute mode timed: model " + (md_code(ex.mode) if ex.mode else
-                     "not declared") + ", dense counterpart " +
+                     f"runs with, not which blocks run or for which tokens ({own}). Twin "
+                     f"measured against: the model's dense counterpart, {twin} (for a selective "
+                     "recurrence, its LTI twin: the same recurrence with fixed parameters).")
+    what = "Compute mode timed" if ex.timing is not None else "Compute mode (latency not timed)"
+    if ex.mode or ex.dense_mode:
+        notes.append(f"{what}: model " + (md_code(ex.mode) if ex.mode else "not declared") +
+                     ", dense counterpart " +
                      (md_code(ex.dense_mode) if ex.dense_mode else "not declared") +
                      " (their `execution_mode`).")
-    elif spaces and ex.measured:
+    elif spaces:
         notes.append("Neither the model nor its twin declares which compute mode it runs (an "
                      "`execution_mode` attribute), so the timed mode is not stated.")
     return notes

@@ -242,6 +242,12 @@ def test_the_report_states_the_lti_twin_and_a_row_per_coefficient(selective) -> 
     assert [r[:3] for r in rows] == [["`decay`", "0–3", "1,536"], ["`write`", "4–7", "1,536"],
                                      ["pooled", "all", "3,072"]]  # 2 layers x 12 x 16 x 4
     assert "| `gate` | all | 384 |" in md  # the one coefficient of the gate family
+    parts = json.loads((out / "audit.json").read_text(encoding="utf-8"))["variance"]["select"][
+        "parts"]
+    assert ("`select` per coefficient, the share of the variance within layers the current "
+            f"token id explains: `decay` {100 * parts['decay']['eta2_token_id']:.1f}%, `write` "
+            f"{100 * parts['write']['eta2_token_id']:.1f}%.") in md
+    assert "`gate` per coefficient" not in md  # one coefficient: the pooled figure says it
     assert "compute the same for every token" in md and "(no conditional execution)" in md
     assert "Twin measured against: the model's dense counterpart, class `ToySelective` " \
            "(for a selective recurrence, its LTI twin" in md

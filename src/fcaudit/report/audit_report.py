@@ -81,6 +81,7 @@ from fcaudit.report.selection import (
     execution_note,
     lti_statement,
     profile_note,
+    variation_facts,
 )
 from fcaudit.report.stopping import stopping_section
 
@@ -151,7 +152,7 @@ def _variation_facts(r: AuditResult) -> list[str]:
         facts.append(f"{md_code(fam)}: sd across inputs {fmt_num(v.mean_sd_across_inputs)} and "
                      f"across positions {fmt_num(v.mean_sd_across_positions)}, vs "
                      f"{fmt_num(v.across_layer_sd)} across layers.")
-    return facts
+    return facts + variation_facts(r)
 
 
 def _dependence_facts(r: AuditResult) -> list[str]:

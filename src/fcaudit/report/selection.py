@@ -72,6 +72,19 @@ def dependence_fact(r: AuditResult) -> list[str]:
             "whether selection is a lookup of the current token."]
 
 
+def variation_facts(r: AuditResult) -> list[str]:
+    """Per family with named coefficients: the token id's share of each one's variance
+    within layers (the variation answer quotes the pooled figure only)."""
+    facts = []
+    for fam, var in r.variance.items():
+        shares = [f"{md_code(name)} {fmt_share(p.eta2_token_id)}"
+                  for name, p in (var.parts or {}).items() if p.eta2_token_id is not None]
+        if shares and (len(shares) > 1 or next(iter(var.parts or {})) != fam):
+            facts.append(f"{md_code(fam)} per coefficient, the share of the variance within "
+                         f"layers the current token id explains: {', '.join(shares)}.")
+    return facts
+
+
 def _channels(r: AuditResult, family: str) -> dict[str, str]:
     """Each named coefficient's channels on the last axis, as shown (declared order)."""
     site = next(s for s in r.sites if s.family == family)

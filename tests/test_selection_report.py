@@ -297,6 +297,16 @@ def test_a_wrong_declaration_is_refused_naming_the_site(sites, needle, tmp_path)
     assert not (tmp_path / "out" / "audit.json").exists()
 
 
+def test_parts_given_as_lists_are_read_as_the_tuples(tmp_path) -> None:
+    listed = [Site(f"select.{i}", f"layers.{i}.select", "select", i,
+                   parts=[["decay", D], ["write", D]], selection=SPACE)  # type: ignore[arg-type]
+              for i in range(LAYERS)]
+    result = audit(Declared(listed), tmp_path / "out", data=toy_data(), options=FAST,
+                   report=False)
+    assert list(result.variance["select"].parts) == ["decay", "write"]
+    assert [(p.name, p.width) for p in result.sites[0].parts] == list(PARTS)
+
+
 class Unnamed(ToySelective):
     execution_mode = 3  # type: ignore[assignment]
 

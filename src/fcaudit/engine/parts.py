@@ -26,45 +26,55 @@ def _describe(parts: Sequence[tuple[str, int]]) -> str:
     return ", ".join(f"{name}({width})" for name, width in parts)
 
 
-def _check_declared(site: Site) -> None:
-    """``parts`` is a tuple of distinct ``(name, width)``; ``selection`` a non-empty string."""
+def declared(site: Site) -> tuple[tuple[str, int], ...]:
+    """A site's parts as a tuple of ``(name, width)`` pairs (lists accepted), checked:
+    distinct non-empty names, positive integer widths."""
     parts = site.parts
-    well_formed = isinstance(parts, tuple) and all(
-        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and p[0]
-        and isinstance(p[1], int) and not isinstance(p[1], bool) and p[1] > 0 for p in parts)
-    if not well_formed or len({p[0] for p in parts}) != len(parts):
+    pairs = tuple(tuple(p) for p in parts if isinstance(p, (tuple, list))) \
+        if isinstance(parts, (tuple, list)) else None
+    well_formed = pairs is not None and len(pairs) == len(parts) and all(
+        len(p) == 2 and isinstance(p[0], str) and p[0] and isinstance(p[1], int)
+        and not isinstance(p[1], bool) and p[1] > 0 for p in pairs)
+    if not well_formed or len({p[0] for p in pairs}) != len(pairs):
         raise ModelError(f"site {site.name}: parts={parts!r} is not a tuple of distinct "
                          f"(name, width) pairs; {PARTS_FIX}", site=site.name)
+    return tuple((str(name), int(width)) for name, width in pairs)
+
+
+def _check_declared(site: Site) -> tuple[tuple[str, int], ...]:
+    """The site's parts (:func:`declared`); ``selection`` must be None or name a space."""
+    parts = declared(site)
     if site.selection is not None and not (isinstance(site.selection, str)
                                            and site.selection.strip()):
         raise ModelError(f"site {site.name}: selection={site.selection!r} must name the space "
                          "the selection parameter's values are in (e.g. \"dt before softplus\"),"
                          " or be None for a controller that is no selection parameter",
                          site=site.name)
+    return parts
 
 
 def check_parts(sites: Sequence[Site], coefficients: Mapping[str, Tensor]) -> None:
     """Every site's declared parts fit its first batch's coefficients, and the sites of a
     family agree on them and on being selection parameters (each coefficient is compared
     across layers, so every layer must hold the same ones)."""
-    first: dict[str, Site] = {}
+    first: dict[str, tuple[Site, tuple[tuple[str, int], ...]]] = {}
     for site in sites:
-        _check_declared(site)
-        head = first.setdefault(site.family, site)
-        if (site.parts, site.selection is None) != (head.parts, head.selection is None):
+        parts = _check_declared(site)
+        head, head_parts = first.setdefault(site.family, (site, parts))
+        if (parts, site.selection is None) != (head_parts, head.selection is None):
             raise ModelError(
                 f"sites {head.name} and {site.name} of family {site.family} declare other "
-                f"coefficients (parts {_describe(head.parts) or 'none'} vs "
-                f"{_describe(site.parts) or 'none'}; selection {head.selection!r} vs "
+                f"coefficients (parts {_describe(head_parts) or 'none'} vs "
+                f"{_describe(parts) or 'none'}; selection {head.selection!r} vs "
                 f"{site.selection!r}); give every site of a family the same parts and "
                 "selection, or put them in families of their own", site=site.name)
-        if not site.parts or site.name not in coefficients:
+        if not parts or site.name not in coefficients:
             continue
         shape = list(coefficients[site.name].shape)
-        total = sum(width for _, width in site.parts)
+        total = sum(width for _, width in parts)
         if len(shape) < 3 or shape[-1] != total:
             raise ModelError(
-                f"site {site.name} declares parts {_describe(site.parts)} ({total} channels) "
+                f"site {site.name} declares parts {_describe(parts)} ({total} channels) "
                 f"but its coefficients have shape {shape}, {shape[-1] if len(shape) >= 3 else 'no'}"
                 f" channels on the last trailing axis; {PARTS_FIX}", site=site.name)
 
@@ -83,7 +93,7 @@ def coefficients_of(members: Sequence[Site]) -> dict[str, slice] | None:
     family without parts, one coefficient named by its family; None for any other."""
     head = members[0]
     if head.parts:
-        return channels(head.parts)
+        return channels(declared(head))
     return {head.family: slice(None)} if head.selection is not None else None
 
 
@@ -104,4 +114,4 @@ def part_variance(members: Sequence[Site], variance: VarianceAccumulator,
 
 def site_parts(site: Site) -> list[SitePart] | None:
     """A site's parts as ``audit.json`` lists them (None: one coefficient)."""
-    return [SitePart(name, width) for name, width in site.parts] or None
+    return [SitePart(name, width) for name, width in declared(site)] or None

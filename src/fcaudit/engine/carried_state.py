@@ -20,7 +20,7 @@ from fcaudit.core.adapters import same_bits
 
 STATE_FIX = ("reset that state at the start of every forward pass (or keep it outside the "
              "model) and disable any generation cache (use_cache=False, no past_key_values or "
-             "cache_params kept between calls), then rerun")
+             "cache_params kept between calls)")
 STATE_CAUSE = "the model's output depends on earlier calls"
 
 
@@ -75,6 +75,6 @@ def why_passes_differ(model: nn.Module, call: Callable[[], Any]) -> tuple[str, s
         return (f"{STATE_CAUSE}: two passes over the same batch from the same random seed "
                 "differ, so the model carries state across calls (a recurrent state or a "
                 "generation cache, kept where fcaudit cannot see it) or runs nondeterministic "
-                "kernels"), f"{STATE_FIX}; or make the kernels deterministic"
+                "kernels"), f"{STATE_FIX}, or use deterministic kernels,"
     return ("two unperturbed passes over the same batch already differ: the forward pass is "
             "not deterministic (dropout, sampling or training mode?)"), None

@@ -99,20 +99,17 @@ def probe(setup: Prepared) -> Probe:
         cause = f"replaying site {culprit} alone already changes the output" if culprit \
             else "replaying all sites together changes the output"
     unit = "per-token NLL" if objective.tokens else f"{objective.name} loss"
-    message = (f"identity replay is not exact: replaying the recorded coefficients changes "
-               f"the {unit} by up to {diff:.3g} nats ({cause}). Likely causes: "
-               f"{IDENTITY_CAUSES}")
-    if fix is not None:  # state carried across calls: its own fix, not the generic list
+    if fix is None:
+        message = (f"identity replay is not exact: replaying the recorded coefficients "
+                   f"changes the {unit} by up to {diff:.3g} nats ({cause}). Likely causes: "
+                   f"{IDENTITY_CAUSES}")
+        fix = "fix the model (model.eval(), fixed seeds, deterministic kernels)"
+    else:  # state carried across calls: said first, with its own fix
         message = (f"identity replay is not exact: {cause}; replaying the recorded "
                    f"coefficients changes the {unit} by up to {diff:.3g} nats")
-    if fix is not None and not setup.options.allow_nonexact_identity:
-        raise IdentityError(f"{message}. No verdict can rest on such a replay: {fix} (or "
-                            f"with {ALLOW_NONEXACT} to see the numbers flagged as not exact)",
-                            max_abs_diff=diff)
     if not setup.options.allow_nonexact_identity:
-        raise IdentityError(f"{message}. No verdict can rest on such a replay: fix the model "
-                            "(model.eval(), fixed seeds, deterministic kernels) or rerun with "
-                            f"{ALLOW_NONEXACT} to see the numbers flagged as not exact",
+        raise IdentityError(f"{message}. No verdict can rest on such a replay: {fix} or rerun "
+                            f"with {ALLOW_NONEXACT} to see the numbers flagged as not exact",
                             site=culprit, max_abs_diff=diff)
     return Probe(Identity(False, diff, True, message), coefficients, nll, hits)
 

@@ -465,8 +465,8 @@ def _history_diff(setup: Prepared, passes: _Passes, first: Replayed, n_runs: int
             f"{n_runs - 1} runs, differs from the first by up to {diff:.3g} nats: the model's "
             "output depends on earlier forward passes (state kept between calls, e.g. a "
             "recurrent state or a generation cache), so every replay's number would depend "
-            f"on the order of the runs; {STATE_FIX} (or with {ALLOW_NONEXACT} to see the "
-            "numbers flagged as not exact)", max_abs_diff=diff)
+            f"on the order of the runs; {STATE_FIX}, or rerun with {ALLOW_NONEXACT} to see "
+            "the numbers flagged as not exact", max_abs_diff=diff)
     return diff
 
 

@@ -9,6 +9,7 @@ call, kept where the mode says; by construction two calls on one batch differ.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -90,3 +91,15 @@ def test_randomness_keeps_its_own_message(tmp_path) -> None:
         audit(Remembering("noisy"), tmp_path / "out", sites=["inner.gates.*"],
               data=toy_data(), options=FAST)
     assert "earlier calls" not in str(caught.value)
+
+
+def test_allowed_it_runs_flagged_with_the_cause_in_the_identity_note(tmp_path) -> None:
+    allowed = dataclasses.replace(FAST, allow_nonexact_identity=True)
+    result = audit(Remembering("buffer"), tmp_path / "out", sites=["inner.gates.*"],
+                   data=toy_data(), options=allowed)
+    assert result.identity is not None and not result.identity.exact
+    assert result.identity.note.startswith("identity replay is not exact: the model's output "
+                                           "depends on earlier calls")
+    md = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
+    assert "Warning: the identity replay is not exact." in md
+    assert "depends on earlier calls" in md

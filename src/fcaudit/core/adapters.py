@@ -190,8 +190,10 @@ def same_bits(a: Any, b: Any) -> bool:
         if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
             return False
         if a.is_floating_point() or a.is_complex():
-            return bool(torch.equal(a.contiguous().view(torch.uint8),
-                                    b.contiguous().view(torch.uint8)))
+            # reshape(-1): a 0-dim tensor (a scalar in an output or a model's state)
+            # cannot be viewed as bytes
+            return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                                    b.contiguous().reshape(-1).view(torch.uint8)))
         return bool(torch.equal(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)

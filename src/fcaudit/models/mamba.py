@@ -57,7 +57,7 @@ class MambaConfig:
     expand: int = 2  # inner channels D = expand * n_embd
     d_conv: int = 4  # causal depthwise convolution width
     dt_rank: int = 8  # rank of the Δ projection (Mamba: ceil(n_embd / 16))
-    chunk: int = 16  # scan chunk length (speed only: every chunk length gives the same y)
+    chunk: int = 16  # scan chunk length (speed only: every length gives the same bits)
     dt_min: float = 1e-3  # Δ starts log-uniform in [dt_min, dt_max]
     dt_max: float = 0.1
 

@@ -102,6 +102,21 @@ def test_shapes_and_selection_sites(model):
     assert model.execution_blocks() == ["layers.0", "layers.1", "layers.2"]
 
 
+@pytest.mark.parametrize("mode", [None, "fft", "conv", "scan"])
+def test_a_later_token_changes_no_earlier_logit(model, mode):
+    net = model if mode is None else S4D(S4DConfig(**{**dataclasses.asdict(CFG), "mode": mode}))
+    ids = torch.randint(0, 97, (1, T))
+    later = ids.clone()
+    later[0, 7] = (ids[0, 7] + 1) % 97
+    with torch.no_grad():
+        a, b = net.eval()(ids), net(later)
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+    if mode == "fft":  # every output is a sum over all frequencies: causal up to rounding
+        assert torch.allclose(a[:, :7], b[:, :7], atol=1e-5, rtol=0)
+    else:
+        assert torch.equal(a[:, :7], b[:, :7])
+
+
 def test_identity_replay_is_bitwise_exact(model):
     ids = torch.randint(0, 97, (B, T))
     with torch.no_grad():

@@ -18,6 +18,7 @@ first two again, as it does for every data set).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,9 @@ SEEDS = {"calib": 1_000_003, "eval": 1_000_033}  # the audit sets' own generator
 BLOCK = 256  # sequences drawn per generator call: any count's first rows are the same
 DEFAULT_EXAMPLES = 256  # per audit set, unless max_eval / max_calib say otherwise
 POOL = 4096  # sequences each audit set holds at most; training never sees any of them
+# distinct sequences a task must have, so that leaving both audit sets out of training
+# rejects at most one draw in 64 (and the sets can always be filled)
+LEAST_SEQUENCES = 64 * 2 * POOL
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,17 @@ class CopyTask:
             raise DataError(f"selective copying: length={self.length} leaves no room for "
                             f"copies={self.copies} data tokens and as many markers; give a "
                             f"length of at least {2 * self.copies}")
+        if self.sequences < LEAST_SEQUENCES:
+            raise DataError(f"selective copying: {self} has {self.sequences} distinct "
+                            f"sequences, fewer than {LEAST_SEQUENCES}, too few to keep the "
+                            "audit sets and training apart; give a longer length or more "
+                            "data tokens")
+
+    @property
+    def sequences(self) -> int:
+        """How many distinct sequences the task has."""
+        return math.comb(self.body, self.copies) * self.data ** self.copies \
+            * self.noise ** (self.body - self.copies)
 
     @property
     def vocab_size(self) -> int:

@@ -157,7 +157,8 @@ def _value(value: Any, spec: OptionSpec) -> Any:
 
 def _add_train(sub: Any) -> None:
     t = sub.add_parser("train", help="train a model on the built-in corpus",
-                       description="Train FeatureGate, its Dense twin, SkipGate, MUDD or MoE on "
+                       description="Train FeatureGate, its Dense twin, SkipGate, MUDD, MoE, Mamba "
+                                   "or its LTI twin S4D on "
                                    "the built-in Shakespeare corpus (seeded, deterministic on "
                                    "CPU).")
     vision = [name for name, arch in ARCHES.items() if arch.task == "vision"]

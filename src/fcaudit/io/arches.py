@@ -57,6 +57,8 @@ ARCHES: dict[str, Arch] = {
     "skipgate": Arch("skipgate", "fcaudit.models.skipgate", "SkipGateGPT", "SkipGateConfig"),
     "mudd": Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig"),
     "moe": Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig"),
+    "mamba": Arch("mamba", "fcaudit.models.mamba", "Mamba", "MambaConfig"),
+    "s4d": Arch("s4d", "fcaudit.models.s4d", "S4D", "S4DConfig"),
     "vit-moe": Arch("vit-moe", "fcaudit.models.vit_moe", "ViTMoE", "ViTMoEConfig",
                     task="vision"),
     "tokenprune": Arch("tokenprune", "fcaudit.models.tokenprune", "TokenPruneViT",

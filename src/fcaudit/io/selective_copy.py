@@ -43,7 +43,7 @@ LEAST_SEQUENCES = 64 * 2 * POOL
 class CopyTask:
     """One selective-copying setup: sequence length, tokens to copy, alphabet sizes."""
 
-    length: int = 48
+    length: int = 32
     copies: int = 4
     data: int = 8
     noise: int = 1

@@ -43,8 +43,8 @@ LEAST_SEQUENCES = 64 * 2 * POOL
 class CopyTask:
     """One selective-copying setup: sequence length, tokens to copy, alphabet sizes."""
 
-    length: int = 32
-    copies: int = 4
+    length: int = 64
+    copies: int = 8
     data: int = 8
     noise: int = 1
 

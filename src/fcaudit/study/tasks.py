@@ -34,7 +34,7 @@ from fcaudit.study.train import TrainPreset, adamw, building, lr_at, write_run
 
 # optimisation per preset; the sequence length is the task's (seq_len is set from it)
 SCHEDULES: dict[str, TrainPreset] = {
-    "tiny": TrainPreset(seq_len=0, batch_size=32, steps=1500, lr=3e-3, warmup=75,
+    "tiny": TrainPreset(seq_len=0, batch_size=32, steps=2000, lr=3e-3, warmup=100,
                         eval_sequences=256, weight_decay=0.0),
 }
 # model sizes per preset, replacing the arch preset's where its config has the field: the

@@ -156,7 +156,7 @@ def _value(value: Any, spec: OptionSpec) -> Any:
 
 
 def _add_train(sub: Any) -> None:
-    t = sub.add_parser("train", help="train a model on the built-in corpus",
+    t = sub.add_parser("train", help="train a model on the built-in corpus or a synthetic task",
                        description="Train FeatureGate, its Dense twin, SkipGate, MUDD, MoE, Mamba "
                                    "or its LTI twin S4D on "
                                    "the built-in Shakespeare corpus (seeded, deterministic on "

@@ -46,6 +46,12 @@ TOKEN_IDS = np.array([[2, 0, 4, 1], [1, 3, 2, 0]])
 CLASS_LOGITS = np.array([[2.0, 0.5, -1.0], [0.1, 0.3, 0.2], [-0.5, 1.5, 0.0],
                          [1.0, 1.0, 3.0]])
 CLASS_TARGETS = np.array([0, 2, 1, 0])
+# selective copying: 4 sequences of 3 tokens over a vocabulary of 4, the last 2 answers
+ANSWER_LOGITS = np.array([[[9.0, 9.0, 9.0, 9.0], [0.5, 2.0, -1.0, 0.0], [0.0, 0.1, 0.2, 3.0]],
+                          [[0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 2.0, 0.0]],
+                          [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 4.0, 1.0], [-1.0, 2.5, 0.0, 0.3]],
+                          [[0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.3, 0.0, 0.0, 0.2]]])
+ANSWERS = np.array([[1, 3], [0, 1], [2, 1], [1, 3]])
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:
@@ -68,6 +74,15 @@ def expected_classification() -> tuple[np.ndarray, np.ndarray]:
     return ce[:, None], (CLASS_LOGITS.argmax(1) == CLASS_TARGETS).astype(np.float64)
 
 
+def expected_answers() -> tuple[np.ndarray, np.ndarray]:
+    """Answer k of an example is scored by the logits at position T - K + k (here 1 and
+    2; position 0 is never read); a hit where both argmaxes are right."""
+    lp = log_softmax(ANSWER_LOGITS)
+    ce = np.array([[-lp[b, 1 + k, ANSWERS[b, k]] for k in range(2)] for b in range(4)])
+    right = ANSWER_LOGITS[:, 1:].argmax(-1) == ANSWERS
+    return ce, right.all(1).astype(np.float64)
+
+
 # what each built-in entry scores: (model output, its input x, hand-computed units and hits)
 HAND = {
     TOKEN_NLL: (lambda: SimpleNamespace(logits=torch.tensor(TOKEN_LOGITS, dtype=torch.float32)),
@@ -75,6 +90,10 @@ HAND = {
     CLASSIFICATION: (lambda: torch.tensor(CLASS_LOGITS, dtype=torch.float32),
                      lambda: ExampleBatch(torch.zeros(4, 2), torch.tensor(CLASS_TARGETS)),
                      expected_classification),
+    "selective-copy": (lambda: torch.tensor(ANSWER_LOGITS, dtype=torch.float32),
+                       lambda: ExampleBatch(torch.zeros(4, 3, dtype=torch.int64),
+                                            torch.tensor(ANSWERS)),
+                       expected_answers),
 }
 
 
@@ -137,7 +156,8 @@ def _objective_action() -> argparse.Action:
 
 def test_cli_choices_and_help_are_read_off_the_registry() -> None:
     action = _objective_action()
-    assert tuple(action.choices) == tuple(OBJECTIVES) == ("token-nll", "classification")
+    assert tuple(action.choices) == tuple(OBJECTIVES) == ("token-nll", "classification",
+                                                          "selective-copy")
     for entry in REGISTRY:
         assert entry.help in " ".join(action.help.split())
 
@@ -158,7 +178,8 @@ def mse_units(output: torch.Tensor, batch: ExampleBatch) -> torch.Tensor:
 def test_a_new_objective_is_one_entry_and_its_function(monkeypatch) -> None:
     """What adding a built-in objective takes: its function in engine/losses.py and one
     registry entry; ``AuditOptions`` validates it and the audit scores with it."""
-    with pytest.raises(FcauditError, match="choose one of token-nll, classification, or"):
+    with pytest.raises(FcauditError, match="choose one of token-nll, classification, "
+                                           "selective-copy, or"):
         AuditOptions(objective="mse").validate()
     monkeypatch.setattr(losses, "mse_units", mse_units, raising=False)
     monkeypatch.setitem(OBJECTIVES, "mse", BuiltinObjective(
@@ -207,9 +228,11 @@ def test_an_entry_is_an_objective_choice_and_help_on_the_command_line() -> None:
         print(list(flag.choices), " ".join(flag.help.split()))"""
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout
-    assert out.strip() == "['token-nll', 'classification', 'mse'] per-unit loss: token-nll " \
-        "(token ids, the default) or classification (cross-entropy and accuracy of [N, C] " \
-        "logits; the default with --inputs) or mse (squared distance)"
+    assert out.strip() == "['token-nll', 'classification', 'selective-copy', 'mse'] per-unit " \
+        "loss: token-nll (token ids, the default) or classification (cross-entropy and " \
+        "accuracy of [N, C] logits; the default with --inputs) or selective-copy " \
+        "(cross-entropy of token logits [N, T, V] at the last K positions against answer " \
+        "tokens [N, K]; accuracy: all K right) or mse (squared distance)"
 
 
 def test_objective_mistakes_are_of_their_kind() -> None:
@@ -220,8 +243,8 @@ def test_objective_mistakes_are_of_their_kind() -> None:
         resolve("mse")
     assert unknown.value.option == "objective"
     assert str(unknown.value) == "AuditOptions(objective='mse'): choose one of token-nll, " \
-        "classification, or pass a callable (model_output, batch) -> per-unit losses [B] or " \
-        "[B, T]"
+        "classification, selective-copy, or pass a callable (model_output, batch) -> " \
+        "per-unit losses [B] or [B, T]"
     with pytest.raises(DataError, match=r"^evaluation targets are float32 \[2\]; "
                        r"classification needs integer class indices \[N\] \(np.int64\)$"):
         check_targets(resolve(CLASSIFICATION), torch.zeros(2, 3), torch.zeros(2), "evaluation")

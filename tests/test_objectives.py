@@ -146,7 +146,7 @@ def test_bad_inputs_are_refused_before_work(tmp_path, case: str, expected: str) 
 
 @pytest.mark.parametrize(("options", "data", "expected"), [
     ({"objective": "token-nll"}, "arrays", "scores token ids"),
-    ({"objective": "bogus"}, "arrays", "choose one of token-nll, classification"),
+    ({"objective": "bogus"}, "arrays", "choose one of token-nll, classification, selective-copy"),
     ({"objective": "classification"}, "tokens", "token ids are scored by next-token NLL"),
     ({"objective": "classification", "frontier": True, "execution": True}, "arrays",
      "token inputs only"),

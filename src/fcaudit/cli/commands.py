@@ -21,7 +21,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from fcaudit.study.train import describe_run, train
     folder = train(args.arch, args.preset, args.seed, args.out, force=args.force,
                    steps=args.steps, progress=not args.quiet, device=args.device,
-                   data=args.data)
+                   data=args.data, task=args.task)
     info = describe_run(folder)
     score = (f"eval accuracy {info['eval_accuracy']:.4f}" if "eval_accuracy" in info else
              f"eval NLL {info['eval_nll']:.4f} (unigram {info['unigram_nll']:.4f})")

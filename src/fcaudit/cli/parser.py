@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fcaudit.core.errors import render
+from fcaudit.engine.objectives import TASKS
 from fcaudit.engine.options import AuditOptions, OptionSpec, option_specs
 from fcaudit.io.arches import ARCHES
 from fcaudit.io.runtime import measured_minutes
@@ -155,7 +156,7 @@ def _value(value: Any, spec: OptionSpec) -> Any:
 
 
 def _add_train(sub: Any) -> None:
-    t = sub.add_parser("train", help="train a model on the built-in corpus",
+    t = sub.add_parser("train", help="train a model on the built-in corpus or a synthetic task",
                        description="Train FeatureGate, its Dense twin, SkipGate, MUDD, MoE, Mamba "
                                    "or its LTI twin S4D on "
                                    "the built-in Shakespeare corpus (seeded, deterministic on "
@@ -176,6 +177,11 @@ def _add_train(sub: Any) -> None:
     t.add_argument("--data", type=user_file, default=None, metavar="FILE_OR_DIR",
                    help="train on your own text (a file or a folder of .txt) instead of the "
                         "built-in corpus; its last 5%% of tokens are held out for eval NLL")
+    t.add_argument("--task", choices=list(TASKS), default=None,
+                   help="train a language arch on a synthetic task instead of the corpus, "
+                        "on fresh batches, with the task's objective as the loss; an audit "
+                        "of the run uses the task's data and objective. "
+                        + "; ".join(TASKS[name].help for name in TASKS))
 
 
 def _add_audit(sub: Any) -> None:

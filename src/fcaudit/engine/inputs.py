@@ -8,6 +8,7 @@ one line naming the argument or flag (:mod:`fcaudit.core.errors`).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from fcaudit.core.interventions import Intervention
 from fcaudit.core.layout import TOKEN_LAYOUT
 from fcaudit.core.nll import model_limits, probe_vocab
 from fcaudit.core.sites import SiteSpec, match_modules
-from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES, TOKEN_NLL, resolve
+from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES, TOKEN_NLL, resolve, run_task
 from fcaudit.engine.options import AuditOptions
 from fcaudit.engine.plan import EXPERT_ABLATION, FRONTIER
 from fcaudit.io.data import AuditData, DataSpec, picked_note, resolve_data
@@ -114,12 +115,16 @@ def resolve_inputs(loaded: LoadedModel, data: DataSpec | AuditData, options: Aud
     net = loaded.model
     default_len, default_why = loaded_seq_len(loaded)
     vision = bool(loaded.run_config) and get_arch(loaded.run_config["arch"]).task == "vision"
-    if vision and options.objective == TOKEN_NLL:  # the default: a run knows its task
-        options = dataclasses.replace(options, objective=CLASSIFICATION)
+    task = run_task(loaded.run_config)  # a synthetic task's run: its data and objective
+    if options.objective == TOKEN_NLL and (vision or task):  # the default: a run knows its task
+        options = dataclasses.replace(options, objective=task.name if task else CLASSIFICATION)
     if isinstance(data, AuditData):
         audit_data = data
     elif vision:  # a vision run: its own digits, in the dtype the model computes in
         audit_data = run_audit_data(data, loaded.spec, next(net.parameters()).dtype)
+    elif task is not None:
+        audit_data = importlib.import_module(task.task).run_audit_data(  # type: ignore[arg-type]
+            data, loaded.spec, (loaded.run_config or {}).get("data"))
     else:
         audit_data = resolve_data(loaded.tokenizer, data, default_len)
     audit_data.check_arrays()  # read again for every audit: the caller may have changed it

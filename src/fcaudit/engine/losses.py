@@ -19,8 +19,9 @@ from fcaudit.core.nll import logits_of, token_nll
 from fcaudit.engine.objectives import ObjectiveFn, output_tensors
 from fcaudit.io.examples import ExampleBatch
 
-__all__ = ["as_batch", "class_hits", "class_targets", "class_units", "logits_of",
-           "output_tensors", "token_units", "user_units"]
+__all__ = ["answer_hits", "answer_targets", "answer_units", "as_batch", "class_hits",
+           "class_targets", "class_units", "logits_of", "output_tensors", "token_units",
+           "user_units"]
 
 
 def as_batch(x: Any) -> ExampleBatch:
@@ -54,12 +55,15 @@ def class_targets(logits: Any, targets: Any, where: str) -> None:
         raise DataError(f"{where} targets are {str(targets.dtype).removeprefix('torch.')} "
                         f"{list(targets.shape)}; classification needs integer class "
                         "indices [N] (np.int64)")
-    classes = int(logits.shape[-1])
+    _within(targets, int(logits.shape[-1]), where, "classes", "class indices")
+
+
+def _within(targets: Tensor, classes: int, where: str, what: str, kind: str) -> None:
+    """Every target an index of the logits' last axis (``classes`` entries)."""
     lo, hi = int(targets.min()), int(targets.max())
     if lo < 0 or hi >= classes:
         raise DataError(f"{where} targets span [{lo}, {hi}] but the model's logits have "
-                        f"{classes} classes; targets must be class indices in [0, "
-                        f"{classes})")
+                        f"{classes} {what}; targets must be {kind} in [0, {classes})")
 
 
 def _classes(output: Any, batch: ExampleBatch) -> tuple[Tensor, Tensor]:
@@ -71,6 +75,53 @@ def _classes(output: Any, batch: ExampleBatch) -> tuple[Tensor, Tensor]:
     if batch.targets is None:  # checked with the data first (class_targets)
         raise DataError("objective 'classification' needs targets")
     return logits, batch.targets.long()
+
+
+# selective-copy: cross-entropy of token logits [B, T, V] at the last K positions against
+# answer tokens [B, K]; a hit is an example with all K answers right
+def answer_units(output: Any, batch: ExampleBatch) -> Tensor:
+    logits, targets = _answers(output, batch)
+    return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+
+
+def answer_hits(output: Any, batch: ExampleBatch) -> Tensor:
+    logits, targets = _answers(output, batch)
+    return (logits.argmax(-1) == targets).all(-1).to(torch.float64)
+
+
+def answer_targets(logits: Any, targets: Any, where: str) -> None:
+    """Integer answer tokens ``[N, K]``, ``K`` within the sequence, ids within the
+    vocabulary of the logits ``[B, T, V]``."""
+    positions = int(_token_logits(logits).shape[1])
+    if targets is None:
+        raise DataError(f"objective 'selective-copy' needs targets: pass {where} targets "
+                        f"({arg('targets', py='AuditData(targets=...)')}), the answer tokens "
+                        "[N, K] predicted at the last K positions")
+    if targets.is_floating_point() or targets.dtype == torch.bool or targets.dim() != 2 \
+            or not 1 <= targets.shape[1] <= positions:
+        raise DataError(f"{where} targets are {str(targets.dtype).removeprefix('torch.')} "
+                        f"{list(targets.shape)}; selective-copy needs integer answer tokens "
+                        f"[N, K] (np.int64) with 1 <= K <= {positions}, the sequence length")
+    _within(targets, int(logits.shape[-1]), where, "token ids", "token ids")
+
+
+def _token_logits(output: Any) -> Tensor:
+    logits = output_tensors(output)
+    if not isinstance(logits, Tensor) or logits.dim() != 3 or not logits.is_floating_point():
+        raise ModelError("objective 'selective-copy' needs token logits [batch, tokens, "
+                         "vocabulary] (or an object with .logits); the model returned "
+                         f"{type(logits).__name__}"
+                         f"{list(logits.shape) if isinstance(logits, Tensor) else ''}")
+    return logits
+
+
+def _answers(output: Any, batch: ExampleBatch) -> tuple[Tensor, Tensor]:
+    """The logits at the last ``K`` positions ``[B, K, V]`` and the answers ``[B, K]``."""
+    logits = _token_logits(output)
+    if batch.targets is None:  # checked with the data first (answer_targets)
+        raise DataError("objective 'selective-copy' needs targets")
+    targets = batch.targets.long()
+    return logits[:, logits.shape[1] - targets.shape[1]:], targets
 
 
 def user_units(fn: ObjectiveFn, name: str, output: Any, batch: ExampleBatch) -> Tensor:

@@ -3,9 +3,13 @@
 ``token-nll`` (the default) is next-token NLL over positions 1..T-1 of token ids, as it
 always was (:func:`fcaudit.core.nll.token_nll`, unchanged); ``classification`` is the
 cross-entropy of logits ``[B, C]`` against integer targets ``[B]``, one unit per example,
-with accuracy beside it; a callable ``(model_output, batch) -> losses [B] or [B, T]``
-is the user's own. Penalties, retention and the bootstrap (over examples) read the mean
-of each example's units, whichever objective made them.
+with accuracy beside it; ``selective-copy`` is the cross-entropy of token logits
+``[B, T, V]`` at the last ``K`` positions against answer tokens ``[B, K]``, one unit per
+answer, an example a hit when all ``K`` are right (the selective-copying task of
+:mod:`fcaudit.io.selective_copy`, which ``fcaudit train --task`` trains on); a callable
+``(model_output, batch) -> losses [B] or [B, T]`` is the user's own. Penalties,
+retention and the bootstrap (over examples) read the mean of each example's units,
+whichever objective made them.
 
 The built-in objectives are defined once, in :data:`REGISTRY`: each entry's name, words
 and the functions of :mod:`fcaudit.engine.losses` it scores with, named here and resolved
@@ -54,6 +58,9 @@ class BuiltinObjective:
     check: str | None = None
     tokens: bool = False  # it scores token ids (else other inputs, AuditData(inputs=...))
     default: bool = False  # the default objective for its kind of inputs
+    # the module generating its synthetic task (``fcaudit train --task NAME`` trains on
+    # it, an audit of such a run reads that task's data and is scored by this objective)
+    task: str | None = None
 
     def call(self, role: str, *args: Any) -> Any:
         """Its function for ``role`` ("losses", "compared", "hits", "check") applied."""
@@ -69,6 +76,11 @@ REGISTRY: tuple[BuiltinObjective, ...] = (
                      "classification (cross-entropy and accuracy of [N, C] logits; the "
                      "default with --inputs)", losses="class_units", hits="class_hits",
                      check="class_targets", default=True),
+    BuiltinObjective("selective-copy", "answer token", "cross-entropy at its answer positions",
+                     "selective-copy (cross-entropy of token logits [N, T, V] at the last K "
+                     "positions against answer tokens [N, K]; accuracy: all K right)",
+                     losses="answer_units", hits="answer_hits", check="answer_targets",
+                     task="fcaudit.io.selective_copy"),
 )
 OBJECTIVES: dict[str, BuiltinObjective] = {o.name: o for o in REGISTRY}
 
@@ -80,6 +92,20 @@ def default_for(tokens: bool) -> str:
 
 
 TOKEN_NLL, CLASSIFICATION = default_for(True), default_for(False)
+TASKS: dict[str, BuiltinObjective] = {o.name: o for o in REGISTRY if o.task is not None}
+
+
+def run_task(run_config: dict[str, Any] | None) -> BuiltinObjective | None:
+    """The synthetic task a run folder trained on (its ``config.json`` ``task``), whose
+    data and objective an audit of it uses; None for a run of the corpus or the digits."""
+    name = (run_config or {}).get("task")
+    if name is None:
+        return None
+    if name not in TASKS:
+        raise UsageError(f"the run trained on task {name!r}, which this fcaudit does not "
+                         f"know (it knows {', '.join(TASKS)}); audit it with the fcaudit "
+                         "version that trained it", option="model")
+    return TASKS[name]
 
 
 def output_tensors(output: Any) -> Any:

@@ -135,8 +135,10 @@ def training_data(vocab_size: int, seq_len: int,
 
 def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: bool = False,
           steps: int | None = None, progress: bool = True, device: str | None = None,
-          data: str | Path | None = None, schedule: TrainPreset | None = None) -> Path:
-    """Train one model (on the built-in corpus, or ``data``) and write its run folder.
+          data: str | Path | None = None, schedule: TrainPreset | None = None,
+          task: str | None = None) -> Path:
+    """Train one model (on the built-in corpus, ``data``, or the synthetic ``task``) and
+    write its run folder.
 
     ``schedule`` replaces the preset's own optimisation settings, so a study can train
     one model size at several lengths and batch shapes (``fcaudit reproduce --preset
@@ -150,6 +152,9 @@ def train(arch_name: str, preset: str, seed: int, out: str | Path, *, force: boo
     device = str(resolve_device(device))
     out = Path(out)
     arch = get_arch(arch_name)
+    if task is not None:
+        return _train_task(arch, task, preset, seed, out, force, steps, progress, device,
+                           data, schedule)
     if arch.task == "vision":
         return _train_vision(arch, preset, seed, out, force, steps, progress, device, data,
                              schedule)
@@ -174,6 +179,21 @@ def _train_vision(arch: Arch, preset: str, seed: int, out: Path, force: bool,
     say_thread_advice(progress, device)
     with hold_output(out, "run"):
         return vision.train_vision(arch, preset, seed, out, tp, cfg, device, progress)
+
+
+def _train_task(arch: Arch, name: str, preset: str, seed: int, out: Path, force: bool,
+                steps: int | None, progress: bool, device: str, data: str | Path | None,
+                schedule: TrainPreset | None) -> Path:
+    """A synthetic task's run: fresh batches of its generator (:mod:`fcaudit.study.tasks`)."""
+    from fcaudit.study import tasks
+    if data is not None or schedule is not None:
+        raise UsageError(f"{arg('task', name)} trains on sequences its generator draws, with "
+                         f"its preset's schedule; drop {arg('data')}", option="data")
+    entry, task, tp = tasks.task_setup(name, arch, preset, steps)
+    check_run_out(out, force)
+    say_thread_advice(progress, device)
+    with hold_output(out, "run"):
+        return tasks.train_task(arch, entry, preset, seed, out, tp, task, device, progress)
 
 
 def say_thread_advice(progress: bool, device: str) -> None:

@@ -157,6 +157,15 @@ class Site:
     SSM's step Δ, its B and C, a decay or an input gate) and names the space its values
     are in (e.g. ``"dt before softplus"``): a static profile there is a time-invariant
     (LTI) recurrence, and reports say so. None for every other controller.
+
+    ``exit`` marks an exit controller: the coefficient is a halting or confidence score
+    ``[B, T]`` (or ``[B, T, 1]``) that the model's own threshold rule reads to decide
+    where a token stops computing, and the pair is ``(continue, exit)``: a score value
+    that makes a token go on and one that makes it stop at this site's layer. The exit
+    conditions (fixed exit, oracle exit) are built from these two values, so they feed
+    the score the model already reads and the model's own rule carries the decision out:
+    the engine needs to know neither the rule nor its threshold, and the exits a replay
+    produces are those of the model's code. None for every other controller.
     """
 
     name: str
@@ -170,6 +179,7 @@ class Site:
     off: float = field(default=0.0, compare=False)
     parts: tuple[tuple[str, int], ...] = field(default=(), compare=False)
     selection: str | None = field(default=None, compare=False)
+    exit: tuple[float, float] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -205,6 +215,21 @@ class HasDenseCounterpart(Protocol):
 @runtime_checkable
 class DeclaresExperts(Protocol):
     def expert_layers(self) -> list[ExpertLayer]: ...
+
+
+@runtime_checkable
+class DeclaresExits(Protocol):
+    """A model with per-layer exit heads (early exit, adaptive depth).
+
+    ``exit_heads()`` lists module paths whose outputs are the per-layer predictions
+    (logits ``[B, T, V]``), in layer order, one per exit site's layer. A full-depth pass
+    (every exit site fed its ``continue`` value) runs every head on every token, so the
+    oracle exit (the earliest layer whose prediction equals the full-depth one) can be
+    read off one pass; a model whose heads run only where tokens exit cannot give the
+    oracle, which is why this is declared and not inferred.
+    """
+
+    def exit_heads(self) -> list[str]: ...
 
 
 class AuditableModel(DeclaresSites, DeclaresBlocks, HasDenseCounterpart, DeclaresExperts,

@@ -219,17 +219,29 @@ class DeclaresExperts(Protocol):
 
 @runtime_checkable
 class DeclaresExits(Protocol):
-    """A model with per-layer exit heads (early exit, adaptive depth).
+    """A model with per-layer exit heads and an exit rule (early exit, adaptive depth).
 
-    ``exit_heads()`` lists module paths whose outputs are the per-layer predictions
-    (logits ``[B, T, V]``), in layer order, one per exit site's layer. A full-depth pass
-    (every exit site fed its ``continue`` value) runs every head on every token, so the
-    oracle exit (the earliest layer whose prediction equals the full-depth one) can be
-    read off one pass; a model whose heads run only where tokens exit cannot give the
-    oracle, which is why this is declared and not inferred.
+    ``exit_heads()``: module paths whose outputs are the per-layer predictions (logits
+    ``[B, T, V]``), in layer order. They need not run in an ordinary pass (a token's
+    prediction comes from its exit layer's head alone, which is the point), so the model
+    has a ``full_depth`` attribute: while it is True, every token runs every layer and
+    every head runs on every token. The oracle exit reads them there, as the full-depth
+    prediction and the earliest layer that already makes it are only known from a pass
+    that computes them all.
+
+    ``exit_rules()``: module paths, one per exit site in layer order, whose outputs are the
+    threshold rule's decisions ``[B, T]`` bool (True: the token stops after this layer).
+    The score alone does not say where a token stopped (the rule and its threshold are the
+    model's: a CALM threshold, a PonderNet cumulative halting probability), so hooks read
+    the model's own exits here: its depth per token and per position, which fixed exit
+    matches, and the exits a replay produces, which must be the model's own.
     """
 
+    full_depth: bool
+
     def exit_heads(self) -> list[str]: ...
+
+    def exit_rules(self) -> list[str]: ...
 
 
 class AuditableModel(DeclaresSites, DeclaresBlocks, HasDenseCounterpart, DeclaresExperts,

@@ -53,9 +53,11 @@ def ids(seed: int = 0) -> torch.Tensor:
 def entering(model: torch.nn.Module, x: torch.Tensor) -> list[int]:
     """Tokens entering each execution block (forward pre-hooks, rows of the packed input)."""
     counts = [0] * len(model.execution_blocks())
+
+    def count(i: int, x: torch.Tensor) -> None:
+        counts[i] += x.numel() // x.shape[-1]
     handles = [model.get_submodule(p).register_forward_pre_hook(
-        lambda _m, args, i=i: counts.__setitem__(i, counts[i] + args[0].numel() // args[0].shape[-1]))
-        for i, p in enumerate(model.execution_blocks())]
+        lambda _m, args, i=i: count(i, args[0])) for i, p in enumerate(model.execution_blocks())]
     try:
         with torch.no_grad():
             model(x)
@@ -193,8 +195,9 @@ def test_ponder_twin_is_the_shared_block_at_full_depth(ponder):
         torch.testing.assert_close(ponder(x), twin(x))
     ponder.full_depth = False
     assert entering(twin, x) == [B * T] * 4
+    unit = sum(p.numel() for p in ponder.unit.parameters())
     assert sum(p.numel() for p in twin.parameters()) == \
-        sum(p.numel() for p in ponder.parameters()) - sum(p.numel() for p in ponder.unit.parameters())
+        sum(p.numel() for p in ponder.parameters()) - unit
 
 
 def test_layerskip_loss_by_hand(model):

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fcaudit.core.conditions import FIXED_EXIT, FIXED_EXIT_POSITION, ORACLE_EXIT
 from fcaudit.core.contract import DeclaresExits, Site
-from fcaudit.core.errors import ModelError
+from fcaudit.core.errors import ModelError, UsageError
 from fcaudit.core.hooks import hooks
 
 
@@ -161,3 +162,29 @@ def exit_scores(sites: Sequence[Site], layers: Tensor,
         out[site.name] = torch.where(stopped, torch.tensor(stop, dtype=ref.dtype),
                                      torch.tensor(go, dtype=ref.dtype)).expand_as(ref).clone()
     return out
+
+
+@dataclass(frozen=True)
+class ExitPlan:
+    """The exit references' layers: fixed exit's from the model's own depth on calibration
+    (overall and per position), the oracle's per evaluation token; and the model's own
+    exits on evaluation, for its reported depth."""
+
+    calibration: ExitDepth
+    oracle: Tensor  # [N, T] the oracle exit layer of every evaluation token
+    own: Tensor  # [N, T] the model's own exit layer of every evaluation token
+
+    def layers(self, condition: str, rows: range, shape: tuple[int, int]) -> Tensor:
+        """``[B, T]``: the exit layer ``condition`` gives the evaluation rows ``rows``."""
+        if condition == FIXED_EXIT:
+            return torch.full(shape, self.calibration.fixed())
+        if condition == FIXED_EXIT_POSITION:
+            per = self.calibration.fixed_per_position()
+            if len(per) != shape[1]:
+                raise UsageError(f"{condition}: calibration has {len(per)} positions, the "
+                                 f"evaluation batch {shape[1]}; use windows of one length")
+            return per.unsqueeze(0).expand(shape)
+        if condition == ORACLE_EXIT:
+            return self.oracle[rows.start:rows.stop]
+        raise UsageError(f"{condition!r} is no exit condition: choose one of {FIXED_EXIT}, "
+                         f"{FIXED_EXIT_POSITION}, {ORACLE_EXIT}")

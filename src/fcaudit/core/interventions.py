@@ -29,6 +29,7 @@ from fcaudit.core.arrays import id_tensor
 from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER, Condition, by_kind
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import UsageError, arg
+from fcaudit.core.exits import ExitPlan, exit_scores
 
 
 def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -301,7 +302,8 @@ def _check_profile(condition: str, site: Site, profiles: StaticProfiles,
     """Refuse in one line a condition that is not static, and coefficients whose shape the
     site's calibration profile does not have: [positions, *trailing] for the per-position
     profile, the trailing shape for the others."""
-    static_names = by_kind("static", default=None)
+    static_names = tuple(n for n in by_kind("static", default=None)
+                         if CONDITIONS[n].profile is not None)
     if condition not in static_names:
         raise UsageError(f"static(condition={condition!r}): choose one of "
                          f"{', '.join(static_names)}")
@@ -411,6 +413,8 @@ class InterventionContext:
     # the repeat's random assignment over the whole evaluation set (the engine's built-in
     # random conditions; None for user interventions, which draw from ``rng``)
     draw: RandomDraw | None = None
+    # the exit references' layers (core/exits.py ExitPlan), where an exit condition runs
+    exits: ExitPlan | None = None
 
 
 InterventionFn = Callable[[dict[str, Tensor], InterventionContext], Mapping[str, Tensor]]
@@ -485,6 +489,17 @@ def feed_static(condition: Condition, coefficients: Coefficients,
                 context: InterventionContext) -> Mapping[str, Tensor]:
     """The condition's calibration profile (:func:`static`)."""
     return static(coefficients, context.profiles, condition.name, context.ids)
+
+
+def feed_exit(condition: Condition, coefficients: Coefficients,
+              context: InterventionContext) -> Mapping[str, Tensor]:
+    """The exit scores that stop each token at the layer the condition's reference gives
+    it (:meth:`~fcaudit.core.exits.ExitPlan.layers`): the model's own rule carries it out."""
+    if context.exits is None:
+        raise UsageError(f"condition {condition.name!r} needs the exit layers of the model "
+                         "(InterventionContext.exits, an ExitPlan): the engine gives them")
+    layers = context.exits.layers(condition.name, context.rows, _batch_shape(coefficients))
+    return exit_scores(context.sites, layers, coefficients)
 
 
 def builtin(name: str, repeats: int = 1) -> Intervention:

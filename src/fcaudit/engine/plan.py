@@ -30,6 +30,7 @@ from fcaudit.core.conditions import (
 )
 from fcaudit.core.contract import RoutingAdapter, Site
 from fcaudit.core.errors import FcauditError
+from fcaudit.core.exits import ExitPlan
 from fcaudit.core.interventions import (
     Intervention,
     InterventionContext,
@@ -256,6 +257,7 @@ class ReplayInputs:
     draws: list[RandomDraw]
     seed: int
     ids: np.ndarray | None = None  # [N, T] evaluation token ids
+    exits: ExitPlan | None = None  # the exit references' layers, where one runs
 
 
 def feed(run: Run, b: int, inputs: ReplayInputs, device: torch.device) -> dict[Site, Tensor]:
@@ -276,7 +278,7 @@ def _intervened(run: Run, rows: range, inputs: ReplayInputs,
     context = InterventionContext(
         tuple(targets), rows, inputs.profiles, run.repeat,
         np.random.default_rng([inputs.seed, run.repeat, rows.start]), inputs.cache.coefficient_rows,
-        _batch_ids(inputs, rows), draw)
+        _batch_ids(inputs, rows), draw, inputs.exits)
     x = condition.feed({s.name: t for s, t in targets.items()}, context)
     return {by_name[k]: v for k, v in x.items()}
 

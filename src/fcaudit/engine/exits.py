@@ -1,0 +1,105 @@
+"""Exit models in the audit (docs/method.md, Early exit): the references' layers, measured
+before the replays, and the section of audit.json that places the learned exit controller
+between fixed exit and oracle exit.
+
+The layers come from real passes: the model's own exits (hooks on its exit rules) on the
+calibration windows, for fixed exit, and on the evaluation windows, for the depth it
+reports; the oracle's from one full-depth pass per evaluation batch (hooks on its exit
+heads). They are recomputed by every audit that runs an exit condition (no cache: a pass
+per batch, the price of a reference that is never stale).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from fcaudit.core.conditions import CORRECT, FIXED_EXIT, ORACLE_EXIT, needing
+from fcaudit.core.exits import (
+    ExitPlan,
+    exit_depth,
+    exit_model,
+    exit_sites,
+    head_predictions,
+    oracle_layers,
+    own_exits,
+)
+from fcaudit.core.nll import device_of
+from fcaudit.engine.exit_parts import ExitSummary
+from fcaudit.engine.metrics import Bootstrap, retention
+from fcaudit.engine.passes import batches
+from fcaudit.engine.result_parts import Retention
+from fcaudit.io.examples import call_model
+
+
+def asked(setup: Any) -> bool:
+    """Whether the audit runs an exit condition on a model with exit sites."""
+    wanted = set(needing("exits")) & set(setup.options.conditions)
+    return bool(wanted) and bool(exit_sites(setup.sites))
+
+
+@torch.no_grad()
+def exit_plan(setup: Any) -> ExitPlan | None:
+    """The references' layers for this audit, or None when it runs no exit condition."""
+    if not asked(setup):
+        return None
+    from fcaudit.engine.execution import inference
+    net = exit_model(setup.model, setup.sites)
+    size, device = setup.options.batch_size, device_of(setup.model)
+    calib, oracle, own = [], [], []
+    with inference(setup.model):
+        for _, x in batches(setup.calib_source, size, device):
+            calib.append(own_exits(net, lambda x=x: call_model(setup.model, x)).cpu())
+        for _, x in batches(setup.eval_source, size, device):
+            own.append(own_exits(net, lambda x=x: call_model(setup.model, x)).cpu())
+            preds = head_predictions(net, lambda x=x: call_model(setup.model, x))
+            oracle.append(oracle_layers(preds).cpu())
+    layers = len(exit_sites(setup.sites)) + 1
+    return ExitPlan(exit_depth(calib, layers), torch.cat(oracle), torch.cat(own))
+
+
+def degenerate(own: torch.Tensor, layers: int) -> str | None:
+    """A rule that does not adapt, in words: no token exits, or every token at the first
+    layer (a depth-1 model, not a saving of adaptive depth)."""
+    if bool((own == layers - 1).all()):
+        return (f"no token exits before the last layer: the threshold is never reached, so "
+                f"every token runs all {layers} layers (no savings)")
+    if bool((own == 0).all()):
+        return ("every token exits after the first layer: the rule does not adapt (a "
+                "depth-1 model, not a saving of adaptive depth)")
+    return None
+
+
+def exit_summary(plan: ExitPlan | None, gap: Retention | None) -> ExitSummary | None:
+    """The audit.json section of an exit model, or None without an exit condition."""
+    if plan is None:
+        return None
+    cal, own = plan.calibration, plan.own
+    L = cal.layers
+    return ExitSummary(
+        depth=L, calibration_mean_depth=cal.mean, fixed_exit_depth=cal.fixed() + 1,
+        fixed_exit_depth_per_position=[int(k) + 1 for k in cal.fixed_per_position()],
+        evaluation_mean_depth=float((own + 1).double().mean()),
+        oracle_mean_depth=float((plan.oracle + 1).double().mean()),
+        share_exiting_first_layer=float((own == 0).double().mean()),
+        share_full_depth=float((own == L - 1).double().mean()),
+        note=degenerate(own, L), gap_closed=gap)
+
+
+def gap_closed(per_seq: dict[str, np.ndarray], boot: Bootstrap) -> Retention | None:
+    """``(L(fixed) - L(learned)) / (L(fixed) - L(oracle))`` in percent with the paired
+    bootstrap (the retention formula with fixed exit as the floor and the oracle as the
+    top); undefined when the fixed-to-oracle gap is not clearly above 0. None when either
+    reference was not run."""
+    if FIXED_EXIT not in per_seq or ORACLE_EXIT not in per_seq:
+        return None
+    share = retention(per_seq[CORRECT], per_seq[ORACLE_EXIT], per_seq[FIXED_EXIT], boot)
+    if share.defined:
+        return share
+    lo, hi = share.gap_ci95
+    return Retention(share.gap, share.gap_ci95, None, None, False,
+                     f"the {FIXED_EXIT}-to-{ORACLE_EXIT} gap {share.gap:+.4f} has a 95% "
+                     f"interval [{lo:+.4f}, {hi:+.4f}] that is not above 0: the oracle's exits "
+                     f"lose no less than fixed exit's, so no share of it is reported")

@@ -11,12 +11,14 @@ per batch, the price of a reference that is never stale).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 import torch
 
 from fcaudit.core.conditions import CORRECT, FIXED_EXIT, ORACLE_EXIT, needing
+from fcaudit.core.errors import ModelError, arg
 from fcaudit.core.exits import (
     ExitPlan,
     exit_depth,
@@ -26,6 +28,7 @@ from fcaudit.core.exits import (
     oracle_layers,
     own_exits,
 )
+from fcaudit.core.hooks import hooks
 from fcaudit.core.nll import device_of
 from fcaudit.engine.exit_parts import ExitSummary
 from fcaudit.engine.metrics import Bootstrap, retention
@@ -103,3 +106,39 @@ def gap_closed(per_seq: dict[str, np.ndarray], boot: Bootstrap) -> Retention | N
                      f"the {FIXED_EXIT}-to-{ORACLE_EXIT} gap {share.gap:+.4f} has a 95% "
                      f"interval [{lo:+.4f}, {hi:+.4f}] that is not above 0: the oracle's exits "
                      f"lose no less than fixed exit's, so no share of it is reported")
+
+
+def with_exit_conditions(options: Any, sites: Any) -> Any:
+    """``options`` with the exit conditions added for a model with exit sites: an exit model
+    is always placed between fixed exit and the oracle (other models are left alone)."""
+    if not exit_sites(sites):
+        return options
+    missing = tuple(n for n in needing("exits") if n not in options.conditions)
+    return dataclasses.replace(options, conditions=(*options.conditions, *missing))
+
+
+@torch.no_grad()
+def check_twin(setup: Any) -> None:
+    """Refuse a dense twin of another depth or width than an exit model: executed depth
+    and FLOPs are read against it, so the twin must be the same network at full depth.
+    Depth: the blocks each declares; width: the last axis of what its blocks read, on the
+    first evaluation window."""
+    if setup.dense is None or not exit_sites(setup.sites) or setup.blocks is None:
+        return
+    from fcaudit.engine.execution import inference
+    from fcaudit.engine.inputs import resolve_block_paths
+    twin_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) or []
+    _, x = next(batches(setup.eval_source, 1, device_of(setup.model), [0]))
+    widths = []
+    for net, paths in ((setup.model, setup.blocks), (setup.dense, twin_blocks)):
+        seen: set[int] = set()
+        with inference(net), hooks(net, {p: lambda _m, args, seen=seen: seen.add(
+                int(args[0].shape[-1])) for p in paths}, kind="pre"):
+            call_model(net, x)
+        widths.append(sorted(seen))
+    if len(setup.blocks) != len(twin_blocks) or widths[0] != widths[1]:
+        raise ModelError(
+            f"exit site {exit_sites(setup.sites)[0].name}: the dense twin has "
+            f"{len(twin_blocks)} blocks of width {widths[1]}, the model {len(setup.blocks)} of "
+            f"width {widths[0]}; executed depth and FLOPs are read against the twin, so give "
+            f"the same network run to full depth ({arg('dense')})")

@@ -16,6 +16,7 @@ from fcaudit.core.errors import UsageError, arg
 from fcaudit.core.layout import SiteAxes, declare_axes
 from fcaudit.core.sites import SiteSpec, find_sites
 from fcaudit.engine.distributed import Ranks, current
+from fcaudit.engine.exits import check_twin, with_exit_conditions
 from fcaudit.engine.inputs import (
     as_loaded,
     check_arguments,
@@ -47,6 +48,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     loaded = as_loaded(model, placement=options.placement())
     net = loaded.model.eval()
     site_list = declare_axes(find_sites(net, sites), site_axes)
+    options = with_exit_conditions(options, site_list)
     # before the first forward pass
     custom = custom_interventions(interventions, site_list, options.conditions)
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
@@ -59,6 +61,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         from fcaudit.io.outdir import check_output
         check_output(setup.out, "audit")
     _check_ranks(setup, ranks or current())
+    check_twin(setup)
     layouts = resolve_layouts(setup, first_batch(setup))
     return dataclasses.replace(setup, sites=layouts.sites, layouts=layouts.notes,
                                notes=(window_line(setup.inputs.summary()), *layouts.lines))

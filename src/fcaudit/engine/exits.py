@@ -23,6 +23,7 @@ from fcaudit.core.exits import (
     ExitPlan,
     exit_depth,
     exit_model,
+    exit_scores,
     exit_sites,
     head_predictions,
     oracle_layers,
@@ -30,9 +31,10 @@ from fcaudit.core.exits import (
 )
 from fcaudit.core.hooks import hooks
 from fcaudit.core.nll import device_of
+from fcaudit.core.replaying import replaying
 from fcaudit.engine.exit_parts import ExitSummary
 from fcaudit.engine.metrics import Bootstrap, retention
-from fcaudit.engine.passes import batches
+from fcaudit.engine.passes import batches, record_batch
 from fcaudit.engine.result_parts import Retention
 from fcaudit.io.examples import call_model
 
@@ -53,6 +55,7 @@ def exit_plan(setup: Any) -> ExitPlan | None:
     size, device = setup.options.batch_size, device_of(setup.model)
     calib, oracle, own = [], [], []
     with inference(setup.model):
+        check_follows(setup, net, next(batches(setup.eval_source, size, device))[1])
         for _, x in batches(setup.calib_source, size, device):
             calib.append(own_exits(net, lambda x=x: call_model(setup.model, x)).cpu())
         for _, x in batches(setup.eval_source, size, device):
@@ -61,6 +64,32 @@ def exit_plan(setup: Any) -> ExitPlan | None:
             oracle.append(oracle_layers(preds).cpu())
     layers = len(exit_sites(setup.sites)) + 1
     return ExitPlan(exit_depth(calib, layers), torch.cat(oracle), torch.cat(own))
+
+
+def check_follows(setup: Any, net: Any, x: Any) -> None:
+    """Refuse, naming the site, an exit rule that does not follow its site's output: a
+    replay of the recorded scores must reproduce the model's own exits bit for bit, and
+    scores that stop every token after exit site ``k`` must stop every token there, for
+    every ``k`` (one batch; the exit conditions and every replayed score rest on it)."""
+    sites, run = exit_sites(setup.sites), lambda: call_model(setup.model, x)
+    own = own_exits(net, run)
+    _, coefficients, _ = record_batch(setup.model, setup.sites, x, None)
+    fed = {"replaying the recorded scores": (own, coefficients)}
+    for k in range(len(sites) + 1):
+        layers = torch.full_like(own, k)
+        fed[f"feeding scores that stop every token after exit layer {k}"] = (
+            layers, exit_scores(sites, layers, coefficients))
+    for what, (expected, scores) in fed.items():
+        with replaying(setup.model, {s: scores[s.name] for s in sites}):
+            got = own_exits(net, run)
+        if not torch.equal(got, expected):
+            wrong = got != expected
+            site = sites[min(int(torch.minimum(got, expected)[wrong].min()), len(sites) - 1)]
+            raise ModelError(f"exit site {site.name}: {what}, the model's exit rule stops "
+                             f"{int(wrong.sum())} of {wrong.numel()} tokens at another layer; "
+                             "its exit decision must read the site's output and nothing else "
+                             "(no recomputed score, no state kept between calls)",
+                             site=site.name)
 
 
 def degenerate(own: torch.Tensor, layers: int) -> str | None:

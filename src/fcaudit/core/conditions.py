@@ -20,7 +20,8 @@ from fcaudit.core.errors import UsageError
 
 # a per-layer variant (one site intervened, the others correct) is a role of a random or
 # static condition, not a kind of its own: it reuses that condition's feed
-Kind = Literal["reference", "random", "static", "ablation", "frontier", "user"]
+# exit: a reference exit rule of an early-exit model (fixed or oracle exit), fed as scores
+Kind = Literal["reference", "random", "static", "exit", "ablation", "frontier", "user"]
 Need = Literal["calibration", "positions", "token_ids", "routers", "exits"]
 # what a condition does in the audit's derived numbers (besides its own penalty):
 # dependence: its interval decides the dependence verdict; penalty: listed when it lowers
@@ -76,7 +77,7 @@ class Condition:
         return fn(self, coefficients, context)
 
     def why_not(self, positions: bool, token_ids: bool, shapes: str,
-                exits: bool = False) -> str | None:
+                exits: bool = True) -> str | None:
         """Why it cannot act on sites with(out) a position axis, inputs with(out) token ids
         and sites with(out) exit scores (``shapes``: the sites' axes, for the reason), or
         None when it applies."""
@@ -134,16 +135,16 @@ REGISTRY: tuple[Condition, ...] = (
     # opt-in, for models with exit sites (Site.exit): the exit references the learned exit
     # controller is placed between (docs/method.md, Early exit). Each feeds the scores that
     # make the model's own rule stop every token at the layer the reference gives it
-    Condition("fixed-exit", "static", "every token exits at one layer, the one closest to "
+    Condition("fixed-exit", "exit", "every token exits at one layer, the one closest to "
               "the mean executed depth on calibration", _CALIB | {"exits"},
               feeder="feed_exit", penalty="one fixed exit layer for every token",
               roles=frozenset({"penalty", "exit-fixed"}), default=False),
-    Condition("fixed-exit-position", "static", "each position exits at one layer, the one "
+    Condition("fixed-exit-position", "exit", "each position exits at one layer, the one "
               "closest to its mean executed depth on calibration",
               _CALIB | {"positions", "exits"}, feeder="feed_exit",
               penalty="one fixed exit layer per position",
               roles=frozenset({"penalty", "exit-fixed-position"}), default=False),
-    Condition("oracle-exit", "static", "each token exits at the earliest layer whose "
+    Condition("oracle-exit", "exit", "each token exits at the earliest layer whose "
               "prediction is the full-depth one", frozenset({"exits"}), feeder="feed_exit",
               roles=frozenset({"exit-oracle"}), default=False),
     Condition("frontier", "frontier", "a savings-frontier point: a rule skips blocks",
@@ -195,11 +196,11 @@ FIXED_EXIT, ORACLE_EXIT = the_opt_in("exit-fixed"), the_opt_in("exit-oracle")
 FIXED_EXIT_POSITION = the_opt_in("exit-fixed-position")
 
 # every condition the audit replays, in report order
-MAIN_CONDITIONS = by_kind("reference", "random", "static")
+MAIN_CONDITIONS = by_kind("reference", "random", "static", "exit")
 # those an audit runs only where asked (AuditOptions.conditions)
-OPT_IN_CONDITIONS = by_kind("reference", "random", "static", default=False)
+OPT_IN_CONDITIONS = by_kind("reference", "random", "static", "exit", default=False)
 # what an audit.json may hold (opt-in ones where asked), in report order: for its readers
-REPORTED_CONDITIONS = by_kind("reference", "random", "static", default=None)
+REPORTED_CONDITIONS = by_kind("reference", "random", "static", "exit", default=None)
 REPORTED_RETENTION = by_role("retention", default=None)
 RANDOM_CONDITIONS = by_kind("random")
 STATIC_CONDITIONS = by_kind("static")

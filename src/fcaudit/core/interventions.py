@@ -302,8 +302,7 @@ def _check_profile(condition: str, site: Site, profiles: StaticProfiles,
     """Refuse in one line a condition that is not static, and coefficients whose shape the
     site's calibration profile does not have: [positions, *trailing] for the per-position
     profile, the trailing shape for the others."""
-    static_names = tuple(n for n in by_kind("static", default=None)
-                         if CONDITIONS[n].profile is not None)
+    static_names = by_kind("static", default=None)
     if condition not in static_names:
         raise UsageError(f"static(condition={condition!r}): choose one of "
                          f"{', '.join(static_names)}")

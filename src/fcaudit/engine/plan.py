@@ -44,6 +44,7 @@ from fcaudit.engine.options import AUTO_ABLATION_MAX_EXPERTS, AuditOptions
 
 # the main conditions of each kind, the opt-in ones too (run where asked)
 RANDOM_ALL, STATIC_ALL = by_kind("random", default=None), by_kind("static", default=None)
+EXIT_ALL = by_kind("exit", default=None)  # run once each, on exit models
 
 
 class Target:
@@ -200,13 +201,15 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
               points: Sequence[FrontierPoint] = (),
               skipped: Collection[str] = ()) -> list[Run]:
     """Every run, in order: correct first, then the conditions (the opt-in ones asked for
-    after the default ones of their kind), per-layer variants, expert
+    after the default ones of their kind; the exit references after the static ones),
+    per-layer variants, expert
     ablations (``ablated``: site -> its number of experts), frontier points and user
     interventions; conditions in ``skipped`` (not applicable to these sites) are not run."""
     runs = [Run(CORRECT)]
     runs += [Run(c, k) for k in range(options.repeats)
              for c in audited(options.conditions, RANDOM_ALL) if c not in skipped]
-    runs += [Run(c) for c in audited(options.conditions, STATIC_ALL) if c not in skipped]
+    runs += [Run(c) for c in audited(options.conditions, STATIC_ALL + EXIT_ALL)
+             if c not in skipped]
     if options.per_layer:
         for site in sites:
             for name in by_role("per-layer"):  # random ones repeated, static ones once

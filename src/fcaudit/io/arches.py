@@ -68,6 +68,8 @@ ARCHES: dict[str, Arch] = {
     "dense-vit": Arch("dense-vit", "fcaudit.models.vit", "ViT", "ViTConfig", task="vision"),
     "condconv": Arch("condconv", "fcaudit.models.condconv", "CNN", "CNNConfig",
                      (("condconv", True),), task="vision"),
+    "branchy": Arch("branchy", "fcaudit.models.branchy", "BranchyCNN", "BranchyConfig",
+                    task="vision"),
     "dense-cnn": Arch("dense-cnn", "fcaudit.models.condconv", "CNN", "CNNConfig",
                       (("condconv", False),), task="vision"),
 }

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from fcaudit.core.conditions import CORRECT, FIXED_EXIT, FIXED_EXIT_POSITION, ORACLE_EXIT
 from fcaudit.engine.result import AuditResult
+from fcaudit.io.hf_exit import HEADS_NOTE, MASKED
+from fcaudit.io.hf_exit import KIND as HF_EARLY_EXIT
 from fcaudit.report.format import fmt_ci, fmt_num, fmt_pct, fmt_share, fmt_with_ci
 from fcaudit.report.markdown import md_code, md_table, md_text
 
@@ -40,6 +42,11 @@ def exits_section(r: AuditResult) -> list[str]:
                        rows, "llrr")]
     if e.note:
         blocks.append(f"**Degenerate exit rule:** {md_text(e.note)}.")
+    if r.model.kind == HF_EARLY_EXIT:
+        blocks.append(f"**Not trained for early exit:** {md_text(HEADS_NOTE)}. **Masked, not "
+                      f"skipped:** {md_text(MASKED)} (the execution audit counts every layer "
+                      "on every token; the depths above are what a skipping implementation "
+                      "would execute).")
     g = e.gap_closed
     if g is not None:
         share = "undefined" if g.value is None else \

@@ -129,7 +129,7 @@ def test_cli_audit_runs_the_exit_conditions_and_says_masking_and_untrained_heads
                                                   "(0, 1]"),
     (["--exit-threshold", "0.5"], "--exit-threshold 0.5 is read only with --early-exit"),
     (["--early-exit"], "--early-exit wraps a Hugging Face causal LM"),
-])
+], ids=["threshold out of range", "threshold without early exit", "not a transformers model"])
 def test_early_exit_mistakes_are_one_line(argv, needle, tmp_path, capsys):
     tokens = tmp_path / "t.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 61, (4, 16)))
@@ -137,3 +137,12 @@ def test_early_exit_mistakes_are_one_line(argv, needle, tmp_path, capsys):
     res = run_inprocess(["audit", *TOY, "--tokens", tokens, "--calib-tokens", tokens, *argv,
                          "--quiet", "--out", out], capsys)
     assert_clean_failure(res, tmp_path, out, needle)
+
+
+def test_the_threshold_enters_the_fingerprint(llama):
+    from fcaudit.io.hf_exit import with_early_exit
+    from fcaudit.io.loading import load
+    plain = load(str(llama))
+    prints = {t: with_early_exit(load(str(llama)), t).fingerprint for t in (0.5, 0.8)}
+    assert len({plain.fingerprint, *prints.values()}) == 3  # another threshold, another cache
+    assert with_early_exit(load(str(llama)), 0.5).fingerprint == prints[0.5]

@@ -187,4 +187,4 @@ def with_early_exit(loaded: LoadedModel, threshold: float) -> LoadedModel:
                          "(Site(exit=...), docs/method.md)", option="early_exit")
     wrapped = EarlyExitLM(model, threshold).eval()
     digest = hashlib.sha256(f"{loaded.fingerprint} {KIND} {threshold!r}".encode()).hexdigest()
-    return dataclasses.replace(loaded, model=wrapped, kind=KIND, fingerprint=digest[:16])
+    return dataclasses.replace(loaded, model=wrapped, kind=KIND, fingerprint=digest)

@@ -19,6 +19,7 @@ from fcaudit.core.replaying import replay
 from fcaudit.io.digits import digits
 from fcaudit.models.branchy import BranchyCNN, BranchyConfig
 from fcaudit.models.condconv import CNN, CNNConfig
+from fcaudit.report.exits import exits_section
 
 THRESHOLD = 0.5
 B = 8
@@ -129,15 +130,20 @@ OPTS = AuditOptions(objective="classification", repeats=1, bootstrap=50, batch_s
                     progress=False, per_layer=False, timing_pairs=0)
 
 
-def audit(model: torch.nn.Module, **kw) -> dict:
+def audit_result(model: torch.nn.Module, **kw) -> fcaudit.AuditResult:
     x, y = digits("eval")
     data = AuditData(inputs=x[:32], targets=y[:32], calib_inputs=digits("train")[0][:32])
-    return fcaudit.audit(model, None, data=data, options=OPTS, report=False, **kw).to_json()
+    return fcaudit.audit(model, None, data=data, options=OPTS, report=False, **kw)
+
+
+def audit(model: torch.nn.Module, **kw) -> dict:
+    return audit_result(model, **kw).to_json()
 
 
 def test_audit_runs_fixed_and_oracle_exit_and_says_per_position_does_not_apply():
     model = make()
-    j = audit(model)
+    result = audit_result(model)
+    j = result.to_json()
     x = torch.from_numpy(digits("train")[0][:32])
     calib = float((hand_exits(model, x) + 1).double().mean())
     e = j["exits"]
@@ -145,6 +151,8 @@ def test_audit_runs_fixed_and_oracle_exit_and_says_per_position_does_not_apply()
     assert e["fixed_exit_depth"] == min(range(3), key=lambda k: (abs(k + 1 - calib), -k)) + 1
     assert {"fixed-exit", "oracle-exit"} <= set(j["conditions"])
     assert "no position axis" in j["not_applicable"]["fixed-exit-position"]
+    assert "| `fixed-exit-position` | one layer per position |  | not applicable |" in \
+        "\n".join(exits_section(result))
     assert j["execution"]["blocks_executed"] == pytest.approx(e["evaluation_mean_depth"])
 
 

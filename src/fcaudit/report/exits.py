@@ -14,6 +14,8 @@ from fcaudit.report.markdown import md_code, md_table, md_text
 
 def _row(r: AuditResult, name: str, what: str, depth: str) -> tuple[str, str, str, str]:
     c = r.conditions.get(name)
+    if name in (r.not_applicable or {}):  # e.g. no positions to fix an exit per
+        return md_code(name), what, "", "not applicable"
     if c is None:
         return md_code(name), what, depth, "not run"
     return md_code(name), what, depth, fmt_with_ci(c.delta, c.ci95, sign=True)

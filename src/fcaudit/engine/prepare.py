@@ -48,7 +48,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     loaded = as_loaded(model, placement=options.placement())
     net = loaded.model.eval()
     site_list = declare_axes(find_sites(net, sites), site_axes)
-    options = with_exit_conditions(options, site_list)
+    options = with_exit_conditions(options, site_list, net)
     # before the first forward pass
     custom = custom_interventions(interventions, site_list, options.conditions)
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse

@@ -5,6 +5,7 @@ hand, fed through the audit, and the refusals of rules and twins that cannot be 
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -218,3 +219,16 @@ def test_twin_of_another_depth_or_width_is_refused(tmp_path, layers, width):
     with pytest.raises(FcauditError, match=rf"the dense twin has {layers} blocks of width "
                                            rf"\[{width}\], the model 4 of width \[16\]"):
         audit(make(), dense=twin)
+
+
+@pytest.mark.parametrize(("exit", "words"), [
+    ((0.0, 1.0), "the model declares no exit_heads(), exit_rules() and full_depth"),
+    ((1.0, 1.0), "Site.exit=(1.0, 1.0) gives one value for continue and exit")])
+def test_exit_sites_the_model_cannot_serve_are_refused_naming_the_site(exit, words):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=16)).eval()
+    sites = [fcaudit.Site(f"blocks.{i}.gate", f"blocks.{i}.gate", "gate", i,
+                          axes=("example", "token"), exit=exit) for i in range(2)]
+    with pytest.raises(ModelError, match=re.escape(f"exit site blocks.0.gate: {words}")) as err:
+        audit(model, sites=sites)
+    assert err.value.site == "blocks.0.gate"

@@ -10,7 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from fcaudit.core.contract import DeclaresExits
-from fcaudit.core.exits import exit_scores, head_predictions, oracle_layers, own_exits
+from fcaudit.core.exits import (
+    exit_layers,
+    exit_scores,
+    head_predictions,
+    oracle_layers,
+    own_exits,
+)
+from fcaudit.core.interventions import reassign, shuffle
 from fcaudit.core.recording import record
 from fcaudit.core.replaying import replay
 from fcaudit.io.arches import get_arch
@@ -236,3 +243,17 @@ def test_short_training_lowers_the_loss_and_round_trips(tmp_path):
     assert log[-1]["loss"] < log[0]["loss"] - 1.0
     loaded = load(str(folder)).model
     assert isinstance(loaded, EarlyExitGPT) and not loaded.training
+
+
+def test_reassigned_and_shuffled_scores_decide_the_exits(model):
+    x = ids(9)
+    own = record(model, x)
+    order = torch.stack([torch.randperm(T, generator=torch.Generator().manual_seed(b))
+                         for b in range(B)])
+    for fed in (reassign(own, [1, 2, 0]), shuffle(own, order.numpy())):
+        # by hand: the first fed score at or above the threshold (0.5); none: full depth
+        scores = torch.stack([v[..., 0] for v in fed.values()])
+        expected = exit_layers(scores >= 0.5)
+        with replay(model, fed):
+            assert torch.equal(own_exits(model, lambda: model(x)), expected)
+            assert entering(model, x) == [int((expected >= i).sum()) for i in range(4)]

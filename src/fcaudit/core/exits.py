@@ -42,14 +42,21 @@ def exit_model(model: Any, sites: Sequence[Site]) -> DeclaresExits:
     if not found:
         raise ModelError("the model has no exit sites (Site(..., exit=(continue, exit))): "
                          "the exit conditions apply only to early-exit models")
+    same = [s for s in found if s.exit is not None and s.exit[0] == s.exit[1]]
+    if same:
+        raise ModelError(f"exit site {same[0].name}: Site.exit={same[0].exit!r} gives one value "
+                         "for continue and exit; give (a score that makes a token go on, one "
+                         "that makes it stop at this layer)", site=same[0].name)
     if not isinstance(model, DeclaresExits):
         raise ModelError(f"exit site {found[0].name}: the model declares no exit_heads(), "
-                         "exit_rules() and full_depth (fcaudit.core.contract.DeclaresExits)")
+                         "exit_rules() and full_depth (fcaudit.core.contract.DeclaresExits), "
+                         "which the exit conditions read", site=found[0].name)
     rules, heads = model.exit_rules(), model.exit_heads()
     if len(rules) != len(found) or len(heads) != len(found) + 1:
         raise ModelError(f"exit site {found[0].name}: the model has {len(found)} exit sites, "
                          f"{len(rules)} exit_rules() and {len(heads)} exit_heads(); give one "
-                         "rule per exit site and one head per layer (sites + 1)")
+                         "rule per exit site and one head per layer (sites + 1)",
+                         site=found[0].name)
     return model
 
 

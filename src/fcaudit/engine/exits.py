@@ -137,11 +137,13 @@ def gap_closed(per_seq: dict[str, np.ndarray], boot: Bootstrap) -> Retention | N
                      f"lose no less than fixed exit's, so no share of it is reported")
 
 
-def with_exit_conditions(options: Any, sites: Any) -> Any:
-    """``options`` with the exit conditions added for a model with exit sites: an exit model
-    is always placed between fixed exit and the oracle (other models are left alone)."""
+def with_exit_conditions(options: Any, sites: Any, model: Any) -> Any:
+    """``options`` with the exit conditions added for a model with exit sites (checked now,
+    before any pass): an exit model is always placed between fixed exit and the oracle
+    (other models are left alone)."""
     if not exit_sites(sites):
         return options
+    exit_model(model, sites)
     missing = tuple(n for n in needing("exits") if n not in options.conditions)
     return dataclasses.replace(options, conditions=(*options.conditions, *missing))
 

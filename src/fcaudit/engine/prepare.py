@@ -51,7 +51,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         loaded = with_early_exit(loaded, options.exit_threshold)
     net = loaded.model.eval()
     site_list = declare_axes(find_sites(net, sites), site_axes)
-    options = with_exit_conditions(options, site_list)
+    options = with_exit_conditions(options, site_list, net)
     # before the first forward pass
     custom = custom_interventions(interventions, site_list, options.conditions)
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse

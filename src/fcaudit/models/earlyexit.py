@@ -139,8 +139,6 @@ class ExitBlock(nn.Module):
 class EarlyExitGPT(GPT):
     """``input_ids [B, T] -> logits [B, T, V]``; each token's logits from its exit layer."""
 
-    block_class = ExitBlock
-
     def __init__(self, cfg: EarlyExitConfig) -> None:
         nn.Module.__init__(self)
         self.config = cfg

@@ -93,7 +93,9 @@ def _nats(value: str) -> float | str:
         return value
 
 
-READERS: dict[str, Any] = {"int": int, "nats": _nats, "path": user_path, "text": None}
+# "number": any other float (a probability), read and refused like nats
+READERS: dict[str, Any] = {"int": int, "nats": _nats, "number": _nats, "path": user_path,
+                           "text": None}
 PLACEMENT_GROUP = ("models bigger than memory (a Hugging Face folder; needs accelerate, in "
                    "fcaudit[hf])")
 

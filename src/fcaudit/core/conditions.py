@@ -71,15 +71,17 @@ class Condition:
             importlib.import_module("fcaudit.core.interventions"), self.feeder)
         return fn(self, coefficients, context)
 
-    def why_not(self, positions: bool, token_ids: bool, shapes: str) -> str | None:
+    def why_not(self, positions: bool, token_ids: bool, shapes: str,
+                no_ids: str | None = None) -> str | None:
         """Why it cannot act on sites with(out) a position axis and inputs with(out) token
-        ids (``shapes``: the sites' axes, for the reason), or None when it applies."""
+        ids (``shapes``: the sites' axes, for the reason; ``no_ids``: why there are none,
+        when not the generic reason), or None when it applies."""
         own = self.unavailable or {}
         if "positions" in self.needs and not positions:
             return (f"the coefficients ({shapes}) have no position axis, one value set per "
                     f"example: {own.get('positions', UNAVAILABLE['positions'])}")
         if "token_ids" in self.needs and not token_ids:
-            return own.get("token_ids", UNAVAILABLE["token_ids"])
+            return own.get("token_ids", no_ids or UNAVAILABLE["token_ids"])
         return None
 
 

@@ -69,7 +69,7 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     cache.verify_all()
     timings = {"record_s": time.perf_counter() - setup.started}
     inputs = _replay_inputs(setup, cache, profiles, first)
-    skipped = not_applicable(setup.sites, inputs.ids is not None, opts.conditions)
+    skipped = not_applicable(setup.sites, setup.inputs.token_ids is not None, opts.conditions)
     covered, points = frontier_points(setup, cache, frontier_plan(setup, first), progress,
                                       ranks)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),
@@ -101,7 +101,7 @@ def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticPro
     return ReplayInputs(cache, setup.sites, profiles,
                         [draw(seed, setup.inputs.n_eval, lengths[0], lengths[1:])
                          for seed in seeds.draws], seeds.interventions,
-                        setup.inputs.token_ids)
+                        setup.token_ids)
 
 
 def _position_counts(setup: Prepared, first: Probe) -> list[int]:

@@ -35,7 +35,14 @@ from fcaudit.engine.stages import (
     replay_results,
     replay_stage,
 )
-from fcaudit.engine.summary import Description, Summary, accuracies, describe, summarize
+from fcaudit.engine.summary import (
+    Description,
+    Summary,
+    accuracies,
+    describe,
+    example_hits,
+    summarize,
+)
 
 
 @dataclass(frozen=True)
@@ -86,9 +93,10 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     identity = dataclasses.replace(first.identity, exact=first.identity.exact and diff == 0,
                                    max_abs_diff=max(first.identity.max_abs_diff, diff))
     description = describe(cache, setup.sites, inputs.ids)
+    original = _original_hits(cache) if setup.objective.accuracy else None
     summary = summarize(runs, replays.per_run, description.original_nll, setup.sites, opts,
-                        skipped, accuracies(runs, replays.hits, _original_hits(cache)
-                                            if setup.objective.accuracy else None))
+                        skipped, accuracies(runs, replays.hits, original),
+                        example_hits(runs, replays.hits, original))
     return Measurements(setup, runs, replays, identity, description, summary, covered, points,
                         profiles, reuse, recorded, timings)
 

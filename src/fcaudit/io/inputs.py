@@ -287,8 +287,7 @@ class ExampleData:
         return x.numpy().astype(np.int64) if is_token_ids(x) else None
 
     def batch_token_ids(self, x: Any) -> Tensor | None:
-        from fcaudit.io.examples import is_token_ids
-        return x.inputs.cpu().long() if is_token_ids(x.inputs) else None
+        return x.inputs.cpu().long() if self.token_ids is not None else None
 
     def summary(self) -> dict[str, object]:
         return {"eval_examples": len(self.examples),

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import token_gate_toys as tg
 import toys
+from conftest import run_inprocess
 
 import fcaudit
 from fcaudit import AuditData, AuditOptions
@@ -141,3 +142,22 @@ def test_token_nll_audits_have_no_accuracy_retention() -> None:
     assert all(ret.accuracy is None for ret in r.retention.values())
     assert not [k for k in r.metrics() if k.startswith("accuracy_retention")]
     assert all("accuracy" not in row for row in r.to_json()["retention"].values())
+
+
+def test_the_command_line_summary_prints_it(tmp_path, capsys) -> None:
+    """The summary's retention lines end with the accuracy retention (31.58%, by hand
+    above: (27 - 21) / (40 - 21) of the 48 examples)."""
+    ev = tg.evaluation(N, 3)
+    pred = predictions(ev)
+    targets = pred["correct"].copy()
+    targets[np.flatnonzero(targets == 1)[::4]] = 0
+    for name, arr in (("x", ev), ("y", targets), ("xc", tg.CALIBRATION)):
+        np.save(tmp_path / f"{name}.npy", arr)
+    res = run_inprocess(["audit", "--model", "token_gate_toys:classifier", "--sites",
+                         "gates.*", "--inputs", tmp_path / "x.npy", "--targets",
+                         tmp_path / "y.npy", "--calib-inputs", tmp_path / "xc.npy",
+                         "--out", tmp_path / "out", "--no-execution", "--repeats", "1",
+                         "--bootstrap", "50", "--no-per-layer"], capsys)
+    assert res.returncode == 0, res.stderr
+    line = next(li for li in res.stdout.splitlines() if li.startswith("retention static-layer:"))
+    assert f"; on accuracy {100 * 6 / 19:.2f}% [" in line

@@ -77,10 +77,11 @@ class Condition:
         return fn(self, coefficients, context)
 
     def why_not(self, positions: bool, token_ids: bool, shapes: str,
-                exits: bool = True) -> str | None:
+                exits: bool = True, no_ids: str | None = None) -> str | None:
         """Why it cannot act on sites with(out) a position axis, inputs with(out) token ids
-        and sites with(out) exit scores (``shapes``: the sites' axes, for the reason), or
-        None when it applies."""
+        and sites with(out) exit scores (``shapes``: the sites' axes, for the reason;
+        ``no_ids``: why there are no token ids, when not the generic reason), or None when
+        it applies."""
         own = self.unavailable or {}
         if "exits" in self.needs and not exits:
             return own.get("exits", UNAVAILABLE["exits"])
@@ -88,7 +89,7 @@ class Condition:
             return (f"the coefficients ({shapes}) have no position axis, one value set per "
                     f"example: {own.get('positions', UNAVAILABLE['positions'])}")
         if "token_ids" in self.needs and not token_ids:
-            return own.get("token_ids", UNAVAILABLE["token_ids"])
+            return own.get("token_ids", no_ids or UNAVAILABLE["token_ids"])
         return None
 
 

@@ -34,6 +34,7 @@ from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.placement import DEVICE_MAPS
 
 if TYPE_CHECKING:
+    import numpy as np
     from torch import nn
 
     from fcaudit.core.contract import Site
@@ -459,6 +460,13 @@ class Prepared:
         """The engine's one view of the data, whichever kind (a copy of the Prepared with
         other data gets its own)."""
         return self.data.checked()
+
+    @property
+    def token_ids(self) -> np.ndarray | None:
+        """The evaluation token ids where they key every coefficient (token-keyed profiles,
+        the token-id share): the data's, when every site has a token axis; else None."""
+        from fcaudit.core.layout import keyed_by_token
+        return self.inputs.token_ids if keyed_by_token(self.sites) else None
 
     @property
     def eval_source(self) -> Any:

@@ -859,6 +859,26 @@ def hf_moe_count(r: Results) -> str:
     return f"{len(passed) - len(README_MOE)} more families"
 
 
+SSM_COLUMNS = ("family", "selection sites", "sites found (family: count)", "identity exact",
+               "donor changes output", "seconds")
+
+
+@block("hf-ssm-sweep", "every state-space family of tests/ssm_families.py, checked",
+       [bench("hf_ssm_sweep")], ["python benchmarks/hf_ssm_sweep.py"])
+def hf_ssm_sweep(r: Results) -> str:
+    d = r.json(bench("hf_ssm_sweep"))
+    res = d["results"]
+    rows = [(family, str(row["selection_sites"]),
+             ", ".join(f"{k}: {v}" for k, v in row["families"].items()), row["identity"],
+             row["donor"], f"{row['seconds']:.2f}") for family, row in res["rows"].items()]
+    return "\n".join([
+        "", f"{measured(d)} transformers {res['transformers']}, batch {res['batch']} x "
+        f"{res['seq_len']} tokens, {res['wall_s']:.0f} s in all: {len(res['passed'])} families "
+        f"pass every check, {len(res['failed'])} fail"
+        + (f" ({', '.join(res['failed'])})." if res["failed"] else "."), "",
+        md_table(SSM_COLUMNS, rows, "lrlllr"), ""])
+
+
 @block("gpu-check", "the GPU check's table, on the device it last ran on",
        [bench("gpu_check")], ["python benchmarks/gpu_check.py"])
 def gpu_check(r: Results) -> str:

@@ -15,6 +15,7 @@ do when neither fits.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from fcaudit.core.contract import (
     SiteCall,
     describe,
 )
-from fcaudit.core.errors import FcauditError
+from fcaudit.core.errors import FcauditError, UsageError
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,16 @@ class SliceAdapter:
 
     spans: tuple[tuple[int, int], ...]
     name: str = "slice"
+
+    def __post_init__(self) -> None:
+        """Refuse spans that are empty, reversed or overlapping: the round trip would still
+        be exact (rebuild writes back what extract read), but an overlapped channel would
+        take whichever intervened value is written last."""
+        spans = sorted(tuple(s) for s in self.spans)
+        if not spans or any(len(s) != 2 or not 0 <= s[0] < s[1] for s in spans) or any(
+                prev[1] > nxt[0] for prev, nxt in itertools.pairwise(spans)):
+            raise UsageError(f"SliceAdapter spans must be (start, stop) channel pairs with "
+                             f"0 <= start < stop, none overlapping; got {list(self.spans)}")
 
     def extract(self, output: Any, call: SiteCall) -> Tensor:
         whole = TENSOR.extract(output, call)
@@ -179,8 +190,10 @@ def same_bits(a: Any, b: Any) -> bool:
         if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
             return False
         if a.is_floating_point() or a.is_complex():
-            return bool(torch.equal(a.contiguous().view(torch.uint8),
-                                    b.contiguous().view(torch.uint8)))
+            # reshape(-1): a 0-dim tensor (a scalar in an output or a model's state)
+            # cannot be viewed as bytes
+            return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                                    b.contiguous().reshape(-1).view(torch.uint8)))
         return bool(torch.equal(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)

@@ -212,6 +212,25 @@ class AuditableModel(DeclaresSites, DeclaresBlocks, HasDenseCounterpart, Declare
     """A model that declares everything the audit needs (each part is optional)."""
 
 
+EXECUTION_MODE = "execution_mode"
+
+
+def execution_mode(model: Any) -> str | None:
+    """The compute mode a model says it runs: its optional ``execution_mode`` attribute
+    (a string, e.g. ``"recurrent scan"``, or ``"fft convolution"`` for an LTI twin), which
+    the execution audit reports beside its timing, as a time-invariant twin may be timed
+    in a faster mode than its selective model can use. None when it declares none."""
+    mode = getattr(model, EXECUTION_MODE, None)
+    if mode is None:
+        return None
+    if not isinstance(mode, str) or not mode.strip():
+        from fcaudit.core.errors import ModelError
+        raise ModelError(f"{type(model).__name__}.{EXECUTION_MODE} is {mode!r}: make it a "
+                         "string naming the compute mode the forward pass runs (e.g. "
+                         "\"recurrent scan\"), or remove it")
+    return mode.strip()
+
+
 def dense_twin(model: nn.Module, seed: int) -> nn.Module | None:
     """The model's dense counterpart with fresh seeded weights (its dtype and device),
     or None for a model that knows none."""

@@ -3,8 +3,10 @@
 Each kind (sites, blocks, expert layers) has a list of rules: the model's own
 declaration (:mod:`fcaudit.core.contract`'s protocols) first, which wins when present;
 else the structural rules that fit any model of a shape, all of them together (the
-Mixture-of-Experts rule lives with the routers in :mod:`fcaudit.core.routers`; the layer
-stack of a ``transformers`` model here). A rule returns None or an empty list when it
+Mixture-of-Experts rule lives with the routers in :mod:`fcaudit.core.routers`, the
+selective state-space rule in :mod:`fcaudit.core.selection`, the selection sites of gated
+recurrences in :mod:`fcaudit.core.gated_recurrence`; the layer stack of a
+``transformers`` model here). A rule returns None or an empty list when it
 does not apply. Every rule is a plain function of the model, testable alone; adding one
 is adding it to its list.
 """
@@ -23,7 +25,9 @@ from fcaudit.core.contract import (
     ExpertLayer,
     Site,
 )
+from fcaudit.core.gated_recurrence import gated_recurrence_sites
 from fcaudit.core.routers import moe_expert_layers, moe_router_sites
+from fcaudit.core.selection import selection_sites
 
 T = TypeVar("T")
 Rule = Callable[[nn.Module], "list[Any] | None"]
@@ -54,7 +58,7 @@ def transformers_layer_stack(model: nn.Module) -> list[str]:
     return [f"{path}.{i}" if path else str(i) for i in range(count)]
 
 
-SITE_RULES: list[Rule] = [own_sites, moe_router_sites]
+SITE_RULES: list[Rule] = [own_sites, moe_router_sites, selection_sites, gated_recurrence_sites]
 BLOCK_RULES: list[Rule] = [own_blocks, transformers_layer_stack]
 EXPERT_RULES: list[Rule] = [own_experts, moe_expert_layers]
 

@@ -21,6 +21,7 @@ from fcaudit.engine.frontier import frontier_summary
 from fcaudit.engine.frontier_plan import frontier_units
 from fcaudit.engine.measure import Measurements, reuse_summary
 from fcaudit.engine.options import Prepared
+from fcaudit.engine.parts import site_parts
 from fcaudit.engine.plan import Run, ablation_runs, frontier_runs, routing_sites, tracked_runs
 from fcaudit.engine.result import (
     NONDETERMINISTIC_KEYS,
@@ -164,6 +165,7 @@ def _site_info(site: Site, cache: CoefficientCache, model: nn.Module,
     if (site.axes, site.positions) != (TOKEN_AXES, TOKEN_LAYOUT):
         info.axes, info.positions = list(site.axes or ()), list(site.positions or ())
     info.layout = layout
+    info.parts, info.selection = site_parts(site), site.selection
     return info
 
 

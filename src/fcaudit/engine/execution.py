@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from fcaudit.core.contract import ExpertLayer, Site, SiteCall
+from fcaudit.core.contract import ExpertLayer, Site, SiteCall, execution_mode
 from fcaudit.core.errors import FcauditError, ModelError, arg
 from fcaudit.core.hooks import hooks
 from fcaudit.core.nll import logits_of
@@ -508,7 +508,9 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
         dense_flops_per_block=twin["flops_per_block"] if twin else None,
         gated_flops_per_token=own["gated_flops_per_token"] or None,
         positions_per_block=own.get("positions_per_block"),
-        dense_positions_per_block=twin.get("positions_per_block") if twin else None)
+        dense_positions_per_block=twin.get("positions_per_block") if twin else None,
+        mode=execution_mode(model), dense_mode=execution_mode(dense) if dense else None,
+        dense_class=type(dense).__name__ if dense is not None else None)
     if timing and dense is not None:
         result.timing = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
                                          threads)

@@ -163,6 +163,20 @@ class VarianceAccumulator:
                 "eta2_component": ss_comp_within / ss_total,
                 "eta2_residual": ss_resid / ss_total, "ss_total": ss_total}
 
+    def part(self, channels: slice) -> VarianceShares:
+        """The decomposition of the channels ``channels`` of the last axis alone (one named
+        coefficient of :attr:`Site.parts`), without per-component rows: the share of each
+        axis within that coefficient, not diluted by its neighbours."""
+        flat1 = [self.s1[s.name][..., channels].reshape(self.s1[s.name].shape[0], -1)
+                 for s in self.sites]
+        flat2 = [self.s2[s.name][..., channels].reshape(self.s2[s.name].shape[0], -1)
+                 for s in self.sites]
+        result = VarianceShares(**self._shares(flat1, flat2, self.n),
+                                n_values=sum(f.numel() for f in flat1) * self.n)
+        if flat1[0].shape[1] > 1:
+            result.component_axis = "component"
+        return result
+
     def decompose(self, max_components: int = 16) -> VarianceShares:
         flat1 = [self.s1[s.name].reshape(self.s1[s.name].shape[0], -1) for s in self.sites]
         flat2 = [self.s2[s.name].reshape(self.s2[s.name].shape[0], -1) for s in self.sites]
@@ -261,11 +275,15 @@ class TokenShare:
         self.by_id = merge_token_sums(self.by_id, token_sums(centred, ids))
         self.n += ids.numel()
 
-    def share(self) -> float | None:
+    def share(self, channels: slice | None = None) -> float | None:
+        """The pooled share; with ``channels``, that of those channels of the last axis
+        alone (one named coefficient of :attr:`Site.parts`)."""
         assert self.by_id is not None
         between = total = 0.0
+        cut = (Ellipsis, channels) if channels is not None else (Ellipsis,)
         for site in self.sites:
-            t1, t2, sums = self.t1[site.name], self.t2[site.name], self.by_id.sums[site.name]
+            t1, t2 = self.t1[site.name][cut], self.t2[site.name][cut]
+            sums = self.by_id.sums[site.name][cut]
             mean = t1 / self.n  # the cell's mean (minus its shift), [*trailing]
             counts = self.by_id.counts.to(torch.float64).view(-1, *[1] * t1.dim())
             total += float((t2 - t1 * mean).sum())

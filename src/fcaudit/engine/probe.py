@@ -22,10 +22,12 @@ from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError, IdentityError, ModelError, arg
 from fcaudit.core.layout import check_family_positions
 from fcaudit.core.nll import device_of
+from fcaudit.engine.carried_state import why_passes_differ
 from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.inputs import resolve_block_paths
 from fcaudit.engine.objectives import check_targets
 from fcaudit.engine.options import Prepared
+from fcaudit.engine.parts import check_parts
 from fcaudit.engine.passes import (
     batches,
     check_finite,
@@ -72,6 +74,7 @@ def probe(setup: Prepared) -> Probe:
     check_finite(coefficients, "evaluation data")  # before any file is written
     check_finite_losses(nll, objective, "the unperturbed record pass, batch 0")
     check_family_positions(sites, coefficients)
+    check_parts(sites, coefficients)
     _check_axes(net, sites, x)
     if setup.blocks_glob is not None and setup.blocks is not None:
         from fcaudit.engine.execution import refuse_idle_blocks
@@ -88,22 +91,25 @@ def probe(setup: Prepared) -> Probe:
     check_units(units, nll.shape, objective, "the identity replay of batch 0")
     diff = float((units - nll).abs().max())
     again, _, _ = record_batch(net, sites, x, objective)
-    culprit = None
+    culprit, fix = None, None
     if not same_bits(logits, again):
-        cause = "two unperturbed passes over the same batch already differ: the forward " \
-                "pass is not deterministic (dropout, sampling or training mode?)"
+        cause, fix = why_passes_differ(net, lambda: record_batch(net, sites, x, None)[0])
     else:
         culprit = _first_nonexact_site(setup, coefficients, x, logits)
         cause = f"replaying site {culprit} alone already changes the output" if culprit \
             else "replaying all sites together changes the output"
     unit = "per-token NLL" if objective.tokens else f"{objective.name} loss"
-    message = (f"identity replay is not exact: replaying the recorded coefficients changes "
-               f"the {unit} by up to {diff:.3g} nats ({cause}). Likely causes: "
-               f"{IDENTITY_CAUSES}")
+    if fix is None:
+        message = (f"identity replay is not exact: replaying the recorded coefficients "
+                   f"changes the {unit} by up to {diff:.3g} nats ({cause}). Likely causes: "
+                   f"{IDENTITY_CAUSES}")
+        fix = "fix the model (model.eval(), fixed seeds, deterministic kernels)"
+    else:  # state carried across calls: said first, with its own fix
+        message = (f"identity replay is not exact: {cause}; replaying the recorded "
+                   f"coefficients changes the {unit} by up to {diff:.3g} nats")
     if not setup.options.allow_nonexact_identity:
-        raise IdentityError(f"{message}. No verdict can rest on such a replay: fix the model "
-                            "(model.eval(), fixed seeds, deterministic kernels) or rerun with "
-                            f"{ALLOW_NONEXACT} to see the numbers flagged as not exact",
+        raise IdentityError(f"{message}. No verdict can rest on such a replay: {fix} or rerun "
+                            f"with {ALLOW_NONEXACT} to see the numbers flagged as not exact",
                             site=culprit, max_abs_diff=diff)
     return Probe(Identity(False, diff, True, message), coefficients, nll, hits)
 

@@ -63,6 +63,7 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     Seeds,
     SideTiming,
     SiteInfo,
+    SitePart,
     Stopping,
     StoppingRound,
     Timing,

@@ -89,6 +89,9 @@ class VarianceShares:
     # current token id explains (one-way ANOVA, pooled over the family's layers); apart
     # from the shares above, which split the total. None: no variance within layers
     eta2_token_id: float | None = None
+    # per named coefficient (the sites' ``parts``; a selection family without parts: one,
+    # named by its family), each one's channels decomposed alone like the pooled figure
+    parts: dict[str, VarianceShares] | None = _omit_none()
 
     def axes(self) -> list[tuple[str, float]]:
         """Every axis of the decomposition with its share, named; the shares sum to 1
@@ -242,6 +245,11 @@ class Execution:
     # what "per token" counts for inputs that are not token ids: "example" (blocks run per
     # example, FLOPs per example; experts per routed token); absent for token ids
     unit: str | None = _omit_none()
+    # the compute mode timed (a model's or twin's ``execution_mode``, e.g. "fft
+    # convolution" for an LTI twin), and the twin's class; absent when not declared
+    mode: str | None = _omit_none()
+    dense_mode: str | None = _omit_none()
+    dense_class: str | None = _omit_none()
     # per example, the positions entering each block whose input is [B, P, C] (patch
     # tokens; None for other inputs): fewer than P where tokens are pruned
     positions_per_block: list[float | None] | None = _omit_none()
@@ -448,6 +456,15 @@ class DataSummary(TypedDict, total=False):
 
 
 @dataclass
+class SitePart:
+    """One named coefficient of a site (:attr:`~fcaudit.core.contract.Site.parts`): the
+    next ``width`` channels of the last axis."""
+
+    name: str
+    width: int
+
+
+@dataclass
 class SiteInfo:
     name: str
     family: str
@@ -460,6 +477,11 @@ class SiteInfo:
     positions: list[int] | None = _omit_none()
     # how the layout was found when neither the model nor the user declared it
     layout: str | None = _omit_none()
+    # named coefficients side by side on the last axis, in order (Site.parts)
+    parts: list[SitePart] | None = _omit_none()
+    # a selection parameter of a recurrence: the space its values (and so the static
+    # profiles' means) are in, e.g. "dt before softplus" (Site.selection)
+    selection: str | None = _omit_none()
 
 
 @dataclass

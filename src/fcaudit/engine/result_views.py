@@ -46,8 +46,9 @@ def metrics(r: AuditResult) -> dict[str, float | None]:
     """The result's numbers, flat: NLL of correct (and accuracy for classification), every
     condition's penalty (None where it does not apply; custom ones too), the interaction,
     each profile's
-    retention, the main family's variance shares, execution fractions, the frontier and
-    re-routing; intervals are in :func:`metric_intervals`."""
+    retention, the main family's variance shares (and every named coefficient's, as
+    ``<share>@<family>.<coefficient>``), execution fractions, the frontier and re-routing;
+    intervals are in :func:`metric_intervals`."""
     c = r.conditions
     out: dict[str, float | None] = {"nll_correct": c[CORRECT].nll}
     if c[CORRECT].accuracy is not None:  # a classification objective
@@ -60,6 +61,9 @@ def metrics(r: AuditResult) -> dict[str, float | None]:
             for p in audited(r.retention, REPORTED_RETENTION)}
     main = r.variance[r.families[0]]  # the first family in site order is the main one
     out |= {key: getattr(main, key) for key in (*ETA2_KEYS, "eta2_token_id")}
+    out |= {f"{key}@{fam}.{part}": getattr(shares, key)  # named coefficients (Site.parts)
+            for fam, var in r.variance.items() for part, shares in (var.parts or {}).items()
+            for key in (*ETA2_KEYS, "eta2_token_id")}
     return out | _execution_metrics(r) | _frontier_metrics(r) | _rerouted(r)
 
 

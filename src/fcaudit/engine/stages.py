@@ -36,6 +36,7 @@ from fcaudit.engine.cache import (
     EvaluationShard,
     ReplayShard,
 )
+from fcaudit.engine.carried_state import STATE_FIX
 from fcaudit.engine.distributed import SINGLE, Ranks
 from fcaudit.engine.options import AuditOptions, Prepared, Progress
 from fcaudit.engine.passes import (
@@ -462,10 +463,10 @@ def _history_diff(setup: Prepared, passes: _Passes, first: Replayed, n_runs: int
         raise IdentityError(
             f"the correct replay of batch {passes.b}, repeated after the batch's other "
             f"{n_runs - 1} runs, differs from the first by up to {diff:.3g} nats: the model's "
-            "output depends on earlier forward passes (state kept between calls), so every "
-            "replay's number would depend on the order of the runs; make the forward pass a "
-            "function of its input (and coefficients) alone, or rerun with "
-            f"{ALLOW_NONEXACT} to see the numbers flagged as not exact", max_abs_diff=diff)
+            "output depends on earlier forward passes (state kept between calls, e.g. a "
+            "recurrent state or a generation cache), so every replay's number would depend "
+            f"on the order of the runs; {STATE_FIX}, or rerun with {ALLOW_NONEXACT} to see "
+            "the numbers flagged as not exact", max_abs_diff=diff)
     return diff
 
 

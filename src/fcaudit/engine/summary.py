@@ -43,6 +43,7 @@ from fcaudit.engine.metrics import (
     retention,
 )
 from fcaudit.engine.options import AuditOptions
+from fcaudit.engine.parts import part_variance
 from fcaudit.engine.plan import ExpertAblation, Run, UserIntervention
 from fcaudit.engine.result import (
     ConditionResult,
@@ -168,9 +169,10 @@ def describe(cache: CoefficientCache, sites: Sequence[Site],
                     np.ascontiguousarray(ids[rows.start:rows.stop])))
         nll = cache.batch(b, EvaluationShard.NLL)
         original[rows.start:rows.stop] = nll.double().mean(1).numpy()
-    variance = {f: dataclasses.replace(a.decompose(), eta2_token_id=tokens[f].share()
-                                       if ids is not None else None)
-                for f, a in accumulators.items()}
+    variance = {f: dataclasses.replace(
+        a.decompose(), eta2_token_id=tokens[f].share() if ids is not None else None,
+        parts=part_variance(members[f], a, tokens[f] if ids is not None else None))
+        for f, a in accumulators.items()}
     return Description(variance, {f: a.variation() for f, a in accumulators.items()},
                        {f: a.profile() for f, a in accumulators.items()}, original)
 

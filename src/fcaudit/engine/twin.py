@@ -30,11 +30,13 @@ from fcaudit.io.examples import Examples, call_model
 
 def dense_counterpart(net: nn.Module, data: AuditData, seeds: SeedPlan, dense: Any,
                       blocks: str | None) -> tuple[nn.Module | None, str]:
-    """The dense counterpart and where it came from, loaded and probed now (a bad --dense
-    fails before recording)."""
-    from fcaudit.core.contract import dense_twin
+    """The dense counterpart and where it came from, loaded and probed now (a bad --dense,
+    or an ``execution_mode`` that is no string, fails before recording)."""
+    from fcaudit.core.contract import dense_twin, execution_mode
+    execution_mode(net)
     if dense is None:
         twin = dense_twin(net, seeds.dense_twin)
+        execution_mode(twin)
         return twin, ("built from the model's architecture (dense_counterpart, fresh "
                       "weights)" if twin is not None else "")
     twin = as_loaded(dense).model
@@ -48,6 +50,7 @@ def dense_counterpart(net: nn.Module, data: AuditData, seeds: SeedPlan, dense: A
     else:
         _comparable_tokens(net, inputs.token_ids[:1], twin, dense)
     resolve_block_paths(twin, blocks)
+    execution_mode(twin)
     return twin, str(dense)
 
 

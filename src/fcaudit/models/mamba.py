@@ -35,7 +35,7 @@ overflows once a trained ``Δ |A|`` passes ~88 within a chunk, and the pairwise 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -306,6 +306,8 @@ class Mamba(SSMNet):
                 for family, module, space in SELECTION for i in range(len(self.layers))]
 
     def dense_counterpart(self) -> nn.Module:
-        """The LTI twin (:class:`fcaudit.models.s4d.S4D`) of the same width and depth."""
+        """The LTI twin (:class:`fcaudit.models.s4d.S4D`) of the same width and depth; a
+        subclass's extra config fields are dropped."""
         from fcaudit.models.s4d import S4D, S4DConfig
-        return S4D(S4DConfig(**asdict(self.config)))
+        return S4D(S4DConfig(**{f.name: getattr(self.config, f.name)
+                                for f in fields(MambaConfig)}))

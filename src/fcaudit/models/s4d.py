@@ -15,7 +15,9 @@ Time-invariant, the recurrence is a causal convolution per channel with the kern
 the fastest on CPU at the tiny preset and the default, so the mode an execution audit
 times unless a config says otherwise), ``"conv"`` (a depthwise causal ``conv1d`` with
 kernel length ``T``) or ``"scan"`` (Mamba's chunked scan with the constants, the
-reference the other modes are tested against). The mode enters the model's
+reference the other modes are tested against). ``fft`` is causal up to float rounding
+only (each output is a sum over every frequency: a later token moves an earlier output by
+~1e-7), ``conv`` and ``scan`` bit for bit. The mode enters the model's
 fingerprint (a plain module attribute), so an audit records which was timed.
 """
 

@@ -75,6 +75,14 @@ from fcaudit.report.report_parts import (  # noqa: F401 (_ordered: compare's too
     _ordered,
     _routing,
 )
+from fcaudit.report.selection import (
+    coefficient_table,
+    dependence_fact,
+    execution_note,
+    lti_statement,
+    profile_note,
+    variation_facts,
+)
 from fcaudit.report.stopping import stopping_section
 
 # ---------------------------------------------------------------------------
@@ -144,7 +152,7 @@ def _variation_facts(r: AuditResult) -> list[str]:
         facts.append(f"{md_code(fam)}: sd across inputs {fmt_num(v.mean_sd_across_inputs)} and "
                      f"across positions {fmt_num(v.mean_sd_across_positions)}, vs "
                      f"{fmt_num(v.across_layer_sd)} across layers.")
-    return facts
+    return facts + variation_facts(r)
 
 
 def _dependence_facts(r: AuditResult) -> list[str]:
@@ -152,7 +160,8 @@ def _dependence_facts(r: AuditResult) -> list[str]:
              for name in (*by_role("dependence"), STATIC_LAYER, GLOBAL_MEAN)
              if (c := r.conditions.get(name))]
     return facts + [f"{md_code(name)}{_retention_text(ret)}"
-                    for name, ret in _ordered(r.retention, REPORTED_RETENTION)]
+                    for name, ret in _ordered(r.retention, REPORTED_RETENTION)] + \
+        dependence_fact(r)
 
 
 def _retention_text(ret: Retention) -> str:
@@ -299,14 +308,15 @@ def _retention(r: AuditResult) -> list[str]:
     rows = [(md_code(name), "undefined" if ret.value is None else fmt_pct(ret.value),
              "n/a" if ret.value is None else fmt_ci(ret.ci95, 2),
              fmt_with_ci(ret.gap, ret.gap_ci95, sign=False),
-             md_text(ret.reason or "") if ret.value is None else "")
+             "; ".join(n for n in (md_text(ret.reason or "") if ret.value is None else "",
+                                   profile_note(r, name)) if n))
             for name, ret in _ordered(r.retention, REPORTED_RETENTION)]
     blocks = ["## Gap retention",
               "R(P) = (NLL(global-mean) − NLL(P)) / (NLL(global-mean) − NLL(correct)): the "
               "share of the correct-to-global-mean gap a static profile P keeps. Undefined when "
               "the gap's 95% CI includes 0.",
               md_table(("profile", "retention", "95% CI", "gap (nats) [95% CI]", "note"), rows,
-                       "lrrrl")]
+                       "lrrrl"), *lti_statement(r)]
     if (t := r.token_profile) is not None:
         blocks.append(f"`static-layer-token` has a profile for each of the "
                       f"{fmt_num(t.calibration_token_ids)} token ids of the calibration set; "
@@ -379,6 +389,7 @@ def _variance(r: AuditResult) -> list[str]:
                             "lr" + "r" * len(ETA2_KEYS))]
         if var.components_note:
             blocks.append(f"Components: {md_text(var.components_note)}")
+        blocks += coefficient_table(r, fam, var)
     return blocks
 
 
@@ -458,7 +469,7 @@ def _execution(r: AuditResult) -> list[str]:
                      f"on {md_code(t.device)} ({md_text(t.device_name)}); ratio: "
                      f"{md_text(t.ratio_definition)}; 95% CI from {t.bootstrap_resamples:,} "
                      f"bootstrap resamples (seed {t.seed}).")
-    return blocks + [" ".join(n for n in notes if n)]
+    return blocks + [" ".join(n for n in notes if n), *execution_note(r)]
 
 
 def _sites_table(r: AuditResult) -> str:

@@ -58,6 +58,8 @@ def _penalty(audits: list[Any], condition: str) -> str:
 def _retention(audits: list[Any], profile: str) -> str:
     """Mean retention over the seeds where it is defined, with the span of their
     intervals; how many seeds had no clear gap."""
+    if not all(profile in a.conditions for a in audits):
+        return "not applicable"
     defined = [a.retention[profile] for a in audits if a.retention[profile].value is not None]
     if not defined:
         return "undefined (no clear gap)"
@@ -87,7 +89,8 @@ def _execution(group: Mapping[str, Any]) -> str:
         return "not measured"
     every = "every block for every token" if blocks is not None and blocks >= 0.999 \
         else f"{100 * (blocks or 0):.1f}% of the blocks"
-    return (f"{every}; FLOPs {flops:.3f}x, time {speed:.2f}x the twin "
+    time = "time not measured" if speed is None else f"time {speed:.2f}x"
+    return (f"{every}; FLOPs {flops:.3f}x, {time} the twin "
             f"({audit.execution.mode} vs {audit.execution.dense_mode})")
 
 

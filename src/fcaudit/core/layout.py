@@ -379,6 +379,7 @@ def not_applicable(sites: Sequence[Site], token_ids: bool,
     positions = has_positions(sites)  # sites without one all have their axes named
     shapes = "" if positions else "; ".join(dict.fromkeys(f"[{', '.join(s.axes)}]"
                                                           for s in sites))
-    why = {name: CONDITIONS[name].why_not(positions, token_ids, shapes)
+    exits = any(s.exit is not None for s in sites)
+    why = {name: CONDITIONS[name].why_not(positions, token_ids, shapes, exits)
            for name in audited(opted)}
     return {name: reason for name, reason in why.items() if reason is not None}

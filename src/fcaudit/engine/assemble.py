@@ -81,7 +81,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
         runtime=_runtime(m, cache, ranks, timings, rounds),
         identity=None if identity.exact and not identity.allowed_nonexact else identity,
         custom_conditions=summary.custom or None, routing=routing,
-        stopping=rounds.stopping if rounds is not None else None,
+        stopping=rounds.stopping if rounds is not None else None, exits=m.exits,
         **_extras(m, cache, execution))
 
 

@@ -21,6 +21,7 @@ from fcaudit.core.layout import not_applicable
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
 from fcaudit.engine.cost import replay_line
 from fcaudit.engine.distributed import Ranks
+from fcaudit.engine.exits import ExitSummary, exit_plan, exit_summary
 from fcaudit.engine.frontier import Covered, FrontierPoint
 from fcaudit.engine.frontier_plan import frontier_plan, frontier_points
 from fcaudit.engine.options import Prepared, Progress, say
@@ -55,6 +56,7 @@ class Measurements:
     reuse: list[dict[str, int]]  # per rank: replay batches reused and recomputed
     recorded: dict[str, dict[str, int]]  # stage -> record batches proven and recorded
     timings: dict[str, float] = field(default_factory=dict)  # record_s, replay_s
+    exits: ExitSummary | None = None  # exit models run with an exit condition
 
 
 def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Progress,
@@ -90,7 +92,8 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
                         skipped, accuracies(runs, replays.hits, _original_hits(cache)
                                             if setup.objective.accuracy else None))
     return Measurements(setup, runs, replays, identity, description, summary, covered, points,
-                        profiles, reuse, recorded, timings)
+                        profiles, reuse, recorded, timings,
+                        exit_summary(inputs.exits, summary.exit_gap))
 
 
 def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticProfiles,
@@ -101,7 +104,7 @@ def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticPro
     return ReplayInputs(cache, setup.sites, profiles,
                         [draw(seed, setup.inputs.n_eval, lengths[0], lengths[1:])
                          for seed in seeds.draws], seeds.interventions,
-                        setup.inputs.token_ids)
+                        setup.inputs.token_ids, exit_plan(setup))
 
 
 def _position_counts(setup: Prepared, first: Probe) -> list[int]:

@@ -34,6 +34,7 @@ from fcaudit.core.interventions import StaticProfiles
 from fcaudit.core.routers import ABLATION_MARGIN, load_entropy
 from fcaudit.core.sites import families
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
+from fcaudit.engine.exits import gap_closed
 from fcaudit.engine.metrics import (
     Bootstrap,
     TokenShare,
@@ -99,6 +100,7 @@ class Summary:
     retention: dict[str, Any]
     interaction: Any
     custom: dict[str, ConditionResult]
+    exit_gap: Retention | None = None  # the share of fixed-to-oracle exit gap closed
 
 
 def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.ndarray,
@@ -130,7 +132,7 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
                         correct, boot) if SHUFFLE not in skipped else None
     custom = {r.target.intervention.name: _condition(per_seq, repeats, r.key, boot, hits)
               for r in runs if isinstance(r.target, UserIntervention)}
-    return Summary(conditions, per_layer, ret, inter, custom)
+    return Summary(conditions, per_layer, ret, inter, custom, gap_closed(per_seq, boot))
 
 
 def _not_applicable(per_seq: Mapping[str, np.ndarray], boot: Bootstrap,

@@ -41,6 +41,7 @@ from fcaudit.engine.result import (
 )
 from fcaudit.io.data import picked_note
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
+from fcaudit.report.exits import exits_section
 from fcaudit.report.figures import (
     SHARE_LABELS,
     RenderedFigure,
@@ -529,9 +530,9 @@ def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tu
     if inexact := _inexact(result):
         blocks.append(_identity_warning(inexact))
     blocks.append(_lead(result))
-    for section in (_answers, _conditions, stopping_section, _retention, _interaction,
-                    _per_layer, _variance, _variation, _routing, _expert_importance, _frontier,
-                    _execution, _reproducibility):
+    for section in (_answers, _conditions, stopping_section, _retention, exits_section,
+                    _interaction, _per_layer, _variance, _variation, _routing,
+                    _expert_importance, _frontier, _execution, _reproducibility):
         blocks += section(result)
     blocks += ["## Figures", *(md_figures(figures) or ["No figure data in this audit."])]
     return title, "\n\n".join(blocks) + "\n"

@@ -189,7 +189,8 @@ def _sentence(own: ExitSweepPoint) -> str:
         verdict = f"beats the learned rule by {text}"
     else:
         verdict = f"does as well as the learned rule (difference {text}, interval includes 0)"
+    lo, hi = math.floor(own.mean_depth), math.ceil(own.mean_depth)
+    how = f"at depth {lo}" if lo == hi else f"interpolated between depths {lo} and {hi}"
     return (f"At the learned rule's mean executed depth {own.mean_depth:.3f}, fixed exit "
-            f"(interpolated between depths {math.floor(own.mean_depth)} and "
-            f"{math.ceil(own.mean_depth)}) {verdict}.")
+            f"({how}) {verdict}.")
 

@@ -141,10 +141,20 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
                         "executed depth",
                         f"{'holds' if wins == len(audits) else 'does not hold'}: fixed exit "
                         f"loses by an interval above 0 in {wins} of {len(audits)} seeds; "
-                        f"fixed − learned {_matched(audits)}"))
+                        f"fixed − learned {_matched(audits)}{_degenerate(audits)}"))
         flops = _mean(group, "flops_ratio")
         if flops is not None:
             out.append((f"{label}: early exit computes less than the full-depth twin",
-                        f"{'holds' if flops < 0.99 else 'does not hold'}: {_versus_twin(group)} "
-                        f"the twin at mean depth {_depth(audits)}"))
+                        f"{'holds' if flops < 0.99 else 'does not hold'}: "
+                        f"{_versus_twin(group)} the twin's, at a mean executed depth of "
+                        f"{_depth(audits)}{_degenerate(audits)}"))
     return out
+
+
+def _degenerate(audits: Sequence[Any]) -> str:
+    """The seeds whose exit rule does not adapt (no exit, or every unit at the first
+    layer), said beside the numbers they make."""
+    notes = [a.exits.note for a in audits if a.exits is not None and a.exits.note]
+    if not notes:
+        return ""
+    return f" (the rule does not adapt in {len(notes)} of {len(audits)} seeds: {notes[0]})"

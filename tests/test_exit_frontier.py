@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+import fcaudit
+from fcaudit import AuditData
 from fcaudit.core.errors import FcauditError
 from fcaudit.engine.exit_sweep import ExitPoint, fixed_at, sweep_thresholds
 from fcaudit.models.condconv import CNN, CNNConfig
 from fcaudit.report.exits import exits_section
-from tests.test_exit_conditions import EVAL, nll
+from tests.test_exit_conditions import CALIB, EVAL, OPTS, nll
 from tests.test_exit_conditions import audit as lm_audit
 from tests.test_exit_conditions import make as lm_make
 from tests.test_model_branchy import audit_result as branchy_audit
@@ -56,6 +58,11 @@ def _full_nll_at_depth(model: torch.nn.Module, depth: int) -> float:
         logits = model.lm_head(model.ln_f(h))
     return float(torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, 61), x[:, 1:].reshape(-1)))
+
+
+def lm_result(model: torch.nn.Module) -> fcaudit.AuditResult:
+    return fcaudit.audit(model, None, data=AuditData(EVAL, CALIB, {"source": "tokens"}),
+                     options=OPTS, report=False)
 
 
 def test_exit_frontier_of_the_early_exit_lm_against_real_passes():
@@ -110,3 +117,13 @@ def test_per_example_exits_have_no_depth_per_position_and_say_example():
     assert "Layers executed per example (of 3)" in text
     assert "| `fixed-exit` | one layer for every example |" in text
     assert "per token" not in text and "Matched depth:" in text
+
+
+def test_rules_without_one_threshold_give_the_own_point_only():
+    model = lm_make()
+    model.blocks[0].halt.threshold = 0.6  # the others keep 0.5: no one threshold to move
+    result = lm_result(model)
+    f = result.to_json()["exits"]["frontier"]
+    assert f["own_threshold"] is None
+    assert [p["rule"] for p in f["points"] if p["rule"] == "learned"] == ["learned"]
+    assert "carry no one `threshold` to move" in "\n".join(exits_section(result))

@@ -299,6 +299,11 @@ class Mamba(SSMNet):
 
     mixer_class = SelectiveMixer
 
+    @property
+    def execution_mode(self) -> str:
+        """What the execution audit timed: a selective recurrence has no other mode."""
+        return f"chunked selective scan (chunks of {self.config.chunk} steps)"
+
     def controller_sites(self) -> list[Site]:
         return [Site(name=f"layers.{i}.{family}", path=f"layers.{i}.mixer.{module}",
                      family=family, layer=i, axes=TOKEN_AXES, positions=TOKEN_LAYOUT,

@@ -35,7 +35,9 @@ from fcaudit.core.errors import FcauditError
 from fcaudit.models.mamba import PRESETS as MAMBA_PRESETS
 from fcaudit.models.mamba import MambaConfig, Mixer, SSMNet, inverse_softplus_dt, selective_scan
 
-MODES = ("fft", "conv", "scan")
+MODE_WORDS = {"fft": "causal convolution by FFT", "conv": "direct causal convolution",
+              "scan": "sequential scan"}  # each mode, as the execution audit names it
+MODES = tuple(MODE_WORDS)
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,12 @@ class S4D(SSMNet):
     """Mamba's LTI twin; ``input_ids [B, T] -> logits [B, T, V]``. No controller sites."""
 
     mixer_class = LTIMixer
+
+    @property
+    def execution_mode(self) -> str:
+        """What the execution audit timed: time invariance allows a convolution, which the
+        selective model cannot use, so the report names the mode beside the timing."""
+        return MODE_WORDS[self.config.mode]
 
     def controller_sites(self) -> list[Site]:
         return []

@@ -56,7 +56,7 @@ from fcaudit.io.loading import LoadedModel, get_arch, is_run_folder
 from fcaudit.io.outdir import STUDY_RESULTS, hold_output
 from fcaudit.io.results import replacing_results
 from fcaudit.io.runtime import versions
-from fcaudit.study import paper, trend, vision
+from fcaudit.study import exits, paper, ssm, trend, vision
 from fcaudit.study.train import TrainPreset, run_schedule, train
 from fcaudit.study.trend import SeedResult
 
@@ -74,10 +74,11 @@ class Group:
     # twin's arch (the vision families' dense-vit, dense-cnn), trained at the same preset
     schedule: TrainPreset | None = None  # None: the preset's own training settings
     point: str = ""  # a trend point (size and length, "tiny-600"); names the run folders
+    task: str | None = None  # a synthetic task (fcaudit train --task); None: the corpus
 
     @property
     def stem(self) -> str:
-        return self.point or self.preset
+        return "-".join(filter(None, (self.task, self.point or self.preset)))
 
     @property
     def name(self) -> str:
@@ -88,7 +89,7 @@ class Group:
         return "dense" if self.dense == "own" else self.dense
 
 
-STUDY_PRESETS = ("tiny", "paper", "trend", "vision")
+STUDY_PRESETS = ("tiny", "paper", "trend", "vision", "ssm", "exit")
 
 
 def study(preset: str, seeds: int | None) -> list[Group]:
@@ -107,6 +108,14 @@ def study(preset: str, seeds: int | None) -> list[Group]:
         return [Group("vit-moe", "tiny", n, dense="dense-vit"),
                 Group("tokenprune", "tiny", n, dense="dense-vit"),
                 Group("condconv", "tiny", n, dense="dense-cnn")]
+    if preset == "ssm":  # selection vs its LTI twin, on the corpus and on selective copying
+        n = seeds or 3
+        return [Group("mamba", "tiny", n, dense="s4d", schedule=ssm.CORPUS_SCHEDULE),
+                Group("mamba", "tiny", n, dense="s4d", task=ssm.TASK)]
+    if preset == "exit":  # early exit and adaptive depth, each beside its full-depth twin
+        n = seeds or 3
+        return [Group("earlyexit", "tiny", n), Group("ponder", "tiny", n, dense="dense-ponder"),
+                Group("branchy", "tiny", n, dense="dense-cnn")]
     if preset == "trend":
         n = seeds or trend.SEEDS
         return [Group(arch, p.size, n, dense="own" if arch == "featuregate" else None,
@@ -115,6 +124,10 @@ def study(preset: str, seeds: int | None) -> list[Group]:
     raise UsageError(f"unknown study preset {preset!r}; choose one of "
                      f"{', '.join(STUDY_PRESETS)}")
 
+
+# The studies with a table and findings of their own (each module's ``TITLE``, ``table``
+# and ``findings``), written under the preset's name in reproduction.json.
+OWN_TABLES = {"vision": vision, "ssm": ssm, "exit": exits}
 
 # What the paper reported (fcaudit.study.paper), shown beside our aggregates.
 PAPER = {
@@ -135,9 +148,11 @@ CONDITIONS = by_kind("random", "static")
 
 
 def twin_metrics(dense_config: Mapping[str, Any] | None) -> dict[str, float]:
-    """The trained dense twin's own evaluation accuracy (vision twins), beside the model's."""
+    """The trained dense twin's own evaluation accuracy (vision and task twins) or NLL
+    (language twins), beside the model's."""
     results = (dense_config or {}).get("results", {})
-    return {"twin_accuracy": results["eval_accuracy"]} if "eval_accuracy" in results else {}
+    return {key: results[name] for key, name in (("twin_accuracy", "eval_accuracy"),
+                                                 ("twin_nll", "eval_nll")) if name in results}
 
 
 @dataclass(frozen=True)
@@ -194,17 +209,19 @@ class Clock:
 
 
 def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettings,
-                schedule: TrainPreset | None, clock: Clock) -> dict[str, Any]:
+                schedule: TrainPreset | None, clock: Clock,
+                task: str | None = None) -> dict[str, Any]:
     """The run's ``config.json``, training it first unless a finished run is there.
 
     A finished run trained with other settings (a smoke study's ``--steps``, say) is
     refused rather than reused, so a study never mixes training lengths silently.
     """
-    expected = dataclasses.asdict(run_schedule(arch, preset, st.steps, schedule))
+    expected = dataclasses.asdict(run_schedule(arch, preset, st.steps, schedule, task))
     if not is_run_folder(folder):
         with clock.timing(folder):
             train(arch, preset, seed, folder, force=True, steps=st.steps,
-                  progress=st.options.progress, data=st.train_data, schedule=schedule)
+                  progress=st.options.progress, data=None if task else st.train_data,
+                  schedule=schedule, task=task)
     config = read_json(folder / "config.json", "run config")
     if config["train"] != expected:
         raise UsageError(f"{folder} was trained with other settings ({config['train']}) "
@@ -240,14 +257,15 @@ def run_group(group: Group, out: Path, st: StudySettings, clock: Clock) -> list[
     done = []
     for seed in range(group.seeds):
         run = out / "runs" / f"{group.name}-s{seed}"
-        config = _ensure_run(group.arch, group.preset, seed, run, st, group.schedule, clock)
+        config = _ensure_run(group.arch, group.preset, seed, run, st, group.schedule, clock,
+                             group.task)
         wall = clock.of(run, config["results"]["train_wall_s"])
         dense, dense_config = None, None
         twin = group.dense_arch
         if twin is not None and st.options.execution:  # the twin serves execution only
             dense = out / "runs" / f"{twin}-{group.stem}-s{seed}"
             dense_config = _ensure_run(twin, group.preset, seed, dense, st, group.schedule,
-                                       clock)
+                                       clock, group.task)
             wall += clock.of(dense, dense_config["results"]["train_wall_s"])
         audit_dir = out / "audits" / f"{group.name}-s{seed}"
         audit = _audit(audit_dir, str(run), st, dataclasses.replace(st.options, seed=seed),
@@ -449,15 +467,16 @@ def _markdown(result: Mapping[str, Any], figures: Sequence[RenderedFigure]) -> s
     listing = ", ".join(f"{md_text(n)} ({len(g['audits'])})" for n, g in groups.items())
     blocks = ["# fcaudit reproduction: Dynamic Parameterization Is Not Dynamic Inference",
               f"Study preset {md_text(result['preset'])}; groups (seeds): {listing}."]
-    if result.get("vision"):
-        rows = result["vision"]
-        blocks += ["## Vision families on digits (mean over seeds; penalties in nats of "
-                   "cross-entropy, [span of the seeds' 95% intervals])",
-                   md_table(tuple(rows[0]), ([md_text(v) for v in r.values()] for r in rows),
-                            "l" * len(rows[0]))]
+    for key, module in OWN_TABLES.items():
+        if result.get(key):
+            rows = result[key]
+            blocks += [f"## {module.TITLE}",
+                       md_table(tuple(rows[0]), ([md_text(v) for v in r.values()] for r in rows),
+                                "l" * len(rows[0]))]
     if result["findings"]:
+        own = any(result.get(key) for key in OWN_TABLES)
         blocks += ["## Findings at this scale",
-                   md_table(("finding" if result.get("vision") else "paper finding", "here"),
+                   md_table(("finding" if own else "paper finding", "here"),
                             ((md_text(f), md_text(v)) for f, v in result["findings"]), "ll")]
     else:
         blocks += ["## Findings across scales",
@@ -557,10 +576,10 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
     result = {"schema": SCHEMA, "preset": preset, "command": command, "groups": groups,
               # one scale's findings; a trend's are in trend.md, point by point
               "findings": [] if preset == "trend" else
-              vision.findings(groups) if preset == "vision" else findings(groups),
+              OWN_TABLES[preset].findings(groups) if preset in OWN_TABLES else findings(groups),
               "versions": versions()}
-    if preset == "vision":
-        result["vision"] = vision.table(groups)
+    if preset in OWN_TABLES:
+        result[preset] = OWN_TABLES[preset].table(groups)
     if preset == "trend":
         trend.write_trend(out / trend.POINTS, out, command, files)
     figures = write_figures(_figure_specs(groups), out / "figures", files)

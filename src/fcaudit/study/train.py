@@ -217,9 +217,13 @@ def resolve_schedule(preset: str, steps: int | None = None,
 
 
 def run_schedule(arch_name: str, preset: str, steps: int | None = None,
-                 schedule: TrainPreset | None = None) -> Any:
-    """The settings a run of ``arch_name`` trains with: a vision arch's
+                 schedule: TrainPreset | None = None, task: str | None = None) -> Any:
+    """The settings a run of ``arch_name`` trains with: a synthetic task's
+    (:func:`fcaudit.study.tasks.task_setup`), a vision arch's
     (:func:`fcaudit.study.vision.schedule`), else :func:`resolve_schedule`'s."""
+    if task is not None:
+        from fcaudit.study import tasks
+        return tasks.task_setup(task, get_arch(arch_name), preset, steps)[2]
     if get_arch(arch_name).task == "vision":
         from fcaudit.study import vision
         return vision.schedule(preset, steps)

@@ -126,6 +126,8 @@ def train_vision(arch: Arch, preset: str, seed: int, out: Path, tp: VisionSchedu
 # ------------------------------------------------- the study's table and findings (reproduce)
 
 FAMILIES = (("vit-moe", "ViT-MoE"), ("tokenprune", "TokenPrune"), ("condconv", "CondConv"))
+TITLE = ("Vision families on digits (mean over seeds; penalties in nats of cross-entropy, "
+         "[span of the seeds' 95% intervals])")
 
 
 def _stat(group: Mapping[str, Any], key: str, field: str = "mean") -> float | None:

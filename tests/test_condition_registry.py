@@ -38,8 +38,8 @@ def test_the_tuples_callers_read_are_the_audits_conditions_in_report_order():
 
 def test_every_entry_is_whole_and_named_once():
     assert len({c.name for c in REGISTRY}) == len(REGISTRY)
-    kinds = {"reference", "random", "static", "ablation", "frontier", "user"}
-    needs = {"calibration", "positions", "token_ids", "routers"}
+    kinds = {"reference", "random", "static", "exit", "ablation", "frontier", "user"}
+    needs = {"calibration", "positions", "token_ids", "routers", "exits"}
     for c in REGISTRY:
         assert c.kind in kinds and c.needs <= needs and c.meaning, c.name
         assert (c.profile is not None) == (c.kind == "static"), c.name

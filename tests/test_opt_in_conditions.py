@@ -122,11 +122,13 @@ def test_a_name_that_is_no_opt_in_condition_is_refused_in_one_line(tmp_path, tok
     out = tmp_path / "audit"
     done = run_inprocess(audit_argv(out, tokens, extra=("--condition", name)), capsys)
     assert done.returncode == 2
+    # the opt-in conditions: this one and the exit references (exit models only)
+    choices = f"{NEW}, fixed-exit, fixed-exit-position, oracle-exit"
     assert done.stderr.strip() == (f"fcaudit: error: --condition {name}: {why}; choose from "
-                                f"{NEW}")
+                                f"{choices}")
     assert not (out / "audit.json").exists()
     with pytest.raises(UsageError, match=f"^AuditOptions\\(conditions='{name}'\\): {why}; "
-                                         f"choose from {NEW}$"):
+                                         f"choose from {choices}$"):
         AuditOptions(conditions=(name,)).validate()
 
 

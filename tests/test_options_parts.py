@@ -45,7 +45,7 @@ def test_the_parts_are_views_that_split_every_field_once() -> None:
                                                offload_folder=None)
     owner = {f.name: part for part, cls in PARTS.items() for f in dataclasses.fields(cls)}
     fields = [f.name for f in dataclasses.fields(AuditOptions)]
-    assert sorted(owner) == sorted(fields) and len(fields) == 20
+    assert sorted(owner) == sorted(fields) and len(fields) == 22
     assert all(owner[f.name] == spec.part for f, spec in option_specs())
 
 
@@ -113,8 +113,8 @@ def test_arch_choices_are_the_model_registry() -> None:
     train = _subparser("train")
     arch = next(a for a in train._actions if "--arch" in a.option_strings)  # type: ignore
     assert sorted(arch.choices) == sorted([
-        "featuregate", "dense", "skipgate", "mudd", "moe", "vit-moe", "tokenprune",
-        "condconv", "dense-vit", "dense-cnn"])
+        "featuregate", "dense", "skipgate", "earlyexit", "ponder", "mudd", "moe", "vit-moe",
+        "tokenprune", "dense-vit", "condconv", "branchy", "dense-cnn", "mamba", "s4d"])
 
 
 def test_the_cli_validates_an_audit_s_options_once(

@@ -121,6 +121,12 @@ def _audit_loaded(loaded: Any, args: argparse.Namespace, options: Any, spec: Any
                      command=shlex.join(["fcaudit", *argv]), site_axes=args.site_axes)
 
 
+def _share(r: Any) -> str:
+    """A retention as the summary prints it: percent and interval, or undefined."""
+    return f"{r.value:.2f}% [{r.ci95[0]:.2f}, {r.ci95[1]:.2f}]" if r.value is not None \
+        else "undefined"
+
+
 def print_summary(result: Any, out: Path) -> None:
     """The audit's summary on the console. Every text in it is printed literally (no rich
     markup: site names, axes, conditions and paths may hold ``[bold]`` or ``[/]``), the
@@ -149,9 +155,8 @@ def print_summary(result: Any, out: Path) -> None:
     from fcaudit.engine.run import window_line
     console.print(render(window_line(result.data), cli=True), soft_wrap=True)
     for name, r in result.retention.items():
-        value = (f"{r.value:.2f}% [{r.ci95[0]:.2f}, {r.ci95[1]:.2f}]"
-                 if r.value is not None else "undefined")
-        console.print(f"retention {name}: {value}")
+        accuracy = "" if r.accuracy is None else f"; on accuracy {_share(r.accuracy)}"
+        console.print(f"retention {name}: {_share(r)}{accuracy}")
     for key in ("variation", "dependence", "execution"):
         console.print(Text.assemble((key, "bold"), f": {getattr(result.verdict, key)}"),
                       soft_wrap=True)

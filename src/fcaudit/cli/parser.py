@@ -93,7 +93,9 @@ def _nats(value: str) -> float | str:
         return value
 
 
-READERS: dict[str, Any] = {"int": int, "nats": _nats, "path": user_path, "text": None}
+# "number": any other float (a probability), read and refused like nats
+READERS: dict[str, Any] = {"int": int, "nats": _nats, "number": _nats, "path": user_path,
+                           "text": None}
 PLACEMENT_GROUP = ("models bigger than memory (a Hugging Face folder; needs accelerate, in "
                    "fcaudit[hf])")
 
@@ -156,7 +158,7 @@ def _value(value: Any, spec: OptionSpec) -> Any:
 
 
 def _add_train(sub: Any) -> None:
-    t = sub.add_parser("train", help="train a model on the built-in corpus",
+    t = sub.add_parser("train", help="train a model on the built-in corpus or a synthetic task",
                        description="Train FeatureGate, its Dense twin, SkipGate, MUDD, MoE, Mamba "
                                    "or its LTI twin S4D on "
                                    "the built-in Shakespeare corpus (seeded, deterministic on "

@@ -20,22 +20,27 @@ from fcaudit.core.errors import UsageError
 
 # a per-layer variant (one site intervened, the others correct) is a role of a random or
 # static condition, not a kind of its own: it reuses that condition's feed
-Kind = Literal["reference", "random", "static", "ablation", "frontier", "user"]
-Need = Literal["calibration", "positions", "token_ids", "routers"]
+# exit: a reference exit rule of an early-exit model (fixed or oracle exit), fed as scores
+Kind = Literal["reference", "random", "static", "exit", "ablation", "frontier", "user"]
+Need = Literal["calibration", "positions", "token_ids", "routers", "exits"]
 # what a condition does in the audit's derived numbers (besides its own penalty):
 # dependence: its interval decides the dependence verdict; penalty: listed when it lowers
 # the NLL; retention: a static profile whose share of the Correct-to-GlobalMean gap is
 # reported; floor: the other end of that gap; interaction: part of the reassign x shuffle
 # contrast (pair: both at once); per-layer: also run on one site at a time; counted: its
-# interval must reach --target-ci; rerouted: its expert re-routing is compared
+# interval must reach --target-ci; rerouted: its expert re-routing is compared; exit-fixed,
+# exit-oracle: the two ends of the gap the learned exit controller is placed in
 Role = Literal["dependence", "penalty", "retention", "floor", "interaction", "pair",
-               "per-layer", "counted", "rerouted"]
+               "per-layer", "counted", "rerouted", "exit-fixed", "exit-fixed-position",
+               "exit-oracle"]
 
 # why a condition needing this cannot act on these sites or inputs (core/layout.py adds
 # the sites' shapes before the positions reason)
 UNAVAILABLE: dict[str, str] = {
     "positions": "there are no positions to permute",
     "token_ids": "the inputs are not token ids: there is no token id to key a profile by",
+    "exits": "the model has no exit sites (Site.exit): it has no exit to fix or to place "
+             "by an oracle",
 }
 
 
@@ -71,15 +76,20 @@ class Condition:
             importlib.import_module("fcaudit.core.interventions"), self.feeder)
         return fn(self, coefficients, context)
 
-    def why_not(self, positions: bool, token_ids: bool, shapes: str) -> str | None:
-        """Why it cannot act on sites with(out) a position axis and inputs with(out) token
-        ids (``shapes``: the sites' axes, for the reason), or None when it applies."""
+    def why_not(self, positions: bool, token_ids: bool, shapes: str,
+                exits: bool = True, no_ids: str | None = None) -> str | None:
+        """Why it cannot act on sites with(out) a position axis, inputs with(out) token ids
+        and sites with(out) exit scores (``shapes``: the sites' axes, for the reason;
+        ``no_ids``: why there are no token ids, when not the generic reason), or None when
+        it applies."""
         own = self.unavailable or {}
+        if "exits" in self.needs and not exits:
+            return own.get("exits", UNAVAILABLE["exits"])
         if "positions" in self.needs and not positions:
             return (f"the coefficients ({shapes}) have no position axis, one value set per "
                     f"example: {own.get('positions', UNAVAILABLE['positions'])}")
         if "token_ids" in self.needs and not token_ids:
-            return own.get("token_ids", UNAVAILABLE["token_ids"])
+            return own.get("token_ids", no_ids or UNAVAILABLE["token_ids"])
         return None
 
 
@@ -123,6 +133,21 @@ REGISTRY: tuple[Condition, ...] = (
               profile="layer_token_position",
               penalty="a static per-layer, token-id-and-position profile",
               roles=frozenset({"penalty", "retention"}), default=False, collects="cells"),
+    # opt-in, for models with exit sites (Site.exit): the exit references the learned exit
+    # controller is placed between (docs/method.md, Early exit). Each feeds the scores that
+    # make the model's own rule stop every token at the layer the reference gives it
+    Condition("fixed-exit", "exit", "every token exits at one layer, the one closest to "
+              "the mean executed depth on calibration", _CALIB | {"exits"},
+              feeder="feed_exit", penalty="one fixed exit layer for every token",
+              roles=frozenset({"penalty", "exit-fixed"}), default=False),
+    Condition("fixed-exit-position", "exit", "each position exits at one layer, the one "
+              "closest to its mean executed depth on calibration",
+              _CALIB | {"positions", "exits"}, feeder="feed_exit",
+              penalty="one fixed exit layer per position",
+              roles=frozenset({"penalty", "exit-fixed-position"}), default=False),
+    Condition("oracle-exit", "exit", "each token exits at the earliest layer whose "
+              "prediction is the full-depth one", frozenset({"exits"}), feeder="feed_exit",
+              roles=frozenset({"exit-oracle"}), default=False),
     Condition("frontier", "frontier", "a savings-frontier point: a rule skips blocks",
               frozenset({"calibration"})),
     Condition("expert-ablation", "ablation", "one expert of one router never picked",
@@ -151,18 +176,32 @@ def the(role: str) -> str:
     return name
 
 
+def the_opt_in(role: str) -> str:
+    """The one opt-in condition playing ``role``."""
+    (name,) = by_role(role, default=False)
+    return name
+
+
+def needing(need: str) -> tuple[str, ...]:
+    """The conditions (opt-in ones too) that need ``need``, in registry order."""
+    return tuple(c.name for c in REGISTRY if need in c.needs)
+
+
 ORIGINAL, CORRECT = by_kind("reference")  # the record pass; the identity replay
 REASSIGN, SHUFFLE = by_role("dependence")  # the two penalties the verdict rests on
 REASSIGN_SHUFFLE = the("pair")  # both at once: the interaction's other end
 GLOBAL_MEAN = the("floor")  # the far end of the retention gap
 (FRONTIER,), (EXPERT_ABLATION,) = by_kind("frontier"), by_kind("ablation")
+# the exit references: the fixed exit and the oracle exit (opt-in, exit models only)
+FIXED_EXIT, ORACLE_EXIT = the_opt_in("exit-fixed"), the_opt_in("exit-oracle")
+FIXED_EXIT_POSITION = the_opt_in("exit-fixed-position")
 
 # every condition the audit replays, in report order
-MAIN_CONDITIONS = by_kind("reference", "random", "static")
+MAIN_CONDITIONS = by_kind("reference", "random", "static", "exit")
 # those an audit runs only where asked (AuditOptions.conditions)
-OPT_IN_CONDITIONS = by_kind("reference", "random", "static", default=False)
+OPT_IN_CONDITIONS = by_kind("reference", "random", "static", "exit", default=False)
 # what an audit.json may hold (opt-in ones where asked), in report order: for its readers
-REPORTED_CONDITIONS = by_kind("reference", "random", "static", default=None)
+REPORTED_CONDITIONS = by_kind("reference", "random", "static", "exit", default=None)
 REPORTED_RETENTION = by_role("retention", default=None)
 RANDOM_CONDITIONS = by_kind("random")
 STATIC_CONDITIONS = by_kind("static")

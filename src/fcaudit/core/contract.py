@@ -157,6 +157,15 @@ class Site:
     SSM's step Δ, its B and C, a decay or an input gate) and names the space its values
     are in (e.g. ``"dt before softplus"``): a static profile there is a time-invariant
     (LTI) recurrence, and reports say so. None for every other controller.
+
+    ``exit`` marks an exit controller: the coefficient is a halting or confidence score
+    ``[B, T]`` (or ``[B, T, 1]``) that the model's own threshold rule reads to decide
+    where a token stops computing, and the pair is ``(continue, exit)``: a score value
+    that makes a token go on and one that makes it stop at this site's layer. The exit
+    conditions (fixed exit, oracle exit) are built from these two values, so they feed
+    the score the model already reads and the model's own rule carries the decision out:
+    the engine needs to know neither the rule nor its threshold, and the exits a replay
+    produces are those of the model's code. None for every other controller.
     """
 
     name: str
@@ -170,6 +179,7 @@ class Site:
     off: float = field(default=0.0, compare=False)
     parts: tuple[tuple[str, int], ...] = field(default=(), compare=False)
     selection: str | None = field(default=None, compare=False)
+    exit: tuple[float, float] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -205,6 +215,33 @@ class HasDenseCounterpart(Protocol):
 @runtime_checkable
 class DeclaresExperts(Protocol):
     def expert_layers(self) -> list[ExpertLayer]: ...
+
+
+@runtime_checkable
+class DeclaresExits(Protocol):
+    """A model with per-layer exit heads and an exit rule (early exit, adaptive depth).
+
+    ``exit_heads()``: module paths whose outputs are the per-layer predictions (logits
+    ``[B, T, V]``), in layer order. They need not run in an ordinary pass (a token's
+    prediction comes from its exit layer's head alone, which is the point), so the model
+    has a ``full_depth`` attribute: while it is True, every token runs every layer and
+    every head runs on every token. The oracle exit reads them there, as the full-depth
+    prediction and the earliest layer that already makes it are only known from a pass
+    that computes them all.
+
+    ``exit_rules()``: module paths, one per exit site in layer order, whose outputs are the
+    threshold rule's decisions ``[B, T]`` bool (True: the token stops after this layer).
+    The score alone does not say where a token stopped (the rule and its threshold are the
+    model's: a CALM threshold, a PonderNet cumulative halting probability), so hooks read
+    the model's own exits here: its depth per token and per position, which fixed exit
+    matches, and the exits a replay produces, which must be the model's own.
+    """
+
+    full_depth: bool
+
+    def exit_heads(self) -> list[str]: ...
+
+    def exit_rules(self) -> list[str]: ...
 
 
 class AuditableModel(DeclaresSites, DeclaresBlocks, HasDenseCounterpart, DeclaresExperts,

@@ -29,6 +29,7 @@ from fcaudit.core.arrays import id_tensor
 from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER, Condition, by_kind
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import UsageError, arg
+from fcaudit.core.exits import ExitPlan, exit_scores
 
 
 def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -411,6 +412,8 @@ class InterventionContext:
     # the repeat's random assignment over the whole evaluation set (the engine's built-in
     # random conditions; None for user interventions, which draw from ``rng``)
     draw: RandomDraw | None = None
+    # the exit references' layers (core/exits.py ExitPlan), where an exit condition runs
+    exits: ExitPlan | None = None
 
 
 InterventionFn = Callable[[dict[str, Tensor], InterventionContext], Mapping[str, Tensor]]
@@ -485,6 +488,17 @@ def feed_static(condition: Condition, coefficients: Coefficients,
                 context: InterventionContext) -> Mapping[str, Tensor]:
     """The condition's calibration profile (:func:`static`)."""
     return static(coefficients, context.profiles, condition.name, context.ids)
+
+
+def feed_exit(condition: Condition, coefficients: Coefficients,
+              context: InterventionContext) -> Mapping[str, Tensor]:
+    """The exit scores that stop each token at the layer the condition's reference gives
+    it (:meth:`~fcaudit.core.exits.ExitPlan.layers`): the model's own rule carries it out."""
+    if context.exits is None:
+        raise UsageError(f"condition {condition.name!r} needs the exit layers of the model "
+                         "(InterventionContext.exits, an ExitPlan): the engine gives them")
+    layers = context.exits.layers(condition.name, context.rows, _batch_shape(coefficients))
+    return exit_scores(context.sites, layers, coefficients)
 
 
 def builtin(name: str, repeats: int = 1) -> Intervention:

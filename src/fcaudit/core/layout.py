@@ -371,14 +371,26 @@ def has_positions(sites: Sequence[Site]) -> bool:
     return any(s.positions for s in sites)
 
 
+def keyed_by_token(sites: Sequence[Site]) -> bool:
+    """True when every site has one coefficient set per token (positions on axis 1 of
+    ``[B, T, ...]``): only then does each coefficient have a token id to be keyed by."""
+    return all(s.positions in (None, TOKEN_LAYOUT) for s in sites)
+
+
 def not_applicable(sites: Sequence[Site], token_ids: bool,
                    opted: Collection[str] = ()) -> dict[str, str]:
     """The conditions (default ones, and the opt-in ones in ``opted``) that cannot act on
-    these sites and inputs, each with the reason in the sites' own axis names (reported as
-    not applicable, never as a number)."""
+    these sites and inputs (``token_ids``: the inputs are token ids), each with the reason
+    in the sites' own axis names (reported as not applicable, never as a number)."""
     positions = has_positions(sites)  # sites without one all have their axes named
     shapes = "" if positions else "; ".join(dict.fromkeys(f"[{', '.join(s.axes)}]"
                                                           for s in sites))
-    why = {name: CONDITIONS[name].why_not(positions, token_ids, shapes)
+    exits = any(s.exit is not None for s in sites)
+    keyed = token_ids and keyed_by_token(sites)
+    unkeyed = next((s for s in sites if not keyed_by_token([s])), None)
+    no_ids = None if keyed or not token_ids or unkeyed is None else (
+        f"site {unkeyed.name}'s coefficients [{', '.join(unkeyed.axes or ())}] have no token "
+        "axis: no token id keys them")
+    why = {name: CONDITIONS[name].why_not(positions, keyed, shapes, exits, no_ids)
            for name in audited(opted)}
     return {name: reason for name, reason in why.items() if reason is not None}

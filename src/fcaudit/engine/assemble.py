@@ -81,7 +81,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
         runtime=_runtime(m, cache, ranks, timings, rounds),
         identity=None if identity.exact and not identity.allowed_nonexact else identity,
         custom_conditions=summary.custom or None, routing=routing,
-        stopping=rounds.stopping if rounds is not None else None,
+        stopping=rounds.stopping if rounds is not None else None, exits=m.exits,
         **_extras(m, cache, execution))
 
 
@@ -123,7 +123,7 @@ def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> d
     """The sections only some audits have: expert importance (expert ablation), the token
     profile (token ids), the conditions not applicable, the savings frontier."""
     setup, runs, replays, opts = m.setup, m.runs, m.replays, m.setup.options
-    tokens = setup.inputs.token_ids
+    tokens = setup.token_ids
     frontier = None
     if m.covered:
         frontier = frontier_summary(
@@ -134,7 +134,7 @@ def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> d
                 runs, replays.per_run, replays.route_load, replays.still_selected, opts)
             if ablation_runs(runs) else None,
             "token_profile": token_profile(m.profiles, tokens) if tokens is not None else None,
-            "not_applicable": not_applicable(setup.sites, tokens is not None,
+            "not_applicable": not_applicable(setup.sites, setup.inputs.token_ids is not None,
                                              opts.conditions) or None,
             "frontier": frontier}
 

@@ -45,7 +45,7 @@ def frontier_plan(setup: Prepared, first: Probe) -> list[Covered]:
     asked for a model with no soft-gate or routed family is refused."""
     asked = setup.options.frontier
     if asked is False or (asked is None and not setup.options.execution) or \
-            setup.inputs.token_ids is None:  # token ids only (others refuse frontier=True)
+            not setup.inputs.next_token:  # token windows only (others refuse frontier=True)
         return []
     covered = frontier_families(setup.sites, first.coefficients,
                                 declared_experts(setup.model) or [])

@@ -128,7 +128,7 @@ def resolve_inputs(loaded: LoadedModel, data: DataSpec | AuditData, options: Aud
     else:
         audit_data = resolve_data(loaded.tokenizer, data, default_len)
     audit_data.check_arrays()  # read again for every audit: the caller may have changed it
-    if audit_data.checked().token_ids is None:  # each kind's rules against model and options
+    if not audit_data.checked().next_token:  # each kind's rules against model and options
         return _example_inputs(loaded, audit_data, options), options
     return _token_inputs(net, data, audit_data, options, sites, default_why), options
 
@@ -175,7 +175,7 @@ def _example_inputs(loaded: LoadedModel, data: AuditData, options: AuditOptions)
         raise UsageError(f"{arg('target_ci', py='AuditOptions(target_ci=...)')} grows a pool "
                          "of token windows; for these inputs give a fixed evaluation set")
     data.check_inputs(input_spec(loaded))
-    data.validate(None, None)
+    data.validate(*model_limits(loaded.model))  # token ids among them: the model's bounds
     return data
 
 

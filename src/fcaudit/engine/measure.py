@@ -21,6 +21,7 @@ from fcaudit.core.layout import not_applicable
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
 from fcaudit.engine.cost import replay_line
 from fcaudit.engine.distributed import Ranks
+from fcaudit.engine.exits import ExitSummary, exit_plan, exit_summary
 from fcaudit.engine.frontier import Covered, FrontierPoint
 from fcaudit.engine.frontier_plan import frontier_plan, frontier_points
 from fcaudit.engine.options import Prepared, Progress, say
@@ -35,7 +36,14 @@ from fcaudit.engine.stages import (
     replay_results,
     replay_stage,
 )
-from fcaudit.engine.summary import Description, Summary, accuracies, describe, summarize
+from fcaudit.engine.summary import (
+    Description,
+    Summary,
+    accuracies,
+    describe,
+    example_hits,
+    summarize,
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class Measurements:
     reuse: list[dict[str, int]]  # per rank: replay batches reused and recomputed
     recorded: dict[str, dict[str, int]]  # stage -> record batches proven and recorded
     timings: dict[str, float] = field(default_factory=dict)  # record_s, replay_s
+    exits: ExitSummary | None = None  # exit models run with an exit condition
 
 
 def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Progress,
@@ -69,7 +78,7 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     cache.verify_all()
     timings = {"record_s": time.perf_counter() - setup.started}
     inputs = _replay_inputs(setup, cache, profiles, first)
-    skipped = not_applicable(setup.sites, inputs.ids is not None, opts.conditions)
+    skipped = not_applicable(setup.sites, setup.inputs.token_ids is not None, opts.conditions)
     covered, points = frontier_points(setup, cache, frontier_plan(setup, first), progress,
                                       ranks)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),
@@ -86,11 +95,13 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     identity = dataclasses.replace(first.identity, exact=first.identity.exact and diff == 0,
                                    max_abs_diff=max(first.identity.max_abs_diff, diff))
     description = describe(cache, setup.sites, inputs.ids)
+    original = _original_hits(cache) if setup.objective.accuracy else None
     summary = summarize(runs, replays.per_run, description.original_nll, setup.sites, opts,
-                        skipped, accuracies(runs, replays.hits, _original_hits(cache)
-                                            if setup.objective.accuracy else None))
+                        skipped, accuracies(runs, replays.hits, original),
+                        example_hits(runs, replays.hits, original))
     return Measurements(setup, runs, replays, identity, description, summary, covered, points,
-                        profiles, reuse, recorded, timings)
+                        profiles, reuse, recorded, timings,
+                        exit_summary(inputs.exits, summary.exit_gap))
 
 
 def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticProfiles,
@@ -101,7 +112,7 @@ def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticPro
     return ReplayInputs(cache, setup.sites, profiles,
                         [draw(seed, setup.inputs.n_eval, lengths[0], lengths[1:])
                          for seed in seeds.draws], seeds.interventions,
-                        setup.inputs.token_ids)
+                        setup.token_ids, exit_plan(setup))
 
 
 def _position_counts(setup: Prepared, first: Probe) -> list[int]:

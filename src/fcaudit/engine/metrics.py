@@ -68,23 +68,33 @@ def penalty(cond: np.ndarray, correct: np.ndarray, boot: Bootstrap) -> tuple[flo
 
 
 def retention(static: np.ndarray, correct: np.ndarray, global_mean: np.ndarray,
-              boot: Bootstrap) -> Retention:
+              boot: Bootstrap, what: str = "gap", unit: str = " nats") -> Retention:
     """Gap retention ``R(P) = (G - P) / (G - C)`` in percent, undefined without a gap.
 
     The gap ``G - C`` must be clearly positive (its 95% interval above zero);
-    otherwise a ratio would divide by noise, so no number is reported.
+    otherwise a ratio would divide by noise, so no number is reported. ``what`` and
+    ``unit`` name the gap in that reason.
     """
     gap = global_mean - correct
     gap_samples = boot.means(gap)
     gap_ci = interval(gap_samples)
     if not gap_ci[0] > 0:
         return Retention(float(gap.mean()), gap_ci, None, None, False,
-                         f"the Correct-to-GlobalMean gap {gap.mean():+.4f} nats has a 95% "
+                         f"the Correct-to-GlobalMean {what} {gap.mean():+.4f}{unit} has a 95% "
                          f"interval [{gap_ci[0]:+.4f}, {gap_ci[1]:+.4f}] that is not above 0")
     kept = global_mean - static
     samples = 100.0 * boot.means(kept) / gap_samples
     return Retention(float(gap.mean()), gap_ci, float(100.0 * kept.mean() / gap.mean()),
                      interval(samples), True)
+
+
+def accuracy_retention(static: np.ndarray, correct: np.ndarray, global_mean: np.ndarray,
+                       boot: Bootstrap) -> Retention:
+    """The same share on accuracy, from each example's hits (share of its answers right):
+    ``(acc(P) - acc(G)) / (acc(C) - acc(G))`` in percent, with the same paired bootstrap
+    and the same rule (undefined unless the accuracy gap's interval lies above 0). It is
+    :func:`retention` of the negated hits, an error rate: exact, since negation is."""
+    return retention(-static, -correct, -global_mean, boot, "accuracy gap", "")
 
 
 def interaction(both: np.ndarray, reassign: np.ndarray, shuffle: np.ndarray,

@@ -34,6 +34,7 @@ from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.placement import DEVICE_MAPS
 
 if TYPE_CHECKING:
+    import numpy as np
     from torch import nn
 
     from fcaudit.core.contract import Site
@@ -66,6 +67,7 @@ MIN_TARGET_CI = 1e-6
 
 
 SCHEDULES = ("prefix", "naive")
+DEFAULT_EXIT_THRESHOLD = 0.9  # --early-exit's confidence (maximum softmax probability)
 
 
 def silent(stage: str, done: int, total: int, info: str = "") -> None:
@@ -86,7 +88,7 @@ class OptionSpec:
     # "either" (--expert-ablation / --no-expert-ablation, unset: None); "append" (repeatable:
     # --condition A --condition B gives a tuple)
     action: str = "value"
-    kind: str = "text"  # how the flag's text is read: "int", "nats", "path" or "text"
+    kind: str = "text"  # how the flag's text is read: "int", "nats", "number", "path" or "text"
     choices: tuple[str, ...] = ()
     metavar: str = ""
     # the flag unset is None, not the field's default (--objective: the data decides)
@@ -160,6 +162,19 @@ class AuditOptions:
     min_sequences: int | None = option(
         None, "stopping", f"with {arg('target_ci')}: sequences of the first round (default 16, "
         "or the whole pool when smaller)", kind="int", metavar="N")
+    # early exit on a Hugging Face causal LM (io/hf_exit.py): every decoder layer read
+    # through the model's own final norm and LM head, a token stopping where that head's
+    # maximum softmax probability reaches exit_threshold
+    early_exit: bool = option(
+        False, "scope", "make a Hugging Face causal LM an early-exit model (LayerSkip style): "
+        "each layer's exit head is the model's own final norm and LM head, a token exits "
+        f"where its maximum softmax probability reaches {arg('exit_threshold')} (updates "
+        "masked: FLOPs saved are counted, not realised)", action="on")
+    exit_threshold: float = option(
+        DEFAULT_EXIT_THRESHOLD, "scope", f"with {arg('early_exit')}: the confidence (maximum "
+        "softmax probability, in (0, 1]) at which a token exits (default "
+        f"{DEFAULT_EXIT_THRESHOLD})", kind="number",
+        metavar="P")
     # placement, for models bigger than memory (a Hugging Face folder given by path):
     # accelerate's device map ("auto"), its budget ("cpu=8GiB,cuda:0=70GiB" or a dict) and
     # the folder for the weights it puts on disk; where weights sit changes no number
@@ -219,6 +234,7 @@ class AuditOptions:
                              "or the frontier", option=FRONTIER)
         _check_target(self.target_ci, self.min_sequences)
         _check_conditions(self.conditions)
+        _check_early_exit(self.early_exit, self.exit_threshold)
         self.placement()  # the device map, budget syntax and offload folder
         resolve(self.objective)
         if 0 < self.timing_pairs < MIN_TIMING_PAIRS:
@@ -281,7 +297,9 @@ class ScopeOptions:
     expert_ablation: bool | None
     frontier: bool | None
     frontier_points: int
-    conditions: tuple[str, ...] = ()  # the last field, so earlier constructions still work
+    conditions: tuple[str, ...] = ()  # the last fields, so earlier constructions still work
+    early_exit: bool = False
+    exit_threshold: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -369,6 +387,23 @@ def _check_target(target: object, floor: object) -> None:
                          option="min_sequences")
 
 
+def _check_early_exit(early_exit: object, threshold: object) -> None:
+    """``early_exit`` a bool; ``exit_threshold`` a probability in (0, 1], and given only
+    with early exit (alone it would change nothing, silently)."""
+    if not isinstance(early_exit, bool):
+        raise UsageError(f"{_name('early_exit', early_exit)}: must be True or False",
+                         option="early_exit")
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) \
+            or not 0.0 < threshold <= 1.0:
+        raise UsageError(f"{_name('exit_threshold', threshold)}: must be a number in (0, 1] "
+                         "(a softmax probability; 1.0 exits only tokens the head is certain "
+                         "of)", option="exit_threshold")
+    if not early_exit and threshold != DEFAULT_EXIT_THRESHOLD:
+        raise UsageError(f"{_name('exit_threshold', threshold)} is read only with "
+                         f"{arg('early_exit', py='AuditOptions(early_exit=True)')}: add it "
+                         f"or drop {arg('exit_threshold')}", option="exit_threshold")
+
+
 def _check_conditions(names: object) -> None:
     """``conditions`` a tuple (or list) of opt-in condition names: a default one is run by
     every audit already, anything else is not a condition an audit can opt into."""
@@ -425,6 +460,13 @@ class Prepared:
         """The engine's one view of the data, whichever kind (a copy of the Prepared with
         other data gets its own)."""
         return self.data.checked()
+
+    @property
+    def token_ids(self) -> np.ndarray | None:
+        """The evaluation token ids where they key every coefficient (token-keyed profiles,
+        the token-id share): the data's, when every site has a token axis; else None."""
+        from fcaudit.core.layout import keyed_by_token
+        return self.inputs.token_ids if keyed_by_token(self.sites) else None
 
     @property
     def eval_source(self) -> Any:

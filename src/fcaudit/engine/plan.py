@@ -30,6 +30,7 @@ from fcaudit.core.conditions import (
 )
 from fcaudit.core.contract import RoutingAdapter, Site
 from fcaudit.core.errors import FcauditError
+from fcaudit.core.exits import ExitPlan
 from fcaudit.core.interventions import (
     Intervention,
     InterventionContext,
@@ -43,6 +44,7 @@ from fcaudit.engine.options import AUTO_ABLATION_MAX_EXPERTS, AuditOptions
 
 # the main conditions of each kind, the opt-in ones too (run where asked)
 RANDOM_ALL, STATIC_ALL = by_kind("random", default=None), by_kind("static", default=None)
+EXIT_ALL = by_kind("exit", default=None)  # run once each, on exit models
 
 
 class Target:
@@ -199,13 +201,15 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
               points: Sequence[FrontierPoint] = (),
               skipped: Collection[str] = ()) -> list[Run]:
     """Every run, in order: correct first, then the conditions (the opt-in ones asked for
-    after the default ones of their kind), per-layer variants, expert
+    after the default ones of their kind; the exit references after the static ones),
+    per-layer variants, expert
     ablations (``ablated``: site -> its number of experts), frontier points and user
     interventions; conditions in ``skipped`` (not applicable to these sites) are not run."""
     runs = [Run(CORRECT)]
     runs += [Run(c, k) for k in range(options.repeats)
              for c in audited(options.conditions, RANDOM_ALL) if c not in skipped]
-    runs += [Run(c) for c in audited(options.conditions, STATIC_ALL) if c not in skipped]
+    runs += [Run(c) for c in audited(options.conditions, STATIC_ALL + EXIT_ALL)
+             if c not in skipped]
     if options.per_layer:
         for site in sites:
             for name in by_role("per-layer"):  # random ones repeated, static ones once
@@ -256,6 +260,7 @@ class ReplayInputs:
     draws: list[RandomDraw]
     seed: int
     ids: np.ndarray | None = None  # [N, T] evaluation token ids
+    exits: ExitPlan | None = None  # the exit references' layers, where one runs
 
 
 def feed(run: Run, b: int, inputs: ReplayInputs, device: torch.device) -> dict[Site, Tensor]:
@@ -276,7 +281,7 @@ def _intervened(run: Run, rows: range, inputs: ReplayInputs,
     context = InterventionContext(
         tuple(targets), rows, inputs.profiles, run.repeat,
         np.random.default_rng([inputs.seed, run.repeat, rows.start]), inputs.cache.coefficient_rows,
-        _batch_ids(inputs, rows), draw)
+        _batch_ids(inputs, rows), draw, inputs.exits)
     x = condition.feed({s.name: t for s, t in targets.items()}, context)
     return {by_name[k]: v for k, v in x.items()}
 

@@ -16,6 +16,7 @@ from fcaudit.core.errors import UsageError, arg
 from fcaudit.core.layout import SiteAxes, declare_axes
 from fcaudit.core.sites import SiteSpec, find_sites
 from fcaudit.engine.distributed import Ranks, current
+from fcaudit.engine.exits import check_twin, with_exit_conditions
 from fcaudit.engine.inputs import (
     as_loaded,
     check_arguments,
@@ -30,6 +31,7 @@ from fcaudit.engine.probe import first_batch
 from fcaudit.engine.seeds import SeedPlan
 from fcaudit.engine.twin import dense_counterpart
 from fcaudit.io.data import AuditData, DataSpec
+from fcaudit.io.hf_exit import HEADS_NOTE, KIND, with_early_exit
 
 
 def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSpec | AuditData,
@@ -45,8 +47,11 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         raise UsageError(f"{arg('dense')} is ignored with {no_execution} (the dense "
                          "counterpart only serves the execution audit): drop one of them")
     loaded = as_loaded(model, placement=options.placement())
+    if options.early_exit:
+        loaded = with_early_exit(loaded, options.exit_threshold)
     net = loaded.model.eval()
     site_list = declare_axes(find_sites(net, sites), site_axes)
+    options = with_exit_conditions(options, site_list, net)
     # before the first forward pass
     custom = custom_interventions(interventions, site_list, options.conditions)
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
@@ -59,9 +64,11 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         from fcaudit.io.outdir import check_output
         check_output(setup.out, "audit")
     _check_ranks(setup, ranks or current())
+    check_twin(setup)
     layouts = resolve_layouts(setup, first_batch(setup))
     return dataclasses.replace(setup, sites=layouts.sites, layouts=layouts.notes,
-                               notes=(window_line(setup.inputs.summary()), *layouts.lines))
+                               notes=(window_line(setup.inputs.summary()), *layouts.lines,
+                                      *([f"note: {HEADS_NOTE}"] if loaded.kind == KIND else [])))
 
 
 def _check_ranks(setup: Prepared, ranks: Ranks) -> None:

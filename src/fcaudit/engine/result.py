@@ -32,6 +32,7 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
     by_kind,
 )
 from fcaudit.core.errors import DataError, FcauditError, UsageError
+from fcaudit.engine.exit_parts import ExitSummary
 from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema's parts)  # noqa: F401 (re-exported: the verdicts' labels)
     DEPENDENCE_LABELS,
     EXECUTION_LABELS,
@@ -132,6 +133,9 @@ class AuditResult:
     # the numbers each answer of ``verdict`` rests on, by question (variation, dependence,
     # execution), named like metrics()
     verdict_numbers: dict[str, dict[str, float | None]] | None = _omit_none()
+    # exit models audited with an exit condition: depths, the references' layers and the
+    # share of the fixed-to-oracle gap the learned controller closes
+    exits: ExitSummary | None = _omit_none()
 
     def to_json(self) -> dict[str, Any]:
         """The ``audit.json`` content (plain JSON types)."""

@@ -51,6 +51,9 @@ class Retention:
     ci95: Interval | None
     defined: bool
     reason: str | None = _omit_none()
+    # objectives with an accuracy: the same share on accuracy (gap: accuracy of correct
+    # minus global-mean's, a fraction of examples)
+    accuracy: Retention | None = _omit_none()
 
 
 @dataclass

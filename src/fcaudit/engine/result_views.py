@@ -19,7 +19,7 @@ from fcaudit.core.conditions import (
 
 if TYPE_CHECKING:
     from fcaudit.engine.result import AuditResult
-    from fcaudit.engine.result_parts import ConditionResult, Estimate
+    from fcaudit.engine.result_parts import ConditionResult, Estimate, Retention
 
 ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
              "eta2_residual")
@@ -33,6 +33,19 @@ def delta_key(condition: str) -> str:
 def retention_key(profile: str) -> str:
     """The metric key of a static profile's gap retention."""
     return f"retention_{profile.replace('-', '_')}"
+
+
+def accuracy_retention_key(profile: str) -> str:
+    """The metric key of a static profile's retention on accuracy (objectives with one)."""
+    return f"accuracy_{retention_key(profile)}"
+
+
+def _accuracy_retention(r: AuditResult, part: str) -> dict[str, Any]:
+    """Each profile's accuracy retention ``part`` ("value" or "ci95") by its metric key;
+    none for objectives without accuracy."""
+    return {accuracy_retention_key(p): getattr(r.retention[p].accuracy, part)
+            for p in audited(r.retention, REPORTED_RETENTION)
+            if r.retention[p].accuracy is not None}
 
 
 def with_interval(key: str, value: float | None,
@@ -58,7 +71,7 @@ def metrics(r: AuditResult) -> dict[str, float | None]:
     out |= {delta_key(n): x.delta for n, x in (r.custom_conditions or {}).items()}
     out["interaction"] = r.interaction.value if r.interaction else None
     out |= {retention_key(p): r.retention[p].value
-            for p in audited(r.retention, REPORTED_RETENTION)}
+            for p in audited(r.retention, REPORTED_RETENTION)} | _accuracy_retention(r, "value")
     main = r.variance[r.families[0]]  # the first family in site order is the main one
     out |= {key: getattr(main, key) for key in (*ETA2_KEYS, "eta2_token_id")}
     out |= {f"{key}@{fam}.{part}": getattr(shares, key)  # named coefficients (Site.parts)
@@ -74,6 +87,7 @@ def metric_intervals(r: AuditResult) -> dict[str, list[float] | None]:
                                           *(r.custom_conditions or {}).items()] if n != CORRECT}
     out["interaction"] = r.interaction.ci95 if r.interaction else None
     out |= {retention_key(p): r.retention[p].ci95 for p in audited(r.retention, REPORTED_RETENTION)}
+    out |= _accuracy_retention(r, "ci95")
     gap = _gap_25(r)
     out["frontier_gap_25"] = None if gap is None else gap.ci95
     return out
@@ -156,7 +170,17 @@ def _retention_rows(r: AuditResult) -> list[dict[str, Any]]:
     return [{"profile": name, "retention_pct": ret.value,
              "ci_low": ret.ci95[0] if ret.ci95 else None,
              "ci_high": ret.ci95[1] if ret.ci95 else None, "gap": ret.gap,
-             "defined": ret.defined} for name, ret in r.retention.items()]
+             "defined": ret.defined, **_accuracy_columns(ret.accuracy)}
+            for name, ret in r.retention.items()]
+
+
+def _accuracy_columns(acc: Retention | None) -> dict[str, Any]:
+    """A retention row's accuracy columns (objectives with accuracy only)."""
+    if acc is None:
+        return {}
+    return {"accuracy_retention_pct": acc.value,
+            "accuracy_ci_low": acc.ci95[0] if acc.ci95 else None,
+            "accuracy_ci_high": acc.ci95[1] if acc.ci95 else None, "accuracy_gap": acc.gap}
 
 
 def _routing_rows(r: AuditResult) -> list[dict[str, Any]]:

@@ -92,9 +92,12 @@ def calibration_shard(setup: Prepared, coefficients: Mapping[str, Tensor],
     """What a calibration batch's shard holds: float64 sums by position and, for token
     inputs, by token id (the cost plan sizes the cache from the same tensors)."""
     on_cpu = {k: c.cpu() for k, c in coefficients.items()}
+    if setup.token_ids is None:  # no token ids, or sites without a token axis
+        return CalibrationShard.build(batch_sums(on_cpu), None, {})
+    ids = setup.inputs.batch_token_ids(x)
     return CalibrationShard.build(batch_sums(on_cpu),
                                   setup.inputs.calibration_token_sums(on_cpu, x), {
-        name: COLLECTIONS[name](on_cpu, x.cpu()) for name in _collections(setup)})
+        name: COLLECTIONS[name](on_cpu, ids) for name in _collections(setup)})
 
 
 def _collections(setup: Prepared) -> frozenset[str]:

@@ -34,10 +34,12 @@ from fcaudit.core.interventions import StaticProfiles
 from fcaudit.core.routers import ABLATION_MARGIN, load_entropy
 from fcaudit.core.sites import families
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
+from fcaudit.engine.exits import gap_closed
 from fcaudit.engine.metrics import (
     Bootstrap,
     TokenShare,
     VarianceAccumulator,
+    accuracy_retention,
     interaction,
     penalty,
     retention,
@@ -87,6 +89,19 @@ def accuracies(runs: Sequence[Run], hits: Sequence[np.ndarray] | None,
     return {**out, ORIGINAL: float(original.mean())}
 
 
+def example_hits(runs: Sequence[Run], hits: Sequence[np.ndarray] | None,
+                 original: np.ndarray | None) -> dict[str, np.ndarray] | None:
+    """Run key -> each example's hit (1: scored right), repeats averaged, as the losses
+    are (None where the objective defines no accuracy): what accuracy retention reads."""
+    if hits is None or original is None:
+        return None
+    by_key: dict[str, list[np.ndarray]] = {}
+    for run, values in zip(runs, hits, strict=True):
+        by_key.setdefault(run.key, []).append(np.asarray(values, dtype=np.float64))
+    return {**{k: np.mean(v, axis=0) for k, v in by_key.items()},
+            ORIGINAL: np.asarray(original, dtype=np.float64)}
+
+
 def paired_bootstrap(n: int, options: AuditOptions) -> Bootstrap:
     """The one resample stream every interval of an audit uses (paired contrasts)."""
     return Bootstrap(n, options.bootstrap, SeedPlan(options.seed).bootstrap)
@@ -99,15 +114,18 @@ class Summary:
     retention: dict[str, Any]
     interaction: Any
     custom: dict[str, ConditionResult]
+    exit_gap: Retention | None = None  # the share of fixed-to-oracle exit gap closed
 
 
 def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.ndarray,
               sites: Sequence[Site], options: AuditOptions,
               skipped: Mapping[str, str] | None = None,
-              hits: Mapping[str, float] | None = None) -> Summary:
+              hits: Mapping[str, float] | None = None,
+              per_example_hits: Mapping[str, np.ndarray] | None = None) -> Summary:
     """Penalties, retention and interaction from per-sequence NLLs (paired bootstrap);
     ``replayed`` holds one array per run, in run order. ``skipped``: conditions not
-    applicable (not run) with the reason; ``hits``: accuracy per run key."""
+    applicable (not run) with the reason; ``hits``: accuracy per run key;
+    ``per_example_hits`` (:func:`example_hits`): each retention's share on accuracy too."""
     skipped = skipped or {}
     repeats: dict[str, list[np.ndarray]] = {}
     for run, values in zip(runs, replayed, strict=True):  # repeats of a key come in order
@@ -123,20 +141,38 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
         family=s.family) for s in sites] for c in PER_LAYER_CONDITIONS} \
         if options.per_layer else {}
     correct = per_seq[CORRECT]
-    ret = {p: retention(per_seq[p], correct, per_seq[GLOBAL_MEAN], boot)
-           if p not in skipped else _not_applicable(per_seq, boot, skipped[p])
+    ret = {p: _retention(per_seq, p, boot, skipped, per_example_hits)
            for p in audited(opted, REPORTED_RETENTION)}
     inter = interaction(per_seq[REASSIGN_SHUFFLE], per_seq[REASSIGN], per_seq[SHUFFLE],
                         correct, boot) if SHUFFLE not in skipped else None
     custom = {r.target.intervention.name: _condition(per_seq, repeats, r.key, boot, hits)
               for r in runs if isinstance(r.target, UserIntervention)}
-    return Summary(conditions, per_layer, ret, inter, custom)
+    return Summary(conditions, per_layer, ret, inter, custom, gap_closed(per_seq, boot))
+
+
+def _retention(per_seq: Mapping[str, np.ndarray], profile: str, boot: Bootstrap,
+               skipped: Mapping[str, str],
+               hits: Mapping[str, np.ndarray] | None) -> Retention:
+    """``profile``'s gap retention and, with per-example hits, its share on accuracy."""
+    out = _measured(retention, per_seq, profile, boot, skipped)
+    if hits is None:
+        return out
+    return dataclasses.replace(out, accuracy=_measured(accuracy_retention, hits, profile,
+                                                       boot, skipped))
+
+
+def _measured(measure: Any, per_key: Mapping[str, np.ndarray], profile: str,
+              boot: Bootstrap, skipped: Mapping[str, str]) -> Retention:
+    """``measure`` (loss or accuracy retention) of ``profile``, or its not-applicable row."""
+    if profile in skipped:
+        return _not_applicable(per_key, boot, skipped[profile], measure)
+    return measure(per_key[profile], per_key[CORRECT], per_key[GLOBAL_MEAN], boot)
 
 
 def _not_applicable(per_seq: Mapping[str, np.ndarray], boot: Bootstrap,
-                    reason: str) -> Retention:
+                    reason: str, measure: Any = retention) -> Retention:
     """The retention of a profile that does not apply: the gap as measured, no value."""
-    gap = retention(per_seq[STATIC_LAYER], per_seq[CORRECT], per_seq[GLOBAL_MEAN], boot)
+    gap = measure(per_seq[STATIC_LAYER], per_seq[CORRECT], per_seq[GLOBAL_MEAN], boot)
     return dataclasses.replace(gap, value=None, ci95=None, defined=False,
                                reason=f"not applicable: {reason}")
 

@@ -45,10 +45,10 @@ def dense_counterpart(net: nn.Module, data: AuditData, seeds: SeedPlan, dense: A
         twin = twin.to(dtype=param.dtype, device=device_of(net))
     twin.eval()
     inputs = data.checked()
-    if inputs.token_ids is None:  # token ids are checked against its vocabulary too
+    if not inputs.next_token:  # token windows are checked against its vocabulary too
         _comparable_examples(net, inputs.eval_source, twin, str(dense))
     else:
-        _comparable_tokens(net, inputs.token_ids[:1], twin, dense)
+        _comparable_tokens(net, inputs.eval_source[:1], twin, dense)
     resolve_block_paths(twin, blocks)
     execution_mode(twin)
     return twin, str(dense)

@@ -54,8 +54,7 @@ class ExampleBatch:
         flattened logits) read as with token data; None otherwise."""
         x = self.inputs
         ids = x.get(TOKEN_IDS_KEY) if isinstance(x, dict) else x
-        if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point() \
-                and not ids.is_complex() and ids.dtype != torch.bool:
+        if is_token_ids(ids):
             return int(ids.shape[1])
         vectors = x.get(TOKEN_VECTORS_KEY) if isinstance(x, dict) else None
         if isinstance(vectors, Tensor) and vectors.dim() == 3:
@@ -77,6 +76,13 @@ class ExampleBatch:
         moved = {k: v.to(device) for k, v in self.inputs.items()} \
             if isinstance(self.inputs, dict) else self.inputs.to(device)
         return ExampleBatch(moved, None if self.targets is None else self.targets.to(device))
+
+
+def is_token_ids(x: Any) -> bool:
+    """True for integer ids ``[N, T]`` (any integer dtype, not bool): token ids, however
+    they are scored."""
+    return isinstance(x, Tensor) and x.dim() == 2 and not x.is_floating_point() \
+        and not x.is_complex() and x.dtype != torch.bool
 
 
 def _tensors(inputs: Any) -> Iterator[Tensor]:

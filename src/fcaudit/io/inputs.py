@@ -9,6 +9,7 @@ them, scored by another objective). Each kind answers the engine's questions its
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,21 @@ def fingerprint_array(windows: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(windows, dtype=np.int64).tobytes()).hexdigest()
 
 
+def check_id_range(ids: Any, vocab_size: int | None, what: str) -> None:
+    """Token ids index the model's vocabulary: within ``[0, vocab_size)`` (from 0 when the
+    model states none), or one line naming ``what``."""
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+        size = f"has {vocab_size} entries" if vocab_size is not None else "starts at id 0"
+        raise DataError(f"{what} span [{lo}, {hi}] but the model's vocabulary {size}; "
+                        "tokenize with the model's tokenizer")
+
+
+def _token_sums(coefficients: Mapping[str, Tensor], ids: Tensor | None) -> TokenSums | None:
+    from fcaudit.core.interventions import token_sums
+    return token_sums(coefficients, ids) if ids is not None else None
+
+
 @runtime_checkable
 class AuditInputs(Protocol):
     """What the engine asks of audit data, whichever kind it is."""
@@ -46,6 +62,10 @@ class AuditInputs(Protocol):
     sources: dict[str, object]
     # Execution.unit for this data: None (a token, the default) or "example"
     execution_unit: ClassVar[str | None]
+    # True: token windows scored by next-token NLL, the ids their own targets (token
+    # rules, the frontier, --target-ci); False: examples scored by the user's objective,
+    # even when they are token ids
+    next_token: ClassVar[bool]
 
     @property
     def n_eval(self) -> int:
@@ -70,7 +90,11 @@ class AuditInputs(Protocol):
     @property
     def token_ids(self) -> np.ndarray | None:
         """The evaluation token ids ``[N, T]`` (token profiles, static-layer-token, the
-        frontier); None for inputs that are not token ids."""
+        token-id share); None for inputs that are not token ids."""
+        ...
+
+    def batch_token_ids(self, x: Any) -> Tensor | None:
+        """Batch ``x``'s token ids ``[B, T]`` on the CPU (None without token ids)."""
         ...
 
     def summary(self) -> dict[str, object]:
@@ -119,6 +143,7 @@ class TokenData:
     calib_ids: np.ndarray
     sources: dict[str, object] = field(default_factory=dict)
     execution_unit: ClassVar[str | None] = None
+    next_token: ClassVar[bool] = True
 
     @property
     def n_eval(self) -> int:
@@ -180,13 +205,7 @@ class TokenData:
         """Ids within the vocabulary, and no window in both sets."""
         for name, src, arr in (("evaluation", ev_src, self.eval_ids),
                                ("calibration", ca_src, self.calib_ids)):
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or (vocab_size is not None and hi >= vocab_size):
-                size = f"has {vocab_size} entries" if vocab_size is not None else \
-                    "starts at id 0"
-                raise DataError(
-                    f"{name} token ids in {src} span [{lo}, {hi}] but the model's vocabulary "
-                    f"{size}; tokenize with the model's tokenizer")
+            check_id_range(arr, vocab_size, f"{name} token ids in {src}")
         shared = set(window_hashes(self.eval_ids)) & set(window_hashes(self.calib_ids))
         if shared:
             raise DataError(
@@ -211,10 +230,12 @@ class TokenData:
     def routed_units(self, positions: Callable[[], int]) -> int:
         return int(self.eval_ids.size)
 
+    def batch_token_ids(self, x: Any) -> Tensor:
+        return x.cpu()
+
     def calibration_token_sums(self, coefficients: Mapping[str, Tensor],
                                x: Any) -> TokenSums | None:
-        from fcaudit.core.interventions import token_sums
-        return token_sums(coefficients, x.cpu())
+        return _token_sums(coefficients, self.batch_token_ids(x))
 
     def batch_context(self, start: int, stop: int, schedule: str,
                       objective: Callable[[], str]) -> tuple[Named, bytes]:
@@ -238,6 +259,7 @@ class ExampleData:
     calib_examples: Examples
     sources: dict[str, object] = field(default_factory=dict)
     execution_unit: ClassVar[str | None] = "example"
+    next_token: ClassVar[bool] = False
 
     @property
     def n_eval(self) -> int:
@@ -255,9 +277,17 @@ class ExampleData:
     def calib_source(self) -> Examples:
         return self.calib_examples
 
-    @property
-    def token_ids(self) -> None:
-        return None
+    @functools.cached_property
+    def token_ids(self) -> np.ndarray | None:
+        """Inputs that are one integer tensor ``[N, T]`` are token ids (a task's sequences,
+        a classifier over tokens): token-keyed profiles and the token-id share apply, while
+        the objective stays the one that scores them."""
+        from fcaudit.io.examples import is_token_ids
+        x = self.examples.inputs
+        return x.numpy().astype(np.int64) if is_token_ids(x) else None
+
+    def batch_token_ids(self, x: Any) -> Tensor | None:
+        return x.inputs.cpu().long() if self.token_ids is not None else None
 
     def summary(self) -> dict[str, object]:
         return {"eval_examples": len(self.examples),
@@ -276,7 +306,8 @@ class ExampleData:
             spec.check(examples.inputs, arg(name, py=f"AuditData.{name}"))
 
     def validate(self, vocab_size: int | None, max_len: int | None) -> None:
-        """``vocab_size`` and ``max_len`` bound token ids only: these have none."""
+        """``vocab_size`` and ``max_len`` bound token ids only (integer inputs ``[N, T]``),
+        each where the model states it."""
         ev, ca = self.examples, self.calib_examples
         if len(ev) < 2:
             raise DataError(f"the audit needs at least 2 evaluation examples, AuditData "
@@ -294,6 +325,22 @@ class ExampleData:
             raise DataError(f"calibration and evaluation share {len(shared)} identical "
                             "example(s); static profiles must come from independent data: "
                             "pass disjoint sets")
+        if self.token_ids is not None:
+            self._check_ids(vocab_size, max_len)
+
+    def _check_ids(self, vocab_size: int | None, max_len: int | None) -> None:
+        """Token ids given as inputs obey the model's stated vocabulary and context."""
+        length = int(self.examples.inputs.shape[1])  # type: ignore[union-attr]
+        if max_len is not None and length > max_len:
+            raise DataError(f"{arg('inputs', py='AuditData.inputs')} hold sequences of "
+                            f"{length} token ids, beyond the model's context of {max_len}; "
+                            f"cut them to at most {max_len}")
+        if vocab_size is None:
+            return  # nothing states what the ids index
+        for name, examples in (("inputs", self.examples), ("calib_inputs",
+                                                           self.calib_examples)):
+            check_id_range(examples.inputs, vocab_size,
+                           f"the token ids of {arg(name, py=f'AuditData.{name}')}")
 
     def position_counts(self, site_counts: Sequence[int]) -> list[int]:
         return list(dict.fromkeys(site_counts))  # no window length: the sites' own, once
@@ -303,7 +350,7 @@ class ExampleData:
 
     def calibration_token_sums(self, coefficients: Mapping[str, Tensor],
                                x: Any) -> TokenSums | None:
-        return None
+        return _token_sums(coefficients, self.batch_token_ids(x))
 
     def batch_context(self, start: int, stop: int, schedule: str,
                       objective: Callable[[], str]) -> tuple[Named, bytes]:

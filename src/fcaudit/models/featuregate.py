@@ -139,6 +139,10 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(self.block_class(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.init_weights(cfg)
+
+    def init_weights(self, cfg: GPTConfig) -> None:
+        """GPT-2's initialisation, gates opened to ``gate_bias_init`` (subclasses reuse it)."""
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") and ".gate." not in name:

@@ -41,6 +41,7 @@ from fcaudit.engine.result import (
 )
 from fcaudit.io.data import picked_note
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
+from fcaudit.report.exits import exits_section
 from fcaudit.report.figures import (
     SHARE_LABELS,
     RenderedFigure,
@@ -305,18 +306,21 @@ def _conditions(r: AuditResult) -> list[str]:
 
 
 def _retention(r: AuditResult) -> list[str]:
-    rows = [(md_code(name), "undefined" if ret.value is None else fmt_pct(ret.value),
-             "n/a" if ret.value is None else fmt_ci(ret.ci95, 2),
-             fmt_with_ci(ret.gap, ret.gap_ci95, sign=False),
+    ordered = _ordered(r.retention, REPORTED_RETENTION)
+    accuracy = any(ret.accuracy is not None for _, ret in ordered)
+    rows = [(md_code(name), *_share_cells(ret),
+             *(_share_cells(ret.accuracy) if accuracy else ()),
              "; ".join(n for n in (md_text(ret.reason or "") if ret.value is None else "",
                                    profile_note(r, name)) if n))
-            for name, ret in _ordered(r.retention, REPORTED_RETENTION)]
+            for name, ret in ordered]
+    heads = ("retention", "95% CI", "gap (nats) [95% CI]")
+    acc_heads = ("accuracy retention", "95% CI", "accuracy gap [95% CI]") if accuracy else ()
     blocks = ["## Gap retention",
               "R(P) = (NLL(global-mean) − NLL(P)) / (NLL(global-mean) − NLL(correct)): the "
               "share of the correct-to-global-mean gap a static profile P keeps. Undefined when "
-              "the gap's 95% CI includes 0.",
-              md_table(("profile", "retention", "95% CI", "gap (nats) [95% CI]", "note"), rows,
-                       "lrrrl"), *lti_statement(r)]
+              "the gap's 95% CI includes 0." + (ACCURACY_RETENTION if accuracy else ""),
+              md_table(("profile", *heads, *acc_heads, "note"), rows,
+                       "l" + "r" * (len(heads) + len(acc_heads)) + "l"), *lti_statement(r)]
     if (t := r.token_profile) is not None:
         blocks.append(f"`static-layer-token` has a profile for each of the "
                       f"{fmt_num(t.calibration_token_ids)} token ids of the calibration set; "
@@ -324,6 +328,20 @@ def _retention(r: AuditResult) -> list[str]:
                       f"tokens ({fmt_num(t.eval_token_ids_unseen)} distinct ids) have an id it "
                       "lacks and were fed the static-layer profile.")
     return blocks
+
+
+ACCURACY_RETENTION = (" Accuracy retention: the same share on accuracy, (acc(P) − "
+                      "acc(global-mean)) / (acc(correct) − acc(global-mean)), undefined when "
+                      "the accuracy gap's 95% CI includes 0 (a reason is in audit.json).")
+
+
+def _share_cells(ret: Retention | None) -> tuple[str, str, str]:
+    """A retention's value, interval and gap cells (blank where there is none)."""
+    if ret is None:
+        return ("", "", "")
+    return ("undefined" if ret.value is None else fmt_pct(ret.value),
+            "n/a" if ret.value is None else fmt_ci(ret.ci95, 2),
+            fmt_with_ci(ret.gap, ret.gap_ci95, sign=False))
 
 
 def _interaction(r: AuditResult) -> list[str]:
@@ -529,9 +547,9 @@ def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tu
     if inexact := _inexact(result):
         blocks.append(_identity_warning(inexact))
     blocks.append(_lead(result))
-    for section in (_answers, _conditions, stopping_section, _retention, _interaction,
-                    _per_layer, _variance, _variation, _routing, _expert_importance, _frontier,
-                    _execution, _reproducibility):
+    for section in (_answers, _conditions, stopping_section, _retention, exits_section,
+                    _interaction, _per_layer, _variance, _variation, _routing,
+                    _expert_importance, _frontier, _execution, _reproducibility):
         blocks += section(result)
     blocks += ["## Figures", *(md_figures(figures) or ["No figure data in this audit."])]
     return title, "\n\n".join(blocks) + "\n"

@@ -1,0 +1,175 @@
+"""Exit models in the audit (docs/method.md, Early exit): the references' layers, measured
+before the replays, and the section of audit.json that places the learned exit controller
+between fixed exit and oracle exit.
+
+The layers come from real passes: the model's own exits (hooks on its exit rules) on the
+calibration windows, for fixed exit, and on the evaluation windows, for the depth it
+reports; the oracle's from one full-depth pass per evaluation batch (hooks on its exit
+heads). They are recomputed by every audit that runs an exit condition (no cache: a pass
+per batch, the price of a reference that is never stale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from fcaudit.core.conditions import CORRECT, FIXED_EXIT, ORACLE_EXIT, needing
+from fcaudit.core.errors import ModelError, arg
+from fcaudit.core.exits import (
+    ExitPlan,
+    exit_depth,
+    exit_model,
+    exit_scores,
+    exit_sites,
+    head_predictions,
+    oracle_layers,
+    own_exits,
+)
+from fcaudit.core.hooks import hooks
+from fcaudit.core.nll import device_of
+from fcaudit.core.replaying import replaying
+from fcaudit.engine.exit_parts import ExitSummary
+from fcaudit.engine.metrics import Bootstrap, retention
+from fcaudit.engine.passes import batches, record_batch
+from fcaudit.engine.result_parts import Retention
+from fcaudit.io.examples import call_model
+
+
+def asked(setup: Any) -> bool:
+    """Whether the audit runs an exit condition on a model with exit sites."""
+    wanted = set(needing("exits")) & set(setup.options.conditions)
+    return bool(wanted) and bool(exit_sites(setup.sites))
+
+
+@torch.no_grad()
+def exit_plan(setup: Any) -> ExitPlan | None:
+    """The references' layers for this audit, or None when it runs no exit condition."""
+    if not asked(setup):
+        return None
+    from fcaudit.engine.execution import inference
+    net = exit_model(setup.model, setup.sites)
+    size, device = setup.options.batch_size, device_of(setup.model)
+    calib, oracle, own = [], [], []
+    with inference(setup.model):
+        check_follows(setup, net, next(batches(setup.eval_source, size, device))[1])
+        for _, x in batches(setup.calib_source, size, device):
+            calib.append(own_exits(net, lambda x=x: call_model(setup.model, x)).cpu())
+        for _, x in batches(setup.eval_source, size, device):
+            own.append(own_exits(net, lambda x=x: call_model(setup.model, x)).cpu())
+            preds = head_predictions(net, lambda x=x: call_model(setup.model, x))
+            oracle.append(oracle_layers(preds).cpu())
+    layers = len(exit_sites(setup.sites)) + 1
+    return ExitPlan(exit_depth(calib, layers), torch.cat(oracle), torch.cat(own))
+
+
+def check_follows(setup: Any, net: Any, x: Any) -> None:
+    """Refuse, naming the site, an exit rule that does not follow its site's output: a
+    replay of the recorded scores must reproduce the model's own exits bit for bit, and
+    scores that stop every token after exit site ``k`` must stop every token there, for
+    every ``k`` (one batch; the exit conditions and every replayed score rest on it)."""
+    sites, run = exit_sites(setup.sites), lambda: call_model(setup.model, x)
+    own = own_exits(net, run)
+    _, coefficients, _ = record_batch(setup.model, setup.sites, x, None)
+    fed = {"replaying the recorded scores": (own, coefficients)}
+    for k in range(len(sites) + 1):
+        layers = torch.full_like(own, k)
+        fed[f"feeding scores that stop every token after exit layer {k}"] = (
+            layers, exit_scores(sites, layers, coefficients))
+    for what, (expected, scores) in fed.items():
+        with replaying(setup.model, {s: scores[s.name] for s in sites}):
+            got = own_exits(net, run)
+        if not torch.equal(got, expected):
+            wrong = got != expected
+            site = sites[min(int(torch.minimum(got, expected)[wrong].min()), len(sites) - 1)]
+            raise ModelError(f"exit site {site.name}: {what}, the model's exit rule stops "
+                             f"{int(wrong.sum())} of {wrong.numel()} tokens at another layer; "
+                             "its exit decision must read the site's output and nothing else "
+                             "(no recomputed score, no state kept between calls)",
+                             site=site.name)
+
+
+def degenerate(own: torch.Tensor, layers: int) -> str | None:
+    """A rule that does not adapt, in words: no token exits, or every token at the first
+    layer (a depth-1 model, not a saving of adaptive depth)."""
+    if bool((own == layers - 1).all()):
+        return (f"no token exits before the last layer: the threshold is never reached, so "
+                f"every token runs all {layers} layers (no savings)")
+    if bool((own == 0).all()):
+        return ("every token exits after the first layer: the rule does not adapt (a "
+                "depth-1 model, not a saving of adaptive depth)")
+    return None
+
+
+def exit_summary(plan: ExitPlan | None, gap: Retention | None) -> ExitSummary | None:
+    """The audit.json section of an exit model, or None without an exit condition."""
+    if plan is None:
+        return None
+    cal, own = plan.calibration, plan.own
+    L = cal.layers
+    return ExitSummary(
+        depth=L, calibration_mean_depth=cal.mean, fixed_exit_depth=cal.fixed() + 1,
+        fixed_exit_depth_per_position=[int(k) + 1 for k in cal.fixed_per_position()],
+        evaluation_mean_depth=float((own + 1).double().mean()),
+        oracle_mean_depth=float((plan.oracle + 1).double().mean()),
+        share_exiting_first_layer=float((own == 0).double().mean()),
+        share_full_depth=float((own == L - 1).double().mean()),
+        note=degenerate(own, L), gap_closed=gap)
+
+
+def gap_closed(per_seq: dict[str, np.ndarray], boot: Bootstrap) -> Retention | None:
+    """``(L(fixed) - L(learned)) / (L(fixed) - L(oracle))`` in percent with the paired
+    bootstrap (the retention formula with fixed exit as the floor and the oracle as the
+    top); undefined when the fixed-to-oracle gap is not clearly above 0. None when either
+    reference was not run."""
+    if FIXED_EXIT not in per_seq or ORACLE_EXIT not in per_seq:
+        return None
+    share = retention(per_seq[CORRECT], per_seq[ORACLE_EXIT], per_seq[FIXED_EXIT], boot)
+    if share.defined:
+        return share
+    lo, hi = share.gap_ci95
+    return Retention(share.gap, share.gap_ci95, None, None, False,
+                     f"the {FIXED_EXIT}-to-{ORACLE_EXIT} gap {share.gap:+.4f} has a 95% "
+                     f"interval [{lo:+.4f}, {hi:+.4f}] that is not above 0: the oracle's exits "
+                     f"lose no less than fixed exit's, so no share of it is reported")
+
+
+def with_exit_conditions(options: Any, sites: Any, model: Any) -> Any:
+    """``options`` with the exit conditions added for a model with exit sites (checked now,
+    before any pass): an exit model is always placed between fixed exit and the oracle
+    (other models are left alone)."""
+    if not exit_sites(sites):
+        return options
+    exit_model(model, sites)
+    missing = tuple(n for n in needing("exits") if n not in options.conditions)
+    return dataclasses.replace(options, conditions=(*options.conditions, *missing))
+
+
+@torch.no_grad()
+def check_twin(setup: Any) -> None:
+    """Refuse a dense twin of another depth or width than an exit model: executed depth
+    and FLOPs are read against it, so the twin must be the same network at full depth.
+    Depth: the blocks each declares; width: the last axis of what its blocks read, on the
+    first evaluation window."""
+    if setup.dense is None or not exit_sites(setup.sites) or setup.blocks is None:
+        return
+    from fcaudit.engine.execution import inference
+    from fcaudit.engine.inputs import resolve_block_paths
+    twin_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) or []
+    _, x = next(batches(setup.eval_source, 1, device_of(setup.model), [0]))
+    widths = []
+    for net, paths in ((setup.model, setup.blocks), (setup.dense, twin_blocks)):
+        seen: set[int] = set()
+        with inference(net), hooks(net, {p: lambda _m, args, seen=seen: seen.add(
+                int(args[0].shape[-1])) for p in paths}, kind="pre"):
+            call_model(net, x)
+        widths.append(sorted(seen))
+    if len(setup.blocks) != len(twin_blocks) or widths[0] != widths[1]:
+        raise ModelError(
+            f"exit site {exit_sites(setup.sites)[0].name}: the dense twin has "
+            f"{len(twin_blocks)} blocks of width {widths[1]}, the model {len(setup.blocks)} of "
+            f"width {widths[0]}; executed depth and FLOPs are read against the twin, so give "
+            f"the same network run to full depth ({arg('dense')})")

@@ -1,0 +1,190 @@
+"""Early exit on any Hugging Face causal LM, LayerSkip style (``--early-exit``).
+
+:class:`EarlyExitLM` wraps a loaded transformers model (``model.``) and makes it an exit
+model (:class:`~fcaudit.core.contract.DeclaresExits`) without changing a weight:
+
+* **exit heads** ``heads.{l}``: after decoder layer ``l`` (its layer stack, found by
+  :func:`~fcaudit.core.discovery.transformers_layer_stack`), the model's own final norm
+  and LM head read the hidden state, ``[B, T, V]``;
+* **controller sites** ``scores.{l}`` (every layer but the last): the confidence of that
+  head, its softmax **maximum probability** per token, ``[B, T, 1]`` (CALM's softmax
+  confidence; the maximum rather than the top-2 margin, so one threshold reads the same
+  on every vocabulary size);
+* **exit rules** ``halts.{l}``: a token stops after layer ``l`` where its confidence
+  reaches ``threshold``.
+
+A Hugging Face layer runs on the whole sequence (its attention mask, rotary positions and
+cache are laid out per position), so it cannot skip a token. The wrapper therefore
+**masks**: every layer still runs on every token, and an exited token's update is
+discarded (its hidden state stays its exit layer's, CALM's state propagation, so later
+layers' keys and values for it come from that state), and its logits are its exit head's.
+The FLOPs an exit saves are **counted from the exits, not realised**: the execution
+audit's hooks see every layer run on every token, and its latency is the full model's
+plus the heads'. Each exit head costs a full LM head (``hidden x vocab`` multiply-adds per
+token and layer), often more than the layer it would save.
+
+A model not trained for early exit (LayerSkip's layer dropout and early-exit loss) has
+poor intermediate heads: its early layers' predictions are rarely the final one's, so
+the oracle exits late and the learned controller is only the softmax confidence. The
+audit says so (:data:`HEADS_NOTE`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fcaudit.core.contract import Site
+from fcaudit.core.discovery import transformers_layer_stack
+from fcaudit.core.errors import ModelError, UsageError, arg
+from fcaudit.io.loading import LoadedModel
+
+KIND = "hf-early-exit"  # LoadedModel.kind (audit.json model.kind) of a wrapped folder
+EXIT_SCORE = (0.0, 1.0)  # (continue, exit) of a probability read by `score >= threshold`
+FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm")
+HEADS_NOTE = ("this Hugging Face model was not trained for early exit (LayerSkip's layer "
+              "dropout and early-exit loss): its intermediate layers read through the final "
+              "norm and LM head are poor predictors, so early exits cost accuracy that a "
+              "model trained for them would not lose")
+MASKED = ("masked early exit: every layer runs on every token and an exited token's update "
+          "is discarded, so the FLOPs its exits save are counted, not realised")
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The base model's final norm (``model.norm`` and its other names), or a refusal."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), model)
+    for name in FINAL_NORMS:
+        norm = getattr(base, name, None)
+        if isinstance(norm, nn.Module):
+            return norm
+    raise ModelError(f"{arg('early_exit')}: {type(model).__name__} has no final norm named "
+                     f"{', '.join(FINAL_NORMS)} on its base model; early exit reads every "
+                     "layer through the model's own final norm and LM head")
+
+
+class ExitHead(nn.Module):
+    """Layer ``l``'s prediction through the model's own final norm and LM head."""
+
+    def forward(self, h: torch.Tensor, head: Any) -> torch.Tensor:
+        return head(h)
+
+
+class Confidence(nn.Module):
+    """The controller site: ``[B, T, 1]`` maximum softmax probability of an exit head."""
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.float().softmax(-1).amax(-1, keepdim=True)
+
+
+class Halt(nn.Module):
+    """The exit rule, ``[B, T]`` bool: True where the confidence reaches the threshold."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+
+    def forward(self, score: torch.Tensor) -> torch.Tensor:
+        return score[..., 0] >= self.threshold
+
+
+class EarlyExitLM(nn.Module):
+    """``input_ids [B, T] -> logits [B, T, V]``: a transformers causal LM whose tokens stop
+    at the first layer whose head is confident enough (masked, see the module doc)."""
+
+    execution_mode = MASKED
+
+    def __init__(self, model: nn.Module, threshold: float) -> None:
+        super().__init__()
+        layers = transformers_layer_stack(model)
+        if len(layers) < 2:
+            raise ModelError(f"{arg('early_exit')}: no decoder layer stack of at least 2 "
+                             f"layers found in {type(model).__name__}; early exit needs a "
+                             "transformers causal LM")
+        if model.get_output_embeddings() is None:
+            raise ModelError(f"{arg('early_exit')}: {type(model).__name__} has no LM head "
+                             "(get_output_embeddings); early exit reads every layer through it")
+        self.model, self.layer_paths = model, [f"model.{p}" for p in layers]
+        self.norm = final_norm(model)
+        self.full_depth = False
+        n = len(layers)
+        self.heads = nn.ModuleList(ExitHead() for _ in range(n))
+        self.scores = nn.ModuleList(Confidence() for _ in range(n - 1))
+        self.halts = nn.ModuleList(Halt(threshold) for _ in range(n - 1))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(self.norm(h))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        state: dict[str, Any] = {"running": None}
+        with self._hooked(state):
+            out = self.model(input_ids=input_ids, use_cache=False)
+        return out.logits
+
+    @contextlib.contextmanager
+    def _hooked(self, state: dict[str, Any]) -> Iterator[None]:
+        """Hooks on the decoder layers for one forward pass (removed after it)."""
+        handles = [self.get_submodule(p).register_forward_hook(
+            lambda _m, args, out, i=i: self._after(i, args[0], out, state))
+            for i, p in enumerate(self.layer_paths)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _after(self, i: int, h_in: torch.Tensor, out: Any, state: dict[str, Any]) -> Any:
+        """After layer ``i``: an exited token keeps its state; every token's head and
+        confidence (an exited one's read its kept state), and the running ones' exits.
+        Returns the layer's output with the masked state."""
+        h = out[0] if isinstance(out, tuple) else out
+        running = state["running"]
+        if running is None:
+            running = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
+        else:
+            h = torch.where(running.unsqueeze(-1), h, h_in)
+        if self.full_depth or i < len(self.halts):
+            logits = self.heads[i](h, self._logits)
+        if i < len(self.halts):
+            stop = self.halts[i](self.scores[i](logits))
+            state["running"] = running if self.full_depth else running & ~stop
+        return (h, *out[1:]) if isinstance(out, tuple) else h
+
+    def controller_sites(self) -> list[Site]:
+        return [Site(name=f"scores.{i}", path=f"scores.{i}", family="exit", layer=i,
+                     axes=("example", "token"), positions=(1,), exit=EXIT_SCORE)
+                for i in range(len(self.scores))]
+
+    def execution_blocks(self) -> list[str]:
+        return list(self.layer_paths)
+
+    def exit_heads(self) -> list[str]:
+        return [f"heads.{i}" for i in range(len(self.heads))]
+
+    def exit_rules(self) -> list[str]:
+        return [f"halts.{i}" for i in range(len(self.halts))]
+
+    def dense_counterpart(self) -> nn.Module:
+        """The wrapped model itself: the same network, every layer on every token (its
+        weights, not fresh ones; no memory is spent on a copy)."""
+        return self.model
+
+
+
+def with_early_exit(loaded: LoadedModel, threshold: float) -> LoadedModel:
+    """``loaded`` with its model wrapped in :class:`EarlyExitLM` (kind :data:`KIND`); the
+    fingerprint gains the threshold, as it moves every exit and so every cached output."""
+    model = loaded.model
+    if not type(model).__module__.startswith("transformers."):
+        raise UsageError(f"{arg('early_exit')} wraps a Hugging Face causal LM (a transformers "
+                         f"model, e.g. a folder given by path); {loaded.spec} is a "
+                         f"{type(model).__name__}: give its own exit sites instead "
+                         "(Site(exit=...), docs/method.md)", option="early_exit")
+    wrapped = EarlyExitLM(model, threshold).eval()
+    digest = hashlib.sha256(f"{loaded.fingerprint} {KIND} {threshold!r}".encode()).hexdigest()
+    return dataclasses.replace(loaded, model=wrapped, kind=KIND, fingerprint=digest)

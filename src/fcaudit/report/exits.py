@@ -1,0 +1,59 @@
+"""The report's section for exit models (early exit, adaptive depth): where the tokens
+stop, and where the learned exit controller sits between fixed exit and the oracle.
+An audit without an exit condition reads exactly as before (no section)."""
+
+from __future__ import annotations
+
+from fcaudit.core.conditions import CORRECT, FIXED_EXIT, FIXED_EXIT_POSITION, ORACLE_EXIT
+from fcaudit.engine.result import AuditResult
+from fcaudit.io.hf_exit import HEADS_NOTE, MASKED
+from fcaudit.io.hf_exit import KIND as HF_EARLY_EXIT
+from fcaudit.report.format import fmt_ci, fmt_num, fmt_pct, fmt_share, fmt_with_ci
+from fcaudit.report.markdown import md_code, md_table, md_text
+
+
+def _row(r: AuditResult, name: str, what: str, depth: str) -> tuple[str, str, str, str]:
+    c = r.conditions.get(name)
+    if name in (r.not_applicable or {}):  # e.g. no positions to fix an exit per
+        return md_code(name), what, "", "not applicable"
+    if c is None:
+        return md_code(name), what, depth, "not run"
+    return md_code(name), what, depth, fmt_with_ci(c.delta, c.ci95, sign=True)
+
+
+def exits_section(r: AuditResult) -> list[str]:
+    """Depths, the references' penalties and the share of the gap closed."""
+    e = r.exits
+    if e is None:
+        return []
+    rows = [_row(r, FIXED_EXIT, "one layer for every token", f"{e.fixed_exit_depth}"),
+            _row(r, FIXED_EXIT_POSITION, "one layer per position",
+                 f"{min(e.fixed_exit_depth_per_position)}-"
+                 f"{max(e.fixed_exit_depth_per_position)}"),
+            _row(r, CORRECT, "the learned controller (its own scores)",
+                 fmt_num(e.evaluation_mean_depth, 3)),
+            _row(r, ORACLE_EXIT, "earliest layer predicting the full-depth token",
+                 fmt_num(e.oracle_mean_depth, 3))]
+    blocks = ["## Exits",
+              f"Layers executed per token (of {e.depth}), counted by hooks on the model's exit "
+              f"rules: {fmt_num(e.evaluation_mean_depth, 3)} on the evaluation windows, "
+              f"{fmt_num(e.calibration_mean_depth, 3)} on calibration; "
+              f"{fmt_share(e.share_exiting_first_layer)} of the evaluation tokens stop after "
+              f"the first layer, {fmt_share(e.share_full_depth)} run every layer.",
+              md_table(("exit rule", "each token exits at", "depth", "Δ vs correct [95% CI]"),
+                       rows, "llrr")]
+    if e.note:
+        blocks.append(f"**Degenerate exit rule:** {md_text(e.note)}.")
+    if r.model.kind == HF_EARLY_EXIT:
+        blocks.append(f"**Not trained for early exit:** {md_text(HEADS_NOTE)}. **Masked, not "
+                      f"skipped:** {md_text(MASKED)} (the execution audit counts every layer "
+                      "on every token; the depths above are what a skipping implementation "
+                      "would execute).")
+    g = e.gap_closed
+    if g is not None:
+        share = "undefined" if g.value is None else \
+            f"{fmt_pct(g.value)} [{fmt_ci(g.ci95, 2)}]"
+        why = f" ({md_text(g.reason)})" if g.value is None and g.reason else ""
+        blocks.append(f"Share of the fixed-to-oracle gap the learned controller closes, "
+                      f"(L(fixed) − L(learned)) / (L(fixed) − L(oracle)): {share}{why}.")
+    return blocks

@@ -1,0 +1,234 @@
+"""The exit conditions (fixed exit, per-position fixed exit, oracle exit) and the share of
+the fixed-to-oracle gap the learned exit controller closes: each reference worked out by
+hand, fed through the audit, and the refusals of rules and twins that cannot be read."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fcaudit
+from fcaudit import AuditData, AuditOptions
+from fcaudit.core.errors import FcauditError, ModelError
+from fcaudit.core.exits import (
+    exit_depth,
+    exit_layers,
+    exit_scores,
+    fixed_layer,
+    oracle_layers,
+)
+from fcaudit.core.recording import record
+from fcaudit.core.replaying import replay
+from fcaudit.engine.exits import gap_closed
+from fcaudit.engine.metrics import Bootstrap
+from fcaudit.models.earlyexit import EarlyExitConfig, EarlyExitGPT, ExitBlock
+from fcaudit.models.featuregate import GPT, GPTConfig
+from fcaudit.models.skipgate import Route
+
+CFG = EarlyExitConfig(vocab_size=61, block_size=16, n_layer=4, n_head=2, n_embd=16,
+                      exit_threshold=0.5)
+RNG = np.random.default_rng(0)
+EVAL, CALIB = RNG.integers(0, 61, (8, 16)), RNG.integers(0, 61, (8, 16))
+OPTS = AuditOptions(repeats=1, bootstrap=50, batch_size=4, progress=False, per_layer=False,
+                    timing_pairs=0)
+
+
+def spread(model: EarlyExitGPT, std: float = 2.0) -> EarlyExitGPT:
+    for name, p in model.named_parameters():
+        if ".score." in name and name.endswith("proj.weight"):
+            torch.nn.init.normal_(p, std=std)
+    return model.eval()
+
+
+def make(threshold: float = 0.5, cls: type[EarlyExitGPT] = EarlyExitGPT,
+         std: float = 2.0) -> EarlyExitGPT:
+    torch.manual_seed(0)
+    return spread(cls(EarlyExitConfig(**{**CFG.__dict__, "exit_threshold": threshold})), std)
+
+
+def audit(model: torch.nn.Module, **kw) -> dict:
+    data = AuditData(EVAL, CALIB, {"source": "tokens"})
+    return fcaudit.audit(model, None, data=data, options=OPTS, report=False, **kw).to_json()
+
+
+def nll(model: torch.nn.Module, ids: np.ndarray) -> float:
+    x = torch.from_numpy(ids)
+    with torch.no_grad():
+        logits = model(x)
+    return float(F.cross_entropy(logits[:, :-1].reshape(-1, 61), x[:, 1:].reshape(-1)))
+
+
+def test_oracle_layer_is_the_first_layer_agreeing_with_the_last():
+    preds = torch.tensor([[[5, 1, 2]], [[5, 3, 2]], [[7, 3, 9]], [[5, 3, 9]]])  # [L=4, 1, 3]
+    # token 0: layer 0 already says 5; token 1: layer 1 says 3; token 2: only the last
+    assert oracle_layers(preds).tolist() == [[0, 1, 2]]
+    stops = torch.tensor([[[False, True, False]], [[True, True, False]], [[False, True, False]]])
+    assert exit_layers(stops).tolist() == [[1, 0, 3]]  # first stop; never: n = 3
+
+
+@pytest.mark.parametrize(("mean", "layers", "expected"),
+                         [(2.1, 4, 1), (2.5, 4, 2), (0.3, 4, 0), (9.0, 4, 3), (1.5, 2, 1)])
+def test_fixed_layer_is_closest_depth_ties_deeper(mean, layers, expected):
+    assert fixed_layer(mean, layers) == expected
+
+
+def test_calibration_depth_per_position_by_hand():
+    # two sequences, three positions, exit layers of 4 layers
+    depth = exit_depth([torch.tensor([[0, 3, 1]]), torch.tensor([[0, 2, 2]])], 4)
+    # depths 1,4,2 and 1,3,3: means per position 1, 3.5, 2.5 (ties go deeper); overall
+    # 14/6 = 2.33, closest to depth 2 (exit layer 1)
+    assert depth.mean == pytest.approx(14 / 6) and depth.fixed() == 1
+    assert depth.fixed_per_position().tolist() == [0, 3, 2]
+
+
+def test_exit_scores_continue_before_exit_from_the_layer_on():
+    model = make()
+    sites = model.controller_sites()
+    like = {s.name: torch.full((1, 3, 1), 0.3) for s in sites}
+    fed = exit_scores(sites, torch.tensor([[0, 2, 3]]), like)
+    assert [fed[s.name][0, :, 0].tolist() for s in sites] == \
+        [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+
+
+def test_gap_share_formula_by_hand():
+    fixed = np.array([3.0, 3.2, 2.9, 3.1])
+    learned = np.array([2.6, 2.9, 2.7, 2.8])
+    oracle = np.array([2.0, 2.2, 2.1, 2.3])
+    boot = Bootstrap(4, 200, 0)
+    share = gap_closed({"fixed-exit": fixed, "correct": learned, "oracle-exit": oracle}, boot)
+    assert share.value == pytest.approx(100 * (3.05 - 2.75) / (3.05 - 2.15))  # 33.33%
+    assert share.defined and share.ci95[0] <= share.value <= share.ci95[1]
+    flat = gap_closed({"fixed-exit": fixed, "correct": learned,
+                       "oracle-exit": fixed + np.array([0.1, -0.1, 0.1, -0.1])}, boot)
+    assert flat.value is None and "not above 0" in flat.reason
+
+
+def test_audit_feeds_fixed_and_oracle_exits_worked_out_by_hand():
+    model = make()
+    j = audit(model)
+    e = j["exits"]
+    # the model's own depth by hand: its recorded scores against the threshold
+    def own_depth(ids: np.ndarray) -> torch.Tensor:
+        scores = torch.stack([v[..., 0] for v in record(model, torch.from_numpy(ids)).values()])
+        return exit_layers(scores >= 0.5) + 1
+    calib_mean = float(own_depth(CALIB).double().mean())
+    assert e["calibration_mean_depth"] == pytest.approx(calib_mean)
+    fixed = min(range(4), key=lambda k: (abs(k + 1 - calib_mean), -k))
+    assert e["fixed_exit_depth"] == fixed + 1
+    assert e["evaluation_mean_depth"] == pytest.approx(float(own_depth(EVAL).double().mean()))
+    assert j["execution"]["blocks_executed"] == pytest.approx(e["evaluation_mean_depth"])
+    x = torch.from_numpy(EVAL)
+    with replay(model, exit_scores(model.controller_sites(), torch.full((8, 16), fixed),
+                                   record(model, x))):
+        assert j["conditions"]["fixed-exit"]["nll"] == pytest.approx(nll(model, EVAL))
+    # the oracle by hand: per layer argmax of the shared head on the full-depth states
+    h, argmaxes = model.wte(x) + model.wpe(torch.arange(16)), []
+    with torch.no_grad():
+        for block in model.blocks:
+            h = block.full(h)
+            argmaxes.append(model.lm_head(model.ln_f(h)).argmax(-1))
+    oracle = torch.tensor([[min(i for i in range(4) if argmaxes[i][b, t] == argmaxes[3][b, t])
+                            for t in range(16)] for b in range(8)])
+    assert e["oracle_mean_depth"] == pytest.approx(float((oracle + 1).double().mean()))
+    with replay(model, exit_scores(model.controller_sites(), oracle, record(model, x))):
+        assert j["conditions"]["oracle-exit"]["nll"] == pytest.approx(nll(model, EVAL))
+    fc, lc, oc = (j["conditions"][c]["nll"] for c in ("fixed-exit", "correct", "oracle-exit"))
+    share = e["gap_closed"]
+    assert share["gap"] == pytest.approx(fc - oc)
+    if share["value"] is not None:
+        assert share["value"] == pytest.approx(100 * (fc - lc) / (fc - oc))
+
+
+@pytest.mark.parametrize(("threshold", "words"), [
+    (1.0, "no token exits before the last layer"),
+    (1e-30, "every token exits after the first layer")])
+def test_degenerate_thresholds_are_said_not_counted_as_savings(threshold, words):
+    e = audit(make(threshold, std=0.02))["exits"]  # scores near 0.5: neither 1 nor 0
+    assert words in e["note"]
+    assert e["evaluation_mean_depth"] == (4.0 if threshold == 1.0 else 1.0)
+
+
+def test_exit_conditions_do_not_apply_without_exit_sites():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=16)).eval()
+    data = AuditData(EVAL, CALIB, {"source": "tokens"})
+    opts = AuditOptions(**{**OPTS.__dict__, "conditions": ("fixed-exit", "oracle-exit")})
+    j = fcaudit.audit(model, None, data=data, options=opts, report=False).to_json()
+    assert "has no exit sites" in j["not_applicable"]["fixed-exit"]
+    assert "oracle-exit" in j["not_applicable"] and "exits" not in j
+
+
+class IgnoresFedScores(EarlyExitGPT):
+    """A broken rule: it recomputes the score from a copy of the classifier, so fed scores
+    never reach it."""
+
+    def __init__(self, cfg: EarlyExitConfig) -> None:
+        super().__init__(cfg)
+        spread(self)
+        for block in self.blocks:
+            # a copy kept outside the module tree: replay cannot swap it, hooks never see it
+            block.__dict__["own_score"] = copy.deepcopy(block.score)
+            block.step = lambda h, running, b=block: _recomputing_step(b, h, running)
+
+
+def _recomputing_step(block: ExitBlock, h: torch.Tensor, running: torch.Tensor):
+    if running.any():
+        route = Route.from_mask(running)
+        h = route.scatter_add(h, block.body(route.gather(h), route, h))
+    if block.halt is None:
+        return h, running
+    block.score(h)  # the site runs (and is recorded) but its output is not read
+    return h, running & ~block.halt(block.own_score(h)[..., 0])
+
+
+class DriftingThreshold(EarlyExitGPT):
+    """A broken rule: its threshold moves on every call (state kept between calls)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if block.halt is not None:
+                block.halt.threshold = 0.3 + (block.halt.threshold + 0.07) % 0.4
+        return super().forward(input_ids)
+
+
+def test_rule_that_ignores_fed_scores_is_refused_naming_the_site():
+    with pytest.raises(ModelError, match=r"exit site blocks\.0\.score: feeding scores that "
+                                         r"stop every token after exit layer 0") as err:
+        audit(make(cls=IgnoresFedScores))
+    assert err.value.site == "blocks.0.score"
+
+
+def test_rule_whose_replay_moves_the_exits_is_refused_naming_the_site():
+    with pytest.raises(ModelError, match=r"exit site blocks\.\d\.score: replaying the "
+                                         r"recorded scores, the model's exit rule stops \d+ "
+                                         r"of 64 tokens at another layer") as err:
+        audit(make(cls=DriftingThreshold))
+    assert err.value.site in {"blocks.0.score", "blocks.1.score", "blocks.2.score"}
+
+
+@pytest.mark.parametrize(("layers", "width"), [(3, 16), (4, 32)])
+def test_twin_of_another_depth_or_width_is_refused(tmp_path, layers, width):
+    torch.manual_seed(0)
+    twin = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=layers, n_head=2,
+                         n_embd=width)).eval()
+    with pytest.raises(FcauditError, match=rf"the dense twin has {layers} blocks of width "
+                                           rf"\[{width}\], the model 4 of width \[16\]"):
+        audit(make(), dense=twin)
+
+
+@pytest.mark.parametrize(("exit", "words"), [
+    ((0.0, 1.0), "the model declares no exit_heads(), exit_rules() and full_depth"),
+    ((1.0, 1.0), "Site.exit=(1.0, 1.0) gives one value for continue and exit")])
+def test_exit_sites_the_model_cannot_serve_are_refused_naming_the_site(exit, words):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=16)).eval()
+    sites = [fcaudit.Site(f"blocks.{i}.gate", f"blocks.{i}.gate", "gate", i,
+                          axes=("example", "token"), exit=exit) for i in range(2)]
+    with pytest.raises(ModelError, match=re.escape(f"exit site blocks.0.gate: {words}")) as err:
+        audit(model, sites=sites)
+    assert err.value.site == "blocks.0.gate"

@@ -1,0 +1,148 @@
+"""``--early-exit`` on a Hugging Face causal LM (a tiny random Llama saved to a folder):
+exit sites found, exits and oracle layers worked out from the model's own hidden states,
+identity replay exact, the exit conditions run, the masking and the untrained-heads
+warning said."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    COMMON,
+    TOY,
+    assert_clean_failure,
+    run_inprocess,
+    token_batches,
+    tokenizer_file,
+)
+
+from fcaudit.core.exits import exit_scores, head_predictions, oracle_layers, own_exits
+from fcaudit.core.recording import record
+from fcaudit.core.replaying import replay
+
+transformers = pytest.importorskip("transformers")
+
+from fcaudit.io.data import load_tokenizer  # noqa: E402
+from fcaudit.io.hf_exit import EarlyExitLM  # noqa: E402
+
+THRESHOLD = 0.8
+L = 4
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer random Llama whose LM head is scaled up (x60), so that the heads'
+    confidences straddle the threshold; its tokenizer and token windows beside it."""
+    folder = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": L},
+                                      intermediate_size=64, num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+    model.save_pretrained(folder)
+    tokenizer_file(folder)
+    ev, ca = token_batches(load_tokenizer(folder / "tokenizer.json"))
+    np.save(folder / "eval.npy", ev.numpy())
+    np.save(folder / "calib.npy", ca.numpy())
+    return folder
+
+
+def wrapped(folder: Path) -> tuple[EarlyExitLM, torch.Tensor]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    return EarlyExitLM(model, THRESHOLD).eval(), torch.from_numpy(np.load(folder / "eval.npy"))
+
+
+def heads_by_hand(net: EarlyExitLM, x: torch.Tensor) -> torch.Tensor:
+    """``[L, B, T, V]``: the model's own final norm and LM head on each layer's output,
+    read off the unwrapped model's hidden states (every token through every layer)."""
+    inner = net.model
+    with torch.no_grad():
+        out = inner(input_ids=x, output_hidden_states=True)
+        states = out.hidden_states[1:L]  # after layers 0..L-2 (the last is normed already)
+        logits = [inner.lm_head(inner.model.norm(h)) for h in states]
+    return torch.stack([*logits, out.logits])
+
+
+def test_sites_exits_and_oracle_worked_out_from_hidden_states(llama):
+    net, x = wrapped(llama)
+    assert [s.name for s in net.controller_sites()] == ["scores.0", "scores.1", "scores.2"]
+    assert net.execution_blocks() == [f"model.model.layers.{i}" for i in range(L)]
+    heads = heads_by_hand(net, x)
+    argmax = heads.argmax(-1)
+    B, T = x.shape
+    oracle = torch.tensor([[min(i for i in range(L) if argmax[i, b, t] == argmax[-1, b, t])
+                            for t in range(T)] for b in range(B)])
+    assert torch.equal(oracle_layers(head_predictions(net, lambda: net(x))), oracle)
+    # the first exit reads layer 0's output, which masking cannot have changed
+    conf = heads[0].softmax(-1).amax(-1)
+    first = own_exits(net, lambda: net(x)) == 0
+    assert torch.equal(first, conf >= THRESHOLD)
+    assert 0 < int(first.sum()) < first.numel()
+    # an exited token's logits are its exit head's: its state stays layer 0's
+    with torch.no_grad():
+        out = net(x)
+    torch.testing.assert_close(out[first], heads[0][first], rtol=1e-5, atol=1e-4)
+
+
+def test_identity_replay_is_bitwise_and_exits_follow_fed_scores(llama):
+    net, x = wrapped(llama)
+    rec = record(net, x)
+    assert all(v.shape == (*x.shape, 1) for v in rec.values())
+    with torch.no_grad():
+        plain = net(x)
+    with replay(net, rec), torch.no_grad():
+        assert torch.equal(net(x), plain)
+    layers = torch.randint(0, L, x.shape, generator=torch.Generator().manual_seed(3))
+    with replay(net, exit_scores(net.controller_sites(), layers, rec)):
+        assert torch.equal(own_exits(net, lambda: net(x)), layers)
+
+
+def test_cli_audit_runs_the_exit_conditions_and_says_masking_and_untrained_heads(
+        llama, tmp_path, capsys):
+    out = tmp_path / "audit"
+    res = run_inprocess(["audit", "--model", llama, "--tokens", llama / "eval.npy",
+                         "--calib-tokens", llama / "calib.npy", "--early-exit",
+                         "--exit-threshold", THRESHOLD, "--repeats", "1", "--bootstrap", "20",
+                         "--batch-size", "2", "--no-per-layer", "--timing-pairs", "0",
+                         "--quiet", "--out", out], capsys)
+    assert res.returncode == 0, res.stderr
+    j = json.loads((out / "audit.json").read_text())
+    assert j["model"]["kind"] == "hf-early-exit"
+    assert j["settings"]["early_exit"] is True and j["settings"]["exit_threshold"] == THRESHOLD
+    assert {"fixed-exit", "fixed-exit-position", "oracle-exit"} <= set(j["conditions"])
+    assert j["identity_replay_max_abs_diff"] == 0.0
+    assert 1.0 < j["exits"]["evaluation_mean_depth"] < L
+    # masked: the execution audit counts every layer on every token, and says why
+    assert j["execution"]["blocks_executed"] == L
+    assert "counted, not realised" in j["execution"]["mode"]
+    report = (out / "report.md").read_text()
+    assert "**Not trained for early exit:**" in report and "poor predictors" in report
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--exit-threshold", "1.5", "--early-exit"], "--exit-threshold 1.5: must be a number in "
+                                                  "(0, 1]"),
+    (["--exit-threshold", "0.5"], "--exit-threshold 0.5 is read only with --early-exit"),
+    (["--early-exit"], "--early-exit wraps a Hugging Face causal LM"),
+], ids=["threshold out of range", "threshold without early exit", "not a transformers model"])
+def test_early_exit_mistakes_are_one_line(argv, needle, tmp_path, capsys):
+    tokens = tmp_path / "t.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 61, (4, 16)))
+    out = tmp_path / "out"
+    res = run_inprocess(["audit", *TOY, "--tokens", tokens, "--calib-tokens", tokens, *argv,
+                         "--quiet", "--out", out], capsys)
+    assert_clean_failure(res, tmp_path, out, needle)
+
+
+def test_the_threshold_enters_the_fingerprint(llama):
+    from fcaudit.io.hf_exit import with_early_exit
+    from fcaudit.io.loading import load
+    plain = load(str(llama))
+    prints = {t: with_early_exit(load(str(llama)), t).fingerprint for t in (0.5, 0.8)}
+    assert len({plain.fingerprint, *prints.values()}) == 3  # another threshold, another cache
+    assert with_early_exit(load(str(llama)), 0.5).fingerprint == prints[0.5]

@@ -216,8 +216,10 @@ def test_twin_of_another_depth_or_width_is_refused(tmp_path, layers, width):
     torch.manual_seed(0)
     twin = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=layers, n_head=2,
                          n_embd=width)).eval()
-    with pytest.raises(FcauditError, match=rf"the dense twin has {layers} blocks of width "
-                                           rf"\[{width}\], the model 4 of width \[16\]"):
+    twin_shapes = ", ".join([f"[{width}] -> [{width}]"] * layers)
+    with pytest.raises(FcauditError, match=re.escape(
+            f"the dense twin has {layers} blocks of per-token shapes (in -> out) {twin_shapes}, "
+            "the model 4 of [16] -> [16], [16] -> [16]")):
         audit(make(), dense=twin)
 
 

@@ -4,6 +4,8 @@ per-position ones are said not to."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -159,8 +161,9 @@ def test_audit_runs_fixed_and_oracle_exit_and_says_per_position_does_not_apply()
 def test_twin_of_another_depth_is_refused():
     torch.manual_seed(0)
     twin = CNN(CNNConfig(widths=(16, 32), strides=(1, 2), condconv=False)).eval()
-    with pytest.raises(FcauditError, match=r"the dense twin has 2 blocks of width \[.*\], "
-                                           r"the model 3 of width"):
+    with pytest.raises(FcauditError, match=re.escape(
+            "the dense twin has 2 blocks of per-example shapes (in -> out) [1, 8, 8] -> "
+            "[16, 8, 8], [16, 8, 8] -> [32, 4, 4], the model 3 of")):
         audit(make(), dense=twin)
 
 

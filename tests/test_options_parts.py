@@ -114,7 +114,8 @@ def test_arch_choices_are_the_model_registry() -> None:
     arch = next(a for a in train._actions if "--arch" in a.option_strings)  # type: ignore
     assert sorted(arch.choices) == sorted([
         "featuregate", "dense", "skipgate", "earlyexit", "ponder", "mudd", "moe", "vit-moe",
-        "tokenprune", "dense-vit", "condconv", "branchy", "dense-cnn", "mamba", "s4d"])
+        "tokenprune", "dense-vit", "condconv", "branchy", "dense-cnn", "mamba", "s4d",
+        "dense-ponder"])
 
 
 def test_the_cli_validates_an_audit_s_options_once(

@@ -296,7 +296,8 @@ def _add_reproduce(sub: Any) -> None:
                                    "and SkipGate), audit each, aggregate across seeds and write "
                                    "OUT/reproduction.md, OUT/report.html and figures. Finished "
                                    "runs and audits are reused, so an interrupted study resumes.")
-    r.add_argument("--preset", choices=["tiny", "paper", "trend", "vision", "ssm"], default="tiny",
+    r.add_argument("--preset", choices=["tiny", "paper", "trend", "vision", "ssm", "exit"],
+                   default="tiny",
                    help=f"tiny: CPU scale (about {measured_minutes('reproduce_tiny')} minutes "
                         "for 3 seeds on 2 cores); paper: 76m x7 and 504m x3 seeds (GPU); "
                         "trend: FeatureGate and Dense at a ladder of sizes and training lengths, "
@@ -306,9 +307,12 @@ def _add_reproduce(sub: Any) -> None:
                         "TokenPrune and CondConv with their dense twins on scikit-learn's "
                         "digits, audited by classification (fcaudit[vision]); ssm: Mamba "
                         "and its LTI twin S4D on the built-in corpus and on selective "
-                        "copying, audited for selection")
+                        "copying, audited for selection; exit: the early-exit LM, the ponder "
+                        "model and the digits early-exit classifier with their full-depth "
+                        "twins, audited for where they stop (fixed, learned and oracle "
+                        "exit, matched depth)")
     r.add_argument("--seeds", type=int, default=None,
-                   help="seeds per group (default: tiny, vision and ssm 3; paper 7 for 76m "
+                   help="seeds per group (default: tiny, vision, ssm and exit 3; paper 7 for 76m "
                         "and 3 for 504m; trend 2)")
     r.add_argument("--out", type=user_path, default=Path("fcaudit-reproduction"))
     r.add_argument("--mudd-checkpoint", type=user_file, default=None, metavar="PATH",

@@ -234,7 +234,9 @@ class DeclaresExits(Protocol):
     The score alone does not say where a token stopped (the rule and its threshold are the
     model's: a CALM threshold, a PonderNet cumulative halting probability), so hooks read
     the model's own exits here: its depth per token and per position, which fixed exit
-    matches, and the exits a replay produces, which must be the model's own.
+    matches, and the exits a replay produces, which must be the model's own. Rule modules
+    that carry one float ``threshold`` attribute (all the same) get the exit frontier's
+    threshold sweep: the audit moves it for a few passes and puts it back.
     """
 
     full_depth: bool

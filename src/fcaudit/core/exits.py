@@ -180,6 +180,20 @@ class ExitPlan:
     calibration: ExitDepth
     oracle: Tensor  # [N, T] the oracle exit layer of every evaluation token
     own: Tensor  # [N, T] the model's own exit layer of every evaluation token
+    positions: bool = True  # the exit sites have a position axis (Branchy's have none)
+    threshold: float | None = None  # the rules' own threshold (None: not one number)
+    # the threshold sweep: the model's own rule at other thresholds, (threshold, [N, T]
+    # exit layers of every evaluation token), measured by real passes
+    sweep: tuple[tuple[float, Tensor], ...] = ()
+
+    def swept(self, threshold: float | None, depth: int | None, rows: range,
+              shape: tuple[int, int]) -> Tensor:
+        """``[B, T]``: the exit layers of the threshold sweep's point at ``threshold``, or
+        of fixed exit at ``depth`` layers (the savings frontier's exit rules)."""
+        if depth is not None:
+            return torch.full(shape, depth - 1)
+        layers = dict(self.sweep)[threshold]
+        return layers[rows.start:rows.stop]
 
     def layers(self, condition: str, rows: range, shape: tuple[int, int]) -> Tensor:
         """``[B, T]``: the exit layer ``condition`` gives the evaluation rows ``rows``."""

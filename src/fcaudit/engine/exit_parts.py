@@ -5,7 +5,42 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fcaudit.engine.result_parts import Retention, _omit_none
+from fcaudit.engine.result_parts import Estimate, Retention, _omit_none
+
+
+@dataclass
+class ExitSweepPoint:
+    """One point of the exit frontier: the learned rule at a threshold (None: its own), or
+    fixed exit at an integer depth; penalties against ``correct``."""
+
+    rule: str  # "learned" or "fixed"
+    threshold: float | None
+    mean_depth: float  # layers executed per token, mean over the evaluation tokens
+    delta: Estimate  # loss(rule) - loss(correct)
+    # learned points: fixed exit interpolated at this mean depth, and fixed - learned
+    fixed: Estimate | None
+    gap: Estimate | None
+
+
+@dataclass
+class ExitMatch:
+    """Would a static depth do as well? Fixed exit at the learned rule's own mean executed
+    depth (interpolated between the integer depths around it) against the learned rule."""
+
+    mean_depth: float
+    fixed_depths: list[int]  # the integer depths fixed exit is interpolated between
+    # loss(fixed at mean_depth) - loss(learned): positive, the static depth loses
+    gap: Estimate
+
+
+@dataclass
+class ExitFrontier:
+    """The savings frontier of an exit model: the threshold sweep and fixed exit."""
+
+    own_threshold: float | None  # the rules' threshold (None: no sweep, own point only)
+    points: list[ExitSweepPoint]  # learned points by mean depth, then fixed by depth
+    matched_depth: ExitMatch
+    sentence: str
 
 
 @dataclass
@@ -25,3 +60,4 @@ class ExitSummary:
     note: str | None
     # (L(fixed) - L(learned)) / (L(fixed) - L(oracle)) in percent, with its interval
     gap_closed: Retention | None = _omit_none()
+    frontier: ExitFrontier | None = _omit_none()  # the threshold sweep, matched depth

@@ -12,6 +12,7 @@ per batch, the price of a reference that is never stale).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,9 +31,11 @@ from fcaudit.core.exits import (
     own_exits,
 )
 from fcaudit.core.hooks import hooks
+from fcaudit.core.layout import has_positions
 from fcaudit.core.nll import device_of
 from fcaudit.core.replaying import replaying
-from fcaudit.engine.exit_parts import ExitSummary
+from fcaudit.engine.exit_parts import ExitFrontier, ExitSummary
+from fcaudit.engine.exit_sweep import own_threshold, sweep_layers
 from fcaudit.engine.metrics import Bootstrap, retention
 from fcaudit.engine.passes import batches, record_batch
 from fcaudit.engine.result_parts import Retention
@@ -62,8 +65,11 @@ def exit_plan(setup: Any) -> ExitPlan | None:
             own.append(own_exits(net, lambda x=x: call_model(setup.model, x)).cpu())
             preds = head_predictions(net, lambda x=x: call_model(setup.model, x))
             oracle.append(oracle_layers(preds).cpu())
-    layers = len(exit_sites(setup.sites)) + 1
-    return ExitPlan(exit_depth(calib, layers), torch.cat(oracle), torch.cat(own))
+    layers, own_layers = len(exit_sites(setup.sites)) + 1, torch.cat(own)
+    with inference(setup.model):
+        sweep = sweep_layers(setup, net, own_layers)
+    return ExitPlan(exit_depth(calib, layers), torch.cat(oracle), own_layers,
+                    has_positions(exit_sites(setup.sites)), own_threshold(net), sweep)
 
 
 def check_follows(setup: Any, net: Any, x: Any) -> None:
@@ -104,20 +110,23 @@ def degenerate(own: torch.Tensor, layers: int) -> str | None:
     return None
 
 
-def exit_summary(plan: ExitPlan | None, gap: Retention | None) -> ExitSummary | None:
-    """The audit.json section of an exit model, or None without an exit condition."""
+def exit_summary(plan: ExitPlan | None, gap: Retention | None,
+                 frontier: ExitFrontier | None = None) -> ExitSummary | None:
+    """The audit.json section of an exit model, or None without an exit condition (no
+    depth per position where the sites have no position axis)."""
     if plan is None:
         return None
     cal, own = plan.calibration, plan.own
     L = cal.layers
     return ExitSummary(
         depth=L, calibration_mean_depth=cal.mean, fixed_exit_depth=cal.fixed() + 1,
-        fixed_exit_depth_per_position=[int(k) + 1 for k in cal.fixed_per_position()],
+        fixed_exit_depth_per_position=[int(k) + 1 for k in cal.fixed_per_position()]
+        if plan.positions else [],
         evaluation_mean_depth=float((own + 1).double().mean()),
         oracle_mean_depth=float((plan.oracle + 1).double().mean()),
         share_exiting_first_layer=float((own == 0).double().mean()),
         share_full_depth=float((own == L - 1).double().mean()),
-        note=degenerate(own, L), gap_closed=gap)
+        note=degenerate(own, L), gap_closed=gap, frontier=frontier)
 
 
 def gap_closed(per_seq: dict[str, np.ndarray], boot: Bootstrap) -> Retention | None:
@@ -152,24 +161,53 @@ def with_exit_conditions(options: Any, sites: Any, model: Any) -> Any:
 def check_twin(setup: Any) -> None:
     """Refuse a dense twin of another depth or width than an exit model: executed depth
     and FLOPs are read against it, so the twin must be the same network at full depth.
-    Depth: the blocks each declares; width: the last axis of what its blocks read, on the
-    first evaluation window."""
-    if setup.dense is None or not exit_sites(setup.sites) or setup.blocks is None:
+    Depth: the blocks each declares; width: the shape of what each block reads and
+    returns per unit that exits, on the first evaluation window (the blocks that ran there:
+    one ordinary pass, as changing the rule would be a call the audit's own checks do not
+    expect). A unit is an example where the exit sites have no
+    position axis (``[C, H, W]`` for a convolution: the last axis alone is its image
+    width, not its channels), else a token (the last axis: an exit model's blocks see the
+    running tokens packed)."""
+    sites = exit_sites(setup.sites)
+    if setup.dense is None or not sites or setup.blocks is None:
         return
-    from fcaudit.engine.execution import inference
     from fcaudit.engine.inputs import resolve_block_paths
     twin_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) or []
     _, x = next(batches(setup.eval_source, 1, device_of(setup.model), [0]))
-    widths = []
-    for net, paths in ((setup.model, setup.blocks), (setup.dense, twin_blocks)):
-        seen: set[int] = set()
-        with inference(net), hooks(net, {p: lambda _m, args, seen=seen: seen.add(
-                int(args[0].shape[-1])) for p in paths}, kind="pre"):
-            call_model(net, x)
-        widths.append(sorted(seen))
-    if len(setup.blocks) != len(twin_blocks) or widths[0] != widths[1]:
+    axes = 1 if has_positions(sites) else None
+    mine = block_shapes(setup.model, setup.blocks, x, axes)
+    twin = block_shapes(setup.dense, twin_blocks, x, axes)
+    ran = [i for i, p in enumerate(setup.blocks) if p in mine]
+    if len(setup.blocks) != len(twin_blocks) or \
+            any(mine[setup.blocks[i]] != twin.get(twin_blocks[i]) for i in ran):
+        unit = "token" if axes else "example"
         raise ModelError(
-            f"exit site {exit_sites(setup.sites)[0].name}: the dense twin has "
-            f"{len(twin_blocks)} blocks of width {widths[1]}, the model {len(setup.blocks)} of "
-            f"width {widths[0]}; executed depth and FLOPs are read against the twin, so give "
-            f"the same network run to full depth ({arg('dense')})")
+            f"exit site {sites[0].name}: the dense twin has {len(twin_blocks)} blocks of "
+            f"per-{unit} shapes (in -> out) {_shapes(twin)}, the model {len(setup.blocks)} of "
+            f"{_shapes(mine)}; executed depth and FLOPs are read against the twin, so give "
+            f"the same network run to full depth ({arg('dense')})", site=sites[0].name)
+
+
+def block_shapes(net: Any, paths: Sequence[str], x: Any,
+                 axes: int | None) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Per block that ran, in order: the shapes of its first input and first output tensor, the last
+    ``axes`` axes (None: all but the batch axis)."""
+    from fcaudit.engine.execution import inference
+    seen: dict[str, tuple[tuple[int, ...], ...]] = {}
+
+    def unit(t: Any) -> tuple[int, ...]:
+        return tuple(t.shape[-axes:] if axes else t.shape[1:])
+
+    def keep(path: str) -> Any:
+        def hook(_m: Any, args: Any, out: Any) -> None:
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            seen.setdefault(path, (unit(args[0]), unit(first)))
+        return hook
+
+    with inference(net), hooks(net, {p: keep(p) for p in paths}):
+        call_model(net, x)
+    return {p: seen[p] for p in paths if p in seen}
+
+
+def _shapes(shapes: dict[str, tuple[tuple[int, ...], ...]]) -> str:
+    return ", ".join(f"{list(i)} -> {list(o)}" for i, o in shapes.values()) or "none"

@@ -21,6 +21,7 @@ from fcaudit.core.layout import not_applicable
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
 from fcaudit.engine.cost import replay_line
 from fcaudit.engine.distributed import Ranks
+from fcaudit.engine.exit_sweep import exit_frontier, exit_points
 from fcaudit.engine.exits import ExitSummary, exit_plan, exit_summary
 from fcaudit.engine.frontier import Covered, FrontierPoint
 from fcaudit.engine.frontier_plan import frontier_plan, frontier_points
@@ -42,6 +43,7 @@ from fcaudit.engine.summary import (
     accuracies,
     describe,
     example_hits,
+    paired_bootstrap,
     summarize,
 )
 
@@ -82,7 +84,7 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     covered, points = frontier_points(setup, cache, frontier_plan(setup, first), progress,
                                       ranks)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),
-                     points, skipped)
+                     points, skipped, exit_points(inputs.exits))
     if ranks.main and opts.progress:
         say(progress, replay_line(len(runs), cache.n_batches))
     started = time.perf_counter()
@@ -101,7 +103,16 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
                         example_hits(runs, replays.hits, original))
     return Measurements(setup, runs, replays, identity, description, summary, covered, points,
                         profiles, reuse, recorded, timings,
-                        exit_summary(inputs.exits, summary.exit_gap))
+                        _exits(setup, inputs, runs, replays.per_run, summary))
+
+
+def _exits(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run],
+           per_run: Sequence[np.ndarray], summary: Summary) -> ExitSummary | None:
+    """The exits section: depths, the gap closed and the exit frontier."""
+    per_seq = dict(zip((r.key for r in runs), per_run, strict=True))
+    frontier = exit_frontier(inputs.exits, per_seq,
+                             paired_bootstrap(setup.inputs.n_eval, setup.options))
+    return exit_summary(inputs.exits, summary.exit_gap, frontier)
 
 
 def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticProfiles,

@@ -83,7 +83,9 @@ def retention(static: np.ndarray, correct: np.ndarray, global_mean: np.ndarray,
                          f"the Correct-to-GlobalMean {what} {gap.mean():+.4f}{unit} has a 95% "
                          f"interval [{gap_ci[0]:+.4f}, {gap_ci[1]:+.4f}] that is not above 0")
     kept = global_mean - static
-    samples = 100.0 * boot.means(kept) / gap_samples
+    with np.errstate(divide="ignore", invalid="ignore"):  # a resample's gap can be 0 (hits
+        samples = 100.0 * boot.means(kept) / gap_samples  # are discrete): +-inf sit in
+    samples = samples[~np.isnan(samples)]  # the tails; 0/0, a resample with no share, goes
     return Retention(float(gap.mean()), gap_ci, float(100.0 * kept.mean() / gap.mean()),
                      interval(samples), True)
 

@@ -39,6 +39,7 @@ from fcaudit.core.interventions import (
 )
 from fcaudit.core.routers import ablate_expert
 from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.exit_sweep import ExitPoint, exit_feed
 from fcaudit.engine.frontier import FrontierPoint, point_feed
 from fcaudit.engine.options import AUTO_ABLATION_MAX_EXPERTS, AuditOptions
 
@@ -148,6 +149,24 @@ class FrontierRun(Target):
 
 
 @dataclass(frozen=True)
+class ExitRun(Target):
+    """An exit-frontier point: the learned exit rule at another threshold, or fixed exit at
+    one depth, fed as the exit scores that carry its exits out."""
+
+    point: ExitPoint
+
+    def key(self, condition: str) -> str:
+        return self.point.key
+
+    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
+        return (None, False, None, self.point.key)
+
+    def feed(self, run: Run, b: int, inputs: ReplayInputs,
+             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
+        return exit_feed(self.point, inputs.exits, inputs.cache.batch_range(b), correct)
+
+
+@dataclass(frozen=True)
 class UserIntervention(Target):
     """The user's function of the recorded coefficients (:class:`Intervention`)."""
 
@@ -199,12 +218,13 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
               interventions: Sequence[Intervention] = (),
               ablated: Mapping[Site, int] | None = None,
               points: Sequence[FrontierPoint] = (),
-              skipped: Collection[str] = ()) -> list[Run]:
+              skipped: Collection[str] = (),
+              exit_points: Sequence[ExitPoint] = ()) -> list[Run]:
     """Every run, in order: correct first, then the conditions (the opt-in ones asked for
     after the default ones of their kind; the exit references after the static ones),
-    per-layer variants, expert
-    ablations (``ablated``: site -> its number of experts), frontier points and user
-    interventions; conditions in ``skipped`` (not applicable to these sites) are not run."""
+    per-layer variants, expert ablations (``ablated``: site -> its number of experts),
+    frontier points (the exit frontier's after the others) and user interventions;
+    conditions in ``skipped`` (not applicable to these sites) are not run."""
     runs = [Run(CORRECT)]
     runs += [Run(c, k) for k in range(options.repeats)
              for c in audited(options.conditions, RANDOM_ALL) if c not in skipped]
@@ -218,6 +238,7 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
     runs += [Run(EXPERT_ABLATION, target=ExpertAblation(site, e))
              for site, n in (ablated or {}).items() for e in range(n)]
     runs += [Run(FRONTIER, target=FrontierRun(p)) for p in points]
+    runs += [Run(FRONTIER, target=ExitRun(p)) for p in exit_points]
     runs += [Run(iv.name, k, UserIntervention(iv)) for iv in interventions
              for k in range(iv.repeats)]
     return runs

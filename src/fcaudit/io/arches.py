@@ -59,6 +59,9 @@ ARCHES: dict[str, Arch] = {
                       "EarlyExitConfig"),
     "ponder": Arch("ponder", "fcaudit.models.ponder", "PonderGPT", "PonderConfig",
                    (("halting", True),)),
+    # ponder's twin: the same shared block run max_steps times on every token, no halting
+    "dense-ponder": Arch("dense-ponder", "fcaudit.models.ponder", "PonderGPT", "PonderConfig",
+                         (("halting", False),)),
     "mudd": Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig"),
     "moe": Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig"),
     "mamba": Arch("mamba", "fcaudit.models.mamba", "Mamba", "MambaConfig"),

@@ -5,6 +5,7 @@ An audit without an exit condition reads exactly as before (no section)."""
 from __future__ import annotations
 
 from fcaudit.core.conditions import CORRECT, FIXED_EXIT, FIXED_EXIT_POSITION, ORACLE_EXIT
+from fcaudit.engine.exit_parts import ExitFrontier
 from fcaudit.engine.result import AuditResult
 from fcaudit.io.hf_exit import HEADS_NOTE, MASKED
 from fcaudit.io.hf_exit import KIND as HF_EARLY_EXIT
@@ -21,27 +22,33 @@ def _row(r: AuditResult, name: str, what: str, depth: str) -> tuple[str, str, st
     return md_code(name), what, depth, fmt_with_ci(c.delta, c.ci95, sign=True)
 
 
+def _unit(r: AuditResult) -> str:
+    """What exits: a token, or an example where the sites have no position axis."""
+    e = r.exits
+    return "example" if e is not None and not e.fixed_exit_depth_per_position else "token"
+
+
 def exits_section(r: AuditResult) -> list[str]:
-    """Depths, the references' penalties and the share of the gap closed."""
+    """Depths, the references' penalties, the share of the gap closed, the exit frontier."""
     e = r.exits
     if e is None:
         return []
-    rows = [_row(r, FIXED_EXIT, "one layer for every token", f"{e.fixed_exit_depth}"),
+    unit, per = _unit(r), e.fixed_exit_depth_per_position
+    rows = [_row(r, FIXED_EXIT, f"one layer for every {unit}", f"{e.fixed_exit_depth}"),
             _row(r, FIXED_EXIT_POSITION, "one layer per position",
-                 f"{min(e.fixed_exit_depth_per_position)}-"
-                 f"{max(e.fixed_exit_depth_per_position)}"),
+                 f"{min(per)}-{max(per)}" if per else ""),
             _row(r, CORRECT, "the learned controller (its own scores)",
                  fmt_num(e.evaluation_mean_depth, 3)),
-            _row(r, ORACLE_EXIT, "earliest layer predicting the full-depth token",
+            _row(r, ORACLE_EXIT, "earliest layer predicting the full-depth answer",
                  fmt_num(e.oracle_mean_depth, 3))]
     blocks = ["## Exits",
-              f"Layers executed per token (of {e.depth}), counted by hooks on the model's exit "
-              f"rules: {fmt_num(e.evaluation_mean_depth, 3)} on the evaluation windows, "
+              f"Layers executed per {unit} (of {e.depth}), counted by hooks on the model's "
+              f"exit rules: {fmt_num(e.evaluation_mean_depth, 3)} on the evaluation windows, "
               f"{fmt_num(e.calibration_mean_depth, 3)} on calibration; "
-              f"{fmt_share(e.share_exiting_first_layer)} of the evaluation tokens stop after "
+              f"{fmt_share(e.share_exiting_first_layer)} of the evaluation {unit}s stop after "
               f"the first layer, {fmt_share(e.share_full_depth)} run every layer.",
-              md_table(("exit rule", "each token exits at", "depth", "Δ vs correct [95% CI]"),
-                       rows, "llrr")]
+              md_table(("exit rule", f"each {unit} exits at", "depth",
+                        "Δ vs correct [95% CI]"), rows, "llrr")]
     if e.note:
         blocks.append(f"**Degenerate exit rule:** {md_text(e.note)}.")
     if r.model.kind == HF_EARLY_EXIT:
@@ -56,4 +63,26 @@ def exits_section(r: AuditResult) -> list[str]:
         why = f" ({md_text(g.reason)})" if g.value is None and g.reason else ""
         blocks.append(f"Share of the fixed-to-oracle gap the learned controller closes, "
                       f"(L(fixed) − L(learned)) / (L(fixed) − L(oracle)): {share}{why}.")
-    return blocks
+    return blocks + frontier_blocks(e.frontier)
+
+
+def frontier_blocks(f: ExitFrontier | None) -> list[str]:
+    """The threshold sweep against fixed exit at the same mean executed depth."""
+    if f is None:
+        return []
+    rows = [(("own " if p.threshold is None else "") + "learned" if p.rule == "learned"
+             else "fixed", "" if p.threshold is None else fmt_num(p.threshold, 4),
+             fmt_num(p.mean_depth, 3), fmt_with_ci(p.delta.value, p.delta.ci95, sign=True),
+             "" if p.gap is None else fmt_with_ci(p.gap.value, p.gap.ci95, sign=True))
+            for p in f.points]
+    sweep = "" if f.own_threshold is not None else (
+        " The exit rules carry no one `threshold` to move, so the learned rule has its own "
+        "point only.")
+    return ["### Exit frontier: would a static depth do as well?",
+            "The learned rule at other thresholds (its own rule, exits read in real passes) and "
+            "fixed exit at whole depths; the last column is fixed exit interpolated at the "
+            "learned point's mean depth minus the learned point (positive: the static depth "
+            f"loses at the same mean compute).{sweep}",
+            md_table(("rule", "threshold", "mean depth", "Δ vs correct [95% CI]",
+                      "fixed − learned at that depth [95% CI]"), rows, "lrrrr"),
+            f"**Matched depth:** {md_text(f.sentence)}"]

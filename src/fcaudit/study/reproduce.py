@@ -56,7 +56,7 @@ from fcaudit.io.loading import LoadedModel, get_arch, is_run_folder
 from fcaudit.io.outdir import STUDY_RESULTS, hold_output
 from fcaudit.io.results import replacing_results
 from fcaudit.io.runtime import versions
-from fcaudit.study import paper, ssm, trend, vision
+from fcaudit.study import exits, paper, ssm, trend, vision
 from fcaudit.study.train import TrainPreset, run_schedule, train
 from fcaudit.study.trend import SeedResult
 
@@ -89,7 +89,7 @@ class Group:
         return "dense" if self.dense == "own" else self.dense
 
 
-STUDY_PRESETS = ("tiny", "paper", "trend", "vision", "ssm")
+STUDY_PRESETS = ("tiny", "paper", "trend", "vision", "ssm", "exit")
 
 
 def study(preset: str, seeds: int | None) -> list[Group]:
@@ -112,6 +112,10 @@ def study(preset: str, seeds: int | None) -> list[Group]:
         n = seeds or 3
         return [Group("mamba", "tiny", n, dense="s4d", schedule=ssm.CORPUS_SCHEDULE),
                 Group("mamba", "tiny", n, dense="s4d", task=ssm.TASK)]
+    if preset == "exit":  # early exit and adaptive depth, each beside its full-depth twin
+        n = seeds or 3
+        return [Group("earlyexit", "tiny", n), Group("ponder", "tiny", n, dense="dense-ponder"),
+                Group("branchy", "tiny", n, dense="dense-cnn")]
     if preset == "trend":
         n = seeds or trend.SEEDS
         return [Group(arch, p.size, n, dense="own" if arch == "featuregate" else None,
@@ -123,7 +127,7 @@ def study(preset: str, seeds: int | None) -> list[Group]:
 
 # The studies with a table and findings of their own (each module's ``TITLE``, ``table``
 # and ``findings``), written under the preset's name in reproduction.json.
-OWN_TABLES = {"vision": vision, "ssm": ssm}
+OWN_TABLES = {"vision": vision, "ssm": ssm, "exit": exits}
 
 # What the paper reported (fcaudit.study.paper), shown beside our aggregates.
 PAPER = {

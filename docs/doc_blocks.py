@@ -23,7 +23,6 @@ DEMO = "docs/results/demo.json"
 STUDY = "docs/results/study-tiny.json"
 VISION = "docs/results/study-vision.json"
 SSM = "docs/results/study-ssm.json"
-EXIT = "docs/results/study-exit.json"
 PRESETS = "docs/results/presets.json"
 TIMINGS = "src/fcaudit/timings.json"
 TREND = "docs/trend/results/*.json"
@@ -527,9 +526,9 @@ def study_vision(r: Results) -> str:
         md_table(("finding", "here"), [(f, h) for f, h in v["findings"]]), ""])
 
 
-SSM_COLUMNS = ("task", "seeds", "Mamba (LTI twin)", "reassign", "shuffle",
-               "static-layer retention", "static-layer-position retention",
-               "static-layer-token retention", "token-id share of Δ", "execution")
+SSM_STUDY_COLUMNS = ("task", "seeds", "Mamba (LTI twin)", "reassign", "shuffle",
+                     "static-layer retention", "static-layer-position retention",
+                     "static-layer-token retention", "token-id share of Δ", "execution")
 
 
 @block("study-ssm", "the selective state-space study's table and findings (Mamba vs S4D)",
@@ -545,37 +544,11 @@ def study_ssm(r: Results) -> str:
         "twin trained alongside; penalties in the task's loss (nats per token on the corpus, "
         "per answer token on selective copying) with the span of the seeds' 95% intervals; "
         f"latencies are medians of interleaved pairs on a 2-core CPU shared with other jobs; "
-        f"run on {v['host']['cpu']} at {v['host']['torch_threads']} torch threads; "
+        f"run on {v['host']['cpu']} at {v['host']['torch_threads']} torch thread(s); "
         f"{v['timed_s'] / 60:.1f} minutes of training and auditing as its timings.json "
         "recorded; copied to `docs/results/study-ssm.json`):", "",
-        md_table(SSM_COLUMNS, [[row[c] for c in SSM_COLUMNS] for row in v["table"]],
-                 "lr" + "l" * (len(SSM_COLUMNS) - 2)), "",
-        md_table(("finding", "here"), [(f, h) for f, h in v["findings"]]), ""])
-
-
-EXIT_COLUMNS = ("family", "seeds", "score (twin)", "mean executed depth", "vs twin",
-                "static-layer retention", "fixed-exit", "oracle-exit",
-                "share of fixed-to-oracle gap closed", "fixed − learned at matched depth")
-
-
-@block("study-exit", "the early-exit study's table and findings (exits vs full-depth twins)",
-       [EXIT], [f"{EXTRACT} exit study-exit",
-                "fcaudit reproduce --preset exit --seeds 3 --out study-exit"])
-def study_exit(r: Results) -> str:
-    """The study writes its own table cells from its aggregates; they are copied as they are."""
-    v = r.json(EXIT)
-    seeds = {g["seeds"] for g in v["groups"].values()}
-    return "\n".join([
-        "", f"`{v['command'].split(' --out')[0]}` (fcaudit's code at commit {v['commit']}, "
-        f"{v['date']}; {'/'.join(map(str, sorted(seeds)))} seeds per family, each with its "
-        "full-depth twin trained alongside; penalties in the task's loss against the learned "
-        "exit rule, with the span of the seeds' 95% intervals; latencies are medians of "
-        f"interleaved pairs on a 2-core CPU shared with other jobs; run on "
-        f"{v['host']['cpu']} at {v['host']['torch_threads']} torch threads; "
-        f"{v['timed_s'] / 60:.1f} minutes of training and auditing as its timings.json "
-        "recorded; copied to `docs/results/study-exit.json`):", "",
-        md_table(EXIT_COLUMNS, [[row[c] for c in EXIT_COLUMNS] for row in v["table"]],
-                 "lr" + "l" * (len(EXIT_COLUMNS) - 2)), "",
+        md_table(SSM_STUDY_COLUMNS, [[row[c] for c in SSM_STUDY_COLUMNS] for row in v["table"]],
+                 "lr" + "l" * (len(SSM_STUDY_COLUMNS) - 2)), "",
         md_table(("finding", "here"), [(f, h) for f, h in v["findings"]]), ""])
 
 

@@ -57,15 +57,23 @@ def _penalty(audits: list[Any], condition: str) -> str:
 
 def _retention(audits: list[Any], profile: str) -> str:
     """Mean retention over the seeds where it is defined, with the span of their
-    intervals; how many seeds had no clear gap."""
+    intervals, and how many seeds had no clear gap; for a task scored by accuracy, the
+    same share on accuracy beside it (a loss gap can mislead when the global-mean
+    baseline is worse than guessing)."""
     if not all(profile in a.conditions for a in audits):
         return "not applicable"
-    defined = [a.retention[profile] for a in audits if a.retention[profile].value is not None]
+    text = _share([a.retention[profile] for a in audits])
+    accuracy = [a.retention[profile].accuracy for a in audits]
+    return text if None in accuracy else f"{text}; on accuracy {_share(accuracy)}"
+
+
+def _share(retentions: list[Any]) -> str:
+    defined = [r for r in retentions if r.value is not None]
     if not defined:
         return "undefined (no clear gap)"
     text = (f"{np.mean([r.value for r in defined]):.1f}% "
             f"[{min(r.ci95[0] for r in defined):.1f}, {max(r.ci95[1] for r in defined):.1f}]")
-    missing = len(audits) - len(defined)
+    missing = len(retentions) - len(defined)
     return text + (f" ({missing} seed{'s' * (missing > 1)} undefined)" if missing else "")
 
 
@@ -145,13 +153,17 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
     return out
 
 
+def _pct(value: float | None) -> str:
+    return "undefined" if value is None else f"{value:.1f}%"
+
+
 def _copy_findings(group: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Selective copying: the LTI twin fails where selection succeeds, and the frozen
     selective model fed an LTI profile loses the task (the planted truth)."""
     acc, twin = _mean(group, "accuracy_correct"), _mean(group, "twin_accuracy")
     audits = group["audits"]
     static = float(np.mean([a.conditions[STATIC_LAYER].accuracy for a in audits]))
-    ret = _mean(group, "retention_static_layer")
+    ret = _mean(group, "accuracy_retention_static_layer")
     above = sum(a.conditions[REASSIGN].ci95[0] > 0 for a in audits)
     return [
         ("Selective copying: the LTI twin fails the task that selection solves (the Mamba "
@@ -161,8 +173,8 @@ def _copy_findings(group: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("Selective copying: fed an LTI profile (static-layer), the frozen Mamba loses the "
          "task (the planted truth)",
          f"{'holds' if acc >= 0.5 and static <= 0.2 * acc else 'does not hold'}: accuracy "
-         f"{static:.3f} under static-layer, retention "
-         + ("undefined" if ret is None else f"{ret:.1f}%")),
+         f"{static:.3f} under static-layer (correct: {acc:.3f}); retention on accuracy "
+         f"{_pct(ret)}, on the loss {_pct(_mean(group, 'retention_static_layer'))}"),
         ("Selective copying: the frozen Mamba needs its selection matched to the input",
          f"{'holds' if above == len(audits) else 'does not hold'}: the reassign penalty's "
          f"interval lies above 0 in {above} of {len(audits)} seeds; reassigning costs "

@@ -32,6 +32,11 @@ def _read(path):
     return json.loads(path.read_text())
 
 
+def _share(ret):
+    return ("undefined (no clear gap)" if ret["value"] is None else
+            f"{ret['value']:.1f}% [{ret['ci95'][0]:.1f}, {ret['ci95'][1]:.1f}]")
+
+
 def test_ssm_study_trains_each_twin_on_its_task_and_tabulates(ssm_study):
     out, result = ssm_study
     runs = {p.name for p in (out / "runs").iterdir() if not p.name.startswith(".")}
@@ -57,10 +62,13 @@ def test_ssm_study_trains_each_twin_on_its_task_and_tabulates(ssm_study):
                                    f"{reassign['ci95'][1]:+.3f}]")
         for profile in ("static-layer", "static-layer-position", "static-layer-token"):
             ret = audit["retention"].get(profile)
-            assert row[f"{profile} retention"] == (
-                "not applicable" if profile not in audit["conditions"] else
-                "undefined (no clear gap)" if ret["value"] is None else
-                f"{ret['value']:.1f}% [{ret['ci95'][0]:.1f}, {ret['ci95'][1]:.1f}]")
+            if profile not in audit["conditions"]:
+                assert row[f"{profile} retention"] == "not applicable"
+                continue
+            expected = _share(ret)
+            if "accuracy" in ret:  # the copying task is scored by accuracy too
+                expected += f"; on accuracy {_share(ret['accuracy'])}"
+            assert row[f"{profile} retention"] == expected
         share = audit["variance"]["dt"].get("eta2_token_id")
         assert row["token-id share of Δ"] == ("n/a" if share is None else f"{100 * share:.1f}%")
         ex = audit["execution"]

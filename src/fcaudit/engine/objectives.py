@@ -68,6 +68,8 @@ class BuiltinObjective:
         return fn(*args)
 
 
+SELECTIVE_COPY = "selective-copy"  # the selective-copying task's objective (a name studies use)
+
 REGISTRY: tuple[BuiltinObjective, ...] = (
     BuiltinObjective("token-nll", "token", "next-token NLL",
                      "token-nll (token ids, the default)", losses="token_units",
@@ -76,7 +78,7 @@ REGISTRY: tuple[BuiltinObjective, ...] = (
                      "classification (cross-entropy and accuracy of [N, C] logits; the "
                      "default with --inputs)", losses="class_units", hits="class_hits",
                      check="class_targets", default=True),
-    BuiltinObjective("selective-copy", "answer token", "cross-entropy at its answer positions",
+    BuiltinObjective(SELECTIVE_COPY, "answer token", "cross-entropy at its answer positions",
                      "selective-copy (cross-entropy of token logits [N, T, V] at the last K "
                      "positions against answer tokens [N, K]; accuracy: all K right)",
                      losses="answer_units", hits="answer_hits", check="answer_targets",

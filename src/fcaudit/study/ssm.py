@@ -26,9 +26,10 @@ from fcaudit.core.conditions import (
     STATIC_LAYER_POSITION,
     STATIC_LAYER_TOKEN,
 )
+from fcaudit.engine.objectives import SELECTIVE_COPY
 from fcaudit.study.train import TRAIN_PRESETS
 
-TASK = "selective-copy"
+TASK = SELECTIVE_COPY
 # the corpus runs train half the tiny preset's steps, so that three seeds of both models
 # and both tasks fit a 2-core CPU in well under an hour (the numbers are of this length)
 CORPUS_SCHEDULE = dataclasses.replace(TRAIN_PRESETS["tiny"], steps=300)

@@ -501,6 +501,21 @@ def md_table(head: Sequence[str], rows: Sequence[Sequence[str]], align: str = ""
                       *("| " + " | ".join(r) + " |" for r in rows)])
 
 
+def seed_counts(v: Mapping[str, Any]) -> str:
+    """The seed counts of a study's groups, e.g. "3" or "1/3"."""
+    return "/".join(map(str, sorted({g["seeds"] for g in v["groups"].values()})))
+
+
+def own_table(v: Mapping[str, Any], columns: Sequence[str], align: str, prose: str) -> str:
+    """A study that writes its own table cells (vision, ssm): its prose, the table copied
+    as it is (``align`` for every column after the first two) and its findings."""
+    return "\n".join([
+        "", prose, "",
+        md_table(columns, [[row[c] for c in columns] for row in v["table"]],
+                 "lr" + align * (len(columns) - 2)), "",
+        md_table(("finding", "here"), [(f, h) for f, h in v["findings"]]), ""])
+
+
 VISION_COLUMNS = ("family", "seeds", "accuracy (twin)", "reassign", "shuffle",
                   "static-layer retention", "static-layer-position retention", "executed",
                   "FLOPs vs twin", "latency vs twin")
@@ -512,18 +527,14 @@ VISION_COLUMNS = ("family", "seeds", "accuracy (twin)", "reassign", "shuffle",
 def study_vision(r: Results) -> str:
     """The study writes its own table cells from its aggregates; they are copied as they are."""
     v = r.json(VISION)
-    seeds = {g["seeds"] for g in v["groups"].values()}
-    return "\n".join([
-        "", f"`{v['command'].split(' --out')[0]}` (fcaudit's code at commit {v['commit']}, "
-        f"{v['date']}; {'/'.join(map(str, sorted(seeds)))} seeds per family, each with its "
+    return own_table(v, VISION_COLUMNS, "r", (
+        f"`{v['command'].split(' --out')[0]}` (fcaudit's code at commit {v['commit']}, "
+        f"{v['date']}; {seed_counts(v)} seeds per family, each with its "
         "dense twin; penalties in nats of cross-entropy with the span of the seeds' 95% "
         "intervals; latencies are medians of interleaved pairs on a 2-core CPU shared with "
         f"other jobs; run on {v['host']['cpu']} at {v['host']['torch_threads']} torch "
         "threads, and, as for the tiny study, another CPU model or thread count trains "
-        "slightly different models; copied to `docs/results/study-vision.json`):", "",
-        md_table(VISION_COLUMNS, [[row[c] for c in VISION_COLUMNS] for row in v["table"]],
-                 "lr" + "r" * (len(VISION_COLUMNS) - 2)), "",
-        md_table(("finding", "here"), [(f, h) for f, h in v["findings"]]), ""])
+        "slightly different models; copied to `docs/results/study-vision.json`):"))
 
 
 SSM_STUDY_COLUMNS = ("task", "seeds", "Mamba (LTI twin)", "reassign", "shuffle",
@@ -537,19 +548,15 @@ SSM_STUDY_COLUMNS = ("task", "seeds", "Mamba (LTI twin)", "reassign", "shuffle",
 def study_ssm(r: Results) -> str:
     """The study writes its own table cells from its aggregates; they are copied as they are."""
     v = r.json(SSM)
-    seeds = {g["seeds"] for g in v["groups"].values()}
-    return "\n".join([
-        "", f"`{v['command'].split(' --out')[0]}` (fcaudit's code at commit {v['commit']}, "
-        f"{v['date']}; {'/'.join(map(str, sorted(seeds)))} seeds per task, each with its LTI "
+    return own_table(v, SSM_STUDY_COLUMNS, "l", (
+        f"`{v['command'].split(' --out')[0]}` (fcaudit's code at commit {v['commit']}, "
+        f"{v['date']}; {seed_counts(v)} seeds per task, each with its LTI "
         "twin trained alongside; penalties in the task's loss (nats per token on the corpus, "
         "per answer token on selective copying) with the span of the seeds' 95% intervals; "
         f"latencies are medians of interleaved pairs on a 2-core CPU shared with other jobs; "
         f"run on {v['host']['cpu']} at {v['host']['torch_threads']} torch thread(s); "
         f"{v['timed_s'] / 60:.1f} minutes of training and auditing as its timings.json "
-        "recorded; copied to `docs/results/study-ssm.json`):", "",
-        md_table(SSM_STUDY_COLUMNS, [[row[c] for c in SSM_STUDY_COLUMNS] for row in v["table"]],
-                 "lr" + "l" * (len(SSM_STUDY_COLUMNS) - 2)), "",
-        md_table(("finding", "here"), [(f, h) for f, h in v["findings"]]), ""])
+        "recorded; copied to `docs/results/study-ssm.json`):"))
 
 
 NLL_TARGET = 1.03  # issue 13's goal for new / forward on tiny

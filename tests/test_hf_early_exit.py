@@ -14,6 +14,7 @@ import torch
 from conftest import (
     COMMON,
     TOY,
+    VOCAB,
     assert_clean_failure,
     run_inprocess,
     token_batches,
@@ -146,3 +147,61 @@ def test_the_threshold_enters_the_fingerprint(llama):
     prints = {t: with_early_exit(load(str(llama)), t).fingerprint for t in (0.5, 0.8)}
     assert len({plain.fingerprint, *prints.values()}) == 3  # another threshold, another cache
     assert with_early_exit(load(str(llama)), 0.5).fingerprint == prints[0.5]
+
+
+def _tiny(name: str, **extra) -> torch.nn.Module:
+    """A 3-layer random causal LM of the ``name`` family (a transformers config class)."""
+    torch.manual_seed(0)
+    config = getattr(transformers, name)(**{**COMMON, "num_hidden_layers": 3},
+                                         intermediate_size=64, num_key_value_heads=2, **extra)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+# each family's own logit transform, written out by hand from its modeling code
+TRANSFORMS = {
+    "Gemma2Config": (dict(final_logit_softcapping=2.0, head_dim=8),
+                     lambda m, x: torch.tanh(x / 2.0) * 2.0),
+    "CohereConfig": (dict(logit_scale=0.25), lambda m, x: x * 0.25),
+    "GraniteConfig": (dict(logits_scaling=4.0), lambda m, x: x / 4.0),
+    "LlamaConfig": ({}, lambda m, x: x),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_exit_heads_apply_the_model_s_own_logit_transform(name):
+    """Every head is the model's final norm, LM head and its own transform (softcap,
+    logit scale, logits scaling): the last head equals the model's logits, and each
+    earlier head the hand-written transform of that layer's output."""
+    extra, by_hand = TRANSFORMS[name]
+    model = _tiny(name, **extra)
+    net = EarlyExitLM(model, THRESHOLD).eval()
+    net.full_depth = True
+    x = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    heads = {}
+    hooks = [h.register_forward_hook(lambda _m, _a, out, i=i: heads.__setitem__(i, out))
+             for i, h in enumerate(net.heads)]
+    with torch.no_grad():
+        net(x)
+        own = model(input_ids=x, output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+    assert torch.equal(heads[2], own.logits)
+    for i in (0, 1):
+        with torch.no_grad():
+            expected = by_hand(model, model.lm_head(model.model.norm(own.hidden_states[i + 1])))
+        torch.testing.assert_close(heads[i], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_logit_transform_fcaudit_does_not_know_is_refused():
+    """A model that changes its logits after the LM head in a way no known transform
+    reproduces: refused at wrap time, naming what was tried, not read with wrong heads."""
+    model = _tiny("LlamaConfig")
+
+    def shifted(_m, _args, out):
+        out.logits = out.logits * 3.0 + 1.0
+        return out
+
+    model.register_forward_hook(shifted)
+    with pytest.raises(Exception, match="logits are not its final norm and LM head with any "
+                                        "transform fcaudit knows"):
+        EarlyExitLM(model, THRESHOLD)

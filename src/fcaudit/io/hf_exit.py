@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -66,6 +66,61 @@ def final_norm(model: nn.Module) -> nn.Module:
     raise ModelError(f"{arg('early_exit')}: {type(model).__name__} has no final norm named "
                      f"{', '.join(FINAL_NORMS)} on its base model; early exit reads every "
                      "layer through the model's own final norm and LM head")
+
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+PROBE_TOKENS = 16  # the probe window that finds a model's logit transform (at wrap time)
+
+
+def logit_transforms(model: nn.Module) -> list[tuple[str, Transform]]:
+    """What a transformers causal LM may do to its LM head's output before returning it,
+    named. Its forward code decides, not a config key alone (Granite divides by
+    ``logits_scaling``, HyperCLOVA X multiplies by it), so :func:`own_transform` keeps the
+    one the model is seen to do."""
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    out: list[tuple[str, Transform]] = [("none", lambda x: x)]
+    if cap := getattr(text, "final_logit_softcapping", None):
+        out.append((f"softcap {cap}", lambda x: torch.tanh(x / cap) * cap))
+        if mult := getattr(text, "output_multiplier", None):
+            out.append((f"x {mult}, softcap {cap}", lambda x: torch.tanh(x * mult / cap) * cap))
+    if scale := getattr(text, "logits_scaling", None):
+        out += [(f"/ {scale}", lambda x: x / scale), (f"x {scale}", lambda x: x * scale)]
+    if (ls := getattr(model, "logit_scale", None)) is not None and not callable(ls):
+        out.append((f"x {ls}", lambda x: x * ls))
+    if isinstance(softcap := getattr(model, "logit_softcap", None), nn.Module):
+        out.append(("its logit_softcap", lambda x: softcap(x.float())))
+    return out
+
+
+def own_transform(model: nn.Module, norm: nn.Module) -> Transform:
+    """The transform that turns the model's own LM head output into its logits, found on a
+    probe window: its final norm's output is caught by a hook, run through the LM head
+    and every candidate of :func:`logit_transforms`, and compared with the logits the
+    model returns. A model whose logits none reproduces is refused: its exit heads would
+    not read what it predicts, and every confidence would be silently off."""
+    seen: list[torch.Tensor] = []
+    handle = norm.register_forward_hook(lambda _m, _a, out: seen.append(out))
+    probe = torch.arange(min(PROBE_TOKENS, model.config.get_text_config().vocab_size))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=probe[None].to(model.device), use_cache=False).logits
+            raw = model.get_output_embeddings()(seen[-1]) if seen else None
+    finally:
+        handle.remove()
+    if raw is not None and raw.shape == logits.shape:
+        tolerance = 1e-5 * (1.0 + float(logits.float().abs().max()))
+        for _name, transform in logit_transforms(model):
+            with torch.no_grad():
+                mine = transform(raw)
+            if float((mine.float() - logits.float()).abs().max()) <= tolerance:
+                return transform
+    raise ModelError(f"{arg('early_exit')}: {type(model).__name__}'s logits are not its final "
+                     "norm and LM head with any transform fcaudit knows ("
+                     f"{', '.join(n for n, _ in logit_transforms(model))}), checked on a "
+                     f"{PROBE_TOKENS}-token probe: its exit heads would not read what it "
+                     "predicts, so it cannot be read the LayerSkip way; declare its exit "
+                     "sites yourself (Site(exit=...), docs/method.md)")
 
 
 class ExitHead(nn.Module):
@@ -111,6 +166,7 @@ class EarlyExitLM(nn.Module):
                              "(get_output_embeddings); early exit reads every layer through it")
         self.model, self.layer_paths = model, [f"model.{p}" for p in layers]
         self.norm = final_norm(model)
+        self.transform = own_transform(model, self.norm)
         self.full_depth = False
         n = len(layers)
         self.heads = nn.ModuleList(ExitHead() for _ in range(n))
@@ -118,7 +174,7 @@ class EarlyExitLM(nn.Module):
         self.halts = nn.ModuleList(Halt(threshold) for _ in range(n - 1))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(self.norm(h))
+        return self.transform(self.model.get_output_embeddings()(self.norm(h)))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         state: dict[str, Any] = {"running": None}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fcaudit.engine.verdicts import WEAK_RETENTION
+from fcaudit.study import exits as exit_study
 from fcaudit.study import trend
 from fcaudit.study.reproduce import PAPER
 
@@ -23,6 +24,7 @@ DEMO = "docs/results/demo.json"
 STUDY = "docs/results/study-tiny.json"
 VISION = "docs/results/study-vision.json"
 SSM = "docs/results/study-ssm.json"
+EXIT = "docs/results/study-exit.json"
 PRESETS = "docs/results/presets.json"
 TIMINGS = "src/fcaudit/timings.json"
 TREND = "docs/trend/results/*.json"
@@ -557,6 +559,23 @@ def study_ssm(r: Results) -> str:
         f"run on {v['host']['cpu']} at {v['host']['torch_threads']} torch thread(s); "
         f"{v['timed_s'] / 60:.1f} minutes of training and auditing as its timings.json "
         "recorded; copied to `docs/results/study-ssm.json`):"))
+
+
+@block("study-exit", "the early-exit study's table and findings (exit LM, ponder, digits)",
+       [EXIT], [f"{EXTRACT} exit study-exit",
+                "fcaudit reproduce --preset exit --seeds 3 --out study-exit"])
+def study_exit(r: Results) -> str:
+    """The study writes its own table cells from its aggregates; they are copied as they are."""
+    v = r.json(EXIT)
+    return own_table(v, exit_study.COLUMNS, "l", (
+        f"`{v['command'].split(' --out')[0]}` (fcaudit's code at commit {v['commit']}, "
+        f"{v['date']}; {seed_counts(v)} seeds per family, each with its full-depth twin "
+        "trained alongside; penalties in the task's loss (nats per token for the LMs, per "
+        "image for the digits) against the learned exit rule, with the span of the seeds' "
+        "95% intervals; latencies are medians of interleaved pairs on a 2-core CPU; "
+        f"run on {v['host']['cpu']} at {v['host']['torch_threads']} torch thread(s); "
+        f"{v['timed_s'] / 60:.1f} minutes of training and auditing as its timings.json "
+        "recorded; copied to `docs/results/study-exit.json`):"))
 
 
 NLL_TARGET = 1.03  # issue 13's goal for new / forward on tiny

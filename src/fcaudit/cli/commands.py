@@ -337,6 +337,23 @@ def _probe_inputs(path: Path | None, loaded: Any) -> Any:
     return None
 
 
+def _site_fields(s: Any) -> list[str]:
+    """A site's line: what every site has, then what only some declare (axes, the parts
+    side by side in its output, a selection parameter's space, exit scores), so the
+    listing shows what the audit will read."""
+    fields = [s.name, f"family={s.family}", f"layer={s.layer}",
+              f"adapter={getattr(s.adapter, 'name', type(s.adapter).__name__)}"]
+    if s.axes:
+        fields.append(f"axes={','.join(s.axes)}")
+    if s.parts:
+        fields.append("parts=" + ",".join(f"{n}:{w}" for n, w in s.parts))
+    if s.selection:
+        fields.append(f"selection={s.selection}")
+    if s.exit is not None:
+        fields.append(f"exit=continue {s.exit[0]:g}, exit {s.exit[1]:g}")
+    return fields
+
+
 def cmd_sites(args: argparse.Namespace) -> None:
     from fcaudit.core.sites import describe_modules, find_sites, probe_failure, suggested_globs
     from fcaudit.engine.run import as_loaded
@@ -347,8 +364,7 @@ def cmd_sites(args: argparse.Namespace) -> None:
     except FcauditError:
         sites = []
     for s in sites:
-        adapter = getattr(s.adapter, "name", type(s.adapter).__name__)
-        print(f"{s.name}\tfamily={s.family}\tlayer={s.layer}\tadapter={adapter}")
+        print("\t".join(_site_fields(s)))
     if not sites:
         print("no declared controller sites; name them with --sites GLOB")
     if not (args.all or not sites):

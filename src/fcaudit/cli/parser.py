@@ -54,7 +54,10 @@ examples:
 EPILOG_SITES = """\
 A site is a module whose output carries the coefficients (a gate, a mixing-weight
 generator, a router). `fcaudit sites` lists the sites the model declares (or that fcaudit
-finds, e.g. Mixture-of-Experts routers of Hugging Face models). A model that declares
+finds, e.g. Mixture-of-Experts routers of Hugging Face models), one line each with its
+family, layer and adapter, and where the site has them its axes, the named parts side
+by side in its output (a selective recurrence's dt, B, C), the space of a selection
+parameter and an exit site's continue and exit scores. A model that declares
 none is probed with one small forward pass, and the modules that behave like controllers
 are listed: those whose output (or its sigmoid, softmax, SiLU...) multiplies another
 branch, such as `mlp.act_fn` of a gated MLP, not the linear `mlp.gate_proj` before it.

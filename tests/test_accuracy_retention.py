@@ -161,3 +161,33 @@ def test_the_command_line_summary_prints_it(tmp_path, capsys) -> None:
     assert res.returncode == 0, res.stderr
     line = next(li for li in res.stdout.splitlines() if li.startswith("retention static-layer:"))
     assert f"; on accuracy {100 * 6 / 19:.2f}% [" in line
+
+
+def test_compare_shows_accuracy_retention_beside_the_loss_retention(tmp_path) -> None:
+    """`fcaudit compare` of a classification audit and a token-NLL audit: a row per
+    profile of the accuracy retention, each cell equal to the audit.json's (read as plain
+    JSON here), a dash where the audit has none (next-token NLL has no accuracy)."""
+    ev = tg.evaluation(N, 3)
+    targets = predictions(ev)["correct"].copy()
+    targets[np.flatnonzero(targets == 1)[::4]] = 0
+    audit(targets, tmp_path / "cls")
+    fcaudit.audit(toys.content_model(), tmp_path / "nll", sites=["gates.*"],
+                  data=AuditData(toys.pair_sequences(8, 8, 0), toys.pair_sequences(6, 8, 1)),
+                  options=AuditOptions(bootstrap=50, repeats=1, execution=False,
+                                       progress=False, per_layer=False), report=False)
+    fcaudit.compare([tmp_path / "cls", tmp_path / "nll"], tmp_path / "cmp",
+                    allow_different_data=True)
+    rows = {q["name"]: q["models"] for q in json.loads(
+        (tmp_path / "cmp" / "compare.json").read_text())["tables"]["quantities"]
+        if q["kind"] == "accuracy retention"}
+    written = json.loads((tmp_path / "cls" / "audit.json").read_text())["retention"]
+    assert set(rows) == set(STATIC)
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    for profile in STATIC:
+        acc = written[profile]["accuracy"]
+        assert rows[profile]["cls"]["value"] == acc["value"]
+        assert rows[profile]["cls"]["ci95"] == acc["ci95"]
+        assert rows[profile]["nll"] is None
+        line = next(li for li in md.splitlines()
+                    if li.startswith(f"| retention `{profile}` on accuracy |"))
+        assert f"{acc['value']:.2f}%" in line and line.rstrip(" |").endswith("—")

@@ -161,6 +161,17 @@ def _retention_cell(ret: Retention) -> Row:
             "reason": ret.reason}
 
 
+def _with_accuracy(r: AuditResult) -> Mapping[str, Retention]:
+    """The profiles whose retention this audit also measured on accuracy (objectives with
+    an accuracy, e.g. classification): a share of examples, beside the loss's share."""
+    return {n: ret for n, ret in r.retention.items() if ret.accuracy is not None}
+
+
+def _accuracy_cell(r: AuditResult, name: str) -> Row | None:
+    ret = _with_accuracy(r).get(name)
+    return None if ret is None else _retention_cell(ret.accuracy)
+
+
 def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Row]:
     """One row per quantity (NLL of correct, each condition's penalty, the interaction,
     each profile's retention, each custom condition's penalty); each model's value with
@@ -185,6 +196,8 @@ def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[R
     rows += [row("retention", name, cell=lambda r, n=name: _retention_cell(r.retention[n])
                  if n in r.retention else None)
              for name in names(lambda r: r.retention, REPORTED_RETENTION)]
+    rows += [row("accuracy retention", name, cell=lambda r, n=name: _accuracy_cell(r, n))
+             for name in names(_with_accuracy, REPORTED_RETENTION)]
     rows += [row("custom", name, delta_key(name))
              for name in names(lambda r: r.custom_conditions or {}, ())]
     return rows
@@ -199,13 +212,14 @@ def _metric_cell(metrics: Mapping[str, float | None], intervals: Mapping[str, An
 
 QUANTITY_TITLE = {"nll": "NLL of correct replay (nats)", "penalty": "Δ {} (nats)",
                   "interaction": "interaction I (nats)", "retention": "retention {}",
+                  "accuracy retention": "retention {} on accuracy",
                   "custom": "Δ {} (custom, nats)"}
 
 
 def _quantity_cell(kind: str, cell: Row | None) -> str:
     if cell is None:
         return MISSING
-    if kind == "retention":
+    if kind in ("retention", "accuracy retention"):
         if not cell["defined"]:
             return "undefined"
         return f"{fmt_pct(cell['value'])} {fmt_ci(cell['ci95'], 2)}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from conftest import (
     tokenizer_file,
 )
 
+from fcaudit.core.errors import ModelError
 from fcaudit.core.exits import exit_scores, head_predictions, oracle_layers, own_exits
 from fcaudit.core.recording import record
 from fcaudit.core.replaying import replay
@@ -149,31 +151,56 @@ def test_the_threshold_enters_the_fingerprint(llama):
     assert with_early_exit(load(str(llama)), 0.5).fingerprint == prints[0.5]
 
 
-def _tiny(name: str, **extra) -> torch.nn.Module:
-    """A 3-layer random causal LM of the ``name`` family (a transformers config class)."""
+SMALL = dict(vocab_size=VOCAB, max_position_embeddings=64)
+
+
+def _tiny(config: Any) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = getattr(transformers, name)(**{**COMMON, "num_hidden_layers": 3},
-                                         intermediate_size=64, num_key_value_heads=2, **extra)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-# each family's own logit transform, written out by hand from its modeling code
-TRANSFORMS = {
-    "Gemma2Config": (dict(final_logit_softcapping=2.0, head_dim=8),
-                     lambda m, x: torch.tanh(x / 2.0) * 2.0),
-    "CohereConfig": (dict(logit_scale=0.25), lambda m, x: x * 0.25),
-    "GraniteConfig": (dict(logits_scaling=4.0), lambda m, x: x / 4.0),
-    "LlamaConfig": ({}, lambda m, x: x),
+def _llama_like(name: str, **extra: Any) -> Any:
+    """A 3-layer config of a Llama-shaped family (``name`` a transformers config class)."""
+    return getattr(transformers, name)(**{**COMMON, "num_hidden_layers": 3},
+                                       intermediate_size=64, num_key_value_heads=2, **extra)
+
+
+# Each family: its config, where its final norm is, and its own logit transform, written
+# out by hand from its modeling code (the final norm under other names and nestings:
+# OPT's decoder.final_layer_norm, MPT's norm_f, BioGPT's layer_norm, GPT-2's ln_f).
+FAMILIES = {
+    "gemma2 (softcap)": (lambda: _llama_like("Gemma2Config", final_logit_softcapping=2.0,
+                                             head_dim=8),
+                         "model.norm", lambda x: torch.tanh(x / 2.0) * 2.0),
+    "cohere (logit scale)": (lambda: _llama_like("CohereConfig", logit_scale=0.25),
+                             "model.norm", lambda x: x * 0.25),
+    "granite (logits scaling)": (lambda: _llama_like("GraniteConfig", logits_scaling=4.0),
+                                 "model.norm", lambda x: x / 4.0),
+    "llama": (lambda: _llama_like("LlamaConfig"), "model.norm", lambda x: x),
+    "opt": (lambda: transformers.OPTConfig(**SMALL, hidden_size=32, num_hidden_layers=3,
+                                           num_attention_heads=4, ffn_dim=64,
+                                           word_embed_proj_dim=32),
+            "model.decoder.final_layer_norm", lambda x: x),
+    "mpt": (lambda: transformers.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=3,
+                                           n_heads=4, max_seq_len=64),
+            "transformer.norm_f", lambda x: x),
+    "biogpt": (lambda: transformers.BioGptConfig(**SMALL, hidden_size=32, num_hidden_layers=3,
+                                                 num_attention_heads=4, intermediate_size=64),
+               "biogpt.layer_norm", lambda x: x),
+    "gpt2": (lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4,
+                                             n_positions=64),
+             "transformer.ln_f", lambda x: x),
 }
 
 
-@pytest.mark.parametrize("name", list(TRANSFORMS))
-def test_exit_heads_apply_the_model_s_own_logit_transform(name):
-    """Every head is the model's final norm, LM head and its own transform (softcap,
-    logit scale, logits scaling): the last head equals the model's logits, and each
-    earlier head the hand-written transform of that layer's output."""
-    extra, by_hand = TRANSFORMS[name]
-    model = _tiny(name, **extra)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_exit_heads_read_through_the_model_s_own_norm_head_and_transform(family):
+    """Every head is the model's final norm (wherever the family keeps it), LM head and
+    its own transform (softcap, logit scale, logits scaling): the last head equals the
+    model's logits bit for bit, each earlier head the family's path written out by hand
+    on that layer's output."""
+    config, norm_path, by_hand = FAMILIES[family]
+    model = _tiny(config())
     net = EarlyExitLM(model, THRESHOLD).eval()
     net.full_depth = True
     x = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -182,26 +209,41 @@ def test_exit_heads_apply_the_model_s_own_logit_transform(name):
              for i, h in enumerate(net.heads)]
     with torch.no_grad():
         net(x)
-        own = model(input_ids=x, output_hidden_states=True)
+        own = model(input_ids=x, output_hidden_states=True, use_cache=False)
     for h in hooks:
         h.remove()
     assert torch.equal(heads[2], own.logits)
+    norm = model.get_submodule(norm_path)
     for i in (0, 1):
         with torch.no_grad():
-            expected = by_hand(model, model.lm_head(model.model.norm(own.hidden_states[i + 1])))
+            expected = by_hand(model.get_output_embeddings()(norm(own.hidden_states[i + 1])))
         torch.testing.assert_close(heads[i], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_logit_transform_fcaudit_does_not_know_is_refused():
-    """A model that changes its logits after the LM head in a way no known transform
-    reproduces: refused at wrap time, naming what was tried, not read with wrong heads."""
-    model = _tiny("LlamaConfig")
+def _shifted_llama() -> torch.nn.Module:
+    """A Llama that changes its logits after the LM head (x3, +1), by a forward hook."""
+    model = _tiny(_llama_like("LlamaConfig"))
 
     def shifted(_m, _args, out):
         out.logits = out.logits * 3.0 + 1.0
         return out
 
     model.register_forward_hook(shifted)
-    with pytest.raises(Exception, match="logits are not its final norm and LM head with any "
-                                        "transform fcaudit knows"):
+    return model
+
+
+@pytest.mark.parametrize("build", [
+    _shifted_llama,
+    lambda: _tiny(transformers.OPTConfig(**SMALL, hidden_size=32, num_hidden_layers=3,
+                                         num_attention_heads=4, ffn_dim=64,
+                                         word_embed_proj_dim=16, do_layer_norm_before=False)),
+], ids=["an unknown logit transform", "OPT's project_out after the layers"])
+def test_a_head_fcaudit_cannot_reproduce_is_refused(build):
+    """A model whose last layer's output reaches its logits by a way no final norm, LM
+    head and known transform reproduces: refused at wrap time, naming what was tried, not
+    read with heads that do not predict what it predicts."""
+    model = build()
+    with pytest.raises(ModelError, match="logits are not its last layer's output through a "
+                                         "final norm .* its LM head and any transform "
+                                         "fcaudit knows"):
         EarlyExitLM(model, THRESHOLD)

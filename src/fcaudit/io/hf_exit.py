@@ -4,8 +4,9 @@
 model (:class:`~fcaudit.core.contract.DeclaresExits`) without changing a weight:
 
 * **exit heads** ``heads.{l}``: after decoder layer ``l`` (its layer stack, found by
-  :func:`~fcaudit.core.discovery.transformers_layer_stack`), the model's own final norm
-  and LM head read the hidden state, ``[B, T, V]``;
+  :func:`~fcaudit.core.discovery.transformers_layer_stack`), the model's own final norm,
+  LM head and logit transform (found on a probe: :func:`own_head`) read the hidden
+  state, ``[B, T, V]``;
 * **controller sites** ``scores.{l}`` (every layer but the last): the confidence of that
   head, its softmax **maximum probability** per token, ``[B, T, 1]`` (CALM's softmax
   confidence; the maximum rather than the top-2 margin, so one threshold reads the same
@@ -47,7 +48,7 @@ from fcaudit.io.loading import LoadedModel
 
 KIND = "hf-early-exit"  # LoadedModel.kind (audit.json model.kind) of a wrapped folder
 EXIT_SCORE = (0.0, 1.0)  # (continue, exit) of a probability read by `score >= threshold`
-FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm")
+FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f")
 HEADS_NOTE = ("this Hugging Face model was not trained for early exit (LayerSkip's layer "
               "dropout and early-exit loss): its intermediate layers read through the final "
               "norm and LM head are poor predictors, so early exits cost accuracy that a "
@@ -56,16 +57,17 @@ MASKED = ("masked early exit: every layer runs on every token and an exited toke
           "is discarded, so the FLOPs its exits save are counted, not realised")
 
 
-def final_norm(model: nn.Module) -> nn.Module:
-    """The base model's final norm (``model.norm`` and its other names), or a refusal."""
-    base = getattr(model, getattr(model, "base_model_prefix", ""), model)
-    for name in FINAL_NORMS:
-        norm = getattr(base, name, None)
-        if isinstance(norm, nn.Module):
-            return norm
-    raise ModelError(f"{arg('early_exit')}: {type(model).__name__} has no final norm named "
-                     f"{', '.join(FINAL_NORMS)} on its base model; early exit reads every "
-                     "layer through the model's own final norm and LM head")
+def final_norms(model: nn.Module, layers: list[str]) -> list[nn.Module]:
+    """Candidates for the model's final norm, the likeliest first: modules named as
+    :data:`FINAL_NORMS` (``model.norm``, ``decoder.final_layer_norm``, ...), then any other
+    norm outside the layer stack, the last registered first, and none (a model without a
+    final norm). The probe of :func:`own_head` keeps the one the model is seen to use."""
+    inside = tuple(f"{p}." for p in layers)
+    named = [(path, m) for path, m in model.named_modules()
+             if not path.startswith(inside) and path not in layers
+             and (isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("Norm"))]
+    preferred = [m for path, m in named if path.rsplit(".", 1)[-1] in FINAL_NORMS]
+    return [*preferred, *(m for _, m in reversed(named) if m not in preferred), nn.Identity()]
 
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -93,38 +95,49 @@ def logit_transforms(model: nn.Module) -> list[tuple[str, Transform]]:
     return out
 
 
-def own_transform(model: nn.Module, norm: nn.Module) -> Transform:
-    """The transform that turns the model's own LM head output into its logits, found on a
-    probe window: its final norm's output is caught by a hook, run through the LM head
-    and every candidate of :func:`logit_transforms`, and compared with the logits the
-    model returns. A model whose logits none reproduces is refused: its exit heads would
-    not read what it predicts, and every confidence would be silently off."""
+def own_head(model: nn.Module, layers: list[str]) -> tuple[nn.Module, Transform]:
+    """The model's own way from its last layer's output to its logits: a final norm (of
+    :func:`final_norms`), its LM head and a transform (of :func:`logit_transforms`), found
+    on a probe window. The last layer's output is caught by a hook and read through each
+    candidate; the first equal to the logits the model returns is kept. A model none
+    reproduces is refused: its exit heads would not read what it predicts, and every
+    confidence would be silently off."""
     seen: list[torch.Tensor] = []
-    handle = norm.register_forward_hook(lambda _m, _a, out: seen.append(out))
+    last = model.get_submodule(layers[-1])
+    handle = last.register_forward_hook(
+        lambda _m, _a, out: seen.append(out[0] if isinstance(out, tuple) else out))
     probe = torch.arange(min(PROBE_TOKENS, model.config.get_text_config().vocab_size))
     try:
         with torch.no_grad():
             logits = model(input_ids=probe[None].to(model.device), use_cache=False).logits
-            raw = model.get_output_embeddings()(seen[-1]) if seen else None
     finally:
         handle.remove()
-    if raw is not None and raw.shape == logits.shape:
-        tolerance = 1e-5 * (1.0 + float(logits.float().abs().max()))
-        for _name, transform in logit_transforms(model):
+    tolerance = 1e-5 * (1.0 + float(logits.float().abs().max()))
+    norms, transforms = final_norms(model, layers), logit_transforms(model)
+    for norm in norms:
+        try:
+            with torch.no_grad():
+                raw = model.get_output_embeddings()(norm(seen[-1]))
+        except (RuntimeError, TypeError, ValueError):  # a norm of another width or call
+            continue
+        for _name, transform in transforms:
             with torch.no_grad():
                 mine = transform(raw)
-            if float((mine.float() - logits.float()).abs().max()) <= tolerance:
-                return transform
-    raise ModelError(f"{arg('early_exit')}: {type(model).__name__}'s logits are not its final "
-                     "norm and LM head with any transform fcaudit knows ("
-                     f"{', '.join(n for n, _ in logit_transforms(model))}), checked on a "
-                     f"{PROBE_TOKENS}-token probe: its exit heads would not read what it "
-                     "predicts, so it cannot be read the LayerSkip way; declare its exit "
-                     "sites yourself (Site(exit=...), docs/method.md)")
+            if mine.shape == logits.shape and \
+                    float((mine.float() - logits.float()).abs().max()) <= tolerance:
+                return norm, transform
+    raise ModelError(f"{arg('early_exit')}: {type(model).__name__}'s logits are not its last "
+                     f"layer's output through a final norm ({len(norms) - 1} found outside its "
+                     f"layers, or none), its LM head and any transform fcaudit knows "
+                     f"({', '.join(n for n, _ in transforms)}), checked on a {PROBE_TOKENS}-"
+                     "token probe: its exit heads would not read what it predicts, so it "
+                     "cannot be read the LayerSkip way; declare its exit sites yourself "
+                     "(Site(exit=...), docs/method.md)")
 
 
 class ExitHead(nn.Module):
-    """Layer ``l``'s prediction through the model's own final norm and LM head."""
+    """Layer ``l``'s prediction through the model's own final norm, LM head and logit
+    transform (:func:`own_head`)."""
 
     def forward(self, h: torch.Tensor, head: Any) -> torch.Tensor:
         return head(h)
@@ -165,8 +178,7 @@ class EarlyExitLM(nn.Module):
             raise ModelError(f"{arg('early_exit')}: {type(model).__name__} has no LM head "
                              "(get_output_embeddings); early exit reads every layer through it")
         self.model, self.layer_paths = model, [f"model.{p}" for p in layers]
-        self.norm = final_norm(model)
-        self.transform = own_transform(model, self.norm)
+        self.norm, self.transform = own_head(model, layers)
         self.full_depth = False
         n = len(layers)
         self.heads = nn.ModuleList(ExitHead() for _ in range(n))

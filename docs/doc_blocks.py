@@ -508,6 +508,12 @@ def seed_counts(v: Mapping[str, Any]) -> str:
     return "/".join(map(str, sorted({g["seeds"] for g in v["groups"].values()})))
 
 
+def study_command(v: Mapping[str, Any], per: str) -> str:
+    """The opening of a study's prose: its command, commit, date and seeds."""
+    return (f"`{v['command'].split(' --out')[0]}` (fcaudit's code at commit {v['commit']}, "
+            f"{v['date']}; {seed_counts(v)} seeds per {per}")
+
+
 def own_table(v: Mapping[str, Any], columns: Sequence[str], align: str, prose: str) -> str:
     """A study that writes its own table cells (vision, ssm): its prose, the table copied
     as it is (``align`` for every column after the first two) and its findings."""
@@ -530,9 +536,8 @@ def study_vision(r: Results) -> str:
     """The study writes its own table cells from its aggregates; they are copied as they are."""
     v = r.json(VISION)
     return own_table(v, VISION_COLUMNS, "r", (
-        f"`{v['command'].split(' --out')[0]}` (fcaudit's code at commit {v['commit']}, "
-        f"{v['date']}; {seed_counts(v)} seeds per family, each with its "
-        "dense twin; penalties in nats of cross-entropy with the span of the seeds' 95% "
+        study_command(v, "family") + ", each with its dense twin; "
+        "penalties in nats of cross-entropy with the span of the seeds' 95% "
         "intervals; latencies are medians of interleaved pairs on a 2-core CPU shared with "
         f"other jobs; run on {v['host']['cpu']} at {v['host']['torch_threads']} torch "
         "threads, and, as for the tiny study, another CPU model or thread count trains "
@@ -551,9 +556,8 @@ def study_ssm(r: Results) -> str:
     """The study writes its own table cells from its aggregates; they are copied as they are."""
     v = r.json(SSM)
     return own_table(v, SSM_STUDY_COLUMNS, "l", (
-        f"`{v['command'].split(' --out')[0]}` (fcaudit's code at commit {v['commit']}, "
-        f"{v['date']}; {seed_counts(v)} seeds per task, each with its LTI "
-        "twin trained alongside; penalties in the task's loss (nats per token on the corpus, "
+        study_command(v, "task") + ", each with its LTI twin trained alongside; "
+        "penalties in the task's loss (nats per token on the corpus, "
         "per answer token on selective copying) with the span of the seeds' 95% intervals; "
         f"latencies are medians of interleaved pairs on a 2-core CPU shared with other jobs; "
         f"run on {v['host']['cpu']} at {v['host']['torch_threads']} torch thread(s); "
@@ -568,9 +572,8 @@ def study_exit(r: Results) -> str:
     """The study writes its own table cells from its aggregates; they are copied as they are."""
     v = r.json(EXIT)
     return own_table(v, exit_study.COLUMNS, "l", (
-        f"`{v['command'].split(' --out')[0]}` (fcaudit's code at commit {v['commit']}, "
-        f"{v['date']}; {seed_counts(v)} seeds per family, each with its full-depth twin "
-        "trained alongside; penalties in the task's loss (nats per token for the LMs, per "
+        study_command(v, "family") + ", each with its full-depth twin trained "
+        "alongside; penalties in the task's loss (nats per token for the LMs, per "
         "image for the digits) against the learned exit rule, with the span of the seeds' "
         "95% intervals; latencies are medians of interleaved pairs on a 2-core CPU; "
         f"run on {v['host']['cpu']} at {v['host']['torch_threads']} torch thread(s); "

@@ -74,16 +74,22 @@ def _versus_twin(group: Mapping[str, Any]) -> str:
     return f"FLOPs {flops:.3f}x, time " + ("not measured" if speed is None else f"{speed:.2f}x")
 
 
+def _shares(shares: Sequence[Any], n: int, undefined: str) -> str:
+    """Shares in percent (a retention, the gap closed) over the seeds where each is
+    defined, with how many are not."""
+    defined = [s for s in shares if s.value is not None]
+    if not defined:
+        return undefined
+    missing = n - len(defined)
+    return _spanned([s.value for s in defined], [s.ci95 for s in defined], ".1f") + "%" + \
+        (f" ({missing} of {n} seeds undefined)" if missing else "")
+
+
 def _retention(audits: Sequence[Any]) -> str:
     if not all(STATIC_LAYER in a.retention for a in audits):
         return "not run"
-    defined = [a.retention[STATIC_LAYER] for a in audits
-               if a.retention[STATIC_LAYER].value is not None]
-    if not defined:
-        return "undefined (no clear gap)"
-    missing = len(audits) - len(defined)
-    return _spanned([r.value for r in defined], [r.ci95 for r in defined], ".1f") + "%" + \
-        (f" ({missing} of {len(audits)} seeds undefined)" if missing else "")
+    return _shares([a.retention[STATIC_LAYER] for a in audits], len(audits),
+                   "undefined (no clear gap)")
 
 
 def _gap_share(audits: Sequence[Any]) -> str:
@@ -92,12 +98,7 @@ def _gap_share(audits: Sequence[Any]) -> str:
     shares = [a.exits.gap_closed for a in audits]
     if any(s is None for s in shares):
         return "not run"
-    defined = [s for s in shares if s.value is not None]
-    if not defined:
-        return "undefined (no clear fixed-to-oracle gap)"
-    missing = len(audits) - len(defined)
-    return _spanned([s.value for s in defined], [s.ci95 for s in defined], ".1f") + "%" + \
-        (f" ({missing} of {len(audits)} seeds undefined)" if missing else "")
+    return _shares(shares, len(audits), "undefined (no clear fixed-to-oracle gap)")
 
 
 def _matched(audits: Sequence[Any]) -> str:

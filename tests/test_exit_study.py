@@ -37,8 +37,8 @@ def _read(path):
     return json.loads(path.read_text())
 
 
-def _spanned(value: float, ci: list[float], spec: str) -> str:
-    return f"{value:{spec}} [{ci[0]:{spec}}, {ci[1]:{spec}}]"
+def _spanned(value: float, ci: list[float], spec: str, unit: str = "") -> str:
+    return f"{value:{spec}}{unit} [{ci[0]:{spec}}, {ci[1]:{spec}}]"
 
 
 def _check_row(row: dict, audit: dict, twin: dict) -> None:
@@ -51,7 +51,11 @@ def _check_row(row: dict, audit: dict, twin: dict) -> None:
     share = e["gap_closed"]
     assert row["share of fixed-to-oracle gap closed"] == (
         "undefined (no clear fixed-to-oracle gap)" if share["value"] is None
-        else _spanned(share["value"], share["ci95"], ".1f") + "%")
+        else _spanned(share["value"], share["ci95"], ".1f", "%"))
+    ret = audit["retention"]["static-layer"]
+    assert row["static-layer retention"] == (
+        "undefined (no clear gap)" if ret["value"] is None
+        else _spanned(ret["value"], ret["ci95"], ".1f", "%"))
     gap = e["frontier"]["matched_depth"]["gap"]
     assert row["fixed − learned at matched depth"] == _spanned(gap["value"], gap["ci95"],
                                                                  "+.3f")

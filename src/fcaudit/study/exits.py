@@ -39,9 +39,10 @@ def _mean(group: Mapping[str, Any], key: str) -> float | None:
     return (group["aggregate"].get(key) or {}).get("mean")
 
 
-def _spanned(values: Sequence[float], cis: Sequence[Sequence[float]], spec: str) -> str:
-    """Mean of ``values`` with the span of their intervals."""
-    return (f"{float(np.mean(values)):{spec}} [{min(c[0] for c in cis):{spec}}, "
+def _spanned(values: Sequence[float], cis: Sequence[Sequence[float]], spec: str,
+             unit: str = "") -> str:
+    """Mean of ``values`` (with its unit) and the span of their intervals."""
+    return (f"{float(np.mean(values)):{spec}}{unit} [{min(c[0] for c in cis):{spec}}, "
             f"{max(c[1] for c in cis):{spec}}]")
 
 
@@ -81,7 +82,7 @@ def _shares(shares: Sequence[Any], n: int, undefined: str) -> str:
     if not defined:
         return undefined
     missing = n - len(defined)
-    return _spanned([s.value for s in defined], [s.ci95 for s in defined], ".1f") + "%" + \
+    return _spanned([s.value for s in defined], [s.ci95 for s in defined], ".1f", "%") + \
         (f" ({missing} of {n} seeds undefined)" if missing else "")
 
 

@@ -77,10 +77,9 @@ PROBE_TOKENS = 16  # the probe window that finds a model's logit transform (at w
 def logit_transforms(model: nn.Module) -> list[tuple[str, Transform]]:
     """What a transformers causal LM may do to its LM head's output before returning it,
     named. Its forward code decides, not a config key alone (Granite divides by
-    ``logits_scaling``, HyperCLOVA X multiplies by it), so :func:`own_transform` keeps the
-    one the model is seen to do."""
-    cfg = model.config
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    ``logits_scaling``, HyperCLOVA X multiplies by it), so :func:`own_head` keeps the one
+    the model is seen to do."""
+    text = model.config.get_text_config()
     out: list[tuple[str, Transform]] = [("none", lambda x: x)]
     if cap := getattr(text, "final_logit_softcapping", None):
         out.append((f"softcap {cap}", lambda x: torch.tanh(x / cap) * cap))

@@ -54,7 +54,7 @@ def test_garbled_manifest_is_reported(recorded: Path, tmp_path: Path, tokens: di
 
 @pytest.mark.parametrize("change, needle", [
     ({"model": "toys:constant_model"}, "different model"),
-    ({"extra": ("--batch-size", "8")}, "different batch_size"),
+    ({"extra": ("--batch-size", "8")}, "different --batch-size (4 -> 8)"),
 ], ids=["other_model", "other_batch_size"])
 def test_cache_from_another_model_or_setup_is_refused(change: dict, needle: str,
                                                       recorded: Path, tmp_path: Path,
@@ -70,7 +70,7 @@ def test_cache_from_other_data_is_refused(recorded: Path, tmp_path: Path,
     other = dict(tokens, eval=tmp_path / "other.npy")
     np.save(other["eval"], toys.pair_sequences(16, 16, 9))
     res = run_inprocess(audit_argv(recorded, other), capsys)
-    assert_clean_failure(res, tmp_path, recorded, "different eval_data")
+    assert_clean_failure(res, tmp_path, recorded, "different evaluation data")
 
 
 def test_empty_cache_of_a_failed_start_is_not_in_the_way(

@@ -142,13 +142,14 @@ def test_early_exit_mistakes_are_one_line(argv, needle, tmp_path, capsys):
     assert_clean_failure(res, tmp_path, out, needle)
 
 
-def test_the_threshold_enters_the_fingerprint(llama):
+def test_the_threshold_is_an_option_not_another_model(llama):
+    """The fingerprint stays the model's; the threshold keys the cache as an option of its
+    own (a rerun with another one is refused naming it: tests/test_message_causes.py)."""
     from fcaudit.io.hf_exit import with_early_exit
     from fcaudit.io.loading import load
     plain = load(str(llama))
     prints = {t: with_early_exit(load(str(llama)), t).fingerprint for t in (0.5, 0.8)}
-    assert len({plain.fingerprint, *prints.values()}) == 3  # another threshold, another cache
-    assert with_early_exit(load(str(llama)), 0.5).fingerprint == prints[0.5]
+    assert set(prints.values()) == {plain.fingerprint}
 
 
 SMALL = dict(vocab_size=VOCAB, max_position_embeddings=64)

@@ -168,9 +168,11 @@ def test_a_cached_shard_differing_in_its_default_sums_is_still_refused(tmp_path)
     cache = CoefficientCache(tmp_path / "cache", {}, 4, 8)
     name = CoefficientCache.calib_name(0)
     cache.write(name, {"site::g": torch.ones(2)})
-    with pytest.raises(fcaudit.FcauditError, match="was recorded by another model"):
+    with pytest.raises(fcaudit.FcauditError, match="gives other coefficients of site g than its "
+                                                   "cached record"):
         cache.settle(name, {"site::g": torch.zeros(2), "+cells_keys": torch.ones(1)}, "batch 0")
-    with pytest.raises(fcaudit.FcauditError, match="was recorded by another model"):
+    with pytest.raises(fcaudit.FcauditError, match="gives other entries than its cached record "
+                                                   r"\(token ids in only one of them\)"):
         cache.settle(name, {"site::g": torch.ones(2), "token_ids": torch.ones(1)}, "batch 0")
 
 

@@ -176,14 +176,84 @@ def _check_folder(folder: Path) -> None:
         raise CacheError(f"{manifest} is not a file; delete {folder} and rerun", folder=str(folder))
 
 
+# Each entry of a cache's identity (built by engine/run.py's ``cache_identity``) and of
+# its setup, as a message names it: what changed, never "the model" for an option.
+IDENTITY_WORDS = {
+    "model": "model (its weights, config or code)", "model_class": "model class",
+    "eval_data": "evaluation data", "calib_data": "calibration data",
+    "dtype": "parameter dtype", "device": "device", "sites": "controller sites",
+    "adapters": "site adapters", "layouts": "coefficient layouts", "objective": "objective",
+    "exit_threshold": arg("exit_threshold", owner="AuditOptions"),
+    "fcaudit": "fcaudit version", "torch": "torch version",
+    "package versions": "package versions",
+    "batch_size": arg("batch_size", owner="AuditOptions"),
+    "n_sequences": "number of evaluation sequences"}
+_SHOWN = 60  # an entry's values are quoted when this short (a fingerprint, 64, is not)
+
+
 def _changed(key: str, before: Any, now: Any) -> str:
-    """An identity entry that differs, with what changed where it is a short mapping
-    (package versions: ``mypkg 1.0 -> 2.0``)."""
-    if not (isinstance(before, dict) and isinstance(now, dict)):
-        return key
-    moved = [f"{name} {before.get(name, 'absent')} -> {now.get(name, 'absent')}"
-             for name in sorted(set(before) | set(now)) if before.get(name) != now.get(name)]
-    return f"{key} ({', '.join(moved)})"
+    """An identity entry that differs, in words, with what changed where that is short
+    (``AuditOptions(exit_threshold=...) (0.8 -> 0.5)``) or a short mapping (package
+    versions: ``mypkg 1.0 -> 2.0``)."""
+    words = IDENTITY_WORDS.get(key, key.replace("_", " "))
+    if isinstance(before, dict) and isinstance(now, dict):
+        moved = [f"{name} {before.get(name, 'absent')} -> {now.get(name, 'absent')}"
+                 for name in sorted(set(before) | set(now)) if before.get(name) != now.get(name)]
+        return f"{words} ({', '.join(moved)})"
+    shown = [_short(v) for v in (before, now)]
+    return words if None in shown or shown[0] == shown[1] else \
+        f"{words} ({shown[0]} -> {shown[1]})"
+
+
+def _listed(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _short(value: Any) -> str | None:
+    """A value as a message quotes it (a string: its first word, a callable objective's
+    name without the digest of its state), or None where it is long or structured."""
+    if value is None:
+        return "none"
+    text = value.split(" ")[0] if isinstance(value, str) else str(value)
+    return text if isinstance(value, (str, int, float)) and len(text) <= _SHOWN else None
+
+
+_LOSSES = {EvaluationShard.NLL: "losses", EvaluationShard.HITS: "hits (examples scored right)"}
+_VARIES = ("or its forward pass varies between runs: another thread count or device can change "
+           "the last bits")
+
+
+def _entry(key: str) -> str:
+    """A record shard's key as a message names it."""
+    for prefix, words in ((_SITE, "coefficients of site"), (_TOKEN, "per-token sums of site")):
+        if key.startswith(prefix):
+            return f"{words} {key.removeprefix(prefix)}"
+    named = {**_LOSSES, CalibrationShard.TOKEN_IDS: "token ids",
+             CalibrationShard.TOKEN_COUNTS: "token counts"}
+    return named.get(key, f"entry {key!r}")
+
+
+def _difference(cached: Tensors, fresh: Tensors) -> str:
+    """What a fresh record pass gives otherwise than the cached shard (a coefficient named
+    first: it says most), and what that points at: differing coefficients, the model (or
+    state it reads); losses alone while every coefficient is bitwise equal, the objective
+    or what the model computes after its controllers."""
+    odd = sorted(k for k in cached.keys() ^ fresh.keys() if not CalibrationShard.optional(k))
+    if odd:
+        return (f"other entries than its cached record ({', '.join(map(_entry, odd))} in only "
+                "one of them): the cache was recorded with other sites, inputs or options")
+    differ = sorted((k for k in fresh.keys() & cached.keys()
+                     if not same_bits(cached[k], fresh[k])),
+                    key=lambda k: (k in _LOSSES, k)) or sorted(cached.keys() ^ fresh.keys())
+    named = _entry(differ[0]) + (f" and {len(differ) - 1} more" if len(differ) > 1 else "")
+    if all(k in _LOSSES for k in differ):
+        return (f"other {named} than its cached record while every coefficient is bitwise "
+                "equal (the objective, or what the model computes after its controllers, or "
+                "state either reads outside its code such as environment variables or files, "
+                f"changed since; {_VARIES})")
+    return (f"other {named} than its cached record (the model, or state it reads outside its "
+            "code such as environment variables, files, attributes or package versions, "
+            f"changed since; {_VARIES})")
 
 
 class CoefficientCache:
@@ -235,16 +305,16 @@ class CoefficientCache:
                              "rerun to record it again", folder=str(self.folder))
         recorded = manifest.get("identity") if isinstance(manifest.get("identity"), dict) else {}
         setup = {"batch_size": self.batch_size, "n_sequences": self.pool_sequences}
-        diff = sorted(_changed(k, recorded.get(k), self.identity.get(k))
-                      for k in set(self.identity) | set(recorded)
-                      if recorded.get(k) != self.identity.get(k))
-        diff += [k for k, v in setup.items() if manifest.get(k) != v]
+        diff = [_changed(k, recorded.get(k), self.identity.get(k))
+                for k in dict.fromkeys([*self.identity, *recorded])
+                if recorded.get(k) != self.identity.get(k)]
+        diff += [_changed(k, manifest.get(k), v) for k, v in setup.items()
+                 if manifest.get(k) != v]
         if diff and (any(self.folder.glob("*.sha256")) or not self.owner):
             raise CacheError(
-                f"the cache in {self.folder} was recorded with a different {', '.join(diff)}; "
-                f"delete that folder or choose another {arg('out')} (or rerun with the "
-                f"original model, data and {arg('batch_size', owner='AuditOptions')})",
-                folder=str(self.folder))
+                f"the cache in {self.folder} was recorded with a different {_listed(diff)}; "
+                f"delete that folder or choose another {arg('out')} (or rerun with what it "
+                "was recorded with)", folder=str(self.folder))
         if diff:  # nothing was recorded yet: nothing to lose, start afresh
             self._write_manifest()
 
@@ -367,12 +437,9 @@ class CoefficientCache:
             return False
         if not same_bits(cached, fresh):
             raise CacheError(
-                f"the cache in {self.folder} was recorded by another model: a fresh pass over "
-                f"{what} gives other coefficients or losses than its cached record (the model, "
-                "or state it reads outside its code such as environment variables, files, "
-                "attributes or package versions, changed since; or its forward pass varies "
-                "between runs: another thread count or device can change the last bits); "
-                f"delete {self.folder} or choose another {arg('out')}", folder=str(self.folder))
+                f"the cache in {self.folder} does not hold what this audit computes: a fresh "
+                f"pass over {what} gives {_difference(cached, fresh)}; delete {self.folder} "
+                f"or choose another {arg('out')}", folder=str(self.folder))
         self.proven.add(name)
         self.reused.add(name)
         return True

@@ -240,6 +240,8 @@ def cache_identity(setup: Prepared) -> dict[str, Any]:
                          for s in setup.sites],
             "layouts": [spell_axes(s.axes or (), s.positions or ()) for s in setup.sites],
             "objective": setup.objective.identity(),
+            "exit_threshold": setup.options.exit_threshold if setup.options.early_exit
+            else None,
             "fcaudit": __version__, "torch": torch.__version__,
             "package versions": setup.loaded.packages}
 

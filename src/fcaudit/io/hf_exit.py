@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -244,8 +243,11 @@ class EarlyExitLM(nn.Module):
 
 
 def with_early_exit(loaded: LoadedModel, threshold: float) -> LoadedModel:
-    """``loaded`` with its model wrapped in :class:`EarlyExitLM` (kind :data:`KIND`); the
-    fingerprint gains the threshold, as it moves every exit and so every cached output."""
+    """``loaded`` with its model wrapped in :class:`EarlyExitLM` (kind :data:`KIND`). The
+    fingerprint stays the model's own: the wrapping and its threshold, which moves every
+    exit and so every cached output, are an option of the cache's identity of their own
+    (engine/run.py's ``cache_identity``), so a rerun with another threshold is refused
+    naming the threshold, not "another model"."""
     model = loaded.model
     if not type(model).__module__.startswith("transformers."):
         raise UsageError(f"{arg('early_exit')} wraps a Hugging Face causal LM (a transformers "
@@ -253,5 +255,4 @@ def with_early_exit(loaded: LoadedModel, threshold: float) -> LoadedModel:
                          f"{type(model).__name__}: give its own exit sites instead "
                          "(Site(exit=...), docs/method.md)", option="early_exit")
     wrapped = EarlyExitLM(model, threshold).eval()
-    digest = hashlib.sha256(f"{loaded.fingerprint} {KIND} {threshold!r}".encode()).hexdigest()
-    return dataclasses.replace(loaded, model=wrapped, kind=KIND, fingerprint=digest)
+    return dataclasses.replace(loaded, model=wrapped, kind=KIND)

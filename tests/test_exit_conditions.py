@@ -216,10 +216,12 @@ def test_twin_of_another_depth_or_width_is_refused(tmp_path, layers, width):
     torch.manual_seed(0)
     twin = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=layers, n_head=2,
                          n_embd=width)).eval()
-    twin_shapes = ", ".join([f"[{width}] -> [{width}]"] * layers)
+    differs = "it has 3 blocks, the model 4" if layers == 3 else \
+        "block 0 maps per-token shapes [16] -> [16] in the model (blocks.0.body), [32] -> [32] " \
+        "in the twin (blocks.0)"
     with pytest.raises(FcauditError, match=re.escape(
-            f"the dense twin has {layers} blocks of per-token shapes (in -> out) {twin_shapes}, "
-            "the model 4 of [16] -> [16], [16] -> [16]")):
+            "exit site blocks.0.score: the dense twin is not the model's network at full depth: "
+            f"{differs}; executed depth and FLOPs are read against the twin")):
         audit(make(), dense=twin)
 
 

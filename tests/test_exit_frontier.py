@@ -104,8 +104,9 @@ def test_conv_twin_of_another_channel_width_is_refused():
     torch.manual_seed(0)
     twin = CNN(CNNConfig(widths=(16, 32, 64), strides=(1, 2, 1), condconv=False)).eval()
     with pytest.raises(FcauditError, match=re.escape(
-            "[32, 4, 4] -> [64, 4, 4], the model 3 of [1, 8, 8] -> [16, 8, 8], "
-            "[16, 8, 8] -> [32, 4, 4], [32, 4, 4] -> [32, 4, 4]")):
+            "the dense twin is not the model's network at full depth: block 2 maps per-example "
+            "shapes [32, 4, 4] -> [32, 4, 4] in the model (layers.2), [32, 4, 4] -> "
+            "[64, 4, 4] in the twin (layers.2)")):
         branchy_audit(branchy_make(), dense=twin)
 
 

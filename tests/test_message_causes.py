@@ -162,3 +162,138 @@ def test_changed_coefficients_name_the_site(tmp_path: Path) -> None:
                                            r"\(coefficients of site c in only one of them\)"):
         cache.settle(name, {"nll": torch.ones(4), "site::a": torch.ones(4),
                             "site::b": torch.ones(4), "site::c": torch.ones(4)}, "batch 0")
+
+
+# ------------------------------------------------------------------ exit sites
+
+RNG = np.random.default_rng(0)
+TOKENS = AuditData(RNG.integers(0, 61, (8, 16)), RNG.integers(0, 61, (8, 16)),
+                   {"source": "tokens"})
+EXIT_OPTS = AuditOptions(repeats=1, bootstrap=20, batch_size=4, progress=False,
+                         per_layer=False, timing_pairs=0, execution=False)
+
+
+def _spread(model: torch.nn.Module) -> torch.nn.Module:
+    """Large classifier weights, so that scores straddle the threshold token by token."""
+    for name, p in model.named_parameters():
+        if (".score." in name or name.startswith("unit.")) and name.endswith("proj.weight"):
+            torch.nn.init.normal_(p, std=2.0)
+    return model.eval()
+
+
+def _early_exit() -> tuple[torch.nn.Module, AuditData, AuditOptions]:
+    from fcaudit.models.earlyexit import EarlyExitConfig, EarlyExitGPT
+    torch.manual_seed(0)
+    return _spread(EarlyExitGPT(EarlyExitConfig(
+        vocab_size=61, block_size=16, n_layer=3, n_head=2, n_embd=16, exit_threshold=0.5))), \
+        TOKENS, EXIT_OPTS
+
+
+def _ponder() -> tuple[torch.nn.Module, AuditData, AuditOptions]:
+    from fcaudit.models.ponder import PonderConfig, PonderGPT
+    torch.manual_seed(1)
+    return _spread(PonderGPT(PonderConfig(vocab_size=61, block_size=16, n_layer=1, n_head=2,
+                                          n_embd=16, max_steps=3))), TOKENS, EXIT_OPTS
+
+
+def _branchy() -> tuple[torch.nn.Module, AuditData, AuditOptions]:
+    from fcaudit.io.digits import digits
+    from fcaudit.models.branchy import BranchyCNN, BranchyConfig
+    torch.manual_seed(0)
+    model = BranchyCNN(BranchyConfig(exit_threshold=0.5))
+    with torch.no_grad():
+        for head in model.heads:
+            head.proj.weight.mul_(40.0)
+    x, y = digits("eval")
+    data = AuditData(inputs=x[:16], targets=y[:16], calib_inputs=digits("train")[0][:16])
+    return model.eval(), data, dataclasses.replace(EXIT_OPTS, objective="classification")
+
+
+def _hf_early_exit() -> tuple[torch.nn.Module, AuditData, AuditOptions]:
+    transformers = pytest.importorskip("transformers")
+    from fcaudit.io.hf_exit import EarlyExitLM
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 3},
+                                      intermediate_size=64, num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+    ids = AuditData(RNG.integers(3, 120, (8, 12)), RNG.integers(3, 120, (8, 12)),
+                    {"source": "tokens"})
+    return EarlyExitLM(model, 0.8).eval(), ids, EXIT_OPTS
+
+
+EXIT_FAMILIES = {"early-exit LM": _early_exit, "ponder": _ponder, "branchy": _branchy,
+                 "hugging face --early-exit": _hf_early_exit}
+
+
+def _declared(model: torch.nn.Module, exit: Any) -> None:
+    """``model`` declares its exit sites with ``exit(site)`` as ``Site.exit``."""
+    sites = model.controller_sites()
+    model.controller_sites = lambda: [dataclasses.replace(s, exit=exit(s)) for s in sites]
+
+
+def _thresholds(model: torch.nn.Module, value: float, rules: slice = slice(None)) -> None:
+    for path in model.exit_rules()[rules]:
+        model.get_submodule(path).threshold = value
+
+
+def _exit_refusal(model: torch.nn.Module, data: AuditData, options: AuditOptions,
+                  **kw: Any) -> str:
+    with pytest.raises(FcauditError) as err:
+        fcaudit.audit(model, None, data=data, options=options, report=False, **kw)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("family", EXIT_FAMILIES)
+def test_a_reversed_site_exit_is_refused_as_reversed(family: str) -> None:
+    model, data, options = EXIT_FAMILIES[family]()
+    first = model.controller_sites()[0].name
+    _declared(model, lambda s: (1.0, 0.0))
+    assert _exit_refusal(model, data, options) == (
+        f"exit site {first}: Site.exit=(1.0, 0.0) is reversed: the model's rule stops every "
+        "token on the continue value 1.0 and none on the exit value 0.0; declare "
+        "Site.exit=(0.0, 1.0)")
+
+
+@pytest.mark.parametrize("family", EXIT_FAMILIES)
+def test_a_threshold_the_exit_value_never_reaches_is_refused_for_that(family: str) -> None:
+    """The rules' threshold above Site.exit's exit value 1.0 (from the second rule on
+    where there are several: the site named is the first that never stops a token)."""
+    model, data, options = EXIT_FAMILIES[family]()
+    rules = slice(1, None) if len(model.exit_rules()) > 1 else slice(None)
+    site = model.controller_sites()[rules][0].name
+    _thresholds(model, 1.5, rules)
+    assert _exit_refusal(model, data, options) == (
+        f"exit site {site}: its exit value 1.0 (Site.exit=(0.0, 1.0)) stops no token, a value "
+        "1001 does: the rule's threshold is never reached by the declared exit value; declare "
+        "one that reaches it")
+
+
+@pytest.mark.parametrize("family", EXIT_FAMILIES)
+def test_a_threshold_the_continue_value_reaches_is_refused_for_that(family: str) -> None:
+    model, data, options = EXIT_FAMILIES[family]()
+    _thresholds(model, 0.0)
+    assert _exit_refusal(model, data, options) == (
+        f"exit site {model.controller_sites()[0].name}: its continue value 0.0 "
+        "(Site.exit=(0.0, 1.0)) stops every token, a value -1000 does not: the rule's "
+        "threshold is always reached, even by the declared continue value; declare one that "
+        "does not reach it")
+
+
+# ------------------------------------------------------------------ dense twin
+
+
+def test_a_twin_whose_blocks_did_not_all_run_names_the_first_that_did_not() -> None:
+    """An exit model given as its own twin, with a threshold every token reaches at the first
+    rule: its later blocks never run on the first window, which the old message listed as
+    '4 blocks of [16] -> [16]' on both sides; now the first block that differs is named."""
+    model, data, options = _early_exit()
+    twin, _, _ = _early_exit()
+    _thresholds(twin, 1e-9)
+    assert _exit_refusal(model, data, dataclasses.replace(options, execution=True),
+                         dense=twin) == (
+        "exit site blocks.0.score: the dense twin is not the model's network at full depth: "
+        "block 1 maps per-token shapes [16] -> [16] in the model (blocks.1.body), did not run "
+        "on the first evaluation window in the twin (blocks.1.body); executed depth and FLOPs "
+        "are read against the twin, so give the same network run to full depth (dense=)")

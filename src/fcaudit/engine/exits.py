@@ -73,29 +73,84 @@ def exit_plan(setup: Any) -> ExitPlan | None:
 
 
 def check_follows(setup: Any, net: Any, x: Any) -> None:
-    """Refuse, naming the site, an exit rule that does not follow its site's output: a
-    replay of the recorded scores must reproduce the model's own exits bit for bit, and
-    scores that stop every token after exit site ``k`` must stop every token there, for
-    every ``k`` (one batch; the exit conditions and every replayed score rest on it)."""
+    """Refuse, naming the site and the cause, an exit rule that does not follow its site's
+    output: a replay of the recorded scores must reproduce the model's own exits bit for
+    bit, and scores that stop every token after exit site ``k`` must stop every token
+    there, for every ``k`` (one batch; the exit conditions and every replayed score rest on
+    it). Where they do not, the cause is told apart (:func:`_misdeclared`): ``Site.exit``
+    reversed, or a threshold its values never or always reach; else a rule reading
+    something other than the site's output."""
     sites, run = exit_sites(setup.sites), lambda: call_model(setup.model, x)
     own = own_exits(net, run)
     _, coefficients, _ = record_batch(setup.model, setup.sites, x, None)
-    fed = {"replaying the recorded scores": (own, coefficients)}
-    for k in range(len(sites) + 1):
-        layers = torch.full_like(own, k)
-        fed[f"feeding scores that stop every token after exit layer {k}"] = (
-            layers, exit_scores(sites, layers, coefficients))
-    for what, (expected, scores) in fed.items():
+
+    def exits(k: int | None, values: Any = None) -> torch.Tensor:
+        """The exits under the recorded scores (``k`` None), or under scores stopping every
+        token after site ``k``, from ``Site.exit`` or ``values(site)`` in its place."""
+        declared = [dataclasses.replace(s, exit=values(s)) for s in sites] if values else sites
+        scores = coefficients if k is None else \
+            exit_scores(declared, torch.full_like(own, k), coefficients)
         with replaying(setup.model, {s: scores[s.name] for s in sites}):
-            got = own_exits(net, run)
-        if not torch.equal(got, expected):
-            wrong = got != expected
-            site = sites[min(int(torch.minimum(got, expected)[wrong].min()), len(sites) - 1)]
-            raise ModelError(f"exit site {site.name}: {what}, the model's exit rule stops "
-                             f"{int(wrong.sum())} of {wrong.numel()} tokens at another layer; "
-                             "its exit decision must read the site's output and nothing else "
-                             "(no recomputed score, no state kept between calls)",
-                             site=site.name)
+            return own_exits(net, run)
+
+    got = exits(None)
+    if not torch.equal(got, own):
+        raise _refusal(sites, "replaying the recorded scores", got, own)
+    fed = {k: exits(k) for k in range(len(sites) + 1)}
+    for k, got in fed.items():
+        if not torch.equal(got, torch.full_like(own, k)):
+            cause = _misdeclared(sites, fed, k, exits)
+            if cause is not None:
+                raise ModelError(f"exit site {cause[0].name}: {cause[1]}", site=cause[0].name)
+            raise _refusal(sites, f"feeding scores that stop every token after exit layer {k}",
+                           got, torch.full_like(own, k))
+
+
+_FAR = 1000.0  # a value this many (exit - continue) steps beyond one of Site.exit's values
+
+
+def _misdeclared(sites: Sequence[Any], fed: dict[int, torch.Tensor], k: int,
+                 exits: Any) -> tuple[Any, str] | None:
+    """The site and the cause where scores stopping every token after site ``k``
+    (``fed[k]``, exit layers) did not, when ``Site.exit`` is at fault: reversed (its exit
+    value stops no token, its continue value every one), or a threshold the exit value
+    never reaches (a value far beyond it does stop every token) or the continue value
+    always reaches (a value far below it does not); None otherwise."""
+    n = len(sites)
+    if bool((fed[0] == n).all()) and bool((fed[n] == 0).all()):
+        go, stop = sites[0].exit
+        return sites[0], (f"Site.exit={sites[0].exit!r} is reversed: the model's rule stops "
+                          f"every token on the continue value {go!r} and none on the exit "
+                          f"value {stop!r}; declare Site.exit=({stop!r}, {go!r})")
+    expected = torch.full_like(fed[k], k)
+    if bool((fed[k] > k).all()) and torch.equal(exits(k, lambda s: (
+            s.exit[0], s.exit[1] + _FAR * (s.exit[1] - s.exit[0]))), expected):
+        go, stop = sites[k].exit
+        return sites[k], (f"its exit value {stop!r} (Site.exit={sites[k].exit!r}) stops no "
+                          f"token, a value {stop + _FAR * (stop - go):g} does: the rule's "
+                          "threshold is never reached by the declared exit value; declare "
+                          "one that reaches it")
+    if bool((fed[k] < k).all()) and torch.equal(exits(k, lambda s: (
+            s.exit[0] - _FAR * (s.exit[1] - s.exit[0]), s.exit[1])), expected):
+        site = sites[int(fed[k].min())]
+        go, stop = site.exit
+        return site, (f"its continue value {go!r} (Site.exit={site.exit!r}) stops every "
+                      f"token, a value {go - _FAR * (stop - go):g} does not: the rule's "
+                      "threshold is always reached, even by the declared continue value; "
+                      "declare one that does not reach it")
+    return None
+
+
+def _refusal(sites: Sequence[Any], what: str, got: torch.Tensor,
+             expected: torch.Tensor) -> ModelError:
+    """A rule that does not follow its site's output, naming the first site where ``got``
+    and ``expected`` exit layers part."""
+    wrong = got != expected
+    site = sites[min(int(torch.minimum(got, expected)[wrong].min()), len(sites) - 1)]
+    return ModelError(f"exit site {site.name}: {what}, the model's exit rule stops "
+                      f"{int(wrong.sum())} of {wrong.numel()} tokens at another layer; its "
+                      "exit decision must read the site's output and nothing else (no "
+                      "recomputed score, no state kept between calls)", site=site.name)
 
 
 def degenerate(own: torch.Tensor, layers: int) -> str | None:
@@ -157,6 +212,9 @@ def with_exit_conditions(options: Any, sites: Any, model: Any) -> Any:
     return dataclasses.replace(options, conditions=(*options.conditions, *missing))
 
 
+Shapes = dict[str, tuple[tuple[int, ...], ...]]  # block path -> its (input, output) shapes
+
+
 @torch.no_grad()
 def check_twin(setup: Any) -> None:
     """Refuse a dense twin of another depth or width than an exit model: executed depth
@@ -177,23 +235,36 @@ def check_twin(setup: Any) -> None:
     axes = 1 if has_positions(sites) else None
     mine = block_shapes(setup.model, setup.blocks, x, axes)
     twin = block_shapes(setup.dense, twin_blocks, x, axes)
-    ran = [i for i, p in enumerate(setup.blocks) if p in mine]
-    if len(setup.blocks) != len(twin_blocks) or \
-            any(mine[setup.blocks[i]] != twin.get(twin_blocks[i]) for i in ran):
-        unit = "token" if axes else "example"
+    unit = "token" if axes else "example"
+    differs = _first_difference(setup.blocks, twin_blocks, mine, twin, unit)
+    if differs is not None:
         raise ModelError(
-            f"exit site {sites[0].name}: the dense twin has {len(twin_blocks)} blocks of "
-            f"per-{unit} shapes (in -> out) {_shapes(twin)}, the model {len(setup.blocks)} of "
-            f"{_shapes(mine)}; executed depth and FLOPs are read against the twin, so give "
+            f"exit site {sites[0].name}: the dense twin is not the model's network at full "
+            f"depth: {differs}; executed depth and FLOPs are read against the twin, so give "
             f"the same network run to full depth ({arg('dense')})", site=sites[0].name)
 
 
-def block_shapes(net: Any, paths: Sequence[str], x: Any,
-                 axes: int | None) -> dict[str, tuple[tuple[int, ...], ...]]:
+def _first_difference(blocks: Sequence[str], twin_blocks: Sequence[str], mine: Shapes,
+                      twin: Shapes, unit: str) -> str | None:
+    """Where a twin departs from the model, in words: another number of blocks, or the
+    first block (of those the model ran) whose per-unit input or output shape differs,
+    with both sides' shapes; None where it is the same network."""
+    if len(blocks) != len(twin_blocks):
+        return f"it has {len(twin_blocks)} blocks, the model {len(blocks)}"
+    for i, (path, other) in enumerate(zip(blocks, twin_blocks, strict=True)):
+        if path in mine and mine[path] != twin.get(other):
+            theirs = _shapes(twin[other]) if other in twin else "did not run on the first " \
+                "evaluation window"
+            return (f"block {i} maps per-{unit} shapes {_shapes(mine[path])} in the model "
+                    f"({path}), {theirs} in the twin ({other})")
+    return None
+
+
+def block_shapes(net: Any, paths: Sequence[str], x: Any, axes: int | None) -> Shapes:
     """Per block that ran, in order: the shapes of its first input and first output tensor, the last
     ``axes`` axes (None: all but the batch axis)."""
     from fcaudit.engine.execution import inference
-    seen: dict[str, tuple[tuple[int, ...], ...]] = {}
+    seen: Shapes = {}
 
     def unit(t: Any) -> tuple[int, ...]:
         return tuple(t.shape[-axes:] if axes else t.shape[1:])
@@ -209,5 +280,6 @@ def block_shapes(net: Any, paths: Sequence[str], x: Any,
     return {p: seen[p] for p in paths if p in seen}
 
 
-def _shapes(shapes: dict[str, tuple[tuple[int, ...], ...]]) -> str:
-    return ", ".join(f"{list(i)} -> {list(o)}" for i, o in shapes.values()) or "none"
+def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
+    """A block's first input and output shapes: ``[16, 8, 8] -> [32, 4, 4]``."""
+    return " -> ".join(str(list(shape)) for shape in shapes)

@@ -162,8 +162,8 @@ def test_twin_of_another_depth_is_refused():
     torch.manual_seed(0)
     twin = CNN(CNNConfig(widths=(16, 32), strides=(1, 2), condconv=False)).eval()
     with pytest.raises(FcauditError, match=re.escape(
-            "the dense twin has 2 blocks of per-example shapes (in -> out) [1, 8, 8] -> "
-            "[16, 8, 8], [16, 8, 8] -> [32, 4, 4], the model 3 of")):
+            "the dense twin is not the model's network at full depth: it has 2 blocks, the "
+            "model 3; executed depth and FLOPs are read against the twin")):
         audit(make(), dense=twin)
 
 

@@ -5,7 +5,11 @@ define audit.json: a value of the wrong JSON type anywhere, a NaN or an infinity
 missing or unknown field, a missing condition, is refused in one line that names the file
 and the field's dotted path. The paths expected here are built by this file's own walker
 over the JSON, not by fcaudit. A well-formed file whose bytes differ from the SHA-256 the
-output folder's marker recorded is refused as edited.
+output folder's marker recorded is refused as edited; one whose numbers contradict each
+other (a penalty that is not its NLL minus correct's, an estimate outside its own
+interval) is refused wherever it lies. A hostile file (nested 100,000 deep, a number of
+400 digits, a FIFO, ``/dev/zero``) is refused in one line, never a raw RecursionError,
+OverflowError or a read that never ends.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import dataclasses
 import json
 import math
 import re
+import os
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -218,7 +224,51 @@ TAMPERED: dict[str, tuple[Callable[[dict], None], str]] = {
     "nested map key": (_set(("variance", "gates.*", "components", 2, "index"), "2"),
                        "variance['gates.*'].components[2].index is the string '2', expected "
                        "a list"),
+    # well typed, but the numbers contradict each other (edited by hand)
+    "delta not nll minus correct": (_set(("conditions", "reassign", "delta"), 0.001),
+                                    "conditions.reassign.delta is 0.001, but the penalty is "
+                                    "nll - correct.nll: "),
+    "nll not the mean of its repeats": (_set(("conditions", "reassign", "repeats", 0), 99.0),
+                                        "conditions.reassign.nll is "),
+    "repeat penalty": (_set(("conditions", "shuffle", "repeat_deltas", 1), 0.5),
+                       "conditions.shuffle.repeat_deltas[1] is 0.5, but a repeat's penalty is "
+                       "its NLL minus correct.nll: "),
+    "penalty outside its interval": (lambda d: _shift(d["per_layer"]["reassign"][0], 1.0),
+                                     "per_layer.reassign[0].delta is "),
+    "retention value": (_set(("retention", "static-layer", "value"), 50.0),
+                        "retention.static-layer.value is 50.0, but the share is 100 "
+                        "(global-mean - static-layer) / gap (nll): "),
+    "retention gap": (_set(("retention", "static-layer-token", "gap"), 9.0),
+                      "retention.static-layer-token.gap is 9.0, but the gap is global-mean "
+                      "minus correct (nll): "),
+    "retention defined without a value": (_set(("retention", "static-layer", "defined"), False),
+                                          "retention.static-layer.defined is false, yet the "
+                                          "value is "),
+    "retention outside its interval": (lambda d: d["retention"]["static-layer"].update(
+        ci95=[d["retention"]["static-layer"]["value"] + 1, 200.0]),
+        "retention.static-layer.value is "),
+    "interaction": (_set(("interaction", "value"), 1.0),
+                    "interaction.value is 1.0, but the interaction is Delta(reassign+shuffle) "
+                    "- Delta(reassign) - Delta(shuffle): "),
 }
+
+
+def _edit_reassign(data: dict, delta: float) -> None:
+    """reassign's penalty set to ``delta`` everywhere it enters (its NLL, repeats, interval
+    and the interaction), so the edited numbers still agree with each other."""
+    by = delta - data["conditions"]["reassign"]["delta"]
+    _shift(data["conditions"]["reassign"], by)
+    data["conditions"]["reassign"]["ci95"] = [v + by for v in data["conditions"]["reassign"]["ci95"]]
+    data["interaction"] = {"value": data["interaction"]["value"] - by,
+                           "ci95": [v - by for v in data["interaction"]["ci95"]]}
+
+
+def _shift(cond: dict, by: float) -> None:
+    """A condition's NLL and penalty moved by ``by`` everywhere but its interval."""
+    cond["nll"] += by
+    cond["delta"] += by
+    cond["repeats"] = [v + by for v in cond["repeats"]]
+    cond["repeat_deltas"] = [v + by for v in cond["repeat_deltas"]]
 
 
 @pytest.mark.parametrize("case", list(TAMPERED))
@@ -262,11 +312,13 @@ def test_an_edited_number_is_refused_by_the_recorded_digest(
         audits: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A well-formed edit (a penalty made smaller) in the audit's own folder: the marker's
     SHA-256 no longer matches, and compare refuses rather than table a number the audit
-    never measured. The same bytes outside any output folder carry no record and read."""
+    never measured (the edit moves the penalty everywhere it enters, so only the digest
+    can tell). The same bytes outside any output folder carry no record and read; a
+    penalty that is not its NLL minus correct's is refused there too."""
     folder = tmp_path / "gate"
     shutil.copytree(audits["gate"], folder)
     data = raw(folder)
-    data["conditions"]["reassign"]["delta"] = 0.001
+    _edit_reassign(data, 0.001)  # consistent: only the recorded digest can tell
     text = json.dumps(data, indent=2, sort_keys=True) + "\n"
     (folder / "audit.json").write_text(text, encoding="utf-8")
     res = run_inprocess(["compare", audits["position"], folder, "--out", tmp_path / "cmp"],
@@ -275,9 +327,15 @@ def test_an_edited_number_is_refused_by_the_recorded_digest(
     assert f"audit result {folder / 'audit.json'} was changed after fcaudit wrote it" in \
         res.stderr and ".fcaudit-output.json recorded" in res.stderr, res.stderr
     assert not (tmp_path / "cmp").exists()
-    loose = tmp_path / "loose.json"
+    loose = tmp_path / "loose.json"  # no record to consult: it reads (edited consistently)
     loose.write_text(text, encoding="utf-8")
-    assert AuditResult.read(loose).conditions["reassign"].delta == 0.001
+    assert AuditResult.read(loose).conditions["reassign"].delta == pytest.approx(0.001)
+    data["conditions"]["reassign"]["delta"] = 0.002  # not its NLL minus correct's
+    loose.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(FcauditError, match=re.escape(
+            f"{loose} is not a valid fcaudit.audit/1 result: conditions.reassign.delta is "
+            "0.002, but the penalty is nll - correct.nll: ")):
+        AuditResult.read(loose)
     restored = tmp_path / "restored"  # the original bytes back: read again
     shutil.copytree(audits["gate"], restored)
     assert AuditResult.read(restored / "audit.json").conditions["reassign"].delta == \
@@ -286,14 +344,16 @@ def test_an_edited_number_is_refused_by_the_recorded_digest(
 
 def test_an_edited_result_can_be_compared_when_loaded_on_purpose(
         audits: dict[str, Path], tmp_path: Path) -> None:
-    """The deliberate route: parse it yourself and pass the AuditResult (checked the same)."""
+    """The deliberate route: parse it yourself and pass the AuditResult (checked the same:
+    the edit moves reassign's penalty everywhere it enters, interval and interaction
+    included, so the numbers still agree with each other)."""
     data = raw(audits["gate"])
-    data["conditions"]["reassign"]["delta"] = 0.001
+    _edit_reassign(data, 0.001)
     edited = AuditResult.from_json(data)
     comparison = fcaudit.compare([audits["position"], edited], labels=["position", "edited"])
     penalty = next(q for q in comparison.to_json()["tables"]["quantities"]
                    if q["name"] == "reassign")
-    assert penalty["models"]["edited"]["value"] == 0.001
+    assert penalty["models"]["edited"]["value"] == pytest.approx(0.001, abs=1e-12)
 
 
 def test_every_audit_reads_back_equal(audits: dict[str, Path]) -> None:
@@ -312,3 +372,120 @@ def test_a_file_of_another_version_says_which_wrote_it(audits: dict[str, Path]) 
     message = refusal(data)
     assert "conditions.reassign.new_measure is not a field of this schema; it was written " \
         "by fcaudit 99.0 (this is " in message and "edited" not in message, message
+
+
+def _deep(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+def _text_edit(field: str, literal: str) -> Callable[[Path, dict], str]:
+    """The gate audit's text with one number (``conditions.reassign.FIELD``) replaced by
+    ``literal`` as written (a number Python's json would never write)."""
+    def text(_: Path, data: dict) -> str:
+        data["conditions"]["reassign"][field] = "@"
+        return json.dumps(data).replace('"@"', literal)
+    return text
+
+
+# a hostile file at PATH (built from the gate audit's JSON) -> the words after its name
+HOSTILE: dict[str, tuple[Callable[[Path, dict], str | None], str]] = {
+    "nested 100,000 deep": (lambda _, __: _deep(100_000),
+                            "nests arrays or objects more than 100 levels deep"),
+    "nested 150 deep in settings": (
+        lambda _, d: json.dumps({**d, "settings": {**d["settings"], "x": json.loads(_deep(150))}}),
+        "nests arrays or objects more than 100 levels deep"),
+    "an integer of 400 digits": (_text_edit("nll", str(10 ** 400)),
+                                 "holds an integer of 401 digits, beyond the range of a float"),
+    "a count of 5000 digits": (_text_edit("nll", "9" * 5000),
+                               "holds an integer of 5000 digits, beyond the range of a float"),
+    "a float literal beyond the range": (_text_edit("delta", "1e400"),
+                                         "holds the number 1e400, beyond the range of a float"),
+    "a FIFO": (lambda path, _: os.mkfifo(path), "is a FIFO (named pipe), not a file"),
+}
+
+
+def _within(seconds: float, fn: Callable[[], Any]) -> Any:
+    """``fn()``'s value or exception, failing the test if it takes longer (a blocked read)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), "the read did not return: it blocked"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_file_is_refused_in_one_line(case: str, audits: dict[str, Path],
+                                               tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    make, words = HOSTILE[case]
+    folder = tmp_path / "hostile"
+    folder.mkdir()
+    file = folder / "audit.json"
+    text = make(file, raw(audits["gate"]))
+    if text is not None:
+        file.write_text(text, encoding="utf-8")
+    with pytest.raises(FcauditError) as err:
+        _within(20, lambda: AuditResult.read(file))
+    assert str(err.value).startswith(f"audit result {file} {words}"), str(err.value)
+    res = _within(20, lambda: run_inprocess(["compare", audits["position"], file, "--out",
+                                             tmp_path / "cmp"], capsys))
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(f"fcaudit: error: audit result {file} {words}"), res.stderr
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_a_device_is_refused_before_it_is_read() -> None:
+    """``/dev/zero`` never ends: refused by its kind, before a byte is read."""
+    with pytest.raises(FcauditError, match=r"^audit result /dev/zero is a character device, "
+                                           r"not a file; give the path of the file itself$"):
+        _within(20, lambda: AuditResult.read("/dev/zero"))
+
+
+def test_hostile_values_given_in_memory_are_refused_too(audits: dict[str, Path]) -> None:
+    """``from_json`` of parsed data (no file, so no reader's bounds): nesting past Python's
+    recursion limit and an integer no float holds are still one line each."""
+    data = raw(audits["gate"])
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    with put(data, ("settings",), {"x": deep}) as edited:
+        assert "it nests too deeply to be one" in refusal(edited)
+    for value in (10 ** 400, -(10 ** 400)):
+        with put(data, ("conditions", "reassign", "nll"), value) as edited:
+            assert "conditions.reassign.nll is an integer of 1329 bits, beyond the range of " \
+                "a float" in refusal(edited)
+        with put(data, ("model", "n_params"), value) as edited:
+            assert "model.n_params is an integer of 1329 bits" in refusal(edited)
+        with put(data, ("settings",), {**data["settings"], "x": value}) as edited:
+            assert "settings.x is an integer of 1329 bits" in refusal(edited)
+
+
+def test_every_other_reader_of_result_files_refuses_them_alike(tmp_path: Path) -> None:
+    """The trend's point summaries, a study's timings, the cache's manifest and the output
+    folder's recognition read through the same guarded reader: a FIFO never blocks them."""
+    from fcaudit.io.fileio import read_json
+    from fcaudit.io.outdir import check_output
+    from fcaudit.study.trend import read_points
+    points = tmp_path / "points"
+    points.mkdir()
+    os.mkfifo(points / "a.json")
+    with pytest.raises(FcauditError, match="trend point summary .*a.json is a FIFO"):
+        _within(20, lambda: read_points(points))
+    with pytest.raises(FcauditError, match="study timings .*is a FIFO"):
+        _within(20, lambda: read_json(points / "a.json", "study timings"))
+    with pytest.raises(FcauditError, match=f"^audit result {tmp_path} is a folder, not a file"):
+        AuditResult.read(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "audit.json")  # not recognised as an audit folder: refused, not blocked
+    with pytest.raises(FcauditError, match="holds files fcaudit did not write"):
+        _within(20, lambda: check_output(out, "audit"))

@@ -145,7 +145,7 @@ def test_cache_resumes_on_the_same_input_bits_only(tmp_path) -> None:
     assert again.conditions == first.conditions
     flipped = x.copy()
     flipped.view(np.uint32)[3, 0, 5, 5] ^= 1
-    with pytest.raises(FcauditError, match="eval_data"):
+    with pytest.raises(FcauditError, match="a different evaluation data"):
         image_audit(vt.patch_model, out,
                     AuditData(inputs=flipped, targets=y, calib_inputs=xc))
 

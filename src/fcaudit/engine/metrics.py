@@ -55,16 +55,20 @@ class Bootstrap:
         return np.concatenate(out)
 
 
-def interval(samples: np.ndarray) -> list[float]:
-    """95% percentile interval of bootstrap samples."""
+def interval(samples: np.ndarray, estimate: float) -> list[float]:
+    """95% percentile interval of bootstrap samples, widened to hold ``estimate`` where it
+    does not: with few resamples a percentile can fall on the estimate's side (the mean of
+    10 resamples can sit below it 9 times), and an interval that excludes its own number
+    is read as damaged (:mod:`fcaudit.engine.result_checks`). Never narrowed."""
     lo, hi = np.percentile(samples, [2.5, 97.5])
-    return [float(lo), float(hi)]
+    return [min(float(lo), estimate), max(float(hi), estimate)]
 
 
 def penalty(cond: np.ndarray, correct: np.ndarray, boot: Bootstrap) -> tuple[float, list[float]]:
     """``Delta = NLL(cond) - NLL(correct)`` with its paired bootstrap interval."""
     diff = cond - correct
-    return float(diff.mean()), interval(boot.means(diff))
+    delta = float(diff.mean())
+    return delta, interval(boot.means(diff), delta)
 
 
 def retention(static: np.ndarray, correct: np.ndarray, global_mean: np.ndarray,
@@ -77,7 +81,7 @@ def retention(static: np.ndarray, correct: np.ndarray, global_mean: np.ndarray,
     """
     gap = global_mean - correct
     gap_samples = boot.means(gap)
-    gap_ci = interval(gap_samples)
+    gap_ci = interval(gap_samples, float(gap.mean()))
     if not gap_ci[0] > 0:
         return Retention(float(gap.mean()), gap_ci, None, None, False,
                          f"the Correct-to-GlobalMean {what} {gap.mean():+.4f}{unit} has a 95% "
@@ -86,8 +90,8 @@ def retention(static: np.ndarray, correct: np.ndarray, global_mean: np.ndarray,
     with np.errstate(divide="ignore", invalid="ignore"):  # a resample's gap can be 0 (hits
         samples = 100.0 * boot.means(kept) / gap_samples  # are discrete): +-inf sit in
     samples = samples[~np.isnan(samples)]  # the tails; 0/0, a resample with no share, goes
-    return Retention(float(gap.mean()), gap_ci, float(100.0 * kept.mean() / gap.mean()),
-                     interval(samples), True)
+    value = float(100.0 * kept.mean() / gap.mean())
+    return Retention(float(gap.mean()), gap_ci, value, interval(samples, value), True)
 
 
 def accuracy_retention(static: np.ndarray, correct: np.ndarray, global_mean: np.ndarray,
@@ -103,7 +107,8 @@ def interaction(both: np.ndarray, reassign: np.ndarray, shuffle: np.ndarray,
                 correct: np.ndarray, boot: Bootstrap) -> Estimate:
     """``I = Delta(reassign+shuffle) - Delta(reassign) - Delta(shuffle)``."""
     contrast = both - reassign - shuffle + correct
-    return Estimate(float(contrast.mean()), interval(boot.means(contrast)))
+    value = float(contrast.mean())
+    return Estimate(value, interval(boot.means(contrast), value))
 
 
 class VarianceAccumulator:

@@ -75,6 +75,7 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     VerdictPart,
     _omit_none,
 )
+from fcaudit.engine.result_checks import check_consistent
 from fcaudit.engine.result_views import (  # noqa: F401 (some re-exported)
     ETA2_KEYS,
     TABLES,
@@ -153,6 +154,10 @@ class AuditResult:
         try:
             result = load(cls, data)
             _check_conditions(result)
+            check_consistent(result)
+        except RecursionError as exc:  # data nested deeper than fcaudit's, given in memory
+            raise DataError(f"{source} is not a valid {SCHEMA} result: it nests too deeply "
+                            f"to be one; {_why_invalid(data.get('fcaudit_version'))}") from exc
         except SchemaError as exc:
             raise DataError(f"{source} is not a valid {SCHEMA} result: {exc}; "
                             f"{_why_invalid(data.get('fcaudit_version'))}") from exc

@@ -1,7 +1,9 @@
 """Atomic file output: write to a temporary name in the same folder, then rename.
 
 A crash, a kill or a full disk therefore never leaves a partial JSON, report or
-tensor file behind under its final name.
+tensor file behind under its final name. Files are read as guardedly: only regular
+files, at most a bound of bytes, JSON no deeper and no larger in its numbers than
+fcaudit's own (:func:`read_json`), each refusal one line naming the file.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import json
 import math
 import os
 import re
+import stat
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -159,19 +163,104 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def read_json(path: str | Path, what: str) -> Any:
-    """Read JSON or raise a one-line error naming ``what`` the file is."""
+MAX_JSON_BYTES = 256 << 20  # far above any JSON fcaudit writes or reads: a bound, not a size
+MAX_JSON_DEPTH = 100  # nesting levels: fcaudit's own files nest fewer than 10
+
+
+_FLOAT_DIGITS = len(str(int(sys.float_info.max)))  # 309
+
+
+class _Unreadable(ValueError):
+    """A JSON text refused while it is parsed: a number no float can hold."""
+
+
+def _bounded_int(text: str) -> int:
+    """A JSON integer, refused beyond the float range (every number fcaudit reads may become
+    a float; ``int`` of a long digit string is itself slow)."""
+    if len(text.lstrip("-")) > _FLOAT_DIGITS or \
+            abs(value := int(text)) > sys.float_info.max:
+        raise _Unreadable(f"holds an integer of {len(text.lstrip('-'))} digits, beyond the "
+                          "range of a float")
+    return value
+
+
+def _bounded_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _Unreadable(f"holds the number {text[:20]}, beyond the range of a float")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply arrays and objects nest in a parsed JSON value (iteratively)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, level = todo.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, level)
+            todo.extend((v, level + 1) for v in (node.values() if isinstance(node, dict)
+                                                 else node))
+    return deepest
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((words for test, words in kinds if test(mode)), "not a regular file")
+
+
+def read_bounded(path: str | Path, what: str, limit: int) -> bytes:
+    """A regular file's bytes, or a one-line error naming ``what`` the file is: a FIFO, a
+    device or a socket is refused before it is opened (reading one can block for ever, or
+    never end: ``/dev/zero``), and a file above ``limit`` bytes before it is read (only
+    ``limit + 1`` bytes are ever read, should it grow meanwhile)."""
     path = Path(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        mode = path.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise DataError(f"{what} {path} is {_file_kind(mode)}, not a file; give the path "
+                            "of the file itself", path=str(path))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):  # swapped meanwhile
+                raise DataError(f"{what} {path} is not a file; give the path of the file "
+                                "itself", path=str(path))
+            data = fh.read(limit + 1)
     except FileNotFoundError as exc:
         raise DataError(f"{what} not found: {path}; check the path", path=str(path)) from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataError(f"{what} {path} is not valid JSON ({exc}); "
-                        "restore or regenerate the file", path=str(path)) from exc
-    except OSError as exc:  # a folder, no permission, I/O error
+    except OSError as exc:  # no permission, I/O error
         raise DataError(f"cannot read {what} {path} ({exc.strerror or exc}); check that it "
                         "is a readable file", path=str(path)) from exc
+    if len(data) > limit:
+        raise DataError(f"{what} {path} holds more than {limit} bytes, more than any {what} "
+                        "fcaudit reads; check the path", path=str(path))
+    return data
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """Read JSON or raise a one-line error naming ``what`` the file is: besides a missing,
+    unreadable or malformed file, one that is not a regular file or too large
+    (:func:`read_bounded`), nests deeper than :data:`MAX_JSON_DEPTH` or holds a number
+    beyond the float range (a raw RecursionError or OverflowError, never)."""
+    path = Path(path)
+    text = read_bounded(path, what, MAX_JSON_BYTES)
+    redo = "restore or regenerate the file"
+    deep = DataError(f"{what} {path} nests arrays or objects more than {MAX_JSON_DEPTH} levels "
+                     f"deep, which no file fcaudit reads does; {redo}", path=str(path))
+    try:
+        value = json.loads(text.decode("utf-8"), parse_int=_bounded_int,
+                           parse_float=_bounded_float)
+    except _Unreadable as exc:
+        raise DataError(f"{what} {path} {exc}; {redo}", path=str(path)) from exc
+    except RecursionError as exc:  # deeper than the parser's stack
+        raise deep from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{what} {path} is not valid JSON ({exc}); {redo}",
+                        path=str(path)) from exc
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise deep
+    return value
 
 
 def read_npy(path: str | Path, what: str, expected: str, unit: str) -> Any:

@@ -45,8 +45,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from fcaudit._version import __version__
-from fcaudit.core.errors import CacheError, arg
-from fcaudit.io.fileio import sha256_file, write_json
+from fcaudit.core.errors import CacheError, FcauditError, arg
+from fcaudit.io.fileio import read_json, sha256_file, write_json
 
 MARKER = ".fcaudit-output.json"
 MARKER_SCHEMA = "fcaudit.output/1"
@@ -73,10 +73,11 @@ _STUDY_GROUPS = {"runs": "run", "audits": "audit"}
 # ---------------------------------------------------------------------- recognition
 
 def _json(path: Path) -> Any:
-    """A JSON file's content, or None when it is missing, unreadable or not JSON."""
+    """A JSON file's content, or None when it is missing, unreadable, not JSON, or not a
+    regular file (a FIFO named ``audit.json`` would block a plain read for ever)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # ValueError: JSON and UTF-8 decoding errors
+        return read_json(path, "file")
+    except FcauditError:
         return None
 
 

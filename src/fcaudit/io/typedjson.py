@@ -19,6 +19,7 @@ import functools
 import itertools
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -135,12 +136,12 @@ def _plain(tp: Any, data: Any, path: str) -> Any:
         return data
     if tp is float:
         _expect(_is_number(data), data, path, "a number")
-        if not math.isfinite(data):
-            raise SchemaError(path, f"is {data}, expected a finite number")
+        _check_finite(data, path)
         return float(data)
     if tp is int:
         _expect(isinstance(data, int) and not isinstance(data, bool), data, path,
                 "a whole number")
+        _check_finite(data, path)
         return data
     if tp is str:  # a str subclass too (torch's version string is one)
         _expect(isinstance(data, str), data, path, "a string")
@@ -152,9 +153,13 @@ def _plain(tp: Any, data: Any, path: str) -> Any:
 
 
 def _check_finite(data: Any, path: str) -> None:
-    """Free-form values (``Any``): any JSON value, but no NaN or infinity anywhere."""
+    """Any JSON value, but no NaN, infinity or integer beyond the float range anywhere
+    (every number may become a float: ``float(10**400)`` raises)."""
     if isinstance(data, float) and not math.isfinite(data):
         raise SchemaError(path, f"is {data}, expected a finite number")
+    if isinstance(data, int) and not isinstance(data, bool) and abs(data) > sys.float_info.max:
+        raise SchemaError(path, f"is an integer of {data.bit_length()} bits, beyond the range "
+                                "of a float")
     if isinstance(data, dict):
         for k, v in data.items():
             _check_finite(v, _key(path, k))

@@ -83,7 +83,7 @@ def _load(item: AuditLike) -> tuple[AuditResult, Path | None]:
     if not path.exists():
         raise UsageError(f"{path} does not exist; pass folders written by `fcaudit audit`")
     file = path / "audit.json" if path.is_dir() else path
-    if not file.is_file():
+    if not file.exists():  # anything else there (a FIFO, a device) is refused by the reader
         raise UsageError(f"{path} is not an audit folder (it holds no audit.json); pass "
                          "folders written by `fcaudit audit`")
     return AuditResult.read(file), path

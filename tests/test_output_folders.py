@@ -536,6 +536,77 @@ def test_cache_cleanup_removes_only_its_own_temporaries(tmp_path: Path) -> None:
     assert (tmp_path / ".notes.tmp").exists() and (tmp_path / ".draft.txt.abcdefgh.tmp").exists()
 
 
+# ----------------------------------------------------------------- links
+
+@pytest.fixture(scope="module")
+def finished_audit(tmp_path_factory: pytest.TempPathFactory, tokens: Path) -> Path:
+    """A finished audit folder (cache, replay runs, results), copied by each test."""
+    out = tmp_path_factory.mktemp("finished") / "out"
+    assert cli.main(cli_argv("audit", out, tokens, Path())) == 0
+    return out
+
+
+# a path inside an audit folder -> whether the link put there points at a folder
+LINKED = {"cache": True, "cache/replay-runs": True, "cache/replay-runs/round-n0000008": True,
+          "cache/manifest.json": False, "cache/eval-00000.safetensors": False,
+          PREVIOUS: True, LOCK: False, "figures": True, "report.md": False}
+
+
+@pytest.mark.parametrize("rel", list(LINKED))
+def test_a_link_where_fcaudit_writes_is_refused_and_its_target_untouched(
+        rel: str, finished_audit: Path, tmp_path: Path, tokens: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """fcaudit never writes through a link it did not make: a user's folder (or file)
+    linked in as the cache, a replay or round folder, a shard, the aside folder of the
+    previous results, the lock file or a result is refused before anything is written,
+    and the user's files stay as they were."""
+    out = tmp_path / "out"
+    shutil.copytree(finished_audit, out, symlinks=True)
+    mine = thesis(tmp_path)
+    where = out / rel
+    if where.is_dir():
+        shutil.rmtree(where)
+    where.unlink(missing_ok=True)
+    where.symlink_to(mine if LINKED[rel] else mine / "thesis.txt")
+    before = snapshot(tmp_path)
+    code, err = run_cli(cli_argv("audit", out, tokens, Path()), capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"{rel} is a symbolic link" in err[0] and str(out) in err[0], err
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(("kind", "rel"), [("study", "runs"), ("study", "audits/seed0"),
+                                           ("study", "points"), ("demo", "featuregate")])
+def test_a_link_in_a_study_or_demo_folder_is_refused(kind: str, rel: str,
+                                                     tmp_path: Path) -> None:
+    """The runs, audits and trend points of a study, the parts of a demo: each is written
+    by fcaudit inside its folder, never through a link."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MARKER).write_text(json.dumps({"schema": "fcaudit.output/1", "kind": kind}))
+    (out / rel).parent.mkdir(parents=True, exist_ok=True)
+    (out / rel).symlink_to(thesis(tmp_path))
+    before = snapshot(tmp_path)
+    with pytest.raises(FcauditError, match=f"{rel} is a symbolic link"):
+        check_output(out, kind)
+    assert snapshot(tmp_path) == before
+
+
+def test_the_cache_itself_refuses_a_linked_folder_or_round(tmp_path: Path) -> None:
+    """The cache's own guard (an API caller, or a link made after the output check)."""
+    mine = thesis(tmp_path)
+    (tmp_path / "linked").symlink_to(mine)
+    with pytest.raises(FcauditError, match="linked is a symbolic link"):
+        CoefficientCache(tmp_path / "linked", {"model": "m"}, 4, 16)
+    cache = CoefficientCache(tmp_path / "cache", {"model": "m"}, 4, 16)
+    (tmp_path / "cache" / "replay-runs").mkdir(exist_ok=True)
+    (tmp_path / "cache" / "replay-runs" / "round-n0000008").symlink_to(mine)
+    with pytest.raises(FcauditError, match="round-n0000008 is a symbolic link"):
+        cache.use_prefix(8)
+    assert snapshot(mine) == {"sub": None, "sub/data.csv": b"a,b\n1,2\n",
+                              "thesis.txt": b"four years of work"}
+
+
 # -------------------------------------------------------------- recorded hashes
 
 def test_weights_changed_after_training_are_refused(run: Path, tmp_path: Path) -> None:

@@ -167,6 +167,18 @@ class ReplayShard:
 
 
 def _check_folder(folder: Path) -> None:
+    """Refuse a cache folder fcaudit cannot use as its own: a file, or a symbolic link at the
+    folder, its replay folder or a round's (fcaudit makes none and never writes through
+    one; :func:`fcaudit.io.outdir.check_output` refuses them first, this is the cache's own
+    guard)."""
+    replays = folder / _REPLAY_FOLDER
+    rounds = sorted(replays.glob(f"{_ROUND_PREFIX}*")) if replays.is_dir() and \
+        not replays.is_symlink() and not folder.is_symlink() else []
+    link = next((p for p in (folder, replays, *rounds) if p.is_symlink()), None)
+    if link is not None:
+        raise CacheError(f"{link} is a symbolic link, which fcaudit did not make, and it never "
+                         f"writes through a link it did not make; move the link away or choose "
+                         f"another {arg('out')}", folder=str(folder))
     if folder.exists() and not folder.is_dir():
         raise CacheError(f"{folder} is a file, but fcaudit keeps its cache folder there; "
                          f"move that file away or choose another {arg('out')}",
@@ -361,6 +373,7 @@ class CoefficientCache:
                              f"{self.pool_sequences}-sequence pool")
         self.n_sequences = n
         self.replay_round = f"{_ROUND_PREFIX}{n:07d}/"
+        _check_folder(self.folder)  # a round folder linked since the cache was opened
         if self.owner:
             (self.folder / _REPLAY_FOLDER / self.replay_round).mkdir(parents=True,
                                                                       exist_ok=True)

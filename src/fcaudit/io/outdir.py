@@ -68,6 +68,10 @@ RESULTS = {"audit": AUDIT_RESULTS, "study": (*STUDY_RESULTS, "trend.md"),
 # recognise such folders that fcaudit wrote before the marker existed.
 DEMO_PARTS = {"featuregate": "run", "dense": "run", "audit": "audit"}
 _STUDY_GROUPS = {"runs": "run", "audits": "audit"}
+STUDY_POINTS = "points"  # a trend study's sub-folder of point summaries
+# the folders fcaudit writes inside an output folder of each kind besides its results
+OWN_FOLDERS = {"audit": ("cache",), "study": (*_STUDY_GROUPS, STUDY_POINTS),
+               "demo": tuple(DEMO_PARTS)}
 
 
 # ---------------------------------------------------------------------- recognition
@@ -204,6 +208,7 @@ def check_output(path: str | Path, kind: str, option: str = "out") -> None:
     if found not in (None, kind):
         raise CacheError(f"{where} is an fcaudit {found} folder, not {kind} output; choose "
                          "another folder")
+    _check_links(path, kind, where)
     cache = path / "cache"
     if kind == "audit" and (cache.exists() or cache.is_symlink()):
         if not cache.is_dir():
@@ -218,6 +223,32 @@ def check_output(path: str | Path, kind: str, option: str = "out") -> None:
                              "another folder")
     if found == kind:
         _check_results(path, RESULTS.get(kind, ()), where)
+
+
+def _links(path: Path) -> Iterator[Path]:
+    """``path`` if it is a symbolic link, else every link under it (links not followed)."""
+    if path.is_symlink():
+        yield path
+        return
+    for folder, dirs, files in os.walk(path):
+        for name in sorted([*dirs, *files]):
+            if (Path(folder) / name).is_symlink():
+                yield Path(folder) / name
+
+
+def _check_links(path: Path, kind: str, where: str) -> None:
+    """fcaudit never writes through a symbolic link it did not make (it makes none): a link
+    among its bookkeeping files, its ``.previous/`` results, or at or under a folder it
+    writes inside an output folder of ``kind`` (:data:`OWN_FOLDERS`: an audit's cache with
+    its replay and round folders, a study's runs, a demo's parts) is refused, touching
+    nothing. The results themselves are :func:`_check_results`'."""
+    for name in (*sorted(BOOKKEEPING), PREVIOUS, *OWN_FOLDERS.get(kind, ())):
+        link = next(_links(path / name), None)
+        if link is not None:
+            raise CacheError(f"{where}: {link.relative_to(path)} is a symbolic link (to "
+                             f"{os.readlink(link)}), which fcaudit did not make, and it never "
+                             "writes through a link it did not make; move the link away or "
+                             "choose another folder")
 
 
 def _check_results(path: Path, results: Sequence[str], where: str) -> None:
@@ -383,8 +414,8 @@ class OutputLock:
     def __enter__(self) -> OutputLock:
         where = arg(self.option, str(self.folder))
         for _ in range(10):
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:  # never through a link: the lock file is truncated and written
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
             except OSError as exc:
                 raise CacheError(f"cannot lock {where} ({exc.strerror or exc}); check its "
                                  "permissions") from exc

@@ -63,11 +63,12 @@ from fcaudit.core.errors import UsageError
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.result import AuditResult
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter, read_json
+from fcaudit.io.outdir import STUDY_POINTS
 from fcaudit.study import paper
 from fcaudit.study.train import TRAIN_PRESETS, TrainPreset
 
 SCHEMA = "fcaudit.trend-point/1"
-POINTS = "points"  # the study folder's sub-folder of point summaries
+POINTS = STUDY_POINTS  # the study folder's sub-folder of point summaries
 SEEDS = 2
 BATCH = TRAIN_PRESETS["tiny"]  # the batch shape and warm-up every point trains with
 

@@ -7,7 +7,6 @@ else; the paper's numbers come from ``fcaudit.study.trend`` and ``fcaudit.study.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fcaudit.engine.verdicts import WEAK_RETENTION
+from fcaudit.io.fileio import read_json
 from fcaudit.study import exits as exit_study
 from fcaudit.study import trend
 from fcaudit.study.reproduce import PAPER
@@ -41,7 +41,7 @@ class Results:
         self.points = cache(lambda: trend.read_points(root / "docs" / "trend" / "results"))
 
     def _json(self, rel: str) -> Any:
-        return json.loads((self.root / rel).read_text(encoding="utf-8"))
+        return read_json(self.root / rel, "result file")  # fcaudit's guarded reader
 
     def has(self, rel: str) -> bool:
         return (self.root / rel).is_file()

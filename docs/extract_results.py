@@ -39,6 +39,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fcaudit.core.errors import FcauditError
+from fcaudit.io.fileio import read_json
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 TIMINGS = "src/fcaudit/timings.json"  # written by benchmarks/timings.py, not code
@@ -62,9 +65,14 @@ def get(data: Mapping[str, Any], path: str, source: Path) -> Any:
 
 
 def read(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+    """A result file of an output folder, through fcaudit's guarded reader (a FIFO, a
+    device, a file nested too deeply or holding a number beyond a float: one line)."""
+    if not path.exists():
         raise SystemExit(f"{path} does not exist: is this a finished fcaudit output folder?")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        return read_json(path, "result file")
+    except FcauditError as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def _git(*args: str) -> str:

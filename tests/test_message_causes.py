@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import toys
 import torch
 import vision_toys as vt
 from conftest import COMMON, FAST_ARGS, audit_argv, run_inprocess, token_batches, tokenizer_file

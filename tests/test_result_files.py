@@ -18,8 +18,8 @@ import contextlib
 import dataclasses
 import json
 import math
-import re
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -257,8 +257,9 @@ def _edit_reassign(data: dict, delta: float) -> None:
     """reassign's penalty set to ``delta`` everywhere it enters (its NLL, repeats, interval
     and the interaction), so the edited numbers still agree with each other."""
     by = delta - data["conditions"]["reassign"]["delta"]
-    _shift(data["conditions"]["reassign"], by)
-    data["conditions"]["reassign"]["ci95"] = [v + by for v in data["conditions"]["reassign"]["ci95"]]
+    reassign = data["conditions"]["reassign"]
+    _shift(reassign, by)
+    reassign["ci95"] = [v + by for v in reassign["ci95"]]
     data["interaction"] = {"value": data["interaction"]["value"] - by,
                            "ci95": [v - by for v in data["interaction"]["ci95"]]}
 

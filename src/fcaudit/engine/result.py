@@ -33,6 +33,7 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
 )
 from fcaudit.core.errors import DataError, FcauditError, UsageError
 from fcaudit.engine.exit_parts import ExitSummary
+from fcaudit.engine.result_checks import check_consistent
 from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema's parts)  # noqa: F401 (re-exported: the verdicts' labels)
     DEPENDENCE_LABELS,
     EXECUTION_LABELS,
@@ -75,7 +76,6 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     VerdictPart,
     _omit_none,
 )
-from fcaudit.engine.result_checks import check_consistent
 from fcaudit.engine.result_views import (  # noqa: F401 (some re-exported)
     ETA2_KEYS,
     TABLES,

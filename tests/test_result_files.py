@@ -34,6 +34,7 @@ import fcaudit
 from fcaudit.api import audit
 from fcaudit.core.errors import FcauditError
 from fcaudit.engine.result import AuditResult
+from fcaudit.io.fileio import MAX_JSON_BYTES
 
 FREE_FORM = ("settings", "runtime", "data")  # free-form sections (data: typed keys below)
 TYPED_DATA = {"eval_sequences": int, "calib_sequences": int, "seq_len": int,
@@ -379,6 +380,12 @@ def _deep(levels: int) -> str:
     return "[" * levels + "]" * levels
 
 
+def _sparse(path: Path, size: int) -> None:
+    """A file of ``size`` bytes that takes no disk space (a hole)."""
+    with path.open("wb") as fh:
+        fh.truncate(size)
+
+
 def _text_edit(field: str, literal: str) -> Callable[[Path, dict], str]:
     """The gate audit's text with one number (``conditions.reassign.FIELD``) replaced by
     ``literal`` as written (a number Python's json would never write)."""
@@ -402,6 +409,8 @@ HOSTILE: dict[str, tuple[Callable[[Path, dict], str | None], str]] = {
     "a float literal beyond the range": (_text_edit("delta", "1e400"),
                                          "holds the number 1e400, beyond the range of a float"),
     "a FIFO": (lambda path, _: os.mkfifo(path), "is a FIFO (named pipe), not a file"),
+    "a file beyond the reader's bound": (lambda path, _: _sparse(path, MAX_JSON_BYTES + 1),
+                                         f"holds more than {MAX_JSON_BYTES} bytes"),
 }
 
 

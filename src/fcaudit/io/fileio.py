@@ -216,11 +216,15 @@ def read_bounded(path: str | Path, what: str, limit: int) -> bytes:
     never end: ``/dev/zero``), and a file above ``limit`` bytes before it is read (only
     ``limit + 1`` bytes are ever read, should it grow meanwhile)."""
     path = Path(path)
+    too_large = DataError(f"{what} {path} holds more than {limit} bytes, more than any {what} "
+                          "fcaudit reads; check the path", path=str(path))
     try:
-        mode = path.stat().st_mode
-        if not stat.S_ISREG(mode):
-            raise DataError(f"{what} {path} is {_file_kind(mode)}, not a file; give the path "
-                            "of the file itself", path=str(path))
+        status = path.stat()
+        if not stat.S_ISREG(status.st_mode):
+            raise DataError(f"{what} {path} is {_file_kind(status.st_mode)}, not a file; give "
+                            "the path of the file itself", path=str(path))
+        if status.st_size > limit:
+            raise too_large
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
         with os.fdopen(fd, "rb") as fh:
             if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):  # swapped meanwhile
@@ -232,9 +236,8 @@ def read_bounded(path: str | Path, what: str, limit: int) -> bytes:
     except OSError as exc:  # no permission, I/O error
         raise DataError(f"cannot read {what} {path} ({exc.strerror or exc}); check that it "
                         "is a readable file", path=str(path)) from exc
-    if len(data) > limit:
-        raise DataError(f"{what} {path} holds more than {limit} bytes, more than any {what} "
-                        "fcaudit reads; check the path", path=str(path))
+    if len(data) > limit:  # it grew since
+        raise too_large
     return data
 
 

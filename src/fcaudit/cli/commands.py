@@ -357,7 +357,10 @@ def _site_fields(s: Any) -> list[str]:
 def cmd_sites(args: argparse.Namespace) -> None:
     from fcaudit.core.sites import describe_modules, find_sites, probe_failure, suggested_globs
     from fcaudit.engine.run import as_loaded
+    from fcaudit.io.runtime import untested_versions
     loaded = as_loaded(args.model)
+    for line in untested_versions():
+        _say(f"fcaudit: warning: {line}")
     model = loaded.model
     try:
         sites = find_sites(model)

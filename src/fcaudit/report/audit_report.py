@@ -536,8 +536,24 @@ def _reuse_sentence(reuse: dict[str, Any]) -> str:
               "record bit for bit. ") if proven else ""
     return (f"{proofs}Replay results: {reuse['batches_reused']} of {total} batches "
             f"({reuse['runs_reused']} runs) reused from the cache, each run's fed coefficients "
-            f"checked bit for bit against this audit's; {reuse['batches_recomputed']} batches "
-            f"({reuse['runs_recomputed']} runs) replayed.")
+            f"checked bit for bit against this audit's{_replay_proof(reuse)}; "
+            f"{reuse['batches_recomputed']} batches ({reuse['runs_recomputed']} runs) replayed.")
+
+
+def _replay_proof(reuse: dict[str, Any]) -> str:
+    """What proved the reused replay runs: a sample (its size, share and seed) or all."""
+    verified = reuse.get("replay_runs_verified")
+    if not reuse["batches_reused"] or verified is None:
+        return ""
+    if reuse["verify_reuse"] == "all":
+        return (f", and every one of them ({verified} runs) replayed again and found equal to "
+                "the cache bit for bit")
+    share = reuse.get("replay_share_verified") or 0
+    return (f", and a sample drawn afresh at this resume (seed {reuse['verify_seed']}), "
+            f"{verified} runs ({100 * share:.1f}% of those reused: every run of the plan on "
+            f"one of {reuse['replay_batches_verified']} cached batches), replayed again and "
+            "found equal to the cache bit for bit (a sample proves every run somewhere, not "
+            "every batch: see docs/method.md, Reuse)")
 
 
 def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tuple[str, str]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from fcaudit.cli.parser import audit_options, build_parser
 from fcaudit.core.errors import DataError, FcauditError, ModelError, UsageError, render
-from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES, TOKEN_NLL
+from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -140,9 +140,7 @@ def print_summary(result: Any, out: Path) -> None:
                       soft_wrap=True)
     table = Table(title=f"Frozen Controller Audit: {result.model.spec}")
     table.add_column("condition")
-    objective = result.settings.get("objective", TOKEN_NLL)
-    table.add_column("NLL" if objective == TOKEN_NLL else f"loss ({objective})",
-                     justify="right")
+    table.add_column(result.loss_name(), justify="right")
     table.add_column("delta vs correct [95% CI]", justify="right")
     from fcaudit.engine.result import condition_rows
     for row in condition_rows(result):

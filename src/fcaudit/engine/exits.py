@@ -21,22 +21,24 @@ import torch
 from fcaudit.core.conditions import CORRECT, FIXED_EXIT, ORACLE_EXIT, needing
 from fcaudit.core.errors import ModelError, arg
 from fcaudit.core.exits import (
+    EXAMPLE,
     ExitPlan,
     exit_depth,
     exit_model,
     exit_scores,
     exit_sites,
+    exit_unit,
     head_predictions,
     oracle_layers,
     own_exits,
+    plural,
 )
 from fcaudit.core.hooks import hooks
-from fcaudit.core.layout import has_positions
 from fcaudit.core.nll import device_of
 from fcaudit.core.replaying import replaying
 from fcaudit.engine.exit_parts import ExitFrontier, ExitSummary
 from fcaudit.engine.exit_sweep import own_threshold, sweep_layers
-from fcaudit.engine.metrics import Bootstrap, retention
+from fcaudit.engine.metrics import Bootstrap, interval, retention
 from fcaudit.engine.passes import batches, record_batch
 from fcaudit.engine.result_parts import Retention
 from fcaudit.io.examples import call_model
@@ -69,21 +71,23 @@ def exit_plan(setup: Any) -> ExitPlan | None:
     with inference(setup.model):
         sweep = sweep_layers(setup, net, own_layers)
     return ExitPlan(exit_depth(calib, layers), torch.cat(oracle), own_layers,
-                    has_positions(exit_sites(setup.sites)), own_threshold(net), sweep)
+                    exit_unit(setup.sites), own_threshold(net), sweep)
 
 
 def check_follows(setup: Any, net: Any, x: Any) -> None:
     """Refuse, naming the site, an exit rule that does not follow its site's output: a
     replay of the recorded scores must reproduce the model's own exits bit for bit, and
-    scores that stop every token after exit site ``k`` must stop every token there, for
-    every ``k`` (one batch; the exit conditions and every replayed score rest on it)."""
+    scores that stop every unit (token, patch, example) after exit site ``k`` must stop
+    every one there, for every ``k`` (one batch; the exit conditions and every replayed
+    score rest on it)."""
     sites, run = exit_sites(setup.sites), lambda: call_model(setup.model, x)
+    unit = exit_unit(sites)
     own = own_exits(net, run)
     _, coefficients, _ = record_batch(setup.model, setup.sites, x, None)
     fed = {"replaying the recorded scores": (own, coefficients)}
     for k in range(len(sites) + 1):
         layers = torch.full_like(own, k)
-        fed[f"feeding scores that stop every token after exit layer {k}"] = (
+        fed[f"feeding scores that stop every {unit} after exit layer {k}"] = (
             layers, exit_scores(sites, layers, coefficients))
     for what, (expected, scores) in fed.items():
         with replaying(setup.model, {s: scores[s.name] for s in sites}):
@@ -92,32 +96,35 @@ def check_follows(setup: Any, net: Any, x: Any) -> None:
             wrong = got != expected
             site = sites[min(int(torch.minimum(got, expected)[wrong].min()), len(sites) - 1)]
             raise ModelError(f"exit site {site.name}: {what}, the model's exit rule stops "
-                             f"{int(wrong.sum())} of {wrong.numel()} tokens at another layer; "
-                             "its exit decision must read the site's output and nothing else "
-                             "(no recomputed score, no state kept between calls)",
+                             f"{int(wrong.sum())} of {wrong.numel()} {plural(unit)} at "
+                             "another layer; its exit decision must read the site's output "
+                             "and nothing else (no recomputed score, no state kept between "
+                             "calls)",
                              site=site.name)
 
 
-def degenerate(own: torch.Tensor, layers: int) -> str | None:
-    """A rule that does not adapt, in words: no token exits, or every token at the first
-    layer (a depth-1 model, not a saving of adaptive depth)."""
+def degenerate(own: torch.Tensor, layers: int, unit: str) -> str | None:
+    """A rule that does not adapt, in words: no ``unit`` (token, patch, example) exits, or
+    every one at the first layer (a depth-1 model, not a saving of adaptive depth)."""
     if bool((own == layers - 1).all()):
-        return (f"no token exits before the last layer: the threshold is never reached, so "
-                f"every token runs all {layers} layers (no savings)")
+        return (f"no {unit} exits before the last layer: the threshold is never reached, so "
+                f"every {unit} runs all {layers} layers (no savings)")
     if bool((own == 0).all()):
-        return ("every token exits after the first layer: the rule does not adapt (a "
+        return (f"every {unit} exits after the first layer: the rule does not adapt (a "
                 "depth-1 model, not a saving of adaptive depth)")
     return None
 
 
-def exit_summary(plan: ExitPlan | None, gap: Retention | None,
+def exit_summary(plan: ExitPlan | None, gap: Retention | None, boot: Bootstrap,
                  frontier: ExitFrontier | None = None) -> ExitSummary | None:
     """The audit.json section of an exit model, or None without an exit condition (no
-    depth per position where the sites have no position axis)."""
+    depth per position where the sites have no position axis). The evaluation mean depth's
+    interval resamples examples (``boot``), as every interval of the audit does."""
     if plan is None:
         return None
     cal, own = plan.calibration, plan.own
     L = cal.layers
+    per_example = (own + 1).double().reshape(len(own), -1).mean(1).numpy()
     return ExitSummary(
         depth=L, calibration_mean_depth=cal.mean, fixed_exit_depth=cal.fixed() + 1,
         fixed_exit_depth_per_position=[int(k) + 1 for k in cal.fixed_per_position()]
@@ -126,7 +133,9 @@ def exit_summary(plan: ExitPlan | None, gap: Retention | None,
         oracle_mean_depth=float((plan.oracle + 1).double().mean()),
         share_exiting_first_layer=float((own == 0).double().mean()),
         share_full_depth=float((own == L - 1).double().mean()),
-        note=degenerate(own, L), gap_closed=gap, frontier=frontier)
+        note=degenerate(own, L, plan.unit), unit=plan.unit,
+        evaluation_mean_depth_ci95=interval(boot.means(per_example)), gap_closed=gap,
+        frontier=frontier)
 
 
 def gap_closed(per_seq: dict[str, np.ndarray], boot: Bootstrap) -> Retention | None:
@@ -174,13 +183,13 @@ def check_twin(setup: Any) -> None:
     from fcaudit.engine.inputs import resolve_block_paths
     twin_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) or []
     _, x = next(batches(setup.eval_source, 1, device_of(setup.model), [0]))
-    axes = 1 if has_positions(sites) else None
+    unit = exit_unit(sites)
+    axes = 1 if unit != EXAMPLE else None
     mine = block_shapes(setup.model, setup.blocks, x, axes)
     twin = block_shapes(setup.dense, twin_blocks, x, axes)
     ran = [i for i, p in enumerate(setup.blocks) if p in mine]
     if len(setup.blocks) != len(twin_blocks) or \
             any(mine[setup.blocks[i]] != twin.get(twin_blocks[i]) for i in ran):
-        unit = "token" if axes else "example"
         raise ModelError(
             f"exit site {sites[0].name}: the dense twin has {len(twin_blocks)} blocks of "
             f"per-{unit} shapes (in -> out) {_shapes(twin)}, the model {len(setup.blocks)} of "

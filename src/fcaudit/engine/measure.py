@@ -107,9 +107,9 @@ def _exits(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run],
            per_run: Sequence[np.ndarray], summary: Summary) -> ExitSummary | None:
     """The exits section: depths, the gap closed and the exit frontier."""
     per_seq = dict(zip((r.key for r in runs), per_run, strict=True))
-    frontier = exit_frontier(inputs.exits, per_seq,
-                             paired_bootstrap(setup.inputs.n_eval, setup.options))
-    return exit_summary(inputs.exits, summary.exit_gap, frontier)
+    boot = paired_bootstrap(setup.inputs.n_eval, setup.options)
+    frontier = exit_frontier(inputs.exits, per_seq, boot)
+    return exit_summary(inputs.exits, summary.exit_gap, boot, frontier)
 
 
 def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticProfiles,

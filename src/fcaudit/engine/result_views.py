@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
              "eta2_residual")
+EXIT_THRESHOLD, EXIT_MEAN_DEPTH = "exit_threshold", "exit_mean_depth"  # exit models' keys
 
 
 def delta_key(condition: str) -> str:
@@ -77,7 +78,7 @@ def metrics(r: AuditResult) -> dict[str, float | None]:
     out |= {f"{key}@{fam}.{part}": getattr(shares, key)  # named coefficients (Site.parts)
             for fam, var in r.variance.items() for part, shares in (var.parts or {}).items()
             for key in (*ETA2_KEYS, "eta2_token_id")}
-    return out | _execution_metrics(r) | _frontier_metrics(r) | _rerouted(r)
+    return out | _execution_metrics(r) | _frontier_metrics(r) | _rerouted(r) | _exit_metrics(r)
 
 
 def metric_intervals(r: AuditResult) -> dict[str, list[float] | None]:
@@ -90,7 +91,19 @@ def metric_intervals(r: AuditResult) -> dict[str, list[float] | None]:
     out |= _accuracy_retention(r, "ci95")
     gap = _gap_25(r)
     out["frontier_gap_25"] = None if gap is None else gap.ci95
+    if r.exits is not None:
+        out[EXIT_MEAN_DEPTH] = r.exits.evaluation_mean_depth_ci95
     return out
+
+
+def _exit_metrics(r: AuditResult) -> dict[str, float | None]:
+    """An exit model's threshold (None: its rules carry no one threshold) and its mean
+    executed depth on evaluation; nothing for other models."""
+    e = r.exits
+    if e is None:
+        return {}
+    return {EXIT_THRESHOLD: e.frontier.own_threshold if e.frontier is not None else None,
+            EXIT_MEAN_DEPTH: e.evaluation_mean_depth}
 
 
 def _execution_metrics(r: AuditResult) -> dict[str, float | None]:

@@ -457,7 +457,8 @@ def _quantities_md(labels: Sequence[str], rows: Sequence[Row]) -> list[str]:
     return ["## Penalties and retentions",
             "Δ: NLL minus the correct replay's, with its paired 95% bootstrap CI; retention: "
             "the share of the correct-to-global-mean gap a static profile keeps (undefined "
-            f"when that gap's CI includes 0). {MISSING}: not in that audit.",
+            "when that gap's CI is not above 0, or when the share's own CI is wider than the "
+            f"whole 0–100% scale). {MISSING}: not in that audit.",
             md_table(("quantity", "coefficients fed", *map(md_text, labels)), cells,
                      "ll" + "r" * len(labels))]
 

@@ -91,6 +91,8 @@ def _defaults() -> dict[str, float]:
     return {**splits, "strong_penalty": verdicts.STRONG_PENALTY,
             "strong_retention": verdicts.STRONG_RETENTION,
             "weak_retention": verdicts.WEAK_RETENTION, "weak_penalty": verdicts.WEAK_PENALTY,
+            "negligible": round(verdicts.NEGLIGIBLE, 5),
+            "max_share_width": metrics.MAX_SHARE_WIDTH,
             "min_pairs": execution.MIN_PAIRS, "tolerance": 100 * verdicts.TOLERANCE,
             "speed_tolerance": 100 * verdicts.SPEED_TOLERANCE,
             "bootstrap": AuditOptions().bootstrap,
@@ -114,11 +116,14 @@ def _defaults() -> dict[str, float]:
 # (page, regex whose groups are numbers, the code constants they must equal): settings
 # quoted in prose, checked against the code that applies them.
 CONSTANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("docs/method.md", r"exceeds (0\.1) nats", ("strong_penalty",)),
+    ("docs/method.md", r"interval lies above\s+(0\.1) nats", ("strong_penalty",)),
     ("docs/method.md", r"a floor of default (16)\s+sequences", ("min_sequences",)),
-    ("docs/method.md", r"keeps less than (50)% of", ("strong_retention",)),
-    ("docs/method.md", r"keeps at least (90)%", ("weak_retention",)),
-    ("docs/method.md", r"below\s+(0\.05) nats", ("weak_penalty",)),
+    ("docs/method.md", r"retention's interval below (50)%", ("strong_retention",)),
+    ("docs/method.md", r"lies at or above (90)%", ("weak_retention",)),
+    ("docs/method.md", r"intervals below (0\.05) nats", ("weak_penalty",)),
+    ("docs/method.md", r"counts only above (1)% of perplexity", ("tolerance",)),
+    ("docs/method.md", r"about (0\.00995) nats", ("negligible",)),
+    ("docs/method.md", r"at most (100) percentage points wide", ("max_share_width",)),
     ("docs/method.md", r"at least (10) pairs", ("min_pairs",)),
     ("docs/method.md", r"more than (1)% fewer", ("tolerance",)),
     ("docs/method.md", r"more than (2)% away", ("speed_tolerance",)),

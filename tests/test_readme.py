@@ -126,7 +126,8 @@ PRINTED_AS = (
     (r"gates vary: (sd across inputs [^;]+);", "({})"),
     (r"layer identity explains ([\d.]+%)", "layer identity {}"),
     (r"input and token content ([\d.]+%)", "input and token content {}"),
-    (r"token id alone explains ([\d.]+%)", "the current token id explains {}"),
+    (r"token id (explains [\d.]+% beyond chance \([\d.]+% against a chance level of "
+     r"[\d.]+%\))", "the current token id {}"),
     (r"\| (\d\.\d\d of \d+ blocks run per token),", "{}"),
     (r"(FLOPs \d\.\d{3}x Dense), latency", "{}"),
 )

@@ -61,7 +61,7 @@ SPEED_TOLERANCE = 0.02  # latency ratios within 2% of 1 are no clear difference
 # a retention's share of a Correct-to-GlobalMean gap that small (a random model's gap of
 # 1e-4 nats can be clear of 0, and a share of it says nothing about dependence).
 NEGLIGIBLE = math.log1p(TOLERANCE)  # nats (0.00995)
-NEGLIGIBLE_WORDS = "1% of perplexity"  # in sentences, where the numbers said are the data's
+NEGLIGIBLE_WORDS = f"{100 * TOLERANCE:g}% of perplexity"  # as sentences say it
 
 
 def variation_part(variance: Mapping[str, VarianceShares],
@@ -91,7 +91,7 @@ def variation(variance: Mapping[str, VarianceShares], spread: Mapping[str, Varia
 PENALTIES = {name: CONDITIONS[name].penalty or name for name in by_role("penalty")}
 
 
-def labels_retention(sl: Retention) -> bool:
+def _retention_labels(sl: Retention) -> bool:
     """Whether static-layer retention may make a dependence label: measurable (a value
     and its interval) on a Correct-to-GlobalMean gap whose interval lies above
     ``NEGLIGIBLE``."""
@@ -105,7 +105,7 @@ def _judge(conditions: Mapping[str, ConditionResult], sl: Retention) -> tuple[st
     main = [conditions[n] for n in by_role("dependence") if n in conditions]
     above = [n for n in PENALTIES if n in conditions and conditions[n].ci95[0] > NEGLIGIBLE]
     below = [n for n in PENALTIES if n in conditions and conditions[n].ci95[1] < 0]
-    kept = sl.ci95 if labels_retention(sl) else None
+    kept = sl.ci95 if _retention_labels(sl) else None
     if max(c.ci95[0] for c in main) > STRONG_PENALTY or (kept is not None
                                                          and kept[1] < STRONG_RETENTION):
         return "strong", "Strong dependence on the coefficient assignment"
@@ -135,7 +135,7 @@ def _kept_text(sl: Retention) -> str:
         return f"static-profile retention is undefined ({why})"
     text = (f"a static per-layer profile keeps {sl.value:.2f}% [{sl.ci95[0]:.2f}, "
             f"{sl.ci95[1]:.2f}] of the Correct-to-GlobalMean gap")
-    if labels_retention(sl):
+    if _retention_labels(sl):
         return text
     return (f"{text}, but that gap, {sl.gap:.3g} nats [{sl.gap_ci95[0]:.3g}, "
             f"{sl.gap_ci95[1]:.3g}], does not lie above {NEGLIGIBLE_WORDS} ({NEGLIGIBLE:.3g} "

@@ -122,9 +122,10 @@ def _audit_loaded(loaded: Any, args: argparse.Namespace, options: Any, spec: Any
 
 
 def _share(r: Any) -> str:
-    """A retention as the summary prints it: percent and interval, or undefined."""
-    return f"{r.value:.2f}% [{r.ci95[0]:.2f}, {r.ci95[1]:.2f}]" if r.value is not None \
-        else "undefined"
+    """A retention as the summary prints it: percent and interval, or undefined and why."""
+    if r.value is not None:
+        return f"{r.value:.2f}% [{r.ci95[0]:.2f}, {r.ci95[1]:.2f}]"
+    return f"undefined ({r.reason})" if r.reason else "undefined"
 
 
 def print_summary(result: Any, out: Path) -> None:
@@ -154,7 +155,7 @@ def print_summary(result: Any, out: Path) -> None:
     console.print(render(window_line(result.data), cli=True), soft_wrap=True)
     for name, r in result.retention.items():
         accuracy = "" if r.accuracy is None else f"; on accuracy {_share(r.accuracy)}"
-        console.print(f"retention {name}: {_share(r)}{accuracy}")
+        console.print(f"retention {name}: {_share(r)}{accuracy}", soft_wrap=True)
     for key in ("variation", "dependence", "execution"):
         console.print(Text.assemble((key, "bold"), f": {getattr(result.verdict, key)}"),
                       soft_wrap=True)

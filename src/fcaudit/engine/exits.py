@@ -141,12 +141,14 @@ def exit_summary(plan: ExitPlan | None, gap: Retention | None, boot: Bootstrap,
 def gap_closed(per_seq: dict[str, np.ndarray], boot: Bootstrap) -> Retention | None:
     """``(L(fixed) - L(learned)) / (L(fixed) - L(oracle))`` in percent with the paired
     bootstrap (the retention formula with fixed exit as the floor and the oracle as the
-    top); undefined when the fixed-to-oracle gap is not clearly above 0. None when either
+    top); undefined when the fixed-to-oracle gap is not clearly above 0 or the share is not
+    measurable (:func:`~fcaudit.engine.metrics.retention`). None when either
     reference was not run."""
     if FIXED_EXIT not in per_seq or ORACLE_EXIT not in per_seq:
         return None
-    share = retention(per_seq[CORRECT], per_seq[ORACLE_EXIT], per_seq[FIXED_EXIT], boot)
-    if share.defined:
+    share = retention(per_seq[CORRECT], per_seq[ORACLE_EXIT], per_seq[FIXED_EXIT], boot,
+                      f"{FIXED_EXIT}-to-{ORACLE_EXIT} gap")
+    if share.defined or share.gap_ci95[0] > 0:  # a share, or one too wide to measure
         return share
     lo, hi = share.gap_ci95
     return Retention(share.gap, share.gap_ci95, None, None, False,

@@ -75,10 +75,12 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     Verdict,
     VerdictPart,
     _omit_none,
+    token_id_words,
 )
 from fcaudit.engine.result_views import (  # noqa: F401 (some re-exported)
     ETA2_KEYS,
     TABLES,
+    TOKEN_ID_KEYS,
     condition_rows,
     condition_table_html,
     delta_key,

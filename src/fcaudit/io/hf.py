@@ -2,12 +2,12 @@
 
 Loading is offline and code-free: ``local_files_only``, ``HF_HUB_OFFLINE=1``,
 ``trust_remote_code=False``, ``use_kernels=False`` (transformers >= 5.25 would otherwise
-swap layers for kernels fetched from the hub, on GPUs) and safetensors only. A config whose ``model_type`` the
-installed transformers does not implement cannot load (if it has an ``auto_map``,
-the error says the model needs its own remote code, which fcaudit never runs); a
-config with an ``auto_map`` *and* a natively implemented ``model_type`` (DeepSeek-V3
-folders ship both) loads transformers' own implementation, as transformers does
-without ``trust_remote_code``. MUDDPythia/MUDDFormer folders keep fcaudit's own
+swap layers for kernels fetched from the hub, on GPUs) and safetensors only. A config
+whose ``model_type`` the installed transformers does not implement cannot load (if it
+has an ``auto_map``, the error says the model needs its own remote code, which fcaudit
+never runs); a config with an ``auto_map`` *and* a natively implemented ``model_type``
+(DeepSeek-V3 folders ship both) loads transformers' own implementation, as transformers
+does without ``trust_remote_code``. MUDDPythia/MUDDFormer folders keep fcaudit's own
 loader (:mod:`fcaudit.io.mudd_checkpoint`).
 
 The weight files are resolved here and handed to transformers by name

@@ -329,8 +329,10 @@ def _retention(r: AuditResult) -> list[str]:
     acc_heads = ("accuracy retention", "95% CI", "accuracy gap [95% CI]") if accuracy else ()
     blocks = ["## Gap retention",
               "R(P) = (NLL(global-mean) − NLL(P)) / (NLL(global-mean) − NLL(correct)): the "
-              "share of the correct-to-global-mean gap a static profile P keeps. Undefined when "
-              "the gap's 95% CI includes 0." + (ACCURACY_RETENTION if accuracy else ""),
+              "share of the correct-to-global-mean gap a static profile P keeps. Undefined (the "
+              "note says why) when the gap's 95% CI is not above 0, or when the share's own "
+              "95% CI is wider than the whole 0–100% scale (a gap too small against its noise "
+              "to resolve a share of it)." + (ACCURACY_RETENTION if accuracy else ""),
               md_table(("profile", *heads, *acc_heads, "note"), rows,
                        "l" + "r" * (len(heads) + len(acc_heads)) + "l"), *lti_statement(r)]
     if (t := r.token_profile) is not None:
@@ -343,8 +345,8 @@ def _retention(r: AuditResult) -> list[str]:
 
 
 ACCURACY_RETENTION = (" Accuracy retention: the same share on accuracy, (acc(P) − "
-                      "acc(global-mean)) / (acc(correct) − acc(global-mean)), undefined when "
-                      "the accuracy gap's 95% CI includes 0 (a reason is in audit.json).")
+                      "acc(global-mean)) / (acc(correct) − acc(global-mean)), undefined by the "
+                      "same rule on the accuracy gap (a reason is in audit.json).")
 
 
 def _share_cells(ret: Retention | None) -> tuple[str, str, str]:

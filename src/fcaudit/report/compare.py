@@ -487,7 +487,8 @@ def _quantities_md(labels: Sequence[str], rows: Sequence[Row]) -> list[str]:
             "Δ: the loss minus the correct replay's, with its paired 95% bootstrap CI (an "
             "exit model's mean executed depth: its bootstrap CI over examples); retention: "
             "the share of the correct-to-global-mean gap a static profile keeps (undefined "
-            f"when that gap's CI includes 0). {MISSING}: not in that audit.",
+            "when that gap's CI is not above 0, or when the share's own CI is wider than the "
+            f"whole 0–100% scale). {MISSING}: not in that audit.",
             md_table(("quantity", "coefficients fed", *map(md_text, labels)), cells,
                      "ll" + "r" * len(labels))]
 

@@ -14,6 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from fcaudit.engine.result import token_id_words
 from fcaudit.engine.verdicts import WEAK_RETENTION
 from fcaudit.io.fileio import read_json
 from fcaudit.study import exits as exit_study
@@ -185,7 +186,7 @@ def _demo_table(d: Mapping[str, Any]) -> str:
         f"positions {v['mean_sd_across_positions']:.3g}, across layers "
         f"{v['across_layer_sd']:.3g}; layer identity explains {100 * eta['layer']:.1f}% of "
         f"their variance, input and token content {100 * eta['residual']:.1f}%; within a layer "
-        f"the current token id alone explains {100 * eta['token_id']:.1f}% |",
+        f"the current token id {_token_words(eta)} |",
         f"| dependence | reassigning gates across inputs costs {nats(r['delta'], r['ci95'])} "
         f"nats, shuffling them across tokens {nats(s['delta'], s['ci95'])}; a static per-layer "
         f"profile keeps {kept(a['retention_static_layer'])} of the Correct-to-GlobalMean gap, "
@@ -227,6 +228,13 @@ def demo(r: Results) -> str:
         "from these. Unlike the paper's 76M/504M FeatureGates "
         f"({' and '.join(f'{v:.2f}%' for v in trend.PAPER_RETENTION.values())} kept), the tiny "
         f"model {uses}; {token_sentence(a)}: fcaudit reports what it measures.", ""])
+
+
+def _token_words(eta: Mapping[str, Any]) -> str:
+    """The demo's token-id share as ``fcaudit demo`` prints it: beyond chance first, the
+    share and its chance level beside it."""
+    return token_id_words(eta["token_id"], eta.get("token_id_chance"),
+                          eta.get("token_id_beyond_chance"))
 
 
 def token_sentence(a: Mapping[str, Any]) -> str:
@@ -336,18 +344,23 @@ def _frontier_row(label: str, agg: Mapping[str, Any]) -> str:
 def _token_row(label: str, agg: Mapping[str, Any]) -> str:
     """Beyond the paper: is the controller's output a function of the current token id?
     (Hash Layers, Mixtral's routing analysis.) The word follows the seed range."""
-    tok, layer, share = (agg.get(k) for k in ("retention_static_layer_token",
-                                              "retention_static_layer", "eta2_token_id"))
+    tok, layer, share, chance, beyond = (agg.get(k) for k in (
+        "retention_static_layer_token", "retention_static_layer", "eta2_token_id",
+        "eta2_token_id_chance", "epsilon2_token_id"))
     if tok is None or share is None:
         return f"| (not in the paper) {label}: a static profile per (layer, token id) | undefined |"
     weak = WEAK_RETENTION  # the verdicts' "keeps most of the gap" line
     word = (f"mostly the token id: a profile per token id keeps at least {weak:g}% in every "
             "seed" if tok["min"] >= weak else "context beyond the token id: a profile per "
             f"token id keeps less than {weak:g}% in some seed")
+    explains = (f"{span(beyond, 1, 100, '%')} of the within-layer variance beyond chance "
+                f"({span(share, 1, 100, '%')} against a chance level of "
+                f"{span(chance, 1, 100, '%')})" if beyond and beyond.get("mean") is not None
+                else f"{span(share, 1, 100, '%')} of the within-layer variance (eta squared; "
+                "these results predate its chance level)")
     return (f"| (not in the paper) {label}: is it the token or the context? | {word}; "
             f"static-layer-token keeps {span(tok, 1, unit='%')} (static-layer "
-            f"{span(layer, 1, unit='%')}), the token id explains {span(share, 1, 100, '%')} "
-            "of the within-layer variance |")
+            f"{span(layer, 1, unit='%')}), the token id explains {explains} |")
 
 
 def mean3(stats: Mapping[str, Any], key: str) -> str:
@@ -562,7 +575,15 @@ def study_ssm(r: Results) -> str:
         f"latencies are medians of interleaved pairs on a 2-core CPU shared with other jobs; "
         f"run on {v['host']['cpu']} at {v['host']['torch_threads']} torch thread(s); "
         f"{v['timed_s'] / 60:.1f} minutes of training and auditing as its timings.json "
-        "recorded; copied to `docs/results/study-ssm.json`):"))
+        f"recorded; copied to `docs/results/study-ssm.json`{_raw_token_note(v)}):"))
+
+
+def _raw_token_note(v: Mapping[str, Any]) -> str:
+    """For a study table whose token-id cells predate their chance level: say so."""
+    cells = [row["token-id share of Δ"] for row in v["table"]]
+    return "" if all("chance" in c or c == "n/a" for c in cells) else (
+        "; its token-id shares are eta squared, not corrected for chance: the study "
+        "predates the chance level")
 
 
 @block("study-exit", "the early-exit study's table and findings (exit LM, ponder, digits)",

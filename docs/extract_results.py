@@ -17,7 +17,9 @@ made; ``docs/make_docs.py`` renders the docs from those files.
 Keys read (a missing one is an error naming it, never a silently dropped number):
 ``audit.json``: conditions.{reassign,shuffle}.{delta,ci95},
 retention.{static-layer,static-layer-token}.{value,ci95},
-variance[family].eta2_{layer,residual,token_id}, variation[family].{mean_sd_across_inputs,
+variance[family].eta2_{layer,residual,token_id} (and, null in an audit.json from before
+issue 37, variance[family].{eta2_token_id_chance,epsilon2_token_id}),
+variation[family].{mean_sd_across_inputs,
 mean_sd_across_positions,across_layer_sd}, identity_replay_max_abs_diff, model.n_params,
 sites, execution.{blocks_executed,blocks_present,flops_ratio,speed_ratio_vs_dense,
 conditional_execution},
@@ -111,8 +113,12 @@ def audit_numbers(path: Path) -> dict[str, Any]:
                                    for k in ("value", "ci95")},
         "retention_static_layer_token": {k: get(a, f"retention.static-layer-token.{k}", path)
                                          for k in ("value", "ci95")},
-        "eta2": {k: get(a, f"variance.{family}.eta2_{k}", path)
-                 for k in ("layer", "residual", "token_id")},
+        "eta2": {**{k: get(a, f"variance.{family}.eta2_{k}", path)
+                    for k in ("layer", "residual", "token_id")},
+                 # the token-id share's chance level and the share beyond it (issue 37)
+                 **{k: a["variance"][family].get(key) for k, key in (
+                     ("token_id_chance", "eta2_token_id_chance"),
+                     ("token_id_beyond_chance", "epsilon2_token_id"))}},
         "variation": {k: get(a, f"variation.{family}.{k}", path) for k in
                       ("mean_sd_across_inputs", "mean_sd_across_positions", "across_layer_sd")},
         "execution": {k: get(ex, k, path) for k in (

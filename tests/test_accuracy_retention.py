@@ -24,7 +24,9 @@ from fcaudit import AuditData, AuditOptions
 from fcaudit.engine.metrics import Bootstrap, accuracy_retention
 from fcaudit.engine.seeds import SeedPlan
 
-N, RESAMPLES, SEED = 48, 400, 0
+# 160 examples resolve the static profiles' shares (intervals under 100 points wide); 48
+# do not (tested below: such a share has no value)
+N, RESAMPLES, SEED = 160, 400, 0
 FAST = dict(objective="classification", bootstrap=RESAMPLES, repeats=1, execution=False,
             progress=False, batch_size=16, per_layer=False, seed=SEED)
 STATIC = ("static-layer", "static-layer-position", "static-layer-token")
@@ -56,8 +58,15 @@ def by_hand(hits: dict[str, np.ndarray], profile: str) -> tuple[float, list[floa
         c.mean() - g.mean()
 
 
-def audit(targets: np.ndarray, out=None):
-    ev = tg.evaluation(N, 3)
+def flipped_targets(ev: np.ndarray) -> np.ndarray:
+    """The correct prediction, except every 4th example it calls 1 is called 0."""
+    targets = predictions(ev)["correct"].copy()
+    targets[np.flatnonzero(targets == 1)[::4]] = 0
+    return targets
+
+
+def audit(targets: np.ndarray, out=None, n: int = N):
+    ev = tg.evaluation(n, 3)
     return fcaudit.audit(tg.classifier(), out, sites=["gates.*"],
                          data=AuditData(inputs=ev, targets=targets,
                                         calib_inputs=tg.CALIBRATION),
@@ -71,9 +80,8 @@ def test_accuracy_retention_matches_the_hits_by_hand(tmp_path) -> None:
     target 0, and the per-token profile on what correct is."""
     ev = tg.evaluation(N, 3)
     pred = predictions(ev)
-    targets = pred["correct"].copy()
-    flipped = np.flatnonzero(targets == 1)[::4]
-    targets[flipped] = 0
+    targets = flipped_targets(ev)
+    flipped = np.flatnonzero(targets != pred["correct"])
     hits = {k: (v == targets).astype(np.float64) for k, v in pred.items()}
     assert hits["correct"].sum() == N - len(flipped)
     assert hits["correct"].sum() - hits["global-mean"].sum() == (pred["correct"] == 0).sum()
@@ -84,6 +92,7 @@ def test_accuracy_retention_matches_the_hits_by_hand(tmp_path) -> None:
     metrics, intervals = r.metrics(), r.metric_intervals()
     for profile in STATIC:
         value, ci, gap = by_hand(hits, profile)
+        assert ci[1] - ci[0] <= 100  # measurable: the share is resolved on its scale
         acc = r.retention[profile].accuracy
         assert acc is not None and acc.defined
         assert acc.value == pytest.approx(value, rel=1e-12)
@@ -100,10 +109,36 @@ def test_accuracy_retention_matches_the_hits_by_hand(tmp_path) -> None:
         in report
 
 
+def test_a_share_wider_than_its_scale_has_no_value() -> None:
+    """The same targets on 48 examples: the accuracy gap is clear (its interval above 0),
+    but the static per-layer profile's share, by hand, has a 95% interval over 100
+    percentage points wide (from keeping less than nothing to most of the gap): not
+    measurable, so no value, and the reason quotes that interval. The per-token profile
+    keeps exactly 100% in every resample, and keeps its value."""
+    n = 48
+    ev = tg.evaluation(n, 3)
+    targets = flipped_targets(ev)
+    hits = {k: (v == targets).astype(np.float64) for k, v in predictions(ev).items()}
+    r = audit(targets, n=n)
+    for profile in STATIC:
+        value, ci, gap = by_hand(hits, profile)
+        acc = r.retention[profile].accuracy
+        assert acc.gap == pytest.approx(gap, rel=1e-12) and acc.gap_ci95[0] > 0
+        if ci[1] - ci[0] > 100:
+            assert profile != "static-layer-token"
+            assert (acc.value, acc.ci95, acc.defined) == (None, None, False)
+            assert acc.reason.startswith(f"no measurable share: its 95% interval "
+                                         f"[{ci[0]:.2f}, {ci[1]:.2f}]% is wider than the whole "
+                                         "0-100% scale"), acc.reason
+            assert r.metrics()["accuracy_retention_" + profile.replace("-", "_")] is None
+        else:
+            assert profile == "static-layer-token" and acc.value == pytest.approx(100.0)
+
+
 def test_undefined_when_the_accuracy_gap_interval_includes_zero() -> None:
     """Targets 1 (what global-mean predicts) except on the examples correct calls 0:
     there k+1 of them have target 0 and k target 1, so correct beats global-mean on one
-    example net, a gap of 1/48 whose bootstrap interval reaches 0: no number."""
+    example net, a gap of 1/N whose bootstrap interval reaches 0: no number."""
     ev = tg.evaluation(N, 3)
     pred = predictions(ev)
     zeros = np.flatnonzero(pred["correct"] == 0)
@@ -119,8 +154,8 @@ def test_undefined_when_the_accuracy_gap_interval_includes_zero() -> None:
         assert acc is not None and not acc.defined
         assert acc.value is None and acc.ci95 is None
         assert acc.gap == pytest.approx(1 / N, rel=1e-12) and acc.gap_ci95[0] <= 0
-        assert acc.reason.startswith("the Correct-to-GlobalMean accuracy gap +0.0208 has a "
-                                     "95% interval [")
+        assert acc.reason.startswith(f"the Correct-to-GlobalMean accuracy gap {1 / N:+.4f} "
+                                     "has a 95% interval [")
         assert metrics["accuracy_retention_" + profile.replace("-", "_")] is None
 
 
@@ -145,32 +180,29 @@ def test_token_nll_audits_have_no_accuracy_retention() -> None:
 
 
 def test_the_command_line_summary_prints_it(tmp_path, capsys) -> None:
-    """The summary's retention lines end with the accuracy retention (31.58%, by hand
-    above: (27 - 21) / (40 - 21) of the 48 examples)."""
+    """The summary's retention lines end with the accuracy retention and its interval,
+    by hand (the same resamples: the default seed, as many)."""
     ev = tg.evaluation(N, 3)
-    pred = predictions(ev)
-    targets = pred["correct"].copy()
-    targets[np.flatnonzero(targets == 1)[::4]] = 0
+    targets = flipped_targets(ev)
+    hits = {k: (v == targets).astype(np.float64) for k, v in predictions(ev).items()}
+    value, ci, _ = by_hand(hits, "static-layer")
     for name, arr in (("x", ev), ("y", targets), ("xc", tg.CALIBRATION)):
         np.save(tmp_path / f"{name}.npy", arr)
     res = run_inprocess(["audit", "--model", "token_gate_toys:classifier", "--sites",
                          "gates.*", "--inputs", tmp_path / "x.npy", "--targets",
                          tmp_path / "y.npy", "--calib-inputs", tmp_path / "xc.npy",
                          "--out", tmp_path / "out", "--no-execution", "--repeats", "1",
-                         "--bootstrap", "50", "--no-per-layer"], capsys)
+                         "--bootstrap", str(RESAMPLES), "--no-per-layer"], capsys)
     assert res.returncode == 0, res.stderr
     line = next(li for li in res.stdout.splitlines() if li.startswith("retention static-layer:"))
-    assert f"; on accuracy {100 * 6 / 19:.2f}% [" in line
+    assert line.endswith(f"; on accuracy {value:.2f}% [{ci[0]:.2f}, {ci[1]:.2f}]"), line
 
 
 def test_compare_shows_accuracy_retention_beside_the_loss_retention(tmp_path) -> None:
     """`fcaudit compare` of a classification audit and a token-NLL audit: a row per
     profile of the accuracy retention, each cell equal to the audit.json's (read as plain
     JSON here), a dash where the audit has none (next-token NLL has no accuracy)."""
-    ev = tg.evaluation(N, 3)
-    targets = predictions(ev)["correct"].copy()
-    targets[np.flatnonzero(targets == 1)[::4]] = 0
-    audit(targets, tmp_path / "cls")
+    audit(flipped_targets(tg.evaluation(N, 3)), tmp_path / "cls")
     fcaudit.audit(toys.content_model(), tmp_path / "nll", sites=["gates.*"],
                   data=AuditData(toys.pair_sequences(8, 8, 0), toys.pair_sequences(6, 8, 1)),
                   options=AuditOptions(bootstrap=50, repeats=1, execution=False,

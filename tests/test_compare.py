@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import toys
 from conftest import FAST, run_inprocess, toy_data
@@ -118,6 +119,7 @@ def test_execution_and_routing_rows_equal_their_audits(audits: dict[str, Path],
         ex = _raw(audits[label])["execution"]
         row = execution[label]
         assert row["measured"] == ex["measured"]
+        assert row["unit"] == "token"  # token windows: what blocks and FLOPs count per
         for key in ("blocks_executed", "blocks_present", "flops_per_token", "flops_ratio",
                     "conditional_execution"):
             assert row[key] == ex.get(key)
@@ -131,6 +133,11 @@ def test_execution_and_routing_rows_equal_their_audits(audits: dict[str, Path],
     md = _md_rows((compared / "compare.md").read_text(encoding="utf-8"), "Execution")
     ratio = _raw(audits["gate"])["execution"]["timing"]["speed_ratio_vs_dense"]
     assert fmt_with_ci(ratio["value"], ratio["ci95"], sign=False) in md["gate"]
+    gate = _raw(audits["gate"])["execution"]
+    assert md["model"][:3] == ["unit", "blocks executed per unit", "FLOPs per unit"]
+    assert md["gate"][:3] == ["token", f"{fmt_num(gate['blocks_executed'], 2)} of "
+                              f"{fmt_num(gate['blocks_present'])}",
+                              fmt_num(gate["flops_per_token"])]
     routing = _raw(audits["router"])["routing"]["router"]
     (row,) = result["tables"]["routing"]
     entropy = [x["entropy_normalized"] for x in routing["per_layer"]]
@@ -319,3 +326,73 @@ def test_python_api_compares_results_in_memory(audits: dict[str, Path],
     assert all(p.is_file() for p in written.files)
     assert json.loads(written.files[-1].read_text())["tables"]["quantities"] == \
         content["tables"]["quantities"]
+
+
+def test_the_loss_row_is_named_by_each_objective(audits: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    """Two selective-copy audits: the correct replay's row is their answer loss (the
+    registry's name for it), never NLL, in compare.md's table, compare.json and the
+    figures' axes; beside a token-NLL audit both names are said."""
+    from fcaudit.io import selective_copy as sc
+    task = sc.CopyTask(length=12, copies=2, data=8, noise=3)
+    (x, y), (xc, _) = task.sample(np.random.default_rng(0), 16), \
+        task.sample(np.random.default_rng(1), 8)
+    data = AuditData(inputs=x, targets=y, calib_inputs=xc)
+    options = dataclasses.replace(FAST, objective="selective-copy", repeats=1)
+    copies = [audit(model, sites=["gates.*"], data=data, options=options, report=False)
+              for model in (toys.content_model(), toys.position_model())]
+    out = tmp_path / "copy"
+    comparison = fcaudit.compare(copies, out, labels=["content", "position"])
+    (row,) = [q for q in comparison.to_json()["tables"]["quantities"] if q["kind"] == "nll"]
+    assert row["loss"] == "answer loss"
+    assert row["models"]["content"] == {"value": copies[0].conditions["correct"].nll,
+                                        "ci95": None}
+    md = (out / "compare.md").read_text(encoding="utf-8")
+    rows = _md_rows(md, "Penalties and retentions")
+    assert rows["answer loss of correct replay (nats)"][1:] == \
+        [fmt_num(r.conditions["correct"].nll) for r in copies]
+    assert "NLL" not in md.split("\n## Penalties and retentions\n")[1].split("\n## ")[0]
+    svg = (out / "figures" / "penalties-retentions.svg").read_text(encoding="utf-8")
+    assert "answer loss vs correct" in svg and "NLL" not in svg
+    mixed = fcaudit.compare([copies[0], audits["gate"]], labels=["copy", "gate"],
+                            allow_different_data=True)
+    assert mixed.loss == "answer loss / NLL"
+
+
+def test_exit_audits_show_their_threshold_and_mean_executed_depth() -> None:
+    """Two exit models at thresholds 0.5 and 0.7: rows for the exit threshold and the
+    mean executed depth with its interval, each equal to its audit.json; an audit
+    without exits gets a dash."""
+    import torch
+
+    from fcaudit.models.earlyexit import EarlyExitConfig, EarlyExitGPT
+    rng = np.random.default_rng(0)
+    data = AuditData(rng.integers(0, 61, (8, 16)), rng.integers(0, 61, (8, 16)),
+                     {"source": "tokens"})
+    options = dataclasses.replace(FAST, repeats=1, bootstrap=50)
+    results = []
+    for threshold in (0.5, 0.7):
+        torch.manual_seed(0)
+        model = EarlyExitGPT(EarlyExitConfig(vocab_size=61, block_size=16, n_layer=4,
+                                             n_head=2, n_embd=16, exit_threshold=threshold))
+        for name, p in model.named_parameters():
+            if ".score." in name and name.endswith("proj.weight"):
+                torch.nn.init.normal_(p, std=2.0)
+        results.append(audit(model.eval(), data=data, options=options, report=False))
+    plain = audit(toys.content_model(), sites=["gates.*"], data=data, options=options,
+                  report=False)
+    comparison = fcaudit.compare([*results, plain], labels=["t0.5", "t0.7", "plain"])
+    rows = {q["name"]: q["models"] for q in comparison.to_json()["tables"]["quantities"]
+            if q["kind"] == "exit"}
+    md = _md_rows(comparison.to_markdown(), "Penalties and retentions")
+    for label, r, threshold in (("t0.5", results[0], 0.5), ("t0.7", results[1], 0.7)):
+        e = r.to_json()["exits"]
+        depth = {"value": e["evaluation_mean_depth"], "ci95": e["evaluation_mean_depth_ci95"]}
+        assert rows["exit_threshold"][label] == {"value": threshold, "ci95": None}
+        assert rows["exit_mean_depth"][label] == depth
+        col = 1 + ["t0.5", "t0.7"].index(label)
+        assert md["exit threshold"][col] == fmt_num(threshold)
+        assert md["mean executed depth (layers)"][col] == \
+            fmt_with_ci(depth["value"], depth["ci95"], sign=False)
+    assert results[0].exits.evaluation_mean_depth < results[1].exits.evaluation_mean_depth
+    assert rows["exit_threshold"]["plain"] is None and md["exit threshold"][-1] == "—"

@@ -91,6 +91,8 @@ def _defaults() -> dict[str, float]:
     return {**splits, "strong_penalty": verdicts.STRONG_PENALTY,
             "strong_retention": verdicts.STRONG_RETENTION,
             "weak_retention": verdicts.WEAK_RETENTION, "weak_penalty": verdicts.WEAK_PENALTY,
+            "negligible": round(verdicts.NEGLIGIBLE, 5),
+            "max_share_width": metrics.MAX_SHARE_WIDTH,
             "min_pairs": execution.MIN_PAIRS, "tolerance": 100 * verdicts.TOLERANCE,
             "speed_tolerance": 100 * verdicts.SPEED_TOLERANCE,
             "bootstrap": AuditOptions().bootstrap,
@@ -114,11 +116,14 @@ def _defaults() -> dict[str, float]:
 # (page, regex whose groups are numbers, the code constants they must equal): settings
 # quoted in prose, checked against the code that applies them.
 CONSTANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("docs/method.md", r"exceeds (0\.1) nats", ("strong_penalty",)),
+    ("docs/method.md", r"interval lies above\s+(0\.1) nats", ("strong_penalty",)),
     ("docs/method.md", r"a floor of default (16)\s+sequences", ("min_sequences",)),
-    ("docs/method.md", r"keeps less than (50)% of", ("strong_retention",)),
-    ("docs/method.md", r"keeps at least (90)%", ("weak_retention",)),
-    ("docs/method.md", r"below\s+(0\.05) nats", ("weak_penalty",)),
+    ("docs/method.md", r"retention's interval below (50)%", ("strong_retention",)),
+    ("docs/method.md", r"lies at or above (90)%", ("weak_retention",)),
+    ("docs/method.md", r"intervals below (0\.05) nats", ("weak_penalty",)),
+    ("docs/method.md", r"counts only above (1)% of perplexity", ("tolerance",)),
+    ("docs/method.md", r"about (0\.00995) nats", ("negligible",)),
+    ("docs/method.md", r"at most (100) percentage points wide", ("max_share_width",)),
     ("docs/method.md", r"at least (10) pairs", ("min_pairs",)),
     ("docs/method.md", r"more than (1)% fewer", ("tolerance",)),
     ("docs/method.md", r"more than (2)% away", ("speed_tolerance",)),
@@ -293,11 +298,18 @@ def test_demo_extraction_and_table_quote_the_audit(tmp_path: Path) -> None:
                  "explains 38.9% of their variance, input and token content 60.1%",
                  "costs +0.1147 [+0.1038, +0.1259] nats", "tokens +0.1161 [+0.1049, +0.1277]",
                  "keeps 72.24% [68.55, 75.85] of", "identity replay is bitwise exact",
-                 "the current token id alone explains 97.5%",
+                 "the current token id explains 97.5% (chance level not recorded)",
                  "a static profile per (layer, token id) 94.58% [92.08, 96.60]",
                  "4.00 of 4 blocks run per token, FLOPs 1.000x Dense, latency 1.06x Dense "
                  "[1.03, 1.10]: no conditional execution"):
         assert text in table, text
+    # an audit since issue 37: the share beyond chance, (0.97518 - 0.02) / 0.98, headlined
+    variance = {"featuregate": {"eta2_layer": 0.38904, "eta2_residual": 0.6012,
+                                "eta2_token_id": 0.97518, "eta2_token_id_chance": 0.02,
+                                "epsilon2_token_id": 0.9726327}}
+    demo = extract_results.demo(_demo_folder(tmp_path / "new", _audit_json(variance=variance)))
+    assert "the current token id explains 97.3% beyond chance (97.5% against a chance level " \
+        "of 2.0%) |" in doc_blocks._demo_table(demo)
 
 
 def test_a_missing_audit_key_is_named_not_dropped(tmp_path: Path) -> None:
@@ -330,7 +342,10 @@ def _fake_study() -> dict:
                       "delta_shuffle": _stats(0.3212, 0.3, 0.34),
                       "retention_static_layer": _stats(30.0, 20.0, 40.0),
                       "retention_static_layer_token": _stats(88.0, 85.0, 91.0),
-                      "eta2_token_id": _stats(0.8054, 0.8, 0.81)},
+                      "eta2_token_id": _stats(0.8054, 0.8, 0.81),
+                      # a study since issue 37: the chance level, the share beyond it
+                      "eta2_token_id_chance": _stats(0.1, 0.1, 0.1),
+                      "epsilon2_token_id": _stats(0.7838, 0.7778, 0.7889)},
         "moe-tiny": {**one, "rerouted_reassign": _stats(0.9271, 0.9, 0.95),
                      "delta_reassign": _stats(1.5614, 1.3811, 1.6932),
                      "retention_static_layer": _stats(7.51, -1.84, 14.66),
@@ -368,15 +383,16 @@ def test_study_rows_quote_the_aggregates_and_the_study_s_own_verdicts() -> None:
                 "mostly the token id: a profile per token id keeps at least 90% in every seed; "
                 "static-layer-token keeps 94.5% (93.2 to 95.0) (static-layer 72.1% (66.0 to "
                 "75.4)), the token id explains 97.5% (97.0 to 98.0) of the within-layer "
-                "variance",
+                "variance (eta squared; these results predate its chance level)",
                 "context beyond the token id: a profile per token id keeps less than 90% in "
                 "some seed; static-layer-token keeps 88.0% (85.0 to 91.0) (static-layer 30.0% "
-                "(20.0 to 40.0)), the token id explains 80.5% (80.0 to 81.0) of the "
-                "within-layer variance",
+                "(20.0 to 40.0)), the token id explains 78.4% (77.8 to 78.9) of the "
+                "within-layer variance beyond chance (80.5% (80.0 to 81.0) against a chance "
+                "level of 10.0% (10.0 to 10.0))",
                 "mostly the token id: a profile per token id keeps at least 90% in every seed; "
                 "static-layer-token keeps 94.4% (92.0 to 96.0) (static-layer 7.5% (-1.8 to "
                 "14.7)), the token id explains 97.0% (96.0 to 98.0) of the within-layer "
-                "variance",
+                "variance (eta squared; these results predate its chance level)",
                 "the dynamic rule is cheaper in NLL in every seed: best static minus dynamic "
                 "penalty +0.0123 (0.0051 to 0.0202) nats (`--frontier`)",
                 "the seeds disagree: best static minus dynamic penalty -0.0021 (-0.0040 to "

@@ -5,6 +5,7 @@ hand, fed through the audit, and the refusals of rules and twins that cannot be 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import numpy as np
@@ -19,16 +20,18 @@ from fcaudit.core.exits import (
     exit_depth,
     exit_layers,
     exit_scores,
+    exit_unit,
     fixed_layer,
     oracle_layers,
 )
 from fcaudit.core.recording import record
 from fcaudit.core.replaying import replay
-from fcaudit.engine.exits import gap_closed
+from fcaudit.engine.exits import degenerate, gap_closed
 from fcaudit.engine.metrics import Bootstrap
 from fcaudit.models.earlyexit import EarlyExitConfig, EarlyExitGPT, ExitBlock
 from fcaudit.models.featuregate import GPT, GPTConfig
 from fcaudit.models.skipgate import Route
+from fcaudit.report.exits import exits_section
 
 CFG = EarlyExitConfig(vocab_size=61, block_size=16, n_layer=4, n_head=2, n_embd=16,
                       exit_threshold=0.5)
@@ -236,3 +239,52 @@ def test_exit_sites_the_model_cannot_serve_are_refused_naming_the_site(exit, wor
     with pytest.raises(ModelError, match=re.escape(f"exit site blocks.0.gate: {words}")) as err:
         audit(model, sites=sites)
     assert err.value.site == "blocks.0.gate"
+
+
+def test_the_evaluation_mean_depth_has_its_bootstrap_interval_over_examples():
+    """The mean executed depth's interval: each example's mean depth from its recorded
+    scores against the threshold (by hand), resampled with numpy as the audit's paired
+    bootstrap resamples examples (its seed, its number of resamples)."""
+    from fcaudit.engine.seeds import SeedPlan
+    model = make()
+    e = audit(model)["exits"]
+    scores = torch.stack([v[..., 0] for v in record(model, torch.from_numpy(EVAL)).values()])
+    per_example = (exit_layers(scores >= 0.5) + 1).double().mean(1).numpy()  # [8]
+    assert e["evaluation_mean_depth"] == pytest.approx(per_example.mean())
+    rng = np.random.default_rng(SeedPlan(OPTS.seed).bootstrap)
+    means = per_example[rng.integers(0, 8, size=(OPTS.bootstrap, 8))].mean(1)
+    assert e["evaluation_mean_depth_ci95"] == pytest.approx(np.percentile(means, [2.5, 97.5]))
+
+
+class PatchExits(EarlyExitGPT):
+    """The exit model with its exit sites' position axis named ``patch`` (as a vision
+    model's would be): what exits is a patch."""
+
+    def controller_sites(self):
+        return [dataclasses.replace(s, axes=("example", "patch"))
+                for s in super().controller_sites()]
+
+
+def test_what_exits_is_named_by_the_exit_sites_axes():
+    """A token for the token model, a patch where the sites call their positions patches,
+    an example where they have no position axis; the audit records it and says it in the
+    degenerate rule's words and the report's Exits section."""
+    assert exit_unit(make().controller_sites()) == "token"
+    assert exit_unit(PatchExits(CFG).controller_sites()) == "patch"
+    assert exit_unit([dataclasses.replace(s, positions=())
+                      for s in make().controller_sites()]) == "example"
+    assert degenerate(torch.zeros(2, 3, dtype=torch.long), 4, "patch").startswith(
+        "every patch exits after the first layer")
+    assert degenerate(torch.full((2, 1), 3), 4, "example").startswith(
+        "no example exits before the last layer: the threshold is never reached, so every "
+        "example runs all 4 layers")
+    torch.manual_seed(0)
+    model = spread(PatchExits(CFG))
+    result = fcaudit.audit(model, None, data=AuditData(EVAL, CALIB, {"source": "tokens"}),
+                           options=OPTS, report=False)
+    assert result.exits.unit == "patch"
+    section = "\n".join(exits_section(result))
+    assert "Layers executed per patch (of 4)" in section
+    assert "of the evaluation patches stop after the first layer" in section
+    assert "| `fixed-exit-position` | one layer per patch position |" in section
+    assert "token" not in section and "window" not in section

@@ -17,15 +17,19 @@ from conftest import (
     TOY,
     VOCAB,
     assert_clean_failure,
+    md_tables,
     run_inprocess,
     token_batches,
     tokenizer_file,
 )
 
+import fcaudit
+from fcaudit.core.discovery import declared_experts
 from fcaudit.core.errors import ModelError
 from fcaudit.core.exits import exit_scores, head_predictions, oracle_layers, own_exits
 from fcaudit.core.recording import record
 from fcaudit.core.replaying import replay
+from fcaudit.core.sites import find_sites
 
 transformers = pytest.importorskip("transformers")
 
@@ -248,3 +252,74 @@ def test_a_head_fcaudit_cannot_reproduce_is_refused(build):
                                          "final norm .* its LM head and any transform "
                                          "fcaudit knows"):
         EarlyExitLM(model, THRESHOLD)
+
+
+def _hybrid(name: str, **extra: Any) -> torch.nn.Module:
+    """A 3-layer random hybrid: its LM head scaled up (x60) so that exits happen, its
+    routers spread like a trained router's."""
+    model = _tiny(getattr(transformers, name)(**{**COMMON, "num_hidden_layers": 3},
+                                              intermediate_size=64, num_key_value_heads=2,
+                                              num_experts_per_tok=2, **extra))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+        for path, param in model.named_parameters():
+            if ".gate." in path or ".router." in path:
+                param.normal_(0, 0.5)
+    return model
+
+
+# each hybrid's own sites, written out from its modeling code: Mixtral's router per layer;
+# Jamba's routers on its expert layers (1, the period 2 from offset 1) and its Mamba
+# mixers' selection projection on the others (0, 2)
+HYBRIDS = {
+    "MixtralConfig": (dict(num_local_experts=4),
+                      [f"model.layers.{i}.mlp.gate" for i in range(3)]),
+    "JambaConfig": (dict(num_experts=4, attn_layer_period=3, attn_layer_offset=1,
+                         expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4,
+                         mamba_dt_rank=8),
+                    ["model.layers.1.feed_forward.router", "model.layers.0.mamba.x_proj",
+                     "model.layers.2.mamba.x_proj"]),
+}
+
+
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_early_exit_on_a_hybrid_keeps_its_routers_and_selection_sites(name):
+    """``--early-exit`` on a model that has sites of its own (a Mixtral's routers, a
+    Jamba's routers and selection projections): the wrapped model declares the exit
+    scores and every one of them, under ``model.``, as found without the wrapper."""
+    extra, own = HYBRIDS[name]
+    model = _hybrid(name, **extra)
+    plain = [s.name for s in find_sites(model, None)]
+    assert plain == own  # the reference: the hybrid's sites written out by hand
+    net = EarlyExitLM(model, THRESHOLD)
+    assert [s.name for s in find_sites(net, None)] == \
+        ["scores.0", "scores.1", *(f"model.{n}" for n in own)]
+    assert [(x.name, x.experts) for x in net.expert_layers()] == [
+        (f"model.{x.name}", tuple(f"model.{p}" for p in x.experts))
+        for x in declared_experts(model) or ()]
+
+
+def test_an_early_exit_audit_of_a_hybrid_audits_and_reports_every_site(tmp_path):
+    """The audit of a Mixtral with ``--early-exit``: its sites are the exit scores and
+    the three routers, the routing section and the report's sites table show both
+    families, and the exit conditions still run."""
+    folder = tmp_path / "mixtral"
+    _hybrid("MixtralConfig", num_local_experts=4).save_pretrained(folder)
+    ev, ca = token_batches(load_tokenizer(tokenizer_file(folder)))
+    out = tmp_path / "audit"
+    fcaudit.audit(str(folder), out, data=fcaudit.AuditData(ev.numpy(), ca.numpy()),
+                  options=fcaudit.AuditOptions(repeats=1, bootstrap=20, batch_size=2,
+                                               per_layer=False, timing_pairs=0,
+                                               progress=False, early_exit=True,
+                                               exit_threshold=THRESHOLD))
+    j = json.loads((out / "audit.json").read_text())
+    routers = [f"model.model.layers.{i}.mlp.gate" for i in range(3)]
+    assert [s["name"] for s in j["sites"]] == ["scores.0", "scores.1", *routers]
+    assert [s["family"] for s in j["sites"]] == ["exit", "exit", *["router"] * 3]
+    assert [x["site"] for x in j["routing"]["router"]["per_layer"]] == routers
+    assert {"fixed-exit", "oracle-exit"} <= set(j["conditions"])
+    assert j["execution"]["experts"] is not None
+    sites = next(t for t in md_tables((out / "report.md").read_text()) if "first" in t[0])
+    assert [(row["family"], row["sites"], row["first"], row["last"]) for row in sites] == [
+        ("`exit`", "2", "`scores.0`", "`scores.1`"),
+        ("`router`", "3", f"`{routers[0]}`", f"`{routers[-1]}`")]

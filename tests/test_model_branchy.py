@@ -187,3 +187,33 @@ def test_a_short_training_beats_chance_at_every_head():
     preds = head_predictions(model, lambda: model(torch.from_numpy(ex)))[:, :, 0]
     accuracy = (preds == torch.from_numpy(ey)).double().mean(1)
     assert bool((accuracy > 0.3).all())
+
+
+def _section(markdown: str, title: str) -> str:
+    """The text of one ``## title`` section, up to the next one."""
+    return markdown.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_report_of_image_exits_says_example_and_one_bracket_per_interval():
+    """Exits of images are the examples' exits: the Exits and Execution sections and the
+    exit conditions' rows never say token or window, each says example; every interval
+    has one pair of brackets (the gap share's written out from audit.json)."""
+    from fcaudit.report.audit_report import build_markdown
+    result = audit_result(make())
+    _, md = build_markdown(result, [])
+    assert "[[" not in md and "]]" not in md
+    exits = _section(md, "Exits")
+    execution = _section(md, "Execution")
+    answer = _section(md, "The three answers").split("### 3.")[1]
+    rows = [line for line in _section(md, "Conditions").splitlines() if "-exit`" in line]
+    assert len(rows) == 2  # fixed-exit and oracle-exit (per position: not applicable)
+    routing = "experts skipped per token by routing"  # what routers skip: tokens
+    for text in (exits, execution, answer, *rows):
+        assert not re.search(r"token|window", text.replace(routing, "")), text
+    assert "Layers executed per example (of 3)" in exits
+    assert "of the evaluation examples stop after the first layer" in exits
+    assert "on the evaluation set" in exits
+    assert "| blocks executed per example |" in execution
+    assert "| FLOPs per example |" in execution and "Counted on 32 examples" in execution
+    g = result.exits.gap_closed
+    assert f"{g.value:.2f}% [{g.ci95[0]:.2f}, {g.ci95[1]:.2f}]." in exits

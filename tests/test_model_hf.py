@@ -373,3 +373,22 @@ def test_router_inputs_without_token_positions_are_refused_in_one_line(mixtral_f
     message = str(info.value)
     assert "\n" not in message and "do not say how many tokens each of the 4 examples" in \
         message and "'input_ids'" in message
+
+
+def test_hub_kernels_are_never_swapped_in_at_load(mixtral_folder: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers >= 5.25 kernelizes a model at load unless told not to (kernels fetched
+    from the hub on a GPU: network at run time, and fused paths that may bypass the sites):
+    fcaudit loads with ``use_kernels=False``, also where the environment would allow them."""
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    seen = {}
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    model, _, _ = load_hf_folder(mixtral_folder)
+    assert seen["use_kernels"] is False
+    assert getattr(model, "use_kernels", False) is False

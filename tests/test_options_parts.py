@@ -45,7 +45,7 @@ def test_the_parts_are_views_that_split_every_field_once() -> None:
                                                offload_folder=None)
     owner = {f.name: part for part, cls in PARTS.items() for f in dataclasses.fields(cls)}
     fields = [f.name for f in dataclasses.fields(AuditOptions)]
-    assert sorted(owner) == sorted(fields) and len(fields) == 22
+    assert sorted(owner) == sorted(fields) and len(fields) == 23
     assert all(owner[f.name] == spec.part for f, spec in option_specs())
 
 

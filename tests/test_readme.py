@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -31,18 +32,21 @@ DUMP = "\nimport json\nprint('RESULT ' + json.dumps(result.to_json()))\n"
 
 def expected_dependence(result: dict) -> str:
     """The verdict word from the rules docs/method.md states (computed here, not by
-    fcaudit.engine.verdicts): strong, weak, none (only intervals below 0), none
-    measurable or partial."""
-    c, kept = result["conditions"], result["retention"]["static-layer"]["value"]
+    fcaudit.engine.verdicts): a change counts above 1% of perplexity, log(1.01) nats; the
+    static-layer retention counts when it has a value on a gap above that; strong, weak,
+    none (only intervals below 0), none measurable or partial."""
+    c, ret = result["conditions"], result["retention"]["static-layer"]
+    small = math.log(1.01)
+    kept = ret["ci95"] if ret["value"] is not None and ret["gap_ci95"][0] > small else None
     r, s = c["reassign"], c["shuffle"]
-    if max(r["ci95"][0], s["ci95"][0]) > 0.1 or (kept is not None and kept < 50):
+    if max(r["ci95"][0], s["ci95"][0]) > 0.1 or (kept is not None and kept[1] < 50):
         return "Strong"
-    if kept is not None and kept >= 90 and max(r["delta"], s["delta"]) < 0.05:
+    if kept is not None and kept[0] >= 90 and max(r["ci95"][1], s["ci95"][1]) < 0.05:
         return "Weak"
     penalties = [c[k]["ci95"] for k in ("reassign", "shuffle", "reassign+shuffle",
                                         "static-layer", "static-layer-position",
                                         "static-layer-token")]
-    if kept is None and not any(lo > 0 for lo, _ in penalties):
+    if kept is None and not any(lo > small for lo, _ in penalties):
         return "No" if any(hi < 0 for _, hi in penalties) else "No measurable"
     return "Partial"
 
@@ -122,7 +126,8 @@ PRINTED_AS = (
     (r"gates vary: (sd across inputs [^;]+);", "({})"),
     (r"layer identity explains ([\d.]+%)", "layer identity {}"),
     (r"input and token content ([\d.]+%)", "input and token content {}"),
-    (r"token id alone explains ([\d.]+%)", "the current token id explains {}"),
+    (r"token id (explains [\d.]+% beyond chance \([\d.]+% against a chance level of "
+     r"[\d.]+%\))", "the current token id {}"),
     (r"\| (\d\.\d\d of \d+ blocks run per token),", "{}"),
     (r"(FLOPs \d\.\d{3}x Dense), latency", "{}"),
 )

@@ -244,9 +244,14 @@ def test_the_report_states_the_lti_twin_and_a_row_per_coefficient(selective) -> 
     assert "| `gate` | all | 384 |" in md  # the one coefficient of the gate family
     parts = json.loads((out / "audit.json").read_text(encoding="utf-8"))["variance"]["select"][
         "parts"]
-    assert ("`select` per coefficient, the share of the variance within layers the current "
-            f"token id explains: `decay` {100 * parts['decay']['eta2_token_id']:.1f}%, `write` "
-            f"{100 * parts['write']['eta2_token_id']:.1f}%.") in md
+    def said(part: dict) -> str:  # beyond chance, (share - chance) / (1 - chance), first
+        share, chance = part["eta2_token_id"], part["eta2_token_id_chance"]
+        assert part["epsilon2_token_id"] == pytest.approx((share - chance) / (1 - chance))
+        return (f"the current token id explains {100 * (share - chance) / (1 - chance):.1f}% "
+                f"beyond chance ({100 * share:.1f}% against a chance level of "
+                f"{100 * chance:.1f}%)")
+    assert (f"`select` per coefficient, within layers: `decay`: {said(parts['decay'])}; "
+            f"`write`: {said(parts['write'])}.") in md
     assert "`gate` per coefficient" not in md  # one coefficient: the pooled figure says it
     assert "compute the same for every token" in md and "(no conditional execution)" in md
     assert "Twin measured against: the model's dense counterpart, class `ToySelective` " \

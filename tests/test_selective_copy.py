@@ -265,3 +265,22 @@ def test_a_damaged_task_record_is_one_line(copy_runs: dict[str, Path], tmp_path:
     (run / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(kind, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         fcaudit.audit(str(run), options=AuditOptions(**FAST))
+
+
+def test_the_report_names_the_answer_loss_not_nll() -> None:
+    """The report of a selective-copy audit: its conditions table's loss column, the
+    identity check and the dependence facts name the answer loss (the registry's word for
+    the objective's losses), never NLL; the notebook view's column alike."""
+    from fcaudit.report.audit_report import build_markdown
+    x, y = _ids(16, 0)
+    xc, _ = _ids(16, 1)
+    r = fcaudit.audit(toys.content_model(), sites=["gates.*"],
+                      data=AuditData(inputs=x, targets=y, calib_inputs=xc),
+                      options=AuditOptions(objective=TASK, **FAST))
+    _, md = build_markdown(r, [])
+    conditions = md.split("\n## Conditions\n")[1].split("\n## ")[0]
+    assert "| condition | coefficients fed | answer loss (nats) | Δ vs correct |" in conditions
+    assert "max |per-answer-token answer loss(correct) − answer loss(original)|" in conditions
+    assert "`reassign`: Δ answer loss " in md
+    assert "NLL" not in conditions
+    assert "<th>answer loss</th>" in r._repr_html_()

@@ -37,6 +37,18 @@ def _share(ret):
             f"{ret['value']:.1f}% [{ret['ci95'][0]:.1f}, {ret['ci95'][1]:.1f}]")
 
 
+def _token_cell(var):
+    """Δ's share beyond chance, (share - chance) / (1 - chance), the share and its chance
+    level beside it (one seed: its own numbers)."""
+    share, chance = var.get("eta2_token_id"), var["eta2_token_id_chance"]
+    if share is None:
+        return "n/a"
+    beyond = (share - chance) / (1 - chance)
+    said = f"{100 * beyond:.1f}% beyond chance" if beyond > 0 else \
+        f"no more than chance ({100 * beyond:.1f}% beyond it)"
+    return f"{said} ({100 * share:.1f}% against a chance level of {100 * chance:.1f}%)"
+
+
 def test_ssm_study_trains_each_twin_on_its_task_and_tabulates(ssm_study):
     out, result = ssm_study
     runs = {p.name for p in (out / "runs").iterdir() if not p.name.startswith(".")}
@@ -69,8 +81,7 @@ def test_ssm_study_trains_each_twin_on_its_task_and_tabulates(ssm_study):
             if "accuracy" in ret:  # the copying task is scored by accuracy too
                 expected += f"; on accuracy {_share(ret['accuracy'])}"
             assert row[f"{profile} retention"] == expected
-        share = audit["variance"]["dt"].get("eta2_token_id")
-        assert row["token-id share of Δ"] == ("n/a" if share is None else f"{100 * share:.1f}%")
+        assert row["token-id share of Δ"] == _token_cell(audit["variance"]["dt"])
         ex = audit["execution"]
         assert ex["blocks_executed"] == ex["blocks_present"]
         assert "chunked selective scan" in row["execution"]

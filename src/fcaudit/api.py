@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fcaudit.core.errors import render
 from fcaudit.core.interventions import Intervention
 from fcaudit.core.layout import SiteAxes
 from fcaudit.core.sites import SiteSpec
@@ -62,7 +63,8 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     presence means the audit finished)."""
     with engine.audited(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
                         options=options, interventions=interventions,
-                        progress=with_notes(progress), command=command,
+                        progress=with_notes(progress, cli=command is not None),
+                        command=command,
                         site_axes=site_axes) as done:
         if done.files is not None:
             if report:
@@ -71,13 +73,14 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
         return done.result
 
 
-def with_notes(progress: Progress | None) -> Progress:
+def with_notes(progress: Progress | None, cli: bool = False) -> Progress:
     """``progress`` with the engine's notes (stage :data:`~fcaudit.engine.options.NOTE`: the
     window, layouts, the cache's size, the replay plan, each ``--target-ci`` round) printed
-    on stderr as ``fcaudit: LINE``, as they always were, whatever callback is given."""
+    on stderr as ``fcaudit: LINE``, as they always were, whatever callback is given; an
+    option a note names reads as its reader spells it (``cli``: the command line's flag)."""
     def shown(stage: str, done: int, total: int, info: str = "") -> None:
         if stage == NOTE:
-            print(f"fcaudit: {info}", file=sys.stderr, flush=True)
+            print(f"fcaudit: {render(info, cli=cli)}", file=sys.stderr, flush=True)
         elif progress is not None:
             progress(stage, done, total, info)
     return shown

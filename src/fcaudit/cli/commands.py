@@ -14,7 +14,7 @@ from typing import Any
 
 from fcaudit.cli.parser import audit_options, build_parser
 from fcaudit.core.errors import DataError, FcauditError, ModelError, UsageError, render
-from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES, TOKEN_NLL
+from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -122,9 +122,10 @@ def _audit_loaded(loaded: Any, args: argparse.Namespace, options: Any, spec: Any
 
 
 def _share(r: Any) -> str:
-    """A retention as the summary prints it: percent and interval, or undefined."""
-    return f"{r.value:.2f}% [{r.ci95[0]:.2f}, {r.ci95[1]:.2f}]" if r.value is not None \
-        else "undefined"
+    """A retention as the summary prints it: percent and interval, or undefined and why."""
+    if r.value is not None:
+        return f"{r.value:.2f}% [{r.ci95[0]:.2f}, {r.ci95[1]:.2f}]"
+    return f"undefined ({r.reason})" if r.reason else "undefined"
 
 
 def print_summary(result: Any, out: Path) -> None:
@@ -140,9 +141,7 @@ def print_summary(result: Any, out: Path) -> None:
                       soft_wrap=True)
     table = Table(title=f"Frozen Controller Audit: {result.model.spec}")
     table.add_column("condition")
-    objective = result.settings.get("objective", TOKEN_NLL)
-    table.add_column("NLL" if objective == TOKEN_NLL else f"loss ({objective})",
-                     justify="right")
+    table.add_column(result.loss_name(), justify="right")
     table.add_column("delta vs correct [95% CI]", justify="right")
     from fcaudit.engine.result import condition_rows
     for row in condition_rows(result):
@@ -156,7 +155,7 @@ def print_summary(result: Any, out: Path) -> None:
     console.print(render(window_line(result.data), cli=True), soft_wrap=True)
     for name, r in result.retention.items():
         accuracy = "" if r.accuracy is None else f"; on accuracy {_share(r.accuracy)}"
-        console.print(f"retention {name}: {_share(r)}{accuracy}")
+        console.print(f"retention {name}: {_share(r)}{accuracy}", soft_wrap=True)
     for key in ("variation", "dependence", "execution"):
         console.print(Text.assemble((key, "bold"), f": {getattr(result.verdict, key)}"),
                       soft_wrap=True)
@@ -357,7 +356,10 @@ def _site_fields(s: Any) -> list[str]:
 def cmd_sites(args: argparse.Namespace) -> None:
     from fcaudit.core.sites import describe_modules, find_sites, probe_failure, suggested_globs
     from fcaudit.engine.run import as_loaded
+    from fcaudit.io.runtime import untested_versions
     loaded = as_loaded(args.model)
+    for line in untested_versions():
+        _say(f"fcaudit: warning: {line}")
     model = loaded.model
     try:
         sites = find_sites(model)

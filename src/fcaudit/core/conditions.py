@@ -135,17 +135,18 @@ REGISTRY: tuple[Condition, ...] = (
               roles=frozenset({"penalty", "retention"}), default=False, collects="cells"),
     # opt-in, for models with exit sites (Site.exit): the exit references the learned exit
     # controller is placed between (docs/method.md, Early exit). Each feeds the scores that
-    # make the model's own rule stop every token at the layer the reference gives it
-    Condition("fixed-exit", "exit", "every token exits at one layer, the one closest to "
+    # make the model's own rule stop every unit (token, patch or example) at the layer the
+    # reference gives it; the words fit any unit, as the report names it (ExitSummary.unit)
+    Condition("fixed-exit", "exit", "one exit layer for all, the one closest to "
               "the mean executed depth on calibration", _CALIB | {"exits"},
-              feeder="feed_exit", penalty="one fixed exit layer for every token",
+              feeder="feed_exit", penalty="one fixed exit layer for all",
               roles=frozenset({"penalty", "exit-fixed"}), default=False),
     Condition("fixed-exit-position", "exit", "each position exits at one layer, the one "
               "closest to its mean executed depth on calibration",
               _CALIB | {"positions", "exits"}, feeder="feed_exit",
               penalty="one fixed exit layer per position",
               roles=frozenset({"penalty", "exit-fixed-position"}), default=False),
-    Condition("oracle-exit", "exit", "each token exits at the earliest layer whose "
+    Condition("oracle-exit", "exit", "for each, the earliest exit layer whose "
               "prediction is the full-depth one", frozenset({"exits"}), feeder="feed_exit",
               roles=frozenset({"exit-oracle"}), default=False),
     Condition("frontier", "frontier", "a savings-frontier point: a rule skips blocks",

@@ -35,6 +35,31 @@ def exit_sites(sites: Sequence[Site]) -> list[Site]:
     return sorted((s for s in sites if s.exit is not None), key=lambda s: s.layer)
 
 
+EXAMPLE = "example"  # what exits where the exit sites have no position axis
+
+
+def exit_unit(sites: Sequence[Site]) -> str:
+    """What one exit decision stops, in the sites' own words: their position axis's name (a
+    token, a patch; "position" where no axis is named), or an example where the exit sites
+    have no position axis (Branchy's per-image scores)."""
+    found = exit_sites(sites)
+    site = next((s for s in found if s.positions), None)
+    if site is None:
+        return EXAMPLE
+    assert site.positions is not None
+    return site.axes[site.positions[0]] if site.axes else "position"
+
+
+def plural(unit: str) -> str:
+    """``unit`` in the plural, as English spells it (tokens, patches, examples, entries):
+    an exit unit is any name a model gives its position axis."""
+    if unit.endswith(("s", "x", "z", "ch", "sh")):
+        return unit + "es"
+    if unit.endswith("y") and unit[-2:-1] not in ("a", "e", "i", "o", "u"):
+        return unit[:-1] + "ies"
+    return unit + "s"
+
+
 def exit_model(model: Any, sites: Sequence[Site]) -> DeclaresExits:
     """The model as an exit model, or a one-line refusal naming what it lacks: exit sites
     and ``exit_heads()`` / ``exit_rules()`` / ``full_depth`` agreeing with them."""
@@ -180,11 +205,16 @@ class ExitPlan:
     calibration: ExitDepth
     oracle: Tensor  # [N, T] the oracle exit layer of every evaluation token
     own: Tensor  # [N, T] the model's own exit layer of every evaluation token
-    positions: bool = True  # the exit sites have a position axis (Branchy's have none)
+    unit: str = "token"  # what exits (exit_unit): a token, a patch, or an example
     threshold: float | None = None  # the rules' own threshold (None: not one number)
     # the threshold sweep: the model's own rule at other thresholds, (threshold, [N, T]
     # exit layers of every evaluation token), measured by real passes
     sweep: tuple[tuple[float, Tensor], ...] = ()
+
+    @property
+    def positions(self) -> bool:
+        """Whether the exit sites have a position axis (Branchy's have none)."""
+        return self.unit != EXAMPLE
 
     def swept(self, threshold: float | None, depth: int | None, rows: range,
               shape: tuple[int, int]) -> Tensor:

@@ -122,23 +122,37 @@ MIXER_RULES: tuple[Callable[[str, nn.Module], Site | None], ...] = (mamba_site, 
 
 def fused_implementation(function: Any) -> str | None:
     """The fused kernel a transformers function runs (``module.name``), or None when it
-    runs transformers' own PyTorch code. A function decorated with
-    ``use_kernel_func_from_hub_with_fallback`` keeps its choice in the closure variable
-    ``implementation``; one imported straight from a kernel package is its own."""
+    runs transformers' own PyTorch code. transformers decorates such a function with
+    ``use_kernel_func_from_hub_with_fallback``, which keeps its choice in the closure
+    variable ``implementation`` (the installed package's kernel, else the PyTorch
+    stand-in); with the ``kernels`` package installed (transformers >= 5.25) the decorated
+    function is further wrapped in a module whose ``forward`` closes over it (``func``).
+    A function imported straight from a kernel package is its own implementation."""
     seen = function
-    while callable(seen):
-        try:
-            chosen = inspect.getclosurevars(seen).nonlocals.get("implementation")
-        except (TypeError, ValueError):  # a builtin (no closure) or an empty cell
-            chosen = None
-        if callable(chosen):
-            function = chosen
+    for _ in range(_MAX_WRAPPERS):
+        if not callable(seen):
             break
-        seen = getattr(seen, "__wrapped__", None)
+        cells = _closure(seen)
+        if callable(cells.get("implementation")):
+            function = cells["implementation"]
+            break
+        seen = getattr(seen, "__wrapped__", None) or cells.get("func")
     module = getattr(function, "__module__", None) or ""
     if not callable(function) or module.startswith("transformers."):
         return None
     return f"{module}.{getattr(function, '__name__', type(function).__name__)}"
+
+
+_MAX_WRAPPERS = 8  # decorators between a transformers function and its implementation
+
+
+def _closure(obj: Any) -> dict[str, Any]:
+    """The closure variables of a function, or of a callable object's ``forward``."""
+    target = obj if inspect.isfunction(obj) else getattr(type(obj), "forward", None)
+    try:
+        return dict(inspect.getclosurevars(target).nonlocals) if target else {}
+    except (TypeError, ValueError):  # a builtin (no closure) or an empty cell
+        return {}
 
 
 def fused_bypass(model: nn.Module, path: str, mixer: nn.Module) -> str | None:

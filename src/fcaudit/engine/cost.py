@@ -23,6 +23,7 @@ from pathlib import Path
 from torch import Tensor
 
 from fcaudit.core.errors import FcauditError, arg
+from fcaudit.engine.replay_proof import ReuseSample
 
 # a cache may take this share of the free space before the plan warns
 _WARN_SHARE = 0.5
@@ -84,9 +85,21 @@ def _on_disk(data: float, tensors: int) -> int:
     return (blocks + 1) * _BLOCK
 
 
-def replay_line(n_runs: int, n_batches: int) -> str:
-    return (f"plan: replay {n_runs} runs on each of {n_batches} evaluation batches: "
+def replay_line(n_runs: int, n_batches: int, reused: int = 0,
+                sample: ReuseSample | None = None) -> str:
+    """The replay stage's passes; with ``reused`` cached batches, what proves them."""
+    line = (f"plan: replay {n_runs} runs on each of {n_batches} evaluation batches: "
             f"{n_runs * n_batches} forward passes")
+    if not reused or sample is None:
+        return line
+    verified = sum(len(v) for v in sample.by_batch.values())
+    passes = verified + sum(2 - (0 in v) for v in sample.by_batch.values())
+    how = ("every run of every cached batch" if sample.mode == "all" else
+           f"a fresh random sample of {verified} runs, every run of the plan on one cached "
+           f"batch (seed {sample.seed}; {arg('verify_reuse')} all proves every run)")
+    return (f"{line}; {reused} of them cached: reused only once {how} replays bit for bit as "
+            f"cached (about {passes} passes), the other {n_batches - reused} replayed "
+            f"({(n_batches - reused) * n_runs} passes)")
 
 
 def free_bytes(folder: Path) -> int | None:

@@ -55,16 +55,25 @@ BOOTSTRAP_RESAMPLES = 2000
 
 @contextlib.contextmanager
 def inference(*models: nn.Module) -> Iterator[None]:
-    """Eval mode and no autograd while measuring; the callers' modes come back after."""
+    """Eval mode and no autograd while measuring; the callers' modes come back after.
+    Parameters stop requiring grad too: the FLOP counter's module tracker hooks a backward
+    onto every module input that requires grad, and modules that take parameters as inputs
+    (transformers >= 5.25 wraps kernel functions such as a convolution's in modules called
+    with its weight) would make it fail under ``no_grad``."""
     modes = [(m, m.training) for model in models for m in model.modules()]
+    grads = [(p, p.requires_grad) for model in models for p in model.parameters()]
     for model in models:
         model.eval()
     try:
+        for p, _ in grads:
+            p.requires_grad_(False)
         with torch.no_grad():
             yield
     finally:
         for m, training in modes:
             m.training = training
+        for p, needed in grads:
+            p.requires_grad_(needed)
 
 
 @torch.no_grad()

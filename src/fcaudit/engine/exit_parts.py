@@ -15,7 +15,7 @@ class ExitSweepPoint:
 
     rule: str  # "learned" or "fixed"
     threshold: float | None
-    mean_depth: float  # layers executed per token, mean over the evaluation tokens
+    mean_depth: float  # layers executed per unit, mean over the evaluation units
     delta: Estimate  # loss(rule) - loss(correct)
     # learned points: fixed exit interpolated at this mean depth, and fixed - learned
     fixed: Estimate | None
@@ -45,19 +45,24 @@ class ExitFrontier:
 
 @dataclass
 class ExitSummary:
-    """Where the model's tokens stop, and where the references stop them (depths in layers
-    executed, of ``depth``)."""
+    """Where the model's units (tokens, patches, examples: ``unit``) stop, and where the
+    references stop them (depths in layers executed, of ``depth``)."""
 
     depth: int
     calibration_mean_depth: float
     fixed_exit_depth: int  # fixed exit's depth: the one closest to calibration's mean
     fixed_exit_depth_per_position: list[int]
-    evaluation_mean_depth: float  # the model's own exits on the evaluation windows
+    evaluation_mean_depth: float  # the model's own exits on the evaluation data
     oracle_mean_depth: float
-    share_exiting_first_layer: float  # evaluation tokens that stop after layer 1
-    share_full_depth: float  # evaluation tokens that never exit
-    # a degenerate rule, said in words (no token exits; every token after the first layer)
+    share_exiting_first_layer: float  # evaluation units that stop after layer 1
+    share_full_depth: float  # evaluation units that never exit
+    # a degenerate rule, said in words (no unit exits; every unit after the first layer)
     note: str | None
+    # what one exit stops, in the exit sites' words ("token", "patch", "example"); absent
+    # in results written before it was recorded
+    unit: str | None = _omit_none()
+    # the evaluation mean depth's 95% interval: the paired bootstrap over examples
+    evaluation_mean_depth_ci95: list[float] | None = _omit_none()
     # (L(fixed) - L(learned)) / (L(fixed) - L(oracle)) in percent, with its interval
     gap_closed: Retention | None = _omit_none()
     frontier: ExitFrontier | None = _omit_none()  # the threshold sweep, matched depth

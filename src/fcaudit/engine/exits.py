@@ -21,22 +21,24 @@ import torch
 from fcaudit.core.conditions import CORRECT, FIXED_EXIT, ORACLE_EXIT, needing
 from fcaudit.core.errors import ModelError, arg
 from fcaudit.core.exits import (
+    EXAMPLE,
     ExitPlan,
     exit_depth,
     exit_model,
     exit_scores,
     exit_sites,
+    exit_unit,
     head_predictions,
     oracle_layers,
     own_exits,
+    plural,
 )
 from fcaudit.core.hooks import hooks
-from fcaudit.core.layout import has_positions
 from fcaudit.core.nll import device_of
 from fcaudit.core.replaying import replaying
 from fcaudit.engine.exit_parts import ExitFrontier, ExitSummary
 from fcaudit.engine.exit_sweep import own_threshold, sweep_layers
-from fcaudit.engine.metrics import Bootstrap, retention
+from fcaudit.engine.metrics import Bootstrap, interval, retention
 from fcaudit.engine.passes import batches, record_batch
 from fcaudit.engine.result_parts import Retention
 from fcaudit.io.examples import call_model
@@ -69,24 +71,25 @@ def exit_plan(setup: Any) -> ExitPlan | None:
     with inference(setup.model):
         sweep = sweep_layers(setup, net, own_layers)
     return ExitPlan(exit_depth(calib, layers), torch.cat(oracle), own_layers,
-                    has_positions(exit_sites(setup.sites)), own_threshold(net), sweep)
+                    exit_unit(setup.sites), own_threshold(net), sweep)
 
 
 def check_follows(setup: Any, net: Any, x: Any) -> None:
     """Refuse, naming the site and the cause, an exit rule that does not follow its site's
     output: a replay of the recorded scores must reproduce the model's own exits bit for
-    bit, and scores that stop every token after exit site ``k`` must stop every token
-    there, for every ``k`` (one batch; the exit conditions and every replayed score rest on
-    it). Where they do not, the cause is told apart (:func:`_misdeclared`): ``Site.exit``
+    bit, and scores that stop every unit (token, patch, example) after exit site ``k`` must
+    stop every one there, for every ``k`` (one batch; the exit conditions and every
+    replayed score rest on it). Where they do not, the cause is told apart (:func:`_misdeclared`): ``Site.exit``
     reversed, or a threshold its values never or always reach; else a rule reading
     something other than the site's output."""
     sites, run = exit_sites(setup.sites), lambda: call_model(setup.model, x)
+    unit = exit_unit(sites)
     own = own_exits(net, run)
     _, coefficients, _ = record_batch(setup.model, setup.sites, x, None)
 
     def exits(k: int | None, values: Any = None) -> torch.Tensor:
         """The exits under the recorded scores (``k`` None), or under scores stopping every
-        token after site ``k``, from ``Site.exit`` or ``values(site)`` in its place."""
+        unit after site ``k``, from ``Site.exit`` or ``values(site)`` in its place."""
         declared = [dataclasses.replace(s, exit=values(s)) for s in sites] if values else sites
         scores = coefficients if k is None else \
             exit_scores(declared, torch.full_like(own, k), coefficients)
@@ -95,39 +98,39 @@ def check_follows(setup: Any, net: Any, x: Any) -> None:
 
     got = exits(None)
     if not torch.equal(got, own):
-        raise _refusal(sites, "replaying the recorded scores", got, own)
+        raise _refusal(sites, "replaying the recorded scores", got, own, unit)
     fed = {k: exits(k) for k in range(len(sites) + 1)}
     for k, got in fed.items():
         if not torch.equal(got, torch.full_like(own, k)):
-            cause = _misdeclared(sites, fed, k, exits)
+            cause = _misdeclared(sites, fed, k, exits, unit)
             if cause is not None:
                 raise ModelError(f"exit site {cause[0].name}: {cause[1]}", site=cause[0].name)
-            raise _refusal(sites, f"feeding scores that stop every token after exit layer {k}",
-                           got, torch.full_like(own, k))
+            raise _refusal(sites, f"feeding scores that stop every {unit} after exit layer {k}",
+                           got, torch.full_like(own, k), unit)
 
 
 _FAR = 1000.0  # a value this many (exit - continue) steps beyond one of Site.exit's values
 
 
-def _misdeclared(sites: Sequence[Any], fed: dict[int, torch.Tensor], k: int,
-                 exits: Any) -> tuple[Any, str] | None:
-    """The site and the cause where scores stopping every token after site ``k``
+def _misdeclared(sites: Sequence[Any], fed: dict[int, torch.Tensor], k: int, exits: Any,
+                 unit: str) -> tuple[Any, str] | None:
+    """The site and the cause where scores stopping every ``unit`` after site ``k``
     (``fed[k]``, exit layers) did not, when ``Site.exit`` is at fault: reversed (its exit
-    value stops no token, its continue value every one), or a threshold the exit value
-    never reaches (a value far beyond it does stop every token) or the continue value
+    value stops no unit, its continue value every one), or a threshold the exit value
+    never reaches (a value far beyond it does stop every unit) or the continue value
     always reaches (a value far below it does not); None otherwise."""
     n = len(sites)
     if bool((fed[0] == n).all()) and bool((fed[n] == 0).all()):
         go, stop = sites[0].exit
         return sites[0], (f"Site.exit={sites[0].exit!r} is reversed: the model's rule stops "
-                          f"every token on the continue value {go!r} and none on the exit "
+                          f"every {unit} on the continue value {go!r} and none on the exit "
                           f"value {stop!r}; declare Site.exit=({stop!r}, {go!r})")
     expected = torch.full_like(fed[k], k)
     if bool((fed[k] > k).all()) and torch.equal(exits(k, lambda s: (
             s.exit[0], s.exit[1] + _FAR * (s.exit[1] - s.exit[0]))), expected):
         go, stop = sites[k].exit
         return sites[k], (f"its exit value {stop!r} (Site.exit={sites[k].exit!r}) stops no "
-                          f"token, a value {stop + _FAR * (stop - go):g} does: the rule's "
+                          f"{unit}, a value {stop + _FAR * (stop - go):g} does: the rule's "
                           "threshold is never reached by the declared exit value; declare "
                           "one that reaches it")
     if bool((fed[k] < k).all()) and torch.equal(exits(k, lambda s: (
@@ -135,64 +138,71 @@ def _misdeclared(sites: Sequence[Any], fed: dict[int, torch.Tensor], k: int,
         site = sites[int(fed[k].min())]
         go, stop = site.exit
         return site, (f"its continue value {go!r} (Site.exit={site.exit!r}) stops every "
-                      f"token, a value {go - _FAR * (stop - go):g} does not: the rule's "
+                      f"{unit}, a value {go - _FAR * (stop - go):g} does not: the rule's "
                       "threshold is always reached, even by the declared continue value; "
                       "declare one that does not reach it")
     return None
 
 
-def _refusal(sites: Sequence[Any], what: str, got: torch.Tensor,
-             expected: torch.Tensor) -> ModelError:
+def _refusal(sites: Sequence[Any], what: str, got: torch.Tensor, expected: torch.Tensor,
+             unit: str) -> ModelError:
     """A rule that does not follow its site's output, naming the first site where ``got``
     and ``expected`` exit layers part."""
     wrong = got != expected
     site = sites[min(int(torch.minimum(got, expected)[wrong].min()), len(sites) - 1)]
     return ModelError(f"exit site {site.name}: {what}, the model's exit rule stops "
-                      f"{int(wrong.sum())} of {wrong.numel()} tokens at another layer; its "
+                      f"{int(wrong.sum())} of {wrong.numel()} {plural(unit)} at another layer; its "
                       "exit decision must read the site's output and nothing else (no "
                       "recomputed score, no state kept between calls)", site=site.name)
 
 
-def degenerate(own: torch.Tensor, layers: int) -> str | None:
-    """A rule that does not adapt, in words: no token exits, or every token at the first
-    layer (a depth-1 model, not a saving of adaptive depth)."""
+def degenerate(own: torch.Tensor, layers: int, unit: str) -> str | None:
+    """A rule that does not adapt, in words: no ``unit`` (token, patch, example) exits, or
+    every one at the first layer (a depth-1 model, not a saving of adaptive depth)."""
     if bool((own == layers - 1).all()):
-        return (f"no token exits before the last layer: the threshold is never reached, so "
-                f"every token runs all {layers} layers (no savings)")
+        return (f"no {unit} exits before the last layer: the threshold is never reached, so "
+                f"every {unit} runs all {layers} layers (no savings)")
     if bool((own == 0).all()):
-        return ("every token exits after the first layer: the rule does not adapt (a "
+        return (f"every {unit} exits after the first layer: the rule does not adapt (a "
                 "depth-1 model, not a saving of adaptive depth)")
     return None
 
 
-def exit_summary(plan: ExitPlan | None, gap: Retention | None,
+def exit_summary(plan: ExitPlan | None, gap: Retention | None, boot: Bootstrap,
                  frontier: ExitFrontier | None = None) -> ExitSummary | None:
     """The audit.json section of an exit model, or None without an exit condition (no
-    depth per position where the sites have no position axis)."""
+    depth per position where the sites have no position axis). The evaluation mean depth's
+    interval resamples examples (``boot``), as every interval of the audit does."""
     if plan is None:
         return None
     cal, own = plan.calibration, plan.own
     L = cal.layers
+    per_example = (own + 1).double().reshape(len(own), -1).mean(1).numpy()
+    depth = float((own + 1).double().mean())
     return ExitSummary(
         depth=L, calibration_mean_depth=cal.mean, fixed_exit_depth=cal.fixed() + 1,
         fixed_exit_depth_per_position=[int(k) + 1 for k in cal.fixed_per_position()]
         if plan.positions else [],
-        evaluation_mean_depth=float((own + 1).double().mean()),
+        evaluation_mean_depth=depth,
         oracle_mean_depth=float((plan.oracle + 1).double().mean()),
         share_exiting_first_layer=float((own == 0).double().mean()),
         share_full_depth=float((own == L - 1).double().mean()),
-        note=degenerate(own, L), gap_closed=gap, frontier=frontier)
+        note=degenerate(own, L, plan.unit), unit=plan.unit,
+        evaluation_mean_depth_ci95=interval(boot.means(per_example), depth), gap_closed=gap,
+        frontier=frontier)
 
 
 def gap_closed(per_seq: dict[str, np.ndarray], boot: Bootstrap) -> Retention | None:
     """``(L(fixed) - L(learned)) / (L(fixed) - L(oracle))`` in percent with the paired
     bootstrap (the retention formula with fixed exit as the floor and the oracle as the
-    top); undefined when the fixed-to-oracle gap is not clearly above 0. None when either
+    top); undefined when the fixed-to-oracle gap is not clearly above 0 or the share is not
+    measurable (:func:`~fcaudit.engine.metrics.retention`). None when either
     reference was not run."""
     if FIXED_EXIT not in per_seq or ORACLE_EXIT not in per_seq:
         return None
-    share = retention(per_seq[CORRECT], per_seq[ORACLE_EXIT], per_seq[FIXED_EXIT], boot)
-    if share.defined:
+    share = retention(per_seq[CORRECT], per_seq[ORACLE_EXIT], per_seq[FIXED_EXIT], boot,
+                      f"{FIXED_EXIT}-to-{ORACLE_EXIT} gap")
+    if share.defined or share.gap_ci95[0] > 0:  # a share, or one too wide to measure
         return share
     lo, hi = share.gap_ci95
     return Retention(share.gap, share.gap_ci95, None, None, False,
@@ -232,10 +242,10 @@ def check_twin(setup: Any) -> None:
     from fcaudit.engine.inputs import resolve_block_paths
     twin_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) or []
     _, x = next(batches(setup.eval_source, 1, device_of(setup.model), [0]))
-    axes = 1 if has_positions(sites) else None
+    unit = exit_unit(sites)
+    axes = 1 if unit != EXAMPLE else None
     mine = block_shapes(setup.model, setup.blocks, x, axes)
     twin = block_shapes(setup.dense, twin_blocks, x, axes)
-    unit = "token" if axes else "example"
     differs = _first_difference(setup.blocks, twin_blocks, mine, twin, unit)
     if differs is not None:
         raise ModelError(

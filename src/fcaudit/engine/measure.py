@@ -19,13 +19,12 @@ import numpy as np
 from fcaudit.core.interventions import StaticProfiles, draw
 from fcaudit.core.layout import not_applicable
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
-from fcaudit.engine.cost import replay_line
 from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.exit_sweep import exit_frontier, exit_points
 from fcaudit.engine.exits import ExitSummary, exit_plan, exit_summary
 from fcaudit.engine.frontier import Covered, FrontierPoint
 from fcaudit.engine.frontier_plan import frontier_plan, frontier_points
-from fcaudit.engine.options import Prepared, Progress, say
+from fcaudit.engine.options import Prepared, Progress
 from fcaudit.engine.plan import ReplayInputs, Run, plan_runs
 from fcaudit.engine.probe import Probe, ablation_plan
 from fcaudit.engine.result import Identity
@@ -85,8 +84,6 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
                                       ranks)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),
                      points, skipped, exit_points(inputs.exits))
-    if ranks.main and opts.progress:
-        say(progress, replay_line(len(runs), cache.n_batches))
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
     if not ranks.main:
@@ -110,9 +107,9 @@ def _exits(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run],
            per_run: Sequence[np.ndarray], summary: Summary) -> ExitSummary | None:
     """The exits section: depths, the gap closed and the exit frontier."""
     per_seq = dict(zip((r.key for r in runs), per_run, strict=True))
-    frontier = exit_frontier(inputs.exits, per_seq,
-                             paired_bootstrap(setup.inputs.n_eval, setup.options))
-    return exit_summary(inputs.exits, summary.exit_gap, frontier)
+    boot = paired_bootstrap(setup.inputs.n_eval, setup.options)
+    frontier = exit_frontier(inputs.exits, per_seq, boot)
+    return exit_summary(inputs.exits, summary.exit_gap, boot, frontier)
 
 
 def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticProfiles,
@@ -144,11 +141,13 @@ def _summed(per_rank: Sequence[Mapping[str, Mapping[str, int]]]) -> dict[str, di
             for stage in per_rank[0]}
 
 
-def reuse_summary(per_rank: Sequence[Mapping[str, int]], n_runs: int,
+def reuse_summary(per_rank: Sequence[Mapping[str, Any]], n_runs: int,
                   recorded: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
     """What came from the cache: record batches only once recomputed bit for bit (one
-    forward each, the price of reuse), replay batches only on top of proven records and
-    when every run's fed tensors are bit for bit the stored ones (else replayed)."""
+    forward each, the price of reuse), replay batches only on top of proven records, when
+    every run's fed tensors are bit for bit the stored ones (else replayed), and once a
+    fresh sample of their runs replayed again equals them bit for bit (the proof is the
+    same on every rank: one seed, one sample)."""
     reused = sum(r["batches_reused"] for r in per_rank)
     recomputed = sum(r["batches_recomputed"] for r in per_rank)
     kept = sum(r.get("runs_kept_from_earlier_rounds", 0) for r in per_rank)  # --target-ci
@@ -156,9 +155,12 @@ def reuse_summary(per_rank: Sequence[Mapping[str, int]], n_runs: int,
               for stage in ("evaluation", "calibration") for what in ("proven", "recorded")}
     return {"batches_reused": reused, "batches_recomputed": recomputed,
             "runs_reused": reused * n_runs + kept, "runs_recomputed": recomputed * n_runs - kept,
-            **proofs,
+            **proofs, **per_rank[0]["proof"],
             "rule": "a cached record batch (evaluation or calibration) is used only after its "
                     "original pass, recomputed now, equals it bit for bit (one forward pass "
-                    "per reused batch); a cached replay batch only on top of those records "
-                    "and when every run's SHA-256 of its token ids, schedule, identity and fed "
-                    "coefficient tensors equals the stored one"}
+                    "per reused batch); a cached replay batch only on top of those records, "
+                    "when every run's SHA-256 of its token ids, schedule, identity and fed "
+                    "coefficient tensors equals the stored one, and once the runs sampled "
+                    "afresh at this resume (verify_reuse sample: every run of the plan on one "
+                    "cached batch drawn with verify_seed; all: every run of every cached "
+                    "batch), replayed again, equal their cached results bit for bit"}

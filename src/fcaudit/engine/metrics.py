@@ -71,27 +71,44 @@ def penalty(cond: np.ndarray, correct: np.ndarray, boot: Bootstrap) -> tuple[flo
     return delta, interval(boot.means(diff), delta)
 
 
-def retention(static: np.ndarray, correct: np.ndarray, global_mean: np.ndarray,
-              boot: Bootstrap, what: str = "gap", unit: str = " nats") -> Retention:
-    """Gap retention ``R(P) = (G - P) / (G - C)`` in percent, undefined without a gap.
+# The widest 95% interval a share in percent may have and still be reported: the whole
+# scale, from keeping nothing (0%) to keeping everything (100%). A wider interval cannot
+# place the share on that scale (it is what a gap barely above its noise gives: the ratio's
+# resamples divide by near-zero gaps), so the share is not measurable and has no value.
+MAX_SHARE_WIDTH = 100.0  # percentage points
 
-    The gap ``G - C`` must be clearly positive (its 95% interval above zero);
-    otherwise a ratio would divide by noise, so no number is reported. ``what`` and
-    ``unit`` name the gap in that reason.
+
+def retention(static: np.ndarray, correct: np.ndarray, global_mean: np.ndarray,
+              boot: Bootstrap, what: str = "Correct-to-GlobalMean gap",
+              unit: str = " nats") -> Retention:
+    """Gap retention ``R(P) = (G - P) / (G - C)`` in percent; undefined (no value, a
+    reason) unless it is measurable.
+
+    Measurable: the gap ``G - C`` is clearly positive (its 95% interval above zero),
+    else the ratio would divide by noise; and the share's own 95% interval is at most
+    :data:`MAX_SHARE_WIDTH` percentage points wide, else it does not resolve the share
+    on its 0-100% scale. ``what`` and ``unit`` name the gap in the reason.
     """
     gap = global_mean - correct
     gap_samples = boot.means(gap)
     gap_ci = interval(gap_samples, float(gap.mean()))
     if not gap_ci[0] > 0:
         return Retention(float(gap.mean()), gap_ci, None, None, False,
-                         f"the Correct-to-GlobalMean {what} {gap.mean():+.4f}{unit} has a 95% "
+                         f"the {what} {gap.mean():+.4f}{unit} has a 95% "
                          f"interval [{gap_ci[0]:+.4f}, {gap_ci[1]:+.4f}] that is not above 0")
     kept = global_mean - static
     with np.errstate(divide="ignore", invalid="ignore"):  # a resample's gap can be 0 (hits
         samples = 100.0 * boot.means(kept) / gap_samples  # are discrete): +-inf sit in
     samples = samples[~np.isnan(samples)]  # the tails; 0/0, a resample with no share, goes
     value = float(100.0 * kept.mean() / gap.mean())
-    return Retention(float(gap.mean()), gap_ci, value, interval(samples, value), True)
+    ci = interval(samples, value)
+    if not ci[1] - ci[0] <= MAX_SHARE_WIDTH:  # also an infinite bound
+        return Retention(float(gap.mean()), gap_ci, None, None, False,
+                         f"no measurable share: its 95% interval [{ci[0]:.2f}, {ci[1]:.2f}]% "
+                         f"is wider than the whole 0-100% scale (the {what} "
+                         f"{gap.mean():+.4f}{unit} [{gap_ci[0]:+.4f}, {gap_ci[1]:+.4f}] is too "
+                         "small against its noise to resolve a share of it)")
+    return Retention(float(gap.mean()), gap_ci, value, ci, True)
 
 
 def accuracy_retention(static: np.ndarray, correct: np.ndarray, global_mean: np.ndarray,
@@ -100,7 +117,8 @@ def accuracy_retention(static: np.ndarray, correct: np.ndarray, global_mean: np.
     ``(acc(P) - acc(G)) / (acc(C) - acc(G))`` in percent, with the same paired bootstrap
     and the same rule (undefined unless the accuracy gap's interval lies above 0). It is
     :func:`retention` of the negated hits, an error rate: exact, since negation is."""
-    return retention(-static, -correct, -global_mean, boot, "accuracy gap", "")
+    return retention(-static, -correct, -global_mean, boot,
+                     "Correct-to-GlobalMean accuracy gap", "")
 
 
 def interaction(both: np.ndarray, reassign: np.ndarray, shuffle: np.ndarray,
@@ -258,14 +276,24 @@ class VarianceAccumulator:
 
 class TokenShare:
     """Streams one family's coefficients with the token ids they were recorded at: the
-    share of within-layer variance the current token id explains.
+    share of within-layer variance the current token id explains, its chance level and
+    the share beyond chance.
 
     Per (site, component) cell it is a one-way ANOVA on token id, ``SS_between /
     SS_total`` with both taken about the cell's mean, pooled over the family's cells
     (sums of squares added, then divided): 1 when every coefficient is a function of
-    its token id within its layer, about ``(ids - 1) / (tokens - 1)`` for noise. Values
-    are accumulated in float64 minus each cell's first value, so coefficients that do
-    not vary within a layer give exactly 0 / 0: undefined (None), not a rounding ratio.
+    its token id within its layer. Values are accumulated in float64 minus each cell's
+    first value, so coefficients that do not vary within a layer give exactly 0 / 0:
+    undefined (None), not a rounding ratio.
+
+    With ``k`` distinct ids among ``n`` tokens the share is large by chance alone: ids
+    dealt to the same values at random (a permutation) give ``E[SS_between] = (k - 1) /
+    (n - 1) SS_total`` in every cell, so the pooled share's chance level is exactly
+    ``(k - 1) / (n - 1)`` (1 when every token has an id of its own). The share beyond
+    chance, ``(share - chance) / (1 - chance)``, is Kelley's epsilon squared (the adjusted
+    R^2 of a regression on id indicators): 0 on average under no association, 1 for a
+    pure function of the id, negative below chance. It is not clipped at 0: a clipped
+    estimate is biased upwards, and means over seeds would inherit the bias.
     """
 
     def __init__(self, sites: Sequence[Site]) -> None:
@@ -306,6 +334,21 @@ class TokenShare:
             total += float((t2 - t1 * mean).sum())
             between += float((counts * (sums / counts - mean) ** 2).sum())
         return min(between / total, 1.0) if total > 0 else None  # min: rounding only
+
+    def chance(self) -> float | None:
+        """The share's chance level ``(k - 1) / (n - 1)`` (None with one token)."""
+        assert self.by_id is not None
+        return (len(self.by_id.ids) - 1) / (self.n - 1) if self.n > 1 else None
+
+    def shares(self, channels: slice | None = None) -> dict[str, float | None]:
+        """The share, its chance level and the share beyond chance (None without a share,
+        or when chance is 1: every token has an id of its own), by their
+        :class:`VarianceShares` field names."""
+        share, chance = self.share(channels), self.chance()
+        beyond = None if share is None or chance is None or chance >= 1 else \
+            (share - chance) / (1 - chance)
+        return {"eta2_token_id": share, "eta2_token_id_chance": chance,
+                "epsilon2_token_id": beyond}
 
 
 def aggregate(per_seed: Sequence[Mapping[str, float | None]]) -> dict[str, dict[str, Any]]:

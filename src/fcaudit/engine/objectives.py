@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 UNREADABLE = "state not readable as bits"
 ObjectiveFn = Callable[[Any, "ExampleBatch"], "Tensor"]
 LOSSES = "fcaudit.engine.losses"  # the module whose functions the entries name
+LOSS = "loss"  # what losses are called where the objective names none (a user's callable)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class BuiltinObjective:
     help: str  # its phrase in ``--objective``'s help
     losses: str
     compared: str = "output_tensors"
+    loss: str = LOSS  # what its losses are called in tables ("NLL", "answer loss"; nats)
     hits: str | None = None
     check: str | None = None
     tokens: bool = False  # it scores token ids (else other inputs, AuditData(inputs=...))
@@ -72,17 +74,17 @@ SELECTIVE_COPY = "selective-copy"  # the selective-copying task's objective (a n
 
 REGISTRY: tuple[BuiltinObjective, ...] = (
     BuiltinObjective("token-nll", "token", "next-token NLL",
-                     "token-nll (token ids, the default)", losses="token_units",
+                     "token-nll (token ids, the default)", losses="token_units", loss="NLL",
                      compared="logits_of", tokens=True, default=True),
     BuiltinObjective("classification", "example", "cross-entropy of its logits",
                      "classification (cross-entropy and accuracy of [N, C] logits; the "
-                     "default with --inputs)", losses="class_units", hits="class_hits",
-                     check="class_targets", default=True),
+                     "default with --inputs)", losses="class_units", loss="cross-entropy",
+                     hits="class_hits", check="class_targets", default=True),
     BuiltinObjective(SELECTIVE_COPY, "answer token", "cross-entropy at its answer positions",
                      "selective-copy (cross-entropy of token logits [N, T, V] at the last K "
                      "positions against answer tokens [N, K]; accuracy: all K right)",
-                     losses="answer_units", hits="answer_hits", check="answer_targets",
-                     task="fcaudit.io.selective_copy"),
+                     losses="answer_units", loss="answer loss", hits="answer_hits",
+                     check="answer_targets", task="fcaudit.io.selective_copy"),
 )
 OBJECTIVES: dict[str, BuiltinObjective] = {o.name: o for o in REGISTRY}
 
@@ -94,6 +96,18 @@ def default_for(tokens: bool) -> str:
 
 
 TOKEN_NLL, CLASSIFICATION = default_for(True), default_for(False)
+
+
+def loss_name(objective: str | None, per_unit: bool = False) -> str:
+    """What an audit's losses are called, from its ``settings.objective``: the registry's
+    name for a built-in objective (None, a result written before objectives: the
+    next-token NLL), "loss" for the user's callable; ``per_unit``: with what one of them
+    scores ("per-token NLL", "per-example cross-entropy")."""
+    entry = OBJECTIVES.get(TOKEN_NLL if objective is None else objective)
+    name, unit = (LOSS, "unit") if entry is None else (entry.loss, entry.unit)
+    return f"per-{unit.replace(' ', '-')} {name}" if per_unit else name
+
+
 TASKS: dict[str, BuiltinObjective] = {o.name: o for o in REGISTRY if o.task is not None}
 
 

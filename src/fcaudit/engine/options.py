@@ -67,6 +67,7 @@ MIN_TARGET_CI = 1e-6
 
 
 SCHEDULES = ("prefix", "naive")
+VERIFY_MODES = ("sample", "all")  # engine/replay_proof.py: which reused replays are proven
 DEFAULT_EXIT_THRESHOLD = 0.9  # --early-exit's confidence (maximum softmax probability)
 
 
@@ -133,6 +134,13 @@ class AuditOptions:
         "after its site, reusing the correct replay's outputs before it (checked bitwise per "
         "site and batch, else full passes); naive: every run is a full pass. Both give the "
         "same audit.json", choices=SCHEDULES)
+    # a rerun into the same folder: which cached replay runs are replayed again and must
+    # equal their cached rows bit for bit before the cache is used (engine/replay_proof.py)
+    verify_reuse: str = option(
+        "sample", "schedule", "on a rerun into the same output folder, which cached replay "
+        "results are replayed again and must equal the cache bit for bit before it is used: "
+        "sample (default): every run of the plan on one cached batch drawn afresh; all: every "
+        "run of every cached batch (as costly as replaying them)", choices=VERIFY_MODES)
     # one replay per routed layer and expert, that expert never picked; None: on when every
     # routed layer has at most AUTO_ABLATION_MAX_EXPERTS experts
     expert_ablation: bool | None = option(
@@ -215,9 +223,10 @@ class AuditOptions:
         for f, spec in option_specs():
             if spec.bounds is not None:
                 _check_int(f.name, getattr(self, f.name), *spec.bounds)
-        if self.schedule not in SCHEDULES:
-            raise UsageError(f"{_name('schedule', self.schedule)}: choose one of "
-                             f"{', '.join(SCHEDULES)}", option="schedule")
+        for name, choices in (("schedule", SCHEDULES), ("verify_reuse", VERIFY_MODES)):
+            if getattr(self, name) not in choices:
+                raise UsageError(f"{_name(name, getattr(self, name))}: choose one of "
+                                 f"{', '.join(choices)}", option=name)
         if self.expert_ablation is not None and not isinstance(self.expert_ablation, bool):
             raise UsageError(f"{_name('expert_ablation', self.expert_ablation)}: must be "
                              "True, False or None (on for at most "
@@ -309,6 +318,7 @@ class ScheduleOptions:
     batch_size: int
     progress: bool
     schedule: str
+    verify_reuse: str = "sample"
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ and ``variance[family].parts``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from torch import Tensor
@@ -104,12 +105,9 @@ def part_variance(members: Sequence[Site], variance: VarianceAccumulator,
     named = coefficients_of(members)
     if named is None:
         return None
-    out = {}
-    for name, cut in named.items():
-        shares = variance.part(cut)
-        shares.eta2_token_id = tokens.share(cut) if tokens is not None else None
-        out[name] = shares
-    return out
+    return {name: dataclasses.replace(variance.part(cut),
+                                      **(tokens.shares(cut) if tokens is not None else {}))
+            for name, cut in named.items()}
 
 
 def site_parts(site: Site) -> list[SitePart] | None:

@@ -32,6 +32,7 @@ from fcaudit.engine.seeds import SeedPlan
 from fcaudit.engine.twin import dense_counterpart
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.hf_exit import HEADS_NOTE, KIND, with_early_exit
+from fcaudit.io.runtime import untested_versions
 
 
 def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSpec | AuditData,
@@ -68,7 +69,8 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     layouts = resolve_layouts(setup, first_batch(setup))
     return dataclasses.replace(setup, sites=layouts.sites, layouts=layouts.notes,
                                notes=(window_line(setup.inputs.summary()), *layouts.lines,
-                                      *([f"note: {HEADS_NOTE}"] if loaded.kind == KIND else [])))
+                                      *([f"note: {HEADS_NOTE}"] if loaded.kind == KIND else []),
+                                      *(f"warning: {line}" for line in untested_versions())))
 
 
 def _check_ranks(setup: Prepared, ranks: Ranks) -> None:

@@ -33,6 +33,7 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
 )
 from fcaudit.core.errors import DataError, FcauditError, UsageError
 from fcaudit.engine.exit_parts import ExitSummary
+from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.result_checks import check_consistent
 from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema's parts)  # noqa: F401 (re-exported: the verdicts' labels)
     DEPENDENCE_LABELS,
@@ -75,10 +76,12 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     Verdict,
     VerdictPart,
     _omit_none,
+    token_id_words,
 )
 from fcaudit.engine.result_views import (  # noqa: F401 (some re-exported)
     ETA2_KEYS,
     TABLES,
+    TOKEN_ID_KEYS,
     condition_rows,
     condition_table_html,
     delta_key,
@@ -221,6 +224,12 @@ class AuditResult:
         """The 95% intervals of :meth:`metrics` that have one, by the same keys."""
         return metric_intervals(self)
 
+    def loss_name(self, per_unit: bool = False) -> str:
+        """What its losses are called ("NLL", "cross-entropy", "answer loss"; ``per_unit``:
+        "per-token NLL"), from the objective registry: every table names its loss column
+        or row with it."""
+        return loss_name(self.settings.get("objective"), per_unit)
+
     def verdict_parts(self) -> dict[str, VerdictPart]:
         """Each answer's label, the numbers it rests on and its sentence, by question."""
         numbers = self.verdict_numbers or {}
@@ -236,7 +245,8 @@ class AuditResult:
             f"{esc(p.sentence)}</li>" for q, p in self.verdict_parts().items())
         return (f"<div><p><b>fcaudit audit</b> of {esc(str(self.model.spec))} "
                 f"({esc(self.model.class_)}, {len(self.sites)} sites)</p><ul>{answers}</ul>"
-                "<table><thead><tr><th>condition</th><th>NLL</th><th>&Delta; vs correct</th>"
+                f"<table><thead><tr><th>condition</th><th>{esc(self.loss_name())}</th>"
+                "<th>&Delta; vs correct</th>"
                 f"<th>95% CI</th></tr></thead><tbody>{condition_table_html(self, esc)}"
                 "</tbody></table></div>")
 

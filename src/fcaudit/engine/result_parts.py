@@ -92,6 +92,11 @@ class VarianceShares:
     # current token id explains (one-way ANOVA, pooled over the family's layers); apart
     # from the shares above, which split the total. None: no variance within layers
     eta2_token_id: float | None = None
+    # its chance level (k - 1) / (n - 1) with k distinct ids among n tokens, and the share
+    # beyond chance (epsilon squared: (share - chance) / (1 - chance), what sentences
+    # headline; None when chance is 1). Absent from results written before issue 37
+    eta2_token_id_chance: float | None = _omit_none()
+    epsilon2_token_id: float | None = _omit_none()
     # per named coefficient (the sites' ``parts``; a selection family without parts: one,
     # named by its family), each one's channels decomposed alone like the pooled figure
     parts: dict[str, VarianceShares] | None = _omit_none()
@@ -111,9 +116,29 @@ class VarianceShares:
             return "they have no variance to decompose"
         parts = ", ".join(f"{name} {100 * share:.1f}%" for name, share in self.axes())
         total = 100 * sum(share for _, share in self.axes())
-        token = "" if self.eta2_token_id is None else (
-            f"; within layers, the current token id explains {100 * self.eta2_token_id:.1f}%")
+        token = "" if (said := self.token_id_text()) is None else f"; within layers, {said}"
         return f"their variance splits into {parts} (total {total:.1f}%){token}"
+
+    def token_id_text(self) -> str | None:
+        """The token-id share in words (:func:`token_id_words`); None without one."""
+        if self.eta2_token_id is None:
+            return None
+        return "the current token id " + token_id_words(
+            self.eta2_token_id, self.eta2_token_id_chance, self.epsilon2_token_id)
+
+
+def token_id_words(share: float, chance: float | None, beyond: float | None) -> str:
+    """``explains ...``: a token-id share as every sentence says it, the share beyond
+    chance first, the share and its chance level beside it (``chance`` None: a result
+    written before the chance level; ``beyond`` None: chance is 1)."""
+    if chance is None:
+        return f"explains {100 * share:.1f}% (chance level not recorded)"
+    if beyond is None:
+        return (f"explains no share beyond chance: every token has an id of its own, so it "
+                f"explains {100 * share:.1f}% by construction (chance level {100 * chance:.1f}%)")
+    said = f"{100 * beyond:.1f}% beyond chance" if beyond > 0 else \
+        f"no more than chance ({100 * beyond:.1f}% beyond it)"
+    return f"explains {said} ({100 * share:.1f}% against a chance level of {100 * chance:.1f}%)"
 
 
 @dataclass

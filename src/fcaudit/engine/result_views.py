@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
              "eta2_residual")
+EXIT_THRESHOLD, EXIT_MEAN_DEPTH = "exit_threshold", "exit_mean_depth"  # exit models' keys
+# the token-id share, its chance level and the share beyond chance (VarianceShares)
+TOKEN_ID_KEYS = ("eta2_token_id", "eta2_token_id_chance", "epsilon2_token_id")
 
 
 def delta_key(condition: str) -> str:
@@ -58,8 +61,8 @@ def with_interval(key: str, value: float | None,
 def metrics(r: AuditResult) -> dict[str, float | None]:
     """The result's numbers, flat: NLL of correct (and accuracy for classification), every
     condition's penalty (None where it does not apply; custom ones too), the interaction,
-    each profile's
-    retention, the main family's variance shares (and every named coefficient's, as
+    each profile's retention, the main family's variance shares with the token-id share,
+    its chance level and the share beyond chance (and every named coefficient's, as
     ``<share>@<family>.<coefficient>``), execution fractions, the frontier and re-routing;
     intervals are in :func:`metric_intervals`."""
     c = r.conditions
@@ -73,11 +76,11 @@ def metrics(r: AuditResult) -> dict[str, float | None]:
     out |= {retention_key(p): r.retention[p].value
             for p in audited(r.retention, REPORTED_RETENTION)} | _accuracy_retention(r, "value")
     main = r.variance[r.families[0]]  # the first family in site order is the main one
-    out |= {key: getattr(main, key) for key in (*ETA2_KEYS, "eta2_token_id")}
+    out |= {key: getattr(main, key) for key in (*ETA2_KEYS, *TOKEN_ID_KEYS)}
     out |= {f"{key}@{fam}.{part}": getattr(shares, key)  # named coefficients (Site.parts)
             for fam, var in r.variance.items() for part, shares in (var.parts or {}).items()
-            for key in (*ETA2_KEYS, "eta2_token_id")}
-    return out | _execution_metrics(r) | _frontier_metrics(r) | _rerouted(r)
+            for key in (*ETA2_KEYS, *TOKEN_ID_KEYS)}
+    return out | _execution_metrics(r) | _frontier_metrics(r) | _rerouted(r) | _exit_metrics(r)
 
 
 def metric_intervals(r: AuditResult) -> dict[str, list[float] | None]:
@@ -90,7 +93,19 @@ def metric_intervals(r: AuditResult) -> dict[str, list[float] | None]:
     out |= _accuracy_retention(r, "ci95")
     gap = _gap_25(r)
     out["frontier_gap_25"] = None if gap is None else gap.ci95
+    if r.exits is not None:
+        out[EXIT_MEAN_DEPTH] = r.exits.evaluation_mean_depth_ci95
     return out
+
+
+def _exit_metrics(r: AuditResult) -> dict[str, float | None]:
+    """An exit model's threshold (None: its rules carry no one threshold) and its mean
+    executed depth on evaluation; nothing for other models."""
+    e = r.exits
+    if e is None:
+        return {}
+    return {EXIT_THRESHOLD: e.frontier.own_threshold if e.frontier is not None else None,
+            EXIT_MEAN_DEPTH: e.evaluation_mean_depth}
 
 
 def _execution_metrics(r: AuditResult) -> dict[str, float | None]:

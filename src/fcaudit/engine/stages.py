@@ -25,7 +25,7 @@ from torch import Tensor
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.conditions import CORRECT, collections
 from fcaudit.core.contract import Site
-from fcaudit.core.errors import IdentityError, arg
+from fcaudit.core.errors import CacheError, IdentityError, arg
 from fcaudit.core.interventions import COLLECTIONS, StaticProfiles, batch_sums
 from fcaudit.core.layout import not_applicable
 from fcaudit.core.nll import device_of
@@ -37,8 +37,9 @@ from fcaudit.engine.cache import (
     ReplayShard,
 )
 from fcaudit.engine.carried_state import STATE_FIX
+from fcaudit.engine.cost import replay_line
 from fcaudit.engine.distributed import SINGLE, Ranks
-from fcaudit.engine.options import AuditOptions, Prepared, Progress
+from fcaudit.engine.options import AuditOptions, Prepared, Progress, say
 from fcaudit.engine.passes import (
     Replayed,
     batches,
@@ -57,6 +58,16 @@ from fcaudit.engine.plan import (
     feed,
     routing_sites,
     run_digest,
+)
+from fcaudit.engine.replay_proof import (
+    ReuseSample,
+    ablation_rows,
+    choose,
+    first_difference,
+    fresh_seed,
+    rerouting_rows,
+    run_name,
+    sub_plan,
 )
 
 ALLOW_NONEXACT = arg("allow_nonexact_identity", py="AuditOptions(allow_nonexact_identity=True)")
@@ -196,18 +207,30 @@ def record_evaluation(setup: Prepared, cache: CoefficientCache, progress: Progre
 
 
 def replay_stage(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], progress: Progress,
-                 ranks: Ranks = SINGLE) -> dict[str, int]:
+                 ranks: Ranks = SINGLE) -> dict[str, Any]:
     """This rank's batches under every run, batch by batch (every run of one batch before
     the next batch); each finished batch is cached, so an interrupted replay resumes there.
 
-    A cached batch is reused only when every run's feed digest, recomputed now, equals the
-    one stored with it (same runs, order, schedule, token ids and fed tensors, bit for
-    bit); otherwise the whole batch is replayed again and its shard replaced. Returns how
-    many of this rank's batches were reused and recomputed.
+    A cached batch is a candidate for reuse only when every run's feed digest, recomputed
+    now, equals the one stored with it (same runs, order, schedule, token ids and fed
+    tensors, bit for bit); otherwise the whole batch is replayed again and its shard
+    replaced. Candidates are then proven (:mod:`~fcaudit.engine.replay_proof`): a fresh
+    sample of their runs, covering every run of the plan, is replayed again and must
+    equal the cached rows bit for bit, else the audit stops naming the run and the batch.
+    Returns how many of this rank's batches were reused and recomputed, and the proof.
     """
     cache = inputs.cache
     mine = ranks.mine(list(range(cache.n_batches)))
-    todo = [b for b in mine if not _reusable(setup, inputs, runs, b)]
+    reused = [b for b in mine if _reusable(setup, inputs, runs, b)]
+    everywhere = sorted(b for part in ranks.gather(reused, "cached replays") for b in part)
+    sample = choose(setup.options.verify_reuse, len(runs), everywhere,
+                    ranks.gather(fresh_seed(), "reuse sample")[0])
+    if ranks.main and setup.options.progress:
+        say(progress, replay_line(len(runs), cache.n_batches, len(everywhere), sample))
+    _prove_reused(setup, inputs, runs, sample, [b for b in reused if sample.runs_in(b)],
+                  progress)
+    cache.proven.update(cache.replay_name(b) for b in reused)
+    todo = [b for b in mine if b not in reused]
     kept_runs = 0
     for done, (b, x) in enumerate(batches(setup.eval_source, cache.batch_size,
                                           device_of(setup.model), todo), start=1):
@@ -217,8 +240,36 @@ def replay_stage(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], pro
         cache.write(cache.replay_name(b), _replay_one_batch(
             setup, inputs, runs, b, x, kept, _Ticks(progress, len(runs), len(kept.rows), info)))
         progress("replay", done, len(todo), info)
-    return {"batches_reused": len(mine) - len(todo), "batches_recomputed": len(todo),
-            "runs_kept_from_earlier_rounds": kept_runs}
+    return {"batches_reused": len(reused), "batches_recomputed": len(todo),
+            "runs_kept_from_earlier_rounds": kept_runs,
+            "proof": sample.summary(len(runs), len(everywhere))}
+
+
+def _prove_reused(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run],
+                  sample: ReuseSample, proving: Sequence[int], progress: Progress) -> None:
+    """Replay the sampled runs of this rank's reused batches again (with the correct
+    replay, which they rest on) and require their cached rows bit for bit."""
+    cache = inputs.cache
+    for done, (b, x) in enumerate(batches(setup.eval_source, cache.batch_size,
+                                          device_of(setup.model), proving), start=1):
+        index, sub = sub_plan(runs, sample.runs_in(b))
+        info = f"batch {b + 1} of {cache.n_batches}"
+        fresh = _replay_one_batch(setup, inputs, sub, b, x,
+                                  tick=_Ticks(progress, len(sub), 0, info))
+        differs = first_difference(runs, index, cache.read(cache.replay_name(b)), fresh)
+        if differs is not None:
+            i, what = differs
+            raise CacheError(
+                f"the cache in {cache.folder} holds replay results this model no longer "
+                f"gives: run {run_name(runs[i])} on evaluation batch {b} "
+                f"({_rows(cache.batch_size, b, cache.n_sequences)}), replayed again now, "
+                f"gives other {what} than its cached result, though the batch's record pass "
+                "and everything the run is fed are bit for bit the cached ones (the model "
+                "under intervention reads state outside its code that changed since, such "
+                "as environment variables, files, attributes or package versions, or varies "
+                f"between runs); delete {cache.folder} or choose another {arg('out')}",
+                folder=str(cache.folder), batch=b)
+        progress("prove reused replays", done, len(proving), info)
 
 
 class _Ticks:
@@ -255,17 +306,12 @@ class Kept:
 NONE_KEPT = Kept({}, {}, {})
 
 
-def _replay_tracked(runs: Sequence[Run]) -> list[int]:
-    """Indices of the runs whose re-routing rows a shard holds, in its row order."""
-    return [i for i, r in enumerate(runs) if i and r.target.counts_rerouting]
-
-
 def _earlier_runs(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], b: int) -> Kept:
     """The runs of batch ``b`` an earlier round already replayed with bitwise the same
     inputs (a round's derangement and permutations depend on its size, so the random
     conditions differ; static, per-layer static, ablation and frontier runs do not)."""
     name = inputs.cache.earlier_replay_name(b)
-    if name is None:
+    if name is None or name not in inputs.cache.proven:  # written or proven by this audit
         return NONE_KEPT
     shard = inputs.cache.read(name)  # checksum verified
     if not same_bits(shard.get(ReplayShard.PLAN_DIGEST), plan_digest(runs)) or \
@@ -278,10 +324,10 @@ def _earlier_runs(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], b:
         digest = run_digest(run, feed(run, b, inputs, cpu), context)
         if digest == old[i]:
             rows[i] = (shard[ReplayShard.NLL][i], digest)
-    tracked = _replay_tracked(runs)
+    tracked = rerouting_rows(runs)
     changed = {i: shard[ReplayShard.ROUTE_CHANGED][j] for j, i in enumerate(tracked)
                if i in rows} if ReplayShard.ROUTE_CHANGED in shard else {}
-    ablated = [i for i, r in enumerate(runs) if isinstance(r.target, ExpertAblation)]
+    ablated = ablation_rows(runs)
     still = {i: int(shard[ReplayShard.STILL_SELECTED][j]) for j, i in enumerate(ablated)
              if i in rows}
     return Kept(rows, changed, still)
@@ -429,7 +475,7 @@ def _replay_one_batch(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run]
         done[i] = (nll.double().mean(1), digest)
     diff = max(diff, _history_diff(setup, passes, first, len(runs)))
     if routed:
-        shard[ReplayShard.ROUTE_CHANGED] = torch.tensor([changed[i] for i in _replay_tracked(runs)],
+        shard[ReplayShard.ROUTE_CHANGED] = torch.tensor([changed[i] for i in rerouting_rows(runs)],
                                               dtype=torch.float64)
     if ablated := ablation_runs(runs):
         shard[ReplayShard.STILL_SELECTED] = torch.tensor(

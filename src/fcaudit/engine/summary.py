@@ -206,7 +206,7 @@ def describe(cache: CoefficientCache, sites: Sequence[Site],
         nll = cache.batch(b, EvaluationShard.NLL)
         original[rows.start:rows.stop] = nll.double().mean(1).numpy()
     variance = {f: dataclasses.replace(
-        a.decompose(), eta2_token_id=tokens[f].share() if ids is not None else None,
+        a.decompose(), **(tokens[f].shares() if ids is not None else {}),
         parts=part_variance(members[f], a, tokens[f] if ids is not None else None))
         for f, a in accumulators.items()}
     return Description(variance, {f: a.variation() for f, a in accumulators.items()},

@@ -68,4 +68,5 @@ def _round_cost(n: int, m: Measurements, wall_s: float) -> dict[str, Any]:
             "record_batches_reused": m.recorded["evaluation"]["batches_reused"],
             "record_batches_recorded": m.recorded["evaluation"]["batches_new"],
             **{k: replayed[k] for k in ("batches_reused", "batches_recomputed",
-                                        "runs_reused", "runs_recomputed")}}
+                                        "runs_reused", "runs_recomputed",
+                                        "replay_runs_verified")}}

@@ -1,21 +1,34 @@
 """Verdicts: one sentence per question, backed by the numbers, with thresholds defined once
 (the execution audit's too: ``TOLERANCE`` for savings, ``SPEED_TOLERANCE`` for latency).
 
-Dependence is *strong* when the lower 95% bound of the reassign or shuffle penalty
-exceeds ``STRONG_PENALTY`` nats or a static per-layer profile keeps less than
-``STRONG_RETENTION`` percent of the Correct-to-GlobalMean gap; *weak* when it keeps at
-least ``WEAK_RETENTION`` percent and both penalties stay below ``WEAK_PENALTY``;
-*none* when retention is undefined, no penalty's interval lies above zero and some lies
-below (an intervention that lowers the NLL is no dependence: the sentence says which, by
-how much); *none measurable* when retention is undefined and no penalty's interval
-excludes zero; *partial* otherwise (some interval above zero, or a defined retention).
+Every dependence label rests on 95% intervals that support it. A change of the loss
+counts only above ``NEGLIGIBLE`` (1% of perplexity). Static-layer retention makes a label
+only when it is measurable (defined: its gap's interval above 0 and its own interval no
+wider than the 0-100% scale) on a gap whose interval lies above ``NEGLIGIBLE``. Dependence
+is *strong* when the reassign or shuffle penalty's interval lies above ``STRONG_PENALTY``
+or that retention's interval lies below ``STRONG_RETENTION``; *weak* when the retention's
+interval lies at or above ``WEAK_RETENTION`` and both penalties' intervals below
+``WEAK_PENALTY``; *none* when no retention makes a label, no penalty's interval lies above
+``NEGLIGIBLE`` and some lies below 0 (an intervention that lowers the NLL is no
+dependence: the sentence says which, by how much); *unresolved* (no measurable
+dependence) when no retention makes a label and no penalty's interval lies above
+``NEGLIGIBLE`` or below 0; *partial* otherwise (some interval above ``NEGLIGIBLE``, or a
+retention that makes a label between the strong and weak bounds).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
-from fcaudit.core.conditions import CONDITIONS, REASSIGN, SHUFFLE, STATIC_LAYER, by_role
+from fcaudit.core.conditions import (
+    CONDITIONS,
+    GLOBAL_MEAN,
+    REASSIGN,
+    SHUFFLE,
+    STATIC_LAYER,
+    by_role,
+)
 from fcaudit.engine.result import (
     ConditionResult,
     Estimate,
@@ -36,12 +49,19 @@ from fcaudit.engine.result_parts import (
 from fcaudit.engine.result_views import delta_key, retention_key, with_interval
 
 STRONG_PENALTY = 0.1  # nats, lower CI bound of reassign or shuffle
-STRONG_RETENTION = 50.0  # percent
-WEAK_RETENTION = 90.0  # percent
-WEAK_PENALTY = 0.05  # nats
+STRONG_RETENTION = 50.0  # percent, upper CI bound of static-layer retention
+WEAK_RETENTION = 90.0  # percent, lower CI bound of static-layer retention
+WEAK_PENALTY = 0.05  # nats, upper CI bound of reassign and shuffle
 VARIES_SD = 1e-6  # spread below which coefficients "do not vary"
 TOLERANCE = 0.01  # relative saving in blocks or FLOPs below which nothing is "saved"
 SPEED_TOLERANCE = 0.02  # latency ratios within 2% of 1 are no clear difference
+# The smallest change of the loss that counts: 1% of perplexity (the exponential of the
+# loss; the same 1% below which fewer blocks or FLOPs are no saving). An interval clear of
+# 0 but not of this proves a real change too small to matter: it makes no label, nor does
+# a retention's share of a Correct-to-GlobalMean gap that small (a random model's gap of
+# 1e-4 nats can be clear of 0, and a share of it says nothing about dependence).
+NEGLIGIBLE = math.log1p(TOLERANCE)  # nats (0.00995)
+NEGLIGIBLE_WORDS = f"{100 * TOLERANCE:g}% of perplexity"  # as sentences say it
 
 
 def variation_part(variance: Mapping[str, VarianceShares],
@@ -71,41 +91,67 @@ def variation(variance: Mapping[str, VarianceShares], spread: Mapping[str, Varia
 PENALTIES = {name: CONDITIONS[name].penalty or name for name in by_role("penalty")}
 
 
-def _judge(conditions: Mapping[str, ConditionResult], kept: float | None) -> tuple[str, str]:
-    """The verdict's label and the head of its sentence; dependence rests on intervals
-    above 0 only."""
+def _retention_labels(sl: Retention) -> bool:
+    """Whether static-layer retention may make a dependence label: measurable (a value
+    and its interval) on a Correct-to-GlobalMean gap whose interval lies above
+    ``NEGLIGIBLE``."""
+    return sl.value is not None and sl.ci95 is not None and sl.gap_ci95[0] > NEGLIGIBLE
+
+
+def _judge(conditions: Mapping[str, ConditionResult], sl: Retention) -> tuple[str, str]:
+    """The verdict's label and the head of its sentence; each label rests on intervals
+    that support it (the module's rules)."""
     # conditions not applicable to the sites (no position axis, no token ids) are absent
     main = [conditions[n] for n in by_role("dependence") if n in conditions]
-    above = [n for n in PENALTIES if n in conditions and conditions[n].ci95[0] > 0]
+    above = [n for n in PENALTIES if n in conditions and conditions[n].ci95[0] > NEGLIGIBLE]
     below = [n for n in PENALTIES if n in conditions and conditions[n].ci95[1] < 0]
+    kept = sl.ci95 if _retention_labels(sl) else None
     if max(c.ci95[0] for c in main) > STRONG_PENALTY or (kept is not None
-                                                         and kept < STRONG_RETENTION):
+                                                         and kept[1] < STRONG_RETENTION):
         return "strong", "Strong dependence on the coefficient assignment"
-    if kept is not None and kept >= WEAK_RETENTION and \
-            max(c.delta for c in main) < WEAK_PENALTY:
+    if kept is not None and kept[0] >= WEAK_RETENTION and \
+            max(c.ci95[1] for c in main) < WEAK_PENALTY:
         return "weak", "Weak dependence on the coefficient assignment"
     if kept is None and not above and below:
         helps = "; ".join(f"{PENALTIES[n]} lowers the NLL by {-conditions[n].delta:.4f} nats "
                           f"[{-conditions[n].ci95[1]:.4f}, {-conditions[n].ci95[0]:.4f}]"
                           for n in below)
         return "none", (f"No dependence on the coefficient assignment (no penalty's 95% "
-                        f"interval lies above 0, and {helps}: the model does not need its "
-                        "coefficients matched to their input and token)")
+                        f"interval lies above {NEGLIGIBLE_WORDS}, and {helps}: the model does "
+                        "not need its coefficients matched to their input and token)")
     if kept is None and not above:
         return "unresolved", ("No measurable dependence on the coefficient assignment (no "
-                              "penalty's 95% interval excludes 0: none found, or too few "
-                              "sequences to resolve one)")
+                              f"penalty's 95% interval lies above {NEGLIGIBLE_WORDS} or below "
+                              "0, and no retention of a measurable gap: none found, or too "
+                              "few sequences to resolve one)")
     return "partial", "Partial dependence on the coefficient assignment"
+
+
+def _kept_text(sl: Retention) -> str:
+    """What static-layer retention says, and why it makes no label when it makes none."""
+    if sl.value is None or sl.ci95 is None:
+        why = sl.reason if sl.gap_ci95[0] > 0 and sl.reason else \
+            "no clear Correct-to-GlobalMean gap"
+        return f"static-profile retention is undefined ({why})"
+    text = (f"a static per-layer profile keeps {sl.value:.2f}% [{sl.ci95[0]:.2f}, "
+            f"{sl.ci95[1]:.2f}] of the Correct-to-GlobalMean gap")
+    if _retention_labels(sl):
+        return text
+    return (f"{text}, but that gap, {sl.gap:.3g} nats [{sl.gap_ci95[0]:.3g}, "
+            f"{sl.gap_ci95[1]:.3g}], does not lie above {NEGLIGIBLE_WORDS} ({NEGLIGIBLE:.3g} "
+            "nats): too small for its share to make a label")  # 3 digits: the gap is tiny
 
 
 def _dependence_numbers(conditions: Mapping[str, ConditionResult],
                         sl: Retention) -> dict[str, float | None]:
-    """The penalties the dependence verdict reads and the per-layer profile's retention."""
+    """The penalties the dependence verdict reads, the per-layer profile's retention and
+    the gap that retention is a share of (global-mean's penalty)."""
     out: dict[str, float | None] = {}
     for name in by_role("dependence"):
         if (c := conditions.get(name)) is not None:
             out |= with_interval(delta_key(name), c.delta, c.ci95)
-    return out | with_interval(retention_key(STATIC_LAYER), sl.value, sl.ci95)
+    return out | with_interval(retention_key(STATIC_LAYER), sl.value, sl.ci95) | \
+        with_interval(delta_key(GLOBAL_MEAN), sl.gap, sl.gap_ci95)  # the gap it is a share of
 
 
 def dependence_part(conditions: Mapping[str, ConditionResult],
@@ -114,18 +160,14 @@ def dependence_part(conditions: Mapping[str, ConditionResult],
     names (tokens, patches, rows and columns)."""
     r, s = conditions[REASSIGN], conditions.get(SHUFFLE)
     sl = retention[STATIC_LAYER]
-    kept = sl.value
-    kept_txt = (f"a static per-layer profile keeps {kept:.2f}% [{sl.ci95[0]:.2f}, "
-                f"{sl.ci95[1]:.2f}] of the Correct-to-GlobalMean gap" if kept is not None
-                else "static-profile retention is undefined (no clear Correct-to-GlobalMean gap)")
     shuffled = f"shuffling them across {across} {s.delta:+.4f} [{s.ci95[0]:+.4f}, " \
         f"{s.ci95[1]:+.4f}]" if s is not None else \
         "shuffling is not applicable (the coefficients have no position axis)"
-    label, head = _judge(conditions, kept)
+    label, head = _judge(conditions, sl)
     return VerdictPart(label, _dependence_numbers(conditions, sl),
                        f"{head}: reassigning coefficients across inputs costs "
                        f"{r.delta:+.4f} nats [{r.ci95[0]:+.4f}, {r.ci95[1]:+.4f}], {shuffled}; "
-                       f"{kept_txt}.")
+                       f"{_kept_text(sl)}.")
 
 
 def dependence(conditions: Mapping[str, ConditionResult],

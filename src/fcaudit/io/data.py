@@ -238,6 +238,14 @@ def folder_tokenizer(folder: str | Path) -> Tokenizer | None:
 
 
 def encode_documents(tok: Tokenizer, docs: Sequence[Document]) -> list[np.ndarray]:
+    """Each document's token ids, whole: a tokenizer saved with padding or truncation on
+    would pad the shorter documents of a batch with its pad id (positions that are no
+    token, cut into windows as if they were) and cut the longer ones, so a copy without
+    either encodes (the caller's tokenizer is left as it is)."""
+    if tok.padding is not None or tok.truncation is not None:
+        tok = Tokenizer.from_str(tok.to_str())
+        tok.no_padding()
+        tok.no_truncation()
     encoded = tok.encode_batch([d.text for d in docs], add_special_tokens=False)
     return [np.asarray(e.ids, dtype=np.int64) for e in encoded]
 
@@ -340,7 +348,7 @@ class AuditData:
         self.calib_ids = token_ids(self.calib_ids, "AuditData.calib_ids")
 
     def _check_examples(self) -> None:
-        from fcaudit.io.examples import Examples, from_dataset
+        from fcaudit.io.examples import Examples, check_unpadded, from_dataset
         if self.eval_ids is not None or self.calib_ids is not None:
             raise UsageError("AuditData: give token ids (eval_ids, calib_ids) or other "
                              "inputs (inputs=..., calib_inputs=... or dataset=...), not both")
@@ -355,6 +363,11 @@ class AuditData:
             from_dataset(self.calib_dataset, "AuditData.calib_dataset")
         self.examples = Examples.of(*ev, "")
         self.calib_examples = Examples.of(*ca, "calib_")
+        for examples, dataset, prefix in ((self.examples, self.dataset, ""),
+                                          (self.calib_examples, self.calib_dataset, "calib_")):
+            check_unpadded(examples.inputs, f"AuditData.{prefix}dataset's inputs"
+                           if dataset is not None
+                           else arg(f"{prefix}inputs", py=f"AuditData.{prefix}inputs"))
 
     def checked(self) -> TokenData | ExampleData:
         """The engine's view of this data, its arrays checked (token ids as int64, other

@@ -9,6 +9,7 @@ pass. An :class:`ExampleBatch` is one slice of it, what a model and an objective
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,11 @@ OTHER_INPUTS = arg("inputs", py="AuditData(inputs=..., targets=..., calib_inputs
 Inputs = Tensor | dict[str, Tensor]
 # the keywords a Hugging Face model takes its token ids [B, T] and token vectors by
 TOKEN_IDS_KEY, TOKEN_VECTORS_KEY = "input_ids", "inputs_embeds"
+# inputs that mark padded positions, by name: a keep mask (attention_mask, pixel_mask,
+# encoder_/decoder_attention_mask: 0 is padding) or a padding mask (key_padding_mask,
+# src_key_padding_mask, padding_mask: nonzero is padding), as transformers and torch name them
+KEEP_MASK = re.compile(r"(^|_)(attention|pixel)_mask$")
+PAD_MASK = re.compile(r"(^|_)padding_mask$")
 
 
 @dataclass
@@ -109,6 +115,26 @@ def as_inputs(value: Any, where: str) -> Inputs:
                             f"{counts}; give one row per example in every array")
         return out
     return example_tensor(value, where)
+
+
+def check_unpadded(inputs: Inputs, where: str) -> None:
+    """Refuse inputs that mark padded positions (:data:`KEEP_MASK`, :data:`PAD_MASK`): the
+    audit counts every position as a token, in calibration profiles, donors, shuffles,
+    variance shares and the loss, so a padded one would enter them all unmarked. A mask
+    that marks nothing (all ones; a padding mask of all zeros) is only fed to the model."""
+    for key, mask in (inputs.items() if isinstance(inputs, dict) else ()):
+        padded = (mask == 0) if KEEP_MASK.search(key) else \
+            (mask != 0) if PAD_MASK.search(key) else None
+        if padded is None or not bool(padded.any()):
+            continue
+        rows = int(padded.reshape(len(mask), -1).any(1).sum())
+        raise DataError(
+            f"{where}[{key!r}] marks {int(padded.sum())} of {padded.numel()} positions as "
+            f"padding, in {rows} of {len(mask)} examples: the audit counts every position as "
+            "a token (calibration profiles, donors, shuffles, variance shares, the loss), so "
+            "padded ones would enter them all; give examples of one length without padding "
+            "(cut the token stream into full windows, as AuditData(eval_ids=..., "
+            "calib_ids=...) takes them) and a mask that masks nothing, or none")
 
 
 def _stack(items: list[Any], where: str) -> Any:

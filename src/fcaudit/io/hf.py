@@ -1,12 +1,13 @@
 """Local Hugging Face causal-LM folders through ``transformers`` (optional extra ``hf``).
 
 Loading is offline and code-free: ``local_files_only``, ``HF_HUB_OFFLINE=1``,
-``trust_remote_code=False`` and safetensors only. A config whose ``model_type`` the
-installed transformers does not implement cannot load (if it has an ``auto_map``,
-the error says the model needs its own remote code, which fcaudit never runs); a
-config with an ``auto_map`` *and* a natively implemented ``model_type`` (DeepSeek-V3
-folders ship both) loads transformers' own implementation, as transformers does
-without ``trust_remote_code``. MUDDPythia/MUDDFormer folders keep fcaudit's own
+``trust_remote_code=False``, ``use_kernels=False`` (transformers >= 5.25 would otherwise
+swap layers for kernels fetched from the hub, on GPUs) and safetensors only. A config
+whose ``model_type`` the installed transformers does not implement cannot load (if it
+has an ``auto_map``, the error says the model needs its own remote code, which fcaudit
+never runs); a config with an ``auto_map`` *and* a natively implemented ``model_type``
+(DeepSeek-V3 folders ship both) loads transformers' own implementation, as transformers
+does without ``trust_remote_code``. MUDDPythia/MUDDFormer folders keep fcaudit's own
 loader (:mod:`fcaudit.io.mudd_checkpoint`).
 
 The weight files are resolved here and handed to transformers by name
@@ -196,7 +197,7 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None,
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             folder, config=config, dtype=dtype or "auto", local_files_only=True,
             trust_remote_code=False, use_safetensors=True, output_loading_info=True,
-            generation_config=transformers.GenerationConfig(), **placing)
+            use_kernels=False, generation_config=transformers.GenerationConfig(), **placing)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise _load_error(folder, exc) from exc
     note_written(placement)

@@ -12,7 +12,11 @@ model (:class:`~fcaudit.core.contract.DeclaresExits`) without changing a weight:
   confidence; the maximum rather than the top-2 margin, so one threshold reads the same
   on every vocabulary size);
 * **exit rules** ``halts.{l}``: a token stops after layer ``l`` where its confidence
-  reaches ``threshold``.
+  reaches ``threshold``;
+* the wrapped model's **own sites** (a hybrid's routers, selection parameters and
+  gates, found by :func:`~fcaudit.core.discovery.declared_sites`, and its routed
+  layers), under ``model.``: an audit with ``--early-exit`` audits them beside the exit
+  scores, as the audit without it would, so no site the model has is dropped.
 
 A Hugging Face layer runs on the whole sequence (its attention mask, rotary positions and
 cache are laid out per position), so it cannot skip a token. The wrapper therefore
@@ -40,8 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fcaudit.core.contract import Site
-from fcaudit.core.discovery import transformers_layer_stack
+from fcaudit.core.contract import ExpertLayer, Site
+from fcaudit.core.discovery import declared_experts, declared_sites, transformers_layer_stack
 from fcaudit.core.errors import ModelError, UsageError, arg
 from fcaudit.io.loading import LoadedModel
 
@@ -222,9 +226,19 @@ class EarlyExitLM(nn.Module):
         return (h, *out[1:]) if isinstance(out, tuple) else h
 
     def controller_sites(self) -> list[Site]:
-        return [Site(name=f"scores.{i}", path=f"scores.{i}", family="exit", layer=i,
-                     axes=("example", "token"), positions=(1,), exit=EXIT_SCORE)
-                for i in range(len(self.scores))]
+        """The exit scores first, then the wrapped model's own sites (a hybrid's routers
+        and selection sites), each under ``model.``."""
+        exits = [Site(name=f"scores.{i}", path=f"scores.{i}", family="exit", layer=i,
+                      axes=("example", "token"), positions=(1,), exit=EXIT_SCORE)
+                 for i in range(len(self.scores))]
+        return exits + [dataclasses.replace(s, name=f"model.{s.name}", path=f"model.{s.path}")
+                        for s in declared_sites(self.model) or ()]
+
+    def expert_layers(self) -> list[ExpertLayer]:
+        """The wrapped model's routed layers (none for a dense model), under ``model.``."""
+        return [dataclasses.replace(x, name=f"model.{x.name}",
+                                    experts=tuple(f"model.{p}" for p in x.experts))
+                for x in declared_experts(self.model) or ()]
 
     def execution_blocks(self) -> list[str]:
         return list(self.layer_paths)

@@ -14,7 +14,8 @@ from fcaudit.core.errors import UsageError, arg
 
 
 def versions() -> dict[str, str]:
-    """Versions of everything that can change a number (recorded in every result)."""
+    """Versions of everything that can change a number (recorded in every result; the
+    packages a model's classes come from are in its ``model.packages``)."""
     import numpy
     import safetensors
     import tokenizers
@@ -22,6 +23,50 @@ def versions() -> dict[str, str]:
     return {"fcaudit": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
             "safetensors": safetensors.__version__, "tokenizers": tokenizers.__version__,
             "python": platform.python_version()}
+
+
+# the extras whose packages fcaudit reads the internals of (pyproject.toml's ranges)
+INTERNALS_EXTRAS = ("hf",)
+
+
+def _extras_in_use() -> dict[str, tuple[str, str]]:
+    """Package -> (installed version, tested specifier) for each package of
+    :data:`INTERNALS_EXTRAS` that this process imported; empty when fcaudit's metadata is
+    not installed (a source tree on ``PYTHONPATH``) or ``packaging`` is missing."""
+    from importlib import metadata
+    try:
+        from packaging.requirements import Requirement
+        required = metadata.requires("fcaudit") or []
+    except (ImportError, metadata.PackageNotFoundError):
+        return {}
+    found = {}
+    for line in required:
+        req = Requirement(line)
+        module = req.name.replace("-", "_")
+        if req.marker is None or module not in sys.modules or not any(
+                req.marker.evaluate({"extra": extra}) for extra in INTERNALS_EXTRAS):
+            continue
+        try:
+            found[req.name] = (metadata.version(req.name), str(req.specifier))
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def untested_versions() -> list[str]:
+    """One line per imported package of fcaudit's internals-reading extras whose installed
+    version lies outside the range the test suite passed on (pyproject.toml declares it;
+    ``.ci/dependency_ceiling.py`` raises the ceiling once the suite passes on a newer
+    release)."""
+    in_use = _extras_in_use()
+    if not in_use:
+        return []
+    from packaging.specifiers import SpecifierSet
+    return [f"{name} {version} is outside the versions fcaudit's tests passed on ({spec}): "
+            "fcaudit reads its internals, which may have moved; check the site list and the "
+            f"identity replay, or install a tested one (pip install '{name}{spec}')"
+            for name, (version, spec) in in_use.items()
+            if version not in SpecifierSet(spec, prereleases=True)]
 
 
 def package_versions(modules: Iterable[str]) -> dict[str, str]:

@@ -99,18 +99,18 @@ def _inexact(result: AuditResult) -> Identity | None:
     return ident if ident is not None and not ident.exact else None
 
 
-def _identity_warning(ident: Identity) -> str:
+def _identity_warning(ident: Identity, loss: str) -> str:
     note = f" {md_text(ident.note)}" if ident.note else ""
     return (f"> **{IDENTITY_WARNING}** Replaying the recorded coefficients (`correct`) does "
-            "not reproduce the original pass bit for bit: max |Δ per-token NLL| = "
+            f"not reproduce the original pass bit for bit: max |Δ {loss}| = "
             f"{fmt_num(ident.max_abs_diff)} nats. The audit was run with "
             "`--allow-nonexact-identity`, so every penalty, retention and verdict below is "
             f"measured against an inexact reference.{note}")
 
 
-def _verdict_warning(ident: Identity) -> str:
+def _verdict_warning(ident: Identity, loss: str) -> str:
     return (f"> **{IDENTITY_WARNING}** This verdict rests on an inexact reference "
-            f"(max |Δ per-token NLL| = {fmt_num(ident.max_abs_diff)} nats).")
+            f"(max |Δ {loss}| = {fmt_num(ident.max_abs_diff)} nats).")
 
 
 # ---------------------------------------------------------------------------
@@ -157,7 +157,8 @@ def _variation_facts(r: AuditResult) -> list[str]:
 
 
 def _dependence_facts(r: AuditResult) -> list[str]:
-    facts = [f"{md_code(name)}: Δ NLL {fmt_with_ci(c.delta, c.ci95)} nats vs correct."
+    facts = [f"{md_code(name)}: Δ {r.loss_name()} {fmt_with_ci(c.delta, c.ci95)} nats vs "
+             "correct."
              for name in (*by_role("dependence"), STATIC_LAYER, GLOBAL_MEAN)
              if (c := r.conditions.get(name))]
     return facts + [f"{md_code(name)}{_retention_text(ret)}"
@@ -172,8 +173,19 @@ def _retention_text(ret: Retention) -> str:
     return f" keeps {fmt_pct(ret.value)}{interval} of the correct-to-global-mean gap."
 
 
-CONDITIONAL_MEANING = ("fewer blocks or FLOPs per token than dense, or experts skipped per "
-                       "token by routing")
+def _unit(ex: Execution) -> str:
+    """What the execution audit counts per: a token, or an example (other inputs)."""
+    return ex.unit or "token"
+
+
+def _batch(size: int, length: int, unit: str) -> str:
+    """A timed batch in its unit: ``8 × 64 tokens``, or ``8 examples`` (one unit each)."""
+    return f"{size} × {length} tokens" if unit == "token" else f"{size} {unit}s"
+
+
+def _conditional_meaning(ex: Execution) -> str:
+    return (f"fewer blocks or FLOPs per {_unit(ex)} than dense, or experts skipped per "
+            "token by routing")
 
 
 def _not_measured(ex: Execution) -> str:
@@ -198,7 +210,7 @@ def _execution_facts(r: AuditResult) -> list[str]:
     ex = r.execution
     if not ex.measured:
         return [] if _says_not_measured(r) else [_not_measured(ex)]
-    unit = ex.unit or "token"
+    unit = _unit(ex)
     facts = [f"Blocks executed per {unit}: {fmt_num(ex.blocks_executed, 2)} of "
              f"{fmt_num(ex.blocks_present)} present (dense: "
              f"{fmt_num(ex.dense_blocks_executed, 2)}).",
@@ -214,7 +226,7 @@ def _execution_facts(r: AuditResult) -> list[str]:
         facts.append(f"Latency vs dense: {fmt_with_ci(ratio.value, ratio.ci95, sign=False)} "
                      "(model / dense, 95% CI).")
     facts.append(f"Conditional execution: **{fmt_num(ex.conditional_execution)}** "
-                 f"({CONDITIONAL_MEANING}).")
+                 f"({_conditional_meaning(ex)}).")
     if ex.experts is not None:
         x = ex.experts
         facts.append(f"Experts run per token per routed layer (mean over layers): "
@@ -237,7 +249,7 @@ def _answers(r: AuditResult) -> list[str]:
     for i, (key, title, facts) in enumerate(ANSWERS, start=1):
         blocks.append(f"### {i}. {title}")
         if inexact:
-            blocks.append(_verdict_warning(inexact))
+            blocks.append(_verdict_warning(inexact, r.loss_name(per_unit=True)))
         blocks.append(f"**{md_text(getattr(r.verdict, key) or 'No verdict recorded.')}**")
         if items := facts(r):
             blocks.append("\n".join(f"- {item}" for item in items))
@@ -260,7 +272,7 @@ def _condition_table(r: AuditResult, rows: Sequence[Row]) -> str:
               fmt_num(row["delta"], sign=True),
               fmt_ci((row["ci_low"], row["ci_high"]), sign=True),
               _repeats_cell(every[row["condition"]])) for row in rows]
-    header = ("condition", "coefficients fed", "NLL (nats)", "Δ vs correct", "95% CI",
+    header = ("condition", "coefficients fed", f"{r.loss_name()} (nats)", "Δ vs correct", "95% CI",
               "repeats")
     if any(row.get("accuracy") is not None for row in rows):  # classification
         cells = [(*cell, fmt_pct(100 * row["accuracy"]) if row["accuracy"] is not None
@@ -281,8 +293,8 @@ def _identity_check(r: AuditResult) -> str:
     """The identity replay's result, with the engine's and the model's notes on it."""
     ident = r.identity
     diff = r.identity_replay_max_abs_diff if ident is None else ident.max_abs_diff
-    text = ("Identity replay check: max |per-token NLL(correct) − NLL(original)| = "
-            f"{fmt_num(diff)}")
+    text = (f"Identity replay check: max |{r.loss_name(per_unit=True)}(correct) − "
+            f"{r.loss_name()}(original)| = {fmt_num(diff)}")
     if ident is not None and not ident.exact:
         text += (": **not exact**, accepted only because the audit was run with "
                  "`--allow-nonexact-identity`.")
@@ -317,8 +329,10 @@ def _retention(r: AuditResult) -> list[str]:
     acc_heads = ("accuracy retention", "95% CI", "accuracy gap [95% CI]") if accuracy else ()
     blocks = ["## Gap retention",
               "R(P) = (NLL(global-mean) − NLL(P)) / (NLL(global-mean) − NLL(correct)): the "
-              "share of the correct-to-global-mean gap a static profile P keeps. Undefined when "
-              "the gap's 95% CI includes 0." + (ACCURACY_RETENTION if accuracy else ""),
+              "share of the correct-to-global-mean gap a static profile P keeps. Undefined (the "
+              "note says why) when the gap's 95% CI is not above 0, or when the share's own "
+              "95% CI is wider than the whole 0–100% scale (a gap too small against its noise "
+              "to resolve a share of it)." + (ACCURACY_RETENTION if accuracy else ""),
               md_table(("profile", *heads, *acc_heads, "note"), rows,
                        "l" + "r" * (len(heads) + len(acc_heads)) + "l"), *lti_statement(r)]
     if (t := r.token_profile) is not None:
@@ -331,8 +345,8 @@ def _retention(r: AuditResult) -> list[str]:
 
 
 ACCURACY_RETENTION = (" Accuracy retention: the same share on accuracy, (acc(P) − "
-                      "acc(global-mean)) / (acc(correct) − acc(global-mean)), undefined when "
-                      "the accuracy gap's 95% CI includes 0 (a reason is in audit.json).")
+                      "acc(global-mean)) / (acc(correct) − acc(global-mean)), undefined by the "
+                      "same rule on the accuracy gap (a reason is in audit.json).")
 
 
 def _share_cells(ret: Retention | None) -> tuple[str, str, str]:
@@ -448,13 +462,13 @@ def _execution(r: AuditResult) -> list[str]:
     blocks = ["## Execution"]
     if not ex.measured:
         return blocks + [_not_measured(ex)]
-    t = ex.timing
+    t, unit = ex.timing, _unit(ex)
     fractions = [f for f in ex.blocks_executed_per_layer or () if fmt_finite(f)]
     rows = [
-        ("blocks executed per token", f"{fmt_num(ex.blocks_executed, 2)} of "
+        (f"blocks executed per {unit}", f"{fmt_num(ex.blocks_executed, 2)} of "
          f"{fmt_num(ex.blocks_present)}", f"{fmt_num(ex.dense_blocks_executed, 2)} of "
          f"{fmt_num(ex.dense_blocks_present)}", ""),
-        ("FLOPs per token", fmt_num(ex.flops_per_token), fmt_num(ex.dense_flops_per_token),
+        (f"FLOPs per {unit}", fmt_num(ex.flops_per_token), fmt_num(ex.dense_flops_per_token),
          fmt_num(ex.flops_ratio)),
     ]
     if t is None:
@@ -465,25 +479,26 @@ def _execution(r: AuditResult) -> list[str]:
                   *(f"{1e3 * s.median_s:.3f} [{1e3 * s.min_s:.3f}, {1e3 * s.max_s:.3f}]"
                     for s in (t.model, t.dense)),
                   f"{fmt_with_ci(ratio.value, ratio.ci95, sign=False)} (95% CI)"),
-                 ("throughput (tokens/s)", f"{t.model.tokens_per_s:,.0f}",
+                 (f"throughput ({unit}s/s)", f"{t.model.tokens_per_s:,.0f}",
                   f"{t.dense.tokens_per_s:,.0f}", "")]
     rows += _expert_rows(ex)
     if fractions:
-        rows.append(("blocks executed per layer (fraction of tokens): min / mean / max",
+        rows.append((f"blocks executed per layer (fraction of {unit}s): min / mean / max",
                      " / ".join(f"{f:.3f}" for f in (min(fractions),
                                                       sum(fractions) / len(fractions),
                                                       max(fractions))), "", ""))
     blocks += [md_table(("measure", "model", "dense", "model / dense"), rows, "lrrr"),
                f"Conditional execution: **{fmt_num(ex.conditional_execution)}** "
-               f"({CONDITIONAL_MEANING}; counted, not read from the coefficients)."]
+               f"({_conditional_meaning(ex)}; counted, not read from the coefficients)."]
     if ex.uncounted_operators:
         blocks.append(_uncounted(ex.uncounted_operators))
     notes = [f"Dense counterpart: {md_code(ex.dense)}." if ex.dense else "",
-             f"Counted on {fmt_num(ex.tokens_counted)} tokens; FLOPs: "
+             f"Counted on {fmt_num(ex.tokens_counted)} {unit}s; FLOPs: "
              f"{md_text(ex.flops_counted or 'not counted')}."]
     if t is not None:
         notes.append(f"Latency: {t.pairs} interleaved pairs after {t.warmup} warm-up runs on "
-                     f"one batch of {t.batch_size} × {t.seq_len} tokens, {t.threads} thread(s) "
+                     f"one batch of {_batch(t.batch_size, t.seq_len, unit)}, {t.threads} "
+                     f"thread(s) "
                      f"on {md_code(t.device)} ({md_text(t.device_name)}); ratio: "
                      f"{md_text(t.ratio_definition)}; 95% CI from {t.bootstrap_resamples:,} "
                      f"bootstrap resamples (seed {t.seed}).")
@@ -536,8 +551,24 @@ def _reuse_sentence(reuse: dict[str, Any]) -> str:
               "record bit for bit. ") if proven else ""
     return (f"{proofs}Replay results: {reuse['batches_reused']} of {total} batches "
             f"({reuse['runs_reused']} runs) reused from the cache, each run's fed coefficients "
-            f"checked bit for bit against this audit's; {reuse['batches_recomputed']} batches "
-            f"({reuse['runs_recomputed']} runs) replayed.")
+            f"checked bit for bit against this audit's{_replay_proof(reuse)}; "
+            f"{reuse['batches_recomputed']} batches ({reuse['runs_recomputed']} runs) replayed.")
+
+
+def _replay_proof(reuse: dict[str, Any]) -> str:
+    """What proved the reused replay runs: a sample (its size, share and seed) or all."""
+    verified = reuse.get("replay_runs_verified")
+    if not reuse["batches_reused"] or verified is None:
+        return ""
+    if reuse["verify_reuse"] == "all":
+        return (f", and every one of them ({verified} runs) replayed again and found equal to "
+                "the cache bit for bit")
+    share = reuse.get("replay_share_verified") or 0
+    return (f", and a sample drawn afresh at this resume (seed {reuse['verify_seed']}), "
+            f"{verified} runs ({100 * share:.1f}% of those reused: every run of the plan on "
+            f"one of {reuse['replay_batches_verified']} cached batches), replayed again and "
+            "found equal to the cache bit for bit (a sample proves every run somewhere, not "
+            "every batch: see docs/method.md, Reuse)")
 
 
 def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tuple[str, str]:
@@ -545,7 +576,7 @@ def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tu
     title = f"Frozen Controller Audit: {one_line(result.model.spec)}"
     blocks = [f"# Frozen Controller Audit: {md_text(result.model.spec)}"]
     if inexact := _inexact(result):
-        blocks.append(_identity_warning(inexact))
+        blocks.append(_identity_warning(inexact, result.loss_name(per_unit=True)))
     blocks.append(_lead(result))
     for section in (_answers, _conditions, stopping_section, _retention, exits_section,
                     _interaction, _per_layer, _variance, _variation, _routing,

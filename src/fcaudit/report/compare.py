@@ -34,6 +34,7 @@ from fcaudit.core.conditions import (
 )
 from fcaudit.core.errors import UsageError, arg
 from fcaudit.engine.result import AuditResult, Retention, delta_key
+from fcaudit.engine.result_views import EXIT_MEAN_DEPTH, EXIT_THRESHOLD
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
 from fcaudit.io.outdir import COMPARE_RESULTS, check_output, hold_output
 from fcaudit.io.results import replacing_results
@@ -47,7 +48,7 @@ from fcaudit.report.figures import (
     profile_figure,
     write_figures,
 )
-from fcaudit.report.format import fmt_ci, fmt_num, fmt_pct, fmt_with_ci
+from fcaudit.report.format import fmt_num, fmt_pct_with_ci, fmt_with_ci
 from fcaudit.report.markdown import (
     FIGURE_DIR,
     md_code,
@@ -173,9 +174,11 @@ def _accuracy_cell(r: AuditResult, name: str) -> Row | None:
 
 
 def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Row]:
-    """One row per quantity (NLL of correct, each condition's penalty, the interaction,
-    each profile's retention, each custom condition's penalty); each model's value with
-    its interval (from :meth:`AuditResult.metrics`), or None where its audit lacks it."""
+    """One row per quantity (the loss of correct, named as the objectives name it; each
+    condition's penalty, the interaction, each profile's retention, each custom
+    condition's penalty; an exit model's threshold and mean executed depth); each model's
+    value with its interval (from :meth:`AuditResult.metrics`), or None where its audit
+    lacks it."""
     flat = [(r.metrics(), r.metric_intervals()) for r in results]
 
     def row(kind: str, name: str, key: str | None = None,
@@ -189,7 +192,7 @@ def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[R
         union = {n: None for r in results for n in pick(r)}
         return [n for n, _ in _ordered(union, canonical)]
 
-    rows = [row("nll", CORRECT, "nll_correct")]
+    rows = [{**row("nll", CORRECT, "nll_correct"), "loss": _loss(results)}]
     rows += [row("penalty", name, delta_key(name))
              for name in names(lambda r: r.conditions, REPORTED_CONDITIONS) if name != CORRECT]
     rows.append(row("interaction", "interaction"))  # None: shuffle not applicable
@@ -200,7 +203,14 @@ def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[R
              for name in names(_with_accuracy, REPORTED_RETENTION)]
     rows += [row("custom", name, delta_key(name))
              for name in names(lambda r: r.custom_conditions or {}, ())]
+    if any(r.exits is not None for r in results):  # exit models: where they stop
+        rows += [row("exit", name) for name in (EXIT_THRESHOLD, EXIT_MEAN_DEPTH)]
     return rows
+
+
+def _loss(results: Sequence[AuditResult]) -> str:
+    """What the audits' losses are called (the objective registry's names), each once."""
+    return " / ".join(dict.fromkeys(r.loss_name() for r in results))
 
 
 def _metric_cell(metrics: Mapping[str, float | None], intervals: Mapping[str, Any],
@@ -210,10 +220,17 @@ def _metric_cell(metrics: Mapping[str, float | None], intervals: Mapping[str, An
     return None if value is None else {"value": value, "ci95": intervals.get(key)}
 
 
-QUANTITY_TITLE = {"nll": "NLL of correct replay (nats)", "penalty": "Δ {} (nats)",
-                  "interaction": "interaction I (nats)", "retention": "retention {}",
-                  "accuracy retention": "retention {} on accuracy",
-                  "custom": "Δ {} (custom, nats)"}
+QUANTITY_TITLE = {"nll": "{loss} of correct replay (nats)", "penalty": "Δ {name} (nats)",
+                  "interaction": "interaction I (nats)", "retention": "retention {name}",
+                  "accuracy retention": "retention {name} on accuracy",
+                  "custom": "Δ {name} (custom, nats)", "exit": "{exit}"}
+EXIT_TITLE = {EXIT_THRESHOLD: "exit threshold", EXIT_MEAN_DEPTH: "mean executed depth (layers)"}
+
+
+def _quantity_title(row: Row) -> str:
+    return QUANTITY_TITLE[row["kind"]].format(name=md_code(row["name"]),
+                                              loss=md_text(row.get("loss", "")),
+                                              exit=EXIT_TITLE.get(row["name"], ""))
 
 
 def _quantity_cell(kind: str, cell: Row | None) -> str:
@@ -222,9 +239,11 @@ def _quantity_cell(kind: str, cell: Row | None) -> str:
     if kind in ("retention", "accuracy retention"):
         if not cell["defined"]:
             return "undefined"
-        return f"{fmt_pct(cell['value'])} {fmt_ci(cell['ci95'], 2)}"
+        return fmt_pct_with_ci(cell["value"], cell["ci95"])
     if kind == "nll":
         return fmt_num(cell["value"])
+    if kind == "exit":  # a threshold, a depth: no sign
+        return fmt_with_ci(cell["value"], cell["ci95"], sign=False)
     return fmt_with_ci(cell["value"], cell["ci95"])
 
 
@@ -235,6 +254,7 @@ def _execution(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Ro
         ratio = ex.timing.speed_ratio_vs_dense if ex.timing is not None else None
         rows.append({
             "model": label, "measured": ex.measured, "reason": ex.reason,
+            "unit": ex.unit or "token",
             "blocks_executed": ex.blocks_executed, "blocks_present": ex.blocks_present,
             "executed_fraction": ex.executed_fraction, "flops_per_token": ex.flops_per_token,
             "dense_flops_per_token": ex.dense_flops_per_token, "flops_ratio": ex.flops_ratio,
@@ -301,14 +321,16 @@ def _per_layer(labels: Sequence[str], results: Sequence[AuditResult]
     return out
 
 
+PENALTY_AXIS = "Δ {loss} (nats), 95% CI"  # a penalty's axis, in the audits' loss
 PER_LAYER_FIGURES = {  # quantity -> (title, y label, reference line)
     "reassign@layer": ("Penalty of reassigning one layer's coefficients (others correct)",
-                       "Δ NLL (nats), 95% CI", 0.0),
+                       PENALTY_AXIS, 0.0),
     "static-layer@layer": ("Penalty of one layer's static profile (others correct)",
-                           "Δ NLL (nats), 95% CI", 0.0),
+                           PENALTY_AXIS, 0.0),
     "sd across inputs": ("Coefficient sd across inputs, per layer", "sd", None),
     "sd across positions": ("Coefficient sd across positions, per layer", "sd", None),
-    "blocks executed": ("Share of tokens that ran each block", "fraction", None),
+    "blocks executed": ("Share of units (tokens or examples) that ran each block", "fraction",
+                        None),
     "load entropy": ("Expert load entropy / log E per routed layer (1: balanced)",
                                "normalized entropy", None),
 }
@@ -331,6 +353,11 @@ class Comparison:
     command: str | None = None
     files: list[Path] = field(default_factory=list)
 
+    @property
+    def loss(self) -> str:
+        """What the audits' losses are called (the row of correct replay's says it)."""
+        return next(r["loss"] for r in self.tables["quantities"] if r["kind"] == "nll")
+
     def to_json(self) -> dict[str, Any]:
         return {"schema": COMPARE_SCHEMA, "fcaudit_version": __version__,
                 "labels": list(self.labels), "command": self.command, "data": self.data,
@@ -343,7 +370,7 @@ class Comparison:
         blocks += _answers_md(self.tables["answers"])
         blocks += _quantities_md(self.labels, self.tables["quantities"])
         blocks += _execution_md(self.tables["execution"])
-        blocks += _routing_md(self.labels, self.tables["routing"])
+        blocks += _routing_md(self.labels, self.tables["routing"], self.loss)
         blocks += ["## Figures", *(md_figures(figures) or ["No figure data in these audits."])]
         if self.command:
             blocks += ["## Command", md_fenced(self.command)]
@@ -363,12 +390,14 @@ class Comparison:
         specs: list[FigureSpec] = [
             ("penalties-retentions", "Penalty of each condition and gap retention of each "
              "static profile, per model, with 95% bootstrap CIs.",
-             partial(comparison_figure, spans(("penalty", "interaction")), spans(("retention",)))),
+             partial(comparison_figure, spans(("penalty", "interaction")), spans(("retention",)),
+                     loss=self.loss)),
             ("profile", "Coefficient per layer, one line per model: mean with ±1 sd.",
              partial(profile_figure, profiles))]
         for quantity, series in self.per_layer.items():
             title, ylabel, ref = PER_LAYER_FIGURES.get(quantity, (
-                f"Penalty of {quantity} (others correct)", "Δ NLL (nats), 95% CI", 0.0))
+                f"Penalty of {quantity} (others correct)", PENALTY_AXIS, 0.0))
+            ylabel = ylabel.format(loss=self.loss)
             lines = {s: [(int(k), Span(v, lo, hi)) for k, v, lo, hi in rows]
                      for s, rows in series.items()}
             specs.append((_stem(quantity), f"{title}, one line per model.",
@@ -450,14 +479,16 @@ def _answers_md(rows: Sequence[Row]) -> list[str]:
 
 
 def _quantities_md(labels: Sequence[str], rows: Sequence[Row]) -> list[str]:
-    cells = [(QUANTITY_TITLE[r["kind"]].format(md_code(r["name"])),
+    cells = [(_quantity_title(r),
               md_text(CONDITION_MEANING.get(r["name"], "")) if r["kind"] == "penalty" else "",
               *(_quantity_cell(r["kind"], r["models"][label]) for label in labels))
              for r in rows]
     return ["## Penalties and retentions",
-            "Δ: NLL minus the correct replay's, with its paired 95% bootstrap CI; retention: "
+            "Δ: the loss minus the correct replay's, with its paired 95% bootstrap CI (an "
+            "exit model's mean executed depth: its bootstrap CI over examples); retention: "
             "the share of the correct-to-global-mean gap a static profile keeps (undefined "
-            f"when that gap's CI includes 0). {MISSING}: not in that audit.",
+            "when that gap's CI is not above 0, or when the share's own CI is wider than the "
+            f"whole 0–100% scale). {MISSING}: not in that audit.",
             md_table(("quantity", "coefficients fed", *map(md_text, labels)), cells,
                      "ll" + "r" * len(labels))]
 
@@ -465,23 +496,24 @@ def _quantities_md(labels: Sequence[str], rows: Sequence[Row]) -> list[str]:
 def _execution_md(rows: Sequence[Row]) -> list[str]:
     def cells(r: Row) -> tuple[str, ...]:
         if not r["measured"]:
-            return (md_text(r["model"]), f"not measured: {md_text(r['reason'] or '')}",
-                    *[MISSING] * 5)
+            return (md_text(r["model"]), md_text(r["unit"]),
+                    f"not measured: {md_text(r['reason'] or '')}", *[MISSING] * 5)
         speed = MISSING if r["speed_ratio_vs_dense"] is None else \
             fmt_with_ci(r["speed_ratio_vs_dense"], r["speed_ratio_ci95"], sign=False)
-        return (md_text(r["model"]),
+        return (md_text(r["model"]), md_text(r["unit"]),
                 f"{fmt_num(r['blocks_executed'], 2)} of {fmt_num(r['blocks_present'])}",
                 fmt_num(r["flops_per_token"]), fmt_num(r["flops_ratio"]), speed,
                 fmt_num(r["conditional_execution"]),
                 MISSING if r["experts_per_token"] is None else f"{r['experts_per_token']:.2f}")
     return ["## Execution",
-            md_table(("model", "blocks executed per token", "FLOPs per token",
+            "Blocks and FLOPs per unit: per token of token ids, per example of other inputs.",
+            md_table(("model", "unit", "blocks executed per unit", "FLOPs per unit",
                       "FLOPs model / dense", "latency model / dense [95% CI]",
                       "conditional execution", "experts run per token per layer"),
-                     [cells(r) for r in rows], "lrrrrll")]
+                     [cells(r) for r in rows], "llrrrrll")]
 
 
-def _routing_md(labels: Sequence[str], rows: Sequence[Row]) -> list[str]:
+def _routing_md(labels: Sequence[str], rows: Sequence[Row], loss: str) -> list[str]:
     if not rows:
         return []
     def top(t: Row | None) -> str:
@@ -498,10 +530,11 @@ def _routing_md(labels: Sequence[str], rows: Sequence[Row]) -> list[str]:
               "Load entropy / log E: 1 is a perfectly balanced expert load (mean over routed "
               "layers, and the least balanced layer). Re-routed: the share of (token, layer) "
               "top-k sets an intervention changes. Most important expert: the removal that "
-              "costs most NLL (expert importance).",
+              f"costs most {md_text(loss)} (expert importance).",
               md_table(("model", "family", "experts", "load entropy / log E",
                         *(f"re-routed: {c}" for c in REROUTED_CONDITIONS),
-                        "most important expert (Δ NLL removed)"), cells, "llrr" + "rrr" + "l")]
+                        f"most important expert (Δ {md_text(loss)} removed)"), cells,
+                       "llrr" + "rrr" + "l")]
     routed = {r["model"] for r in rows}
     if absent := [label for label in labels if label not in routed]:
         blocks.append("No routers in: " + ", ".join(md_text(label) for label in absent) + ".")

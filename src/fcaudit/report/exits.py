@@ -1,15 +1,17 @@
-"""The report's section for exit models (early exit, adaptive depth): where the tokens
-stop, and where the learned exit controller sits between fixed exit and the oracle.
-An audit without an exit condition reads exactly as before (no section)."""
+"""The report's section for exit models (early exit, adaptive depth): where the units
+that exit (tokens, patches or examples, in the exit sites' words) stop, and where the
+learned exit controller sits between fixed exit and the oracle. An audit without an exit
+condition reads exactly as before (no section)."""
 
 from __future__ import annotations
 
 from fcaudit.core.conditions import CORRECT, FIXED_EXIT, FIXED_EXIT_POSITION, ORACLE_EXIT
+from fcaudit.core.exits import plural
 from fcaudit.engine.exit_parts import ExitFrontier
 from fcaudit.engine.result import AuditResult
 from fcaudit.io.hf_exit import HEADS_NOTE, MASKED
 from fcaudit.io.hf_exit import KIND as HF_EARLY_EXIT
-from fcaudit.report.format import fmt_ci, fmt_num, fmt_pct, fmt_share, fmt_with_ci
+from fcaudit.report.format import fmt_num, fmt_pct_with_ci, fmt_share, fmt_with_ci
 from fcaudit.report.markdown import md_code, md_table, md_text
 
 
@@ -22,9 +24,13 @@ def _row(r: AuditResult, name: str, what: str, depth: str) -> tuple[str, str, st
     return md_code(name), what, depth, fmt_with_ci(c.delta, c.ci95, sign=True)
 
 
-def _unit(r: AuditResult) -> str:
-    """What exits: a token, or an example where the sites have no position axis."""
+def exit_unit(r: AuditResult) -> str:
+    """What exits, as the audit recorded it (a token, a patch, an example); a result
+    written before it was recorded: an example where the sites have no position axis
+    (no depth per position), else a token."""
     e = r.exits
+    if e is not None and e.unit is not None:
+        return e.unit
     return "example" if e is not None and not e.fixed_exit_depth_per_position else "token"
 
 
@@ -33,9 +39,11 @@ def exits_section(r: AuditResult) -> list[str]:
     e = r.exits
     if e is None:
         return []
-    unit, per = _unit(r), e.fixed_exit_depth_per_position
+    unit, per = exit_unit(r), e.fixed_exit_depth_per_position
+    depth_ci = e.evaluation_mean_depth_ci95  # None in results written before it
     rows = [_row(r, FIXED_EXIT, f"one layer for every {unit}", f"{e.fixed_exit_depth}"),
-            _row(r, FIXED_EXIT_POSITION, "one layer per position",
+            _row(r, FIXED_EXIT_POSITION, f"one layer per {unit} position" if per
+                 else "one layer per position",
                  f"{min(per)}-{max(per)}" if per else ""),
             _row(r, CORRECT, "the learned controller (its own scores)",
                  fmt_num(e.evaluation_mean_depth, 3)),
@@ -43,10 +51,10 @@ def exits_section(r: AuditResult) -> list[str]:
                  fmt_num(e.oracle_mean_depth, 3))]
     blocks = ["## Exits",
               f"Layers executed per {unit} (of {e.depth}), counted by hooks on the model's "
-              f"exit rules: {fmt_num(e.evaluation_mean_depth, 3)} on the evaluation windows, "
-              f"{fmt_num(e.calibration_mean_depth, 3)} on calibration; "
-              f"{fmt_share(e.share_exiting_first_layer)} of the evaluation {unit}s stop after "
-              f"the first layer, {fmt_share(e.share_full_depth)} run every layer.",
+              f"exit rules: {fmt_with_ci(e.evaluation_mean_depth, depth_ci, 3, False)} on the "
+              f"evaluation set, {fmt_num(e.calibration_mean_depth, 3)} on calibration; "
+              f"{fmt_share(e.share_exiting_first_layer)} of the evaluation {plural(unit)} "
+              f"stop after the first layer, {fmt_share(e.share_full_depth)} run every layer.",
               md_table(("exit rule", f"each {unit} exits at", "depth",
                         "Δ vs correct [95% CI]"), rows, "llrr")]
     if e.note:
@@ -54,12 +62,11 @@ def exits_section(r: AuditResult) -> list[str]:
     if r.model.kind == HF_EARLY_EXIT:
         blocks.append(f"**Not trained for early exit:** {md_text(HEADS_NOTE)}. **Masked, not "
                       f"skipped:** {md_text(MASKED)} (the execution audit counts every layer "
-                      "on every token; the depths above are what a skipping implementation "
+                      f"on every {unit}; the depths above are what a skipping implementation "
                       "would execute).")
     g = e.gap_closed
     if g is not None:
-        share = "undefined" if g.value is None else \
-            f"{fmt_pct(g.value)} [{fmt_ci(g.ci95, 2)}]"
+        share = "undefined" if g.value is None else fmt_pct_with_ci(g.value, g.ci95)
         why = f" ({md_text(g.reason)})" if g.value is None and g.reason else ""
         blocks.append(f"Share of the fixed-to-oracle gap the learned controller closes, "
                       f"(L(fixed) − L(learned)) / (L(fixed) − L(oracle)): {share}{why}.")

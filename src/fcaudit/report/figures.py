@@ -199,9 +199,9 @@ def expert_load_figure(loads: Mapping[str, Sequence[Sequence[float]]]) -> Figure
     return fig
 
 
-def expert_importance_figure(deltas: Mapping[str, Sequence[Sequence[float | None]]]
-                             ) -> Figure | None:
-    """Expert importance, one panel per router family: the NLL change when each layer's
+def expert_importance_figure(deltas: Mapping[str, Sequence[Sequence[float | None]]], *,
+                             loss: str = "NLL") -> Figure | None:
+    """Expert importance, one panel per router family: the ``loss`` change when each layer's
     expert is removed from every token's choice (layer x expert), on a diverging scale
     centred on 0; an expert the rule still picked (no removal measured) is grey."""
     maps = _layer_expert_maps(deltas)
@@ -211,8 +211,8 @@ def expert_importance_figure(deltas: Mapping[str, Sequence[Sequence[float | None
     for ax, (fam, m) in zip(axes, maps.items(), strict=True):
         bound = float(np.nanmax(np.abs(m))) or 1.0
         image = _layer_expert_image(ax, m, cmap=IMPORTANCE_CMAP, vmin=-bound, vmax=bound)
-        fig.colorbar(image, ax=ax, label="Δ NLL when removed (nats)")
-        ax.set(title=f"{fam}: expert importance (Δ NLL with the expert removed; grey: "
+        fig.colorbar(image, ax=ax, label=f"Δ {loss} when removed (nats)")
+        ax.set(title=f"{fam}: expert importance (Δ {loss} with the expert removed; grey: "
                      "still picked, not measured)", xlabel="expert", ylabel="layer")
     return fig
 
@@ -272,10 +272,11 @@ def _layer_expert_image(ax: Axes, m: np.ndarray, **scale: Any) -> Any:
 
 
 def penalty_figure(conditions: Mapping[str, Mapping[str, Span]],
-                   per_layer: Mapping[str, Sequence[tuple[int, Span]]] | None = None,
-                   ) -> Figure | None:
+                   per_layer: Mapping[str, Sequence[tuple[int, Span]]] | None = None, *,
+                   loss: str = "NLL") -> Figure | None:
     """Penalties vs correct with intervals: per condition (one marker per series: the
-    audit, or each study group), and per layer (one line per ``name@layer`` series)."""
+    audit, or each study group), and per layer (one line per ``name@layer`` series), in
+    ``loss`` (the objective's name for it)."""
     series = _named_spans(conditions)
     layers = _layer_spans(per_layer or {})
     if not series and not layers:
@@ -283,20 +284,22 @@ def penalty_figure(conditions: Mapping[str, Mapping[str, Span]],
     fig, axes = _stacked_axes(bool(series) + bool(layers), 3.2)
     if series:
         _condition_panel(axes[0], series, "Penalty per condition (all sites at once)",
-                         "Δ NLL vs correct (nats) with interval")
+                         f"Δ {loss} vs correct (nats) with interval")
     if layers:
         _layer_panel(axes[-1], layers, "Penalty of intervening on one layer (others correct)",
-                     "Δ NLL (nats), 95% CI", legend=True)
+                     f"Δ {loss} (nats), 95% CI", legend=True)
     return fig
 
 
 def comparison_figure(penalties: Mapping[str, Mapping[str, Span]],
-                      retentions: Mapping[str, Mapping[str, Span]]) -> Figure | None:
-    """Several audits side by side (one colour per model): each condition's penalty and
-    each static profile's gap retention with their intervals (undefined ones left out)."""
+                      retentions: Mapping[str, Mapping[str, Span]], *,
+                      loss: str = "NLL") -> Figure | None:
+    """Several audits side by side (one colour per model): each condition's penalty (in
+    ``loss``) and each static profile's gap retention with their intervals (undefined ones
+    left out)."""
     panels = [(spans, title, xlabel, refs) for spans, title, xlabel, refs in (
         (_named_spans(penalties), "Penalty per condition (all sites at once)",
-         "Δ NLL vs correct (nats), 95% CI", (0.0,)),
+         f"Δ {loss} vs correct (nats), 95% CI", (0.0,)),
         (_named_spans(retentions), "Gap retention of the static profiles",
          "share of the correct-to-global-mean gap kept (%), 95% CI", (0.0, 100.0)))
         if spans]

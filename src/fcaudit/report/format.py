@@ -48,6 +48,12 @@ def fmt_pct(x: float | None) -> str:
     return fmt_num(x, 2) + "%" if fmt_finite(x) else "n/a"
 
 
+def fmt_pct_with_ci(x: float | None, ci: Sequence[float] | None) -> str:
+    """A percentage with its interval, ``12.34% [5.00, 20.00]``: the interval's own
+    brackets, never a second pair around them."""
+    return f"{fmt_pct(x)} {fmt_ci(ci, 2)}"
+
+
 def fmt_seq(values: Sequence[Any], fmt: Callable[[Any], str] = fmt_num, limit: int = 8) -> str:
     """A comma-separated list, cut after ``limit`` items so a table cell stays short."""
     shown = ", ".join(fmt(v) for v in values[:limit])

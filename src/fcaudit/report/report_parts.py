@@ -58,15 +58,15 @@ def _by_family(result: AuditResult, items: Mapping[str, T]) -> list[tuple[str, T
 
 def _routing(r: AuditResult) -> list[str]:
     """Routing-aware metrics of router families: expert load per layer and its entropy,
-    and the share of tokens each condition re-routes (beside their NLL penalties)."""
+    and the share of tokens each condition re-routes (beside their penalties)."""
     if not r.routing:
         return []
     blocks = ["## Routing",
               "For router sites: the expert load of the original routing per layer (share of "
               "token-slots per expert) and its entropy (1 = perfectly balanced), and the share "
-              "of (token, layer) top-k expert sets each condition changes, beside its NLL "
-              "penalty. Layer identity's share of the router-logit variance is in the variance "
-              "decomposition above."]
+              "of (token, layer) top-k expert sets each condition changes, beside its "
+              f"{r.loss_name()} penalty. Layer identity's share of the router-logit variance "
+              "is in the variance decomposition above."]
     for fam, summary in _by_family(r, r.routing):
         conditions = [c for c in r.conditions if c in summary.changed]
         rows = [(md_code(c), f"{100 * summary.changed[c]:.1f}%",
@@ -77,7 +77,8 @@ def _routing(r: AuditResult) -> list[str]:
                      for x in summary.per_layer]
         blocks += [f"### Family {md_code(fam)} ({summary.num_experts} experts, "
                    f"{fmt_num(summary.tokens)} tokens per layer)",
-                   md_table(("condition", "top-k sets changed", "Δ NLL [95% CI]"), rows, "lrr"),
+                   md_table(("condition", "top-k sets changed", f"Δ {r.loss_name()} [95% CI]"),
+                            rows, "lrr"),
                    md_table(("layer", "site", "load entropy / log E", "expert load",
                              *(f"changed: {c}" for c in conditions[:3])), per_layer,
                             "llrl" + "r" * len(conditions[:3])),
@@ -93,16 +94,18 @@ def _expert_importance(r: AuditResult) -> list[str]:
     blocks = ["## Expert importance",
               "For each routed layer and expert, one replay with that expert removed from every "
               "token's choice in that layer (the next expert takes its place, weighted as the "
-              "family's routing rule does): its NLL change vs the correct replay, beside its "
+              f"family's routing rule does): its {r.loss_name()} change vs the correct "
+              "replay, beside its "
               "load under the original routing. The layer x expert map is in the figures."]
     for fam, summary in _by_family(r, r.expert_importance):
         blocks += [f"### Family {md_code(fam)} ({summary.num_experts} experts, "
-                   f"{summary.replays} ablation replays)", *_importance_tables(summary),
+                   f"{summary.replays} ablation replays)",
+                   *_importance_tables(summary, r.loss_name()),
                    f"Note: {md_text(summary.note)}."]
     return blocks
 
 
-def _importance_tables(summary: ImportanceSummary) -> list[str]:
+def _importance_tables(summary: ImportanceSummary, loss: str) -> list[str]:
     items = [(layer.layer, layer.site, x) for layer in summary.per_layer for x in layer.experts]
     measured = sorted((i for i in items if i[2].delta is not None), key=lambda i: -i[2].delta)
     ranked = [("most", i) for i in measured[:3]] + \
@@ -111,8 +114,8 @@ def _importance_tables(summary: ImportanceSummary) -> list[str]:
     def row(rank: str, layer: int, site: str, x: ExpertImportance) -> tuple[str, ...]:
         return (rank, str(layer), md_code(site), str(x.expert), fmt_with_ci(x.delta, x.ci95),
                 f"{100 * x.load:.1f}%", fmt_num(x.selected_after))
-    out = [md_table(("importance", "layer", "site", "expert", "Δ NLL removed [95% CI]", "load",
-                     "picked when removed"), [row(k, *i) for k, i in ranked], "lrlrrrr")] \
+    out = [md_table(("importance", "layer", "site", "expert", f"Δ {loss} removed [95% CI]",
+                     "load", "picked when removed"), [row(k, *i) for k, i in ranked], "lrlrrrr")] \
         if ranked else []
     kept = [f"layer {layer} expert {x.expert} ({fmt_num(x.selected_after)} token-slots)"
             for layer, _, x in items if x.delta is None]
@@ -194,11 +197,12 @@ def _figure_specs(r: AuditResult) -> list[FigureSpec]:
         ("expert-load", "Expert load by layer: share of token-slots routed to each expert.",
          partial(expert_load_figure, {fam: [x.load for x in summary.per_layer]
                                       for fam, summary in routed.items()})),
-        ("expert-importance", "Expert importance by layer: NLL change with each expert removed "
-         "from every token's choice.",
+        ("expert-importance", f"Expert importance by layer: {r.loss_name()} change with each "
+         "expert removed from every token's choice.",
          partial(expert_importance_figure, {
              fam: [[x.delta for x in layer.experts] for layer in summary.per_layer]
-             for fam, summary in _by_family(r, r.expert_importance or {})})),
+             for fam, summary in _by_family(r, r.expert_importance or {})},
+             loss=r.loss_name())),
         (FRONTIER, "Savings frontier: NLL penalty vs FLOPs saved, dynamic vs static rules, "
          "95% CI bars.",
          partial(frontier_figure, {
@@ -206,7 +210,7 @@ def _figure_specs(r: AuditResult) -> list[FigureSpec]:
                           for p in f.points if p.rule == rule]
                    for rule in dict.fromkeys(p.rule for p in f.points)}
              for fam, f in _by_family(r, r.frontier or {})})),
-        ("penalties", "NLL penalties vs correct replay with 95% bootstrap CIs.",
-         partial(penalty_figure, conditions, per_layer)),
+        ("penalties", f"{r.loss_name()} penalties vs correct replay with 95% bootstrap CIs.",
+         partial(penalty_figure, conditions, per_layer, loss=r.loss_name())),
         ("variance", "Variance shares of the coefficients.", partial(variance_figure, shares)),
     ]

@@ -11,7 +11,7 @@ audit without either reads exactly as before.
 from __future__ import annotations
 
 from fcaudit.core.conditions import STATIC_LAYER, STATIC_LAYER_POSITION, STATIC_LAYER_TOKEN
-from fcaudit.engine.result import ETA2_KEYS, AuditResult, VarianceShares
+from fcaudit.engine.result import ETA2_KEYS, TOKEN_ID_KEYS, AuditResult, VarianceShares
 from fcaudit.report.figures import SHARE_LABELS
 from fcaudit.report.format import fmt_num, fmt_share
 from fcaudit.report.markdown import md_code, md_table, md_text
@@ -74,14 +74,15 @@ def dependence_fact(r: AuditResult) -> list[str]:
 
 def variation_facts(r: AuditResult) -> list[str]:
     """Per family with named coefficients: the token id's share of each one's variance
-    within layers (the variation answer quotes the pooled figure only)."""
+    within layers, beyond chance and beside its chance level (the variation answer quotes
+    the pooled figure only)."""
     facts = []
     for fam, var in r.variance.items():
-        shares = [f"{md_code(name)} {fmt_share(p.eta2_token_id)}"
-                  for name, p in (var.parts or {}).items() if p.eta2_token_id is not None]
+        shares = [f"{md_code(name)}: {md_text(said)}" for name, p in (var.parts or {}).items()
+                  if (said := p.token_id_text()) is not None]
         if shares and (len(shares) > 1 or next(iter(var.parts or {})) != fam):
-            facts.append(f"{md_code(fam)} per coefficient, the share of the variance within "
-                         f"layers the current token id explains: {', '.join(shares)}.")
+            facts.append(f"{md_code(fam)} per coefficient, within layers: "
+                         f"{'; '.join(shares)}.")
     return facts
 
 
@@ -101,16 +102,18 @@ def coefficient_table(r: AuditResult, family: str, var: VarianceShares) -> list[
         return []
     shown = _channels(r, family)
     order = [*shown, *(p for p in var.parts if p not in shown)]
-    keys = (*ETA2_KEYS, "eta2_token_id")
+    keys = (*ETA2_KEYS, *TOKEN_ID_KEYS)
     rows = [[md_code(name), shown.get(name, ""), fmt_num(var.parts[name].n_values),
              *(fmt_share(getattr(var.parts[name], k)) for k in keys)]
             for name in order if name in var.parts]
     rows.append(["pooled", "all", fmt_num(var.n_values),
                  *(fmt_share(getattr(var, k)) for k in keys)])
     header = ("coefficient", "channels", "values", *(SHARE_LABELS[k] for k in ETA2_KEYS),
-              "token id (within layers)")
+              "token id (within layers)", "its chance level", "token id beyond chance")
     return ["Per coefficient (each one's channels decomposed alone; the token-id share is "
-            "of the variance within layers):",
+            "of the variance within layers, beside its chance level (k − 1) / (n − 1) for k "
+            "distinct ids among n tokens, and the share beyond chance, (share − chance) / "
+            "(1 − chance)):",
             md_table(header, rows, "llr" + "r" * len(keys))]
 
 

@@ -20,10 +20,12 @@ def _reuse_line(r: AuditResult) -> str:
     """What this run took from the cache, per round (runtime facts: a rerun differs)."""
     parts = [f"round {i}: {c['record_batches_reused']} record batches reused, "
              f"{c['record_batches_recorded']} recorded, {c['runs_reused']} replay passes "
-             f"reused, {c['runs_recomputed']} recomputed, {c['wall_s']:.1f} s"
+             f"reused ({c.get('replay_runs_verified', 0)} of them replayed again as their "
+             f"proof), {c['runs_recomputed']} recomputed, {c['wall_s']:.1f} s"
              for i, c in enumerate(r.runtime.rounds or [], start=1)]
     return ("This run: " + "; ".join(parts) + ". A replay run is reused only when its token "
-            "ids and every tensor it is fed match bit for bit; the random conditions' feeds "
+            "ids and every tensor it is fed match bit for bit and a fresh sample of the reused "
+            "runs, replayed again, equals the cache bit for bit; the random conditions' feeds "
             "depend on the number of sequences (the derangement), so they are replayed again "
             "in each new round.") if parts else ""
 

@@ -47,7 +47,7 @@ from fcaudit.core.errors import FcauditError, UsageError, arg
 from fcaudit.core.nll import logits_of
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.objectives import CLASSIFICATION
-from fcaudit.engine.result import ETA2_KEYS, AuditResult
+from fcaudit.engine.result import ETA2_KEYS, AuditResult, token_id_words
 from fcaudit.engine.run import AuditOptions, as_loaded
 from fcaudit.io import digits
 from fcaudit.io.data import AuditData, DataSpec
@@ -306,6 +306,8 @@ ROWS: tuple[tuple[str, str, int, bool], ...] = (
     ("eta2_component", "eta2 component", 3, False),
     ("eta2_residual", "eta2 residual (content)", 3, False),
     ("eta2_token_id", "token-id share of within-layer variance", 3, False),
+    ("eta2_token_id_chance", "its chance level, (ids - 1) / (tokens - 1)", 3, False),
+    ("epsilon2_token_id", "token-id share beyond chance (epsilon squared)", 3, False),
     ("blocks_executed_fraction", "blocks executed / present", 3, False),
     ("flops_ratio", "FLOPs ratio vs dense", 3, False),
     ("experts_executed_fraction", "experts executed / present", 3, False),
@@ -393,12 +395,13 @@ def _token_findings(groups: Mapping[str, Mapping[str, Any]], mean: Any) -> list[
         if group is None:
             continue
         ret, share = mean(group, "retention_static_layer_token"), mean(group, "eta2_token_id")
+        words = None if share is None else token_id_words(
+            share, mean(group, "eta2_token_id_chance"), mean(group, "epsilon2_token_id"))
         out.append((f"{label}: a static profile per (layer, token id) (not in the paper)",
                     ("retention undefined (no clear gap)" if ret is None else
                      f"keeps {ret:.2f}% of the gap on average")
-                    + ("; no variance within layers" if share is None else
-                       f"; the token id explains {100 * share:.1f}% of the within-layer "
-                       "variance")))
+                    + ("; no variance within layers" if words is None else
+                       f"; of the within-layer variance, the token id {words} on average")))
     return out
 
 

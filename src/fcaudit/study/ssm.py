@@ -27,6 +27,7 @@ from fcaudit.core.conditions import (
     STATIC_LAYER_TOKEN,
 )
 from fcaudit.engine.objectives import SELECTIVE_COPY
+from fcaudit.engine.result import token_id_words
 from fcaudit.study.train import TRAIN_PRESETS
 
 TASK = SELECTIVE_COPY
@@ -86,8 +87,17 @@ def _score(group: Mapping[str, Any], task: bool) -> str:
 
 
 def _token_share(audits: list[Any]) -> str:
-    shares = [a.variance[DELTA].eta2_token_id for a in audits]
-    return "n/a" if None in shares else f"{100 * float(np.mean(shares)):.1f}%"
+    """Δ's token-id share beyond chance, with the share and its chance level beside it
+    (means over seeds)."""
+    shares = [a.variance[DELTA] for a in audits]
+    if any(v.eta2_token_id is None for v in shares):
+        return "n/a"
+    chance = [v.eta2_token_id_chance for v in shares]
+    beyond = [v.epsilon2_token_id for v in shares]
+    return token_id_words(float(np.mean([v.eta2_token_id for v in shares])),
+                          None if None in chance else float(np.mean(chance)),
+                          None if None in beyond else float(np.mean(beyond))
+                          ).removeprefix("explains ")
 
 
 def _execution(group: Mapping[str, Any]) -> str:

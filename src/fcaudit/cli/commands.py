@@ -358,6 +358,8 @@ def cmd_sites(args: argparse.Namespace) -> None:
     from fcaudit.engine.run import as_loaded
     from fcaudit.io.runtime import untested_versions
     loaded = as_loaded(args.model)
+    for line in loaded.notes:
+        _say(f"fcaudit: note: {line}")
     for line in untested_versions():
         _say(f"fcaudit: warning: {line}")
     model = loaded.model

@@ -69,6 +69,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     layouts = resolve_layouts(setup, first_batch(setup))
     return dataclasses.replace(setup, sites=layouts.sites, layouts=layouts.notes,
                                notes=(window_line(setup.inputs.summary()), *layouts.lines,
+                                      *(f"note: {line}" for line in loaded.notes),
                                       *([f"note: {HEADS_NOTE}"] if loaded.kind == KIND else []),
                                       *(f"warning: {line}" for line in untested_versions())))
 

@@ -7,7 +7,7 @@ kernel dispatch), so a release it was never tested on may break it; pyproject.to
 exactly what CI runs (its pins are the range's ceilings). This script is how the range
 moves:
 
-    python .ci/dependency_ceiling.py                 # newest transformers and accelerate
+    python .ci/dependency_ceiling.py                 # newest transformers, accelerate, gguf
     python .ci/dependency_ceiling.py --dry-run       # only say what is newer
     python .ci/dependency_ceiling.py --try transformers==5.24.0   # a floor to check
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT, CONSTRAINTS = ROOT / "pyproject.toml", ROOT / "constraints.txt"
-TRACKED = ("transformers", "accelerate")
+TRACKED = ("transformers", "accelerate", "gguf")
 # what a tracked package pulls in and constraints.txt pins: resolved afresh with it
 PULLED = {"transformers": ("huggingface-hub", "kernels", "tokenizers", "safetensors"),
           "accelerate": ("huggingface-hub", "safetensors")}

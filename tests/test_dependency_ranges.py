@@ -33,14 +33,17 @@ def _extra(name: str) -> dict[str, str]:
 
 def test_every_internals_package_has_a_closed_range_whose_ceiling_is_the_pin() -> None:
     pins = _pins()
-    for package, spec in _extra("hf").items():
+    internals = {**_extra("hf"), **_extra("gguf")}
+    internals.pop("fcaudit")  # gguf's extra takes hf's in by name
+    assert set(internals) == {"transformers", "accelerate", "gguf"}
+    for package, spec in internals.items():
         floor, ceiling = re.fullmatch(r">=([\w.]+),<=([\w.]+)", spec).groups()
         assert pins[package] == ceiling, package
         assert packaging.SpecifierSet(spec).contains(floor), package
 
 
 def test_every_pin_satisfies_what_fcaudit_declares() -> None:
-    declared = {**_extra("hf"), **_extra("test")}
+    declared = {**_extra("hf"), **_extra("gguf"), **_extra("test")}
     for package, version in _pins().items():
         assert re.fullmatch(r"[\d.]+", version), package
         if package in declared:

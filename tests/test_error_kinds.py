@@ -53,7 +53,8 @@ def test_an_option_of_the_placement_part_is_a_usage_error_too() -> None:
     with pytest.raises(UsageError) as caught:
         AuditOptions(max_memory="cpu=8GiB").validate()  # a budget without a device map
     assert caught.value.option == "max_memory"
-    assert str(caught.value).startswith("max_memory= only applies with device_map='auto'")
+    assert str(caught.value).startswith("AuditOptions(max_memory='cpu=8GiB') is read only with "
+                                        "device_map='auto'")
 
 
 def test_a_missing_data_file_is_a_data_error_with_its_path(

@@ -96,7 +96,7 @@ def test_planted_dead_and_critical_experts(planted) -> None:
     dead, critical = layer.experts[0], layer.experts[1]
     assert dead.delta == 0.0 and dead.ci95 == [0.0, 0.0]  # importance 0 within its CI
     assert critical.ci95[0] > 0 and layer.experts[2].ci95[1] < 0  # clearly critical, a gain
-    assert result.settings["expert_ablation"] is None
+    assert result.settings["expert_ablation"] is True  # on by default here: the effective value
     assert result.settings["expert_ablation_runs"] == TOY_EXPERTS
 
 

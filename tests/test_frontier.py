@@ -373,7 +373,7 @@ def test_options_are_validated_before_work(tmp_path: Path) -> None:
     for bad, fragment in ((dict(frontier_points=1), "frontier_points=1"),
                           (dict(frontier_points=21), "frontier_points=21"),
                           (dict(frontier="yes"), "frontier='yes'"),
-                          (dict(execution=False), "needs the execution audit")):
+                          (dict(execution=False), "is read only with the execution audit")):
         with pytest.raises(FcauditError, match=fragment):
             AuditOptions(**{**OPTIONS.__dict__, **bad}).validate()
     import toys

@@ -224,6 +224,7 @@ def _hf_early_exit() -> tuple[torch.nn.Module, AuditData, AuditOptions]:
 
 EXIT_FAMILIES = {"early-exit LM": _early_exit, "ponder": _ponder, "branchy": _branchy,
                  "hugging face --early-exit": _hf_early_exit}
+UNIT = {"branchy": "example"}  # what one exit decision stops (the others: a token)
 
 
 def _declared(model: torch.nn.Module, exit: Any) -> None:
@@ -251,8 +252,8 @@ def test_a_reversed_site_exit_is_refused_as_reversed(family: str) -> None:
     _declared(model, lambda s: (1.0, 0.0))
     assert _exit_refusal(model, data, options) == (
         f"exit site {first}: Site.exit=(1.0, 0.0) is reversed: the model's rule stops every "
-        "token on the continue value 1.0 and none on the exit value 0.0; declare "
-        "Site.exit=(0.0, 1.0)")
+        f"{UNIT.get(family, 'token')} on the continue value 1.0 and none on the exit value "
+        "0.0; declare Site.exit=(0.0, 1.0)")
 
 
 @pytest.mark.parametrize("family", EXIT_FAMILIES)
@@ -264,9 +265,9 @@ def test_a_threshold_the_exit_value_never_reaches_is_refused_for_that(family: st
     site = model.controller_sites()[rules][0].name
     _thresholds(model, 1.5, rules)
     assert _exit_refusal(model, data, options) == (
-        f"exit site {site}: its exit value 1.0 (Site.exit=(0.0, 1.0)) stops no token, a value "
-        "1001 does: the rule's threshold is never reached by the declared exit value; declare "
-        "one that reaches it")
+        f"exit site {site}: its exit value 1.0 (Site.exit=(0.0, 1.0)) stops no "
+        f"{UNIT.get(family, 'token')}, a value 1001 does: the rule's threshold is never "
+        "reached by the declared exit value; declare one that reaches it")
 
 
 @pytest.mark.parametrize("family", EXIT_FAMILIES)
@@ -275,9 +276,9 @@ def test_a_threshold_the_continue_value_reaches_is_refused_for_that(family: str)
     _thresholds(model, 0.0)
     assert _exit_refusal(model, data, options) == (
         f"exit site {model.controller_sites()[0].name}: its continue value 0.0 "
-        "(Site.exit=(0.0, 1.0)) stops every token, a value -1000 does not: the rule's "
-        "threshold is always reached, even by the declared continue value; declare one that "
-        "does not reach it")
+        f"(Site.exit=(0.0, 1.0)) stops every {UNIT.get(family, 'token')}, a value -1000 does "
+        "not: the rule's threshold is always reached, even by the declared continue value; "
+        "declare one that does not reach it")
 
 
 # ------------------------------------------------------------------ dense twin

@@ -58,7 +58,12 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("min sequences 1", [*TOY, *TOKENS, "--target-ci", "0.1", "--min-sequences", "1"],
      "--min-sequences 1: must be an integer of at least 2"),
     ("frontier without execution", [*TOY, *TOKENS, "--frontier", "--no-execution"],
-     "--frontier needs the execution audit"),
+     "--frontier is read only with the execution audit"),
+    ("frontier points without frontier", [*TOY, *TOKENS, "--frontier-points", "6"],
+     "--frontier-points 6 is read only with --frontier: add it or drop --frontier-points"),
+    ("timing pairs without execution", [*TOY, *TOKENS, "--no-execution", "--timing-pairs",
+                                        "20"], "--timing-pairs 20 is read only with the "
+                                               "execution audit"),
     ("seed negative", [*TOY, *TOKENS, "--seed", "-1"], "--seed -1"),
     ("max eval 1", [*TOY, *TOKENS, "--max-eval", "1"], "--max-eval 1"),
     ("max calib 0", [*TOY, *TOKENS, "--max-calib", "0"], "--max-calib 0"),

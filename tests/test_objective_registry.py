@@ -232,7 +232,8 @@ def test_an_entry_is_an_objective_choice_and_help_on_the_command_line() -> None:
         "loss: token-nll (token ids, the default) or classification (cross-entropy and " \
         "accuracy of [N, C] logits; the default with --inputs) or selective-copy " \
         "(cross-entropy of token logits [N, T, V] at the last K positions against answer " \
-        "tokens [N, K]; accuracy: all K right) or mse (squared distance)"
+        "tokens [N, K]; accuracy: all K right; the default for a run of the task) or mse " \
+        "(squared distance)"
 
 
 def test_objective_mistakes_are_of_their_kind() -> None:

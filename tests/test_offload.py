@@ -221,8 +221,8 @@ def test_what_a_crashed_audit_left_is_cleared_and_the_folder_reused(
 
 
 @pytest.mark.parametrize(("extra", "says"), [
-    (["--max-memory", "cpu=1GiB"], "--max-memory only applies with --device-map auto"),
-    (["--offload-folder", "x"], "--offload-folder only applies with --device-map auto"),
+    (["--max-memory", "cpu=1GiB"], "--max-memory cpu=1GiB is read only with --device-map auto"),
+    (["--offload-folder", "x"], "--offload-folder x is read only with --device-map auto"),
     (["--device-map", "auto", "--device", "cuda"], "drop --device cuda"),
 ])
 def test_placement_options_that_cannot_apply(extra: list[str], says: str, tmp_path: Path,

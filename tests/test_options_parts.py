@@ -35,7 +35,7 @@ def test_the_parts_are_views_that_split_every_field_once() -> None:
     options = AuditOptions(repeats=2, batch_size=4, frontier=True, target_ci=0.02,
                            device_map="auto")
     assert options.statistics == StatisticsOptions(repeats=2, seed=0, bootstrap=1000,
-                                                   objective="token-nll")
+                                                   objective=None)  # None: the data decide
     assert options.scope == ScopeOptions(per_layer=True, execution=True, timing_pairs=10,
                                          allow_nonexact_identity=False, expert_ablation=None,
                                          frontier=True, frontier_points=6)
@@ -125,9 +125,9 @@ def test_the_cli_validates_an_audit_s_options_once(
     checks: list[AuditOptions] = []
     original = AuditOptions._check
 
-    def counted(self: AuditOptions) -> None:
+    def counted(self: AuditOptions, given: object = ()) -> None:
         checks.append(self)
-        original(self)
+        original(self, given)
     monkeypatch.setattr(AuditOptions, "_check", counted)
     for name, seed in (("eval", 1), ("calib", 2)):
         np.save(tmp_path / f"{name}.npy", toys.pair_sequences(8, 16, seed))

@@ -199,7 +199,7 @@ def test_tiny_featuregate_and_moe_equal_their_fixed_audits(run_folder, tmp_path)
     ({"target_ci": 9.9e-7}, "give at least 1e-06"),
     ({"target_ci": 0.1, "min_sequences": 1}, "at least 2"),
     ({"target_ci": 0.1, "min_sequences": 4.0}, "at least 2"),
-    ({"min_sequences": 4}, "give a target too"),
+    ({"min_sequences": 4}, r"min_sequences=4\) is read only with AuditOptions\(target_ci="),
     ({"target_ci": 0.1, "min_sequences": 13}, "exceeds the 12 evaluation sequences"),
 ])
 def test_bad_values_are_refused_before_any_work(options, message, tmp_path):

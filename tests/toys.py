@@ -367,3 +367,8 @@ def constant_gated_model() -> nn.Module:
 
 def informative_gated_model() -> nn.Module:
     return ToyGatedModel("informative")
+
+
+def dense_gated_model() -> nn.Module:
+    """The gated toys' dense counterpart as a factory (``--dense toys:dense_gated_model``)."""
+    return ToyGatedModel(None)

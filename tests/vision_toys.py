@@ -214,6 +214,12 @@ def tiny_condconv() -> TinyCondConv:
     return TinyCondConv().eval()
 
 
+def tiny_dense() -> TinyDense:
+    """TinyCondConv's dense twin as a factory (``--dense vision_toys:tiny_dense``)."""
+    torch.manual_seed(1)
+    return TinyDense().eval()
+
+
 class DictMixer(nn.Module):
     """``class_mixer`` fed a dict: ``model(features=..., offset=...)``."""
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fcaudit.cli.parser import audit_options, build_parser
+from fcaudit.cli.parser import audit_options, build_parser, given_options
 from fcaudit.core.errors import DataError, FcauditError, ModelError, UsageError, render
 from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES
 
@@ -82,14 +82,14 @@ def _array_data(args: argparse.Namespace) -> Any:
 
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from fcaudit.engine import distributed
+    from fcaudit.engine.inputs import check_dense
     from fcaudit.engine.run import as_loaded
     from fcaudit.io.placement import offload_space
     from fcaudit.io.runtime import resolve_device, resolve_dtype
+    options = audit_options(args)  # --objective unset: the data decide (engine/inputs.py)
+    options.validate(given_options(args))  # every option before any file is read
+    check_dense(args.dense, options)
     spec = _data_spec(args)
-    # --inputs are scored by classification unless --objective says otherwise
-    unset = args.objective is None and args.inputs is not None
-    options = audit_options(args, **({"objective": CLASSIFICATION} if unset else {}))
-    options.validate()
     from fcaudit.io.data import DataSpec
     if isinstance(spec, DataSpec):
         spec.validate()
@@ -207,8 +207,8 @@ def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
         raise UsageError(f"--seeds {args.seeds}: must be at least 1", option="seeds")
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps {args.steps}: must be at least 1", option="steps")
-    options = study_options(repeats=args.repeats, bootstrap=args.bootstrap,
-                            progress=not args.quiet)
+    given = {k: v for k in ("repeats", "bootstrap") if (v := getattr(args, k)) is not None}
+    options = study_options(**given, progress=not args.quiet)
     options.validate()
     result = reproduce(args.preset, args.out, seeds=args.seeds,
                        mudd_checkpoint=args.mudd_checkpoint,
@@ -358,6 +358,8 @@ def cmd_sites(args: argparse.Namespace) -> None:
     from fcaudit.engine.run import as_loaded
     from fcaudit.io.runtime import untested_versions
     loaded = as_loaded(args.model)
+    for line in loaded.notes:
+        _say(f"fcaudit: note: {line}")
     for line in untested_versions():
         _say(f"fcaudit: warning: {line}")
     model = loaded.model
@@ -369,7 +371,7 @@ def cmd_sites(args: argparse.Namespace) -> None:
         print("\t".join(_site_fields(s)))
     if not sites:
         print("no declared controller sites; name them with --sites GLOB")
-    if not (args.all or not sites):
+    if sites and not args.all and args.inputs is None:  # --inputs feeds the probe: it runs
         return
     rows = describe_modules(model, {s.path for s in sites}, _probe_inputs(args.inputs, loaded))
     shown = rows if args.all else [r for r in rows if r[3].startswith("likely")]

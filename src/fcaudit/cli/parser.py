@@ -58,13 +58,13 @@ finds, e.g. Mixture-of-Experts routers of Hugging Face models), one line each wi
 family, layer and adapter, and where the site has them its axes, the named parts side
 by side in its output (a selective recurrence's dt, B, C), the space of a selection
 parameter and an exit site's continue and exit scores. A model that declares
-none is probed with one small forward pass, and the modules that behave like controllers
-are listed: those whose output (or its sigmoid, softmax, SiLU...) multiplies another
-branch, such as `mlp.act_fn` of a gated MLP, not the linear `mlp.gate_proj` before it.
-It suggests the `fcaudit audit --sites GLOB` that names them. --all lists every module
-with its output type and shape. The pass feeds two random token windows; a model of
-other inputs is probed with two rows of --inputs X.npy (a vision run folder: two of its
-own digits images).
+none (any model, given --inputs) is probed with one small forward pass, and the modules
+that behave like controllers are listed: those whose output (or its sigmoid, softmax,
+SiLU...) multiplies another branch, such as `mlp.act_fn` of a gated MLP, not the
+linear `mlp.gate_proj` before it. It suggests the `fcaudit audit --sites GLOB` that
+names them. --all lists every module with its output type and shape. The pass feeds two
+random token windows; a model of other inputs is probed with two rows of --inputs X.npy
+(a vision run folder: two of its own digits images).
 """
 
 
@@ -131,10 +131,9 @@ def _add_flag(group: Any, f: dataclasses.Field[Any], spec: OptionSpec) -> None:
         group.add_argument(flag, dest=f.name, action="append", default=None,
                            metavar=spec.metavar or None,
                            help=f"{text}; one of {', '.join(spec.choices)}")
-    else:
+    else:  # unset: None, so a flag given at its default value is still known as given
         extra = {"choices": spec.choices} if spec.choices else {}
-        group.add_argument(flag, dest=f.name, type=READERS[spec.kind],
-                           default=None if spec.unset_is_none else f.default,
+        group.add_argument(flag, dest=f.name, type=READERS[spec.kind], default=None,
                            metavar=spec.metavar or None, help=text, **extra)
 
 
@@ -153,6 +152,14 @@ def audit_options(args: argparse.Namespace, **given: Any) -> AuditOptions:
     default, and ``given`` overrides."""
     values = {f.name: _value(getattr(args, f.name), spec) for f, spec in option_specs()}
     return AuditOptions(**{k: v for k, v in values.items() if v is not None}, **given)
+
+
+def given_options(args: argparse.Namespace) -> set[str]:
+    """The :class:`AuditOptions` fields whose flags the command line gave (a switch: set;
+    a value: given, even at its default), for :meth:`AuditOptions.validate`."""
+    return {f.name for f, spec in option_specs()
+            if (value := getattr(args, f.name, None)) is not None
+            and (spec.action not in ("on", "off") or value != f.default)}
 
 
 def _value(value: Any, spec: OptionSpec) -> Any:
@@ -333,7 +340,9 @@ def _add_reproduce(sub: Any) -> None:
     r.add_argument("--train-data", type=user_file, default=None, metavar="FILE_OR_DIR",
                    help="train on this text instead of the built-in corpus (advised for "
                         "--preset paper: Shakespeare is ~2M tokens); audits still use the "
-                        "built-in evaluation and calibration plays")
+                        "built-in evaluation and calibration plays. Runs of the digits or a "
+                        "synthetic task keep their own data; a preset with no run of text "
+                        "refuses it")
     r.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -380,7 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--inputs", type=user_file, default=None, metavar="NPY",
                    help="probe with the first two rows of these inputs (.npy [N, ...]) for a "
                         "model that does not take token ids (default: two random token "
-                        "windows; a vision run folder: two of its digits images)")
+                        "windows; a vision run folder: two of its digits images); given, "
+                        "the probe runs and lists the likely controllers beside the "
+                        "declared sites")
     for command in sub.choices.values():  # `--debug` also works after the command name
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="show tracebacks on errors")

@@ -4,7 +4,6 @@ patched after)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +19,7 @@ from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.frontier import frontier_summary
 from fcaudit.engine.frontier_plan import frontier_units
 from fcaudit.engine.measure import Measurements, reuse_summary
-from fcaudit.engine.options import Prepared
+from fcaudit.engine.options import Prepared, option_specs
 from fcaudit.engine.parts import site_parts
 from fcaudit.engine.plan import Run, ablation_runs, frontier_runs, routing_sites, tracked_runs
 from fcaudit.engine.result import (
@@ -45,7 +44,6 @@ from fcaudit.engine.summary import (
 from fcaudit.engine.target_ci import Rounds
 from fcaudit.engine.twin import execute
 from fcaudit.engine.verdicts import judge
-from fcaudit.io.placement import PLACEMENT
 from fcaudit.io.runtime import host, versions
 
 
@@ -74,7 +72,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
         variation=description.variation, profiles=description.profiles,
         execution=execution, verdict=verdict, verdict_numbers=verdict_numbers,
         seeds=Seeds(seeds.master, seeds.draws, seeds.draws, seeds.bootstrap),
-        settings=_settings(m), versions=versions(), command=command,
+        settings=_settings(m, execution), versions=versions(), command=command,
         nondeterministic_keys=[*NONDETERMINISTIC_KEYS, *([TIMED_VERDICT_KEY]
                                                         if execution.timing is not None
                                                         else [])],
@@ -91,17 +89,24 @@ def _verdict(m: Measurements, execution: Execution) -> tuple[Verdict, dict[str, 
                  m.summary.retention, shuffled_axes(m.setup.sites), execution, m.identity)
 
 
-def _settings(m: Measurements) -> dict[str, Any]:
-    """The options and facts that change numbers; how the audit is shown or scheduled
-    changes none: not part of its settings (read field by field: ``asdict`` deep-copies,
-    and an objective may hold a lock)."""
+def _settings(m: Measurements, execution: Execution) -> dict[str, Any]:
+    """The options and facts that change numbers, each at the value the audit ran with
+    (an option another one switched off reads as off: None, or 0 timing pairs); how the
+    audit is shown, scheduled, stopped or placed changes none: recorded elsewhere
+    (``OptionSpec.recorded``; read field by field: ``asdict`` deep-copies, and an
+    objective may hold a lock)."""
     setup, summary, opts = m.setup, m.summary, m.setup.options
-    return {**{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
-               if f.name not in ("schedule", "progress", *STOPPING_OPTIONS, *PLACEMENT)},
+    return {**{f.name: getattr(opts, f.name) for f, spec in option_specs()
+               if spec.recorded == "settings"},
             "conditions": list(opts.conditions),  # JSON's list: equal once read back
             "bootstrap_resamples": opts.bootstrap,
             "calibration_sequences_used_for_static": setup.inputs.n_calib,
             "objective": setup.objective.name,
+            "timing_pairs": execution.timing.pairs if execution.timing is not None else 0,
+            "expert_ablation": bool(ablation_runs(m.runs)),
+            "frontier": bool(m.covered),
+            "frontier_points": opts.frontier_points if m.covered else None,
+            "exit_threshold": opts.exit_threshold if opts.early_exit else None,
             "layer_index": "a site's index within its family",
             # custom conditions in the order given (audit.json sorts its keys)
             **({"interventions": list(summary.custom)} if summary.custom else {}),
@@ -148,11 +153,6 @@ def _model_info(setup: Prepared) -> ModelInfo:
                      fingerprint=loaded.fingerprint,
                      dtype=str(param.dtype) if param is not None else "unknown",
                      identity_note=loaded.identity_note, packages=loaded.packages or None)
-
-
-# recorded in audit.json's ``stopping`` section, not in ``settings``: a --target-ci audit
-# that stopped at N has the settings of the fixed audit of those N sequences
-STOPPING_OPTIONS = ("target_ci", "min_sequences")
 
 
 def _site_info(site: Site, cache: CoefficientCache, model: nn.Module,

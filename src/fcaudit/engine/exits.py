@@ -79,9 +79,9 @@ def check_follows(setup: Any, net: Any, x: Any) -> None:
     output: a replay of the recorded scores must reproduce the model's own exits bit for
     bit, and scores that stop every unit (token, patch, example) after exit site ``k`` must
     stop every one there, for every ``k`` (one batch; the exit conditions and every
-    replayed score rest on it). Where they do not, the cause is told apart (:func:`_misdeclared`): ``Site.exit``
-    reversed, or a threshold its values never or always reach; else a rule reading
-    something other than the site's output."""
+    replayed score rest on it). Where they do not, the cause is told apart
+    (:func:`_misdeclared`): ``Site.exit`` reversed, or a threshold its values never or
+    always reach; else a rule reading something other than the site's output."""
     sites, run = exit_sites(setup.sites), lambda: call_model(setup.model, x)
     unit = exit_unit(sites)
     own = own_exits(net, run)

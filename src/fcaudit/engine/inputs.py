@@ -24,7 +24,14 @@ from fcaudit.core.interventions import Intervention
 from fcaudit.core.layout import TOKEN_LAYOUT
 from fcaudit.core.nll import model_limits, probe_vocab
 from fcaudit.core.sites import SiteSpec, match_modules
-from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES, TOKEN_NLL, resolve, run_task
+from fcaudit.engine.objectives import (
+    CLASSIFICATION,
+    OBJECTIVES,
+    TOKEN_NLL,
+    BuiltinObjective,
+    resolve,
+    run_task,
+)
 from fcaudit.engine.options import AuditOptions
 from fcaudit.engine.plan import EXPERT_ABLATION, FRONTIER
 from fcaudit.io.data import AuditData, DataSpec, picked_note, resolve_data
@@ -32,6 +39,7 @@ from fcaudit.io.digits import run_audit_data
 from fcaudit.io.examples import OTHER_INPUTS
 from fcaudit.io.loading import LoadedModel, get_arch, input_spec, load, load_module
 from fcaudit.io.placement import Placement
+from fcaudit.io.selective_copy import WINDOW as TASK_LENGTH
 
 
 def as_loaded(model: str | Path | nn.Module | LoadedModel,
@@ -108,29 +116,59 @@ def check_arguments(sites: Any, data: Any, blocks: Any, options: Any) -> SiteSpe
     return sites
 
 
+def check_dense(dense: Any, options: AuditOptions) -> None:
+    """A dense counterpart serves the execution audit only: given without it, refused
+    (the command line asks before it loads the model)."""
+    if dense is not None and not options.execution:
+        no_execution = arg("execution", py="AuditOptions(execution=False)", cli="--no-execution")
+        raise UsageError(f"{arg('dense')} is ignored with {no_execution} (the dense "
+                         "counterpart only serves the execution audit): drop one of them",
+                         option="dense")
+
+
 def resolve_inputs(loaded: LoadedModel, data: DataSpec | AuditData, options: AuditOptions,
                    sites: Sequence[Site]) -> tuple[AuditData, AuditOptions]:
     """The data the audit scores, checked against the model, and the options with the
-    objective a vision run implies (the default objective follows the run's task)."""
+    objective decided: the one given, used as given (or refused where it cannot score the
+    data), else the data's own (:func:`decided_objective`)."""
     net = loaded.model
     default_len, default_why = loaded_seq_len(loaded)
     vision = bool(loaded.run_config) and get_arch(loaded.run_config["arch"]).task == "vision"
     task = run_task(loaded.run_config)  # a synthetic task's run: its data and objective
-    if options.objective == TOKEN_NLL and (vision or task):  # the default: a run knows its task
-        options = dataclasses.replace(options, objective=task.name if task else CLASSIFICATION)
+    given = options.objective
     if isinstance(data, AuditData):
         audit_data = data
     elif vision:  # a vision run: its own digits, in the dtype the model computes in
         audit_data = run_audit_data(data, loaded.spec, next(net.parameters()).dtype)
-    elif task is not None:
+    elif task is not None:  # its task's sequences; as token windows for a token objective
         audit_data = importlib.import_module(task.task).run_audit_data(  # type: ignore[arg-type]
-            data, loaded.spec, (loaded.run_config or {}).get("data"))
+            data, loaded.spec, (loaded.run_config or {}).get("data"),
+            tokens=_scores_tokens(given))
     else:
         audit_data = resolve_data(loaded.tokenizer, data, default_len)
     audit_data.check_arrays()  # read again for every audit: the caller may have changed it
-    if not audit_data.checked().next_token:  # each kind's rules against model and options
+    next_token = audit_data.checked().next_token
+    if given is None:
+        options = dataclasses.replace(options,
+                                      objective=decided_objective(next_token, vision, task))
+    if not next_token:  # each kind's rules against model and options
         return _example_inputs(loaded, audit_data, options), options
     return _token_inputs(net, data, audit_data, options, sites, default_why), options
+
+
+def _scores_tokens(objective: Any) -> bool:
+    """Whether ``objective`` (a name, a callable, or None) is a built-in that scores token
+    ids (next-token NLL)."""
+    return isinstance(objective, str) and objective in OBJECTIVES and OBJECTIVES[objective].tokens
+
+
+def decided_objective(next_token: bool, vision: bool, task: BuiltinObjective | None) -> str:
+    """The objective when none is given: token windows by next-token NLL; a synthetic
+    task's run on examples (its task's, or the caller's) by its task's objective; other
+    inputs (a vision run's digits among them) by classification."""
+    if next_token and not vision:
+        return TOKEN_NLL
+    return task.name if task is not None else CLASSIFICATION
 
 
 def _token_inputs(net: nn.Module, given: DataSpec | AuditData, data: AuditData,
@@ -221,6 +259,6 @@ def window_line(data: Mapping[str, Any]) -> str:
         return (f"scoring {data['eval_examples']} evaluation examples "
                 f"({data['calib_examples']} calibrate the static profiles){picked}")
     source = data.get("seq_len_source", "source not recorded")
-    change = "" if source == GIVEN_DATA else "; re-cut the arrays to change" \
+    change = "" if source in (GIVEN_DATA, TASK_LENGTH) else "; re-cut the arrays to change" \
         if source == TOKEN_WIDTH else f"; {arg('seq_len', owner='DataSpec')} to change"
     return f"scoring windows of {data['seq_len']} tokens ({source}{change}){picked}"

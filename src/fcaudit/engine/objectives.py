@@ -82,7 +82,8 @@ REGISTRY: tuple[BuiltinObjective, ...] = (
                      hits="class_hits", check="class_targets", default=True),
     BuiltinObjective(SELECTIVE_COPY, "answer token", "cross-entropy at its answer positions",
                      "selective-copy (cross-entropy of token logits [N, T, V] at the last K "
-                     "positions against answer tokens [N, K]; accuracy: all K right)",
+                     "positions against answer tokens [N, K]; accuracy: all K right; the "
+                     "default for a run of the task)",
                      losses="answer_units", loss="answer loss", hits="answer_hits",
                      check="answer_targets", task="fcaudit.io.selective_copy"),
 )

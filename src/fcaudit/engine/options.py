@@ -7,8 +7,10 @@ stage takes.
 ``AuditOptions`` stays one flat frozen dataclass, so every caller's flat keywords,
 attribute reads, ``dataclasses.replace`` and ``AuditOptions(**other.__dict__)`` keep
 working; each field carries an :class:`OptionSpec` in its metadata (its part, help,
-integer bounds and command-line form). Validation and the ``fcaudit audit`` flags are
-read off that metadata, and the parts are typed views: ``options.statistics``
+integer bounds, command-line form, the option it is read with and where ``audit.json``
+records it). Validation (an option asked for without what it needs is refused, never
+dropped), the ``fcaudit audit`` flags and the result's ``settings`` are read off that
+metadata, and the parts are typed views: ``options.statistics``
 (:class:`StatisticsOptions`), ``options.scope``, ``options.scheduling``,
 ``options.stopping`` and ``options.placing``.
 
@@ -22,14 +24,14 @@ import functools
 import math
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fcaudit.core.conditions import FRONTIER, MAIN_CONDITIONS, OPT_IN_CONDITIONS
 from fcaudit.core.errors import UsageError, arg
-from fcaudit.engine.objectives import OBJECTIVES, TOKEN_NLL, Objective, resolve
+from fcaudit.engine.objectives import OBJECTIVES, Objective, resolve
 from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.placement import DEVICE_MAPS
 
@@ -76,9 +78,31 @@ def silent(stage: str, done: int, total: int, info: str = "") -> None:
 
 
 @dataclass(frozen=True)
+class Needs:
+    """The option another one is read with: asked for while ``on`` says the prerequisite
+    is off, the dependent would change nothing, so it is refused (never silently dropped).
+    ``said`` names the prerequisite for the message, ``why`` says what it is read for, and
+    ``enable`` how to turn the prerequisite on (default: add it)."""
+
+    option: str
+    on: Callable[[Any], bool]  # the AuditOptions -> whether the prerequisite holds
+    said: str
+    why: str = ""
+    enable: str = "add it"
+
+
+def _execution(why: str) -> Needs:
+    """The execution audit as a prerequisite: on unless the caller turned it off."""
+    return Needs("execution", lambda o: o.execution is True, "the execution audit", why,
+                 "drop " + arg("execution", py="AuditOptions(execution=False)",
+                               cli="--no-execution"))
+
+
+@dataclass(frozen=True)
 class OptionSpec:
-    """What one :class:`AuditOptions` field is: its part, its meaning, its integer bounds
-    and its command-line form. Validation and the ``fcaudit audit`` flags read this."""
+    """What one :class:`AuditOptions` field is: its part, its meaning, its integer bounds,
+    its command-line form, what it needs and where ``audit.json`` records it. Validation,
+    the ``fcaudit audit`` flags and the result's ``settings`` read this."""
 
     part: str  # "statistics", "scope", "schedule", "stopping" or "placement"
     help: str  # one sentence; options named through ``arg`` (rendered for each reader)
@@ -92,8 +116,19 @@ class OptionSpec:
     kind: str = "text"  # how the flag's text is read: "int", "nats", "number", "path" or "text"
     choices: tuple[str, ...] = ()
     metavar: str = ""
-    # the flag unset is None, not the field's default (--objective: the data decides)
-    unset_is_none: bool = False
+    needs: Needs | None = None  # the option it is read with (None: read in every audit)
+    # its values that ask nothing of ``needs`` (0 timing pairs: none; frontier None: only
+    # where the audit can), accepted without the prerequisite
+    inert: tuple[Any, ...] = ()
+    # where audit.json records its effective value: "settings", "stopping" (a --target-ci
+    # audit that stopped at N has the settings of the fixed audit of those N sequences),
+    # "runtime.schedule", "runtime.reuse" or "runtime.placement" (how the work ran, what
+    # proved the cache: no number depends on it), or "console" (what is shown while it
+    # runs, nothing in audit.json)
+    recorded: str = "settings"
+
+
+_PLACED = Needs("device_map", lambda o: o.device_map is not None, arg("device_map", "auto"))
 
 
 def option(default: Any, part: str, help: str, **spec: Any) -> Any:
@@ -123,9 +158,11 @@ class AuditOptions:
     timing_pairs: int = option(
         10, "scope", "interleaved model/dense timing pairs", kind="int",
         bounds=(0, MAX_TIMING_PAIRS), span=f"{MIN_TIMING_PAIRS} to {MAX_TIMING_PAIRS}; 0 "
-        "disables timing")
+        "disables timing", inert=(0,),
+        needs=_execution("it times the model against its dense counterpart"))
+    # the CLI's bars and notes (the engine takes a callback)
     progress: bool = option(True, "schedule", "no progress output", flag="--quiet",
-                            action="off")  # the CLI's bars (the engine takes a callback)
+                            action="off", recorded="console")
     allow_nonexact_identity: bool = option(
         False, "scope", "continue when replaying the recorded coefficients does not reproduce "
         "the original pass bit for bit (every verdict is then flagged)", action="on")
@@ -133,14 +170,15 @@ class AuditOptions:
         "prefix", "schedule", "prefix (default): a per-layer run recomputes only the blocks "
         "after its site, reusing the correct replay's outputs before it (checked bitwise per "
         "site and batch, else full passes); naive: every run is a full pass. Both give the "
-        "same audit.json", choices=SCHEDULES)
+        "same audit.json", choices=SCHEDULES, recorded="runtime.schedule")
     # a rerun into the same folder: which cached replay runs are replayed again and must
     # equal their cached rows bit for bit before the cache is used (engine/replay_proof.py)
     verify_reuse: str = option(
         "sample", "schedule", "on a rerun into the same output folder, which cached replay "
         "results are replayed again and must equal the cache bit for bit before it is used: "
         "sample (default): every run of the plan on one cached batch drawn afresh; all: every "
-        "run of every cached batch (as costly as replaying them)", choices=VERIFY_MODES)
+        "run of every cached batch (as costly as replaying them)", choices=VERIFY_MODES,
+        recorded="runtime.reuse")
     # one replay per routed layer and expert, that expert never picked; None: on when every
     # routed layer has at most AUTO_ABLATION_MAX_EXPERTS experts
     expert_ablation: bool | None = option(
@@ -155,9 +193,14 @@ class AuditOptions:
         False, "scope", "the savings frontier: NLL penalty against FLOPs that could be "
         "skipped, a dynamic rule on the recorded gates or routing weights against static "
         f"rules (costs {arg('frontier_points')} replays per rule; needs the execution audit)",
-        action="on")
-    frontier_points: int = option(6, "scope", "points per frontier curve", kind="int",
-                                  bounds=(MIN_FRONTIER_POINTS, MAX_FRONTIER_POINTS))
+        action="on", inert=(None,),
+        needs=_execution("its x axis is the FLOPs it counts"))
+    frontier_points: int = option(
+        6, "scope", f"with {arg(FRONTIER)}: points per frontier curve", kind="int",
+        bounds=(MIN_FRONTIER_POINTS, MAX_FRONTIER_POINTS),
+        needs=Needs(FRONTIER, lambda o: o.frontier is True or (o.frontier is None
+                                                               and o.execution is True),
+                    arg(FRONTIER, py="AuditOptions(frontier=True)")))
     # stopping (engine/stopping.py): evaluation batches are added in rounds until every
     # counted penalty's 95% interval reaches at most target_ci nats on each side of its
     # estimate, or the evaluation pool runs out; min_sequences is the first round's size
@@ -166,10 +209,13 @@ class AuditOptions:
         None, "stopping", "precision-driven stopping: add evaluation batches in rounds until "
         "every main penalty's 95% interval reaches at most NATS on each side of its estimate, "
         f"or the {arg('max_eval', owner='DataSpec')} pool runs out; the numbers equal a fixed "
-        "audit of the sequences used (audit.json `stopping`)", kind="nats", metavar="NATS")
+        "audit of the sequences used (audit.json `stopping`)", kind="nats", metavar="NATS",
+        recorded="stopping")
     min_sequences: int | None = option(
         None, "stopping", f"with {arg('target_ci')}: sequences of the first round (default 16, "
-        "or the whole pool when smaller)", kind="int", metavar="N")
+        "or the whole pool when smaller)", kind="int", metavar="N", recorded="stopping",
+        needs=Needs("target_ci", lambda o: o.target_ci is not None,
+                    arg("target_ci", owner="AuditOptions"), why="the size of its first round"))
     # early exit on a Hugging Face causal LM (io/hf_exit.py): every decoder layer read
     # through the model's own final norm and LM head, a token stopping where that head's
     # maximum softmax probability reaches exit_threshold
@@ -181,27 +227,33 @@ class AuditOptions:
     exit_threshold: float = option(
         DEFAULT_EXIT_THRESHOLD, "scope", f"with {arg('early_exit')}: the confidence (maximum "
         "softmax probability, in (0, 1]) at which a token exits (default "
-        f"{DEFAULT_EXIT_THRESHOLD})", kind="number",
-        metavar="P")
+        f"{DEFAULT_EXIT_THRESHOLD})", kind="number", metavar="P",
+        needs=Needs("early_exit", lambda o: o.early_exit is True,
+                    arg("early_exit", py="AuditOptions(early_exit=True)")))
     # placement, for models bigger than memory (a Hugging Face folder given by path):
     # accelerate's device map ("auto"), its budget ("cpu=8GiB,cuda:0=70GiB" or a dict) and
     # the folder for the weights it puts on disk; where weights sit changes no number
     device_map: str | None = option(
         None, "placement", "place the weights across GPUs, CPU memory and disk with accelerate "
-        "(instead of --device)", choices=DEVICE_MAPS)
+        "(instead of --device)", choices=DEVICE_MAPS, recorded="runtime.placement")
     max_memory: str | dict[str, str | int] | None = option(
         None, "placement", "budget per device for the weights, e.g. cpu=8GiB,cuda:0=70GiB (the "
         "process needs some memory beyond the cpu budget: torch, activations, the layer being "
-        "read in from disk)", metavar="DEV=SIZE,...")
+        "read in from disk)", metavar="DEV=SIZE,...", recorded="runtime.placement",
+        needs=_PLACED)
     offload_folder: str | Path | None = option(
         None, "placement", "folder for the weights placed on disk (new or empty; what fcaudit "
-        "writes there is removed afterwards)", kind="path", metavar="DIR")
+        "writes there is removed afterwards)", kind="path", metavar="DIR",
+        recorded="runtime.placement", needs=_PLACED)
     # the per-unit loss: a built-in objective's name (engine/objectives.py's registry), or
-    # a callable (model_output, batch) -> per-unit losses [B] or [B, T]
+    # a callable (model_output, batch) -> per-unit losses [B] or [B, T]; None: the data
+    # decide (token ids: token-nll; other inputs and vision runs: classification; a
+    # synthetic task's run: its task's objective). One given is used as given, or refused
+    # where it cannot score the data, never replaced
     objective: Any = option(
-        TOKEN_NLL, "statistics",
+        None, "statistics",
         "per-unit loss: " + " or ".join(o.help for o in OBJECTIVES.values()),
-        choices=tuple(OBJECTIVES), unset_is_none=True)
+        choices=tuple(OBJECTIVES))
     # opt-in built-in conditions (core/conditions.py, default=False), run as main conditions
     # and reported beside the default ones; () leaves the audit as it was
     conditions: tuple[str, ...] = option(
@@ -209,17 +261,21 @@ class AuditOptions:
         "calibration sums are collected only when asked", flag="--condition", action="append",
         choices=OPT_IN_CONDITIONS, metavar="NAME")
 
-    def validate(self) -> None:
-        """Refuse option values no audit can run with, naming the option in the caller's
-        words (the ``AuditOptions`` field, or the CLI flag). Runs once per instance: the
-        CLI checks before it loads a model, and ``audit`` finds these options checked."""
+    def validate(self, given: Collection[str] = ()) -> None:
+        """Refuse option values no audit can run with, and options asked for without the
+        option they are read with (:class:`Needs`), naming the option in the caller's
+        words (the ``AuditOptions`` field, or the CLI flag). An option is asked for when
+        its value is not its default, or when it is in ``given`` (the flags a command line
+        gave, at the default value or not). Runs once per instance: the CLI checks before
+        it loads a model, and ``audit`` finds these options checked."""
         if _CHECKED.get(id(self), _dead)() is self:
+            check_needs(self, given)  # the values were checked; a caller's flags are new
             return
-        self._check()
+        self._check(given)
         key = id(self)
         _CHECKED[key] = weakref.ref(self, lambda _: _CHECKED.pop(key, None))
 
-    def _check(self) -> None:
+    def _check(self, given: Collection[str] = ()) -> None:
         for f, spec in option_specs():
             if spec.bounds is not None:
                 _check_int(f.name, getattr(self, f.name), *spec.bounds)
@@ -236,20 +292,17 @@ class AuditOptions:
             raise UsageError(f"{_name(FRONTIER, self.frontier)}: must be True, False or "
                              "None (on where a family is covered and execution measured)",
                              option=FRONTIER)
-        if self.frontier and not self.execution:
-            off = arg("execution", py="AuditOptions(execution=False)", cli="--no-execution")
-            raise UsageError(f"{arg(FRONTIER, py='AuditOptions(frontier=True)')} needs the "
-                             f"execution audit (its x axis is the FLOPs it counts): drop {off} "
-                             "or the frontier", option=FRONTIER)
         _check_target(self.target_ci, self.min_sequences)
         _check_conditions(self.conditions)
         _check_early_exit(self.early_exit, self.exit_threshold)
-        self.placement()  # the device map, budget syntax and offload folder
-        resolve(self.objective)
         if 0 < self.timing_pairs < MIN_TIMING_PAIRS:
             raise UsageError(f"{_name('timing_pairs', self.timing_pairs)}: use 0 (no "
                              f"timing) or at least {MIN_TIMING_PAIRS} pairs for a meaningful "
                              "interval", option="timing_pairs")
+        check_needs(self, given)  # before placement(), whose own check says less
+        self.placement()  # the device map, budget syntax and offload folder
+        if self.objective is not None:  # None: the data decide (engine/inputs.py)
+            resolve(self.objective)
 
     def placement(self) -> Placement | None:
         """Where accelerate may put the weights (None: the model loads whole)."""
@@ -349,12 +402,59 @@ def option_specs() -> Iterator[tuple[dataclasses.Field[Any], OptionSpec]]:
         yield f, f.metadata["option"]
 
 
+_SPECS: dict[str, tuple[dataclasses.Field[Any], OptionSpec]] = {
+    f.name: (f, spec) for f, spec in option_specs()}
 # the instances validate() passed, by identity (AuditOptions may hold a dict: unhashable)
 _CHECKED: dict[int, weakref.ref[AuditOptions]] = {}
 
 
 def _dead() -> None:
     return None
+
+
+def asked(options: AuditOptions, name: str, given: Collection[str] = ()) -> bool:
+    """Whether the caller asked for option ``name``: given explicitly (a command line's
+    flag, even at its default value), or set to a value other than its default; an
+    :attr:`OptionSpec.inert` value asks for nothing."""
+    f, spec = _SPECS[name]
+    value = getattr(options, name)
+    if any(_same(value, v) for v in spec.inert):
+        return False
+    return name in given or not _same(value, f.default)
+
+
+def _same(value: object, default: object) -> bool:
+    """``value`` is the default itself: equal and of its type (True is not 1)."""
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def check_needs(options: AuditOptions, given: Collection[str] = ()) -> None:
+    """Refuse every option asked for while the option it is read with (its
+    :class:`Needs`) is off: it would change nothing, and an option is done or refused,
+    never silently dropped."""
+    for name, (_, spec) in _SPECS.items():
+        need = spec.needs
+        if need is None or need.on(options) or not asked(options, name, given):
+            continue
+        why = f" ({need.why})" if need.why else ""
+        raise UsageError(f"{said_as_given(options, name)} is read only with {need.said}{why}: "
+                         f"{need.enable} or drop {said_as_given(options, name, False)}",
+                         option=name)
+
+
+def said_as_given(options: AuditOptions, name: str, with_value: bool = True) -> str:
+    """Option ``name`` as its reader set it: ``AuditOptions(frontier=True)`` / ``--frontier``
+    for a switch, ``AuditOptions(frontier_points=4)`` / ``--frontier-points 4`` for a
+    value (``with_value=False``: ``frontier_points=`` / ``--frontier-points``)."""
+    _, spec = _SPECS[name]
+    value = getattr(options, name)
+    flag = spec.flag or "--" + name.replace("_", "-")
+    if spec.action in ("on", "off", "either"):
+        flag = "--no-" + flag[2:] if spec.action == "either" and value is False else flag
+        return arg(name, py=f"AuditOptions({name}={value!r})", cli=flag)
+    if not with_value:
+        return arg(name, cli=flag)
+    return arg(name, value, owner="AuditOptions", cli=flag)
 
 
 def _name(option: str, value: object) -> str:
@@ -370,8 +470,7 @@ def _check_int(option: str, value: object, lo: int, hi: int | None) -> None:
 
 def _check_target(target: object, floor: object) -> None:
     """``target_ci`` a finite number of nats of at least :data:`MIN_TARGET_CI`;
-    ``min_sequences`` an integer of at least 2 (a derangement needs two sequences), and
-    only with a target."""
+    ``min_sequences`` an integer of at least 2 (a derangement needs two sequences)."""
     target_arg = arg("target_ci", target, owner="AuditOptions")
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
                                or not math.isfinite(target) or target <= 0):
@@ -384,22 +483,15 @@ def _check_target(target: object, floor: object) -> None:
                          "intervals shrink only as 1/sqrt(sequences)): give at least "
                          f"{MIN_TARGET_CI:g} (e.g. 0.02), or drop it to audit every sequence",
                          option="target_ci")
-    if floor is None:
-        return
-    floor_arg = arg("min_sequences", floor, owner="AuditOptions")
-    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 2:
-        raise UsageError(f"{floor_arg}: must be an integer of at least 2 (reassignment "
-                         "needs two sequences)", option="min_sequences")
-    if target is None:
-        target_name = arg("target_ci", owner="AuditOptions")
-        raise UsageError(f"{floor_arg} is the floor of {target_name}'s rounds: give a "
-                         "target too, or drop it (a fixed audit uses every sequence)",
+    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int)
+                              or floor < 2):
+        raise UsageError(f"{arg('min_sequences', floor, owner='AuditOptions')}: must be an "
+                         "integer of at least 2 (reassignment needs two sequences)",
                          option="min_sequences")
 
 
 def _check_early_exit(early_exit: object, threshold: object) -> None:
-    """``early_exit`` a bool; ``exit_threshold`` a probability in (0, 1], and given only
-    with early exit (alone it would change nothing, silently)."""
+    """``early_exit`` a bool; ``exit_threshold`` a probability in (0, 1]."""
     if not isinstance(early_exit, bool):
         raise UsageError(f"{_name('early_exit', early_exit)}: must be True or False",
                          option="early_exit")
@@ -408,10 +500,6 @@ def _check_early_exit(early_exit: object, threshold: object) -> None:
         raise UsageError(f"{_name('exit_threshold', threshold)}: must be a number in (0, 1] "
                          "(a softmax probability; 1.0 exits only tokens the head is certain "
                          "of)", option="exit_threshold")
-    if not early_exit and threshold != DEFAULT_EXIT_THRESHOLD:
-        raise UsageError(f"{_name('exit_threshold', threshold)} is read only with "
-                         f"{arg('early_exit', py='AuditOptions(early_exit=True)')}: add it "
-                         f"or drop {arg('exit_threshold')}", option="exit_threshold")
 
 
 def _check_conditions(names: object) -> None:

@@ -20,13 +20,14 @@ from fcaudit.engine.exits import check_twin, with_exit_conditions
 from fcaudit.engine.inputs import (
     as_loaded,
     check_arguments,
+    check_dense,
     custom_interventions,
     resolve_block_paths,
     resolve_inputs,
     window_line,
 )
 from fcaudit.engine.layouts import resolve_layouts
-from fcaudit.engine.options import AuditOptions, Prepared
+from fcaudit.engine.options import AuditOptions, Prepared, asked
 from fcaudit.engine.probe import first_batch
 from fcaudit.engine.seeds import SeedPlan
 from fcaudit.engine.twin import dense_counterpart
@@ -43,10 +44,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     how long the scored windows are and how undeclared layouts were found."""
     sites = check_arguments(sites, data, blocks, options)
     options.validate()
-    if dense is not None and not options.execution:
-        no_execution = arg("execution", py="AuditOptions(execution=False)", cli="--no-execution")
-        raise UsageError(f"{arg('dense')} is ignored with {no_execution} (the dense "
-                         "counterpart only serves the execution audit): drop one of them")
+    check_dense(dense, options)
     loaded = as_loaded(model, placement=options.placement())
     if options.early_exit:
         loaded = with_early_exit(loaded, options.exit_threshold)
@@ -59,6 +57,11 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     audit_data, options = resolve_inputs(loaded, data, options, site_list)
     twin, twin_source = dense_counterpart(net, audit_data, SeedPlan(options.seed), dense,
                                           blocks) if options.execution else (None, "")
+    if twin is None and options.execution and asked(options, "timing_pairs"):
+        raise UsageError(f"{arg('timing_pairs', options.timing_pairs, owner='AuditOptions')}"
+                         " times the model against its dense counterpart, and it has none: "
+                         f"give one ({arg('dense')}) or drop {arg('timing_pairs')}",
+                         option="timing_pairs")
     setup = Prepared(loaded, site_list, block_paths, blocks, audit_data, options, custom,
                      twin, twin_source, out=Path(out) if out is not None else None)
     if setup.out is not None:
@@ -69,6 +72,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     layouts = resolve_layouts(setup, first_batch(setup))
     return dataclasses.replace(setup, sites=layouts.sites, layouts=layouts.notes,
                                notes=(window_line(setup.inputs.summary()), *layouts.lines,
+                                      *(f"note: {line}" for line in loaded.notes),
                                       *([f"note: {HEADS_NOTE}"] if loaded.kind == KIND else []),
                                       *(f"warning: {line}" for line in untested_versions())))
 

@@ -52,7 +52,7 @@ class LoadedModel:
 
     model: nn.Module
     spec: str
-    kind: str  # "run", "hf-mudd", "hf", "factory" or "module"
+    kind: str  # "run", "hf-mudd", "hf", "hf-gguf", "factory" or "module"
     tokenizer: Tokenizer | None = None
     run_config: dict[str, Any] | None = None
     fingerprint: str = ""
@@ -62,6 +62,7 @@ class LoadedModel:
     # installed distribution -> version of the packages the model's classes (and the code
     # they read) come from: library code enters the identity by name, so its version must
     packages: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # what the user should know of how it was loaded
 
 
 def is_run_folder(path: Path) -> bool:
@@ -270,8 +271,8 @@ def _load(spec: str, dtype: torch.dtype | None, placement: Placement | None) -> 
     path = Path(spec)
     if placement is not None and not (path.is_dir() and _hf_layout(path)):
         raise UsageError(f"{arg('device_map', placement.device_map)} loads a local Hugging "
-                         f"Face model folder; {spec} is not one (run folders and factories "
-                         "load whole)", option="device_map")
+                         f"Face model folder; {spec} is not one (run folders, GGUF files and "
+                         "factories load whole)", option="device_map")
     if path.is_dir():
         if placement is not None:
             read_json(path / "config.json", "model config")
@@ -287,9 +288,15 @@ def _load(spec: str, dtype: torch.dtype | None, placement: Placement | None) -> 
         raise ModelError(f"{path} has no config.json: it is neither an fcaudit run folder nor "
                          "a checkpoint folder in the Hugging Face layout; see "
                          "`fcaudit audit --help`")
+    from fcaudit.io import gguf
+    if gguf.is_gguf(path):
+        model, tokenizer, files, note = gguf.load_gguf(path, dtype)
+        return LoadedModel(model, str(path), "hf-gguf", tokenizer, None,
+                           _digest({"files": files}), files, notes=(note,))
     if ":" in spec and not path.exists():
         return load_factory(spec, dtype)
-    raise ModelError(f"model not found: {spec} (expected a folder or package.module:factory)")
+    raise ModelError(f"model not found: {spec} (expected a folder, a .gguf file or "
+                     "package.module:factory)")
 
 
 def _hf_layout(path: Path) -> bool:

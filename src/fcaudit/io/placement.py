@@ -31,7 +31,6 @@ from fcaudit.core.errors import CacheError, UsageError, arg
 # DEVICE_MAPS while ``--help`` must stay instant
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
-PLACEMENT = ("device_map", "max_memory", "offload_folder")  # the AuditOptions that place
 MARKER = ".fcaudit-offload.json"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

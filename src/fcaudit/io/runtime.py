@@ -26,7 +26,7 @@ def versions() -> dict[str, str]:
 
 
 # the extras whose packages fcaudit reads the internals of (pyproject.toml's ranges)
-INTERNALS_EXTRAS = ("hf",)
+INTERNALS_EXTRAS = ("hf", "gguf")
 
 
 def _extras_in_use() -> dict[str, tuple[str, str]]:

@@ -149,11 +149,13 @@ def held_out(task: CopyTask) -> set[bytes]:
     return keys(eval_x) | keys(calib_x)
 
 
-def run_audit_data(spec: DataSpec | None, run: str, record: Any) -> AuditData:
+def run_audit_data(spec: DataSpec | None, run: str, record: Any,
+                   tokens: bool = False) -> AuditData:
     """The data a selective-copying run folder is audited on: its task's evaluation and
     calibration sets (``max_eval`` / ``max_calib`` of ``spec``, default
     :data:`DEFAULT_EXAMPLES` each, at most :data:`POOL`); text or token options are
-    refused, since they would be ignored."""
+    refused, since they would be ignored. ``tokens``: the same sequences as token windows
+    (an objective that scores token ids, asked for explicitly), without the answers."""
     from fcaudit.io.data import AuditData, DataSpec
     spec = spec or DataSpec()
     spec.validate()
@@ -169,7 +171,11 @@ def run_audit_data(spec: DataSpec | None, run: str, record: Any) -> AuditData:
     n_eval, n_calib = (min(n or DEFAULT_EXAMPLES, POOL) for n in (spec.max_eval,
                                                                      spec.max_calib))
     eval_x, eval_y, calib_x, calib_y = audit_sets(task, n_eval, n_calib)
+    if tokens:
+        return AuditData(eval_x, calib_x, {**task.record(), "seq_len_source": WINDOW})
     return AuditData(inputs=eval_x, targets=eval_y, calib_inputs=calib_x,
-                     calib_targets=calib_y,
-                     sources={**task.record(), "eval_examples": n_eval,
-                              "calib_examples": n_calib})
+                     calib_targets=calib_y, sources={**task.record(), "eval_examples": n_eval,
+                                                     "calib_examples": n_calib})
+
+
+WINDOW = "the selective-copying task's sequence length"

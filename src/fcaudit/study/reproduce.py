@@ -57,7 +57,7 @@ from fcaudit.io.outdir import STUDY_RESULTS, hold_output
 from fcaudit.io.results import replacing_results
 from fcaudit.io.runtime import versions
 from fcaudit.study import exits, paper, ssm, trend, vision
-from fcaudit.study.train import TrainPreset, run_schedule, train
+from fcaudit.study.train import TrainPreset, reads_text, run_schedule, train
 from fcaudit.study.trend import SeedResult
 
 SCHEMA = "fcaudit.reproduction/1"
@@ -220,7 +220,8 @@ def _ensure_run(arch: str, preset: str, seed: int, folder: Path, st: StudySettin
     if not is_run_folder(folder):
         with clock.timing(folder):
             train(arch, preset, seed, folder, force=True, steps=st.steps,
-                  progress=st.options.progress, data=None if task else st.train_data,
+                  progress=st.options.progress,
+                  data=st.train_data if reads_text(arch, task) else None,
                   schedule=schedule, task=task)
     config = read_json(folder / "config.json", "run config")
     if config["train"] != expected:
@@ -512,7 +513,12 @@ def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
     The study folder is held for the whole study; its previous results stay aside in
     ``.previous/`` until the new ones are complete (and come back if the study fails).
     """
-    study(preset, seeds)  # an unknown preset fails before anything is loaded or trained
+    groups = study(preset, seeds)  # an unknown preset fails before anything is loaded
+    text = settings.train_data if settings is not None else None
+    if text is not None and not any(reads_text(g.arch, g.task) for g in groups):
+        raise UsageError(f"{arg('train_data', text)}: the {preset} study trains no model on "
+                         "text (its runs learn the digits or a synthetic task): drop it",
+                         option="train_data")
     checkpoint = _probed(mudd_checkpoint) if mudd_checkpoint else None
     results = (*STUDY_RESULTS, "trend.md") if preset == "trend" else STUDY_RESULTS
     with hold_output(out, "study", command), replacing_results(out, results) as files:

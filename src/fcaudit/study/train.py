@@ -216,6 +216,12 @@ def resolve_schedule(preset: str, steps: int | None = None,
     return tp
 
 
+def reads_text(arch: str, task: str | None) -> bool:
+    """Whether a run of ``arch`` trains on text (``data``), not on the digits or a
+    synthetic task's sequences."""
+    return task is None and get_arch(arch).task != "vision"
+
+
 def run_schedule(arch_name: str, preset: str, steps: int | None = None,
                  schedule: TrainPreset | None = None, task: str | None = None) -> Any:
     """The settings a run of ``arch_name`` trains with: a synthetic task's

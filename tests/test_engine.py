@@ -23,6 +23,7 @@ from fcaudit.core.errors import FcauditError
 from fcaudit.core.interventions import Intervention, StaticProfiles, draw, static
 from fcaudit.core.sites import find_sites
 from fcaudit.engine.plan import Run, feed
+from fcaudit.engine.replay_proof import choose
 from fcaudit.engine.result import AuditResult
 from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import AuditData
@@ -445,10 +446,12 @@ def test_flat_adapter_round_trip():
 # ------------------------------------------------------------- library surface
 
 
-def test_rerun_reuses_the_cache_and_runs_no_replay(tmp_path):
+def test_rerun_reuses_the_cache_and_replays_only_its_proof(tmp_path):
     """A rerun reads coefficients and replay results from the cache once proven: it runs
-    the probe passes (with the two looks that prove the glob sites' token axis) and one
-    pass per other cached record batch, no replay, and gives the same result."""
+    the probe passes (with the two looks that prove the glob sites' token axis), one pass
+    per other cached record batch and the replay proof (every run of the plan once, on the
+    cached batch its sample drew, with the correct replay before and after the batch's
+    other sampled runs), and gives the same result."""
     model = toys.content_model()
     passes = []
     model.register_forward_hook(lambda *_: passes.append(1))
@@ -458,11 +461,18 @@ def test_rerun_reuses_the_cache_and_runs_no_replay(tmp_path):
     first_passes, passes[:] = len(passes), []
     second = run()
     assert FAST.batch_size == 4  # 12 + 12 sequences: 3 evaluation and 3 calibration batches
+    reuse = second.runtime.reuse
+    runs = reuse["runs_reused"] // 3
+    sample = choose("sample", runs, [0, 1, 2], reuse["verify_seed"])
+    assert sorted(i for picked in sample.by_batch.values() for i in picked) == \
+        list(range(runs))  # every run proven once
+    proof = sum(len([i for i in picked if i]) + 2 for picked in sample.by_batch.values())
     # vocabulary probe, layout look, the look one token shorter, probe record, probe replay;
     # evaluation batches 1, 2 and calibration batches 0, 1, 2 recomputed to prove their
-    # cached records
-    assert first_passes > 40 and len(passes) == 5 + 2 + 3
-    assert second.runtime.reuse["batches_reused"] == 3
+    # cached records; then the proof, at most one replay of every run and 2 per batch
+    assert first_passes > 40 and len(passes) == 5 + 2 + 3 + proof
+    assert proof <= runs + 2 * 3 and reuse["replay_runs_verified"] == runs
+    assert reuse["batches_reused"] == 3
     assert first.to_json()["conditions"] == second.to_json()["conditions"]
 
 
@@ -638,9 +648,14 @@ def test_an_edited_intervention_is_replayed_again_not_reused(edit: str, tmp_path
         assert before.custom_conditions["edited"].delta == pytest.approx(by_hand, abs=1e-6)
         assert after.custom_conditions["edited"].delta == 0.0
     again = run(second, out)
-    assert again.runtime.reuse == {**after.runtime.reuse, "batches_reused": 3,
-                                   "batches_recomputed": 0, "runs_reused": 3 * 18,
-                                   "runs_recomputed": 0}
+    proof = ("verify_seed", "replay_runs_verified", "replay_batches_verified",
+             "replay_share_verified")
+    kept = lambda reuse: {k: v for k, v in reuse.items() if k not in proof}  # noqa: E731
+    assert kept(again.runtime.reuse) == {**kept(after.runtime.reuse), "batches_reused": 3,
+                                         "batches_recomputed": 0, "runs_reused": 3 * 18,
+                                         "runs_recomputed": 0}
+    assert after.runtime.reuse["replay_runs_verified"] == 0  # nothing reused: nothing proven
+    assert again.runtime.reuse["replay_runs_verified"] == 18  # every run on one batch
     assert again.to_json()["custom_conditions"] == fresh.to_json()["custom_conditions"]
     from fcaudit.report.audit_report import build_markdown
     assert "Replay results: 3 of 3 batches (54 runs) reused" in build_markdown(again, [])[1]

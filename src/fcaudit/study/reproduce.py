@@ -57,7 +57,7 @@ from fcaudit.io.outdir import STUDY_RESULTS, hold_output
 from fcaudit.io.results import replacing_results
 from fcaudit.io.runtime import versions
 from fcaudit.study import exits, paper, ssm, trend, vision
-from fcaudit.study.train import TrainPreset, reads_text, run_schedule, train
+from fcaudit.study.train import TrainPreset, check_train_data, reads_text, run_schedule, train
 from fcaudit.study.trend import SeedResult
 
 SCHEMA = "fcaudit.reproduction/1"
@@ -514,11 +514,7 @@ def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
     ``.previous/`` until the new ones are complete (and come back if the study fails).
     """
     groups = study(preset, seeds)  # an unknown preset fails before anything is loaded
-    text = settings.train_data if settings is not None else None
-    if text is not None and not any(reads_text(g.arch, g.task) for g in groups):
-        raise UsageError(f"{arg('train_data', text)}: the {preset} study trains no model on "
-                         "text (its runs learn the digits or a synthetic task): drop it",
-                         option="train_data")
+    check_train_data(settings.train_data if settings is not None else None, preset, groups)
     checkpoint = _probed(mudd_checkpoint) if mudd_checkpoint else None
     results = (*STUDY_RESULTS, "trend.md") if preset == "trend" else STUDY_RESULTS
     with hold_output(out, "study", command), replacing_results(out, results) as files:

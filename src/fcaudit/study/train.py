@@ -222,6 +222,15 @@ def reads_text(arch: str, task: str | None) -> bool:
     return task is None and get_arch(arch).task != "vision"
 
 
+def check_train_data(text: Any, preset: str, runs: Any) -> None:
+    """Refuse training text given to a study none of whose ``runs`` (objects with
+    ``arch`` and ``task``) trains on text: it would be ignored."""
+    if text is not None and not any(reads_text(r.arch, r.task) for r in runs):
+        raise UsageError(f"{arg('train_data', text)}: the {preset} study trains no model on "
+                         "text (its runs learn the digits or a synthetic task): drop it",
+                         option="train_data")
+
+
 def run_schedule(arch_name: str, preset: str, steps: int | None = None,
                  schedule: TrainPreset | None = None, task: str | None = None) -> Any:
     """The settings a run of ``arch_name`` trains with: a synthetic task's

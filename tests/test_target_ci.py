@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 import toys
 from conftest import FAST, FAST_ARGS, run_inprocess, strip_nondeterministic, toy_data
 
@@ -18,7 +19,7 @@ from fcaudit.io.data import AuditData, load_tokenizer, resolve_data
 from fcaudit.models.moe import MoEConfig, MoEGPT
 
 COUNTED = ["reassign", "shuffle", "reassign+shuffle", "static-layer", "static-layer-position",
-           "static-layer-token", "global-mean"]  # docs/method.md: the counted penalties
+           "static-layer-token"]  # docs/method.md: the counted penalties (not the floor)
 
 
 def first_n(pool: AuditData, n: int, seed: int = 0) -> AuditData:
@@ -53,10 +54,44 @@ def test_a_model_without_dependence_stops_at_the_floor(tmp_path):
     assert s.reached and len(s.rounds) == 1 and s.sequences_used == 8 < s.pool_sequences == 24
     assert s.reason.startswith("target reached") and "8 of 24" in s.reason
     assert r.data["eval_sequences"] == 8 and s.conditions == COUNTED
-    for name in COUNTED:  # constant gates: every sequence loses the same (0 but global-mean)
+    for name in COUNTED:  # constant gates: every sequence loses the same
         width = half_width(r.conditions[name].delta, r.conditions[name].ci95)
         assert width < 1e-6 and s.rounds[0].half_widths[name] == width, name
     assert "target_ci" not in r.settings and "min_sequences" not in r.settings
+
+
+class FloorOnlyNoise(toys.ToyModel):
+    """Constant gates 0.9 and 0.1 (every counted penalty 0 for every sequence), plus a term
+    ``g0 * g1`` that only global-mean's shared value wakes (0.09 under the model's own
+    gates and every per-layer profile, 0.25 under the family's mean) and that hurts half
+    the sequences (those whose first token is odd): a wide interval on the floor alone."""
+
+    def __init__(self) -> None:
+        super().__init__("constant")
+
+    def forward(self, ids):
+        g0, g1 = (gate(ids) for gate in self.gates)
+        even = (torch.arange(ids.shape[1]) % 2 == 0).float().view(1, -1, 1)
+        target = torch.nn.functional.one_hot((ids + 1) % toys.V, toys.V).float()
+        odd = (ids[:, :1] % 2).float().unsqueeze(-1)
+        noise = torch.nn.functional.one_hot((3 * ids + 5) % toys.V, toys.V).float()
+        woken = (g0 * g1 - 0.09).clamp(min=0)
+        return self.scale * target * (g0 - g1) * even + 200 * woken * odd * noise
+
+
+def test_the_floor_s_interval_never_holds_the_audit_up(tmp_path):
+    """global-mean is the retention's floor, not an answer: an audit whose counted
+    penalties are exact stops at the floor however wide global-mean's interval is, and
+    says which interval stopped it."""
+    r = run(FloorOnlyNoise(), tmp_path, "t", toy_data(24), target_ci=0.01, min_sequences=8)
+    s = r.stopping
+    floor = half_width(r.conditions["global-mean"].delta, r.conditions["global-mean"].ci95)
+    assert floor > 1.0  # the floor alone is wide
+    assert s.reached and s.sequences_used == 8 and "global-mean" not in s.conditions
+    widest = max(COUNTED, key=lambda c: half_width(r.conditions[c].delta,
+                                                   r.conditions[c].ci95))
+    assert s.reason.endswith(f"the widest, which stopped it, {widest}'s "
+                             f"{s.rounds[-1].half_widths[widest]:.4g} nats")
 
 
 def test_stops_early_after_rounds_and_equals_the_fixed_audit(tmp_path):

@@ -124,7 +124,7 @@ REGISTRY: tuple[Condition, ...] = (
               penalty="a static per-layer-and-token-id profile",
               roles=frozenset({"penalty", "retention", "counted"})),
     Condition("global-mean", "static", "one mean for the whole family", _CALIB,
-              feeder="feed_static", profile="global_mean", roles=frozenset({"floor", "counted"})),
+              feeder="feed_static", profile="global_mean", roles=frozenset({"floor"})),
     # opt-in (its calibration sums grow with ids x positions, so only an audit that asks
     # collects them): --condition, or fcaudit.static with profiles from StaticProfiles.add
     Condition("static-layer-token-position", "static",

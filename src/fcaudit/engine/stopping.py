@@ -25,9 +25,10 @@ from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.data import AuditData, fingerprint_array
 
 DEFAULT_MIN_SEQUENCES = 16  # the first round: a bootstrap over fewer is too coarse to trust
-# the penalties whose intervals must reach the target: every main condition's penalty
-# against correct (the interaction, retention and per-layer variants follow from them or
-# are localisations, and are not counted)
+# the penalties whose intervals must reach the target: the penalties against correct a
+# user reads as answers (reassign, shuffle, the pair, the static profiles); not global-mean,
+# the retention's floor, whose own interval answers no question (the interaction,
+# retention and per-layer variants follow from them or are localisations)
 COUNTED = by_role("counted")
 MAX_GROWTH = 2  # a round at most doubles the sequences of the last one
 RULE = ("stop at the first round where every counted penalty's 95% paired bootstrap "
@@ -131,7 +132,8 @@ def stopping(ordered: AuditData, seed: int, target: float, floor: int,
     order = pool_order(n_pool, seed)
     if last.met:
         reason = (f"target reached: every counted half-width <= {target:g} nats at {n} of "
-                  f"{n_pool} sequences (round {len(rounds)})")
+                  f"{n_pool} sequences (round {len(rounds)}); the widest, which stopped it, "
+                  f"{last.widest}'s {last.half_widths[last.widest]:.4g} nats")
     else:
         reason = (f"{_pool_end(ordered.sources, n_pool)} and the widest half-width, "
                   f"{last.widest}'s {last.half_widths[last.widest]:.4g} nats, is still above "

@@ -1,6 +1,7 @@
-"""The plan before the work: the record and replay passes and the cache's size are printed
-before any pass, the size matches the shards written, and a cache the disk cannot hold is
-refused before anything is written."""
+"""The plan before the work: the passes and the cache's size are printed before any pass of
+the audit proper, the size matches what the cache takes on disk, and a cache the disk
+cannot hold is refused before anything is written (tests/test_audit_plan.py: every pass
+counted, the estimate)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import numpy as np
 import pytest
 import toys
 from conftest import FAST_ARGS, run_inprocess
-from safetensors import safe_open
 
 FAST = [a for a in FAST_ARGS if a != "--quiet"]  # the plan is part of the progress output
 
@@ -31,26 +31,23 @@ def test_the_plan_is_printed_before_the_work_and_sizes_the_cache(
     res = run_inprocess(_argv(tmp_path, out), capsys)
     assert res.returncode == 0, res.stderr
     lines = res.stderr.splitlines()
-    record = next(i for i, line in enumerate(lines) if "plan: record" in line)
-    assert "plan: record 3 evaluation + 2 calibration batches (one forward pass each)" \
-        in lines[record]
-    replay = next(i for i, line in enumerate(lines) if "plan: replay" in line)
-    # runs: correct, reassign, shuffle, reassign+shuffle, global-mean, static-layer,
-    # static-layer-position, static-layer-token (one repeat each; no per-layer runs)
-    assert "plan: replay 8 runs on each of 3 evaluation batches: 24 forward passes" \
-        in lines[replay]
-    assert record < replay
-    # the per-sequence size is the evaluation shards' tensors, read back independently
-    stored = 0
-    for shard in sorted((out / "cache").glob("eval-*.safetensors")):
-        with safe_open(str(shard), framework="pt") as fh:
-            stored += sum(fh.get_tensor(k).numel() * fh.get_tensor(k).element_size()
-                          for k in fh.keys())  # noqa: SIM118 - not a dict
-    per_sequence = round(stored / 12)
-    reuse = json.loads((out / "audit.json").read_text())["runtime"]["reuse"]
+    plan = next(i for i, line in enumerate(lines) if line.startswith("fcaudit: plan: about"))
+    first_pass = next(i for i, line in enumerate(lines) if "record calibration" in line)
+    assert plan < first_pass  # said before the audit's first pass
+    # record: evaluation batches 1, 2 (batch 0 is the probe's) and calibration 0, 1; runs:
+    # correct, reassign, shuffle, reassign+shuffle, global-mean, static-layer,
+    # static-layer-position, static-layer-token (one repeat each; no per-layer runs) and
+    # the correct replay again after them, on each of the 3 evaluation batches
+    assert "plan: about 31 forward passes" in lines[plan]
+    assert "record 4 passes" in lines[plan] and "replay 27 passes" in lines[plan]
+    size = next(line for line in lines if line.startswith("fcaudit: plan: cache about"))
+    written = json.loads((out / "audit.json").read_text())["runtime"]
+    per_sequence = written["plan"]["bytes_per_eval_sequence"]
+    assert abs(written["plan"]["cache_bytes"] / 12 - per_sequence) <= 0.5  # over 12 sequences
+    assert f"({per_sequence / 1000:.1f} KB per evaluation sequence" in size
+    reuse = written["reuse"]
     assert (reuse["evaluation_batches_recorded"], reuse["evaluation_batches_proven"]) == (3, 0)
     assert (reuse["calibration_batches_recorded"], reuse["calibration_batches_proven"]) == (2, 0)
-    assert f"({per_sequence / 1000:.1f} KB per evaluation sequence" in lines[record]
 
 
 def test_a_cache_the_disk_cannot_hold_is_refused_before_any_file(
@@ -76,7 +73,7 @@ def _spy_on_the_plan(monkeypatch: pytest.MonkeyPatch) -> dict:
     def spy(*args, **kw):  # noqa: ANN002, ANN003 - passes through
         seen["cost"] = real(*args, **kw)
         return seen["cost"]
-    monkeypatch.setattr("fcaudit.engine.run.record_cost", spy)
+    monkeypatch.setattr("fcaudit.engine.budget.record_cost", spy)
     return seen
 
 

@@ -156,7 +156,8 @@ def test_each_resume_draws_its_own_sample_and_says_so(tmp_path: Path,
     for _ in range(2):
         res = run_inprocess(argv, capsys)
         assert res.returncode == 0, res.stderr
-        assert "3 of them cached: reused only once a fresh random sample of" in res.stderr
+        assert "replay: 3 of 3 evaluation batches cached: reused only once a fresh random " \
+            "sample of" in res.stderr
         assert "; --verify-reuse all proves every run)" in res.stderr
         audit = fcaudit.AuditResult.read(tmp_path / "out" / "audit.json")
         seeds.append(audit.runtime.reuse["verify_seed"])

@@ -14,6 +14,7 @@ from fcaudit._version import __version__
 from fcaudit.core.adapters import adapter_name
 from fcaudit.core.contract import Site
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, not_applicable, shuffled_axes
+from fcaudit.engine.budget import AuditPlan
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.frontier import frontier_summary
@@ -48,9 +49,11 @@ from fcaudit.io.runtime import host, versions
 
 
 def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
-                 ranks: Ranks, rounds: Rounds | None = None) -> AuditResult:
+                 ranks: Ranks, rounds: Rounds | None = None,
+                 plan: AuditPlan | None = None) -> AuditResult:
     """Execution, runtime and the result of one measured audit (with ``rounds``, the last
-    round of a ``--target-ci`` audit)."""
+    round of a ``--target-ci`` audit; ``plan``: the cost said before the work, kept beside
+    what was measured)."""
     setup, description, summary = m.setup, m.description, m.summary
     routing = _routing(setup, cache, m.runs, m.replays)
     timings = dict(m.timings)
@@ -76,7 +79,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
         nondeterministic_keys=[*NONDETERMINISTIC_KEYS, *([TIMED_VERDICT_KEY]
                                                         if execution.timing is not None
                                                         else [])],
-        runtime=_runtime(m, cache, ranks, timings, rounds),
+        runtime=_runtime(m, cache, ranks, timings, rounds, plan),
         identity=None if identity.exact and not identity.allowed_nonexact else identity,
         custom_conditions=summary.custom or None, routing=routing,
         stopping=rounds.stopping if rounds is not None else None, exits=m.exits,
@@ -115,13 +118,15 @@ def _settings(m: Measurements, execution: Execution) -> dict[str, Any]:
 
 
 def _runtime(m: Measurements, cache: CoefficientCache, ranks: Ranks,
-             timings: dict[str, float], rounds: Rounds | None) -> Runtime:
+             timings: dict[str, float], rounds: Rounds | None,
+             plan: AuditPlan | None) -> Runtime:
     return Runtime(host(), {k: round(v, 3) for k, v in timings.items()},
                    {**m.replays.schedule, "processes": ranks.world,
                     "process_group": ranks.backend}, cache.disk_usage(),
                    reuse_summary(m.reuse, len(m.runs), m.recorded),
                    rounds=rounds.spent if rounds is not None else None,
-                   placement=m.setup.loaded.placement)
+                   placement=m.setup.loaded.placement,
+                   plan=plan.to_json() if plan is not None else None)
 
 
 def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> dict[str, Any]:

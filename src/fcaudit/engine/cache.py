@@ -410,9 +410,12 @@ class CoefficientCache:
                     path.unlink(missing_ok=True)
 
     def disk_usage(self) -> dict[str, Any]:
-        """Bytes on disk: the cache holds one shard set per batch, so it grows linearly
-        with the number of evaluation sequences (memory does not: rows are read lazily)."""
-        total = sum(p.stat().st_size for p in self.folder.rglob("*") if p.is_file())
+        """Bytes on disk, as the disk allocates them (whole blocks, as the plan counts
+        them: engine/cost.py), folders included: the cache holds one shard set per batch,
+        so it grows linearly with the number of evaluation sequences (memory does not:
+        rows are read lazily)."""
+        total = sum(p.lstat().st_blocks * 512 for p in (self.folder, *self.folder.rglob("*"))
+                    if p.is_file() or p.is_dir())
         return {"bytes": total, "bytes_per_eval_sequence": round(total / self.n_sequences),
                 "growth": "linear in the evaluation sequences (one shard set per batch)"}
 

@@ -41,24 +41,19 @@ class RecordCost:
     bytes_per_sequence: int
     cache_bytes: int
 
-    def line(self, free: int | None) -> str:
-        disk = f", {_size(free)} free there" if free is not None else ""
-        return (f"plan: record {self.eval_batches} evaluation + {self.calib_batches} "
-                f"calibration batches (one forward pass each); cache about "
-                f"{_size(self.cache_bytes)} ({_size(self.bytes_per_sequence)} per evaluation "
-                f"sequence{disk})")
-
 
 def record_cost(eval_shard: Mapping[str, Tensor], calib_shard: Mapping[str, Tensor],
                 frontier_shard: Mapping[str, Tensor], rows: int, n_eval: int, n_calib: int,
-                batch_size: int) -> RecordCost:
+                batch_size: int, runs: int = 0) -> RecordCost:
     """The cost of recording ``n_eval`` evaluation and ``n_calib`` calibration rows, from
     the shards the probe's batch of ``rows`` rows would write (``frontier_shard``: the
-    frontier's whole calibration coefficients, empty without a frontier)."""
+    frontier's whole calibration coefficients, empty without a frontier), and of each
+    batch's replay shard of ``runs`` runs."""
     n_eval_batches, n_calib_batches = -(-n_eval // batch_size), -(-n_calib // batch_size)
     per_row = _bytes(eval_shard) / rows
     eval_disk = sum(_on_disk(per_row * _rows_in(b, batch_size, n_eval), len(eval_shard))
-                    + _on_disk(0, 1)  # and its replay shard
+                    + _on_disk(_replay_bytes(runs, _rows_in(b, batch_size, n_eval),
+                                             "hits" in eval_shard), _REPLAY_TENSORS)
                     for b in range(n_eval_batches))
     calib_disk = n_calib_batches * _on_disk(_bytes(calib_shard), len(calib_shard))
     if frontier_shard:
@@ -67,6 +62,15 @@ def record_cost(eval_shard: Mapping[str, Tensor], calib_shard: Mapping[str, Tens
                           for b in range(n_calib_batches))
     return RecordCost(n_eval_batches, n_calib_batches, round(per_row),
                       round(eval_disk + calib_disk + _FOLDERS * _BLOCK))
+
+
+_REPLAY_TENSORS = 6  # losses, feed digests, identity, prefix state, plan digest, hits
+
+
+def _replay_bytes(runs: int, rows: int, hits: bool) -> int:
+    """A replay shard: per run a float64 loss per row (and a hit, where the objective
+    scores hits) and a 32-byte feed digest; the plan's digest and two scalars."""
+    return runs * ((16 if hits else 8) * rows + 32) + 32 + 16
 
 
 def _rows_in(b: int, batch_size: int, n: int) -> int:
@@ -86,20 +90,19 @@ def _on_disk(data: float, tensors: int) -> int:
 
 
 def replay_line(n_runs: int, n_batches: int, reused: int = 0,
-                sample: ReuseSample | None = None) -> str:
-    """The replay stage's passes; with ``reused`` cached batches, what proves them."""
-    line = (f"plan: replay {n_runs} runs on each of {n_batches} evaluation batches: "
-            f"{n_runs * n_batches} forward passes")
+                sample: ReuseSample | None = None) -> str | None:
+    """What proves the cached replay batches, when a rerun finds some (None: none; the
+    plan said the replay's passes before the work)."""
     if not reused or sample is None:
-        return line
+        return None
     verified = sum(len(v) for v in sample.by_batch.values())
     passes = verified + sum(2 - (0 in v) for v in sample.by_batch.values())
     how = ("every run of every cached batch" if sample.mode == "all" else
            f"a fresh random sample of {verified} runs, every run of the plan on one cached "
-           f"batch (seed {sample.seed}; {arg('verify_reuse')} all proves every run)")
-    return (f"{line}; {reused} of them cached: reused only once {how} replays bit for bit as "
-            f"cached (about {passes} passes), the other {n_batches - reused} replayed "
-            f"({(n_batches - reused) * n_runs} passes)")
+           f"batch (seed {sample.seed}; {arg('verify_reuse', 'all')} proves every run)")
+    return (f"replay: {reused} of {n_batches} evaluation batches cached: reused only once "
+            f"{how} replays bit for bit as cached (about {passes} passes), the other "
+            f"{n_batches - reused} replayed ({(n_batches - reused) * n_runs} passes)")
 
 
 def free_bytes(folder: Path) -> int | None:
@@ -125,16 +128,17 @@ def check_disk(cost: RecordCost, free: int | None, folder: Path) -> str | None:
         return None
     if cost.cache_bytes > free:
         raise FcauditError(
-            f"the audit's cache needs about {_size(cost.cache_bytes)} but the disk holding "
-            f"{folder} has {_size(free)} free: choose {arg('out')} on a larger disk, or "
+            f"the audit's cache needs about {size_text(cost.cache_bytes)} but the disk holding "
+            f"{folder} has {size_text(free)} free: choose {arg('out')} on a larger disk, or "
             f"audit fewer sequences ({arg('max_eval', owner='DataSpec')}) or sites")
     if cost.cache_bytes > _WARN_SHARE * free:
-        return (f"warning: the cache will take about {_size(cost.cache_bytes)} of the "
-                f"{_size(free)} free on the disk holding {folder}")
+        return (f"warning: the cache will take about {size_text(cost.cache_bytes)} of the "
+                f"{size_text(free)} free on the disk holding {folder}")
     return None
 
 
-def _size(n: float | None) -> str:
+def size_text(n: float | None) -> str:
+    """Bytes as a person reads them (kB, MB, GB in powers of 1000)."""
     if n is None:
         return "unknown"
     for unit in ("B", "KB", "MB"):

@@ -94,19 +94,23 @@ def threshold_set(net: Any, value: float) -> Iterator[None]:
 
 
 @torch.no_grad()
-def sweep_layers(setup: Any, net: Any, own: Tensor) -> tuple[tuple[float, Tensor], ...]:
+def sweep_layers(setup: Any, net: Any, own: Tensor,
+                 tick: Any = None) -> tuple[tuple[float, Tensor], ...]:
     """Each sweep threshold with the exit layers ``[N, T]`` the moved rule gives the
-    evaluation tokens (real passes); thresholds that repeat ``own`` or an earlier one's
-    exits are dropped."""
+    evaluation tokens (real passes; ``tick(stage, done, total, info)`` once per
+    threshold); thresholds that repeat ``own`` or an earlier one's exits are dropped."""
     start = own_threshold(net)
     if start is None:
         return ()
     size, device = setup.options.batch_size, device_of(setup.model)
     out: list[tuple[float, Tensor]] = []
-    for tau in sweep_thresholds(start, setup.options.frontier_points):
+    thresholds = sweep_thresholds(start, setup.options.frontier_points)
+    for done, tau in enumerate(thresholds, start=1):
         with threshold_set(net, tau):
             layers = torch.cat([own_exits(net, lambda x=x: call_model(setup.model, x)).cpu()
                                 for _, x in batches(setup.eval_source, size, device)])
+        if tick is not None:
+            tick("exit references: threshold sweep", done, len(thresholds), f"{tau:.3g}")
         if not any(torch.equal(layers, seen) for seen in [own, *(t for _, t in out)]):
             out.append((tau, layers))
     return tuple(out)

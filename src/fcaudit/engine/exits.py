@@ -50,56 +50,91 @@ def asked(setup: Any) -> bool:
     return bool(wanted) and bool(exit_sites(setup.sites))
 
 
+PROBE_ROWS = 2  # sequences (or examples) the exit rule is checked on
+
+
+def check_passes(n_sites: int, units: int) -> int:
+    """The passes :func:`check_follows` makes on its probe when the rule follows: the
+    model's own exits, the record, the recorded scores replayed, every unit stopping at
+    the first and at no exit site, and the mixed patterns that stop each unit after an
+    exit site of its own until every site has been asked."""
+    return 5 + -(-(n_sites + 1) // max(units, 1))
+
+
 @torch.no_grad()
-def exit_plan(setup: Any) -> ExitPlan | None:
-    """The references' layers for this audit, or None when it runs no exit condition."""
+def exit_plan(setup: Any, progress: Any = None) -> ExitPlan | None:
+    """The references' layers for this audit, or None when it runs no exit condition;
+    ``progress`` ticks once per batch of each stage (the plan counts these passes)."""
     if not asked(setup):
         return None
     from fcaudit.engine.execution import inference
+    tick = progress or (lambda *_: None)
     net = exit_model(setup.model, setup.sites)
     size, device = setup.options.batch_size, device_of(setup.model)
     calib, oracle, own = [], [], []
     with inference(setup.model):
-        check_follows(setup, net, next(batches(setup.eval_source, size, device))[1])
-        for _, x in batches(setup.calib_source, size, device):
+        check_follows(setup, net, next(batches(setup.eval_source, PROBE_ROWS, device))[1])
+        n_calib, n_eval = -(-setup.inputs.n_calib // size), -(-setup.inputs.n_eval // size)
+        for done, (_, x) in enumerate(batches(setup.calib_source, size, device), start=1):
             calib.append(own_exits(net, lambda x=x: call_model(setup.model, x)).cpu())
-        for _, x in batches(setup.eval_source, size, device):
+            tick("exit references: calibration", done, n_calib, "")
+        for done, (_, x) in enumerate(batches(setup.eval_source, size, device), start=1):
             own.append(own_exits(net, lambda x=x: call_model(setup.model, x)).cpu())
             preds = head_predictions(net, lambda x=x: call_model(setup.model, x))
             oracle.append(oracle_layers(preds).cpu())
+            tick("exit references: evaluation and oracle", done, n_eval, "")
     layers, own_layers = len(exit_sites(setup.sites)) + 1, torch.cat(own)
     with inference(setup.model):
-        sweep = sweep_layers(setup, net, own_layers)
+        sweep = sweep_layers(setup, net, own_layers, tick)
     return ExitPlan(exit_depth(calib, layers), torch.cat(oracle), own_layers,
                     exit_unit(setup.sites), own_threshold(net), sweep)
 
 
 def check_follows(setup: Any, net: Any, x: Any) -> None:
     """Refuse, naming the site and the cause, an exit rule that does not follow its site's
-    output: a replay of the recorded scores must reproduce the model's own exits bit for
-    bit, and scores that stop every unit (token, patch, example) after exit site ``k`` must
-    stop every one there, for every ``k`` (one batch; the exit conditions and every
-    replayed score rest on it). Where they do not, the cause is told apart
+    output, on a probe of :data:`PROBE_ROWS` rows (the exit conditions and every replayed
+    score rest on it; a rule is one rule, so a few rows prove it at a fraction of one
+    batch's cost): a replay of the recorded scores must reproduce the model's own exits bit
+    for bit, scores that stop every unit (token, patch, example) at the first exit site,
+    or at none, must do so, and scores that stop each unit after an exit site of its own
+    (unit ``u`` after site ``u mod (n + 1)``, so every site is asked) must stop each one
+    there. Where they do not, every site is asked alone and the cause told apart
     (:func:`_misdeclared`): ``Site.exit`` reversed, or a threshold its values never or
     always reach; else a rule reading something other than the site's output."""
     sites, run = exit_sites(setup.sites), lambda: call_model(setup.model, x)
-    unit = exit_unit(sites)
+    unit, n = exit_unit(sites), len(sites)
     own = own_exits(net, run)
     _, coefficients, _ = record_batch(setup.model, setup.sites, x, None)
 
-    def exits(k: int | None, values: Any = None) -> torch.Tensor:
-        """The exits under the recorded scores (``k`` None), or under scores stopping every
-        unit after site ``k``, from ``Site.exit`` or ``values(site)`` in its place."""
+    def exits(k: Any, values: Any = None) -> torch.Tensor:
+        """The exits under the recorded scores (``k`` None), or under scores stopping each
+        unit after site ``k`` (a layer for all, or a tensor of one per unit), from
+        ``Site.exit`` or ``values(site)`` in its place."""
         declared = [dataclasses.replace(s, exit=values(s)) for s in sites] if values else sites
-        scores = coefficients if k is None else \
-            exit_scores(declared, torch.full_like(own, k), coefficients)
+        layers = k if isinstance(k, torch.Tensor) else torch.full_like(own, int(k or 0))
+        scores = coefficients if k is None else exit_scores(declared, layers, coefficients)
         with replaying(setup.model, {s: scores[s.name] for s in sites}):
             return own_exits(net, run)
 
     got = exits(None)
     if not torch.equal(got, own):
         raise _refusal(sites, "replaying the recorded scores", got, own, unit)
-    fed = {k: exits(k) for k in range(len(sites) + 1)}
+    units = torch.arange(own.numel()).view_as(own)
+    patterns = [torch.full_like(own, 0), torch.full_like(own, n)] + [
+        (units + shift) % (n + 1) for shift in range(0, n + 1, max(own.numel(), 1))]
+    for layers in patterns:
+        got = exits(layers)
+        if not torch.equal(got, layers):
+            _diagnose(sites, exits, own, unit, got, layers)
+
+
+def _diagnose(sites: Sequence[Any], exits: Any, own: torch.Tensor, unit: str,
+              got_mixed: torch.Tensor, mixed: torch.Tensor) -> None:
+    """Every exit site asked alone (scores stopping every unit after it), the first that
+    fails refused with its cause; reached only when the rule did not follow (``mixed``:
+    the pattern that failed, ``got_mixed`` the exits it gave)."""
+    n = len(sites)
+    fed = {k: exits(k) for k in range(n + 1)}
     for k, got in fed.items():
         if not torch.equal(got, torch.full_like(own, k)):
             cause = _misdeclared(sites, fed, k, exits, unit)
@@ -107,6 +142,8 @@ def check_follows(setup: Any, net: Any, x: Any) -> None:
                 raise ModelError(f"exit site {cause[0].name}: {cause[1]}", site=cause[0].name)
             raise _refusal(sites, f"feeding scores that stop every {unit} after exit layer {k}",
                            got, torch.full_like(own, k), unit)
+    raise _refusal(sites, f"feeding scores that stop each {unit} after an exit layer of its "
+                   "own", got_mixed, mixed, unit)
 
 
 _FAR = 1000.0  # a value this many (exit - continue) steps beyond one of Site.exit's values

@@ -104,6 +104,13 @@ def levels(points: int) -> list[float]:
     return [LEVEL_MAX * j / points for j in range(1, points + 1)]
 
 
+def most_points(families: Sequence[Covered], points: int) -> int:
+    """The most frontier points :func:`plan_points` (and a skipping model's own point) can
+    give ``families``, before calibration says which levels coincide: what the plan counts."""
+    per_level = {GATE: 1 + len(STATIC_RULES[GATE]), ROUTER: 1 + len(STATIC_RULES[ROUTER])}
+    return sum(per_level[f.kind] * points + (f.kind == GATE) for f in families)
+
+
 def kept(site: Site, t: Tensor) -> Tensor:
     """How much of its module's update each gate of ``t`` keeps, the size every gate rule
     orders by (smallest switched off first): the distance from the site's ``off`` value,

@@ -78,7 +78,7 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     profiles = calibration_profiles(setup, cache)
     cache.verify_all()
     timings = {"record_s": time.perf_counter() - setup.started}
-    inputs = _replay_inputs(setup, cache, profiles, first)
+    inputs = _replay_inputs(setup, cache, profiles, first, progress)
     skipped = not_applicable(setup.sites, setup.inputs.token_ids is not None, opts.conditions)
     covered, points = frontier_points(setup, cache, frontier_plan(setup, first), progress,
                                       ranks)
@@ -113,14 +113,15 @@ def _exits(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run],
 
 
 def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticProfiles,
-                   first: Probe) -> ReplayInputs:
+                   first: Probe, progress: Progress) -> ReplayInputs:
     """What feeding the runs needs: one random draw per repeat (a derangement, and position
-    permutations for every position count the sites have) and the token ids, if any."""
+    permutations for every position count the sites have), the token ids, if any, and the
+    exit references' layers (real passes, with progress)."""
     lengths, seeds = _position_counts(setup, first), setup.seeds
     return ReplayInputs(cache, setup.sites, profiles,
                         [draw(seed, setup.inputs.n_eval, lengths[0], lengths[1:])
                          for seed in seeds.draws], seeds.interventions,
-                        setup.token_ids, exit_plan(setup))
+                        setup.token_ids, exit_plan(setup, progress))
 
 
 def _position_counts(setup: Prepared, first: Probe) -> list[int]:

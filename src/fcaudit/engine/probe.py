@@ -9,6 +9,7 @@ expert ablations and the cache, and every rank must have computed them alike.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,12 +45,15 @@ from fcaudit.io.examples import ExampleBatch, call_model
 
 @dataclass
 class Probe:
-    """The first evaluation batch, recorded and replayed in memory."""
+    """The first evaluation batch, recorded and replayed in memory (and the wall seconds of
+    those two passes, from which the plan estimates the audit's time)."""
 
     identity: Identity
     coefficients: dict[str, Tensor]
     nll: Tensor
     hits: Tensor | None = None  # classification: 1 per correctly classified example
+    record_s: float = 0.0  # the record pass of the first batch
+    replay_s: float = 0.0  # its identity replay
 
 
 def first_batch(setup: Prepared) -> Any:
@@ -70,7 +74,9 @@ def probe(setup: Prepared) -> Probe:
     with blamed_on_inputs(lambda: call_model(net, x), x, "the first evaluation batch"):
         if objective.checks_targets:  # every target against the logits, before any score
             _check_targets(setup, record_batch(net, sites, x, None)[0])
+        started = time.perf_counter()
         logits, coefficients, nll = record_batch(net, sites, x, objective)
+        record_s = time.perf_counter() - started
     check_finite(coefficients, "evaluation data")  # before any file is written
     check_finite_losses(nll, objective, "the unperturbed record pass, batch 0")
     check_family_positions(sites, coefficients)
@@ -81,12 +87,15 @@ def probe(setup: Prepared) -> Probe:
         refuse_idle_blocks(setup.blocks_glob, x, {"the model": (net, setup.blocks), **(
             {"the dense model": (setup.dense, resolve_block_paths(
                 setup.dense, setup.blocks_glob) or [])} if setup.dense is not None else {})})
+    started = time.perf_counter()
     replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites},
                             objective=objective)
+    replay_s = time.perf_counter() - started
     hits = objective.hits(logits, x)
     if same_bits(logits, replayed.logits):
         return Probe(Identity(True, 0.0, setup.options.allow_nonexact_identity,
-                              "identity replay is bitwise exact"), coefficients, nll, hits)
+                              "identity replay is bitwise exact"), coefficients, nll, hits,
+                     record_s, replay_s)
     units = objective.units(replayed.output, x)
     check_units(units, nll.shape, objective, "the identity replay of batch 0")
     diff = float((units - nll).abs().max())
@@ -111,7 +120,8 @@ def probe(setup: Prepared) -> Probe:
         raise IdentityError(f"{message}. No verdict can rest on such a replay: {fix} or rerun "
                             f"with {ALLOW_NONEXACT} to see the numbers flagged as not exact",
                             site=culprit, max_abs_diff=diff)
-    return Probe(Identity(False, diff, True, message), coefficients, nll, hits)
+    return Probe(Identity(False, diff, True, message), coefficients, nll, hits, record_s,
+                 replay_s)
 
 
 def _check_targets(setup: Prepared, logits: Any) -> None:

@@ -534,6 +534,9 @@ class Runtime:
     # sequences already recorded, replay batches whose every fed tensor matched)
     rounds: list[dict[str, Any]] | None = _omit_none()
     placement: dict[str, Any] | None = _omit_none()  # accelerate's device map, budget
+    # the cost said before the work (engine/budget.py): passes and seconds per stage, the
+    # cache's size, from the probe's pace; beside timings and cache, what was measured
+    plan: dict[str, Any] | None = _omit_none()
 
 
 @dataclass

@@ -40,10 +40,9 @@ from fcaudit.core.layout import SiteAxes, spell_axes
 from fcaudit.core.nll import device_of
 from fcaudit.core.sites import SiteSpec
 from fcaudit.engine.assemble import build_result
+from fcaudit.engine.budget import AuditPlan, audit_plan, say_plan
 from fcaudit.engine.cache import CoefficientCache
-from fcaudit.engine.cost import check_disk, free_bytes, record_cost
 from fcaudit.engine.distributed import SINGLE, Ranks, current
-from fcaudit.engine.frontier import Covered
 from fcaudit.engine.frontier_plan import frontier_plan
 from fcaudit.engine.inputs import (  # noqa: F401  (re-exported: the CLI and tests import them here)
     DEFAULT_WINDOW,
@@ -59,9 +58,9 @@ from fcaudit.engine.measure import Measurements, measure
 from fcaudit.engine.objectives import UNREADABLE
 from fcaudit.engine.options import AuditOptions, Prepared, Progress, say, silent
 from fcaudit.engine.prepare import prepare
-from fcaudit.engine.probe import Probe, ablation_plan, first_batch, probe, same_probe_on_every_rank
+from fcaudit.engine.probe import Probe, ablation_plan, probe, same_probe_on_every_rank
 from fcaudit.engine.result import AuditResult
-from fcaudit.engine.stages import adopt_probe, calibration_shard, eval_shard
+from fcaudit.engine.stages import adopt_probe
 from fcaudit.engine.target_ci import run_to_target
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.outdir import hold_output
@@ -167,6 +166,7 @@ def _audited(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, 
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
     ablation_plan(setup, first)  # an impossible --expert-ablation stops before any file
     covered = frontier_plan(setup, first)  # so does an impossible --frontier
+    plan = audit_plan(setup, first, covered)  # every pass and its time, said before the work
     if not ranks.main:
         _run(setup, open_cache(setup, setup.out / "cache", ranks), first, progress, command,
              ranks)
@@ -174,40 +174,22 @@ def _audited(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, 
         return
     if setup.out is None:
         with tempfile.TemporaryDirectory(prefix="fcaudit-") as tmp:
-            say_record_plan(setup, first, covered, Path(tmp), progress)
+            say_plan(setup, plan, Path(tmp), progress)
             result = _run(setup, open_cache(setup, Path(tmp), ranks, first), first, progress,
-                          command, ranks)
+                          command, ranks, plan)
         yield Audited(result)
         return
-    say_record_plan(setup, first, covered, setup.out / "cache", progress)
+    say_plan(setup, plan, setup.out / "cache", progress)
     with hold_output(setup.out, "audit", command):
         cache = open_cache(setup, setup.out / "cache", ranks, first)
         ranks.barrier(CLAIMED)
-        result = _run(setup, cache, first, progress, command, ranks)
+        result = _run(setup, cache, first, progress, command, ranks, plan)
         assert result is not None
         with replacing_results(setup.out) as files:
             yield Audited(result, setup.out, files)
 
 
 CLAIMED = "rank 0 validated the inputs and claimed the output folder"
-
-
-def say_record_plan(setup: Prepared, first: Probe, covered: Sequence[Covered], folder: Path,
-                    progress: Progress) -> None:
-    """The record stage's passes and the cache's size (from the shards the probe's batch
-    would write), before any work; a cache the disk cannot hold is refused here (see
-    :mod:`fcaudit.engine.cost`)."""
-    frontier = {s.name: first.coefficients[s.name] for fam in covered for s in fam.sites}
-    cost = record_cost(eval_shard(first.nll, first.coefficients, first.hits),
-                       calibration_shard(setup, first.coefficients, first_batch(setup)),
-                       frontier, int(first.nll.shape[0]), setup.inputs.n_eval,
-                       setup.inputs.n_calib, setup.options.batch_size)
-    free = free_bytes(folder)
-    warning = check_disk(cost, free, folder)
-    if setup.options.progress:
-        for line in (cost.line(free), warning):
-            if line:
-                say(progress, line)
 
 
 def open_cache(setup: Prepared, folder: Path, ranks: Ranks,
@@ -247,15 +229,16 @@ def cache_identity(setup: Prepared) -> dict[str, Any]:
 
 
 def _run(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Progress,
-         command: str | None, ranks: Ranks) -> AuditResult | None:
+         command: str | None, ranks: Ranks, plan: AuditPlan | None = None
+         ) -> AuditResult | None:
     """Record and replay this rank's batches; rank 0 then summarizes every batch (with
     ``target_ci``, round after round: :func:`~fcaudit.engine.target_ci.run_to_target`)
     and builds the result."""
     same_probe_on_every_rank(ranks, first)
     if setup.options.target_ci is not None:
         rounds = run_to_target(setup, cache, first, progress)
-        return build_result(rounds.last, cache, command, SINGLE, rounds)  # one process
+        return build_result(rounds.last, cache, command, SINGLE, rounds, plan)  # one process
     measured = measure(setup, cache, first, progress, ranks)
     if measured is None:
         return None
-    return build_result(measured, cache, command, ranks)
+    return build_result(measured, cache, command, ranks, plan=plan)

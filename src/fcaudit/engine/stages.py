@@ -225,8 +225,9 @@ def replay_stage(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], pro
     everywhere = sorted(b for part in ranks.gather(reused, "cached replays") for b in part)
     sample = choose(setup.options.verify_reuse, len(runs), everywhere,
                     ranks.gather(fresh_seed(), "reuse sample")[0])
-    if ranks.main and setup.options.progress:
-        say(progress, replay_line(len(runs), cache.n_batches, len(everywhere), sample))
+    line = replay_line(len(runs), cache.n_batches, len(everywhere), sample)
+    if ranks.main and setup.options.progress and line:
+        say(progress, line)
     _prove_reused(setup, inputs, runs, sample, [b for b in reused if sample.runs_in(b)],
                   progress)
     cache.proven.update(cache.replay_name(b) for b in reused)

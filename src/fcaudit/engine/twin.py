@@ -84,21 +84,31 @@ def _comparable_examples(model: nn.Module, examples: Examples, twin: nn.Module,
                          "a dense model with the model's inputs and outputs")
 
 
+def not_measured(setup: Prepared) -> str | None:
+    """Why this audit measures no execution (None: it does): disabled, nothing to compare
+    with, or blocks nobody declared. The plan counts the execution passes by it too."""
+    if not setup.options.execution:
+        return "disabled (--no-execution)"
+    if setup.dense is None and not declared_experts(setup.model):
+        return "no dense counterpart: pass --dense SPEC"
+    dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) \
+        if setup.dense is not None else []
+    if setup.blocks is None or dense_blocks is None:
+        return "the model does not declare its blocks: pass --blocks GLOB (e.g. 'layers.*')"
+    return None
+
+
 def execute(setup: Prepared) -> Execution:
     """The execution section: counts, FLOPs and (with timing pairs) latency vs dense; for a
     routed model, the experts that ran (measured even without a dense counterpart)."""
     from fcaudit.engine.execution import measure_execution
     opts = setup.options
-    if not opts.execution:
-        return Execution(measured=False, reason="disabled (--no-execution)")
+    reason = not_measured(setup)
+    if reason is not None:
+        return Execution(measured=False, reason=reason)
     experts = declared_experts(setup.model) or []
-    if setup.dense is None and not experts:
-        return Execution(measured=False, reason="no dense counterpart: pass --dense SPEC")
     dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) \
         if setup.dense is not None else []
-    if setup.blocks is None or dense_blocks is None:
-        return Execution(measured=False, reason="the model does not declare its blocks: pass "
-                                                "--blocks GLOB (e.g. 'layers.*')")
     x = setup.inputs.execution_inputs(device_of(setup.model))
     routers = {s.name: s for s in routing_sites(setup.sites)}
     measured = measure_execution(

@@ -1,0 +1,220 @@
+"""What the whole audit will cost, said before the work: every forward pass it will make,
+by stage, the time each stage takes at the pace the probe measured, the largest costs
+first with the option that cuts each, and the cache's size on disk.
+
+The probe has just recorded and replayed the first evaluation batch, so its two wall
+times are this model's pace on this machine with this batch size: a record-like pass
+(recording, the exit references, counting executed blocks) at the record pass's pace, a
+replay at the replay's. A per-layer run under the prefix schedule recomputes only the
+blocks after its site, so its estimate is an upper bound, as are the frontier's points
+(levels that coincide are dropped once calibration is recorded). The plan is kept in
+``runtime.plan``, beside the measured times, so the estimate can be checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fcaudit.core.errors import arg
+from fcaudit.core.exits import exit_sites
+from fcaudit.core.layout import not_applicable
+from fcaudit.engine.cost import RecordCost, check_disk, free_bytes, record_cost, size_text
+from fcaudit.engine.exit_sweep import own_threshold
+from fcaudit.engine.exits import PROBE_ROWS, asked, check_passes
+from fcaudit.engine.frontier import GATE, Covered, most_points
+from fcaudit.engine.options import Prepared, Progress, say
+from fcaudit.engine.plan import ExpertAblation, OneSite, plan_runs
+from fcaudit.engine.probe import Probe, ablation_plan, first_batch
+from fcaudit.engine.stages import calibration_shard, eval_shard
+from fcaudit.engine.twin import not_measured
+
+TIMING_WARMUP = 2  # passes of each model before the timed pairs (engine/execution.py)
+_SHOWN = 4  # stages named in the plan line, largest first
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One kind of work of the audit: its forward passes and their estimated seconds."""
+
+    name: str
+    passes: int
+    seconds: float
+    cut: str = ""  # the option that drops or shrinks it
+    at_most: bool = False  # an upper bound (prefix reuse, frontier levels that coincide)
+
+
+@dataclass(frozen=True)
+class AuditPlan:
+    """Every stage's passes and time, and the cache's size (:func:`audit_plan`)."""
+
+    stages: tuple[Stage, ...]
+    cache: RecordCost
+    n_eval: int
+    pace: tuple[float, float]  # the probe's record and replay seconds for one batch
+    batch_size: int = 8
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passes(self) -> int:
+        return sum(s.passes for s in self.stages)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.stages)
+
+    def lines(self, free: int | None) -> list[str]:
+        """The plan as a person reads it: the total, the largest stages with what cuts
+        them, and the cache."""
+        shown = sorted((s for s in self.stages if s.passes), key=lambda s: -s.seconds)
+        parts = [f"{s.name} {'up to ' if s.at_most else ''}{s.passes} passes "
+                 f"~{_duration(s.seconds)}{f' ({s.cut})' if s.cut else ''}"
+                 for s in shown[:_SHOWN]]
+        rest = shown[_SHOWN:]
+        if rest:
+            parts.append(f"{len(rest)} more stages {sum(s.passes for s in rest)} passes "
+                         f"~{_duration(sum(s.seconds for s in rest))}")
+        record, replay = self.pace
+        disk = f", {size_text(free)} free there" if free is not None else ""
+        return [f"plan: about {self.passes} forward passes, ~{_duration(self.seconds)} at "
+                f"the probe's pace ({record:.2f} s a record pass, {replay:.2f} s a replay, "
+                f"batches of {self.batch_size}): " + "; ".join(parts),
+                f"plan: cache about {size_text(self.cache.cache_bytes)} "
+                f"({size_text(self.per_sequence)} per evaluation sequence{disk})"]
+
+    @property
+    def per_sequence(self) -> int:
+        """Bytes per evaluation sequence as ``runtime.cache`` counts them: the whole cache
+        over the evaluation sequences."""
+        return round(self.cache.cache_bytes / max(self.n_eval, 1))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"passes": self.passes, "estimated_s": round(self.seconds, 4),
+                "cache_bytes": self.cache.cache_bytes,
+                "bytes_per_eval_sequence": self.per_sequence,
+                "probe_record_s": round(self.pace[0], 6),
+                "probe_replay_s": round(self.pace[1], 6),
+                "stages": {s.name: {"passes": s.passes, "estimated_s": round(s.seconds, 3),
+                                    **({"at_most": True} if s.at_most else {})}
+                           for s in self.stages}}
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def audit_plan(setup: Prepared, first: Probe, covered: Sequence[Covered]) -> AuditPlan:
+    """Every pass the audit will make, counted from what is known after the probe."""
+    opts, inputs = setup.options, setup.inputs
+    size = opts.batch_size
+    n_eval, n_calib = -(-inputs.n_eval // size), -(-inputs.n_calib // size)
+    record_s, replay_s = first.record_s, first.replay_s
+    skipped = not_applicable(setup.sites, inputs.token_ids is not None, opts.conditions)
+    runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first), (),
+                     skipped, ())
+    per_layer = sum(isinstance(r.target, OneSite) for r in runs)
+    ablation = sum(isinstance(r.target, ExpertAblation) for r in runs)
+    main = len(runs) - per_layer - ablation
+    frontier = most_points(covered, opts.frontier_points) if covered else 0
+    exits = _exit_stage(setup, n_eval, n_calib, first)
+    exit_frontier = _exit_frontier_runs(setup) if exits.passes else 0
+    # the prefix schedule proves each per-layer site's prefix once a batch (the first
+    # site has none to prove)
+    proofs = max(len({r.target.only_site for r in runs if isinstance(r.target, OneSite)}) - 1,
+                 0) if opts.schedule == "prefix" and setup.blocks is not None else 0
+    stages = [
+        Stage("record", n_eval - 1 + n_calib, (n_eval - 1 + n_calib) * record_s),
+        Stage("replay", (main + 1) * n_eval, (main + 1) * n_eval * replay_s),
+        Stage("per-layer runs", (per_layer + proofs) * n_eval,
+              (per_layer + proofs) * n_eval * replay_s,
+              _cut("per_layer", "AuditOptions(per_layer=False)", "--no-per-layer", "drops"),
+              at_most=opts.schedule == "prefix"),
+        Stage("expert ablation", ablation * n_eval, ablation * n_eval * replay_s,
+              _cut("expert_ablation", "AuditOptions(expert_ablation=False)",
+                   "--no-expert-ablation", "drops"), at_most=True),
+        exits,
+        Stage("exit frontier", exit_frontier * n_eval, exit_frontier * n_eval * replay_s,
+              _cut("frontier_points", "AuditOptions(frontier_points=2)",
+                   "--frontier-points 2"), at_most=True),
+        *_frontier_stages(setup, covered, frontier, n_eval, n_calib, first),
+        *_execution_stages(setup, n_eval, record_s)]
+    cache = record_cost(eval_shard(first.nll, first.coefficients, first.hits),
+                        calibration_shard(setup, first.coefficients, first_batch(setup)),
+                        {s.name: first.coefficients[s.name] for f in covered for s in f.sites},
+                        int(first.nll.shape[0]), inputs.n_eval, inputs.n_calib, size,
+                        len(runs) + frontier + exit_frontier)
+    return AuditPlan(tuple(stages), cache, inputs.n_eval, (record_s, replay_s), size)
+
+
+def _cut(name: str, py: str, cli: str, verb: str = "shrinks") -> str:
+    """The option that cuts a stage, in its reader's words."""
+    return f"{arg(name, py=py, cli=cli)} {verb} it"
+
+
+def _exit_stage(setup: Prepared, n_eval: int, n_calib: int, first: Probe) -> Stage:
+    """The exit references' real passes (engine/exits.py): the check of the exit rule on a
+    probe of a few rows, the model's own exits on calibration and evaluation, the oracle's
+    full-depth pass per evaluation batch, and the threshold sweep's passes."""
+    if not asked(setup):
+        return Stage("exit references", 0, 0.0)
+    sweep = setup.options.frontier_points if own_threshold(setup.model) is not None else 0
+    full = n_calib + n_eval * (2 + sweep)
+    rows = int(first.nll.shape[0])
+    units = PROBE_ROWS * (first.nll.numel() // rows if exit_sites(setup.sites)[0].positions
+                          else 1)
+    check = check_passes(len(exit_sites(setup.sites)), units)
+    seconds = (full + check * min(PROBE_ROWS, rows) / rows) * first.record_s
+    return Stage("exit references", full + check, seconds,
+                 _cut("frontier_points", "AuditOptions(frontier_points=2)",
+                      "--frontier-points 2") if sweep else "")
+
+
+def _exit_frontier_runs(setup: Prepared) -> int:
+    """At most: the sweep's thresholds, and fixed exit at the two depths around each
+    learned point's mean depth (no more depths than the model has)."""
+    if own_threshold(setup.model) is None:
+        return 0
+    points = setup.options.frontier_points
+    return points + min(len(exit_sites(setup.sites)) + 1, 2 * (points + 1))
+
+
+def _frontier_stages(setup: Prepared, covered: Sequence[Covered], points: int, n_eval: int,
+                     n_calib: int, first: Probe) -> list[Stage]:
+    if not covered:
+        return []
+    record = n_calib + (n_eval if any(f.kind == GATE for f in covered) else 0) + \
+        3 * sum(f.kind == GATE for f in covered)  # calibration, own skips, the off checks
+    cut = _cut("frontier_points", "AuditOptions(frontier_points=2)", "--frontier-points 2")
+    return [Stage("frontier references", record, record * first.record_s),
+            Stage("frontier points", points * n_eval, points * n_eval * first.replay_s, cut,
+                  at_most=True)]
+
+
+def _execution_stages(setup: Prepared, n_eval: int, record_s: float) -> list[Stage]:
+    """Counting executed blocks and FLOPs (model and twin), and the timed pairs."""
+    opts = setup.options
+    if not_measured(setup) is not None:
+        return []
+    twin = setup.dense is not None
+    counted = n_eval * (1 + twin)
+    timed = 2 * (TIMING_WARMUP + opts.timing_pairs) if twin and opts.timing_pairs else 0
+    return [Stage("execution", counted + timed, (counted + timed) * record_s,
+                  _cut("execution", "AuditOptions(execution=False)", "--no-execution",
+                       "drops"))]
+
+
+def say_plan(setup: Prepared, plan: AuditPlan, folder: Path, progress: Progress) -> None:
+    """The plan's lines before any pass of the audit proper; a cache the disk cannot hold
+    is refused here (see :mod:`fcaudit.engine.cost`)."""
+    free = free_bytes(folder)
+    warning = check_disk(plan.cache, free, folder)
+    if setup.options.progress:
+        for line in (*plan.lines(free), warning):
+            if line:
+                say(progress, line)

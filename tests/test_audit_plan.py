@@ -1,0 +1,112 @@
+"""The cost said before the work: the plan is printed after the probe and before any pass
+of the audit proper, counts every forward pass the audit then makes (counted here by a
+hook on the model), estimates the time from the probe's measured pace, names the largest
+stages with the option that cuts each, and sizes the cache as it is then written (blocks
+on disk, as ``runtime.cache`` counts them)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import toys
+import vision_toys as vt
+from conftest import toy_data
+
+from fcaudit import AuditData, AuditOptions
+from fcaudit.engine.options import NOTE
+from fcaudit.engine.run import audit as audited  # the engine: its notes reach the callback
+from fcaudit.models.featuregate import GPT, PRESETS
+
+
+def _audit(model, tmp_path, sites=None, data=None, dense=None, **options):
+    """The audit, the plan's line, and the forward passes the model made after it."""
+    calls, said = [], []
+    model.register_forward_hook(lambda *_: calls.append(1))
+
+    def progress(stage: str, done: int, total: int, info: str = "") -> None:
+        if stage == NOTE and info.startswith("plan: about"):
+            said.append((info, len(calls)))
+
+    opts = AuditOptions(**{"bootstrap": 20, "repeats": 2, "batch_size": 4, **options})
+    result = audited(model, tmp_path / "out", sites=sites, data=data or toy_data(),
+                     dense=dense, options=opts, progress=progress)
+    assert len(said) == 1, said  # once, before the work
+    line, before = said[0]
+    return result, line, len(calls) - before
+
+
+def test_the_plan_counts_every_pass_the_audit_then_makes(tmp_path) -> None:
+    result, line, made = _audit(toys.content_model(), tmp_path, ["gates.*"])
+    plan = result.runtime.plan
+    assert made == plan["passes"], (made, plan)
+    assert line.startswith(f"plan: about {made} forward passes, ~")
+    stages = plan["stages"]
+    # 12 + 12 sequences, batches of 4: 3 evaluation (the probe's recorded already) and 3
+    # calibration batches; correct, 3 random x 2 repeats, 4 static main runs and the history
+    # check per batch; per-layer: 2 sites x (2 reassign + 1 static-layer) (the toy declares
+    # no blocks: no prefix to prove, and no execution to measure)
+    assert stages["record"]["passes"] == 2 + 3
+    assert stages["replay"]["passes"] == (1 + 3 * 2 + 4 + 1) * 3
+    assert stages["per-layer runs"]["passes"] == 2 * 3 * 3
+    assert "execution" not in stages
+    assert "per-layer runs up to" in line and "(per_layer=" in line
+
+
+@pytest.mark.parametrize("schedule", ["prefix", "naive"])
+def test_a_model_with_blocks_and_a_twin_counts_its_proofs_and_timing(schedule,
+                                                                    tmp_path) -> None:
+    """FeatureGate with its Dense twin: the prefix schedule proves each site's prefix once
+    per batch, execution counts both models' blocks per batch and times 2 warm-up and
+    ``timing_pairs`` passes of each."""
+    torch.manual_seed(0)
+    model, dense = GPT(PRESETS["tiny"]).eval(), GPT(dataclasses.replace(
+        PRESETS["tiny"], gated=False)).eval()
+    rng = np.random.default_rng(0)
+    data = AuditData(rng.integers(0, 2048, (8, 16)), rng.integers(0, 2048, (8, 16)))
+    result, _, made = _audit(model, tmp_path, data=data, dense=dense, timing_pairs=10,
+                             schedule=schedule)
+    plan = result.runtime.plan
+    twin = 2 + (2 + 10)  # the twin's passes: its blocks counted per batch, then timed
+    assert made == plan["passes"] - twin, (made, plan)
+    layers = PRESETS["tiny"].n_layer
+    proofs = layers - 1 if schedule == "prefix" else 0  # the first gate has no prefix
+    assert plan["stages"]["per-layer runs"]["passes"] == (layers * 3 + proofs) * 2
+    assert plan["stages"]["execution"]["passes"] == 2 * 2 + 2 * (2 + 10)
+
+
+def test_routers_with_ablation_and_the_frontier_are_counted(tmp_path) -> None:
+    """A routed toy: expert ablation (one run per router and expert) is counted exactly;
+    the frontier's points at most (levels that coincide are dropped)."""
+    result, line, made = _audit(toys.token_router_model(), tmp_path, execution=False)
+    plan = result.runtime.plan
+    ablation = plan["stages"]["expert ablation"]["passes"]
+    assert ablation == 2 * toys.V * 3  # 2 routers x 64 experts x 3 batches
+    assert made == plan["passes"]
+    assert "expert ablation up to" in line
+
+
+def test_the_planned_cache_is_the_cache_written(tmp_path) -> None:
+    for name, (model, sites, data) in {
+            "gates": (toys.content_model(), ["gates.*"], toy_data()),
+            "classifier": (vt.class_mixer(), None, AuditData(
+                inputs=vt.mixer_data(16, 0)[0], targets=vt.mixer_data(16, 0)[1],
+                calib_inputs=vt.mixer_data(16, 1)[0]))}.items():
+        result, _, _ = _audit(model, tmp_path / name, sites, data, execution=False)
+        planned, written = result.runtime.plan["cache_bytes"], result.runtime.cache["bytes"]
+        assert abs(planned - written) <= 0.05 * written, (name, planned, written)
+        rows = result.data.get("eval_sequences") or result.data["eval_examples"]
+        assert result.runtime.plan["bytes_per_eval_sequence"] == round(planned / rows)
+
+
+def test_the_estimate_is_the_probe_s_pace_times_the_passes(tmp_path) -> None:
+    result, _, _ = _audit(toys.content_model(), tmp_path, ["gates.*"], execution=False)
+    plan = result.runtime.plan
+    record, replay = plan["probe_record_s"], plan["probe_replay_s"]
+    stages = plan["stages"]
+    expected = stages["record"]["passes"] * record + (
+        stages["replay"]["passes"] + stages["per-layer runs"]["passes"]) * replay
+    assert plan["estimated_s"] == pytest.approx(expected, abs=1e-3)
+    assert np.isfinite(plan["estimated_s"]) and plan["estimated_s"] > 0

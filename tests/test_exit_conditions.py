@@ -207,9 +207,10 @@ def test_rule_that_ignores_fed_scores_is_refused_naming_the_site():
 
 
 def test_rule_whose_replay_moves_the_exits_is_refused_naming_the_site():
+    """Checked on the exit check's probe: 2 rows of 16 tokens."""
     with pytest.raises(ModelError, match=r"exit site blocks\.\d\.score: replaying the "
                                          r"recorded scores, the model's exit rule stops \d+ "
-                                         r"of 64 tokens at another layer") as err:
+                                         r"of 32 tokens at another layer") as err:
         audit(make(cls=DriftingThreshold))
     assert err.value.site in {"blocks.0.score", "blocks.1.score", "blocks.2.score"}
 

@@ -55,16 +55,26 @@ BOOTSTRAP_RESAMPLES = 2000
 
 @contextlib.contextmanager
 def inference(*models: nn.Module) -> Iterator[None]:
-    """Eval mode and no autograd while measuring; the callers' modes come back after."""
+    """Eval mode and no autograd while measuring; the callers' modes come back after.
+
+    Parameters stop requiring grad too: a model that hands a weight to a module call
+    (transformers' hub-kernel wrappers pass ``conv1d.weight``) would otherwise make the
+    FLOP counter's module tracker hook a grad-requiring input that no_grad gave no
+    gradient function, and the pass raise."""
     modes = [(m, m.training) for model in models for m in model.modules()]
+    grads = [(p, p.requires_grad) for model in models for p in model.parameters()]
     for model in models:
         model.eval()
+    for param, _ in grads:
+        param.requires_grad_(False)
     try:
         with torch.no_grad():
             yield
     finally:
         for m, training in modes:
             m.training = training
+        for param, required in grads:
+            param.requires_grad_(required)
 
 
 @torch.no_grad()

@@ -476,15 +476,16 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
                       threads: int | None = None, dense_source: str | None = None,
                       experts: Sequence[ExpertLayer] = (),
                       routers: Mapping[str, Site] | None = None,
-                      gated: Sequence[str] = ()) -> Execution:
+                      gated: Sequence[str] = (), degenerate: str | None = None) -> Execution:
     """The execution section of ``audit.json``: counts and FLOPs on every sequence of
     ``input_ids [N, T]``, timing on its first batch of ``batch_size``; with ``experts``,
     the experts that ran. Without ``dense`` only the model's own counts are measured.
 
     ``saves_against_dense`` is true when the model runs fewer blocks per token or fewer
-    FLOPs than dense, by more than ``TOLERANCE`` (relative); ``conditional_execution``
-    when it does, or when routing skips experts per token (counted on the experts:
-    execution is conditional at expert granularity). Operators doing
+    FLOPs than dense, by more than ``TOLERANCE`` (relative), unless ``degenerate`` says
+    its exit rule stops every unit at one layer (then what it saves is a fixed depth's);
+    ``conditional_execution`` when it saves, or when routing skips experts per token
+    (counted on the experts: execution is conditional at expert granularity). Operators doing
     matrix work that the FLOP counter cannot count are listed, and then no FLOPs ratio
     (and no FLOPs-based verdict) is given.
     """
@@ -499,7 +500,8 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
     flops_ratio = flops / dense_flops if dense_flops and not uncounted else None
     fewer_blocks = twin is not None and \
         own["blocks_executed"] < twin["blocks_executed"] * (1 - TOLERANCE)
-    saves = bool(fewer_blocks or (flops_ratio is not None and flops_ratio < 1 - TOLERANCE))
+    saves = degenerate is None and \
+        bool(fewer_blocks or (flops_ratio is not None and flops_ratio < 1 - TOLERANCE))
     experts = own.get("experts")
     result = Execution(
         measured=True, dense=dense_source, blocks_executed=own["blocks_executed"],
@@ -520,7 +522,8 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
         positions_per_block=own.get("positions_per_block"),
         dense_positions_per_block=twin.get("positions_per_block") if twin else None,
         mode=execution_mode(model), dense_mode=execution_mode(dense) if dense else None,
-        dense_class=type(dense).__name__ if dense is not None else None)
+        dense_class=type(dense).__name__ if dense is not None else None,
+        degenerate_rule=degenerate)
     if timing and dense is not None:
         result.timing = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
                                          threads)

@@ -56,7 +56,8 @@ class ExitSummary:
     oracle_mean_depth: float
     share_exiting_first_layer: float  # evaluation tokens that stop after layer 1
     share_full_depth: float  # evaluation tokens that never exit
-    # a degenerate rule, said in words (no token exits; every token after the first layer)
+    # a degenerate rule, said in words: every unit stops at one layer (none exits early,
+    # all after the first, all after one layer between); never counted as a saving
     note: str | None
     # (L(fixed) - L(learned)) / (L(fixed) - L(oracle)) in percent, with its interval
     gap_closed: Retention | None = _omit_none()

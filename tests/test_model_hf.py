@@ -7,6 +7,7 @@ Every model is a tiny random config built here and saved with ``save_pretrained`
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import time
@@ -258,12 +259,17 @@ BAD_FOLDERS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
     # claims checked against the weights' header before anything is built (issue 18)
     "a million layers": (other_weights(10**6),
                          "num_hidden_layers=1000000 but the weights hold 2 layers"),
+    # every other size against the model transformers builds from the config (issue 37)
     "vocab 1e9": (lambda src, dst: claim(src, dst, vocab_size=10**9),
-                  "vocab_size=1000000000 but the weights hold 120"),
+                  re.escape("(vocab_size=1000000000) builds model.embed_tokens.weight "
+                            "[1000000000, 32] but the weights hold [120, 32]")),
     "hidden 1e6": (lambda src, dst: claim(src, dst, hidden_size=10**6),
-                   "hidden_size=1000000 but the weights hold 32"),
+                   re.escape("(hidden_size=1000000) builds model.embed_tokens.weight "
+                             "[120, 1000000] but the weights hold [120, 32]")),
     "a million experts": (lambda src, dst: claim(src, dst, num_local_experts=10**6),
-                          "num_local_experts=1000000 but the weights hold 4"),
+                          re.escape("(num_local_experts=1000000) builds "
+                                    "model.layers.0.mlp.gate.weight [1000000, 32] but the "
+                                    "weights hold [4, 32]")),
     "truncated weights": (truncated, "may be truncated or corrupt"),
     "mudd": (lambda src, dst: write_config(src, dst, model_type="muddpythia"),
              "MUDD checkpoint"),

@@ -110,9 +110,9 @@ def _weights(folder: Path) -> list[Path]:
 
 def _built_shapes(transformers: Any, config: Any) -> Shapes | None:
     """The shape of every tensor the model ``config`` describes, as transformers builds it
-    (on the meta device: no memory, whatever sizes the config claims); None where it
-    cannot be built there or its weights are quantized (a quantizer changes the stored
-    shapes), and then transformers' loading has the last word."""
+    (on the meta device: no memory, whatever sizes the config claims; a tied tensor
+    once); None where it cannot be built there or its weights are quantized (a quantizer
+    changes the stored shapes), and then transformers' loading has the last word."""
     if getattr(config, "quantization_config", None) is not None:
         return None
     try:
@@ -120,7 +120,13 @@ def _built_shapes(transformers: Any, config: Any) -> Shapes | None:
             model = transformers.AutoModelForCausalLM.from_config(config)
     except Exception:  # noqa: BLE001 - from_pretrained raises it again, with its own words
         return None
-    return {key: tuple(t.shape) for key, t in model.state_dict().items()}
+    seen: set[int] = set()
+    shapes: Shapes = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            shapes[key] = tuple(tensor.shape)
+    return shapes
 
 
 def _fields_sized(config: Any, dims: set[int]) -> str:
@@ -136,21 +142,34 @@ def _check_sizes(folder: Path, config: Any, weights: list[Path], transformers: A
     claiming more than the weights hold (a million layers, a vocabulary of 1e9) is refused
     in a second instead of constructed (6 GB in 2 minutes). The layer count is read off
     the weight names (building a million layers even on the meta device takes minutes);
-    every other size is the model's own: each tensor transformers builds from the config
-    must not hold more than the weights' tensor of the same name (a smaller one, or one
-    renamed on loading, is left to transformers' own report of mismatched keys)."""
+    every other size is the model's own, as transformers builds it from the config: a
+    tensor must not hold more than the weights' tensor of its name, and all of them
+    together not more than twice what the weight files hold (tensors renamed or merged on
+    loading, as per-expert weights are, are matched by that total; a smaller difference
+    costs no more than loading the weights, and transformers' own report of missing and
+    mismatched keys has the last word on it)."""
     found = header_shapes([w for w in weights if w.suffix == ".safetensors"])
     layers = getattr(config.get_text_config(), "num_hidden_layers", None)
     if isinstance(layers, int):
         check_depth(str(folder), found, layers, "num_hidden_layers", exact=False)
     built = _built_shapes(transformers, config) or {}
-    for key, shape in built.items():
-        held = found.get(key)
-        if held is not None and math.prod(shape) > math.prod(held):
-            sized = _fields_sized(config, set(shape) - set(held))
-            raise ModelError(f"{folder}: config.json{sized} builds {key} {list(shape)} but "
-                             f"the weights hold {list(held)}; the config and the weights come "
-                             "from different models")
+    bigger = next(((k, s) for k, s in built.items()
+                   if k in found and math.prod(s) > math.prod(found[k])), None)
+    held_total, built_total = (sum(map(math.prod, d.values())) for d in (found, built))
+    if bigger is None and built_total <= 2 * held_total:
+        return
+    if bigger is not None:
+        key, shape = bigger
+        held = found[key]
+        what = f"builds {key} {list(shape)} but the weights hold {list(held)}"
+    else:
+        key, shape = max(((k, s) for k, s in built.items() if k not in found),
+                         key=lambda item: math.prod(item[1]))
+        held = tuple(d for s in found.values() for d in s)
+        what = (f"builds {built_total:,} weights, more than twice the {held_total:,} its "
+                f"weight files hold (the largest, {key} {list(shape)}, under a name no file uses)")
+    raise ModelError(f"{folder}: config.json{_fields_sized(config, set(shape) - set(held))} "
+                     f"{what}; the config and the weights come from different models")
 
 
 def _placing(place: Placement | None, weights: list[Path], dtype: torch.dtype | None

@@ -42,7 +42,7 @@ def default_audit(model: nn.Module, vocab: int, seq_len: int) -> dict[str, Any]:
         for path in tokens:
             np.save(path, rng.integers(3, vocab, (ROWS, seq_len)))
         err = io.StringIO()
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = cli.main(audit_argv(root / "model", root / "out", tokens))
         if code != 0:
             lines = [ln for ln in err.getvalue().splitlines() if ln.startswith("fcaudit:")]

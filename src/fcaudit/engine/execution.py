@@ -57,10 +57,10 @@ BOOTSTRAP_RESAMPLES = 2000
 def inference(*models: nn.Module) -> Iterator[None]:
     """Eval mode and no autograd while measuring; the callers' modes come back after.
 
-    Parameters stop requiring grad too: a model that hands a weight to a module call
-    (transformers' hub-kernel wrappers pass ``conv1d.weight``) would otherwise make the
-    FLOP counter's module tracker hook a grad-requiring input that no_grad gave no
-    gradient function, and the pass raise."""
+    Parameters stop requiring grad too: a model that hands a view of a weight to a module
+    call (transformers' hub-kernel wrappers pass ``conv1d.weight.squeeze(1)``) would
+    otherwise make the FLOP counter's module tracker hook a grad-requiring input that
+    no_grad gave no gradient function, and the pass raise."""
     modes = [(m, m.training) for model in models for m in model.modules()]
     grads = [(p, p.requires_grad) for model in models for p in model.parameters()]
     for model in models:

@@ -250,7 +250,10 @@ def check(model: torch.nn.Module, sites: list[Any]) -> dict[str, str]:
     except Exception as err:  # noqa: BLE001
         row["experts"] = f"error: {one_line(err)}"
     try:
-        row["audit"] = default_audit(model, VOCAB, SEQ_LEN)["audit"]
+        audited = default_audit(model, VOCAB, SEQ_LEN)
+        row["audit"] = audited["audit"]
+        if audited.get("folder", "saved") != "saved":
+            row["note"] = "; ".join(filter(None, (row["note"], audited["folder"])))
     except Exception as err:  # noqa: BLE001
         row["audit"] = f"error: {one_line(err)}"
     return row

@@ -931,8 +931,11 @@ SSM_COLUMNS = ("family", "selection sites", "sites found (family: count)", "iden
 
 
 def _audit_cell(row: dict) -> str:
-    """The default audit's cell: yes with how the prefix schedule went, or its error."""
-    return f"{row['audit']}, prefix {row['prefix']}" if row.get("prefix") else row["audit"]
+    """The default audit's cell: yes with how the prefix schedule went (and where its
+    model was, when transformers could not save it), or its error."""
+    where = "" if row.get("folder", "saved") == "saved" else f", {row['folder']}"
+    return f"{row['audit']}, prefix {row['prefix']}{where}" if row.get("prefix") else \
+        row["audit"]
 
 
 @block("hf-ssm-sweep", "every state-space family of tests/ssm_families.py, checked",

@@ -40,7 +40,22 @@ def test_a_routed_family_passes_the_default_audit():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES["mixtral"][0]()).eval()
     assert default_audit(model, COMMON["vocab_size"], 8) == {
-        "audit": "yes", "execution": "conditional", "prefix": "reused"}
+        "audit": "yes", "execution": "conditional", "prefix": "reused", "folder": "saved"}
+
+
+def test_a_model_transformers_cannot_save_is_audited_in_memory_and_said_so():
+    """Inkling 2's shrunk config makes transformers' own save_pretrained raise: the same
+    default audit runs on the model in memory, and the row says why."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES["mixtral"][0]()).eval()
+
+    def fails(*_args, **_kwargs):
+        raise RuntimeError("Trying to create tensor with negative dimension -199930")
+    model.save_pretrained = fails
+    cell = default_audit(model, COMMON["vocab_size"], 8)
+    assert cell["audit"] == "yes" and cell["execution"] == "conditional"
+    assert cell["folder"] == ("in memory (transformers' save_pretrained fails: RuntimeError: "
+                              "Trying to create tensor with negative dimension -199930)")
 
 
 def test_a_failing_audit_is_its_one_line():

@@ -1,7 +1,8 @@
 """The sizes a Hugging Face folder's config.json claims, checked against the model
 transformers itself builds from that config (on the meta device), before anything real
 is built: every valid folder loads (OPT-350m's narrower embeddings with project_in and
-project_out, per-expert weights that loading merges, every family of the sweeps), and a
+project_out, LongCat-Flash's two sublayers per listed layer, per-expert weights that
+loading merges, every family of the sweeps), and a
 config claiming more than its weights hold is refused in one line naming the tensor
 and the field. Reference: the model transformers builds in memory, whose logits the
 loaded folder must reproduce bit for bit; the weight counts read from the file header
@@ -38,7 +39,20 @@ def _opt_350m_layout() -> Any:
                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-CONFIGS = {"opt-350m layout": _opt_350m_layout,
+def _longcat_flash() -> Any:
+    """LongCat-Flash: each entry of its layer list holds two sublayers, so its config says
+    num_hidden_layers=4 for a list of 2."""
+    return transformers.LongcatFlashConfig(
+        vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        qk_head_dim=16, head_dim=8, v_head_dim=8, n_routed_experts=4, zero_expert_num=2,
+        moe_topk=2,
+        ffn_hidden_size=64, expert_ffn_hidden_size=32, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+CONFIGS = {"opt-350m layout": _opt_350m_layout, "longcat_flash (two sublayers a layer)":
+           _longcat_flash,
            "gpt2 (Conv1D weights)": lambda: transformers.GPT2Config(
                vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64),
            **{f"moe {name}": entry[0] for name, entry in FAMILIES.items()},

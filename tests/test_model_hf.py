@@ -253,7 +253,9 @@ BAD_FOLDERS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
                         "not a causal language model"),
     "pickle only": (pickle_only, "safetensors only"),
     "no weights": (write_config, "no weights in"),
-    "weights missing": (other_weights(3), "num_hidden_layers=3 but the weights hold 2 layers"),
+    # a layer short: built on the meta device, then transformers' own missing keys
+    "weights missing": (other_weights(3), re.escape("do not fit its config.json (9 missing: "
+                                                    "model.layers.2.")),
     "weights left over": (other_weights(1), "do not fit its config.json"),
     "peft adapter": (peft_adapter, "PEFT adapter"),
     # claims checked against the weights' header before anything is built (issue 18)

@@ -209,8 +209,8 @@ def verdict_execution(e: Execution) -> str:
     elif e.dense is not None:
         text += "; latency not measured"
     if e.degenerate_rule:
-        text += ("; these are the costs of one fixed depth for every token, none of it a "
-                 "saving of conditional execution")
+        text += (f"; these are the costs of one fixed depth for every {e.unit or 'token'}, "
+                 "none of it a saving of conditional execution")
     return text + "."
 
 

@@ -24,6 +24,7 @@ layout) and returns its router, audited through
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -39,7 +40,7 @@ from fcaudit.io.data import load_tokenizer
 from fcaudit.io.fileio import read_json
 from fcaudit.io.mudd_checkpoint import weight_files
 from fcaudit.io.placement import Placement, align_offloaded, check_budget, note_written
-from fcaudit.io.weights import Shapes, check_depth, header_shapes
+from fcaudit.io.weights import Shapes, header_shapes, held_depth
 from fcaudit.models.mudd import VARIANTS
 
 
@@ -116,8 +117,8 @@ def _built_shapes(transformers: Any, config: Any) -> Shapes | None:
     if getattr(config, "quantization_config", None) is not None:
         return None
     try:
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"):  # a copy: building may set fields of the config
+            model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config))
     except Exception:  # noqa: BLE001 - from_pretrained raises it again, with its own words
         return None
     seen: set[int] = set()
@@ -137,21 +138,28 @@ def _fields_sized(config: Any, dims: set[int]) -> str:
     return f" ({', '.join(f'{k}={stated[k]}' for k in names[:2])})" if names else ""
 
 
+UNBUILT_DEPTH = 8  # layers per weights' list entry beyond which a config is not built
+
+
 def _check_sizes(folder: Path, config: Any, weights: list[Path], transformers: Any) -> None:
     """The config against the weights' header, before anything real is built: a config
     claiming more than the weights hold (a million layers, a vocabulary of 1e9) is refused
-    in a second instead of constructed (6 GB in 2 minutes). The layer count is read off
-    the weight names (building a million layers even on the meta device takes minutes);
-    every other size is the model's own, as transformers builds it from the config: a
-    tensor must not hold more than the weights' tensor of its name, and all of them
-    together not more than twice what the weight files hold (tensors renamed or merged on
-    loading, as per-expert weights are, are matched by that total; a smaller difference
-    costs no more than loading the weights, and transformers' own report of missing and
-    mismatched keys has the last word on it)."""
+    in a second instead of constructed (6 GB in 2 minutes). The sizes are the model's
+    own, as transformers builds it from the config (on the meta device): a tensor must
+    not hold more than the weights' tensor of its name, and all of them together not more
+    than twice what the weight files hold (tensors renamed or merged on loading, as
+    per-expert weights are, are matched by that total; a smaller difference costs no more
+    than loading the weights, and transformers' own report of missing and mismatched keys
+    has the last word on it). Only a layer count far beyond the weights' longest layer
+    list is refused unbuilt: a million layers take minutes even on the meta device, and
+    how many layers a list entry holds is the family's (LongCat-Flash's hold two)."""
     found = header_shapes([w for w in weights if w.suffix == ".safetensors"])
     layers = getattr(config.get_text_config(), "num_hidden_layers", None)
-    if isinstance(layers, int):
-        check_depth(str(folder), found, layers, "num_hidden_layers", exact=False)
+    depth = held_depth(found)
+    if isinstance(layers, int) and depth is not None and layers > UNBUILT_DEPTH * depth:
+        raise ModelError(f"{folder}: config.json says num_hidden_layers={layers} but the "
+                         f"weights hold {depth} layers; the config and the weights come from "
+                         "different models")
     built = _built_shapes(transformers, config) or {}
     bigger = next(((k, s) for k, s in built.items()
                    if k in found and math.prod(s) > math.prod(found[k])), None)

@@ -144,7 +144,7 @@ def pass_shares(model: nn.Module, ids: np.ndarray, batch: int, blocks: Sequence[
     for x in chunks:
         with tracing(model, blocks, []) as trace:
             logits.append(model(x))
-        stubs.append({p: OutputStub(trace.outputs[p]) for p in blocks})
+        stubs.append({p: OutputStub(model.get_submodule(p), trace.outputs[p]) for p in blocks})
 
     def stubbed() -> None:
         for x, known in zip(chunks, stubs, strict=True):

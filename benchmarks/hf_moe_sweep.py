@@ -14,7 +14,10 @@ MoE family it checks, on a batch of 2 x 8 random tokens:
   sequence 0 select exactly sequence 1's experts at every router;
 * experts = top-k: the experts that ran per token (``fcaudit.core.routers.counting_experts``) are
   the router's top-k selection ("dense" when a fused experts module runs every expert on
-  every token, as Llama 4's does; counted as a pass, see docs/moe.md, Execution).
+  every token, as Llama 4's does; counted as a pass, see docs/moe.md, Execution);
+* audit: the audit a user runs, ``fcaudit audit`` with every option at its default
+  (expert ablation and execution included) on the model saved with ``save_pretrained``
+  (``benchmarks/sweep_audit.py``): ``yes``, or the one line it failed with.
 
 A family whose model cannot be built from the shrunk config is reported as skipped (not an
 error of fcaudit). Prints a Markdown table and a summary line.
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 import transformers
 from resultfile import ResultFile, add_json_option
+from sweep_audit import default_audit
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import fcaudit
@@ -185,7 +189,7 @@ def check(model: torch.nn.Module, sites: list[Any]) -> dict[str, str]:
     routers = [s for s in sites if s.family == "router"]
     row = {"sites": str(len(routers)),
            "shared": str(sum(s.family == "shared_expert_gate" for s in sites)),
-           "identity": "", "donor": "", "experts": "", "note": ""}
+           "identity": "", "donor": "", "experts": "", "audit": "", "note": ""}
     torch.manual_seed(1)
     ids = torch.randint(3, VOCAB, (BATCH, SEQ_LEN))
     try:
@@ -245,6 +249,13 @@ def check(model: torch.nn.Module, sites: list[Any]) -> dict[str, str]:
                 row["experts"] = f"no ({results.count(False)}/{len(layers)} layers differ)"
     except Exception as err:  # noqa: BLE001
         row["experts"] = f"error: {one_line(err)}"
+    try:
+        audited = default_audit(model, VOCAB, SEQ_LEN)
+        row["audit"] = audited["audit"]
+        if audited.get("folder", "saved") != "saved":
+            row["note"] = "; ".join(filter(None, (row["note"], audited["folder"])))
+    except Exception as err:  # noqa: BLE001
+        row["audit"] = f"error: {one_line(err)}"
     return row
 
 
@@ -276,7 +287,8 @@ def main() -> None:
             sites = declared_sites(model) or []
         except Exception as err:  # noqa: BLE001
             rows[model_type] = {"sites": f"error: {one_line(err)}", "shared": "",
-                                "identity": "", "donor": "", "experts": "", "note": ""}
+                                "identity": "", "donor": "", "experts": "", "audit": "",
+                                "note": ""}
             continue
         if not any(s.family == "router" for s in sites):
             dense.append(model_type)
@@ -296,9 +308,10 @@ def main() -> None:
 
 
 def passes(row: dict[str, str]) -> bool:
-    """Every check of the family passed (all experts running counts, see docs/moe.md)."""
+    """Every check of the family passed (all experts running counts, see docs/moe.md),
+    the default audit included."""
     return row["identity"] == "yes" and row["donor"] == "yes" and \
-        row["experts"] in ("yes", "dense")
+        row["experts"] in ("yes", "dense") and row["audit"] == "yes"
 
 
 def report(rows: dict[str, dict[str, str]], skipped: dict[str, str], dense: list[str],
@@ -306,15 +319,16 @@ def report(rows: dict[str, dict[str, str]], skipped: dict[str, str], dense: list
     """The Markdown table and the summary line."""
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
           f"batch {BATCH} x {SEQ_LEN} tokens\n")
-    print("| family | router sites | shared gates | identity | donor | experts = top-k | note |")
-    print("|---|---|---|---|---|---|---|")
+    print("| family | router sites | shared gates | identity | donor | experts = top-k | "
+          "default audit | note |")
+    print("|---|---|---|---|---|---|---|---|")
     passed, failed = [], []
     for model_type, r in rows.items():
         print(f"| {model_type} | {r['sites']} | {r['shared']} | {r['identity']} | "
-              f"{r['donor']} | {r['experts']} | {r['note']} |")
+              f"{r['donor']} | {r['experts']} | {r['audit']} | {r['note']} |")
         (passed if passes(r) else failed).append(model_type)
     for model_type, reason in skipped.items():
-        print(f"| {model_type} | | | | | | skipped: {reason} |")
+        print(f"| {model_type} | | | | | | | skipped: {reason} |")
     print(f"\nPass: {', '.join(passed) or 'none'}")
     print(f"Fail: {', '.join(failed) or 'none'}")
     print(f"Dense ({len(dense)}): {', '.join(dense)}")

@@ -12,8 +12,12 @@ multiple of the xLSTM config's chunk size), checks:
   plain forward bit for bit;
 * donor: feeding each sequence the next one's selection coefficients (the other sites
   recorded as they were) changes every sequence's logits;
-* seconds: building, discovering and the three passes (after one untimed forward of the
-  first family, so that one-time set-up lands in no row).
+* audit: the audit a user runs, ``fcaudit audit`` with every option at its default
+  (execution included) on the model saved with ``save_pretrained``
+  (``benchmarks/sweep_audit.py``): ``yes`` with how the prefix schedule went, or the
+  one line it failed with;
+* seconds: building, discovering, the three passes and the audit (after one untimed
+  forward of the first family, so that one-time set-up lands in no row).
 
 Prints a Markdown table and writes docs/results/hf_ssm_sweep.json, which
 ``python docs/make_docs.py`` renders into docs/ssm.md.
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from resultfile import ResultFile, add_json_option  # noqa: E402
 from ssm_families import SSM_FAMILIES, VOCAB, build  # noqa: E402
+from sweep_audit import default_audit  # noqa: E402
 
 import fcaudit  # noqa: E402
 from fcaudit.core.discovery import declared_sites  # noqa: E402
@@ -57,10 +62,11 @@ def yes(ok: bool) -> str:
 
 
 def check(family: str) -> dict[str, Any]:
-    """One family's row: sites, identity, donor (yes / no / error: ...) and seconds."""
+    """One family's row: sites, identity, donor, the default audit (yes / no / error: ...)
+    and seconds."""
     start = time.perf_counter()
     row: dict[str, Any] = {"selection_sites": 0, "families": {}, "identity": "",
-                           "donor": ""}
+                           "donor": "", "audit": ""}
     try:
         model = build(family)
         sites = declared_sites(model) or []
@@ -80,15 +86,19 @@ def check(family: str) -> dict[str, Any]:
                 given = model(ids).logits
         row["donor"] = yes(bool(chosen) and all(not torch.equal(given[i], plain[i])
                                                 for i in range(BATCH)))
+        row.update(default_audit(model, VOCAB, SEQ_LEN))
     except Exception as err:  # noqa: BLE001 (reported, then the next family)
-        row["identity"] = row["identity"] or f"error: {one_line(err)}"
-        row["donor"] = row["donor"] or f"error: {one_line(err)}"
+        for key in ("identity", "donor", "audit"):
+            row[key] = row[key] or f"error: {one_line(err)}"
     row["seconds"] = round(time.perf_counter() - start, 3)
     return row
 
 
 def passes(row: dict[str, Any]) -> bool:
-    return row["selection_sites"] > 0 and row["identity"] == "yes" and row["donor"] == "yes"
+    return row["selection_sites"] > 0 and all(row[k] == "yes" for k in CHECKS)
+
+
+CHECKS = ("identity", "donor", "audit")
 
 
 def main() -> None:
@@ -112,12 +122,13 @@ def main() -> None:
     wall = time.perf_counter() - start
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
           f"batch {BATCH} x {SEQ_LEN} tokens, {wall:.0f} s\n")
-    print("| family | selection sites | site families | identity | donor | seconds |")
-    print("|---|---|---|---|---|---|")
+    print("| family | selection sites | site families | identity | donor | default audit | "
+          "seconds |")
+    print("|---|---|---|---|---|---|---|")
     for family, r in rows.items():
         found = ", ".join(f"{k} {v}" for k, v in r["families"].items())
         print(f"| {family} | {r['selection_sites']} | {found} | {r['identity']} | "
-              f"{r['donor']} | {r['seconds']:.2f} |")
+              f"{r['donor']} | {r['audit']} | {r['seconds']:.2f} |")
     record.write(args.json, {"transformers": transformers.__version__, "batch": BATCH,
                              "seq_len": SEQ_LEN, "rows": rows,
                              "passed": [f for f, r in rows.items() if passes(r)],

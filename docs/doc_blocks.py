@@ -920,7 +920,18 @@ def hf_moe_sweep(r: Results) -> str:
             f"{res['seq_len']} tokens, {res['wall_s']:.0f} s: {len(res['passed'])} MoE families "
             f"pass all checks, {len(res['failed'])} fail, {len(res['skipped'])} skipped, "
             f"{len(res['dense'])} dense. Passing: {', '.join(res['passed'])}."
-            + (f" Failing: {', '.join(res['failed'])}." if res["failed"] else ""))
+            + (f" Failing: {', '.join(_failing(res))}." if res["failed"] else ""))
+
+
+def _failing(res: dict) -> list[str]:
+    """Each failing family with the first check it failed (a site count is no failure)."""
+    out = []
+    for family in res["failed"]:
+        row = res["rows"][family]
+        failed = [f"{k}: {row[k]}" for k in ("sites", "identity", "donor", "experts", "audit")
+                  if row.get(k) not in ("yes", "dense") and not str(row.get(k)).isdigit()]
+        out.append(f"{family} ({failed[0]})" if failed else family)
+    return out
 
 
 README_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
@@ -937,7 +948,15 @@ def hf_moe_count(r: Results) -> str:
 
 
 SSM_COLUMNS = ("family", "selection sites", "sites found (family: count)", "identity exact",
-               "donor changes output", "seconds")
+               "donor changes output", "default audit", "seconds")
+
+
+def _audit_cell(row: dict) -> str:
+    """The default audit's cell: yes with how the prefix schedule went (and where its
+    model was, when transformers could not save it), or its error."""
+    where = "" if row.get("folder", "saved") == "saved" else f", {row['folder']}"
+    return f"{row['audit']}, prefix {row['prefix']}{where}" if row.get("prefix") else \
+        row["audit"]
 
 
 @block("hf-ssm-sweep", "every state-space family of tests/ssm_families.py, checked",
@@ -947,13 +966,14 @@ def hf_ssm_sweep(r: Results) -> str:
     res = d["results"]
     rows = [(family, str(row["selection_sites"]),
              ", ".join(f"{k}: {v}" for k, v in row["families"].items()), row["identity"],
-             row["donor"], f"{row['seconds']:.2f}") for family, row in res["rows"].items()]
+             row["donor"], _audit_cell(row), f"{row['seconds']:.2f}")
+            for family, row in res["rows"].items()]
     return "\n".join([
         "", f"{measured(d)} transformers {res['transformers']}, batch {res['batch']} x "
         f"{res['seq_len']} tokens, {res['wall_s']:.0f} s in all: {len(res['passed'])} families "
         f"pass every check, {len(res['failed'])} fail"
         + (f" ({', '.join(res['failed'])})." if res["failed"] else "."), "",
-        md_table(SSM_COLUMNS, rows, "lrlllr"), ""])
+        md_table(SSM_COLUMNS, rows, "lrllllr"), ""])
 
 
 @block("gpu-check", "the GPU check's table, on the device it last ran on",

@@ -186,6 +186,37 @@ def test_flops_of_a_known_matmul():
     assert flops_per_token(MatMul(k, n), x) * m == 2 * m * n * k
 
 
+class KernelCall(nn.Module):
+    """A module called with a view of a weight among its inputs, as transformers 5.25's
+    hub-kernel wrappers call ``causal_conv1d_fn(x, conv1d.weight.squeeze(1), ...)``."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x @ weight
+
+
+class HandsItsWeight(MatMul):
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__(k, n)
+        self.weight = nn.Parameter(torch.randn(k, 1, n))
+        self.kernel = KernelCall()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.kernel(self.emb(input_ids), self.weight.squeeze(1))
+
+
+def test_a_weight_handed_to_a_module_call_is_counted_not_a_crash():
+    """The FLOP counter's module tracker hooks grad-requiring module inputs; under no_grad
+    a view of a weight handed to a module call has no gradient function and the execution
+    pass raised "Expected gradient function to be set" (Nemotron-H, Jamba under
+    transformers 5.25). Counted as the same matmul written inline (2 m n k), and the
+    weight requires grad again after."""
+    k, n = 24, 40
+    model = HandsItsWeight(k, n)
+    x = ids()
+    assert flops_per_token(model, x) * x.numel() == 2 * x.numel() * n * k
+    assert model.weight.requires_grad
+
+
 def test_cpu_attention_is_counted():
     class Attention(nn.Module):
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

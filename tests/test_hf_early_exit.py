@@ -170,31 +170,43 @@ def _llama_like(name: str, **extra: Any) -> Any:
                                        intermediate_size=64, num_key_value_heads=2, **extra)
 
 
-# Each family: its config, where its final norm is, and its own logit transform, written
+def _opt(**extra: Any) -> Any:
+    return transformers.OPTConfig(**SMALL, hidden_size=32, num_hidden_layers=3,
+                                  num_attention_heads=4, ffn_dim=64, **extra)
+
+
+# Each family: its config, the modules from its last layer to its LM head (final norm,
+# output projection) and its own logit transform, written
 # out by hand from its modeling code (the final norm under other names and nestings:
 # OPT's decoder.final_layer_norm, MPT's norm_f, BioGPT's layer_norm, GPT-2's ln_f).
 FAMILIES = {
     "gemma2 (softcap)": (lambda: _llama_like("Gemma2Config", final_logit_softcapping=2.0,
                                              head_dim=8),
-                         "model.norm", lambda x: torch.tanh(x / 2.0) * 2.0),
+                         ("model.norm",), lambda x: torch.tanh(x / 2.0) * 2.0),
     "cohere (logit scale)": (lambda: _llama_like("CohereConfig", logit_scale=0.25),
-                             "model.norm", lambda x: x * 0.25),
+                             ("model.norm",), lambda x: x * 0.25),
     "granite (logits scaling)": (lambda: _llama_like("GraniteConfig", logits_scaling=4.0),
-                                 "model.norm", lambda x: x / 4.0),
-    "llama": (lambda: _llama_like("LlamaConfig"), "model.norm", lambda x: x),
+                                 ("model.norm",), lambda x: x / 4.0),
+    "llama": (lambda: _llama_like("LlamaConfig"), ("model.norm",), lambda x: x),
     "opt": (lambda: transformers.OPTConfig(**SMALL, hidden_size=32, num_hidden_layers=3,
                                            num_attention_heads=4, ffn_dim=64,
                                            word_embed_proj_dim=32),
-            "model.decoder.final_layer_norm", lambda x: x),
+            ("model.decoder.final_layer_norm",), lambda x: x),
+    # OPT-350m's layout: embeddings narrower than the layers, project_out after them
+    "opt (project_out)": (lambda: _opt(word_embed_proj_dim=16, do_layer_norm_before=False),
+                          ("model.decoder.project_out",), lambda x: x),
+    "opt (final norm, project_out)": (lambda: _opt(word_embed_proj_dim=16),
+                                      ("model.decoder.final_layer_norm",
+                                       "model.decoder.project_out"), lambda x: x),
     "mpt": (lambda: transformers.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=3,
                                            n_heads=4, max_seq_len=64),
-            "transformer.norm_f", lambda x: x),
+            ("transformer.norm_f",), lambda x: x),
     "biogpt": (lambda: transformers.BioGptConfig(**SMALL, hidden_size=32, num_hidden_layers=3,
                                                  num_attention_heads=4, intermediate_size=64),
-               "biogpt.layer_norm", lambda x: x),
+               ("biogpt.layer_norm",), lambda x: x),
     "gpt2": (lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4,
                                              n_positions=64),
-             "transformer.ln_f", lambda x: x),
+             ("transformer.ln_f",), lambda x: x),
 }
 
 
@@ -204,7 +216,7 @@ def test_exit_heads_read_through_the_model_s_own_norm_head_and_transform(family)
     its own transform (softcap, logit scale, logits scaling): the last head equals the
     model's logits bit for bit, each earlier head the family's path written out by hand
     on that layer's output."""
-    config, norm_path, by_hand = FAMILIES[family]
+    config, paths, by_hand = FAMILIES[family]
     model = _tiny(config())
     net = EarlyExitLM(model, THRESHOLD).eval()
     net.full_depth = True
@@ -218,10 +230,12 @@ def test_exit_heads_read_through_the_model_s_own_norm_head_and_transform(family)
     for h in hooks:
         h.remove()
     assert torch.equal(heads[2], own.logits)
-    norm = model.get_submodule(norm_path)
     for i in (0, 1):
+        h = own.hidden_states[i + 1]
         with torch.no_grad():
-            expected = by_hand(model.get_output_embeddings()(norm(own.hidden_states[i + 1])))
+            for path in paths:
+                h = model.get_submodule(path)(h)
+            expected = by_hand(model.get_output_embeddings()(h))
         torch.testing.assert_close(heads[i], expected, rtol=1e-5, atol=1e-5)
 
 
@@ -237,20 +251,14 @@ def _shifted_llama() -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("build", [
-    _shifted_llama,
-    lambda: _tiny(transformers.OPTConfig(**SMALL, hidden_size=32, num_hidden_layers=3,
-                                         num_attention_heads=4, ffn_dim=64,
-                                         word_embed_proj_dim=16, do_layer_norm_before=False)),
-], ids=["an unknown logit transform", "OPT's project_out after the layers"])
-def test_a_head_fcaudit_cannot_reproduce_is_refused(build):
-    """A model whose last layer's output reaches its logits by a way no final norm, LM
-    head and known transform reproduces: refused at wrap time, naming what was tried, not
-    read with heads that do not predict what it predicts."""
-    model = build()
+def test_a_head_fcaudit_cannot_reproduce_is_refused():
+    """A model whose last layer's output reaches its logits by a way no final norm,
+    output projection, LM head and known transform reproduces: refused at wrap time,
+    naming what was tried, not read with heads that do not predict what it predicts."""
+    model = _shifted_llama()
     with pytest.raises(ModelError, match="logits are not its last layer's output through a "
-                                         "final norm .* its LM head and any transform "
-                                         "fcaudit knows"):
+                                         "final norm and output projection .* its LM head "
+                                         "and any transform fcaudit knows"):
         EarlyExitLM(model, THRESHOLD)
 
 

@@ -296,7 +296,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     loaded, model, dense = _bench_models(args, device)
     blocks = resolve_block_paths(model, args.blocks)
-    dense_blocks = resolve_block_paths(dense, args.blocks)
+    dense_blocks = resolve_block_paths(dense, args.blocks, "the dense counterpart " + (
+        f"--dense {args.dense}" if args.dense else "its dense_counterpart() built"))
     if blocks is None or dense_blocks is None:
         raise ModelError("the model (or --dense) declares no blocks; pass --blocks GLOB "
                          "(e.g. 'layers.*')")

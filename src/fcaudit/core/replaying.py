@@ -10,6 +10,10 @@ Prefix reuse: when one site alone is intervened, every block that ended before t
 site started computes exactly what it computed in the correct replay; :func:`tracing`
 records those blocks' outputs once per batch and :class:`OutputStub` returns them, so
 only the suffix of the model is recomputed.
+
+Both stubs are :class:`StandIn` modules: any attribute the model reads of the module
+they replace (a hybrid's ``layer.block_type``, a router's ``num_experts``) is read from
+that module, so only its call is replaced.
 """
 
 from __future__ import annotations
@@ -28,14 +32,33 @@ from fcaudit.core.hooks import hooks
 from fcaudit.core.sites import SiteSpec, check_sites, find_sites
 
 
-class CoefficientStub(nn.Module):
+class StandIn(nn.Module):
+    """Stands in for ``original`` at its path: its call is replaced, nothing else. An
+    attribute the stand-in lacks is read from ``original``, since models read attributes
+    of the modules they call (a hybrid's layer kind, a router's expert count) beside
+    calling them; without this a stub the forward reads crashes the pass."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self._original = (original,)  # in a tuple: not registered as a child module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            held = self.__dict__.get("_original")
+            if held is None:  # not built yet: nothing to read from
+                raise
+            return getattr(held[0], name)
+
+
+class CoefficientStub(StandIn):
     """Stands in for a controller: returns the output its coefficients stand for."""
 
     def __init__(self, site: Site, original: nn.Module, coefficients: Tensor) -> None:
-        super().__init__()
+        super().__init__(original)
         self.site = site
         self.coefficients = coefficients
-        self._original = (original,)  # in a tuple: not registered as a child module
         self.calls = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -125,11 +148,11 @@ def clone_tree(value: Any) -> Any:
     return value
 
 
-class OutputStub(nn.Module):
+class OutputStub(StandIn):
     """Stands in for a block whose output on this batch is already known."""
 
-    def __init__(self, output: Any) -> None:
-        super().__init__()
+    def __init__(self, original: nn.Module, output: Any) -> None:
+        super().__init__(original)
         self._output = (output,)  # in a tuple: tensors here are not buffers of the model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

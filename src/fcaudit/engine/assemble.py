@@ -58,7 +58,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     routing = _routing(setup, cache, m.runs, m.replays)
     timings = dict(m.timings)
     started = time.perf_counter()
-    execution = execute(setup)
+    execution = execute(setup, m.exits.note if m.exits is not None else None)
     timings["execution_s"] = time.perf_counter() - started
     timings["total_s"] = time.perf_counter() - setup.started
     identity = m.identity

@@ -56,24 +56,25 @@ BOOTSTRAP_RESAMPLES = 2000
 @contextlib.contextmanager
 def inference(*models: nn.Module) -> Iterator[None]:
     """Eval mode and no autograd while measuring; the callers' modes come back after.
-    Parameters stop requiring grad too: the FLOP counter's module tracker hooks a backward
-    onto every module input that requires grad, and modules that take parameters as inputs
-    (transformers >= 5.25 wraps kernel functions such as a convolution's in modules called
-    with its weight) would make it fail under ``no_grad``."""
+
+    Parameters stop requiring grad too: a model that hands a view of a weight to a module
+    call (transformers' hub-kernel wrappers pass ``conv1d.weight.squeeze(1)``) would
+    otherwise make the FLOP counter's module tracker hook a grad-requiring input that
+    no_grad gave no gradient function, and the pass raise."""
     modes = [(m, m.training) for model in models for m in model.modules()]
     grads = [(p, p.requires_grad) for model in models for p in model.parameters()]
     for model in models:
         model.eval()
+    for param, _ in grads:
+        param.requires_grad_(False)
     try:
-        for p, _ in grads:
-            p.requires_grad_(False)
         with torch.no_grad():
             yield
     finally:
         for m, training in modes:
             m.training = training
-        for p, needed in grads:
-            p.requires_grad_(needed)
+        for param, required in grads:
+            param.requires_grad_(required)
 
 
 @torch.no_grad()
@@ -475,15 +476,16 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
                       threads: int | None = None, dense_source: str | None = None,
                       experts: Sequence[ExpertLayer] = (),
                       routers: Mapping[str, Site] | None = None,
-                      gated: Sequence[str] = ()) -> Execution:
+                      gated: Sequence[str] = (), degenerate: str | None = None) -> Execution:
     """The execution section of ``audit.json``: counts and FLOPs on every sequence of
     ``input_ids [N, T]``, timing on its first batch of ``batch_size``; with ``experts``,
     the experts that ran. Without ``dense`` only the model's own counts are measured.
 
     ``saves_against_dense`` is true when the model runs fewer blocks per token or fewer
-    FLOPs than dense, by more than ``TOLERANCE`` (relative); ``conditional_execution``
-    when it does, or when routing skips experts per token (counted on the experts:
-    execution is conditional at expert granularity). Operators doing
+    FLOPs than dense, by more than ``TOLERANCE`` (relative), unless ``degenerate`` says
+    its exit rule stops every unit at one layer (then what it saves is a fixed depth's);
+    ``conditional_execution`` when it saves, or when routing skips experts per token
+    (counted on the experts: execution is conditional at expert granularity). Operators doing
     matrix work that the FLOP counter cannot count are listed, and then no FLOPs ratio
     (and no FLOPs-based verdict) is given.
     """
@@ -498,7 +500,8 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
     flops_ratio = flops / dense_flops if dense_flops and not uncounted else None
     fewer_blocks = twin is not None and \
         own["blocks_executed"] < twin["blocks_executed"] * (1 - TOLERANCE)
-    saves = bool(fewer_blocks or (flops_ratio is not None and flops_ratio < 1 - TOLERANCE))
+    saves = degenerate is None and \
+        bool(fewer_blocks or (flops_ratio is not None and flops_ratio < 1 - TOLERANCE))
     experts = own.get("experts")
     result = Execution(
         measured=True, dense=dense_source, blocks_executed=own["blocks_executed"],
@@ -519,7 +522,8 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
         positions_per_block=own.get("positions_per_block"),
         dense_positions_per_block=twin.get("positions_per_block") if twin else None,
         mode=execution_mode(model), dense_mode=execution_mode(dense) if dense else None,
-        dense_class=type(dense).__name__ if dense is not None else None)
+        dense_class=type(dense).__name__ if dense is not None else None,
+        degenerate_rule=degenerate)
     if timing and dense is not None:
         result.timing = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
                                          threads)

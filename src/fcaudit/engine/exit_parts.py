@@ -56,7 +56,8 @@ class ExitSummary:
     oracle_mean_depth: float
     share_exiting_first_layer: float  # evaluation units that stop after layer 1
     share_full_depth: float  # evaluation units that never exit
-    # a degenerate rule, said in words (no unit exits; every unit after the first layer)
+    # a degenerate rule, said in words: every unit stops at one layer (none exits early,
+    # all after the first, all after one layer between); never counted as a saving
     note: str | None
     # what one exit stops, in the exit sites' words ("token", "patch", "example"); absent
     # in results written before it was recorded

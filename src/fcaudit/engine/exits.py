@@ -194,15 +194,22 @@ def _refusal(sites: Sequence[Any], what: str, got: torch.Tensor, expected: torch
 
 
 def degenerate(own: torch.Tensor, layers: int, unit: str) -> str | None:
-    """A rule that does not adapt, in words: no ``unit`` (token, patch, example) exits, or
-    every one at the first layer (a depth-1 model, not a saving of adaptive depth)."""
-    if bool((own == layers - 1).all()):
+    """A rule that does not adapt, in words: every ``unit`` (token, patch, example) stops
+    at one and the same layer (none exits before the last, all after the first, or all
+    after one layer between): a model of that fixed depth, whose FLOPs against the twin
+    are no saving of adaptive depth (the execution answer says so:
+    :func:`~fcaudit.engine.twin.execute`)."""
+    if own.numel() == 0 or bool((own != own.flatten()[0]).any()):
+        return None
+    depth = int(own.flatten()[0]) + 1
+    if depth == layers:
         return (f"no {unit} exits before the last layer: the threshold is never reached, so "
                 f"every {unit} runs all {layers} layers (no savings)")
-    if bool((own == 0).all()):
+    if depth == 1:
         return (f"every {unit} exits after the first layer: the rule does not adapt (a "
                 "depth-1 model, not a saving of adaptive depth)")
-    return None
+    return (f"every {unit} exits after layer {depth} of {layers}: the rule does not adapt (a "
+            f"depth-{depth} model, not a saving of adaptive depth)")
 
 
 def exit_summary(plan: ExitPlan | None, gap: Retention | None, boot: Bootstrap,

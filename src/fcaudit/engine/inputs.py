@@ -19,7 +19,7 @@ from torch import nn
 from fcaudit.core.conditions import PER_LAYER_CONDITIONS, audited
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks
-from fcaudit.core.errors import UsageError, arg
+from fcaudit.core.errors import ModelError, UsageError, arg
 from fcaudit.core.interventions import Intervention
 from fcaudit.core.layout import TOKEN_LAYOUT
 from fcaudit.core.nll import model_limits, probe_vocab
@@ -56,10 +56,31 @@ def as_loaded(model: str | Path | nn.Module | LoadedModel,
     return load(str(model), dtype, placement)
 
 
-def resolve_block_paths(model: nn.Module, pattern: str | None) -> list[str] | None:
+def resolve_block_paths(model: nn.Module, pattern: str | None,
+                        whose: str = "the model") -> list[str] | None:
+    """The blocks whose executions are counted: the modules ``pattern`` matches, else the
+    ones ``model`` declares (None: it declares none). A declared path that is no module of
+    ``model`` is refused here, naming ``whose`` declaration it is, before any pass: every
+    later hook on it would fail with a bare AttributeError."""
     if pattern is not None:
         return match_modules(model, pattern, "blocks", "blocks.*")
-    return declared_blocks(model)
+    paths = declared_blocks(model)
+    for path in paths or ():
+        if not isinstance(path, str) or not _is_module(model, path):
+            raise ModelError(
+                f"{whose} ({type(model).__name__}) declares execution block {path!r}, which is "
+                "not one of its modules; make its execution_blocks() return module paths "
+                "(`fcaudit sites --model SPEC --all` lists them) or name the blocks with "
+                f"{arg('blocks', 'GLOB')}")
+    return paths
+
+
+def _is_module(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def custom_interventions(given: Mapping[str, Any] | Sequence[Intervention] | None,

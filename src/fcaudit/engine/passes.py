@@ -85,7 +85,8 @@ def replay_batch(model: nn.Module, x: Any, fed: Mapping[Site, Tensor], *,
     observed = tracing(model, trace, [s.path for s in fed]) if trace else \
         contextlib.nullcontext()
     with replaying(model, fed) as stubs, \
-            swapped(model, {p: OutputStub(out) for p, out in known.items()}), \
+            swapped(model, {p: OutputStub(model.get_submodule(p), out)
+                           for p, out in known.items()}), \
             observed as traced, \
             selecting(stubs) if select else contextlib.nullcontext({}) as chosen:
         output = call_model(model, x)

@@ -261,7 +261,11 @@ class Execution:
     # what a token computes depends on its input: fewer blocks or FLOPs than dense
     # (saves_against_dense), or experts skipped per token (experts.routing_changes_computation)
     conditional_execution: bool | None = _omit_none()
-    saves_against_dense: bool | None = _omit_none()  # > 1% fewer blocks or FLOPs than dense
+    # > 1% fewer blocks or FLOPs than dense, and not by a degenerate exit rule
+    saves_against_dense: bool | None = _omit_none()
+    # an exit rule that stops every unit at one layer (exits.note): what it runs is a
+    # fixed depth's, never counted as a saving or as conditional execution
+    degenerate_rule: str | None = _omit_none()
     speed_ratio_vs_dense: float | None = None
     timing: Timing | None = None
     experts: ExpertExecution | None = _omit_none()

@@ -37,8 +37,11 @@ def dense_counterpart(net: nn.Module, data: AuditData, seeds: SeedPlan, dense: A
     if dense is None:
         twin = dense_twin(net, seeds.dense_twin)
         execution_mode(twin)
-        return twin, ("built from the model's architecture (dense_counterpart, fresh "
-                      "weights)" if twin is not None else "")
+        if twin is None:
+            return None, ""
+        resolve_block_paths(twin, blocks, f"the dense counterpart that {type(net).__name__}"
+                                          ".dense_counterpart() built")
+        return twin, "built from the model's architecture (dense_counterpart, fresh weights)"
     twin = as_loaded(dense).model
     param = next(net.parameters(), None)
     if param is not None:
@@ -49,7 +52,7 @@ def dense_counterpart(net: nn.Module, data: AuditData, seeds: SeedPlan, dense: A
         _comparable_examples(net, inputs.eval_source, twin, str(dense))
     else:
         _comparable_tokens(net, inputs.eval_source[:1], twin, dense)
-    resolve_block_paths(twin, blocks)
+    resolve_block_paths(twin, blocks, f"the dense counterpart {arg('dense', str(dense))}")
     execution_mode(twin)
     return twin, str(dense)
 
@@ -98,9 +101,11 @@ def not_measured(setup: Prepared) -> str | None:
     return None
 
 
-def execute(setup: Prepared) -> Execution:
+def execute(setup: Prepared, degenerate: str | None = None) -> Execution:
     """The execution section: counts, FLOPs and (with timing pairs) latency vs dense; for a
-    routed model, the experts that ran (measured even without a dense counterpart)."""
+    routed model, the experts that ran (measured even without a dense counterpart).
+    ``degenerate``: the exit rule's note when it stops every unit at one layer, so that
+    no saving and no conditional execution is counted for it."""
     from fcaudit.engine.execution import measure_execution
     opts = setup.options
     reason = not_measured(setup)
@@ -116,6 +121,6 @@ def execute(setup: Prepared) -> Execution:
         dense_block_paths=dense_blocks or None, pairs=opts.timing_pairs, seed=setup.seeds.timing,
         timing=opts.timing_pairs > 0, dense_source=setup.dense_source or None,
         experts=[e for e in experts if e.name in routers], routers=routers,
-        gated=[s.gated for s in setup.sites if s.gated])
+        gated=[s.gated for s in setup.sites if s.gated], degenerate=degenerate)
     measured.unit = setup.inputs.execution_unit
     return measured

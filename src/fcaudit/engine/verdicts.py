@@ -228,6 +228,9 @@ def verdict_execution(e: Execution) -> str:
                  else "savings against Dense" if e.saves_against_dense
                  else "no savings against Dense")
         head = f"{head}: {_experts_sentence(e.experts)} Blocks and FLOPs: {saved}"
+    if e.degenerate_rule:  # said first: every number after it is a fixed depth's
+        head = (f"{head}{'; ' if e.experts is not None else ': '}the exit rule is "
+                f"degenerate, {e.degenerate_rule}. Blocks and FLOPs")
     if e.uncounted_operators:
         flops = (f"FLOPs not compared: the counter cannot count "
                  f"{', '.join(e.uncounted_operators)}")
@@ -243,9 +246,13 @@ def verdict_execution(e: Execution) -> str:
     if e.timing is not None:
         ratio = e.timing.speed_ratio_vs_dense
         lo, hi = ratio.ci95
-        text += f"; latency {ratio.value:.2f}x Dense [{lo:.2f}, {hi:.2f}], {_speed_word(ratio)}"
+        text += f"; latency {ratio.value:.2f}x Dense [{lo:.2f}, {hi:.2f}]" + \
+            ("" if e.degenerate_rule else f", {_speed_word(ratio)}")
     elif e.dense is not None:
         text += "; latency not measured"
+    if e.degenerate_rule:
+        text += (f"; these are the costs of one fixed depth for every {e.unit or 'token'}, "
+                 "none of it a saving of conditional execution")
     return text + "."
 
 

@@ -25,9 +25,10 @@ layout) and returns its router, audited through
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,11 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from fcaudit.core.errors import FcauditError, ModelError, arg
-from fcaudit.core.routers import NUM_EXPERTS_SETTINGS
 from fcaudit.io.data import load_tokenizer
 from fcaudit.io.fileio import read_json
 from fcaudit.io.mudd_checkpoint import weight_files
 from fcaudit.io.placement import Placement, align_offloaded, check_budget, note_written
-from fcaudit.io.weights import Shapes, check_depth, header_shapes
+from fcaudit.io.weights import Shapes, header_shapes, held_depth
 from fcaudit.models.mudd import VARIANTS
 
 
@@ -110,41 +110,75 @@ def _weights(folder: Path) -> list[Path]:
     return files if single.is_file() else [index, *files]
 
 
-_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "embed_in.weight", "word_embeddings.weight")
-_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
+def _built_shapes(transformers: Any, config: Any) -> Shapes | None:
+    """The shape of every tensor the model ``config`` describes, as transformers builds it
+    (on the meta device: no memory, whatever sizes the config claims; a tied tensor
+    once); None where it cannot be built there or its weights are quantized (a quantizer
+    changes the stored shapes), and then transformers' loading has the last word."""
+    if getattr(config, "quantization_config", None) is not None:
+        return None
+    try:
+        with torch.device("meta"):  # a copy: building may set fields of the config
+            model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    except Exception:  # noqa: BLE001 - from_pretrained raises it again, with its own words
+        return None
+    seen: set[int] = set()
+    shapes: Shapes = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            shapes[key] = tuple(tensor.shape)
+    return shapes
 
 
-def _experts_held(found: Shapes) -> int:
-    """How many experts the weights hold: per-expert keys (``experts.7.``) or the first
-    axis of fused ``experts.*`` tensors [E, ...]; 0 when they hold none."""
-    held = [int(m.group(1)) + 1 for key in found if (m := _EXPERT_KEY.search(key))]
-    held += [shape[0] for key, shape in found.items()
-             if ".experts." in key and not _EXPERT_KEY.search(key) and len(shape) == 3]
-    return max(held, default=0)
+def _fields_sized(config: Any, dims: set[int]) -> str:
+    """The config fields whose value is one of ``dims`` (what made a tensor that size)."""
+    stated = {**config.to_dict(), **config.get_text_config().to_dict()}
+    names = sorted(k for k, v in stated.items()
+                   if isinstance(v, int) and not isinstance(v, bool) and v in dims)
+    return f" ({', '.join(f'{k}={stated[k]}' for k in names[:2])})" if names else ""
 
 
-def _check_sizes(folder: Path, config: Any, weights: list[Path]) -> None:
-    """The config's layers, vocabulary, hidden size and experts against the weights'
-    header, before anything is built: a config claiming more than the weights hold (a
-    million layers) is refused in a second instead of constructed (6 GB in 2 minutes)."""
+UNBUILT_DEPTH = 8  # layers per weights' list entry beyond which a config is not built
+
+
+def _check_sizes(folder: Path, config: Any, weights: list[Path], transformers: Any) -> None:
+    """The config against the weights' header, before anything real is built: a config
+    claiming more than the weights hold (a million layers, a vocabulary of 1e9) is refused
+    in a second instead of constructed (6 GB in 2 minutes). The sizes are the model's
+    own, as transformers builds it from the config (on the meta device): a tensor must
+    not hold more than the weights' tensor of its name, and all of them together not more
+    than twice what the weight files hold (tensors renamed or merged on loading, as
+    per-expert weights are, are matched by that total; a smaller difference costs no more
+    than loading the weights, and transformers' own report of missing and mismatched keys
+    has the last word on it). Only a layer count far beyond the weights' longest layer
+    list is refused unbuilt: a million layers take minutes even on the meta device, and
+    how many layers a list entry holds is the family's (LongCat-Flash's hold two)."""
     found = header_shapes([w for w in weights if w.suffix == ".safetensors"])
-    text = config.get_text_config()
-    where = str(folder)
-    layers = getattr(text, "num_hidden_layers", None)
-    if isinstance(layers, int):
-        check_depth(where, found, layers, "num_hidden_layers", exact=False)
-    embedding = next((shape for key, shape in found.items()
-                      if key.endswith(_EMBEDDINGS) and len(shape) == 2), None)
-    claims = [(name, getattr(text, name, None), held) for name, held in
-              zip(("vocab_size", "hidden_size"), embedding or (), strict=False)]
-    experts = _experts_held(found)
-    if experts:
-        stated = text.to_dict()  # by the name config.json uses, not an alias of it
-        claims += [(name, stated.get(name), experts) for name in NUM_EXPERTS_SETTINGS]
-    for name, value, held in claims:
-        if isinstance(value, int) and not isinstance(value, bool) and value > held:
-            raise ModelError(f"{where}: config.json says {name}={value} but the weights hold "
-                             f"{held}; the config and the weights come from different models")
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    depth = held_depth(found)
+    if isinstance(layers, int) and depth is not None and layers > UNBUILT_DEPTH * depth:
+        raise ModelError(f"{folder}: config.json says num_hidden_layers={layers} but the "
+                         f"weights hold {depth} layers; the config and the weights come from "
+                         "different models")
+    built = _built_shapes(transformers, config) or {}
+    bigger = next(((k, s) for k, s in built.items()
+                   if k in found and math.prod(s) > math.prod(found[k])), None)
+    held_total, built_total = (sum(map(math.prod, d.values())) for d in (found, built))
+    if bigger is None and built_total <= 2 * held_total:
+        return
+    if bigger is not None:
+        key, shape = bigger
+        held = found[key]
+        what = f"builds {key} {list(shape)} but the weights hold {list(held)}"
+    else:
+        key, shape = max(((k, s) for k, s in built.items() if k not in found),
+                         key=lambda item: math.prod(item[1]))
+        held = tuple(d for s in found.values() for d in s)
+        what = (f"builds {built_total:,} weights, more than twice the {held_total:,} its "
+                f"weight files hold (the largest, {key} {list(shape)}, under a name no file uses)")
+    raise ModelError(f"{folder}: config.json{_fields_sized(config, set(shape) - set(held))} "
+                     f"{what}; the config and the weights come from different models")
 
 
 def _placing(place: Placement | None, weights: list[Path], dtype: torch.dtype | None
@@ -190,7 +224,7 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None,
         config = transformers.AutoConfig.from_pretrained(
             folder, local_files_only=True, trust_remote_code=False)
         config.transformers_weights = weights[0].name
-        _check_sizes(folder, config, weights)
+        _check_sizes(folder, config, weights, transformers)
         placing = _placing(placement, weights, dtype)
         extra = [folder / f for f in getattr(type(config), "extra_files", ())
                  if (folder / f).is_file()]

@@ -73,6 +73,22 @@ def final_norms(model: nn.Module, layers: list[str]) -> list[nn.Module]:
     return [*preferred, *(m for _, m in reversed(named) if m not in preferred), nn.Identity()]
 
 
+def head_inputs(model: nn.Module, layers: list[str]) -> list[nn.Module]:
+    """Candidates for the way from the last layer's output to the LM head's input: each
+    final norm of :func:`final_norms`, then each followed by an output projection, a
+    linear map outside the layer stack into the head's width (OPT-350m's ``project_out``:
+    its embeddings are narrower than its layers). The probe of :func:`own_head` keeps the
+    one the model is seen to use."""
+    head = model.get_output_embeddings()
+    inside = tuple(f"{p}." for p in layers)
+    width = getattr(head, "in_features", None)
+    projections = [m for path, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and m is not head and m.out_features == width
+                   and m.in_features != width and not path.startswith(inside)]
+    norms = final_norms(model, layers)
+    return [*norms, *(nn.Sequential(n, p) for p in projections for n in norms)]
+
+
 Transform = Callable[[torch.Tensor], torch.Tensor]
 PROBE_TOKENS = 16  # the probe window that finds a model's logit transform (at wrap time)
 
@@ -98,8 +114,9 @@ def logit_transforms(model: nn.Module) -> list[tuple[str, Transform]]:
 
 
 def own_head(model: nn.Module, layers: list[str]) -> tuple[nn.Module, Transform]:
-    """The model's own way from its last layer's output to its logits: a final norm (of
-    :func:`final_norms`), its LM head and a transform (of :func:`logit_transforms`), found
+    """The model's own way from its last layer's output to its logits: a final norm and
+    any output projection (of :func:`head_inputs`), its LM head and a transform (of
+    :func:`logit_transforms`), found
     on a probe window. The last layer's output is caught by a hook and read through each
     candidate; the first equal to the logits the model returns is kept. A model none
     reproduces is refused: its exit heads would not read what it predicts, and every
@@ -115,7 +132,7 @@ def own_head(model: nn.Module, layers: list[str]) -> tuple[nn.Module, Transform]
     finally:
         handle.remove()
     tolerance = 1e-5 * (1.0 + float(logits.float().abs().max()))
-    norms, transforms = final_norms(model, layers), logit_transforms(model)
+    norms, transforms = head_inputs(model, layers), logit_transforms(model)
     for norm in norms:
         try:
             with torch.no_grad():
@@ -129,8 +146,9 @@ def own_head(model: nn.Module, layers: list[str]) -> tuple[nn.Module, Transform]
                     float((mine.float() - logits.float()).abs().max()) <= tolerance:
                 return norm, transform
     raise ModelError(f"{arg('early_exit')}: {type(model).__name__}'s logits are not its last "
-                     f"layer's output through a final norm ({len(norms) - 1} found outside its "
-                     f"layers, or none), its LM head and any transform fcaudit knows "
+                     f"layer's output through a final norm and output projection ("
+                     f"{len(norms) - 1} ways found outside its layers, or none), its LM head "
+                     "and any transform fcaudit knows "
                      f"({', '.join(n for n, _ in transforms)}), checked on a {PROBE_TOKENS}-"
                      "token probe: its exit heads would not read what it predicts, so it "
                      "cannot be read the LayerSkip way; declare its exit sites yourself "

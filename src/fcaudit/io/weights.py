@@ -109,17 +109,23 @@ def check_keys(source: str, found: Mapping[str, tuple[int, ...]],
 _LAYER_KEY = re.compile(r"^([A-Za-z_][\w.]*?)\.(\d+)\.")
 
 
+def held_depth(found: Mapping[str, tuple[int, ...]]) -> int | None:
+    """The length of the longest numbered list of modules the weights hold (``layers.N.``),
+    None when they hold none."""
+    lists: dict[str, int] = {}
+    for key in found:
+        if m := _LAYER_KEY.match(key):
+            lists[m.group(1)] = max(lists.get(m.group(1), 0), int(m.group(2)) + 1)
+    return max(lists.values(), default=None)
+
+
 def check_depth(source: str, found: Mapping[str, tuple[int, ...]], n_layer: int,
                 field: str = "n_layer", exact: bool = True) -> None:
     """Compare a config's layer count with the weights' before anything is built, so a
     config claiming a million layers is refused instead of constructed. ``exact=False``
     refuses only a config claiming more layers than the weights hold (a checkpoint may
     carry extra layer lists that its loader drops)."""
-    lists: dict[str, int] = {}
-    for key in found:
-        if m := _LAYER_KEY.match(key):
-            lists[m.group(1)] = max(lists.get(m.group(1), 0), int(m.group(2)) + 1)
-    depth = max(lists.values(), default=None)
+    depth = held_depth(found)
     if depth is not None and (depth != n_layer if exact else n_layer > depth):
         raise ModelError(f"{source}: config.json says {field}={n_layer} but the weights hold "
                          f"{depth} layers; the config and the weights come from different "

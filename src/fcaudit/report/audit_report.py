@@ -188,6 +188,15 @@ def _conditional_meaning(ex: Execution) -> str:
             "token by routing")
 
 
+def _conditional(ex: Execution, more: str = "") -> str:
+    """The conditional-execution line: its value, what it means, and (a degenerate exit
+    rule) why fewer blocks or FLOPs than dense are not counted."""
+    why = (f"; a degenerate exit rule's fewer blocks or FLOPs are not counted: "
+           f"{md_text(ex.degenerate_rule)}" if ex.degenerate_rule else "")
+    return (f"Conditional execution: **{fmt_num(ex.conditional_execution)}** "
+            f"({_conditional_meaning(ex)}{more}{why}).")
+
+
 def _not_measured(ex: Execution) -> str:
     return f"Execution was not measured: {md_text(ex.reason or 'no reason recorded')}."
 
@@ -225,8 +234,7 @@ def _execution_facts(r: AuditResult) -> list[str]:
         ratio = ex.timing.speed_ratio_vs_dense
         facts.append(f"Latency vs dense: {fmt_with_ci(ratio.value, ratio.ci95, sign=False)} "
                      "(model / dense, 95% CI).")
-    facts.append(f"Conditional execution: **{fmt_num(ex.conditional_execution)}** "
-                 f"({_conditional_meaning(ex)}).")
+    facts.append(_conditional(ex))
     if ex.experts is not None:
         x = ex.experts
         facts.append(f"Experts run per token per routed layer (mean over layers): "
@@ -488,8 +496,7 @@ def _execution(r: AuditResult) -> list[str]:
                                                       sum(fractions) / len(fractions),
                                                       max(fractions))), "", ""))
     blocks += [md_table(("measure", "model", "dense", "model / dense"), rows, "lrrr"),
-               f"Conditional execution: **{fmt_num(ex.conditional_execution)}** "
-               f"({_conditional_meaning(ex)}; counted, not read from the coefficients)."]
+               _conditional(ex, "; counted, not read from the coefficients")]
     if ex.uncounted_operators:
         blocks.append(_uncounted(ex.uncounted_operators))
     notes = [f"Dense counterpart: {md_code(ex.dense)}." if ex.dense else "",

@@ -261,6 +261,7 @@ def _execution(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Ro
             "speed_ratio_vs_dense": None if ratio is None else ratio.value,
             "speed_ratio_ci95": None if ratio is None else ratio.ci95,
             "conditional_execution": ex.conditional_execution,
+            "degenerate_rule": ex.degenerate_rule,
             "experts_per_token": None if ex.experts is None else
             ex.experts.experts_per_token_mean_over_layers})
     return rows
@@ -503,7 +504,8 @@ def _execution_md(rows: Sequence[Row]) -> list[str]:
         return (md_text(r["model"]), md_text(r["unit"]),
                 f"{fmt_num(r['blocks_executed'], 2)} of {fmt_num(r['blocks_present'])}",
                 fmt_num(r["flops_per_token"]), fmt_num(r["flops_ratio"]), speed,
-                fmt_num(r["conditional_execution"]),
+                fmt_num(r["conditional_execution"]) +
+                (" (degenerate exit rule: a fixed depth)" if r["degenerate_rule"] else ""),
                 MISSING if r["experts_per_token"] is None else f"{r['experts_per_token']:.2f}")
     return ["## Execution",
             "Blocks and FLOPs per unit: per token of token ids, per example of other inputs.",

@@ -146,17 +146,19 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
                         f"loses by an interval above 0 in {wins} of {len(audits)} seeds; "
                         f"fixed − learned {_matched(audits)}{_degenerate(audits)}"))
         flops = _mean(group, "flops_ratio")
-        if flops is not None:
+        if flops is not None:  # a seed whose rule does not adapt saves nothing by exiting
+            saves = flops < 0.99 and not _degenerate(audits)
             out.append((f"{label}: early exit computes less than the full-depth twin",
-                        f"{'holds' if flops < 0.99 else 'does not hold'}: "
+                        f"{'holds' if saves else 'does not hold'}: "
                         f"{_versus_twin(group)} the twin's, at a mean executed depth of "
                         f"{_depth(audits)}{_degenerate(audits)}"))
     return out
 
 
 def _degenerate(audits: Sequence[Any]) -> str:
-    """The seeds whose exit rule does not adapt (no exit, or every unit at the first
-    layer), said beside the numbers they make."""
+    """The seeds whose exit rule does not adapt (every unit stops at one layer: none exits
+    early, all after the first, or all after one layer between), said beside the numbers
+    they make; empty when every seed's rule adapts."""
     notes = [a.exits.note for a in audits if a.exits is not None and a.exits.note]
     if not notes:
         return ""

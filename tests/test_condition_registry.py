@@ -31,7 +31,8 @@ def test_the_tuples_callers_read_are_the_audits_conditions_in_report_order():
     assert conditions.PER_LAYER_CONDITIONS == ("reassign", "static-layer")
     assert conditions.RETENTION_PROFILES == ("static-layer", "static-layer-position",
                                              "static-layer-token")
-    assert conditions.by_role("counted") == conditions.MAIN_CONDITIONS[2:]
+    # --target-ci counts the penalties a user reads, not the retention's floor
+    assert conditions.by_role("counted") == conditions.MAIN_CONDITIONS[2:-1]
     assert conditions.by_role("dependence") == ("reassign", "shuffle")
     assert (conditions.FRONTIER, conditions.EXPERT_ABLATION) == ("frontier", "expert-ablation")
 

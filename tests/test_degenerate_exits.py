@@ -64,7 +64,7 @@ def audit(model: PonderGPT, out: Path | None = None) -> AuditResult:
     ([[3, 3], [3, 3]], "no token exits before the last layer"),
     ([[0, 1], [3, 3]], None)])
 def test_a_rule_is_degenerate_when_every_unit_stops_at_one_layer(own, words):
-    note = degenerate(torch.tensor(own), STEPS)
+    note = degenerate(torch.tensor(own), STEPS, "token")
     assert (note is None) if words is None else (words in note)
 
 

@@ -59,9 +59,7 @@ from fcaudit.report.format import (
 from fcaudit.report.markdown import (
     FIGURE_DIR,
     md_code,
-    md_fenced,
     md_figures,
-    md_kv_table,
     md_table,
     md_text,
     one_line,
@@ -76,6 +74,7 @@ from fcaudit.report.report_parts import (  # noqa: F401 (_ordered: compare's too
     _ordered,
     _routing,
 )
+from fcaudit.report.reproducibility import reproducibility_section
 from fcaudit.report.selection import (
     coefficient_table,
     dependence_fact,
@@ -512,72 +511,6 @@ def _execution(r: AuditResult) -> list[str]:
     return blocks + [" ".join(n for n in notes if n), *execution_note(r)]
 
 
-def _sites_table(r: AuditResult) -> str:
-    rows = []
-    for fam in r.families:
-        sites = [s for s in r.sites if s.family == fam]
-        shapes = list(dict.fromkeys(str(s.trailing_shape) for s in sites))
-        shown = ", ".join(shapes) if len(shapes) <= 3 else \
-            f"{shapes[0]} … {shapes[-1]} ({len(shapes)} distinct)"
-        axes = sites[0].axes
-        named = "" if axes is None else " (axes " + ", ".join(
-            f"{a}*" if i in (sites[0].positions or []) else a for i, a in enumerate(axes)) + \
-            "; * = positions)"
-        found = next((s.layout for s in sites if s.layout), None)  # how, when undeclared
-        named += f"; {found}" if found else ""
-        rows.append((md_code(fam), str(len(sites)), md_code(sites[0].name),
-                     md_code(sites[-1].name), shown + md_text(named)))
-    return md_table(("family", "sites", "first", "last", "trailing shapes"), rows, "lrlll")
-
-
-def _reproducibility(r: AuditResult) -> list[str]:
-    raw = r.to_json()
-    blocks = ["## Reproducibility",
-              md_fenced(r.command) if r.command else "Command not recorded.",
-              f"Schema {md_code(r.schema)}, fcaudit {md_code(r.fcaudit_version)}.",
-              "### Model", md_kv_table(raw["model"])]
-    if r.data:
-        blocks += ["### Data", md_kv_table(r.data)]
-    if r.sites:
-        blocks += ["### Sites", _sites_table(r)]
-    for title, section in (("Seeds", raw["seeds"]), ("Settings", r.settings),
-                           ("Versions", r.versions), ("Host", r.runtime.host),
-                           ("Replay schedule", r.runtime.schedule or {}),
-                           ("Cache on disk", r.runtime.cache or {})):
-        if section:
-            blocks += [f"### {title}", md_kv_table(section)]
-    return blocks + ([_reuse_sentence(r.runtime.reuse)] if r.runtime.reuse else [])
-
-
-def _reuse_sentence(reuse: dict[str, Any]) -> str:
-    total = reuse["batches_reused"] + reuse["batches_recomputed"]
-    proven = sum(reuse.get(f"{stage}_batches_proven", 0)
-                 for stage in ("evaluation", "calibration"))
-    proofs = (f"Record results: {proven} cached batches used, each only after its original "
-              "pass, recomputed in this audit (one forward pass each), equalled the cached "
-              "record bit for bit. ") if proven else ""
-    return (f"{proofs}Replay results: {reuse['batches_reused']} of {total} batches "
-            f"({reuse['runs_reused']} runs) reused from the cache, each run's fed coefficients "
-            f"checked bit for bit against this audit's{_replay_proof(reuse)}; "
-            f"{reuse['batches_recomputed']} batches ({reuse['runs_recomputed']} runs) replayed.")
-
-
-def _replay_proof(reuse: dict[str, Any]) -> str:
-    """What proved the reused replay runs: a sample (its size, share and seed) or all."""
-    verified = reuse.get("replay_runs_verified")
-    if not reuse["batches_reused"] or verified is None:
-        return ""
-    if reuse["verify_reuse"] == "all":
-        return (f", and every one of them ({verified} runs) replayed again and found equal to "
-                "the cache bit for bit")
-    share = reuse.get("replay_share_verified") or 0
-    return (f", and a sample drawn afresh at this resume (seed {reuse['verify_seed']}), "
-            f"{verified} runs ({100 * share:.1f}% of those reused: every run of the plan on "
-            f"one of {reuse['replay_batches_verified']} cached batches), replayed again and "
-            "found equal to the cache bit for bit (a sample proves every run somewhere, not "
-            "every batch: see docs/method.md, Reuse)")
-
-
 def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tuple[str, str]:
     """The whole report as (plain-text title, Markdown); the three answers come first."""
     title = f"Frozen Controller Audit: {one_line(result.model.spec)}"
@@ -587,7 +520,7 @@ def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tu
     blocks.append(_lead(result))
     for section in (_answers, _conditions, stopping_section, _retention, exits_section,
                     _interaction, _per_layer, _variance, _variation, _routing,
-                    _expert_importance, _frontier, _execution, _reproducibility):
+                    _expert_importance, _frontier, _execution, reproducibility_section):
         blocks += section(result)
     blocks += ["## Figures", *(md_figures(figures) or ["No figure data in this audit."])]
     return title, "\n\n".join(blocks) + "\n"

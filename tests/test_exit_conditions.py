@@ -289,3 +289,37 @@ def test_what_exits_is_named_by_the_exit_sites_axes():
     assert "of the evaluation patches stop after the first layer" in section
     assert "| `fixed-exit-position` | one layer per patch position |" in section
     assert "token" not in section and "window" not in section
+
+
+def test_an_exit_model_answers_where_it_stops_and_what_stopping_costs_first():
+    """The exits answer leads: the mean depth, the cost of exiting against the model run
+    to full depth (its NLL by hand: the model with full_depth on), and fixed exit at the
+    learned rule's mean depth, whose interval decides the label."""
+    model = make()
+    result = fcaudit.audit(model, None, data=AuditData(EVAL, CALIB, {"source": "tokens"}),
+                           options=OPTS, report=False)
+    parts = result.verdict_parts()
+    assert list(parts)[0] == "exits" and list(parts)[1:] == ["variation", "dependence",
+                                                            "execution"]
+    exits = parts["exits"]
+    model.full_depth = True
+    full = nll(model, EVAL)  # every layer on every token, by hand
+    model.full_depth = False
+    correct = result.conditions["correct"].nll
+    assert exits.numbers["exits.exiting_cost"] == pytest.approx(correct - full, abs=1e-5)
+    lo, hi = (exits.numbers[f"exits.exiting_cost_ci_{end}"] for end in ("low", "high"))
+    assert lo <= correct - full <= hi
+    depth = result.exits.evaluation_mean_depth
+    assert exits.sentence.startswith(f"tokens stop after {depth:.2f} of 4 layers on average")
+    assert f"({correct:.4f} with exits, {full:.4f} at full depth)" in exits.sentence
+    gap = result.exits.frontier.matched_depth.gap
+    expected = "adaptive" if gap.ci95[0] > 0 else "static-better" if gap.ci95[1] < 0 else \
+        "static-as-good"
+    assert exits.label == expected and result.verdict.exits_label == expected
+    said = {"adaptive": "the learned rule beats a static depth",
+            "static-better": "a static depth beats the learned rule",
+            "static-as-good": "a static depth is as good"}[expected]
+    assert exits.sentence.endswith(said + ".")
+    full_point = [p for p in result.exits.frontier.points
+                  if p.rule == "fixed" and p.mean_depth == 4]
+    assert len(full_point) == 1  # full depth is always one of fixed exit's points

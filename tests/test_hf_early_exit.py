@@ -124,9 +124,17 @@ def test_cli_audit_runs_the_exit_conditions_and_says_masking_and_untrained_heads
     assert {"fixed-exit", "fixed-exit-position", "oracle-exit"} <= set(j["conditions"])
     assert j["identity_replay_max_abs_diff"] == 0.0
     assert 1.0 < j["exits"]["evaluation_mean_depth"] < L
-    # masked: the execution audit counts every layer on every token, and says why
+    # masked: the execution audit counts every layer on every token, and says why; the
+    # answer reads the exits' depth as what a model that skipped would run, never the
+    # pass's FLOPs against the model (its exit heads cost more than the model itself)
     assert j["execution"]["blocks_executed"] == L
     assert "counted, not realised" in j["execution"]["mode"]
+    depth = j["exits"]["evaluation_mean_depth"]
+    assert j["verdict"]["execution_label"] == "counted-not-realised"
+    assert j["verdict"]["execution"].startswith("Exits counted, not realised: every layer ran")
+    assert f"would run {depth:.2f} of {L} layers per token" in j["verdict"]["execution"]
+    assert "x Dense" not in j["verdict"]["execution"]
+    assert j["verdict"]["exits"].startswith(f"tokens stop after {depth:.2f} of {L} layers")
     report = (out / "report.md").read_text()
     assert "**Not trained for early exit:**" in report and "poor predictors" in report
 

@@ -204,7 +204,9 @@ def test_the_report_of_image_exits_says_example_and_one_bracket_per_interval():
     assert "[[" not in md and "]]" not in md
     exits = _section(md, "Exits")
     execution = _section(md, "Execution")
-    answer = _section(md, "The three answers").split("### 3.")[1]
+    answers = _section(md, "The four answers").split("\n### ")  # an exit model's exits first
+    assert answers[1].startswith("1. Exits:") and "examples stop after" in answers[1]
+    answer = "\n".join(answers[1:2] + answers[4:])  # exits and execution
     rows = [line for line in _section(md, "Conditions").splitlines() if "-exit`" in line]
     assert len(rows) == 2  # fixed-exit and oracle-exit (per position: not applicable)
     routing = "experts skipped per token by routing"  # what routers skip: tokens

@@ -156,9 +156,8 @@ def print_summary(result: Any, out: Path) -> None:
     for name, r in result.retention.items():
         accuracy = "" if r.accuracy is None else f"; on accuracy {_share(r.accuracy)}"
         console.print(f"retention {name}: {_share(r)}{accuracy}", soft_wrap=True)
-    for key in ("variation", "dependence", "execution"):
-        console.print(Text.assemble((key, "bold"), f": {getattr(result.verdict, key)}"),
-                      soft_wrap=True)
+    for key, part in result.verdict_parts().items():  # an exit model's exits first
+        console.print(Text.assemble((key, "bold"), f": {part.sentence}"), soft_wrap=True)
     if result.stopping is not None:
         console.print(f"--target-ci: {result.stopping.reason}", soft_wrap=True)
     console.print(f"wrote {out / 'audit.json'}, {out / 'report.md'}, {out / 'report.html'}")

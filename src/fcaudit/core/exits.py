@@ -36,6 +36,10 @@ def exit_sites(sites: Sequence[Site]) -> list[Site]:
 
 
 EXAMPLE = "example"  # what exits where the exit sites have no position axis
+# the compute mode (a model's ``execution_mode``) of exits that are counted, not realised:
+# the execution answer then reads the depths as what a deployment would run, not as FLOPs
+MASKED = ("masked early exit: every layer runs on every token and an exited token's update "
+          "is discarded, so the FLOPs its exits save are counted, not realised")
 
 
 def exit_unit(sites: Sequence[Site]) -> str:

@@ -20,6 +20,7 @@ from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.frontier import frontier_summary
 from fcaudit.engine.frontier_plan import frontier_units
 from fcaudit.engine.measure import Measurements, reuse_summary
+from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.options import Prepared, option_specs
 from fcaudit.engine.parts import site_parts
 from fcaudit.engine.plan import Run, ablation_runs, frontier_runs, routing_sites, tracked_runs
@@ -89,7 +90,8 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
 def _verdict(m: Measurements, execution: Execution) -> tuple[Verdict, dict[str, Any]]:
     """The verdict and the numbers each of its answers rests on."""
     return judge(m.description.variance, m.description.variation, m.summary.conditions,
-                 m.summary.retention, shuffled_axes(m.setup.sites), execution, m.identity)
+                 m.summary.retention, shuffled_axes(m.setup.sites), execution, m.identity,
+                 m.exits, loss_name(m.setup.objective.name))
 
 
 def _settings(m: Measurements, execution: Execution) -> dict[str, Any]:

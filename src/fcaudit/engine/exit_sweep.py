@@ -123,11 +123,14 @@ def mean_depth(layers: Tensor) -> float:
 
 def exit_points(plan: ExitPlan | None) -> list[ExitPoint]:
     """The sweep's points, then fixed exit at each integer depth around the mean depth of
-    the model's own exits and of every sweep point (each depth once, shallowest first)."""
+    the model's own exits and of every sweep point, and at full depth (every layer on every
+    unit: the model without exits, whose loss prices exiting), each depth once, shallowest
+    first."""
     if plan is None:
         return []
     depths = [mean_depth(plan.own), *(mean_depth(t) for _, t in plan.sweep)]
-    fixed = sorted({d for m in depths for d in (math.floor(m), math.ceil(m))})
+    fixed = sorted({d for m in depths for d in (math.floor(m), math.ceil(m))}
+                   | {plan.calibration.layers})
     return [*(ExitPoint(threshold=tau) for tau, _ in plan.sweep),
             *(ExitPoint(depth=d) for d in fixed)]
 

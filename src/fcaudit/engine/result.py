@@ -38,6 +38,7 @@ from fcaudit.engine.result_checks import check_consistent
 from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema's parts)  # noqa: F401 (re-exported: the verdicts' labels)
     DEPENDENCE_LABELS,
     EXECUTION_LABELS,
+    EXITS,
     QUESTIONS,
     VARIATION_LABELS,
     ComponentShares,
@@ -231,11 +232,13 @@ class AuditResult:
         return loss_name(self.settings.get("objective"), per_unit)
 
     def verdict_parts(self) -> dict[str, VerdictPart]:
-        """Each answer's label, the numbers it rests on and its sentence, by question."""
+        """Each answer's label, the numbers it rests on and its sentence, by question (an
+        exit model's exits first)."""
         numbers = self.verdict_numbers or {}
+        asked = ((EXITS,) if self.verdict.exits else ()) + QUESTIONS
         return {q: VerdictPart(self.verdict.label(q), numbers.get(q, {}),
                                getattr(self.verdict, q))
-                for q in QUESTIONS}
+                for q in asked}
 
     def _repr_html_(self) -> str:
         """What a notebook shows for a result: the three answers and the conditions."""

@@ -415,9 +415,13 @@ class FrontierFamily:
 
 # the labels of the three answers (audit.json's verdict.<question>_label)
 QUESTIONS = ("variation", "dependence", "execution")
+# exit models answer a fourth question first: where do units stop, what does stopping cost,
+# and does a static depth do as well (engine/verdicts.py exits_part)
+EXITS = "exits"
+EXIT_LABELS = ("adaptive", "static-as-good", "static-better", "degenerate")
 VARIATION_LABELS = ("varies", "mixed", "constant")  # every family, some, none
 DEPENDENCE_LABELS = ("strong", "weak", "partial", "none", "unresolved")
-EXECUTION_LABELS = ("conditional", "unconditional", "not-measured")
+EXECUTION_LABELS = ("conditional", "unconditional", "not-measured", "counted-not-realised")
 
 
 @dataclass
@@ -431,10 +435,13 @@ class Verdict:
     variation_label: str | None = _omit_none()  # of VARIATION_LABELS (engine/verdicts.py)
     dependence_label: str | None = _omit_none()  # of DEPENDENCE_LABELS
     execution_label: str | None = _omit_none()  # of EXECUTION_LABELS
+    # exit models: depth, the cost of exiting, learned against fixed at matched depth
+    exits: str | None = _omit_none()
+    exits_label: str | None = _omit_none()  # of EXIT_LABELS
 
     def label(self, question: str) -> str | None:
-        """The label of ``question`` (variation, dependence, execution); None in a result
-        written before labels existed."""
+        """The label of ``question`` (variation, dependence, execution, exits); None in a
+        result written before labels existed, or without that answer."""
         return getattr(self, f"{question}_label")
 
 

@@ -23,12 +23,15 @@ from collections.abc import Mapping
 
 from fcaudit.core.conditions import (
     CONDITIONS,
+    CORRECT,
     GLOBAL_MEAN,
     REASSIGN,
     SHUFFLE,
     STATIC_LAYER,
     by_role,
 )
+from fcaudit.core.exits import MASKED, plural
+from fcaudit.engine.exit_parts import ExitSummary
 from fcaudit.engine.result import (
     ConditionResult,
     Estimate,
@@ -43,6 +46,8 @@ from fcaudit.engine.result import (
 )
 from fcaudit.engine.result_parts import (
     EXECUTION_LABELS,
+    EXIT_LABELS,
+    EXITS,
     QUESTIONS,
     VARIATION_LABELS,
 )
@@ -176,28 +181,96 @@ def dependence(conditions: Mapping[str, ConditionResult],
     return dependence_part(conditions, retention, across).sentence
 
 
-def execution_part(e: Execution) -> VerdictPart:
-    """The execution verdict, also when it was not measured (then with the reason)."""
+def execution_part(e: Execution, exits: ExitSummary | None = None) -> VerdictPart:
+    """The execution verdict, also when it was not measured (then with the reason); exits
+    that are counted, not realised, read as the depth a model that skipped would run."""
     if not e.measured:
         return VerdictPart(EXECUTION_LABELS[2], {}, f"Execution not measured: {e.reason}.")
     numbers = {"blocks_executed": e.blocks_executed, "flops_ratio": e.flops_ratio,
                "blocks_present": None if e.blocks_present is None else float(e.blocks_present)}
+    if e.mode == MASKED and exits is not None:
+        return VerdictPart(EXECUTION_LABELS[3], numbers, _masked_sentence(e, exits))
     return VerdictPart(EXECUTION_LABELS[0 if e.conditional_execution else 1], numbers,
                        verdict_execution(e))
 
 
+def _masked_sentence(e: Execution, exits: ExitSummary) -> str:
+    """Exits counted, not realised: every layer (and every exit head) ran, so this pass's
+    FLOPs and time are no deployment's; the exits' depth says what skipping exited layers
+    would run. A degenerate rule's depth is one fixed depth's, said as such."""
+    unit, depth = e.unit or "token", exits.evaluation_mean_depth
+    blocks = f"{depth:.2f} of {exits.depth} layers per {unit}"
+    share = f" ({100 * depth / exits.depth:.0f}% of the layers)"
+    heads = (f"; this pass cost {e.flops_ratio:.2f}x the model's own FLOPs, the price of "
+             "reading an exit head at every layer") if e.flops_ratio is not None else ""
+    fixed = f" {e.degenerate_rule}." if e.degenerate_rule else ""
+    return (f"Exits counted, not realised: every layer ran on every {unit} and an exited "
+            f"{unit}'s updates were discarded, so no FLOPs or time were saved here; a model "
+            f"that skipped the exited layers would run {blocks}{share}{heads}.{fixed}")
+
+
+def exits_part(ex: ExitSummary | None, correct: ConditionResult,
+               loss: str) -> VerdictPart | None:
+    """Where an exit model's units stop, what stopping costs against the model run to full
+    depth, and whether a fixed exit at the same mean depth does as well (None: no exits
+    measured). The label rests on the matched-depth interval: a learned rule is only
+    "adaptive" where a static depth of the same mean compute loses, clear of 0."""
+    if ex is None:
+        return None
+    unit = plural(ex.unit or "token")
+    lo, hi = ex.evaluation_mean_depth_ci95 or [ex.evaluation_mean_depth] * 2
+    parts = [f"{unit} stop after {ex.evaluation_mean_depth:.2f} of {ex.depth} layers on "
+             f"average [{lo:.2f}, {hi:.2f}] (the oracle's depth {ex.oracle_mean_depth:.2f}, "
+             f"fixed exit's {ex.fixed_exit_depth})"]
+    numbers: dict[str, float | None] = {"exits.mean_depth": ex.evaluation_mean_depth}
+    f = ex.frontier
+    full = next((p for p in (f.points if f else []) if p.rule == "fixed"
+                 and p.mean_depth == ex.depth), None)
+    if full is not None:  # loss(full depth) - loss(correct): minus the cost of exiting
+        cost, (c_lo, c_hi) = -full.delta.value, (-full.delta.ci95[1], -full.delta.ci95[0])
+        parts.append(f"exiting costs {cost:+.4f} nats [{c_lo:+.4f}, {c_hi:+.4f}] of {loss} "
+                     f"against the full model ({correct.nll:.4f} with exits, "
+                     f"{correct.nll - cost:.4f} at full depth)")
+        numbers |= with_interval("exits.exiting_cost", cost, [c_lo, c_hi])
+    label = EXIT_LABELS[3] if ex.note else None
+    if f is not None:
+        gap = f.matched_depth.gap
+        numbers |= with_interval("exits.matched_depth_gap", gap.value, gap.ci95)
+        text = f"{gap.value:+.4f} [{gap.ci95[0]:+.4f}, {gap.ci95[1]:+.4f}]"
+        if gap.ci95[0] > 0:
+            label, said = label or EXIT_LABELS[0], (f"a fixed exit at the same mean depth "
+                                                    f"does worse by {text}: the learned rule "
+                                                    "beats a static depth")
+        elif gap.ci95[1] < 0:
+            label, said = label or EXIT_LABELS[2], (f"a fixed exit at the same mean depth "
+                                                    f"does better by {-gap.value:+.4f}: a "
+                                                    "static depth beats the learned rule")
+        else:
+            label, said = label or EXIT_LABELS[1], (f"a fixed exit at the same mean depth "
+                                                    f"does as well ({text}, interval "
+                                                    "includes 0): a static depth is as good")
+        parts.append(said)
+    head = f"Degenerate exit rule: {ex.note}; " if ex.note else ""
+    return VerdictPart(label, numbers, head + "; ".join(parts) + ".")
+
+
 def judge(variance: Mapping[str, VarianceShares], spread: Mapping[str, Variation],
           conditions: Mapping[str, ConditionResult], retention: Mapping[str, Retention],
-          across: str, execution: Execution,
-          identity: Identity | None) -> tuple[Verdict, dict[str, dict[str, float | None]]]:
+          across: str, execution: Execution, identity: Identity | None,
+          exits: ExitSummary | None = None,
+          loss: str = "NLL") -> tuple[Verdict, dict[str, dict[str, float | None]]]:
     """The audit's :class:`Verdict` (sentences qualified by the identity check, labels)
-    and the numbers each answer rests on, by question."""
+    and the numbers each answer rests on, by question (exit models: ``exits`` too)."""
     parts = dict(zip(QUESTIONS, (variation_part(variance, spread),
                                  dependence_part(conditions, retention, across),
-                                 execution_part(execution)), strict=True))
+                                 execution_part(execution, exits)), strict=True))
+    exited = exits_part(exits, conditions[CORRECT], loss)
     verdict = Verdict(*(qualified(p.sentence, identity) for p in parts.values()),
-                      *(p.label for p in parts.values()))
-    return verdict, {q: p.numbers for q, p in parts.items()}
+                      *(p.label for p in parts.values()),
+                      **({EXITS: qualified(exited.sentence, identity),
+                          f"{EXITS}_label": exited.label} if exited else {}))
+    numbers = {q: p.numbers for q, p in parts.items()}
+    return verdict, numbers | ({EXITS: exited.numbers} if exited else {})
 
 
 def qualified(sentence: str, identity: Identity | None) -> str:

@@ -47,6 +47,7 @@ from torch import nn
 from fcaudit.core.contract import ExpertLayer, Site
 from fcaudit.core.discovery import declared_experts, declared_sites, transformers_layer_stack
 from fcaudit.core.errors import ModelError, UsageError, arg
+from fcaudit.core.exits import MASKED
 from fcaudit.io.loading import LoadedModel
 
 KIND = "hf-early-exit"  # LoadedModel.kind (audit.json model.kind) of a wrapped folder
@@ -56,8 +57,6 @@ HEADS_NOTE = ("this Hugging Face model was not trained for early exit (LayerSkip
               "dropout and early-exit loss): its intermediate layers read through the final "
               "norm and LM head are poor predictors, so early exits cost accuracy that a "
               "model trained for them would not lose")
-MASKED = ("masked early exit: every layer runs on every token and an exited token's update "
-          "is discarded, so the FLOPs its exits save are counted, not realised")
 
 
 def final_norms(model: nn.Module, layers: list[str]) -> list[nn.Module]:

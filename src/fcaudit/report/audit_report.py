@@ -250,10 +250,17 @@ ANSWERS: tuple[tuple[str, str, Callable[[AuditResult], list[str]]], ...] = (
 )
 
 
+EXIT_ANSWER = ("exits", "Exits: where do units stop, what does stopping cost, and would a "
+                        "static depth do as well?", lambda r: [])
+
+
 def _answers(r: AuditResult) -> list[str]:
-    blocks = ["## The three answers"]
+    """The answers, an exit model's exits first (its depth, the cost of exiting against
+    the full model, learned against fixed exit at matched depth)."""
+    asked = ((EXIT_ANSWER,) if r.verdict.exits else ()) + ANSWERS
+    blocks = [f"## The {'four' if len(asked) == 4 else 'three'} answers"]
     inexact = _inexact(r)
-    for i, (key, title, facts) in enumerate(ANSWERS, start=1):
+    for i, (key, title, facts) in enumerate(asked, start=1):
         blocks.append(f"### {i}. {title}")
         if inexact:
             blocks.append(_verdict_warning(inexact, r.loss_name(per_unit=True)))

@@ -6,10 +6,10 @@ condition reads exactly as before (no section)."""
 from __future__ import annotations
 
 from fcaudit.core.conditions import CORRECT, FIXED_EXIT, FIXED_EXIT_POSITION, ORACLE_EXIT
-from fcaudit.core.exits import plural
+from fcaudit.core.exits import MASKED, plural
 from fcaudit.engine.exit_parts import ExitFrontier
 from fcaudit.engine.result import AuditResult
-from fcaudit.io.hf_exit import HEADS_NOTE, MASKED
+from fcaudit.io.hf_exit import HEADS_NOTE
 from fcaudit.io.hf_exit import KIND as HF_EARLY_EXIT
 from fcaudit.report.format import fmt_num, fmt_pct_with_ci, fmt_share, fmt_with_ci
 from fcaudit.report.markdown import md_code, md_table, md_text

@@ -4,10 +4,14 @@
     python tests/golden_audits.py write OUT_DIR      # run every case, write OUT_DIR/CASE.json
     python tests/golden_audits.py compare OLD NEW    # keys may be added, none removed or changed
 
-Cases (issue 29, "Behaviour does not change"): the demo, the planted toys, a MUDD toy, the
-tiny MoE, a Hugging Face Mixtral with the savings frontier and expert ablation, a vision
-run, and a custom intervention through ``fcaudit.audit``. Not collected by pytest (no
-``test_`` prefix): a dev tool, a few minutes on 2 cores.
+Cases: every model family and analysis (the demo, the planted toys, MUDD, the tiny MoE,
+FeatureGate with its twin and the savings frontier, SkipGate, Mamba with its S4D twin on
+tokens and on selective copying, the early-exit LM, ponder, the vision families (ViT-MoE,
+TokenPrune, CondConv, Branchy), a Hugging Face Mixtral with the savings frontier and expert
+ablation, a Hugging Face Mamba, ``--early-exit`` on a Hugging Face Llama, a custom
+intervention and ``--target-ci``); every model random-initialised from a fixed seed. The
+canonical outputs live in tests/golden/ (``python tests/golden_audits.py write
+tests/golden``); tests/test_golden.py (slow) requires every case to reproduce them.
 """
 
 from __future__ import annotations
@@ -125,10 +129,98 @@ def custom(tmp: Path) -> Path:
     return tmp / "custom" / "audit.json"
 
 
+def _built(arch: str, vocab: int | None = 64) -> torch.nn.Module:
+    """A family's tiny preset from the model registry, random-initialised from seed 0."""
+    from fcaudit.io.arches import get_arch
+    torch.manual_seed(0)
+    entry = get_arch(arch)
+    return entry.build(entry.config("tiny", vocab)).eval()
+
+
+def ours(arch: str, twin: str | None, data: Callable[[], AuditData] = _toy_data,
+         **options: Any) -> Callable[[Path], Path]:
+    """One of fcaudit's own families (and its twin), audited in memory on ``data``."""
+    def run(tmp: Path) -> Path:
+        vision = data is not _toy_data and data is not _copy_data
+        model = _built(arch, None if vision else 64)
+        dense = _built(twin, None if vision else 64) if twin else None
+        fcaudit.audit(model, tmp / arch, dense=dense, data=data(),
+                      options=AuditOptions(**{**FAST, **options}), report=False)
+        return tmp / arch / "audit.json"
+    return run
+
+
+def _digits_data() -> AuditData:
+    from fcaudit.io.digits import digits
+    x, y = digits("eval")
+    xc, _ = digits("calib")
+    return AuditData(inputs=x[:24], targets=y[:24], calib_inputs=xc[:16])
+
+
+def _copy_data() -> AuditData:
+    from fcaudit.io import selective_copy
+    ex, ey, cx, cy = selective_copy.audit_sets(selective_copy.preset("tiny"), 16, 16)
+    return AuditData(inputs=ex, targets=ey, calib_inputs=cx, calib_targets=cy)
+
+
+def hf_mamba(tmp: Path) -> Path:
+    import numpy as np
+    from ssm_families import VOCAB, build
+    build("mamba").save_pretrained(tmp / "mamba")
+    rng = np.random.default_rng(0)
+    for name in ("eval", "calib"):
+        np.save(tmp / f"{name}.npy", rng.integers(3, VOCAB, (8, 12)))
+    return _cli(["audit", "--model", str(tmp / "mamba"), "--tokens", str(tmp / "eval.npy"),
+                 "--calib-tokens", str(tmp / "calib.npy"), "--repeats", "1", "--bootstrap",
+                 "50", "--batch-size", "4", "--timing-pairs", "0"], tmp / "hf-mamba")
+
+
+def hf_early_exit(tmp: Path) -> Path:
+    import numpy as np
+    import transformers
+    from conftest import COMMON, VOCAB, tokenizer_file
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 4},
+                                      intermediate_size=64, num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # confidences that straddle the threshold (tests/test_hf_early_exit)
+        model.lm_head.weight.mul_(60.0)
+    model.save_pretrained(tmp / "llama")
+    tokenizer_file(tmp / "llama")
+    rng = np.random.default_rng(0)
+    for name in ("eval", "calib"):
+        np.save(tmp / f"{name}.npy", rng.integers(3, VOCAB, (8, 12)))
+    return _cli(["audit", "--model", str(tmp / "llama"), "--tokens", str(tmp / "eval.npy"),
+                 "--calib-tokens", str(tmp / "calib.npy"), "--early-exit", "--exit-threshold",
+                 "0.8", "--repeats", "1", "--bootstrap", "50", "--batch-size", "4",
+                 "--timing-pairs", "0"], tmp / "hf-early-exit")
+
+
+def target_ci(tmp: Path) -> Path:
+    import toys
+    pool = AuditData(toys.pair_sequences(24, 16, 1), toys.pair_sequences(12, 16, 2),
+                     {"source": "tokens"})
+    fcaudit.audit(toys.content_model(), tmp / "target", sites=["gates.*"], data=pool,
+                  options=AuditOptions(**FAST, execution=False, target_ci=0.15,
+                                       min_sequences=8), report=False)
+    return tmp / "target" / "audit.json"
+
+
 CASES: dict[str, Callable[[Path], Path]] = {
     "demo": demo, **{f"toy-{m}": toys_case(m) for m in
                      ("content", "constant", "position", "token_router", "context_router")},
     "mudd": mudd, "tiny-moe": tiny_moe, "mixtral": mixtral, "vision": vision, "custom": custom,
+    "featuregate": ours("featuregate", "dense", frontier=True, frontier_points=3),
+    "skipgate": ours("skipgate", "dense"),
+    "mamba": ours("mamba", "s4d"),
+    "mamba-selective-copy": ours("mamba", None, _copy_data, objective="selective-copy",
+                                 execution=False),
+    "earlyexit": ours("earlyexit", "dense", frontier_points=2),
+    "ponder": ours("ponder", "dense-ponder", frontier_points=2),
+    "tokenprune": ours("tokenprune", "dense-vit", _digits_data, batch_size=8),
+    "condconv": ours("condconv", "dense-cnn", _digits_data, batch_size=8),
+    "branchy": ours("branchy", "dense-cnn", _digits_data, batch_size=8, frontier_points=2),
+    "hf-mamba": hf_mamba, "hf-early-exit": hf_early_exit, "target-ci": target_ci,
 }
 
 

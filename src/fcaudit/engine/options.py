@@ -24,7 +24,7 @@ import functools
 import math
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,6 +89,9 @@ class Needs:
     said: str
     why: str = ""
     enable: str = "add it"
+    # the sites -> whether the model meets it otherwise (an exit model's threshold sweep
+    # reads frontier_points): such a need is checked again once the model is known
+    by_model: Callable[[Any], bool] | None = None
 
 
 def _execution(why: str) -> Needs:
@@ -200,7 +203,9 @@ class AuditOptions:
         bounds=(MIN_FRONTIER_POINTS, MAX_FRONTIER_POINTS),
         needs=Needs(FRONTIER, lambda o: o.frontier is True or (o.frontier is None
                                                                and o.execution is True),
-                    arg(FRONTIER, py="AuditOptions(frontier=True)")))
+                    arg(FRONTIER, py="AuditOptions(frontier=True)") + " or an exit model "
+                    "(its threshold sweep)", by_model=lambda sites: any(s.exit is not None
+                                                                   for s in sites)))
     # stopping (engine/stopping.py): evaluation batches are added in rounds until every
     # counted penalty's 95% interval reaches at most target_ci nats on each side of its
     # estimate, or the evaluation pool runs out; min_sequences is the first round's size
@@ -428,13 +433,17 @@ def _same(value: object, default: object) -> bool:
     return value is default or (type(value) is type(default) and value == default)
 
 
-def check_needs(options: AuditOptions, given: Collection[str] = ()) -> None:
+def check_needs(options: AuditOptions, given: Collection[str] = (),
+                sites: Sequence[Site] | None = None) -> None:
     """Refuse every option asked for while the option it is read with (its
     :class:`Needs`) is off: it would change nothing, and an option is done or refused,
-    never silently dropped."""
+    never silently dropped. A need the model may meet otherwise (``by_model``) waits for
+    ``sites``: before the model is known it passes, after it is checked on them."""
     for name, (_, spec) in _SPECS.items():
         need = spec.needs
         if need is None or need.on(options) or not asked(options, name, given):
+            continue
+        if need.by_model is not None and (sites is None or need.by_model(sites)):
             continue
         why = f" ({need.why})" if need.why else ""
         raise UsageError(f"{said_as_given(options, name)} is read only with {need.said}{why}: "

@@ -27,7 +27,7 @@ from fcaudit.engine.inputs import (
     window_line,
 )
 from fcaudit.engine.layouts import resolve_layouts
-from fcaudit.engine.options import AuditOptions, Prepared, asked
+from fcaudit.engine.options import AuditOptions, Prepared, asked, check_needs
 from fcaudit.engine.probe import first_batch
 from fcaudit.engine.seeds import SeedPlan
 from fcaudit.engine.twin import dense_counterpart
@@ -50,6 +50,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
         loaded = with_early_exit(loaded, options.exit_threshold)
     net = loaded.model.eval()
     site_list = declare_axes(find_sites(net, sites), site_axes)
+    check_needs(options, sites=site_list)  # the needs a model may meet (exit models' sweep)
     options = with_exit_conditions(options, site_list, net)
     # before the first forward pass
     custom = custom_interventions(interventions, site_list, options.conditions)

@@ -203,7 +203,7 @@ def _masked_sentence(e: Execution, exits: ExitSummary) -> str:
     share = f" ({100 * depth / exits.depth:.0f}% of the layers)"
     heads = (f"; this pass cost {e.flops_ratio:.2f}x the model's own FLOPs, the price of "
              "reading an exit head at every layer") if e.flops_ratio is not None else ""
-    fixed = f" {e.degenerate_rule}." if e.degenerate_rule else ""
+    fixed = f" The exit rule is degenerate: {e.degenerate_rule}." if e.degenerate_rule else ""
     return (f"Exits counted, not realised: every layer ran on every {unit} and an exited "
             f"{unit}'s updates were discarded, so no FLOPs or time were saved here; a model "
             f"that skipped the exited layers would run {blocks}{share}{heads}.{fixed}")
@@ -242,9 +242,10 @@ def exits_part(ex: ExitSummary | None, correct: ConditionResult,
                                                     f"does worse by {text}: the learned rule "
                                                     "beats a static depth")
         elif gap.ci95[1] < 0:
-            label, said = label or EXIT_LABELS[2], (f"a fixed exit at the same mean depth "
-                                                    f"does better by {-gap.value:+.4f}: a "
-                                                    "static depth beats the learned rule")
+            label, said = label or EXIT_LABELS[2], (
+                f"a fixed exit at the same mean depth does better by {-gap.value:.4f} nats "
+                f"[{-gap.ci95[1]:.4f}, {-gap.ci95[0]:.4f}]: a static depth beats the learned "
+                "rule")
         else:
             label, said = label or EXIT_LABELS[1], (f"a fixed exit at the same mean depth "
                                                     f"does as well ({text}, interval "

@@ -32,9 +32,10 @@ from fcaudit.api import audit
 from fcaudit.cli import build_parser
 from fcaudit.cli.parser import audit_options, given_options
 from fcaudit.core.conditions import OPT_IN_CONDITIONS
+from fcaudit.core.contract import Site
 from fcaudit.core.errors import UsageError
 from fcaudit.engine.objectives import TASKS, resolve
-from fcaudit.engine.options import AuditOptions, OptionSpec, option_specs
+from fcaudit.engine.options import AuditOptions, OptionSpec, check_needs, option_specs
 from fcaudit.engine.result import AuditResult
 from fcaudit.io.data import DataSpec, load_tokenizer
 
@@ -210,11 +211,22 @@ def _needs_off(name: str) -> dict[str, Any]:
 DEPENDENT = [name for name, (_, spec) in SPECS.items() if spec.needs is not None]
 
 
+GATE = Site("g", "g", "gate", 0)
+EXIT = Site("s", "s", "exit", 0, exit=(0.0, 1.0))
+
+
 @pytest.mark.parametrize("name", DEPENDENT)
 def test_an_option_without_what_it_needs_is_refused_in_python(name: str, tmp_path: Path) -> None:
+    """Refused by ``validate``; a need the model may meet (frontier_points: an exit model's
+    threshold sweep reads it) is checked once the sites are known: refused for a model
+    without exit sites, taken by one with them."""
     asked = asked_value(name, AuditOptions(), tmp_path)
     options = AuditOptions(**_needs_off(name), **{name: asked})
     with pytest.raises(UsageError) as caught:
+        if SPECS[name][1].needs.by_model is not None:
+            options.validate()  # deferred: the model is not known yet
+            check_needs(options, sites=[EXIT])  # an exit model reads it
+            check_needs(options, sites=[GATE])
         options.validate()
     message = str(caught.value)
     assert caught.value.option == name and "\n" not in message, message
@@ -247,8 +259,12 @@ def test_an_option_without_what_it_needs_is_refused_on_the_command_line(
     need = spec.needs
     assert need is not None
     off = [a for k, v in _needs_off(name).items() for a in _argv(k, v)]
-    argv = ["audit", "--model", str(tmp_path / "no-such-model"), "--out", tmp_path / "out",
-            *off, *_argv(name, value)]
+    model = ["--model", str(tmp_path / "no-such-model")]
+    if need.by_model is not None:  # refused once the model shows no exit site to read it
+        np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 64, (8, 16)))
+        model = ["--model", "toys:content_model", "--sites", "gates.*", "--tokens",
+                 str(tmp_path / "ids.npy"), "--calib-tokens", str(tmp_path / "ids.npy")]
+    argv = ["audit", *model, "--out", tmp_path / "out", *off, *_argv(name, value)]
     res = run_inprocess(argv, capsys)
     line = res.stderr.strip()
     assert res.returncode == 2 and "\n" not in line, res.stderr

@@ -115,6 +115,14 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
 def _audit_loaded(loaded: Any, args: argparse.Namespace, options: Any, spec: Any, ranks: Any,
                   argv: Sequence[str]) -> Any:
     from fcaudit.api import ProgressReporter, audit
+    from fcaudit.core.sites import find_sites
+    from fcaudit.engine.options import check_needs
+    try:  # the needs a model may meet (an exit model's sweep), with the flags as typed
+        sites = None if options.early_exit else find_sites(loaded.model, args.sites)
+    except FcauditError:
+        sites = None  # the audit says what is wrong with them
+    if sites is not None:
+        check_needs(options, given_options(args), sites)
     with ProgressReporter(options.progress and ranks.main) as progress:
         return audit(loaded, args.out, sites=args.sites, data=spec, dense=args.dense,
                      blocks=args.blocks, options=options, progress=progress,

@@ -201,8 +201,8 @@ class AuditOptions:
     frontier_points: int = option(
         6, "scope", f"with {arg(FRONTIER)}: points per frontier curve", kind="int",
         bounds=(MIN_FRONTIER_POINTS, MAX_FRONTIER_POINTS),
-        needs=Needs(FRONTIER, lambda o: o.frontier is True or (o.frontier is None
-                                                               and o.execution is True),
+        needs=Needs(FRONTIER, lambda o: o.frontier is True or o.early_exit is True or (
+            o.frontier is None and o.execution is True),
                     arg(FRONTIER, py="AuditOptions(frontier=True)") + " or an exit model "
                     "(its threshold sweep)", by_model=lambda sites: any(s.exit is not None
                                                                    for s in sites)))

@@ -180,8 +180,8 @@ def _demo_table(d: Mapping[str, Any]) -> str:
     t = ex["timing"]
     return "\n".join([
         f"| question | answer for tiny FeatureGate ({a['layers']} layers, "
-        f"{millions(a['n_params'])} parameters, eval NLL {run['eval_nll']:.2f} vs unigram "
-        f"{run['unigram_nll']:.2f}) |", "|---|---|",
+        f"{millions(a['n_params'])} parameters, eval NLL {run['eval_nll']:.4f} vs unigram "
+        f"{run['unigram_nll']:.4f}) |", "|---|---|",
         f"| variation | gates vary: sd across inputs {v['mean_sd_across_inputs']:.3g}, across "
         f"positions {v['mean_sd_across_positions']:.3g}, across layers "
         f"{v['across_layer_sd']:.3g}; layer identity explains {100 * eta['layer']:.1f}% of "

@@ -110,3 +110,21 @@ def test_the_estimate_is_the_probe_s_pace_times_the_passes(tmp_path) -> None:
         stages["replay"]["passes"] + stages["per-layer runs"]["passes"]) * replay
     assert plan["estimated_s"] == pytest.approx(expected, abs=1e-3)
     assert np.isfinite(plan["estimated_s"]) and plan["estimated_s"] > 0
+
+
+def test_the_record_progress_counts_the_plan_s_evaluation_batches(tmp_path) -> None:
+    """The plan's evaluation batches are what the record stage counts: 12 sequences in
+    batches of 4 are 3 batches, the first recorded by the probe and said so, so the count
+    runs from 1/3 to 3/3 (before: 1/2 to 2/2 beside a plan of 3)."""
+    seen = []
+
+    def progress(stage: str, done: int, total: int, info: str = "") -> None:
+        if stage == "record evaluation":
+            seen.append((done, total, info))
+
+    opts = AuditOptions(bootstrap=20, repeats=1, batch_size=4, per_layer=False)
+    audited(toys.content_model(), tmp_path / "out", sites=["gates.*"], data=toy_data(12, 12),
+            options=opts, progress=progress)
+    batches = -(-12 // 4)
+    probe = "(batch 1 recorded by the probe)"
+    assert seen == [(1, batches, probe), (2, batches, probe), (3, batches, probe)]

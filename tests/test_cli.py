@@ -77,3 +77,31 @@ def test_a_factory_in_the_current_folder_is_importable(tmp_path: Path) -> None:
                            "mymodel:build"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "no declared controller sites" in proc.stdout
+
+
+def test_the_summary_says_the_identity_check_as_the_report_does(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The console names the identity replay's outcome: bitwise exact, or how far from it
+    and why the audit went on (before, only the report said it)."""
+    import dataclasses
+
+    import toys
+    from conftest import FAST, toy_data
+
+    import fcaudit
+    from fcaudit.cli.commands import print_summary
+    from fcaudit.engine.result import Identity
+    result = fcaudit.audit(toys.content_model(), None, sites=["gates.*"], data=toy_data(),
+                           options=FAST)
+    measured = "max |per-token NLL(correct) − NLL(original)|"
+    print_summary(result, Path("out"))
+    said = " ".join(capsys.readouterr().out.split())
+    assert (f"identity replay: bitwise exact: replaying the recorded coefficients reproduced "
+            f"the original pass bit for bit ({measured} = 0.0000)") in said
+    inexact = Identity(exact=False, max_abs_diff=2.5e-6, allowed_nonexact=True,
+                       note="cuBLAS kernels are not deterministic")
+    print_summary(dataclasses.replace(result, identity=inexact), Path("out"))
+    said = " ".join(capsys.readouterr().out.split())
+    assert (f"identity replay: not exact ({measured} = 2.500e-06), accepted only because the "
+            "audit was run with --allow-nonexact-identity") in said
+    assert "**" not in said and "`" not in said  # the console's words, not Markdown

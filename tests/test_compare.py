@@ -21,7 +21,7 @@ import fcaudit
 from fcaudit.api import audit
 from fcaudit.engine.result import AuditResult
 from fcaudit.io.data import AuditData
-from fcaudit.report.format import fmt_ci, fmt_num, fmt_pct, fmt_with_ci
+from fcaudit.report.format import fmt_ci, fmt_count, fmt_num, fmt_pct, fmt_with_ci
 from fcaudit.report.markdown import md_text
 
 SAME = ("gate", "position", "router")  # audits of the same data
@@ -137,7 +137,7 @@ def test_execution_and_routing_rows_equal_their_audits(audits: dict[str, Path],
     assert md["model"][:3] == ["unit", "blocks executed per unit", "FLOPs per unit"]
     assert md["gate"][:3] == ["token", f"{fmt_num(gate['blocks_executed'], 2)} of "
                               f"{fmt_num(gate['blocks_present'])}",
-                              fmt_num(gate["flops_per_token"])]
+                              fmt_count(gate["flops_per_token"])]
     routing = _raw(audits["router"])["routing"]["router"]
     (row,) = result["tables"]["routing"]
     entropy = [x["entropy_normalized"] for x in routing["per_layer"]]

@@ -293,7 +293,7 @@ def test_demo_extraction_and_table_quote_the_audit(tmp_path: Path) -> None:
     assert demo["run"] == {"eval_nll": 4.4968, "unigram_nll": 6.0412, "steps": 600,
                            "cpu": "AMD EPYC", "torch_threads": 1}
     # the audit's numbers rounded by hand to the digits `fcaudit demo` prints
-    for text in ("4 layers, 1.34M parameters, eval NLL 4.50 vs unigram 6.04",
+    for text in ("4 layers, 1.34M parameters, eval NLL 4.4968 vs unigram 6.0412",
                  "sd across inputs 0.187, across positions 0.187, across layers 0.156",
                  "explains 38.9% of their variance, input and token content 60.1%",
                  "costs +0.1147 [+0.1038, +0.1259] nats", "tokens +0.1161 [+0.1049, +0.1277]",

@@ -76,6 +76,9 @@ def test_exit_study_trains_each_twin_and_tabulates(exit_study):
     assert _read(out / "runs/dense-ponder-tiny-s0/config.json")["model_config"]["halting"] is False
     rows = {r["family"]: r for r in result["exit"]}
     assert set(rows) == set(LABELS.values())
+    for page in ("reproduction.md", "report.html"):  # each interval in its own brackets only
+        text = (out / page).read_text(encoding="utf-8")
+        assert "[[" not in text and "]]" not in text, page
     for run, twin in RUNS.items():
         audit = _read(out / "audits" / run / "audit.json")
         assert audit["identity_replay_max_abs_diff"] == 0.0

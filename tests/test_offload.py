@@ -242,7 +242,7 @@ def test_device_map_needs_a_hugging_face_folder(run_folder: Path, tmp_path: Path
 def test_without_accelerate_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     monkeypatch.setitem(sys.modules, "accelerate", None)  # import fails as if not installed
-    with pytest.raises(FcauditError, match=r'pip install "fcaudit\[hf\]"'):
+    with pytest.raises(FcauditError, match=r'pip install -e "\.\[hf\]" in the fcaudit clone'):
         AuditOptions(device_map="auto").validate()
 
 

@@ -130,6 +130,9 @@ PRINTED_AS = (
      r"[\d.]+%\))", "the current token id {}"),
     (r"\| (\d\.\d\d of \d+ blocks run per token),", "{}"),
     (r"(FLOPs \d\.\d{3}x Dense), latency", "{}"),
+    (r"(eval NLL \d\.\d{4} vs unigram \d\.\d{4})", "{}"),  # the FeatureGate's run
+    (r"identity replay is (bitwise exact)", "identity replay: {}: replaying the recorded "
+     "coefficients reproduced the original pass bit for bit"),
 )
 LATENCY = re.compile(r"latency [\d.]+x Dense \[[\d.]+, [\d.]+\]")
 
@@ -157,6 +160,33 @@ def test_the_readme_demo_is_what_fcaudit_demo_prints(tmp_path: Path,
         [number] = re.findall(pattern, block)
         assert as_printed.format(number) in printed, (pattern, number)
     table = [line for line in block.splitlines() if line.startswith("|")]
+    for number, millions in re.findall(r"(\d+\.\d+)(M?)",
+                                       LATENCY.sub("latency", "\n".join(table))):
+        if millions:  # 1.34M parameters: the demo prints the count in full
+            counts = [int(c.replace(",", "")) for c in re.findall(r"([\d,]+) parameters",
+                                                                  printed)]
+            assert f"{counts[0] / 1e6:.2f}" == number, (number, counts)
+        else:  # every other number of the table, as the demo prints it
+            assert number in printed, number
     fresh = doc_blocks._demo_table(extract_results.demo(out)).splitlines()
     assert [LATENCY.sub("latency", line) for line in fresh] == \
         [LATENCY.sub("latency", line) for line in table]
+
+
+def test_the_readme_explains_the_slow_tests_its_test_command_deselects() -> None:
+    """The test command's last line ends "N deselected": README says which tests those are,
+    why (pyproject's addopts, quoted as it is) and how to run them."""
+    if sys.version_info < (3, 11):
+        pytest.skip("tomllib needs Python 3.11")
+    import tomllib
+    pyproject = tomllib.loads((README.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    addopts = pyproject["tool"]["pytest"]["ini_options"]["addopts"]
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    command = text.index("python -m pytest -q ```")  # the README's test command
+    said = text[command:command + 600]
+    assert 'ends with "N deselected": the slow tests' in said
+    assert f'(`addopts = "{addopts}"` in pyproject.toml)' in said
+    assert "run them with `python -m pytest -q -m slow`" in said
+    slow = [p.name for p in (README.parent / "tests").glob("test_*.py")
+            if "@pytest.mark.slow" in p.read_text(encoding="utf-8")]
+    assert slow and addopts == "-m 'not slow'"

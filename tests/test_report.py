@@ -29,8 +29,10 @@ from fcaudit.report.figures import heatmap_figure
 from fcaudit.report.markdown import md_text
 
 SECTIONS = ["The three answers", "Conditions", "Gap retention", "Interaction", "Per layer",
-            "Variance decomposition", "Variation summary", "Execution", "Reproducibility",
-            "Figures"]
+            "Variance decomposition", "Variation summary", "Execution", "Reproducibility"]
+# the answer each figure illustrates, where a reader of that answer must find it
+FIGURE_ANSWERS = {"profile": "1. Variation", "heatmap": "1. Variation", "variance": "1. Variation",
+                  "penalties": "2. Dependence"}
 FIGURES = ("profile", "heatmap", "penalties", "variance")
 # Markup, a table cell break, a link, code and emphasis in one user-supplied string.
 HOSTILE = ('<script>alert("x")</script> | [a](https://evil.example/) [b](javascript:alert(1)) '
@@ -119,6 +121,23 @@ def test_sections_in_order_answers_first(rendered: tuple[Path, list[Path]],
     assert verdicts == sorted(verdicts) and verdicts[-1] < md.index("\n## Conditions")
     page = (rendered[0] / "report.html").read_text(encoding="utf-8")
     assert re.findall(r"<h2>(.+?)</h2>", page) == SECTIONS
+
+
+def test_each_figure_sits_with_the_answer_it_illustrates(rendered: tuple[Path, list[Path]]
+                                                        ) -> None:
+    """Not two screens of tables below: the coefficient figures under the variation answer,
+    the penalties under the dependence answer, each once, all before the first table."""
+    md = (rendered[0] / "report.md").read_text(encoding="utf-8")
+    answers = _section(md, "The three answers")
+    for stem, answer in FIGURE_ANSWERS.items():
+        image = f"](figures/{stem}.png)"
+        assert md.count(image) == 1, stem
+        part = next(p for p in answers.split("\n### ")[1:] if p.startswith(answer))
+        assert image in part, (stem, answer)
+    assert set(FIGURE_ANSWERS) == set(FIGURES)
+    page = (rendered[0] / "report.html").read_text(encoding="utf-8")
+    assert page.count("<img") == len(FIGURES) and \
+        page.rindex("<img") < page.index("<h2>Conditions</h2>")
 
 
 def test_numbers_equal_the_result(rendered: tuple[Path, list[Path]],

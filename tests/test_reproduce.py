@@ -77,6 +77,7 @@ def test_study_writes_tables_and_resumes(small_study):
     assert moe["experts_executed_fraction"]["mean"] == 0.25  # 2 of 8 experts per token
     text = (out / "reproduction.md").read_text()
     assert "Findings at this scale" in text and "98.70%" in text
+    assert "[[" not in text and "]]" not in text  # each interval in its own brackets only
     assert json.loads((out / "reproduction.json").read_text())["schema"] == \
         "fcaudit.reproduction/1"
     assert any((out / "figures").glob("study_penalties.svg"))

@@ -12,23 +12,32 @@ from conftest import AUDIT_FAST, run_inprocess
 from fcaudit.models.featuregate import GPT, PRESETS
 
 
-@pytest.mark.parametrize(("extra", "length", "source"), [
-    ([], 64, "default for a Hugging Face folder: min(256, context 64)"),
-    (["--seq-len", "32"], 32, "--seq-len")])
+@pytest.mark.parametrize(("extra", "length", "source", "said"), [
+    ([], 64, "default for a Hugging Face folder: min(256, context 64)",
+     "default for a Hugging Face folder: min(256, context 64); --seq-len to change"),
+    (["--seq-len", "32"], 32, "--seq-len", "set by --seq-len")])
 def test_the_scoring_window_and_its_source_are_said_everywhere(
         hf_mixtral: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
-        length: int, source: str) -> None:
+        length: int, source: str, said: str) -> None:
+    """Its length and where it comes from, the option named once: a window the option set
+    reads "set by --seq-len", never "(--seq-len; --seq-len to change)"."""
     import json
     out = tmp_path / "out"
     res = run_inprocess(["audit", "--model", hf_mixtral, "--out", out, *AUDIT_FAST, *extra], capsys)
     assert res.returncode == 0, res.stderr
-    line = f"scoring windows of {length} tokens ({source}; --seq-len to change)"
+    line = f"scoring windows of {length} tokens ({said})"
     first = res.stderr.splitlines()[0]  # before any progress line, then the rows picked
     assert first.startswith(f"fcaudit: {line}; evaluation sequences: 4 of "), first
-    assert line in " ".join(res.stdout.split())  # the printed summary (rich may wrap)
+    summary = " ".join(res.stdout.split())  # the printed summary (rich may wrap)
+    assert line in summary
+    for text in (first, summary):
+        window = text[text.index("scoring windows"):].split("; evaluation sequences")[0]
+        assert window.count("--seq-len") == 1, window
     data = json.loads((out / "audit.json").read_text())["data"]
     assert (data["seq_len"], data["seq_len_source"]) == (length, source)
-    assert f"of {length} tokens (window length: {source})" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    shown = said.split(";")[0]
+    assert f"of {length} tokens ({4 * length} tokens; window length: {shown})" in report
 
 
 def test_a_run_folder_window_is_its_training_length_and_help_explains_the_default(

@@ -363,7 +363,14 @@ def test_every_decomposition_names_all_its_axes_and_sums_to_one(kind: str) -> No
     sentence = variation({"fam": shares}, {"fam": Variation([], 0.1, 0.2, 0.3, None, None)})
     for name, share in expected.items():
         assert f"{name} {100 * share:.1f}%" in sentence, (name, sentence)
-    assert "(total 100.0%)" in sentence
+    # the trailing axis is explained where the sentence names it
+    said = {"scalar gate": "(total 100.0%)",
+            "vector coefficient": "(total 100.0%; component: which entry of a coefficient "
+                                  "vector a value is (its index on the sites' last axes), beyond "
+                                  "its layer and position)",
+            "router": "(total 100.0%; expert: which expert a router logit scores, beyond its "
+                      "layer and position)"}[kind]
+    assert said in sentence
 
 
 def test_an_interval_of_few_resamples_is_widened_to_hold_its_estimate() -> None:

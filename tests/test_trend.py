@@ -114,6 +114,7 @@ def test_trend_page_and_figure_are_byte_identical_on_rerun(tmp_path):
     assert len(rows) == 2  # the FeatureGate and the MUDD table
     assert "| 72.0 [70.0, 74.0] |" in rows[0]
     assert "figures/trend.png" in md
+    assert "[[" not in md and "]]" not in md  # each interval in its own brackets only
 
 
 def test_make_trend_script_rerenders_committed_summaries(tmp_path):

@@ -21,30 +21,28 @@ from fcaudit.engine import run as engine
 from fcaudit.engine.options import NOTE, AuditOptions, Progress
 from fcaudit.engine.result import AuditResult
 from fcaudit.io.data import AuditData, DataSpec
-from fcaudit.report.audit_report import write_report
+from fcaudit.report.audit_report import identity_words, write_report
 
 # what the layers above (study, cli) use of the report: only this module imports
 # ``fcaudit.report`` (.importlinter), so these are their way in
 from fcaudit.report.compare import Comparison, compare
 from fcaudit.report.figures import (
-    Anchor,
     FigureSpec,
     RenderedFigure,
     Span,
-    TrendPanel,
-    TrendPoint,
     penalty_figure,
     profile_figure,
     ratio_figure,
     retention_figure,
-    trend_figure,
     variance_figure,
     write_figures,
 )
 from fcaudit.report.markdown import md_code, md_fenced, md_figures, md_table, md_text, to_html
 from fcaudit.report.progress import ProgressReporter
+from fcaudit.report.trend_figures import Anchor, TrendPanel, TrendPoint, trend_figure
 
 __all__ = ["AuditOptions", "audit", "Comparison", "compare", "ProgressReporter",
+           "identity_words",
            "Anchor", "FigureSpec", "RenderedFigure", "Span", "TrendPanel", "TrendPoint",
            "penalty_figure", "profile_figure", "ratio_figure", "retention_figure",
            "trend_figure", "variance_figure", "write_figures",

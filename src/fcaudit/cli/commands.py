@@ -23,10 +23,16 @@ def cmd_train(args: argparse.Namespace) -> None:
                    steps=args.steps, progress=not args.quiet, device=args.device,
                    data=args.data, task=args.task)
     info = describe_run(folder)
+    print(f"wrote {folder}: {run_words(info)}, {info['train_wall_s']:.0f} s")
+
+
+def run_words(info: dict[str, Any]) -> str:
+    """A trained run as `train` and `demo` print it: what it is, its size and its held-out
+    score (beside the unigram floor for a language model)."""
     score = (f"eval accuracy {info['eval_accuracy']:.4f}" if "eval_accuracy" in info else
-             f"eval NLL {info['eval_nll']:.4f} (unigram {info['unigram_nll']:.4f})")
-    print(f"wrote {folder}: {info['arch']}/{info['preset']} seed {info['seed']}, "
-          f"{info['n_params']:,} parameters, {score}, {info['train_wall_s']:.0f} s")
+             f"eval NLL {info['eval_nll']:.4f} vs unigram {info['unigram_nll']:.4f}")
+    return (f"{info['arch']}/{info['preset']} seed {info['seed']}, "
+            f"{info['n_params']:,} parameters, {score}")
 
 
 def _data_spec(args: argparse.Namespace) -> Any:
@@ -159,6 +165,8 @@ def print_summary(result: Any, out: Path) -> None:
     for name, why in (result.not_applicable or {}).items():
         table.add_row(name, "not applicable", why)
     console.print(table)
+    from fcaudit.api import identity_words
+    console.print(f"identity replay: {identity_words(result, str, str)}", soft_wrap=True)
     from fcaudit.engine.run import window_line
     console.print(render(window_line(result.data), cli=True), soft_wrap=True)
     for name, r in result.retention.items():
@@ -196,6 +204,9 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> None:
     options.validate()
     with hold_output(out, "demo", shlex.join(["fcaudit", *argv])):
         runs = demo_runs(out, train_afresh=args.train, seed=args.seed, progress=not args.quiet)
+        from fcaudit.study.train import describe_run
+        for folder in runs.values():  # the models' own scores, on their held-out text
+            print(f"{folder}: {run_words(describe_run(folder))}")
         with ProgressReporter(options.progress) as progress:
             result = audit(str(runs["featuregate"]), out / "audit", dense=str(runs["dense"]),
                            options=options, progress=progress,

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from fcaudit.core.errors import render
+from fcaudit.core.errors import install_extra, render
 from fcaudit.engine.objectives import TASKS
 from fcaudit.engine.options import AuditOptions, OptionSpec, option_specs
 from fcaudit.io.arches import ARCHES
@@ -29,17 +29,17 @@ def user_path(text: str) -> Path:
 def user_file(text: str) -> str:
     return str(user_path(text)) if text.startswith("~") else text
 
-EPILOG_AUDIT = """\
+EPILOG_AUDIT = f"""\
 model SPEC is one of:
   RUN_FOLDER                 a folder written by `fcaudit train`
   CHECKPOINT_FOLDER          a local Hugging Face folder (config.json + safetensors): MUDDPythia /
                              MUDDFormer (fcaudit's own code) or any causal LM transformers knows
-                             (pip install "fcaudit[hf]"; Mixture-of-Experts routers are found
-                             automatically; never remote code)
+                             ({install_extra("hf")}; Mixture-of-Experts
+                             routers are found automatically; never remote code)
   package.module:factory     a zero-argument callable returning a torch.nn.Module, imported from
                              the current folder; name its controllers with --sites 'blocks.*.gate'
 
-data (default: the built-in Shakespeare evaluation and calibration plays):
+data sources, one of (default: the built-in plays):
   --data FILE_OR_DIR [--calib-data FILE_OR_DIR]   text, tokenized with the model's tokenizer
   --tokens eval.npy --calib-tokens calib.npy      integer arrays [N, T]
 
@@ -99,16 +99,38 @@ def _nats(value: str) -> float | str:
 # "number": any other float (a probability), read and refused like nats
 READERS: dict[str, Any] = {"int": int, "nats": _nats, "number": _nats, "path": user_path,
                            "text": None}
-PLACEMENT_GROUP = ("models bigger than memory (a Hugging Face folder; needs accelerate, in "
-                   "fcaudit[hf])")
+PLACEMENT_GROUP = ("models bigger than memory (a Hugging Face folder; needs accelerate: "
+                   f"{install_extra('hf')})")
+
+
+GENERAL = "general options"  # -h, --debug and --quiet of every command, and nothing else
+GENERAL_FIELDS = ("progress",)  # the AuditOptions fields whose flags are general (--quiet)
+
+
+def general_options(parser: argparse.ArgumentParser, quiet: bool = False,
+                    top: bool = False) -> Any:
+    """The group every command lists its general options in: help, --debug (also valid
+    before the command) and, where the command prints progress, --quiet; a parser made
+    with ``add_help=False`` gets its -h here."""
+    group = parser.add_argument_group(GENERAL)
+    group.add_argument("-h", "--help", action="help", help="show this help message and exit")
+    # a command's --debug leaves the top level's default (False) unless it is given
+    group.add_argument("--debug", action="store_true", help="show tracebacks on errors",
+                       **({} if top else {"default": argparse.SUPPRESS}))
+    if quiet:
+        group.add_argument("--quiet", action="store_true", help="no progress output")
+    return group
 
 
 def add_audit_options(parser: argparse.ArgumentParser) -> None:
-    """Every :class:`AuditOptions` field as a flag; placement in a group of its own."""
+    """Every :class:`AuditOptions` field as a flag; placement in a group of its own, the
+    progress switch (--quiet) among the general options, which come last."""
     groups = {"placement": parser.add_argument_group(PLACEMENT_GROUP)}
     settings = parser.add_argument_group("audit settings")
+    general = general_options(parser)
     for f, spec in option_specs():
-        _add_flag(groups.get(spec.part, settings), f, spec)
+        _add_flag(general if f.name in GENERAL_FIELDS else groups.get(spec.part, settings),
+                  f, spec)
 
 
 def add_option(parser: argparse.ArgumentParser | Any, name: str) -> None:
@@ -168,15 +190,16 @@ def _value(value: Any, spec: OptionSpec) -> Any:
 
 
 def _add_train(sub: Any) -> None:
-    t = sub.add_parser("train", help="train a model on the built-in corpus or a synthetic task",
-                       description="Train FeatureGate, its Dense twin, SkipGate, MUDD, MoE, Mamba "
-                                   "or its LTI twin S4D on "
-                                   "the built-in Shakespeare corpus (seeded, deterministic on "
-                                   "CPU).")
+    parser = sub.add_parser("train", add_help=False,
+                            help="train a model on the built-in corpus or a synthetic task",
+                            description="Train FeatureGate, its Dense twin, SkipGate, MUDD, "
+                                        "MoE, Mamba or its LTI twin S4D on the built-in "
+                                        "Shakespeare corpus (seeded, deterministic on CPU).")
+    t = parser.add_argument_group("training")
     vision = [name for name, arch in ARCHES.items() if arch.task == "vision"]
     t.add_argument("--arch", required=True, choices=list(ARCHES),
                    help=f"{', '.join(vision)} train on scikit-learn's bundled digits "
-                        "(fcaudit[vision])")
+                        f"({install_extra('vision')})")
     t.add_argument("--preset", default="tiny",
                    help="tiny, mid, small, 76m or 504m (default tiny)")
     t.add_argument("--seed", type=int, default=0)
@@ -184,7 +207,6 @@ def _add_train(sub: Any) -> None:
     t.add_argument("--steps", type=int, default=None, help="override the preset's step count")
     t.add_argument("--force", action="store_true",
                    help="replace an existing run folder written by fcaudit (nothing else)")
-    t.add_argument("--quiet", action="store_true", help="no progress output")
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     t.add_argument("--data", type=user_file, default=None, metavar="FILE_OR_DIR",
                    help="train on your own text (a file or a folder of .txt) instead of the "
@@ -194,14 +216,18 @@ def _add_train(sub: Any) -> None:
                         "on fresh batches, with the task's objective as the loss; an audit "
                         "of the run uses the task's data and objective. "
                         + "; ".join(TASKS[name].help for name in TASKS))
+    general_options(parser, quiet=True)
 
 
 def _add_audit(sub: Any) -> None:
-    a = sub.add_parser("audit", help="run the full audit on a model",
-                       description="Record every controller's coefficients, replay the frozen "
-                                   "model under each condition, measure execution, and write "
-                                   "OUT/audit.json, OUT/report.md, OUT/report.html and figures.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG_AUDIT)
+    parser = sub.add_parser("audit", help="run the full audit on a model", add_help=False,
+                            description="Record every controller's coefficients, replay the "
+                                        "frozen model under each condition, measure execution, "
+                                        "and write OUT/audit.json, OUT/report.md, "
+                                        "OUT/report.html and figures.",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=EPILOG_AUDIT)
+    a = parser.add_argument_group("model and output")
     a.add_argument("--model", required=True, type=user_file, help="model SPEC (see below)")
     a.add_argument("--out", required=True, type=user_path,
                    help="output folder: new, empty, or one fcaudit wrote (its cache is reused)")
@@ -223,26 +249,31 @@ def _add_audit(sub: Any) -> None:
     a.add_argument("--blocks", default=None, metavar="GLOB",
                    help="module-path glob of the blocks whose executions are counted, in both "
                         "model and dense (default: the model's own declaration)")
-    _add_audit_data(a)
-    a.add_argument("--seq-len", type=int, default=None,
-                   help="tokens per scored window (default: a run folder's training length; "
-                        "a Hugging Face folder or other model: min(256, its context), which "
-                        "may exceed the length it was trained at; token arrays: their width). "
-                        "The length used and its source are printed and kept in audit.json")
-    a.add_argument("--max-eval", type=int, default=None,
-                   help="evaluation sequences, spread evenly over what the data holds "
-                        "(default 64; with --inputs, every example unless given)")
-    a.add_argument("--max-calib", type=int, default=None,
-                   help="calibration sequences, likewise (default 64; with --calib-inputs, "
-                        "every example unless given)")
     a.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                    help="load the model (and --dense) in this dtype (default: as stored)")
     a.add_argument("--device", default="cpu",
                    help="cpu or cuda (default cpu, where identity replay is bitwise exact)")
-    add_audit_options(a)
+    data = parser.add_argument_group(DATA_GROUP)
+    _add_audit_data(data)
+    data.add_argument("--seq-len", type=int, default=None,
+                      help="tokens per scored window (default: a run folder's training "
+                           "length; a Hugging Face folder or other model: min(256, its "
+                           "context), which may exceed the length it was trained at; token "
+                           "arrays: their width). The length used and its source are printed "
+                           "and kept in audit.json")
+    data.add_argument("--max-eval", type=int, default=None,
+                      help="evaluation sequences, spread evenly over what the data holds "
+                           "(default 64; with --inputs, every example unless given)")
+    data.add_argument("--max-calib", type=int, default=None,
+                      help="calibration sequences, likewise (default 64; with --calib-inputs, "
+                           "every example unless given)")
+    add_audit_options(parser)
 
 
-def _add_audit_data(p: argparse.ArgumentParser) -> None:
+DATA_GROUP = "data (default: the built-in Shakespeare evaluation and calibration plays)"
+
+
+def _add_audit_data(p: Any) -> None:
     """Where the evaluation and calibration data come from (text, token ids or arrays)."""
     p.add_argument("--data", type=user_file, default=None,
                    help="evaluation text file or folder of .txt")
@@ -264,26 +295,33 @@ def _add_audit_data(p: argparse.ArgumentParser) -> None:
 
 
 def _add_compare(sub: Any) -> None:
-    c = sub.add_parser("compare", help="several audits side by side (tables and figures)",
-                       description="Compare finished audits side by side: the three answers "
-                                   "per model, every penalty and retention with its 95%% CI, "
-                                   "per-layer profiles overlaid, routing and execution.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=EPILOG_COMPARE)
-    c.add_argument("audits", nargs="+", type=user_path, metavar="AUDIT",
+    parser = sub.add_parser("compare", add_help=False,
+                            help="several audits side by side (tables and figures)",
+                            description="Compare finished audits side by side: the three "
+                                        "answers per model, every penalty and retention with "
+                                        "its 95%% CI, per-layer profiles overlaid, routing and "
+                                        "execution.",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=EPILOG_COMPARE)
+    c = parser.add_argument_group("comparison")
+    parser.add_argument("audits", nargs="+", type=user_path, metavar="AUDIT",
                    help="audit folders written by `fcaudit audit` (at least two)")
     c.add_argument("--out", required=True, type=user_path, help="output folder")
     c.add_argument("--label", action="append", default=None, dest="labels", metavar="NAME",
                    help="name of each model, once per AUDIT in order (default: folder names)")
     c.add_argument("--allow-different-data", action="store_true",
                    help="compare audits measured on different data (reported as not paired)")
+    general_options(parser)
 
 
 def _add_bench(sub: Any) -> None:
-    b = sub.add_parser("bench", help="execution audit only: model vs dense counterpart",
-                       description="Blocks executed, FLOPs per token and interleaved timing of "
-                                   "--model against --dense on one batch of built-in evaluation "
-                                   "text (random token ids when the model has no tokenizer).")
+    parser = sub.add_parser("bench", add_help=False,
+                            help="execution audit only: model vs dense counterpart",
+                            description="Blocks executed, FLOPs per token and interleaved "
+                                        "timing of --model against --dense on one batch of "
+                                        "built-in evaluation text (random token ids when the "
+                                        "model has no tokenizer).")
+    b = parser.add_argument_group("benchmark")
     b.add_argument("--model", required=True, type=user_file,
                    help="model SPEC (as for `fcaudit audit`)")
     b.add_argument("--dense", default=None, type=user_file,
@@ -298,14 +336,18 @@ def _add_bench(sub: Any) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     b.add_argument("--json", type=user_path, default=None, help="also write the result as JSON")
+    general_options(parser)
 
 
 def _add_reproduce(sub: Any) -> None:
-    r = sub.add_parser("reproduce", help="the paper's study: multi-seed train + audit + tables",
-                       description="Train every seed of FeatureGate/Dense (and the tiny MUDD "
-                                   "and SkipGate), audit each, aggregate across seeds and write "
-                                   "OUT/reproduction.md, OUT/report.html and figures. Finished "
-                                   "runs and audits are reused, so an interrupted study resumes.")
+    parser = sub.add_parser("reproduce", add_help=False,
+                            help="the paper's study: multi-seed train + audit + tables",
+                            description="Train every seed of FeatureGate/Dense (and the tiny "
+                                        "MUDD and SkipGate), audit each, aggregate across seeds "
+                                        "and write OUT/reproduction.md, OUT/report.html and "
+                                        "figures. Finished runs and audits are reused, so an "
+                                        "interrupted study resumes.")
+    r = parser.add_argument_group("study")
     r.add_argument("--preset", choices=["tiny", "paper", "trend", "vision", "ssm", "exit"],
                    default="tiny",
                    help=f"tiny: CPU scale (about {measured_minutes('reproduce_tiny')} minutes "
@@ -315,7 +357,8 @@ def _add_reproduce(sub: Any) -> None:
                         f"{measured_minutes('reproduce_trend')} minutes for 2 seeds on 2 "
                         "cores), with OUT/points/*.json and OUT/trend.md; vision: ViT-MoE, "
                         "TokenPrune and CondConv with their dense twins on scikit-learn's "
-                        "digits, audited by classification (fcaudit[vision]); ssm: Mamba "
+                        f"digits, audited by classification ({install_extra('vision')}); "
+                        "ssm: Mamba "
                         "and its LTI twin S4D on the built-in corpus and on selective "
                         "copying, audited for selection; exit: the early-exit LM, the ponder "
                         "model and the digits early-exit classifier with their full-depth "
@@ -343,28 +386,19 @@ def _add_reproduce(sub: Any) -> None:
                         "built-in evaluation and calibration plays. Runs of the digits or a "
                         "synthetic task keep their own data; a preset with no run of text "
                         "refuses it")
-    r.add_argument("--quiet", action="store_true", help="no progress output")
+    general_options(parser, quiet=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fcaudit",
-        description="Frozen Controller Audit: do a model's controller coefficients vary, does "
-                    "the frozen model depend on them staying matched to their input and token, "
-                    "and does the mechanism change execution?",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Start with `fcaudit demo`; see `fcaudit COMMAND --help`.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_train(sub)
-    _add_audit(sub)
-    _add_compare(sub)
-    d = sub.add_parser("demo", help=f"audit the shipped tiny FeatureGate against its Dense "
-                                    f"twin (about {measured_minutes('demo')} minutes on 2 cores)",
-                       description="The built-in default end to end: audit the tiny FeatureGate "
-                                   "shipped with fcaudit against its Dense twin (the README's "
-                                   "numbers on any machine), print a summary and write the "
-                                   "reports. --train trains the pair afresh first.")
+def _add_demo(sub: Any) -> None:
+    parser = sub.add_parser("demo", add_help=False,
+                            help=f"audit the shipped tiny FeatureGate against its Dense twin "
+                                 f"(about {measured_minutes('demo')} minutes on 2 cores)",
+                            description="The built-in default end to end: audit the tiny "
+                                        "FeatureGate shipped with fcaudit against its Dense "
+                                        "twin (the README's numbers on any machine), print a "
+                                        "summary and write the reports. --train trains the "
+                                        "pair afresh first.")
+    d = parser.add_argument_group("demo")
     d.add_argument("--out", type=user_path, default=Path("fcaudit-demo"))
     d.add_argument("--train", action="store_true",
                    help=f"train the two models afresh (about {measured_minutes('demo_train')} "
@@ -373,14 +407,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0,
                    help="the audit's seed, and with --train the training seed (the shipped "
                         "models were trained with seed 0)")
-    d.add_argument("--quiet", action="store_true", help="no progress output")
-    _add_bench(sub)
-    _add_reproduce(sub)
-    s = sub.add_parser("sites", help="list a model's controller sites (and, with --all, every "
-                                     "module's output)",
-                       description="List the controller sites of a model, to choose --sites.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=EPILOG_SITES)
+    general_options(parser, quiet=True)
+
+
+def _add_sites(sub: Any) -> None:
+    parser = sub.add_parser("sites", add_help=False,
+                            help="list a model's controller sites (and, with --all, every "
+                                 "module's output)",
+                            description="List the controller sites of a model, to choose "
+                                        "--sites.",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=EPILOG_SITES)
+    s = parser.add_argument_group("listing")
     s.add_argument("--model", required=True, type=user_file,
                    help="model SPEC (as for `fcaudit audit`)")
     s.add_argument("--all", action="store_true",
@@ -392,9 +430,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "windows; a vision run folder: two of its digits images); given, "
                         "the probe runs and lists the likely controllers beside the "
                         "declared sites")
-    for command in sub.choices.values():  # `--debug` also works after the command name
-        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                             help="show tracebacks on errors")
+    general_options(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fcaudit", add_help=False,
+        description="Frozen Controller Audit: do a model's controller coefficients vary, does "
+                    "the frozen model depend on them staying matched to their input and token, "
+                    "and does the mechanism change execution?",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Start with `fcaudit demo`; see `fcaudit COMMAND --help`.")
+    general_options(parser, top=True)  # --debug also works after the command name
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_train, _add_audit, _add_compare, _add_demo, _add_bench, _add_reproduce,
+                _add_sites):
+        add(sub)
     return parser
-
-

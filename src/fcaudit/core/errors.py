@@ -34,6 +34,13 @@ def arg(name: str, value: object = _UNSET, *, owner: str = "", py: str = "",
     return f"{_MARK}{python}\x1e{flag} {shlex.quote(str(value))}{_MARK}"
 
 
+def install_extra(extra: str) -> str:
+    """How to install one of fcaudit's optional extras, said the one way that works:
+    fcaudit is not on PyPI, so an extra asked of the package by name fails, and it is
+    installed from the clone (every suggestion of an extra is this text)."""
+    return f'pip install -e ".[{extra}]" in the fcaudit clone'
+
+
 def render(message: str, cli: bool = False) -> str:
     """``message`` with every :func:`arg` in the Python (default) or the CLI form."""
     return _ARG.sub(lambda m: m.group(2 if cli else 1), message)

@@ -34,12 +34,20 @@ from fcaudit.engine.objectives import (
 )
 from fcaudit.engine.options import AuditOptions
 from fcaudit.engine.plan import EXPERT_ABLATION, FRONTIER
-from fcaudit.io.data import AuditData, DataSpec, picked_note, resolve_data
+from fcaudit.io.data import (
+    GIVEN_DATA,
+    SEQ_LEN_GIVEN,
+    TOKEN_WIDTH,
+    AuditData,
+    DataSpec,
+    picked_note,
+    resolve_data,
+    source_words,
+)
 from fcaudit.io.digits import run_audit_data
 from fcaudit.io.examples import OTHER_INPUTS
 from fcaudit.io.loading import LoadedModel, get_arch, input_spec, load, load_module
 from fcaudit.io.placement import Placement
-from fcaudit.io.selective_copy import WINDOW as TASK_LENGTH
 
 
 def as_loaded(model: str | Path | nn.Module | LoadedModel,
@@ -255,19 +263,13 @@ def loaded_seq_len(loaded: LoadedModel) -> tuple[int, str]:
     return min(DEFAULT_WINDOW, ctx), f"default for {what}: min({DEFAULT_WINDOW}, context {ctx})"
 
 
-GIVEN_DATA = "the AuditData given"
-
-
-TOKEN_WIDTH = "the width of the --tokens arrays"  # which --seq-len cannot change
-
-
 def window_source(data: DataSpec | AuditData, default: str) -> str:
     """Where the scoring window's length came from, in words (audit.json data section)."""
     if isinstance(data, AuditData):
         return GIVEN_DATA
     if data.tokens is not None:
         return TOKEN_WIDTH
-    return "--seq-len" if data.seq_len is not None else default
+    return SEQ_LEN_GIVEN if data.seq_len is not None else default
 
 
 def window_line(data: Mapping[str, Any]) -> str:
@@ -279,7 +281,7 @@ def window_line(data: Mapping[str, Any]) -> str:
     if "eval_examples" in data:
         return (f"scoring {data['eval_examples']} evaluation examples "
                 f"({data['calib_examples']} calibrate the static profiles){picked}")
-    source = data.get("seq_len_source", "source not recorded")
-    change = "" if source in (GIVEN_DATA, TASK_LENGTH) else "; re-cut the arrays to change" \
-        if source == TOKEN_WIDTH else f"; {arg('seq_len', owner='DataSpec')} to change"
-    return f"scoring windows of {data['seq_len']} tokens ({source}{change}){picked}"
+    source, change = source_words(data.get("seq_len_source", "source not recorded"),
+                                  arg("seq_len", owner="DataSpec"))
+    said = f"{source}; {change}" if change else source
+    return f"scoring windows of {data['seq_len']} tokens ({said}){picked}"

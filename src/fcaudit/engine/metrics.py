@@ -233,8 +233,9 @@ class VarianceAccumulator:
                 comps.append(ComponentShares(index=list(index), **part))
             result.components = comps
             result.components_note = (
-                f"trailing components present in every layer: index < {list(common)}"
-                f"{f' (first {max_components} shown)' if len(comps) == max_components else ''}")
+                f"one row per entry of the coefficient vector that every layer's sites have "
+                f"(indices below {list(common)} on the last axes)"
+                f"{f'; the first {max_components} shown' if len(comps) == max_components else ''}")
         return result
 
     def variation(self) -> Variation:

@@ -31,7 +31,7 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
     audited,
     by_kind,
 )
-from fcaudit.core.errors import DataError, FcauditError, UsageError
+from fcaudit.core.errors import DataError, FcauditError, UsageError, install_extra
 from fcaudit.engine.exit_parts import ExitSummary
 from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.result_checks import check_consistent
@@ -209,7 +209,7 @@ class AuditResult:
         try:
             import pandas as pd
         except ImportError as exc:
-            raise FcauditError("to_frame() needs pandas: pip install pandas") from exc
+            raise FcauditError(f"to_frame() needs pandas: {install_extra('notebook')}") from exc
         rows = TABLES.get(table)
         if rows is None:
             raise UsageError(f"to_frame(table={table!r}): choose one of {', '.join(TABLES)}")

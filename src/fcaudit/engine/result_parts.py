@@ -72,6 +72,14 @@ class ComponentShares:
     ss_total: float
 
 
+# what the trailing-index share is, said where the share is first named (a reader of
+# "component 62.3%" meets the word there first)
+COMPONENT_WORDS = {
+    "component": "; component: which entry of a coefficient vector a value is (its index on "
+                 "the sites' last axes), beyond its layer and position",
+    "expert": "; expert: which expert a router logit scores, beyond its layer and position"}
+
+
 @dataclass
 class VarianceShares:
     """Variance decomposition of one family's coefficients (shares sum to 1)."""
@@ -117,7 +125,8 @@ class VarianceShares:
         parts = ", ".join(f"{name} {100 * share:.1f}%" for name, share in self.axes())
         total = 100 * sum(share for _, share in self.axes())
         token = "" if (said := self.token_id_text()) is None else f"; within layers, {said}"
-        return f"their variance splits into {parts} (total {total:.1f}%){token}"
+        what = COMPONENT_WORDS.get(self.component_axis or "", "")
+        return f"their variance splits into {parts} (total {total:.1f}%{what}){token}"
 
     def token_id_text(self) -> str | None:
         """The token-id share in words (:func:`token_id_words`); None without one."""

@@ -190,8 +190,12 @@ def record_evaluation(setup: Prepared, cache: CoefficientCache, progress: Progre
     mine = ranks.mine(list(range(cache.n_batches)))
     todo = [b for b in mine if cache.eval_name(b) not in cache.proven]
     objective, proven = setup.objective, 0
+    earlier = len(mine) - len(todo)  # the probe's batch, or an earlier --target-ci round's
+    said = earlier_batches(earlier, 0 in mine and cache.eval_name(0) not in todo)
+    if todo and earlier:  # the count starts where the batches recorded before it end
+        progress("record evaluation", earlier, len(mine), said)
     for done, (b, x) in enumerate(batches(setup.eval_source, cache.batch_size,
-                                          device_of(net), todo), start=1):
+                                          device_of(net), todo), start=earlier + 1):
         logits, coefficients, nll = record_batch(net, sites, x, objective)
         check_finite(coefficients, "evaluation data")
         check_finite_losses(nll, objective, f"the unperturbed record pass, batch {b}")
@@ -199,11 +203,21 @@ def record_evaluation(setup: Prepared, cache: CoefficientCache, progress: Progre
                                eval_shard(nll, coefficients, objective.hits(logits, x)),
                                f"evaluation batch {b} "
                                f"({_rows(cache.batch_size, b, cache.n_sequences)})")
-        progress("record evaluation", done, len(todo), "")
-    earlier = len(mine) - len(todo)  # the probe's batch, or an earlier --target-ci round's
+        progress("record evaluation", done, len(mine), said)
     from_disk = sum(cache.eval_name(b) in cache.reused for b in mine)
     return {"batches_reused": earlier + proven, "batches_new": len(todo) - proven,
             "batches_proven": from_disk, "batches_recorded": len(mine) - from_disk}
+
+
+def earlier_batches(earlier: int, probed: bool) -> str:
+    """What the record stage's count includes besides its own passes: the batch the probe
+    recorded (the plan's first), and an earlier ``--target-ci`` round's."""
+    if not earlier:
+        return ""
+    if probed and earlier == 1:
+        return "(batch 1 recorded by the probe)"
+    rounds = "the probe's batch 1 and earlier rounds'" if probed else "earlier rounds'"
+    return f"({earlier} batches recorded before: {rounds})"
 
 
 def replay_stage(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], progress: Progress,

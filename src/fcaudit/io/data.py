@@ -34,6 +34,7 @@ from fcaudit.io.fileio import read_npy, sha256_file, write_bytes
 from fcaudit.io.inputs import ExampleData, TokenData
 from fcaudit.io.inputs import fingerprint_array as fingerprint_array  # re-exported
 from fcaudit.io.inputs import window_hashes as window_hashes  # re-exported
+from fcaudit.io.selective_copy import WINDOW as TASK_LENGTH
 
 if TYPE_CHECKING:  # torch is imported only for data that is not token ids
     from fcaudit.io.examples import Examples
@@ -286,6 +287,24 @@ def pick_rows(n_total: int, count: int | None, prefix: str, default: int | None 
     picked = f"{count} of {n_total}, spread evenly" if count < n_total else \
         f"all {n_total}, fewer than the {count} {PICK_FLAGS[prefix]} asked for"
     return rows, {f"{prefix}picked": picked, f"{prefix}available": n_total}
+
+
+GIVEN_DATA = "the AuditData given"
+TOKEN_WIDTH = "the width of the --tokens arrays"  # which --seq-len cannot change
+SEQ_LEN_GIVEN = "--seq-len"  # audit.json's source when the option set the length
+
+
+def source_words(source: str, option: str = SEQ_LEN_GIVEN) -> tuple[str, str]:
+    """Where a window's length came from and how to change it, each said once: a length
+    the option set reads "set by OPTION" (never "OPTION; OPTION to change"); one the data
+    fixes says how to change the data; any other names ``option`` to change it."""
+    if source == SEQ_LEN_GIVEN:
+        return f"set by {option}", ""
+    if source in (GIVEN_DATA, TASK_LENGTH):
+        return source, ""
+    if source == TOKEN_WIDTH:
+        return source, "re-cut the arrays to change"
+    return source, f"{option} to change"
 
 
 def picked_note(data: Mapping[str, object], for_api: bool = False) -> str:

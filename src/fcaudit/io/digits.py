@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fcaudit.core.errors import DataError, UsageError, arg
+from fcaudit.core.errors import DataError, UsageError, arg, install_extra
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +37,7 @@ def _all() -> tuple[np.ndarray, np.ndarray]:
         from sklearn.datasets import load_digits
     except ImportError as exc:
         raise DataError("the vision families read scikit-learn's bundled digits: install "
-                        "them with `pip install 'fcaudit[vision]'`") from exc
+                        f"scikit-learn with {install_extra('vision')}") from exc
     bunch = load_digits()
     images = (bunch.images.astype(np.float32) / 16.0).reshape(-1, *IMAGE_SHAPE)
     return images, bunch.target.astype(np.int64)

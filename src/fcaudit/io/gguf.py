@@ -24,11 +24,11 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from fcaudit.core.errors import ModelError, UsageError
+from fcaudit.core.errors import ModelError, UsageError, install_extra
 from fcaudit.io.fileio import sha256_file
 
 SUFFIX = ".gguf"
-INSTALL = 'pip install "fcaudit[gguf]" (from a clone: pip install -e ".[gguf]")'
+INSTALL = install_extra("gguf")
 # keys of transformers' GGUF mapping that are sections of the metadata, not architectures
 _NOT_ARCHITECTURES = {"general", "tokenizer"}
 

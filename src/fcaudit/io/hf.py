@@ -36,7 +36,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from fcaudit.core.errors import FcauditError, ModelError, arg
+from fcaudit.core.errors import FcauditError, ModelError, arg, install_extra
 from fcaudit.io.data import load_tokenizer
 from fcaudit.io.fileio import read_json
 from fcaudit.io.mudd_checkpoint import weight_files
@@ -67,7 +67,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError as exc:
         raise ModelError("loading a Hugging Face model folder needs the optional dependency "
-                         "transformers: pip install 'fcaudit[hf]'") from exc
+                         f"transformers: {install_extra('hf')}") from exc
     return transformers
 
 

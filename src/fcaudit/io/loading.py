@@ -5,7 +5,7 @@ A spec is one of:
 * an fcaudit run folder (``config.json`` with ``fcaudit_run``, ``model.safetensors``);
 * a local MUDDPythia / MUDDFormer folder in the Hugging Face layout (fcaudit's own code);
 * any other local Hugging Face causal-LM folder (through ``transformers``, the
-  ``fcaudit[hf]`` extra; safetensors only, never remote code);
+  ``hf`` extra; safetensors only, never remote code);
 * ``package.module:factory``, a zero-argument callable returning an ``nn.Module``
   (imported from the current directory as ``python -m`` would; only name code you trust).
 

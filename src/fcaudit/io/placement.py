@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fcaudit.core.errors import CacheError, UsageError, arg
+from fcaudit.core.errors import CacheError, UsageError, arg, install_extra
 
 # io/outdir is imported where used: it brings numpy, and the ``fcaudit audit`` flags read
 # DEVICE_MAPS while ``--help`` must stay instant
@@ -127,7 +127,7 @@ def require_accelerate() -> None:
         import accelerate  # noqa: F401
     except ImportError as exc:
         raise UsageError(f"{arg('device_map')} needs the optional dependency accelerate: "
-                         'pip install "fcaudit[hf]"', option="device_map") from exc
+                         f"{install_extra('hf')}", option="device_map") from exc
 
 
 def weight_bytes(files: list[Path], itemsize: int | None = None) -> int:

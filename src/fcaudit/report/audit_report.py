@@ -20,40 +20,36 @@ from typing import Any
 from fcaudit.core.conditions import (
     CONDITIONS,
     GLOBAL_MEAN,
-    PER_LAYER_CONDITIONS,
     REPORTED_CONDITIONS,
     REPORTED_RETENTION,
     SHUFFLE,
     STATIC_LAYER,
     by_role,
 )
+from fcaudit.core.exits import plural
 from fcaudit.engine.result import (
-    ETA2_KEYS,
     EXECUTION_LABELS,
     AuditResult,
     ConditionResult,
     Execution,
     Identity,
-    LayerConditionResult,
-    LayerVariation,
     Retention,
     condition_rows,
 )
-from fcaudit.io.data import picked_note
+from fcaudit.io.data import picked_note, source_words
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
-from fcaudit.report.exits import exits_section
+from fcaudit.report.exits import exit_unit, exits_section
 from fcaudit.report.figures import (
-    SHARE_LABELS,
     RenderedFigure,
     write_figures,
 )
 from fcaudit.report.format import (
     fmt_ci,
+    fmt_count,
     fmt_finite,
     fmt_num,
     fmt_pct,
     fmt_seq,
-    fmt_share,
     fmt_with_ci,
 )
 from fcaudit.report.markdown import (
@@ -66,6 +62,7 @@ from fcaudit.report.markdown import (
     to_html,
 )
 from fcaudit.report.report_parts import (  # noqa: F401 (_ordered: compare's too)
+    FIGURE_PLACES,
     T,
     _by_family,
     _expert_importance,
@@ -76,7 +73,6 @@ from fcaudit.report.report_parts import (  # noqa: F401 (_ordered: compare's too
 )
 from fcaudit.report.reproducibility import reproducibility_section
 from fcaudit.report.selection import (
-    coefficient_table,
     dependence_fact,
     execution_note,
     lti_statement,
@@ -84,6 +80,7 @@ from fcaudit.report.selection import (
     variation_facts,
 )
 from fcaudit.report.stopping import stopping_section
+from fcaudit.report.variation import per_layer_section, variance_section, variation_section
 
 # ---------------------------------------------------------------------------
 # The identity replay: a non-exact one is a warning everywhere a verdict is given.
@@ -120,34 +117,40 @@ CONDITION_MEANING = {name: CONDITIONS[name].meaning for name in REPORTED_CONDITI
 
 
 def _lead(r: AuditResult) -> str:
-    """One line saying what was audited on what data."""
+    """What was audited on what data, in one paragraph before the answers: the model, the
+    evaluation and calibration sets (where they were picked from, how long the window is
+    and why), and what every loss and Δ is."""
     m, data = r.model, r.data
     about = ", ".join([md_text(m.class_), f"{fmt_num(m.n_params)} parameters", md_text(m.dtype)])
-    text = f"Model {md_code(m.spec)} ({about}). "
+    text = f"Model {md_code(m.spec)} ({about}), audited on "
     if data.get("eval_sequences") is not None:
-        text += (f"Evaluation: {fmt_num(data['eval_sequences'])} sequences"
-                 + (f" of {fmt_num(data['seq_len'])} tokens" if data.get("seq_len") else "")
-                 + (f" (window length: {md_text(str(data['seq_len_source']))})"
-                    if data.get("seq_len_source") else "")
-                 + (f" ({fmt_num(data['eval_tokens'])} tokens)" if data.get("eval_tokens") else "")
-                 + "; ")
-    if data.get("calib_sequences") is not None:
-        text += f"calibration: {fmt_num(data['calib_sequences'])} sequences. "
-    if data.get("eval_examples") is not None:  # inputs that are not token ids
-        text += (f"Evaluation: {fmt_num(data['eval_examples'])} examples; calibration: "
-                 f"{fmt_num(data['calib_examples'])} examples. ")
+        said = [f"{fmt_num(data['eval_tokens'])} tokens"] if data.get("eval_tokens") else []
+        if data.get("seq_len"):
+            source, _ = source_words(str(data.get("seq_len_source") or "source not recorded"))
+            said.append(f"window length: {md_text(source)}")
+        window = f" of {fmt_num(data['seq_len'])} tokens" if data.get("seq_len") else ""
+        text += (f"{fmt_num(data['eval_sequences'])} evaluation sequences{window}"
+                 + (f" ({'; '.join(said)})" if said else "") + " and "
+                 f"{fmt_num(data.get('calib_sequences'))} calibration sequences")
+    else:  # inputs that are not token ids
+        text += (f"{fmt_num(data.get('eval_examples'))} evaluation examples and "
+                 f"{fmt_num(data.get('calib_examples'))} calibration examples")
+    text += ". "
     if picked := picked_note(data):  # a cap or a shortfall of --max-eval / --max-calib
         text += f"{md_text(picked[:1].upper() + picked[1:])}. "
     if data.get("eval_examples") is not None:
         return text + (f"Loss: {md_code(r.settings.get('objective', ''))} in nats per unit; "
-                       "Δ is relative to correct replay.")
-    return text + "NLL in nats per token; Δ is relative to correct replay."
+                       "every Δ is against the correct replay (the model fed its own "
+                       "recorded coefficients).")
+    return text + ("NLL in nats per token; every Δ is against the correct replay (the model "
+                   "fed its own recorded coefficients).")
 
 
 def _variation_facts(r: AuditResult) -> list[str]:
     facts = []
-    for fam, var in _by_family(r, r.variance):
-        facts.append(f"{md_code(fam)}: {md_text(var.sentence())}.")
+    for fam, var in _by_family(r, r.variance):  # unless the answer says it word for word
+        if var.sentence() not in (r.verdict.variation or ""):
+            facts.append(f"{md_code(fam)}: {md_text(var.sentence())}.")
     for fam, v in _by_family(r, r.variation):
         facts.append(f"{md_code(fam)}: sd across inputs {fmt_num(v.mean_sd_across_inputs)} and "
                      f"across positions {fmt_num(v.mean_sd_across_positions)}, vs "
@@ -182,18 +185,23 @@ def _batch(size: int, length: int, unit: str) -> str:
     return f"{size} × {length} tokens" if unit == "token" else f"{size} {unit}s"
 
 
-def _conditional_meaning(ex: Execution) -> str:
-    return (f"fewer blocks or FLOPs per {_unit(ex)} than dense, or experts skipped per "
-            "token by routing")
+def conditional_meaning(unit: str) -> str:
+    """What makes conditional execution "yes", said once for every page that shows it."""
+    return (f"fewer blocks or FLOPs per {unit} than dense, or experts skipped per token by "
+            "routing")
 
 
 def _conditional(ex: Execution, more: str = "") -> str:
-    """The conditional-execution line: its value, what it means, and (a degenerate exit
-    rule) why fewer blocks or FLOPs than dense are not counted."""
+    """The conditional-execution line: its value, then what would make it yes (or what
+    yes means) as a sentence of its own, so the definition never reads as the value's
+    reason; a degenerate exit rule says why its fewer blocks or FLOPs are not counted."""
     why = (f"; a degenerate exit rule's fewer blocks or FLOPs are not counted: "
            f"{md_text(ex.degenerate_rule)}" if ex.degenerate_rule else "")
-    return (f"Conditional execution: **{fmt_num(ex.conditional_execution)}** "
-            f"({_conditional_meaning(ex)}{more}{why}).")
+    meaning = conditional_meaning(_unit(ex))
+    said = f"Yes means {meaning}" if ex.conditional_execution else \
+        f"It would be yes with {meaning}"
+    return (f"Conditional execution: **{fmt_num(ex.conditional_execution)}**. "
+            f"({said}{why}.){more}")
 
 
 def _not_measured(ex: Execution) -> str:
@@ -222,8 +230,8 @@ def _execution_facts(r: AuditResult) -> list[str]:
     facts = [f"Blocks executed per {unit}: {fmt_num(ex.blocks_executed, 2)} of "
              f"{fmt_num(ex.blocks_present)} present (dense: "
              f"{fmt_num(ex.dense_blocks_executed, 2)}).",
-             f"FLOPs per {unit}: {fmt_num(ex.flops_per_token)} vs dense "
-             f"{fmt_num(ex.dense_flops_per_token)} (ratio {fmt_num(ex.flops_ratio)})."]
+             f"FLOPs per {unit}: {fmt_count(ex.flops_per_token)} vs dense "
+             f"{fmt_count(ex.dense_flops_per_token)} (ratio {fmt_num(ex.flops_ratio)})."]
     if ex.positions_per_block and any(p is not None for p in ex.positions_per_block):
         facts.append("Positions entering each block per example: " + ", ".join(
             "n/a" if p is None else fmt_num(p, 2) for p in ex.positions_per_block) + ".")
@@ -250,14 +258,18 @@ ANSWERS: tuple[tuple[str, str, Callable[[AuditResult], list[str]]], ...] = (
 )
 
 
-EXIT_ANSWER = ("exits", "Exits: where do units stop, what does stopping cost, and would a "
-                        "static depth do as well?", lambda r: [])
+def _exit_title(r: AuditResult) -> str:
+    units = plural(exit_unit(r))
+    return (f"Exits: where do {units} stop, what does stopping cost, and would a static depth "
+            "do as well?")
 
 
-def _answers(r: AuditResult) -> list[str]:
+def _answers(r: AuditResult, figures: Mapping[str, RenderedFigure]) -> list[str]:
     """The answers, an exit model's exits first (its depth, the cost of exiting against
-    the full model, learned against fixed exit at matched depth)."""
-    asked = ((EXIT_ANSWER,) if r.verdict.exits else ()) + ANSWERS
+    the full model, learned against fixed exit at matched depth), each with the figures
+    that illustrate it."""
+    exits = (("exits", _exit_title(r), lambda _: []),) if r.verdict.exits else ()
+    asked = exits + ANSWERS
     blocks = [f"## The {'four' if len(asked) == 4 else 'three'} answers"]
     inexact = _inexact(r)
     for i, (key, title, facts) in enumerate(asked, start=1):
@@ -267,7 +279,13 @@ def _answers(r: AuditResult) -> list[str]:
         blocks.append(f"**{md_text(getattr(r.verdict, key) or 'No verdict recorded.')}**")
         if items := facts(r):
             blocks.append("\n".join(f"- {item}" for item in items))
+        blocks += _figures_at(figures, key)
     return blocks
+
+
+def _figures_at(figures: Mapping[str, RenderedFigure], place: str) -> list[str]:
+    """The figures :data:`FIGURE_PLACES` puts at ``place`` (an answer or a section)."""
+    return md_figures([f for stem, f in figures.items() if FIGURE_PLACES.get(stem) == place])
 
 
 def _repeats_cell(c: ConditionResult) -> str:
@@ -303,19 +321,29 @@ def _not_applicable(r: AuditResult) -> list[str]:
         f"{md_code(name)}: {md_text(why)}" for name, why in r.not_applicable.items()) + "."]
 
 
-def _identity_check(r: AuditResult) -> str:
-    """The identity replay's result, with the engine's and the model's notes on it."""
+def identity_words(r: AuditResult, code: Callable[[str], str] = md_code,
+                   strong: Callable[[str], str] = lambda t: f"**{t}**") -> str:
+    """The identity replay's outcome in words, the same on every page and the console
+    (``code`` and ``strong`` mark an option and the outcome for the reader): bitwise exact,
+    or how far from it and why the audit went on."""
     ident = r.identity
     diff = r.identity_replay_max_abs_diff if ident is None else ident.max_abs_diff
-    text = (f"Identity replay check: max |{r.loss_name(per_unit=True)}(correct) − "
-            f"{r.loss_name()}(original)| = {fmt_num(diff)}")
+    measured = (f"max |{r.loss_name(per_unit=True)}(correct) − {r.loss_name()}(original)| = "
+                f"{fmt_num(diff)}")
     if ident is not None and not ident.exact:
-        text += (": **not exact**, accepted only because the audit was run with "
-                 "`--allow-nonexact-identity`.")
-    else:
-        text += " (bitwise identical)." if diff == 0 else "."
-    notes = [ident.note if ident else None, r.model.identity_note]
-    return " ".join([text, *(md_text(n) for n in notes if n)])
+        return (f"{strong('not exact')} ({measured}), accepted only because the audit was "
+                f"run with {code('--allow-nonexact-identity')}")
+    if diff == 0:
+        return (f"{strong('bitwise exact')}: replaying the recorded coefficients reproduced "
+                f"the original pass bit for bit ({measured})")
+    return measured
+
+
+def _identity_check(r: AuditResult) -> str:
+    """The identity replay's result, with the engine's note on it (the model's code-identity
+    note is the cache's, in the reproducibility section)."""
+    note = r.identity.note if r.identity else None
+    return f"Identity replay check: {identity_words(r)}." + (f" {md_text(note)}" if note else "")
 
 
 def _conditions(r: AuditResult) -> list[str]:
@@ -384,72 +412,6 @@ def _interaction(r: AuditResult) -> list[str]:
             "(sub-additive); positive: they compound."]
 
 
-def _per_layer(r: AuditResult) -> list[str]:
-    """One table per family joining per-layer spread and per-layer intervention penalties."""
-    blocks = ["## Per layer"]
-    if not any(r.per_layer.values()):
-        blocks.append("Per-layer interventions were not run; coefficient spread only.")
-    for fam in r.families:
-        spread = {e.layer: e for e in (r.variation[fam].per_layer if fam in r.variation else [])}
-        penalties = {name: by_layer for name, entries in _ordered(r.per_layer, PER_LAYER_CONDITIONS)
-                     if (by_layer := {e.layer: e for e in entries if e.family == fam})}
-        if spread or penalties:
-            blocks += [f"### Family {md_code(fam)}", _per_layer_table(spread, penalties)]
-    return blocks
-
-
-def _per_layer_table(spread: Mapping[int, LayerVariation],
-                     penalties: Mapping[str, Mapping[int, LayerConditionResult]]) -> str:
-    layers = sorted({*spread, *(k for e in penalties.values() for k in e)})
-
-    def site(k: int) -> str:
-        entry = spread.get(k) or next(e[k] for e in penalties.values() if k in e)
-        return md_code(entry.site)
-
-    columns: list[tuple[str, str, Callable[[int], str]]] = [("layer", "r", str),
-                                                            ("site", "l", site)]
-    if spread:
-        columns += [(header, "r", lambda k, key=key: fmt_num(getattr(spread[k], key))
-                     if k in spread else "n/a")
-                    for header, key in (("mean", "mean"), ("sd inputs", "sd_across_inputs"),
-                                        ("sd positions", "sd_across_positions"))]
-    columns += [(f"Δ {name}@layer [95% CI]", "r",
-                 lambda k, e=entries: fmt_with_ci(e[k].delta, e[k].ci95) if k in e else "n/a")
-                for name, entries in penalties.items()]
-    return md_table([h for h, _, _ in columns],
-                    ([cell(k) for _, _, cell in columns] for k in layers),
-                    "".join(a for _, a, _ in columns))
-
-
-def _variance(r: AuditResult) -> list[str]:
-    blocks = ["## Variance decomposition",
-              "Share of the coefficients' variance (evaluation set) explained by layer "
-              "identity, position and their interaction; the residual is what varies with "
-              "input and token content."]
-    for fam, var in _by_family(r, r.variance):
-        rows = [["pooled", fmt_num(var.n_values), *(fmt_share(getattr(var, k)) for k in ETA2_KEYS)]]
-        rows += [[f"component {c.index}", "", *(fmt_share(getattr(c, k, None)) for k in ETA2_KEYS)]
-                 for c in var.components or ()]
-        blocks += [f"### Family {md_code(fam)}",
-                   md_table(("scope", "values", *(SHARE_LABELS[k] for k in ETA2_KEYS)), rows,
-                            "lr" + "r" * len(ETA2_KEYS))]
-        if var.components_note:
-            blocks.append(f"Components: {md_text(var.components_note)}")
-        blocks += coefficient_table(r, fam, var)
-    return blocks
-
-
-def _variation(r: AuditResult) -> list[str]:
-    rows = ((md_code(fam), fmt_num(v.across_layer_sd), fmt_num(v.mean_sd_across_inputs),
-             fmt_num(v.mean_sd_across_positions), fmt_num(v.ratio_inputs_to_layers),
-             fmt_num(v.ratio_positions_to_layers)) for fam, v in _by_family(r, r.variation))
-    return ["## Variation summary",
-            "Standard deviation of coefficients across inputs and across positions within a "
-            "layer (mean over layers), relative to the spread of layer means.",
-            md_table(("family", "sd across layers", "sd across inputs", "sd across positions",
-                      "inputs / layers", "positions / layers"), rows, "lrrrrr")]
-
-
 def _expert_rows(ex: Execution) -> list[tuple[str, str, str, str]]:
     x = ex.experts
     if x is None:
@@ -482,7 +444,7 @@ def _execution(r: AuditResult) -> list[str]:
         (f"blocks executed per {unit}", f"{fmt_num(ex.blocks_executed, 2)} of "
          f"{fmt_num(ex.blocks_present)}", f"{fmt_num(ex.dense_blocks_executed, 2)} of "
          f"{fmt_num(ex.dense_blocks_present)}", ""),
-        (f"FLOPs per {unit}", fmt_num(ex.flops_per_token), fmt_num(ex.dense_flops_per_token),
+        (f"FLOPs per {unit}", fmt_count(ex.flops_per_token), fmt_count(ex.dense_flops_per_token),
          fmt_num(ex.flops_ratio)),
     ]
     if t is None:
@@ -502,7 +464,7 @@ def _execution(r: AuditResult) -> list[str]:
                                                       sum(fractions) / len(fractions),
                                                       max(fractions))), "", ""))
     blocks += [md_table(("measure", "model", "dense", "model / dense"), rows, "lrrr"),
-               _conditional(ex, "; counted, not read from the coefficients")]
+               _conditional(ex, " Counted, not read from the coefficients.")]
     if ex.uncounted_operators:
         blocks.append(_uncounted(ex.uncounted_operators))
     notes = [f"Dense counterpart: {md_code(ex.dense)}." if ex.dense else "",
@@ -518,18 +480,30 @@ def _execution(r: AuditResult) -> list[str]:
     return blocks + [" ".join(n for n in notes if n), *execution_note(r)]
 
 
+# the detail in the answers' order: an exit model's exits (its first answer) right after
+# the conditions table they come from, then dependence, variation, execution
+SECTIONS = (_conditions, stopping_section, exits_section, _retention, _interaction,
+            per_layer_section, variance_section, variation_section, _routing,
+            _expert_importance, _frontier, _execution, reproducibility_section)
+
+
 def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tuple[str, str]:
-    """The whole report as (plain-text title, Markdown); the three answers come first."""
+    """The whole report as (plain-text title, Markdown): the lead, the answers with the
+    figures that illustrate them, then the detail sections, each figure of a section at
+    its end, and what reproduces the audit."""
     title = f"Frozen Controller Audit: {one_line(result.model.spec)}"
     blocks = [f"# Frozen Controller Audit: {md_text(result.model.spec)}"]
     if inexact := _inexact(result):
         blocks.append(_identity_warning(inexact, result.loss_name(per_unit=True)))
-    blocks.append(_lead(result))
-    for section in (_answers, _conditions, stopping_section, _retention, exits_section,
-                    _interaction, _per_layer, _variance, _variation, _routing,
-                    _expert_importance, _frontier, _execution, reproducibility_section):
-        blocks += section(result)
-    blocks += ["## Figures", *(md_figures(figures) or ["No figure data in this audit."])]
+    shown = {f.stem: f for f in figures}
+    blocks += [_lead(result), *_answers(result, shown)]
+    for section in SECTIONS:
+        if part := section(result):
+            blocks += part + _figures_at(shown, part[0].removeprefix("## "))
+    placed = "\n".join(blocks)
+    left = [f for f in figures if f"]({FIGURE_DIR}/{f.png_path.name})" not in placed]
+    if left:  # a figure whose answer or section this result lacks (an older audit.json)
+        blocks += ["## More figures", *md_figures(left)]
     return title, "\n\n".join(blocks) + "\n"
 
 

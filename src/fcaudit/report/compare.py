@@ -38,7 +38,7 @@ from fcaudit.engine.result_views import EXIT_MEAN_DEPTH, EXIT_THRESHOLD
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
 from fcaudit.io.outdir import COMPARE_RESULTS, check_output, hold_output
 from fcaudit.io.results import replacing_results
-from fcaudit.report.audit_report import CONDITION_MEANING, _ordered
+from fcaudit.report.audit_report import CONDITION_MEANING, _ordered, conditional_meaning
 from fcaudit.report.figures import (
     FigureSpec,
     RenderedFigure,
@@ -48,7 +48,7 @@ from fcaudit.report.figures import (
     profile_figure,
     write_figures,
 )
-from fcaudit.report.format import fmt_num, fmt_pct_with_ci, fmt_with_ci
+from fcaudit.report.format import fmt_count, fmt_num, fmt_pct_with_ci, fmt_with_ci
 from fcaudit.report.markdown import (
     FIGURE_DIR,
     md_code,
@@ -503,12 +503,13 @@ def _execution_md(rows: Sequence[Row]) -> list[str]:
             fmt_with_ci(r["speed_ratio_vs_dense"], r["speed_ratio_ci95"], sign=False)
         return (md_text(r["model"]), md_text(r["unit"]),
                 f"{fmt_num(r['blocks_executed'], 2)} of {fmt_num(r['blocks_present'])}",
-                fmt_num(r["flops_per_token"]), fmt_num(r["flops_ratio"]), speed,
+                fmt_count(r["flops_per_token"]), fmt_num(r["flops_ratio"]), speed,
                 fmt_num(r["conditional_execution"]) +
                 (" (degenerate exit rule: a fixed depth)" if r["degenerate_rule"] else ""),
                 MISSING if r["experts_per_token"] is None else f"{r['experts_per_token']:.2f}")
     return ["## Execution",
-            "Blocks and FLOPs per unit: per token of token ids, per example of other inputs.",
+            "Blocks and FLOPs per unit: per token of token ids, per example of other inputs. "
+            f"Conditional execution is yes with {conditional_meaning('unit')}.",
             md_table(("model", "unit", "blocks executed per unit", "FLOPs per unit",
                       "FLOPs model / dense", "latency model / dense [95% CI]",
                       "conditional execution", "experts run per token per layer"),

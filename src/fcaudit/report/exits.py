@@ -74,22 +74,42 @@ def exits_section(r: AuditResult) -> list[str]:
 
 
 def frontier_blocks(f: ExitFrontier | None) -> list[str]:
-    """The threshold sweep against fixed exit at the same mean executed depth."""
+    """The threshold sweep against fixed exit at the same mean executed depth: one row per
+    learned point, fixed exit beside it at its depth (interpolated between whole depths),
+    so a deep model's table has the sweep's rows only; fixed exit at each whole depth is
+    the figure's (and audit.json's)."""
     if f is None:
         return []
-    rows = [(("own " if p.threshold is None else "") + "learned" if p.rule == "learned"
-             else "fixed", "" if p.threshold is None else fmt_num(p.threshold, 4),
-             fmt_num(p.mean_depth, 3), fmt_with_ci(p.delta.value, p.delta.ci95, sign=True),
+    fixed = sorted(int(p.mean_depth) for p in f.points if p.rule == "fixed")
+    rows = [("own learned" if p.threshold is None else "learned",
+             "" if p.threshold is None else fmt_num(p.threshold, 4), fmt_num(p.mean_depth, 3),
+             fmt_with_ci(p.delta.value, p.delta.ci95, sign=True),
+             "" if p.fixed is None else fmt_with_ci(p.fixed.value, p.fixed.ci95, sign=True),
              "" if p.gap is None else fmt_with_ci(p.gap.value, p.gap.ci95, sign=True))
-            for p in f.points]
+            for p in f.points if p.rule == "learned"]
     sweep = "" if f.own_threshold is not None else (
         " The exit rules carry no one `threshold` to move, so the learned rule has its own "
         "point only.")
+    drawn = (f" Fixed exit at each whole depth it was run at ({_spans(fixed)}) is drawn in "
+             "the exit frontier's figure and kept in audit.json (`exits.frontier.points`)."
+             if fixed else "")
     return ["### Exit frontier: would a static depth do as well?",
-            "The learned rule at other thresholds (its own rule, exits read in real passes) and "
-            "fixed exit at whole depths; the last column is fixed exit interpolated at the "
-            "learned point's mean depth minus the learned point (positive: the static depth "
-            f"loses at the same mean compute).{sweep}",
-            md_table(("rule", "threshold", "mean depth", "Δ vs correct [95% CI]",
-                      "fixed − learned at that depth [95% CI]"), rows, "lrrrr"),
+            "The learned rule at other thresholds (its own rule, exits read in real passes) "
+            "beside fixed exit at the same mean executed depth (interpolated between the "
+            "whole depths around it); the last column is fixed minus learned (positive: the "
+            f"static depth loses at the same mean compute).{sweep}{drawn}",
+            md_table(("rule", "threshold", "mean depth", "Δ learned vs correct [95% CI]",
+                      "Δ fixed exit at that depth [95% CI]",
+                      "fixed − learned [95% CI]"), rows, "lrrrrr"),
             f"**Matched depth:** {md_text(f.sentence)}"]
+
+
+def _spans(depths: list[int]) -> str:
+    """Whole depths as runs: ``1-3, 8``."""
+    runs: list[list[int]] = []
+    for d in depths:
+        if runs and d == runs[-1][-1] + 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)

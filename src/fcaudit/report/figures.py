@@ -1,4 +1,5 @@
-"""Every figure fcaudit draws, for the audit report and for the reproduction study.
+"""Every figure fcaudit draws for the audit report and the reproduction study (the trend
+study's, in its style, is in :mod:`fcaudit.report.trend_figures`).
 
 One module so the report and ``reproduce`` draw profiles, penalties and variance
 shares the same way. Drawing functions take result objects or plain numbers, never
@@ -25,7 +26,7 @@ import matplotlib.style
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+from matplotlib.ticker import MaxNLocator
 
 from fcaudit.engine.result import ETA2_KEYS, Profile
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
@@ -101,14 +102,14 @@ def _render(fig: Figure) -> tuple[bytes, bytes]:
 # --------------------------------------------------------------------------- helpers
 
 
-def _floats(values: Sequence[Any]) -> np.ndarray:
+def floats(values: Sequence[Any]) -> np.ndarray:
     """A float array; None (a value the engine could not compute) becomes NaN."""
     return np.array([np.nan if v is None else v for v in values], dtype=float)
 
 
-def _error_bars(spans: Sequence[Span]) -> np.ndarray:
+def error_bars(spans: Sequence[Span]) -> np.ndarray:
     """Distances from each value to its interval ends, [2, n]; 0 where any part is missing."""
-    v, lo, hi = (_floats([getattr(s, k) for s in spans]) for k in ("value", "lo", "hi"))
+    v, lo, hi = (floats([getattr(s, k) for s in spans]) for k in ("value", "lo", "hi"))
     err = np.nan_to_num(np.stack([v - lo, hi - v]), nan=0.0, posinf=0.0, neginf=0.0)
     return np.clip(err, 0.0, None)
 
@@ -140,13 +141,13 @@ def profile_figure(panels: Mapping[str, Sequence[tuple[str, Profile]]]) -> Figur
     """One panel per title (a family, or a study group); one line per labelled profile:
     the per-layer mean with a ±1 sd band."""
     panels = {t: lines for t, lines in panels.items()
-              if any(np.isfinite(_floats(p.mean)).any() for _, p in lines)}
+              if any(np.isfinite(floats(p.mean)).any() for _, p in lines)}
     if not panels:
         return None
     fig, axes = _stacked_axes(len(panels), 2.6)
     for ax, (title, lines) in zip(axes, panels.items(), strict=True):
         for i, (label, profile) in enumerate(lines):
-            mean, sd = _floats(profile.mean), _floats(profile.sd)
+            mean, sd = floats(profile.mean), floats(profile.sd)
             x = np.arange(mean.size)
             ax.fill_between(x, mean - sd, mean + sd, color=f"C{i}", alpha=0.2, lw=0)
             ax.plot(x, mean, color=f"C{i}", marker="o", ms=3, label=label)
@@ -162,7 +163,7 @@ def heatmap_figure(profiles: Mapping[str, Profile]) -> Figure | None:
     """Mean coefficient by layer and position, one panel per family; the engine stores
     every ``position_stride``-th position, and wide maps are averaged in bins."""
     maps = {fam: (m, p.position_stride) for fam, p in profiles.items()
-            if (m := np.array([_floats(row) for row in p.position_mean])).ndim == 2
+            if (m := np.array([floats(row) for row in p.position_mean])).ndim == 2
             and np.isfinite(m).any()}
     if not maps:
         return None
@@ -228,18 +229,48 @@ def frontier_figure(curves: Mapping[str, Mapping[str, Sequence[tuple[float, Span
         return None
     fig, axes = _stacked_axes(len(panels), 3.2)
     for ax, (fam, rules) in zip(axes, panels.items(), strict=True):
-        for rule, points in rules.items():
-            pts = [(0.0, Span(0.0, 0.0, 0.0)), *sorted(points, key=lambda p: p[0])]
-            x = np.array([100 * p[0] for p in pts])
-            spans = [p[1] for p in pts]
-            ax.errorbar(x, _floats([s.value for s in spans]), yerr=_error_bars(spans),
-                        marker="o", ms=3, capsize=2, label=rule,
-                        linestyle="-" if rule == "dynamic" else "--")
-        ax.axhline(0, color="0.5", lw=0.8)
+        _curves(ax, {rule: [(0.0, Span(0.0, 0.0, 0.0)),
+                            *((100 * x, span) for x, span in points)]
+                     for rule, points in rules.items()}, solid="dynamic")
         ax.set(title=f"{fam}: savings frontier", xlabel="FLOPs saved (%)",
                ylabel="Δ NLL vs correct (nats)")
-        ax.legend()
     return fig
+
+
+def exit_frontier_figure(curves: Mapping[str, Sequence[tuple[float, Span]]],
+                         own: tuple[float, float] | None, *, depth: int, unit: str,
+                         loss: str = "NLL") -> Figure | None:
+    """The exit frontier in the savings frontier's style: the ``loss`` penalty against the
+    mean executed depth, the learned rule's threshold sweep solid and fixed exit dashed,
+    95% CI bars, the learned rule at its own threshold (``own``: depth, penalty) starred;
+    a fixed-exit curve at or under the learned one means a static depth does as well."""
+    curves = {rule: points for rule, points in curves.items() if points}
+    if not curves:
+        return None
+    fig, axes = _stacked_axes(1, 3.2)
+    ax = axes[0]
+    _curves(ax, curves, solid=next(iter(curves)))
+    if own is not None:
+        ax.plot(*own, "*", ms=11, color="black", zorder=5, label="learned rule, own threshold")
+        ax.legend()
+    ax.set(title="Exit frontier: loss against mean executed depth",
+           xlabel=f"mean executed depth (layers per {unit}, of {depth})",
+           ylabel=f"Δ {loss} vs correct (nats)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig
+
+
+def _curves(ax: Axes, curves: Mapping[str, Sequence[tuple[float, Span]]], solid: str) -> None:
+    """Each named curve over x with its interval bars, ``solid`` drawn solid and the
+    others dashed, a grey line at 0 and a legend."""
+    for name, points in curves.items():
+        pts = sorted(points, key=lambda p: p[0])
+        spans = [span for _, span in pts]
+        ax.errorbar(np.array([x for x, _ in pts]), floats([s.value for s in spans]),
+                    yerr=error_bars(spans), marker="o", ms=3, capsize=2, label=name,
+                    linestyle="-" if name == solid else "--")
+    ax.axhline(0, color="0.5", lw=0.8)
+    ax.legend()
 
 
 IMPORTANCE_CMAP = matplotlib.colormaps["RdBu_r"].with_extremes(bad="0.6")
@@ -255,7 +286,7 @@ def _layer_expert_maps(rows_by_family: Mapping[str, Sequence[Sequence[float | No
             continue
         m = np.full((len(rows), max(len(r) for r in rows)), np.nan)
         for i, row in enumerate(rows):
-            m[i, :len(row)] = _floats(row)
+            m[i, :len(row)] = floats(row)
         if np.isfinite(m).any():
             maps[fam] = m
     return maps
@@ -345,8 +376,8 @@ def _condition_panel(ax: Axes, series: Mapping[str, Mapping[str, Span]], title: 
     offsets = 0.5 * (np.arange(len(series)) - (len(series) - 1) / 2) / max(1, len(series))
     for i, (label, conds) in enumerate(series.items()):
         spans = [conds.get(n, Span(None)) for n in names]
-        ax.errorbar(_floats([s.value for s in spans]), y + offsets[i],
-                    xerr=_error_bars(spans), fmt="o", color=f"C{i}", capsize=3, label=label)
+        ax.errorbar(floats([s.value for s in spans]), y + offsets[i],
+                    xerr=error_bars(spans), fmt="o", color=f"C{i}", capsize=3, label=label)
     for ref in references:
         ax.axvline(ref, color="grey", lw=0.8)
     ax.set_yticks(y, names)
@@ -361,7 +392,7 @@ def _layer_panel(ax: Axes, series: Mapping[str, Sequence[tuple[int, Span]]], tit
     for i, (label, entries) in enumerate(series.items()):
         x = np.array([k for k, _ in entries], dtype=float) + 0.15 * (i - (len(series) - 1) / 2)
         spans = [s for _, s in entries]
-        ax.errorbar(x, _floats([s.value for s in spans]), yerr=_error_bars(spans), fmt="o-",
+        ax.errorbar(x, floats([s.value for s in spans]), yerr=error_bars(spans), fmt="o-",
                     ms=3, lw=1, capsize=2, color=f"C{i}", label=label)
     if reference is not None:
         ax.axhline(reference, color="grey", lw=0.8)
@@ -380,7 +411,7 @@ def variance_figure(shares: Mapping[str, Mapping[str, float | None]]) -> Figure 
     ax = fig.subplots()
     x = np.arange(len(shares))
     bottom = np.zeros(len(shares))
-    segments = [(SHARE_LABELS[key], f"C{i}", np.nan_to_num(_floats([v.get(key)
+    segments = [(SHARE_LABELS[key], f"C{i}", np.nan_to_num(floats([v.get(key)
                                                                     for v in shares.values()])))
                 for i, key in enumerate(ETA2_KEYS)]
     remainder = np.clip(1.0 - sum(s for _, _, s in segments), 0.0, None)
@@ -411,7 +442,7 @@ def retention_figure(groups: Mapping[str, Sequence[Span]]) -> Figure | None:
         ax.plot(x[~defined], np.zeros((~defined).sum()), "x", color="grey")
         kept = [s for s in spans if s.value is not None]
         if kept:
-            ax.errorbar(x[defined], _floats([s.value for s in kept]), yerr=_error_bars(kept),
+            ax.errorbar(x[defined], floats([s.value for s in kept]), yerr=error_bars(kept),
                         fmt="o", capsize=3, color=f"C{i}")
     ax.set_xticks(range(len(groups)), list(groups))
     ax.axhline(100, color="black", lw=0.8, ls="--")
@@ -433,138 +464,11 @@ def ratio_figure(groups: Mapping[str, Mapping[str, Span]]) -> Figure | None:
     width = 0.8 / len(measures)
     for j, measure in enumerate(measures):
         spans = [m.get(measure, Span(None)) for m in groups.values()]
-        ax.bar(x + width * j, _floats([s.value for s in spans]), width,
-               yerr=_error_bars(spans), capsize=3, label=measure)
+        ax.bar(x + width * j, floats([s.value for s in spans]), width,
+               yerr=error_bars(spans), capsize=3, label=measure)
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks(x + width * (len(measures) - 1) / 2, list(groups))
     ax.set(title="Execution against the dense counterpart (bars: seed range)",
            ylabel="model / dense")
     ax.legend()
     return fig
-
-
-# --------------------------------------------------------------------- trend study
-
-
-class TrendPoint(NamedTuple):
-    """One series' value at one ladder point: where the point sits on both axes, the mean
-    over seeds with its interval, each seed's value, and the point's name."""
-
-    params: float
-    tokens: float
-    value: Span
-    seeds: tuple[float, ...] = ()
-    name: str = ""
-
-
-class Anchor(NamedTuple):
-    """A published figure to mark beside a series: a value (``lo == hi``) or a band, at
-    ``params`` on the parameter axis, or (None, or on the token axis, where the
-    published training lengths are not known) as a line across."""
-
-    label: str
-    series: str  # drawn in this series' colour
-    lo: float
-    hi: float
-    params: float | None = None
-
-
-@dataclass(frozen=True)
-class TrendPanel:
-    """One metric of the trend figure, drawn against parameters and against tokens."""
-
-    ylabel: str
-    series: Mapping[str, Sequence[TrendPoint]]
-    anchors: Sequence[Anchor] = ()
-    reference: float | None = None  # a grey line (0 nats, 100%)
-
-
-TREND_AXES = (("params", "parameters"), ("tokens", "training tokens"))
-
-
-def _count_label(n: float) -> str:
-    """1.23M, 10M, 1B: counts of parameters and tokens on log axes."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return f"{n:.3g}"
-
-
-def trend_figure(panels: Sequence[TrendPanel]) -> Figure | None:
-    """One row per metric: against parameters (left) and training tokens (right), log
-    scales shared down each column. Points sharing the other axis' value are joined (a
-    size trained for several lengths, a length at several sizes); small dots are the
-    seeds; the first row names the first series' points."""
-    panels = [p for p in panels
-              if any(t.value.value is not None for ts in p.series.values() for t in ts)]
-    if not panels:
-        return None
-    fig = Figure(figsize=(FIG_WIDTH, 0.8 + 2.2 * len(panels)), layout="constrained")
-    grid = fig.subplots(len(panels), len(TREND_AXES), squeeze=False, sharex="col")
-    for i, (row, panel) in enumerate(zip(grid, panels, strict=True)):
-        for ax, (axis, _) in zip(row, TREND_AXES, strict=True):
-            _trend_axes(ax, panel, axis, names=i == 0)
-            ax.set_ylabel(panel.ylabel)
-    tokens = sorted({t.tokens for p in panels for ts in p.series.values() for t in ts})
-    for (axis, label), top, bottom in zip(TREND_AXES, grid[0], grid[-1], strict=True):
-        top.set_title(f"against {label}")
-        bottom.set_xlabel(label)
-        bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _count_label(v)))
-        bottom.xaxis.set_minor_formatter(NullFormatter())
-        if axis == "tokens":  # a margin even for one length (else the dodge looks wide)
-            bottom.set_xticks(tokens)
-            bottom.set_xlim(tokens[0] / 1.3, tokens[-1] * 1.3)
-    handles: dict[str, Any] = {}
-    for ax in grid.flat:
-        for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
-            handles.setdefault(name, handle)
-    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=3)
-    return fig
-
-
-TREND_DODGE = 0.012  # decades between series sharing a point, so their bars stay apart
-
-
-def _trend_axes(ax: Axes, panel: TrendPanel, axis: str, names: bool) -> None:
-    other = "tokens" if axis == "params" else "params"
-    for i, (name, points) in enumerate(panel.series.items()):
-        kept = [t for t in points if t.value.value is not None]
-        if not kept:
-            continue
-        colour, dodge = f"C{i}", 10 ** (TREND_DODGE * (i - (len(panel.series) - 1) / 2))
-
-        def x(t: TrendPoint, dodge: float = dodge) -> float:
-            return getattr(t, axis) * dodge
-
-        for shared in sorted({getattr(t, other) for t in kept}):
-            line = sorted((t for t in kept if getattr(t, other) == shared), key=x)
-            if len(line) > 1:
-                ax.plot([x(t) for t in line], [t.value.value for t in line], color=colour,
-                        lw=0.8, alpha=0.6)
-        ax.errorbar(_floats([x(t) for t in kept]), _floats([t.value.value for t in kept]),
-                    yerr=_error_bars([t.value for t in kept]), fmt="o", ms=4, capsize=3,
-                    color=colour, label=name)
-        ax.plot([x(t) for t in kept for _ in t.seeds], [v for t in kept for v in t.seeds], ".",
-                ms=3, alpha=0.5, color=colour)
-        for t in kept if names and i == 0 else ():
-            ax.annotate(t.name, (x(t), t.value.value), xytext=(4, 3),
-                        textcoords="offset points", fontsize=6, color=colour)
-    colours = {name: f"C{i}" for i, name in enumerate(panel.series)}
-    for anchor in panel.anchors:
-        colour = colours.get(anchor.series, "black")
-        if axis == "params" and anchor.params is not None:
-            half = (anchor.hi - anchor.lo) / 2
-            ax.errorbar([anchor.params], [anchor.lo + half], yerr=[[half], [half]], fmt="*",
-                        ms=9, capsize=3, color=colour, mec="black", mew=0.5,
-                        label=f"paper: {anchor.label}")
-        elif anchor.lo == anchor.hi:
-            # on the token axis a line across: the paper does not state its training length
-            note = " (tokens unknown)" if anchor.params is not None else ""
-            ax.axhline(anchor.lo, color=colour, lw=0.9, ls=":",
-                       label=f"paper: {anchor.label}{note}")
-        else:
-            ax.axhspan(anchor.lo, anchor.hi, color=colour, alpha=0.12, lw=0,
-                       label=f"paper: {anchor.label}")
-    if panel.reference is not None:
-        ax.axhline(panel.reference, color="grey", lw=0.8)
-    ax.set_xscale("log")

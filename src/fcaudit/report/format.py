@@ -26,6 +26,14 @@ def fmt_num(x: float | None, digits: int = 4, sign: bool = False) -> str:
     return f"{x:{plus}.{digits}f}"
 
 
+def fmt_count(x: float | None) -> str:
+    """A count that can be large (FLOPs per token): whole, with thousands separators, up to
+    a million, scientific from there (``19,840``, ``2.360e+06``), never ``19840.0000``."""
+    if fmt_finite(x) and 1000 <= abs(x) < 1e6:
+        return f"{x:,.0f}"
+    return fmt_num(x)
+
+
 def fmt_ci(ci: Sequence[float] | None, digits: int = 4, sign: bool = False) -> str:
     if ci is None or not all(fmt_finite(v) for v in ci):
         return "n/a"

@@ -23,6 +23,7 @@ from fcaudit.engine.result import (
 from fcaudit.report.figures import (
     FigureSpec,
     Span,
+    exit_frontier_figure,
     expert_importance_figure,
     expert_load_figure,
     frontier_figure,
@@ -43,6 +44,7 @@ from fcaudit.report.markdown import (
 )
 
 T = TypeVar("T")
+EXIT_FRONTIER = "exit-frontier"  # the exit frontier figure's file stem
 
 
 def _ordered(items: Mapping[str, T], canonical: Sequence[str]) -> list[tuple[str, T]]:
@@ -175,6 +177,15 @@ def _frontier(r: AuditResult) -> list[str]:
     return blocks
 
 
+# Where each figure is shown: beside the answer it illustrates (by the answer's key) or
+# at the end of the section it illustrates (by the section's title); the report places
+# every figure it draws through this map, so none waits at the end of the page.
+FIGURE_PLACES = {"profile": "variation", "heatmap": "variation", "variance": "variation",
+                 "penalties": "dependence", EXIT_FRONTIER: "exits",
+                 "expert-load": "Routing", "expert-importance": "Expert importance",
+                 FRONTIER: "Savings frontier"}
+
+
 def _figure_specs(r: AuditResult) -> list[FigureSpec]:
     profiles = dict(_by_family(r, r.profiles))
     conditions = {"audit": {n: Span.of(c.delta, c.ci95)
@@ -194,6 +205,10 @@ def _figure_specs(r: AuditResult) -> list[FigureSpec]:
         ("heatmap", "Mean coefficient by layer and position" + (
             " (router families: see the expert load map)." if routed else "."),
          partial(heatmap_figure, positional)),
+        ("variance", "Variance shares of the coefficients.", partial(variance_figure, shares)),
+        ("penalties", f"{r.loss_name()} penalties vs correct replay with 95% bootstrap CIs.",
+         partial(penalty_figure, conditions, per_layer, loss=r.loss_name())),
+        _exit_frontier_spec(r),
         ("expert-load", "Expert load by layer: share of token-slots routed to each expert.",
          partial(expert_load_figure, {fam: [x.load for x in summary.per_layer]
                                       for fam, summary in routed.items()})),
@@ -210,7 +225,23 @@ def _figure_specs(r: AuditResult) -> list[FigureSpec]:
                           for p in f.points if p.rule == rule]
                    for rule in dict.fromkeys(p.rule for p in f.points)}
              for fam, f in _by_family(r, r.frontier or {})})),
-        ("penalties", f"{r.loss_name()} penalties vs correct replay with 95% bootstrap CIs.",
-         partial(penalty_figure, conditions, per_layer, loss=r.loss_name())),
-        ("variance", "Variance shares of the coefficients.", partial(variance_figure, shares)),
     ]
+
+
+def _exit_frontier_spec(r: AuditResult) -> FigureSpec:
+    """The exit frontier's figure: the learned rule's threshold sweep and fixed exit at
+    each whole depth, penalty against mean executed depth (nothing to draw without it)."""
+    f = r.exits.frontier if r.exits is not None else None
+    points = f.points if f is not None else []
+    own = next(((p.mean_depth, p.delta.value) for p in points
+                if p.rule == "learned" and p.threshold is None), None)
+    curves = {name: [(p.mean_depth, Span.of(p.delta.value, p.delta.ci95))
+                     for p in points if p.rule == rule]
+              for rule, name in (("learned", "learned rule (threshold sweep)"),
+                                 ("fixed", "fixed exit (one depth for all)"))}
+    unit = (r.exits.unit if r.exits is not None else None) or "token"
+    depth = r.exits.depth if r.exits is not None else 0
+    return (EXIT_FRONTIER, f"Exit frontier: {r.loss_name()} penalty vs mean executed depth, "
+            "the learned rule's threshold sweep against fixed exit, 95% CI bars.",
+            partial(exit_frontier_figure, curves, own, depth=depth, unit=unit,
+                    loss=r.loss_name()))

@@ -304,7 +304,7 @@ ROWS: tuple[tuple[str, str, int, bool], ...] = (
     ("eta2_layer", "eta2 layer", 3, False),
     ("eta2_position", "eta2 position", 3, False),
     ("eta2_layer_position", "eta2 layer x position", 3, False),
-    ("eta2_component", "eta2 component", 3, False),
+    ("eta2_component", "eta2 component (which entry of a coefficient vector)", 3, False),
     ("eta2_residual", "eta2 residual (content)", 3, False),
     ("eta2_token_id", "token-id share of within-layer variance", 3, False),
     ("eta2_token_id_chance", "its chance level, (ids - 1) / (tokens - 1)", 3, False),

@@ -310,7 +310,7 @@ def test_an_exit_model_answers_where_it_stops_and_what_stopping_costs_first():
     lo, hi = (exits.numbers[f"exits.exiting_cost_ci_{end}"] for end in ("low", "high"))
     assert lo <= correct - full <= hi
     depth = result.exits.evaluation_mean_depth
-    assert exits.sentence.startswith(f"tokens stop after {depth:.2f} of 4 layers on average")
+    assert exits.sentence.startswith(f"Tokens stop after {depth:.2f} of 4 layers on average")
     assert f"({correct:.4f} with exits, {full:.4f} at full depth)" in exits.sentence
     gap = result.exits.frontier.matched_depth.gap
     expected = "adaptive" if gap.ci95[0] > 0 else "static-better" if gap.ci95[1] < 0 else \

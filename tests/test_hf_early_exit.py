@@ -134,7 +134,7 @@ def test_cli_audit_runs_the_exit_conditions_and_says_masking_and_untrained_heads
     assert j["verdict"]["execution"].startswith("Exits counted, not realised: every layer ran")
     assert f"would run {depth:.2f} of {L} layers per token" in j["verdict"]["execution"]
     assert "x Dense" not in j["verdict"]["execution"]
-    assert j["verdict"]["exits"].startswith(f"tokens stop after {depth:.2f} of {L} layers")
+    assert j["verdict"]["exits"].startswith(f"Tokens stop after {depth:.2f} of {L} layers")
     report = (out / "report.md").read_text()
     assert "**Not trained for early exit:**" in report and "poor predictors" in report
 

@@ -205,7 +205,7 @@ def test_the_report_of_image_exits_says_example_and_one_bracket_per_interval():
     exits = _section(md, "Exits")
     execution = _section(md, "Execution")
     answers = _section(md, "The four answers").split("\n### ")  # an exit model's exits first
-    assert answers[1].startswith("1. Exits:") and "examples stop after" in answers[1]
+    assert answers[1].startswith("1. Exits:") and "Examples stop after" in answers[1]
     answer = "\n".join(answers[1:2] + answers[4:])  # exits and execution
     rows = [line for line in _section(md, "Conditions").splitlines() if "-exit`" in line]
     assert len(rows) == 2  # fixed-exit and oracle-exit (per position: not applicable)

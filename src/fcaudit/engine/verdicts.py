@@ -251,8 +251,10 @@ def exits_part(ex: ExitSummary | None, correct: ConditionResult,
                                                     f"does as well ({text}, interval "
                                                     "includes 0): a static depth is as good")
         parts.append(said)
+    text = "; ".join(parts)
     head = f"Degenerate exit rule: {ex.note}; " if ex.note else ""
-    return VerdictPart(label, numbers, head + "; ".join(parts) + ".")
+    return VerdictPart(label, numbers, head + (text if head else text[0].upper() + text[1:])
+                       + ".")
 
 
 def judge(variance: Mapping[str, VarianceShares], spread: Mapping[str, Variation],

@@ -166,12 +166,16 @@ def test_out_and_debug(files: dict[str, str], tmp_path: Path,
 def test_sites_inputs_beside_declared_sites_runs_the_probe(
         files: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     """Before, ``--inputs`` was read only when the model declared no sites (or with
-    ``--all``), and dropped otherwise; now it runs the probe it feeds."""
+    ``--all``), and dropped otherwise; now it runs the probe it feeds, which also judges
+    the declared site's kind (the images it takes, not token ids, let it run)."""
     plain = run_inprocess(["sites", "--model", "vision_toys:tiny_condconv"], capsys)
     fed = run_inprocess(["sites", "--model", "vision_toys:tiny_condconv", "--inputs",
                          files["x"]], capsys)
     assert plain.returncode == fed.returncode == 0, fed.stderr
-    assert plain.stdout.splitlines()[0] == fed.stdout.splitlines()[0]  # the declared site
+    declared = "route\tfamily=mixing\tlayer=0\tadapter=tensor\t{}axes=example,kernel"
+    assert plain.stdout.splitlines()[0] == declared.format("")  # no probe: no kind said
+    # the route's softmax weights the K kernels of each example
+    assert fed.stdout.splitlines()[0] == declared.format("kind=mixing weights\t")
     assert "likely controllers of" not in plain.stdout
     assert "likely controllers of" in fed.stdout, fed.stdout
 

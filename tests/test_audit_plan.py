@@ -21,7 +21,7 @@ from fcaudit.engine.run import audit as audited  # the engine: its notes reach t
 from fcaudit.models.featuregate import GPT, PRESETS
 
 
-def _audit(model, tmp_path, sites=None, data=None, dense=None, **options):
+def _audit(model, tmp_path, sites=None, data=None, dense=None, blocks=None, **options):
     """The audit, the plan's line, and the forward passes the model made after it."""
     calls, said = [], []
     model.register_forward_hook(lambda *_: calls.append(1))
@@ -32,7 +32,7 @@ def _audit(model, tmp_path, sites=None, data=None, dense=None, **options):
 
     opts = AuditOptions(**{"bootstrap": 20, "repeats": 2, "batch_size": 4, **options})
     result = audited(model, tmp_path / "out", sites=sites, data=data or toy_data(),
-                     dense=dense, options=opts, progress=progress)
+                     dense=dense, blocks=blocks, options=opts, progress=progress)
     assert len(said) == 1, said  # once, before the work
     line, before = said[0]
     return result, line, len(calls) - before
@@ -53,6 +53,16 @@ def test_the_plan_counts_every_pass_the_audit_then_makes(tmp_path) -> None:
     assert stages["per-layer runs"]["passes"] == 2 * 3 * 3
     assert "execution" not in stages
     assert "per-layer runs up to" in line and "(per_layer=" in line
+
+
+def test_execution_counted_on_the_model_alone_is_planned(tmp_path) -> None:
+    """No dense counterpart but blocks named: execution counts the model's own blocks and
+    FLOPs once per evaluation batch (3 batches of 4), and the plan counts those passes."""
+    result, _, made = _audit(toys.content_model(), tmp_path, ["gates.*"], blocks="gates.*")
+    plan = result.runtime.plan
+    assert made == plan["passes"], (made, plan)
+    assert plan["stages"]["execution"]["passes"] == 3
+    assert result.execution.measured and result.execution.dense_blocks_executed is None
 
 
 @pytest.mark.parametrize("schedule", ["prefix", "naive"])

@@ -106,8 +106,9 @@ def test_an_se_gate_named_by_a_glob_is_per_example(factory, widths: list[int]) -
     the same for every example by construction (weight 0), so reassign feeds identical
     bits (exactly 0) and the static per-layer profile is that gate (exactly 0)."""
     r = image_audit(factory(), sites=["blocks.*.gate"])
-    assert [(s.axes, s.positions, s.trailing_shape) for s in r.sites] == [
-        (["example", "channel"], [], [w]) for w in widths]
+    assert [(s.axes, s.positions, s.trailing_shape, s.kind) for s in r.sites] == [
+        (["example", "channel"], [], [w], "feature-wise gate")  # a sigmoid per channel
+        for w in widths]
     assert all(s.layout.startswith("one value set per example") for s in r.sites)
     assert set(r.not_applicable) >= NO_POSITION and not NO_POSITION & set(r.conditions)
     assert r.conditions["reassign"].delta == 0.0 and r.conditions["static-layer"].delta == 0.0
@@ -374,8 +375,9 @@ def test_a_declared_position_axis_on_tokens_must_follow_the_length() -> None:
 
 def test_a_glob_over_whole_blocks(capsys) -> None:
     """An execution block that outputs the hidden states it reads is refused; an MLP (the
-    hidden states it reads, in and out) is audited with a warning on the console and in
-    the site's layout note; gates counted as blocks (the toy's) are audited as ever."""
+    hidden states it reads, in and out, scaling nothing) is audited as of kind "hidden
+    states", said on the console and kept in the site's kind (no longer a warning in its
+    layout note); gates counted as blocks (the toy's) are audited as ever."""
     with pytest.raises(FcauditError, match="site blocks.0 is one of the model's execution "
                                            "blocks and outputs the hidden states it reads "
                                            "\\[4, 16, 16\\]"):
@@ -387,11 +389,11 @@ def test_a_glob_over_whole_blocks(capsys) -> None:
     capsys.readouterr()
     r = token_audit(_tiny_gpt(), sites=["blocks.*.body.mlp"], options={"progress": True})
     err = capsys.readouterr().err
-    assert "fcaudit: sites blocks.*.body.mlp (2, e.g. blocks.0.body.mlp): warning: its " \
-           "coefficients [4, 16, 16] have exactly the shape of the hidden states" in err
-    assert all(s.layout.startswith("warning: ") for s in r.sites)
-    gates = token_audit(_tiny_gpt(), sites=["blocks.*.gate"])  # values in (0, 1): no word
-    assert all(s.layout is None for s in gates.sites)
+    assert "fcaudit: sites blocks.*.body.mlp (2, e.g. blocks.0.body.mlp): kind hidden " \
+           "states: a block's output, of the shape of the hidden states it reads" in err
+    assert [(s.kind, s.layout) for s in r.sites] == [("hidden states", None)] * 2
+    gates = token_audit(_tiny_gpt(), sites=["blocks.*.gate"])  # sigmoid [B, T, 1]
+    assert [(s.kind, s.layout) for s in gates.sites] == [("scalar gate", None)] * 2
 
 
 def test_markup_in_site_names_prints_literally(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -119,7 +119,7 @@ def test_sites_all_probes_a_model_of_images_with_its_inputs(
     assert module_lines(res.stdout)["mixer"].endswith(
         "Tensor[2, 3] float32  <- likely controller ([B, ...] output; a softmax of its output "
         "that scales another branch: name its axes with --site-axes or a Site, see "
-        "docs/method.md)")
+        "docs/method.md); kind: mixing weights")  # a softmax over its 3 kernels
     tokens = module_lines(run_inprocess(argv, capsys).stdout)  # token ids cannot feed it
     assert tokens["mixer"].startswith("Linear\tfailed: RuntimeError"), tokens["mixer"]
 
@@ -144,7 +144,7 @@ class _ThreeSteps(nn.Module):
 
 def test_a_failed_pass_says_which_module_raised_and_what_never_ran() -> None:
     from fcaudit.core.sites import describe_modules
-    rows = {path: output for path, _, output, _ in describe_modules(_ThreeSteps(), set())}
+    rows = {r.path: r.output for r in describe_modules(_ThreeSteps(), set())}
     assert rows["emb"] == "Tensor[2, 7, 3] float32"
     assert rows["block.0"] == "Tensor[2, 7, 3] float32"
     assert rows["block.1"] == "failed: ValueError: needs attention_mask"
@@ -223,13 +223,16 @@ def test_sites_judges_candidates_by_what_their_output_multiplies(
     expected = [f"layers.{i}.{m}" for i in range(3) for m in ("mlp.act_fn", "se.score")]
     assert sorted(listed) == sorted(expected)
     for i in range(3):
-        assert listed[f"layers.{i}.mlp.act_fn"].endswith(
-            "likely controller ([B, T, ...] output; a SiLU output that scales another branch)")
-        assert listed[f"layers.{i}.se.score"].endswith(
+        assert listed[f"layers.{i}.mlp.act_fn"].endswith(  # SwiGLU's own nonlinearity
+            "likely controller ([B, T, ...] output; a SiLU output that scales another "
+            "branch); kind: activation")
+        assert listed[f"layers.{i}.se.score"].endswith(  # sigmoid(Linear(d, 1)) * block
             "likely controller ([B, T, ...] output; a sigmoid of its output that scales "
-            "another branch)")
-    assert "suggested: fcaudit audit --sites 'layers.*.mlp.act_fn' ..." in res.stdout
-    assert "suggested: fcaudit audit --sites 'layers.*.se.score' ..." in res.stdout
+            "another branch); kind: scalar gate")
+    assert "suggested: fcaudit audit --sites 'layers.*.mlp.act_fn' ...  (activation)\n" \
+        in res.stdout
+    assert "suggested: fcaudit audit --sites 'layers.*.se.score' ...  (scalar gate)\n" \
+        in res.stdout
     import gated
     total = len([n for n, _ in gated.build().named_modules() if n])
     assert f"6 likely controllers of {total} modules; --all lists every module" in res.stdout
@@ -364,7 +367,9 @@ def test_a_suggested_glob_names_the_candidates_alone_and_audits(
     import json
     res = run_inprocess(["sites", "--model", "hostile:sequential"], capsys)
     assert res.returncode == 0, res.stderr
-    assert sorted(module_lines(res.stdout)) == ["layers.0.score.1", "layers.1.score.1"]
+    listed = module_lines(res.stdout)
+    assert sorted(listed) == ["layers.0.score.1", "layers.1.score.1"]
+    assert all(line.endswith("; kind: feature-wise gate") for line in listed.values())
     assert "suggested: fcaudit audit --sites 'layers.*.score.1' ..." in res.stdout
     assert "score.*" not in res.stdout
     np.save(hostile / "eval.npy", np.arange(48).reshape(6, 8) % 16)
@@ -374,7 +379,8 @@ def test_a_suggested_glob_names_the_candidates_alone_and_audits(
                            "calib.npy", "--out", "out", *AUDIT_FAST], capsys)
     assert audit.returncode == 0, audit.stderr
     sites = json.loads((hostile / "out" / "audit.json").read_text())["sites"]
-    assert [s["name"] for s in sites] == ["layers.0.score.1", "layers.1.score.1"]
+    assert [(s["name"], s["kind"]) for s in sites] == [  # the audit judges as `sites` did
+        ("layers.0.score.1", "feature-wise gate"), ("layers.1.score.1", "feature-wise gate")]
 
 
 @pytest.mark.parametrize(("kind", "why"), [
@@ -386,7 +392,8 @@ def test_the_watch_follows_a_gate_through_casts_copies_and_in_place_ops(
     assert res.returncode == 0, res.stderr
     listed = module_lines(res.stdout)
     assert sorted(listed) == ["layers.0.gate", "layers.1.gate"]
-    assert listed["layers.0.gate"].endswith(f"likely controller ([B, T, ...] output; {why})")
+    assert listed["layers.0.gate"].endswith(  # sigmoid(Linear(d, d)) * x: per feature
+        f"likely controller ([B, T, ...] output; {why}); kind: feature-wise gate")
     assert "suggested: fcaudit audit --sites 'layers.*.gate' ..." in res.stdout
 
 
@@ -401,7 +408,7 @@ def test_a_per_example_gate_of_a_token_model_is_not_read_as_positions(
     assert listed["layers.0.act"] == (
         "Sigmoid\tTensor[2, 8] float32  <- likely per-example controller ([B, ...] output; "
         "a Sigmoid output that scales another branch; token ids are scored per token: "
-        "audit it on --inputs, --targets and --calib-inputs)")
+        "audit it on --inputs, --targets and --calib-inputs); kind: feature-wise gate")
     assert PROBE_TOKENS != 8 and "suggested" not in res.stdout
 
 
@@ -433,8 +440,7 @@ class _OddModel(nn.Module):
 
 def test_an_error_of_the_watch_falls_back_to_names_and_never_stops_the_pass() -> None:
     from fcaudit.core.sites import describe_modules
-    rows = {path: (output, hint) for path, _, output, hint in describe_modules(_OddModel(),
-                                                                                 set())}
+    rows = {r.path: (r.output, r.hint) for r in describe_modules(_OddModel(), set())}
     assert rows["head"][0] == f"Tensor[2, {PROBE_TOKENS}, 8] float32"  # the pass finished
     assert rows["gate"][1] == "likely controller ([B, T, ...] output)"  # by its name
     assert rows["embed"][1] == "" and rows["head"][1] == ""
@@ -494,12 +500,13 @@ def test_attention_weights_over_token_pairs_are_not_a_controller(heads: int) -> 
     those); weights over token pairs are attention, the gate beside them is marked."""
     from fcaudit.core.sites import describe_modules
     t = PROBE_TOKENS
-    hints = {path: (out, hint) for path, _, out, hint in describe_modules(
-        _EinsumAttention(heads), set())}
+    hints = {r.path: (r.output, r.hint) for r in describe_modules(_EinsumAttention(heads), set())}
     assert hints["softmax"] == (f"Tensor[2, {heads}, {t}, {t}] float32", "")
     assert hints["gate.1"][1] == "likely controller ([B, T, ...] output; a Sigmoid output " \
         "that scales another branch)"
     assert [p for p, (_, h) in hints.items() if h] == ["gate.1"]
+    kinds = {r.path: r.kind for r in describe_modules(_EinsumAttention(heads), set())}
+    assert {p: k.name for p, k in kinds.items() if k} == {"gate.1": "feature-wise gate"}
 
 
 def test_a_soft_mixture_without_top_k_is_judged_by_its_output_and_audits(
@@ -514,9 +521,9 @@ def test_a_soft_mixture_without_top_k_is_judged_by_its_output_and_audits(
     assert "family=router" not in res.stdout
     listed = module_lines(res.stdout)
     assert sorted(listed) == ["layers.0.router", "layers.1.router"]
-    assert listed["layers.0.router"] == (
+    assert listed["layers.0.router"] == (  # softmax weights over 4 experts, no top-k
         f"Linear\tTensor[2, {PROBE_TOKENS}, 4] float32  <- likely controller ([B, T, ...] "
-        "output; a softmax of its output that scales another branch)")
+        "output; a softmax of its output that scales another branch); kind: mixing weights")
     assert "suggested: fcaudit audit --sites 'layers.*.router' ..." in res.stdout
     np.save(hostile / "eval.npy", np.arange(48).reshape(6, 8) % 16)
     np.save(hostile / "calib.npy", (np.arange(48).reshape(6, 8) * 7) % 16)
@@ -525,8 +532,9 @@ def test_a_soft_mixture_without_top_k_is_judged_by_its_output_and_audits(
                            "out", *AUDIT_FAST], capsys)
     assert audit.returncode == 0, audit.stderr
     sites = json.loads((hostile / "out" / "audit.json").read_text())["sites"]
-    assert [(s["name"], s["family"], s.get("adapter")) for s in sites] == [
-        (f"layers.{i}.router", "layers.*.router", None) for i in range(2)]  # no RouterAdapter
+    assert [(s["name"], s["family"], s.get("adapter"), s["kind"]) for s in sites] == [
+        (f"layers.{i}.router", "layers.*.router", None, "mixing weights")
+        for i in range(2)]  # no RouterAdapter: soft weights over the experts
 
 
 def test_a_hard_mask_scorer_is_a_controller(hostile: Path,
@@ -538,7 +546,8 @@ def test_a_hard_mask_scorer_is_a_controller(hostile: Path,
     listed = module_lines(res.stdout)
     assert listed == {f"layers.{i}.scorer": (
         f"Linear\tTensor[2, {PROBE_TOKENS}, 1] float32  <- likely controller ([B, T, ...] "
-        "output; a threshold of its output that scales another branch)") for i in range(2)}
+        "output; a threshold of its output that scales another branch); kind: scalar gate")
+        for i in range(2)}
     assert "suggested: fcaudit audit --sites 'layers.*.scorer' ..." in res.stdout
 
 

@@ -1,6 +1,7 @@
 """``fcaudit sites``: every site's line shows what the audit will read of it beyond its
 name, family and layer: the axes, the named parts side by side in its output (a selective
-recurrence's dt, B, C), the selection parameter's space and an exit site's scores."""
+recurrence's dt, B, C), the selection parameter's space and an exit site's scores, and
+its kind."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ def exit_model() -> torch.nn.Module:
 
 
 def _lines(argv: list, capsys) -> list[list[str]]:
+    """The declared sites' lines, split into fields (the kinds' lines follow them)."""
     res = run_inprocess(["sites", *argv], capsys)
     assert res.returncode == 0, res.stderr
-    return [line.split("\t") for line in res.stdout.splitlines()]
+    return [line.split("\t") for line in res.stdout.splitlines() if "\t" in line]
 
 
 def test_selection_sites_show_their_parts_and_space(tmp_path: Path, capsys) -> None:
@@ -38,6 +40,7 @@ def test_selection_sites_show_their_parts_and_space(tmp_path: Path, capsys) -> N
     for fields in lines:  # the widths are the config's: dt rank 3, state size 6
         assert "axes=example,token" in fields
         assert "parts=dt:3,B:6,C:6" in fields
+        assert "kind=selection parameter" in fields  # Mamba's dt, B, C
         (space,) = [f for f in fields if f.startswith("selection=")]
         assert "softplus" in space
 
@@ -48,4 +51,5 @@ def test_exit_sites_show_their_continue_and_exit_scores(capsys) -> None:
     assert [f[0] for f in lines] == [s.name for s in declared]
     for fields, site in zip(lines, declared, strict=True):
         assert f"exit=continue {site.exit[0]:g}, exit {site.exit[1]:g}" in fields
+        assert "kind=exit score" in fields
         assert not any(f.startswith(("parts=", "selection=")) for f in fields)

@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -355,12 +355,14 @@ def _probe_inputs(path: Path | None, loaded: Any) -> Any:
     return None
 
 
-def _site_fields(s: Any) -> list[str]:
+def _site_fields(s: Any, kind: Any) -> list[str]:
     """A site's line: what every site has, then what only some declare (axes, the parts
     side by side in its output, a selection parameter's space, exit scores), so the
-    listing shows what the audit will read."""
+    listing shows what the audit will read, and its kind as the audit judges it."""
     fields = [s.name, f"family={s.family}", f"layer={s.layer}",
               f"adapter={getattr(s.adapter, 'name', type(s.adapter).__name__)}"]
+    if kind is not None:
+        fields.append(f"kind={kind.name}")
     if s.axes:
         fields.append(f"axes={','.join(s.axes)}")
     if s.parts:
@@ -372,8 +374,37 @@ def _site_fields(s: Any) -> list[str]:
     return fields
 
 
+def _declared_kinds(model: Any, sites: Sequence[Any], probe: Any) -> dict[str, Any]:
+    """The declared sites' kinds as the audit judges them, on the probe's inputs (two
+    random token windows when none are given)."""
+    import torch
+
+    from fcaudit.core.nll import device_of, model_limits
+    from fcaudit.core.sites import PROBE_TOKENS
+    from fcaudit.engine.layouts import site_kinds
+    from fcaudit.io.examples import ExampleBatch
+    if probe is None:
+        vocab, _ = model_limits(model)
+        probe = torch.randint(0, vocab or 2, (2, PROBE_TOKENS), device=device_of(model))
+    else:
+        probe = ExampleBatch(probe, None)
+    return site_kinds(model, sites, probe)
+
+
+def _say_kinds(kinds: Iterable[Any]) -> None:
+    """One line per kind listed: what it is and what a dense counterpart would be."""
+    for k in dict.fromkeys(kinds):
+        print(f"kind {k.line()}; dense counterpart: {k.twin or 'none, ' + k.no_twin}")
+
+
 def cmd_sites(args: argparse.Namespace) -> None:
-    from fcaudit.core.sites import describe_modules, find_sites, probe_failure, suggested_globs
+    from fcaudit.core.sites import (
+        describe_modules,
+        find_sites,
+        glob_hits,
+        probe_failure,
+        suggested_globs,
+    )
     from fcaudit.engine.run import as_loaded
     from fcaudit.io.runtime import untested_versions
     loaded = as_loaded(args.model)
@@ -386,22 +417,29 @@ def cmd_sites(args: argparse.Namespace) -> None:
         sites = find_sites(model)
     except FcauditError:
         sites = []
+    probe = _probe_inputs(args.inputs, loaded)
+    kinds = _declared_kinds(model, sites, probe) if sites else {}
     for s in sites:
-        print("\t".join(_site_fields(s)))
+        print("\t".join(_site_fields(s, kinds.get(s.name))))
     if not sites:
         print("no declared controller sites; name them with --sites GLOB")
     if sites and not args.all and args.inputs is None:  # --inputs feeds the probe: it runs
+        _say_kinds(kinds.values())
         return
-    rows = describe_modules(model, {s.path for s in sites}, _probe_inputs(args.inputs, loaded))
-    shown = rows if args.all else [r for r in rows if r[3].startswith("likely")]
-    for path, kind, output, hint in shown:
-        print(f"  {path}\t{kind}\t{output}{f'  <- {hint}' if hint else ''}")
-    candidates = [path for path, _, _, hint in rows if hint.startswith("likely controller")]
-    for glob in suggested_globs(candidates, [path for path, *_ in rows]):
-        print(f"suggested: fcaudit audit --sites {shlex.quote(glob)} ...")
+    rows = describe_modules(model, {s.path for s in sites}, probe)
+    shown = rows if args.all else [r for r in rows if r.hint.startswith("likely")]
+    for r in shown:
+        kind = f"; kind: {r.kind.name}" if r.kind is not None else ""
+        print(f"  {r.path}\t{r.cls}\t{r.output}{f'  <- {r.hint}{kind}' if r.hint else ''}")
+    candidates = {r.path: r.kind for r in rows if r.hint.startswith("likely controller")}
+    for glob in suggested_globs(list(candidates), [r.path for r in rows]):
+        said = next(k for p, k in candidates.items() if glob_hits([p], glob))
+        print(f"suggested: fcaudit audit --sites {shlex.quote(glob)} ..." +
+              (f"  ({said.name})" if said is not None else ""))
     if not args.all:
         print(f"{len(shown)} likely controllers of {len(rows)} modules; --all lists every "
               "module with its output")
+    _say_kinds([*kinds.values(), *(r.kind for r in shown if r.kind)])
     if (failure := probe_failure(rows)) is not None:
         print(failure)
 

@@ -12,6 +12,9 @@ gate takes before multiplying (``g[..., None]``, a slice per expert) still count
 through the copies that keep its values (a dtype cast, ``clone``, ``contiguous``, an
 indexed pick, ``topk``'s values): a router's weights cast to the hidden dtype still scale.
 
+What it records of each (:class:`Scaling`: the activation's word, the shape of the branch
+scaled) is the evidence :mod:`fcaudit.core.kinds` judges a coefficient's kind from.
+
 The watch only looks: an error in its own bookkeeping (a tensor subclass whose ``min``
 raises) stops the watching, never the pass, and :attr:`ScalingWatch.broken` says why, so
 the caller falls back to names.
@@ -20,7 +23,7 @@ the caller falls back to names.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
@@ -35,6 +38,25 @@ _COPIES = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "clon
            "repeat_interleave", "masked_fill"}  # a new tensor holding (some of) the same values
 _PRODUCTS = {"mul", "mul_", "__mul__", "__rmul__", "__imul__", "multiply", "einsum",
              "addcmul"}
+
+
+class Look(NamedTuple):
+    """How a module's output (or what was taken of it) looks like a coefficient: the words
+    said to a person, and the nonlinearity's name (``silu``, ``sigmoid``, ``softmax``, ...),
+    ``threshold`` for a hard mask, ``unit`` for a plain output in [0, 1]."""
+
+    how: str
+    word: str
+
+
+class Scaling(NamedTuple):
+    """What of a module's output scales another branch: how it looks, the shape of the
+    view of it that multiplies (``g[..., None]``, a slice per expert) and of that branch."""
+
+    how: str
+    word: str
+    operand: tuple[int, ...]
+    branch: tuple[int, ...]
 
 
 def _storage(t: Tensor) -> int | None:
@@ -52,13 +74,13 @@ def _tensors(values: Any) -> list[Tensor]:
     return []
 
 
-def _controller_like(module: nn.Module, out: Tensor) -> str | None:
+def _controller_like(module: nn.Module, out: Tensor) -> Look | None:
     """How the output looks like a coefficient by itself, or None (a linear output)."""
     name = type(module).__name__
-    if _ACTIVATION_CLASS.search(name):
-        return f"a {name} output"
+    if found := _ACTIVATION_CLASS.search(name):
+        return Look(f"a {name} output", found.group(0).lower())
     if out.is_floating_point() and bool(out.min() >= 0) and bool(out.max() <= 1):
-        return "a [0, 1] output"
+        return Look("a [0, 1] output", "unit")
     return None
 
 
@@ -68,10 +90,10 @@ class ScalingWatch(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.owner: dict[int, tuple[str, str | None]] = {}  # storage -> module, how it looks
+        self.owner: dict[int, tuple[str, Look | None]] = {}  # storage -> module, its look
         self.modules_out: set[int] = set()  # storages some module returned
         self.kept: list[Tensor] = []  # alive during the pass, so no storage is reused
-        self.scales: dict[str, str] = {}  # module path -> what of it scales another branch
+        self.scales: dict[str, Scaling] = {}  # module -> what of it scales another branch
         self.broken: str | None = None  # the watch's own error, when it had one
 
     def output(self, name: str, module: nn.Module, out: Any) -> None:
@@ -109,9 +131,10 @@ class ScalingWatch(TorchFunctionMode):
         if source is None or not first or (ptr := _storage(first[0])) is None:
             return None
         if word in _ACTIVATIONS:  # in place (sigmoid_) the storage is the same: overwrite
-            self.owner[ptr] = (source[0], f"a {word.rstrip('_')} of its output")
+            name = word.rstrip("_")
+            self.owner[ptr] = (source[0], Look(f"a {name} of its output", name))
         elif word in _THRESHOLDS:
-            self.owner[ptr] = (source[0], "a threshold of its output")
+            self.owner[ptr] = (source[0], Look("a threshold of its output", "threshold"))
         elif word in _COPIES:
             self.owner.setdefault(ptr, source)
         else:
@@ -121,8 +144,10 @@ class ScalingWatch(TorchFunctionMode):
 
     def _product(self, operands: list[Tensor]) -> None:
         ptrs = [_storage(t) for t in operands]
-        for ptr in ptrs:
+        for operand, ptr in zip(operands, ptrs, strict=True):
             source = self.owner.get(ptr or -1)
-            other = any(p != ptr and o.numel() > 1 for o, p in zip(operands, ptrs, strict=True))
-            if source is not None and source[1] is not None and other:
-                self.scales.setdefault(source[0], source[1])
+            other = next((o for o, p in zip(operands, ptrs, strict=True)
+                          if p != ptr and o.numel() > 1), None)
+            if source is not None and source[1] is not None and other is not None:
+                self.scales.setdefault(source[0], Scaling(*source[1], tuple(operand.shape),
+                                                          tuple(other.shape)))

@@ -12,21 +12,23 @@ twice.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from fcaudit.core.adapters import AUTO
-from fcaudit.core.candidates import ScalingWatch
+from fcaudit.core.candidates import Scaling, ScalingWatch
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_sites
 from fcaudit.core.errors import ModelError, UsageError, arg
 from fcaudit.core.hooks import hooks
+from fcaudit.core.kinds import Evidence, Kind, classify, in_unit_range, read_shape, trailing_axes
 
 SiteSpec = Sequence[str] | Sequence[Site] | None
 
@@ -172,12 +174,24 @@ NOT_CALLED = "not called by the forward pass (a container, or unused)"
 PROBE_TOKENS = 7  # odd, so a width of 8 (experts, kernels, heads) is never read as positions
 
 
+class ModuleRow(NamedTuple):
+    """One module as ``fcaudit sites`` lists it: its path, class, output, the hint (a
+    likely controller, a site, or "") and, for a likely controller, its kind."""
+
+    path: str
+    cls: str
+    output: str
+    hint: str
+    kind: Kind | None = None
+
+
 @torch.no_grad()
 def describe_modules(model: nn.Module, sites: set[str], example: Any = None
-                     ) -> list[tuple[str, str, str, str]]:
-    """Every module's (path, class, output, hint) from one small forward pass, to help
-    choose ``--sites``: per-token (or, with ``example``, per-example) outputs with a
-    controller-like name are marked as likely controllers. ``example``: two inputs to
+                     ) -> list[ModuleRow]:
+    """Every module's row (path, class, output, hint, kind) from one small forward pass, to
+    help choose ``--sites``: per-token (or, with ``example``, per-example) outputs with a
+    controller-like name are marked as likely controllers, each with the kind of
+    coefficient it is (:mod:`fcaudit.core.kinds`). ``example``: two inputs to
     probe with (a tensor ``[2, ...]``, or a dict of them passed as ``model(**x)``) for a
     model that does not take token ids; default two random token windows.
 
@@ -191,11 +205,15 @@ def describe_modules(model: nn.Module, sites: set[str], example: Any = None
         vocab, _ = model_limits(model)
         example = torch.randint(0, vocab or 2, (batch, seq_len), device=device_of(model))
     outputs: dict[str, str] = {}
+    facts: dict[str, tuple[Any, ...]] = {}  # read shape, every value in [0, 1]
     entered: list[str] = []
     watch = ScalingWatch()
 
-    def seen(m: nn.Module, _a: Any, out: Any, name: str) -> None:
+    def seen(m: nn.Module, args: Any, out: Any, name: str) -> None:
         outputs.setdefault(name, describe(out))
+        if isinstance(out, torch.Tensor) and name not in facts:
+            with contextlib.suppress(Exception):  # a tensor that cannot say its values
+                facts[name] = (read_shape(args, {}, batch), in_unit_range(out))  # not judged
         watch.output(name, m, out)
 
     modules = [(name, module) for name, module in model.named_modules() if name]
@@ -215,14 +233,41 @@ def describe_modules(model: nn.Module, sites: set[str], example: Any = None
     by_name = not scales  # no module scales another branch: names are all to go by
     rows = []
     for name, module in modules:
-        out = outputs.get(name, NOT_CALLED)
-        hint = "site" if name in sites else _hint(name, out, scales.get(name), by_name,
-                                                  batch, seq_len)
-        rows.append((name, type(module).__name__, out, hint))
+        out, scaling = outputs.get(name, NOT_CALLED), scales.get(name)
+        hint = "site" if name in sites else _hint(name, out, scaling and scaling.how,
+                                                  by_name, batch, seq_len)
+        kind = _kind(out, facts.get(name), scaling, batch, seq_len) \
+            if hint.startswith("likely") and "router" not in hint else None
+        rows.append(ModuleRow(name, type(module).__name__, out, hint, kind))
     return rows
 
 
-def probe_failure(rows: Sequence[tuple[str, str, str, str]]) -> str | None:
+def _kind(output: str, facts: tuple[Any, ...] | None, scaling: Scaling | None, batch: int,
+          seq_len: int | None) -> Kind:
+    """A likely controller's kind, from the same evidence the audit judges a site named by
+    a glob from (its output is the coefficient): the positions are the probe's tokens
+    (``[B, T, ...]``, or rows ``[B*T, ...]``), else one value set per example; an
+    example's output of more axes has positions the audit decides."""
+    dims = _dims(output)
+    if facts is None or not dims:
+        return classify(None)
+    if seq_len is not None and dims[:2] == [batch, seq_len]:
+        positions: tuple[int, ...] | None = (1,)
+    else:
+        positions = () if seq_len is not None or len(dims) == 2 else None
+    read, unit = facts
+    flat = seq_len is not None and dims[0] == batch * seq_len
+    return classify(Evidence(tuple(dims), trailing_axes(dims, positions),
+                             None if flat else read, unit, scaling))
+
+
+def _dims(output: str) -> list[int]:
+    """The shape of a described tensor output (``Tensor[2, 7, 64] float32``), or []."""
+    found = re.match(r"Tensor\[([\d, ]+)\]", output)
+    return [int(d) for d in found.group(1).split(",")] if found else []
+
+
+def probe_failure(rows: Sequence[ModuleRow]) -> str | None:
     """A line for the short listing when the probe pass of :func:`describe_modules` did
     not finish: "0 likely controllers" alone would read as a model without any."""
     stop = next((r for r in rows if r[2].startswith("failed: ")), None) or \
@@ -261,8 +306,7 @@ def _hint(name: str, output: str, scales: str | None, by_name: bool, batch: int,
     if not scales and not (by_name and named):
         return ""
     why = f"; {scales} that scales another branch" if scales else ""
-    found = re.match(r"Tensor\[([\d, ]+)\]", output)
-    dims = [int(d) for d in found.group(1).split(",")] if found else []
+    dims = _dims(output)
     if len(dims) < 2:
         return ""
     if seq_len is None:  # examples, not token windows: the positions axis is the model's own

@@ -68,8 +68,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
         data=setup.inputs.summary(),
-        sites=[_site_info(s, cache, setup.model, setup.layouts.get(s.name))
-               for s in setup.sites],
+        sites=[_site_info(s, cache, setup) for s in setup.sites],
         identity_replay_max_abs_diff=identity.max_abs_diff, conditions=summary.conditions,
         per_layer=summary.per_layer, retention=summary.retention,
         interaction=summary.interaction, variance=description.variance,
@@ -89,9 +88,11 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
 
 def _verdict(m: Measurements, execution: Execution) -> tuple[Verdict, dict[str, Any]]:
     """The verdict and the numbers each of its answers rests on."""
+    setup = m.setup
+    kinds = {s.family: setup.kinds[s.name] for s in setup.sites if s.name in setup.kinds}
     return judge(m.description.variance, m.description.variation, m.summary.conditions,
-                 m.summary.retention, shuffled_axes(m.setup.sites), execution, m.identity,
-                 m.exits, loss_name(m.setup.objective.name))
+                 m.summary.retention, shuffled_axes(setup.sites), execution, m.identity,
+                 m.exits, loss_name(setup.objective.name), kinds)
 
 
 def _settings(m: Measurements, execution: Execution) -> dict[str, Any]:
@@ -162,18 +163,17 @@ def _model_info(setup: Prepared) -> ModelInfo:
                      identity_note=loaded.identity_note, packages=loaded.packages or None)
 
 
-def _site_info(site: Site, cache: CoefficientCache, model: nn.Module,
-               layout: str | None) -> SiteInfo:
+def _site_info(site: Site, cache: CoefficientCache, setup: Prepared) -> SiteInfo:
     """A site in audit.json: its axes in the model's words when they are not [example,
-    token], and how they were found when no one declared them (``layout``)."""
-    info = SiteInfo(site.name, site.family, site.layer,
+    token], how they were found when no one declared them (``layout``) and its kind."""
+    declared = (site.axes, site.positions) != (TOKEN_AXES, TOKEN_LAYOUT)
+    return SiteInfo(site.name, site.family, site.layer,
                     list(cache.coefficients(0, site.name).shape[2:]),
-                    _adapter_name(site, model))
-    if (site.axes, site.positions) != (TOKEN_AXES, TOKEN_LAYOUT):
-        info.axes, info.positions = list(site.axes or ()), list(site.positions or ())
-    info.layout = layout
-    info.parts, info.selection = site_parts(site), site.selection
-    return info
+                    _adapter_name(site, setup.model),
+                    axes=list(site.axes or ()) if declared else None,
+                    positions=list(site.positions or ()) if declared else None,
+                    layout=setup.layouts.get(site.name), parts=site_parts(site),
+                    selection=site.selection, kind=setup.kinds.get(site.name))
 
 
 def _routing(setup: Prepared, cache: CoefficientCache, runs: Sequence[Run],

@@ -485,7 +485,9 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
     FLOPs than dense, by more than ``TOLERANCE`` (relative), unless ``degenerate`` says
     its exit rule stops every unit at one layer (then what it saves is a fixed depth's);
     ``conditional_execution`` when it saves, or when routing skips experts per token
-    (counted on the experts: execution is conditional at expert granularity). Operators doing
+    (counted on the experts: execution is conditional at expert granularity); on the model
+    alone (no ``dense``, no experts) it is false where every block runs on every unit and
+    None (not compared) where some are skipped: no saving is shown. Operators doing
     matrix work that the FLOP counter cannot count are listed, and then no FLOPs ratio
     (and no FLOPs-based verdict) is given.
     """
@@ -498,11 +500,8 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
     flops = own["flops_per_token"]
     dense_flops = twin["flops_per_token"] if twin else None
     flops_ratio = flops / dense_flops if dense_flops and not uncounted else None
-    fewer_blocks = twin is not None and \
-        own["blocks_executed"] < twin["blocks_executed"] * (1 - TOLERANCE)
-    saves = degenerate is None and \
-        bool(fewer_blocks or (flops_ratio is not None and flops_ratio < 1 - TOLERANCE))
     experts = own.get("experts")
+    saves, conditional = _saving(own, twin, flops_ratio, experts, degenerate)
     result = Execution(
         measured=True, dense=dense_source, blocks_executed=own["blocks_executed"],
         blocks_present=own["blocks_present"],
@@ -514,7 +513,7 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
         flops_ratio=flops_ratio,
         flops_counted="forward matmuls and attention (torch.utils.flop_counter)",
         uncounted_operators=uncounted or None,
-        conditional_execution=saves or bool(experts and experts.routing_changes_computation),
+        conditional_execution=conditional,
         saves_against_dense=saves if twin is not None else None, experts=experts,
         flops_per_block=own["flops_per_block"],
         dense_flops_per_block=twin["flops_per_block"] if twin else None,
@@ -529,6 +528,20 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
                                          threads)
         result.speed_ratio_vs_dense = result.timing.speed_ratio_vs_dense.value
     return result
+
+
+def _saving(own: Mapping[str, Any], twin: Mapping[str, Any] | None, flops_ratio: float | None,
+            experts: ExpertExecution | None, degenerate: str | None) -> tuple[bool, bool | None]:
+    """(saves against dense, conditional execution) of :func:`measure_execution`: on the
+    model alone, blocks skipped show no saving, so whether it is conditional is None."""
+    fewer_blocks = twin is not None and \
+        own["blocks_executed"] < twin["blocks_executed"] * (1 - TOLERANCE)
+    saves = degenerate is None and \
+        bool(fewer_blocks or (flops_ratio is not None and flops_ratio < 1 - TOLERANCE))
+    skipped = own["blocks_executed"] < own["blocks_present"] * (1 - TOLERANCE)
+    if twin is None and experts is None and skipped and degenerate is None:
+        return saves, None
+    return saves, saves or bool(experts and experts.routing_changes_computation)
 
 
 def _batches(model: nn.Module, input_ids: Any, batch_size: int) -> Sequence[Any]:

@@ -1,5 +1,5 @@
-"""Each undeclared site's coefficient layout, decided on the first batch before any pass
-of the audit reads it.
+"""Each undeclared site's coefficient layout, and every site's kind, decided on the first
+batch before any pass of the audit reads them.
 
 A site named by a glob (or a ``Site`` without ``axes``) says nothing about which axis of
 its coefficients holds positions, and guessing axis 1 reads a squeeze-and-excitation
@@ -12,11 +12,13 @@ the proof is a second look at the batch cut one token short: a token axis follow
 length, a width ``d`` that happens to equal ``T`` does not (a model that refuses the
 shorter batch keeps the equality as its proof).
 
-The same pass catches a glob that names whole blocks: a site whose coefficients have
-exactly the shape of the hidden states it reads, with values outside [0, 1] (no gate,
-mixing weight or probability), is refused when it is one of the execution blocks (it is
-the block, its output the hidden state), and otherwise audited but said to look like
-hidden states, since a feature-wise gate can have that shape too.
+The same pass watches what each coefficient scales (:class:`~fcaudit.core.candidates.
+ScalingWatch`), so every site gets its :mod:`kind <fcaudit.core.kinds>` (a gate, an
+activation, mixing weights, ...) as ``fcaudit sites`` judges it, said once per family
+before the work. A site whose coefficients are the hidden states it read (values outside
+[0, 1], scaling nothing as an activation does) is refused when it is one of the execution
+blocks (it is the block, its output the hidden state), and otherwise audited under the
+kind that says so.
 """
 
 from __future__ import annotations
@@ -30,9 +32,20 @@ import torch
 from torch import Tensor, nn
 
 from fcaudit.core.adapters import FLAT, AutoAdapter, infer_adapter
+from fcaudit.core.candidates import Scaling, ScalingWatch
 from fcaudit.core.contract import Site, SiteCall, TensorAdapter
 from fcaudit.core.errors import FcauditError, UsageError
 from fcaudit.core.hooks import hooks
+from fcaudit.core.kinds import (
+    HIDDEN,
+    Evidence,
+    Kind,
+    classify,
+    declared_kind,
+    in_unit_range,
+    read_shape,
+    trailing_axes,
+)
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, canonical_sites, decide_layout
 from fcaudit.engine.options import Prepared
 from fcaudit.engine.passes import batch_shape
@@ -44,14 +57,20 @@ Shape = tuple[int, ...]
 @dataclass(frozen=True)
 class Seen:
     """One site on one pass: its coefficients' shape (``flat``: rows ``[B*P, ...]``
-    viewed as ``[B, P, ...]``), the shape of the tensor it reads and of its output, and
-    whether every coefficient lies in [0, 1]."""
+    viewed as ``[B, P, ...]``), the shape of the tensor it reads and of its output,
+    whether every coefficient lies in [0, 1], and what of them scales another branch."""
 
     shape: Shape
     read: Shape | None
     output: Shape | None
     flat: bool
     unit_range: bool
+    scaling: Scaling | None = None
+
+    def evidence(self, positions: Sequence[int] | None) -> Evidence:
+        """What :func:`~fcaudit.core.kinds.classify` judges the site's kind from."""
+        return Evidence(self.shape, trailing_axes(self.shape, positions),
+                        None if self.flat else self.read, self.unit_range, self.scaling)
 
 
 class _Misfit(Exception):
@@ -62,15 +81,6 @@ class _Misfit(Exception):
                  error: FcauditError) -> None:
         super().__init__(f"{error}")
         self.site, self.module, self.output, self.error = site, module, output, error
-
-
-def _read_shape(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int) -> Shape | None:
-    """The shape of the module's first tensor input (positional, else keyword), when its
-    first axis is the examples axis."""
-    first = next((v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)), None)
-    if first is None or first.dim() == 0 or first.shape[0] != batch:
-        return None
-    return tuple(first.shape)
 
 
 def _coefficients(site: Site, call: SiteCall, output: Any, tokens: bool
@@ -90,17 +100,21 @@ def _coefficients(site: Site, call: SiteCall, output: Any, tokens: bool
 
 
 @torch.no_grad()
-def look(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Seen]:
-    """One forward pass on ``x`` that only looks at ``sites`` (each site's first call)."""
+def look(model: nn.Module, sites: Sequence[Site], x: Any,
+         lenient: frozenset[str] = frozenset()) -> dict[str, Seen]:
+    """One forward pass on ``x`` that only looks at ``sites`` (each site's first call);
+    a site in ``lenient`` whose adapter does not fit is left out (its record pass says
+    why), any other stops the pass."""
     batch, tokens = batch_shape(x)
     seen: dict[str, Seen] = {}
+    watch = ScalingWatch()
 
     def hook_for(site: Site) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
             if site.name in seen:
                 return  # a second call: recording refuses it with its own message
-            read = _read_shape(args, kwargs, batch)
+            read = read_shape(args, kwargs, batch)
             raw = tuple(output.shape) if isinstance(output, Tensor) else None
             positions = tokens if tokens is not None else \
                 (read[1] if read is not None and len(read) == 3 else None)
@@ -108,22 +122,25 @@ def look(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Seen]:
                 coef, flat = _coefficients(site, SiteCall(module, args, kwargs, batch,
                                                           positions), output, tokens is not None)
             except FcauditError as exc:
+                if site.name in lenient:
+                    return
                 raise _Misfit(site, module, raw, exc) from exc
-            unit = bool(coef.is_floating_point() and coef.numel() and coef.min() >= 0
-                        and coef.max() <= 1)
-            seen[site.name] = Seen(tuple(coef.shape), read, raw, flat, unit)
+            watch.output(site.name, module, output)
+            seen[site.name] = Seen(tuple(coef.shape), read, raw, flat, in_unit_range(coef))
         return hook
 
-    with hooks(model, {s.path: hook_for(s) for s in sites}, with_kwargs=True):
+    with hooks(model, {s.path: hook_for(s) for s in sites}, with_kwargs=True), watch:
         call_model(model, x)
-    return seen
+    scales = {} if watch.broken else watch.scales
+    return {name: dataclasses.replace(s, scaling=scales.get(name)) for name, s in seen.items()}
 
 
-def _look_first(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Seen]:
+def _look_first(model: nn.Module, sites: Sequence[Site], x: Any,
+                lenient: frozenset[str] = frozenset()) -> dict[str, Seen]:
     """:func:`look` on the first batch; a site whose output no adapter fits stops the
-    audit, naming it (as the record pass would)."""
+    audit, naming it (as the record pass would), unless it is ``lenient``."""
     try:
-        return look(model, sites, x)
+        return look(model, sites, x, lenient)
     except _Misfit as bad:
         adapter = getattr(bad.site.adapter, "name", type(bad.site.adapter).__name__)
         raise UsageError(f"site {bad.site.name} ({type(bad.module).__name__}, adapter "
@@ -133,34 +150,62 @@ def _look_first(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Se
 @dataclass(frozen=True)
 class Resolved:
     """The engine's canonical sites, each undeclared one with its layout, how each layout
-    was found (site -> note) and the lines to tell the user."""
+    was found (site -> note), every site's kind (site -> kind name) and the lines to tell
+    the user."""
 
     sites: list[Site]
     notes: dict[str, str]
+    kinds: dict[str, str]
     lines: list[str]
 
 
 def resolve_layouts(setup: Prepared, x: Any) -> Resolved:
-    """Give every undeclared site of ``setup`` its layout and say how each family's
-    layout was found on inputs other than token ids, and warnings."""
+    """Give every undeclared site of ``setup`` its layout and every site its kind, and say
+    once per family what kind it is and how its layout was found on inputs other than
+    token ids."""
     tokens = batch_shape(x)[1] is not None
     open_sites = [s for s in setup.sites if s.axes is None]
     named = [s for s in setup.sites if tokens and _unproven_token_axis(s)]
     if named:  # declared, but not as the token axis: it must follow the length too
         _prove_token_axis(setup.model, named, x, _look_first(setup.model, named, x))
-    if not open_sites:
-        return Resolved(canonical_sites(setup.sites), {}, [])
-    seen = _look_first(setup.model, open_sites, x)
-    _refuse_blocks(setup, open_sites, seen)
-    if tokens:
-        _prove_token_axis(setup.model, open_sites, x, seen)
+    looked = [s for s in setup.sites if s.axes is None or declared_kind(s) is None]
+    seen = _look_first(setup.model, looked, x, frozenset(
+        s.name for s in looked if s.axes is not None)) if looked else {}
     decided = {s.name: _decide(s, seen.get(s.name), tokens) for s in open_sites}
-    sites = canonical_sites([decided[s.name][0] if s.name in decided else s
-                             for s in setup.sites])
-    notes = {s.name: "; ".join(n for n in (decided[s.name][1], _hidden(seen.get(s.name))) if n)
-             for s in open_sites}
-    return Resolved(sites, {name: note for name, note in notes.items() if note},
-                    _lines(open_sites, notes))
+    laid = [decided[s.name][0] if s.name in decided else s for s in setup.sites]
+    kinds = {s.name: classify(seen[s.name].evidence(s.positions) if s.name in seen else None,
+                              s) for s in laid}
+    _refuse_blocks(setup, laid, kinds, seen)
+    if tokens and open_sites:
+        _prove_token_axis(setup.model, open_sites, x, seen)
+    notes = {name: note for name, (_, note) in decided.items() if note}
+    return Resolved(canonical_sites(laid), notes, {n: k.name for n, k in kinds.items()},
+                    _lines(laid, notes, kinds))
+
+
+def site_kinds(model: nn.Module, sites: Sequence[Site], x: Any) -> dict[str, Kind]:
+    """The kinds of ``sites`` as the audit judges them (one look at the sites whose
+    declaration does not say it, on ``x``), for ``fcaudit sites`` to show; a site the look
+    could not see (a probe the model refuses) is left out."""
+    tokens = batch_shape(x)[1] is not None
+    looked = [s for s in sites if declared_kind(s) is None]
+    try:
+        seen = look(model, looked, x, frozenset(s.name for s in looked)) if looked else {}
+    except Exception:  # noqa: BLE001 - a probe the model cannot take: kinds declared only
+        seen = {}
+    kinds = {}
+    for site in sites:
+        if site.name not in seen:
+            declared = declared_kind(site)
+            if declared is not None:
+                kinds[site.name] = declared
+            continue
+        try:  # a site without axes gets the layout the audit would give it
+            laid = site if site.axes is not None else _decide(site, seen[site.name], tokens)[0]
+        except FcauditError:  # one the audit would ask to declare: its kind waits for it
+            continue
+        kinds[site.name] = classify(seen[site.name].evidence(laid.positions), laid)
+    return kinds
 
 
 def _unproven_token_axis(site: Site) -> bool:
@@ -205,12 +250,13 @@ def _prove_token_axis(model: nn.Module, sites: Sequence[Site], x: Tensor | Examp
         return
 
 
-def _refuse_blocks(setup: Prepared, sites: Sequence[Site], seen: dict[str, Seen]) -> None:
-    """A site that is one of the execution blocks and outputs the hidden states it reads
-    (:func:`_hidden`) is that block, not a controller (a block that outputs a gate, as a
-    toy's may, is audited)."""
+def _refuse_blocks(setup: Prepared, sites: Sequence[Site], kinds: dict[str, Kind],
+                   seen: dict[str, Seen]) -> None:
+    """A site that is one of the execution blocks and whose coefficients are the hidden
+    states it reads (:data:`~fcaudit.core.kinds.HIDDEN`) is that block, not a controller
+    (a block that outputs a gate, as a toy's may, is audited)."""
     blocks = set(setup.blocks or [])
-    inside = next((s for s in sites if s.path in blocks and _hidden(seen.get(s.name))), None)
+    inside = next((s for s in sites if s.path in blocks and kinds[s.name] is HIDDEN), None)
     if inside is not None:
         raise UsageError(
             f"site {inside.name} is one of the model's execution blocks and outputs the hidden "
@@ -219,26 +265,23 @@ def _refuse_blocks(setup: Prepared, sites: Sequence[Site], seen: dict[str, Seen]
             "--all` lists the modules and marks likely controllers)")
 
 
-def _lines(sites: Sequence[Site], notes: dict[str, str]) -> list[str]:
-    """One line per family that has something to say: how its layout was found (inputs
-    other than token ids) and whether its coefficients look like hidden states."""
+def _lines(sites: Sequence[Site], notes: dict[str, str], kinds: dict[str, Kind]) -> list[str]:
+    """One line per family: its kind (the judgement ``fcaudit sites`` gives) and, on
+    inputs other than token ids, how its layout was found."""
     lines = []
     for family in dict.fromkeys(s.family for s in sites):
         members = [s for s in sites if s.family == family]
-        said = next((s for s in members if notes[s.name]), None)
-        if said is not None:
-            lines.append(f"sites {family} ({len(members)}, e.g. {said.name}): {notes[said.name]}")
+        said = next((s for s in members if s.name in notes), members[0])
+        lines.append(f"sites {family} ({len(members)}, e.g. {said.name}): "
+                     f"{kind_words([kinds[s.name] for s in members])}"
+                     + (f"; {notes[said.name]}" if said.name in notes else ""))
     return lines
 
 
-def _hidden(seen: Seen | None) -> str:
-    """A warning when the coefficients have exactly the shape of the hidden states the
-    module reads (``[B, T, d]``, ``d`` > 1) and values outside [0, 1]: a block's output."""
-    if seen is None or seen.flat or seen.shape != seen.read or len(seen.shape) < 3 or \
-            seen.shape[-1] == 1 or seen.unit_range:
-        return ""
-    return (f"warning: its coefficients {list(seen.shape)} have exactly the shape of the "
-            "hidden states it reads and values outside [0, 1]: a glob that matches whole "
-            "blocks (an MLP, an attention, a layer) audits their outputs as coefficients; "
-            "name the gate or router inside unless this is a feature-wise gate (`fcaudit "
-            "sites --model SPEC --all` marks likely controllers)")
+def kind_words(kinds: Sequence[Kind]) -> str:
+    """The kind of a family's sites in words: one kind with its meaning, else each with
+    its count."""
+    distinct = list(dict.fromkeys(kinds))
+    if len(distinct) == 1:
+        return f"kind {distinct[0].line()}"
+    return "kinds " + ", ".join(f"{k.name} ({kinds.count(k)} sites)" for k in distinct)

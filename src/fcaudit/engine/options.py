@@ -547,6 +547,7 @@ class Prepared:
     out: Path | None = None
     started: float = field(default_factory=time.perf_counter)
     layouts: dict[str, str] = field(default_factory=dict)  # site -> how its layout was found
+    kinds: dict[str, str] = field(default_factory=dict)  # site -> its kind (core/kinds.py)
     notes: tuple[str, ...] = ()  # what to tell the user before the audit starts
 
     @property

@@ -72,6 +72,7 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
     check_twin(setup)
     layouts = resolve_layouts(setup, first_batch(setup))
     return dataclasses.replace(setup, sites=layouts.sites, layouts=layouts.notes,
+                               kinds=layouts.kinds,
                                notes=(window_line(setup.inputs.summary()), *layouts.lines,
                                       *(f"note: {line}" for line in loaded.notes),
                                       *([f"note: {HEADS_NOTE}"] if loaded.kind == KIND else []),

@@ -277,6 +277,9 @@ class Execution:
     degenerate_rule: str | None = _omit_none()
     speed_ratio_vs_dense: float | None = None
     timing: Timing | None = None
+    # no dense counterpart: what one would be for the sites' kind, or why none exists
+    # (the execution then counted on the model alone)
+    twin_note: str | None = _omit_none()
     experts: ExpertExecution | None = _omit_none()
     # FLOPs per token that entered each block, counted on the model and the dense twin
     flops_per_block: list[float] | None = _omit_none()
@@ -430,7 +433,9 @@ EXITS = "exits"
 EXIT_LABELS = ("adaptive", "static-as-good", "static-better", "degenerate")
 VARIATION_LABELS = ("varies", "mixed", "constant")  # every family, some, none
 DEPENDENCE_LABELS = ("strong", "weak", "partial", "none", "unresolved")
-EXECUTION_LABELS = ("conditional", "unconditional", "not-measured", "counted-not-realised")
+# not-compared: blocks skipped on the model alone, with no dense counterpart to show a saving
+EXECUTION_LABELS = ("conditional", "unconditional", "not-measured", "counted-not-realised",
+                    "not-compared")
 
 
 @dataclass
@@ -530,6 +535,9 @@ class SiteInfo:
     # a selection parameter of a recurrence: the space its values (and so the static
     # profiles' means) are in, e.g. "dt before softplus" (Site.selection)
     selection: str | None = _omit_none()
+    # what kind of coefficient it is (a name of fcaudit.core.kinds.KINDS: "scalar gate",
+    # "activation", ...), judged before the work; absent from audits written before it
+    kind: str | None = _omit_none()
 
 
 @dataclass

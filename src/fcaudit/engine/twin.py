@@ -8,6 +8,7 @@ its shape (and, on token ids, cover their vocabulary).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from fcaudit.core.arrays import blamed_on_inputs
 from fcaudit.core.discovery import declared_experts
 from fcaudit.core.errors import ModelError, arg
+from fcaudit.core.kinds import KINDS, twin_note
 from fcaudit.core.nll import device_of, model_limits
 from fcaudit.engine.inputs import as_loaded, resolve_block_paths
 from fcaudit.engine.objectives import output_tensors
@@ -87,25 +89,34 @@ def _comparable_examples(model: nn.Module, examples: Examples, twin: nn.Module,
                          "a dense model with the model's inputs and outputs")
 
 
+def missing_twin(setup: Prepared) -> str:
+    """What a dense counterpart would be for this model's sites (by their kinds), or why
+    none exists (:func:`fcaudit.core.kinds.twin_note`)."""
+    return twin_note(KINDS[setup.kinds[s.name]] for s in setup.sites if s.name in setup.kinds)
+
+
 def not_measured(setup: Prepared) -> str | None:
-    """Why this audit measures no execution (None: it does): disabled, nothing to compare
-    with, or blocks nobody declared. The plan counts the execution passes by it too."""
+    """Why this audit measures no execution (None: it does): disabled, or blocks nobody
+    declared. Without a dense counterpart the model's own blocks and FLOPs are counted.
+    The plan counts the execution passes by it too."""
     if not setup.options.execution:
         return "disabled (--no-execution)"
-    if setup.dense is None and not declared_experts(setup.model):
-        return "no dense counterpart: pass --dense SPEC"
     dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) \
         if setup.dense is not None else []
-    if setup.blocks is None or dense_blocks is None:
-        return "the model does not declare its blocks: pass --blocks GLOB (e.g. 'layers.*')"
-    return None
+    if setup.blocks is not None and dense_blocks is not None:
+        return None
+    if setup.dense is None and not declared_experts(setup.model):
+        return (f"{missing_twin(setup)}; and the model's blocks are not known, so none can be "
+                "counted on the model itself: pass --blocks GLOB (e.g. 'layers.*')")
+    return "the model does not declare its blocks: pass --blocks GLOB (e.g. 'layers.*')"
 
 
 def execute(setup: Prepared, degenerate: str | None = None) -> Execution:
-    """The execution section: counts, FLOPs and (with timing pairs) latency vs dense; for a
-    routed model, the experts that ran (measured even without a dense counterpart).
-    ``degenerate``: the exit rule's note when it stops every unit at one layer, so that
-    no saving and no conditional execution is counted for it."""
+    """The execution section: counts, FLOPs and (with timing pairs) latency vs dense, or
+    without a dense counterpart counts and FLOPs on the model alone, with what a twin
+    would be; for a routed model, the experts that ran. ``degenerate``: the exit rule's
+    note when it stops every unit at one layer, so that no saving and no conditional
+    execution is counted for it."""
     from fcaudit.engine.execution import measure_execution
     opts = setup.options
     reason = not_measured(setup)
@@ -122,5 +133,5 @@ def execute(setup: Prepared, degenerate: str | None = None) -> Execution:
         timing=opts.timing_pairs > 0, dense_source=setup.dense_source or None,
         experts=[e for e in experts if e.name in routers], routers=routers,
         gated=[s.gated for s in setup.sites if s.gated], degenerate=degenerate)
-    measured.unit = setup.inputs.execution_unit
-    return measured
+    return dataclasses.replace(measured, unit=setup.inputs.execution_unit,
+                               twin_note=missing_twin(setup) if setup.dense is None else None)

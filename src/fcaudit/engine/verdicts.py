@@ -31,6 +31,7 @@ from fcaudit.core.conditions import (
     by_role,
 )
 from fcaudit.core.exits import MASKED, plural
+from fcaudit.core.kinds import KINDS
 from fcaudit.engine.exit_parts import ExitSummary
 from fcaudit.engine.result import (
     ConditionResult,
@@ -190,8 +191,8 @@ def execution_part(e: Execution, exits: ExitSummary | None = None) -> VerdictPar
                "blocks_present": None if e.blocks_present is None else float(e.blocks_present)}
     if e.mode == MASKED and exits is not None:
         return VerdictPart(EXECUTION_LABELS[3], numbers, _masked_sentence(e, exits))
-    return VerdictPart(EXECUTION_LABELS[0 if e.conditional_execution else 1], numbers,
-                       verdict_execution(e))
+    label = 4 if e.conditional_execution is None else 0 if e.conditional_execution else 1
+    return VerdictPart(EXECUTION_LABELS[label], numbers, verdict_execution(e))
 
 
 def _masked_sentence(e: Execution, exits: ExitSummary) -> str:
@@ -257,15 +258,32 @@ def exits_part(ex: ExitSummary | None, correct: ConditionResult,
                        + ".")
 
 
+def kind_caveat(kinds: Mapping[str, str]) -> str:
+    """For families (``family -> kind name``) whose kind makes a dependence mean something
+    other than a controller's (an activation, hidden states): what it means, said after
+    the dependence answer."""
+    said = []
+    for name in dict.fromkeys(kinds.values()):
+        kind = KINDS.get(name)
+        if kind is not None and kind.dependence:
+            families = ", ".join(f for f, k in kinds.items() if k == name)
+            said.append(f" The coefficients of {families} are {kind.dependence}.")
+    return "".join(said)
+
+
 def judge(variance: Mapping[str, VarianceShares], spread: Mapping[str, Variation],
           conditions: Mapping[str, ConditionResult], retention: Mapping[str, Retention],
           across: str, execution: Execution, identity: Identity | None,
-          exits: ExitSummary | None = None,
-          loss: str = "NLL") -> tuple[Verdict, dict[str, dict[str, float | None]]]:
+          exits: ExitSummary | None = None, loss: str = "NLL",
+          kinds: Mapping[str, str] | None = None
+          ) -> tuple[Verdict, dict[str, dict[str, float | None]]]:
     """The audit's :class:`Verdict` (sentences qualified by the identity check, labels)
-    and the numbers each answer rests on, by question (exit models: ``exits`` too)."""
-    parts = dict(zip(QUESTIONS, (variation_part(variance, spread),
-                                 dependence_part(conditions, retention, across),
+    and the numbers each answer rests on, by question (exit models: ``exits`` too);
+    ``kinds``: each family's kind, which may say what its dependence means."""
+    dependence = dependence_part(conditions, retention, across)
+    dependence = VerdictPart(dependence.label, dependence.numbers,
+                             dependence.sentence + kind_caveat(kinds or {}))
+    parts = dict(zip(QUESTIONS, (variation_part(variance, spread), dependence,
                                  execution_part(execution, exits)), strict=True))
     exited = exits_part(exits, conditions[CORRECT], loss)
     verdict = Verdict(*(qualified(p.sentence, identity) for p in parts.values()),
@@ -298,6 +316,8 @@ def verdict_execution(e: Execution) -> str:
     for a routed model the experts come first, then blocks and FLOPs against Dense. The
     head word is ``conditional_execution``; the routed-model parts agree with
     ``experts.routing_changes_computation`` and ``saves_against_dense``."""
+    if e.dense_blocks_executed is None and e.experts is None and not e.degenerate_rule:
+        return _alone_sentence(e)
     head = "Conditional execution" if e.conditional_execution else "No conditional execution"
     if e.experts is not None:
         saved = ("no dense counterpart to compare with" if e.saves_against_dense is None
@@ -330,6 +350,37 @@ def verdict_execution(e: Execution) -> str:
         text += (f"; these are the costs of one fixed depth for every {e.unit or 'token'}, "
                  "none of it a saving of conditional execution")
     return text + "."
+
+
+def flops_text(flops: float) -> str:
+    """A FLOP count in the unit that keeps it readable (GFLOPs, MFLOPs, kFLOPs)."""
+    for unit, scale in (("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops:.3g} FLOPs"
+
+
+def _alone_sentence(e: Execution) -> str:
+    """The execution answer counted on the model alone (no dense counterpart, no experts):
+    every block on every unit is no conditional execution; blocks skipped are said, but
+    with nothing to compare, no saving is claimed. Then what a twin would be."""
+    unit = e.unit or "token"
+    present = e.blocks_present or 0
+    if e.uncounted_operators:
+        flops = f"FLOPs not counted in full ({', '.join(e.uncounted_operators)})"
+    else:
+        flops = f"{flops_text(e.flops_per_token or 0.0)} per {unit}"
+    if e.conditional_execution is None:
+        head = (f"Execution not compared: {e.blocks_executed:.2f} of {present} blocks run per "
+                f"{unit}, {flops}, counted on the model alone; without a dense counterpart no "
+                "saving is shown")
+    else:
+        ran = (f"every block runs on every {unit} ({present} of {present})"
+               if e.blocks_executed == present else
+               f"{e.blocks_executed:.2f} of {present} blocks run per {unit} (within "
+               f"{100 * TOLERANCE:g}% of all)")
+        head = f"No conditional execution: {ran}, {flops}, counted on the model alone"
+    return f"{head}; {e.twin_note or 'no dense counterpart given'}."
 
 
 def _experts_sentence(x: ExpertExecution) -> str:

@@ -52,6 +52,7 @@ from fcaudit.report.format import (
     fmt_seq,
     fmt_with_ci,
 )
+from fcaudit.report.kinds import kind_facts, twin_facts
 from fcaudit.report.markdown import (
     FIGURE_DIR,
     md_code,
@@ -163,7 +164,7 @@ def _dependence_facts(r: AuditResult) -> list[str]:
              "correct."
              for name in (*by_role("dependence"), STATIC_LAYER, GLOBAL_MEAN)
              if (c := r.conditions.get(name))]
-    return facts + [f"{md_code(name)}{_retention_text(ret)}"
+    return kind_facts(r) + facts + [f"{md_code(name)}{_retention_text(ret)}"
                     for name, ret in _ordered(r.retention, REPORTED_RETENTION)] + \
         dependence_fact(r)
 
@@ -241,7 +242,7 @@ def _execution_facts(r: AuditResult) -> list[str]:
         ratio = ex.timing.speed_ratio_vs_dense
         facts.append(f"Latency vs dense: {fmt_with_ci(ratio.value, ratio.ci95, sign=False)} "
                      "(model / dense, 95% CI).")
-    facts.append(_conditional(ex))
+    facts += [*twin_facts(r), _conditional(ex)]
     if ex.experts is not None:
         x = ex.experts
         facts.append(f"Experts run per token per routed layer (mean over layers): "

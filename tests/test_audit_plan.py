@@ -115,6 +115,7 @@ def test_the_estimate_is_the_probe_s_pace_times_the_passes(tmp_path) -> None:
     result, _, _ = _audit(toys.content_model(), tmp_path, ["gates.*"], execution=False)
     plan = result.runtime.plan
     record, replay = plan["probe_record_s"], plan["probe_replay_s"]
+    record = min(record, replay)  # the record pass was the first: its cold start not counted
     stages = plan["stages"]
     expected = stages["record"]["passes"] * record + (
         stages["replay"]["passes"] + stages["per-layer runs"]["passes"]) * replay

@@ -3,9 +3,10 @@ by stage, the time each stage takes at the pace the probe measured, the largest 
 first with the option that cuts each, and the cache's size on disk.
 
 The probe has just recorded and replayed the first evaluation batch, so its two wall
-times are this model's pace on this machine with this batch size: a record-like pass
-(recording, the exit references, counting executed blocks) at the record pass's pace, a
-replay at the replay's. A per-layer run under the prefix schedule recomputes only the
+times are this model's pace on this machine with this batch size: a replay at the
+replay's pace, a record-like pass (recording, the exit references, counting executed
+blocks) at the faster of the two, since the record pass was the process's first and may
+carry its one-time costs (a 30-layer model's first pass took twice its later ones). A per-layer run under the prefix schedule recomputes only the
 blocks after its site, so its estimate is an upper bound, as are the frontier's points
 (levels that coincide are dropped once calibration is recorded). The plan is kept in
 ``runtime.plan``, beside the measured times, so the estimate can be checked.
@@ -114,7 +115,7 @@ def audit_plan(setup: Prepared, first: Probe, covered: Sequence[Covered]) -> Aud
     opts, inputs = setup.options, setup.inputs
     size = opts.batch_size
     n_eval, n_calib = -(-inputs.n_eval // size), -(-inputs.n_calib // size)
-    record_s, replay_s = first.record_s, first.replay_s
+    record_s, replay_s = _warm(first), first.replay_s
     skipped = not_applicable(setup.sites, inputs.token_ids is not None, opts.conditions)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first), (),
                      skipped, ())
@@ -152,6 +153,12 @@ def audit_plan(setup: Prepared, first: Probe, covered: Sequence[Covered]) -> Aud
     return AuditPlan(tuple(stages), cache, inputs.n_eval, (record_s, replay_s), size)
 
 
+def _warm(first: Probe) -> float:
+    """A record-like pass's seconds: the probe's record pass, unless its replay (the warm
+    pass after it) was faster."""
+    return min(first.record_s, first.replay_s)
+
+
 def _cut(name: str, py: str, cli: str, verb: str = "shrinks") -> str:
     """The option that cuts a stage, in its reader's words."""
     return f"{arg(name, py=py, cli=cli)} {verb} it"
@@ -169,7 +176,7 @@ def _exit_stage(setup: Prepared, n_eval: int, n_calib: int, first: Probe) -> Sta
     units = PROBE_ROWS * (first.nll.numel() // rows if exit_sites(setup.sites)[0].positions
                           else 1)
     check = check_passes(len(exit_sites(setup.sites)), units)
-    seconds = (full + check * min(PROBE_ROWS, rows) / rows) * first.record_s
+    seconds = (full + check * min(PROBE_ROWS, rows) / rows) * _warm(first)
     return Stage("exit references", full + check, seconds,
                  _cut("frontier_points", "AuditOptions(frontier_points=2)",
                       "--frontier-points 2") if sweep else "")
@@ -191,7 +198,7 @@ def _frontier_stages(setup: Prepared, covered: Sequence[Covered], points: int, n
     record = n_calib + (n_eval if any(f.kind == GATE for f in covered) else 0) + \
         3 * sum(f.kind == GATE for f in covered)  # calibration, own skips, the off checks
     cut = _cut("frontier_points", "AuditOptions(frontier_points=2)", "--frontier-points 2")
-    return [Stage("frontier references", record, record * first.record_s),
+    return [Stage("frontier references", record, record * _warm(first)),
             Stage("frontier points", points * n_eval, points * n_eval * first.replay_s, cut,
                   at_most=True)]
 

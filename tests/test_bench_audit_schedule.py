@@ -39,12 +39,14 @@ def _model(family: str) -> nn.Module:
 def hand_count(family: str, schedule: str) -> dict[str, float]:
     """Per evaluation batch: the record pass, the correct replay, 3K random and 4 static
     main conditions, L(K + 1) per-layer runs, the correct replay again at the end; on top,
-    the calibration's record passes (N_CALIB / N_EVAL evaluation-set passes) and the
-    probe's identity replay of the first batch before anything is written (BATCH / N_EVAL).
-    Block passes: block evaluations over L (a full pass evaluates all L blocks)."""
+    the calibration's record passes (N_CALIB / N_EVAL evaluation-set passes), the probe's
+    identity replay of the first batch before anything is written (BATCH / N_EVAL) and the
+    look at the first batch that judges each site's kind, which these declarations do not
+    say (BATCH / N_EVAL). Block passes: block evaluations over L (a full pass evaluates
+    all L blocks)."""
     main = 3 * K + 4
     full = 1 + 1 + main + 1  # always full passes, both schedules
-    extra = (N_CALIB + BATCH) / N_EVAL
+    extra = (N_CALIB + 2 * BATCH) / N_EVAL
     repeat = {"repeat_passes": 1, "repeat_block_passes": 1}
     if schedule == "naive":
         passes = full + L * (K + 1) + extra

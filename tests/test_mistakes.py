@@ -60,7 +60,8 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("frontier without execution", [*TOY, *TOKENS, "--frontier", "--no-execution"],
      "--frontier is read only with the execution audit"),
     ("frontier points without frontier", [*TOY, *TOKENS, "--frontier-points", "6"],
-     "--frontier-points 6 is read only with --frontier: add it or drop --frontier-points"),
+     "--frontier-points 6 is read only with --frontier or an exit model (its threshold "
+     "sweep): add it or drop --frontier-points"),
     ("timing pairs without execution", [*TOY, *TOKENS, "--no-execution", "--timing-pairs",
                                         "20"], "--timing-pairs 20 is read only with the "
                                                "execution audit"),

@@ -6,9 +6,10 @@ The probe has just recorded and replayed the first evaluation batch, so its two 
 times are this model's pace on this machine with this batch size: a replay at the
 replay's pace, a record-like pass (recording, the exit references, counting executed
 blocks) at the faster of the two, since the record pass was the process's first and may
-carry its one-time costs (a 30-layer model's first pass took twice its later ones). A per-layer run under the prefix schedule recomputes only the
-blocks after its site, so its estimate is an upper bound, as are the frontier's points
-(levels that coincide are dropped once calibration is recorded). The plan is kept in
+carry its one-time costs (a 30-layer model's first pass took twice its later ones). A
+per-layer run under the prefix schedule recomputes only the blocks after its site, so its
+estimate is an upper bound, as are the frontier's points (levels that coincide are
+dropped once calibration is recorded). The plan is kept in
 ``runtime.plan``, beside the measured times, so the estimate can be checked.
 """
 

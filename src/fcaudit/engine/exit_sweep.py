@@ -34,7 +34,7 @@ from fcaudit.core.conditions import CORRECT, FRONTIER
 from fcaudit.core.contract import Site
 from fcaudit.core.exits import ExitPlan, exit_scores, own_exits
 from fcaudit.core.nll import device_of
-from fcaudit.engine.exit_parts import ExitFrontier, ExitMatch, ExitSweepPoint
+from fcaudit.engine.frontier_parts import ExitFrontier, ExitMatch, ExitSweepPoint
 from fcaudit.engine.metrics import Bootstrap, penalty
 from fcaudit.engine.passes import batches
 from fcaudit.engine.result_parts import Estimate

@@ -36,8 +36,8 @@ from fcaudit.core.exits import (
 from fcaudit.core.hooks import hooks
 from fcaudit.core.nll import device_of
 from fcaudit.core.replaying import replaying
-from fcaudit.engine.exit_parts import ExitFrontier, ExitSummary
 from fcaudit.engine.exit_sweep import own_threshold, sweep_layers
+from fcaudit.engine.frontier_parts import ExitFrontier, ExitSummary
 from fcaudit.engine.metrics import Bootstrap, interval, retention
 from fcaudit.engine.passes import batches, record_batch
 from fcaudit.engine.result_parts import Retention

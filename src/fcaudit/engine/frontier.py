@@ -23,15 +23,14 @@ from torch import Tensor
 from fcaudit.core.conditions import STATIC_LAYER, STATIC_LAYER_POSITION
 from fcaudit.core.contract import ExpertLayer, RoutingAdapter, Site
 from fcaudit.core.routers import drop_experts, top_p_keep, topk_mass
-from fcaudit.engine.metrics import Bootstrap, penalty
-from fcaudit.engine.result import (
-    Estimate,
-    Execution,
+from fcaudit.engine.frontier_parts import (
     FrontierCheck,
     FrontierFamily,
     FrontierMatch,
     FrontierPointResult,
 )
+from fcaudit.engine.metrics import Bootstrap, penalty
+from fcaudit.engine.result_parts import Estimate, Execution
 
 GATE, ROUTER = "gate", "router"
 # the static rules named after the conditions whose profiles they threshold

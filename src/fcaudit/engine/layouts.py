@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from fcaudit.core.adapters import FLAT, AutoAdapter, infer_adapter
+from fcaudit.core.arrays import blamed_on_inputs
 from fcaudit.core.candidates import Scaling, ScalingWatch
 from fcaudit.core.contract import Site, SiteCall, TensorAdapter
 from fcaudit.core.errors import FcauditError, UsageError
@@ -129,7 +130,8 @@ def look(model: nn.Module, sites: Sequence[Site], x: Any,
             seen[site.name] = Seen(tuple(coef.shape), read, raw, flat, in_unit_range(coef))
         return hook
 
-    with hooks(model, {s.path: hook_for(s) for s in sites}, with_kwargs=True), watch:
+    with blamed_on_inputs(lambda: call_model(model, x), x, "the first evaluation batch"), \
+            hooks(model, {s.path: hook_for(s) for s in sites}, with_kwargs=True), watch:
         call_model(model, x)
     scales = {} if watch.broken else watch.scales
     return {name: dataclasses.replace(s, scaling=scales.get(name)) for name, s in seen.items()}

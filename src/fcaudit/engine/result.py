@@ -32,10 +32,10 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
     by_kind,
 )
 from fcaudit.core.errors import DataError, FcauditError, UsageError, install_extra
-from fcaudit.engine.exit_parts import ExitSummary
+from fcaudit.engine.frontier_parts import ExitSummary, FrontierFamily
 from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.result_checks import check_consistent
-from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema's parts)  # noqa: F401 (re-exported: the verdicts' labels)
+from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema's parts)
     DEPENDENCE_LABELS,
     EXECUTION_LABELS,
     EXITS,
@@ -48,10 +48,6 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     Execution,
     ExpertExecution,
     ExpertImportance,
-    FrontierCheck,
-    FrontierFamily,
-    FrontierMatch,
-    FrontierPointResult,
     Identity,
     ImportanceSummary,
     Interval,

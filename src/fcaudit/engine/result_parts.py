@@ -364,67 +364,6 @@ class ImportanceSummary:
     note: str
 
 
-@dataclass
-class FrontierPointResult:
-    """One frontier replay: a rule at one level (docs/method.md, Savings frontier)."""
-
-    rule: str  # dynamic, static-layer, static-layer-position (gates); dynamic, static-k
-    level: float  # target share of gated units skipped, set on calibration
-    threshold: float | None  # gates: tau on |g - off| (off below); routers, dynamic: top-p mass
-    layers: list[int] | None  # static-layer: layers zeroed; static-k: k per layer
-    skipped_fraction: float  # of the gated units (token-layers or expert slots), evaluation
-    flops_saved_per_token: float
-    flops_saved_fraction: float  # of total_flops_per_token
-    nll: float
-    delta: float
-    ci95: Interval
-    # the dynamic rule at the model's own per-layer thresholds (a model that skips)
-    own_thresholds: list[float] | None = _omit_none()
-
-
-@dataclass
-class FrontierMatch:
-    """The curves interpolated at one FLOPs-saved fraction (None: beyond a curve's reach);
-    ``gap[rule]``: that static rule's penalty minus the dynamic one's, paired interval."""
-
-    saved: float
-    dynamic: Estimate | None
-    static: dict[str, Estimate | None]
-    gap: dict[str, Estimate | None]
-
-
-@dataclass
-class FrontierCheck:
-    """A model that really skips (SkipGate): its measured point against its dynamic curve."""
-
-    measured_flops_saved_fraction: float  # dense FLOPs minus the model's, counted
-    accounted_flops_saved_fraction: float  # the own-threshold point's skips x block FLOPs
-    delta: float  # the own-threshold point's replay penalty (0: zeroing = skipping)
-    ci95: Interval
-    pooled_curve_delta: Estimate | None  # the calibrated dynamic rule at the same FLOPs
-    on_curve: bool
-    note: str
-
-
-@dataclass
-class FrontierFamily:
-    """One family's savings frontier: every point, the matched comparisons at 10/25/50%
-    saved, the mean gap over the common range (``area``) and the one sentence."""
-
-    kind: str  # gate or router
-    flops_per_unit: list[float] | None  # per layer: per skipped token (gate) or slot (router)
-    total_flops_per_token: float | None  # the denominator of the saved fractions
-    flops_source: str | None
-    points: list[FrontierPointResult]
-    matched: list[FrontierMatch]
-    area: dict[str, Estimate | None]  # static rule -> mean (static - dynamic) penalty
-    best_static: str | None  # the static rule with the smallest gap at 25% saved
-    gap_at_25: Estimate | None
-    sentence: str
-    check: FrontierCheck | None = _omit_none()
-    reason: str | None = _omit_none()
-
-
 # the labels of the three answers (audit.json's verdict.<question>_label)
 QUESTIONS = ("variation", "dependence", "execution")
 # exit models answer a fourth question first: where do units stop, what does stopping cost,

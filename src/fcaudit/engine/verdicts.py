@@ -32,7 +32,7 @@ from fcaudit.core.conditions import (
 )
 from fcaudit.core.exits import MASKED, plural
 from fcaudit.core.kinds import KINDS
-from fcaudit.engine.exit_parts import ExitSummary
+from fcaudit.engine.frontier_parts import ExitSummary
 from fcaudit.engine.result import (
     ConditionResult,
     Estimate,

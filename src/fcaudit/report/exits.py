@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fcaudit.core.conditions import CORRECT, FIXED_EXIT, FIXED_EXIT_POSITION, ORACLE_EXIT
 from fcaudit.core.exits import MASKED, plural
-from fcaudit.engine.exit_parts import ExitFrontier
+from fcaudit.engine.frontier_parts import ExitFrontier
 from fcaudit.engine.result import AuditResult
 from fcaudit.io.hf_exit import HEADS_NOTE
 from fcaudit.io.hf_exit import KIND as HF_EARLY_EXIT

@@ -286,11 +286,13 @@ def test_debug_shows_the_traceback(where: str, tmp_path: Path, tokens: dict[str,
 def test_unexpected_errors_are_one_line_too(tmp_path: Path, tokens: dict[str, Path],
                                             monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """A failure that is not a known user error (a bug, a model that crashes) is still
-    one line, says how to get the traceback, and exits non-zero."""
-    def boom(self, ids):  # noqa: ANN001, ANN202
+    """A failure that is not a known user error (a bug in fcaudit, here in its calibration
+    stage; a model that crashes on every input is said as the model's error on the first
+    batch, tests/test_input_arrays.py) is still one line, says how to get the traceback,
+    and exits non-zero."""
+    def boom(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied\n(second line)")
-    monkeypatch.setattr(toys.ToyModel, "forward", boom)
+    monkeypatch.setattr("fcaudit.engine.measure.record_calibration", boom)
     res = run_inprocess(["audit", *TOY, "--out", tmp_path / "out", *FAST_ARGS, "--tokens",
                          tokens["eval"], "--calib-tokens", tokens["calib"]], capsys)
     assert_clean_failure(res, tmp_path, tmp_path / "out", "--debug", code=1)

@@ -36,9 +36,8 @@ audit says so (:data:`HEADS_NOTE`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,6 +47,7 @@ from fcaudit.core.contract import ExpertLayer, Site
 from fcaudit.core.discovery import declared_experts, declared_sites, transformers_layer_stack
 from fcaudit.core.errors import ModelError, UsageError, arg
 from fcaudit.core.exits import MASKED
+from fcaudit.core.hooks import hooks
 from fcaudit.io.loading import LoadedModel
 
 KIND = "hf-early-exit"  # LoadedModel.kind (audit.json model.kind) of a wrapped folder
@@ -121,15 +121,11 @@ def own_head(model: nn.Module, layers: list[str]) -> tuple[nn.Module, Transform]
     reproduces is refused: its exit heads would not read what it predicts, and every
     confidence would be silently off."""
     seen: list[torch.Tensor] = []
-    last = model.get_submodule(layers[-1])
-    handle = last.register_forward_hook(
-        lambda _m, _a, out: seen.append(out[0] if isinstance(out, tuple) else out))
     probe = torch.arange(min(PROBE_TOKENS, model.config.get_text_config().vocab_size))
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=probe[None].to(model.device), use_cache=False).logits
-    finally:
-        handle.remove()
+    catch = {layers[-1]: lambda _m, _a, out: seen.append(
+        out[0] if isinstance(out, tuple) else out)}
+    with hooks(model, catch), torch.no_grad():
+        logits = model(input_ids=probe[None].to(model.device), use_cache=False).logits
     tolerance = 1e-5 * (1.0 + float(logits.float().abs().max()))
     norms, transforms = head_inputs(model, layers), logit_transforms(model)
     for norm in norms:
@@ -209,21 +205,11 @@ class EarlyExitLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         state: dict[str, Any] = {"running": None}
-        with self._hooked(state):
+        after = {p: lambda _m, args, out, i=i: self._after(i, args[0], out, state)
+                 for i, p in enumerate(self.layer_paths)}
+        with hooks(self, after):  # on the decoder layers for this one pass
             out = self.model(input_ids=input_ids, use_cache=False)
         return out.logits
-
-    @contextlib.contextmanager
-    def _hooked(self, state: dict[str, Any]) -> Iterator[None]:
-        """Hooks on the decoder layers for one forward pass (removed after it)."""
-        handles = [self.get_submodule(p).register_forward_hook(
-            lambda _m, args, out, i=i: self._after(i, args[0], out, state))
-            for i, p in enumerate(self.layer_paths)]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
 
     def _after(self, i: int, h_in: torch.Tensor, out: Any, state: dict[str, Any]) -> Any:
         """After layer ``i``: an exited token keeps its state; every token's head and

@@ -10,8 +10,7 @@ receives.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +28,7 @@ from fcaudit.core.conditions import (
     by_role,
 )
 from fcaudit.core.contract import RoutingAdapter, Site
+from fcaudit.core.digest import digest_tensors
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.exits import ExitPlan
 from fcaudit.core.interventions import (
@@ -247,17 +247,6 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
 def frontier_runs(runs: Sequence[Run]) -> list[Run]:
     """The savings-frontier runs, in plan order."""
     return [r for r in runs if isinstance(r.target, FrontierRun)]
-
-
-def digest_tensors(named: Iterable[tuple[str, Tensor]], head: bytes = b"") -> bytes:
-    """SHA-256 over ``head`` and each tensor's name, dtype, shape and bytes, in order: two
-    digests are equal only for bitwise equal tensors (short of a SHA-256 collision)."""
-    hasher = hashlib.sha256(head)
-    for name, tensor in named:
-        t = tensor.detach().to("cpu").contiguous()
-        hasher.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
-        hasher.update(t.reshape(-1).view(torch.uint8).numpy())
-    return hasher.digest()
 
 
 def run_digest(run: Run, fed: Mapping[Site, Tensor], context: bytes) -> bytes:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.arrays import blamed_on_inputs
 from fcaudit.core.contract import Site
+from fcaudit.core.digest import digest_tensors
 from fcaudit.core.errors import FcauditError, IdentityError, ModelError, arg
 from fcaudit.core.layout import check_family_positions
 from fcaudit.core.nll import device_of
@@ -37,7 +38,7 @@ from fcaudit.engine.passes import (
     record_batch,
     replay_batch,
 )
-from fcaudit.engine.plan import ablation_experts, digest_tensors
+from fcaudit.engine.plan import ablation_experts
 from fcaudit.engine.result import Identity
 from fcaudit.engine.stages import ALLOW_NONEXACT, IDENTITY_CAUSES
 from fcaudit.io.examples import ExampleBatch, call_model

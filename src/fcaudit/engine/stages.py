@@ -25,6 +25,7 @@ from torch import Tensor
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.conditions import CORRECT, collections
 from fcaudit.core.contract import Site
+from fcaudit.core.digest import digest_tensors
 from fcaudit.core.errors import CacheError, IdentityError, arg
 from fcaudit.core.interventions import COLLECTIONS, StaticProfiles, batch_sums
 from fcaudit.core.layout import not_applicable
@@ -54,7 +55,6 @@ from fcaudit.engine.plan import (
     ReplayInputs,
     Run,
     ablation_runs,
-    digest_tensors,
     feed,
     routing_sites,
     run_digest,

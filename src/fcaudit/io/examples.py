@@ -8,7 +8,6 @@ pass. An :class:`ExampleBatch` is one slice of it, what a model and an objective
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 from torch import Tensor
 
 from fcaudit.core.arrays import example_tensor
+from fcaudit.core.digest import digest_tensors
 from fcaudit.core.errors import DataError, arg
 from fcaudit.io.fileio import read_npy
 
@@ -206,20 +206,11 @@ class Examples:
 
     def example_hashes(self) -> list[str]:
         """SHA-256 of each example's input bits, to prove two sets share no example."""
-        return [_digest(self.named(i, i + 1)[:-1] if self.targets is not None
-                        else self.named(i, i + 1)) for i in range(len(self))]
+        return [digest_tensors(self.named(i, i + 1)[:-1] if self.targets is not None
+                        else self.named(i, i + 1)).hex() for i in range(len(self))]
 
     def fingerprint(self) -> str:
-        return _digest(self.named())
-
-
-def _digest(named: list[tuple[str, Tensor]]) -> str:
-    hasher = hashlib.sha256()
-    for name, t in named:
-        t = t.contiguous()
-        hasher.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
-        hasher.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return hasher.hexdigest()
+        return digest_tensors(self.named()).hex()
 
 
 def load_npy(path: str | Path, what: str) -> np.ndarray:

@@ -182,24 +182,26 @@ def test_a_new_objective_is_one_entry_and_its_function(monkeypatch) -> None:
                                            "selective-copy, or"):
         AuditOptions(objective="mse").validate()
     monkeypatch.setattr(losses, "mse_units", mse_units, raising=False)
-    monkeypatch.setitem(OBJECTIVES, "mse", BuiltinObjective(
-        "mse", "example", "squared distance to the one-hot target",
-        "mse (squared distance of [N, C] logits to one-hot targets)", losses="mse_units"))
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 1, 8, 8)).astype(np.float32)
-    y, xc = np.arange(16) % vt.CLASSES, rng.normal(size=(16, 1, 8, 8)).astype(np.float32)
-    r = fcaudit.audit(vt.tiny_condconv(), data=AuditData(inputs=x, targets=y, calib_inputs=xc),
-                      options=AuditOptions(objective="mse", **FAST))
-    with torch.no_grad():
-        logits = vt.tiny_condconv()(torch.from_numpy(x)).double().numpy()
-    expected = ((logits - np.eye(vt.CLASSES)[y]) ** 2).mean(1).mean()
-    assert r.settings["objective"] == "mse"
-    for name in ("original", "correct"):
-        assert r.conditions[name].nll == pytest.approx(expected, rel=1e-5)
-        assert r.conditions[name].accuracy is None
-    assert r.identity_replay_max_abs_diff == 0.0
-    assert Objective("mse").describe() == "objective 'mse': the model's squared distance " \
-        "to the one-hot target is"
+    mse = BuiltinObjective("mse", "example", "squared distance to the one-hot target",
+                           "mse (squared distance of [N, C] logits to one-hot targets)",
+                           losses="mse_units")
+    with OBJECTIVES.added(mse):
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(16, 1, 8, 8)).astype(np.float32)
+        y, xc = np.arange(16) % vt.CLASSES, rng.normal(size=(16, 1, 8, 8)).astype(np.float32)
+        r = fcaudit.audit(vt.tiny_condconv(), data=AuditData(inputs=x, targets=y, calib_inputs=xc),
+                          options=AuditOptions(objective="mse", **FAST))
+        with torch.no_grad():
+            logits = vt.tiny_condconv()(torch.from_numpy(x)).double().numpy()
+        expected = ((logits - np.eye(vt.CLASSES)[y]) ** 2).mean(1).mean()
+        assert r.settings["objective"] == "mse"
+        for name in ("original", "correct"):
+            assert r.conditions[name].nll == pytest.approx(expected, rel=1e-5)
+            assert r.conditions[name].accuracy is None
+        assert r.identity_replay_max_abs_diff == 0.0
+        assert Objective("mse").describe() == "objective 'mse': the model's squared " \
+            "distance to the one-hot target is"
+    assert "mse" not in OBJECTIVES  # the registry as the test found it
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
@@ -219,13 +221,15 @@ def test_an_entry_is_an_objective_choice_and_help_on_the_command_line() -> None:
     code = """if True:
         import argparse
         from fcaudit.engine import objectives as o
-        o.OBJECTIVES["mse"] = o.BuiltinObjective("mse", "example", "squared distance",
-                                                 "mse (squared distance)", losses="mse_units")
-        from fcaudit.cli.parser import build_parser
-        sub = next(a for a in build_parser()._actions
-                   if isinstance(a, argparse._SubParsersAction))
-        flag = next(a for a in sub.choices["audit"]._actions if "--objective" in a.option_strings)
-        print(list(flag.choices), " ".join(flag.help.split()))"""
+        with o.OBJECTIVES.added(o.BuiltinObjective("mse", "example", "squared distance",
+                                                   "mse (squared distance)",
+                                                   losses="mse_units")):
+            from fcaudit.cli.parser import build_parser
+            sub = next(a for a in build_parser()._actions
+                       if isinstance(a, argparse._SubParsersAction))
+            flag = next(a for a in sub.choices["audit"]._actions
+                        if "--objective" in a.option_strings)
+            print(list(flag.choices), " ".join(flag.help.split()))"""
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout
     assert out.strip() == "['token-nll', 'classification', 'selective-copy', 'mse'] per-unit " \

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fcaudit.core.errors import UsageError
+from fcaudit.core.registry import Registry
 
 # a per-layer variant (one site intervened, the others correct) is a role of a random or
 # static condition, not a kind of its own: it reuses that condition's feed
@@ -154,7 +155,7 @@ REGISTRY: tuple[Condition, ...] = (
     Condition("expert-ablation", "ablation", "one expert of one router never picked",
               frozenset({"routers"})),
 )
-CONDITIONS: dict[str, Condition] = {c.name: c for c in REGISTRY}
+CONDITIONS: Registry[Condition] = Registry("condition", REGISTRY, option="conditions")
 
 
 def by_kind(*kinds: str, default: bool | None = True) -> tuple[str, ...]:

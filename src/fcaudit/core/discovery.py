@@ -8,7 +8,7 @@ selective state-space rule in :mod:`fcaudit.core.selection`, the selection sites
 recurrences in :mod:`fcaudit.core.gated_recurrence`; the layer stack of a
 ``transformers`` model here). A rule returns None or an empty list when it
 does not apply. Every rule is a plain function of the model, testable alone; adding one
-is adding it to its list.
+is adding it to its registry.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from fcaudit.core.contract import (
     Site,
 )
 from fcaudit.core.gated_recurrence import gated_recurrence_sites
+from fcaudit.core.registry import Registry
 from fcaudit.core.routers import moe_expert_layers, moe_router_sites
 from fcaudit.core.selection import selection_sites
 
@@ -58,16 +59,21 @@ def transformers_layer_stack(model: nn.Module) -> list[str]:
     return [f"{path}.{i}" if path else str(i) for i in range(count)]
 
 
-SITE_RULES: list[Rule] = [own_sites, moe_router_sites, selection_sites, gated_recurrence_sites]
-BLOCK_RULES: list[Rule] = [own_blocks, transformers_layer_stack]
-EXPERT_RULES: list[Rule] = [own_experts, moe_expert_layers]
+def _rules(kind: str, *rules: Rule) -> Registry[Rule]:
+    return Registry(f"{kind} rule", rules, name=lambda rule: rule.__name__)
 
 
-def _first(rules: list[Rule], model: nn.Module) -> list[Any] | None:
+SITE_RULES = _rules("site", own_sites, moe_router_sites, selection_sites,
+                    gated_recurrence_sites)
+BLOCK_RULES = _rules("block", own_blocks, transformers_layer_stack)
+EXPERT_RULES = _rules("expert", own_experts, moe_expert_layers)
+
+
+def _first(rules: Registry[Rule], model: nn.Module) -> list[Any] | None:
     """A model's own declaration (counted even when empty); else what every structural
     rule finds, together (a hybrid has routers beside its selection sites), in rule order
     and without repeats; None when nothing applies."""
-    own, *structural = rules
+    own, *structural = rules.values()
     declared = own(model)
     if declared is not None:
         return list(declared)

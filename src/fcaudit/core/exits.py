@@ -28,6 +28,7 @@ from fcaudit.core.conditions import FIXED_EXIT, FIXED_EXIT_POSITION, ORACLE_EXIT
 from fcaudit.core.contract import DeclaresExits, Site
 from fcaudit.core.errors import ModelError, UsageError
 from fcaudit.core.hooks import hooks
+from fcaudit.core.registry import refusal
 
 
 def exit_sites(sites: Sequence[Site]) -> list[Site]:
@@ -241,5 +242,5 @@ class ExitPlan:
             return per.unsqueeze(0).expand(shape)
         if condition == ORACLE_EXIT:
             return self.oracle[rows.start:rows.stop]
-        raise UsageError(f"{condition!r} is no exit condition: choose one of {FIXED_EXIT}, "
-                         f"{FIXED_EXIT_POSITION}, {ORACLE_EXIT}")
+        raise refusal(f"{condition!r} is no exit condition", condition,
+                      [FIXED_EXIT, FIXED_EXIT_POSITION, ORACLE_EXIT])

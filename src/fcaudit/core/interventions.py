@@ -30,6 +30,7 @@ from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER, Condition, by_kind
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import UsageError, arg
 from fcaudit.core.exits import ExitPlan, exit_scores
+from fcaudit.core.registry import refusal
 
 
 def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -304,8 +305,7 @@ def _check_profile(condition: str, site: Site, profiles: StaticProfiles,
     profile, the trailing shape for the others."""
     static_names = by_kind("static", default=None)
     if condition not in static_names:
-        raise UsageError(f"static(condition={condition!r}): choose one of "
-                         f"{', '.join(static_names)}")
+        raise refusal(f"static(condition={condition!r})", condition, static_names)
     cond = CONDITIONS[condition]
     profile = profiles.shape(site)  # [T, *trailing]
     per_position = cond.profile in _PER_POSITION
@@ -507,6 +507,5 @@ def builtin(name: str, repeats: int = 1) -> Intervention:
     condition = CONDITIONS.get(name)
     if condition is None or condition.feeder is None or condition.kind == "random":
         choices = [c.name for c in CONDITIONS.values() if c.feeder and c.kind != "random"]
-        raise UsageError(f"builtin({name!r}): choose one of {', '.join(choices)}",
-                         option="name")
+        raise refusal(f"builtin({name!r})", name, choices, option="name")
     return Intervention(name, condition.feed, repeats)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fcaudit.core.errors import UsageError, arg
+from fcaudit.core.registry import Registry
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -87,7 +88,7 @@ REGISTRY: tuple[BuiltinObjective, ...] = (
                      losses="answer_units", loss="answer loss", hits="answer_hits",
                      check="answer_targets", task="fcaudit.io.selective_copy"),
 )
-OBJECTIVES: dict[str, BuiltinObjective] = {o.name: o for o in REGISTRY}
+OBJECTIVES: Registry[BuiltinObjective] = Registry("objective", REGISTRY, option="objective")
 
 
 def default_for(tokens: bool) -> str:
@@ -109,7 +110,8 @@ def loss_name(objective: str | None, per_unit: bool = False) -> str:
     return f"per-{unit.replace(' ', '-')} {name}" if per_unit else name
 
 
-TASKS: dict[str, BuiltinObjective] = {o.name: o for o in REGISTRY if o.task is not None}
+TASKS: Registry[BuiltinObjective] = Registry(
+    "task", (o for o in REGISTRY if o.task is not None), option="task")
 
 
 def run_task(run_config: dict[str, Any] | None) -> BuiltinObjective | None:
@@ -218,10 +220,9 @@ def resolve(objective: Any) -> Objective:
             state = f"{UNREADABLE}: {exc}"
         return Objective(f"callable:{getattr(objective, '__module__', '?')}.{name}", objective,
                          state)
-    if objective not in OBJECTIVES:
-        raise UsageError(f"{arg('objective', objective, owner='AuditOptions')}: choose one "
-                         f"of {', '.join(OBJECTIVES)}, or pass a callable (model_output, "
-                         "batch) -> per-unit losses [B] or [B, T]", option="objective")
+    OBJECTIVES.lookup(objective, arg("objective", objective, owner="AuditOptions"),
+                      ", or pass a callable (model_output, batch) -> per-unit losses [B] "
+                      "or [B, T]")
     return Objective(objective)
 
 

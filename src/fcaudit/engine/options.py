@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from fcaudit.core.conditions import FRONTIER, MAIN_CONDITIONS, OPT_IN_CONDITIONS
 from fcaudit.core.errors import UsageError, arg
+from fcaudit.core.registry import refusal
 from fcaudit.engine.objectives import OBJECTIVES, Objective, resolve
 from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.placement import DEVICE_MAPS
@@ -286,8 +287,8 @@ class AuditOptions:
                 _check_int(f.name, getattr(self, f.name), *spec.bounds)
         for name, choices in (("schedule", SCHEDULES), ("verify_reuse", VERIFY_MODES)):
             if getattr(self, name) not in choices:
-                raise UsageError(f"{_name(name, getattr(self, name))}: choose one of "
-                                 f"{', '.join(choices)}", option=name)
+                raise refusal(_name(name, getattr(self, name)), getattr(self, name),
+                              list(choices), option=name)
         if self.expert_ablation is not None and not isinstance(self.expert_ablation, bool):
             raise UsageError(f"{_name('expert_ablation', self.expert_ablation)}: must be "
                              "True, False or None (on for at most "

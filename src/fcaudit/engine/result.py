@@ -31,7 +31,8 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
     audited,
     by_kind,
 )
-from fcaudit.core.errors import DataError, FcauditError, UsageError, install_extra
+from fcaudit.core.errors import DataError, FcauditError, install_extra
+from fcaudit.core.registry import refusal
 from fcaudit.engine.frontier_parts import ExitSummary, FrontierFamily
 from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.result_checks import check_consistent
@@ -208,7 +209,7 @@ class AuditResult:
             raise FcauditError(f"to_frame() needs pandas: {install_extra('notebook')}") from exc
         rows = TABLES.get(table)
         if rows is None:
-            raise UsageError(f"to_frame(table={table!r}): choose one of {', '.join(TABLES)}")
+            raise refusal(f"to_frame(table={table!r})", table, list(TABLES))
         return pd.DataFrame(rows(self))
 
     def metrics(self) -> dict[str, float | None]:

@@ -12,7 +12,8 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fcaudit.core.errors import UsageError, arg
+from fcaudit.core.errors import arg
+from fcaudit.core.registry import Registry, refusal
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,8 +39,8 @@ class Arch:
 
     def config(self, preset: str, vocab_size: int | None = None) -> Any:
         if preset not in self.presets:
-            raise UsageError(f"unknown preset {preset!r} for {arg('arch', self.name)}; choose "
-                             f"one of {', '.join(sorted(self.presets))}", option="preset")
+            raise refusal(f"unknown preset {preset!r} for {arg('arch', self.name)}", preset,
+                          sorted(self.presets), option="preset")
         extra = {"vocab_size": vocab_size} if vocab_size else {}
         return dataclasses.replace(self.presets[preset], **dict(self.fixed), **extra)
 
@@ -50,38 +51,35 @@ class Arch:
         return self._attr(self.model_class)(config)
 
 
-ARCHES: dict[str, Arch] = {
-    "featuregate": Arch("featuregate", "fcaudit.models.featuregate", "GPT", "GPTConfig",
-                        (("gated", True),)),
-    "dense": Arch("dense", "fcaudit.models.featuregate", "GPT", "GPTConfig", (("gated", False),)),
-    "skipgate": Arch("skipgate", "fcaudit.models.skipgate", "SkipGateGPT", "SkipGateConfig"),
-    "earlyexit": Arch("earlyexit", "fcaudit.models.earlyexit", "EarlyExitGPT",
-                      "EarlyExitConfig"),
-    "ponder": Arch("ponder", "fcaudit.models.ponder", "PonderGPT", "PonderConfig",
-                   (("halting", True),)),
+ARCHES: Registry[Arch] = Registry("arch", (
+    Arch("featuregate", "fcaudit.models.featuregate", "GPT", "GPTConfig",
+         (("gated", True),)),
+    Arch("dense", "fcaudit.models.featuregate", "GPT", "GPTConfig", (("gated", False),)),
+    Arch("skipgate", "fcaudit.models.skipgate", "SkipGateGPT", "SkipGateConfig"),
+    Arch("earlyexit", "fcaudit.models.earlyexit", "EarlyExitGPT",
+         "EarlyExitConfig"),
+    Arch("ponder", "fcaudit.models.ponder", "PonderGPT", "PonderConfig",
+         (("halting", True),)),
     # ponder's twin: the same shared block run max_steps times on every token, no halting
-    "dense-ponder": Arch("dense-ponder", "fcaudit.models.ponder", "PonderGPT", "PonderConfig",
-                         (("halting", False),)),
-    "mudd": Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig"),
-    "moe": Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig"),
-    "mamba": Arch("mamba", "fcaudit.models.mamba", "Mamba", "MambaConfig"),
-    "s4d": Arch("s4d", "fcaudit.models.s4d", "S4D", "S4DConfig"),
-    "vit-moe": Arch("vit-moe", "fcaudit.models.vit_moe", "ViTMoE", "ViTMoEConfig",
-                    task="vision"),
-    "tokenprune": Arch("tokenprune", "fcaudit.models.tokenprune", "TokenPruneViT",
-                       "TokenPruneConfig", task="vision"),
-    "dense-vit": Arch("dense-vit", "fcaudit.models.vit", "ViT", "ViTConfig", task="vision"),
-    "condconv": Arch("condconv", "fcaudit.models.condconv", "CNN", "CNNConfig",
-                     (("condconv", True),), task="vision"),
-    "branchy": Arch("branchy", "fcaudit.models.branchy", "BranchyCNN", "BranchyConfig",
-                    task="vision"),
-    "dense-cnn": Arch("dense-cnn", "fcaudit.models.condconv", "CNN", "CNNConfig",
-                      (("condconv", False),), task="vision"),
-}
+    Arch("dense-ponder", "fcaudit.models.ponder", "PonderGPT", "PonderConfig",
+         (("halting", False),)),
+    Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig"),
+    Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig"),
+    Arch("mamba", "fcaudit.models.mamba", "Mamba", "MambaConfig"),
+    Arch("s4d", "fcaudit.models.s4d", "S4D", "S4DConfig"),
+    Arch("vit-moe", "fcaudit.models.vit_moe", "ViTMoE", "ViTMoEConfig",
+         task="vision"),
+    Arch("tokenprune", "fcaudit.models.tokenprune", "TokenPruneViT",
+         "TokenPruneConfig", task="vision"),
+    Arch("dense-vit", "fcaudit.models.vit", "ViT", "ViTConfig", task="vision"),
+    Arch("condconv", "fcaudit.models.condconv", "CNN", "CNNConfig",
+         (("condconv", True),), task="vision"),
+    Arch("branchy", "fcaudit.models.branchy", "BranchyCNN", "BranchyConfig",
+         task="vision"),
+    Arch("dense-cnn", "fcaudit.models.condconv", "CNN", "CNNConfig",
+         (("condconv", False),), task="vision"),
+), option="arch")
 
 
 def get_arch(name: str) -> Arch:
-    if name not in ARCHES:
-        raise UsageError(f"unknown arch {name!r}; choose one of {', '.join(ARCHES)}",
-                         option="arch")
-    return ARCHES[name]
+    return ARCHES.lookup(name)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fcaudit.core.errors import DataError, UsageError, arg, install_extra
+from fcaudit.core.registry import refusal
 
 if TYPE_CHECKING:
     import torch
@@ -47,8 +48,7 @@ def digits(split: str) -> tuple[np.ndarray, np.ndarray]:
     """``(images [N, 1, 8, 8] float32 in [0, 1], targets [N] int64)`` of one split
     (``train``, ``calib`` or ``eval``); copies, so a caller may edit them."""
     if split not in SPLITS:
-        raise UsageError(f"unknown digits split {split!r}; choose one of {', '.join(SPLITS)}",
-                         option="split")
+        raise refusal(f"unknown digits split {split!r}", split, list(SPLITS), option="split")
     images, targets = _all()
     rows = SPLITS[split]
     return images[rows.start:rows.stop].copy(), targets[rows.start:rows.stop].copy()

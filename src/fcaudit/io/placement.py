@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fcaudit.core.errors import CacheError, UsageError, arg, install_extra
+from fcaudit.core.registry import refusal
 
 # io/outdir is imported where used: it brings numpy, and the ``fcaudit audit`` flags read
 # DEVICE_MAPS while ``--help`` must stay instant
@@ -111,8 +112,8 @@ def placement(device_map: str | None, max_memory: Any = None,
                              option="max_memory" if max_memory is not None else "offload_folder")
         return None
     if device_map not in DEVICE_MAPS:
-        raise UsageError(f"{arg('device_map', device_map)}: choose one of "
-                         f"{', '.join(DEVICE_MAPS)}", option="device_map")
+        raise refusal(arg("device_map", device_map), device_map, list(DEVICE_MAPS),
+                      option="device_map")
     require_accelerate()
     budget = parse_max_memory(max_memory) if max_memory is not None else None
     folder = Path(offload_folder) if offload_folder is not None else None

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fcaudit.core.errors import DataError, UsageError, arg
+from fcaudit.core.registry import refusal
 
 if TYPE_CHECKING:
     from fcaudit.io.data import AuditData, DataSpec
@@ -100,8 +101,8 @@ PRESETS: dict[str, CopyTask] = {"tiny": CopyTask()}
 
 def preset(name: str) -> CopyTask:
     if name not in PRESETS:
-        raise UsageError(f"unknown preset {name!r} for selective copying; choose one of "
-                         f"{', '.join(PRESETS)}", option="preset")
+        raise refusal(f"unknown preset {name!r} for selective copying", name, list(PRESETS),
+                      option="preset")
     return PRESETS[name]
 
 

@@ -45,6 +45,7 @@ from fcaudit.api import (
 from fcaudit.core.conditions import FRONTIER, REASSIGN, SHUFFLE, STATIC_LAYER, by_kind
 from fcaudit.core.errors import FcauditError, UsageError, arg
 from fcaudit.core.nll import logits_of
+from fcaudit.core.registry import refusal
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.objectives import CLASSIFICATION
 from fcaudit.engine.result import ETA2_KEYS, AuditResult, token_id_words
@@ -121,8 +122,7 @@ def study(preset: str, seeds: int | None) -> list[Group]:
         return [Group(arch, p.size, n, dense="own" if arch == "featuregate" else None,
                       schedule=p.schedule, point=p.name)
                 for p in trend.LADDER for arch in p.arches]
-    raise UsageError(f"unknown study preset {preset!r}; choose one of "
-                     f"{', '.join(STUDY_PRESETS)}")
+    raise refusal(f"unknown study preset {preset!r}", preset, list(STUDY_PRESETS))
 
 
 # The studies with a table and findings of their own (each module's ``TITLE``, ``table``

@@ -27,6 +27,7 @@ from torch import nn
 
 from fcaudit.api import ProgressReporter
 from fcaudit.core.errors import UsageError, arg
+from fcaudit.core.registry import refusal
 from fcaudit.engine.objectives import TASKS, BuiltinObjective, Objective
 from fcaudit.io.examples import ExampleBatch
 from fcaudit.io.loading import Arch
@@ -44,22 +45,20 @@ MODEL_SIZES: dict[str, dict[str, int]] = {"tiny": {"n_layer": 2, "n_embd": 64}}
 
 def task_entry(name: str, arch: Arch) -> BuiltinObjective:
     """The registry entry of ``--task NAME``, for a language arch; else one line."""
-    if name not in TASKS:
-        raise UsageError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}",
-                         option="task")
+    entry = TASKS.lookup(name)
     if arch.task != "lm":
         raise UsageError(f"{arg('task', name)} trains a language arch (token ids to token "
                          f"logits); {arg('arch', arch.name)} takes images: choose another "
                          f"{arg('arch')} or drop {arg('task')}", option="task")
-    return TASKS[name]
+    return entry
 
 
 def schedule(preset: str, steps: int | None, length: int) -> TrainPreset:
     """The preset's settings at the task's sequence length, ``steps`` overriding the
     length of training (warm-up capped at a tenth)."""
     if preset not in SCHEDULES:
-        raise UsageError(f"unknown preset {preset!r} for a task; choose one of "
-                         f"{', '.join(SCHEDULES)}", option="preset")
+        raise refusal(f"unknown preset {preset!r} for a task", preset, list(SCHEDULES),
+                      option="preset")
     tp = dataclasses.replace(SCHEDULES[preset], seq_len=length)
     if steps is not None:
         tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))

@@ -30,6 +30,7 @@ from torch import nn
 from fcaudit.api import ProgressReporter
 from fcaudit.core.errors import UsageError, arg
 from fcaudit.core.nll import mean_nll
+from fcaudit.core.registry import refusal
 from fcaudit.io.data import (
     builtin_documents,
     builtin_split_record,
@@ -209,7 +210,7 @@ def resolve_schedule(preset: str, steps: int | None = None,
     """The settings a run trains with (``config.json`` ``train``): ``schedule`` or the
     preset's own, with ``steps`` overriding the length (warm-up capped at a tenth)."""
     if schedule is None and preset not in TRAIN_PRESETS:
-        raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(TRAIN_PRESETS)}")
+        raise refusal(f"unknown preset {preset!r}", preset, list(TRAIN_PRESETS))
     tp = schedule or TRAIN_PRESETS[preset]
     if steps is not None:
         tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))

@@ -25,7 +25,7 @@ from torch import nn
 
 from fcaudit.api import ProgressReporter
 from fcaudit.core.conditions import REASSIGN, SHUFFLE, STATIC_LAYER_POSITION
-from fcaudit.core.errors import UsageError
+from fcaudit.core.registry import refusal
 from fcaudit.io import digits
 from fcaudit.io.loading import Arch
 from fcaudit.study.train import adamw, building, lr_at, write_run
@@ -50,8 +50,7 @@ SCHEDULES: dict[str, VisionSchedule] = {
 def schedule(preset: str, steps: int | None = None) -> VisionSchedule:
     """The preset's settings, ``steps`` overriding the length (warm-up capped at a tenth)."""
     if preset not in SCHEDULES:
-        raise UsageError(f"unknown preset {preset!r} for a vision arch; choose one of "
-                         f"{', '.join(SCHEDULES)}")
+        raise refusal(f"unknown preset {preset!r} for a vision arch", preset, list(SCHEDULES))
     tp = SCHEDULES[preset]
     if steps is not None:
         tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))

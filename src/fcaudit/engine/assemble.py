@@ -76,6 +76,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
         execution=execution, verdict=verdict, verdict_numbers=verdict_numbers,
         seeds=Seeds(seeds.master, seeds.draws, seeds.draws, seeds.bootstrap),
         settings=_settings(m, execution), versions=versions(), command=command,
+        analyses=m.analyses or None,
         nondeterministic_keys=[*NONDETERMINISTIC_KEYS, *([TIMED_VERDICT_KEY]
                                                         if execution.timing is not None
                                                         else [])],

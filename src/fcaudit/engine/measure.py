@@ -18,6 +18,8 @@ import numpy as np
 
 from fcaudit.core.interventions import StaticProfiles, draw
 from fcaudit.core.layout import not_applicable
+from fcaudit.engine.analyses import Section
+from fcaudit.engine.analyses.runs import analysis_runs, analysis_sections
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
 from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.exit_sweep import exit_frontier, exit_points
@@ -65,6 +67,7 @@ class Measurements:
     recorded: dict[str, dict[str, int]]  # stage -> record batches proven and recorded
     timings: dict[str, float] = field(default_factory=dict)  # record_s, replay_s
     exits: ExitSummary | None = None  # exit models run with an exit condition
+    analyses: dict[str, Section] = field(default_factory=dict)  # by analysis name
 
 
 def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Progress,
@@ -83,7 +86,7 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     covered, points = frontier_points(setup, cache, frontier_plan(setup, first), progress,
                                       ranks)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),
-                     points, skipped, exit_points(inputs.exits))
+                     points, skipped, exit_points(inputs.exits)) + analysis_runs(setup, first)
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
     if not ranks.main:
@@ -100,7 +103,8 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
                         example_hits(runs, replays.hits, original))
     return Measurements(setup, runs, replays, identity, description, summary, covered, points,
                         profiles, reuse, recorded, timings,
-                        _exits(setup, inputs, runs, replays.per_run, summary))
+                        _exits(setup, inputs, runs, replays.per_run, summary),
+                        analysis_sections(setup, runs, replays.per_run))
 
 
 def _exits(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run],

@@ -177,7 +177,7 @@ class UserIntervention(Target):
 
     def feed(self, run: Run, b: int, inputs: ReplayInputs,
              correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
-        return _custom_feed(self.intervention, run.repeat, b, inputs, correct)
+        return custom_feed(self.intervention, run.repeat, b, inputs, correct)
 
 
 ALL_SITES = AllSites()
@@ -301,7 +301,7 @@ def _batch_ids(inputs: ReplayInputs, rows: range) -> Tensor | None:
         np.ascontiguousarray(inputs.ids[rows.start:rows.stop]))
 
 
-def _custom_feed(iv: Intervention, repeat: int, b: int, inputs: ReplayInputs,
+def custom_feed(iv: Intervention, repeat: int, b: int, inputs: ReplayInputs,
                  correct: dict[Site, Tensor]) -> dict[Site, Tensor]:
     """The user's function on a clone of the recorded coefficients, its answer checked:
     site names it was given, each a tensor of its recorded shape."""

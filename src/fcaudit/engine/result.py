@@ -33,6 +33,7 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
 )
 from fcaudit.core.errors import DataError, FcauditError, install_extra
 from fcaudit.core.registry import refusal
+from fcaudit.engine.analyses import ANALYSES
 from fcaudit.engine.frontier_parts import ExitSummary, FrontierFamily
 from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.result_checks import check_consistent
@@ -138,10 +139,19 @@ class AuditResult:
     # exit models audited with an exit condition: depths, the references' layers and the
     # share of the fixed-to-oracle gap the learned controller closes
     exits: ExitSummary | None = _omit_none()
+    # the registered analyses' sections (fcaudit.engine.analyses), each written at the top
+    # level of audit.json under its analysis's name
+    analyses: dict[str, dict[str, Any]] | None = _omit_none()
 
     def to_json(self) -> dict[str, Any]:
-        """The ``audit.json`` content (plain JSON types)."""
-        return _dump(self)
+        """The ``audit.json`` content (plain JSON types), each analysis's section at the
+        top level under its name."""
+        out = dump(self)
+        sections = out.pop("analyses", {})
+        if taken := sorted(set(sections) & set(out)):
+            raise FcauditError(f"analyses {taken} are named like audit.json's own keys: "
+                               "rename them")
+        return {**out, **sections}
 
     @classmethod
     def from_json(cls, data: Any, source: str = "audit.json") -> AuditResult:
@@ -152,6 +162,10 @@ class AuditResult:
             found = data.get("schema") if isinstance(data, dict) else type(data).__name__
             raise DataError(f"{source} has schema {found!r}, expected {SCHEMA!r}; rerun the "
                             "audit with this fcaudit version")
+        sections = {k: v for k, v in data.items() if k in ANALYSES}
+        if sections:  # read back by name: an analysis this fcaudit lacks is an unknown key
+            data = {**{k: v for k, v in data.items() if k not in sections},
+                    "analyses": sections}
         try:
             result = load(cls, data)
             _check_conditions(result)
@@ -261,7 +275,7 @@ def _json_name(f: dataclasses.Field) -> str:
     return f.metadata.get("json", f.name)
 
 
-def _dump(value: Any) -> Any:
+def dump(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {}
         omitted = value.omitted() if hasattr(value, "omitted") else set()
@@ -269,12 +283,12 @@ def _dump(value: Any) -> Any:
             item = getattr(value, f.name)
             if f.name in omitted or (item is None and f.metadata.get("omit_none")):
                 continue
-            out[_json_name(f)] = _dump(item)
+            out[_json_name(f)] = dump(item)
         return out
     if isinstance(value, dict):
-        return {str(k): _dump(v) for k, v in value.items()}
+        return {str(k): dump(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_dump(v) for v in value]
+        return [dump(v) for v in value]
     return value
 
 

@@ -16,6 +16,8 @@ from fcaudit.core.conditions import (
     audited,
     by_role,
 )
+from fcaudit.core.errors import FcauditError
+from fcaudit.engine.analyses import analysis_metrics
 
 if TYPE_CHECKING:
     from fcaudit.engine.result import AuditResult
@@ -80,7 +82,11 @@ def metrics(r: AuditResult) -> dict[str, float | None]:
     out |= {f"{key}@{fam}.{part}": getattr(shares, key)  # named coefficients (Site.parts)
             for fam, var in r.variance.items() for part, shares in (var.parts or {}).items()
             for key in (*ETA2_KEYS, *TOKEN_ID_KEYS)}
-    return out | _execution_metrics(r) | _frontier_metrics(r) | _rerouted(r) | _exit_metrics(r)
+    out |= _execution_metrics(r) | _frontier_metrics(r) | _rerouted(r) | _exit_metrics(r)
+    extra = analysis_metrics(r.analyses or {})
+    if clash := sorted(set(extra) & set(out)):
+        raise FcauditError(f"analysis metrics {clash} are named like fcaudit's own: rename them")
+    return out | extra
 
 
 def metric_intervals(r: AuditResult) -> dict[str, list[float] | None]:

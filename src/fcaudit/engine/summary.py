@@ -64,7 +64,7 @@ from fcaudit.engine.result import (
 from fcaudit.engine.seeds import SeedPlan
 
 
-def _condition(per_seq: Mapping[str, np.ndarray], repeats: Mapping[str, list[np.ndarray]],
+def condition_result(per_seq: Mapping[str, np.ndarray], repeats: Mapping[str, list[np.ndarray]],
                key: str, boot: Bootstrap,
                hits: Mapping[str, float] | None = None) -> ConditionResult:
     correct = per_seq[CORRECT]
@@ -134,9 +134,9 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
     per_seq = {k: np.mean(v, axis=0) for k, v in repeats.items()}
     boot = paired_bootstrap(len(original), options)
     opted = options.conditions
-    conditions = {c: _condition(per_seq, repeats, c, boot, hits) for c in audited(opted)
+    conditions = {c: condition_result(per_seq, repeats, c, boot, hits) for c in audited(opted)
                   if c not in skipped}
-    per_layer = {c: [LayerConditionResult(**dataclasses.asdict(_condition(
+    per_layer = {c: [LayerConditionResult(**dataclasses.asdict(condition_result(
         per_seq, repeats, f"{c}@{s.name}", boot, hits)), layer=s.layer, site=s.name,
         family=s.family) for s in sites] for c in PER_LAYER_CONDITIONS} \
         if options.per_layer else {}
@@ -145,7 +145,7 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
            for p in audited(opted, REPORTED_RETENTION)}
     inter = interaction(per_seq[REASSIGN_SHUFFLE], per_seq[REASSIGN], per_seq[SHUFFLE],
                         correct, boot) if SHUFFLE not in skipped else None
-    custom = {r.target.intervention.name: _condition(per_seq, repeats, r.key, boot, hits)
+    custom = {r.target.intervention.name: condition_result(per_seq, repeats, r.key, boot, hits)
               for r in runs if isinstance(r.target, UserIntervention)}
     return Summary(conditions, per_layer, ret, inter, custom, gap_closed(per_seq, boot))
 

@@ -73,6 +73,7 @@ from fcaudit.report.report_parts import (  # noqa: F401 (_ordered: compare's too
     _routing,
 )
 from fcaudit.report.reproducibility import reproducibility_section
+from fcaudit.report.sections import analysis_sections
 from fcaudit.report.selection import (
     dependence_fact,
     execution_note,
@@ -498,8 +499,9 @@ def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tu
         blocks.append(_identity_warning(inexact, result.loss_name(per_unit=True)))
     shown = {f.stem: f for f in figures}
     blocks += [_lead(result), *_answers(result, shown)]
-    for section in SECTIONS:
-        if part := section(result):
+    *details, reproducibility = [section(result) for section in SECTIONS]
+    for part in [*details, *analysis_sections(result), reproducibility]:
+        if part:
             blocks += part + _figures_at(shown, part[0].removeprefix("## "))
     placed = "\n".join(blocks)
     left = [f for f in figures if f"]({FIGURE_DIR}/{f.png_path.name})" not in placed]

@@ -1,0 +1,79 @@
+"""The analyses' runs and sections: planned beside the audit's own runs, summarised from
+their replays (see :mod:`fcaudit.engine.analyses`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from torch import Tensor
+
+from fcaudit.core.contract import Site
+from fcaudit.core.interventions import Intervention
+from fcaudit.engine.analyses import ANALYSES, Analysis, Section
+from fcaudit.engine.options import Prepared
+from fcaudit.engine.plan import ReplayInputs, Run, Target, custom_feed
+from fcaudit.engine.probe import Probe
+from fcaudit.engine.result import dump
+from fcaudit.engine.result_parts import ConditionResult
+from fcaudit.engine.summary import condition_result, paired_bootstrap
+
+
+@dataclass(frozen=True)
+class AnalysisRun(Target):
+    """One run an analysis planned: its function of the recorded coefficients, keyed
+    ``<analysis>:<name>`` (never a condition's key)."""
+
+    analysis: Analysis
+    intervention: Intervention
+
+    def key(self, condition: str) -> str:
+        return self.analysis.run_key(self.intervention.name)
+
+    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
+        return (None, True, None, self.key(""))
+
+    def feed(self, run: Run, b: int, inputs: ReplayInputs,
+             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
+        return custom_feed(self.intervention, run.repeat, b, inputs, correct)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What an analysis summarises from: the prepared audit and every run's per-sequence
+    losses by run key (repeats in order), with the audit's one bootstrap stream."""
+
+    setup: Prepared
+    repeats: Mapping[str, list[np.ndarray]]
+
+    def condition(self, key: str) -> ConditionResult:
+        """Run ``key`` against correct, as the conditions table states a condition: mean
+        loss, paired penalty with its 95% interval, and each repeat's."""
+        per_seq = {k: np.mean(v, axis=0) for k, v in self.repeats.items()}
+        boot = paired_bootstrap(self.setup.inputs.n_eval, self.setup.options)
+        return condition_result(per_seq, self.repeats, key, boot)
+
+
+def analysis_runs(setup: Prepared, first: Probe) -> list[Run]:
+    """Every registered analysis's runs, in registry order (after the plan's own)."""
+    return [Run(a.name, k, AnalysisRun(a, iv)) for a in ANALYSES.values()
+            for iv in a.plan(setup, first) for k in range(iv.repeats)]
+
+
+def analysis_sections(setup: Prepared, runs: Sequence[Run],
+                      per_run: Sequence[np.ndarray]) -> dict[str, Section]:
+    """Each analysis's section from the measured runs (in JSON types, as audit.json reads
+    back), leaving out those that return None."""
+    repeats: dict[str, list[np.ndarray]] = {}
+    for run, values in zip(runs, per_run, strict=True):
+        repeats.setdefault(run.key, []).append(values)
+    measured, out = Measured(setup, repeats), {}
+    for analysis in ANALYSES.values():
+        section = analysis.summarise(measured, analysis)
+        if section is not None:
+            out[analysis.name] = json.loads(json.dumps(dump(section)))
+    return out
+
+

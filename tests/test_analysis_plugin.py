@@ -72,7 +72,7 @@ def test_a_registered_analysis_runs_end_to_end(tmp_path) -> None:
     assert section["note"] == "gates x 0.5"
     # audit.json: at the top level under its name, read back by it; the rest unchanged
     assert written["halving"] == section and "analyses" not in written
-    assert read.analyses == {"halving": section}
+    assert read.analyses == {"token_profile": plain.token_profile, "halving": section}
     assert {k for k in written if k not in json.loads(json.dumps(plain.to_json()))} \
         == {"halving"}
     assert metrics["halving_delta"] == section["halved"]["delta"]

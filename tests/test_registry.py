@@ -15,8 +15,10 @@ from fcaudit.core.conditions import CONDITIONS
 from fcaudit.core.discovery import BLOCK_RULES, EXPERT_RULES, SITE_RULES
 from fcaudit.core.errors import UsageError
 from fcaudit.core.registry import Registry, refusal
+from fcaudit.engine.analyses import ANALYSES
 from fcaudit.engine.objectives import OBJECTIVES, TASKS
 from fcaudit.io.arches import ARCHES, get_arch
+from fcaudit.report.sections import RENDERERS
 
 SRC = Path(fcaudit.__file__).parent
 
@@ -64,9 +66,9 @@ def test_get_arch_suggests() -> None:
 
 
 @pytest.mark.parametrize("registry", [CONDITIONS, OBJECTIVES, TASKS, ARCHES, SITE_RULES,
-                                      BLOCK_RULES, EXPERT_RULES],
+                                      BLOCK_RULES, EXPERT_RULES, ANALYSES, RENDERERS],
                          ids=["conditions", "objectives", "tasks", "arches", "site-rules",
-                              "block-rules", "expert-rules"])
+                              "block-rules", "expert-rules", "analyses", "renderers"])
 def test_every_registry_is_frozen(registry: Registry) -> None:
     assert isinstance(registry, Registry) and len(registry) > 0
     with pytest.raises(RuntimeError, match="frozen"):

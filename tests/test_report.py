@@ -29,7 +29,8 @@ from fcaudit.report.figures import heatmap_figure
 from fcaudit.report.markdown import md_text
 
 SECTIONS = ["The three answers", "Conditions", "Gap retention", "Interaction", "Per layer",
-            "Variance decomposition", "Variation summary", "Execution", "Reproducibility"]
+            "Variance decomposition", "Variation summary", "Execution", "Token-id profiles",
+            "Reproducibility"]
 # the answer each figure illustrates, where a reader of that answer must find it
 FIGURE_ANSWERS = {"profile": "1. Variation", "heatmap": "1. Variation", "variance": "1. Variation",
                   "penalties": "2. Dependence"}

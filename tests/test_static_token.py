@@ -140,10 +140,11 @@ def test_profiles_per_token_id_come_from_cached_calibration_and_fall_back(tmp_pa
     _, md = build_markdown(result, [])
     retention = md[md.index("\n## Gap retention\n"):md.index("\n## Interaction\n")]
     assert "| `static-layer-token` |" in retention
+    profiles = md[md.index("\n## Token-id profiles\n"):md.index("\n## Reproducibility\n")]
     assert (f"`static-layer-token` has a profile for each of the {len(np.unique(calib))} "
             f"token ids of the calibration set; {int(unseen.sum())} of the {eval_ids.size} "
             f"evaluation tokens ({len(np.unique(eval_ids[unseen]))} distinct ids) have an id "
-            "it lacks and were fed the static-layer profile.") in retention
+            "it lacks and were fed the static-layer profile.") in profiles
     assert "| `static-layer-token` | per-site, per-token-id calibration mean |" in md
 
 

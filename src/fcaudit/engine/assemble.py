@@ -41,7 +41,6 @@ from fcaudit.engine.summary import (
     expert_importance,
     paired_bootstrap,
     routing_summary,
-    token_profile,
 )
 from fcaudit.engine.target_ci import Rounds
 from fcaudit.engine.twin import execute
@@ -134,10 +133,9 @@ def _runtime(m: Measurements, cache: CoefficientCache, ranks: Ranks,
 
 
 def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> dict[str, Any]:
-    """The sections only some audits have: expert importance (expert ablation), the token
-    profile (token ids), the conditions not applicable, the savings frontier."""
+    """The sections only some audits have: expert importance (expert ablation), the
+    conditions not applicable, the savings frontier."""
     setup, runs, replays, opts = m.setup, m.runs, m.replays, m.setup.options
-    tokens = setup.token_ids
     frontier = None
     if m.covered:
         frontier = frontier_summary(
@@ -147,7 +145,6 @@ def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> d
     return {"expert_importance": expert_importance(
                 runs, replays.per_run, replays.route_load, replays.still_selected, opts)
             if ablation_runs(runs) else None,
-            "token_profile": token_profile(m.profiles, tokens) if tokens is not None else None,
             "not_applicable": not_applicable(setup.sites, setup.inputs.token_ids is not None,
                                              opts.conditions) or None,
             "frontier": frontier}

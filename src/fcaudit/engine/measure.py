@@ -104,7 +104,7 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     return Measurements(setup, runs, replays, identity, description, summary, covered, points,
                         profiles, reuse, recorded, timings,
                         _exits(setup, inputs, runs, replays.per_run, summary),
-                        analysis_sections(setup, runs, replays.per_run))
+                        analysis_sections(setup, runs, replays.per_run, profiles))
 
 
 def _exits(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run],

@@ -128,7 +128,6 @@ class AuditResult:
     custom_conditions: dict[str, ConditionResult] | None = _omit_none()
     routing: dict[str, RoutingSummary] | None = _omit_none()
     expert_importance: dict[str, ImportanceSummary] | None = _omit_none()
-    token_profile: TokenProfile | None = _omit_none()
     frontier: dict[str, FrontierFamily] | None = _omit_none()
     stopping: Stopping | None = _omit_none()
     # conditions that cannot act on these sites or inputs, with the reason (not run)
@@ -141,7 +140,12 @@ class AuditResult:
     exits: ExitSummary | None = _omit_none()
     # the registered analyses' sections (fcaudit.engine.analyses), each written at the top
     # level of audit.json under its analysis's name
-    analyses: dict[str, dict[str, Any]] | None = _omit_none()
+    analyses: dict[str, Any] | None = _omit_none()
+
+    @property
+    def token_profile(self) -> TokenProfile | None:
+        """static-layer-token's coverage of the evaluation tokens (token ids only)."""
+        return (self.analyses or {}).get("token_profile")
 
     def to_json(self) -> dict[str, Any]:
         """The ``audit.json`` content (plain JSON types), each analysis's section at the
@@ -162,12 +166,14 @@ class AuditResult:
             found = data.get("schema") if isinstance(data, dict) else type(data).__name__
             raise DataError(f"{source} has schema {found!r}, expected {SCHEMA!r}; rerun the "
                             "audit with this fcaudit version")
+        # sections read back by name: an analysis this fcaudit lacks is an unknown key
         sections = {k: v for k, v in data.items() if k in ANALYSES}
-        if sections:  # read back by name: an analysis this fcaudit lacks is an unknown key
-            data = {**{k: v for k, v in data.items() if k not in sections},
-                    "analyses": sections}
         try:
-            result = load(cls, data)
+            result = load(cls, {k: v for k, v in data.items() if k not in sections})
+            if sections:
+                result = dataclasses.replace(result, analyses={
+                    k: v if ANALYSES[k].section_type is None else
+                    load(ANALYSES[k].section_type, v, k) for k, v in sections.items()})
             _check_conditions(result)
             check_consistent(result)
         except RecursionError as exc:  # data nested deeper than fcaudit's, given in memory

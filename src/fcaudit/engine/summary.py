@@ -30,7 +30,6 @@ from fcaudit.core.conditions import (
     audited,
 )
 from fcaudit.core.contract import Site
-from fcaudit.core.interventions import StaticProfiles
 from fcaudit.core.routers import ABLATION_MARGIN, load_entropy
 from fcaudit.core.sites import families
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
@@ -57,7 +56,6 @@ from fcaudit.engine.result import (
     Profile,
     Retention,
     RoutingSummary,
-    TokenProfile,
     VarianceShares,
     Variation,
 )
@@ -211,13 +209,6 @@ def describe(cache: CoefficientCache, sites: Sequence[Site],
         for f, a in accumulators.items()}
     return Description(variance, {f: a.variation() for f, a in accumulators.items()},
                        {f: a.profile() for f, a in accumulators.items()}, original)
-
-
-def token_profile(profiles: StaticProfiles, ids: np.ndarray) -> TokenProfile:
-    """How many evaluation tokens static-layer-token feeds the static-layer fallback."""
-    assert profiles.tokens is not None
-    unseen, distinct = profiles.unseen(ids)
-    return TokenProfile(len(profiles.tokens.ids), int(ids.size), unseen, distinct)
 
 
 ROUTING_NOTE = ("static-layer feeds every token of a layer the same logits, so all of them "

@@ -379,12 +379,6 @@ def _retention(r: AuditResult) -> list[str]:
               "to resolve a share of it)." + (ACCURACY_RETENTION if accuracy else ""),
               md_table(("profile", *heads, *acc_heads, "note"), rows,
                        "l" + "r" * (len(heads) + len(acc_heads)) + "l"), *lti_statement(r)]
-    if (t := r.token_profile) is not None:
-        blocks.append(f"`static-layer-token` has a profile for each of the "
-                      f"{fmt_num(t.calibration_token_ids)} token ids of the calibration set; "
-                      f"{fmt_num(t.eval_tokens_unseen)} of the {fmt_num(t.eval_tokens)} evaluation "
-                      f"tokens ({fmt_num(t.eval_token_ids_unseen)} distinct ids) have an id it "
-                      "lacks and were fed the static-layer profile.")
     return blocks
 
 

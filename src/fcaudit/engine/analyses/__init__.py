@@ -14,44 +14,18 @@ nothing of the engine's passes, so the result and the report may read it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
 
-from fcaudit.core.interventions import Intervention
 from fcaudit.core.registry import Registry
+from fcaudit.engine.analyses import token_profile
+from fcaudit.engine.analyses.base import Analysis, Section
 
-Section = dict[str, Any]  # plain JSON types
+__all__ = ["ANALYSES", "Analysis", "Section", "analysis_metrics"]
 
-
-def _no_metrics(section: Section) -> Mapping[str, float | None]:
-    return {}
-
-
-@dataclass(frozen=True)
-class Analysis:
-    """One analysis: ``plan`` (the :class:`~fcaudit.engine.options.Prepared` audit and its
-    :class:`~fcaudit.engine.probe.Probe` -> the functions to replay, each
-    ``(coefficients, context) -> tensors to feed``, as user interventions are),
-    ``summarise`` (the :class:`~fcaudit.engine.analyses.runs.Measured` runs, found by
-    :meth:`run_key`, and the analysis itself -> its section, or None to leave none) and
-    ``metrics`` (its section -> named numbers). Typed loosely here so that the result and
-    the report can read this module without the engine's passes."""
-
-    name: str
-    plan: Callable[[Any, Any], Sequence[Intervention]]
-    summarise: Callable[[Any, Analysis], Section | None]
-    metrics: Callable[[Section], Mapping[str, float | None]] = field(default=_no_metrics)
-
-    def run_key(self, intervention: str) -> str:
-        """The run key of this analysis's intervention named ``intervention``."""
-        return f"{self.name}:{intervention}"
-
-
-# every analysis an audit runs, in report order; today's built-in ones (routing, expert
-# ablation, token profile, frontier, exits, selection parts) are still wired by hand and
+# every analysis an audit runs, in report order; the others that predate this registry
+# (routing, expert ablation, frontier, exits, selection parts) are still wired by hand and
 # move here one at a time (docs/architecture.md)
-ANALYSES: Registry[Analysis] = Registry("analysis")
+ANALYSES: Registry[Analysis] = Registry("analysis", (token_profile.ANALYSIS,))
 
 
 def analysis_metrics(sections: Mapping[str, Section]) -> dict[str, float | None]:

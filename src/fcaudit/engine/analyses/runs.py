@@ -11,7 +11,7 @@ import numpy as np
 from torch import Tensor
 
 from fcaudit.core.contract import Site
-from fcaudit.core.interventions import Intervention
+from fcaudit.core.interventions import Intervention, StaticProfiles
 from fcaudit.engine.analyses import ANALYSES, Analysis, Section
 from fcaudit.engine.options import Prepared
 from fcaudit.engine.plan import ReplayInputs, Run, Target, custom_feed
@@ -47,6 +47,7 @@ class Measured:
 
     setup: Prepared
     repeats: Mapping[str, list[np.ndarray]]
+    profiles: StaticProfiles  # the calibration set's static profiles
 
     def condition(self, key: str) -> ConditionResult:
         """Run ``key`` against correct, as the conditions table states a condition: mean
@@ -62,17 +63,22 @@ def analysis_runs(setup: Prepared, first: Probe) -> list[Run]:
             for iv in a.plan(setup, first) for k in range(iv.repeats)]
 
 
-def analysis_sections(setup: Prepared, runs: Sequence[Run],
-                      per_run: Sequence[np.ndarray]) -> dict[str, Section]:
-    """Each analysis's section from the measured runs (in JSON types, as audit.json reads
-    back), leaving out those that return None."""
+def analysis_sections(setup: Prepared, runs: Sequence[Run], per_run: Sequence[np.ndarray],
+                      profiles: StaticProfiles) -> dict[str, Section]:
+    """Each analysis's section from the measured runs, leaving out those that return None:
+    an instance of its ``section_type``, else plain JSON types (as audit.json reads back)."""
     repeats: dict[str, list[np.ndarray]] = {}
     for run, values in zip(runs, per_run, strict=True):
         repeats.setdefault(run.key, []).append(values)
-    measured, out = Measured(setup, repeats), {}
+    measured, out = Measured(setup, repeats, profiles), {}
     for analysis in ANALYSES.values():
         section = analysis.summarise(measured, analysis)
-        if section is not None:
+        if section is None:
+            continue
+        if analysis.section_type is not None:
+            assert isinstance(section, analysis.section_type), (analysis.name, section)
+            out[analysis.name] = section
+        else:
             out[analysis.name] = json.loads(json.dumps(dump(section)))
     return out
 

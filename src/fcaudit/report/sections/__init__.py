@@ -5,26 +5,17 @@ analysis has no renderer is still shown, as its JSON, so nothing measured goes u
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from fcaudit.core.registry import Registry
-from fcaudit.engine.result import AuditResult
+from fcaudit.engine.result import AuditResult, dump
 from fcaudit.report.markdown import md_fenced, md_text
+from fcaudit.report.sections import token_profile
+from fcaudit.report.sections.base import Renderer
 
-
-@dataclass(frozen=True)
-class Renderer:
-    """``render(result, section)``: the section's Markdown blocks, the first its
-    ``## Title`` (figures titled alike are placed at its end)."""
-
-    name: str
-    render: Callable[[AuditResult, dict[str, Any]], list[str]]
-
+__all__ = ["RENDERERS", "Renderer", "analysis_sections"]
 
 # one renderer per analysis that has one, in any order (the report follows the analyses')
-RENDERERS: Registry[Renderer] = Registry("section renderer")
+RENDERERS: Registry[Renderer] = Registry("section renderer", (token_profile.RENDERER,))
 
 
 def analysis_sections(r: AuditResult) -> list[list[str]]:
@@ -35,5 +26,5 @@ def analysis_sections(r: AuditResult) -> list[list[str]]:
             out.append(RENDERERS[name].render(r, section))
         else:
             out.append([f"## {md_text(name)}",
-                        md_fenced(json.dumps(section, indent=1, sort_keys=True))])
+                        md_fenced(json.dumps(dump(section), indent=1, sort_keys=True))])
     return out

@@ -108,3 +108,19 @@ def test_replays_of_an_analysis_are_bitwise_the_same_on_a_rerun(tmp_path) -> Non
         again, _, _ = _audit(toys.content_model(), tmp_path, ["gates.*"], execution=False)
     assert again.runtime.reuse["batches_reused"] == 3
     assert first.analyses == again.analyses
+
+
+def test_sections_are_read_back_strictly(tmp_path) -> None:
+    """A typed section of the wrong shape, a plain one holding a non-finite number, and an
+    ``analyses`` key (never written) are refused in one line naming the place."""
+    with ANALYSES.added(HALVING):
+        result, _, _ = _audit(toys.content_model(), tmp_path, ["gates.*"], execution=False)
+        written = json.loads(json.dumps(result.to_json()))
+        assert AuditResult.from_json(written).analyses == result.analyses
+        for broken, where in (
+                ({**written, "token_profile": {**written["token_profile"], "eval_tokens": "x"}},
+                 "token_profile.eval_tokens"),
+                ({**written, "halving": {"halved": float("nan")}}, "halving"),
+                ({**written, "analyses": {}}, "analyses is not a key")):
+            with pytest.raises(DataError, match=where):
+                AuditResult.from_json(broken)

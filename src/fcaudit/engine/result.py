@@ -169,11 +169,13 @@ class AuditResult:
         # sections read back by name: an analysis this fcaudit lacks is an unknown key
         sections = {k: v for k, v in data.items() if k in ANALYSES}
         try:
+            if "analyses" in data:  # never written: the sections sit at the top level
+                raise SchemaError("analyses", "is not a key of audit.json")
             result = load(cls, {k: v for k, v in data.items() if k not in sections})
             if sections:
                 result = dataclasses.replace(result, analyses={
-                    k: v if ANALYSES[k].section_type is None else
-                    load(ANALYSES[k].section_type, v, k) for k, v in sections.items()})
+                    k: load(ANALYSES[k].section_type or Any, v, k)
+                    for k, v in sections.items()})
             _check_conditions(result)
             check_consistent(result)
         except RecursionError as exc:  # data nested deeper than fcaudit's, given in memory

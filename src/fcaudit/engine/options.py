@@ -10,9 +10,7 @@ working; each field carries an :class:`OptionSpec` in its metadata (its part, he
 integer bounds, command-line form, the option it is read with and where ``audit.json``
 records it). Validation (an option asked for without what it needs is refused, never
 dropped), the ``fcaudit audit`` flags and the result's ``settings`` are read off that
-metadata, and the parts are typed views: ``options.statistics``
-(:class:`StatisticsOptions`), ``options.scope``, ``options.scheduling``,
-``options.stopping`` and ``options.placing``.
+metadata.
 
 This module imports neither torch nor numpy: ``fcaudit --help`` builds its flags from it.
 """
@@ -313,92 +311,6 @@ class AuditOptions:
         """Where accelerate may put the weights (None: the model loads whole)."""
         from fcaudit.io.placement import placement
         return placement(self.device_map, self.max_memory, self.offload_folder)
-
-    def _part(self, part: type[Any]) -> Any:
-        return part(**{f.name: getattr(self, f.name) for f in dataclasses.fields(part)})
-
-    @property
-    def statistics(self) -> StatisticsOptions:
-        return self._part(StatisticsOptions)
-
-    @property
-    def scope(self) -> ScopeOptions:
-        return self._part(ScopeOptions)
-
-    @property
-    def scheduling(self) -> ScheduleOptions:
-        """The schedule part (the field ``schedule`` predates the parts and keeps its name)."""
-        return self._part(ScheduleOptions)
-
-    @property
-    def stopping(self) -> StoppingOptions:
-        return self._part(StoppingOptions)
-
-    @property
-    def placing(self) -> PlacementOptions:
-        """The placement part (the method ``placement()`` predates the parts)."""
-        return self._part(PlacementOptions)
-
-
-# AuditOptions' parts, read-only views of its fields (no defaults: AuditOptions holds them)
-
-
-@dataclass(frozen=True)
-class StatisticsOptions:
-    """How many random draws, from which seeds, with what loss and intervals."""
-
-    repeats: int
-    seed: int
-    bootstrap: int
-    objective: Any
-
-
-@dataclass(frozen=True)
-class ScopeOptions:
-    """What is measured beyond the main conditions, and what the identity gate allows."""
-
-    per_layer: bool
-    execution: bool
-    timing_pairs: int
-    allow_nonexact_identity: bool
-    expert_ablation: bool | None
-    frontier: bool | None
-    frontier_points: int
-    conditions: tuple[str, ...] = ()  # the last fields, so earlier constructions still work
-    early_exit: bool = False
-    exit_threshold: float = 0.9
-
-
-@dataclass(frozen=True)
-class ScheduleOptions:
-    """How the work is cut and run; the numbers do not depend on it."""
-
-    batch_size: int
-    progress: bool
-    schedule: str
-    verify_reuse: str = "sample"
-
-
-@dataclass(frozen=True)
-class StoppingOptions:
-    """Precision-driven stopping (engine/stopping.py); None: a fixed audit."""
-
-    target_ci: float | None
-    min_sequences: int | None
-
-
-@dataclass(frozen=True)
-class PlacementOptions:
-    """Where accelerate puts the weights of a model bigger than memory."""
-
-    device_map: str | None
-    max_memory: str | dict[str, str | int] | None
-    offload_folder: str | Path | None
-
-
-PARTS: dict[str, type[Any]] = {"statistics": StatisticsOptions, "scope": ScopeOptions,
-                               "schedule": ScheduleOptions, "stopping": StoppingOptions,
-                               "placement": PlacementOptions}
 
 
 def option_specs() -> Iterator[tuple[dataclasses.Field[Any], OptionSpec]]:

@@ -1,16 +1,14 @@
 """AuditOptions in parts: one flat frozen dataclass whose fields carry their part, help,
 bounds and command-line form; the ``fcaudit audit`` flags are generated from the fields,
-and validation runs once per audit."""
+and validation refuses before the model is read."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-import numpy as np
 import pytest
-import toys
-from conftest import FAST_ARGS, TOY, run_inprocess
+from conftest import run_inprocess
 
 from fcaudit.cli import build_parser
 from fcaudit.cli.parser import audit_options
@@ -109,25 +107,13 @@ def test_arch_choices_are_the_model_registry() -> None:
         "dense-ponder"])
 
 
-def test_the_cli_validates_an_audit_s_options_once(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CLI checks before it loads the model; audit() finds the same options checked."""
-    checks: list[AuditOptions] = []
-    original = AuditOptions._check
-
-    def counted(self: AuditOptions, given: object = ()) -> None:
-        checks.append(self)
-        original(self, given)
-    monkeypatch.setattr(AuditOptions, "_check", counted)
-    for name, seed in (("eval", 1), ("calib", 2)):
-        np.save(tmp_path / f"{name}.npy", toys.pair_sequences(8, 16, seed))
-    res = run_inprocess(["audit", *TOY, *FAST_ARGS, "--tokens", tmp_path / "eval.npy",
-                         "--calib-tokens", tmp_path / "calib.npy", "--out", tmp_path / "out"],
-                        capsys)
-    assert res.returncode == 0, res.stderr
-    assert len(checks) == 1 and checks[0].repeats == 1
-    checks[0].validate()  # checked already: not again
-    assert len(checks) == 1
-    dataclasses.replace(checks[0], repeats=2).validate()  # a new value is checked
-    assert len(checks) == 2
+def test_the_cli_refuses_an_option_before_it_reads_the_model(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A model that cannot be found is not read yet when an option is refused: the
+    option's own line, exit 2."""
+    res = run_inprocess(["audit", "--model", tmp_path / "no-such-model", "--repeats", "0",
+                         "--out", tmp_path / "out"], capsys)
+    assert res.returncode == 2
+    assert res.stderr.strip() == \
+        "fcaudit: error: --repeats 0: must be an integer between 1 and 100"
+    assert not (tmp_path / "out").exists()

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import math
 import time
-import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,16 +268,8 @@ class AuditOptions:
         option they are read with (:class:`Needs`), naming the option in the caller's
         words (the ``AuditOptions`` field, or the CLI flag). An option is asked for when
         its value is not its default, or when it is in ``given`` (the flags a command line
-        gave, at the default value or not). Runs once per instance: the CLI checks before
-        it loads a model, and ``audit`` finds these options checked."""
-        if _CHECKED.get(id(self), _dead)() is self:
-            check_needs(self, given)  # the values were checked; a caller's flags are new
-            return
-        self._check(given)
-        key = id(self)
-        _CHECKED[key] = weakref.ref(self, lambda _: _CHECKED.pop(key, None))
-
-    def _check(self, given: Collection[str] = ()) -> None:
+        gave, at the default value or not). A pure check: the CLI runs it before it loads
+        a model, and ``audit`` again on what it is given."""
         for f, spec in option_specs():
             if spec.bounds is not None:
                 _check_int(f.name, getattr(self, f.name), *spec.bounds)
@@ -321,12 +312,6 @@ def option_specs() -> Iterator[tuple[dataclasses.Field[Any], OptionSpec]]:
 
 _SPECS: dict[str, tuple[dataclasses.Field[Any], OptionSpec]] = {
     f.name: (f, spec) for f, spec in option_specs()}
-# the instances validate() passed, by identity (AuditOptions may hold a dict: unhashable)
-_CHECKED: dict[int, weakref.ref[AuditOptions]] = {}
-
-
-def _dead() -> None:
-    return None
 
 
 def asked(options: AuditOptions, name: str, given: Collection[str] = ()) -> bool:

@@ -1,8 +1,7 @@
 """What an audit is run with: its options, and the validated inputs every stage reads.
 
 :class:`AuditOptions` are the user's knobs (recorded in ``audit.json``); :class:`Prepared`
-(``Setup``) is the plain, frozen data that validation produces and every later
-stage takes.
+is the plain, frozen data that validation produces and every later stage takes.
 
 ``AuditOptions`` stays one flat frozen dataclass, so every caller's flat keywords,
 attribute reads, ``dataclasses.replace`` and ``AuditOptions(**other.__dict__)`` keep
@@ -481,9 +480,6 @@ class Prepared:
     @property
     def calib_source(self) -> Any:
         return self.inputs.calib_source
-
-
-Setup = Prepared  # its earlier name, for callers outside fcaudit
 
 
 # progress(NOTE, 0, 0, line): a line for the person running the audit, not a stage; the

@@ -5,7 +5,6 @@ one hook lifetime, and results written through the output folder's writer."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 
@@ -129,22 +128,6 @@ def test_hooks_are_removed_when_registering_or_the_block_fails() -> None:
         raise KeyError("the block fails")
     net(torch.zeros(1, 2))
     assert seen == [] and not net[0]._forward_hooks and not net[1]._forward_pre_hooks
-
-
-def test_a_deprecated_render_callback_warns_and_its_files_are_recorded(tmp_path: Path) -> None:
-    """engine.audit(render=...) still writes what render writes before audit.json, warns,
-    and records those files in the marker, so a rerun replaces them."""
-    def render(result: object, out: Path) -> None:
-        (out / "report.md").write_text("a report")
-
-    for _ in range(2):  # the second run replaces the first's report: it was recorded
-        with pytest.warns(DeprecationWarning, match="render"):
-            engine.audit(toys.content_model(), tmp_path / "out", sites=["gates.*"],
-                         data=toy_data(), options=FAST,
-                         render=render)
-    files = recorded(tmp_path / "out")
-    assert {"report.md", "audit.json"} <= set(files)
-    assert json.loads((tmp_path / "out" / "audit.json").read_text())["schema"]
 
 
 def test_api_audit_writes_its_report_through_the_folders_writer(tmp_path: Path) -> None:

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,21 +69,17 @@ from fcaudit.io.results import ResultWriter, replacing_results
 __all__ = ["AuditOptions", "Audited", "Measurements", "Prepared", "audit", "audited",
            "build_result", "measure", "prepare"]
 
-Renderer = Callable[[AuditResult, Path], None]  # writes the human-readable report
-
-
 def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
           data: DataSpec | AuditData | None = None, dense: Any = None,
           blocks: str | None = None, options: AuditOptions | None = None,
           interventions: Mapping[str, Any] | Sequence[Intervention] | None = None,
           progress: Progress | None = None, command: str | None = None,
-          render: Renderer | None = None, site_axes: SiteAxes = None) -> AuditResult | None:
+          site_axes: SiteAxes = None) -> AuditResult | None:
     """Run the whole Frozen Controller Audit and return its :class:`AuditResult`.
 
     The public entry is :func:`fcaudit.api.audit`, which also writes the report (through
     :func:`audited`): this one writes only ``audit.json``, so the engine never imports the
-    report layer. ``render(result, out)``, called before ``audit.json`` is written, is
-    deprecated (its files are adopted into the folder's record afterwards).
+    report layer.
 
     ``model``: a spec (run folder, checkpoint folder, ``pkg.module:factory``), an
     ``nn.Module`` or a :class:`~fcaudit.io.loading.LoadedModel`. ``out``: the output
@@ -101,17 +96,10 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
     ``out`` first, the batches are shared out, and rank 0 alone returns the result
     (the other ranks return None).
     """
-    if render is not None:
-        warnings.warn("fcaudit.engine.run.audit(render=...) is deprecated: call fcaudit.audit, "
-                      "which writes the report", DeprecationWarning, stacklevel=2)
     with audited(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
                  options=options, interventions=interventions, progress=progress,
                  command=command, site_axes=site_axes) as done:
         if done.files is not None:
-            if render is not None:
-                before = done.files.present()
-                render(done.result, done.out)
-                done.files.adopt(before)
             done.finish()
         return done.result
 

@@ -42,8 +42,9 @@ def test_every_seed_derives_from_one_plan() -> None:
 
 
 def test_audit_json_seeds_come_from_the_plan() -> None:
-    result = engine.audit(toys.content_model(), sites=["gates.*"], data=toy_data(),
-                          options=dataclasses.replace(FAST, seed=5, repeats=3))
+    result = engine.audit(engine.AuditRequest(
+        toys.content_model(), sites=["gates.*"], data=toy_data(),
+        options=dataclasses.replace(FAST, seed=5, repeats=3)))
     assert result is not None
     assert (result.seeds.master, result.seeds.reassign, result.seeds.bootstrap) == \
         (5, [5017, 5018, 5019], 5007)
@@ -88,15 +89,16 @@ def test_the_result_is_constructed_once(monkeypatch: pytest.MonkeyPatch) -> None
         calls.append(1)
         return real(*args, **kwargs)
     monkeypatch.setattr(assemble, "AuditResult", counted)
-    engine.audit(toys.content_model(), sites=["gates.*"], data=toy_data(), options=FAST)
+    engine.audit(engine.AuditRequest(toys.content_model(), sites=["gates.*"], data=toy_data(),
+                                     options=FAST))
     assert len(calls) == 1
 
 
 def test_the_engine_prints_nothing_its_lines_go_to_the_callback(
         capsys: pytest.CaptureFixture[str]) -> None:
     events: list[tuple[str, str]] = []
-    engine.audit(toys.content_model(), sites=["gates.*"], data=toy_data(),
-                 options=dataclasses.replace(FAST, progress=True),
+    engine.audit(engine.AuditRequest(toys.content_model(), sites=["gates.*"], data=toy_data(),
+                                     options=dataclasses.replace(FAST, progress=True)),
                  progress=lambda stage, done, total, info="": events.append((stage, info)))
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""

@@ -22,7 +22,8 @@ import torch
 from resultfile import ResultFile, add_json_option
 from torch import nn
 
-from fcaudit.engine.execution import format_table, measure_execution
+from fcaudit.engine.execution import measure_execution
+from fcaudit.engine.result import Execution
 from fcaudit.engine.verdicts import verdict_execution
 from fcaudit.io.data import builtin_documents, cut_windows, encode_documents, spread_pick
 from fcaudit.io.loading import get_arch, load_model
@@ -42,6 +43,26 @@ def eval_windows(vocab_size: int, seq_len: int, sequences: int) -> torch.Tensor:
     tok = builtin_tokenizer(vocab_size)
     windows = cut_windows(encode_documents(tok, builtin_documents("eval")), seq_len)
     return torch.from_numpy(windows[spread_pick(len(windows), sequences)])
+
+
+def format_table(results: dict[str, Execution]) -> str:
+    """Side-by-side text table of several measurements (name -> measure_execution result)."""
+    rows = [("model", "blocks run/present", "FLOPs/token", "FLOPs vs dense", "ms/batch",
+             "tokens/s", "latency vs dense [95% CI]")]
+    for name, e in results.items():
+        t = e.timing
+        if t is not None:
+            ratio = t.speed_ratio_vs_dense
+            speed = (f"{1e3 * t.model.median_s:.2f}", f"{t.model.tokens_per_s:,.0f}",
+                     f"{ratio.value:.3f} [{ratio.ci95[0]:.3f}, {ratio.ci95[1]:.3f}]")
+        else:
+            speed = ("-", "-", "-")
+        ratio_text = f"{e.flops_ratio:.3f}x" if e.flops_ratio is not None else "n/a"
+        rows.append((name, f"{e.blocks_executed:.2f}/{e.blocks_present}",
+                     f"{(e.flops_per_token or 0) / 1e6:.3f}M", ratio_text, *speed))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def main() -> None:

@@ -25,7 +25,14 @@ from typing import Any
 from resultfile import ResultFile, add_json_option
 
 from fcaudit.engine.result import AuditResult
-from fcaudit.engine.run import AuditOptions, as_loaded, audit, loaded_seq_len, prepare
+from fcaudit.engine.run import (
+    AuditOptions,
+    AuditRequest,
+    as_loaded,
+    audit,
+    loaded_seq_len,
+    prepare,
+)
 from fcaudit.engine.stopping import prefix_data
 from fcaudit.io.data import AuditData, DataSpec
 
@@ -47,15 +54,15 @@ def comparable(result: AuditResult) -> dict[str, Any]:
 def timed(model: Any, out: Path, data: AuditData, options: AuditOptions
           ) -> tuple[AuditResult, float]:
     started = time.perf_counter()
-    result = audit(model, out, data=data, options=options)
+    result = audit(AuditRequest(model, out, data=data, options=options))
     assert result is not None
     return result, time.perf_counter() - started
 
 
 def pool_of(model: Any, pool: int, calib: int, options: AuditOptions) -> AuditData:
     """The pool as a fixed audit resolves it (with its sources), before any ordering."""
-    setup = prepare(model, None, sites=None, data=DataSpec(max_eval=pool, max_calib=calib),
-                    dense=None, blocks=None, options=options, interventions=None)
+    setup = prepare(AuditRequest(model, data=DataSpec(max_eval=pool, max_calib=calib),
+                                 options=options))
     return setup.data
 
 

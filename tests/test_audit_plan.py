@@ -17,6 +17,7 @@ from conftest import toy_data
 
 from fcaudit import AuditData, AuditOptions
 from fcaudit.engine.options import NOTE
+from fcaudit.engine.run import AuditRequest
 from fcaudit.engine.run import audit as audited  # the engine: its notes reach the callback
 from fcaudit.models.featuregate import GPT, PRESETS
 
@@ -31,8 +32,8 @@ def _audit(model, tmp_path, sites=None, data=None, dense=None, blocks=None, **op
             said.append((info, len(calls)))
 
     opts = AuditOptions(**{"bootstrap": 20, "repeats": 2, "batch_size": 4, **options})
-    result = audited(model, tmp_path / "out", sites=sites, data=data or toy_data(),
-                     dense=dense, blocks=blocks, options=opts, progress=progress)
+    result = audited(AuditRequest(model, tmp_path / "out", sites=sites, data=data or toy_data(),
+                                  dense=dense, blocks=blocks, options=opts), progress)
     assert len(said) == 1, said  # once, before the work
     line, before = said[0]
     return result, line, len(calls) - before
@@ -134,8 +135,8 @@ def test_the_record_progress_counts_the_plan_s_evaluation_batches(tmp_path) -> N
             seen.append((done, total, info))
 
     opts = AuditOptions(bootstrap=20, repeats=1, batch_size=4, per_layer=False)
-    audited(toys.content_model(), tmp_path / "out", sites=["gates.*"], data=toy_data(12, 12),
-            options=opts, progress=progress)
+    audited(AuditRequest(toys.content_model(), tmp_path / "out", sites=["gates.*"],
+                         data=toy_data(12, 12), options=opts), progress)
     batches = -(-12 // 4)
     probe = "(batch 1 recorded by the probe)"
     assert seen == [(1, batches, probe), (2, batches, probe), (3, batches, probe)]

@@ -5,7 +5,6 @@ one hook lifetime, and results written through the output folder's writer."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 
@@ -43,8 +42,9 @@ def test_every_seed_derives_from_one_plan() -> None:
 
 
 def test_audit_json_seeds_come_from_the_plan() -> None:
-    result = engine.audit(toys.content_model(), sites=["gates.*"], data=toy_data(),
-                          options=dataclasses.replace(FAST, seed=5, repeats=3))
+    result = engine.audit(engine.AuditRequest(
+        toys.content_model(), sites=["gates.*"], data=toy_data(),
+        options=dataclasses.replace(FAST, seed=5, repeats=3)))
     assert result is not None
     assert (result.seeds.master, result.seeds.reassign, result.seeds.bootstrap) == \
         (5, [5017, 5018, 5019], 5007)
@@ -89,15 +89,16 @@ def test_the_result_is_constructed_once(monkeypatch: pytest.MonkeyPatch) -> None
         calls.append(1)
         return real(*args, **kwargs)
     monkeypatch.setattr(assemble, "AuditResult", counted)
-    engine.audit(toys.content_model(), sites=["gates.*"], data=toy_data(), options=FAST)
+    engine.audit(engine.AuditRequest(toys.content_model(), sites=["gates.*"], data=toy_data(),
+                                     options=FAST))
     assert len(calls) == 1
 
 
 def test_the_engine_prints_nothing_its_lines_go_to_the_callback(
         capsys: pytest.CaptureFixture[str]) -> None:
     events: list[tuple[str, str]] = []
-    engine.audit(toys.content_model(), sites=["gates.*"], data=toy_data(),
-                 options=dataclasses.replace(FAST, progress=True),
+    engine.audit(engine.AuditRequest(toys.content_model(), sites=["gates.*"], data=toy_data(),
+                                     options=dataclasses.replace(FAST, progress=True)),
                  progress=lambda stage, done, total, info="": events.append((stage, info)))
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
@@ -129,22 +130,6 @@ def test_hooks_are_removed_when_registering_or_the_block_fails() -> None:
         raise KeyError("the block fails")
     net(torch.zeros(1, 2))
     assert seen == [] and not net[0]._forward_hooks and not net[1]._forward_pre_hooks
-
-
-def test_a_deprecated_render_callback_warns_and_its_files_are_recorded(tmp_path: Path) -> None:
-    """engine.audit(render=...) still writes what render writes before audit.json, warns,
-    and records those files in the marker, so a rerun replaces them."""
-    def render(result: object, out: Path) -> None:
-        (out / "report.md").write_text("a report")
-
-    for _ in range(2):  # the second run replaces the first's report: it was recorded
-        with pytest.warns(DeprecationWarning, match="render"):
-            engine.audit(toys.content_model(), tmp_path / "out", sites=["gates.*"],
-                         data=toy_data(), options=FAST,
-                         render=render)
-    files = recorded(tmp_path / "out")
-    assert {"report.md", "audit.json"} <= set(files)
-    assert json.loads((tmp_path / "out" / "audit.json").read_text())["schema"]
 
 
 def test_api_audit_writes_its_report_through_the_folders_writer(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import toys
 from conftest import AUDIT_FAST, COMMON, make_mudd_folder, run_inprocess
 
 from fcaudit import AuditData, AuditOptions
-from fcaudit.engine.prepare import prepare
+from fcaudit.engine.prepare import AuditRequest, prepare
 from fcaudit.engine.result import AuditResult, SiteInfo
 from fcaudit.io.typedjson import load
 from fcaudit.models.featuregate import GPT
@@ -35,8 +35,8 @@ def kinds_of(model: object, sites: list[str] | None, vocab: int) -> dict[str, st
     """Every site's kind as the audit judges it before its first pass (site -> kind)."""
     rng = np.random.default_rng(0)
     data = AuditData(rng.integers(0, vocab, (4, 16)), rng.integers(0, vocab, (4, 16)), {})
-    setup = prepare(model, None, sites=sites, data=data, dense=None, blocks=None,
-                    options=AuditOptions(execution=False), interventions=None)
+    setup = prepare(AuditRequest(model, sites=sites, data=data,
+                                 options=AuditOptions(execution=False)))
     assert [s.name for s in setup.sites] == list(setup.kinds)  # every site judged
     return setup.kinds
 

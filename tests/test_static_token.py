@@ -18,7 +18,7 @@ from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.metrics import TokenShare
 from fcaudit.engine.options import silent
 from fcaudit.engine.result import ConditionResult, Retention, TokenProfile
-from fcaudit.engine.run import AuditOptions, cache_identity, prepare
+from fcaudit.engine.run import AuditOptions, AuditRequest, cache_identity, prepare
 from fcaudit.engine.stages import calibration_profiles, record_calibration
 from fcaudit.engine.verdicts import dependence
 from fcaudit.io.data import AuditData
@@ -103,8 +103,7 @@ def test_context_router_keeps_little_and_its_id_explains_part():
 
 def _engine_profiles(model, data: AuditData, tmp_path, batch_size: int) -> StaticProfiles:
     options = dataclasses.replace(FAST, batch_size=batch_size)
-    setup = prepare(model, None, sites=None, data=data, dense=None, blocks=None,
-                    options=options, interventions=None)
+    setup = prepare(AuditRequest(model, data=data, options=options))
     cache = CoefficientCache(tmp_path / f"cache-{batch_size}", cache_identity(setup),
                              batch_size, len(data.eval_ids))
     record_calibration(setup, cache, silent)

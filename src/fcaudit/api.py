@@ -55,15 +55,34 @@ def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
           interventions: Mapping[str, Any] | Sequence[Intervention] | None = None,
           progress: Progress | None = None, command: str | None = None,
           report: bool = True, site_axes: SiteAxes = None) -> AuditResult | None:
-    """Run the whole Frozen Controller Audit (:func:`fcaudit.engine.run.audit` explains
-    every argument); with ``out``, write its results through the folder's writer: with
-    ``report``, report.md, report.html and the figures, then audit.json (last: its
-    presence means the audit finished)."""
-    with engine.audited(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
-                        options=options, interventions=interventions,
-                        progress=with_notes(progress, cli=command is not None),
-                        command=command,
-                        site_axes=site_axes) as done:
+    """Run the whole Frozen Controller Audit and return its :class:`AuditResult`; with
+    ``out``, write its results through the folder's writer: with ``report``, report.md,
+    report.html and the figures, then audit.json (last: its presence means the audit
+    finished). The engine's notes go to stderr (:func:`with_notes`), its stages to
+    ``progress``.
+
+    ``model``: a spec (run folder, checkpoint folder, ``pkg.module:factory``), an
+    ``nn.Module`` or a :class:`~fcaudit.io.loading.LoadedModel`. ``out``: the output
+    folder (cache, ``audit.json``, report); None runs in a temporary cache and writes
+    nothing. ``sites``: module-path globs or :class:`~fcaudit.Site` objects (default:
+    the model's declaration). ``site_axes``: the coefficient layout of sites no one
+    declared, ``{glob: "example,channel"}`` (a ``*`` after each position axis, e.g.
+    ``"example,channel,row*,column*"``); without it such a layout is read off the first
+    batch, a position axis only where proven. ``data``: a :class:`DataSpec` (text, token
+    arrays or the built-in corpus) or ready :class:`AuditData`. ``interventions``: user-defined
+    conditions, ``{name: fn}`` or :class:`~fcaudit.core.interventions.Intervention` objects.
+    ``command``: the command line that asked (recorded in ``audit.json``; the notes then
+    name options by their flags).
+
+    In a ``torchrun`` process group every rank calls this; rank 0 validates and claims
+    ``out`` first, the batches are shared out, and rank 0 alone returns the result
+    (the other ranks return None).
+    """
+    request = engine.AuditRequest(
+        model, out, sites=sites, data=DataSpec() if data is None else data, dense=dense,
+        blocks=blocks, options=AuditOptions() if options is None else options,
+        interventions=interventions, command=command, site_axes=site_axes)
+    with engine.audited(request, with_notes(progress, cli=command is not None)) as done:
         if done.files is not None:
             if report:
                 write_report(done.result, done.out, done.files)

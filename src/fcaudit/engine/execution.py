@@ -555,23 +555,3 @@ def _batches(model: nn.Module, input_ids: Any, batch_size: int) -> Sequence[Any]
         raise ModelError(f"execution measurement needs input_ids [N, T], got shape "
                          f"{tuple(input_ids.shape)}")
     return input_ids.split(batch_size)
-
-
-def format_table(results: dict[str, Execution]) -> str:
-    """Side-by-side text table of several measurements (name -> measure_execution result)."""
-    rows = [("model", "blocks run/present", "FLOPs/token", "FLOPs vs dense", "ms/batch",
-             "tokens/s", "latency vs dense [95% CI]")]
-    for name, e in results.items():
-        t = e.timing
-        if t is not None:
-            ratio = t.speed_ratio_vs_dense
-            speed = (f"{1e3 * t.model.median_s:.2f}", f"{t.model.tokens_per_s:,.0f}",
-                     f"{ratio.value:.3f} [{ratio.ci95[0]:.3f}, {ratio.ci95[1]:.3f}]")
-        else:
-            speed = ("-", "-", "-")
-        ratio_text = f"{e.flops_ratio:.3f}x" if e.flops_ratio is not None else "n/a"
-        rows.append((name, f"{e.blocks_executed:.2f}/{e.blocks_present}",
-                     f"{(e.flops_per_token or 0) / 1e6:.3f}M", ratio_text, *speed))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
-    return "\n".join(line.rstrip() for line in lines)

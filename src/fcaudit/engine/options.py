@@ -1,8 +1,7 @@
 """What an audit is run with: its options, and the validated inputs every stage reads.
 
 :class:`AuditOptions` are the user's knobs (recorded in ``audit.json``); :class:`Prepared`
-(``Setup``) is the plain, frozen data that validation produces and every later
-stage takes.
+is the plain, frozen data that validation produces and every later stage takes.
 
 ``AuditOptions`` stays one flat frozen dataclass, so every caller's flat keywords,
 attribute reads, ``dataclasses.replace`` and ``AuditOptions(**other.__dict__)`` keep
@@ -10,9 +9,7 @@ working; each field carries an :class:`OptionSpec` in its metadata (its part, he
 integer bounds, command-line form, the option it is read with and where ``audit.json``
 records it). Validation (an option asked for without what it needs is refused, never
 dropped), the ``fcaudit audit`` flags and the result's ``settings`` are read off that
-metadata, and the parts are typed views: ``options.statistics``
-(:class:`StatisticsOptions`), ``options.scope``, ``options.scheduling``,
-``options.stopping`` and ``options.placing``.
+metadata.
 
 This module imports neither torch nor numpy: ``fcaudit --help`` builds its flags from it.
 """
@@ -23,7 +20,6 @@ import dataclasses
 import functools
 import math
 import time
-import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,16 +268,8 @@ class AuditOptions:
         option they are read with (:class:`Needs`), naming the option in the caller's
         words (the ``AuditOptions`` field, or the CLI flag). An option is asked for when
         its value is not its default, or when it is in ``given`` (the flags a command line
-        gave, at the default value or not). Runs once per instance: the CLI checks before
-        it loads a model, and ``audit`` finds these options checked."""
-        if _CHECKED.get(id(self), _dead)() is self:
-            check_needs(self, given)  # the values were checked; a caller's flags are new
-            return
-        self._check(given)
-        key = id(self)
-        _CHECKED[key] = weakref.ref(self, lambda _: _CHECKED.pop(key, None))
-
-    def _check(self, given: Collection[str] = ()) -> None:
+        gave, at the default value or not). A pure check: the CLI runs it before it loads
+        a model, and ``audit`` again on what it is given."""
         for f, spec in option_specs():
             if spec.bounds is not None:
                 _check_int(f.name, getattr(self, f.name), *spec.bounds)
@@ -315,92 +303,6 @@ class AuditOptions:
         from fcaudit.io.placement import placement
         return placement(self.device_map, self.max_memory, self.offload_folder)
 
-    def _part(self, part: type[Any]) -> Any:
-        return part(**{f.name: getattr(self, f.name) for f in dataclasses.fields(part)})
-
-    @property
-    def statistics(self) -> StatisticsOptions:
-        return self._part(StatisticsOptions)
-
-    @property
-    def scope(self) -> ScopeOptions:
-        return self._part(ScopeOptions)
-
-    @property
-    def scheduling(self) -> ScheduleOptions:
-        """The schedule part (the field ``schedule`` predates the parts and keeps its name)."""
-        return self._part(ScheduleOptions)
-
-    @property
-    def stopping(self) -> StoppingOptions:
-        return self._part(StoppingOptions)
-
-    @property
-    def placing(self) -> PlacementOptions:
-        """The placement part (the method ``placement()`` predates the parts)."""
-        return self._part(PlacementOptions)
-
-
-# AuditOptions' parts, read-only views of its fields (no defaults: AuditOptions holds them)
-
-
-@dataclass(frozen=True)
-class StatisticsOptions:
-    """How many random draws, from which seeds, with what loss and intervals."""
-
-    repeats: int
-    seed: int
-    bootstrap: int
-    objective: Any
-
-
-@dataclass(frozen=True)
-class ScopeOptions:
-    """What is measured beyond the main conditions, and what the identity gate allows."""
-
-    per_layer: bool
-    execution: bool
-    timing_pairs: int
-    allow_nonexact_identity: bool
-    expert_ablation: bool | None
-    frontier: bool | None
-    frontier_points: int
-    conditions: tuple[str, ...] = ()  # the last fields, so earlier constructions still work
-    early_exit: bool = False
-    exit_threshold: float = 0.9
-
-
-@dataclass(frozen=True)
-class ScheduleOptions:
-    """How the work is cut and run; the numbers do not depend on it."""
-
-    batch_size: int
-    progress: bool
-    schedule: str
-    verify_reuse: str = "sample"
-
-
-@dataclass(frozen=True)
-class StoppingOptions:
-    """Precision-driven stopping (engine/stopping.py); None: a fixed audit."""
-
-    target_ci: float | None
-    min_sequences: int | None
-
-
-@dataclass(frozen=True)
-class PlacementOptions:
-    """Where accelerate puts the weights of a model bigger than memory."""
-
-    device_map: str | None
-    max_memory: str | dict[str, str | int] | None
-    offload_folder: str | Path | None
-
-
-PARTS: dict[str, type[Any]] = {"statistics": StatisticsOptions, "scope": ScopeOptions,
-                               "schedule": ScheduleOptions, "stopping": StoppingOptions,
-                               "placement": PlacementOptions}
-
 
 def option_specs() -> Iterator[tuple[dataclasses.Field[Any], OptionSpec]]:
     """Every field of :class:`AuditOptions` with its spec, in declaration order."""
@@ -410,12 +312,6 @@ def option_specs() -> Iterator[tuple[dataclasses.Field[Any], OptionSpec]]:
 
 _SPECS: dict[str, tuple[dataclasses.Field[Any], OptionSpec]] = {
     f.name: (f, spec) for f, spec in option_specs()}
-# the instances validate() passed, by identity (AuditOptions may hold a dict: unhashable)
-_CHECKED: dict[int, weakref.ref[AuditOptions]] = {}
-
-
-def _dead() -> None:
-    return None
 
 
 def asked(options: AuditOptions, name: str, given: Collection[str] = ()) -> bool:
@@ -585,9 +481,6 @@ class Prepared:
     @property
     def calib_source(self) -> Any:
         return self.inputs.calib_source
-
-
-Setup = Prepared  # its earlier name, for callers outside fcaudit
 
 
 # progress(NOTE, 0, 0, line): a line for the person running the audit, not a stage; the

@@ -9,10 +9,13 @@ no one declared (read off the first batch); nothing is written before this passe
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fcaudit.core.errors import UsageError, arg
+from fcaudit.core.interventions import Intervention
 from fcaudit.core.layout import SiteAxes, declare_axes
 from fcaudit.core.sites import SiteSpec, find_sites
 from fcaudit.engine.distributed import Ranks, current
@@ -36,26 +39,42 @@ from fcaudit.io.hf_exit import HEADS_NOTE, KIND, with_early_exit
 from fcaudit.io.runtime import untested_versions
 
 
-def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSpec | AuditData,
-            dense: Any, blocks: str | None, options: AuditOptions,
-            interventions: Any, site_axes: SiteAxes = None,
-            ranks: Ranks | None = None) -> Prepared:
+@dataclass(frozen=True)
+class AuditRequest:
+    """What one audit is asked for: :func:`fcaudit.audit`'s arguments as its caller gave
+    them (that function says what each means), so the engine takes one value instead of
+    spelling the signature again; :func:`prepare` checks every one."""
+
+    model: Any
+    out: str | Path | None = None
+    sites: SiteSpec = None
+    data: DataSpec | AuditData = field(default_factory=DataSpec)
+    dense: Any = None
+    blocks: str | None = None
+    options: AuditOptions = field(default_factory=AuditOptions)
+    interventions: Mapping[str, Any] | Sequence[Intervention] | None = None
+    command: str | None = None  # the command line that asked (None: a Python call)
+    site_axes: SiteAxes = None
+
+
+def prepare(request: AuditRequest, ranks: Ranks | None = None) -> Prepared:
     """Every check that does not need a forward pass of the audit itself; the notes say
     how long the scored windows are and how undeclared layouts were found."""
-    sites = check_arguments(sites, data, blocks, options)
+    dense, blocks, options = request.dense, request.blocks, request.options
+    sites = check_arguments(request.sites, request.data, blocks, options)
     options.validate()
     check_dense(dense, options)
-    loaded = as_loaded(model, placement=options.placement())
+    loaded = as_loaded(request.model, placement=options.placement())
     if options.early_exit:
         loaded = with_early_exit(loaded, options.exit_threshold)
     net = loaded.model.eval()
-    site_list = declare_axes(find_sites(net, sites), site_axes)
+    site_list = declare_axes(find_sites(net, sites), request.site_axes)
     check_needs(options, sites=site_list)  # the needs a model may meet (exit models' sweep)
     options = with_exit_conditions(options, site_list, net)
     # before the first forward pass
-    custom = custom_interventions(interventions, site_list, options.conditions)
+    custom = custom_interventions(request.interventions, site_list, options.conditions)
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
-    audit_data, options = resolve_inputs(loaded, data, options, site_list)
+    audit_data, options = resolve_inputs(loaded, request.data, options, site_list)
     twin, twin_source = dense_counterpart(net, audit_data, SeedPlan(options.seed), dense,
                                           blocks) if options.execution else (None, "")
     if twin is None and options.execution and asked(options, "timing_pairs"):
@@ -64,7 +83,8 @@ def prepare(model: Any, out: str | Path | None, *, sites: SiteSpec, data: DataSp
                          f"give one ({arg('dense')}) or drop {arg('timing_pairs')}",
                          option="timing_pairs")
     setup = Prepared(loaded, site_list, block_paths, blocks, audit_data, options, custom,
-                     twin, twin_source, out=Path(out) if out is not None else None)
+                     twin, twin_source,
+                     out=Path(request.out) if request.out is not None else None)
     if setup.out is not None:
         from fcaudit.io.outdir import check_output
         check_output(setup.out, "audit")

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +34,8 @@ import torch
 from fcaudit._version import __version__
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.errors import render as for_reader
-from fcaudit.core.interventions import Intervention
-from fcaudit.core.layout import SiteAxes, spell_axes
+from fcaudit.core.layout import spell_axes
 from fcaudit.core.nll import device_of
-from fcaudit.core.sites import SiteSpec
 from fcaudit.engine.assemble import build_result
 from fcaudit.engine.budget import AuditPlan, audit_plan, say_plan
 from fcaudit.engine.cache import CoefficientCache
@@ -57,61 +54,31 @@ from fcaudit.engine.inputs import (  # noqa: F401  (re-exported: the CLI and tes
 from fcaudit.engine.measure import Measurements, measure
 from fcaudit.engine.objectives import UNREADABLE
 from fcaudit.engine.options import AuditOptions, Prepared, Progress, say, silent
-from fcaudit.engine.prepare import prepare
+from fcaudit.engine.prepare import AuditRequest, prepare
 from fcaudit.engine.probe import Probe, ablation_plan, probe, same_probe_on_every_rank
 from fcaudit.engine.result import AuditResult
 from fcaudit.engine.stages import adopt_probe
 from fcaudit.engine.target_ci import run_to_target
-from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.outdir import hold_output
 from fcaudit.io.placement import offload_space
 from fcaudit.io.results import ResultWriter, replacing_results
 
-__all__ = ["AuditOptions", "Audited", "Measurements", "Prepared", "audit", "audited",
-           "build_result", "measure", "prepare"]
-
-Renderer = Callable[[AuditResult, Path], None]  # writes the human-readable report
+__all__ = ["AuditOptions", "AuditRequest", "Audited", "Measurements", "Prepared", "audit",
+           "audited", "build_result", "measure", "prepare"]
 
 
-def audit(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
-          data: DataSpec | AuditData | None = None, dense: Any = None,
-          blocks: str | None = None, options: AuditOptions | None = None,
-          interventions: Mapping[str, Any] | Sequence[Intervention] | None = None,
-          progress: Progress | None = None, command: str | None = None,
-          render: Renderer | None = None, site_axes: SiteAxes = None) -> AuditResult | None:
-    """Run the whole Frozen Controller Audit and return its :class:`AuditResult`.
-
-    The public entry is :func:`fcaudit.api.audit`, which also writes the report (through
-    :func:`audited`): this one writes only ``audit.json``, so the engine never imports the
-    report layer. ``render(result, out)``, called before ``audit.json`` is written, is
-    deprecated (its files are adopted into the folder's record afterwards).
-
-    ``model``: a spec (run folder, checkpoint folder, ``pkg.module:factory``), an
-    ``nn.Module`` or a :class:`~fcaudit.io.loading.LoadedModel`. ``out``: the output
-    folder (cache, ``audit.json``, report); None runs in a temporary cache and writes
-    nothing. ``sites``: module-path globs or :class:`~fcaudit.Site` objects (default:
-    the model's declaration). ``site_axes``: the coefficient layout of sites no one
-    declared, ``{glob: "example,channel"}`` (a ``*`` after each position axis, e.g.
-    ``"example,channel,row*,column*"``); without it such a layout is read off the first
-    batch, a position axis only where proven. ``data``: a :class:`DataSpec` (text, token
-    arrays or the built-in corpus) or ready :class:`AuditData`. ``interventions``: user-defined
-    conditions, ``{name: fn}`` or :class:`~fcaudit.core.interventions.Intervention` objects.
+def audit(request: AuditRequest, progress: Progress | None = None) -> AuditResult | None:
+    """Run the whole Frozen Controller Audit and return its :class:`AuditResult`, writing
+    only ``audit.json`` (so the engine never imports the report layer), the engine's notes
+    going to ``progress`` alone. The public entry is :func:`fcaudit.api.audit`, which
+    also writes the report and shows the notes (through :func:`audited`).
 
     In a ``torchrun`` process group every rank calls this; rank 0 validates and claims
     ``out`` first, the batches are shared out, and rank 0 alone returns the result
     (the other ranks return None).
     """
-    if render is not None:
-        warnings.warn("fcaudit.engine.run.audit(render=...) is deprecated: call fcaudit.audit, "
-                      "which writes the report", DeprecationWarning, stacklevel=2)
-    with audited(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
-                 options=options, interventions=interventions, progress=progress,
-                 command=command, site_axes=site_axes) as done:
+    with audited(request, progress) as done:
         if done.files is not None:
-            if render is not None:
-                before = done.files.present()
-                render(done.result, done.out)
-                done.files.adopt(before)
             done.finish()
         return done.result
 
@@ -132,35 +99,22 @@ class Audited:
 
 
 @contextlib.contextmanager
-def audited(model: Any, out: str | Path | None = None, *, sites: SiteSpec = None,
-            data: DataSpec | AuditData | None = None, dense: Any = None,
-            blocks: str | None = None, options: AuditOptions | None = None,
-            interventions: Mapping[str, Any] | Sequence[Intervention] | None = None,
-            progress: Progress | None = None, command: str | None = None,
-            site_axes: SiteAxes = None) -> Iterator[Audited]:
-    """Run the audit (:func:`audit` explains the arguments) and hand its result to the
-    block; with ``out``, the block runs while the folder is held and its previous results
-    are aside: it writes the new ones through ``Audited.files``, ``audit.json`` last
-    (:meth:`Audited.finish`), and if it raises, the previous results come back."""
-    options = AuditOptions() if options is None else options
-    place = options.placement() if isinstance(model, (str, Path)) else None
-    with offload_space(place, out):  # weights on disk stay readable until the audit ends
-        yield from _audited(model, out, sites=sites, data=data, dense=dense, blocks=blocks,
-                            options=options, interventions=interventions,
-                            progress=progress or silent, command=command, site_axes=site_axes)
+def audited(request: AuditRequest, progress: Progress | None = None) -> Iterator[Audited]:
+    """Run the audit (:func:`audit`) and hand its result to the block; with ``out``, the
+    block runs while the folder is held and its previous results are aside: it writes the
+    new ones through ``Audited.files``, ``audit.json`` last (:meth:`Audited.finish`), and
+    if it raises, the previous results come back."""
+    place = request.options.placement() if isinstance(request.model, (str, Path)) else None
+    with offload_space(place, request.out):  # weights on disk stay readable until the end
+        yield from _audited(request, progress or silent)
 
 
-def _audited(model: Any, out: str | Path | None, *, sites: SiteSpec, data: Any, dense: Any,
-             blocks: str | None, options: AuditOptions, interventions: Any,
-             progress: Progress, command: str | None,
-             site_axes: SiteAxes = None) -> Iterator[Audited]:
-    ranks = current()
+def _audited(request: AuditRequest, progress: Progress) -> Iterator[Audited]:
+    ranks, command = current(), request.command
     if not ranks.main:
         ranks.barrier(CLAIMED)
-    setup = prepare(model, out, sites=sites, data=DataSpec() if data is None else data,
-                    dense=dense, blocks=blocks, options=options, interventions=interventions,
-                    site_axes=site_axes, ranks=ranks)
-    if ranks.main and options.progress:
+    setup = prepare(request, ranks)
+    if ranks.main and request.options.progress:
         for line in setup.notes:
             say(progress, for_reader(line, cli=command is not None))
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path, PurePosixPath
 
 from fcaudit.core.errors import CacheError
@@ -55,26 +55,6 @@ class ResultWriter(FileWriter):
                              "(or it was changed since); move it away and rerun (the cache "
                              "is kept, the previous results are put back)")
         save_recorded(self.out, {**files, key: sha256_file(tmp)})
-
-    def present(self) -> dict[str, str]:
-        """Every result file now in the folder, with its digest."""
-        found = [p for name in self.results for p in [self.out / name, *(
-            (self.out / name).rglob("*") if (self.out / name).is_dir() else ())] if p.is_file()]
-        return {p.relative_to(self.out).as_posix(): sha256_file(p) for p in found}
-
-    def adopt(self, before: Mapping[str, str]) -> None:
-        """Record the result files written since ``present()`` returned ``before`` by code
-        that did not use this writer (a deprecated ``render`` callback), as if it had."""
-        files = recorded(self.out)
-        for key, digest in self.present().items():
-            if before.get(key) == digest:
-                continue
-            if key in before:  # the owned results were retired: a file there was not ours
-                raise CacheError(f"{self.out / key} was in the way of a result: fcaudit did "
-                                 "not write it (or it was changed since); move it away and "
-                                 "rerun")
-            files[key] = digest
-        save_recorded(self.out, files)
 
 
 def _move(folder: Path, moves: Sequence[tuple[str, str]]) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fcaudit.core.interventions import Intervention
+if TYPE_CHECKING:  # reading an audit.json loads no torch
+    from fcaudit.core.interventions import Intervention
 
 Section = Any  # an instance of the analysis's section_type, else plain JSON types
 

@@ -13,7 +13,7 @@ from torch import nn
 from fcaudit._version import __version__
 from fcaudit.core.adapters import adapter_name
 from fcaudit.core.contract import Site
-from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, not_applicable, shuffled_axes
+from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, shuffled_axes
 from fcaudit.engine.budget import AuditPlan
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.distributed import Ranks
@@ -145,8 +145,7 @@ def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> d
     return {"expert_importance": expert_importance(
                 runs, replays.per_run, replays.route_load, replays.still_selected, opts)
             if ablation_runs(runs) else None,
-            "not_applicable": not_applicable(setup.sites, setup.inputs.token_ids is not None,
-                                             opts.conditions) or None,
+            "not_applicable": dict(setup.not_applicable) or None,
             "frontier": frontier}
 
 

@@ -22,7 +22,6 @@ from typing import Any
 
 from fcaudit.core.errors import arg
 from fcaudit.core.exits import exit_sites
-from fcaudit.core.layout import not_applicable
 from fcaudit.engine.analyses.runs import analysis_runs
 from fcaudit.engine.cost import RecordCost, check_disk, free_bytes, record_cost, size_text
 from fcaudit.engine.exit_sweep import own_threshold
@@ -118,7 +117,7 @@ def audit_plan(setup: Prepared, first: Probe, covered: Sequence[Covered]) -> Aud
     size = opts.batch_size
     n_eval, n_calib = -(-inputs.n_eval // size), -(-inputs.n_calib // size)
     record_s, replay_s = _warm(first), first.replay_s
-    skipped = not_applicable(setup.sites, inputs.token_ids is not None, opts.conditions)
+    skipped = setup.not_applicable
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first), (),
                      skipped, ()) + analysis_runs(setup, first)
     per_layer = sum(isinstance(r.target, OneSite) for r in runs)

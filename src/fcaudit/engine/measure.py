@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from fcaudit.core.interventions import StaticProfiles, draw
-from fcaudit.core.layout import not_applicable
 from fcaudit.engine.analyses import Section
 from fcaudit.engine.analyses.runs import analysis_runs, analysis_sections
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
@@ -82,7 +81,7 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     cache.verify_all()
     timings = {"record_s": time.perf_counter() - setup.started}
     inputs = _replay_inputs(setup, cache, profiles, first, progress)
-    skipped = not_applicable(setup.sites, setup.inputs.token_ids is not None, opts.conditions)
+    skipped = setup.not_applicable
     covered, points = frontier_points(setup, cache, frontier_plan(setup, first), progress,
                                       ranks)
     runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),

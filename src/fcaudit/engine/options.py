@@ -456,9 +456,18 @@ class Prepared:
     def model(self) -> nn.Module:
         return self.loaded.model
 
-    @property
+    @functools.cached_property
     def objective(self) -> Objective:
+        """The options' objective, resolved once (a callable's state digested once)."""
         return resolve(self.options.objective)
+
+    @functools.cached_property
+    def not_applicable(self) -> dict[str, str]:
+        """The conditions (opt-in ones asked for too) that cannot act on these sites or
+        inputs, with the reason: not run, and said so (computed once per audit)."""
+        from fcaudit.core.layout import not_applicable  # torch: options stay light
+        return not_applicable(self.sites, self.inputs.token_ids is not None,
+                              self.options.conditions)
 
     @functools.cached_property
     def inputs(self) -> TokenData | ExampleData:

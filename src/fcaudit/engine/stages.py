@@ -28,7 +28,6 @@ from fcaudit.core.contract import Site
 from fcaudit.core.digest import digest_tensors
 from fcaudit.core.errors import CacheError, IdentityError, arg
 from fcaudit.core.interventions import COLLECTIONS, StaticProfiles, batch_sums
-from fcaudit.core.layout import not_applicable
 from fcaudit.core.nll import device_of
 from fcaudit.core.routers import changed_rows, expert_counts
 from fcaudit.engine.cache import (
@@ -114,9 +113,8 @@ def calibration_shard(setup: Prepared, coefficients: Mapping[str, Tensor],
 def _collections(setup: Prepared) -> frozenset[str]:
     """The calibration sums beyond the default ones that the opted-in conditions which
     apply to these sites and inputs read (none by default)."""
-    opted = setup.options.conditions
-    skipped = not_applicable(setup.sites, setup.inputs.token_ids is not None, opted)
-    return collections([name for name in opted if name not in skipped])
+    return collections([name for name in setup.options.conditions
+                        if name not in setup.not_applicable])
 
 
 def _rows(size: int, b: int, n: int) -> str:

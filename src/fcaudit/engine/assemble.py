@@ -5,7 +5,6 @@ patched after)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -23,7 +22,7 @@ from fcaudit.engine.measure import Measurements, reuse_summary
 from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.options import Prepared, option_specs
 from fcaudit.engine.parts import site_parts
-from fcaudit.engine.plan import Run, ablation_runs, frontier_runs, routing_sites, tracked_runs
+from fcaudit.engine.plan import ablation_runs, frontier_runs, routing_sites, tracked_runs
 from fcaudit.engine.result import (
     NONDETERMINISTIC_KEYS,
     SCHEMA,
@@ -36,7 +35,6 @@ from fcaudit.engine.result import (
     SiteInfo,
     Verdict,
 )
-from fcaudit.engine.stages import Replays
 from fcaudit.engine.summary import (
     expert_importance,
     paired_bootstrap,
@@ -55,7 +53,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     round of a ``--target-ci`` audit; ``plan``: the cost said before the work, kept beside
     what was measured)."""
     setup, description, summary = m.setup, m.description, m.summary
-    routing = _routing(setup, cache, m.runs, m.replays)
+    routing = _routing(setup, m)
     timings = dict(m.timings)
     started = time.perf_counter()
     execution = execute(setup, m.exits.note if m.exits is not None else None)
@@ -67,7 +65,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
         data=setup.inputs.summary(),
-        sites=[_site_info(s, cache, setup) for s in setup.sites],
+        sites=[_site_info(s, m) for s in setup.sites],
         identity_replay_max_abs_diff=identity.max_abs_diff, conditions=summary.conditions,
         per_layer=summary.per_layer, retention=summary.retention,
         interaction=summary.interaction, variance=description.variance,
@@ -160,12 +158,11 @@ def _model_info(setup: Prepared) -> ModelInfo:
                      identity_note=loaded.identity_note, packages=loaded.packages or None)
 
 
-def _site_info(site: Site, cache: CoefficientCache, setup: Prepared) -> SiteInfo:
+def _site_info(site: Site, m: Measurements) -> SiteInfo:
     """A site in audit.json: its axes in the model's words when they are not [example,
     token], how they were found when no one declared them (``layout``) and its kind."""
-    declared = (site.axes, site.positions) != (TOKEN_AXES, TOKEN_LAYOUT)
-    return SiteInfo(site.name, site.family, site.layer,
-                    list(cache.coefficients(0, site.name).shape[2:]),
+    setup, declared = m.setup, (site.axes, site.positions) != (TOKEN_AXES, TOKEN_LAYOUT)
+    return SiteInfo(site.name, site.family, site.layer, list(m.shapes[site.name][2:]),
                     _adapter_name(site, setup.model),
                     axes=list(site.axes or ()) if declared else None,
                     positions=list(site.positions or ()) if declared else None,
@@ -173,14 +170,13 @@ def _site_info(site: Site, cache: CoefficientCache, setup: Prepared) -> SiteInfo
                     selection=site.selection, kind=setup.kinds.get(site.name))
 
 
-def _routing(setup: Prepared, cache: CoefficientCache, runs: Sequence[Run],
-             replays: Replays) -> dict[str, Any] | None:
+def _routing(setup: Prepared, m: Measurements) -> dict[str, Any] | None:
     """The routers' summary; its units are the tokens (patches) each router routes."""
     routed = routing_sites(setup.sites)
     if not routed:
         return None
-    units = setup.inputs.routed_units(
-        lambda: int(cache.coefficients(0, routed[0].name).shape[1]))
+    runs, replays = m.runs, m.replays
+    units = setup.inputs.routed_units(lambda: int(m.shapes[routed[0].name][1]))
     return routing_summary(routed, tracked_runs(runs), replays.route_load,
                            replays.route_changed, units)
 

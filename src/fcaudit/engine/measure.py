@@ -67,6 +67,8 @@ class Measurements:
     timings: dict[str, float] = field(default_factory=dict)  # record_s, replay_s
     exits: ExitSummary | None = None  # exit models run with an exit condition
     analyses: dict[str, Section] = field(default_factory=dict)  # by analysis name
+    # each site's coefficient shape on the first batch, as the probe recorded it
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Progress,
@@ -103,7 +105,8 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     return Measurements(setup, runs, replays, identity, description, summary, covered, points,
                         profiles, reuse, recorded, timings,
                         _exits(setup, inputs, runs, replays.per_run, summary),
-                        analysis_sections(setup, runs, replays.per_run, profiles))
+                        analysis_sections(setup, runs, replays.per_run, profiles),
+                        {name: tuple(t.shape) for name, t in first.coefficients.items()})
 
 
 def _exits(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run],

@@ -478,6 +478,7 @@ def frontier_summary(covered: Sequence[Covered], points: Sequence[FrontierPoint]
             continue
         result = summarize_family(fam, points, per_seq, correct, units, tokens, execution, boot)
         if result.reason is None:
-            result.check = skip_check(fam, result, points, per_seq, correct, execution, boot)
+            result = replace(result, check=skip_check(fam, result, points, per_seq, correct,
+                                                      execution, boot))
         out[fam.family] = result
     return out

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fcaudit.core.conditions import STATIC_LAYER, STATIC_LAYER_POSITION
+from fcaudit.core.conditions import FRONTIER, STATIC_LAYER, STATIC_LAYER_POSITION
 from fcaudit.core.contract import ExpertLayer, RoutingAdapter, Site
 from fcaudit.core.routers import drop_experts, top_p_keep, topk_mass
 from fcaudit.engine.frontier_parts import (
@@ -77,7 +77,7 @@ class FrontierPoint:
     @property
     def key(self) -> str:
         own = ":own" if self.taus else ""
-        return f"frontier:{self.family}:{self.rule}{own}:{self.level:.4f}"
+        return f"{FRONTIER}:{self.family}:{self.rule}{own}:{self.level:.4f}"
 
 
 def frontier_families(sites: Sequence[Site], coefficients: Mapping[str, Tensor],

@@ -5,8 +5,11 @@ one hook lifetime, and results written through the output folder's writer."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from fcaudit.core.hooks import hooks
 from fcaudit.core.interventions import Intervention
 from fcaudit.engine import assemble
 from fcaudit.engine import run as engine
+from fcaudit.engine.analyses import ANALYSES
 from fcaudit.engine.options import NOTE
 from fcaudit.engine.plan import (
     ALL_SITES,
@@ -92,6 +96,107 @@ def test_the_result_is_constructed_once(monkeypatch: pytest.MonkeyPatch) -> None
     engine.audit(engine.AuditRequest(toys.content_model(), sites=["gates.*"], data=toy_data(),
                                      options=FAST))
     assert len(calls) == 1
+
+
+def _result_classes() -> set[type]:
+    """AuditResult and every mutable dataclass its fields nest, by type hint (subclasses
+    too), and the analyses' section types (held by name under ``analyses``): the classes
+    a late assignment could patch (frozen ones already refuse one)."""
+    found: set[type] = set()
+
+    def walk(tp: object) -> None:
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            if tp not in found:
+                found.add(tp)
+                for sub in tp.__subclasses__():
+                    walk(sub)
+                for hint in typing.get_type_hints(tp).values():
+                    walk(hint)
+            return
+        for arg in typing.get_args(tp):
+            walk(arg)
+    walk(assemble.AuditResult)
+    for analysis in ANALYSES.values():
+        walk(analysis.section_type)
+    return {c for c in found if not c.__dataclass_params__.frozen}  # type: ignore[attr-defined]
+
+
+def _nested(value: object) -> list[object]:
+    """Every dataclass instance inside ``value`` (itself included)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [value, *(x for f in dataclasses.fields(value)
+                         for x in _nested(getattr(value, f.name)))]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _nested(v)]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _nested(v)]
+    return []
+
+
+_EXECUTED = dataclasses.replace(FAST, execution=True, timing_pairs=10)
+TINY_AUDITS = {  # among them every optional section: routing, ablation, frontier, stopping
+    "gate": lambda: api_audit(toys.content_model(), sites=["gates.*"], data=toy_data(),
+                              dense=toys.constant_model(), blocks="gates.*",
+                              options=_EXECUTED, report=False),
+    "router": lambda: api_audit(toys.token_router_model(), data=toy_data(), report=False,
+                                options=dataclasses.replace(FAST, expert_ablation=True)),
+    "frontier": lambda: api_audit(toys.informative_gated_model(), data=toy_data(),
+                                  report=False, options=dataclasses.replace(
+                                      _EXECUTED, frontier=True, timing_pairs=0)),
+    "stop": lambda: api_audit(toys.content_model(), sites=["gates.*"], data=toy_data(24),
+                              report=False, options=dataclasses.replace(
+                                  FAST, target_ci=0.5, min_sequences=8)),
+}
+
+
+def _record_late_assignments(monkeypatch: pytest.MonkeyPatch
+                             ) -> tuple[dict[int, object], list[str]]:
+    """Wrap every result class: instances whose ``__init__`` returned (by id, held so that
+    no id is reused), and each assignment to one of them, as ``Class.field``."""
+    built: dict[int, object] = {}
+    late: list[str] = []
+    for cls in _result_classes():
+        assert "__setattr__" not in vars(cls)  # object's: nothing to wrap but that
+
+        def init(self: object, *args: object, _init: Any = cls.__init__,
+                 **kwargs: object) -> None:
+            _init(self, *args, **kwargs)
+            built[id(self)] = self
+
+        def record(self: object, field: str, value: object) -> None:
+            if id(self) in built:
+                late.append(f"{type(self).__name__}.{field}")
+            object.__setattr__(self, field, value)
+        monkeypatch.setattr(cls, "__init__", init)
+        monkeypatch.setattr(cls, "__setattr__", record)
+    return built, late
+
+
+@pytest.mark.parametrize("name", TINY_AUDITS)
+def test_no_field_of_a_built_result_is_set_after_construction(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One constructor call is the whole build only if nothing patches the parts later;
+    reading audit.json back builds its result the same way."""
+    built, late = _record_late_assignments(monkeypatch)
+    result = TINY_AUDITS[name]()
+    assert isinstance(result, assemble.AuditResult)
+    read = assemble.AuditResult.from_json(json.loads(json.dumps(result.to_json())))
+    assert read.to_json() == result.to_json()
+    # the recorder saw every part of both being built, and nothing set afterwards
+    assert [type(p).__name__ for p in [*_nested(result), *_nested(read)]
+            if id(p) not in built] == []
+    assert sorted(set(late)) == []
+
+
+def test_the_recorder_sees_a_late_assignment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorder itself: assignments inside ``__init__`` pass, a later one is caught."""
+    from fcaudit.engine.result_parts import Estimate, Execution, Retention
+    assert {Estimate, Execution, Retention} <= _result_classes()
+    built, late = _record_late_assignments(monkeypatch)
+    estimate = Estimate(0.5, (0.25, 0.75))
+    assert id(estimate) in built and late == []
+    estimate.value = 0.6
+    assert late == ["Estimate.value"] and estimate.value == 0.6
 
 
 def test_the_engine_prints_nothing_its_lines_go_to_the_callback(

@@ -1,7 +1,7 @@
 """``fcaudit reproduce --preset exit``: the early-exit LM, the ponder model and the digits
-early-exit classifier with their full-depth twins, on a tiny setting (3 training steps, 1
-seed): the runs, the twins' scores, the table cells against each audit.json, the
-findings."""
+early-exit classifier with their full-depth twins, on a tiny setting (3 training steps, 2
+seeds): the runs, the twins' scores, each table cell against the mean over the seeds'
+audit.json and the span of their intervals (computed here), the findings."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import pytest
 
 from fcaudit.study.reproduce import StudySettings, reproduce, study, study_options
 
-RUNS = {"earlyexit-tiny-s0": "dense-tiny-s0", "ponder-tiny-s0": "dense-ponder-tiny-s0",
-        "branchy-tiny-s0": "dense-cnn-tiny-s0"}
+SEEDS = 2
+TWINS = {"earlyexit": "dense", "ponder": "dense-ponder", "branchy": "dense-cnn"}
+RUNS = {f"{family}-tiny-s{seed}": f"{twin}-tiny-s{seed}"
+        for family, twin in TWINS.items() for seed in range(SEEDS)}
 LABELS = {"earlyexit": "early-exit LM", "ponder": "ponder (PonderNet)",
           "branchy": "digits (BranchyNet)"}
 
@@ -24,7 +26,7 @@ def exit_study(tmp_path_factory: pytest.TempPathFactory):
     settings = StudySettings(study_options(repeats=1, bootstrap=50, batch_size=8,
                                            per_layer=False, timing_pairs=0, progress=False),
                              steps=3, max_eval=8, max_calib=8)
-    return out, reproduce("exit", out, seeds=1, settings=settings)
+    return out, reproduce("exit", out, seeds=SEEDS, settings=settings)
 
 
 def test_exit_preset_groups():
@@ -37,35 +39,59 @@ def _read(path):
     return json.loads(path.read_text())
 
 
-def _spanned(value: float, ci: list[float], spec: str, unit: str = "") -> str:
-    return f"{value:{spec}}{unit} [{ci[0]:{spec}}, {ci[1]:{spec}}]"
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
-def _check_row(row: dict, audit: dict, twin: dict) -> None:
-    e = audit["exits"]
-    assert row["mean executed depth"] == (f"{e['evaluation_mean_depth']:.2f} of {e['depth']} "
-                                          f"(oracle {e['oracle_mean_depth']:.2f})")
+def _spanned(estimates: list[dict], spec: str, unit: str = "") -> str:
+    """The mean of the seeds' values and the span of their intervals (lowest low to
+    highest high), as the table writes them."""
+    lo = min(e["ci95"][0] for e in estimates)
+    hi = max(e["ci95"][1] for e in estimates)
+    return f"{_mean([e['value'] for e in estimates]):{spec}}{unit} [{lo:{spec}}, {hi:{spec}}]"
+
+
+def _shares(estimates: list[dict], undefined: str) -> str:
+    """Shares in percent over the seeds where defined, with how many are not."""
+    defined = [e for e in estimates if e["value"] is not None]
+    if not defined:
+        return undefined
+    missing = len(estimates) - len(defined)
+    return _spanned(defined, ".1f", "%") + \
+        (f" ({missing} of {len(estimates)} seeds undefined)" if missing else "")
+
+
+def _check_row(row: dict, audits: list[dict], twins: list[dict]) -> None:
+    """Every cell of a family's row from its seeds' audit.json and twin configs."""
+    assert row["seeds"] == str(SEEDS) == str(len(audits))
+    # the seeds trained different models: a mean over them is not one seed's number
+    assert len({a["conditions"]["correct"]["nll"] for a in audits}) == SEEDS
+    e = [a["exits"] for a in audits]
+    assert len({x["depth"] for x in e}) == 1
+    assert row["mean executed depth"] == (
+        f"{_mean([x['evaluation_mean_depth'] for x in e]):.2f} of {e[0]['depth']} "
+        f"(oracle {_mean([x['oracle_mean_depth'] for x in e]):.2f})")
     for condition in ("fixed-exit", "oracle-exit"):
-        c = audit["conditions"][condition]
-        assert row[condition] == _spanned(c["delta"], c["ci95"], "+.3f")
-    share = e["gap_closed"]
-    assert row["share of fixed-to-oracle gap closed"] == (
-        "undefined (no clear fixed-to-oracle gap)" if share["value"] is None
-        else _spanned(share["value"], share["ci95"], ".1f", "%"))
-    ret = audit["retention"]["static-layer"]
-    assert row["static-layer retention"] == (
-        "undefined (no clear gap)" if ret["value"] is None
-        else _spanned(ret["value"], ret["ci95"], ".1f", "%"))
-    gap = e["frontier"]["matched_depth"]["gap"]
-    assert row["fixed − learned at matched depth"] == _spanned(gap["value"], gap["ci95"],
-                                                                 "+.3f")
-    results = twin["results"]
-    if "eval_accuracy" in results:
-        assert row["score (twin)"].endswith(f"(twin {results['eval_accuracy']:.3f})")
+        found = [a["conditions"][condition] for a in audits]
+        assert row[condition] == _spanned([{"value": c["delta"], "ci95": c["ci95"]}
+                                           for c in found], "+.3f")
+    assert row["share of fixed-to-oracle gap closed"] == _shares(
+        [x["gap_closed"] for x in e], "undefined (no clear fixed-to-oracle gap)")
+    assert row["static-layer retention"] == _shares(
+        [a["retention"]["static-layer"] for a in audits], "undefined (no clear gap)")
+    assert row["fixed − learned at matched depth"] == _spanned(
+        [x["frontier"]["matched_depth"]["gap"] for x in e], "+.3f")
+    results = [t["results"] for t in twins]
+    if "eval_accuracy" in results[0]:
+        accuracy = _mean([a["conditions"]["correct"]["accuracy"] for a in audits])
+        twin = _mean([r["eval_accuracy"] for r in results])
+        assert row["score (twin)"] == f"accuracy {accuracy:.3f} (twin {twin:.3f})"
     else:
-        assert row["score (twin)"] == (f"NLL {audit['conditions']['correct']['nll']:.3f} "
-                                       f"(twin {results['eval_nll']:.3f})")
-    flops = audit["execution"]["flops_per_token"] / audit["execution"]["dense_flops_per_token"]
+        nll = _mean([a["conditions"]["correct"]["nll"] for a in audits])
+        assert row["score (twin)"] == \
+            f"NLL {nll:.3f} (twin {_mean([r['eval_nll'] for r in results]):.3f})"
+    flops = _mean([a["execution"]["flops_per_token"] / a["execution"]["dense_flops_per_token"]
+                   for a in audits])
     assert row["vs twin"].startswith(f"FLOPs {flops:.3f}x")
 
 
@@ -79,11 +105,14 @@ def test_exit_study_trains_each_twin_and_tabulates(exit_study):
     for page in ("reproduction.md", "report.html"):  # each interval in its own brackets only
         text = (out / page).read_text(encoding="utf-8")
         assert "[[" not in text and "]]" not in text, page
-    for run, twin in RUNS.items():
+    for family, twin in TWINS.items():
+        seeds = range(SEEDS)
+        _check_row(rows[LABELS[family]],
+                   [_read(out / "audits" / f"{family}-tiny-s{s}" / "audit.json") for s in seeds],
+                   [_read(out / "runs" / f"{twin}-tiny-s{s}" / "config.json") for s in seeds])
+    for run in RUNS:
         audit = _read(out / "audits" / run / "audit.json")
         assert audit["identity_replay_max_abs_diff"] == 0.0
-        _check_row(rows[LABELS[run.split("-")[0]]], audit, _read(out / "runs" / twin /
-                                                                 "config.json"))
         m = audit["exits"]["frontier"]["matched_depth"]
         depth = audit["exits"]["evaluation_mean_depth"]
         assert m["mean_depth"] == pytest.approx(depth)

@@ -202,10 +202,26 @@ def test_bad_configs_are_refused(cfg, field):
         S4DConfig(mode="ffft")
 
 
-def test_tiny_preset_is_featuregate_sized():
+def test_tiny_preset_has_the_hand_counted_parameters():
+    """Counted by hand from the config: width c, inner D = expand * c, state N, conv k,
+    Δ rank r, vocabulary V, L layers (FeatureGate tiny, for scale: 1,335,556)."""
+    cfg = PRESETS["tiny"]
+    c, N, k, r, V, L = cfg.n_embd, cfg.d_state, cfg.d_conv, cfg.dt_rank, cfg.vocab_size, \
+        cfg.n_layer
+    D = cfg.expand * c
+    layer = (c  # RMSNorm weight
+             + c * 2 * D  # in_proj (x and z, no bias)
+             + D * k + D  # depthwise conv weight [D, 1, k] and bias
+             + D * N + D  # A_log and the skip D
+             + D * r + r * D + D  # Δ: down (no bias), up with bias
+             + 2 * D * N  # B_proj, C_proj (no bias)
+             + D * c)  # out_proj (no bias)
+    expected = V * c + L * layer + c + c * V  # embedding, layers, final norm, untied head
+    assert (c, D, N, k, r, V, L) == (128, 256, 16, 4, 8, 2048, 4)
+    assert expected == 990_848
     with torch.device("meta"):
-        n = sum(p.numel() for p in Mamba(PRESETS["tiny"]).parameters())
-    assert 0.9e6 < n < 1.4e6, n  # FeatureGate tiny: 1.34M
+        n = sum(p.numel() for p in Mamba(cfg).parameters())
+    assert n == expected
 
 
 @pytest.mark.parametrize("arch, cls, mode", [("mamba", Mamba, None), ("s4d", S4D, "fft")])

@@ -502,7 +502,9 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
     flops_ratio = flops / dense_flops if dense_flops and not uncounted else None
     experts = own.get("experts")
     saves, conditional = _saving(own, twin, flops_ratio, experts, degenerate)
-    result = Execution(
+    timed = time_interleaved(model, dense, batches[0], pairs, warmup, seed, threads) \
+        if timing and dense is not None else None
+    return Execution(
         measured=True, dense=dense_source, blocks_executed=own["blocks_executed"],
         blocks_present=own["blocks_present"],
         executed_fraction=own["blocks_executed"] / own["blocks_present"],
@@ -522,12 +524,8 @@ def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any,
         dense_positions_per_block=twin.get("positions_per_block") if twin else None,
         mode=execution_mode(model), dense_mode=execution_mode(dense) if dense else None,
         dense_class=type(dense).__name__ if dense is not None else None,
-        degenerate_rule=degenerate)
-    if timing and dense is not None:
-        result.timing = time_interleaved(model, dense, batches[0], pairs, warmup, seed,
-                                         threads)
-        result.speed_ratio_vs_dense = result.timing.speed_ratio_vs_dense.value
-    return result
+        degenerate_rule=degenerate, timing=timed,
+        speed_ratio_vs_dense=timed.speed_ratio_vs_dense.value if timed else None)
 
 
 def _saving(own: Mapping[str, Any], twin: Mapping[str, Any] | None, flops_ratio: float | None,

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fcaudit.core.conditions import STATIC_LAYER, STATIC_LAYER_POSITION
+from fcaudit.core.conditions import FRONTIER, STATIC_LAYER, STATIC_LAYER_POSITION
 from fcaudit.core.contract import ExpertLayer, RoutingAdapter, Site
 from fcaudit.core.routers import drop_experts, top_p_keep, topk_mass
 from fcaudit.engine.frontier_parts import (
@@ -77,7 +77,7 @@ class FrontierPoint:
     @property
     def key(self) -> str:
         own = ":own" if self.taus else ""
-        return f"frontier:{self.family}:{self.rule}{own}:{self.level:.4f}"
+        return f"{FRONTIER}:{self.family}:{self.rule}{own}:{self.level:.4f}"
 
 
 def frontier_families(sites: Sequence[Site], coefficients: Mapping[str, Tensor],
@@ -478,6 +478,7 @@ def frontier_summary(covered: Sequence[Covered], points: Sequence[FrontierPoint]
             continue
         result = summarize_family(fam, points, per_seq, correct, units, tokens, execution, boot)
         if result.reason is None:
-            result.check = skip_check(fam, result, points, per_seq, correct, execution, boot)
+            result = replace(result, check=skip_check(fam, result, points, per_seq, correct,
+                                                      execution, boot))
         out[fam.family] = result
     return out

@@ -206,21 +206,21 @@ class VarianceAccumulator:
                  for s in self.sites]
         flat2 = [self.s2[s.name][..., channels].reshape(self.s2[s.name].shape[0], -1)
                  for s in self.sites]
-        result = VarianceShares(**self._shares(flat1, flat2, self.n),
-                                n_values=sum(f.numel() for f in flat1) * self.n)
-        if flat1[0].shape[1] > 1:
-            result.component_axis = "component"
-        return result
+        return VarianceShares(**self._shares(flat1, flat2, self.n),
+                              n_values=sum(f.numel() for f in flat1) * self.n,
+                              component_axis="component" if flat1[0].shape[1] > 1 else None)
 
     def decompose(self, max_components: int = 16) -> VarianceShares:
         flat1 = [self.s1[s.name].reshape(self.s1[s.name].shape[0], -1) for s in self.sites]
         flat2 = [self.s2[s.name].reshape(self.s2[s.name].shape[0], -1) for s in self.sites]
         shares = self._shares(flat1, flat2, self.n)
-        result = VarianceShares(**shares, n_values=sum(f.numel() for f in flat1) * self.n)
         trailing = [tuple(self.s1[s.name].shape[1:]) for s in self.sites]
+        axis: str | None = None
         if any(f.shape[1] > 1 for f in flat1):
             routed = all(isinstance(s.adapter, RoutingAdapter) for s in self.sites)
-            result.component_axis = "expert" if routed else "component"
+            axis = "expert" if routed else "component"
+        comps: list[ComponentShares] | None = None
+        note: str | None = None
         if any(trailing):
             common = tuple(min(dims) for dims in zip(*trailing, strict=True))
             comps = []
@@ -231,12 +231,12 @@ class VarianceAccumulator:
                 part = self._shares(c1, c2, self.n)
                 part.pop("eta2_component")
                 comps.append(ComponentShares(index=list(index), **part))
-            result.components = comps
-            result.components_note = (
+            note = (
                 f"one row per entry of the coefficient vector that every layer's sites have "
                 f"(indices below {list(common)} on the last axes)"
                 f"{f'; the first {max_components} shown' if len(comps) == max_components else ''}")
-        return result
+        return VarianceShares(**shares, n_values=sum(f.numel() for f in flat1) * self.n,
+                              components=comps, components_note=note, component_axis=axis)
 
     def variation(self) -> Variation:
         """Spread across inputs and positions within each layer vs across layers."""

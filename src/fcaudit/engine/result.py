@@ -184,22 +184,22 @@ class AuditResult:
         except SchemaError as exc:
             raise DataError(f"{source} is not a valid {SCHEMA} result: {exc}; "
                             f"{_why_invalid(data.get('fcaudit_version'))}") from exc
-        result._in_audit_order()
-        return result
+        return result._in_audit_order()
 
-    def _in_audit_order(self) -> None:
-        """``audit.json`` is written with sorted keys: put every table keyed by condition,
-        family or site back in the order the audit made it (the main conditions in report
-        order, custom ones as given, families and sites as listed)."""
+    def _in_audit_order(self) -> AuditResult:
+        """``audit.json`` is written with sorted keys: the result with every table keyed by
+        condition, family or site back in the order the audit made it (the main conditions
+        in report order, custom ones as given, families and sites as listed); a new one, as
+        no field of a built result is set."""
         given = self.settings.get("interventions")
         names = [*REPORTED_CONDITIONS, *(given if isinstance(given, list) else []),
                  *self.families, *(s.name for s in self.sites)]
         rank = {name: i for i, name in reversed(list(enumerate(names)))}
-        for name in _ORDERED_TABLES:
-            table = getattr(self, name)
-            if isinstance(table, dict):  # sorted() is stable: unknown keys keep file order
-                setattr(self, name, dict(sorted(table.items(),
-                                                key=lambda kv: rank.get(kv[0], len(rank)))))
+        tables = {name: getattr(self, name) for name in _ORDERED_TABLES}
+        # sorted() is stable: unknown keys keep file order
+        return dataclasses.replace(self, **{
+            name: dict(sorted(table.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+            for name, table in tables.items() if isinstance(table, dict)})
 
     @classmethod
     def read(cls, path: str | Path) -> AuditResult:

@@ -11,7 +11,11 @@ from fcaudit.core.conditions import (
     CONDITIONS,
     CORRECT,
     FRONTIER,
+    REASSIGN,
     REPORTED_RETENTION,
+    SHUFFLE,
+    STATIC_LAYER,
+    STATIC_LAYER_POSITION,
     STATIC_LAYER_TOKEN,
     audited,
     by_role,
@@ -45,6 +49,21 @@ def accuracy_retention_key(profile: str) -> str:
     return f"accuracy_{retention_key(profile)}"
 
 
+def rerouted_key(condition: str) -> str:
+    """The metric key of the share of expert sets a condition re-routes."""
+    return f"rerouted_{condition}"
+
+
+# the correct replay's loss and accuracy
+NLL_CORRECT, ACCURACY_CORRECT = f"nll_{CORRECT}", f"accuracy_{CORRECT}"
+# the keys the studies quote by name, derived from the registry's names
+DELTA_REASSIGN, DELTA_SHUFFLE = delta_key(REASSIGN), delta_key(SHUFFLE)
+RETENTION_LAYER, RETENTION_LAYER_POSITION, RETENTION_LAYER_TOKEN = (
+    retention_key(p) for p in (STATIC_LAYER, STATIC_LAYER_POSITION, STATIC_LAYER_TOKEN))
+# the conditions whose share of re-routed expert sets the metrics give
+REROUTED = (*by_role("rerouted"), STATIC_LAYER_TOKEN)
+
+
 def _accuracy_retention(r: AuditResult, part: str) -> dict[str, Any]:
     """Each profile's accuracy retention ``part`` ("value" or "ci95") by its metric key;
     none for objectives without accuracy."""
@@ -68,9 +87,9 @@ def metrics(r: AuditResult) -> dict[str, float | None]:
     ``<share>@<family>.<coefficient>``), execution fractions, the frontier and re-routing;
     intervals are in :func:`metric_intervals`."""
     c = r.conditions
-    out: dict[str, float | None] = {"nll_correct": c[CORRECT].nll}
+    out: dict[str, float | None] = {NLL_CORRECT: c[CORRECT].nll}
     if c[CORRECT].accuracy is not None:  # a classification objective
-        out["accuracy_correct"] = c[CORRECT].accuracy
+        out[ACCURACY_CORRECT] = c[CORRECT].accuracy
     for name in (n for n in audited(c) if n != CORRECT):  # None: not applicable
         out[delta_key(name)] = c[name].delta if name in c else None
     out |= {delta_key(n): x.delta for n, x in (r.custom_conditions or {}).items()}
@@ -155,8 +174,8 @@ def _rerouted(r: AuditResult) -> dict[str, float | None]:
     routing = (r.routing or {}).get(r.families[0])
     if routing is None:
         return {}
-    return {f"rerouted_{name}": routing.changed.get(name)
-            for name in (*by_role("rerouted"), STATIC_LAYER_TOKEN)}
+    return {rerouted_key(name): routing.changed.get(name)
+            for name in REROUTED}
 
 
 def _accuracy(r: AuditResult, c: ConditionResult) -> dict[str, Any]:

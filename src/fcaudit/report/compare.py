@@ -28,13 +28,15 @@ from fcaudit._version import __version__
 from fcaudit.core.conditions import (
     CORRECT,
     PER_LAYER_CONDITIONS,
+    REASSIGN,
     REPORTED_CONDITIONS,
     REPORTED_RETENTION,
+    STATIC_LAYER,
     by_role,
 )
 from fcaudit.core.errors import UsageError, arg
 from fcaudit.engine.result import AuditResult, Retention, delta_key
-from fcaudit.engine.result_views import EXIT_MEAN_DEPTH, EXIT_THRESHOLD
+from fcaudit.engine.result_views import EXIT_MEAN_DEPTH, EXIT_THRESHOLD, NLL_CORRECT
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
 from fcaudit.io.outdir import COMPARE_RESULTS, check_output, hold_output
 from fcaudit.io.results import replacing_results
@@ -192,7 +194,7 @@ def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[R
         union = {n: None for r in results for n in pick(r)}
         return [n for n, _ in _ordered(union, canonical)]
 
-    rows = [{**row("nll", CORRECT, "nll_correct"), "loss": _loss(results)}]
+    rows = [{**row("nll", CORRECT, NLL_CORRECT), "loss": _loss(results)}]
     rows += [row("penalty", name, delta_key(name))
              for name in names(lambda r: r.conditions, REPORTED_CONDITIONS) if name != CORRECT]
     rows.append(row("interaction", "interaction"))  # None: shuffle not applicable
@@ -309,7 +311,7 @@ def _per_layer(labels: Sequence[str], results: Sequence[AuditResult]
     for label, r in zip(labels, results, strict=True):
         for cond, entries in _ordered(r.per_layer, PER_LAYER_CONDITIONS):
             for e in entries:
-                add(f"{cond}@layer", name(label, e.family), e.layer, e.delta, e.ci95)
+                add(per_layer_key(cond), name(label, e.family), e.layer, e.delta, e.ci95)
         for fam, v in r.variation.items():
             for x in v.per_layer:
                 add("sd across inputs", name(label, fam), x.layer, x.sd_across_inputs)
@@ -323,10 +325,15 @@ def _per_layer(labels: Sequence[str], results: Sequence[AuditResult]
 
 
 PENALTY_AXIS = "Δ {loss} (nats), 95% CI"  # a penalty's axis, in the audits' loss
+def per_layer_key(condition: str) -> str:
+    """A per-layer figure's quantity: one condition's penalty, layer by layer."""
+    return f"{condition}@layer"
+
+
 PER_LAYER_FIGURES = {  # quantity -> (title, y label, reference line)
-    "reassign@layer": ("Penalty of reassigning one layer's coefficients (others correct)",
+    per_layer_key(REASSIGN): ("Penalty of reassigning one layer's coefficients (others correct)",
                        PENALTY_AXIS, 0.0),
-    "static-layer@layer": ("Penalty of one layer's static profile (others correct)",
+    per_layer_key(STATIC_LAYER): ("Penalty of one layer's static profile (others correct)",
                            PENALTY_AXIS, 0.0),
     "sd across inputs": ("Coefficient sd across inputs, per layer", "sd", None),
     "sd across positions": ("Coefficient sd across positions, per layer", "sd", None),

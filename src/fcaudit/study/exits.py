@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from fcaudit.core.conditions import FIXED_EXIT, ORACLE_EXIT, STATIC_LAYER
+from fcaudit.engine.result_views import ACCURACY_CORRECT, NLL_CORRECT
 
 FAMILIES = (("earlyexit", "early-exit LM"), ("ponder", "ponder (PonderNet)"),
             ("branchy", "digits (BranchyNet)"))
@@ -54,11 +55,11 @@ def _penalty(audits: Sequence[Any], condition: str) -> str:
 
 
 def _score(group: Mapping[str, Any]) -> str:
-    acc = _mean(group, "accuracy_correct")
+    acc = _mean(group, ACCURACY_CORRECT)
     if acc is not None:
         twin = _mean(group, "twin_accuracy")
         return f"accuracy {acc:.3f} (twin {'n/a' if twin is None else f'{twin:.3f}'})"
-    nll, twin = _mean(group, "nll_correct"), _mean(group, "twin_nll")
+    nll, twin = _mean(group, NLL_CORRECT), _mean(group, "twin_nll")
     return f"NLL {nll:.3f} (twin {'n/a' if twin is None else f'{twin:.3f}'})"
 
 

@@ -1,6 +1,8 @@
 """What "Dynamic Parameterization Is Not Dynamic Inference" reports, typed once: the study
 and the trend quote these beside our own numbers (docs/method.md, Models)."""
 
+from fcaudit.engine.result_views import DELTA_REASSIGN, DELTA_SHUFFLE
+
 # parameter counts of the paper's models
 PARAMS = {"76M": 76e6, "504M": 504e6, "1.4B": 1.4e9}
 # FeatureGate: static per-layer retention (percent) and the seeds behind it, by size
@@ -11,7 +13,7 @@ ETA2_LAYER = (87.0, 96.0)
 # FeatureGate latency against Dense
 SPEED_RATIO = 1.308
 # MUDDPythia-1.4B: NLL penalties in nats
-MUDD = {"delta_reassign": 1.9067, "delta_shuffle": 2.9637}
+MUDD = {DELTA_REASSIGN: 1.9067, DELTA_SHUFFLE: 2.9637}  # by metric key
 
 
 def retention_text() -> str:

@@ -42,10 +42,20 @@ from fcaudit.api import (
     variance_figure,
     write_figures,
 )
-from fcaudit.core.conditions import FRONTIER, REASSIGN, SHUFFLE, STATIC_LAYER, by_kind
+from fcaudit.core.conditions import (
+    FRONTIER,
+    RANDOM_CONDITIONS,
+    REASSIGN,
+    RETENTION_PROFILES,
+    SHUFFLE,
+    STATIC_CONDITIONS,
+    STATIC_LAYER,
+    by_kind,
+)
 from fcaudit.core.errors import FcauditError, UsageError, arg
 from fcaudit.core.nll import logits_of
 from fcaudit.core.registry import refusal
+from fcaudit.engine import result_views as keys  # metric keys, derived from condition names
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.objectives import CLASSIFICATION
 from fcaudit.engine.result import ETA2_KEYS, AuditResult, token_id_words
@@ -131,12 +141,12 @@ OWN_TABLES = {"vision": vision, "ssm": ssm, "exit": exits}
 
 # What the paper reported (fcaudit.study.paper), shown beside our aggregates.
 PAPER = {
-    "featuregate": {"retention_static_layer": paper.retention_text(),
+    "featuregate": {keys.RETENTION_LAYER: paper.retention_text(),
                     "eta2_layer": paper.eta2_text(), "blocks": "every block runs",
                     "speed_ratio": f"{paper.SPEED_RATIO} "
                                    f"({100 * (paper.SPEED_RATIO - 1):.1f}% slower than Dense)"},
-    "mudd": {REASSIGN: f"+{paper.MUDD['delta_reassign']} nats (MUDDPythia-1.4B)",
-             SHUFFLE: f"+{paper.MUDD['delta_shuffle']} nats",
+    "mudd": {REASSIGN: f"+{paper.MUDD[keys.DELTA_REASSIGN]} nats (MUDDPythia-1.4B)",
+             SHUFFLE: f"+{paper.MUDD[keys.DELTA_SHUFFLE]} nats",
              "static": "static replacement also hurts strongly", "blocks": "every block runs"},
     "moe": {"routing": "the paper names sparse experts and token routing as dynamic "
                        "mechanisms; it reports no MoE measurement"},
@@ -287,20 +297,13 @@ def _fmt(stats: Mapping[str, Any] | None, digits: int = 4, pct: bool = False) ->
 
 
 ROWS: tuple[tuple[str, str, int, bool], ...] = (
-    ("nll_correct", "NLL (correct replay; classification: cross-entropy)", 4, False),
-    ("accuracy_correct", "accuracy (correct replay)", 4, False),
+    (keys.NLL_CORRECT, "NLL (correct replay; classification: cross-entropy)", 4, False),
+    (keys.ACCURACY_CORRECT, "accuracy (correct replay)", 4, False),
     ("twin_accuracy", "dense twin's accuracy", 4, False),
-    ("delta_reassign", "penalty: reassign", 4, False),
-    ("delta_shuffle", "penalty: shuffle", 4, False),
-    ("delta_reassign+shuffle", "penalty: reassign+shuffle", 4, False),
+    *((keys.delta_key(n), f"penalty: {n}", 4, False) for n in RANDOM_CONDITIONS),
     ("interaction", "factorial interaction", 4, False),
-    ("delta_static-layer", "penalty: static-layer", 4, False),
-    ("delta_static-layer-position", "penalty: static-layer-position", 4, False),
-    ("delta_static-layer-token", "penalty: static-layer-token", 4, False),
-    ("delta_global-mean", "penalty: global-mean", 4, False),
-    ("retention_static_layer", "retention: static-layer", 2, True),
-    ("retention_static_layer_position", "retention: static-layer-position", 2, True),
-    ("retention_static_layer_token", "retention: static-layer-token", 2, True),
+    *((keys.delta_key(n), f"penalty: {n}", 4, False) for n in STATIC_CONDITIONS),
+    *((keys.retention_key(p), f"retention: {p}", 2, True) for p in RETENTION_PROFILES),
     ("eta2_layer", "eta2 layer", 3, False),
     ("eta2_position", "eta2 position", 3, False),
     ("eta2_layer_position", "eta2 layer x position", 3, False),
@@ -313,10 +316,7 @@ ROWS: tuple[tuple[str, str, int, bool], ...] = (
     ("flops_ratio", "FLOPs ratio vs dense", 3, False),
     ("experts_executed_fraction", "experts executed / present", 3, False),
     ("tokens_executed_fraction", "patch tokens entering blocks / dense twin's", 3, False),
-    ("rerouted_reassign", "expert sets re-routed: reassign", 3, False),
-    ("rerouted_shuffle", "expert sets re-routed: shuffle", 3, False),
-    ("rerouted_static-layer", "expert sets re-routed: static-layer", 3, False),
-    ("rerouted_static-layer-token", "expert sets re-routed: static-layer-token", 3, False),
+    *((keys.rerouted_key(n), f"expert sets re-routed: {n}", 3, False) for n in keys.REROUTED),
     ("speed_ratio", "time ratio vs dense", 3, False),
     ("frontier_gap_25", "frontier gap at 25% FLOPs saved (best static - dynamic, nats)", 4,
      False),
@@ -337,7 +337,7 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
     def mean(g: Mapping[str, Any] | None, key: str) -> float | None:
         return None if g is None else (g["aggregate"].get(key) or {}).get("mean")
 
-    ret = mean(fg, "retention_static_layer")
+    ret = mean(fg, keys.RETENTION_LAYER)
     if fg is not None:
         out.append(("FeatureGate: a static per-layer profile keeps almost all (>= 90%) of the "
                     "Correct-to-GlobalMean gap (paper: "
@@ -361,16 +361,16 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
                         f"{'holds' if speed > 1 else 'does not hold'}: time ratio "
                         f"{speed:.3f} on average"))
     if mudd is not None:
-        r, s = mean(mudd, "delta_reassign"), mean(mudd, "delta_shuffle")
+        r, s = mean(mudd, keys.DELTA_REASSIGN), mean(mudd, keys.DELTA_SHUFFLE)
         out.append(("MUDD: reassignment and token shuffling raise NLL strongly (paper: +1.91 "
                     "and +2.96 nats on MUDDPythia-1.4B)",
                     f"{'holds' if min(r, s) > 0.1 else 'does not hold'}: reassign {r:+.3f}, "
                     f"shuffle {s:+.3f} nats on average"))
         if fg is not None:
-            fr = mean(fg, "delta_reassign")
+            fr = mean(fg, keys.DELTA_REASSIGN)
             # every MUDD seed above every FeatureGate seed: the seed ranges do not overlap
-            apart = mudd["aggregate"]["delta_reassign"]["min"] > \
-                fg["aggregate"]["delta_reassign"]["max"]
+            apart = mudd["aggregate"][keys.DELTA_REASSIGN]["min"] > \
+                fg["aggregate"][keys.DELTA_REASSIGN]["max"]
             out.append(("The contrast: MUDD depends on the assignment more than FeatureGate",
                         f"{'holds' if apart else 'does not hold'}: reassign penalty {r:+.3f} "
                         f"(MUDD) vs {fr:+.3f} (FeatureGate), seed ranges "
@@ -395,7 +395,7 @@ def _token_findings(groups: Mapping[str, Mapping[str, Any]], mean: Any) -> list[
         group = next((g for n, g in groups.items() if n.startswith(f"{prefix}-")), None)
         if group is None:
             continue
-        ret, share = mean(group, "retention_static_layer_token"), mean(group, "eta2_token_id")
+        ret, share = mean(group, keys.RETENTION_LAYER_TOKEN), mean(group, "eta2_token_id")
         words = None if share is None else token_id_words(
             share, mean(group, "eta2_token_id_chance"), mean(group, "epsilon2_token_id"))
         out.append((f"{label}: a static profile per (layer, token id) (not in the paper)",
@@ -416,7 +416,7 @@ def _routing_findings(moe: Mapping[str, Any] | None, mean: Any) -> list[tuple[st
         out.append(("MoE (hard routing): routing changes what is computed",
                     f"{'holds' if share < 0.99 else 'does not hold'}: each token runs "
                     f"{100 * share:.1f}% of the experts (2 of 8 per layer when it holds)"))
-    r, moved = mean(moe, "delta_reassign"), mean(moe, "rerouted_reassign")
+    r, moved = mean(moe, keys.DELTA_REASSIGN), mean(moe, keys.rerouted_key(REASSIGN))
     if r is not None and moved is not None:
         out.append(("MoE: the frozen model depends on its routing staying matched to the input",
                     f"{'holds' if r > 0.1 else 'does not hold'}: reassigning router logits "

@@ -28,6 +28,13 @@ from fcaudit.core.conditions import (
 )
 from fcaudit.engine.objectives import SELECTIVE_COPY
 from fcaudit.engine.result import token_id_words
+from fcaudit.engine.result_views import (
+    ACCURACY_CORRECT,
+    NLL_CORRECT,
+    RETENTION_LAYER,
+    RETENTION_LAYER_TOKEN,
+    accuracy_retention_key,
+)
 from fcaudit.study.train import TRAIN_PRESETS
 
 TASK = SELECTIVE_COPY
@@ -81,9 +88,9 @@ def _share(retentions: list[Any]) -> str:
 
 def _score(group: Mapping[str, Any], task: bool) -> str:
     if task:
-        return (f"accuracy {_mean(group, 'accuracy_correct'):.3f} (twin "
+        return (f"accuracy {_mean(group, ACCURACY_CORRECT):.3f} (twin "
                 f"{_mean(group, 'twin_accuracy'):.3f})")
-    return f"NLL {_mean(group, 'nll_correct'):.3f} (twin {_mean(group, 'twin_nll'):.3f})"
+    return f"NLL {_mean(group, NLL_CORRECT):.3f} (twin {_mean(group, 'twin_nll'):.3f})"
 
 
 def _token_share(audits: list[Any]) -> str:
@@ -138,14 +145,14 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
     if copy is not None:
         out += _copy_findings(copy)
     if corpus is not None:
-        ret = _mean(corpus, "retention_static_layer")
+        ret = _mean(corpus, RETENTION_LAYER)
         out.append(("Built-in corpus: how much of the Correct-to-GlobalMean gap a trained "
                     "Mamba keeps with an LTI profile (static-layer)",
                     "undefined (no clear gap)" if ret is None else
                     f"at this scale, a trained Mamba on Shakespeare keeps {ret:.1f}% with an "
                     "LTI profile"))
-        token, layer = (_mean(corpus, k) for k in ("retention_static_layer_token",
-                                                   "retention_static_layer"))
+        token, layer = (_mean(corpus, k) for k in (RETENTION_LAYER_TOKEN,
+                                                   RETENTION_LAYER))
         if token is not None and layer is not None:
             out.append(("Built-in corpus: is selection a lookup of the current token? "
                         "(static-layer-token against static-layer)",
@@ -171,10 +178,10 @@ def _pct(value: float | None) -> str:
 def _copy_findings(group: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Selective copying: the LTI twin fails where selection succeeds, and the frozen
     selective model fed an LTI profile loses the task (the planted truth)."""
-    acc, twin = _mean(group, "accuracy_correct"), _mean(group, "twin_accuracy")
+    acc, twin = _mean(group, ACCURACY_CORRECT), _mean(group, "twin_accuracy")
     audits = group["audits"]
     static = float(np.mean([a.conditions[STATIC_LAYER].accuracy for a in audits]))
-    ret = _mean(group, "accuracy_retention_static_layer")
+    ret = _mean(group, accuracy_retention_key(STATIC_LAYER))
     above = sum(a.conditions[REASSIGN].ci95[0] > 0 for a in audits)
     return [
         ("Selective copying: the LTI twin fails the task that selection solves (the Mamba "
@@ -185,7 +192,7 @@ def _copy_findings(group: Mapping[str, Any]) -> list[tuple[str, str]]:
          "task (the planted truth)",
          f"{'holds' if acc >= 0.5 and static <= 0.2 * acc else 'does not hold'}: accuracy "
          f"{static:.3f} under static-layer (correct: {acc:.3f}); retention on accuracy "
-         f"{_pct(ret)}, on the loss {_pct(_mean(group, 'retention_static_layer'))}"),
+         f"{_pct(ret)}, on the loss {_pct(_mean(group, RETENTION_LAYER))}"),
         ("Selective copying: the frozen Mamba needs its selection matched to the input",
          f"{'holds' if above == len(audits) else 'does not hold'}: the reassign penalty's "
          f"interval lies above 0 in {above} of {len(audits)} seeds; reassigning costs "

@@ -62,6 +62,14 @@ from fcaudit.api import (
 from fcaudit.core.errors import UsageError
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.result import AuditResult
+from fcaudit.engine.result_views import (
+    DELTA_REASSIGN,
+    DELTA_SHUFFLE,
+    NLL_CORRECT,
+    RETENTION_LAYER,
+    RETENTION_LAYER_POSITION,
+    RETENTION_LAYER_TOKEN,
+)
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter, read_json
 from fcaudit.io.outdir import STUDY_POINTS
 from fcaudit.study import paper
@@ -111,9 +119,9 @@ PAPER_ETA2_LAYER, PAPER_MUDD = paper.ETA2_LAYER, paper.MUDD
 # --------------------------------------------------------------------- point summary
 
 # Per-seed numbers of a point: those with a 95% bootstrap interval over sequences, the rest.
-WITH_CI = ("retention_static_layer", "retention_static_layer_position",
-           "retention_static_layer_token", "delta_reassign", "delta_shuffle", "frontier_gap_25")
-PLAIN = ("eta2_layer", "eta2_token_id", "nll_correct", "eval_nll", "unigram_nll", "wall_s")
+WITH_CI = (RETENTION_LAYER, RETENTION_LAYER_POSITION,
+           RETENTION_LAYER_TOKEN, DELTA_REASSIGN, DELTA_SHUFFLE, "frontier_gap_25")
+PLAIN = ("eta2_layer", "eta2_token_id", NLL_CORRECT, "eval_nll", "unigram_nll", "wall_s")
 
 
 @dataclass(frozen=True)
@@ -139,7 +147,7 @@ def seed_numbers(r: SeedResult) -> dict[str, Any]:
     results = r.config["results"]
     return {"seed": r.seed,
             **{key: _estimate(metrics.get(key), intervals.get(key)) for key in WITH_CI},
-            **{key: metrics[key] for key in ("eta2_layer", "eta2_token_id", "nll_correct")},
+            **{key: metrics[key] for key in ("eta2_layer", "eta2_token_id", NLL_CORRECT)},
             "eval_nll": results["eval_nll"], "unigram_nll": results["unigram_nll"],
             "wall_s": r.wall_s}
 
@@ -251,12 +259,12 @@ class Metric:
 
 
 METRICS = {m.key: m for m in (
-    Metric("retention_static_layer", "static-layer retention", 1.0, "%", 1),
-    Metric("retention_static_layer_position", "static-layer-position retention", 1.0, "%", 1),
+    Metric(RETENTION_LAYER, "static-layer retention", 1.0, "%", 1),
+    Metric(RETENTION_LAYER_POSITION, "static-layer-position retention", 1.0, "%", 1),
     Metric("eta2_layer", "layer share of gate variance (eta2 layer)", 100.0, "%", 1),
-    Metric("delta_reassign", "reassign penalty", 1.0, " nats", 3),
-    Metric("delta_shuffle", "shuffle penalty", 1.0, " nats", 3),
-    Metric("retention_static_layer_token", "static-layer-token retention", 1.0, "%", 1),
+    Metric(DELTA_REASSIGN, "reassign penalty", 1.0, " nats", 3),
+    Metric(DELTA_SHUFFLE, "shuffle penalty", 1.0, " nats", 3),
+    Metric(RETENTION_LAYER_TOKEN, "static-layer-token retention", 1.0, "%", 1),
     Metric("eta2_token_id", "token-id share of gate variance", 100.0, "%", 1),
     Metric("frontier_gap_25", "frontier gap at 25% FLOPs saved", 1.0, " nats", 4),
     Metric("eval_nll", "eval NLL", 1.0, "", 3),
@@ -332,7 +340,7 @@ def _apart(low: Stats, high: Stats) -> bool:
 def _levers(by_size: Sequence[Mapping[str, Any]],
             by_length: Sequence[Mapping[str, Any]]) -> str:
     """How far each axis moves static-layer retention, end to end, for its own factor."""
-    metric = METRICS["retention_static_layer"]
+    metric = METRICS[RETENTION_LAYER]
     parts = []
     for axis, key, ladder in (("parameters", "n_params", by_size),
                               ("training tokens", "training_tokens", by_length)):
@@ -357,12 +365,12 @@ def shows(points: Sequence[Mapping[str, Any]]) -> list[str]:
     at_tokens = f"at {_millions(by_size[0]['training_tokens'])} training tokens"
     at_size = f"at {_millions(by_length[0]['n_params'])} parameters"
     main = [describe(by_size, "featuregate", METRICS[k], "model size", at_tokens)
-            for k in ("retention_static_layer", "eta2_layer")]
+            for k in (RETENTION_LAYER, "eta2_layer")]
     main += [describe(by_length, "featuregate", METRICS[k], "training length", at_size)
-             for k in ("retention_static_layer", "eta2_layer")]
+             for k in (RETENTION_LAYER, "eta2_layer")]
     main.append(_levers(by_size, by_length))
     top = _largest(points)
-    ret, eta = (stats(top, "featuregate", k) for k in ("retention_static_layer", "eta2_layer"))
+    ret, eta = (stats(top, "featuregate", k) for k in (RETENTION_LAYER, "eta2_layer"))
     where = (f"At the largest point ({top['point']}: {_millions(top['n_params'])} parameters, "
              f"{_millions(top['training_tokens'])} training tokens)")
     if ret["mean"] is None:
@@ -376,9 +384,9 @@ def shows(points: Sequence[Mapping[str, Any]]) -> list[str]:
                     f"{PAPER_RETENTION['76M']:.2f}% at 76M; layer identity explains "
                     f"{100 * eta['mean']:.1f}% of the gate variance (paper: {paper.eta2_text()}).")
     other = [describe(by_size, "featuregate", METRICS[k], "model size", at_tokens)
-             for k in ("retention_static_layer_position", "delta_reassign", "delta_shuffle")]
+             for k in (RETENTION_LAYER_POSITION, DELTA_REASSIGN, DELTA_SHUFFLE)]
     other += [describe(by_length, "featuregate", METRICS[k], "training length", at_size)
-              for k in ("retention_static_layer_position", "delta_reassign", "delta_shuffle")]
+              for k in (RETENTION_LAYER_POSITION, DELTA_REASSIGN, DELTA_SHUFFLE)]
     return [" ".join(filter(None, main)), " ".join(other), _contrast(points)]
 
 
@@ -388,7 +396,7 @@ def _contrast(points: Sequence[Mapping[str, Any]]) -> str:
     if not both:
         return "MUDD was not audited at these points, so there is no contrast."
     parts = []
-    for key in ("delta_reassign", "delta_shuffle"):
+    for key in (DELTA_REASSIGN, DELTA_SHUFFLE):
         pairs = [(stats(p, "mudd", key), stats(p, "featuregate", key)) for p in both]
         above = sum(m["mean"] > f["mean"] for m, f in pairs)
         tested = [(m, f) for m, f in pairs if min(m["n"], f["n"]) >= 2]
@@ -399,11 +407,11 @@ def _contrast(points: Sequence[Mapping[str, Any]]) -> str:
                       f" of the {len(tested)} points with two or more seeds"))
         parts.append(f"its {METRICS[key].label} is above FeatureGate's at {above} of "
                      f"{len(both)} points, with {spread}")
-    trend = describe(size_axis(both), "mudd", METRICS["delta_reassign"], "model size",
+    trend = describe(size_axis(both), "mudd", METRICS[DELTA_REASSIGN], "model size",
                      f"at {_millions(size_axis(both)[0]['training_tokens'])} training tokens")
     return (f"MUDD, the contrast: {parts[0]}; {parts[1]}. {trend} At 1.4B parameters the "
-            f"paper reports +{PAPER_MUDD['delta_reassign']} nats (reassign) and "
-            f"+{PAPER_MUDD['delta_shuffle']} nats (shuffle).")
+            f"paper reports +{PAPER_MUDD[DELTA_REASSIGN]} nats (reassign) and "
+            f"+{PAPER_MUDD[DELTA_SHUFFLE]} nats (shuffle).")
 
 
 def cannot_show(points: Sequence[Mapping[str, Any]]) -> str:
@@ -454,8 +462,8 @@ def _cell(s: Stats | None, metric: Metric) -> str:
             f"{metric.number(s['max'])}]" if s["n"] > 1 else metric.number(s["mean"]))
 
 
-TABLE_KEYS = ("eval_nll", "retention_static_layer", "retention_static_layer_position",
-              "eta2_layer", "delta_reassign", "delta_shuffle", "retention_static_layer_token",
+TABLE_KEYS = ("eval_nll", RETENTION_LAYER, RETENTION_LAYER_POSITION,
+              "eta2_layer", DELTA_REASSIGN, DELTA_SHUFFLE, RETENTION_LAYER_TOKEN,
               "eta2_token_id", "frontier_gap_25")
 TABLE_HEAD = ("eval NLL (nats)", "static-layer retention (%)",
               "static-layer-position retention (%)", "eta2 layer (%)", "reassign (nats)",
@@ -516,11 +524,11 @@ def _panels(points: Sequence[Mapping[str, Any]]) -> list[TrendPanel]:
         return [Anchor(f"MUDDPythia-1.4B {v:+.2f}", "MUDD", v, v, PAPER_PARAMS["1.4B"])]
 
     spec: Sequence[tuple[str, str, Sequence[Anchor], float | None]] = (
-        ("retention_static_layer", "static-layer\nretention (%)", retention, 100.0),
-        ("retention_static_layer_position", "static-layer-position\nretention (%)", (), 100.0),
+        (RETENTION_LAYER, "static-layer\nretention (%)", retention, 100.0),
+        (RETENTION_LAYER_POSITION, "static-layer-position\nretention (%)", (), 100.0),
         ("eta2_layer", "eta2 layer (%)", eta, None),
-        ("delta_reassign", "reassign penalty\n(nats)", mudd("delta_reassign"), 0.0),
-        ("delta_shuffle", "shuffle penalty\n(nats)", mudd("delta_shuffle"), 0.0),
+        (DELTA_REASSIGN, "reassign penalty\n(nats)", mudd(DELTA_REASSIGN), 0.0),
+        (DELTA_SHUFFLE, "shuffle penalty\n(nats)", mudd(DELTA_SHUFFLE), 0.0),
     )
     return [TrendPanel(ylabel, {"FeatureGate": series("featuregate", METRICS[key]),
                                 "MUDD": series("mudd", METRICS[key])}, anchors, ref)
@@ -548,12 +556,12 @@ def markdown(points: Sequence[Mapping[str, Any]], figures: Sequence[RenderedFigu
                         f"{_millions(p['training_tokens'])} tokens)" for p in points)
     eta2 = f"{PAPER_ETA2_LAYER[0]:.0f} to {PAPER_ETA2_LAYER[1]:.0f}"
     paper_fg = [_paper_row(f"paper {size}", size, str(paper.RETENTION_SEEDS[size]),
-                           {"retention_static_layer": f"{value:.2f}", "eta2_layer": eta2})
+                           {RETENTION_LAYER: f"{value:.2f}", "eta2_layer": eta2})
                 for size, value in PAPER_RETENTION.items()]
     paper_mudd = [_paper_row("paper MUDDPythia-1.4B", "1.4B", "", {
-        "retention_static_layer": "static hurts strongly",
-        "delta_reassign": f"{PAPER_MUDD['delta_reassign']}",
-        "delta_shuffle": f"{PAPER_MUDD['delta_shuffle']}"})]
+        RETENTION_LAYER: "static hurts strongly",
+        DELTA_REASSIGN: f"{PAPER_MUDD[DELTA_REASSIGN]}",
+        DELTA_SHUFFLE: f"{PAPER_MUDD[DELTA_SHUFFLE]}"})]
     blocks = [
         "# FeatureGate's findings against model size and training length (CPU scale)",
         f"{len(points)} points: {md_text(listing)}. FeatureGate (with its Dense twin) at "

@@ -26,6 +26,7 @@ from torch import nn
 from fcaudit.api import ProgressReporter
 from fcaudit.core.conditions import REASSIGN, SHUFFLE, STATIC_LAYER_POSITION
 from fcaudit.core.registry import refusal
+from fcaudit.engine.result_views import ACCURACY_CORRECT, RETENTION_LAYER, RETENTION_LAYER_POSITION
 from fcaudit.io import digits
 from fcaudit.io.loading import Arch
 from fcaudit.study.train import adamw, building, lr_at, write_run
@@ -160,11 +161,11 @@ def table(groups: Mapping[str, Mapping[str, Any]]) -> list[dict[str, str]]:
         unit = "experts"
         if executed is None:
             executed, unit = _stat(group, "tokens_executed_fraction"), "patch tokens"
-        retention = _stat(group, "retention_static_layer")
-        per_patch = _stat(group, "retention_static_layer_position")
+        retention = _stat(group, RETENTION_LAYER)
+        per_patch = _stat(group, RETENTION_LAYER_POSITION)
         rows.append({
             "family": label, "seeds": str(len(group["audits"])),
-            "accuracy (twin)": f"{_num(_stat(group, 'accuracy_correct'), '.3f')} "
+            "accuracy (twin)": f"{_num(_stat(group, ACCURACY_CORRECT), '.3f')} "
                                f"({_num(_stat(group, 'twin_accuracy'), '.3f')})",
             REASSIGN: _penalty(group, REASSIGN), SHUFFLE: _penalty(group, SHUFFLE),
             "static-layer retention": "undefined" if retention is None else f"{retention:.1f}%",

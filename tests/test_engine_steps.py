@@ -242,3 +242,22 @@ def test_api_audit_writes_its_report_through_the_folders_writer(tmp_path: Path) 
               options=FAST)
     files = recorded(tmp_path / "out")
     assert {"audit.json", "report.md", "report.html"} <= set(files)
+
+
+def test_options_are_never_rewritten_what_prepare_decides_is_carried_beside_them() -> None:
+    """An exit model's conditions and the data's objective are decided in prepare and held
+    by the Prepared audit; the options stay the object the caller gave, field for field."""
+    from golden_audits import _built
+
+    from fcaudit.core.conditions import needing
+    from fcaudit.engine.prepare import AuditRequest, prepare
+    options = FAST
+    given = dataclasses.asdict(options)
+    setup = prepare(AuditRequest(_built("earlyexit"), data=toy_data(), options=options))
+    assert setup.options is options and dataclasses.asdict(setup.options) == given
+    assert options.objective is None and setup.objective_spec == "token-nll"
+    exits = needing("exits")
+    assert exits and setup.conditions == (*options.conditions, *exits)
+    plain = prepare(AuditRequest(toys.content_model(), sites=["gates.*"], data=toy_data(),
+                                 options=options))
+    assert plain.conditions == options.conditions and plain.options is options

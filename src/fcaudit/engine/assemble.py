@@ -102,7 +102,7 @@ def _settings(m: Measurements, execution: Execution) -> dict[str, Any]:
     setup, summary, opts = m.setup, m.summary, m.setup.options
     return {**{f.name: getattr(opts, f.name) for f, spec in option_specs()
                if spec.recorded == "settings"},
-            "conditions": list(opts.conditions),  # JSON's list: equal once read back
+            "conditions": list(setup.conditions),  # JSON's list: equal once read back
             "bootstrap_resamples": opts.bootstrap,
             "calibration_sequences_used_for_static": setup.inputs.n_calib,
             "objective": setup.objective.name,

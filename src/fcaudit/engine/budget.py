@@ -118,7 +118,8 @@ def audit_plan(setup: Prepared, first: Probe, covered: Sequence[Covered]) -> Aud
     n_eval, n_calib = -(-inputs.n_eval // size), -(-inputs.n_calib // size)
     record_s, replay_s = _warm(first), first.replay_s
     skipped = setup.not_applicable
-    runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first), (),
+    runs = plan_runs(setup.sites, opts, setup.conditions, setup.interventions,
+                     ablation_plan(setup, first), (),
                      skipped, ()) + analysis_runs(setup, first)
     per_layer = sum(isinstance(r.target, OneSite) for r in runs)
     ablation = sum(isinstance(r.target, ExpertAblation) for r in runs)

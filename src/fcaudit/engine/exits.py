@@ -46,7 +46,7 @@ from fcaudit.io.examples import call_model
 
 def asked(setup: Any) -> bool:
     """Whether the audit runs an exit condition on a model with exit sites."""
-    wanted = set(needing("exits")) & set(setup.options.conditions)
+    wanted = set(needing("exits")) & set(setup.conditions)
     return bool(wanted) and bool(exit_sites(setup.sites))
 
 
@@ -255,15 +255,14 @@ def gap_closed(per_seq: dict[str, np.ndarray], boot: Bootstrap) -> Retention | N
                      f"lose no less than fixed exit's, so no share of it is reported")
 
 
-def with_exit_conditions(options: Any, sites: Any, model: Any) -> Any:
-    """``options`` with the exit conditions added for a model with exit sites (checked now,
-    before any pass): an exit model is always placed between fixed exit and the oracle
-    (other models are left alone)."""
+def with_exit_conditions(conditions: tuple[str, ...], sites: Any, model: Any) -> tuple[str, ...]:
+    """``conditions`` with the exit conditions added for a model with exit sites (checked
+    now, before any pass): an exit model is always placed between fixed exit and the
+    oracle (other models are left alone)."""
     if not exit_sites(sites):
-        return options
+        return conditions
     exit_model(model, sites)
-    missing = tuple(n for n in needing("exits") if n not in options.conditions)
-    return dataclasses.replace(options, conditions=(*options.conditions, *missing))
+    return (*conditions, *(n for n in needing("exits") if n not in conditions))
 
 
 Shapes = dict[str, tuple[tuple[int, ...], ...]]  # block path -> its (input, output) shapes

@@ -156,9 +156,9 @@ def check_dense(dense: Any, options: AuditOptions) -> None:
 
 
 def resolve_inputs(loaded: LoadedModel, data: DataSpec | AuditData, options: AuditOptions,
-                   sites: Sequence[Site]) -> tuple[AuditData, AuditOptions]:
-    """The data the audit scores, checked against the model, and the options with the
-    objective decided: the one given, used as given (or refused where it cannot score the
+                   sites: Sequence[Site]) -> tuple[AuditData, Any]:
+    """The data the audit scores, checked against the model, and the objective that
+    scores them: the one given, used as given (or refused where it cannot score the
     data), else the data's own (:func:`decided_objective`)."""
     net = loaded.model
     default_len, default_why = loaded_seq_len(loaded)
@@ -177,12 +177,10 @@ def resolve_inputs(loaded: LoadedModel, data: DataSpec | AuditData, options: Aud
         audit_data = resolve_data(loaded.tokenizer, data, default_len)
     audit_data.check_arrays()  # read again for every audit: the caller may have changed it
     next_token = audit_data.checked().next_token
-    if given is None:
-        options = dataclasses.replace(options,
-                                      objective=decided_objective(next_token, vision, task))
+    objective = given if given is not None else decided_objective(next_token, vision, task)
     if not next_token:  # each kind's rules against model and options
-        return _example_inputs(loaded, audit_data, options), options
-    return _token_inputs(net, data, audit_data, options, sites, default_why), options
+        return _example_inputs(loaded, audit_data, options, objective), objective
+    return _token_inputs(net, data, audit_data, options, objective, sites, default_why), objective
 
 
 def _scores_tokens(objective: Any) -> bool:
@@ -201,10 +199,11 @@ def decided_objective(next_token: bool, vision: bool, task: BuiltinObjective | N
 
 
 def _token_inputs(net: nn.Module, given: DataSpec | AuditData, data: AuditData,
-                  options: AuditOptions, sites: Sequence[Site], default_why: str) -> AuditData:
+                  options: AuditOptions, objective: Any, sites: Sequence[Site],
+                  default_why: str) -> AuditData:
     """Token ids: sites with a token axis, ids within the vocabulary and windows within
     the context; with ``target_ci``, the pool in its audit order."""
-    builtin = OBJECTIVES.get(options.objective) if isinstance(options.objective, str) else None
+    builtin = OBJECTIVES.get(objective) if isinstance(objective, str) else None
     examples = builtin.name if builtin is not None and not builtin.tokens else None
     if examples or any(s.positions not in (None, TOKEN_LAYOUT) for s in sites):
         raise UsageError(
@@ -225,10 +224,11 @@ def _token_inputs(net: nn.Module, given: DataSpec | AuditData, data: AuditData,
     return data
 
 
-def _example_inputs(loaded: LoadedModel, data: AuditData, options: AuditOptions) -> AuditData:
-    """Inputs that are not token ids (``AuditData(inputs=...)``): an objective that scores
-    them, no token-only option, and inputs the model takes."""
-    objective = resolve(options.objective)
+def _example_inputs(loaded: LoadedModel, data: AuditData, options: AuditOptions,
+                    spec: Any) -> AuditData:
+    """Inputs that are not token ids (``AuditData(inputs=...)``): an objective (``spec``)
+    that scores them, no token-only option, and inputs the model takes."""
+    objective = resolve(spec)
     if objective.tokens:
         raise UsageError(
             f"{arg('objective', objective.name, owner='AuditOptions')} scores token ids, but "

@@ -86,7 +86,8 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     skipped = setup.not_applicable
     covered, points = frontier_points(setup, cache, frontier_plan(setup, first), progress,
                                       ranks)
-    runs = plan_runs(setup.sites, opts, setup.interventions, ablation_plan(setup, first),
+    runs = plan_runs(setup.sites, opts, setup.conditions, setup.interventions,
+                     ablation_plan(setup, first),
                      points, skipped, exit_points(inputs.exits)) + analysis_runs(setup, first)
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
@@ -100,6 +101,7 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     description = describe(cache, setup.sites, inputs.ids)
     original = _original_hits(cache) if setup.objective.accuracy else None
     summary = summarize(runs, replays.per_run, description.original_nll, setup.sites, opts,
+                        setup.conditions,
                         skipped, accuracies(runs, replays.hits, original),
                         example_hits(runs, replays.hits, original))
     return Measurements(setup, runs, replays, identity, description, summary, covered, points,

@@ -437,8 +437,12 @@ class Prepared:
     blocks: list[str] | None
     blocks_glob: str | None
     data: AuditData
-    options: AuditOptions
+    options: AuditOptions  # as validated: never rewritten (what prepare decides is below)
     interventions: list[Intervention]
+    # the conditions run: the options' own and those the sites need (an exit model's)
+    conditions: tuple[str, ...]
+    # the objective scoring the data: the options' own, else the one the data decide
+    objective_spec: Any
     dense: nn.Module | None = None
     dense_source: str = ""
     out: Path | None = None
@@ -458,8 +462,8 @@ class Prepared:
 
     @functools.cached_property
     def objective(self) -> Objective:
-        """The options' objective, resolved once (a callable's state digested once)."""
-        return resolve(self.options.objective)
+        """The audit's objective, resolved once (a callable's state digested once)."""
+        return resolve(self.objective_spec)
 
     @functools.cached_property
     def not_applicable(self) -> dict[str, str]:
@@ -467,7 +471,7 @@ class Prepared:
         inputs, with the reason: not run, and said so (computed once per audit)."""
         from fcaudit.core.layout import not_applicable  # torch: options stay light
         return not_applicable(self.sites, self.inputs.token_ids is not None,
-                              self.options.conditions)
+                              self.conditions)
 
     @functools.cached_property
     def inputs(self) -> TokenData | ExampleData:

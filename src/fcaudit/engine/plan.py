@@ -214,7 +214,7 @@ def ablation_experts(sites: Sequence[Site], options: AuditOptions,
     return routed if options.expert_ablation else {}
 
 
-def plan_runs(sites: Sequence[Site], options: AuditOptions,
+def plan_runs(sites: Sequence[Site], options: AuditOptions, conditions: Sequence[str],
               interventions: Sequence[Intervention] = (),
               ablated: Mapping[Site, int] | None = None,
               points: Sequence[FrontierPoint] = (),
@@ -227,8 +227,8 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions,
     conditions in ``skipped`` (not applicable to these sites) are not run."""
     runs = [Run(CORRECT)]
     runs += [Run(c, k) for k in range(options.repeats)
-             for c in audited(options.conditions, RANDOM_ALL) if c not in skipped]
-    runs += [Run(c) for c in audited(options.conditions, STATIC_ALL + EXIT_ALL)
+             for c in audited(conditions, RANDOM_ALL) if c not in skipped]
+    runs += [Run(c) for c in audited(conditions, STATIC_ALL + EXIT_ALL)
              if c not in skipped]
     if options.per_layer:
         for site in sites:

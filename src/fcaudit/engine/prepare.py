@@ -70,11 +70,11 @@ def prepare(request: AuditRequest, ranks: Ranks | None = None) -> Prepared:
     net = loaded.model.eval()
     site_list = declare_axes(find_sites(net, sites), request.site_axes)
     check_needs(options, sites=site_list)  # the needs a model may meet (exit models' sweep)
-    options = with_exit_conditions(options, site_list, net)
+    conditions = with_exit_conditions(options.conditions, site_list, net)
     # before the first forward pass
-    custom = custom_interventions(request.interventions, site_list, options.conditions)
+    custom = custom_interventions(request.interventions, site_list, conditions)
     block_paths = resolve_block_paths(net, blocks)  # for execution and prefix reuse
-    audit_data, options = resolve_inputs(loaded, request.data, options, site_list)
+    audit_data, objective = resolve_inputs(loaded, request.data, options, site_list)
     twin, twin_source = dense_counterpart(net, audit_data, SeedPlan(options.seed), dense,
                                           blocks) if options.execution else (None, "")
     if twin is None and options.execution and asked(options, "timing_pairs"):
@@ -83,7 +83,7 @@ def prepare(request: AuditRequest, ranks: Ranks | None = None) -> Prepared:
                          f"give one ({arg('dense')}) or drop {arg('timing_pairs')}",
                          option="timing_pairs")
     setup = Prepared(loaded, site_list, block_paths, blocks, audit_data, options, custom,
-                     twin, twin_source,
+                     conditions, objective, twin, twin_source,
                      out=Path(request.out) if request.out is not None else None)
     if setup.out is not None:
         from fcaudit.io.outdir import check_output

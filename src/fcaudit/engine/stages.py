@@ -113,7 +113,7 @@ def calibration_shard(setup: Prepared, coefficients: Mapping[str, Tensor],
 def _collections(setup: Prepared) -> frozenset[str]:
     """The calibration sums beyond the default ones that the opted-in conditions which
     apply to these sites and inputs read (none by default)."""
-    return collections([name for name in setup.options.conditions
+    return collections([name for name in setup.conditions
                         if name not in setup.not_applicable])
 
 

@@ -116,7 +116,7 @@ class Summary:
 
 
 def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.ndarray,
-              sites: Sequence[Site], options: AuditOptions,
+              sites: Sequence[Site], options: AuditOptions, opted: Sequence[str],
               skipped: Mapping[str, str] | None = None,
               hits: Mapping[str, float] | None = None,
               per_example_hits: Mapping[str, np.ndarray] | None = None) -> Summary:
@@ -131,7 +131,6 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
     repeats[ORIGINAL] = [original]
     per_seq = {k: np.mean(v, axis=0) for k, v in repeats.items()}
     boot = paired_bootstrap(len(original), options)
-    opted = options.conditions
     conditions = {c: condition_result(per_seq, repeats, c, boot, hits) for c in audited(opted)
                   if c not in skipped}
     per_layer = {c: [LayerConditionResult(**dataclasses.asdict(condition_result(

@@ -261,3 +261,27 @@ def test_options_are_never_rewritten_what_prepare_decides_is_carried_beside_them
     plain = prepare(AuditRequest(toys.content_model(), sites=["gates.*"], data=toy_data(),
                                  options=options))
     assert plain.conditions == options.conditions and plain.options is options
+
+
+def test_the_data_are_hashed_once_and_the_corpus_read_once(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """One SHA-256 per array per audit (the summary, the cache identity, the start line and
+    audit.json read the Prepared audit's one summary); one verified read of the corpus for
+    its evaluation and calibration windows."""
+    from fcaudit.io import data as data_mod
+    from fcaudit.io import inputs as inputs_mod
+    hashed: list[int] = []
+    real_hash = inputs_mod.fingerprint_array
+    monkeypatch.setattr(inputs_mod, "fingerprint_array",
+                        lambda w: hashed.append(len(w)) or real_hash(w))
+    data = toy_data(n_eval=12, n_calib=8)
+    api_audit(toys.content_model(), tmp_path / "a", sites=["gates.*"], data=data,
+              options=FAST, report=False)
+    assert sorted(hashed) == [8, 12]  # the calibration array once, the evaluation array once
+    reads: list[int] = []
+    real_read = data_mod.corpus_texts
+    monkeypatch.setattr(data_mod, "corpus_texts", lambda: reads.append(1) or real_read())
+    from fcaudit.io.data import DataSpec, Document, resolve_data, train_tokenizer
+    tok = train_tokenizer([Document("text", "to be or not to be " * 50)], 300)
+    resolve_data(tok, DataSpec(max_eval=4, max_calib=4), 32)
+    assert reads == [1]

@@ -64,7 +64,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     verdict, verdict_numbers = _verdict(m, execution)
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
-        data=setup.inputs.summary(),
+        data=setup.data_summary,
         sites=[_site_info(s, m) for s in setup.sites],
         identity_replay_max_abs_diff=identity.max_abs_diff, conditions=summary.conditions,
         per_layer=summary.per_layer, retention=summary.retention,

@@ -443,6 +443,9 @@ class Prepared:
     conditions: tuple[str, ...]
     # the objective scoring the data: the options' own, else the one the data decide
     objective_spec: Any
+    # audit.json's ``data`` section: the data's SHA-256s, computed once per audit (a
+    # --target-ci round, a copy with a prefix of the data, gives its own)
+    data_summary: dict[str, object]
     dense: nn.Module | None = None
     dense_source: str = ""
     out: Path | None = None

@@ -83,7 +83,7 @@ def prepare(request: AuditRequest, ranks: Ranks | None = None) -> Prepared:
                          f"give one ({arg('dense')}) or drop {arg('timing_pairs')}",
                          option="timing_pairs")
     setup = Prepared(loaded, site_list, block_paths, blocks, audit_data, options, custom,
-                     conditions, objective, twin, twin_source,
+                     conditions, objective, audit_data.checked().summary(), twin, twin_source,
                      out=Path(request.out) if request.out is not None else None)
     if setup.out is not None:
         from fcaudit.io.outdir import check_output
@@ -93,7 +93,7 @@ def prepare(request: AuditRequest, ranks: Ranks | None = None) -> Prepared:
     layouts = resolve_layouts(setup, first_batch(setup))
     return dataclasses.replace(setup, sites=layouts.sites, layouts=layouts.notes,
                                kinds=layouts.kinds,
-                               notes=(window_line(setup.inputs.summary()), *layouts.lines,
+                               notes=(window_line(setup.data_summary), *layouts.lines,
                                       *(f"note: {line}" for line in loaded.notes),
                                       *([f"note: {HEADS_NOTE}"] if loaded.kind == KIND else []),
                                       *(f"warning: {line}" for line in untested_versions())))

@@ -165,7 +165,7 @@ def open_cache(setup: Prepared, folder: Path, ranks: Ranks,
 
 
 def cache_identity(setup: Prepared) -> dict[str, Any]:
-    net, data = setup.model, setup.inputs.summary()
+    net, data = setup.model, setup.data_summary
     param = next(net.parameters(), None)
     return {"model": setup.loaded.fingerprint or setup.loaded.spec,
             "model_class": type(net).__name__, "eval_data": data["eval_fingerprint"],

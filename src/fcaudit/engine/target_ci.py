@@ -41,8 +41,8 @@ def run_to_target(pool: Prepared, cache: CoefficientCache, first: Probe,
     while True:
         started = time.perf_counter()
         cache.use_prefix(n)
-        setup = dataclasses.replace(pool, data=dataclasses.replace(
-            pool.data, eval_ids=pool.data.eval_ids[:n]))
+        prefix = dataclasses.replace(pool.data, eval_ids=pool.data.eval_ids[:n])
+        setup = dataclasses.replace(pool, data=prefix, data_summary=prefix.checked().summary())
         m = measure(setup, cache, first, progress, SINGLE)
         assert m is not None
         entry = st.round_entry(n, opts.batch_size, previous, len(m.runs),

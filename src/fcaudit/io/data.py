@@ -171,14 +171,19 @@ class Document:
 
 def builtin_documents(split: str) -> list[Document]:
     """Works of one split: ``train``, ``calib`` or ``eval``, sorted by name."""
-    if split not in ("train", "calib", "eval"):
-        raise ValueError(f"unknown split {split!r}")
-    docs = []
+    return builtin_splits(split)[0]
+
+
+def builtin_splits(*splits: str) -> tuple[list[Document], ...]:
+    """Works of each split named, sorted by name, from one verified read of the corpus."""
+    if unknown := [s for s in splits if s not in ("train", "calib", "eval")]:
+        raise ValueError(f"unknown split {unknown[0]!r}")
+    docs: dict[str, list[Document]] = {s: [] for s in splits}
     for work, data in sorted(corpus_texts().items()):
         which = "eval" if work in EVAL_WORKS else "calib" if work in CALIB_WORKS else "train"
-        if which == split:
-            docs.append(Document(work, data.decode("utf-8")))
-    return docs
+        if which in docs:
+            docs[which].append(Document(work, data.decode("utf-8")))
+    return tuple(docs[s] for s in splits)
 
 
 def text_documents(path: str | Path) -> list[Document]:
@@ -512,8 +517,8 @@ def resolve_data(tokenizer: Tokenizer | None, spec: DataSpec, default_seq_len: i
                        "calib_path": str(spec.text),
                        "split": "contiguous halves of --data windows: first half calibrates"}
     else:
-        ev = cut_windows(encode_documents(tokenizer, builtin_documents("eval")), seq_len)
-        ca = cut_windows(encode_documents(tokenizer, builtin_documents("calib")), seq_len)
+        ev, ca = (cut_windows(encode_documents(tokenizer, docs), seq_len)
+                  for docs in builtin_splits("eval", "calib"))
         sources = {"source": "builtin", **builtin_split_record()}
     return _picked(ev, ca, spec, sources)
 

@@ -35,12 +35,12 @@ from fcaudit.engine.result import (
     SiteInfo,
     Verdict,
 )
+from fcaudit.engine.stopping import Rounds
 from fcaudit.engine.summary import (
     expert_importance,
     paired_bootstrap,
     routing_summary,
 )
-from fcaudit.engine.target_ci import Rounds
 from fcaudit.engine.twin import execute
 from fcaudit.engine.verdicts import judge
 from fcaudit.io.runtime import host, versions

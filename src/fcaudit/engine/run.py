@@ -10,7 +10,7 @@
                      on-disk cache, the runs planned (:mod:`~fcaudit.engine.plan`, the
                      frontier: :mod:`~fcaudit.engine.frontier_plan`) and replayed batch by
                      batch (resumable), then summarized (:mod:`~fcaudit.engine.measure`;
-                     with ``target_ci``, round after round: :mod:`~fcaudit.engine.target_ci`)
+                     with ``target_ci``, round after round: :mod:`~fcaudit.engine.stopping`)
     build_result  -> execution against the dense counterpart, verdicts and one
                      :class:`~fcaudit.engine.result.AuditResult` (:mod:`~fcaudit.engine.
                      assemble`)
@@ -58,7 +58,7 @@ from fcaudit.engine.prepare import AuditRequest, prepare
 from fcaudit.engine.probe import Probe, ablation_plan, probe, same_probe_on_every_rank
 from fcaudit.engine.result import AuditResult
 from fcaudit.engine.stages import adopt_probe
-from fcaudit.engine.target_ci import run_to_target
+from fcaudit.engine.stopping import run_to_target
 from fcaudit.io.outdir import hold_output
 from fcaudit.io.placement import offload_space
 from fcaudit.io.results import ResultWriter, replacing_results
@@ -186,7 +186,7 @@ def _run(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Progr
          command: str | None, ranks: Ranks, plan: AuditPlan | None = None
          ) -> AuditResult | None:
     """Record and replay this rank's batches; rank 0 then summarizes every batch (with
-    ``target_ci``, round after round: :func:`~fcaudit.engine.target_ci.run_to_target`)
+    ``target_ci``, round after round: :func:`~fcaudit.engine.stopping.run_to_target`)
     and builds the result."""
     same_probe_on_every_rank(ranks, first)
     if setup.options.target_ci is not None:

@@ -22,7 +22,7 @@ from conftest import run_inprocess
 import fcaudit
 from fcaudit import AuditData, AuditOptions
 from fcaudit.engine.metrics import Bootstrap, accuracy_retention
-from fcaudit.engine.seeds import SeedPlan
+from fcaudit.engine.options import SeedPlan
 
 # 160 examples resolve the static profiles' shares (intervals under 100 points wide); 48
 # do not (tested below: such a share has no value)

@@ -66,9 +66,9 @@ def test_a_cache_the_disk_cannot_hold_is_refused_before_any_file(
 
 def _spy_on_the_plan(monkeypatch: pytest.MonkeyPatch) -> dict:
     """The engine's record plan, kept in ``seen["cost"]`` when the audit computes it."""
-    from fcaudit.engine import cost
+    from fcaudit.engine import budget
     seen: dict = {}
-    real = cost.record_cost
+    real = budget.record_cost
 
     def spy(*args, **kw):  # noqa: ANN002, ANN003 - passes through
         seen["cost"] = real(*args, **kw)

@@ -24,7 +24,7 @@ from fcaudit.core.interventions import Intervention
 from fcaudit.engine import assemble
 from fcaudit.engine import run as engine
 from fcaudit.engine.analyses import ANALYSES
-from fcaudit.engine.options import NOTE
+from fcaudit.engine.options import NOTE, SeedPlan
 from fcaudit.engine.plan import (
     ALL_SITES,
     ExpertAblation,
@@ -33,7 +33,6 @@ from fcaudit.engine.plan import (
     UserIntervention,
     run_digest,
 )
-from fcaudit.engine.seeds import SeedPlan
 from fcaudit.engine.stages import plan_digest
 from fcaudit.io.outdir import recorded
 

@@ -246,7 +246,7 @@ def test_the_evaluation_mean_depth_has_its_bootstrap_interval_over_examples():
     """The mean executed depth's interval: each example's mean depth from its recorded
     scores against the threshold (by hand), resampled with numpy as the audit's paired
     bootstrap resamples examples (its seed, its number of resamples)."""
-    from fcaudit.engine.seeds import SeedPlan
+    from fcaudit.engine.options import SeedPlan
     model = make()
     e = audit(model)["exits"]
     scores = torch.stack([v[..., 0] for v in record(model, torch.from_numpy(EVAL)).values()])

@@ -25,7 +25,7 @@ from conftest import toy_data
 
 import fcaudit
 from fcaudit import AuditData, AuditOptions
-from fcaudit.engine.seeds import SeedPlan
+from fcaudit.engine.options import SeedPlan
 from fcaudit.engine.verdicts import NEGLIGIBLE
 
 RESAMPLES, SEED = 400, 0

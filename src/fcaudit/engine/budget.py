@@ -15,15 +15,17 @@ dropped once calibration is recorded). The plan is kept in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fcaudit.core.errors import arg
+from torch import Tensor
+
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.exits import exit_sites
 from fcaudit.engine.analyses.runs import analysis_runs
-from fcaudit.engine.cost import RecordCost, check_disk, free_bytes, record_cost, size_text
 from fcaudit.engine.exit_sweep import own_threshold
 from fcaudit.engine.exits import PROBE_ROWS, asked, check_passes
 from fcaudit.engine.frontier import GATE, Covered, most_points
@@ -220,10 +222,132 @@ def _execution_stages(setup: Prepared, n_eval: int, record_s: float) -> list[Sta
 
 def say_plan(setup: Prepared, plan: AuditPlan, folder: Path, progress: Progress) -> None:
     """The plan's lines before any pass of the audit proper; a cache the disk cannot hold
-    is refused here (see :mod:`fcaudit.engine.cost`)."""
+    is refused here (see :mod:`fcaudit.engine.budget`)."""
     free = free_bytes(folder)
     warning = check_disk(plan.cache, free, folder)
     if setup.options.progress:
         for line in (*plan.lines(free), warning):
             if line:
                 say(progress, line)
+
+
+# ---------------------------------------------------------------------- cost
+# What an audit will cost, said before the work: forward passes and the cache's size.
+#
+# A real model's default audit can run for many minutes and write gigabytes (SmolLM2-135M's
+# 30 layers of coefficients: about 47 MB per 128-token sequence), so the plan is printed
+# before any pass, and a cache that would not fit the disk holding it is refused before
+# the first shard, not discovered when the disk is full.
+#
+# Every shard is sized from the tensors it will hold, built from the probe's batch by the
+# functions that build the real shards (evaluation: coefficients and losses per row;
+# calibration: float64 sums by position and by token id, whose distinct ids the probe's
+# batch shows; the frontier's calibration: whole coefficients per row), and counted as a disk
+# stores it: each file (a shard and its checksum, each batch's replay shard, the manifest) and
+# folder takes whole blocks, with a header per tensor.
+
+# a cache may take this share of the free space before the plan warns
+_WARN_SHARE = 0.5
+_BLOCK = 4096  # a file takes whole blocks of this size on common file systems
+_FOLDERS = 3  # the cache's folder, its replay folder and its manifest: a block each
+_HEADER = 128  # a safetensors header's bytes per tensor (name, dtype, shape, offsets)
+
+
+@dataclass(frozen=True)
+class RecordCost:
+    """The record stage's passes and the cache's expected size in bytes."""
+
+    eval_batches: int
+    calib_batches: int
+    bytes_per_sequence: int
+    cache_bytes: int
+
+
+def record_cost(eval_shard: Mapping[str, Tensor], calib_shard: Mapping[str, Tensor],
+                frontier_shard: Mapping[str, Tensor], rows: int, n_eval: int, n_calib: int,
+                batch_size: int, runs: int = 0) -> RecordCost:
+    """The cost of recording ``n_eval`` evaluation and ``n_calib`` calibration rows, from
+    the shards the probe's batch of ``rows`` rows would write (``frontier_shard``: the
+    frontier's whole calibration coefficients, empty without a frontier), and of each
+    batch's replay shard of ``runs`` runs."""
+    n_eval_batches, n_calib_batches = -(-n_eval // batch_size), -(-n_calib // batch_size)
+    per_row = _bytes(eval_shard) / rows
+    eval_disk = sum(_on_disk(per_row * _rows_in(b, batch_size, n_eval), len(eval_shard))
+                    + _on_disk(_replay_bytes(runs, _rows_in(b, batch_size, n_eval),
+                                             "hits" in eval_shard), _REPLAY_TENSORS)
+                    for b in range(n_eval_batches))
+    calib_disk = n_calib_batches * _on_disk(_bytes(calib_shard), len(calib_shard))
+    if frontier_shard:
+        calib_disk += sum(_on_disk(_bytes(frontier_shard) / rows
+                                   * _rows_in(b, batch_size, n_calib), len(frontier_shard))
+                          for b in range(n_calib_batches))
+    return RecordCost(n_eval_batches, n_calib_batches, round(per_row),
+                      round(eval_disk + calib_disk + _FOLDERS * _BLOCK))
+
+
+_REPLAY_TENSORS = 6  # losses, feed digests, identity, prefix state, plan digest, hits
+
+
+def _replay_bytes(runs: int, rows: int, hits: bool) -> int:
+    """A replay shard: per run a float64 loss per row (and a hit, where the objective
+    scores hits) and a 32-byte feed digest; the plan's digest and two scalars."""
+    return runs * ((16 if hits else 8) * rows + 32) + 32 + 16
+
+
+def _rows_in(b: int, batch_size: int, n: int) -> int:
+    """How many of ``n`` rows batch ``b`` holds (the last batch may be short)."""
+    return min(batch_size, n - b * batch_size)
+
+
+def _bytes(shard: Mapping[str, Tensor]) -> int:
+    return sum(t.element_size() * t.numel() for t in shard.values())
+
+
+def _on_disk(data: float, tensors: int) -> int:
+    """A shard of ``data`` bytes in ``tensors`` tensors and its checksum file, in whole
+    blocks as a disk stores them."""
+    blocks = -(-int(data + _HEADER * tensors + _HEADER) // _BLOCK)
+    return (blocks + 1) * _BLOCK
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Free bytes on the disk that holds (or will hold) ``folder``, counting what a cache
+    already there takes (a resumed audit rewrites at most that much)."""
+    for parent in (folder, *folder.parents):
+        if parent.exists():
+            try:
+                free = shutil.disk_usage(parent).free
+            except OSError:
+                return None
+            if parent == folder and folder.is_dir():
+                free += sum(p.stat().st_size for p in folder.rglob("*")
+                            if p.is_file() and not p.is_symlink())
+            return free
+    return None
+
+
+def check_disk(cost: RecordCost, free: int | None, folder: Path) -> str | None:
+    """Refuse a cache that would not fit; a warning line when it would take most of the
+    free space (None: nothing to say)."""
+    if free is None:
+        return None
+    if cost.cache_bytes > free:
+        raise FcauditError(
+            f"the audit's cache needs about {size_text(cost.cache_bytes)} but the disk holding "
+            f"{folder} has {size_text(free)} free: choose {arg('out')} on a larger disk, or "
+            f"audit fewer sequences ({arg('max_eval', owner='DataSpec')}) or sites")
+    if cost.cache_bytes > _WARN_SHARE * free:
+        return (f"warning: the cache will take about {size_text(cost.cache_bytes)} of the "
+                f"{size_text(free)} free on the disk holding {folder}")
+    return None
+
+
+def size_text(n: float | None) -> str:
+    """Bytes as a person reads them (kB, MB, GB in powers of 1000)."""
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KB", "MB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"

@@ -30,9 +30,8 @@ from fcaudit.engine.inputs import (
     window_line,
 )
 from fcaudit.engine.layouts import resolve_layouts
-from fcaudit.engine.options import AuditOptions, Prepared, asked, check_needs
+from fcaudit.engine.options import AuditOptions, Prepared, SeedPlan, asked, check_needs
 from fcaudit.engine.probe import first_batch
-from fcaudit.engine.seeds import SeedPlan
 from fcaudit.engine.twin import dense_counterpart
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.hf_exit import HEADS_NOTE, KIND, with_early_exit

@@ -24,7 +24,6 @@ from fcaudit.core.digest import digest_tensors
 from fcaudit.core.errors import FcauditError, IdentityError, ModelError, arg
 from fcaudit.core.layout import check_family_positions
 from fcaudit.core.nll import device_of
-from fcaudit.engine.carried_state import why_passes_differ
 from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.inputs import resolve_block_paths
 from fcaudit.engine.objectives import check_targets
@@ -37,6 +36,7 @@ from fcaudit.engine.passes import (
     check_units,
     record_batch,
     replay_batch,
+    why_passes_differ,
 )
 from fcaudit.engine.plan import ablation_experts
 from fcaudit.engine.result import Identity

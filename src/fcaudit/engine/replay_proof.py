@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from fcaudit.core.adapters import same_bits
+from fcaudit.core.errors import arg
 from fcaudit.engine.cache import ReplayShard
 from fcaudit.engine.plan import ExpertAblation, Run
 
@@ -128,3 +129,19 @@ def ablation_rows(runs: Sequence[Run]) -> list[int]:
 def run_name(run: Run) -> str:
     """A run as the report names it: its key, and its repeat where it has several."""
     return f"{run.key} (repeat {run.repeat})" if run.repeat else run.key
+
+
+def replay_line(n_runs: int, n_batches: int, reused: int = 0,
+                sample: ReuseSample | None = None) -> str | None:
+    """What proves the cached replay batches, when a rerun finds some (None: none; the
+    plan said the replay's passes before the work)."""
+    if not reused or sample is None:
+        return None
+    verified = sum(len(v) for v in sample.by_batch.values())
+    passes = verified + sum(2 - (0 in v) for v in sample.by_batch.values())
+    how = ("every run of every cached batch" if sample.mode == "all" else
+           f"a fresh random sample of {verified} runs, every run of the plan on one cached "
+           f"batch (seed {sample.seed}; {arg('verify_reuse', 'all')} proves every run)")
+    return (f"replay: {reused} of {n_batches} evaluation batches cached: reused only once "
+            f"{how} replays bit for bit as cached (about {passes} passes), the other "
+            f"{n_batches - reused} replayed ({(n_batches - reused) * n_runs} passes)")

@@ -36,11 +36,10 @@ from fcaudit.engine.cache import (
     EvaluationShard,
     ReplayShard,
 )
-from fcaudit.engine.carried_state import STATE_FIX
-from fcaudit.engine.cost import replay_line
 from fcaudit.engine.distributed import SINGLE, Ranks
 from fcaudit.engine.options import AuditOptions, Prepared, Progress, say
 from fcaudit.engine.passes import (
+    STATE_FIX,
     Replayed,
     batches,
     check_finite,
@@ -64,6 +63,7 @@ from fcaudit.engine.replay_proof import (
     choose,
     first_difference,
     fresh_seed,
+    replay_line,
     rerouting_rows,
     run_name,
     sub_plan,

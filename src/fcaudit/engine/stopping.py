@@ -27,10 +27,9 @@ from fcaudit.core.errors import FcauditError, arg
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.distributed import SINGLE
 from fcaudit.engine.measure import Measurements, measure, reuse_summary
-from fcaudit.engine.options import Prepared, Progress, say
+from fcaudit.engine.options import Prepared, Progress, SeedPlan, say
 from fcaudit.engine.probe import Probe
 from fcaudit.engine.result import ConditionResult, Stopping, StoppingRound
-from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.data import AuditData, fingerprint_array
 
 DEFAULT_MIN_SEQUENCES = 16  # the first round: a bootstrap over fewer is too coarse to trust

@@ -43,7 +43,7 @@ from fcaudit.engine.metrics import (
     penalty,
     retention,
 )
-from fcaudit.engine.options import AuditOptions
+from fcaudit.engine.options import AuditOptions, SeedPlan
 from fcaudit.engine.parts import part_variance
 from fcaudit.engine.plan import ExpertAblation, Run, UserIntervention
 from fcaudit.engine.result import (
@@ -59,7 +59,6 @@ from fcaudit.engine.result import (
     VarianceShares,
     Variation,
 )
-from fcaudit.engine.seeds import SeedPlan
 
 
 def condition_result(per_seq: Mapping[str, np.ndarray], repeats: Mapping[str, list[np.ndarray]],

@@ -22,10 +22,9 @@ from fcaudit.core.kinds import KINDS, twin_note
 from fcaudit.core.nll import device_of, model_limits
 from fcaudit.engine.inputs import as_loaded, resolve_block_paths
 from fcaudit.engine.objectives import output_tensors
-from fcaudit.engine.options import Prepared
+from fcaudit.engine.options import Prepared, SeedPlan
 from fcaudit.engine.plan import routing_sites
 from fcaudit.engine.result import Execution
-from fcaudit.engine.seeds import SeedPlan
 from fcaudit.io.data import AuditData
 from fcaudit.io.examples import Examples, call_model
 

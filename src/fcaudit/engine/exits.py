@@ -39,7 +39,7 @@ from fcaudit.core.replaying import replaying
 from fcaudit.engine.exit_sweep import own_threshold, sweep_layers
 from fcaudit.engine.frontier_parts import ExitFrontier, ExitSummary
 from fcaudit.engine.metrics import Bootstrap, interval, retention
-from fcaudit.engine.passes import batches, record_batch
+from fcaudit.engine.passes import batches
 from fcaudit.engine.result_parts import Retention
 from fcaudit.io.examples import call_model
 
@@ -104,7 +104,7 @@ def check_follows(setup: Any, net: Any, x: Any) -> None:
     sites, run = exit_sites(setup.sites), lambda: call_model(setup.model, x)
     unit, n = exit_unit(sites), len(sites)
     own = own_exits(net, run)
-    _, coefficients, _ = record_batch(setup.model, setup.sites, x, None)
+    _, coefficients, _ = setup.executor.record(x, None)
 
     def exits(k: Any, values: Any = None) -> torch.Tensor:
         """The exits under the recorded scores (``k`` None), or under scores stopping each

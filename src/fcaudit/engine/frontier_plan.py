@@ -35,7 +35,7 @@ from fcaudit.engine.frontier import (
     skipped_units,
 )
 from fcaudit.engine.options import Prepared, Progress
-from fcaudit.engine.passes import batches, record_batch, replay_batch
+from fcaudit.engine.passes import batches
 from fcaudit.engine.probe import Probe
 from fcaudit.engine.stages import frontier_calibration, record_frontier_calibration
 
@@ -113,9 +113,9 @@ def off_mismatch(setup: Prepared, fam: Covered) -> str | None:
                 f"({len(modules) if modules else 'no'} blocks): no module to price their skips")
     net = setup.model
     _, x = next(batches(setup.eval_source, setup.options.batch_size, device_of(net)))
-    recorded = record_batch(net, fam.sites, x)[1]
-    off = replay_batch(net, x, {s: torch.full_like(recorded[s.name], s.off)
-                                for s in fam.sites}).logits
+    recorded = setup.executor.record(x, sites=fam.sites)[1]
+    off = setup.executor.replay(x, {s: torch.full_like(recorded[s.name], s.off)
+                                    for s in fam.sites}).logits
     modes = (_zeroed,) if all(gated) else (_passed_through, _zeroed)
     diffs = []
     for mode in modes:

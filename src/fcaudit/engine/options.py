@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from fcaudit.core.contract import Site
     from fcaudit.core.interventions import Intervention
+    from fcaudit.engine.passes import Executor
     from fcaudit.io.data import AuditData
     from fcaudit.io.inputs import ExampleData, TokenData
     from fcaudit.io.loading import LoadedModel
@@ -461,6 +462,12 @@ class Prepared:
     @property
     def model(self) -> nn.Module:
         return self.loaded.model
+
+    @functools.cached_property
+    def executor(self) -> Executor:
+        """Where every pass of the audit runs (:mod:`fcaudit.engine.passes`)."""
+        from fcaudit.engine.passes import Local  # torch: options stay light
+        return Local(self.model, self.sites)
 
     @functools.cached_property
     def objective(self) -> Objective:

@@ -1,8 +1,9 @@
 """One forward pass over one batch: recorded (controllers live) or replayed (stubs).
 
-Every pass of the audit goes through :func:`record_batch` or :func:`replay_batch`, so the
-checks live here: a site that runs twice, a stub the model does not call, non-finite
-values.
+Every pass of the audit goes through an :class:`Executor` (the stages never call the model
+themselves), so where the passes run is one implementation of two methods: :class:`Local`
+runs them in this process (each torchrun rank holds its own). Its checks live here: a site
+that runs twice, a stub the model does not call, non-finite values.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -101,6 +102,38 @@ def replay_batch(model: nn.Module, x: Any, fed: Mapping[Site, Tensor], *,
                          "the model takes another path when its controller is replaced: "
                          "name a module the model calls exactly once per forward pass")
     return Replayed(logits, traced, chosen, output)
+
+
+Recorded = tuple[Any, dict[str, Tensor], Any]  # logits, coefficients by site, losses
+
+
+class Executor(Protocol):
+    """Where an audit's passes run: a record pass (controllers live, their outputs kept)
+    and a replay pass (the given sites fed); see :func:`record_batch` and
+    :func:`replay_batch` for what each returns and checks."""
+
+    def record(self, x: Any, objective: Objective | None = TOKEN_NLL,
+               sites: Sequence[Site] | None = None) -> Recorded: ...
+
+    def replay(self, x: Any, fed: Mapping[Site, Tensor], *,
+               known: Mapping[str, Any] | None = None, trace: Sequence[str] | None = None,
+               select: bool = False, objective: Objective = TOKEN_NLL) -> Replayed: ...
+
+
+@dataclass(frozen=True)
+class Local:
+    """Passes on the model in this process (``sites``: those recorded unless others are
+    named, as the frontier's calibration does)."""
+
+    model: nn.Module
+    sites: Sequence[Site]
+
+    def record(self, x: Any, objective: Objective | None = TOKEN_NLL,
+               sites: Sequence[Site] | None = None) -> Recorded:
+        return record_batch(self.model, self.sites if sites is None else sites, x, objective)
+
+    def replay(self, x: Any, fed: Mapping[Site, Tensor], **kw: Any) -> Replayed:
+        return replay_batch(self.model, x, fed, **kw)
 
 
 def check_finite(values: Mapping[str, Tensor], where: str) -> None:

@@ -10,12 +10,11 @@ expert ablations and the cache, and every rank must have computed them alike.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.arrays import blamed_on_inputs
@@ -30,12 +29,11 @@ from fcaudit.engine.objectives import check_targets
 from fcaudit.engine.options import Prepared
 from fcaudit.engine.parts import check_parts
 from fcaudit.engine.passes import (
+    Executor,
     batches,
     check_finite,
     check_finite_losses,
     check_units,
-    record_batch,
-    replay_batch,
     why_passes_differ,
 )
 from fcaudit.engine.plan import ablation_experts
@@ -74,22 +72,22 @@ def probe(setup: Prepared) -> Probe:
     x = first_batch(setup)
     with blamed_on_inputs(lambda: call_model(net, x), x, "the first evaluation batch"):
         if objective.checks_targets:  # every target against the logits, before any score
-            _check_targets(setup, record_batch(net, sites, x, None)[0])
+            _check_targets(setup, setup.executor.record(x, None)[0])
         started = time.perf_counter()
-        logits, coefficients, nll = record_batch(net, sites, x, objective)
+        logits, coefficients, nll = setup.executor.record(x, objective)
         record_s = time.perf_counter() - started
     check_finite(coefficients, "evaluation data")  # before any file is written
     check_finite_losses(nll, objective, "the unperturbed record pass, batch 0")
     check_family_positions(sites, coefficients)
     check_parts(sites, coefficients)
-    _check_axes(net, sites, x)
+    _check_axes(setup.executor, x)
     if setup.blocks_glob is not None and setup.blocks is not None:
         from fcaudit.engine.execution import refuse_idle_blocks
         refuse_idle_blocks(setup.blocks_glob, x, {"the model": (net, setup.blocks), **(
             {"the dense model": (setup.dense, resolve_block_paths(
                 setup.dense, setup.blocks_glob) or [])} if setup.dense is not None else {})})
     started = time.perf_counter()
-    replayed = replay_batch(net, x, {s: coefficients[s.name] for s in sites},
+    replayed = setup.executor.replay(x, {s: coefficients[s.name] for s in sites},
                             objective=objective)
     replay_s = time.perf_counter() - started
     hits = objective.hits(logits, x)
@@ -100,10 +98,10 @@ def probe(setup: Prepared) -> Probe:
     units = objective.units(replayed.output, x)
     check_units(units, nll.shape, objective, "the identity replay of batch 0")
     diff = float((units - nll).abs().max())
-    again, _, _ = record_batch(net, sites, x, objective)
+    again, _, _ = setup.executor.record(x, objective)
     culprit, fix = None, None
     if not same_bits(logits, again):
-        cause, fix = why_passes_differ(net, lambda: record_batch(net, sites, x, None)[0])
+        cause, fix = why_passes_differ(net, lambda: setup.executor.record(x, None)[0])
     else:
         culprit = _first_nonexact_site(setup, coefficients, x, logits)
         cause = f"replaying site {culprit} alone already changes the output" if culprit \
@@ -132,7 +130,7 @@ def _check_targets(setup: Prepared, logits: Any) -> None:
         check_targets(setup.objective, logits, targets, where)
 
 
-def _check_axes(net: nn.Module, sites: Sequence[Site], x: Any) -> None:
+def _check_axes(executor: Executor, x: Any) -> None:
     """With as many sequences as positions, a ``[positions, batch, ...]`` output has the
     shape of ``[batch, positions, ...]``: record once more with one sequence added (a
     repeat), where the two differ, so that a site with swapped axes is refused now."""
@@ -145,7 +143,7 @@ def _check_axes(net: nn.Module, sites: Sequence[Site], x: Any) -> None:
             return
         bigger = torch.cat([x, x[:1]])
     try:
-        record_batch(net, sites, bigger, None)
+        executor.record(bigger, None)
     except FcauditError as exc:
         if positions is None:
             raise ModelError(
@@ -169,7 +167,7 @@ def _cat_first(inputs: Any) -> Any:
 def _first_nonexact_site(setup: Prepared, coefficients: dict[str, Tensor], x: Any,
                          logits: Any) -> str | None:
     for site in setup.sites:
-        replayed = replay_batch(setup.model, x, {site: coefficients[site.name]},
+        replayed = setup.executor.replay(x, {site: coefficients[site.name]},
                                 objective=setup.objective)
         if not same_bits(replayed.logits, logits):
             return site.name

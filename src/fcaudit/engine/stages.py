@@ -45,8 +45,6 @@ from fcaudit.engine.passes import (
     check_finite,
     check_finite_losses,
     check_units,
-    record_batch,
-    replay_batch,
 )
 from fcaudit.engine.plan import (
     ExpertAblation,
@@ -87,7 +85,7 @@ def record_calibration(setup: Prepared, cache: CoefficientCache, progress: Progr
     todo = ranks.mine([b for b in range(n) if cache.calib_name(b) not in cache.proven])
     for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net), todo),
                                   start=1):
-        _, coefficients, _ = record_batch(net, setup.sites, x, None)
+        _, coefficients, _ = setup.executor.record(x, None)
         check_finite(coefficients, "calibration data")
         cache.settle(cache.calib_name(b), calibration_shard(setup, coefficients, x),
                      f"calibration batch {b} ({_rows(size, b, setup.inputs.n_calib)})")
@@ -131,7 +129,7 @@ def record_frontier_calibration(setup: Prepared, cache: CoefficientCache, sites:
     todo = ranks.mine([b for b in range(n) if calib_name(b) not in cache.proven])
     for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net), todo),
                                   start=1):
-        _, coefficients, _ = record_batch(net, sites, x, None)
+        _, coefficients, _ = setup.executor.record(x, None, sites)
         cache.settle(calib_name(b), CalibrationShard.build({k: v.cpu() for k, v in
                                                              coefficients.items()}),
                      f"calibration batch {b} ({_rows(size, b, setup.inputs.n_calib)})")
@@ -184,7 +182,7 @@ def record_evaluation(setup: Prepared, cache: CoefficientCache, progress: Progre
     per batch, which proves what no fingerprint can: that the model, its objective and
     everything they read still compute the cached record). Returns how many of this
     rank's batches were proven from disk and recorded."""
-    net, sites = setup.model, setup.sites
+    net = setup.model
     mine = ranks.mine(list(range(cache.n_batches)))
     todo = [b for b in mine if cache.eval_name(b) not in cache.proven]
     objective, proven = setup.objective, 0
@@ -194,7 +192,7 @@ def record_evaluation(setup: Prepared, cache: CoefficientCache, progress: Progre
         progress("record evaluation", earlier, len(mine), said)
     for done, (b, x) in enumerate(batches(setup.eval_source, cache.batch_size,
                                           device_of(net), todo), start=earlier + 1):
-        logits, coefficients, nll = record_batch(net, sites, x, objective)
+        logits, coefficients, nll = setup.executor.record(x, objective)
         check_finite(coefficients, "evaluation data")
         check_finite_losses(nll, objective, f"the unperturbed record pass, batch {b}")
         proven += cache.settle(cache.eval_name(b),
@@ -418,7 +416,7 @@ class _Passes:
 
     def __init__(self, setup: Prepared, inputs: ReplayInputs, b: int, x: Tensor,
                  tick: Callable[[], None] | None) -> None:
-        self.net, self.inputs, self.b, self.x = setup.model, inputs, b, x
+        self.executor, self.inputs, self.b, self.x = setup.executor, inputs, b, x
         self.tick = tick or (lambda: None)  # progress within a batch: a step per pass
         self.objective = setup.objective
         self.recorded = inputs.cache.batch(b, EvaluationShard.NLL)  # record pass's losses
@@ -434,7 +432,7 @@ class _Passes:
         if run.condition == CORRECT:
             self.correct_fed = fed
         ablated = run.target if isinstance(run.target, ExpertAblation) else None
-        out = replay_batch(self.net, self.x, fed, objective=self.objective,
+        out = self.executor.replay(self.x, fed, objective=self.objective,
                            **{**kw, "select": kw.get("select") or ablated is not None})
         if ablated:  # the family's own rule, on the ablated logits: does it still pick it?
             chosen = out.chosen[ablated.site.name]
@@ -450,7 +448,7 @@ class _Passes:
 
     def correct_with(self, known: Mapping[str, Any] | None = None) -> Replayed:
         """The correct replay again (with ``known`` blocks stubbed)."""
-        return replay_batch(self.net, self.x, self.correct_fed, known=known,
+        return self.executor.replay(self.x, self.correct_fed, known=known,
                             objective=self.objective)
 
 

@@ -87,7 +87,7 @@ def _array_data(args: argparse.Namespace) -> Any:
 
 
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from fcaudit.engine import distributed
+    from fcaudit.engine import passes
     from fcaudit.engine.inputs import check_dense
     from fcaudit.engine.run import as_loaded
     from fcaudit.io.placement import offload_space
@@ -104,16 +104,16 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
         raise UsageError("--device-map places the weights itself: drop --device "
                          f"{args.device} (the budget --max-memory names the GPUs)",
                          option="device")
-    ranks = distributed.init(args.device)  # a no-op outside torchrun
+    ranks = passes.init(args.device)  # a no-op outside torchrun
     try:
-        device = resolve_device(distributed.device_for(args.device, ranks))
+        device = resolve_device(passes.device_for(args.device, ranks))
         with offload_space(place, args.out):
             loaded = as_loaded(args.model, resolve_dtype(args.dtype), place)
             if place is None:
                 loaded.model.to(device)
             result = _audit_loaded(loaded, args, options, spec, ranks, argv)
     finally:
-        distributed.finish()
+        passes.finish()
     if result is not None:
         print_summary(result, args.out)
 
@@ -381,7 +381,7 @@ def _declared_kinds(model: Any, sites: Sequence[Any], probe: Any) -> dict[str, A
 
     from fcaudit.core.nll import device_of, model_limits
     from fcaudit.core.sites import PROBE_TOKENS
-    from fcaudit.engine.layouts import site_kinds
+    from fcaudit.engine.prepare import site_kinds
     from fcaudit.io.examples import ExampleBatch
     if probe is None:
         vocab, _ = model_limits(model)

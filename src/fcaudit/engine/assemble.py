@@ -15,14 +15,15 @@ from fcaudit.core.contract import Site
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, shuffled_axes
 from fcaudit.engine.budget import AuditPlan
 from fcaudit.engine.cache import CoefficientCache
-from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.frontier import frontier_summary
 from fcaudit.engine.frontier_plan import frontier_units
 from fcaudit.engine.measure import Measurements, reuse_summary
 from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.options import Prepared, option_specs
 from fcaudit.engine.parts import site_parts
+from fcaudit.engine.passes import Ranks
 from fcaudit.engine.plan import ablation_runs, frontier_runs, routing_sites, tracked_runs
+from fcaudit.engine.prepare import execute
 from fcaudit.engine.result import (
     NONDETERMINISTIC_KEYS,
     SCHEMA,
@@ -41,7 +42,6 @@ from fcaudit.engine.summary import (
     paired_bootstrap,
     routing_summary,
 )
-from fcaudit.engine.twin import execute
 from fcaudit.engine.verdicts import judge
 from fcaudit.io.runtime import host, versions
 

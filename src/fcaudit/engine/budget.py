@@ -31,9 +31,9 @@ from fcaudit.engine.exits import PROBE_ROWS, asked, check_passes
 from fcaudit.engine.frontier import GATE, Covered, most_points
 from fcaudit.engine.options import Prepared, Progress, say
 from fcaudit.engine.plan import ExpertAblation, OneSite, plan_runs
+from fcaudit.engine.prepare import not_measured
 from fcaudit.engine.probe import Probe, ablation_plan, first_batch
 from fcaudit.engine.stages import calibration_shard, eval_shard
-from fcaudit.engine.twin import not_measured
 
 TIMING_WARMUP = 2  # passes of each model before the timed pairs (engine/execution.py)
 _SHOWN = 4  # stages named in the plan line, largest first

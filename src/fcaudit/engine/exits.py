@@ -198,7 +198,7 @@ def degenerate(own: torch.Tensor, layers: int, unit: str) -> str | None:
     at one and the same layer (none exits before the last, all after the first, or all
     after one layer between): a model of that fixed depth, whose FLOPs against the twin
     are no saving of adaptive depth (the execution answer says so:
-    :func:`~fcaudit.engine.twin.execute`)."""
+    :func:`~fcaudit.engine.prepare.execute`)."""
     if own.numel() == 0 or bool((own != own.flatten()[0]).any()):
         return None
     depth = int(own.flatten()[0]) + 1

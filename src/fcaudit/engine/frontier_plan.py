@@ -23,7 +23,6 @@ from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.hooks import hooks as hooked
 from fcaudit.core.nll import device_of, logits_of
 from fcaudit.engine.cache import CoefficientCache
-from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.frontier import (
     GATE,
     Covered,
@@ -35,7 +34,7 @@ from fcaudit.engine.frontier import (
     skipped_units,
 )
 from fcaudit.engine.options import Prepared, Progress
-from fcaudit.engine.passes import batches
+from fcaudit.engine.passes import Ranks, batches
 from fcaudit.engine.probe import Probe
 from fcaudit.engine.stages import frontier_calibration, record_frontier_calibration
 

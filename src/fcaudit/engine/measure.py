@@ -20,12 +20,12 @@ from fcaudit.core.interventions import StaticProfiles, draw
 from fcaudit.engine.analyses import Section
 from fcaudit.engine.analyses.runs import analysis_runs, analysis_sections
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
-from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.exit_sweep import exit_frontier, exit_points
 from fcaudit.engine.exits import ExitSummary, exit_plan, exit_summary
 from fcaudit.engine.frontier import Covered, FrontierPoint
 from fcaudit.engine.frontier_plan import frontier_plan, frontier_points
 from fcaudit.engine.options import Prepared, Progress
+from fcaudit.engine.passes import Ranks
 from fcaudit.engine.plan import ReplayInputs, Run, plan_runs
 from fcaudit.engine.probe import Probe, ablation_plan
 from fcaudit.engine.result import Identity

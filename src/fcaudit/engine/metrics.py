@@ -59,7 +59,7 @@ def interval(samples: np.ndarray, estimate: float) -> list[float]:
     """95% percentile interval of bootstrap samples, widened to hold ``estimate`` where it
     does not: with few resamples a percentile can fall on the estimate's side (the mean of
     10 resamples can sit below it 9 times), and an interval that excludes its own number
-    is read as damaged (:mod:`fcaudit.engine.result_checks`). Never narrowed."""
+    is read as damaged (:mod:`fcaudit.engine.result`). Never narrowed."""
     lo, hi = np.percentile(samples, [2.5, 97.5])
     return [min(float(lo), estimate), max(float(hi), estimate)]
 

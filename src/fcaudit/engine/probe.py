@@ -23,13 +23,13 @@ from fcaudit.core.digest import digest_tensors
 from fcaudit.core.errors import FcauditError, IdentityError, ModelError, arg
 from fcaudit.core.layout import check_family_positions
 from fcaudit.core.nll import device_of
-from fcaudit.engine.distributed import Ranks
 from fcaudit.engine.inputs import resolve_block_paths
 from fcaudit.engine.objectives import check_targets
 from fcaudit.engine.options import Prepared
 from fcaudit.engine.parts import check_parts
 from fcaudit.engine.passes import (
     Executor,
+    Ranks,
     batches,
     check_finite,
     check_finite_losses,

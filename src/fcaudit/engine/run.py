@@ -39,7 +39,6 @@ from fcaudit.core.nll import device_of
 from fcaudit.engine.assemble import build_result
 from fcaudit.engine.budget import AuditPlan, audit_plan, say_plan
 from fcaudit.engine.cache import CoefficientCache
-from fcaudit.engine.distributed import SINGLE, Ranks, current
 from fcaudit.engine.frontier_plan import frontier_plan
 from fcaudit.engine.inputs import (  # noqa: F401  (re-exported: the CLI and tests import them here)
     DEFAULT_WINDOW,
@@ -54,6 +53,7 @@ from fcaudit.engine.inputs import (  # noqa: F401  (re-exported: the CLI and tes
 from fcaudit.engine.measure import Measurements, measure
 from fcaudit.engine.objectives import UNREADABLE
 from fcaudit.engine.options import AuditOptions, Prepared, Progress, say, silent
+from fcaudit.engine.passes import SINGLE, Ranks, current
 from fcaudit.engine.prepare import AuditRequest, prepare
 from fcaudit.engine.probe import Probe, ablation_plan, probe, same_probe_on_every_rank
 from fcaudit.engine.result import AuditResult

@@ -36,10 +36,11 @@ from fcaudit.engine.cache import (
     EvaluationShard,
     ReplayShard,
 )
-from fcaudit.engine.distributed import SINGLE, Ranks
 from fcaudit.engine.options import AuditOptions, Prepared, Progress, say
 from fcaudit.engine.passes import (
+    SINGLE,
     STATE_FIX,
+    Ranks,
     Replayed,
     batches,
     check_finite,

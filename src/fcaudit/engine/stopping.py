@@ -25,9 +25,9 @@ import numpy as np
 from fcaudit.core.conditions import by_role
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.engine.cache import CoefficientCache
-from fcaudit.engine.distributed import SINGLE
 from fcaudit.engine.measure import Measurements, measure, reuse_summary
 from fcaudit.engine.options import Prepared, Progress, SeedPlan, say
+from fcaudit.engine.passes import SINGLE
 from fcaudit.engine.probe import Probe
 from fcaudit.engine.result import ConditionResult, Stopping, StoppingRound
 from fcaudit.io.data import AuditData, fingerprint_array

@@ -11,7 +11,9 @@ sites) means it ran to full depth. Its executed depth is ``k + 1`` layers.
   last head predicts (from a ``full_depth`` pass, :func:`head_predictions`);
 * :func:`fixed_layer`: the layer whose depth is closest to a mean executed depth;
 * :func:`exit_scores`: the scores that make every token exit at given layers, built from
-  the sites' ``(continue, exit)`` values, so the model's own rule carries the exits out.
+  the sites' ``(continue, exit)`` values, so the model's own rule carries the exits out;
+* :class:`ExitHead`, :class:`Confidence` and :class:`Halt`: the exit modules fcaudit's own
+  exit families and the LayerSkip-style wrapper of a Hugging Face model share.
 """
 
 from __future__ import annotations
@@ -29,6 +31,34 @@ from fcaudit.core.contract import DeclaresExits, Site
 from fcaudit.core.errors import ModelError, UsageError
 from fcaudit.core.hooks import hooks
 from fcaudit.core.registry import refusal
+
+
+class ExitHead(nn.Module):
+    """Layer ``l``'s prediction through a head passed in (the shared final norm and LM head:
+    its weights stored once); a module so that hooks read each layer's logits."""
+
+    def forward(self, h: Tensor, head: Any) -> Tensor:
+        return head(h)
+
+
+class Confidence(nn.Module):
+    """An exit site: the maximum softmax probability of an exit head's logits (``[..., 1]``,
+    float32)."""
+
+    def forward(self, logits: Tensor) -> Tensor:
+        return logits.float().softmax(-1).amax(-1, keepdim=True)
+
+
+class Halt(nn.Module):
+    """An exit rule, True where the score reaches the threshold; a module so that hooks
+    read each layer's exits (``exit_rules()``)."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+
+    def forward(self, score: Tensor) -> Tensor:
+        return score >= self.threshold
 
 
 def exit_sites(sites: Sequence[Site]) -> list[Site]:

@@ -39,8 +39,8 @@ from torch import nn
 
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError
+from fcaudit.core.exits import Confidence, Halt
 from fcaudit.models.condconv import CNN, CNNConfig, ConvLayer
-from fcaudit.models.earlyexit import Halt
 
 EXIT_SCORE = (0.0, 1.0)  # (continue, exit) of a probability read by `score >= threshold`
 
@@ -82,14 +82,13 @@ class ExitHead(nn.Module):
         return self.proj(h.flatten(1)).unsqueeze(1)
 
 
-class Confidence(nn.Module):
-    """The controller site: ``[B, 1]`` maximum softmax probability of the running examples'
-    head (``logits [N, 1, C]``, rows ``rows`` of the batch); the others keep ``last``."""
+class RowConfidence(Confidence):
+    """The controller site: ``[B, 1]`` confidence of the running examples' head (``logits
+    [N, 1, C]``, rows ``rows`` of the batch); the others keep ``last``."""
 
-    def forward(self, logits: torch.Tensor, rows: torch.Tensor,
+    def forward(self, logits: torch.Tensor, rows: torch.Tensor,  # type: ignore[override]
                 last: torch.Tensor) -> torch.Tensor:
-        conf = logits[:, 0].float().softmax(-1).amax(-1, keepdim=True).to(last.dtype)
-        return last.index_put((rows,), conf)
+        return last.index_put((rows,), super().forward(logits[:, 0]).to(last.dtype))
 
 
 class BranchyCNN(nn.Module):
@@ -107,7 +106,7 @@ class BranchyCNN(nn.Module):
         self.heads = nn.ModuleList(ExitHead(w * s * s, cfg.num_classes)
                                    for w, s in zip(cfg.widths, cfg.sizes(), strict=True))
         L = len(self.layers)
-        self.scores = nn.ModuleList(Confidence() for _ in range(L - 1))
+        self.scores = nn.ModuleList(RowConfidence() for _ in range(L - 1))
         self.halts = nn.ModuleList(Halt(cfg.exit_threshold) for _ in range(L - 1))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

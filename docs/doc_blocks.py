@@ -987,3 +987,48 @@ def gpu_check(r: Results) -> str:
     return "\n".join(["", f"Last run {where}, batch {res['batch']} x {res['seq_len']} tokens, "
                       f"{res['rounds']} timing rounds (ratios: median [min-max]).{skipped} "
                       + measured(d), "", res["table"], ""])
+
+
+# ------------------------------------------------------------------------- registries
+# What fcaudit knows, read from its registries (never typed by hand): the families the
+# model registry builds, the analyses and their report sections, the conditions, the
+# objectives and the discovery rules.
+
+REGISTRY_SOURCES = ("src/fcaudit/io/arches.py", "src/fcaudit/engine/analyses/__init__.py",
+                    "src/fcaudit/report/sections/__init__.py", "src/fcaudit/core/conditions.py",
+                    "src/fcaudit/engine/objectives.py", "src/fcaudit/core/discovery.py")
+
+
+@block("registries", "the families, analyses, conditions, objectives and discovery rules, "
+       "from their registries", REGISTRY_SOURCES, ["the registries themselves, at import"])
+def registries(r: Results) -> str:
+    from fcaudit.core.conditions import CONDITIONS
+    from fcaudit.core.discovery import BLOCK_RULES, EXPERT_RULES, SITE_RULES
+    from fcaudit.engine.analyses import ANALYSES
+    from fcaudit.engine.objectives import OBJECTIVES
+    from fcaudit.io.arches import ARCHES
+    from fcaudit.report.sections import RENDERERS
+    families = [(f"`{a.name}`", f"`models/{a.module.rsplit('.', 1)[1]}.py`", a.model_class,
+                 "digits" if a.task == "vision" else "tokens",
+                 ", ".join(f"{k}={v}" for k, v in a.fixed) or "")
+                for a in ARCHES.values()]
+    analyses = [(f"`{a.name}`", f"`engine/analyses/{a.plan.__module__.rsplit('.', 1)[1]}.py`",
+                 "yes" if a.name in RENDERERS else "JSON fallback")
+                for a in ANALYSES.values()]
+    conditions = [(f"`{c.name}`", c.kind, "default" if c.default else "opt-in", c.meaning)
+                  for c in CONDITIONS.values()]
+    objectives = [(f"`{o.name}`", o.unit, o.help) for o in OBJECTIVES.values()]
+    rules = [(kind, ", ".join(f"`{name}`" for name in registry))
+             for kind, registry in (("sites", SITE_RULES), ("blocks", BLOCK_RULES),
+                                    ("experts", EXPERT_RULES))]
+    return "\n".join([
+        "", f"Model families (`fcaudit train --arch`, {len(families)}):", "",
+        md_table(("arch", "file", "model class", "inputs", "fixed config"), families, "lllll"),
+        "", f"Analyses (`engine.analyses.ANALYSES`, {len(analyses)}):", "",
+        md_table(("analysis", "module", "own report section"), analyses, "lll"),
+        "", f"Conditions (`core.conditions.CONDITIONS`, {len(conditions)}):", "",
+        md_table(("condition", "kind", "run", "meaning"), conditions, "llll"),
+        "", f"Objectives (`engine.objectives.OBJECTIVES`, {len(objectives)}):", "",
+        md_table(("objective", "unit", "help"), objectives, "lll"),
+        "", "Discovery rules (`core.discovery`), tried in order:", "",
+        md_table(("finds", "rules"), rules, "ll"), ""])

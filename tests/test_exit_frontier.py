@@ -15,7 +15,8 @@ import torch
 import fcaudit
 from fcaudit import AuditData
 from fcaudit.core.errors import FcauditError
-from fcaudit.engine.exit_sweep import ExitPoint, fixed_at, sweep_thresholds
+from fcaudit.engine.exit_sweep import ExitPoint, sweep_thresholds
+from fcaudit.engine.frontier import curve
 from fcaudit.models.condconv import CNN, CNNConfig
 from fcaudit.report.exits import exits_section
 from tests.test_exit_conditions import CALIB, EVAL, OPTS, nll
@@ -40,10 +41,12 @@ def test_sweep_thresholds_step_one_nat_on_the_logit_scale():
 
 
 def test_fixed_exit_is_interpolated_between_the_integer_depths():
-    fixed = {1: np.array([4.0, 2.0]), 2: np.array([3.0, 1.0])}
+    """The exit sweep reads fixed exit through the savings frontier's curve engine."""
+    fixed = curve([(1, np.array([4.0, 2.0])), (2, np.array([3.0, 1.0]))], 2, origin=False)
     # depth 1.25: three quarters of depth 1, a quarter of depth 2
-    assert fixed_at(fixed, 1.25).tolist() == [3.75, 1.75]
-    assert fixed_at(fixed, 2.0).tolist() == [3.0, 1.0]
+    assert fixed.at(1.25).tolist() == [3.75, 1.75]
+    assert fixed.at(2.0).tolist() == [3.0, 1.0]
+    assert fixed.at(2.5) is None and fixed.at(0.5) is None  # outside the depths recorded
     assert ExitPoint(threshold=0.25).key == "frontier:exit:learned:0.25"
     assert ExitPoint(depth=3).key == "frontier:exit:fixed:3"
 

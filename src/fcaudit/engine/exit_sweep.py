@@ -34,10 +34,10 @@ from fcaudit.core.conditions import CORRECT, FRONTIER
 from fcaudit.core.contract import Site
 from fcaudit.core.exits import ExitPlan, exit_scores, own_exits
 from fcaudit.core.nll import device_of
+from fcaudit.engine.frontier import curve, estimate
 from fcaudit.engine.frontier_parts import ExitFrontier, ExitMatch, ExitSweepPoint
-from fcaudit.engine.metrics import Bootstrap, penalty
+from fcaudit.engine.metrics import Bootstrap
 from fcaudit.engine.passes import batches
-from fcaudit.engine.result_parts import Estimate
 from fcaudit.io.examples import call_model
 
 LEARNED, FIXED = "learned", "fixed"
@@ -147,19 +147,6 @@ def exit_feed(point: ExitPoint, plan: ExitPlan | None, rows: range,
     return {s: scores[s.name] for s in sites}
 
 
-def _estimate(values: np.ndarray, boot: Bootstrap) -> Estimate:
-    value, ci = penalty(values, np.zeros_like(values), boot)
-    return Estimate(value, ci)
-
-
-def fixed_at(fixed: Mapping[int, np.ndarray], depth: float) -> np.ndarray:
-    """Fixed exit's per-sequence loss at a mean depth ``depth``, linear between the integer
-    depths around it."""
-    lo, hi = math.floor(depth), math.ceil(depth)
-    w = depth - lo
-    return fixed[lo] if hi == lo else (1 - w) * fixed[lo] + w * fixed[hi]
-
-
 def exit_frontier(plan: ExitPlan | None, per_seq: Mapping[str, np.ndarray],
                   boot: Bootstrap) -> ExitFrontier | None:
     """The sweep and fixed exit against ``correct``, each learned point matched with fixed
@@ -169,15 +156,17 @@ def exit_frontier(plan: ExitPlan | None, per_seq: Mapping[str, np.ndarray],
         return None
     correct = per_seq[CORRECT]
     fixed = {p.depth: per_seq[p.key] for p in points if p.depth is not None}
+    static = curve(list(fixed.items()), len(correct), origin=False)  # cost: the depth run
     learned = [(None, mean_depth(plan.own), correct),
                *((tau, mean_depth(t), per_seq[ExitPoint(threshold=tau).key])
                  for tau, t in plan.sweep)]
     rows = []
     for tau, depth, values in sorted(learned, key=lambda r: r[1]):
-        at = fixed_at(fixed, depth)
-        rows.append(ExitSweepPoint(LEARNED, tau, depth, _estimate(values - correct, boot),
-                                   _estimate(at - correct, boot), _estimate(at - values, boot)))
-    rows += [ExitSweepPoint(FIXED, None, float(d), _estimate(v - correct, boot), None, None)
+        at = static.at(depth)
+        assert at is not None  # the sweep records fixed exit at the depths around each point
+        rows.append(ExitSweepPoint(LEARNED, tau, depth, estimate(values - correct, boot),
+                                   estimate(at - correct, boot), estimate(at - values, boot)))
+    rows += [ExitSweepPoint(FIXED, None, float(d), estimate(v - correct, boot), None, None)
              for d, v in sorted(fixed.items())]
     own = next(r for r in rows if r.rule == LEARNED and r.threshold is None)
     assert own.gap is not None

@@ -320,33 +320,38 @@ def unit_flops(fam: Covered, execution: Execution) -> tuple[list[float], float, 
 
 
 @dataclass
-class _Curve:
-    x: np.ndarray  # [points + 1] FLOPs-saved fractions, increasing, from 0
-    d: np.ndarray  # [points + 1, sequences] per-sequence penalties
+class Curve:
+    """The curve engine both frontiers use: a rule's per-sequence penalties (``d``) at the
+    costs it runs at (``x``, increasing: FLOPs saved, or an exit model's mean depth), read
+    at any cost between by linear interpolation, so rules are compared at matched cost."""
+
+    x: np.ndarray  # [points] costs, increasing
+    d: np.ndarray  # [points, sequences] per-sequence values
+
+    def at(self, x: float) -> np.ndarray | None:
+        """Per-sequence values interpolated at ``x`` (None outside the curve's x range)."""
+        if x > self.x[-1] + 1e-12 or x < self.x[0] - 1e-12:
+            return None
+        j = int(np.searchsorted(self.x, x))
+        if j == 0 or self.x[j] == x:
+            return self.d[min(j, len(self.x) - 1)]
+        w = (x - self.x[j - 1]) / (self.x[j] - self.x[j - 1])
+        return (1 - w) * self.d[j - 1] + w * self.d[j]
 
 
-def _curve(pairs: Sequence[tuple[float, np.ndarray]], n: int, origin: bool = True) -> _Curve:
-    """Origin (unless the model skips on its own: no rule saves less than it does) plus the
-    points, sorted by x; points at the same x averaged."""
+def curve(pairs: Sequence[tuple[float, np.ndarray]], n: int, origin: bool = True) -> Curve:
+    """The points ``(cost, per-sequence values)`` sorted by cost, points at the same cost
+    averaged; with ``origin``, the free point (0, zeros) first (not for a model that skips
+    on its own: no rule saves less than it does)."""
     xs: dict[float, list[np.ndarray]] = {0.0: [np.zeros(n)]} if origin or not pairs else {}
     for x, d in pairs:
         xs.setdefault(round(x, 12), []).append(d)
     keys = sorted(xs)
-    return _Curve(np.array(keys), np.stack([np.mean(xs[k], axis=0) for k in keys]))
+    return Curve(np.array(keys), np.stack([np.mean(xs[k], axis=0) for k in keys]))
 
 
-def _at(curve: _Curve, x: float) -> np.ndarray | None:
-    """Per-sequence penalties interpolated at ``x`` (None outside the curve's x range)."""
-    if x > curve.x[-1] + 1e-12 or x < curve.x[0] - 1e-12:
-        return None
-    j = int(np.searchsorted(curve.x, x))
-    if j == 0 or curve.x[j] == x:
-        return curve.d[min(j, len(curve.x) - 1)]
-    w = (x - curve.x[j - 1]) / (curve.x[j] - curve.x[j - 1])
-    return (1 - w) * curve.d[j - 1] + w * curve.d[j]
-
-
-def _estimate(values: np.ndarray | None, boot: Bootstrap) -> Estimate | None:
+def estimate(values: np.ndarray | None, boot: Bootstrap) -> Estimate | None:
+    """A per-sequence difference's mean with its paired-bootstrap interval."""
     if values is None:
         return None
     value, ci = penalty(values, np.zeros_like(values), boot)
@@ -380,14 +385,14 @@ def summarize_family(fam: Covered, points: Sequence[FrontierPoint],
             list(p.taus) if p.taus else None))
         pairs[p.rule].append((saved / total, d))
     n = len(correct)
-    curves = {r: _curve(pairs[r], n, origin=fam.own is None) for r in rules}
+    curves = {r: curve(pairs[r], n, origin=fam.own is None) for r in rules}
     matched = []
     for f in MATCHED:
-        dyn = _at(curves[DYNAMIC], f)
-        static = {r: _at(curves[r], f) for r in rules[1:]}
-        matched.append(FrontierMatch(f, _estimate(dyn, boot),
-                                     {r: _estimate(v, boot) for r, v in static.items()},
-                                     {r: _estimate(None if v is None or dyn is None else v - dyn,
+        dyn = curves[DYNAMIC].at(f)
+        static = {r: curves[r].at(f) for r in rules[1:]}
+        matched.append(FrontierMatch(f, estimate(dyn, boot),
+                                     {r: estimate(v, boot) for r, v in static.items()},
+                                     {r: estimate(None if v is None or dyn is None else v - dyn,
                                                    boot) for r, v in static.items()}))
     area = {r: _area(curves[DYNAMIC], curves[r], boot) for r in rules[1:]}
     head = next(m for m in matched if m.saved == HEADLINE)
@@ -398,17 +403,17 @@ def summarize_family(fam: Covered, points: Sequence[FrontierPoint],
                           _sentence(head, best, curves), None)
 
 
-def _area(dynamic: _Curve, static: _Curve, boot: Bootstrap) -> Estimate | None:
+def _area(dynamic: Curve, static: Curve, boot: Bootstrap) -> Estimate | None:
     """Mean of (static - dynamic) penalty over the x range both curves cover."""
     start, end = max(dynamic.x[0], static.x[0]), min(dynamic.x[-1], static.x[-1])
     if end <= start:
         return None
     grid = np.linspace(start, end, GRID)
-    gaps = [_at(static, x) - _at(dynamic, x) for x in grid]  # type: ignore[operator]
-    return _estimate(np.mean(gaps, axis=0), boot)
+    gaps = [static.at(x) - dynamic.at(x) for x in grid]  # type: ignore[operator]
+    return estimate(np.mean(gaps, axis=0), boot)
 
 
-def _sentence(head: FrontierMatch, best: str | None, curves: Mapping[str, _Curve]) -> str:
+def _sentence(head: FrontierMatch, best: str | None, curves: Mapping[str, Curve]) -> str:
     pct = f"{100 * HEADLINE:.0f}% of FLOPs saved"
     if best is None or head.dynamic is None:
         reach = ", ".join(f"{r} {100 * c.x[0]:.1f}% to {100 * c.x[-1]:.1f}%"
@@ -441,13 +446,13 @@ def skip_check(fam: Covered, result: FrontierFamily, points: Sequence[FrontierPo
     at = next(r for p, r in zip(mine, result.points, strict=True) if p.key == own.key)
     total = result.total_flops_per_token
     measured = (total - execution.flops_per_token) / total
-    pooled = _curve([(r.flops_saved_fraction, per_seq[p.key] - correct)
+    pooled = curve([(r.flops_saved_fraction, per_seq[p.key] - correct)
                      for p, r in zip(mine, result.points, strict=True)
                      if r.rule == DYNAMIC and p.key != own.key], len(correct))
     on = at.ci95[0] <= 0.0 <= at.ci95[1] and \
         abs(measured - at.flops_saved_fraction) <= FLOPS_TOLERANCE
     return FrontierCheck(measured, at.flops_saved_fraction, at.delta, at.ci95,
-                         _estimate(_at(pooled, at.flops_saved_fraction), boot), on, (
+                         estimate(pooled.at(at.flops_saved_fraction), boot), on, (
         "the dynamic rule at the model's own per-layer thresholds (read off its execution "
         "counts) zeroes exactly the gates whose blocks it skipped: on its curve when that "
         "replay's penalty interval includes 0 (zeroing a gate computes what skipping does) "

@@ -20,6 +20,9 @@ import numpy as np
 
 from fcaudit.core.conditions import FIXED_EXIT, ORACLE_EXIT, STATIC_LAYER
 from fcaudit.engine.result_views import ACCURACY_CORRECT, NLL_CORRECT
+from fcaudit.study.seeds import group_mean, penalty, shares, spanned
+
+MISSING = " ({n} of {of} seeds undefined)"
 
 FAMILIES = (("earlyexit", "early-exit LM"), ("ponder", "ponder (PonderNet)"),
             ("branchy", "digits (BranchyNet)"))
@@ -36,30 +39,18 @@ def _group(groups: Mapping[str, Mapping[str, Any]], prefix: str) -> Mapping[str,
     return next((g for n, g in groups.items() if n.startswith(f"{prefix}-")), None)
 
 
-def _mean(group: Mapping[str, Any], key: str) -> float | None:
-    return (group["aggregate"].get(key) or {}).get("mean")
 
 
-def _spanned(values: Sequence[float], cis: Sequence[Sequence[float]], spec: str,
-             unit: str = "") -> str:
-    """Mean of ``values`` (with its unit) and the span of their intervals."""
-    return (f"{float(np.mean(values)):{spec}}{unit} [{min(c[0] for c in cis):{spec}}, "
-            f"{max(c[1] for c in cis):{spec}}]")
 
 
-def _penalty(audits: Sequence[Any], condition: str) -> str:
-    if not all(condition in a.conditions for a in audits):
-        return "not run"
-    found = [a.conditions[condition] for a in audits]
-    return _spanned([c.delta for c in found], [c.ci95 for c in found], "+.3f")
 
 
 def _score(group: Mapping[str, Any]) -> str:
-    acc = _mean(group, ACCURACY_CORRECT)
+    acc = group_mean(group, ACCURACY_CORRECT)
     if acc is not None:
-        twin = _mean(group, "twin_accuracy")
+        twin = group_mean(group, "twin_accuracy")
         return f"accuracy {acc:.3f} (twin {'n/a' if twin is None else f'{twin:.3f}'})"
-    nll, twin = _mean(group, NLL_CORRECT), _mean(group, "twin_nll")
+    nll, twin = group_mean(group, NLL_CORRECT), group_mean(group, "twin_nll")
     return f"NLL {nll:.3f} (twin {'n/a' if twin is None else f'{twin:.3f}'})"
 
 
@@ -70,37 +61,28 @@ def _depth(audits: Sequence[Any]) -> str:
 
 
 def _versus_twin(group: Mapping[str, Any]) -> str:
-    flops, speed = _mean(group, "flops_ratio"), _mean(group, "speed_ratio")
+    flops, speed = group_mean(group, "flops_ratio"), group_mean(group, "speed_ratio")
     if flops is None:
         return "not measured"
     return f"FLOPs {flops:.3f}x, time " + ("not measured" if speed is None else f"{speed:.2f}x")
 
 
-def _shares(shares: Sequence[Any], n: int, undefined: str) -> str:
-    """Shares in percent (a retention, the gap closed) over the seeds where each is
-    defined, with how many are not."""
-    defined = [s for s in shares if s.value is not None]
-    if not defined:
-        return undefined
-    missing = n - len(defined)
-    return _spanned([s.value for s in defined], [s.ci95 for s in defined], ".1f", "%") + \
-        (f" ({missing} of {n} seeds undefined)" if missing else "")
 
 
 def _retention(audits: Sequence[Any]) -> str:
     if not all(STATIC_LAYER in a.retention for a in audits):
         return "not run"
-    return _shares([a.retention[STATIC_LAYER] for a in audits], len(audits),
-                   "undefined (no clear gap)")
+    return shares([a.retention[STATIC_LAYER] for a in audits], "undefined (no clear gap)",
+                  MISSING)
 
 
 def _gap_share(audits: Sequence[Any]) -> str:
     """The share of the fixed-to-oracle gap the learned rule closes, over the seeds where
     it is defined."""
-    shares = [a.exits.gap_closed for a in audits]
-    if any(s is None for s in shares):
+    closed = [a.exits.gap_closed for a in audits]
+    if any(s is None for s in closed):
         return "not run"
-    return _shares(shares, len(audits), "undefined (no clear fixed-to-oracle gap)")
+    return shares(closed, "undefined (no clear fixed-to-oracle gap)", MISSING)
 
 
 def _matched(audits: Sequence[Any]) -> str:
@@ -109,7 +91,7 @@ def _matched(audits: Sequence[Any]) -> str:
     if any(f is None for f in frontiers):
         return "not run"
     gaps = [f.matched_depth.gap for f in frontiers]
-    return _spanned([g.value for g in gaps], [g.ci95 for g in gaps], "+.3f")
+    return spanned([g.value for g in gaps], [g.ci95 for g in gaps], "+.3f")
 
 
 def table(groups: Mapping[str, Mapping[str, Any]]) -> list[dict[str, str]]:
@@ -123,8 +105,8 @@ def table(groups: Mapping[str, Mapping[str, Any]]) -> list[dict[str, str]]:
             continue
         audits = group["audits"]
         cells = (label, str(len(audits)), _score(group), _depth(audits), _versus_twin(group),
-                 _retention(audits), _penalty(audits, FIXED_EXIT),
-                 _penalty(audits, ORACLE_EXIT), _gap_share(audits), _matched(audits))
+                 _retention(audits), penalty(audits, FIXED_EXIT),
+                 penalty(audits, ORACLE_EXIT), _gap_share(audits), _matched(audits))
         rows.append(dict(zip(COLUMNS, cells, strict=True)))
     return rows
 
@@ -146,7 +128,7 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
                         f"{'holds' if wins == len(audits) else 'does not hold'}: fixed exit "
                         f"loses by an interval above 0 in {wins} of {len(audits)} seeds; "
                         f"fixed − learned {_matched(audits)}{_degenerate(audits)}"))
-        flops = _mean(group, "flops_ratio")
+        flops = group_mean(group, "flops_ratio")
         if flops is not None:  # a seed whose rule does not adapt saves nothing by exiting
             saves = flops < 0.99 and not _degenerate(audits)
             out.append((f"{label}: early exit computes less than the full-depth twin",

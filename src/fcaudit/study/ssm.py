@@ -35,6 +35,7 @@ from fcaudit.engine.result_views import (
     RETENTION_LAYER_TOKEN,
     accuracy_retention_key,
 )
+from fcaudit.study.seeds import group_mean, penalty, shares
 from fcaudit.study.train import TRAIN_PRESETS
 
 TASK = SELECTIVE_COPY
@@ -53,17 +54,6 @@ def _group(groups: Mapping[str, Mapping[str, Any]], task: bool) -> Mapping[str, 
                  if n.startswith("mamba-") and (TASK in n) == task), None)
 
 
-def _mean(group: Mapping[str, Any], key: str) -> float | None:
-    return (group["aggregate"].get(key) or {}).get("mean")
-
-
-def _penalty(audits: list[Any], condition: str) -> str:
-    mean = float(np.mean([a.conditions[condition].delta for a in audits]))
-    lo = min(a.conditions[condition].ci95[0] for a in audits)
-    hi = max(a.conditions[condition].ci95[1] for a in audits)
-    return f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-
-
 def _retention(audits: list[Any], profile: str) -> str:
     """Mean retention over the seeds where it is defined, with the span of their
     intervals, and how many seeds had no clear gap; for a task scored by accuracy, the
@@ -77,20 +67,14 @@ def _retention(audits: list[Any], profile: str) -> str:
 
 
 def _share(retentions: list[Any]) -> str:
-    defined = [r for r in retentions if r.value is not None]
-    if not defined:
-        return "undefined (no clear gap)"
-    text = (f"{np.mean([r.value for r in defined]):.1f}% "
-            f"[{min(r.ci95[0] for r in defined):.1f}, {max(r.ci95[1] for r in defined):.1f}]")
-    missing = len(retentions) - len(defined)
-    return text + (f" ({missing} seed{'s' * (missing > 1)} undefined)" if missing else "")
+    return shares(retentions, "undefined (no clear gap)", " ({n} seed{s} undefined)")
 
 
 def _score(group: Mapping[str, Any], task: bool) -> str:
     if task:
-        return (f"accuracy {_mean(group, ACCURACY_CORRECT):.3f} (twin "
-                f"{_mean(group, 'twin_accuracy'):.3f})")
-    return f"NLL {_mean(group, NLL_CORRECT):.3f} (twin {_mean(group, 'twin_nll'):.3f})"
+        return (f"accuracy {group_mean(group, ACCURACY_CORRECT):.3f} (twin "
+                f"{group_mean(group, 'twin_accuracy'):.3f})")
+    return f"NLL {group_mean(group, NLL_CORRECT):.3f} (twin {group_mean(group, 'twin_nll'):.3f})"
 
 
 def _token_share(audits: list[Any]) -> str:
@@ -109,7 +93,7 @@ def _token_share(audits: list[Any]) -> str:
 
 def _execution(group: Mapping[str, Any]) -> str:
     audit = group["audits"][0]
-    blocks, flops, speed = (_mean(group, k) for k in ("blocks_executed_fraction",
+    blocks, flops, speed = (group_mean(group, k) for k in ("blocks_executed_fraction",
                                                       "flops_ratio", "speed_ratio"))
     if flops is None:
         return "not measured"
@@ -131,7 +115,7 @@ def table(groups: Mapping[str, Mapping[str, Any]]) -> list[dict[str, str]]:
         audits = group["audits"]
         rows.append({"task": label, "seeds": str(len(audits)), "Mamba (LTI twin)":
                      _score(group, task),
-                     REASSIGN: _penalty(audits, REASSIGN), SHUFFLE: _penalty(audits, SHUFFLE),
+                     REASSIGN: penalty(audits, REASSIGN), SHUFFLE: penalty(audits, SHUFFLE),
                      **{f"{p} retention": _retention(audits, p) for p in RETENTIONS},
                      "token-id share of Δ": _token_share(audits),
                      "execution": _execution(group)})
@@ -145,13 +129,13 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
     if copy is not None:
         out += _copy_findings(copy)
     if corpus is not None:
-        ret = _mean(corpus, RETENTION_LAYER)
+        ret = group_mean(corpus, RETENTION_LAYER)
         out.append(("Built-in corpus: how much of the Correct-to-GlobalMean gap a trained "
                     "Mamba keeps with an LTI profile (static-layer)",
                     "undefined (no clear gap)" if ret is None else
                     f"at this scale, a trained Mamba on Shakespeare keeps {ret:.1f}% with an "
                     "LTI profile"))
-        token, layer = (_mean(corpus, k) for k in (RETENTION_LAYER_TOKEN,
+        token, layer = (group_mean(corpus, k) for k in (RETENTION_LAYER_TOKEN,
                                                    RETENTION_LAYER))
         if token is not None and layer is not None:
             out.append(("Built-in corpus: is selection a lookup of the current token? "
@@ -162,7 +146,7 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
                            if token - layer >= 20 else "selection is more than a lookup of "
                            "the current token")))
     for group in (g for g in (corpus, copy) if g is not None):
-        blocks = _mean(group, "blocks_executed_fraction")
+        blocks = group_mean(group, "blocks_executed_fraction")
         if blocks is not None:
             out.append(("Selection changes no execution (every token runs every block)",
                         f"{'holds' if blocks >= 0.999 else 'does not hold'}: "
@@ -178,10 +162,10 @@ def _pct(value: float | None) -> str:
 def _copy_findings(group: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Selective copying: the LTI twin fails where selection succeeds, and the frozen
     selective model fed an LTI profile loses the task (the planted truth)."""
-    acc, twin = _mean(group, ACCURACY_CORRECT), _mean(group, "twin_accuracy")
+    acc, twin = group_mean(group, ACCURACY_CORRECT), group_mean(group, "twin_accuracy")
     audits = group["audits"]
     static = float(np.mean([a.conditions[STATIC_LAYER].accuracy for a in audits]))
-    ret = _mean(group, accuracy_retention_key(STATIC_LAYER))
+    ret = group_mean(group, accuracy_retention_key(STATIC_LAYER))
     above = sum(a.conditions[REASSIGN].ci95[0] > 0 for a in audits)
     return [
         ("Selective copying: the LTI twin fails the task that selection solves (the Mamba "
@@ -192,8 +176,8 @@ def _copy_findings(group: Mapping[str, Any]) -> list[tuple[str, str]]:
          "task (the planted truth)",
          f"{'holds' if acc >= 0.5 and static <= 0.2 * acc else 'does not hold'}: accuracy "
          f"{static:.3f} under static-layer (correct: {acc:.3f}); retention on accuracy "
-         f"{_pct(ret)}, on the loss {_pct(_mean(group, RETENTION_LAYER))}"),
+         f"{_pct(ret)}, on the loss {_pct(group_mean(group, RETENTION_LAYER))}"),
         ("Selective copying: the frozen Mamba needs its selection matched to the input",
          f"{'holds' if above == len(audits) else 'does not hold'}: the reassign penalty's "
          f"interval lies above 0 in {above} of {len(audits)} seeds; reassigning costs "
-         f"{_penalty(audits, REASSIGN)}")]
+         f"{penalty(audits, REASSIGN)}")]

@@ -29,6 +29,7 @@ from fcaudit.core.registry import refusal
 from fcaudit.engine.result_views import ACCURACY_CORRECT, RETENTION_LAYER, RETENTION_LAYER_POSITION
 from fcaudit.io import digits
 from fcaudit.io.loading import Arch
+from fcaudit.study.seeds import group_mean, penalty
 from fcaudit.study.train import adamw, building, lr_at, write_run
 
 
@@ -130,19 +131,8 @@ TITLE = ("Vision families on digits (mean over seeds; penalties in nats of cross
          "[span of the seeds' 95% intervals])")
 
 
-def _stat(group: Mapping[str, Any], key: str, field: str = "mean") -> float | None:
-    return (group["aggregate"].get(key) or {}).get(field)
-
-
 def _penalty(group: Mapping[str, Any], condition: str) -> str:
-    """Mean penalty over seeds with the span of the seeds' 95% intervals, or n/a."""
-    audits = group["audits"]
-    if not all(condition in a.conditions for a in audits):
-        return "not applicable (no position axis)"
-    mean = float(np.mean([a.conditions[condition].delta for a in audits]))
-    lo = min(a.conditions[condition].ci95[0] for a in audits)
-    hi = max(a.conditions[condition].ci95[1] for a in audits)
-    return f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+    return penalty(group["audits"], condition, "not applicable (no position axis)")
 
 
 def _num(value: float | None, spec: str, suffix: str = "") -> str:
@@ -157,16 +147,16 @@ def table(groups: Mapping[str, Mapping[str, Any]]) -> list[dict[str, str]]:
         group = next((g for n, g in groups.items() if n.startswith(f"{prefix}-")), None)
         if group is None:
             continue
-        executed = _stat(group, "experts_executed_fraction")
+        executed = group_mean(group, "experts_executed_fraction")
         unit = "experts"
         if executed is None:
-            executed, unit = _stat(group, "tokens_executed_fraction"), "patch tokens"
-        retention = _stat(group, RETENTION_LAYER)
-        per_patch = _stat(group, RETENTION_LAYER_POSITION)
+            executed, unit = group_mean(group, "tokens_executed_fraction"), "patch tokens"
+        retention = group_mean(group, RETENTION_LAYER)
+        per_patch = group_mean(group, RETENTION_LAYER_POSITION)
         rows.append({
             "family": label, "seeds": str(len(group["audits"])),
-            "accuracy (twin)": f"{_num(_stat(group, ACCURACY_CORRECT), '.3f')} "
-                               f"({_num(_stat(group, 'twin_accuracy'), '.3f')})",
+            "accuracy (twin)": f"{_num(group_mean(group, ACCURACY_CORRECT), '.3f')} "
+                               f"({_num(group_mean(group, 'twin_accuracy'), '.3f')})",
             REASSIGN: _penalty(group, REASSIGN), SHUFFLE: _penalty(group, SHUFFLE),
             "static-layer retention": "undefined" if retention is None else f"{retention:.1f}%",
             "static-layer-position retention": "not applicable"
@@ -174,8 +164,8 @@ def table(groups: Mapping[str, Mapping[str, Any]]) -> list[dict[str, str]]:
             else "undefined" if per_patch is None else f"{per_patch:.1f}%",
             "executed": "every block, one mixed kernel per example" if executed is None
             else f"{100 * executed:.1f}% of the {unit}",
-            "FLOPs vs twin": _num(_stat(group, "flops_ratio"), ".3f", "x"),
-            "latency vs twin": _num(_stat(group, "speed_ratio"), ".2f", "x")})
+            "FLOPs vs twin": _num(group_mean(group, "flops_ratio"), ".3f", "x"),
+            "latency vs twin": _num(group_mean(group, "speed_ratio"), ".2f", "x")})
     return rows
 
 
@@ -197,7 +187,8 @@ def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
 
 
 def _execution(label: str, group: Mapping[str, Any]) -> list[tuple[str, str]]:
-    flops, experts = _stat(group, "flops_ratio"), _stat(group, "experts_executed_fraction")
+    flops = group_mean(group, "flops_ratio")
+    experts = group_mean(group, "experts_executed_fraction")
     if flops is None:
         return []
     if experts is not None:  # routing saves against running every expert, not the twin

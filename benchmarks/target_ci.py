@@ -31,9 +31,9 @@ from fcaudit.engine.run import (
     as_loaded,
     audit,
     loaded_seq_len,
+    prefix_data,
     prepare,
 )
-from fcaudit.engine.stopping import prefix_data
 from fcaudit.io.data import AuditData, DataSpec
 
 STRIPPED = ("stopping",)

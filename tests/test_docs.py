@@ -78,7 +78,7 @@ def _benchmark(name: str) -> Any:
 
 def _defaults() -> dict[str, float]:
     from fcaudit.core import routers
-    from fcaudit.engine import execution, frontier, metrics, options, stopping, verdicts
+    from fcaudit.engine import execution, frontier, metrics, options, run, verdicts
     from fcaudit.engine.options import AuditOptions
     from fcaudit.io.data import DataSpec
     from fcaudit.io.loading import get_arch
@@ -107,7 +107,7 @@ def _defaults() -> dict[str, float]:
             "max_frontier_points": options.MAX_FRONTIER_POINTS,
             **{f"matched_{round(100 * x)}": 100 * x for x in frontier.MATCHED},
             "frontier_grid": frontier.GRID, "frontier_tolerance": 100 * frontier.FLOPS_TOLERANCE,
-            "min_sequences": stopping.DEFAULT_MIN_SEQUENCES,
+            "min_sequences": run.DEFAULT_MIN_SEQUENCES,
             "offload_headroom_gib": _benchmark("memory").HEADROOM / 2**30,
             "moe_layers": tiny_moe.n_layer, "moe_ablation_runs": tiny_moe.n_layer
             * MoEConfig().num_experts}

@@ -22,8 +22,7 @@ from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.interventions import Intervention, StaticProfiles, draw, static
 from fcaudit.core.sites import find_sites
-from fcaudit.engine.plan import Run, feed
-from fcaudit.engine.replay_proof import choose
+from fcaudit.engine.plan import Run, choose, feed
 from fcaudit.engine.result import AuditResult
 from fcaudit.engine.run import AuditOptions
 from fcaudit.io.data import AuditData

@@ -21,7 +21,7 @@ from fcaudit.api import audit as api_audit
 from fcaudit.core.contract import Site
 from fcaudit.core.hooks import hooks
 from fcaudit.core.interventions import Intervention
-from fcaudit.engine import assemble
+from fcaudit.engine import measure
 from fcaudit.engine import run as engine
 from fcaudit.engine.analyses import ANALYSES
 from fcaudit.engine.options import NOTE, SeedPlan
@@ -86,12 +86,12 @@ def test_run_digests_are_the_ones_the_optional_fields_gave() -> None:
 
 def test_the_result_is_constructed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = assemble.AuditResult
+    real = measure.AuditResult
 
     def counted(*args: object, **kwargs: object) -> object:
         calls.append(1)
         return real(*args, **kwargs)
-    monkeypatch.setattr(assemble, "AuditResult", counted)
+    monkeypatch.setattr(measure, "AuditResult", counted)
     engine.audit(engine.AuditRequest(toys.content_model(), sites=["gates.*"], data=toy_data(),
                                      options=FAST))
     assert len(calls) == 1
@@ -114,7 +114,7 @@ def _result_classes() -> set[type]:
             return
         for arg in typing.get_args(tp):
             walk(arg)
-    walk(assemble.AuditResult)
+    walk(measure.AuditResult)
     for analysis in ANALYSES.values():
         walk(analysis.section_type)
     return {c for c in found if not c.__dataclass_params__.frozen}  # type: ignore[attr-defined]
@@ -178,8 +178,8 @@ def test_no_field_of_a_built_result_is_set_after_construction(
     reading audit.json back builds its result the same way."""
     built, late = _record_late_assignments(monkeypatch)
     result = TINY_AUDITS[name]()
-    assert isinstance(result, assemble.AuditResult)
-    read = assemble.AuditResult.from_json(json.loads(json.dumps(result.to_json())))
+    assert isinstance(result, measure.AuditResult)
+    read = measure.AuditResult.from_json(json.loads(json.dumps(result.to_json())))
     assert read.to_json() == result.to_json()
     # the recorder saw every part of both being built, and nothing set afterwards
     assert [type(p).__name__ for p in [*_nested(result), *_nested(read)]

@@ -15,7 +15,7 @@ import torch
 import fcaudit
 from fcaudit import AuditData
 from fcaudit.core.errors import FcauditError
-from fcaudit.engine.exit_sweep import ExitPoint, sweep_thresholds
+from fcaudit.engine.exits import ExitPoint, sweep_thresholds
 from fcaudit.engine.frontier import curve
 from fcaudit.models.condconv import CNN, CNNConfig
 from fcaudit.report.exits import exits_section

@@ -25,8 +25,7 @@ from fcaudit import AuditData, AuditOptions
 from fcaudit.core.conditions import CORRECT, STATIC_LAYER
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import CacheError
-from fcaudit.engine.plan import Run
-from fcaudit.engine.replay_proof import choose, first_difference, sub_plan
+from fcaudit.engine.plan import Run, choose, first_difference, sub_plan
 
 KNOB = "FCAUDIT_TEST_KNOB"
 

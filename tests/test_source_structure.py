@@ -9,6 +9,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src" / "fcaudit"
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 60
+MAX_ENGINE_MODULES = 24  # issue 39: the engine's own modules (its analyses are plugins)
 
 
 def _modules() -> list[Path]:
@@ -34,6 +35,13 @@ def test_no_function_is_longer_than_60_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long[f"{_rel(path)}:{node.lineno} {node.name}"] = lines
     assert long == {}
+
+
+def test_the_engine_holds_at_most_24_modules_of_its_own():
+    """Its steps' modules; each analysis is a plugin module under engine/analyses/."""
+    own = sorted(p.name for p in (SRC / "engine").glob("*.py") if p.name != "__init__.py")
+    assert len(own) <= MAX_ENGINE_MODULES, own
+    assert (SRC / "engine" / "analyses" / "__init__.py").is_file()
 
 
 def _key_prefixes(path: Path) -> set[str]:

@@ -317,7 +317,7 @@ def test_report_states_rule_cost_and_caveat(tmp_path):
     (16, float("inf"), 0.02, 64, 32),
 ])
 def test_growth_rule_by_hand(n, widest, target, pool, expected):
-    from fcaudit.engine.stopping import first_size, next_size
+    from fcaudit.engine.run import first_size, next_size
     assert next_size(n, widest, target, 8, pool) == expected
     assert first_size(5, 8, pool) == 8 and first_size(16, 8, pool) == 16
     assert first_size(16, 8, 10) == 10

@@ -26,8 +26,7 @@ from torch import Tensor
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.exits import exit_sites
 from fcaudit.engine.analyses.runs import analysis_runs
-from fcaudit.engine.exit_sweep import own_threshold
-from fcaudit.engine.exits import PROBE_ROWS, asked, check_passes
+from fcaudit.engine.exits import PROBE_ROWS, asked, check_passes, own_threshold
 from fcaudit.engine.frontier import GATE, Covered, most_points
 from fcaudit.engine.options import Prepared, Progress, say
 from fcaudit.engine.plan import ExpertAblation, OneSite, plan_runs

@@ -218,7 +218,7 @@ def _token_inputs(net: nn.Module, given: DataSpec | AuditData, data: AuditData,
         vocab = probe_vocab(net, data.eval_ids.shape[1])
     data.validate(vocab, ctx)
     if options.target_ci is not None:  # the floor is checked against the pool, then ordered
-        from fcaudit.engine.stopping import min_sequences, ordered_pool
+        from fcaudit.engine.run import min_sequences, ordered_pool
         min_sequences(options.min_sequences, len(data.eval_ids))
         data = ordered_pool(data, options.seed)
     return data

@@ -203,7 +203,7 @@ class AuditOptions:
                     arg(FRONTIER, py="AuditOptions(frontier=True)") + " or an exit model "
                     "(its threshold sweep)", by_model=lambda sites: any(s.exit is not None
                                                                    for s in sites)))
-    # stopping (engine/stopping.py): evaluation batches are added in rounds until every
+    # stopping (engine/run.py): evaluation batches are added in rounds until every
     # counted penalty's 95% interval reaches at most target_ci nats on each side of its
     # estimate, or the evaluation pool runs out; min_sequences is the first round's size
     # (None: DEFAULT_MIN_SEQUENCES, or the whole pool when smaller)

@@ -26,7 +26,6 @@ from fcaudit.core.nll import device_of
 from fcaudit.engine.inputs import resolve_block_paths
 from fcaudit.engine.objectives import check_targets
 from fcaudit.engine.options import Prepared
-from fcaudit.engine.parts import check_parts
 from fcaudit.engine.passes import (
     Executor,
     Ranks,
@@ -39,6 +38,7 @@ from fcaudit.engine.passes import (
 from fcaudit.engine.plan import ablation_experts
 from fcaudit.engine.result import Identity
 from fcaudit.engine.stages import ALLOW_NONEXACT, IDENTITY_CAUSES
+from fcaudit.engine.summary import check_parts
 from fcaudit.io.examples import ExampleBatch, call_model
 
 

@@ -50,20 +50,18 @@ from fcaudit.engine.passes import (
 from fcaudit.engine.plan import (
     ExpertAblation,
     ReplayInputs,
-    Run,
-    ablation_runs,
-    feed,
-    routing_sites,
-    run_digest,
-)
-from fcaudit.engine.replay_proof import (
     ReuseSample,
+    Run,
     ablation_rows,
+    ablation_runs,
     choose,
+    feed,
     first_difference,
     fresh_seed,
     replay_line,
     rerouting_rows,
+    routing_sites,
+    run_digest,
     run_name,
     sub_plan,
 )
@@ -225,7 +223,7 @@ def replay_stage(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], pro
     A cached batch is a candidate for reuse only when every run's feed digest, recomputed
     now, equals the one stored with it (same runs, order, schedule, token ids and fed
     tensors, bit for bit); otherwise the whole batch is replayed again and its shard
-    replaced. Candidates are then proven (:mod:`~fcaudit.engine.replay_proof`): a fresh
+    replaced. Candidates are then proven (:mod:`~fcaudit.engine.plan`): a fresh
     sample of their runs, covering every run of the plan, is replayed again and must
     equal the cached rows bit for bit, else the audit stops naming the run and the batch.
     Returns how many of this rank's batches were reused and recomputed, and the proof.

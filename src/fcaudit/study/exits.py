@@ -5,8 +5,8 @@ halting over a shared block) and the digits classifier (BranchyNet exits), each 
 beside its twin (the same network run to full depth). The question the family's claims
 turn on is execution: how deep the model runs, what that saves against the twin, and
 whether a learned exit rule does better than a static one. Each row places the learned
-controller between fixed exit and the oracle (:mod:`fcaudit.engine.exits`) and against
-fixed exit at the same mean executed depth (:mod:`fcaudit.engine.exit_sweep`). The
+controller between fixed exit and the oracle and against fixed exit at the same mean
+executed depth (:mod:`fcaudit.engine.exits`). The
 cells are written from the audits and the study's aggregates, as the vision and ssm
 studies' are.
 """

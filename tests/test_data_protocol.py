@@ -141,7 +141,8 @@ def test_example_rules_in_their_old_words() -> None:
 
 
 def _prepared(data: AuditData) -> Prepared:
-    return Prepared(None, [], None, None, data, AuditOptions(), [])  # type: ignore[arg-type]
+    return Prepared(None, [], None, None, data, AuditOptions(), [], (), None,  # type: ignore[arg-type]
+                    data.checked().summary())
 
 
 def test_the_engine_sees_one_view_per_prepared() -> None:

@@ -323,3 +323,21 @@ def test_an_exit_model_answers_where_it_stops_and_what_stopping_costs_first():
     full_point = [p for p in result.exits.frontier.points
                   if p.rule == "fixed" and p.mean_depth == 4]
     assert len(full_point) == 1  # full depth is always one of fixed exit's points
+
+
+def test_the_exit_plan_travels_with_the_exit_runs_not_the_public_context():
+    """A user intervention's context holds no exit plan (it is not part of the public
+    InterventionContext); the built-in exit conditions still get theirs."""
+    from fcaudit.core.interventions import ConditionContext, Intervention, InterventionContext
+    assert "exits" not in {f.name for f in dataclasses.fields(InterventionContext)}
+    seen: list[type] = []
+
+    def keep(coefficients: dict, context: InterventionContext) -> dict:
+        seen.append(type(context))
+        return coefficients
+
+    j = audit(make(), interventions=[Intervention("keep", keep)])
+    assert seen and set(seen) == {InterventionContext}
+    assert not issubclass(InterventionContext, ConditionContext)
+    from fcaudit.core.conditions import FIXED_EXIT, ORACLE_EXIT
+    assert {FIXED_EXIT, ORACLE_EXIT} <= set(j["conditions"])  # fed from their plan

@@ -412,7 +412,14 @@ class InterventionContext:
     # the repeat's random assignment over the whole evaluation set (the engine's built-in
     # random conditions; None for user interventions, which draw from ``rng``)
     draw: RandomDraw | None = None
-    # the exit references' layers (core/exits.py ExitPlan), where an exit condition runs
+
+
+@dataclass(frozen=True)
+class ConditionContext(InterventionContext):
+    """A built-in condition's context: the public one plus the exit references' layers
+    (core/exits.py ExitPlan), which travel with the exit conditions' runs only; a user
+    intervention never sees them."""
+
     exits: ExitPlan | None = None
 
 
@@ -494,9 +501,9 @@ def feed_exit(condition: Condition, coefficients: Coefficients,
               context: InterventionContext) -> Mapping[str, Tensor]:
     """The exit scores that stop each token at the layer the condition's reference gives
     it (:meth:`~fcaudit.core.exits.ExitPlan.layers`): the model's own rule carries it out."""
-    if context.exits is None:
+    if not isinstance(context, ConditionContext) or context.exits is None:
         raise UsageError(f"condition {condition.name!r} needs the exit layers of the model "
-                         "(InterventionContext.exits, an ExitPlan): the engine gives them")
+                         "(ConditionContext.exits, an ExitPlan): the engine gives them")
     layers = context.exits.layers(condition.name, context.rows, _batch_shape(coefficients))
     return exit_scores(context.sites, layers, coefficients)
 

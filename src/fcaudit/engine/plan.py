@@ -34,6 +34,7 @@ from fcaudit.core.digest import digest_tensors
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.exits import ExitPlan
 from fcaudit.core.interventions import (
+    ConditionContext,
     Intervention,
     InterventionContext,
     RandomDraw,
@@ -290,7 +291,7 @@ def _intervened(run: Run, rows: range, inputs: ReplayInputs,
     condition = CONDITIONS[run.condition]
     by_name = {s.name: s for s in targets}
     draw = inputs.draws[run.repeat] if condition.kind == "random" else None
-    context = InterventionContext(
+    context = ConditionContext(
         tuple(targets), rows, inputs.profiles, run.repeat,
         np.random.default_rng([inputs.seed, run.repeat, rows.start]), inputs.cache.coefficient_rows,
         _batch_ids(inputs, rows), draw, inputs.exits)

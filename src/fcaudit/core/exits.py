@@ -43,6 +43,45 @@ MASKED = ("masked early exit: every layer runs on every token and an exited toke
           "is discarded, so the FLOPs its exits save are counted, not realised")
 
 
+EXIT_SCORE = (0.0, 1.0)  # (continue, exit) of a score in [0, 1] read by `score >= threshold`
+
+
+class ExitHead(nn.Module):
+    """Layer ``l``'s prediction, a module so that hooks read each layer's logits: through
+    the shared head passed in (its weights stored once) or, given ``proj``, through a
+    classifier of its own over the flattened features, as ``[B, 1, classes]``."""
+
+    def __init__(self, proj: nn.Module | None = None) -> None:
+        super().__init__()
+        self.proj = proj
+
+    def forward(self, h: Tensor, head: Any = None) -> Tensor:
+        return head(h) if self.proj is None else self.proj(h.flatten(1)).unsqueeze(1)
+
+
+class Confidence(nn.Module):
+    """A controller site: the maximum softmax probability of an exit head's logits,
+    ``[..., V] -> [..., 1]``; given ``rows`` and ``last``, of those rows of the batch only,
+    the others keeping ``last`` (an example that has left keeps the score it left with)."""
+
+    def forward(self, logits: Tensor, rows: Tensor | None = None,
+                last: Tensor | None = None) -> Tensor:
+        conf = logits.float().softmax(-1).amax(-1, keepdim=True)
+        return conf if last is None else last.index_put((rows,), conf.to(last.dtype))
+
+
+class Halt(nn.Module):
+    """The exit rule, a module so that hooks see each layer's exits: True where the score
+    reaches the threshold."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+
+    def forward(self, score: Tensor) -> Tensor:
+        return score >= self.threshold
+
+
 def exit_unit(sites: Sequence[Site]) -> str:
     """What one exit decision stops, in the sites' own words: their position axis's name (a
     token, a patch; "position" where no axis is named), or an example where the exit sites

@@ -46,12 +46,11 @@ from torch import nn
 from fcaudit.core.contract import ExpertLayer, Site
 from fcaudit.core.discovery import declared_experts, declared_sites, transformers_layer_stack
 from fcaudit.core.errors import ModelError, UsageError, arg
-from fcaudit.core.exits import MASKED
+from fcaudit.core.exits import EXIT_SCORE, MASKED, Confidence, ExitHead, Halt
 from fcaudit.core.hooks import hooks
 from fcaudit.io.loading import LoadedModel
 
 KIND = "hf-early-exit"  # LoadedModel.kind (audit.json model.kind) of a wrapped folder
-EXIT_SCORE = (0.0, 1.0)  # (continue, exit) of a probability read by `score >= threshold`
 FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f")
 HEADS_NOTE = ("this Hugging Face model was not trained for early exit (LayerSkip's layer "
               "dropout and early-exit loss): its intermediate layers read through the final "
@@ -150,32 +149,6 @@ def own_head(model: nn.Module, layers: list[str]) -> tuple[nn.Module, Transform]
                      "(Site(exit=...), docs/method.md)")
 
 
-class ExitHead(nn.Module):
-    """Layer ``l``'s prediction through the model's own final norm, LM head and logit
-    transform (:func:`own_head`)."""
-
-    def forward(self, h: torch.Tensor, head: Any) -> torch.Tensor:
-        return head(h)
-
-
-class Confidence(nn.Module):
-    """The controller site: ``[B, T, 1]`` maximum softmax probability of an exit head."""
-
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.float().softmax(-1).amax(-1, keepdim=True)
-
-
-class Halt(nn.Module):
-    """The exit rule, ``[B, T]`` bool: True where the confidence reaches the threshold."""
-
-    def __init__(self, threshold: float) -> None:
-        super().__init__()
-        self.threshold = threshold
-
-    def forward(self, score: torch.Tensor) -> torch.Tensor:
-        return score[..., 0] >= self.threshold
-
-
 class EarlyExitLM(nn.Module):
     """``input_ids [B, T] -> logits [B, T, V]``: a transformers causal LM whose tokens stop
     at the first layer whose head is confident enough (masked, see the module doc)."""
@@ -224,7 +197,7 @@ class EarlyExitLM(nn.Module):
         if self.full_depth or i < len(self.halts):
             logits = self.heads[i](h, self._logits)
         if i < len(self.halts):
-            stop = self.halts[i](self.scores[i](logits))
+            stop = self.halts[i](self.scores[i](logits)[..., 0])
             state["running"] = running if self.full_depth else running & ~stop
         return (h, *out[1:]) if isinstance(out, tuple) else h
 

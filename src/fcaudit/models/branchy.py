@@ -39,10 +39,8 @@ from torch import nn
 
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError
+from fcaudit.core.exits import EXIT_SCORE, Confidence, ExitHead, Halt
 from fcaudit.models.condconv import CNN, CNNConfig, ConvLayer
-from fcaudit.models.earlyexit import Halt
-
-EXIT_SCORE = (0.0, 1.0)  # (continue, exit) of a probability read by `score >= threshold`
 
 
 @dataclass(frozen=True)
@@ -71,27 +69,6 @@ class BranchyConfig(CNNConfig):
 PRESETS: dict[str, BranchyConfig] = {"tiny": BranchyConfig()}
 
 
-class ExitHead(nn.Module):
-    """A linear classifier over the flattened feature map, as ``[B, 1, classes]``."""
-
-    def __init__(self, features: int, classes: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(features, classes)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.proj(h.flatten(1)).unsqueeze(1)
-
-
-class Confidence(nn.Module):
-    """The controller site: ``[B, 1]`` maximum softmax probability of the running examples'
-    head (``logits [N, 1, C]``, rows ``rows`` of the batch); the others keep ``last``."""
-
-    def forward(self, logits: torch.Tensor, rows: torch.Tensor,
-                last: torch.Tensor) -> torch.Tensor:
-        conf = logits[:, 0].float().softmax(-1).amax(-1, keepdim=True).to(last.dtype)
-        return last.index_put((rows,), conf)
-
-
 class BranchyCNN(nn.Module):
     """``images [B, C, H, W] -> logits [B, classes]``; each example's from its exit head."""
 
@@ -104,7 +81,7 @@ class BranchyCNN(nn.Module):
         self.layers = nn.ModuleList(
             ConvLayer(c_in, c_out, s, cfg)
             for c_in, c_out, s in zip(ins, cfg.widths, cfg.strides, strict=True))
-        self.heads = nn.ModuleList(ExitHead(w * s * s, cfg.num_classes)
+        self.heads = nn.ModuleList(ExitHead(nn.Linear(w * s * s, cfg.num_classes))
                                    for w, s in zip(cfg.widths, cfg.sizes(), strict=True))
         L = len(self.layers)
         self.scores = nn.ModuleList(Confidence() for _ in range(L - 1))
@@ -124,7 +101,7 @@ class BranchyCNN(nn.Module):
             if i == L - 1:
                 logits[rows] = out[:, 0]
                 break
-            conf = self.scores[i](out, rows, conf)
+            conf = self.scores[i](out[:, 0], rows, conf)
             stop = self.halts[i](conf)[rows, 0]  # the running examples that stop here
             logits[rows[stop]] = out[stop, 0]
             rows, h = rows[~stop], h[~stop]

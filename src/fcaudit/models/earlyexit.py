@@ -34,7 +34,6 @@ same blocks always run to full depth.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -43,11 +42,10 @@ from torch import nn
 
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError
+from fcaudit.core.exits import EXIT_SCORE, ExitHead, Halt
 from fcaudit.models.featuregate import GPT, Gate, GPTConfig, Update
 from fcaudit.models.featuregate import PRESETS as GPT_PRESETS
 from fcaudit.models.skipgate import Route
-
-EXIT_SCORE = (0.0, 1.0)  # (continue, exit) of a sigmoid score read by `score >= threshold`
 
 
 @dataclass(frozen=True)
@@ -92,26 +90,6 @@ class RoutedKVUpdate(Update):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(route, T))
         a = route.unpad(attn.proj(y.transpose(1, 2).reshape(B, -1, C)))
         return a + self.mlp(self.ln_2(x + a))
-
-
-class Halt(nn.Module):
-    """The exit rule, ``[B, T]`` bool: True where the score reaches the threshold."""
-
-    def __init__(self, threshold: float) -> None:
-        super().__init__()
-        self.threshold = threshold
-
-    def forward(self, score: torch.Tensor) -> torch.Tensor:
-        return score >= self.threshold
-
-
-class ExitHead(nn.Module):
-    """Layer ``l``'s prediction through the shared final norm and LM head (passed in, so
-    the weights are stored once); a module so that hooks read each layer's logits."""
-
-    def forward(self, h: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]
-                ) -> torch.Tensor:
-        return head(h)
 
 
 class ExitBlock(nn.Module):

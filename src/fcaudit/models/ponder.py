@@ -40,7 +40,8 @@ from torch import nn
 
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError, check_sizes
-from fcaudit.models.earlyexit import EXIT_SCORE, ExitHead, RoutedKVUpdate
+from fcaudit.core.exits import EXIT_SCORE, ExitHead
+from fcaudit.models.earlyexit import RoutedKVUpdate
 from fcaudit.models.featuregate import GPT, Gate, GPTConfig, Update
 from fcaudit.models.skipgate import Route
 

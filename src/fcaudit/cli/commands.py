@@ -364,12 +364,12 @@ def _site_fields(s: Any, kind: Any) -> list[str]:
         fields.append(f"kind={kind.name}")
     if s.axes:
         fields.append(f"axes={','.join(s.axes)}")
-    if s.parts:
-        fields.append("parts=" + ",".join(f"{n}:{w}" for n, w in s.parts))
-    if s.selection:
-        fields.append(f"selection={s.selection}")
+    if s.selection is not None and s.selection.parts:
+        fields.append("parts=" + ",".join(f"{n}:{w}" for n, w in s.selection.parts))
+    if s.selection is not None:
+        fields.append(f"selection={s.selection.space}")
     if s.exit is not None:
-        fields.append(f"exit=continue {s.exit[0]:g}, exit {s.exit[1]:g}")
+        fields.append(f"exit=continue {s.exit.go:g}, exit {s.exit.stop:g}")
     return fields
 
 

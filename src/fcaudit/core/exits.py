@@ -1,6 +1,6 @@
 """Exit controllers (docs/method.md, Early exit): where a token stops, read and fed.
 
-An exit site (``Site.exit = (continue, exit)``) carries a halting or confidence score that
+An exit site (``Site.role = Exit(go, stop)``) carries a halting or confidence score that
 the model's own threshold rule reads. A token's **exit layer** ``k`` is the index of the
 exit site after which it stops (sites in layer order); ``k = n`` (the number of exit
 sites) means it ran to full depth. Its executed depth is ``k + 1`` layers.
@@ -41,9 +41,6 @@ EXAMPLE = "example"  # what exits where the exit sites have no position axis
 # the execution answer then reads the depths as what a deployment would run, not as FLOPs
 MASKED = ("masked early exit: every layer runs on every token and an exited token's update "
           "is discarded, so the FLOPs its exits save are counted, not realised")
-
-
-EXIT_SCORE = (0.0, 1.0)  # (continue, exit) of a score in [0, 1] read by `score >= threshold`
 
 
 class ExitHead(nn.Module):
@@ -109,13 +106,13 @@ def exit_model(model: Any, sites: Sequence[Site]) -> DeclaresExits:
     and ``exit_heads()`` / ``exit_rules()`` / ``full_depth`` agreeing with them."""
     found = exit_sites(sites)
     if not found:
-        raise ModelError("the model has no exit sites (Site(..., exit=(continue, exit))): "
+        raise ModelError("the model has no exit sites (Site(..., role=Exit(go, stop))): "
                          "the exit conditions apply only to early-exit models")
-    same = [s for s in found if s.exit is not None and s.exit[0] == s.exit[1]]
+    same = [s for s in found if s.exit is not None and s.exit.go == s.exit.stop]
     if same:
-        raise ModelError(f"exit site {same[0].name}: Site.exit={same[0].exit!r} gives one value "
-                         "for continue and exit; give (a score that makes a token go on, one "
-                         "that makes it stop at this layer)", site=same[0].name)
+        raise ModelError(f"exit site {same[0].name}: {same[0].exit!r} gives one value "
+                         "for continue and exit; give Exit(go=a score that makes a token go "
+                         "on, stop=one that makes it stop at this layer)", site=same[0].name)
     if not isinstance(model, DeclaresExits):
         raise ModelError(f"exit site {found[0].name}: the model declares no exit_heads(), "
                          "exit_rules() and full_depth (fcaudit.core.contract.DeclaresExits), "
@@ -233,7 +230,7 @@ def exit_scores(sites: Sequence[Site], layers: Tensor,
     for k, site in enumerate(exit_sites(sites)):
         assert site.exit is not None
         ref = like[site.name]
-        go, stop = site.exit
+        go, stop = site.exit.go, site.exit.stop
         stopped = (layers.to(ref.device) <= k).view(*layers.shape, *[1] * (ref.dim() - 2))
         out[site.name] = torch.where(stopped, torch.tensor(stop, dtype=ref.dtype),
                                      torch.tensor(go, dtype=ref.dtype)).expand_as(ref).clone()

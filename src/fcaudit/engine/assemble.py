@@ -21,7 +21,7 @@ from fcaudit.engine.frontier_plan import frontier_units
 from fcaudit.engine.measure import Measurements, reuse_summary
 from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.options import Prepared, option_specs
-from fcaudit.engine.parts import site_parts
+from fcaudit.engine.parts import site_parts, space
 from fcaudit.engine.plan import ablation_runs, frontier_runs, routing_sites, tracked_runs
 from fcaudit.engine.result import (
     NONDETERMINISTIC_KEYS,
@@ -167,7 +167,7 @@ def _site_info(site: Site, m: Measurements) -> SiteInfo:
                     axes=list(site.axes or ()) if declared else None,
                     positions=list(site.positions or ()) if declared else None,
                     layout=setup.layouts.get(site.name), parts=site_parts(site),
-                    selection=site.selection, kind=setup.kinds.get(site.name))
+                    selection=space(site), kind=setup.kinds.get(site.name))
 
 
 def _routing(setup: Prepared, m: Measurements) -> dict[str, Any] | None:

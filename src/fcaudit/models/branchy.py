@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fcaudit.core.contract import Site
+from fcaudit.core.contract import Exit, Site
 from fcaudit.core.errors import FcauditError
-from fcaudit.core.exits import EXIT_SCORE, Confidence, ExitHead, Halt
+from fcaudit.core.exits import Confidence, ExitHead, Halt
 from fcaudit.models.condconv import CNN, CNNConfig, ConvLayer
 
 
@@ -132,7 +132,7 @@ class BranchyCNN(nn.Module):
 
     def controller_sites(self) -> list[Site]:
         return [Site(name=f"layers.{i}.score", path=f"scores.{i}", family="exit", layer=i,
-                     axes=("example",), positions=(), exit=EXIT_SCORE)
+                     axes=("example",), positions=(), role=Exit())
                 for i in range(len(self.scores))]
 
     def execution_blocks(self) -> list[str]:

@@ -49,10 +49,9 @@ def space(site: Site) -> str | None:
 
 def _check_declared(site: Site) -> tuple[tuple[str, int], ...]:
     """The site's parts (:func:`declared`); a selection's space must be named."""
-    parts = declared(site)
-    if site.selection is not None and not (isinstance(space(site), str)
-                                           and str(space(site)).strip()):
-        raise ModelError(f"site {site.name}: Selection.space={space(site)!r} must name the "
+    parts, named = declared(site), space(site)
+    if site.selection is not None and not (isinstance(named, str) and named.strip()):
+        raise ModelError(f"site {site.name}: Selection.space={named!r} must name the "
                          "space the selection parameter's values are in (e.g. \"dt before "
                          "softplus\")", site=site.name)
     return parts

@@ -24,16 +24,9 @@ from typing import Any
 
 from resultfile import ResultFile, add_json_option
 
+from fcaudit.engine.inputs import as_loaded, loaded_seq_len
 from fcaudit.engine.result import AuditResult
-from fcaudit.engine.run import (
-    AuditOptions,
-    AuditRequest,
-    as_loaded,
-    audit,
-    loaded_seq_len,
-    prefix_data,
-    prepare,
-)
+from fcaudit.engine.run import AuditOptions, AuditRequest, audit, prefix_data, prepare
 from fcaudit.io.data import AuditData, DataSpec
 
 STRIPPED = ("stopping",)

@@ -17,7 +17,7 @@ from conftest import FAST_ARGS, run_inprocess
 from torch import nn
 
 import fcaudit
-from fcaudit import AuditData, AuditOptions, Site
+from fcaudit import AuditData, AuditOptions, Gate, Site
 from fcaudit.api import audit
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.layout import decide_layout, parse_axes, spell_axes
@@ -182,11 +182,11 @@ def test_a_glob_keeps_what_the_model_declares_of_its_gate() -> None:
 
         def controller_sites(self) -> list[Site]:
             return [Site("g", "gate", "own", 0, axes=("example", "patch"), positions=(1,),
-                         gated="body", off=float("-inf"))]
+                         role=Gate(float("-inf"), "body"))]
 
     (site,) = find_sites(Declares(), ["gat*"])
-    assert (site.name, site.family, site.axes, site.positions, site.gated, site.off) == (
-        "gate", "gat*", ("example", "patch"), (1,), "body", float("-inf"))
+    assert (site.name, site.family, site.axes, site.positions, site.role) == (
+        "gate", "gat*", ("example", "patch"), (1,), Gate(float("-inf"), "body"))
 
 
 def test_site_axes_cannot_contradict_the_model() -> None:

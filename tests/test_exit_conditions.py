@@ -230,13 +230,13 @@ def test_twin_of_another_depth_or_width_is_refused(tmp_path, layers, width):
 
 
 @pytest.mark.parametrize(("exit", "words"), [
-    ((0.0, 1.0), "the model declares no exit_heads(), exit_rules() and full_depth"),
-    ((1.0, 1.0), "Site.exit=(1.0, 1.0) gives one value for continue and exit")])
+    (fcaudit.Exit(0.0, 1.0), "the model declares no exit_heads(), exit_rules() and full_depth"),
+    (fcaudit.Exit(1.0, 1.0), "Exit(go=1.0, stop=1.0) gives one value for continue and exit")])
 def test_exit_sites_the_model_cannot_serve_are_refused_naming_the_site(exit, words):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=16)).eval()
     sites = [fcaudit.Site(f"blocks.{i}.gate", f"blocks.{i}.gate", "gate", i,
-                          axes=("example", "token"), exit=exit) for i in range(2)]
+                          axes=("example", "token"), role=exit) for i in range(2)]
     with pytest.raises(ModelError, match=re.escape(f"exit site blocks.0.gate: {words}")) as err:
         audit(model, sites=sites)
     assert err.value.site == "blocks.0.gate"

@@ -167,7 +167,7 @@ def test_informative_gate_dynamic_beats_static(tmp_path: Path) -> None:
 
 
 def test_inverted_gate_switches_off_the_smallest_update_first() -> None:
-    """Gates declared ``Site(off=1.0)`` scale ``1 - g``: the layers' updates are 0.1, 0.7,
+    """Gates declared ``Gate(off=1.0)`` scale ``1 - g``: the layers' updates are 0.1, 0.7,
     0.3 and 0.5 (gates 0.9, 0.3, 0.7, 0.5). Every rule switches off the smallest update
     first (layer 0, the largest gate), never the smallest gate (layer 1, the largest
     update); thresholds, layers and penalties are the ones worked out here by hand."""

@@ -112,7 +112,7 @@ def selection(sites: list[Site]) -> list[Site]:
 
 
 def parts_of(site: Site) -> tuple[tuple[str, int], ...]:
-    return site.parts or ((site.family, -1),)
+    return site.selection.parts or ((site.family, -1),)
 
 
 @pytest.mark.parametrize("family", GATED)
@@ -136,7 +136,7 @@ def test_sites_found_without_sites(family: str):
         width = sum(w for _, w in parts)
         assert list(recording[site.name].shape) == [2, SEQ_LEN, width]
         if len(parts) > 1:
-            assert site.parts == parts
+            assert site.selection.parts == parts
     routers = {s.family for s in found} & ROUTER_FAMILIES
     # Kimi-Linear's, Bailing's and Lara-Mini's shared experts are not gated; the Qwens' are
     gated = family in ("qwen3_next", "qwen3_5_moe")
@@ -469,7 +469,7 @@ def test_xlstm_fused_gates_are_one_site_with_two_parts(monkeypatch: pytest.Monke
             param.normal_(0, 0.1)
     sites = selection(declared_sites(model) or [])
     heads = config.num_heads
-    assert [(s.path, s.family, s.parts) for s in sites] == [
+    assert [(s.path, s.family, s.selection.parts) for s in sites] == [
         (f"backbone.blocks.{i}.mlstm_layer.ifgate_preact", "mlstm_gates",
          (("input_gate", heads), ("forget_gate", heads))) for i in range(2)]
     x = tokens(1)

@@ -102,7 +102,7 @@ def test_the_family_table_is_sorted_and_holds_every_expected_family() -> None:
 def test_selection_sites_are_the_ones_the_config_implies(family: str) -> None:
     model = build(family)
     sites = declared_sites(model) or []
-    found = [(s.name, s.family, s.parts) for s in selection(sites)]
+    found = [(s.name, s.family, s.selection.parts) for s in selection(sites)]
     assert sorted(found) == sorted(EXPECTED[family](model.config))
     assert all(s.path == s.name for s in sites)
     for fam in (MAMBA, MAMBA2):  # layer = order within the family, in module order
@@ -129,7 +129,7 @@ def test_coefficients_are_the_slices_the_scan_reads(family: str) -> None:
         h.remove()
     for site in sites:
         out = seen[site.name]
-        (_, dt), (_, bc), _ = site.parts
+        (_, dt), (_, bc), _ = site.selection.parts
         if site.family == MAMBA:
             expected = out
         else:

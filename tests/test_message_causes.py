@@ -228,9 +228,9 @@ UNIT = {"branchy": "example"}  # what one exit decision stops (the others: a tok
 
 
 def _declared(model: torch.nn.Module, exit: Any) -> None:
-    """``model`` declares its exit sites with ``exit(site)`` as ``Site.exit``."""
+    """``model`` declares its exit sites with ``exit(site)`` as their role."""
     sites = model.controller_sites()
-    model.controller_sites = lambda: [dataclasses.replace(s, exit=exit(s)) for s in sites]
+    model.controller_sites = lambda: [dataclasses.replace(s, role=exit(s)) for s in sites]
 
 
 def _thresholds(model: torch.nn.Module, value: float, rules: slice = slice(None)) -> None:
@@ -249,23 +249,23 @@ def _exit_refusal(model: torch.nn.Module, data: AuditData, options: AuditOptions
 def test_a_reversed_site_exit_is_refused_as_reversed(family: str) -> None:
     model, data, options = EXIT_FAMILIES[family]()
     first = model.controller_sites()[0].name
-    _declared(model, lambda s: (1.0, 0.0))
+    _declared(model, lambda s: fcaudit.Exit(1.0, 0.0))
     assert _exit_refusal(model, data, options) == (
-        f"exit site {first}: Site.exit=(1.0, 0.0) is reversed: the model's rule stops every "
+        f"exit site {first}: Exit(go=1.0, stop=0.0) is reversed: the model's rule stops every "
         f"{UNIT.get(family, 'token')} on the continue value 1.0 and none on the exit value "
-        "0.0; declare Site.exit=(0.0, 1.0)")
+        "0.0; declare Exit(go=0.0, stop=1.0)")
 
 
 @pytest.mark.parametrize("family", EXIT_FAMILIES)
 def test_a_threshold_the_exit_value_never_reaches_is_refused_for_that(family: str) -> None:
-    """The rules' threshold above Site.exit's exit value 1.0 (from the second rule on
+    """The rules' threshold above the sites' exit value 1.0 (from the second rule on
     where there are several: the site named is the first that never stops a token)."""
     model, data, options = EXIT_FAMILIES[family]()
     rules = slice(1, None) if len(model.exit_rules()) > 1 else slice(None)
     site = model.controller_sites()[rules][0].name
     _thresholds(model, 1.5, rules)
     assert _exit_refusal(model, data, options) == (
-        f"exit site {site}: its exit value 1.0 (Site.exit=(0.0, 1.0)) stops no "
+        f"exit site {site}: its exit value 1.0 (Exit(go=0.0, stop=1.0)) stops no "
         f"{UNIT.get(family, 'token')}, a value 1001 does: the rule's threshold is never "
         "reached by the declared exit value; declare one that reaches it")
 
@@ -276,7 +276,7 @@ def test_a_threshold_the_continue_value_reaches_is_refused_for_that(family: str)
     _thresholds(model, 0.0)
     assert _exit_refusal(model, data, options) == (
         f"exit site {model.controller_sites()[0].name}: its continue value 0.0 "
-        f"(Site.exit=(0.0, 1.0)) stops every {UNIT.get(family, 'token')}, a value -1000 does "
+        f"(Exit(go=0.0, stop=1.0)) stops every {UNIT.get(family, 'token')}, a value -1000 does "
         "not: the rule's threshold is always reached, even by the declared continue value; "
         "declare one that does not reach it")
 

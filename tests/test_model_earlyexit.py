@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fcaudit.core.contract import DeclaresExits
+from fcaudit.core.contract import DeclaresExits, Exit
 from fcaudit.core.exits import (
     exit_layers,
     exit_scores,
@@ -114,7 +114,7 @@ def test_sites_heads_rules_and_twin(model):
     assert isinstance(model, DeclaresExits) and isinstance(PonderGPT(PCFG), DeclaresExits)
     sites = model.controller_sites()
     assert [s.name for s in sites] == ["blocks.0.score", "blocks.1.score", "blocks.2.score"]
-    assert {s.family for s in sites} == {"exit"} and {s.exit for s in sites} == {(0.0, 1.0)}
+    assert {s.family for s in sites} == {"exit"} and {s.role for s in sites} == {Exit(0.0, 1.0)}
     assert model.exit_heads() == [f"heads.{i}" for i in range(4)]
     assert model.exit_rules() == [f"blocks.{i}.halt" for i in range(3)]
     coeffs = record(model, ids())
@@ -233,7 +233,7 @@ def test_registry_builds_the_tiny_preset(arch):
     net = spec.build(spec.config("tiny")).eval()
     assert isinstance(net, DeclaresExits)
     assert len(net.exit_heads()) == len(net.exit_rules()) + 1 == len(net.execution_blocks())
-    assert {s.exit for s in net.controller_sites()} == {(0.0, 1.0)}
+    assert {s.role for s in net.controller_sites()} == {Exit(0.0, 1.0)}
 
 
 @pytest.mark.slow

@@ -96,7 +96,7 @@ def test_shapes_and_selection_sites(model):
     assert sites["layers.1.dt"].path == "layers.1.mixer.dt_proj"
     assert sites["layers.2.C"].path == "layers.2.mixer.C_proj"
     assert {s.family for s in sites.values()} == {"dt", "B", "C"}
-    assert sites["layers.0.dt"].selection == "Δ before softplus"
+    assert sites["layers.0.dt"].selection.space == "Δ before softplus"
     assert all(s.selection and s.axes == TOKEN_AXES and s.positions == (1,)
                for s in sites.values())
     assert model.execution_blocks() == ["layers.0", "layers.1", "layers.2"]

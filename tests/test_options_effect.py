@@ -32,7 +32,7 @@ from fcaudit.api import audit
 from fcaudit.cli import build_parser
 from fcaudit.cli.parser import audit_options, given_options
 from fcaudit.core.conditions import OPT_IN_CONDITIONS
-from fcaudit.core.contract import Site
+from fcaudit.core.contract import Exit, Site
 from fcaudit.core.errors import UsageError
 from fcaudit.engine.objectives import TASKS, resolve
 from fcaudit.engine.options import AuditOptions, OptionSpec, check_needs, option_specs
@@ -212,7 +212,7 @@ DEPENDENT = [name for name, (_, spec) in SPECS.items() if spec.needs is not None
 
 
 GATE = Site("g", "g", "gate", 0)
-EXIT = Site("s", "s", "exit", 0, exit=(0.0, 1.0))
+EXIT = Site("s", "s", "exit", 0, role=Exit())
 
 
 @pytest.mark.parametrize("name", DEPENDENT)

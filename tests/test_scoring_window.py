@@ -44,7 +44,7 @@ def test_a_run_folder_window_is_its_training_length_and_help_explains_the_defaul
         capsys: pytest.CaptureFixture[str]) -> None:
     import dataclasses
 
-    from fcaudit.engine.run import loaded_seq_len
+    from fcaudit.engine.inputs import loaded_seq_len
     from fcaudit.io.loading import load_module
     loaded = load_module(GPT(PRESETS["tiny"]), "fg")
     assert loaded_seq_len(loaded) == (128, "default for a model without a training run: "

@@ -16,7 +16,7 @@ import toys
 from conftest import FAST, toy_data, transformers
 
 from fcaudit.api import audit
-from fcaudit.core.contract import Site
+from fcaudit.core.contract import Selection, Site
 
 RANK, STATE, LAYERS = 2, 4, 2
 
@@ -31,8 +31,8 @@ def tiny_mamba() -> torch.nn.Module:
 
 def sites() -> list[Site]:
     return [Site(f"x_proj.{i}", f"backbone.layers.{i}.mixer.x_proj", "x_proj", i,
-                 parts=(("dt", RANK), ("B", STATE), ("C", STATE)),
-                 selection="dt before dt_proj and softplus; B, C as used")
+                 role=Selection("dt before dt_proj and softplus; B, C as used",
+                                (("dt", RANK), ("B", STATE), ("C", STATE))))
             for i in range(LAYERS)]
 
 

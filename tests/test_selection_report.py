@@ -1,6 +1,6 @@
 """Selective recurrences in the audit (issue 30, items 2 and 4): each named coefficient of
-a site (``Site.parts``) gets its own variance decomposition beside the pooled one, sites
-that are selection parameters (``Site.selection``) are said to give the LTI twin under
+a site (``Selection.parts``) gets its own variance decomposition beside the pooled one, sites
+that are selection parameters (``Selection.space``) are said to give the LTI twin under
 ``static-layer`` with the space named, and the execution section names the twin and the
 compute modes timed.
 
@@ -23,7 +23,7 @@ from conftest import FAST, md_cells, toy_data
 from torch import nn
 
 from fcaudit.api import audit
-from fcaudit.core.contract import Site
+from fcaudit.core.contract import Selection, Site
 from fcaudit.core.errors import ModelError
 from fcaudit.engine.metrics import TokenShare, VarianceAccumulator
 from fcaudit.engine.result import AuditResult
@@ -88,9 +88,9 @@ class ToySelective(nn.Module):
 
     def controller_sites(self) -> list[Site]:
         return [site for i in range(LAYERS) for site in (
-            Site(f"select.{i}", f"layers.{i}.select", "select", i, parts=PARTS,
-                 selection=SPACE),
-            Site(f"gate.{i}", f"layers.{i}.gate", "gate", i, selection=GATE_SPACE))]
+            Site(f"select.{i}", f"layers.{i}.select", "select", i,
+                 role=Selection(SPACE, PARTS)),
+            Site(f"gate.{i}", f"layers.{i}.gate", "gate", i, role=Selection(GATE_SPACE)))]
 
     def execution_blocks(self) -> list[str]:
         return [f"layers.{i}" for i in range(LAYERS)]
@@ -143,7 +143,8 @@ def test_each_part_is_decomposed_alone_as_numpy_does_on_a_constructed_tensor() -
     base = rng.normal(size=(2, 5, 6, 3))
     x = base + np.array([0.0, 3.0])[:, None, None, None] * np.array([1, 0, 1]) \
         + np.linspace(0, 2, 6)[None, None, :, None] * np.array([0, 1, 0]) + ids[None, ..., None]
-    sites = [Site(f"s{i}", f"s{i}", "fam", i, parts=(("p", 1), ("q", 2))) for i in range(2)]
+    sites = [Site(f"s{i}", f"s{i}", "fam", i, role=Selection(SPACE, (("p", 1), ("q", 2))))
+             for i in range(2)]
     variance, tokens = VarianceAccumulator(sites), TokenShare(sites)
     for rows in (slice(0, 3), slice(3, 5)):  # streamed in two batches
         batch = {f"s{i}": torch.from_numpy(x[i, rows]) for i in range(2)}
@@ -283,16 +284,17 @@ class Declared(ToySelective):
 
 
 @pytest.mark.parametrize("sites, needle", [
-    ([Site("select.0", "layers.0.select", "select", 0, parts=(("decay", 4), ("write", 3)))],
+    ([Site("select.0", "layers.0.select", "select", 0,
+           role=Selection(SPACE, (("decay", 4), ("write", 3))))],
      "site select.0 declares parts decay(4), write(3) (7 channels) but its coefficients have "
      "shape [4, 16, 8], 8 channels"),
-    ([Site("gate.0", "layers.0.gate", "gate", 0, parts=(("g", 1), ("g", 0)))],
+    ([Site("gate.0", "layers.0.gate", "gate", 0, role=Selection(SPACE, (("g", 1), ("g", 0))))],
      "site gate.0: parts=(('g', 1), ('g', 0)) is not a tuple of distinct (name, width) pairs"),
-    ([Site("select.0", "layers.0.select", "select", 0, parts=PARTS),
-      Site("select.1", "layers.1.select", "select", 1, parts=PARTS, selection=SPACE)],
+    ([Site("select.0", "layers.0.select", "select", 0),
+      Site("select.1", "layers.1.select", "select", 1, role=Selection(SPACE, PARTS))],
      "sites select.0 and select.1 of family select declare other coefficients"),
-    ([Site("select.0", "layers.0.select", "select", 0, selection="  ")],
-     "site select.0: selection='  ' must name the space"),
+    ([Site("select.0", "layers.0.select", "select", 0, role=Selection("  "))],
+     "site select.0: Selection.space='  ' must name the space"),
 ])
 def test_a_wrong_declaration_is_refused_naming_the_site(sites, needle, tmp_path) -> None:
     with pytest.raises(ModelError) as caught:
@@ -304,7 +306,7 @@ def test_a_wrong_declaration_is_refused_naming_the_site(sites, needle, tmp_path)
 
 def test_parts_given_as_lists_are_read_as_the_tuples(tmp_path) -> None:
     listed = [Site(f"select.{i}", f"layers.{i}.select", "select", i,
-                   parts=[["decay", D], ["write", D]], selection=SPACE)  # type: ignore[arg-type]
+                   role=Selection(SPACE, [["decay", D], ["write", D]]))  # type: ignore[arg-type]
               for i in range(LAYERS)]
     result = audit(Declared(listed), tmp_path / "out", data=toy_data(), options=FAST,
                    report=False)

@@ -50,6 +50,6 @@ def test_exit_sites_show_their_continue_and_exit_scores(capsys) -> None:
     lines = _lines(["--model", "test_sites_listing:exit_model"], capsys)
     assert [f[0] for f in lines] == [s.name for s in declared]
     for fields, site in zip(lines, declared, strict=True):
-        assert f"exit=continue {site.exit[0]:g}, exit {site.exit[1]:g}" in fields
+        assert f"exit=continue {site.exit.go:g}, exit {site.exit.stop:g}" in fields
         assert "kind=exit score" in fields
         assert not any(f.startswith(("parts=", "selection=")) for f in fields)

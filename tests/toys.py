@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fcaudit.core.contract import Site
+from fcaudit.core.contract import Gate, Site
 from fcaudit.core.routers import TopKLogits
 
 V = 64
@@ -343,7 +343,7 @@ class InvertedGatedBlock(ToyGatedBlock):
 
 
 class InvertedGatedModel(ToyGatedModel):
-    """The constant-gate toy with inverted gates, declared ``Site(off=1.0)``: layer ``l``
+    """The constant-gate toy with inverted gates, declared ``Gate(off=1.0)``: layer ``l``
     writes ``TOY_UPDATE * (1 - TOY_GATE_CONSTANTS[l])``, so its largest gate (0.9, layer 0)
     scales the smallest update."""
 
@@ -353,7 +353,7 @@ class InvertedGatedModel(ToyGatedModel):
                                     for i in range(TOY_GATE_LAYERS))
 
     def controller_sites(self) -> list[Site]:
-        return [Site(f"blocks.{i}.gate", f"blocks.{i}.gate", "toygate", i, off=1.0)
+        return [Site(f"blocks.{i}.gate", f"blocks.{i}.gate", "toygate", i, role=Gate(off=1.0))
                 for i in range(TOY_GATE_LAYERS)]
 
 

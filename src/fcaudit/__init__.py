@@ -40,6 +40,7 @@ _EXPORTS = {
     "compare": "report.compare", "Comparison": "report.compare",
     "DataSpec": "io.data", "AuditData": "io.data",
     "Site": "core.contract", "SiteCall": "core.contract", "ExpertLayer": "core.contract",
+    "Gate": "core.contract", "Selection": "core.contract", "Exit": "core.contract",
     "TupleAdapter": "core.adapters", "RouterAdapter": "core.routers",
     "find_sites": "core.sites",
     "record": "core.recording", "Recording": "core.recording",

@@ -88,8 +88,7 @@ def _array_data(args: argparse.Namespace) -> Any:
 
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from fcaudit.engine import passes
-    from fcaudit.engine.inputs import check_dense
-    from fcaudit.engine.run import as_loaded
+    from fcaudit.engine.inputs import as_loaded, check_dense
     from fcaudit.io.placement import offload_space
     from fcaudit.io.runtime import resolve_device, resolve_dtype
     options = audit_options(args)  # --objective unset: the data decide (engine/inputs.py)
@@ -167,7 +166,7 @@ def print_summary(result: Any, out: Path) -> None:
     console.print(table)
     from fcaudit.api import identity_words
     console.print(f"identity replay: {identity_words(result, str, str)}", soft_wrap=True)
-    from fcaudit.engine.run import window_line
+    from fcaudit.engine.inputs import window_line
     console.print(render(window_line(result.data), cli=True), soft_wrap=True)
     for name, r in result.retention.items():
         accuracy = "" if r.accuracy is None else f"; on accuracy {_share(r.accuracy)}"
@@ -285,7 +284,7 @@ def _bench_models(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]
     """The loaded model and its dense counterpart, both able to run ``--seq-len`` tokens."""
     from fcaudit.core.contract import dense_twin
     from fcaudit.core.nll import model_limits
-    from fcaudit.engine.run import as_loaded
+    from fcaudit.engine.inputs import as_loaded
     loaded = as_loaded(args.model)
     model = loaded.model.to(device)
     dense = as_loaded(args.dense).model if args.dense else dense_twin(model, args.seed)
@@ -306,7 +305,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import json
 
     from fcaudit.engine.execution import check_comparable, measure_execution, refuse_idle_blocks
-    from fcaudit.engine.run import resolve_block_paths
+    from fcaudit.engine.inputs import resolve_block_paths
     from fcaudit.engine.verdicts import verdict_execution
     from fcaudit.io.fileio import write_json
     from fcaudit.io.runtime import resolve_device
@@ -365,12 +364,12 @@ def _site_fields(s: Any, kind: Any) -> list[str]:
         fields.append(f"kind={kind.name}")
     if s.axes:
         fields.append(f"axes={','.join(s.axes)}")
-    if s.parts:
-        fields.append("parts=" + ",".join(f"{n}:{w}" for n, w in s.parts))
-    if s.selection:
-        fields.append(f"selection={s.selection}")
+    if s.selection is not None and s.selection.parts:
+        fields.append("parts=" + ",".join(f"{n}:{w}" for n, w in s.selection.parts))
+    if s.selection is not None:
+        fields.append(f"selection={s.selection.space}")
     if s.exit is not None:
-        fields.append(f"exit=continue {s.exit[0]:g}, exit {s.exit[1]:g}")
+        fields.append(f"exit=continue {s.exit.go:g}, exit {s.exit.stop:g}")
     return fields
 
 
@@ -405,7 +404,7 @@ def cmd_sites(args: argparse.Namespace) -> None:
         probe_failure,
         suggested_globs,
     )
-    from fcaudit.engine.run import as_loaded
+    from fcaudit.engine.inputs import as_loaded
     from fcaudit.io.runtime import untested_versions
     loaded = as_loaded(args.model)
     for line in loaded.notes:

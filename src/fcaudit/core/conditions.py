@@ -134,7 +134,7 @@ REGISTRY: tuple[Condition, ...] = (
               profile="layer_token_position",
               penalty="a static per-layer, token-id-and-position profile",
               roles=frozenset({"penalty", "retention"}), default=False, collects="cells"),
-    # opt-in, for models with exit sites (Site.exit): the exit references the learned exit
+    # opt-in, for models with exit sites (an Exit role): the exit references the learned exit
     # controller is placed between (docs/method.md, Early exit). Each feeds the scores that
     # make the model's own rule stop every unit (token, patch or example) at the layer the
     # reference gives it; the words fit any unit, as the report names it (ExitSummary.unit)

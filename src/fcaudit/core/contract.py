@@ -129,6 +129,47 @@ TENSOR = TensorAdapter()
 
 
 @dataclass(frozen=True)
+class Gate:
+    """A soft gate's role: ``off`` is the coefficient value that switches it off (0 for
+    ``h + g F(h)``, 1 for ``h + (1 - g) F(h)``, ``-inf`` for a pre-sigmoid logit such as
+    Qwen2-MoE's shared-expert gate); ``gated`` the module whose update it scales (its FLOPs
+    are what switching the gate off saves; None: the dense counterpart's blocks say)."""
+
+    off: float = 0.0
+    gated: str | None = None
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A selection parameter of a recurrence (an SSM's step, its B and C, a decay or an
+    input gate): a static profile there is a time-invariant (LTI) recurrence, and reports
+    say so. ``space`` names the space its values are in (e.g. ``"dt before softplus"``);
+    ``parts`` names coefficients laid side by side along the last axis, each ``(name,
+    width)`` in order (a Mamba-2 ``in_proj`` slice holds ``dt``, ``B`` and ``C``), so that
+    the variance decomposition reports each; ``()``: one coefficient, named by its family."""
+
+    space: str
+    parts: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Exit:
+    """An exit controller's role: the coefficient is a halting or confidence score ``[B,
+    T]`` (or ``[B, T, 1]``) that the model's own threshold rule reads to decide where a
+    token stops computing; ``go`` is a score value that makes a token continue and
+    ``stop`` one that makes it stop at this site's layer. The exit conditions (fixed exit,
+    oracle exit) feed these values, so the model's own rule carries the decision out: the
+    engine needs to know neither the rule nor its threshold."""
+
+    go: float = 0.0
+    stop: float = 1.0
+
+
+Role = Gate | Selection | Exit | None
+PLAIN_GATE = Gate()  # what a site that declares no gate is switched off as: h + g F(h)
+
+
+@dataclass(frozen=True)
 class Site:
     """One controller inside a model.
 
@@ -144,28 +185,9 @@ class Site:
     for sites named by globs), the audit reads the layout off the first batch and
     accepts a position axis only where it is proven (see :mod:`fcaudit.core.layout`):
     ``[B, T, ...]`` on token ids; on other inputs an axis as long as the module input's
-    patches or cells, else one value set per example. For a soft gate,
-    ``gated`` is the module whose update the coefficient scales (its FLOPs are what
-    switching the gate off saves; None: the dense counterpart's blocks say) and ``off``
-    the coefficient value that switches it off: 0 for ``h + g F(h)``, ``-inf`` for a
-    pre-sigmoid logit such as Qwen2-MoE's shared-expert gate.
-
-    ``parts`` names coefficients laid side by side along the last axis, each
-    ``(name, width)`` in order (a Mamba-2 ``in_proj`` slice holds ``dt``, ``B`` and
-    ``C``), so that the variance decomposition reports each; ``()``: one coefficient,
-    named by its family. ``selection`` marks a selection parameter of a recurrence (an
-    SSM's step Δ, its B and C, a decay or an input gate) and names the space its values
-    are in (e.g. ``"dt before softplus"``): a static profile there is a time-invariant
-    (LTI) recurrence, and reports say so. None for every other controller.
-
-    ``exit`` marks an exit controller: the coefficient is a halting or confidence score
-    ``[B, T]`` (or ``[B, T, 1]``) that the model's own threshold rule reads to decide
-    where a token stops computing, and the pair is ``(continue, exit)``: a score value
-    that makes a token go on and one that makes it stop at this site's layer. The exit
-    conditions (fixed exit, oracle exit) are built from these two values, so they feed
-    the score the model already reads and the model's own rule carries the decision out:
-    the engine needs to know neither the rule nor its threshold, and the exits a replay
-    produces are those of the model's code. None for every other controller.
+    patches or cells, else one value set per example. ``role`` is what the site is for
+    beyond its coefficients: a :class:`Gate`, a :class:`Selection` or an :class:`Exit`
+    (None: none of these; a router is told by its adapter).
     """
 
     name: str
@@ -175,11 +197,20 @@ class Site:
     adapter: ControllerAdapter = field(default=TENSOR, compare=False)
     axes: tuple[str, ...] | None = field(default=None, compare=False)
     positions: tuple[int, ...] | None = field(default=None, compare=False)
-    gated: str | None = field(default=None, compare=False)
-    off: float = field(default=0.0, compare=False)
-    parts: tuple[tuple[str, int], ...] = field(default=(), compare=False)
-    selection: str | None = field(default=None, compare=False)
-    exit: tuple[float, float] | None = field(default=None, compare=False)
+    role: Role = field(default=None, compare=False)
+
+    @property
+    def gate(self) -> Gate:
+        """The gate the site declares, else a plain one (off at 0, its blocks by the twin)."""
+        return self.role if isinstance(self.role, Gate) else PLAIN_GATE
+
+    @property
+    def selection(self) -> Selection | None:
+        return self.role if isinstance(self.role, Selection) else None
+
+    @property
+    def exit(self) -> Exit | None:
+        return self.role if isinstance(self.role, Exit) else None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Exit controllers (docs/method.md, Early exit): where a token stops, read and fed.
 
-An exit site (``Site.exit = (continue, exit)``) carries a halting or confidence score that
+An exit site (``Site.role = Exit(go, stop)``) carries a halting or confidence score that
 the model's own threshold rule reads. A token's **exit layer** ``k`` is the index of the
 exit site after which it stops (sites in layer order); ``k = n`` (the number of exit
 sites) means it ran to full depth. Its executed depth is ``k + 1`` layers.
@@ -33,34 +33,6 @@ from fcaudit.core.hooks import hooks
 from fcaudit.core.registry import refusal
 
 
-class ExitHead(nn.Module):
-    """Layer ``l``'s prediction through a head passed in (the shared final norm and LM head:
-    its weights stored once); a module so that hooks read each layer's logits."""
-
-    def forward(self, h: Tensor, head: Any) -> Tensor:
-        return head(h)
-
-
-class Confidence(nn.Module):
-    """An exit site: the maximum softmax probability of an exit head's logits (``[..., 1]``,
-    float32)."""
-
-    def forward(self, logits: Tensor) -> Tensor:
-        return logits.float().softmax(-1).amax(-1, keepdim=True)
-
-
-class Halt(nn.Module):
-    """An exit rule, True where the score reaches the threshold; a module so that hooks
-    read each layer's exits (``exit_rules()``)."""
-
-    def __init__(self, threshold: float) -> None:
-        super().__init__()
-        self.threshold = threshold
-
-    def forward(self, score: Tensor) -> Tensor:
-        return score >= self.threshold
-
-
 def exit_sites(sites: Sequence[Site]) -> list[Site]:
     """The exit sites among ``sites``, in layer order."""
     return sorted((s for s in sites if s.exit is not None), key=lambda s: s.layer)
@@ -71,6 +43,42 @@ EXAMPLE = "example"  # what exits where the exit sites have no position axis
 # the execution answer then reads the depths as what a deployment would run, not as FLOPs
 MASKED = ("masked early exit: every layer runs on every token and an exited token's update "
           "is discarded, so the FLOPs its exits save are counted, not realised")
+
+
+class ExitHead(nn.Module):
+    """Layer ``l``'s prediction, a module so that hooks read each layer's logits: through
+    the shared head passed in (its weights stored once) or, given ``proj``, through a
+    classifier of its own over the flattened features, as ``[B, 1, classes]``."""
+
+    def __init__(self, proj: nn.Module | None = None) -> None:
+        super().__init__()
+        self.proj = proj
+
+    def forward(self, h: Tensor, head: Any = None) -> Tensor:
+        return head(h) if self.proj is None else self.proj(h.flatten(1)).unsqueeze(1)
+
+
+class Confidence(nn.Module):
+    """A controller site: the maximum softmax probability of an exit head's logits,
+    ``[..., V] -> [..., 1]``; given ``rows`` and ``last``, of those rows of the batch only,
+    the others keeping ``last`` (an example that has left keeps the score it left with)."""
+
+    def forward(self, logits: Tensor, rows: Tensor | None = None,
+                last: Tensor | None = None) -> Tensor:
+        conf = logits.float().softmax(-1).amax(-1, keepdim=True)
+        return conf if last is None else last.index_put((rows,), conf.to(last.dtype))
+
+
+class Halt(nn.Module):
+    """The exit rule, a module so that hooks see each layer's exits: True where the score
+    reaches the threshold."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+
+    def forward(self, score: Tensor) -> Tensor:
+        return score >= self.threshold
 
 
 def exit_unit(sites: Sequence[Site]) -> str:
@@ -100,13 +108,13 @@ def exit_model(model: Any, sites: Sequence[Site]) -> DeclaresExits:
     and ``exit_heads()`` / ``exit_rules()`` / ``full_depth`` agreeing with them."""
     found = exit_sites(sites)
     if not found:
-        raise ModelError("the model has no exit sites (Site(..., exit=(continue, exit))): "
+        raise ModelError("the model has no exit sites (Site(..., role=Exit(go, stop))): "
                          "the exit conditions apply only to early-exit models")
-    same = [s for s in found if s.exit is not None and s.exit[0] == s.exit[1]]
+    same = [s for s in found if s.exit is not None and s.exit.go == s.exit.stop]
     if same:
-        raise ModelError(f"exit site {same[0].name}: Site.exit={same[0].exit!r} gives one value "
-                         "for continue and exit; give (a score that makes a token go on, one "
-                         "that makes it stop at this layer)", site=same[0].name)
+        raise ModelError(f"exit site {same[0].name}: {same[0].exit!r} gives one value "
+                         "for continue and exit; give Exit(go=a score that makes a token go "
+                         "on, stop=one that makes it stop at this layer)", site=same[0].name)
     if not isinstance(model, DeclaresExits):
         raise ModelError(f"exit site {found[0].name}: the model declares no exit_heads(), "
                          "exit_rules() and full_depth (fcaudit.core.contract.DeclaresExits), "
@@ -224,7 +232,7 @@ def exit_scores(sites: Sequence[Site], layers: Tensor,
     for k, site in enumerate(exit_sites(sites)):
         assert site.exit is not None
         ref = like[site.name]
-        go, stop = site.exit
+        go, stop = site.exit.go, site.exit.stop
         stopped = (layers.to(ref.device) <= k).view(*layers.shape, *[1] * (ref.dim() - 2))
         out[site.name] = torch.where(stopped, torch.tensor(stop, dtype=ref.dtype),
                                      torch.tensor(go, dtype=ref.dtype)).expand_as(ref).clone()

@@ -3,7 +3,7 @@
 A selection site (SPEC section 11) holds the tensors, computed from the current input,
 that set a recurrence's decay, write strength or input gate; everything else in the
 block (the convolution, the values, the output gate, the scan) stays live. The space a
-site's values are in is named on the site (``Site.selection``): always before the
+site's values are in is named on the site (``Selection.space``): always before the
 range-keeping activation (sigmoid, softplus, exp), so that a static profile averaged
 there is a time-invariant recurrence with valid parameters.
 
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from fcaudit.core.adapters import ADAPTER_API, TENSOR, SliceAdapter, describe, same_bits
-from fcaudit.core.contract import ControllerAdapter, Site, SiteCall
+from fcaudit.core.contract import ControllerAdapter, Selection, Site, SiteCall
 from fcaudit.core.errors import FcauditError, ModelError
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT
 from fcaudit.core.routers import PROJECTIONS, _device, _meta
@@ -395,7 +395,6 @@ def gated_recurrence_sites(model: nn.Module) -> list[Site]:
     sites = []
     for f in found:
         layers[f.family] = layers.get(f.family, -1) + 1
-        sites.append(Site(f.path, f.path, f.family, layers[f.family], f.adapter,
-                          axes=TOKEN_AXES, positions=TOKEN_LAYOUT, parts=f.parts,
-                          selection=f.selection))
+        sites.append(Site(f.path, f.path, f.family, layers[f.family], f.adapter, TOKEN_AXES,
+                          TOKEN_LAYOUT, Selection(f.selection, f.parts)))
     return sites

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from fcaudit.core.adapters import ADAPTER_API, FLAT, TENSOR, describe
-from fcaudit.core.contract import ExpertLayer, Site, SiteCall
+from fcaudit.core.contract import ExpertLayer, Gate, Site, SiteCall
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.hooks import hooks
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT
@@ -475,9 +475,9 @@ def moe_router_sites(model: nn.Module) -> list[Site]:
                 gate_path = _join(path, name)
                 body = name.removesuffix("_gate")
                 gates.append(Site(gate_path, gate_path, SHARED_GATE_FAMILY, len(gates), FLAT,
-                                  gated=_join(path, body) if body in children else None,
-                                  off=SHARED_GATE_OFF, axes=TOKEN_AXES,
-                                  positions=TOKEN_LAYOUT))
+                                  axes=TOKEN_AXES, positions=TOKEN_LAYOUT, role=Gate(
+                                      SHARED_GATE_OFF,
+                                      _join(path, body) if body in children else None)))
     return routers + gates
 
 

@@ -48,7 +48,7 @@ from typing import Any
 from torch import nn
 
 from fcaudit.core.adapters import TENSOR, SliceAdapter
-from fcaudit.core.contract import Site
+from fcaudit.core.contract import Selection, Site
 from fcaudit.core.errors import ModelError
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT
 
@@ -85,9 +85,8 @@ def mamba_site(path: str, mixer: nn.Module) -> Site | None:
              "weight, its bias and softplus") if normed else \
         "dt low rank, before dt_proj's weight, its bias and softplus; B, C as the scan reads them"
     site_path = _join(path, "x_proj")
-    return Site(site_path, site_path, MAMBA_FAMILY, 0, TENSOR, axes=TOKEN_AXES,
-                positions=TOKEN_LAYOUT, parts=(("dt", rank), ("B", state), ("C", state)),
-                selection=space)
+    return Site(site_path, site_path, MAMBA_FAMILY, 0, TENSOR, TOKEN_AXES, TOKEN_LAYOUT,
+                Selection(space, (("dt", rank), ("B", state), ("C", state))))
 
 
 def mamba2_site(path: str, mixer: nn.Module) -> Site | None:
@@ -114,7 +113,7 @@ def mamba2_site(path: str, mixer: nn.Module) -> Site | None:
                 SliceAdapter(((dt_at, dt_at + heads), (b_at, b_at + bc),
                               (b_at + bc, b_at + 2 * bc))),
                 axes=TOKEN_AXES, positions=TOKEN_LAYOUT,
-                parts=(("dt", heads), ("B", bc), ("C", bc)), selection=space)
+                role=Selection(space, (("dt", heads), ("B", bc), ("C", bc))))
 
 
 MIXER_RULES: tuple[Callable[[str, nn.Module], Site | None], ...] = (mamba_site, mamba2_site)

@@ -59,8 +59,8 @@ def _from_globs(model: nn.Module, patterns: Sequence[str]) -> list[Site]:
     """One family per glob. A matched module the model declares as a site, or that
     fcaudit discovers (a Hugging Face MoE router), keeps what that site declares: its
     adapter (e.g. :class:`~fcaudit.core.routers.RouterAdapter`), its layout (``axes``,
-    ``positions``: a declared layout wins over any guess) and its gate's ``gated`` and
-    ``off``; the glob gives only the name, family and layer. Any other module gets
+    ``positions``: a declared layout wins over any guess) and its role (a gate's ``off``
+    and ``gated``); the glob gives only the name, family and layer. Any other module gets
     :data:`AUTO` and a layout the audit decides from the first batch."""
     repeated = sorted({p for p in patterns if list(patterns).count(p) > 1})
     if repeated:

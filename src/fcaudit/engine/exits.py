@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from fcaudit.core.conditions import CORRECT, FIXED_EXIT, FRONTIER, ORACLE_EXIT, needing
-from fcaudit.core.contract import Site
+from fcaudit.core.contract import Exit, Site
 from fcaudit.core.errors import ModelError, arg
 from fcaudit.core.exits import (
     EXAMPLE,
@@ -104,8 +104,9 @@ def check_follows(setup: Any, net: Any, x: Any) -> None:
     or at none, must do so, and scores that stop each unit after an exit site of its own
     (unit ``u`` after site ``u mod (n + 1)``, so every site is asked) must stop each one
     there. Where they do not, every site is asked alone and the cause told apart
-    (:func:`_misdeclared`): ``Site.exit`` reversed, or a threshold its values never or
-    always reach; else a rule reading something other than the site's output."""
+    (:func:`_misdeclared`): its :class:`~fcaudit.core.contract.Exit` reversed, or a
+    threshold its values never or always reach; else a rule reading something other than
+    the site's output."""
     sites, run = exit_sites(setup.sites), lambda: call_model(setup.model, x)
     unit, n = exit_unit(sites), len(sites)
     own = own_exits(net, run)
@@ -114,8 +115,8 @@ def check_follows(setup: Any, net: Any, x: Any) -> None:
     def exits(k: Any, values: Any = None) -> torch.Tensor:
         """The exits under the recorded scores (``k`` None), or under scores stopping each
         unit after site ``k`` (a layer for all, or a tensor of one per unit), from
-        ``Site.exit`` or ``values(site)`` in its place."""
-        declared = [dataclasses.replace(s, exit=values(s)) for s in sites] if values else sites
+        the sites' Exit or ``values(site)`` in its place."""
+        declared = [dataclasses.replace(s, role=values(s)) for s in sites] if values else sites
         layers = k if isinstance(k, torch.Tensor) else torch.full_like(own, int(k or 0))
         scores = coefficients if k is None else exit_scores(declared, layers, coefficients)
         with replaying(setup.model, {s: scores[s.name] for s in sites}):
@@ -151,35 +152,35 @@ def _diagnose(sites: Sequence[Any], exits: Any, own: torch.Tensor, unit: str,
                    "own", got_mixed, mixed, unit)
 
 
-_FAR = 1000.0  # a value this many (exit - continue) steps beyond one of Site.exit's values
+_FAR = 1000.0  # a value this many (stop - go) steps beyond one of an Exit's values
 
 
 def _misdeclared(sites: Sequence[Any], fed: dict[int, torch.Tensor], k: int, exits: Any,
                  unit: str) -> tuple[Any, str] | None:
     """The site and the cause where scores stopping every ``unit`` after site ``k``
-    (``fed[k]``, exit layers) did not, when ``Site.exit`` is at fault: reversed (its exit
+    (``fed[k]``, exit layers) did not, when the site's Exit is at fault: reversed (its exit
     value stops no unit, its continue value every one), or a threshold the exit value
     never reaches (a value far beyond it does stop every unit) or the continue value
     always reaches (a value far below it does not); None otherwise."""
     n = len(sites)
     if bool((fed[0] == n).all()) and bool((fed[n] == 0).all()):
-        go, stop = sites[0].exit
-        return sites[0], (f"Site.exit={sites[0].exit!r} is reversed: the model's rule stops "
-                          f"every {unit} on the continue value {go!r} and none on the exit "
-                          f"value {stop!r}; declare Site.exit=({stop!r}, {go!r})")
+        go, stop = sites[0].exit.go, sites[0].exit.stop
+        return sites[0], (f"{sites[0].exit!r} is reversed: the model's rule stops every "
+                          f"{unit} on the continue value {go!r} and none on the exit value "
+                          f"{stop!r}; declare {Exit(stop, go)!r}")
     expected = torch.full_like(fed[k], k)
-    if bool((fed[k] > k).all()) and torch.equal(exits(k, lambda s: (
-            s.exit[0], s.exit[1] + _FAR * (s.exit[1] - s.exit[0]))), expected):
-        go, stop = sites[k].exit
-        return sites[k], (f"its exit value {stop!r} (Site.exit={sites[k].exit!r}) stops no "
+    if bool((fed[k] > k).all()) and torch.equal(exits(k, lambda s: Exit(
+            s.exit.go, s.exit.stop + _FAR * (s.exit.stop - s.exit.go))), expected):
+        go, stop = sites[k].exit.go, sites[k].exit.stop
+        return sites[k], (f"its exit value {stop!r} ({sites[k].exit!r}) stops no "
                           f"{unit}, a value {stop + _FAR * (stop - go):g} does: the rule's "
                           "threshold is never reached by the declared exit value; declare "
                           "one that reaches it")
-    if bool((fed[k] < k).all()) and torch.equal(exits(k, lambda s: (
-            s.exit[0] - _FAR * (s.exit[1] - s.exit[0]), s.exit[1])), expected):
+    if bool((fed[k] < k).all()) and torch.equal(exits(k, lambda s: Exit(
+            s.exit.go - _FAR * (s.exit.stop - s.exit.go), s.exit.stop)), expected):
         site = sites[int(fed[k].min())]
-        go, stop = site.exit
-        return site, (f"its continue value {go!r} (Site.exit={site.exit!r}) stops every "
+        go, stop = site.exit.go, site.exit.stop
+        return site, (f"its continue value {go!r} ({site.exit!r}) stops every "
                       f"{unit}, a value {go - _FAR * (stop - go):g} does not: the rule's "
                       "threshold is always reached, even by the declared continue value; "
                       "declare one that does not reach it")

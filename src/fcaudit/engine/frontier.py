@@ -116,9 +116,9 @@ def kept(site: Site, t: Tensor) -> Tensor:
     ``|g - off|`` (``h + g F(h)``: ``|g|``; an inverted gate ``h + (1 - g) F(h)`` declared
     with ``off=1``: ``|1 - g|``, so its gates nearest 1 go first, not its largest updates);
     for ``off=-inf`` (a logit through a sigmoid) the gate itself, for ``+inf`` its negation."""
-    if math.isinf(site.off):
-        return t if site.off < 0 else -t
-    return (t - site.off).abs()
+    if math.isinf(site.gate.off):
+        return t if site.gate.off < 0 else -t
+    return (t - site.gate.off).abs()
 
 
 def plan_points(families: Sequence[Covered], calib: Mapping[str, Tensor],
@@ -221,7 +221,7 @@ def point_feed(point: FrontierPoint, correct: Mapping[Site, Tensor]) -> dict[Sit
         t = correct[site]
         if point.kind == GATE:
             mask = skipped(point, site, i, t).reshape(*t.shape[:2], *([1] * (t.dim() - 2)))
-            fed[site] = t.masked_fill(mask, site.off)
+            fed[site] = t.masked_fill(mask, site.gate.off)
         else:
             fed[site] = drop_experts(t, _kept(point, i, t))
     return fed
@@ -304,7 +304,7 @@ def unit_flops(fam: Covered, execution: Execution) -> tuple[list[float], float, 
         per = [ex.flops_per_slot_per_layer[ex.layers.index(name)] for name in names]
         return per, float(execution.flops_per_token or 0.0), \
             "the model's measured FLOPs per executed expert slot (execution audit)"
-    gated = [s.gated for s in fam.sites]
+    gated = [s.gate.gated for s in fam.sites]
     if all(gated):
         counted = execution.gated_flops_per_token or {}
         if not set(gated) <= set(counted) or not execution.flops_per_token:

@@ -105,7 +105,7 @@ def off_mismatch(setup: Prepared, fam: Covered) -> str | None:
     (the block passing its input through, as ``h + 0 F(h)`` does, or its update zeroed, as
     for SkipGate's ``body``). A coefficient that only reweights (mixing weights, a keep-score
     that reorders tokens) removes no module, and gets no frontier: it would be mispriced."""
-    gated = [s.gated for s in fam.sites]
+    gated = [s.gate.gated for s in fam.sites]
     modules = gated if all(gated) else setup.blocks
     if modules is None or len(modules) != len(fam.sites):
         return (f"the {len(fam.sites)} gates are not one per declared block "
@@ -113,7 +113,7 @@ def off_mismatch(setup: Prepared, fam: Covered) -> str | None:
     net = setup.model
     _, x = next(batches(setup.eval_source, setup.options.batch_size, device_of(net)))
     recorded = setup.executor.record(x, sites=fam.sites)[1]
-    off = setup.executor.replay(x, {s: torch.full_like(recorded[s.name], s.off)
+    off = setup.executor.replay(x, {s: torch.full_like(recorded[s.name], s.gate.off)
                                     for s in fam.sites}).logits
     modes = (_zeroed,) if all(gated) else (_passed_through, _zeroed)
     diffs = []
@@ -122,7 +122,7 @@ def off_mismatch(setup: Prepared, fam: Covered) -> str | None:
         if torch.equal(off, removed):
             return None
         diffs.append(float((off.double() - removed.double()).abs().max()))
-    return (f"setting {fam.family}'s gates to {fam.sites[0].off} does not remove exactly "
+    return (f"setting {fam.family}'s gates to {fam.sites[0].gate.off} does not remove exactly "
             f"one module per gate ({', '.join(m for m in modules if m)[:120]}; max logit "
             f"difference {min(diffs):.3g}): these coefficients do not switch a computation "
             "off, so no skipped FLOPs can be priced")

@@ -74,6 +74,7 @@ from fcaudit.engine.summary import (
     paired_bootstrap,
     routing_summary,
     site_parts,
+    space,
     summarize,
 )
 from fcaudit.engine.verdicts import judge
@@ -336,7 +337,7 @@ def _site_info(site: Site, m: Measurements) -> SiteInfo:
                     axes=list(site.axes or ()) if declared else None,
                     positions=list(site.positions or ()) if declared else None,
                     layout=setup.layouts.get(site.name), parts=site_parts(site),
-                    selection=site.selection, kind=setup.kinds.get(site.name))
+                    selection=space(site), kind=setup.kinds.get(site.name))
 
 
 def _routing(setup: Prepared, m: Measurements) -> dict[str, Any] | None:

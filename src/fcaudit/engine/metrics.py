@@ -200,7 +200,7 @@ class VarianceAccumulator:
 
     def part(self, channels: slice) -> VarianceShares:
         """The decomposition of the channels ``channels`` of the last axis alone (one named
-        coefficient of :attr:`Site.parts`), without per-component rows: the share of each
+        coefficient of :attr:`Selection.parts`), without per-component rows: the share of each
         axis within that coefficient, not diluted by its neighbours."""
         flat1 = [self.s1[s.name][..., channels].reshape(self.s1[s.name].shape[0], -1)
                  for s in self.sites]
@@ -323,7 +323,7 @@ class TokenShare:
 
     def share(self, channels: slice | None = None) -> float | None:
         """The pooled share; with ``channels``, that of those channels of the last axis
-        alone (one named coefficient of :attr:`Site.parts`)."""
+        alone (one named coefficient of :attr:`Selection.parts`)."""
         assert self.by_id is not None
         between = total = 0.0
         cut = (Ellipsis, channels) if channels is not None else (Ellipsis,)

@@ -251,7 +251,7 @@ def execute(setup: Prepared, degenerate: str | None = None) -> Execution:
         dense_block_paths=dense_blocks or None, pairs=opts.timing_pairs, seed=setup.seeds.timing,
         timing=opts.timing_pairs > 0, dense_source=setup.dense_source or None,
         experts=[e for e in experts if e.name in routers], routers=routers,
-        gated=[s.gated for s in setup.sites if s.gated], degenerate=degenerate)
+        gated=[s.gate.gated for s in setup.sites if s.gate.gated], degenerate=degenerate)
     return dataclasses.replace(measured, unit=setup.inputs.execution_unit,
                                twin_note=missing_twin(setup) if setup.dense is None else None)
 

@@ -449,7 +449,7 @@ class DataSummary(TypedDict, total=False):
 
 @dataclass
 class SitePart:
-    """One named coefficient of a site (:attr:`~fcaudit.core.contract.Site.parts`): the
+    """One named coefficient of a site (:attr:`~fcaudit.core.contract.Selection.parts`): the
     next ``width`` channels of the last axis."""
 
     name: str
@@ -469,10 +469,10 @@ class SiteInfo:
     positions: list[int] | None = _omit_none()
     # how the layout was found when neither the model nor the user declared it
     layout: str | None = _omit_none()
-    # named coefficients side by side on the last axis, in order (Site.parts)
+    # named coefficients side by side on the last axis, in order (Selection.parts)
     parts: list[SitePart] | None = _omit_none()
     # a selection parameter of a recurrence: the space its values (and so the static
-    # profiles' means) are in, e.g. "dt before softplus" (Site.selection)
+    # profiles' means) are in, e.g. "dt before softplus" (Selection.space)
     selection: str | None = _omit_none()
     # what kind of coefficient it is (a name of fcaudit.core.kinds.KINDS: "scalar gate",
     # "activation", ...), judged before the work; absent from audits written before it

@@ -98,7 +98,7 @@ def metrics(r: AuditResult) -> dict[str, float | None]:
             for p in audited(r.retention, REPORTED_RETENTION)} | _accuracy_retention(r, "value")
     main = r.variance[r.families[0]]  # the first family in site order is the main one
     out |= {key: getattr(main, key) for key in (*ETA2_KEYS, *TOKEN_ID_KEYS)}
-    out |= {f"{key}@{fam}.{part}": getattr(shares, key)  # named coefficients (Site.parts)
+    out |= {f"{key}@{fam}.{part}": getattr(shares, key)  # named coefficients (Selection.parts)
             for fam, var in r.variance.items() for part, shares in (var.parts or {}).items()
             for key in (*ETA2_KEYS, *TOKEN_ID_KEYS)}
     out |= _execution_metrics(r) | _frontier_metrics(r) | _rerouted(r) | _exit_metrics(r)

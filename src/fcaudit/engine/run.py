@@ -44,16 +44,6 @@ from fcaudit.core.nll import device_of
 from fcaudit.engine.budget import AuditPlan, audit_plan, say_plan
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.frontier_plan import frontier_plan
-from fcaudit.engine.inputs import (  # noqa: F401  (re-exported: the CLI and tests import them here)
-    DEFAULT_WINDOW,
-    GIVEN_DATA,
-    TOKEN_WIDTH,
-    as_loaded,
-    loaded_seq_len,
-    resolve_block_paths,
-    window_line,
-    window_source,
-)
 from fcaudit.engine.measure import Measurements, build_result, measure, reuse_summary
 from fcaudit.engine.objectives import UNREADABLE
 from fcaudit.engine.options import AuditOptions, Prepared, Progress, SeedPlan, say, silent

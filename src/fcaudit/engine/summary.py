@@ -289,7 +289,7 @@ def expert_importance(runs: Sequence[Run], replayed: Sequence[np.ndarray],
 
 
 # ---------------------------------------------------------------------- parts
-# Named coefficients and selection parameters (:attr:`Site.parts`, :attr:`Site.selection`).
+# Selection parameters and their named coefficients (:class:`~fcaudit.core.contract.Selection`).
 #
 # A Mamba-2 ``in_proj`` slice holds ``dt``, ``B`` and ``C`` side by side: pooled, their
 # variance shares mix three coefficients with different roles, so each is also decomposed
@@ -297,8 +297,8 @@ def expert_importance(runs: Sequence[Run], replayed: Sequence[np.ndarray],
 # index error after the whole audit), and they reach ``audit.json`` through the sites listing
 # and ``variance[family].parts``.
 
-PARTS_FIX = ("declare Site(parts=((name, width), ...)) with distinct names and positive "
-             "widths that add up to the coefficient's last axis")
+PARTS_FIX = ("declare Selection(space, parts=((name, width), ...)) with distinct names and "
+             "positive widths that add up to the coefficient's last axis")
 
 
 def _describe(parts: Sequence[tuple[str, int]]) -> str:
@@ -308,7 +308,7 @@ def _describe(parts: Sequence[tuple[str, int]]) -> str:
 def declared(site: Site) -> tuple[tuple[str, int], ...]:
     """A site's parts as a tuple of ``(name, width)`` pairs (lists accepted), checked:
     distinct non-empty names, positive integer widths."""
-    parts = site.parts
+    parts = site.selection.parts if site.selection is not None else ()
     pairs = tuple(tuple(p) for p in parts if isinstance(p, (tuple, list))) \
         if isinstance(parts, (tuple, list)) else None
     well_formed = pairs is not None and len(pairs) == len(parts) and all(
@@ -320,15 +320,18 @@ def declared(site: Site) -> tuple[tuple[str, int], ...]:
     return tuple((str(name), int(width)) for name, width in pairs)
 
 
+def space(site: Site) -> str | None:
+    """The space a selection parameter's values are in; None for any other site."""
+    return site.selection.space if site.selection is not None else None
+
+
 def _check_declared(site: Site) -> tuple[tuple[str, int], ...]:
-    """The site's parts (:func:`declared`); ``selection`` must be None or name a space."""
-    parts = declared(site)
-    if site.selection is not None and not (isinstance(site.selection, str)
-                                           and site.selection.strip()):
-        raise ModelError(f"site {site.name}: selection={site.selection!r} must name the space "
-                         "the selection parameter's values are in (e.g. \"dt before softplus\"),"
-                         " or be None for a controller that is no selection parameter",
-                         site=site.name)
+    """The site's parts (:func:`declared`); a selection's space must be named."""
+    parts, named = declared(site), space(site)
+    if site.selection is not None and not (isinstance(named, str) and named.strip()):
+        raise ModelError(f"site {site.name}: Selection.space={named!r} must name the "
+                         "space the selection parameter's values are in (e.g. \"dt before "
+                         "softplus\")", site=site.name)
     return parts
 
 
@@ -344,8 +347,8 @@ def check_parts(sites: Sequence[Site], coefficients: Mapping[str, Tensor]) -> No
             raise ModelError(
                 f"sites {head.name} and {site.name} of family {site.family} declare other "
                 f"coefficients (parts {_describe(head_parts) or 'none'} vs "
-                f"{_describe(parts) or 'none'}; selection {head.selection!r} vs "
-                f"{site.selection!r}); give every site of a family the same parts and "
+                f"{_describe(parts) or 'none'}; selection {space(head)!r} vs "
+                f"{space(site)!r}); give every site of a family the same parts and "
                 "selection, or put them in families of their own", site=site.name)
         if not parts or site.name not in coefficients:
             continue
@@ -371,7 +374,7 @@ def coefficients_of(members: Sequence[Site]) -> dict[str, slice] | None:
     """A family's named coefficients and their channels: its declared parts; a selection
     family without parts, one coefficient named by its family; None for any other."""
     head = members[0]
-    if head.parts:
+    if declared(head):
         return channels(declared(head))
     return {head.family: slice(None)} if head.selection is not None else None
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fcaudit.core.contract import ExpertLayer, Site
+from fcaudit.core.contract import Exit, ExpertLayer, Site
 from fcaudit.core.discovery import declared_experts, declared_sites, transformers_layer_stack
 from fcaudit.core.errors import ModelError, UsageError, arg
 from fcaudit.core.exits import MASKED, Confidence, ExitHead, Halt
@@ -51,7 +51,6 @@ from fcaudit.core.hooks import hooks
 from fcaudit.io.loading import LoadedModel
 
 KIND = "hf-early-exit"  # LoadedModel.kind (audit.json model.kind) of a wrapped folder
-EXIT_SCORE = (0.0, 1.0)  # (continue, exit) of a probability read by `score >= threshold`
 FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f")
 HEADS_NOTE = ("this Hugging Face model was not trained for early exit (LayerSkip's layer "
               "dropout and early-exit loss): its intermediate layers read through the final "
@@ -147,7 +146,7 @@ def own_head(model: nn.Module, layers: list[str]) -> tuple[nn.Module, Transform]
                      f"({', '.join(n for n, _ in transforms)}), checked on a {PROBE_TOKENS}-"
                      "token probe: its exit heads would not read what it predicts, so it "
                      "cannot be read the LayerSkip way; declare its exit sites yourself "
-                     "(Site(exit=...), docs/method.md)")
+                     "(Site(role=Exit(...)), docs/method.md)")
 
 
 class EarlyExitLM(nn.Module):
@@ -206,7 +205,7 @@ class EarlyExitLM(nn.Module):
         """The exit scores first, then the wrapped model's own sites (a hybrid's routers
         and selection sites), each under ``model.``."""
         exits = [Site(name=f"scores.{i}", path=f"scores.{i}", family="exit", layer=i,
-                      axes=("example", "token"), positions=(1,), exit=EXIT_SCORE)
+                      axes=("example", "token"), positions=(1,), role=Exit())
                  for i in range(len(self.scores))]
         return exits + [dataclasses.replace(s, name=f"model.{s.name}", path=f"model.{s.path}")
                         for s in declared_sites(self.model) or ()]
@@ -244,6 +243,6 @@ def with_early_exit(loaded: LoadedModel, threshold: float) -> LoadedModel:
         raise UsageError(f"{arg('early_exit')} wraps a Hugging Face causal LM (a transformers "
                          f"model, e.g. a folder given by path); {loaded.spec} is a "
                          f"{type(model).__name__}: give its own exit sites instead "
-                         "(Site(exit=...), docs/method.md)", option="early_exit")
+                         "(Site(role=Exit(...)), docs/method.md)", option="early_exit")
     wrapped = EarlyExitLM(model, threshold).eval()
     return dataclasses.replace(loaded, model=wrapped, kind=KIND)

@@ -37,12 +37,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fcaudit.core.contract import Site
+from fcaudit.core.contract import Exit, Site
 from fcaudit.core.errors import FcauditError
-from fcaudit.core.exits import Confidence, Halt
+from fcaudit.core.exits import Confidence, ExitHead, Halt
 from fcaudit.models.condconv import CNN, CNNConfig, ConvLayer
-
-EXIT_SCORE = (0.0, 1.0)  # (continue, exit) of a probability read by `score >= threshold`
 
 
 @dataclass(frozen=True)
@@ -71,26 +69,6 @@ class BranchyConfig(CNNConfig):
 PRESETS: dict[str, BranchyConfig] = {"tiny": BranchyConfig()}
 
 
-class ExitHead(nn.Module):
-    """A linear classifier over the flattened feature map, as ``[B, 1, classes]``."""
-
-    def __init__(self, features: int, classes: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(features, classes)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.proj(h.flatten(1)).unsqueeze(1)
-
-
-class RowConfidence(Confidence):
-    """The controller site: ``[B, 1]`` confidence of the running examples' head (``logits
-    [N, 1, C]``, rows ``rows`` of the batch); the others keep ``last``."""
-
-    def forward(self, logits: torch.Tensor, rows: torch.Tensor,  # type: ignore[override]
-                last: torch.Tensor) -> torch.Tensor:
-        return last.index_put((rows,), super().forward(logits[:, 0]).to(last.dtype))
-
-
 class BranchyCNN(nn.Module):
     """``images [B, C, H, W] -> logits [B, classes]``; each example's from its exit head."""
 
@@ -103,10 +81,10 @@ class BranchyCNN(nn.Module):
         self.layers = nn.ModuleList(
             ConvLayer(c_in, c_out, s, cfg)
             for c_in, c_out, s in zip(ins, cfg.widths, cfg.strides, strict=True))
-        self.heads = nn.ModuleList(ExitHead(w * s * s, cfg.num_classes)
+        self.heads = nn.ModuleList(ExitHead(nn.Linear(w * s * s, cfg.num_classes))
                                    for w, s in zip(cfg.widths, cfg.sizes(), strict=True))
         L = len(self.layers)
-        self.scores = nn.ModuleList(RowConfidence() for _ in range(L - 1))
+        self.scores = nn.ModuleList(Confidence() for _ in range(L - 1))
         self.halts = nn.ModuleList(Halt(cfg.exit_threshold) for _ in range(L - 1))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -123,7 +101,7 @@ class BranchyCNN(nn.Module):
             if i == L - 1:
                 logits[rows] = out[:, 0]
                 break
-            conf = self.scores[i](out, rows, conf)
+            conf = self.scores[i](out[:, 0], rows, conf)
             stop = self.halts[i](conf)[rows, 0]  # the running examples that stop here
             logits[rows[stop]] = out[stop, 0]
             rows, h = rows[~stop], h[~stop]
@@ -154,7 +132,7 @@ class BranchyCNN(nn.Module):
 
     def controller_sites(self) -> list[Site]:
         return [Site(name=f"layers.{i}.score", path=f"scores.{i}", family="exit", layer=i,
-                     axes=("example",), positions=(), exit=EXIT_SCORE)
+                     axes=("example",), positions=(), role=Exit())
                 for i in range(len(self.scores))]
 
     def execution_blocks(self) -> list[str]:

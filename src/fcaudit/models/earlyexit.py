@@ -40,14 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fcaudit.core.contract import Site
+from fcaudit.core.contract import Exit, Site
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.exits import ExitHead, Halt
 from fcaudit.models.featuregate import GPT, Gate, GPTConfig, Update
 from fcaudit.models.featuregate import PRESETS as GPT_PRESETS
 from fcaudit.models.skipgate import Route
-
-EXIT_SCORE = (0.0, 1.0)  # (continue, exit) of a sigmoid score read by `score >= threshold`
 
 
 @dataclass(frozen=True)
@@ -177,7 +175,7 @@ class EarlyExitGPT(GPT):
 
     def controller_sites(self) -> list[Site]:
         return [Site(name=f"blocks.{i}.score", path=f"blocks.{i}.score", family="exit",
-                     layer=i, axes=("example", "token"), positions=(1,), exit=EXIT_SCORE)
+                     layer=i, axes=("example", "token"), positions=(1,), role=Exit())
                 for i, b in enumerate(self.blocks) if b.score is not None]
 
     def execution_blocks(self) -> list[str]:

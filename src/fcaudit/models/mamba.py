@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fcaudit.core.contract import Site
+from fcaudit.core.contract import Selection, Site
 from fcaudit.core.errors import FcauditError, check_sizes
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT
 
@@ -307,7 +307,7 @@ class Mamba(SSMNet):
     def controller_sites(self) -> list[Site]:
         return [Site(name=f"layers.{i}.{family}", path=f"layers.{i}.mixer.{module}",
                      family=family, layer=i, axes=TOKEN_AXES, positions=TOKEN_LAYOUT,
-                     selection=space)
+                     role=Selection(space))
                 for family, module, space in SELECTION for i in range(len(self.layers))]
 
     def dense_counterpart(self) -> nn.Module:

@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fcaudit.core.contract import Site
+from fcaudit.core.contract import Exit, Site
 from fcaudit.core.errors import FcauditError, check_sizes
 from fcaudit.core.exits import ExitHead
-from fcaudit.models.earlyexit import EXIT_SCORE, RoutedKVUpdate
+from fcaudit.models.earlyexit import RoutedKVUpdate
 from fcaudit.models.featuregate import GPT, Gate, GPTConfig, Update
 from fcaudit.models.skipgate import Route
 
@@ -181,7 +181,7 @@ class PonderGPT(nn.Module):
 
     def controller_sites(self) -> list[Site]:
         return [Site(name=f"steps.{n}.score", path=f"steps.{n}.score", family="halting",
-                     layer=n, axes=("example", "token"), positions=(1,), exit=EXIT_SCORE)
+                     layer=n, axes=("example", "token"), positions=(1,), role=Exit())
                 for n, s in enumerate(self.steps) if s.score is not None]
 
     def execution_blocks(self) -> list[str]:

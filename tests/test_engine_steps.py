@@ -284,3 +284,30 @@ def test_the_data_are_hashed_once_and_the_corpus_read_once(
     tok = train_tokenizer([Document("text", "to be or not to be " * 50)], 300)
     resolve_data(tok, DataSpec(max_eval=4, max_calib=4), 32)
     assert reads == [1]
+
+
+def test_the_extra_runs_plans_are_decided_once_per_audit(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The expert ablation's and the savings frontier's plans come from the probe once
+    and travel with it to the cost said before the work and to the measurement."""
+    from fcaudit.engine import run as run_mod
+    from fcaudit.models.moe import MoEConfig, MoEGPT
+    calls: dict[str, int] = {"ablation": 0, "frontier": 0}
+
+    def counted(name: str, real: Any) -> Any:
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            calls[name] += 1
+            return real(*args, **kw)
+        return wrapper
+
+    monkeypatch.setattr(run_mod, "ablation_plan", counted("ablation", run_mod.ablation_plan))
+    monkeypatch.setattr(run_mod, "frontier_plan", counted("frontier", run_mod.frontier_plan))
+    torch.manual_seed(0)
+    model = MoEGPT(MoEConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16,
+                             num_experts=4, top_k=2))
+    result = api_audit(model, tmp_path / "a", data=toy_data(), report=False,
+                       options=dataclasses.replace(FAST, frontier=True, expert_ablation=True,
+                                                   execution=True, timing_pairs=0))
+    assert calls == {"ablation": 1, "frontier": 1}
+    assert result.settings["expert_ablation_runs"] == 2 * 4  # two routers of four experts
+    assert result.settings["frontier_runs"] > 0

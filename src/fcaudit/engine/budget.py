@@ -31,7 +31,7 @@ from fcaudit.engine.frontier import GATE, Covered, most_points
 from fcaudit.engine.options import Prepared, Progress, say
 from fcaudit.engine.plan import ExpertAblation, OneSite, plan_runs
 from fcaudit.engine.prepare import not_measured
-from fcaudit.engine.probe import Probe, ablation_plan, first_batch
+from fcaudit.engine.probe import Probe, first_batch
 from fcaudit.engine.stages import calibration_shard, eval_shard
 
 TIMING_WARMUP = 2  # passes of each model before the timed pairs (engine/execution.py)
@@ -112,16 +112,15 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def audit_plan(setup: Prepared, first: Probe, covered: Sequence[Covered]) -> AuditPlan:
+def audit_plan(setup: Prepared, first: Probe) -> AuditPlan:
     """Every pass the audit will make, counted from what is known after the probe."""
     opts, inputs = setup.options, setup.inputs
     size = opts.batch_size
     n_eval, n_calib = -(-inputs.n_eval // size), -(-inputs.n_calib // size)
-    record_s, replay_s = _warm(first), first.replay_s
+    record_s, replay_s, covered = _warm(first), first.replay_s, first.covered
     skipped = setup.not_applicable
     runs = plan_runs(setup.sites, opts, setup.conditions, setup.interventions,
-                     ablation_plan(setup, first), (),
-                     skipped, ()) + analysis_runs(setup, first)
+                     first.ablated, (), skipped, ()) + analysis_runs(setup, first)
     per_layer = sum(isinstance(r.target, OneSite) for r in runs)
     ablation = sum(isinstance(r.target, ExpertAblation) for r in runs)
     main = len(runs) - per_layer - ablation

@@ -28,7 +28,7 @@ from fcaudit.engine.budget import AuditPlan
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
 from fcaudit.engine.exits import ExitSummary, exit_frontier, exit_plan, exit_points, exit_summary
 from fcaudit.engine.frontier import Covered, FrontierPoint, frontier_summary
-from fcaudit.engine.frontier_plan import frontier_plan, frontier_points, frontier_units
+from fcaudit.engine.frontier_plan import frontier_points, frontier_units
 from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.options import Prepared, Progress, option_specs
 from fcaudit.engine.passes import Ranks
@@ -42,7 +42,7 @@ from fcaudit.engine.plan import (
     tracked_runs,
 )
 from fcaudit.engine.prepare import execute
-from fcaudit.engine.probe import Probe, ablation_plan
+from fcaudit.engine.probe import Probe
 from fcaudit.engine.result import (
     NONDETERMINISTIC_KEYS,
     SCHEMA,
@@ -120,10 +120,10 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     timings = {"record_s": time.perf_counter() - setup.started}
     inputs = _replay_inputs(setup, cache, profiles, first, progress)
     skipped = setup.not_applicable
-    covered, points = frontier_points(setup, cache, frontier_plan(setup, first), progress,
+    covered, points = frontier_points(setup, cache, first.covered, progress,
                                       ranks)
     runs = plan_runs(setup.sites, opts, setup.conditions, setup.interventions,
-                     ablation_plan(setup, first),
+                     first.ablated,
                      points, skipped, exit_points(inputs.exits)) + analysis_runs(setup, first)
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")

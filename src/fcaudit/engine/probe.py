@@ -10,7 +10,7 @@ expert ablations and the cache, and every rank must have computed them alike.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from fcaudit.core.digest import digest_tensors
 from fcaudit.core.errors import FcauditError, IdentityError, ModelError, arg
 from fcaudit.core.layout import check_family_positions
 from fcaudit.core.nll import device_of
+from fcaudit.engine.frontier import Covered
 from fcaudit.engine.inputs import resolve_block_paths
 from fcaudit.engine.objectives import check_targets
 from fcaudit.engine.options import Prepared
@@ -53,6 +54,10 @@ class Probe:
     hits: Tensor | None = None  # classification: 1 per correctly classified example
     record_s: float = 0.0  # the record pass of the first batch
     replay_s: float = 0.0  # its identity replay
+    # decided from it once (engine.run): the routers whose experts are ablated, with their
+    # expert counts, and the families the savings frontier covers
+    ablated: dict[Site, int] = field(default_factory=dict)
+    covered: tuple[Covered, ...] = ()
 
 
 def first_batch(setup: Prepared) -> Any:

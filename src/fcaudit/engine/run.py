@@ -112,9 +112,11 @@ def _audited(request: AuditRequest, progress: Progress) -> Iterator[Audited]:
         for line in setup.notes:
             say(progress, for_reader(line, cli=command is not None))
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
-    ablation_plan(setup, first)  # an impossible --expert-ablation stops before any file
-    covered = frontier_plan(setup, first)  # so does an impossible --frontier
-    plan = audit_plan(setup, first, covered)  # every pass and its time, said before the work
+    # the extra runs' plans, decided once: an impossible --expert-ablation or --frontier
+    # stops here, before any file
+    first = dataclasses.replace(first, ablated=ablation_plan(setup, first),
+                                covered=tuple(frontier_plan(setup, first)))
+    plan = audit_plan(setup, first)  # every pass and its time, said before the work
     if not ranks.main:
         _run(setup, open_cache(setup, setup.out / "cache", ranks), first, progress, command,
              ranks)

@@ -461,3 +461,27 @@ def test_moe_execution_keys_have_one_meaning_and_agree_with_the_verdict(top_k: i
     assert "no dense counterpart to compare with" in verdict
     raw = ex.experts.__dict__
     assert "experts_per_token" not in raw and "num_experts" not in raw
+
+
+def test_the_execution_section_is_measured_or_not_measured_never_half(tmp_path) -> None:
+    """An audit that measures no execution holds a NotMeasured (its reason, nothing else),
+    written as {measured: false, reason} and read back as one; a measured section needs
+    its blocks, and one that lacks them is refused naming the field."""
+    import toys
+    from conftest import FAST, toy_data
+
+    import fcaudit
+    from fcaudit.engine.result import AuditResult, NotMeasured
+    from fcaudit.io.typedjson import SchemaError
+    result = fcaudit.audit(toys.content_model(), tmp_path / "a", sites=["gates.*"],
+                           data=toy_data(), options=FAST, report=False)
+    assert isinstance(result.execution, NotMeasured) and not result.execution.measured
+    written = json.loads((tmp_path / "a" / "audit.json").read_text())
+    assert written["execution"] == {"measured": False, "reason": result.execution.reason}
+    back = AuditResult.from_json(written)
+    assert isinstance(back.execution, NotMeasured) and back.execution == result.execution
+    assert not hasattr(back.execution, "flops_ratio")  # nothing a measurement would hold
+    half = {**written, "execution": {"measured": True, "blocks_present": 4}}
+    with pytest.raises(Exception, match=r"execution\.blocks_executed is missing") as caught:
+        AuditResult.from_json(half)
+    assert isinstance(caught.value, (SchemaError, FcauditError))

@@ -30,7 +30,7 @@ from fcaudit.engine.frontier_parts import (
     FrontierPointResult,
 )
 from fcaudit.engine.metrics import Bootstrap, penalty
-from fcaudit.engine.result_parts import Estimate, Execution
+from fcaudit.engine.result_parts import Estimate, ExecutionSection
 
 GATE, ROUTER = "gate", "router"
 # the static rules named after the conditions whose profiles they threshold
@@ -289,7 +289,7 @@ def own_point(fam: Covered) -> FrontierPoint | None:
 
 # ---- the summary: curves in FLOPs, matched comparisons, the area between curves ----
 
-def unit_flops(fam: Covered, execution: Execution) -> tuple[list[float], float, str] | str:
+def unit_flops(fam: Covered, execution: ExecutionSection) -> tuple[list[float], float, str] | str:
     """FLOPs per skipped unit of each layer, the denominator and where they come from; or
     why the execution audit gives none."""
     if not execution.measured:
@@ -360,7 +360,7 @@ def estimate(values: np.ndarray | None, boot: Bootstrap) -> Estimate | None:
 
 def summarize_family(fam: Covered, points: Sequence[FrontierPoint],
                      per_seq: Mapping[str, np.ndarray], correct: np.ndarray,
-                     units: Mapping[str, np.ndarray], tokens: int, execution: Execution,
+                     units: Mapping[str, np.ndarray], tokens: int, execution: ExecutionSection,
                      boot: Bootstrap) -> FrontierFamily:
     """One family's curves (``units[key]``: skipped units per layer summed over evaluation;
     ``tokens``: evaluation tokens per layer)."""
@@ -433,7 +433,7 @@ def _sentence(head: FrontierMatch, best: str | None, curves: Mapping[str, Curve]
 
 
 def skip_check(fam: Covered, result: FrontierFamily, points: Sequence[FrontierPoint],
-               per_seq: Mapping[str, np.ndarray], correct: np.ndarray, execution: Execution,
+               per_seq: Mapping[str, np.ndarray], correct: np.ndarray, execution: ExecutionSection,
                boot: Bootstrap) -> FrontierCheck | None:
     """For a model that really skips gated blocks: the dynamic rule at its own thresholds
     (the point that zeroes exactly the gates whose blocks it skipped) must cost nothing
@@ -463,7 +463,7 @@ def skip_check(fam: Covered, result: FrontierFamily, points: Sequence[FrontierPo
 
 def frontier_summary(covered: Sequence[Covered], points: Sequence[FrontierPoint],
                      per_seq: Mapping[str, np.ndarray], correct: np.ndarray,
-                     units: Mapping[str, np.ndarray], tokens: int, execution: Execution,
+                     units: Mapping[str, np.ndarray], tokens: int, execution: ExecutionSection,
                      boot: Bootstrap) -> dict[str, FrontierFamily]:
     """Every covered family's frontier, with the skip check where the model skips."""
     out = {}

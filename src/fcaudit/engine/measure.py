@@ -48,12 +48,13 @@ from fcaudit.engine.result import (
     SCHEMA,
     TIMED_VERDICT_KEY,
     AuditResult,
-    Execution,
+    ExecutionSection,
     Identity,
     ModelInfo,
     Runtime,
     Seeds,
     SiteInfo,
+    Timing,
     Verdict,
 )
 from fcaudit.engine.stages import (
@@ -245,7 +246,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
         settings=_settings(m, execution), versions=versions(), command=command,
         analyses=m.analyses or None,
         nondeterministic_keys=[*NONDETERMINISTIC_KEYS, *([TIMED_VERDICT_KEY]
-                                                        if execution.timing is not None
+                                                        if _timing(execution) is not None
                                                         else [])],
         runtime=_runtime(m, cache, ranks, timings, rounds, plan),
         identity=None if identity.exact and not identity.allowed_nonexact else identity,
@@ -254,7 +255,12 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
         **_extras(m, cache, execution))
 
 
-def _verdict(m: Measurements, execution: Execution) -> tuple[Verdict, dict[str, Any]]:
+def _timing(execution: ExecutionSection) -> Timing | None:
+    return execution.timing if execution.measured else None
+
+
+def _verdict(m: Measurements, execution: ExecutionSection
+             ) -> tuple[Verdict, dict[str, Any]]:
     """The verdict and the numbers each of its answers rests on."""
     setup = m.setup
     kinds = {s.family: setup.kinds[s.name] for s in setup.sites if s.name in setup.kinds}
@@ -263,7 +269,7 @@ def _verdict(m: Measurements, execution: Execution) -> tuple[Verdict, dict[str, 
                  m.exits, loss_name(setup.objective.name), kinds)
 
 
-def _settings(m: Measurements, execution: Execution) -> dict[str, Any]:
+def _settings(m: Measurements, execution: ExecutionSection) -> dict[str, Any]:
     """The options and facts that change numbers, each at the value the audit ran with
     (an option another one switched off reads as off: None, or 0 timing pairs); how the
     audit is shown, scheduled, stopped or placed changes none: recorded elsewhere
@@ -276,7 +282,7 @@ def _settings(m: Measurements, execution: Execution) -> dict[str, Any]:
             "bootstrap_resamples": opts.bootstrap,
             "calibration_sequences_used_for_static": setup.inputs.n_calib,
             "objective": setup.objective.name,
-            "timing_pairs": execution.timing.pairs if execution.timing is not None else 0,
+            "timing_pairs": t.pairs if (t := _timing(execution)) is not None else 0,
             "expert_ablation": bool(ablation_runs(m.runs)),
             "frontier": bool(m.covered),
             "frontier_points": opts.frontier_points if m.covered else None,
@@ -300,7 +306,8 @@ def _runtime(m: Measurements, cache: CoefficientCache, ranks: Ranks,
                    plan=plan.to_json() if plan is not None else None)
 
 
-def _extras(m: Measurements, cache: CoefficientCache, execution: Execution) -> dict[str, Any]:
+def _extras(m: Measurements, cache: CoefficientCache,
+            execution: ExecutionSection) -> dict[str, Any]:
     """The sections only some audits have: expert importance (expert ablation), the
     conditions not applicable, the savings frontier."""
     setup, runs, replays, opts = m.setup, m.runs, m.replays, m.setup.options

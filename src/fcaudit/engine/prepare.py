@@ -63,7 +63,7 @@ from fcaudit.engine.options import AuditOptions, Prepared, SeedPlan, asked, chec
 from fcaudit.engine.passes import Ranks, batch_shape, current
 from fcaudit.engine.plan import routing_sites
 from fcaudit.engine.probe import first_batch
-from fcaudit.engine.result import Execution
+from fcaudit.engine.result import ExecutionSection, NotMeasured
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.examples import OTHER_INPUTS, ExampleBatch, Examples, call_model
 from fcaudit.io.hf_exit import HEADS_NOTE, KIND, with_early_exit
@@ -230,7 +230,7 @@ def not_measured(setup: Prepared) -> str | None:
     return "the model does not declare its blocks: pass --blocks GLOB (e.g. 'layers.*')"
 
 
-def execute(setup: Prepared, degenerate: str | None = None) -> Execution:
+def execute(setup: Prepared, degenerate: str | None = None) -> ExecutionSection:
     """The execution section: counts, FLOPs and (with timing pairs) latency vs dense, or
     without a dense counterpart counts and FLOPs on the model alone, with what a twin
     would be; for a routed model, the experts that ran. ``degenerate``: the exit rule's
@@ -240,7 +240,7 @@ def execute(setup: Prepared, degenerate: str | None = None) -> Execution:
     opts = setup.options
     reason = not_measured(setup)
     if reason is not None:
-        return Execution(measured=False, reason=reason)
+        return NotMeasured(reason)
     experts = declared_experts(setup.model) or []
     dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) \
         if setup.dense is not None else []

@@ -52,6 +52,7 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     DataSummary,
     Estimate,
     Execution,
+    ExecutionSection,
     ExpertExecution,
     ExpertImportance,
     Identity,
@@ -62,6 +63,7 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     LayerRouting,
     LayerVariation,
     ModelInfo,
+    NotMeasured,
     Profile,
     Retention,
     RoutingSummary,
@@ -120,7 +122,7 @@ class AuditResult:
     variance: dict[str, VarianceShares]
     variation: dict[str, Variation]
     profiles: dict[str, Profile]
-    execution: Execution
+    execution: ExecutionSection
     verdict: Verdict
     seeds: Seeds
     settings: dict[str, Any]
@@ -290,10 +292,9 @@ def _json_name(f: dataclasses.Field) -> str:
 def dump(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {}
-        omitted = value.omitted() if hasattr(value, "omitted") else set()
         for f in dataclasses.fields(value):
             item = getattr(value, f.name)
-            if f.name in omitted or (item is None and f.metadata.get("omit_none")):
+            if item is None and f.metadata.get("omit_none"):
                 continue
             out[_json_name(f)] = dump(item)
         return out

@@ -4,7 +4,6 @@ result.AuditResult` nests, one per section. Their fields are the schema; import 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypedDict
 
@@ -247,15 +246,23 @@ class ExpertExecution:
 
 
 @dataclass
-class Execution:
-    """The execution section (docs/method.md, Execution); when ``measured`` is false only
-    ``reason`` is set."""
+class NotMeasured:
+    """The execution section of an audit that measured none: why (docs/method.md,
+    Execution). ``measured`` is always false: the key readers tell the two kinds by."""
 
-    measured: bool
-    reason: str | None = _omit_none()
+    reason: str
+    measured: bool = False
+
+
+@dataclass
+class Execution:
+    """The execution section as measured (docs/method.md, Execution): the blocks that ran,
+    always; FLOPs, timing, experts and positions where they were counted."""
+
+    measured: bool  # always true (see NotMeasured)
+    blocks_executed: float
+    blocks_present: int
     dense: str | None = _omit_none()
-    blocks_executed: float | None = _omit_none()
-    blocks_present: int | None = _omit_none()
     executed_fraction: float | None = _omit_none()
     blocks_executed_per_layer: list[float] | None = _omit_none()
     blocks: list[str] | None = _omit_none()
@@ -299,11 +306,9 @@ class Execution:
     positions_per_block: list[float | None] | None = _omit_none()
     dense_positions_per_block: list[float | None] | None = _omit_none()
 
-    def omitted(self) -> set[str]:
-        """An unmeasured execution is written as ``{measured, reason}`` alone."""
-        if self.measured:
-            return set()
-        return {f.name for f in dataclasses.fields(self)} - {"measured", "reason"}
+
+# audit.json's execution section: measured, or not (with why)
+ExecutionSection = Execution | NotMeasured
 
 
 @dataclass

@@ -135,11 +135,12 @@ def _exit_metrics(r: AuditResult) -> dict[str, float | None]:
 
 def _execution_metrics(r: AuditResult) -> dict[str, float | None]:
     ex, out = r.execution, {}
-    if ex.measured:
-        out["blocks_executed_fraction"] = ex.blocks_executed / ex.blocks_present
-        out["flops_ratio"] = ex.flops_ratio
-        out["speed_ratio"] = ex.speed_ratio_vs_dense
-    if ex.measured and ex.positions_per_block and ex.dense_positions_per_block \
+    if not ex.measured:
+        return out
+    out["blocks_executed_fraction"] = ex.blocks_executed / ex.blocks_present
+    out["flops_ratio"] = ex.flops_ratio
+    out["speed_ratio"] = ex.speed_ratio_vs_dense
+    if ex.positions_per_block and ex.dense_positions_per_block \
             and None not in (*ex.positions_per_block, *ex.dense_positions_per_block):
         out["tokens_executed_fraction"] = sum(ex.positions_per_block) / \
             sum(ex.dense_positions_per_block)

@@ -37,6 +37,7 @@ from fcaudit.engine.result import (
     ConditionResult,
     Estimate,
     Execution,
+    ExecutionSection,
     ExpertExecution,
     Identity,
     Retention,
@@ -182,7 +183,7 @@ def dependence(conditions: Mapping[str, ConditionResult],
     return dependence_part(conditions, retention, across).sentence
 
 
-def execution_part(e: Execution, exits: ExitSummary | None = None) -> VerdictPart:
+def execution_part(e: ExecutionSection, exits: ExitSummary | None = None) -> VerdictPart:
     """The execution verdict, also when it was not measured (then with the reason); exits
     that are counted, not realised, read as the depth a model that skipped would run."""
     if not e.measured:
@@ -273,7 +274,7 @@ def kind_caveat(kinds: Mapping[str, str]) -> str:
 
 def judge(variance: Mapping[str, VarianceShares], spread: Mapping[str, Variation],
           conditions: Mapping[str, ConditionResult], retention: Mapping[str, Retention],
-          across: str, execution: Execution, identity: Identity | None,
+          across: str, execution: ExecutionSection, identity: Identity | None,
           exits: ExitSummary | None = None, loss: str = "NLL",
           kinds: Mapping[str, str] | None = None
           ) -> tuple[Verdict, dict[str, dict[str, float | None]]]:

@@ -89,12 +89,23 @@ def _union(options: tuple[Any, ...], data: Any, path: str) -> Any:
     options = tuple(o for o in options if o is not type(None))
     if len(options) == 1:
         return load(options[0], data, path)
+    failed = []
     for option in options:
         try:
             return load(option, data, path)
-        except SchemaError:
-            continue
+        except SchemaError as exc:
+            failed.append((option, exc))
+    # an object whose keys only one of the schemas holds (a measured execution section,
+    # or one not measured) is refused with that schema's own reason
+    fitting = [exc for option, exc in failed if isinstance(data, dict)
+               and dataclasses.is_dataclass(option) and set(data) <= _json_keys(option)]
+    if len(fitting) == 1:
+        raise fitting[0]
     raise SchemaError(path, f"is {_shown(data)}, which matches none of its types")
+
+
+def _json_keys(tp: Any) -> set[str]:
+    return {f.metadata.get("json", f.name) for f in dataclasses.fields(tp)}
 
 
 def _dataclass(tp: Any, data: Any, path: str) -> Any:

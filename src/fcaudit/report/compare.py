@@ -35,7 +35,7 @@ from fcaudit.core.conditions import (
     by_role,
 )
 from fcaudit.core.errors import UsageError, arg
-from fcaudit.engine.result import AuditResult, Retention, delta_key
+from fcaudit.engine.result import AuditResult, ExecutionSection, Retention, delta_key
 from fcaudit.engine.result_views import EXIT_MEAN_DEPTH, EXIT_THRESHOLD, NLL_CORRECT
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
 from fcaudit.io.outdir import COMPARE_RESULTS, check_output, hold_output
@@ -250,23 +250,32 @@ def _quantity_cell(kind: str, cell: Row | None) -> str:
 
 
 def _execution(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Row]:
-    rows = []
-    for label, r in zip(labels, results, strict=True):
-        ex = r.execution
-        ratio = ex.timing.speed_ratio_vs_dense if ex.timing is not None else None
-        rows.append({
-            "model": label, "measured": ex.measured, "reason": ex.reason,
-            "unit": ex.unit or "token",
-            "blocks_executed": ex.blocks_executed, "blocks_present": ex.blocks_present,
-            "executed_fraction": ex.executed_fraction, "flops_per_token": ex.flops_per_token,
-            "dense_flops_per_token": ex.dense_flops_per_token, "flops_ratio": ex.flops_ratio,
-            "speed_ratio_vs_dense": None if ratio is None else ratio.value,
-            "speed_ratio_ci95": None if ratio is None else ratio.ci95,
-            "conditional_execution": ex.conditional_execution,
-            "degenerate_rule": ex.degenerate_rule,
-            "experts_per_token": None if ex.experts is None else
-            ex.experts.experts_per_token_mean_over_layers})
-    return rows
+    return [_execution_row(label, r.execution) for label, r in zip(labels, results, strict=True)]
+
+
+EXECUTION_COLUMNS = ("blocks_executed", "blocks_present", "executed_fraction", "flops_per_token",
+                     "dense_flops_per_token", "flops_ratio", "speed_ratio_vs_dense",
+                     "speed_ratio_ci95", "conditional_execution", "degenerate_rule",
+                     "experts_per_token")
+
+
+def _execution_row(label: str, ex: ExecutionSection) -> Row:
+    """One model's execution row: the same columns whether measured or not (then empty)."""
+    if not ex.measured:
+        return {"model": label, "measured": False, "reason": ex.reason, "unit": "token",
+                **dict.fromkeys(EXECUTION_COLUMNS)}
+    ratio = ex.timing.speed_ratio_vs_dense if ex.timing is not None else None
+    return {
+        "model": label, "measured": True, "reason": None, "unit": ex.unit or "token",
+        "blocks_executed": ex.blocks_executed, "blocks_present": ex.blocks_present,
+        "executed_fraction": ex.executed_fraction, "flops_per_token": ex.flops_per_token,
+        "dense_flops_per_token": ex.dense_flops_per_token, "flops_ratio": ex.flops_ratio,
+        "speed_ratio_vs_dense": None if ratio is None else ratio.value,
+        "speed_ratio_ci95": None if ratio is None else ratio.ci95,
+        "conditional_execution": ex.conditional_execution,
+        "degenerate_rule": ex.degenerate_rule,
+        "experts_per_token": None if ex.experts is None else
+        ex.experts.experts_per_token_mean_over_layers}
 
 
 def _routing(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Row]:
@@ -316,7 +325,8 @@ def _per_layer(labels: Sequence[str], results: Sequence[AuditResult]
             for x in v.per_layer:
                 add("sd across inputs", name(label, fam), x.layer, x.sd_across_inputs)
                 add("sd across positions", name(label, fam), x.layer, x.sd_across_positions)
-        for k, share in enumerate(r.execution.blocks_executed_per_layer or ()):
+        shares = r.execution.blocks_executed_per_layer if r.execution.measured else None
+        for k, share in enumerate(shares or ()):
             add("blocks executed", label, k, share)
         for fam, summary in (r.routing or {}).items():
             for x in summary.per_layer:

@@ -30,7 +30,6 @@ def kind_facts(r: AuditResult) -> list[str]:
 def twin_facts(r: AuditResult) -> list[str]:
     """Without a dense counterpart: what one would be for these sites, or why none
     exists, and that the counts are the model's own."""
-    note = r.execution.twin_note
-    if not r.execution.measured or not note:
+    if not r.execution.measured or not (note := r.execution.twin_note):
         return []
     return [f"Blocks and FLOPs counted on the model alone: {md_text(note)}."]

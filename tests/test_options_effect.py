@@ -193,7 +193,7 @@ def measured(result: AuditResult) -> dict[str, Any]:
     many timing pairs were timed (deterministic)."""
     rest = {k: v for k, v in strip_nondeterministic(result.to_json()).items()
             if k != "settings"}
-    timing = result.execution.timing
+    timing = result.execution.timing if result.execution.measured else None
     return {**rest, "timing pairs": timing.pairs if timing is not None else 0}
 
 

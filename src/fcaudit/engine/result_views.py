@@ -25,7 +25,12 @@ from fcaudit.engine.analyses import analysis_metrics
 
 if TYPE_CHECKING:
     from fcaudit.engine.result import AuditResult
-    from fcaudit.engine.result_parts import ConditionResult, Estimate, Retention
+    from fcaudit.engine.result_parts import (
+        ConditionResult,
+        Estimate,
+        ExecutionSection,
+        Retention,
+    )
 
 ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
              "eta2_residual")
@@ -273,3 +278,24 @@ TABLES = {"conditions": condition_rows, "per_layer": _per_layer_rows,
            "retention": _retention_rows, "routing": _routing_rows, "experts": _expert_rows,
            FRONTIER: _frontier_rows,
           "metrics": _metric_rows}
+
+
+EXECUTION_COLUMNS = ("blocks_executed", "blocks_present", "executed_fraction", "flops_per_token",
+                     "dense_flops_per_token", "flops_ratio", "speed_ratio_vs_dense",
+                     "speed_ratio_ci95", "conditional_execution", "degenerate_rule",
+                     "experts_per_token")
+
+
+def execution_row(label: str, ex: ExecutionSection) -> dict[str, Any]:
+    """A model's execution as one row, the same columns whether measured or not (then
+    empty): ``fcaudit compare``'s execution table."""
+    if not ex.measured:
+        return {"model": label, "measured": False, "reason": ex.reason, "unit": "token",
+                **dict.fromkeys(EXECUTION_COLUMNS)}
+    ratio = ex.timing.speed_ratio_vs_dense if ex.timing is not None else None
+    return {"model": label, "measured": True, "reason": None, "unit": ex.unit or "token",
+            **dict(zip(EXECUTION_COLUMNS, (
+                ex.blocks_executed, ex.blocks_present, ex.executed_fraction, ex.flops_per_token,
+                ex.dense_flops_per_token, ex.flops_ratio, ratio and ratio.value,
+                ratio and ratio.ci95, ex.conditional_execution, ex.degenerate_rule,
+                ex.experts and ex.experts.experts_per_token_mean_over_layers), strict=True))}

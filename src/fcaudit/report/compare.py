@@ -35,8 +35,13 @@ from fcaudit.core.conditions import (
     by_role,
 )
 from fcaudit.core.errors import UsageError, arg
-from fcaudit.engine.result import AuditResult, ExecutionSection, Retention, delta_key
-from fcaudit.engine.result_views import EXIT_MEAN_DEPTH, EXIT_THRESHOLD, NLL_CORRECT
+from fcaudit.engine.result import AuditResult, Retention, delta_key
+from fcaudit.engine.result_views import (
+    EXIT_MEAN_DEPTH,
+    EXIT_THRESHOLD,
+    NLL_CORRECT,
+    execution_row,
+)
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
 from fcaudit.io.outdir import COMPARE_RESULTS, check_output, hold_output
 from fcaudit.io.results import replacing_results
@@ -250,32 +255,7 @@ def _quantity_cell(kind: str, cell: Row | None) -> str:
 
 
 def _execution(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Row]:
-    return [_execution_row(label, r.execution) for label, r in zip(labels, results, strict=True)]
-
-
-EXECUTION_COLUMNS = ("blocks_executed", "blocks_present", "executed_fraction", "flops_per_token",
-                     "dense_flops_per_token", "flops_ratio", "speed_ratio_vs_dense",
-                     "speed_ratio_ci95", "conditional_execution", "degenerate_rule",
-                     "experts_per_token")
-
-
-def _execution_row(label: str, ex: ExecutionSection) -> Row:
-    """One model's execution row: the same columns whether measured or not (then empty)."""
-    if not ex.measured:
-        return {"model": label, "measured": False, "reason": ex.reason, "unit": "token",
-                **dict.fromkeys(EXECUTION_COLUMNS)}
-    ratio = ex.timing.speed_ratio_vs_dense if ex.timing is not None else None
-    return {
-        "model": label, "measured": True, "reason": None, "unit": ex.unit or "token",
-        "blocks_executed": ex.blocks_executed, "blocks_present": ex.blocks_present,
-        "executed_fraction": ex.executed_fraction, "flops_per_token": ex.flops_per_token,
-        "dense_flops_per_token": ex.dense_flops_per_token, "flops_ratio": ex.flops_ratio,
-        "speed_ratio_vs_dense": None if ratio is None else ratio.value,
-        "speed_ratio_ci95": None if ratio is None else ratio.ci95,
-        "conditional_execution": ex.conditional_execution,
-        "degenerate_rule": ex.degenerate_rule,
-        "experts_per_token": None if ex.experts is None else
-        ex.experts.experts_per_token_mean_over_layers}
+    return [execution_row(label, r.execution) for label, r in zip(labels, results, strict=True)]
 
 
 def _routing(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Row]:

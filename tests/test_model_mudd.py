@@ -175,7 +175,6 @@ def test_1p4b_config_from_official_json() -> None:
     raw = json.loads((FIXTURES / "muddpythia-1.4b-config.json").read_text())
     config = MuddConfig.from_hf(raw)
     assert config == PRESETS["1.4b"]
-    assert MuddConfig.from_hf(config.to_hf()) == config
     assert MuddConfig(**dataclasses.asdict(config)) == config  # how run folders store it
 
 

@@ -266,16 +266,6 @@ def drop_experts(logits: Tensor, keep: Tensor) -> Tensor:
 
 # ---- routing metrics (pure functions of top-k index tensors [..., k]) ----
 
-def expert_load(indices: Tensor, num_experts: int) -> Tensor:
-    """Fraction of token-slots (token x top-k rank) routed to each expert: ``[E]``,
-    float64, summing to 1."""
-    counts = torch.bincount(indices.reshape(-1).long(), minlength=num_experts)
-    if counts.numel() > num_experts:
-        raise FcauditError(f"expert index {int(indices.max())} is out of range for "
-                           f"{num_experts} experts")
-    return counts.double() / max(int(counts.sum()), 1)
-
-
 def load_entropy(load: Tensor) -> tuple[float, float]:
     """Entropy of an expert load distribution in nats, and divided by ``log E`` (1 is a
     perfectly balanced load, 0 a single expert; 0 log 0 counts as 0)."""

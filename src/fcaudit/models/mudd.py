@@ -168,18 +168,6 @@ class MuddConfig:
         except TypeError as exc:  # e.g. a null where a number belongs
             raise FcauditError(f"{variant} config.json has a malformed field: {exc}") from exc
 
-    def to_hf(self, torch_dtype: str = "float32") -> dict[str, Any]:
-        """The config.json dict the official code (and :meth:`from_hf`) reads."""
-        out = dataclasses.asdict(self)
-        del out["variant"]
-        if self.variant == "muddformer":
-            for key in _REQUIRED_PYTHIA:
-                del out[key]
-        return {**out, "head_dim": self.head_dim, "model_type": self.variant,
-                "torch_dtype": torch_dtype,
-                "architectures": ["MUDDPythia" if self.variant == "muddpythia" else "MUDDFormer"],
-                "tie_word_embeddings": False, "stack_hidden": False}
-
 
 PRESETS: dict[str, MuddConfig] = {
     # trains on a 2-core CPU in minutes; the trainer replaces vocab_size

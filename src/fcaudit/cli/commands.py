@@ -456,19 +456,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             WITH_ARGV[args.command](args, argv)
         else:
             COMMANDS[args.command](args)
-    except FcauditError as exc:
+    except (Exception, KeyboardInterrupt) as exc:
         if args.debug:
             raise
-        _say(f"fcaudit: error: {_one_line(exc.for_cli())}")
-        return 2
-    except KeyboardInterrupt:
-        if args.debug:
-            raise
-        _say(f"fcaudit: interrupted; {INTERRUPTED.get(args.command, 'nothing was lost')}")
-        return 130
-    except Exception as exc:  # not a known user error: still one line, traceback on --debug
-        if args.debug:
-            raise
+        if isinstance(exc, FcauditError):
+            _say(f"fcaudit: error: {_one_line(exc.for_cli())}")
+            return 2
+        if isinstance(exc, KeyboardInterrupt):
+            _say(f"fcaudit: interrupted; {INTERRUPTED.get(args.command, 'nothing was lost')}")
+            return 130
+        # not a known user error: still one line, traceback on --debug
         _say(f"fcaudit: error: unexpected {type(exc).__name__} ({_one_line(exc)}); this is a "
              "bug in fcaudit or in the model: rerun with --debug for the traceback and report it")
         return 1

@@ -254,7 +254,8 @@ def _add_audit(sub: Any) -> None:
     a.add_argument("--device", default="cpu",
                    help="cpu or cuda (default cpu, where identity replay is bitwise exact)")
     data = parser.add_argument_group(DATA_GROUP)
-    _add_audit_data(data)
+    for name, text in AUDIT_DATA.items():
+        data.add_argument("--" + name.replace("_", "-"), type=user_file, default=None, help=text)
     data.add_argument("--seq-len", type=int, default=None,
                       help="tokens per scored window (default: a run folder's training "
                            "length; a Hugging Face folder or other model: min(256, its "
@@ -273,25 +274,18 @@ def _add_audit(sub: Any) -> None:
 DATA_GROUP = "data (default: the built-in Shakespeare evaluation and calibration plays)"
 
 
-def _add_audit_data(p: Any) -> None:
-    """Where the evaluation and calibration data come from (text, token ids or arrays)."""
-    p.add_argument("--data", type=user_file, default=None,
-                   help="evaluation text file or folder of .txt")
-    p.add_argument("--calib-data", type=user_file, default=None,
-                   help="calibration text (default: first half of --data's windows)")
-    p.add_argument("--tokens", type=user_file, default=None,
-                   help="evaluation token ids, integer .npy [N, T]")
-    p.add_argument("--calib-tokens", type=user_file, default=None,
-                   help="calibration token ids .npy [N, T]")
-    p.add_argument("--inputs", type=user_file, default=None,
-                   help="evaluation inputs that are not token ids, a numeric .npy [N, ...] "
-                        "fed as model(x) (e.g. images [N, 1, 8, 8]); every row is used")
-    p.add_argument("--targets", type=user_file, default=None,
-                   help="evaluation targets .npy [N] (with --inputs; classification: ints)")
-    p.add_argument("--calib-inputs", type=user_file, default=None,
-                   help="calibration inputs .npy [N, ...] (with --inputs)")
-    p.add_argument("--calib-targets", type=user_file, default=None,
-                   help="calibration targets .npy [N] (optional; checked like --targets)")
+# where the evaluation and calibration data come from (text, token ids or arrays)
+AUDIT_DATA = {
+    "data": "evaluation text file or folder of .txt",
+    "calib_data": "calibration text (default: first half of --data's windows)",
+    "tokens": "evaluation token ids, integer .npy [N, T]",
+    "calib_tokens": "calibration token ids .npy [N, T]",
+    "inputs": "evaluation inputs that are not token ids, a numeric .npy [N, ...] fed as "
+              "model(x) (e.g. images [N, 1, 8, 8]); every row is used",
+    "targets": "evaluation targets .npy [N] (with --inputs; classification: ints)",
+    "calib_inputs": "calibration inputs .npy [N, ...] (with --inputs)",
+    "calib_targets": "calibration targets .npy [N] (optional; checked like --targets)",
+}
 
 
 def _add_compare(sub: Any) -> None:

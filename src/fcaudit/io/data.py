@@ -467,6 +467,18 @@ class DataSpec:
                              f"{TEXT} the built-in corpus is used with its own calibration "
                              "plays", option="calib_text")
 
+    def own_data_only(self, run: str, kind: str, where: str, items: str) -> None:
+        """A ``kind`` run audited on ``where`` evaluation and calibration ``items``: refuse
+        bad counts, and text or token options, which would be ignored."""
+        self.validate()
+        given = [name for name in ("text", "calib_text", "tokens", "calib_tokens", "seq_len")
+                 if getattr(self, name) is not None]
+        if given:
+            from fcaudit.io.examples import OTHER_INPUTS
+            raise UsageError(f"{run} is a {kind} run, audited on {where} evaluation and "
+                             f"calibration {items}: drop {', '.join(arg(n) for n in given)}, "
+                             f"or give other {items} as {OTHER_INPUTS}", option=given[0])
+
 
 def _from_tokens(spec: DataSpec) -> AuditData:
     ev = load_token_array(spec.tokens, "evaluation tokens")  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fcaudit.core.errors import DataError, UsageError, arg, install_extra
+from fcaudit.core.errors import DataError, install_extra
 from fcaudit.core.registry import refusal
 
 if TYPE_CHECKING:
@@ -84,12 +84,5 @@ def run_audit_data(spec: DataSpec | None, run: str,
     token options are refused, since they would be ignored."""
     from fcaudit.io.data import DataSpec
     spec = spec or DataSpec()
-    spec.validate()
-    given = [name for name in ("text", "calib_text", "tokens", "calib_tokens", "seq_len")
-             if getattr(spec, name) is not None]
-    if given:
-        from fcaudit.io.examples import OTHER_INPUTS
-        raise UsageError(f"{run} is a vision run, audited on the digits' evaluation and "
-                         f"calibration images: drop {', '.join(arg(n) for n in given)}, or "
-                         f"give other images as {OTHER_INPUTS}", option=given[0])
+    spec.own_data_only(run, "vision", "the digits'", "images")
     return audit_data(spec.max_eval, spec.max_calib, dtype)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fcaudit.core.errors import DataError, UsageError, arg
+from fcaudit.core.errors import DataError
 from fcaudit.core.registry import refusal
 
 if TYPE_CHECKING:
@@ -159,15 +159,7 @@ def run_audit_data(spec: DataSpec | None, run: str, record: Any,
     (an objective that scores token ids, asked for explicitly), without the answers."""
     from fcaudit.io.data import AuditData, DataSpec
     spec = spec or DataSpec()
-    spec.validate()
-    given = [name for name in ("text", "calib_text", "tokens", "calib_tokens", "seq_len")
-             if getattr(spec, name) is not None]
-    if given:
-        from fcaudit.io.examples import OTHER_INPUTS
-        raise UsageError(f"{run} is a selective-copying run, audited on its task's "
-                         "evaluation and calibration sequences: drop "
-                         f"{', '.join(arg(n) for n in given)}, or give other sequences as "
-                         f"{OTHER_INPUTS}", option=given[0])
+    spec.own_data_only(run, "selective-copying", "its task's", "sequences")
     task = from_record(record, run)
     n_eval, n_calib = (min(n or DEFAULT_EXAMPLES, POOL) for n in (spec.max_eval,
                                                                      spec.max_calib))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -43,30 +43,34 @@ from fcaudit.models.featuregate import PRESETS as GPT_PRESETS
 
 
 @dataclass(frozen=True)
-class MoEConfig(GPTConfig):
-    # ``gated`` is inherited and ignored: the routers are the controllers.
+class Experts:
+    """The expert fields of a routed config (the tiny MoE's, ViT-MoE's), after its base's;
+    the active experts' width must equal the ``twin``'s MLP width."""
+
+    if TYPE_CHECKING:
+        n_embd: int  # the base config's
+    twin: ClassVar[str] = "Dense"
     num_experts: int = 8
     top_k: int = 2
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss in training
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        check_experts(self, "Dense")
+        super().__post_init__()  # type: ignore[misc]  # the base config's checks
+        check_sizes(self, ("num_experts", "top_k"))
+        if not 1 <= self.top_k <= self.num_experts:
+            raise FcauditError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+        if 4 * self.n_embd % self.top_k:
+            raise FcauditError(f"4 * n_embd={4 * self.n_embd} must divide by top_k={self.top_k} "
+                               f"for the active experts to match the {self.twin} MLP's width")
 
     @property
     def expert_hidden(self) -> int:
         return 4 * self.n_embd // self.top_k
 
 
-def check_experts(cfg: MoEConfig | Any, twin: str) -> None:
-    """``num_experts`` / ``top_k`` sizes of a routed config (the tiny MoE's, ViT-MoE's):
-    the active experts' width must equal the ``twin``'s MLP width."""
-    check_sizes(cfg, ("num_experts", "top_k"))
-    if not 1 <= cfg.top_k <= cfg.num_experts:
-        raise FcauditError(f"top_k={cfg.top_k} must be in 1..num_experts={cfg.num_experts}")
-    if 4 * cfg.n_embd % cfg.top_k:
-        raise FcauditError(f"4 * n_embd={4 * cfg.n_embd} must divide by top_k={cfg.top_k} "
-                           f"for the active experts to match the {twin} MLP's width")
+@dataclass(frozen=True)
+class MoEConfig(Experts, GPTConfig):
+    """``gated`` is inherited and ignored: the routers are the controllers."""
 
 
 PRESETS: dict[str, MoEConfig] = {

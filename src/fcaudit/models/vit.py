@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fcaudit.core.errors import FcauditError, check_sizes
-from fcaudit.models.featuregate import MLP, CausalSelfAttention
+from fcaudit.models.featuregate import GPT, MLP, CausalSelfAttention
 
 
 @dataclass(frozen=True)
@@ -89,18 +89,11 @@ class ViT(nn.Module):
         self.blocks = nn.ModuleList(self.block_class(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.num_classes)
-        self.apply(self._init_weights)
+        self.apply(GPT._init_weights)  # no embeddings here: only the Linear layers'
         nn.init.normal_(self.pos, std=0.02)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))  # GPT-2 residual scaling
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
 
     def patches(self, images: torch.Tensor) -> torch.Tensor:
         """``[B, C, H, W] -> [B, P, C * p * p]``, patches in row-major order."""

@@ -18,24 +18,15 @@ this model without its routers. Training adds the load-balancing loss
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from fcaudit.models.moe import MoEBlock, Routed, check_experts
+from fcaudit.models.moe import Experts, MoEBlock, Routed
 from fcaudit.models.vit import Attention, ViT, ViTConfig
 
 
 @dataclass(frozen=True)
-class ViTMoEConfig(ViTConfig):
-    num_experts: int = 8
-    top_k: int = 2
-    aux_loss_coef: float = 0.01  # weight of the load-balancing loss in training
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_experts(self, "dense")
-
-    @property
-    def expert_hidden(self) -> int:
-        return 4 * self.n_embd // self.top_k
+class ViTMoEConfig(Experts, ViTConfig):
+    twin: ClassVar[str] = "dense"
 
 
 PRESETS: dict[str, ViTMoEConfig] = {"tiny": ViTMoEConfig()}

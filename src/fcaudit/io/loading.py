@@ -83,8 +83,12 @@ def _digest(parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _hash_files(folder: Path, files: list[Path]) -> dict[str, str]:
-    return {str(f.relative_to(folder)): sha256_file(f) for f in files}
+def _folder_model(folder: Path, model: nn.Module, kind: str, tokenizer: Tokenizer | None,
+                  read: list[Path], config: Any, **extra: Any) -> LoadedModel:
+    """A checkpoint folder's model, identified by its config and every file the loader read."""
+    files = {str(f.relative_to(folder)): sha256_file(f) for f in read}
+    return LoadedModel(model, str(folder), kind, tokenizer, None,
+                       _digest({"config": config, "files": files}), files, **extra)
 
 
 def _run_config(folder: Path) -> tuple[dict[str, Any], Arch, Any]:
@@ -105,7 +109,7 @@ def load_run(folder: Path, dtype: torch.dtype | None = None) -> LoadedModel:
     cfg, arch, model_config = _run_config(folder)
     weights = folder / "model.safetensors"
     found = header_shapes([weights])
-    files = _hash_files(folder, [folder / "config.json", weights])
+    files = {p.name: sha256_file(p) for p in (folder / "config.json", weights)}
     recorded = cfg.get("weights_sha256")  # absent in runs trained before it was recorded
     if recorded is not None and recorded != files[weights.name]:
         raise ModelError(f"{weights} has SHA-256 {files[weights.name][:12]}..., but "
@@ -124,26 +128,23 @@ def load_run(folder: Path, dtype: torch.dtype | None = None) -> LoadedModel:
 def _load_mudd(folder: Path, dtype: torch.dtype | None) -> LoadedModel:
     from fcaudit.io import mudd_checkpoint
     model = mudd_checkpoint.load_mudd_folder(folder, dtype=dtype)
-    files = _hash_files(folder, mudd_checkpoint.files_read(folder))
     config = read_json(folder / "config.json", "MUDD config")
-    return LoadedModel(model, str(folder), "hf-mudd", folder_tokenizer(folder), None,
-                       _digest({"config": config, "files": files}), files)
+    return _folder_model(folder, model, "hf-mudd", folder_tokenizer(folder),
+                         mudd_checkpoint.files_read(folder), config)
 
 
 def _load_hf(folder: Path, dtype: torch.dtype | None,
              placement: Placement | None = None) -> LoadedModel:
     from fcaudit.io import hf
+    config = read_json(folder / "config.json", "model config")  # garbled JSON: a clear error
     model, tokenizer, read = hf.load_hf_folder(folder, dtype=dtype, placement=placement)
-    files = _hash_files(folder, read)
-    config = read_json(folder / "config.json", "model config")
     placed = None
     if placement is not None:  # how many modules each device holds (disk: read per call)
         mapped = getattr(model, "hf_device_map", None) or {"": "cpu"}  # None: all fitted
         where = [str(d) for d in mapped.values()]
         placed = {**placement.describe(), "modules_per_device": {d: where.count(d)
                                                                  for d in sorted(set(where))}}
-    return LoadedModel(model, str(folder), "hf", tokenizer, None,
-                       _digest({"config": config, "files": files}), files, placement=placed)
+    return _folder_model(folder, model, "hf", tokenizer, read, config, placement=placed)
 
 
 def state_fingerprint(model: nn.Module) -> str:
@@ -275,7 +276,6 @@ def _load(spec: str, dtype: torch.dtype | None, placement: Placement | None) -> 
                          "factories load whole)", option="device_map")
     if path.is_dir():
         if placement is not None:
-            read_json(path / "config.json", "model config")
             return _load_hf(path, dtype, placement)
         if is_run_folder(path):
             return load_run(path, dtype)
@@ -283,7 +283,6 @@ def _load(spec: str, dtype: torch.dtype | None, placement: Placement | None) -> 
         if is_mudd_folder(path):
             return _load_mudd(path, dtype)
         if (path / "config.json").is_file():
-            read_json(path / "config.json", "model config")  # garbled JSON: clear error
             return _load_hf(path, dtype)
         raise ModelError(f"{path} has no config.json: it is neither an fcaudit run folder nor "
                          "a checkpoint folder in the Hugging Face layout; see "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -141,9 +142,7 @@ def weight_bytes(files: list[Path], itemsize: int | None = None) -> int:
         for key, entry in header.items():
             if key == "__metadata__":
                 continue
-            count = 1
-            for n in entry["shape"]:
-                count *= n
+            count = math.prod(entry["shape"])
             stored = _BYTES.get(entry["dtype"], 4)
             size = itemsize if itemsize and entry["dtype"].startswith(("F", "BF")) else stored
             total += count * size
@@ -249,29 +248,24 @@ def _claim(folder: Path) -> int | None:
     except OSError as exc:
         raise CacheError(f"cannot create {where} ({exc.strerror or exc}); check the path "
                          "and its permissions", folder=str(folder)) from exc
-    found = _listing(folder)
-    marker = folder / MARKER
+    found, marker = _listing(folder), folder / MARKER
+    state: dict[str, Any] = {}
     if marker.is_file():
-        try:
+        with contextlib.suppress(OSError, ValueError):
             state = json.loads(marker.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            state = {}
         if _alive(state.get("pid")):
             raise CacheError(f"{where} is in use by another fcaudit process (pid "
                              f"{state['pid']}); give each audit its own offload folder",
                              folder=str(folder))
-        ours = set(state.get("files", [])) if isinstance(state.get("files"), list) else set()
-        foreign = sorted(found - ours)
-        if foreign:
-            raise CacheError(f"{where} holds {len(foreign)} file(s) fcaudit did not write "
-                             f"(e.g. {foreign[0]}); fcaudit never deletes them: give an "
-                             "empty or new folder", folder=str(folder))
+    ours = set(state.get("files", [])) if isinstance(state.get("files"), list) else set()
+    foreign = sorted(found - ours)
+    if foreign:
+        raise CacheError(f"{where} holds {len(foreign)} file(s) fcaudit did not write "
+                         f"(e.g. {foreign[0]}); fcaudit never deletes them: give an "
+                         "empty or new folder", folder=str(folder))
+    if marker.is_file():
         created = _created(state)
         _remove(folder, ours & found)  # a previous run's, left by a crash
-    elif found:
-        raise CacheError(f"{where} holds {len(found)} file(s) fcaudit did not write (e.g. "
-                         f"{sorted(found)[0]}); fcaudit never deletes them: give an empty "
-                         "or new folder", folder=str(folder))
     _write_marker(folder, created, None)
     return created
 

@@ -73,10 +73,6 @@ def _move(folder: Path, moves: Sequence[tuple[str, str]]) -> None:
     save_recorded(folder, {k: v for k, v in recorded(folder).items() if k not in sources})
 
 
-def _aside(rel: str) -> str:
-    return f"{PREVIOUS}/{rel}"
-
-
 def _retired(folder: Path) -> list[str]:
     """fcaudit's unchanged files in ``.previous/``."""
     return owned_under(folder, [PREVIOUS], recorded(folder))
@@ -102,15 +98,7 @@ def retire_results(out: str | Path, results: Sequence[str] = AUDIT_RESULTS) -> N
             return
     held = owned_under(out, results, files)
     held.sort(key=lambda rel: rel != results[0])
-    _move(out, [(rel, _aside(rel)) for rel in held])
-
-
-def discard_retired_results(out: str | Path) -> None:
-    """Remove the retired results in ``out/.previous/`` once the new completion file is in
-    place (and ``.previous/`` itself if that empties it)."""
-    out = Path(out)
-    drop_owned(out, _retired(out))
-    prune_empty(out, out / PREVIOUS)
+    _move(out, [(rel, f"{PREVIOUS}/{rel}") for rel in held])
 
 
 def restore_retired_results(out: str | Path, results: Sequence[str] = AUDIT_RESULTS) -> None:
@@ -146,4 +134,5 @@ def replacing_results(out: str | Path,
     except BaseException:
         restore_retired_results(out, results)
         raise
-    discard_retired_results(out)
+    drop_owned(out, _retired(out))  # the new completion file is in place
+    prune_empty(out, out / PREVIOUS)

@@ -646,7 +646,8 @@ def corpus_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, o
 
 def test_a_deleted_or_edited_corpus_work_is_detected_and_fetched_again(
         corpus_cache: dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = data.corpus_dir()
+    data.corpus_texts()  # fetched and verified
+    folder = data._corpus_folder()
     assert corpus_cache["n"] == 1 and len(list(folder.glob("*_gut.txt"))) == 42
     texts = {p.name: p.read_bytes() for p in folder.glob("*_gut.txt")}
     (folder / "notes.txt").write_text("mine")

@@ -183,6 +183,11 @@ def adapter_name(adapter: Any, module: Any) -> str:
     return getattr(adapter, "name", type(adapter).__name__)
 
 
+def join_path(*parts: str) -> str:
+    """A module path from its parts, empty ones (the root's "") left out."""
+    return ".".join(p for p in parts if p)
+
+
 def same_bits(a: Any, b: Any) -> bool:
     """True when two outputs are bitwise identical: same structure, dtypes, shapes and bits
     (NaNs compare equal to themselves)."""

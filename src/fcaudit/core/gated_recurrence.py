@@ -29,7 +29,14 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from fcaudit.core.adapters import ADAPTER_API, TENSOR, SliceAdapter, describe, same_bits
+from fcaudit.core.adapters import (
+    ADAPTER_API,
+    TENSOR,
+    SliceAdapter,
+    describe,
+    join_path,
+    same_bits,
+)
 from fcaudit.core.contract import ControllerAdapter, Selection, Site, SiteCall
 from fcaudit.core.errors import FcauditError, ModelError
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT
@@ -253,10 +260,6 @@ class _Found:
     parts: tuple[tuple[str, int], ...] = ()
 
 
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
 def _linear(module: nn.Module, *names: str) -> bool:
     return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
 
@@ -270,14 +273,14 @@ def _gated_deltanet(path: str, module: nn.Module) -> list[_Found]:
         per = heads // groups
         betas = tuple((g * 2 * per, g * 2 * per + per) for g in range(groups))
         decays = tuple((g * 2 * per + per, (g + 1) * 2 * per) for g in range(groups))
-        return [_Found(_join(path, "in_proj_ba"), GATED_DELTANET, SliceAdapter(betas + decays),
+        return [_Found(join_path(path, "in_proj_ba"), GATED_DELTANET, SliceAdapter(betas + decays),
                        GATED_DELTANET_SPACE, (("beta", heads), ("decay", heads)))]
     if not isinstance(getattr(module, "A_log", None), nn.Parameter):
         return []
     for beta, decay in GDN_SPLIT:
         if _linear(module, beta, decay):
-            return [_Found(_join(path, beta), GDN_BETA, TENSOR, GDN_BETA_SPACE),
-                    _Found(_join(path, decay), GDN_DECAY, TENSOR, GDN_DECAY_SPACE)]
+            return [_Found(join_path(path, beta), GDN_BETA, TENSOR, GDN_BETA_SPACE),
+                    _Found(join_path(path, decay), GDN_DECAY, TENSOR, GDN_DECAY_SPACE)]
     return []
 
 
@@ -291,8 +294,8 @@ def _kimi_delta(path: str, module: nn.Module) -> list[_Found]:
     decay = next((n for n in ("f_b_proj", "f_proj") if _linear(gate, n)), None)
     if decay is None:
         return []
-    return [_Found(_join(path, "forget_gate", decay), KDA_DECAY, TENSOR, KDA_DECAY_SPACE),
-            _Found(_join(path, "b_proj"), KDA_BETA, TENSOR, KDA_BETA_SPACE)]
+    return [_Found(join_path(path, "forget_gate", decay), KDA_DECAY, TENSOR, KDA_DECAY_SPACE),
+            _Found(join_path(path, "b_proj"), KDA_BETA, TENSOR, KDA_BETA_SPACE)]
 
 
 def _rglru(path: str, module: nn.Module) -> list[_Found]:
@@ -311,13 +314,13 @@ def _mlstm(path: str, module: nn.Module) -> list[_Found]:
     """xLSTM's mLSTM layer: input and forget gate pre-activations, two modules
     (``weight_mode='single'``) or one fused ``ifgate_preact``."""
     if _linear(module, "igate_preact", "fgate_preact"):
-        return [_Found(_join(path, "igate_preact"), "mlstm_input_gate", TENSOR,
+        return [_Found(join_path(path, "igate_preact"), "mlstm_input_gate", TENSOR,
                        MLSTM_GATES_SPACE),
-                _Found(_join(path, "fgate_preact"), "mlstm_forget_gate", TENSOR,
+                _Found(join_path(path, "fgate_preact"), "mlstm_forget_gate", TENSOR,
                        MLSTM_GATES_SPACE)]
     if _linear(module, "ifgate_preact"):
         heads = module.ifgate_preact.out_features // 2
-        return [_Found(_join(path, "ifgate_preact"), "mlstm_gates", TENSOR, MLSTM_GATES_SPACE,
+        return [_Found(join_path(path, "ifgate_preact"), "mlstm_gates", TENSOR, MLSTM_GATES_SPACE,
                        (("input_gate", heads), ("forget_gate", heads)))]
     return []
 
@@ -327,8 +330,8 @@ def _rwkv_time_mix(path: str, module: nn.Module) -> list[_Found]:
     if not (isinstance(getattr(module, "time_decay", None), nn.Parameter)
             and _linear(module, "receptance", "key")):
         return []
-    return [_Found(_join(path, "receptance"), RWKV_RECEPTANCE, TENSOR, RWKV_RECEPTANCE_SPACE),
-            _Found(_join(path, "key"), RWKV_KEY, TENSOR, RWKV_KEY_SPACE)]
+    return [_Found(join_path(path, "receptance"), RWKV_RECEPTANCE, TENSOR, RWKV_RECEPTANCE_SPACE),
+            _Found(join_path(path, "key"), RWKV_KEY, TENSOR, RWKV_KEY_SPACE)]
 
 
 def _short_conv(path: str, module: nn.Module) -> list[_Found]:
@@ -339,7 +342,7 @@ def _short_conv(path: str, module: nn.Module) -> list[_Found]:
         return []
     width = conv.in_channels
     adapter = SliceAdapter(((0, width), (width, 2 * width)))
-    return [_Found(_join(path, "in_proj"), SHORT_CONV, adapter, SHORT_CONV_SPACE,
+    return [_Found(join_path(path, "in_proj"), SHORT_CONV, adapter, SHORT_CONV_SPACE,
                    (("B", width), ("C", width)))]
 
 

@@ -366,11 +366,6 @@ def shuffled_axes(sites: Sequence[Site]) -> str:
     return "tokens" if names in ([], ["token"]) else f"positions ({', '.join(names)})"
 
 
-def has_positions(sites: Sequence[Site]) -> bool:
-    """True when some site has a position axis (shuffle and per-position profiles apply)."""
-    return any(s.positions for s in sites)
-
-
 def keyed_by_token(sites: Sequence[Site]) -> bool:
     """True when every site has one coefficient set per token (positions on axis 1 of
     ``[B, T, ...]``): only then does each coefficient have a token id to be keyed by."""
@@ -382,7 +377,7 @@ def not_applicable(sites: Sequence[Site], token_ids: bool,
     """The conditions (default ones, and the opt-in ones in ``opted``) that cannot act on
     these sites and inputs (``token_ids``: the inputs are token ids), each with the reason
     in the sites' own axis names (reported as not applicable, never as a number)."""
-    positions = has_positions(sites)  # sites without one all have their axes named
+    positions = any(s.positions for s in sites)  # sites without one all have their axes named
     shapes = "" if positions else "; ".join(dict.fromkeys(f"[{', '.join(s.axes)}]"
                                                           for s in sites))
     exits = any(s.exit is not None for s in sites)

@@ -62,11 +62,6 @@ def token_nll(logits: Tensor, ids: Tensor) -> Tensor:
     return picked.view(batch, seq_len)[:, :-1].neg()
 
 
-def model_nll(model: nn.Module, ids: Tensor) -> Tensor:
-    """``token_nll`` of one forward pass of ``model`` on ``ids``."""
-    return token_nll(logits_of(model(ids)), ids)
-
-
 def device_of(model: nn.Module) -> torch.device:
     """Where the model's inputs go. A model dispatched by accelerate (``device_map``) keeps
     offloaded weights on the meta device and states its own execution device; otherwise
@@ -86,7 +81,7 @@ def mean_nll(model: nn.Module, windows: np.ndarray, batch_size: int = 32) -> flo
     total, count = 0.0, 0
     for i in range(0, len(windows), batch_size):
         ids = torch.from_numpy(windows[i:i + batch_size]).to(device)
-        nll = model_nll(model, ids)
+        nll = token_nll(logits_of(model(ids)), ids)
         total += float(nll.double().sum())
         count += nll.numel()
     return total / count

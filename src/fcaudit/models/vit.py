@@ -50,11 +50,6 @@ class ViTConfig:
 PRESETS: dict[str, ViTConfig] = {"tiny": ViTConfig()}
 
 
-def base_config(cfg: ViTConfig) -> ViTConfig:
-    """The plain ViT fields of a family's config: its dense twin's config."""
-    return ViTConfig(**{f.name: getattr(cfg, f.name) for f in fields(ViTConfig)})
-
-
 class Attention(CausalSelfAttention):
     """Multi-head self-attention over all tokens (no mask: a ViT sees the whole image)."""
 
@@ -119,4 +114,4 @@ class ViT(nn.Module):
 
     def dense_counterpart(self) -> ViT:
         """The plain ViT of the same size (for a subclass: its dense twin)."""
-        return ViT(base_config(self.config))
+        return ViT(ViTConfig(**{f.name: getattr(self.config, f.name) for f in fields(ViTConfig)}))

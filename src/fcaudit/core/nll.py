@@ -34,15 +34,10 @@ CHUNK_ELEMENTS_ACCELERATOR = 1 << 24
 def token_nll(logits: Tensor, ids: Tensor) -> Tensor:
     """Per-token next-token NLL ``[B, T-1]`` in float32 (positions 1..T-1).
 
-    Scores the logits as they lie, as a contiguous ``[B*T, V]`` view (the old transposed
-    cross-entropy copied all logits and reduced along a strided axis): per chunk of rows,
-    a float32 log-softmax into a reused buffer (bf16/fp16 logits are upcast into a
-    second one, chunk by chunk), then the target's entry. The last position of every
-    sequence has no next token: it is scored against a placeholder and dropped. A row's
-    value does not depend on the chunking, so the result is deterministic; it equals
-    ``F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:])`` to float32
-    rounding (tests/test_nll.py says how close). It scores into preallocated buffers, so
-    it is not differentiable: it measures, and training computes its own loss.
+    Chunks of rows of the contiguous ``[B*T, V]`` view get a float32 log-softmax in a
+    reused buffer (no copy of all logits); a row's value does not depend on the chunking,
+    and equals ``F.cross_entropy`` to float32 rounding (tests/test_nll.py). Not
+    differentiable: it measures, and training computes its own loss.
     """
     batch, seq_len, vocab = logits.shape
     rows = logits.reshape(batch * seq_len, vocab)  # a view when the logits are contiguous

@@ -62,25 +62,18 @@ def load_mudd_folder(path: str | Path, dtype: torch.dtype | None = None,
         raise ModelError(f"{folder}: {exc}") from exc
     dtype = dtype or _config_dtype(raw, folder)
     files = weight_files(folder)
-    if files[0].suffix == ".safetensors":
-        found = {k: v for k, v in header_shapes(files).items() if not _CACHE_KEY.search(k)}
-        check_depth(str(folder), found, config.n_layer)
-        expected = _expected_shapes(config)
-        check_keys(str(folder), found, expected)
-        state = dict(read_tensors(files, set(expected), dtype, device))
-    else:
-        state = dict(_bin_tensors(files, dtype, device))
-        check_depth(str(folder), {k: tuple(t.shape) for k, t in state.items()}, config.n_layer)
-        check_keys(str(folder), {k: tuple(t.shape) for k, t in state.items()},
-                   _expected_shapes(config))
+    # safetensors are checked from their header before reading; pickles once read
+    state = None if files[0].suffix == ".safetensors" else dict(_bin_tensors(files, dtype, device))
+    found = {k: v for k, v in header_shapes(files).items() if not _CACHE_KEY.search(k)} \
+        if state is None else {k: tuple(t.shape) for k, t in state.items()}
+    check_depth(str(folder), found, config.n_layer)
     with torch.device("meta"):
         model = MuddModel(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    check_keys(str(folder), found, expected)
+    if state is None:
+        state = dict(read_tensors(files, set(expected), dtype, device))
     return load_into(model, state).eval()
-
-
-def _expected_shapes(config: MuddConfig) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in MuddModel(config).state_dict().items()}
 
 
 def _config_dtype(raw: dict, folder: Path) -> torch.dtype:

@@ -45,8 +45,10 @@ def _data_spec(args: argparse.Namespace) -> Any:
                              option=flag)
     counts = {k: getattr(args, k) for k in ("max_eval", "max_calib")
               if getattr(args, k) is not None}  # else DataSpec's defaults
-    return DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
+    spec = DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
                     calib_tokens=args.calib_tokens, seq_len=args.seq_len, **counts)
+    spec.validate()
+    return spec
 
 
 def _array_data(args: argparse.Namespace) -> Any:
@@ -94,10 +96,7 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     options = audit_options(args)  # --objective unset: the data decide (engine/inputs.py)
     options.validate(given_options(args))  # every option before any file is read
     check_dense(args.dense, options)
-    spec = _data_spec(args)
-    from fcaudit.io.data import DataSpec
-    if isinstance(spec, DataSpec):
-        spec.validate()
+    spec = _data_spec(args)  # its counts and sources checked
     place = options.placement()
     if place is not None and args.device != "cpu":
         raise UsageError("--device-map places the weights itself: drop --device "

@@ -80,7 +80,7 @@ def index_files(index: Path) -> list[Path]:
     return shards
 
 
-def _names(keys: list[str], limit: int = 5) -> str:
+def _names(keys: list[str], limit: int) -> str:
     more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
     return ", ".join(keys[:limit]) + more
 
@@ -88,18 +88,13 @@ def _names(keys: list[str], limit: int = 5) -> str:
 def check_keys(source: str, found: Mapping[str, tuple[int, ...]],
                expected: Mapping[str, tuple[int, ...]]) -> None:
     """One-line error naming missing, unexpected and mis-shaped keys."""
-    missing = sorted(expected.keys() - found.keys())
-    unexpected = sorted(found.keys() - expected.keys())
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {_names(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_names(unexpected)}")
     wrong = [f"{k} {list(found[k])} (config expects {list(expected[k])})"
              for k in sorted(expected.keys() & found.keys())
              if tuple(found[k]) != tuple(expected[k])]
-    if wrong:
-        problems.append(f"wrong shapes: {_names(wrong, 3)}")
+    problems = [f"{what}: {_names(keys, limit)}" for what, keys, limit in (
+        ("missing keys", sorted(expected.keys() - found.keys()), 5),
+        ("unexpected keys", sorted(found.keys() - expected.keys()), 5),
+        ("wrong shapes", wrong, 3)) if keys]
     if problems:
         raise ModelError(f"weights in {source} do not fit its config.json ("
                          + "; ".join(problems) + "); the config and the weights come from "
@@ -119,15 +114,12 @@ def held_depth(found: Mapping[str, tuple[int, ...]]) -> int | None:
     return max(lists.values(), default=None)
 
 
-def check_depth(source: str, found: Mapping[str, tuple[int, ...]], n_layer: int,
-                field: str = "n_layer", exact: bool = True) -> None:
+def check_depth(source: str, found: Mapping[str, tuple[int, ...]], n_layer: int) -> None:
     """Compare a config's layer count with the weights' before anything is built, so a
-    config claiming a million layers is refused instead of constructed. ``exact=False``
-    refuses only a config claiming more layers than the weights hold (a checkpoint may
-    carry extra layer lists that its loader drops)."""
+    config claiming a million layers is refused instead of constructed."""
     depth = held_depth(found)
-    if depth is not None and (depth != n_layer if exact else n_layer > depth):
-        raise ModelError(f"{source}: config.json says {field}={n_layer} but the weights hold "
+    if depth is not None and depth != n_layer:
+        raise ModelError(f"{source}: config.json says n_layer={n_layer} but the weights hold "
                          f"{depth} layers; the config and the weights come from different "
                          "models")
 

@@ -49,8 +49,7 @@ def is_mudd_folder(path: str | Path) -> bool:
     return isinstance(config, dict) and config.get("model_type") in VARIANTS
 
 
-def load_mudd_folder(path: str | Path, dtype: torch.dtype | None = None,
-                     device: str | torch.device = "cpu") -> MuddModel:
+def load_mudd_folder(path: str | Path, dtype: torch.dtype | None = None) -> MuddModel:
     """The folder's model in eval mode, in ``dtype`` (default: the config's torch_dtype)."""
     folder = Path(path)
     raw = read_json(folder / "config.json", "MUDD config")
@@ -63,7 +62,7 @@ def load_mudd_folder(path: str | Path, dtype: torch.dtype | None = None,
     dtype = dtype or _config_dtype(raw, folder)
     files = weight_files(folder)
     # safetensors are checked from their header before reading; pickles once read
-    state = None if files[0].suffix == ".safetensors" else dict(_bin_tensors(files, dtype, device))
+    state = None if files[0].suffix == ".safetensors" else dict(_bin_tensors(files, dtype))
     found = {k: v for k, v in header_shapes(files).items() if not _CACHE_KEY.search(k)} \
         if state is None else {k: tuple(t.shape) for k, t in state.items()}
     check_depth(str(folder), found, config.n_layer)
@@ -72,7 +71,7 @@ def load_mudd_folder(path: str | Path, dtype: torch.dtype | None = None,
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_keys(str(folder), found, expected)
     if state is None:
-        state = dict(read_tensors(files, set(expected), dtype, device))
+        state = dict(read_tensors(files, set(expected), dtype))
     return load_into(model, state).eval()
 
 
@@ -105,8 +104,7 @@ def files_read(folder: Path) -> list[Path]:
     return [folder / "config.json", *index, *weight_files(folder)]
 
 
-def _bin_tensors(files: list[Path], dtype: torch.dtype,
-                 device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def _bin_tensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor of the pickled state dicts (decoding caches skipped) in ``dtype``."""
     seen: set[str] = set()
     for file in files:
@@ -131,4 +129,4 @@ def _bin_tensors(files: list[Path], dtype: torch.dtype,
                                  "another); rebuild the checkpoint")
             seen.add(key)
             if not _CACHE_KEY.search(key):
-                yield key, tensor.to(device=device, dtype=dtype)
+                yield key, tensor.to(dtype=dtype)

@@ -186,7 +186,7 @@ def check_folder(path: Path, where: str) -> None:
                          "or choose another folder")
 
 
-def check_output(path: str | Path, kind: str, option: str = "out") -> None:
+def check_output(path: str | Path, kind: str) -> None:
     """Refuse, in one line, an output path fcaudit must not write to. Touches nothing.
 
     Refused: a file, a path under a file, a dangling symbolic link, a folder that is not
@@ -196,7 +196,7 @@ def check_output(path: str | Path, kind: str, option: str = "out") -> None:
     ``cache`` must be a folder and its ``cache/manifest.json`` a file.
     """
     path = Path(path)
-    where = arg(option, str(path))
+    where = arg("out", str(path))
     check_folder(path, where)
     if not path.exists():
         return
@@ -403,16 +403,14 @@ class OutputLock:
     """``with OutputLock(folder, command):`` holds an exclusive ``flock`` on
     ``folder/.fcaudit-lock`` for the block, or stops at once naming the holder."""
 
-    def __init__(self, folder: str | Path, command: str | None = None,
-                 option: str = "out") -> None:
+    def __init__(self, folder: str | Path, command: str | None = None) -> None:
         self.folder = Path(folder)
         self.path = self.folder / LOCK
         self.command = command or shlex.join(sys.argv)
-        self.option = option
         self.fd = -1
 
     def __enter__(self) -> OutputLock:
-        where = arg(self.option, str(self.folder))
+        where = arg("out", str(self.folder))
         for _ in range(10):
             try:  # never through a link: the lock file is truncated and written
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
@@ -425,7 +423,7 @@ class OutputLock:
                 holder = _holder(fd)
                 os.close(fd)
                 raise CacheError(f"{where} is in use by {holder}; wait for it to finish or "
-                                 f"choose another {arg(self.option)}") from exc
+                                 f"choose another {arg('out')}") from exc
             except OSError as exc:  # e.g. a network file system without locks
                 os.close(fd)
                 raise CacheError(f"cannot lock {where} ({exc.strerror or exc}); choose a "
@@ -451,8 +449,7 @@ class OutputLock:
 
 
 @contextlib.contextmanager
-def hold_output(path: str | Path, kind: str, command: str | None = None,
-                option: str = "out") -> Iterator[Path]:
+def hold_output(path: str | Path, kind: str, command: str | None = None) -> Iterator[Path]:
     """Check, create, mark and lock an output folder for the block; then release it.
 
     A folder this call created that holds nothing but its marker on exit (a run that
@@ -460,16 +457,16 @@ def hold_output(path: str | Path, kind: str, command: str | None = None,
     parent folders this call created.
     """
     path = Path(path)
-    check_output(path, kind, option)
+    check_output(path, kind)
     created = topmost_missing(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise CacheError(f"cannot create {arg(option, str(path))} ({exc.strerror or exc}); check "
+        raise CacheError(f"cannot create {arg('out', str(path))} ({exc.strerror or exc}); check "
                          "the path and its permissions") from exc
     empty = False
     try:
-        with OutputLock(path, command, option):
+        with OutputLock(path, command):
             try:
                 claim_output(path, kind)
                 yield path

@@ -45,8 +45,8 @@ def header_shapes(files: list[Path]) -> Shapes:
     return shapes
 
 
-def read_tensors(files: list[Path], keys: set[str], dtype: torch.dtype | None,
-                 device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def read_tensors(files: list[Path], keys: set[str],
+                 dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     """Each wanted tensor, copied out of the file into ``dtype`` (default: as stored)."""
     for file in files:
         with open_safetensors(file) as f:
@@ -57,7 +57,7 @@ def read_tensors(files: list[Path], keys: set[str], dtype: torch.dtype | None,
             # resident next to our copies (5.6 GB instead of 3 GB peak for 1.4B in bf16)
             with open_safetensors(file) as f:
                 tensor = f.get_tensor(key)
-            yield key, tensor.to(device=device, dtype=dtype or tensor.dtype, copy=True)
+            yield key, tensor.to(dtype=dtype or tensor.dtype, copy=True)
 
 
 def index_files(index: Path) -> list[Path]:

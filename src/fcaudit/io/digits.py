@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 SPLITS: dict[str, range] = {"train": range(0, 1197), "calib": range(1197, 1497),
                             "eval": range(1497, 1797)}
-NUM_CLASSES = 10
 IMAGE_SHAPE = (1, 8, 8)
 
 

@@ -70,69 +70,55 @@ class AuditInputs(Protocol):
     @property
     def n_eval(self) -> int:
         """Evaluation sequences or examples."""
-        ...
 
     @property
     def n_calib(self) -> int:
         """Calibration sequences or examples."""
-        ...
 
     @property
     def eval_source(self) -> Any:
         """What evaluation batches are cut from (:func:`fcaudit.engine.passes.batches`)."""
-        ...
 
     @property
     def calib_source(self) -> Any:
         """What calibration batches are cut from."""
-        ...
 
     @property
     def token_ids(self) -> np.ndarray | None:
         """The evaluation token ids ``[N, T]`` (token profiles, static-layer-token, the
         token-id share); None for inputs that are not token ids."""
-        ...
 
     def batch_token_ids(self, x: Any) -> Tensor | None:
         """Batch ``x``'s token ids ``[B, T]`` on the CPU (None without token ids)."""
-        ...
 
     def summary(self) -> dict[str, object]:
         """audit.json's ``data`` section."""
-        ...
 
     def validate(self, vocab_size: int | None, max_len: int | None) -> None:
         """Check the audit's data rules; raise one clear error for the first broken one."""
-        ...
 
     def position_counts(self, site_counts: Sequence[int]) -> list[int]:
         """The position counts random draws permute: the sites' (``site_counts``), after
         the windows' own length where there is one."""
-        ...
 
     def routed_units(self, positions: Callable[[], int]) -> int:
         """The evaluation units a router routes; ``positions``: a router's positions per
         example, read only when the data do not say."""
-        ...
 
     def calibration_token_sums(self, coefficients: Mapping[str, Tensor],
                                x: Any) -> TokenSums | None:
         """A calibration batch's sums per token id (None without token ids)."""
-        ...
 
     def batch_context(self, start: int, stop: int, schedule: str,
                       objective: Callable[[], str]) -> tuple[Named, bytes]:
         """What rows ``start:stop``'s replays depend on besides their fed tensors: named
         tensors and a head (``objective``: the objective's cache identity)."""
-        ...
 
     def targets(self) -> list[tuple[str, Any]]:
         """(which set, targets) the objective must be able to score, before any pass."""
-        ...
 
     def execution_inputs(self, device: torch.device) -> Any:
         """The evaluation set as the execution audit takes it."""
-        ...
 
 
 @dataclass(frozen=True)

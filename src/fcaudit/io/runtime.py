@@ -136,7 +136,7 @@ def threads_advice() -> str | None:
                        "OMP_NUM_THREADS" in os.environ)
 
 
-def resolve_device(name: str | None, option: str = "device") -> Any:
+def resolve_device(name: str | None) -> Any:
     """A usable ``torch.device`` (default: CUDA when available), or one clear error."""
     import torch
     if name is None:
@@ -144,22 +144,19 @@ def resolve_device(name: str | None, option: str = "device") -> Any:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError) as exc:
-        raise UsageError(f"{arg(option, name)} is not a device; use cpu, cuda or "
-                         "cuda:N", option=option) from exc
+        raise UsageError(f"{arg('device', name)} is not a device; use cpu, cuda or "
+                         "cuda:N", option="device") from exc
     if device.type == "cpu":
         return device
     if device.type != "cuda":
-        raise UsageError(f"{arg(option, name)}: fcaudit runs on cpu or cuda", option=option)
+        raise UsageError(f"{arg('device', name)}: fcaudit runs on cpu or cuda", option="device")
     if not torch.cuda.is_available():
-        raise UsageError(f"{arg(option, name)}: no CUDA device is available here; use "
-                         f"{arg(option, 'cpu')}", option=option)
+        raise UsageError(f"{arg('device', name)}: no CUDA device is available here; use "
+                         f"{arg('device', 'cpu')}", option="device")
     if device.index is not None and device.index >= torch.cuda.device_count():
-        raise UsageError(f"{arg(option, name)}: this machine has "
-                         f"{torch.cuda.device_count()} CUDA device(s)", option=option)
+        raise UsageError(f"{arg('device', name)}: this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)", option="device")
     return device
-
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def resolve_dtype(name: str | None) -> Any:

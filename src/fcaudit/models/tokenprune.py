@@ -38,10 +38,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import FcauditError
+from fcaudit.models.featuregate import Gate
 from fcaudit.models.vit import ViT, ViTConfig
 
 
@@ -68,13 +68,8 @@ class TokenPruneConfig(ViTConfig):
 PRESETS: dict[str, TokenPruneConfig] = {"tiny": TokenPruneConfig()}
 
 
-class Scorer(nn.Module):
-    """The controller: one keep-score per token, ``[B, P, C] -> [B, P]``."""
-
-    def __init__(self, cfg: ViTConfig) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, 1)
+class Scorer(Gate):
+    """The controller: FeatureGate's gate without its sigmoid, ``[B, P, C] -> [B, P]``."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.proj(self.ln(h)).squeeze(-1)

@@ -33,10 +33,6 @@ INSTALL = install_extra("gguf")
 _NOT_ARCHITECTURES = {"general", "tokenizer"}
 
 
-def is_gguf(path: Path) -> bool:
-    return path.suffix.lower() == SUFFIX
-
-
 def _modules() -> tuple[Any, Any]:
     try:
         import gguf

@@ -288,7 +288,7 @@ def _load(spec: str, dtype: torch.dtype | None, placement: Placement | None) -> 
                          "a checkpoint folder in the Hugging Face layout; see "
                          "`fcaudit audit --help`")
     from fcaudit.io import gguf
-    if gguf.is_gguf(path):
+    if path.suffix.lower() == gguf.SUFFIX:
         model, tokenizer, files, note = gguf.load_gguf(path, dtype)
         return LoadedModel(model, str(path), "hf-gguf", tokenizer, None,
                            _digest({"files": files}), files, notes=(note,))

@@ -79,6 +79,7 @@ def _benchmark(name: str) -> Any:
 def _defaults() -> dict[str, float]:
     from fcaudit.core import routers
     from fcaudit.engine import execution, frontier, metrics, options, run, verdicts
+    from fcaudit.engine.analyses import expert_importance
     from fcaudit.engine.options import AuditOptions
     from fcaudit.io.data import DataSpec
     from fcaudit.io.loading import get_arch
@@ -100,7 +101,7 @@ def _defaults() -> dict[str, float]:
             "max_eval": DataSpec().max_eval, "max_calib": DataSpec().max_calib,
             "capacity": 100 * SkipGateConfig().capacity, "experts": MoEConfig().num_experts,
             "top_k": MoEConfig().top_k, "aux": MoEConfig().aux_loss_coef,
-            "auto_ablation": options.AUTO_ABLATION_MAX_EXPERTS,
+            "auto_ablation": expert_importance.AUTO_ABLATION_MAX_EXPERTS,
             "ablation_margin_log10": math.log10(routers.ABLATION_MARGIN),
             "frontier_points": AuditOptions().frontier_points,
             "min_frontier_points": options.MIN_FRONTIER_POINTS,

@@ -24,10 +24,10 @@ from fcaudit.core.interventions import Intervention
 from fcaudit.engine import measure
 from fcaudit.engine import run as engine
 from fcaudit.engine.analyses import ANALYSES
+from fcaudit.engine.analyses.expert_importance import ExpertAblation
 from fcaudit.engine.options import NOTE, SeedPlan
 from fcaudit.engine.plan import (
     ALL_SITES,
-    ExpertAblation,
     OneSite,
     Run,
     UserIntervention,
@@ -288,11 +288,13 @@ def test_the_data_are_hashed_once_and_the_corpus_read_once(
 
 def test_the_extra_runs_plans_are_decided_once_per_audit(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The expert ablation's and the savings frontier's plans come from the probe once
-    and travel with it to the cost said before the work and to the measurement."""
+    """The analyses' runs (the expert ablation's among them) and the savings frontier's
+    plan come from the probe once and travel with it to the cost said before the work and
+    to the measurement."""
     from fcaudit.engine import run as run_mod
+    from fcaudit.engine.analyses import expert_importance
     from fcaudit.models.moe import MoEConfig, MoEGPT
-    calls: dict[str, int] = {"ablation": 0, "frontier": 0}
+    calls: dict[str, int] = {"analyses": 0, "ablation": 0, "frontier": 0}
 
     def counted(name: str, real: Any) -> Any:
         def wrapper(*args: Any, **kw: Any) -> Any:
@@ -300,7 +302,9 @@ def test_the_extra_runs_plans_are_decided_once_per_audit(
             return real(*args, **kw)
         return wrapper
 
-    monkeypatch.setattr(run_mod, "ablation_plan", counted("ablation", run_mod.ablation_plan))
+    monkeypatch.setattr(run_mod, "analysis_runs", counted("analyses", run_mod.analysis_runs))
+    monkeypatch.setattr(expert_importance, "ablation_experts",
+                        counted("ablation", expert_importance.ablation_experts))
     monkeypatch.setattr(run_mod, "frontier_plan", counted("frontier", run_mod.frontier_plan))
     torch.manual_seed(0)
     model = MoEGPT(MoEConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16,
@@ -308,6 +312,6 @@ def test_the_extra_runs_plans_are_decided_once_per_audit(
     result = api_audit(model, tmp_path / "a", data=toy_data(), report=False,
                        options=dataclasses.replace(FAST, frontier=True, expert_ablation=True,
                                                    execution=True, timing_pairs=0))
-    assert calls == {"ablation": 1, "frontier": 1}
+    assert calls == {"analyses": 1, "ablation": 1, "frontier": 1}
     assert result.settings["expert_ablation_runs"] == 2 * 4  # two routers of four experts
     assert result.settings["frontier_runs"] > 0

@@ -154,7 +154,7 @@ def test_option_is_validated_and_auto_follows_the_expert_count(tmp_path: Path) -
     with pytest.raises(FcauditError, match="give a new name"):  # a run key of the audit's own
         audit(planted_moe(), None, data=_data(), options=OPTIONS,
               interventions={"expert-ablation:1@router": lambda fed, ctx: fed})
-    from fcaudit.engine.plan import ablation_experts
+    from fcaudit.engine.analyses.expert_importance import ablation_experts
     from fcaudit.models.moe import PRESETS
     sites = MoEGPT(PRESETS["tiny"]).controller_sites()
     auto = AuditOptions()

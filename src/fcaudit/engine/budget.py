@@ -25,11 +25,11 @@ from torch import Tensor
 
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.exits import exit_sites
-from fcaudit.engine.analyses.runs import analysis_runs
+from fcaudit.engine.analyses.expert_importance import ExpertAblation
 from fcaudit.engine.exits import PROBE_ROWS, asked, check_passes, own_threshold
 from fcaudit.engine.frontier import GATE, Covered, most_points
 from fcaudit.engine.options import Prepared, Progress, say
-from fcaudit.engine.plan import ExpertAblation, OneSite, plan_runs
+from fcaudit.engine.plan import OneSite, plan_runs
 from fcaudit.engine.prepare import not_measured
 from fcaudit.engine.probe import Probe, first_batch
 from fcaudit.engine.stages import calibration_shard, eval_shard
@@ -120,7 +120,7 @@ def audit_plan(setup: Prepared, first: Probe) -> AuditPlan:
     record_s, replay_s, covered = _warm(first), first.replay_s, first.covered
     skipped = setup.not_applicable
     runs = plan_runs(setup.sites, opts, setup.conditions, setup.interventions,
-                     first.ablated, (), skipped, ()) + analysis_runs(setup, first)
+                     first.planned, (), skipped, ())
     per_layer = sum(isinstance(r.target, OneSite) for r in runs)
     ablation = sum(isinstance(r.target, ExpertAblation) for r in runs)
     main = len(runs) - per_layer - ablation

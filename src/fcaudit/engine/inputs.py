@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fcaudit.core.conditions import PER_LAYER_CONDITIONS, audited
+from fcaudit.core.conditions import EXPERT_ABLATION, FRONTIER, PER_LAYER_CONDITIONS, audited
 from fcaudit.core.contract import Site
 from fcaudit.core.discovery import declared_blocks
 from fcaudit.core.errors import ModelError, UsageError, arg
@@ -33,7 +33,6 @@ from fcaudit.engine.objectives import (
     run_task,
 )
 from fcaudit.engine.options import AuditOptions
-from fcaudit.engine.plan import EXPERT_ABLATION, FRONTIER
 from fcaudit.io.data import (
     GIVEN_DATA,
     SEQ_LEN_GIVEN,

@@ -23,7 +23,8 @@ from fcaudit.core.contract import Site
 from fcaudit.core.interventions import StaticProfiles, draw
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, shuffled_axes
 from fcaudit.engine.analyses import Section
-from fcaudit.engine.analyses.runs import analysis_runs, analysis_sections
+from fcaudit.engine.analyses.expert_importance import ablation_rows
+from fcaudit.engine.analyses.runs import analysis_sections
 from fcaudit.engine.budget import AuditPlan
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
 from fcaudit.engine.exits import ExitSummary, exit_frontier, exit_plan, exit_points, exit_summary
@@ -35,11 +36,8 @@ from fcaudit.engine.passes import Ranks
 from fcaudit.engine.plan import (
     ReplayInputs,
     Run,
-    ablation_runs,
     frontier_runs,
     plan_runs,
-    routing_sites,
-    tracked_runs,
 )
 from fcaudit.engine.prepare import execute
 from fcaudit.engine.probe import Probe
@@ -71,9 +69,7 @@ from fcaudit.engine.summary import (
     accuracies,
     describe,
     example_hits,
-    expert_importance,
     paired_bootstrap,
-    routing_summary,
     site_parts,
     space,
     summarize,
@@ -123,9 +119,8 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     skipped = setup.not_applicable
     covered, points = frontier_points(setup, cache, first.covered, progress,
                                       ranks)
-    runs = plan_runs(setup.sites, opts, setup.conditions, setup.interventions,
-                     first.ablated,
-                     points, skipped, exit_points(inputs.exits)) + analysis_runs(setup, first)
+    runs = plan_runs(setup.sites, opts, setup.conditions, setup.interventions, first.planned,
+                     points, skipped, exit_points(inputs.exits))
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
     if not ranks.main:
@@ -141,11 +136,11 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
                         setup.conditions,
                         skipped, accuracies(runs, replays.hits, original),
                         example_hits(runs, replays.hits, original))
+    shapes = {name: tuple(t.shape) for name, t in first.coefficients.items()}
     return Measurements(setup, runs, replays, identity, description, summary, covered, points,
                         profiles, reuse, recorded, timings,
                         _exits(setup, inputs, runs, replays.per_run, summary),
-                        analysis_sections(setup, runs, replays.per_run, profiles),
-                        {name: tuple(t.shape) for name, t in first.coefficients.items()})
+                        analysis_sections(setup, runs, replays, profiles, shapes), shapes)
 
 
 def _exits(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run],
@@ -224,7 +219,6 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     round of a ``--target-ci`` audit; ``plan``: the cost said before the work, kept beside
     what was measured)."""
     setup, description, summary = m.setup, m.description, m.summary
-    routing = _routing(setup, m)
     timings = dict(m.timings)
     started = time.perf_counter()
     execution = execute(setup, m.exits.note if m.exits is not None else None)
@@ -250,7 +244,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
                                                         else [])],
         runtime=_runtime(m, cache, ranks, timings, rounds, plan),
         identity=None if identity.exact and not identity.allowed_nonexact else identity,
-        custom_conditions=summary.custom or None, routing=routing,
+        custom_conditions=summary.custom or None,
         stopping=rounds.stopping if rounds is not None else None, exits=m.exits,
         **_extras(m, cache, execution))
 
@@ -283,14 +277,14 @@ def _settings(m: Measurements, execution: ExecutionSection) -> dict[str, Any]:
             "calibration_sequences_used_for_static": setup.inputs.n_calib,
             "objective": setup.objective.name,
             "timing_pairs": t.pairs if (t := _timing(execution)) is not None else 0,
-            "expert_ablation": bool(ablation_runs(m.runs)),
+            "expert_ablation": bool(ablation_rows(m.runs)),
             "frontier": bool(m.covered),
             "frontier_points": opts.frontier_points if m.covered else None,
             "exit_threshold": opts.exit_threshold if opts.early_exit else None,
             "layer_index": "a site's index within its family",
             # custom conditions in the order given (audit.json sorts its keys)
             **({"interventions": list(summary.custom)} if summary.custom else {}),
-            "expert_ablation_runs": len(ablation_runs(m.runs)),
+            "expert_ablation_runs": len(ablation_rows(m.runs)),
             "frontier_runs": len(frontier_runs(m.runs))}
 
 
@@ -308,8 +302,8 @@ def _runtime(m: Measurements, cache: CoefficientCache, ranks: Ranks,
 
 def _extras(m: Measurements, cache: CoefficientCache,
             execution: ExecutionSection) -> dict[str, Any]:
-    """The sections only some audits have: expert importance (expert ablation), the
-    conditions not applicable, the savings frontier."""
+    """The sections only some audits have: the conditions not applicable, the savings
+    frontier."""
     setup, runs, replays, opts = m.setup, m.runs, m.replays, m.setup.options
     frontier = None
     if m.covered:
@@ -317,10 +311,7 @@ def _extras(m: Measurements, cache: CoefficientCache,
             m.covered, m.points, dict(zip((r.key for r in runs), replays.per_run, strict=True)),
             replays.per_run[0], frontier_units(cache, m.covered, m.points),
             setup.data.eval_ids.size, execution, paired_bootstrap(setup.inputs.n_eval, opts))
-    return {"expert_importance": expert_importance(
-                runs, replays.per_run, replays.route_load, replays.still_selected, opts)
-            if ablation_runs(runs) else None,
-            "not_applicable": dict(setup.not_applicable) or None,
+    return {"not_applicable": dict(setup.not_applicable) or None,
             "frontier": frontier}
 
 
@@ -345,17 +336,6 @@ def _site_info(site: Site, m: Measurements) -> SiteInfo:
                     positions=list(site.positions or ()) if declared else None,
                     layout=setup.layouts.get(site.name), parts=site_parts(site),
                     selection=space(site), kind=setup.kinds.get(site.name))
-
-
-def _routing(setup: Prepared, m: Measurements) -> dict[str, Any] | None:
-    """The routers' summary; its units are the tokens (patches) each router routes."""
-    routed = routing_sites(setup.sites)
-    if not routed:
-        return None
-    runs, replays = m.runs, m.replays
-    units = setup.inputs.routed_units(lambda: int(m.shapes[routed[0].name][1]))
-    return routing_summary(routed, tracked_runs(runs), replays.route_load,
-                           replays.route_changed, units)
 
 
 def _adapter_name(site: Site, model: nn.Module) -> str | None:

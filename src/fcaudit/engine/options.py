@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from fcaudit.core.conditions import FRONTIER, MAIN_CONDITIONS, OPT_IN_CONDITIONS
 from fcaudit.core.errors import UsageError, arg
 from fcaudit.core.registry import refusal
+from fcaudit.engine.analyses.expert_importance import AUTO_ABLATION_MAX_EXPERTS
 from fcaudit.engine.objectives import OBJECTIVES, Objective, resolve
 from fcaudit.io.placement import DEVICE_MAPS
 
@@ -52,9 +53,6 @@ MAX_BOOTSTRAP = 100_000
 MAX_REPEATS = 100
 MAX_TIMING_PAIRS = 1000  # each pair times a full pass of model and dense
 MAX_SEED = 2**32 - 1  # torch and numpy generators; every seed derives from it (engine/seeds.py)
-# expert ablation costs one replay per layer and expert: on by default up to this many
-# experts per routed layer (a 4-layer, 64-expert model: 256 more replays), else opt-in
-AUTO_ABLATION_MAX_EXPERTS = 64
 MAX_FRONTIER_POINTS = 20  # each point of each rule is one more replay
 MIN_FRONTIER_POINTS = 2  # a curve needs two points
 MIN_TIMING_PAIRS = 10  # fewer give no meaningful interval (0: no timing)

@@ -1,9 +1,9 @@
 """The replay plan: which runs the audit replays, and what each feeds every site.
 
 The conditions of docs/method.md (Conditions), their per-layer variants (one site
-intervened, the others correct), expert ablations (one router's logits with one expert
-never picked), savings-frontier points and user-defined interventions, all as
-:class:`Run`, whose :class:`Target` (a sum type) says its key, its digest identity and
+intervened, the others correct), the analyses' runs (:mod:`fcaudit.engine.analyses`),
+savings-frontier points and user-defined interventions, all as :class:`Run`, whose
+:class:`~fcaudit.engine.analyses.base.Target` says its key, its digest identity and
 what it feeds; :func:`feed` turns a run and a batch into the coefficient tensor each site
 receives.
 """
@@ -22,14 +22,13 @@ from fcaudit.core.adapters import same_bits
 from fcaudit.core.conditions import (
     CONDITIONS,
     CORRECT,
-    EXPERT_ABLATION,
     FRONTIER,
     RANDOM_CONDITIONS,
     audited,
     by_kind,
     by_role,
 )
-from fcaudit.core.contract import RoutingAdapter, Site
+from fcaudit.core.contract import Site
 from fcaudit.core.digest import digest_tensors
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.exits import ExitPlan
@@ -40,42 +39,16 @@ from fcaudit.core.interventions import (
     RandomDraw,
     StaticProfiles,
 )
-from fcaudit.core.routers import ablate_expert
+from fcaudit.engine.analyses.base import Target
+from fcaudit.engine.analyses.expert_importance import ablation_rows
 from fcaudit.engine.cache import CoefficientCache, ReplayShard
 from fcaudit.engine.exits import ExitPoint, exit_feed
 from fcaudit.engine.frontier import FrontierPoint, point_feed
-from fcaudit.engine.options import AUTO_ABLATION_MAX_EXPERTS, AuditOptions
+from fcaudit.engine.options import AuditOptions
 
 # the main conditions of each kind, the opt-in ones too (run where asked)
 RANDOM_ALL, STATIC_ALL = by_kind("random", default=None), by_kind("static", default=None)
 EXIT_ALL = by_kind("exit", default=None)  # run once each, on exit models
-
-
-class Target:
-    """What a run intervenes on: every site (:class:`AllSites`), one site
-    (:class:`OneSite`), one router's expert (:class:`ExpertAblation`), a savings-frontier
-    point (:class:`FrontierRun`) or the user's function (:class:`UserIntervention`). Each
-    says its run's key, its part of the run's digest identity and what it feeds."""
-
-    counts_rerouting = False  # its re-routing rows are kept in the replay shard
-
-    @property
-    def only_site(self) -> Site | None:
-        """The one site the run changes (per-layer and ablation runs), else None."""
-        return None
-
-    def key(self, condition: str) -> str:
-        return condition
-
-    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
-        """(the one site's name, a user intervention, the ablated expert, the frontier
-        point's key): what, besides the condition and repeat, names the run in digests."""
-        return (None, False, None, None)
-
-    def feed(self, run: Run, b: int, inputs: ReplayInputs,
-             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
-        """The tensors fed where they differ from the recorded (``correct``) ones."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -109,28 +82,6 @@ class OneSite(Target):
              correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
         return _intervened(run, inputs.cache.batch_range(b), inputs,
                            {self.site: correct[self.site]})
-
-
-@dataclass(frozen=True)
-class ExpertAblation(Target):
-    """``expert`` of the router ``site`` never picked (its logit pushed below the rest)."""
-
-    site: Site
-    expert: int
-
-    @property
-    def only_site(self) -> Site | None:
-        return self.site
-
-    def key(self, condition: str) -> str:
-        return ablation_key(self.site, self.expert)
-
-    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
-        return (self.site.name, False, self.expert, None)
-
-    def feed(self, run: Run, b: int, inputs: ReplayInputs,
-             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
-        return {self.site: ablate_expert(correct[self.site], self.expert)}
 
 
 @dataclass(frozen=True)
@@ -200,32 +151,15 @@ class Run:
         return self.target.key(self.condition)
 
 
-def ablation_key(site: Site | None, expert: int) -> str:
-    """The run key of ablating ``expert`` at ``site`` (custom interventions may not take it)."""
-    return f"{EXPERT_ABLATION}:{expert}@{site.name if site else ''}"
-
-
-def ablation_experts(sites: Sequence[Site], options: AuditOptions,
-                     experts: Mapping[str, int]) -> dict[Site, int]:
-    """The routing sites whose experts are ablated, with their number of experts
-    (``experts``: site name -> the last axis of its recorded logits, for sites whose
-    coefficients are ``[B, T, ..., E]``). Auto (``expert_ablation`` None): every such site
-    when none has more than ``AUTO_ABLATION_MAX_EXPERTS`` experts, else none."""
-    routed = {s: experts[s.name] for s in routing_sites(sites) if s.name in experts}
-    if options.expert_ablation is None:
-        return routed if max(routed.values(), default=0) <= AUTO_ABLATION_MAX_EXPERTS else {}
-    return routed if options.expert_ablation else {}
-
-
 def plan_runs(sites: Sequence[Site], options: AuditOptions, conditions: Sequence[str],
               interventions: Sequence[Intervention] = (),
-              ablated: Mapping[Site, int] | None = None,
+              analysis: Sequence[Run] = (),
               points: Sequence[FrontierPoint] = (),
               skipped: Collection[str] = (),
               exit_points: Sequence[ExitPoint] = ()) -> list[Run]:
     """Every run, in order: correct first, then the conditions (the opt-in ones asked for
     after the default ones of their kind; the exit references after the static ones),
-    per-layer variants, expert ablations (``ablated``: site -> its number of experts),
+    per-layer variants, the analyses' runs (``analysis``: expert ablations, ...),
     frontier points (the exit frontier's after the others) and user interventions;
     conditions in ``skipped`` (not applicable to these sites) are not run."""
     runs = [Run(CORRECT)]
@@ -238,8 +172,7 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions, conditions: Sequence
             for name in by_role("per-layer"):  # random ones repeated, static ones once
                 repeats = options.repeats if name in RANDOM_CONDITIONS else 1
                 runs += [Run(name, k, OneSite(site)) for k in range(repeats)]
-    runs += [Run(EXPERT_ABLATION, target=ExpertAblation(site, e))
-             for site, n in (ablated or {}).items() for e in range(n)]
+    runs += analysis
     runs += [Run(FRONTIER, target=FrontierRun(p)) for p in points]
     runs += [Run(FRONTIER, target=ExitRun(p)) for p in exit_points]
     runs += [Run(iv.name, k, UserIntervention(iv)) for iv in interventions
@@ -323,21 +256,6 @@ def custom_feed(iv: Intervention, repeat: int, b: int, inputs: ReplayInputs,
                                "coefficients")
         fed[site] = tensor.to(correct[site].dtype)
     return fed
-
-
-def ablation_runs(runs: Sequence[Run]) -> list[Run]:
-    """The expert-ablation runs, in plan order."""
-    return [r for r in runs if isinstance(r.target, ExpertAblation)]
-
-
-def tracked_runs(runs: Sequence[Run]) -> list[Run]:
-    """The runs whose re-routing is counted: main conditions other than correct."""
-    return [r for r in runs if isinstance(r.target, AllSites) and r.condition != CORRECT]
-
-
-def routing_sites(sites: Sequence[Site]) -> list[Site]:
-    """Sites whose adapter can say which experts a router selects."""
-    return [s for s in sites if isinstance(s.adapter, RoutingAdapter)]
 
 
 # ---------------------------------------------------------------------- replay_proof
@@ -447,11 +365,6 @@ def _what(what: str, cached: torch.Tensor, fresh: torch.Tensor) -> str:
 def rerouting_rows(runs: Sequence[Run]) -> list[int]:
     """Plan indices of the runs whose re-routing rows a replay shard holds, in row order."""
     return [i for i, r in enumerate(runs) if i and r.target.counts_rerouting]
-
-
-def ablation_rows(runs: Sequence[Run]) -> list[int]:
-    """Plan indices of the expert-ablation runs, in the shard's row order."""
-    return [i for i, r in enumerate(runs) if isinstance(r.target, ExpertAblation)]
 
 
 def run_name(run: Run) -> str:

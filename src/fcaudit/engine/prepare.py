@@ -48,6 +48,7 @@ from fcaudit.core.layout import (
 )
 from fcaudit.core.nll import device_of, model_limits
 from fcaudit.core.sites import SiteSpec, find_sites
+from fcaudit.engine.analyses.routing import routing_sites
 from fcaudit.engine.exits import check_twin, with_exit_conditions
 from fcaudit.engine.inputs import (
     as_loaded,
@@ -61,7 +62,6 @@ from fcaudit.engine.inputs import (
 from fcaudit.engine.objectives import output_tensors
 from fcaudit.engine.options import AuditOptions, Prepared, SeedPlan, asked, check_needs
 from fcaudit.engine.passes import Ranks, batch_shape, current
-from fcaudit.engine.plan import routing_sites
 from fcaudit.engine.probe import first_batch
 from fcaudit.engine.result import ExecutionSection, NotMeasured
 from fcaudit.io.data import AuditData, DataSpec

@@ -10,7 +10,7 @@ expert ablations and the cache, and every rank must have computed them alike.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,9 +18,8 @@ from torch import Tensor
 
 from fcaudit.core.adapters import same_bits
 from fcaudit.core.arrays import blamed_on_inputs
-from fcaudit.core.contract import Site
 from fcaudit.core.digest import digest_tensors
-from fcaudit.core.errors import FcauditError, IdentityError, ModelError, arg
+from fcaudit.core.errors import FcauditError, IdentityError, ModelError
 from fcaudit.core.layout import check_family_positions
 from fcaudit.core.nll import device_of
 from fcaudit.engine.frontier import Covered
@@ -36,7 +35,7 @@ from fcaudit.engine.passes import (
     check_units,
     why_passes_differ,
 )
-from fcaudit.engine.plan import ablation_experts
+from fcaudit.engine.plan import Run
 from fcaudit.engine.result import Identity
 from fcaudit.engine.stages import ALLOW_NONEXACT, IDENTITY_CAUSES
 from fcaudit.engine.summary import check_parts
@@ -54,9 +53,9 @@ class Probe:
     hits: Tensor | None = None  # classification: 1 per correctly classified example
     record_s: float = 0.0  # the record pass of the first batch
     replay_s: float = 0.0  # its identity replay
-    # decided from it once (engine.run): the routers whose experts are ablated, with their
-    # expert counts, and the families the savings frontier covers
-    ablated: dict[Site, int] = field(default_factory=dict)
+    # decided from it once (engine.run): the analyses' runs (expert ablations, ...) and
+    # the families the savings frontier covers
+    planned: tuple[Run, ...] = ()
     covered: tuple[Covered, ...] = ()
 
 
@@ -177,20 +176,6 @@ def _first_nonexact_site(setup: Prepared, coefficients: dict[str, Tensor], x: An
         if not same_bits(replayed.logits, logits):
             return site.name
     return None
-
-
-def ablation_plan(setup: Prepared, first: Probe) -> dict[Site, int]:
-    """The routing sites whose experts are ablated, with their expert counts (the last
-    axis of the probe's logits ``[B, T, ..., E]``); an explicit ``expert_ablation`` with
-    no such site is refused."""
-    experts = {name: int(c.shape[-1]) for name, c in first.coefficients.items() if c.dim() >= 3}
-    ablated = ablation_experts(setup.sites, setup.options, experts)
-    if setup.options.expert_ablation and not ablated:
-        raise ModelError(f"{arg('expert_ablation', py='AuditOptions(expert_ablation=True)')}"
-                         ": the audited sites have no router with per-expert logits [batch, "
-                         "positions, experts] (a routing adapter's site); drop the option, "
-                         "or audit the model's router sites")
-    return ablated
 
 
 def same_probe_on_every_rank(ranks: Ranks, first: Probe) -> None:

@@ -132,8 +132,6 @@ class AuditResult:
     runtime: Runtime
     identity: Identity | None = _omit_none()
     custom_conditions: dict[str, ConditionResult] | None = _omit_none()
-    routing: dict[str, RoutingSummary] | None = _omit_none()
-    expert_importance: dict[str, ImportanceSummary] | None = _omit_none()
     frontier: dict[str, FrontierFamily] | None = _omit_none()
     stopping: Stopping | None = _omit_none()
     # conditions that cannot act on these sites or inputs, with the reason (not run)
@@ -152,6 +150,16 @@ class AuditResult:
     def token_profile(self) -> TokenProfile | None:
         """static-layer-token's coverage of the evaluation tokens (token ids only)."""
         return (self.analyses or {}).get("token_profile")
+
+    @property
+    def routing(self) -> dict[str, RoutingSummary] | None:
+        """Per router family: expert load, and the top-k sets each condition changes."""
+        return (self.analyses or {}).get("routing")
+
+    @property
+    def expert_importance(self) -> dict[str, ImportanceSummary] | None:
+        """Per router family: each ablated expert's penalty beside its load."""
+        return (self.analyses or {}).get("expert_importance")
 
     def to_json(self) -> dict[str, Any]:
         """The ``audit.json`` content (plain JSON types), each analysis's section at the
@@ -173,7 +181,7 @@ class AuditResult:
             raise DataError(f"{source} has schema {found!r}, expected {SCHEMA!r}; rerun the "
                             "audit with this fcaudit version")
         # sections read back by name: an analysis this fcaudit lacks is an unknown key
-        sections = {k: v for k, v in data.items() if k in ANALYSES}
+        sections = {a.name: data[a.name] for a in ANALYSES.values() if a.name in data}
         try:
             if "analyses" in data:  # never written: the sections sit at the top level
                 raise SchemaError("analyses", "is not a key of audit.json")
@@ -201,11 +209,12 @@ class AuditResult:
         names = [*REPORTED_CONDITIONS, *(given if isinstance(given, list) else []),
                  *self.families, *(s.name for s in self.sites)]
         rank = {name: i for i, name in reversed(list(enumerate(names)))}
-        tables = {name: getattr(self, name) for name in _ORDERED_TABLES}
-        # sorted() is stable: unknown keys keep file order
-        return dataclasses.replace(self, **{
-            name: dict(sorted(table.items(), key=lambda kv: rank.get(kv[0], len(rank))))
-            for name, table in tables.items() if isinstance(table, dict)})
+        def ordered(table: Any) -> Any:  # sorted() is stable: unknown keys keep file order
+            return dict(sorted(table.items(), key=lambda kv: rank.get(kv[0], len(rank)))) \
+                if isinstance(table, dict) else table
+        return dataclasses.replace(
+            self, **{name: ordered(getattr(self, name)) for name in _ORDERED_TABLES},
+            analyses={k: ordered(v) for k, v in self.analyses.items()} if self.analyses else None)
 
     @classmethod
     def read(cls, path: str | Path) -> AuditResult:
@@ -281,7 +290,7 @@ class AuditResult:
 
 # AuditResult tables keyed by condition, family or site (see AuditResult._in_audit_order)
 _ORDERED_TABLES = ("conditions", "per_layer", "retention", "variance", "variation", "profiles",
-                   "custom_conditions", "routing", "expert_importance", FRONTIER,
+                   "custom_conditions", FRONTIER,
                    "not_applicable")
 
 

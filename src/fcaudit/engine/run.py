@@ -41,6 +41,7 @@ from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.errors import render as for_reader
 from fcaudit.core.layout import spell_axes
 from fcaudit.core.nll import device_of
+from fcaudit.engine.analyses.runs import analysis_runs
 from fcaudit.engine.budget import AuditPlan, audit_plan, say_plan
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.frontier_plan import frontier_plan
@@ -49,7 +50,7 @@ from fcaudit.engine.objectives import UNREADABLE
 from fcaudit.engine.options import AuditOptions, Prepared, Progress, SeedPlan, say, silent
 from fcaudit.engine.passes import SINGLE, Ranks, current
 from fcaudit.engine.prepare import AuditRequest, prepare
-from fcaudit.engine.probe import Probe, ablation_plan, probe, same_probe_on_every_rank
+from fcaudit.engine.probe import Probe, probe, same_probe_on_every_rank
 from fcaudit.engine.result import AuditResult, ConditionResult, Stopping, StoppingRound
 from fcaudit.engine.stages import adopt_probe
 from fcaudit.io.data import AuditData, fingerprint_array
@@ -114,7 +115,7 @@ def _audited(request: AuditRequest, progress: Progress) -> Iterator[Audited]:
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
     # the extra runs' plans, decided once: an impossible --expert-ablation or --frontier
     # stops here, before any file
-    first = dataclasses.replace(first, ablated=ablation_plan(setup, first),
+    first = dataclasses.replace(first, planned=analysis_runs(setup, first),
                                 covered=tuple(frontier_plan(setup, first)))
     plan = audit_plan(setup, first)  # every pass and its time, said before the work
     if not ranks.main:

@@ -30,6 +30,8 @@ from fcaudit.core.errors import CacheError, IdentityError, arg
 from fcaudit.core.interventions import COLLECTIONS, StaticProfiles, batch_sums
 from fcaudit.core.nll import device_of
 from fcaudit.core.routers import changed_rows, expert_counts
+from fcaudit.engine.analyses.expert_importance import ExpertAblation, ablation_rows
+from fcaudit.engine.analyses.routing import routing_sites
 from fcaudit.engine.cache import (
     CalibrationShard,
     CoefficientCache,
@@ -48,19 +50,15 @@ from fcaudit.engine.passes import (
     check_units,
 )
 from fcaudit.engine.plan import (
-    ExpertAblation,
     ReplayInputs,
     ReuseSample,
     Run,
-    ablation_rows,
-    ablation_runs,
     choose,
     feed,
     first_difference,
     fresh_seed,
     replay_line,
     rerouting_rows,
-    routing_sites,
     run_digest,
     run_name,
     sub_plan,
@@ -487,9 +485,9 @@ def _replay_one_batch(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run]
     if routed:
         shard[ReplayShard.ROUTE_CHANGED] = torch.tensor([changed[i] for i in rerouting_rows(runs)],
                                               dtype=torch.float64)
-    if ablated := ablation_runs(runs):
+    if ablated := ablation_rows(runs):
         shard[ReplayShard.STILL_SELECTED] = torch.tensor(
-            [passes.still_selected[r.key] for r in ablated], dtype=torch.int64)
+            [passes.still_selected[runs[i].key] for i in ablated], dtype=torch.int64)
     rows = [done[i] for i in range(len(runs))]
     if passes.objective.accuracy:
         shard[ReplayShard.HITS] = torch.stack([passes.hits[r.key, r.repeat] for r in runs])

@@ -2,8 +2,7 @@
 
 Penalties, retention and interaction (paired bootstrap over sequences) for every
 condition, per-layer variant and user intervention; the variance decomposition,
-variation and profiles of each family's coefficients; each routed expert's importance
-(its ablation's penalty, beside its load).
+variation and profiles of each family's coefficients.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from fcaudit.core.conditions import (
 )
 from fcaudit.core.contract import Site
 from fcaudit.core.errors import ModelError
-from fcaudit.core.routers import ABLATION_MARGIN, load_entropy
 from fcaudit.core.sites import families
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
 from fcaudit.engine.exits import gap_closed
@@ -45,17 +43,12 @@ from fcaudit.engine.metrics import (
     retention,
 )
 from fcaudit.engine.options import AuditOptions, SeedPlan
-from fcaudit.engine.plan import ExpertAblation, Run, UserIntervention
+from fcaudit.engine.plan import Run, UserIntervention
 from fcaudit.engine.result import (
     ConditionResult,
-    ExpertImportance,
-    ImportanceSummary,
     LayerConditionResult,
-    LayerImportance,
-    LayerRouting,
     Profile,
     Retention,
-    RoutingSummary,
     SitePart,
     VarianceShares,
     Variation,
@@ -208,84 +201,6 @@ def describe(cache: CoefficientCache, sites: Sequence[Site],
         for f, a in accumulators.items()}
     return Description(variance, {f: a.variation() for f, a in accumulators.items()},
                        {f: a.profile() for f, a in accumulators.items()}, original)
-
-
-ROUTING_NOTE = ("static-layer feeds every token of a layer the same logits, so all of them "
-                "select the same experts (one ranking per layer); static-layer-token, one "
-                "ranking per layer and token id; global-mean gives every expert "
-                "the same logit, so the routing rule's tie-break (torch.topk) picks the experts")
-
-
-def routing_summary(sites: Sequence[Any], runs: Sequence[Any], load: dict[str, Tensor],
-                    changed: Tensor | None, tokens: int) -> dict[str, RoutingSummary]:
-    """Per router family: each layer's expert load and its entropy under the original
-    routing, and the share of tokens whose top-k set each main condition changes
-    (random conditions averaged over their repeats). ``changed[i, j]`` counts the
-    re-routed tokens of ``runs[i]`` at ``sites[j]``; ``tokens`` per site."""
-    by_condition: dict[str, list[int]] = {}
-    for i, run in enumerate(runs):
-        by_condition.setdefault(run.condition, []).append(i)
-    out = {}
-    for family in dict.fromkeys(s.family for s in sites):
-        layers, totals = [], {c: 0.0 for c in by_condition}
-        members = [(j, s) for j, s in enumerate(sites) if s.family == family]
-        for j, site in members:
-            counts = load[site.name]
-            share = counts.double() / max(int(counts.sum()), 1)
-            nats, normalized = load_entropy(share)
-            frac = {}
-            for condition, rows in by_condition.items():
-                moved = float(changed[rows, j].sum()) if changed is not None else 0.0
-                frac[condition] = moved / (len(rows) * tokens)
-                totals[condition] += frac[condition]
-            layers.append(LayerRouting(site.name, site.layer, share.tolist(), nats, normalized,
-                                       frac))
-        out[family] = RoutingSummary(
-            num_experts=max(len(x.load) for x in layers), tokens=tokens, per_layer=layers,
-            changed={c: v / len(members) for c, v in totals.items()}, note=ROUTING_NOTE)
-    return out
-
-
-IMPORTANCE_NOTE = (
-    "each expert removed from every token's choice in its layer alone (its router logit set "
-    f"at least {ABLATION_MARGIN:g} below the token's other logits; the routing rule picks the "
-    "next expert and weights the chosen ones as the family does); delta = NLL of that replay "
-    "minus the correct replay's, 95% paired bootstrap interval over sequences")
-
-
-def expert_importance(runs: Sequence[Run], replayed: Sequence[np.ndarray],
-                      load: Mapping[str, Tensor], still: Tensor | None,
-                      options: AuditOptions) -> dict[str, ImportanceSummary]:
-    """Per router family, every ablated layer and expert: the penalty of its ablation run
-    with a paired interval, its load, and the token-slots that still chose it (``still[j]``
-    for the ``j``-th ablation run); an expert still chosen gets no penalty."""
-    assert still is not None  # every replay shard of an audit with ablations counts them
-    correct = replayed[0]
-    boot = paired_bootstrap(len(correct), options)
-    per_site: dict[Site, list[ExpertImportance]] = {}
-    ablated = [(run.target, values) for run, values in zip(runs, replayed, strict=True)
-               if isinstance(run.target, ExpertAblation)]
-    for j, (target, values) in enumerate(ablated):
-        counts = load[target.site.name].double()
-        share = float(counts[target.expert] / max(float(counts.sum()), 1.0))
-        picks = int(still[j])
-        if picks:
-            item = ExpertImportance(target.expert, None, None, share, picks, reason=(
-                f"the routing rule still picked it for {picks} token-slots with its logit at "
-                f"least {ABLATION_MARGIN:g} below every other expert's (a score bias in the "
-                "rule, or top-k as large as the number of experts), so no removal was measured"))
-        else:
-            delta, ci = penalty(values, correct, boot)
-            item = ExpertImportance(target.expert, delta, ci, share, 0)
-        per_site.setdefault(target.site, []).append(item)
-    out = {}
-    for family in dict.fromkeys(s.family for s in per_site):
-        members = [(s, items) for s, items in per_site.items() if s.family == family]
-        out[family] = ImportanceSummary(
-            num_experts=max(len(items) for _, items in members),
-            per_layer=[LayerImportance(s.name, s.layer, items) for s, items in members],
-            replays=sum(len(items) for _, items in members), note=IMPORTANCE_NOTE)
-    return out
 
 
 # ---------------------------------------------------------------------- parts

@@ -66,11 +66,9 @@ from fcaudit.report.report_parts import (  # noqa: F401 (_ordered: compare's too
     FIGURE_PLACES,
     T,
     _by_family,
-    _expert_importance,
     _figure_specs,
     _frontier,
     _ordered,
-    _routing,
 )
 from fcaudit.report.reproducibility import reproducibility_section
 from fcaudit.report.sections import analysis_sections
@@ -479,8 +477,8 @@ def _execution(r: AuditResult) -> list[str]:
 # the detail in the answers' order: an exit model's exits (its first answer) right after
 # the conditions table they come from, then dependence, variation, execution
 SECTIONS = (_conditions, stopping_section, exits_section, _retention, _interaction,
-            per_layer_section, variance_section, variation_section, _routing,
-            _expert_importance, _frontier, _execution, reproducibility_section)
+            per_layer_section, variance_section, variation_section, _frontier, _execution,
+            reproducibility_section)
 
 
 def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tuple[str, str]:

@@ -1,6 +1,5 @@
-"""Report sections about what is routed and skipped (routing, expert importance, the
-savings frontier) and the report's figures, with the ordering helpers every section
-uses; :mod:`fcaudit.report.audit_report` assembles them."""
+"""The savings frontier's report section and the report's figures, with the ordering
+helpers every section uses; :mod:`fcaudit.report.audit_report` assembles them."""
 
 from __future__ import annotations
 
@@ -17,8 +16,6 @@ from fcaudit.core.conditions import (
 from fcaudit.engine.result import (
     ETA2_KEYS,
     AuditResult,
-    ExpertImportance,
-    ImportanceSummary,
 )
 from fcaudit.report.figures import (
     FigureSpec,
@@ -34,7 +31,6 @@ from fcaudit.report.figures import (
 )
 from fcaudit.report.format import (
     fmt_num,
-    fmt_seq,
     fmt_with_ci,
 )
 from fcaudit.report.markdown import (
@@ -56,75 +52,6 @@ def _ordered(items: Mapping[str, T], canonical: Sequence[str]) -> list[tuple[str
 def _by_family(result: AuditResult, items: Mapping[str, T]) -> list[tuple[str, T]]:
     """Per-family entries in site order."""
     return _ordered(items, result.families)
-
-
-def _routing(r: AuditResult) -> list[str]:
-    """Routing-aware metrics of router families: expert load per layer and its entropy,
-    and the share of tokens each condition re-routes (beside their penalties)."""
-    if not r.routing:
-        return []
-    blocks = ["## Routing",
-              "For router sites: the expert load of the original routing per layer (share of "
-              "token-slots per expert) and its entropy (1 = perfectly balanced), and the share "
-              "of (token, layer) top-k expert sets each condition changes, beside its "
-              f"{r.loss_name()} penalty. Layer identity's share of the router-logit variance "
-              "is in the variance decomposition above."]
-    for fam, summary in _by_family(r, r.routing):
-        conditions = [c for c in r.conditions if c in summary.changed]
-        rows = [(md_code(c), f"{100 * summary.changed[c]:.1f}%",
-                 fmt_with_ci(r.conditions[c].delta, r.conditions[c].ci95)) for c in conditions]
-        per_layer = [(str(x.layer), md_code(x.site), f"{x.entropy_normalized:.3f}",
-                      fmt_seq([f"{v:.3f}" for v in x.load], str, limit=16),
-                      *(f"{100 * x.changed.get(c, 0.0):.1f}%" for c in conditions[:3]))
-                     for x in summary.per_layer]
-        blocks += [f"### Family {md_code(fam)} ({summary.num_experts} experts, "
-                   f"{fmt_num(summary.tokens)} tokens per layer)",
-                   md_table(("condition", "top-k sets changed", f"Δ {r.loss_name()} [95% CI]"),
-                            rows, "lrr"),
-                   md_table(("layer", "site", "load entropy / log E", "expert load",
-                             *(f"changed: {c}" for c in conditions[:3])), per_layer,
-                            "llrl" + "r" * len(conditions[:3])),
-                   f"Note: {md_text(summary.note)}."]
-    return blocks
-
-
-def _expert_importance(r: AuditResult) -> list[str]:
-    """Expert importance of router families: the 3 experts whose removal costs most and
-    the 3 that cost least, with intervals and loads; experts the rule still picked."""
-    if not r.expert_importance:
-        return []
-    blocks = ["## Expert importance",
-              "For each routed layer and expert, one replay with that expert removed from every "
-              "token's choice in that layer (the next expert takes its place, weighted as the "
-              f"family's routing rule does): its {r.loss_name()} change vs the correct "
-              "replay, beside its "
-              "load under the original routing. The layer x expert map is in the figures."]
-    for fam, summary in _by_family(r, r.expert_importance):
-        blocks += [f"### Family {md_code(fam)} ({summary.num_experts} experts, "
-                   f"{summary.replays} ablation replays)",
-                   *_importance_tables(summary, r.loss_name()),
-                   f"Note: {md_text(summary.note)}."]
-    return blocks
-
-
-def _importance_tables(summary: ImportanceSummary, loss: str) -> list[str]:
-    items = [(layer.layer, layer.site, x) for layer in summary.per_layer for x in layer.experts]
-    measured = sorted((i for i in items if i[2].delta is not None), key=lambda i: -i[2].delta)
-    ranked = [("most", i) for i in measured[:3]] + \
-        [("least", i) for i in measured[max(3, len(measured) - 3):]]
-
-    def row(rank: str, layer: int, site: str, x: ExpertImportance) -> tuple[str, ...]:
-        return (rank, str(layer), md_code(site), str(x.expert), fmt_with_ci(x.delta, x.ci95),
-                f"{100 * x.load:.1f}%", fmt_num(x.selected_after))
-    out = [md_table(("importance", "layer", "site", "expert", f"Δ {loss} removed [95% CI]",
-                     "load", "picked when removed"), [row(k, *i) for k, i in ranked], "lrlrrrr")] \
-        if ranked else []
-    kept = [f"layer {layer} expert {x.expert} ({fmt_num(x.selected_after)} token-slots)"
-            for layer, _, x in items if x.delta is None]
-    if kept:
-        out.append(f"Not removable, so no importance measured: the routing rule still picked "
-                   f"{md_text(', '.join(kept))} with its logit far below the others.")
-    return out
 
 
 def _frontier(r: AuditResult) -> list[str]:

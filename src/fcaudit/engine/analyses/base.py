@@ -7,9 +7,42 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # reading an audit.json loads no torch
+    from torch import Tensor
+
+    from fcaudit.core.contract import Site
     from fcaudit.core.interventions import Intervention
 
 Section = Any  # an instance of the analysis's section_type, else plain JSON types
+
+
+class Target:
+    """What a run intervenes on (:mod:`fcaudit.engine.plan` has the audit's own: every
+    site, one site, a frontier point, the user's function; an analysis may plan its own,
+    such as one router's expert removed). Each says its run's key, its part of the run's
+    digest identity and what it feeds (``run``: a :class:`~fcaudit.engine.plan.Run`,
+    ``inputs``: its :class:`~fcaudit.engine.plan.ReplayInputs`; typed loosely, as
+    :class:`Analysis`, so that reading an audit.json loads no torch)."""
+
+    counts_rerouting = False  # its re-routing rows are kept in the replay shard
+    condition = ""  # an analysis's own target: the condition its runs are named by
+
+    @property
+    def only_site(self) -> Site | None:
+        """The one site the run changes (per-layer and ablation runs), else None."""
+        return None
+
+    def key(self, condition: str) -> str:
+        return condition
+
+    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
+        """(the one site's name, a user intervention, the ablated expert, the frontier
+        point's key): what, besides the condition and repeat, names the run in digests."""
+        return (None, False, None, None)
+
+    def feed(self, run: Any, b: int, inputs: Any,
+             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
+        """The tensors fed where they differ from the recorded (``correct``) ones."""
+        raise NotImplementedError
 
 
 def _no_metrics(section: Section) -> Mapping[str, float | None]:
@@ -20,14 +53,15 @@ def _no_metrics(section: Section) -> Mapping[str, float | None]:
 class Analysis:
     """One analysis: ``plan`` (the :class:`~fcaudit.engine.options.Prepared` audit and its
     :class:`~fcaudit.engine.probe.Probe` -> the functions to replay, each
-    ``(coefficients, context) -> tensors to feed``, as user interventions are),
+    ``(coefficients, context) -> tensors to feed``, as user interventions are, or its own
+    :class:`Target`, replayed once each),
     ``summarise`` (the :class:`~fcaudit.engine.analyses.runs.Measured` runs, found by
     :meth:`run_key`, and the analysis itself -> its section, or None to leave none) and
     ``metrics`` (its section -> named numbers). Typed loosely here so that the result and
     the report can read this module without the engine's passes."""
 
     name: str
-    plan: Callable[[Any, Any], Sequence[Intervention]]
+    plan: Callable[[Any, Any], Sequence[Intervention | Target]]
     summarise: Callable[[Any, Analysis], Section | None]
     metrics: Callable[[Section], Mapping[str, float | None]] = field(default=_no_metrics)
     # the section's dataclass, read back strictly from audit.json (None: plain JSON types)

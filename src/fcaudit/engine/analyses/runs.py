@@ -6,18 +6,22 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import get_origin
 
 import numpy as np
 from torch import Tensor
 
+from fcaudit.core.conditions import CORRECT
 from fcaudit.core.contract import Site
 from fcaudit.core.interventions import Intervention, StaticProfiles
 from fcaudit.engine.analyses import ANALYSES, Analysis, Section
+from fcaudit.engine.analyses.base import Target
 from fcaudit.engine.options import Prepared
-from fcaudit.engine.plan import ReplayInputs, Run, Target, custom_feed
+from fcaudit.engine.plan import AllSites, ReplayInputs, Run, custom_feed
 from fcaudit.engine.probe import Probe
 from fcaudit.engine.result import dump
 from fcaudit.engine.result_parts import ConditionResult
+from fcaudit.engine.stages import Replays
 from fcaudit.engine.summary import condition_result, paired_bootstrap
 
 
@@ -42,12 +46,21 @@ class AnalysisRun(Target):
 
 @dataclass(frozen=True)
 class Measured:
-    """What an analysis summarises from: the prepared audit and every run's per-sequence
-    losses by run key (repeats in order), with the audit's one bootstrap stream."""
+    """What an analysis summarises from: the prepared audit, every run in plan order with
+    its per-sequence losses by run key (repeats in order), the replays' routing counts,
+    the calibration profiles and the probe's coefficient shapes."""
 
     setup: Prepared
     repeats: Mapping[str, list[np.ndarray]]
     profiles: StaticProfiles  # the calibration set's static profiles
+    runs: Sequence[Run]
+    replays: Replays
+    shapes: Mapping[str, tuple[int, ...]]  # each site's coefficients on the probe's batch
+
+    def tracked_runs(self) -> list[Run]:
+        """The runs whose re-routing the replays count (main conditions other than
+        correct), in the rows' order."""
+        return [r for r in self.runs if isinstance(r.target, AllSites) and r.condition != CORRECT]
 
     def condition(self, key: str) -> ConditionResult:
         """Run ``key`` against correct, as the conditions table states a condition: mean
@@ -57,26 +70,31 @@ class Measured:
         return condition_result(per_seq, self.repeats, key, boot)
 
 
-def analysis_runs(setup: Prepared, first: Probe) -> list[Run]:
-    """Every registered analysis's runs, in registry order (after the plan's own)."""
-    return [Run(a.name, k, AnalysisRun(a, iv)) for a in ANALYSES.values()
-            for iv in a.plan(setup, first) for k in range(iv.repeats)]
+def analysis_runs(setup: Prepared, first: Probe) -> tuple[Run, ...]:
+    """Every registered analysis's runs, in registry order: its own targets once each
+    (named by their condition), its interventions once per repeat."""
+    return tuple(run for a in ANALYSES.values() for planned in a.plan(setup, first)
+                 for run in ([Run(planned.condition, 0, planned)] if isinstance(planned, Target)
+                             else [Run(a.name, k, AnalysisRun(a, planned))
+                                   for k in range(planned.repeats)]))
 
 
-def analysis_sections(setup: Prepared, runs: Sequence[Run], per_run: Sequence[np.ndarray],
-                      profiles: StaticProfiles) -> dict[str, Section]:
+def analysis_sections(setup: Prepared, runs: Sequence[Run], replays: Replays,
+                      profiles: StaticProfiles, shapes: Mapping[str, tuple[int, ...]]
+                      ) -> dict[str, Section]:
     """Each analysis's section from the measured runs, leaving out those that return None:
     an instance of its ``section_type``, else plain JSON types (as audit.json reads back)."""
     repeats: dict[str, list[np.ndarray]] = {}
-    for run, values in zip(runs, per_run, strict=True):
+    for run, values in zip(runs, replays.per_run, strict=True):
         repeats.setdefault(run.key, []).append(values)
-    measured, out = Measured(setup, repeats, profiles), {}
+    measured, out = Measured(setup, repeats, profiles, runs, replays, shapes), {}
     for analysis in ANALYSES.values():
         section = analysis.summarise(measured, analysis)
         if section is None:
             continue
         if analysis.section_type is not None:
-            assert isinstance(section, analysis.section_type), (analysis.name, section)
+            assert isinstance(section, get_origin(analysis.section_type) or
+                              analysis.section_type), (analysis.name, section)
             out[analysis.name] = section
         else:
             out[analysis.name] = json.loads(json.dumps(dump(section)))

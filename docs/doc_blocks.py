@@ -17,9 +17,9 @@ from typing import Any
 from fcaudit.engine.result import token_id_words
 from fcaudit.engine.verdicts import WEAK_RETENTION
 from fcaudit.io.fileio import read_json
-from fcaudit.study import exits as exit_study
+from fcaudit.study import presets as study_presets
 from fcaudit.study import trend
-from fcaudit.study.reproduce import PAPER
+from fcaudit.study.presets import PAPER
 
 DEMO = "docs/results/demo.json"
 STUDY = "docs/results/study-tiny.json"
@@ -592,7 +592,7 @@ def _raw_token_note(v: Mapping[str, Any]) -> str:
 def study_exit(r: Results) -> str:
     """The study writes its own table cells from its aggregates; they are copied as they are."""
     v = r.json(EXIT)
-    return own_table(v, exit_study.COLUMNS, "l", (
+    return own_table(v, [head for head, _ in study_presets.PRESETS["exit"].columns], "l", (
         study_command(v, "family") + ", each with its full-depth twin trained "
         "alongside; penalties in the task's loss (nats per token for the LMs, per "
         "image for the digits) against the learned exit rule, with the span of the seeds' "

@@ -19,7 +19,8 @@ from fcaudit import AuditData, AuditOptions
 from fcaudit.engine.exits import degenerate
 from fcaudit.engine.result import AuditResult
 from fcaudit.models.ponder import PonderConfig, PonderGPT
-from fcaudit.study.exits import findings
+from fcaudit.study import declare
+from fcaudit.study.presets import PRESETS
 
 STEPS = 4
 CFG = PonderConfig(vocab_size=61, block_size=16, n_layer=1, n_head=2, n_embd=16,
@@ -103,7 +104,8 @@ def test_the_exit_study_does_not_count_a_degenerate_seed_as_computing_less():
     flops = float(np.mean([a.execution.flops_ratio for a in audits]))
     assert flops < 0.99  # both run fewer FLOPs than the twin ...
     group = {"audits": audits, "aggregate": {"flops_ratio": {"mean": flops}}}
-    found = dict(findings({"ponder-tiny": group}))
+    exit_study = PRESETS["exit"]
+    found = dict(declare.findings({"ponder-tiny": group}, exit_study.findings, exit_study.missing))
     claim = found["ponder (PonderNet): early exit computes less than the full-depth twin"]
     assert claim.startswith("does not hold")  # ... but one seed's rule does not adapt
     assert "the rule does not adapt in 1 of 2 seeds" in claim

@@ -21,7 +21,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from fcaudit.api import (
@@ -44,23 +43,15 @@ from fcaudit.api import (
 )
 from fcaudit.core.conditions import (
     FRONTIER,
-    RANDOM_CONDITIONS,
-    REASSIGN,
-    RETENTION_PROFILES,
-    SHUFFLE,
-    STATIC_CONDITIONS,
     STATIC_LAYER,
     by_kind,
 )
 from fcaudit.core.errors import FcauditError, UsageError, arg
 from fcaudit.core.nll import logits_of
-from fcaudit.core.registry import refusal
-from fcaudit.engine import result_views as keys  # metric keys, derived from condition names
-from fcaudit.engine.inputs import as_loaded
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.objectives import CLASSIFICATION
-from fcaudit.engine.result import ETA2_KEYS, AuditResult, token_id_words
-from fcaudit.engine.run import AuditOptions
+from fcaudit.engine.result import ETA2_KEYS, AuditResult
+from fcaudit.engine.run import AuditOptions, as_loaded
 from fcaudit.io import digits
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter, read_json, write_json
@@ -68,90 +59,13 @@ from fcaudit.io.loading import LoadedModel, get_arch, is_run_folder
 from fcaudit.io.outdir import STUDY_RESULTS, hold_output
 from fcaudit.io.results import replacing_results
 from fcaudit.io.runtime import versions
-from fcaudit.study import exits, paper, ssm, trend, vision
+from fcaudit.study import declare, trend
+from fcaudit.study.declare import over_seeds
+from fcaudit.study.presets import PAPER, PRESETS, ROWS, Group, study
 from fcaudit.study.train import TrainPreset, check_train_data, reads_text, run_schedule, train
 from fcaudit.study.trend import SeedResult
 
 SCHEMA = "fcaudit.reproduction/1"
-
-
-@dataclass(frozen=True)
-class Group:
-    """One model family at one size, trained and audited over several seeds."""
-
-    arch: str
-    preset: str
-    seeds: int
-    dense: str | None = "own"  # "own": the trained Dense twin of the same seed; or the
-    # twin's arch (the vision families' dense-vit, dense-cnn), trained at the same preset
-    schedule: TrainPreset | None = None  # None: the preset's own training settings
-    point: str = ""  # a trend point (size and length, "tiny-600"); names the run folders
-    task: str | None = None  # a synthetic task (fcaudit train --task); None: the corpus
-
-    @property
-    def stem(self) -> str:
-        return "-".join(filter(None, (self.task, self.point or self.preset)))
-
-    @property
-    def name(self) -> str:
-        return f"{self.arch}-{self.stem}"
-
-    @property
-    def dense_arch(self) -> str | None:
-        return "dense" if self.dense == "own" else self.dense
-
-
-STUDY_PRESETS = ("tiny", "paper", "trend", "vision", "ssm", "exit")
-
-
-def study(preset: str, seeds: int | None) -> list[Group]:
-    """The groups of a study preset (``--seeds`` overrides every group's seed count);
-    the groups of one trend point are consecutive."""
-    if preset == "tiny":
-        n = seeds or 3
-        # soft gating, dynamic cross-layer mixing and hard routing (the three kinds the paper
-        # separates), plus SkipGate: the positive control for real conditional execution
-        return [Group("featuregate", "tiny", n), Group("mudd", "tiny", n, dense=None),
-                Group("moe", "tiny", n), Group("skipgate", "tiny", 1)]
-    if preset == "paper":
-        return [Group("featuregate", "76m", seeds or 7), Group("featuregate", "504m", seeds or 3)]
-    if preset == "vision":  # routing, per-example kernel mixing, token pruning (on digits)
-        n = seeds or 3
-        return [Group("vit-moe", "tiny", n, dense="dense-vit"),
-                Group("tokenprune", "tiny", n, dense="dense-vit"),
-                Group("condconv", "tiny", n, dense="dense-cnn")]
-    if preset == "ssm":  # selection vs its LTI twin, on the corpus and on selective copying
-        n = seeds or 3
-        return [Group("mamba", "tiny", n, dense="s4d", schedule=ssm.CORPUS_SCHEDULE),
-                Group("mamba", "tiny", n, dense="s4d", task=ssm.TASK)]
-    if preset == "exit":  # early exit and adaptive depth, each beside its full-depth twin
-        n = seeds or 3
-        return [Group("earlyexit", "tiny", n), Group("ponder", "tiny", n, dense="dense-ponder"),
-                Group("branchy", "tiny", n, dense="dense-cnn")]
-    if preset == "trend":
-        n = seeds or trend.SEEDS
-        return [Group(arch, p.size, n, dense="own" if arch == "featuregate" else None,
-                      schedule=p.schedule, point=p.name)
-                for p in trend.LADDER for arch in p.arches]
-    raise refusal(f"unknown study preset {preset!r}", preset, list(STUDY_PRESETS))
-
-
-# The studies with a table and findings of their own (each module's ``TITLE``, ``table``
-# and ``findings``), written under the preset's name in reproduction.json.
-OWN_TABLES = {"vision": vision, "ssm": ssm, "exit": exits}
-
-# What the paper reported (fcaudit.study.paper), shown beside our aggregates.
-PAPER = {
-    "featuregate": {keys.RETENTION_LAYER: paper.retention_text(),
-                    "eta2_layer": paper.eta2_text(), "blocks": "every block runs",
-                    "speed_ratio": f"{paper.SPEED_RATIO} "
-                                   f"({100 * (paper.SPEED_RATIO - 1):.1f}% slower than Dense)"},
-    "mudd": {REASSIGN: f"+{paper.MUDD[keys.DELTA_REASSIGN]} nats (MUDDPythia-1.4B)",
-             SHUFFLE: f"+{paper.MUDD[keys.DELTA_SHUFFLE]} nats",
-             "static": "static replacement also hurts strongly", "blocks": "every block runs"},
-    "moe": {"routing": "the paper names sparse experts and token routing as dynamic "
-                       "mechanisms; it reports no MoE measurement"},
-}
 
 
 # The penalties aggregated and plotted: every condition but the reference ones.
@@ -297,135 +211,6 @@ def _fmt(stats: Mapping[str, Any] | None, digits: int = 4, pct: bool = False) ->
             f"{stats['max']:.{digits}f}, n={stats['n']})")
 
 
-ROWS: tuple[tuple[str, str, int, bool], ...] = (
-    (keys.NLL_CORRECT, "NLL (correct replay; classification: cross-entropy)", 4, False),
-    (keys.ACCURACY_CORRECT, "accuracy (correct replay)", 4, False),
-    ("twin_accuracy", "dense twin's accuracy", 4, False),
-    *((keys.delta_key(n), f"penalty: {n}", 4, False) for n in RANDOM_CONDITIONS),
-    ("interaction", "factorial interaction", 4, False),
-    *((keys.delta_key(n), f"penalty: {n}", 4, False) for n in STATIC_CONDITIONS),
-    *((keys.retention_key(p), f"retention: {p}", 2, True) for p in RETENTION_PROFILES),
-    ("eta2_layer", "eta2 layer", 3, False),
-    ("eta2_position", "eta2 position", 3, False),
-    ("eta2_layer_position", "eta2 layer x position", 3, False),
-    ("eta2_component", "eta2 component (which entry of a coefficient vector)", 3, False),
-    ("eta2_residual", "eta2 residual (content)", 3, False),
-    ("eta2_token_id", "token-id share of within-layer variance", 3, False),
-    ("eta2_token_id_chance", "its chance level, (ids - 1) / (tokens - 1)", 3, False),
-    ("epsilon2_token_id", "token-id share beyond chance (epsilon squared)", 3, False),
-    ("blocks_executed_fraction", "blocks executed / present", 3, False),
-    ("flops_ratio", "FLOPs ratio vs dense", 3, False),
-    ("experts_executed_fraction", "experts executed / present", 3, False),
-    ("tokens_executed_fraction", "patch tokens entering blocks / dense twin's", 3, False),
-    *((keys.rerouted_key(n), f"expert sets re-routed: {n}", 3, False) for n in keys.REROUTED),
-    ("speed_ratio", "time ratio vs dense", 3, False),
-    ("frontier_gap_25", "frontier gap at 25% FLOPs saved (best static - dynamic, nats)", 4,
-     False),
-    ("frontier_own_delta", "own-threshold frontier point: penalty (nats)", 4, False),
-    ("frontier_own_flops_saved", "own-threshold frontier point: FLOPs saved, counted", 3,
-     False),
-    ("frontier_measured_flops_saved", "FLOPs saved measured against dense", 3, False),
-    ("frontier_on_curve", "on its own dynamic curve (1 = yes)", 0, False),
-)
-
-
-def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
-    """Each of the paper's findings, and whether it holds at this scale (from the numbers)."""
-    out = []
-    fg = next((g for n, g in groups.items() if n.startswith("featuregate")), None)
-    mudd = next((g for n, g in groups.items() if n.startswith("mudd")), None)
-
-    def mean(g: Mapping[str, Any] | None, key: str) -> float | None:
-        return None if g is None else (g["aggregate"].get(key) or {}).get("mean")
-
-    ret = mean(fg, keys.RETENTION_LAYER)
-    if fg is not None:
-        out.append(("FeatureGate: a static per-layer profile keeps almost all (>= 90%) of the "
-                    "Correct-to-GlobalMean gap (paper: "
-                    f"{' / '.join(f'{v:.2f}%' for v in paper.RETENTION.values())})",
-                    "undefined (no clear gap)" if ret is None else
-                    f"{'holds' if ret >= 90 else 'does not hold'}: {ret:.2f}% on average"))
-        eta = mean(fg, "eta2_layer")
-        out.append(("FeatureGate: layer identity explains most of the coefficient variance "
-                    f"(paper: {paper.eta2_text()})",
-                    f"{'holds' if eta is not None and eta >= 0.8 else 'does not hold'}: "
-                    f"{100 * (eta or 0):.1f}% on average"))
-        frac = mean(fg, "blocks_executed_fraction")
-        if frac is not None:
-            out.append(("FeatureGate runs every block",
-                        f"{'holds' if frac >= 0.999 else 'does not hold'}: {frac:.3f} of "
-                        "blocks executed per token"))
-        speed = mean(fg, "speed_ratio")
-        if speed is not None:
-            out.append(("FeatureGate is slower than Dense (paper: "
-                        f"{100 * (paper.SPEED_RATIO - 1):.1f}% slower)",
-                        f"{'holds' if speed > 1 else 'does not hold'}: time ratio "
-                        f"{speed:.3f} on average"))
-    if mudd is not None:
-        r, s = mean(mudd, keys.DELTA_REASSIGN), mean(mudd, keys.DELTA_SHUFFLE)
-        out.append(("MUDD: reassignment and token shuffling raise NLL strongly (paper: +1.91 "
-                    "and +2.96 nats on MUDDPythia-1.4B)",
-                    f"{'holds' if min(r, s) > 0.1 else 'does not hold'}: reassign {r:+.3f}, "
-                    f"shuffle {s:+.3f} nats on average"))
-        if fg is not None:
-            fr = mean(fg, keys.DELTA_REASSIGN)
-            # every MUDD seed above every FeatureGate seed: the seed ranges do not overlap
-            apart = mudd["aggregate"][keys.DELTA_REASSIGN]["min"] > \
-                fg["aggregate"][keys.DELTA_REASSIGN]["max"]
-            out.append(("The contrast: MUDD depends on the assignment more than FeatureGate",
-                        f"{'holds' if apart else 'does not hold'}: reassign penalty {r:+.3f} "
-                        f"(MUDD) vs {fr:+.3f} (FeatureGate), seed ranges "
-                        f"{'apart' if apart else 'overlap'}"))
-        frac = mean(mudd, "blocks_executed_fraction")
-        if frac is not None:
-            out.append(("MUDD runs every block", f"{'holds' if frac >= 0.999 else 'does not hold'}"
-                                                 f": {frac:.3f} of blocks executed per token"))
-    out += _routing_findings(next((g for n, g in groups.items() if n.startswith("moe")), None),
-                             mean)
-    return out + _token_findings(groups, mean)
-
-
-TOKEN_GROUPS = (("featuregate", "FeatureGate"), ("mudd", "MUDD"), ("moe", "MoE"))
-
-
-def _token_findings(groups: Mapping[str, Mapping[str, Any]], mean: Any) -> list[tuple[str, str]]:
-    """Beyond the paper: how much a static profile per (layer, token id) keeps, and how
-    much of the within-layer variance the token id explains, per controller kind."""
-    out = []
-    for prefix, label in TOKEN_GROUPS:
-        group = next((g for n, g in groups.items() if n.startswith(f"{prefix}-")), None)
-        if group is None:
-            continue
-        ret, share = mean(group, keys.RETENTION_LAYER_TOKEN), mean(group, "eta2_token_id")
-        words = None if share is None else token_id_words(
-            share, mean(group, "eta2_token_id_chance"), mean(group, "epsilon2_token_id"))
-        out.append((f"{label}: a static profile per (layer, token id) (not in the paper)",
-                    ("retention undefined (no clear gap)" if ret is None else
-                     f"keeps {ret:.2f}% of the gap on average")
-                    + ("; no variance within layers" if words is None else
-                       f"; of the within-layer variance, the token id {words} on average")))
-    return out
-
-
-def _routing_findings(moe: Mapping[str, Any] | None, mean: Any) -> list[tuple[str, str]]:
-    """Hard routing (our MoE), the third kind of controller the paper separates."""
-    if moe is None:
-        return []
-    out = []
-    share = mean(moe, "experts_executed_fraction")
-    if share is not None:
-        out.append(("MoE (hard routing): routing changes what is computed",
-                    f"{'holds' if share < 0.99 else 'does not hold'}: each token runs "
-                    f"{100 * share:.1f}% of the experts (2 of 8 per layer when it holds)"))
-    r, moved = mean(moe, keys.DELTA_REASSIGN), mean(moe, keys.rerouted_key(REASSIGN))
-    if r is not None and moved is not None:
-        out.append(("MoE: the frozen model depends on its routing staying matched to the input",
-                    f"{'holds' if r > 0.1 else 'does not hold'}: reassigning router logits "
-                    f"re-routes {100 * moved:.1f}% of the (token, layer) expert sets and costs "
-                    f"{r:+.3f} nats on average"))
-    return out
-
-
 # ------------------------------------------------------------------------------- report
 
 RATIOS = (("flops_ratio", "FLOPs"), ("speed_ratio", "time"),
@@ -441,9 +226,8 @@ def _seed_span(stats: Mapping[str, Any] | None) -> Span:
 def _figure_specs(groups: Mapping[str, Mapping[str, Any]]) -> list[FigureSpec]:
     profiles = {name: [(f"seed {seed}", a.profiles[a.families[0]])
                        for seed, a in enumerate(g["audits"])] for name, g in groups.items()}
-    penalties = {name: {c: Span(float(np.mean([a.conditions[c].delta for a in g["audits"]])),
-                                min(a.conditions[c].ci95[0] for a in g["audits"]),
-                                max(a.conditions[c].ci95[1] for a in g["audits"]))
+    penalties = {name: {c: over_seeds([a.conditions[c].delta for a in g["audits"]],
+                                      [a.conditions[c].ci95 for a in g["audits"]])
                         for c in CONDITIONS  # not those a layout has no use for (no positions)
                         if all(c in a.conditions for a in g["audits"])}
                  for name, g in groups.items()}
@@ -472,16 +256,14 @@ def _markdown(result: Mapping[str, Any], figures: Sequence[RenderedFigure]) -> s
     listing = ", ".join(f"{md_text(n)} ({len(g['audits'])})" for n, g in groups.items())
     blocks = ["# fcaudit reproduction: Dynamic Parameterization Is Not Dynamic Inference",
               f"Study preset {md_text(result['preset'])}; groups (seeds): {listing}."]
-    for key, module in OWN_TABLES.items():
-        if result.get(key):
-            rows = result[key]
-            blocks += [f"## {module.TITLE}",
-                       md_table(tuple(rows[0]), ([md_text(v) for v in r.values()] for r in rows),
-                                "l" * len(rows[0]))]
+    rows = result.get(result["preset"])
+    if rows:
+        blocks += [f"## {PRESETS[result['preset']].title}",
+                   md_table(tuple(rows[0]), ([md_text(v) for v in r.values()] for r in rows),
+                            "l" * len(rows[0]))]
     if result["findings"]:
-        own = any(result.get(key) for key in OWN_TABLES)
         blocks += ["## Findings at this scale",
-                   md_table(("finding" if own else "paper finding", "here"),
+                   md_table(("finding" if rows else "paper finding", "here"),
                             ((md_text(f), md_text(v)) for f, v in result["findings"]), "ll")]
     else:
         blocks += ["## Findings across scales",
@@ -577,15 +359,16 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
                        None, clock)
         groups["mudd-checkpoint"] = {"audits": [audit], "per_seed": [audit.metrics()],
                                      "aggregate": aggregate([audit.metrics()])}
+    declared = PRESETS[preset]
     command = command or shlex.join(["fcaudit", "reproduce", "--preset", preset, "--out",
                                      str(out)])
     result = {"schema": SCHEMA, "preset": preset, "command": command, "groups": groups,
               # one scale's findings; a trend's are in trend.md, point by point
-              "findings": [] if preset == "trend" else
-              OWN_TABLES[preset].findings(groups) if preset in OWN_TABLES else findings(groups),
+              "findings": declare.findings(groups, declared.findings, declared.missing),
               "versions": versions()}
-    if preset in OWN_TABLES:
-        result[preset] = OWN_TABLES[preset].table(groups)
+    if declared.columns:
+        result[preset] = declare.table(groups, declared.rows, declared.columns,
+                                       declared.missing)
     if preset == "trend":
         trend.write_trend(out / trend.POINTS, out, command, files)
     figures = write_figures(_figure_specs(groups), out / "figures", files)

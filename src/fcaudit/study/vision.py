@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fcaudit.api import ProgressReporter
-from fcaudit.core.conditions import REASSIGN, SHUFFLE, STATIC_LAYER_POSITION
 from fcaudit.core.registry import refusal
-from fcaudit.engine.result_views import ACCURACY_CORRECT, RETENTION_LAYER, RETENTION_LAYER_POSITION
 from fcaudit.io import digits
 from fcaudit.io.loading import Arch
-from fcaudit.study.seeds import group_mean, penalty
 from fcaudit.study.train import adamw, building, lr_at, write_run
 
 
@@ -122,81 +118,3 @@ def train_vision(arch: Arch, preset: str, seed: int, out: Path, tp: VisionSchedu
             "results": {**scores, "n_params": sum(p.numel() for p in model.parameters()),
                         "train_wall_s": round(wall, 2), "device": device}})
     return out
-
-
-# ------------------------------------------------- the study's table and findings (reproduce)
-
-FAMILIES = (("vit-moe", "ViT-MoE"), ("tokenprune", "TokenPrune"), ("condconv", "CondConv"))
-TITLE = ("Vision families on digits (mean over seeds; penalties in nats of cross-entropy, "
-         "[span of the seeds' 95% intervals])")
-
-
-def _penalty(group: Mapping[str, Any], condition: str) -> str:
-    return penalty(group["audits"], condition, "not applicable (no position axis)")
-
-
-def _num(value: float | None, spec: str, suffix: str = "") -> str:
-    return "n/a" if value is None else f"{value:{spec}}{suffix}"
-
-
-def table(groups: Mapping[str, Mapping[str, Any]]) -> list[dict[str, str]]:
-    """One row per vision family: means over seeds (penalties: mean [span of the seeds'
-    95% intervals], in nats of cross-entropy); execution against the trained twin."""
-    rows = []
-    for prefix, label in FAMILIES:
-        group = next((g for n, g in groups.items() if n.startswith(f"{prefix}-")), None)
-        if group is None:
-            continue
-        executed = group_mean(group, "experts_executed_fraction")
-        unit = "experts"
-        if executed is None:
-            executed, unit = group_mean(group, "tokens_executed_fraction"), "patch tokens"
-        retention = group_mean(group, RETENTION_LAYER)
-        per_patch = group_mean(group, RETENTION_LAYER_POSITION)
-        rows.append({
-            "family": label, "seeds": str(len(group["audits"])),
-            "accuracy (twin)": f"{_num(group_mean(group, ACCURACY_CORRECT), '.3f')} "
-                               f"({_num(group_mean(group, 'twin_accuracy'), '.3f')})",
-            REASSIGN: _penalty(group, REASSIGN), SHUFFLE: _penalty(group, SHUFFLE),
-            "static-layer retention": "undefined" if retention is None else f"{retention:.1f}%",
-            "static-layer-position retention": "not applicable"
-            if STATIC_LAYER_POSITION not in group["audits"][0].conditions
-            else "undefined" if per_patch is None else f"{per_patch:.1f}%",
-            "executed": "every block, one mixed kernel per example" if executed is None
-            else f"{100 * executed:.1f}% of the {unit}",
-            "FLOPs vs twin": _num(group_mean(group, "flops_ratio"), ".3f", "x"),
-            "latency vs twin": _num(group_mean(group, "speed_ratio"), ".2f", "x")})
-    return rows
-
-
-def findings(groups: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
-    """What each family shows on the three questions, from the numbers."""
-    out = []
-    for prefix, label in FAMILIES:
-        group = next((g for n, g in groups.items() if n.startswith(f"{prefix}-")), None)
-        if group is None:
-            continue
-        audits = group["audits"]
-        above = sum(a.conditions[REASSIGN].ci95[0] > 0 for a in audits)
-        out.append((f"{label}: the frozen model needs its coefficients matched to the image",
-                    f"{'holds' if above == len(audits) else 'does not hold'}: the reassign "
-                    f"penalty's interval lies above 0 in {above} of {len(audits)} seeds; "
-                    f"reassigning costs {_penalty(group, REASSIGN)} nats"))
-        out += _execution(label, group)
-    return out
-
-
-def _execution(label: str, group: Mapping[str, Any]) -> list[tuple[str, str]]:
-    flops = group_mean(group, "flops_ratio")
-    experts = group_mean(group, "experts_executed_fraction")
-    if flops is None:
-        return []
-    if experts is not None:  # routing saves against running every expert, not the twin
-        return [(f"{label}: routing changes which experts run",
-                 f"{'holds' if experts < 0.99 else 'does not hold'}: each patch token runs "
-                 f"{100 * experts:.1f}% of the experts; FLOPs {flops:.3f}x the dense twin, "
-                 "whose MLP has the active experts' width")]
-    saves = flops < 0.99
-    return [(f"{label}: the mechanism computes less than its dense twin",
-             f"{'holds' if saves else 'does not hold'}: FLOPs {flops:.3f}x the twin"
-             + ("" if saves else "; every example runs the full network"))]

@@ -1,0 +1,342 @@
+"""A study preset as data: its groups, its table's columns and its findings, and the one
+place that turns seeds into what the tables and findings say.
+
+A column or a finding's text is a format string whose fields name *cells*: a bare
+metric key is its mean over seeds, ``{penalty reassign}`` the condition's penalty as the
+mean over seeds with the span of the seeds' intervals, and so on (:data:`CELLS`). A
+finding is the claim, the checks it makes (a metric or cell, a comparison, a threshold)
+and the text said after its verdict. Every preset so reads the same numbers the same way
+(:mod:`fcaudit.study.presets` declares them; :mod:`fcaudit.study.reproduce` runs them).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fcaudit.api import Span
+from fcaudit.core.conditions import STATIC_LAYER_POSITION
+from fcaudit.engine.result import AuditResult, token_id_words
+
+Group = Mapping[str, Any]  # a study group: its "audits", "per_seed" and "aggregate"
+
+
+def over_seeds(values: Sequence[float], cis: Sequence[Sequence[float]]) -> Span:
+    """The mean over seeds with the span of the seeds' 95% intervals (lowest low to
+    highest high): how every study reports an estimate over seeds."""
+    return Span(float(np.mean(values)), min(c[0] for c in cis), max(c[1] for c in cis))
+
+
+def spanned(estimates: Sequence[Any], spec: str, unit: str = "") -> str:
+    """``mean<unit> [low, high]`` of estimates with ``value`` and ``ci95``."""
+    s = over_seeds([e.value for e in estimates], [e.ci95 for e in estimates])
+    return f"{s.value:{spec}}{unit} [{s.lo:{spec}}, {s.hi:{spec}}]"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    value: float
+    ci95: Sequence[float]
+
+
+class Seeds(dict):
+    """One group's seeds as the cells of a format string see them (``str.format_map``):
+    a field is a metric key (its mean over seeds) or ``"<cell> <argument>"``."""
+
+    def __init__(self, group: Group, label: str = "", missing: str = "not run",
+                 other: Seeds | None = None) -> None:
+        super().__init__()
+        self.group, self.label, self.missing, self.other = group, label, missing, other
+        self.audits: Sequence[AuditResult] = group["audits"]
+        self.n = len(self.audits)
+        self.holds = False  # a finding's verdict, for the text said after it
+
+    def mean(self, key: str) -> float | None:
+        return (self.group["aggregate"].get(key) or {}).get("mean")
+
+    def __missing__(self, field: str) -> Any:
+        name, _, argument = field.partition(" ")
+        if name == "vs":
+            assert self.other is not None
+            return self.other[argument]
+        return CELLS[name](self, argument) if name in CELLS else self.mean(field)
+
+
+def _penalty(g: Seeds, condition: str) -> str:
+    if not all(condition in a.conditions for a in g.audits):
+        return g.missing
+    found = [a.conditions[condition] for a in g.audits]
+    return spanned([Estimate(c.delta, c.ci95) for c in found], "+.3f")
+
+
+def _shares(g: Seeds, estimates: Sequence[Any], undefined: str, seeds_word: bool) -> str:
+    """Shares in percent over the seeds where each is defined, with how many are not."""
+    defined = [s for s in estimates if s.value is not None]
+    if not defined:
+        return undefined
+    missing = len(estimates) - len(defined)
+    said = (f"{missing} seed{'s' * (missing > 1)}" if seeds_word else
+            f"{missing} of {len(estimates)} seeds")
+    return spanned(defined, ".1f", "%") + (f" ({said} undefined)" if missing else "")
+
+
+def _retention(g: Seeds, profile: str) -> str:
+    """Mean static-profile retention over the seeds where defined; on a task scored by
+    accuracy, the same share on accuracy beside it (a loss gap can mislead when the
+    global-mean baseline is worse than guessing)."""
+    if not all(profile in a.conditions for a in g.audits):
+        return "not applicable"
+    undefined = "undefined (no clear gap)"
+    text = _shares(g, [a.retention[profile] for a in g.audits], undefined, True)
+    accuracy = [a.retention[profile].accuracy for a in g.audits]
+    return text if None in accuracy else \
+        f"{text}; on accuracy {_shares(g, accuracy, undefined, True)}"
+
+
+def _exit_retention(g: Seeds, profile: str) -> str:
+    if not all(profile in a.retention for a in g.audits):
+        return "not run"
+    return _shares(g, [a.retention[profile] for a in g.audits], "undefined (no clear gap)",
+                   False)
+
+
+def _gap_closed(g: Seeds, _: str) -> str:
+    """The share of the fixed-to-oracle gap the learned rule closes."""
+    shares = [a.exits.gap_closed for a in g.audits]
+    if any(s is None for s in shares):
+        return "not run"
+    return _shares(g, shares, "undefined (no clear fixed-to-oracle gap)", False)
+
+
+def _matched(g: Seeds, _: str) -> str:
+    """Fixed exit at the learned rule's mean depth minus the learned rule."""
+    frontiers = [a.exits.frontier for a in g.audits]
+    if any(f is None for f in frontiers):
+        return "not run"
+    return spanned([f.matched_depth.gap for f in frontiers], "+.3f")
+
+
+def _matched_wins(g: Seeds, _: str) -> int | None:
+    """Seeds where fixed exit loses by an interval above 0 (None: not run everywhere)."""
+    if not all(a.exits is not None and a.exits.frontier is not None for a in g.audits):
+        return None
+    return sum(a.exits.frontier.matched_depth.gap.ci95[0] > 0 for a in g.audits)
+
+
+def _degenerate(g: Seeds, _: str) -> str:
+    """The seeds whose exit rule does not adapt (every unit stops at one layer), said
+    beside the numbers they make; empty when every seed's rule adapts."""
+    notes = [a.exits.note for a in g.audits if a.exits is not None and a.exits.note]
+    if not notes:
+        return ""
+    return f" (the rule does not adapt in {len(notes)} of {g.n} seeds: {notes[0]})"
+
+
+def _score(g: Seeds, _: str) -> str:
+    acc, twin = g.mean("accuracy_correct"), g.mean("twin_accuracy")
+    if acc is None:
+        acc, twin = g.mean("nll_correct"), g.mean("twin_nll")
+    kind = "NLL" if g.mean("accuracy_correct") is None else "accuracy"
+    return f"{kind} {acc:.3f} (twin {'n/a' if twin is None else f'{twin:.3f}'})"
+
+
+def _depth(g: Seeds, _: str) -> str:
+    e = [a.exits for a in g.audits]
+    return (f"{float(np.mean([x.evaluation_mean_depth for x in e])):.2f} of {e[0].depth} "
+            f"(oracle {float(np.mean([x.oracle_mean_depth for x in e])):.2f})")
+
+
+def _versus_twin(g: Seeds, _: str) -> str:
+    flops, speed = g.mean("flops_ratio"), g.mean("speed_ratio")
+    if flops is None:
+        return "not measured"
+    return f"FLOPs {flops:.3f}x, time " + ("not measured" if speed is None else f"{speed:.2f}x")
+
+
+def _execution(g: Seeds, _: str) -> str:
+    """How much of the network runs, against the twin (an SSM against its LTI twin)."""
+    audit = g.audits[0]
+    blocks, flops, speed = (g.mean(k) for k in ("blocks_executed_fraction", "flops_ratio",
+                                                "speed_ratio"))
+    if flops is None:
+        return "not measured"
+    every = "every block for every token" if blocks is not None and blocks >= 0.999 \
+        else f"{100 * (blocks or 0):.1f}% of the blocks"
+    time = "time not measured" if speed is None else f"time {speed:.2f}x"
+    return (f"{every}; FLOPs {flops:.3f}x, {time} the twin "
+            f"({audit.execution.mode} vs {audit.execution.dense_mode})")
+
+
+def _executed(g: Seeds, _: str) -> str:
+    """A vision family's executed share: experts, else patch tokens, else every block."""
+    executed, unit = g.mean("experts_executed_fraction"), "experts"
+    if executed is None:
+        executed, unit = g.mean("tokens_executed_fraction"), "patch tokens"
+    return "every block, one mixed kernel per example" if executed is None \
+        else f"{100 * executed:.1f}% of the {unit}"
+
+
+def _number(g: Seeds, argument: str) -> str:
+    """``num KEY DIGITS [SUFFIX]``: the mean with DIGITS decimals, or n/a."""
+    key, digits, *suffix = argument.split(" ")
+    value = g.mean(key)
+    return "n/a" if value is None else f"{value:.{digits}f}{''.join(suffix)}"
+
+
+def _percent(g: Seeds, key: str) -> str:
+    value = g.mean(key)
+    return "undefined" if value is None else f"{value:.1f}%"
+
+
+def _position_percent(g: Seeds, key: str) -> str:
+    if STATIC_LAYER_POSITION not in g.audits[0].conditions:
+        return "not applicable"
+    return _percent(g, key)
+
+
+def _token_share(g: Seeds, family: str) -> str:
+    """A family's token-id share beyond chance, with the share and its chance level
+    beside it (means over seeds)."""
+    shares = [a.variance[family] for a in g.audits]
+    if any(v.eta2_token_id is None for v in shares):
+        return "n/a"
+    chance = [v.eta2_token_id_chance for v in shares]
+    beyond = [v.epsilon2_token_id for v in shares]
+    return token_id_words(float(np.mean([v.eta2_token_id for v in shares])),
+                          None if None in chance else float(np.mean(chance)),
+                          None if None in beyond else float(np.mean(beyond))
+                          ).removeprefix("explains ")
+
+
+def _token_profile(g: Seeds, _: str) -> str:
+    """How much a static profile per (layer, token id) keeps, and how much of the
+    within-layer variance the token id explains."""
+    ret, share = g.mean("retention_static_layer_token"), g.mean("eta2_token_id")
+    words = None if share is None else token_id_words(
+        share, g.mean("eta2_token_id_chance"), g.mean("epsilon2_token_id"))
+    return (("retention undefined (no clear gap)" if ret is None else
+             f"keeps {ret:.2f}% of the gap on average")
+            + ("; no variance within layers" if words is None else
+               f"; of the within-layer variance, the token id {words} on average"))
+
+
+def _above(g: Seeds, condition: str) -> int:
+    """Seeds whose penalty interval lies above 0."""
+    return sum(a.conditions[condition].ci95[0] > 0 for a in g.audits)
+
+
+def _accuracy_under(g: Seeds, condition: str) -> float:
+    return float(np.mean([a.conditions[condition].accuracy for a in g.audits]))
+
+
+def _difference(g: Seeds, argument: str) -> float | None:
+    """``diff A|B[|FACTOR]``: field A minus FACTOR x field B (None if either is)."""
+    a, b, *factor = argument.split("|")
+    x, y = g[a], g[b]
+    return None if x is None or y is None else x - float(factor[0] if factor else 1) * y
+
+
+CELLS: dict[str, Callable[[Seeds, str], Any]] = {
+    "label": lambda g, _: g.label, "seeds": lambda g, _: str(g.n),
+    "pct": lambda g, key: 100 * (g.mean(key) or 0),
+    "min": lambda g, key: g.group["aggregate"][key]["min"],
+    "max": lambda g, key: g.group["aggregate"][key]["max"],
+    "penalty": _penalty, "retention": _retention, "exit_retention": _exit_retention,
+    "gap_closed": _gap_closed, "matched": _matched, "matched_wins": _matched_wins,
+    "degenerate": _degenerate,
+    "not_adapting": lambda g, _: sum(bool(a.exits and a.exits.note) for a in g.audits),
+    "either": lambda g, words: words.split("|")[0 if g.holds else 1],
+    "score": _score, "depth": _depth, "versus_twin": _versus_twin, "execution": _execution,
+    "executed": _executed, "num": _number, "percent": _percent,
+    "position_percent": _position_percent, "token_share": _token_share,
+    "token_profile": _token_profile, "above": _above, "accuracy_under": _accuracy_under,
+    "diff": _difference,
+}
+
+OPS: dict[str, Callable[[Any, Any], bool]] = {
+    ">=": operator.ge, ">": operator.gt, "<": operator.lt, "<=": operator.le,
+    "==": operator.eq, "any": lambda v, t: True}
+
+Check = tuple[str, str, float | str]  # a field, a comparison, a threshold: a number, "all"
+# (the group's seed count) or a field ("vs <field>": of the compared group)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A claim, the checks that decide it, and what is said after the verdict.
+
+    ``group``: the group prefix it reads (the first of several with every field defined);
+    ``versus``: a second group whose fields a threshold may name (``vs <field>``);
+    ``undefined``: said when a field is undefined (None: the finding is left out);
+    ``words``: the verdict's two words (None: no verdict, the text alone); ``last``: the
+    verdict after the text."""
+
+    group: str | tuple[str, ...]
+    claim: str
+    checks: tuple[Check, ...]
+    said: str
+    undefined: str | None = None
+    versus: str | None = None
+    words: tuple[str, str] | None = ("holds", "does not hold")
+    last: bool = False
+
+    def judge(self, g: Seeds) -> tuple[str, str] | None:
+        values = [g[field] for field, _, _ in self.checks]
+        if any(v is None for v in values):
+            return None if self.undefined is None else (self.claim, self.undefined)
+        g.holds = all(OPS[op](v, g.n if t == "all" else g[t] if isinstance(t, str) else t)
+                      for v, (_, op, t) in zip(values, self.checks, strict=True))
+        text = self.said.format_map(g)
+        if self.words is None:
+            return self.claim, text
+        word = self.words[0] if g.holds else self.words[1]
+        return self.claim, f"{text}: {word}" if self.last else f"{word}: {text}"
+
+
+@dataclass(frozen=True)
+class Row:
+    """A table row: the group prefix it reads and its label."""
+
+    group: str
+    label: str
+
+
+def pick(groups: Mapping[str, Group], prefix: str) -> Group | None:
+    """The first group named ``prefix`` or ``prefix-...``."""
+    return next((g for n, g in groups.items() if n == prefix or n.startswith(f"{prefix}-")),
+                None)
+
+
+def table(groups: Mapping[str, Group], rows: Sequence[Row],
+          columns: Sequence[tuple[str, str]], missing: str) -> list[dict[str, str]]:
+    """One row per group present: each column's format string over the group's seeds."""
+    out = []
+    for row in rows:
+        group = pick(groups, row.group)
+        if group is not None:
+            seeds = Seeds(group, row.label, missing)
+            out.append({head: text.format_map(seeds) for head, text in columns})
+    return out
+
+
+def findings(groups: Mapping[str, Group], declared: Sequence[Finding],
+             missing: str) -> list[tuple[str, str]]:
+    """Every declared finding whose group is present and whose fields are defined."""
+    out = []
+    for f in declared:
+        candidates = [pick(groups, p) for p in ((f.group,) if isinstance(f.group, str)
+                                                else f.group)]
+        other = pick(groups, f.versus) if f.versus else None
+        if f.versus and other is None:
+            continue
+        for group in (c for c in candidates if c is not None):
+            said = f.judge(Seeds(group, "", missing, None if other is None else
+                                 Seeds(other, "", missing)))
+            if said is not None:
+                out.append(said)
+                break
+    return out

@@ -17,8 +17,8 @@ from typing import Any
 from fcaudit.engine.result import token_id_words
 from fcaudit.engine.verdicts import WEAK_RETENTION
 from fcaudit.io.fileio import read_json
+from fcaudit.study import paper, trend
 from fcaudit.study import presets as study_presets
-from fcaudit.study import trend
 from fcaudit.study.presets import PAPER
 
 DEMO = "docs/results/demo.json"
@@ -94,11 +94,11 @@ def span(stats: Mapping[str, Any], digits: int, scale: float = 1.0, unit: str = 
 
 
 def paper_retention() -> str:
-    return " / ".join(f"{v:.2f}%" for v in trend.PAPER_RETENTION.values())
+    return " / ".join(f"{v:.2f}%" for v in paper.RETENTION.values())
 
 
 def paper_eta2() -> str:
-    lo, hi = trend.PAPER_ETA2_LAYER
+    lo, hi = paper.ETA2_LAYER
     return f"{lo:.0f}% to {hi:.0f}%"
 
 
@@ -226,7 +226,7 @@ def demo(r: Results) -> str:
         "training rounds as the CPU's kernels do and sums in an order the thread count sets, so "
         "another CPU or thread count trains a slightly different model, whose numbers differ "
         "from these. Unlike the paper's 76M/504M FeatureGates "
-        f"({' and '.join(f'{v:.2f}%' for v in trend.PAPER_RETENTION.values())} kept), the tiny "
+        f"({' and '.join(f'{v:.2f}%' for v in paper.RETENTION.values())} kept), the tiny "
         f"model {uses}; {token_sentence(a)}: fcaudit reports what it measures.", ""])
 
 
@@ -273,7 +273,7 @@ def _study_rows(s: Mapping[str, Any]) -> list[str]:
     fg, mudd, moe = (g[f"{a}-tiny"]["aggregate"] for a in ("featuregate", "mudd", "moe"))
     x = g["moe-tiny"]["seed0"]["experts"]
     share = x["active_expert_flops_per_token"] / x["all_expert_flops_per_token"]
-    paper = trend.PAPER_MUDD
+    mudd_paper = paper.MUDD
     rows = [
         ("FeatureGate: a static per-layer profile keeps almost all of the gap "
          f"({paper_retention()})", "FeatureGate: a static per-layer",
@@ -285,7 +285,7 @@ def _study_rows(s: Mapping[str, Any]) -> list[str]:
         (f"FeatureGate is slower than Dense ({paper_slowdown()})", "FeatureGate is slower",
          f"latency {span(fg['speed_ratio'], 3, unit='x')}"),
         ("MUDD: reassignment and shuffling raise NLL strongly (+"
-         f"{paper['delta_reassign']:.2f} / +{paper['delta_shuffle']:.2f} nats at 1.4B)",
+         f"{mudd_paper['delta_reassign']:.2f} / +{mudd_paper['delta_shuffle']:.2f} nats at 1.4B)",
          "MUDD: reassignment", f"{mean3(mudd, 'delta_reassign')} and "
          f"{mean3(mudd, 'delta_shuffle')} nats"),
         ("MUDD depends on the assignment more than FeatureGate", "The contrast",

@@ -19,7 +19,6 @@ from fcaudit import AuditData, AuditOptions
 from fcaudit.engine.exits import degenerate
 from fcaudit.engine.result import AuditResult
 from fcaudit.models.ponder import PonderConfig, PonderGPT
-from fcaudit.study import declare
 from fcaudit.study.presets import PRESETS
 
 STEPS = 4
@@ -104,8 +103,7 @@ def test_the_exit_study_does_not_count_a_degenerate_seed_as_computing_less():
     flops = float(np.mean([a.execution.flops_ratio for a in audits]))
     assert flops < 0.99  # both run fewer FLOPs than the twin ...
     group = {"audits": audits, "aggregate": {"flops_ratio": {"mean": flops}}}
-    exit_study = PRESETS["exit"]
-    found = dict(declare.findings({"ponder-tiny": group}, exit_study.findings, exit_study.missing))
+    found = dict(PRESETS["exit"].judge({"ponder-tiny": group}))
     claim = found["ponder (PonderNet): early exit computes less than the full-depth twin"]
     assert claim.startswith("does not hold")  # ... but one seed's rule does not adapt
     assert "the rule does not adapt in 1 of 2 seeds" in claim

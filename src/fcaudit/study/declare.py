@@ -31,16 +31,11 @@ def over_seeds(values: Sequence[float], cis: Sequence[Sequence[float]]) -> Span:
     return Span(float(np.mean(values)), min(c[0] for c in cis), max(c[1] for c in cis))
 
 
-def spanned(estimates: Sequence[Any], spec: str, unit: str = "") -> str:
-    """``mean<unit> [low, high]`` of estimates with ``value`` and ``ci95``."""
-    s = over_seeds([e.value for e in estimates], [e.ci95 for e in estimates])
+def spanned(values: Sequence[float], cis: Sequence[Sequence[float]], spec: str,
+            unit: str = "") -> str:
+    """``mean<unit> [low, high]``: :func:`over_seeds` as the tables write it."""
+    s = over_seeds(values, cis)
     return f"{s.value:{spec}}{unit} [{s.lo:{spec}}, {s.hi:{spec}}]"
-
-
-@dataclass(frozen=True)
-class Estimate:
-    value: float
-    ci95: Sequence[float]
 
 
 class Seeds(dict):
@@ -70,7 +65,7 @@ def _penalty(g: Seeds, condition: str) -> str:
     if not all(condition in a.conditions for a in g.audits):
         return g.missing
     found = [a.conditions[condition] for a in g.audits]
-    return spanned([Estimate(c.delta, c.ci95) for c in found], "+.3f")
+    return spanned([c.delta for c in found], [c.ci95 for c in found], "+.3f")
 
 
 def _shares(g: Seeds, estimates: Sequence[Any], undefined: str, seeds_word: bool) -> str:
@@ -81,7 +76,8 @@ def _shares(g: Seeds, estimates: Sequence[Any], undefined: str, seeds_word: bool
     missing = len(estimates) - len(defined)
     said = (f"{missing} seed{'s' * (missing > 1)}" if seeds_word else
             f"{missing} of {len(estimates)} seeds")
-    return spanned(defined, ".1f", "%") + (f" ({said} undefined)" if missing else "")
+    return spanned([s.value for s in defined], [s.ci95 for s in defined], ".1f", "%") + \
+        (f" ({said} undefined)" if missing else "")
 
 
 def _retention(g: Seeds, profile: str) -> str:
@@ -117,7 +113,8 @@ def _matched(g: Seeds, _: str) -> str:
     frontiers = [a.exits.frontier for a in g.audits]
     if any(f is None for f in frontiers):
         return "not run"
-    return spanned([f.matched_depth.gap for f in frontiers], "+.3f")
+    gaps = [f.matched_depth.gap for f in frontiers]
+    return spanned([x.value for x in gaps], [x.ci95 for x in gaps], "+.3f")
 
 
 def _matched_wins(g: Seeds, _: str) -> int | None:
@@ -192,12 +189,6 @@ def _percent(g: Seeds, key: str) -> str:
     return "undefined" if value is None else f"{value:.1f}%"
 
 
-def _position_percent(g: Seeds, key: str) -> str:
-    if STATIC_LAYER_POSITION not in g.audits[0].conditions:
-        return "not applicable"
-    return _percent(g, key)
-
-
 def _token_share(g: Seeds, family: str) -> str:
     """A family's token-id share beyond chance, with the share and its chance level
     beside it (means over seeds)."""
@@ -224,15 +215,6 @@ def _token_profile(g: Seeds, _: str) -> str:
                f"; of the within-layer variance, the token id {words} on average"))
 
 
-def _above(g: Seeds, condition: str) -> int:
-    """Seeds whose penalty interval lies above 0."""
-    return sum(a.conditions[condition].ci95[0] > 0 for a in g.audits)
-
-
-def _accuracy_under(g: Seeds, condition: str) -> float:
-    return float(np.mean([a.conditions[condition].accuracy for a in g.audits]))
-
-
 def _difference(g: Seeds, argument: str) -> float | None:
     """``diff A|B[|FACTOR]``: field A minus FACTOR x field B (None if either is)."""
     a, b, *factor = argument.split("|")
@@ -252,9 +234,13 @@ CELLS: dict[str, Callable[[Seeds, str], Any]] = {
     "either": lambda g, words: words.split("|")[0 if g.holds else 1],
     "score": _score, "depth": _depth, "versus_twin": _versus_twin, "execution": _execution,
     "executed": _executed, "num": _number, "percent": _percent,
-    "position_percent": _position_percent, "token_share": _token_share,
-    "token_profile": _token_profile, "above": _above, "accuracy_under": _accuracy_under,
-    "diff": _difference,
+    "position_percent": lambda g, key: "not applicable" if STATIC_LAYER_POSITION not in
+    g.audits[0].conditions else _percent(g, key),
+    "token_share": _token_share, "token_profile": _token_profile, "diff": _difference,
+    # seeds whose penalty interval lies above 0
+    "above": lambda g, c: sum(a.conditions[c].ci95[0] > 0 for a in g.audits),
+    "accuracy_under": lambda g, c: float(np.mean([a.conditions[c].accuracy
+                                                  for a in g.audits])),
 }
 
 OPS: dict[str, Callable[[Any, Any], bool]] = {
@@ -297,46 +283,45 @@ class Finding:
         return self.claim, f"{text}: {word}" if self.last else f"{word}: {text}"
 
 
-@dataclass(frozen=True)
-class Row:
-    """A table row: the group prefix it reads and its label."""
-
-    group: str
-    label: str
-
-
 def pick(groups: Mapping[str, Group], prefix: str) -> Group | None:
     """The first group named ``prefix`` or ``prefix-...``."""
     return next((g for n, g in groups.items() if n == prefix or n.startswith(f"{prefix}-")),
                 None)
 
 
-def table(groups: Mapping[str, Group], rows: Sequence[Row],
-          columns: Sequence[tuple[str, str]], missing: str) -> list[dict[str, str]]:
-    """One row per group present: each column's format string over the group's seeds."""
-    out = []
-    for row in rows:
-        group = pick(groups, row.group)
-        if group is not None:
-            seeds = Seeds(group, row.label, missing)
-            out.append({head: text.format_map(seeds) for head, text in columns})
-    return out
+@dataclass(frozen=True)
+class Preset:
+    """A study: its groups and seed count, its own table (title, rows: group prefix and
+    label, columns: header and cell format) and its findings; ``missing``: a penalty
+    cell's text where a condition was not run."""
 
+    groups: tuple[Any, ...]  # fcaudit.study.presets.Group
+    seeds: int = 3
+    title: str = ""
+    rows: tuple[tuple[str, str], ...] = ()
+    columns: tuple[tuple[str, str], ...] = ()
+    findings: tuple[Finding, ...] = ()
+    missing: str = "not run"
 
-def findings(groups: Mapping[str, Group], declared: Sequence[Finding],
-             missing: str) -> list[tuple[str, str]]:
-    """Every declared finding whose group is present and whose fields are defined."""
-    out = []
-    for f in declared:
-        candidates = [pick(groups, p) for p in ((f.group,) if isinstance(f.group, str)
-                                                else f.group)]
-        other = pick(groups, f.versus) if f.versus else None
-        if f.versus and other is None:
-            continue
-        for group in (c for c in candidates if c is not None):
-            said = f.judge(Seeds(group, "", missing, None if other is None else
-                                 Seeds(other, "", missing)))
-            if said is not None:
-                out.append(said)
-                break
-    return out
+    def table(self, groups: Mapping[str, Group]) -> list[dict[str, str]]:
+        """One row per group present: each column's format over the group's seeds."""
+        seeds = [Seeds(g, label, self.missing) for prefix, label in self.rows
+                 if (g := pick(groups, prefix)) is not None]
+        return [{head: text.format_map(g) for head, text in self.columns} for g in seeds]
+
+    def judge(self, groups: Mapping[str, Group]) -> list[tuple[str, str]]:
+        """Every finding whose group is present and whose fields are defined."""
+        out = []
+        for f in self.findings:
+            other = pick(groups, f.versus) if f.versus else None
+            if f.versus and other is None:
+                continue
+            versus = None if other is None else Seeds(other, "", self.missing)
+            for prefix in (f.group,) if isinstance(f.group, str) else f.group:
+                group = pick(groups, prefix)
+                said = None if group is None else \
+                    f.judge(Seeds(group, "", self.missing, versus))
+                if said is not None:
+                    out.append(said)
+                    break
+        return out

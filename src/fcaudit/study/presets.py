@@ -36,7 +36,7 @@ from fcaudit.core.registry import refusal
 from fcaudit.engine import result_views as keys  # metric keys, derived from condition names
 from fcaudit.engine.objectives import SELECTIVE_COPY
 from fcaudit.study import paper, trend
-from fcaudit.study.declare import Finding, Row
+from fcaudit.study.declare import Finding, Preset
 from fcaudit.study.train import TRAIN_PRESETS, TrainPreset
 
 
@@ -65,21 +65,6 @@ class Group:
     @property
     def dense_arch(self) -> str | None:
         return "dense" if self.dense == "own" else self.dense
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A study: its groups and seed count, and its own table (title, rows, columns:
-    header and cell format) and findings; ``missing``: a penalty cell's text where a
-    condition was not run."""
-
-    groups: tuple[Group, ...]
-    seeds: int = 3
-    title: str = ""
-    rows: tuple[Row, ...] = ()
-    columns: tuple[tuple[str, str], ...] = ()
-    findings: tuple[Finding, ...] = ()
-    missing: str = "not run"
 
 
 TASK = SELECTIVE_COPY
@@ -220,7 +205,7 @@ PRESETS: dict[str, Preset] = {
             ("vit-moe", "dense-vit"), ("tokenprune", "dense-vit"), ("condconv", "dense-cnn"))),
         title="Vision families on digits (mean over seeds; penalties in nats of "
               f"cross-entropy, {_SPANNED})",
-        rows=tuple(Row(*r) for r in _VISION),
+        rows=_VISION,
         columns=(("family", "{label}"), ("seeds", "{seeds}"),
                  ("accuracy (twin)", "{num accuracy_correct 3} ({num twin_accuracy 3})"),
                  (REASSIGN, "{penalty reassign}"), (SHUFFLE, "{penalty shuffle}"),
@@ -236,7 +221,7 @@ PRESETS: dict[str, Preset] = {
         title="Mamba and its LTI twin (S4D) on the corpus and on selective copying (mean over "
               f"seeds; penalties in the task's loss, {_SPANNED}; retentions in % of the "
               "Correct-to-GlobalMean gap)",
-        rows=(Row(_CORPUS, "built-in corpus"), Row(_COPY, "selective copying")),
+        rows=((_CORPUS, "built-in corpus"), (_COPY, "selective copying")),
         columns=(("task", "{label}"), ("seeds", "{seeds}"), ("Mamba (LTI twin)", "{score}"),
                  (REASSIGN, "{penalty reassign}"), (SHUFFLE, "{penalty shuffle}"),
                  *((f"{p} retention", f"{{retention {p}}}")
@@ -248,7 +233,7 @@ PRESETS: dict[str, Preset] = {
          Group("branchy", "tiny", dense="dense-cnn")),
         title="Early exit and adaptive depth against their full-depth twins (mean over seeds; "
               f"penalties in the task's loss against the learned rule, {_SPANNED})",
-        rows=tuple(Row(*r) for r in _EXITS),
+        rows=_EXITS,
         columns=(("family", "{label}"), ("seeds", "{seeds}"), ("score (twin)", "{score}"),
                  ("mean executed depth", "{depth}"), ("vs twin", "{versus_twin}"),
                  ("static-layer retention", f"{{exit_retention {STATIC_LAYER}}}"),

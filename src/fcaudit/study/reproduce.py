@@ -59,7 +59,7 @@ from fcaudit.io.loading import LoadedModel, get_arch, is_run_folder
 from fcaudit.io.outdir import STUDY_RESULTS, hold_output
 from fcaudit.io.results import replacing_results
 from fcaudit.io.runtime import versions
-from fcaudit.study import declare, trend
+from fcaudit.study import trend
 from fcaudit.study.declare import over_seeds
 from fcaudit.study.presets import PAPER, PRESETS, ROWS, Group, study
 from fcaudit.study.train import TrainPreset, check_train_data, reads_text, run_schedule, train
@@ -364,11 +364,10 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
                                      str(out)])
     result = {"schema": SCHEMA, "preset": preset, "command": command, "groups": groups,
               # one scale's findings; a trend's are in trend.md, point by point
-              "findings": declare.findings(groups, declared.findings, declared.missing),
+              "findings": declared.judge(groups),
               "versions": versions()}
     if declared.columns:
-        result[preset] = declare.table(groups, declared.rows, declared.columns,
-                                       declared.missing)
+        result[preset] = declared.table(groups)
     if preset == "trend":
         trend.write_trend(out / trend.POINTS, out, command, files)
     figures = write_figures(_figure_specs(groups), out / "figures", files)

@@ -112,10 +112,6 @@ class Point:
 LADDER = (Point("tiny", 600), Point("tiny", 1200), Point("mid", 600), Point("small", 600))
 CONTRAST_SIZE = "tiny"  # MUDD, the contrast, at the tiny size's points (both lengths)
 
-# The paper's figures (fcaudit.study.paper) marked beside ours.
-PAPER_PARAMS, PAPER_RETENTION = paper.PARAMS, paper.RETENTION
-PAPER_ETA2_LAYER, PAPER_MUDD = paper.ETA2_LAYER, paper.MUDD
-
 # --------------------------------------------------------------------- point summary
 
 # Per-seed numbers of a point: those with a 95% bootstrap interval over sequences, the rest.
@@ -235,13 +231,18 @@ def stats(point: Mapping[str, Any], arch: str, key: str) -> Stats | None:
 
 @dataclass(frozen=True)
 class Metric:
-    """How one number is named, scaled (fractions shown as percent) and written."""
+    """How one number is named, scaled (fractions shown as percent) and written, its
+    column head in trend.md's tables and, where it is plotted, its panel's label and
+    reference line."""
 
     key: str
     label: str
     scale: float
     unit: str  # of a value; differences of percentages are "points"
     digits: int
+    head: str
+    panel: str = ""
+    ref: float | None = None
 
     def shown(self, x: float) -> float:
         """The value as written: what a reader can compare."""
@@ -258,16 +259,24 @@ class Metric:
         return f"{d * self.scale:+.{self.digits}f}{unit}"
 
 
-METRICS = {m.key: m for m in (
-    Metric(RETENTION_LAYER, "static-layer retention", 1.0, "%", 1),
-    Metric(RETENTION_LAYER_POSITION, "static-layer-position retention", 1.0, "%", 1),
-    Metric("eta2_layer", "layer share of gate variance (eta2 layer)", 100.0, "%", 1),
-    Metric(DELTA_REASSIGN, "reassign penalty", 1.0, " nats", 3),
-    Metric(DELTA_SHUFFLE, "shuffle penalty", 1.0, " nats", 3),
-    Metric(RETENTION_LAYER_TOKEN, "static-layer-token retention", 1.0, "%", 1),
-    Metric("eta2_token_id", "token-id share of gate variance", 100.0, "%", 1),
-    Metric("frontier_gap_25", "frontier gap at 25% FLOPs saved", 1.0, " nats", 4),
-    Metric("eval_nll", "eval NLL", 1.0, "", 3),
+METRICS = {m.key: m for m in (  # in the order of trend.md's table columns
+    Metric("eval_nll", "eval NLL", 1.0, "", 3, "eval NLL (nats)"),
+    Metric(RETENTION_LAYER, "static-layer retention", 1.0, "%", 1,
+           "static-layer retention (%)", "static-layer\nretention (%)", 100.0),
+    Metric(RETENTION_LAYER_POSITION, "static-layer-position retention", 1.0, "%", 1,
+           "static-layer-position retention (%)", "static-layer-position\nretention (%)", 100.0),
+    Metric("eta2_layer", "layer share of gate variance (eta2 layer)", 100.0, "%", 1,
+           "eta2 layer (%)", "eta2 layer (%)"),
+    Metric(DELTA_REASSIGN, "reassign penalty", 1.0, " nats", 3, "reassign (nats)",
+           "reassign penalty\n(nats)", 0.0),
+    Metric(DELTA_SHUFFLE, "shuffle penalty", 1.0, " nats", 3, "shuffle (nats)",
+           "shuffle penalty\n(nats)", 0.0),
+    Metric(RETENTION_LAYER_TOKEN, "static-layer-token retention", 1.0, "%", 1,
+           "static-layer-token retention (%)"),
+    Metric("eta2_token_id", "token-id share of gate variance", 100.0, "%", 1,
+           "token-id share (%)"),
+    Metric("frontier_gap_25", "frontier gap at 25% FLOPs saved", 1.0, " nats", 4,
+           "frontier gap at 25% saved (nats)"),
 )}
 
 
@@ -376,12 +385,12 @@ def shows(points: Sequence[Mapping[str, Any]]) -> list[str]:
     if ret["mean"] is None:
         main.append(f"{where} the static-layer retention is undefined (no clear gap).")
     else:
-        gap = PAPER_RETENTION["76M"] - ret["mean"]
+        gap = paper.RETENTION["76M"] - ret["mean"]
         seeds = f" (seeds {ret['min']:.1f}% to {ret['max']:.1f}%)" if ret["n"] > 1 else ""
         main.append(f"{where} the static per-layer profile keeps {ret['mean']:.1f}% of the "
                     f"gap{seeds}, {abs(gap):.1f} "
                     f"points {'below' if gap > 0 else 'above'} the paper's "
-                    f"{PAPER_RETENTION['76M']:.2f}% at 76M; layer identity explains "
+                    f"{paper.RETENTION['76M']:.2f}% at 76M; layer identity explains "
                     f"{100 * eta['mean']:.1f}% of the gate variance (paper: {paper.eta2_text()}).")
     other = [describe(by_size, "featuregate", METRICS[k], "model size", at_tokens)
              for k in (RETENTION_LAYER_POSITION, DELTA_REASSIGN, DELTA_SHUFFLE)]
@@ -410,8 +419,8 @@ def _contrast(points: Sequence[Mapping[str, Any]]) -> str:
     trend = describe(size_axis(both), "mudd", METRICS[DELTA_REASSIGN], "model size",
                      f"at {_millions(size_axis(both)[0]['training_tokens'])} training tokens")
     return (f"MUDD, the contrast: {parts[0]}; {parts[1]}. {trend} At 1.4B parameters the "
-            f"paper reports +{PAPER_MUDD[DELTA_REASSIGN]} nats (reassign) and "
-            f"+{PAPER_MUDD[DELTA_SHUFFLE]} nats (shuffle).")
+            f"paper reports +{paper.MUDD[DELTA_REASSIGN]} nats (reassign) and "
+            f"+{paper.MUDD[DELTA_SHUFFLE]} nats (shuffle).")
 
 
 def cannot_show(points: Sequence[Mapping[str, Any]]) -> str:
@@ -462,13 +471,6 @@ def _cell(s: Stats | None, metric: Metric) -> str:
             f"{metric.number(s['max'])}]" if s["n"] > 1 else metric.number(s["mean"]))
 
 
-TABLE_KEYS = ("eval_nll", RETENTION_LAYER, RETENTION_LAYER_POSITION,
-              "eta2_layer", DELTA_REASSIGN, DELTA_SHUFFLE, RETENTION_LAYER_TOKEN,
-              "eta2_token_id", "frontier_gap_25")
-TABLE_HEAD = ("eval NLL (nats)", "static-layer retention (%)",
-              "static-layer-position retention (%)", "eta2 layer (%)", "reassign (nats)",
-              "shuffle (nats)", "static-layer-token retention (%)", "token-id share (%)",
-              "frontier gap at 25% saved (nats)")
 WALL_HEAD = "point wall (min, all its runs and audits)"
 
 
@@ -484,16 +486,16 @@ def _table(points: Sequence[Mapping[str, Any]], arch: str,
         m = p["models"][arch]
         rows.append((md_text(p["point"]), _millions(m["n_params"]), str(p["steps"]),
                      _millions(p["training_tokens"]), str(len(m["seeds"])),
-                     *(_cell(m["mean"].get(k), METRICS[k]) for k in TABLE_KEYS),
+                     *(_cell(m["mean"].get(k), METRICS[k]) for k in METRICS),
                      *([f"{p['wall_s'] / 60:.1f}"] if wall else [])))
     rows += [(*r, *([""] if wall else [])) for r in paper]
-    return md_table(("point", "parameters", "steps", "training tokens", "seeds", *TABLE_HEAD,
-                     *([WALL_HEAD] if wall else [])),
-                    rows, "lrrrr" + "r" * (len(TABLE_KEYS) + wall))
+    heads = (*(m.head for m in METRICS.values()), *([WALL_HEAD] if wall else []))
+    return md_table(("point", "parameters", "steps", "training tokens", "seeds", *heads),
+                    rows, "lrrrr" + "r" * (len(METRICS) + wall))
 
 
 def _paper_row(name: str, params: str, seeds: str, cells: Mapping[str, str]) -> list[str]:
-    return [name, params, "", "", seeds, *(cells.get(k, "") for k in TABLE_KEYS)]
+    return [name, params, "", "", seeds, *(cells.get(k, "") for k in METRICS)]
 
 
 def _panels(points: Sequence[Mapping[str, Any]]) -> list[TrendPanel]:
@@ -515,24 +517,15 @@ def _panels(points: Sequence[Mapping[str, Any]]) -> list[TrendPanel]:
                                   tuple(x * k for x in each if x is not None), p["point"]))
         return out
 
-    retention = [Anchor(f"{size} {v:.2f}%", "FeatureGate", v, v, PAPER_PARAMS[size])
-                 for size, v in PAPER_RETENTION.items()]
-    eta = [Anchor(paper.eta2_text(), "FeatureGate", *PAPER_ETA2_LAYER)]
-
-    def mudd(key: str) -> list[Anchor]:
-        v = PAPER_MUDD[key]
-        return [Anchor(f"MUDDPythia-1.4B {v:+.2f}", "MUDD", v, v, PAPER_PARAMS["1.4B"])]
-
-    spec: Sequence[tuple[str, str, Sequence[Anchor], float | None]] = (
-        (RETENTION_LAYER, "static-layer\nretention (%)", retention, 100.0),
-        (RETENTION_LAYER_POSITION, "static-layer-position\nretention (%)", (), 100.0),
-        ("eta2_layer", "eta2 layer (%)", eta, None),
-        (DELTA_REASSIGN, "reassign penalty\n(nats)", mudd(DELTA_REASSIGN), 0.0),
-        (DELTA_SHUFFLE, "shuffle penalty\n(nats)", mudd(DELTA_SHUFFLE), 0.0),
-    )
-    return [TrendPanel(ylabel, {"FeatureGate": series("featuregate", METRICS[key]),
-                                "MUDD": series("mudd", METRICS[key])}, anchors, ref)
-            for key, ylabel, anchors, ref in spec]
+    anchors = {
+        RETENTION_LAYER: [Anchor(f"{size} {v:.2f}%", "FeatureGate", v, v, paper.PARAMS[size])
+                          for size, v in paper.RETENTION.items()],
+        "eta2_layer": [Anchor(paper.eta2_text(), "FeatureGate", *paper.ETA2_LAYER)],
+        **{key: [Anchor(f"MUDDPythia-1.4B {v:+.2f}", "MUDD", v, v, paper.PARAMS["1.4B"])]
+           for key, v in paper.MUDD.items()}}
+    return [TrendPanel(m.panel, {"FeatureGate": series("featuregate", m),
+                                 "MUDD": series("mudd", m)}, anchors.get(m.key, ()), m.ref)
+            for m in METRICS.values() if m.panel]
 
 
 FIGURE_CAPTION = ("FeatureGate and MUDD against parameters (left) and training tokens (right): "
@@ -554,14 +547,14 @@ def markdown(points: Sequence[Mapping[str, Any]], figures: Sequence[RenderedFigu
     """``trend.md``: what the ladder shows and cannot show, the tables, the figure."""
     listing = ", ".join(f"{p['point']} ({_millions(p['n_params'])} parameters, "
                         f"{_millions(p['training_tokens'])} tokens)" for p in points)
-    eta2 = f"{PAPER_ETA2_LAYER[0]:.0f} to {PAPER_ETA2_LAYER[1]:.0f}"
+    eta2 = f"{paper.ETA2_LAYER[0]:.0f} to {paper.ETA2_LAYER[1]:.0f}"
     paper_fg = [_paper_row(f"paper {size}", size, str(paper.RETENTION_SEEDS[size]),
                            {RETENTION_LAYER: f"{value:.2f}", "eta2_layer": eta2})
-                for size, value in PAPER_RETENTION.items()]
+                for size, value in paper.RETENTION.items()]
     paper_mudd = [_paper_row("paper MUDDPythia-1.4B", "1.4B", "", {
         RETENTION_LAYER: "static hurts strongly",
-        DELTA_REASSIGN: f"{PAPER_MUDD[DELTA_REASSIGN]}",
-        DELTA_SHUFFLE: f"{PAPER_MUDD[DELTA_SHUFFLE]}"})]
+        DELTA_REASSIGN: f"{paper.MUDD[DELTA_REASSIGN]}",
+        DELTA_SHUFFLE: f"{paper.MUDD[DELTA_SHUFFLE]}"})]
     blocks = [
         "# FeatureGate's findings against model size and training length (CPU scale)",
         f"{len(points)} points: {md_text(listing)}. FeatureGate (with its Dense twin) at "

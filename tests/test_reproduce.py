@@ -14,14 +14,8 @@ from conftest import chromium, make_mudd_folder
 from fcaudit.io.loading import get_arch
 from fcaudit.io.outdir import output_kind
 from fcaudit.study import paper
-from fcaudit.study.reproduce import (
-    STUDY_PRESETS,
-    StudySettings,
-    aggregate,
-    reproduce,
-    study,
-    study_options,
-)
+from fcaudit.study.presets import STUDY_PRESETS, study
+from fcaudit.study.reproduce import StudySettings, aggregate, reproduce, study_options
 
 
 def test_aggregate_mean_sd_range_skips_nulls():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -25,13 +24,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from fcaudit.api import ProgressReporter
 from fcaudit.core.errors import UsageError, arg
 from fcaudit.core.registry import refusal
 from fcaudit.engine.objectives import TASKS, BuiltinObjective, Objective
 from fcaudit.io.examples import ExampleBatch
 from fcaudit.io.loading import Arch
-from fcaudit.study.train import TrainPreset, adamw, building, lr_at, write_run
+from fcaudit.study import train
+from fcaudit.study.train import TrainPreset, building, write_run
 
 # optimisation per preset; the sequence length is the task's (seq_len is set from it)
 SCHEDULES: dict[str, TrainPreset] = {
@@ -98,31 +97,18 @@ def evaluate(model: nn.Module, objective: Objective, x: np.ndarray, y: np.ndarra
 
 def fit(model: nn.Module, data: ModuleType, task: Any, objective: Objective, tp: TrainPreset,
         seed: int, progress: bool, label: str) -> tuple[list[dict[str, Any]], float]:
-    """``tp.steps`` steps, each on a fresh batch; the log and the wall time."""
-    opt = adamw(model, tp)
+    """:func:`~fcaudit.study.train.fit`, each step on a fresh batch of the task."""
     device = next(model.parameters()).device
     rng, exclude = np.random.default_rng(seed), data.held_out(task)
-    log: list[dict[str, Any]] = []
-    started = time.perf_counter()
-    model.train()
-    with ProgressReporter(progress) as report:
-        for step in range(tp.steps):
-            b = batch(*data.draw(task, rng, tp.batch_size, exclude, tp.batch_size), device)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, tp)
-            output = model(b.inputs)
-            loss = objective.units(output, b).mean()
-            opt.zero_grad(set_to_none=True)
-            (loss + getattr(model, "aux_loss", 0.0)).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            accuracy = float(objective.hits(output.detach(), b).mean())
-            report(label, step + 1, tp.steps, f"loss {loss.item():.3f}  accuracy {accuracy:.2f}")
-            if step % 25 == 0 or step == tp.steps - 1:
-                log.append({"step": step, "loss": round(loss.item(), 5),
-                            "accuracy": round(accuracy, 4), "lr": lr_at(step, tp)})
-    model.eval()
-    return log, time.perf_counter() - started
+
+    def step(_: int) -> tuple[torch.Tensor, dict[str, Any], str]:
+        b = batch(*data.draw(task, rng, tp.batch_size, exclude, tp.batch_size), device)
+        output = model(b.inputs)
+        accuracy = float(objective.hits(output.detach(), b).mean())
+        return (objective.units(output, b).mean(), {"accuracy": round(accuracy, 4)},
+                f"  accuracy {accuracy:.2f}")
+
+    return train.fit(model, tp, step, progress, label)
 
 
 def task_setup(name: str, arch: Arch, preset: str, steps: int | None

@@ -16,7 +16,7 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -339,36 +339,56 @@ def adamw(model: nn.Module, tp: TrainPreset) -> torch.optim.Optimizer:
                              lr=tp.lr, betas=(0.9, 0.95))
 
 
-def _fit(model: nn.Module, tokens: np.ndarray, tp: TrainPreset, rng: np.random.Generator,
-         progress: bool, label: str) -> tuple[list[dict[str, Any]], float]:
-    """``tp.steps`` steps on random windows of ``tokens``; the log and the wall time."""
+Step = Callable[[int], tuple[torch.Tensor, dict[str, Any], str]]
+
+
+def fit(model: nn.Module, tp: Any, step: Step, progress: bool, label: str,
+        tokens_per_step: int = 0) -> tuple[list[dict[str, Any]], float]:
+    """``tp.steps`` steps of :func:`adamw` at :func:`lr_at`'s rate with clipped gradients:
+    ``step(i)`` draws batch ``i`` and returns its loss, what the log adds and what the
+    progress line says. The log (every 25th step and the last) and the wall time; a
+    language run (``tokens_per_step``) also logs its tokens per second."""
     opt = adamw(model, tp)
-    device = next(model.parameters()).device
     log: list[dict[str, Any]] = []
     started = time.perf_counter()
     model.train()
     with ProgressReporter(progress) as report:
-        for step in range(tp.steps):
-            starts = rng.integers(0, len(tokens) - tp.seq_len - 1, size=tp.batch_size)
-            batch = torch.from_numpy(np.stack([tokens[s:s + tp.seq_len + 1]
-                                               for s in starts])).to(device)
+        for i in range(tp.steps):
+            loss, logged, said = step(i)
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, tp)
-            logits = model(batch[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                   batch[:, 1:].reshape(-1))
+                group["lr"] = lr_at(i, tp)
             opt.zero_grad(set_to_none=True)
             # a model's own training term (MoE load balancing), read after its forward
-            # pass; the logged loss stays the language-model loss
+            # pass; the logged loss stays the task's loss
             (loss + getattr(model, "aux_loss", 0.0)).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            tok_s = (step + 1) * tp.batch_size * tp.seq_len / (time.perf_counter() - started)
-            report(label, step + 1, tp.steps, f"loss {loss.item():.3f}  {tok_s:,.0f} tok/s")
-            if step % 25 == 0 or step == tp.steps - 1:
-                log.append({"step": step, "loss": round(loss.item(), 5), "lr": lr_at(step, tp),
-                            "tokens_per_s": round(tok_s, 1)})
+            speed = {"tokens_per_s": round((i + 1) * tokens_per_step
+                                           / (time.perf_counter() - started), 1)} \
+                if tokens_per_step else {}
+            report(label, i + 1, tp.steps, f"loss {loss.item():.3f}" + said + "".join(
+                f"  {v:,.0f} tok/s" for v in speed.values()))
+            if i % 25 == 0 or i == tp.steps - 1:
+                log.append({"step": i, "loss": round(loss.item(), 5), **logged,
+                            "lr": lr_at(i, tp), **speed})
+    model.eval()
     return log, time.perf_counter() - started
+
+
+def _fit(model: nn.Module, tokens: np.ndarray, tp: TrainPreset, rng: np.random.Generator,
+         progress: bool, label: str) -> tuple[list[dict[str, Any]], float]:
+    """:func:`fit` on random windows of ``tokens``."""
+    device = next(model.parameters()).device
+
+    def step(_: int) -> tuple[torch.Tensor, dict[str, Any], str]:
+        starts = rng.integers(0, len(tokens) - tp.seq_len - 1, size=tp.batch_size)
+        batch = torch.from_numpy(np.stack([tokens[s:s + tp.seq_len + 1]
+                                           for s in starts])).to(device)
+        logits = model(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                               batch[:, 1:].reshape(-1)), {}, ""
+
+    return fit(model, tp, step, progress, label, tp.batch_size * tp.seq_len)
 
 
 def _swap_in(work: Path, out: Path) -> None:

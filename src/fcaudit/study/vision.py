@@ -12,7 +12,6 @@ its ``results`` hold the evaluation split's accuracy and mean cross-entropy.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fcaudit.api import ProgressReporter
 from fcaudit.core.registry import refusal
 from fcaudit.io import digits
 from fcaudit.io.loading import Arch
-from fcaudit.study.train import adamw, building, lr_at, write_run
+from fcaudit.study import train
+from fcaudit.study.train import building, write_run
 
 
 @dataclass(frozen=True)
@@ -74,28 +73,15 @@ def evaluate(model: nn.Module, images: np.ndarray, targets: np.ndarray,
 
 def fit(model: nn.Module, images: np.ndarray, targets: np.ndarray, tp: VisionSchedule,
         rng: np.random.Generator, progress: bool, label: str) -> tuple[list[dict], float]:
-    """``tp.steps`` steps on batches drawn without replacement; the log and the wall time."""
-    opt = adamw(model, tp)
+    """:func:`~fcaudit.study.train.fit` on batches drawn without replacement."""
     device = next(model.parameters()).device
     x_all, y_all = torch.from_numpy(images).to(device), torch.from_numpy(targets).to(device)
-    log: list[dict[str, Any]] = []
-    started = time.perf_counter()
-    model.train()
-    with ProgressReporter(progress) as report:
-        for step in range(tp.steps):
-            rows = torch.from_numpy(rng.choice(len(images), size=tp.batch_size, replace=False))
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, tp)
-            loss = F.cross_entropy(model(x_all[rows]), y_all[rows])
-            opt.zero_grad(set_to_none=True)
-            (loss + getattr(model, "aux_loss", 0.0)).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            report(label, step + 1, tp.steps, f"loss {loss.item():.3f}")
-            if step % 25 == 0 or step == tp.steps - 1:
-                log.append({"step": step, "loss": round(loss.item(), 5), "lr": lr_at(step, tp)})
-    model.eval()
-    return log, time.perf_counter() - started
+
+    def step(_: int) -> tuple[torch.Tensor, dict[str, Any], str]:
+        rows = torch.from_numpy(rng.choice(len(images), size=tp.batch_size, replace=False))
+        return F.cross_entropy(model(x_all[rows]), y_all[rows]), {}, ""
+
+    return train.fit(model, tp, step, progress, label)
 
 
 def train_vision(arch: Arch, preset: str, seed: int, out: Path, tp: VisionSchedule, cfg: Any,

@@ -25,10 +25,15 @@ from fcaudit.engine.result import AuditResult, token_id_words
 Group = Mapping[str, Any]  # a study group: its "audits", "per_seed" and "aggregate"
 
 
+def ci_span(cis: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """The span of the seeds' 95% intervals: lowest low to highest high."""
+    return min(c[0] for c in cis), max(c[1] for c in cis)
+
+
 def over_seeds(values: Sequence[float], cis: Sequence[Sequence[float]]) -> Span:
-    """The mean over seeds with the span of the seeds' 95% intervals (lowest low to
-    highest high): how every study reports an estimate over seeds."""
-    return Span(float(np.mean(values)), min(c[0] for c in cis), max(c[1] for c in cis))
+    """The mean over seeds with the span of the seeds' intervals: how every study reports
+    an estimate over seeds."""
+    return Span(float(np.mean(values)), *ci_span(cis))
 
 
 def spanned(values: Sequence[float], cis: Sequence[Sequence[float]], spec: str,

@@ -308,7 +308,6 @@ def reproduce(preset: str, out: str | Path, *, seeds: int | None = None,
 def _probed(spec: str) -> LoadedModel:
     """``--mudd-checkpoint`` loaded and run once now, so a bad folder fails in seconds,
     before hours of training, and is not loaded a second time."""
-    from fcaudit.io.loading import is_run_folder
     from fcaudit.io.mudd_checkpoint import is_mudd_folder
     path = Path(spec)
     if (path.exists() and not is_mudd_folder(path)) or (":" in spec and not path.exists()):
@@ -333,6 +332,11 @@ def _probed(spec: str) -> LoadedModel:
     return loaded
 
 
+def _group(audits: list[AuditResult], per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """A group's audits, each seed's metrics and their aggregate over seeds."""
+    return {"audits": audits, "per_seed": per_seed, "aggregate": aggregate(per_seed)}
+
+
 def _study(preset: str, out: str | Path, *, seeds: int | None,
            mudd_checkpoint: LoadedModel | None, settings: StudySettings | None,
            command: str | None, files: FileWriter = PLAIN_FILES) -> dict[str, Any]:
@@ -348,17 +352,14 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
     for stem, members in itertools.groupby(study(preset, seeds), key=lambda g: g.stem):
         done = {group.arch: run_group(group, out, st, clock) for group in members}
         for arch, seed_results in done.items():
-            per_seed = [{**r.audit.metrics(), **twin_metrics(r.dense_config)}
-                        for r in seed_results]
-            groups[f"{arch}-{stem}"] = {"audits": [r.audit for r in seed_results],
-                                        "per_seed": per_seed, "aggregate": aggregate(per_seed)}
+            groups[f"{arch}-{stem}"] = _group([r.audit for r in seed_results], [
+                {**r.audit.metrics(), **twin_metrics(r.dense_config)} for r in seed_results])
         if preset == "trend":  # the point is finished: its summary, before the next one
             write_json(out / trend.POINTS / f"{stem}.json", trend.point_summary(points[stem], done))
     if mudd_checkpoint:
         audit = _audit(out / "audits" / "muddpythia-checkpoint", mudd_checkpoint, st, st.options,
                        None, clock)
-        groups["mudd-checkpoint"] = {"audits": [audit], "per_seed": [audit.metrics()],
-                                     "aggregate": aggregate([audit.metrics()])}
+        groups["mudd-checkpoint"] = _group([audit], [audit.metrics()])
     declared = PRESETS[preset]
     command = command or shlex.join(["fcaudit", "reproduce", "--preset", preset, "--out",
                                      str(out)])

@@ -73,6 +73,7 @@ from fcaudit.engine.result_views import (
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter, read_json
 from fcaudit.io.outdir import STUDY_POINTS
 from fcaudit.study import paper
+from fcaudit.study.declare import ci_span
 from fcaudit.study.train import TRAIN_PRESETS, TrainPreset
 
 SCHEMA = "fcaudit.trend-point/1"
@@ -155,8 +156,7 @@ def over_seeds(seeds: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
                        for s in seeds])
     for key in WITH_CI:
         cis = [s[key]["ci95"] for s in seeds if s[key]["ci95"] is not None]
-        stats[key]["ci95_span"] = [min(c[0] for c in cis), max(c[1] for c in cis)] if cis \
-            else None
+        stats[key]["ci95_span"] = list(ci_span(cis)) if cis else None
     return stats
 
 

@@ -21,8 +21,9 @@ import numpy as np
 from fcaudit.api import Span
 from fcaudit.core.conditions import STATIC_LAYER_POSITION
 from fcaudit.engine.result import AuditResult, token_id_words
+from fcaudit.study.train import TrainPreset
 
-Group = Mapping[str, Any]  # a study group: its "audits", "per_seed" and "aggregate"
+Seeded = Mapping[str, Any]  # a group studied: its "audits", "per_seed" and "aggregate"
 
 
 def ci_span(cis: Sequence[Sequence[float]]) -> tuple[float, float]:
@@ -47,7 +48,7 @@ class Seeds(dict):
     """One group's seeds as the cells of a format string see them (``str.format_map``):
     a field is a metric key (its mean over seeds) or ``"<cell> <argument>"``."""
 
-    def __init__(self, group: Group, label: str = "", missing: str = "not run",
+    def __init__(self, group: Seeded, label: str = "", missing: str = "not run",
                  other: Seeds | None = None) -> None:
         super().__init__()
         self.group, self.label, self.missing, self.other = group, label, missing, other
@@ -288,7 +289,34 @@ class Finding:
         return self.claim, f"{text}: {word}" if self.last else f"{word}: {text}"
 
 
-def pick(groups: Mapping[str, Group], prefix: str) -> Group | None:
+@dataclass(frozen=True)
+class Group:
+    """One model family at one size, trained and audited over several seeds."""
+
+    arch: str
+    preset: str
+    seeds: int = 0  # 0: the study's seed count (``--seeds``, else the preset's)
+    dense: str | None = "own"  # "own": the trained Dense twin of the same seed; or the
+    # twin's arch (the vision families' dense-vit, dense-cnn), trained at the same preset
+    schedule: TrainPreset | None = None  # None: the preset's own training settings
+    point: str = ""  # a trend point (size and length, "tiny-600"); names the run folders
+    task: str | None = None  # a synthetic task (fcaudit train --task); None: the corpus
+    control: bool = False  # a single-seed control: ``--seeds`` leaves its count alone
+
+    @property
+    def stem(self) -> str:
+        return "-".join(filter(None, (self.task, self.point or self.preset)))
+
+    @property
+    def name(self) -> str:
+        return f"{self.arch}-{self.stem}"
+
+    @property
+    def dense_arch(self) -> str | None:
+        return "dense" if self.dense == "own" else self.dense
+
+
+def pick(groups: Mapping[str, Seeded], prefix: str) -> Seeded | None:
     """The first group named ``prefix`` or ``prefix-...``."""
     return next((g for n, g in groups.items() if n == prefix or n.startswith(f"{prefix}-")),
                 None)
@@ -300,7 +328,7 @@ class Preset:
     label, columns: header and cell format) and its findings; ``missing``: a penalty
     cell's text where a condition was not run."""
 
-    groups: tuple[Any, ...]  # fcaudit.study.presets.Group
+    groups: tuple[Group, ...]
     seeds: int = 3
     title: str = ""
     rows: tuple[tuple[str, str], ...] = ()
@@ -308,13 +336,13 @@ class Preset:
     findings: tuple[Finding, ...] = ()
     missing: str = "not run"
 
-    def table(self, groups: Mapping[str, Group]) -> list[dict[str, str]]:
+    def table(self, groups: Mapping[str, Seeded]) -> list[dict[str, str]]:
         """One row per group present: each column's format over the group's seeds."""
         seeds = [Seeds(g, label, self.missing) for prefix, label in self.rows
                  if (g := pick(groups, prefix)) is not None]
         return [{head: text.format_map(g) for head, text in self.columns} for g in seeds]
 
-    def judge(self, groups: Mapping[str, Group]) -> list[tuple[str, str]]:
+    def judge(self, groups: Mapping[str, Seeded]) -> list[tuple[str, str]]:
         """Every finding whose group is present and whose fields are defined."""
         out = []
         for f in self.findings:

@@ -18,7 +18,6 @@ reads them; :mod:`fcaudit.study.reproduce` runs them).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from fcaudit.core.conditions import (
     FIXED_EXIT,
@@ -36,36 +35,8 @@ from fcaudit.core.registry import refusal
 from fcaudit.engine import result_views as keys  # metric keys, derived from condition names
 from fcaudit.engine.objectives import SELECTIVE_COPY
 from fcaudit.study import paper, trend
-from fcaudit.study.declare import Finding, Preset
-from fcaudit.study.train import TRAIN_PRESETS, TrainPreset
-
-
-@dataclass(frozen=True)
-class Group:
-    """One model family at one size, trained and audited over several seeds."""
-
-    arch: str
-    preset: str
-    seeds: int = 0  # 0: the study's seed count (``--seeds``, else the preset's)
-    dense: str | None = "own"  # "own": the trained Dense twin of the same seed; or the
-    # twin's arch (the vision families' dense-vit, dense-cnn), trained at the same preset
-    schedule: TrainPreset | None = None  # None: the preset's own training settings
-    point: str = ""  # a trend point (size and length, "tiny-600"); names the run folders
-    task: str | None = None  # a synthetic task (fcaudit train --task); None: the corpus
-    control: bool = False  # a single-seed control: ``--seeds`` leaves its count alone
-
-    @property
-    def stem(self) -> str:
-        return "-".join(filter(None, (self.task, self.point or self.preset)))
-
-    @property
-    def name(self) -> str:
-        return f"{self.arch}-{self.stem}"
-
-    @property
-    def dense_arch(self) -> str | None:
-        return "dense" if self.dense == "own" else self.dense
-
+from fcaudit.study.declare import Finding, Group, Preset
+from fcaudit.study.train import TRAIN_PRESETS
 
 TASK = SELECTIVE_COPY
 # the corpus runs train half the tiny preset's steps, so that three seeds of both models

@@ -60,8 +60,8 @@ from fcaudit.io.outdir import STUDY_RESULTS, hold_output
 from fcaudit.io.results import replacing_results
 from fcaudit.io.runtime import versions
 from fcaudit.study import trend
-from fcaudit.study.declare import over_seeds
-from fcaudit.study.presets import PAPER, PRESETS, ROWS, Group, study
+from fcaudit.study.declare import Group, over_seeds
+from fcaudit.study.presets import PAPER, PRESETS, ROWS, study
 from fcaudit.study.train import TrainPreset, check_train_data, reads_text, run_schedule, train
 from fcaudit.study.trend import SeedResult
 

@@ -238,6 +238,7 @@ CELLS: dict[str, Callable[[Seeds, str], Any]] = {
     "degenerate": _degenerate,
     "not_adapting": lambda g, _: sum(bool(a.exits and a.exits.note) for a in g.audits),
     "either": lambda g, words: words.split("|")[0 if g.holds else 1],
+    "unless": lambda g, key: 1 if g.mean(key) is None else None,  # a finding for the rest
     "score": _score, "depth": _depth, "versus_twin": _versus_twin, "execution": _execution,
     "executed": _executed, "num": _number, "percent": _percent,
     "position_percent": lambda g, key: "not applicable" if STATIC_LAYER_POSITION not in

@@ -44,7 +44,7 @@ def spanned(values: Sequence[float], cis: Sequence[Sequence[float]], spec: str,
     return f"{s.value:{spec}}{unit} [{s.lo:{spec}}, {s.hi:{spec}}]"
 
 
-class Seeds(dict):
+class Seeds(dict[str, Any]):
     """One group's seeds as the cells of a format string see them (``str.format_map``):
     a field is a metric key (its mean over seeds) or ``"<cell> <argument>"``."""
 

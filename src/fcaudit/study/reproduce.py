@@ -48,10 +48,11 @@ from fcaudit.core.conditions import (
 )
 from fcaudit.core.errors import FcauditError, UsageError, arg
 from fcaudit.core.nll import logits_of
+from fcaudit.engine.inputs import as_loaded
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.objectives import CLASSIFICATION
 from fcaudit.engine.result import ETA2_KEYS, AuditResult
-from fcaudit.engine.run import AuditOptions, as_loaded
+from fcaudit.engine.run import AuditOptions
 from fcaudit.io import digits
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter, read_json, write_json

@@ -21,6 +21,7 @@ import numpy as np
 from fcaudit.api import Span
 from fcaudit.core.conditions import STATIC_LAYER_POSITION
 from fcaudit.engine.result import AuditResult, token_id_words
+from fcaudit.engine.result_views import ACCURACY_CORRECT, NLL_CORRECT, RETENTION_LAYER_TOKEN
 from fcaudit.study.train import TrainPreset
 
 Seeded = Mapping[str, Any]  # a group studied: its "audits", "per_seed" and "aggregate"
@@ -140,10 +141,10 @@ def _degenerate(g: Seeds, _: str) -> str:
 
 
 def _score(g: Seeds, _: str) -> str:
-    acc, twin = g.mean("accuracy_correct"), g.mean("twin_accuracy")
+    acc, twin = g.mean(ACCURACY_CORRECT), g.mean("twin_accuracy")
     if acc is None:
-        acc, twin = g.mean("nll_correct"), g.mean("twin_nll")
-    kind = "NLL" if g.mean("accuracy_correct") is None else "accuracy"
+        acc, twin = g.mean(NLL_CORRECT), g.mean("twin_nll")
+    kind = "NLL" if g.mean(ACCURACY_CORRECT) is None else "accuracy"
     return f"{kind} {acc:.3f} (twin {'n/a' if twin is None else f'{twin:.3f}'})"
 
 
@@ -212,7 +213,7 @@ def _token_share(g: Seeds, family: str) -> str:
 def _token_profile(g: Seeds, _: str) -> str:
     """How much a static profile per (layer, token id) keeps, and how much of the
     within-layer variance the token id explains."""
-    ret, share = g.mean("retention_static_layer_token"), g.mean("eta2_token_id")
+    ret, share = g.mean(RETENTION_LAYER_TOKEN), g.mean("eta2_token_id")
     words = None if share is None else token_id_words(
         share, g.mean("eta2_token_id_chance"), g.mean("epsilon2_token_id"))
     return (("retention undefined (no clear gap)" if ret is None else

@@ -38,7 +38,7 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
 )
 from fcaudit.core.errors import DataError, FcauditError, install_extra
 from fcaudit.core.registry import refusal
-from fcaudit.engine.analyses import ANALYSES
+from fcaudit.engine.analyses import ANALYSES, expert_importance, routing, token_profile
 from fcaudit.engine.frontier_parts import ExitSummary, FrontierFamily
 from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema's parts)
@@ -149,17 +149,17 @@ class AuditResult:
     @property
     def token_profile(self) -> TokenProfile | None:
         """static-layer-token's coverage of the evaluation tokens (token ids only)."""
-        return (self.analyses or {}).get("token_profile")
+        return (self.analyses or {}).get(token_profile.ANALYSIS.name)
 
     @property
     def routing(self) -> dict[str, RoutingSummary] | None:
         """Per router family: expert load, and the top-k sets each condition changes."""
-        return (self.analyses or {}).get("routing")
+        return (self.analyses or {}).get(routing.ANALYSIS.name)
 
     @property
     def expert_importance(self) -> dict[str, ImportanceSummary] | None:
         """Per router family: each ablated expert's penalty beside its load."""
-        return (self.analyses or {}).get("expert_importance")
+        return (self.analyses or {}).get(expert_importance.ANALYSIS.name)
 
     def to_json(self) -> dict[str, Any]:
         """The ``audit.json`` content (plain JSON types), each analysis's section at the

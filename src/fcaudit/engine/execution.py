@@ -377,19 +377,6 @@ def expert_execution(model: nn.Module, layers: Sequence[ExpertLayer],
         flops_per_slot_per_layer=per_slot if flop_counts else None)
 
 
-def count_block_executions(model: nn.Module, block_paths: Sequence[str],
-                           batches: Iterable[torch.Tensor]) -> dict[str, Any]:
-    """Blocks executed per token, blocks present and per-block executed fraction."""
-    return execution_pass(model, block_paths, batches, flops=False)
-
-
-def flops_per_token(model: nn.Module, input_ids: torch.Tensor, batch_size: int | None = None,
-                    ) -> float:
-    """Forward FLOPs per input token, counted over every sequence of ``input_ids``."""
-    batches = input_ids.split(batch_size or len(input_ids))
-    return execution_pass(model, [], batches)["flops_per_token"]
-
-
 def ratio_interval(model_s: Sequence[float], dense_s: Sequence[float], seed: int = 0,
                    resamples: int = BOOTSTRAP_RESAMPLES) -> Estimate:
     """Median of per-pair ratios ``model/dense``, with a 95% bootstrap interval over pairs."""

@@ -45,11 +45,11 @@ from fcaudit.core.errors import FcauditError, ModelError, arg
 from fcaudit.core.hooks import hooks
 from fcaudit.core.nll import logits_of
 from fcaudit.core.routers import counting_experts
+from fcaudit.engine.options import MIN_TIMING_PAIRS
 from fcaudit.engine.result import Estimate, Execution, ExpertExecution, SideTiming, Timing
 from fcaudit.engine.verdicts import TOLERANCE
 from fcaudit.io.examples import ExampleBatch, Examples, call_model
 
-MIN_PAIRS = 10
 BOOTSTRAP_RESAMPLES = 2000
 
 
@@ -416,8 +416,8 @@ def device_name(device: torch.device) -> str:
 def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: Any, pairs: int = 10,
                      warmup: int = 2, seed: int = 0, threads: int | None = None) -> Timing:
     """Time one batch on model and dense in ``pairs`` pairs (A B, B A, ...) after warm-up."""
-    if pairs < MIN_PAIRS:
-        raise ModelError(f"timing needs at least {MIN_PAIRS} pairs, got {pairs}")
+    if pairs < MIN_TIMING_PAIRS:
+        raise ModelError(f"timing needs at least {MIN_TIMING_PAIRS} pairs, got {pairs}")
     on_cuda = input_ids.device.type == "cuda"
 
     def seconds(net: nn.Module) -> float:

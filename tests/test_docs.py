@@ -78,7 +78,7 @@ def _benchmark(name: str) -> Any:
 
 def _defaults() -> dict[str, float]:
     from fcaudit.core import routers
-    from fcaudit.engine import execution, frontier, metrics, options, run, verdicts
+    from fcaudit.engine import frontier, metrics, options, run, verdicts
     from fcaudit.engine.analyses import expert_importance
     from fcaudit.engine.options import AuditOptions
     from fcaudit.io.data import DataSpec
@@ -94,7 +94,7 @@ def _defaults() -> dict[str, float]:
             "weak_retention": verdicts.WEAK_RETENTION, "weak_penalty": verdicts.WEAK_PENALTY,
             "negligible": round(verdicts.NEGLIGIBLE, 5),
             "max_share_width": metrics.MAX_SHARE_WIDTH,
-            "min_pairs": execution.MIN_PAIRS, "tolerance": 100 * verdicts.TOLERANCE,
+            "min_pairs": options.MIN_TIMING_PAIRS, "tolerance": 100 * verdicts.TOLERANCE,
             "speed_tolerance": 100 * verdicts.SPEED_TOLERANCE,
             "bootstrap": AuditOptions().bootstrap,
             "chunk_log2": metrics.CHUNK_ELEMENTS.bit_length() - 1,

@@ -16,9 +16,7 @@ from fcaudit.core.errors import FcauditError
 from fcaudit.core.recording import record
 from fcaudit.core.replaying import replaying
 from fcaudit.engine.execution import (
-    count_block_executions,
     execution_pass,
-    flops_per_token,
     measure_execution,
     ratio_interval,
     side_summary,
@@ -66,7 +64,7 @@ def test_counts_follow_a_known_skip_pattern():
     model = skipgate()
     masks = [pattern(layer) for layer in range(SIZES["n_layer"])]
     with replaying(model, forced_gates(model, masks)):
-        counts = count_block_executions(model, model.execution_blocks(), [ids()])
+        counts = execution_pass(model, model.execution_blocks(), [ids()], flops=False)
     expected = [m.float().mean().item() for m in masks]
     assert counts["blocks_executed_per_layer"] == pytest.approx(expected, abs=1e-12)
     assert counts["blocks_executed"] == pytest.approx(sum(expected))
@@ -78,7 +76,7 @@ def test_closed_gates_run_no_block_and_pass_the_residual_stream():
     x = ids()
     closed = [torch.zeros(B, T, dtype=torch.bool)] * SIZES["n_layer"]
     with replaying(model, forced_gates(model, closed)), torch.no_grad():
-        counts = count_block_executions(model, model.execution_blocks(), [x])
+        counts = execution_pass(model, model.execution_blocks(), [x], flops=False)
         logits = model(x)
         h = model.wte(x) + model.wpe(torch.arange(T))
         assert torch.equal(logits, model.lm_head(model.ln_f(h)))
@@ -112,7 +110,7 @@ def test_skipgate_saves_blocks_and_flops():
 
 def test_measuring_restores_training_mode():
     model = skipgate().train()
-    count_block_executions(model, model.execution_blocks(), [ids()])
+    execution_pass(model, model.execution_blocks(), [ids()], flops=False)
     assert all(m.training for m in model.modules())
 
 
@@ -183,7 +181,7 @@ def test_flops_of_a_known_matmul():
     k, n = 24, 40
     x = ids()
     m = x.numel()
-    assert flops_per_token(MatMul(k, n), x) * m == 2 * m * n * k
+    assert execution_pass(MatMul(k, n), [], [x])["flops_per_token"] * m == 2 * m * n * k
 
 
 class KernelCall(nn.Module):
@@ -213,7 +211,7 @@ def test_a_weight_handed_to_a_module_call_is_counted_not_a_crash():
     k, n = 24, 40
     model = HandsItsWeight(k, n)
     x = ids()
-    assert flops_per_token(model, x) * x.numel() == 2 * x.numel() * n * k
+    assert execution_pass(model, [], [x])["flops_per_token"] * x.numel() == 2 * x.numel() * n * k
     assert model.weight.requires_grad
 
 
@@ -224,7 +222,8 @@ def test_cpu_attention_is_counted():
             return nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
 
     x = ids()  # QK^T and AV: 2 * (2 * s * s * d) per sequence and head
-    assert flops_per_token(Attention(), x) * x.numel() == B * 2 * 2 * (2 * T * T * 8)
+    flops = execution_pass(Attention(), [], [x])["flops_per_token"]
+    assert flops * x.numel() == B * 2 * 2 * (2 * T * T * 8)
 
 
 # --- timing arithmetic (no timed assertions) --------------------------------------------
@@ -305,7 +304,8 @@ def test_open_skipgate_equals_featuregate_with_the_same_weights():
     sg.load_state_dict(state)
     with torch.no_grad():
         torch.testing.assert_close(sg(ids()), fg(ids()))
-    assert count_block_executions(sg, sg.execution_blocks(), [ids()])["blocks_executed"] == 3.0
+    counts = execution_pass(sg, sg.execution_blocks(), [ids()], flops=False)
+    assert counts["blocks_executed"] == 3.0
 
 
 def test_routed_block_equals_the_block_run_on_each_sequences_selected_tokens():

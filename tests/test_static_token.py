@@ -20,7 +20,7 @@ from fcaudit.engine.options import silent
 from fcaudit.engine.result import ConditionResult, Retention, TokenProfile
 from fcaudit.engine.run import AuditOptions, AuditRequest, cache_identity, prepare
 from fcaudit.engine.stages import calibration_profiles, record_calibration
-from fcaudit.engine.verdicts import dependence
+from fcaudit.engine.verdicts import dependence_part
 from fcaudit.io.data import AuditData
 from fcaudit.report.audit_report import build_markdown
 
@@ -224,7 +224,7 @@ def test_static_layer_token_penalty_counts_in_the_dependence_verdict(interval, l
         "reassign", "shuffle", "reassign+shuffle", "static-layer", "static-layer-position")}
     conditions["static-layer-token"] = _cond(*interval)
     undefined = Retention(0.0, [-0.1, 0.1], None, None, False)
-    sentence = dependence(conditions, {"static-layer": undefined})
+    sentence = dependence_part(conditions, {"static-layer": undefined}).sentence
     assert sentence.startswith(f"{label} on the coefficient assignment"), sentence
     if label == "No dependence":
         assert "a static per-layer-and-token-id profile lowers the NLL by 0.0200 nats " \

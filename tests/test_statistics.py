@@ -336,7 +336,7 @@ def test_every_decomposition_names_all_its_axes_and_sums_to_one(kind: str) -> No
     from fcaudit.core.routers import RouterAdapter
     from fcaudit.engine.metrics import VarianceAccumulator
     from fcaudit.engine.result import Variation
-    from fcaudit.engine.verdicts import variation
+    from fcaudit.engine.verdicts import variation_part
     width = {"scalar gate": 1, "vector coefficient": 3, "router": 8}[kind]
     rng = np.random.default_rng(1)
     # layer, position and component effects plus noise: every axis carries variance
@@ -360,7 +360,8 @@ def test_every_decomposition_names_all_its_axes_and_sums_to_one(kind: str) -> No
     for name, share in expected.items():
         assert axes[name] == pytest.approx(share, abs=1e-9), name
     assert sum(axes.values()) == pytest.approx(1.0, abs=1e-9)
-    sentence = variation({"fam": shares}, {"fam": Variation([], 0.1, 0.2, 0.3, None, None)})
+    spread = {"fam": Variation([], 0.1, 0.2, 0.3, None, None)}
+    sentence = variation_part({"fam": shares}, spread).sentence
     for name, share in expected.items():
         assert f"{name} {100 * share:.1f}%" in sentence, (name, sentence)
     # the trailing axis is explained where the sentence names it

@@ -75,11 +75,11 @@ VERDICTS = [
 def test_each_dependence_verdict_follows_its_rule(case: str, r: tuple, s: tuple, rs: tuple,
                                                   sl: tuple, slp: tuple, kept: Retention,
                                                   label: str) -> None:
-    from fcaudit.engine.verdicts import dependence
+    from fcaudit.engine.verdicts import dependence_part
     conditions = {name: _cond(*c) for name, c in (
         ("reassign", r), ("shuffle", s), ("reassign+shuffle", rs), ("static-layer", sl),
         ("static-layer-position", slp), ("static-layer-token", ZERO))}
-    sentence = dependence(conditions, {"static-layer": kept})
+    sentence = dependence_part(conditions, {"static-layer": kept}).sentence
     assert sentence.startswith(label + " on the coefficient assignment"), sentence
     numbers = (f"reassigning coefficients across inputs costs {r[0]:+.4f} nats [{r[1]:+.4f}, "
                f"{r[2]:+.4f}], shuffling them across tokens {s[0]:+.4f} [{s[1]:+.4f}, "

@@ -45,11 +45,11 @@ from fcaudit.core.errors import FcauditError, ModelError, arg
 from fcaudit.core.hooks import hooks
 from fcaudit.core.nll import logits_of
 from fcaudit.core.routers import counting_experts
+from fcaudit.engine.options import MIN_TIMING_PAIRS
 from fcaudit.engine.result import Estimate, Execution, ExpertExecution, SideTiming, Timing
 from fcaudit.engine.verdicts import TOLERANCE
 from fcaudit.io.examples import ExampleBatch, Examples, call_model
 
-MIN_PAIRS = 10
 BOOTSTRAP_RESAMPLES = 2000
 
 
@@ -377,19 +377,6 @@ def expert_execution(model: nn.Module, layers: Sequence[ExpertLayer],
         flops_per_slot_per_layer=per_slot if flop_counts else None)
 
 
-def count_block_executions(model: nn.Module, block_paths: Sequence[str],
-                           batches: Iterable[torch.Tensor]) -> dict[str, Any]:
-    """Blocks executed per token, blocks present and per-block executed fraction."""
-    return execution_pass(model, block_paths, batches, flops=False)
-
-
-def flops_per_token(model: nn.Module, input_ids: torch.Tensor, batch_size: int | None = None,
-                    ) -> float:
-    """Forward FLOPs per input token, counted over every sequence of ``input_ids``."""
-    batches = input_ids.split(batch_size or len(input_ids))
-    return execution_pass(model, [], batches)["flops_per_token"]
-
-
 def ratio_interval(model_s: Sequence[float], dense_s: Sequence[float], seed: int = 0,
                    resamples: int = BOOTSTRAP_RESAMPLES) -> Estimate:
     """Median of per-pair ratios ``model/dense``, with a 95% bootstrap interval over pairs."""
@@ -429,8 +416,8 @@ def device_name(device: torch.device) -> str:
 def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: Any, pairs: int = 10,
                      warmup: int = 2, seed: int = 0, threads: int | None = None) -> Timing:
     """Time one batch on model and dense in ``pairs`` pairs (A B, B A, ...) after warm-up."""
-    if pairs < MIN_PAIRS:
-        raise ModelError(f"timing needs at least {MIN_PAIRS} pairs, got {pairs}")
+    if pairs < MIN_TIMING_PAIRS:
+        raise ModelError(f"timing needs at least {MIN_TIMING_PAIRS} pairs, got {pairs}")
     on_cuda = input_ids.device.type == "cuda"
 
     def seconds(net: nn.Module) -> float:

@@ -44,6 +44,7 @@ from fcaudit.core.replaying import replaying
 from fcaudit.engine.frontier import curve, estimate
 from fcaudit.engine.frontier_parts import ExitFrontier, ExitMatch, ExitSummary, ExitSweepPoint
 from fcaudit.engine.metrics import Bootstrap, interval, retention
+from fcaudit.engine.options import Progress
 from fcaudit.engine.passes import batches
 from fcaudit.engine.result_parts import Retention
 from fcaudit.io.examples import call_model
@@ -67,13 +68,12 @@ def check_passes(n_sites: int, units: int) -> int:
 
 
 @torch.no_grad()
-def exit_plan(setup: Any, progress: Any = None) -> ExitPlan | None:
+def exit_plan(setup: Any, tick: Progress) -> ExitPlan | None:
     """The references' layers for this audit, or None when it runs no exit condition;
-    ``progress`` ticks once per batch of each stage (the plan counts these passes)."""
+    ``tick`` once per batch of each stage (the plan counts these passes)."""
     if not asked(setup):
         return None
     from fcaudit.engine.execution import inference
-    tick = progress or (lambda *_: None)
     net = exit_model(setup.model, setup.sites)
     size, device = setup.options.batch_size, device_of(setup.model)
     calib, oracle, own = [], [], []
@@ -419,7 +419,7 @@ def threshold_set(net: Any, value: float) -> Iterator[None]:
 
 @torch.no_grad()
 def sweep_layers(setup: Any, net: Any, own: Tensor,
-                 tick: Any = None) -> tuple[tuple[float, Tensor], ...]:
+                 tick: Progress) -> tuple[tuple[float, Tensor], ...]:
     """Each sweep threshold with the exit layers ``[N, T]`` the moved rule gives the
     evaluation tokens (real passes; ``tick(stage, done, total, info)`` once per
     threshold); thresholds that repeat ``own`` or an earlier one's exits are dropped."""
@@ -433,8 +433,7 @@ def sweep_layers(setup: Any, net: Any, own: Tensor,
         with threshold_set(net, tau):
             layers = torch.cat([own_exits(net, lambda x=x: call_model(setup.model, x)).cpu()
                                 for _, x in batches(setup.eval_source, size, device)])
-        if tick is not None:
-            tick("exit references: threshold sweep", done, len(thresholds), f"{tau:.3g}")
+        tick("exit references: threshold sweep", done, len(thresholds), f"{tau:.3g}")
         if not any(torch.equal(layers, seen) for seen in [own, *(t for _, t in out)]):
             out.append((tau, layers))
     return tuple(out)

@@ -10,7 +10,7 @@ from the dynamic rule at its own thresholds.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -118,7 +118,8 @@ def off_mismatch(setup: Prepared, fam: Covered) -> str | None:
     modes = (_zeroed,) if all(gated) else (_passed_through, _zeroed)
     diffs = []
     for mode in modes:
-        removed = _with_hooks(net, x, {m: mode for m in modules if m})
+        with hooked(net, {m: mode for m in modules if m}):
+            removed = logits_of(net(x))
         if torch.equal(off, removed):
             return None
         diffs.append(float((off.double() - removed.double()).abs().max()))
@@ -136,11 +137,6 @@ def _passed_through(_m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
     first = args[0] if args else None
     same = isinstance(first, Tensor) and isinstance(out, Tensor) and first.shape == out.shape
     return first if same else out
-
-
-def _with_hooks(net: nn.Module, x: Tensor, hooks: Mapping[str, Callable[..., Any]]) -> Tensor:
-    with hooked(net, hooks):
-        return logits_of(net(x))
 
 
 def frontier_units(cache: CoefficientCache, covered: Sequence[Covered],

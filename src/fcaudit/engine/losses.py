@@ -125,9 +125,11 @@ def _answers(output: Any, batch: ExampleBatch) -> tuple[Tensor, Tensor]:
 
 
 def user_units(fn: ObjectiveFn, name: str, output: Any, batch: ExampleBatch) -> Tensor:
-    """A user callable's losses as ``[B, U]`` float32, or one line naming the objective."""
+    """A user callable's losses as ``[B, U]`` float32, or one line naming the objective
+    (it raised; or returned no float tensor, another shape, or a meta tensor, one
+    without values)."""
     try:
-        losses = fn(output, batch)
+        value = fn(output, batch)
     except FcauditError:
         raise
     except Exception as exc:  # the user's own code: theirs to fix, not fcaudit's bug
@@ -135,19 +137,13 @@ def user_units(fn: ObjectiveFn, name: str, output: Any, batch: ExampleBatch) -> 
                          f"{' '.join(str(exc).split())}; it is called as fn(model_output, "
                          "batch) with batch.inputs and batch.targets, and must return "
                          "per-unit losses [B] or [B, T]", option="objective") from exc
-    return _user_units(losses, len(batch), name)
-
-
-def _user_units(value: Any, batch: int, name: str) -> Tensor:
-    """Not a float tensor, another shape, or a meta tensor (one without values): one line
-    naming the objective."""
     if not isinstance(value, Tensor) or not value.is_floating_point() or \
-            value.dim() not in (1, 2) or value.shape[0] != batch or value.numel() == 0 or \
+            value.dim() not in (1, 2) or value.shape[0] != len(batch) or value.numel() == 0 or \
             value.is_meta:
         got = f"{'a meta tensor (no values) ' if value.is_meta else ''}" \
               f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}" \
             if isinstance(value, Tensor) else type(value).__name__
         raise UsageError(f"objective {name} must return per-unit losses, a float tensor [B] "
-                         f"or [B, T] with B={batch} examples; it returned {got}",
+                         f"or [B, T] with B={len(batch)} examples; it returned {got}",
                          option="objective")
     return (value.unsqueeze(1) if value.dim() == 1 else value).detach().to(torch.float32)

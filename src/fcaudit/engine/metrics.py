@@ -151,12 +151,8 @@ class VarianceAccumulator:
     def add(self, coefficients: dict[str, torch.Tensor]) -> None:
         for site in self.sites:
             x = coefficients[site.name].to(torch.float64)
-            s1, s2 = x.sum(0), (x * x).sum(0)
-            if site.name in self.s1:
-                self.s1[site.name] += s1
-                self.s2[site.name] += s2
-            else:
-                self.s1[site.name], self.s2[site.name] = s1, s2
+            for sums, value in ((self.s1, x.sum(0)), (self.s2, (x * x).sum(0))):
+                sums[site.name] = sums[site.name] + value if site.name in sums else value
             # spread across positions within each sequence (and component), averaged
             self.sd_pos_sum[site.name] += float(x.std(dim=1, unbiased=False).mean(
                 dim=tuple(range(1, x.dim() - 1))).sum()) if x.dim() > 2 else \
@@ -260,19 +256,17 @@ class VarianceAccumulator:
                          positions / across if across > 0 else None)
 
     def profile(self, max_positions: int = 512) -> Profile:
-        """Per-layer mean and spread, and the layer x position mean map, for figures."""
-        means, sds, pos = [], [], []
-        stride = 1
+        """Per-layer mean and spread (:meth:`variation`'s), and the layer x position mean
+        map, for figures."""
+        pos, stride = [], 1
         for site in self.sites:
-            s1, s2, n = self.s1[site.name], self.s2[site.name], self.n
-            k = s1[0].numel()
-            mean = float(s1.sum()) / (s1.numel() * n)
-            means.append(mean)
-            sds.append(max(float(s2.sum()) / (s2.numel() * n) - mean**2, 0.0) ** 0.5)
-            row = (s1.reshape(s1.shape[0], -1).sum(1) / (k * n)).numpy()
+            s1 = self.s1[site.name]
+            row = (s1.reshape(s1.shape[0], -1).sum(1) / (s1[0].numel() * self.n)).numpy()
             stride = max(1, int(np.ceil(len(row) / max_positions)))
             pos.append([round(float(v), 6) for v in row[::stride]])
-        return Profile([s.name for s in self.sites], means, sds, pos, stride)
+        layers = self.variation().per_layer
+        return Profile([s.name for s in self.sites], [x.mean for x in layers],
+                       [x.sd_total for x in layers], pos, stride)
 
 
 class TokenShare:
@@ -311,12 +305,8 @@ class TokenShare:
             x = coefficients[site.name].to(torch.float64)
             d = x - self.shift.setdefault(site.name, x[0, 0].clone())
             flat = d.reshape(-1, *d.shape[2:])
-            t1, t2 = flat.sum(0), (flat * flat).sum(0)
-            if site.name in self.t1:
-                self.t1[site.name] += t1
-                self.t2[site.name] += t2
-            else:
-                self.t1[site.name], self.t2[site.name] = t1, t2
+            for sums, value in ((self.t1, flat.sum(0)), (self.t2, (flat * flat).sum(0))):
+                sums[site.name] = sums[site.name] + value if site.name in sums else value
             centred[site.name] = d
         self.by_id = merge_token_sums(self.by_id, token_sums(centred, ids))
         self.n += ids.numel()

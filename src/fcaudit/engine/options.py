@@ -275,15 +275,12 @@ class AuditOptions:
             if getattr(self, name) not in choices:
                 raise refusal(_name(name, getattr(self, name)), getattr(self, name),
                               list(choices), option=name)
-        if self.expert_ablation is not None and not isinstance(self.expert_ablation, bool):
-            raise UsageError(f"{_name('expert_ablation', self.expert_ablation)}: must be "
-                             "True, False or None (on for at most "
-                             f"{AUTO_ABLATION_MAX_EXPERTS} experts per routed layer)",
-                             option="expert_ablation")
-        if self.frontier is not None and not isinstance(self.frontier, bool):
-            raise UsageError(f"{_name(FRONTIER, self.frontier)}: must be True, False or "
-                             "None (on where a family is covered and execution measured)",
-                             option=FRONTIER)
+        for name, unset in (("expert_ablation", f"on for at most {AUTO_ABLATION_MAX_EXPERTS} "
+                             "experts per routed layer"),
+                            (FRONTIER, "on where a family is covered and execution measured")):
+            if (value := getattr(self, name)) is not None and not isinstance(value, bool):
+                raise UsageError(f"{_name(name, value)}: must be True, False or None ({unset})",
+                                 option=name)
         _check_target(self.target_ci, self.min_sequences)
         _check_conditions(self.conditions)
         _check_early_exit(self.early_exit, self.exit_threshold)

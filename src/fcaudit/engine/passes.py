@@ -336,7 +336,6 @@ def launched() -> bool:
 
 def init(device: str) -> Ranks:
     """Join torchrun's process group (gloo on CPU, NCCL on CUDA); returns this rank."""
-    import torch
     import torch.distributed as dist
     if not launched():
         return SINGLE

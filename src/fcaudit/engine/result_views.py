@@ -29,7 +29,6 @@ if TYPE_CHECKING:
         ConditionResult,
         Estimate,
         ExecutionSection,
-        Retention,
     )
 
 ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
@@ -80,8 +79,7 @@ def _accuracy_retention(r: AuditResult, part: str) -> dict[str, Any]:
 def with_interval(key: str, value: float | None,
                   ci95: Sequence[float] | None) -> dict[str, float | None]:
     """A number with its 95% interval's bounds (``<key>_ci_low``, ``<key>_ci_high``)."""
-    low, high = (None, None) if ci95 is None else ci95
-    return {key: value, f"{key}_ci_low": low, f"{key}_ci_high": high}
+    return {key: value, **_bounds(ci95, f"{key}_")}
 
 
 def metrics(r: AuditResult) -> dict[str, float | None]:
@@ -163,11 +161,12 @@ def _gap_25(r: AuditResult) -> Estimate | None:
 
 
 def _frontier_metrics(r: AuditResult) -> dict[str, float | None]:
+    """The main family's gap at 25% saved; a model that skips on its own (SkipGate): its
+    own point too."""
     gap = _gap_25(r)
     out: dict[str, float | None] = {"frontier_gap_25": None if gap is None else gap.value}
     front = (r.frontier or {}).get(r.families[0])
-    check = front.check if front is not None else None
-    if check is not None:  # a model that skips on its own (SkipGate): its own point
+    if (check := front.check if front is not None else None) is not None:
         out["frontier_own_delta"] = check.delta
         out["frontier_own_flops_saved"] = check.accounted_flops_saved_fraction
         out["frontier_measured_flops_saved"] = check.measured_flops_saved_fraction
@@ -212,21 +211,19 @@ def _per_layer_rows(r: AuditResult) -> list[dict[str, Any]]:
             for name, layers in r.per_layer.items() for c in layers]
 
 
+def _bounds(ci95: Sequence[float] | None, prefix: str = "") -> dict[str, float | None]:
+    """A row's interval columns (``ci_low``, ``ci_high``), None without an interval."""
+    low, high = ci95 or (None, None)
+    return {f"{prefix}ci_low": low, f"{prefix}ci_high": high}
+
+
 def _retention_rows(r: AuditResult) -> list[dict[str, Any]]:
-    return [{"profile": name, "retention_pct": ret.value,
-             "ci_low": ret.ci95[0] if ret.ci95 else None,
-             "ci_high": ret.ci95[1] if ret.ci95 else None, "gap": ret.gap,
-             "defined": ret.defined, **_accuracy_columns(ret.accuracy)}
+    """Each profile's retention; its accuracy columns for objectives with accuracy."""
+    return [{"profile": name, "retention_pct": ret.value, **_bounds(ret.ci95), "gap": ret.gap,
+             "defined": ret.defined, **({} if (acc := ret.accuracy) is None else {
+                 "accuracy_retention_pct": acc.value, **_bounds(acc.ci95, "accuracy_"),
+                 "accuracy_gap": acc.gap})}
             for name, ret in r.retention.items()]
-
-
-def _accuracy_columns(acc: Retention | None) -> dict[str, Any]:
-    """A retention row's accuracy columns (objectives with accuracy only)."""
-    if acc is None:
-        return {}
-    return {"accuracy_retention_pct": acc.value,
-            "accuracy_ci_low": acc.ci95[0] if acc.ci95 else None,
-            "accuracy_ci_high": acc.ci95[1] if acc.ci95 else None, "accuracy_gap": acc.gap}
 
 
 def _routing_rows(r: AuditResult) -> list[dict[str, Any]]:
@@ -238,8 +235,7 @@ def _routing_rows(r: AuditResult) -> list[dict[str, Any]]:
 
 def _expert_rows(r: AuditResult) -> list[dict[str, Any]]:
     return [{"family": family, "site": layer.site, "layer": layer.layer, "expert": x.expert,
-             "delta": x.delta, "ci_low": x.ci95[0] if x.ci95 else None,
-             "ci_high": x.ci95[1] if x.ci95 else None, "load": x.load,
+             "delta": x.delta, **_bounds(x.ci95), "load": x.load,
              "selected_after": x.selected_after}
             for family, summary in (r.expert_importance or {}).items()
             for layer in summary.per_layer for x in layer.experts]
@@ -254,16 +250,10 @@ def _frontier_rows(r: AuditResult) -> list[dict[str, Any]]:
             for family, f in (r.frontier or {}).items() for p in f.points]
 
 
-
-
-
 def _metric_rows(r: AuditResult) -> list[dict[str, Any]]:
     intervals = metric_intervals(r)
-    rows = []
-    for key, value in metrics(r).items():
-        low, high = intervals.get(key) or (None, None)
-        rows.append({"metric": key, "value": value, "ci_low": low, "ci_high": high})
-    return rows
+    return [{"metric": key, "value": value, **_bounds(intervals.get(key))}
+            for key, value in metrics(r).items()]
 
 
 def condition_table_html(r: AuditResult, esc: Callable[[str], str]) -> str:
@@ -275,9 +265,8 @@ def condition_table_html(r: AuditResult, esc: Callable[[str], str]) -> str:
 
 
 TABLES = {"conditions": condition_rows, "per_layer": _per_layer_rows,
-           "retention": _retention_rows, "routing": _routing_rows, "experts": _expert_rows,
-           FRONTIER: _frontier_rows,
-          "metrics": _metric_rows}
+          "retention": _retention_rows, "routing": _routing_rows, "experts": _expert_rows,
+          FRONTIER: _frontier_rows, "metrics": _metric_rows}
 
 
 EXECUTION_COLUMNS = ("blocks_executed", "blocks_present", "executed_fraction", "flops_per_token",

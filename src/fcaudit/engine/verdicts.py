@@ -90,10 +90,6 @@ def variation_part(variance: Mapping[str, VarianceShares],
     return VerdictPart(label, numbers, "; ".join(parts) + ".")
 
 
-def variation(variance: Mapping[str, VarianceShares], spread: Mapping[str, Variation]) -> str:
-    return variation_part(variance, spread).sentence
-
-
 # the phrase each penalty is said with, from the registry
 PENALTIES = {name: CONDITIONS[name].penalty or name for name in by_role("penalty")}
 
@@ -175,12 +171,6 @@ def dependence_part(conditions: Mapping[str, ConditionResult],
                        f"{head}: reassigning coefficients across inputs costs "
                        f"{r.delta:+.4f} nats [{r.ci95[0]:+.4f}, {r.ci95[1]:+.4f}], {shuffled}; "
                        f"{_kept_text(sl)}.")
-
-
-def dependence(conditions: Mapping[str, ConditionResult],
-               retention: Mapping[str, Retention], across: str = "tokens") -> str:
-    """The dependence verdict's sentence (:func:`dependence_part`)."""
-    return dependence_part(conditions, retention, across).sentence
 
 
 def execution_part(e: ExecutionSection, exits: ExitSummary | None = None) -> VerdictPart:

@@ -114,7 +114,34 @@ class ExitBlock(nn.Module):
         return h + Update.forward(self.body, h)
 
 
-class EarlyExitGPT(GPT):
+class LayerExits:
+    """The exit contract of a token-level exit model whose layer ``{LAYERS}.{l}`` holds
+    ``body`` (the block counted), ``score`` (the site) and ``halt`` (its rule; both None
+    at the last layer), each with an exit head ``heads.{l}`` (EarlyExit, Ponder)."""
+
+    LAYERS, FAMILY = "blocks", "exit"
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:  # the shared final norm and LM head
+        return self.lm_head(self.ln_f(h))
+
+    def controller_sites(self) -> list[Site]:
+        return [Site(name=f"{self.LAYERS}.{i}.score", path=f"{self.LAYERS}.{i}.score",
+                     family=self.FAMILY, layer=i, axes=("example", "token"), positions=(1,),
+                     role=Exit()) for i, b in enumerate(getattr(self, self.LAYERS))
+                if b.score is not None]
+
+    def execution_blocks(self) -> list[str]:
+        return [f"{self.LAYERS}.{i}.body" for i in range(len(self.heads))]
+
+    def exit_heads(self) -> list[str]:
+        return [f"heads.{i}" for i in range(len(self.heads))]
+
+    def exit_rules(self) -> list[str]:
+        return [f"{self.LAYERS}.{i}.halt" for i, b in enumerate(getattr(self, self.LAYERS))
+                if b.halt is not None]
+
+
+class EarlyExitGPT(LayerExits, GPT):
     """``input_ids [B, T] -> logits [B, T, V]``; each token's logits from its exit layer."""
 
     def __init__(self, cfg: EarlyExitConfig) -> None:
@@ -130,9 +157,6 @@ class EarlyExitGPT(GPT):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.init_weights(cfg)
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(h))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         T = input_ids.shape[1]
@@ -172,20 +196,6 @@ class EarlyExitGPT(GPT):
             total = total + cfg.exit_loss_scale * (i + 1) / L * lm \
                 + F.binary_cross_entropy(score, agree) / (L - 1)
         return total
-
-    def controller_sites(self) -> list[Site]:
-        return [Site(name=f"blocks.{i}.score", path=f"blocks.{i}.score", family="exit",
-                     layer=i, axes=("example", "token"), positions=(1,), role=Exit())
-                for i, b in enumerate(self.blocks) if b.score is not None]
-
-    def execution_blocks(self) -> list[str]:
-        return [f"blocks.{i}.body" for i in range(len(self.blocks))]
-
-    def exit_heads(self) -> list[str]:
-        return [f"heads.{i}" for i in range(len(self.heads))]
-
-    def exit_rules(self) -> list[str]:
-        return [f"blocks.{i}.halt" for i, b in enumerate(self.blocks) if b.halt is not None]
 
     def dense_counterpart(self) -> GPT:
         """FeatureGate's Dense twin of the same depth and width: every block on every token."""

@@ -38,10 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fcaudit.core.contract import Exit, Site
 from fcaudit.core.errors import FcauditError, check_sizes
 from fcaudit.core.exits import ExitHead
-from fcaudit.models.earlyexit import RoutedKVUpdate
+from fcaudit.models.earlyexit import LayerExits, RoutedKVUpdate
 from fcaudit.models.featuregate import GPT, Gate, GPTConfig, Update
 from fcaudit.models.skipgate import Route
 
@@ -97,8 +96,10 @@ class PonderStep(nn.Module):
         self.halt = CumulativeHalt(cfg.halt_threshold) if decides else None
 
 
-class PonderGPT(nn.Module):
+class PonderGPT(LayerExits, nn.Module):
     """``input_ids [B, T] -> logits [B, T, V]``; each token's logits from its halting step."""
+
+    LAYERS, FAMILY = "steps", "halting"
 
     def __init__(self, cfg: PonderConfig) -> None:
         super().__init__()
@@ -118,9 +119,6 @@ class PonderGPT(nn.Module):
         for name, p in self.block.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * N))
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(h))
 
     def _lambda(self, step: PonderStep, h: torch.Tensor) -> torch.Tensor:
         assert step.score is not None and self.unit is not None
@@ -178,20 +176,6 @@ class PonderGPT(nn.Module):
         prior = prior / prior.sum()
         kl = (p * (p.clamp_min(1e-8).log() - prior.log())).sum(-1)
         return (p * ce).sum(-1).mean() + cfg.kl_weight * kl.mean()
-
-    def controller_sites(self) -> list[Site]:
-        return [Site(name=f"steps.{n}.score", path=f"steps.{n}.score", family="halting",
-                     layer=n, axes=("example", "token"), positions=(1,), role=Exit())
-                for n, s in enumerate(self.steps) if s.score is not None]
-
-    def execution_blocks(self) -> list[str]:
-        return [f"steps.{n}.body" for n in range(len(self.steps))]
-
-    def exit_heads(self) -> list[str]:
-        return [f"heads.{n}" for n in range(len(self.heads))]
-
-    def exit_rules(self) -> list[str]:
-        return [f"steps.{n}.halt" for n, s in enumerate(self.steps) if s.halt is not None]
 
     def dense_counterpart(self) -> PonderGPT:
         """The same shared block run ``max_steps`` times on every token, no halting unit."""

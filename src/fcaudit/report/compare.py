@@ -175,11 +175,6 @@ def _with_accuracy(r: AuditResult) -> Mapping[str, Retention]:
     return {n: ret for n, ret in r.retention.items() if ret.accuracy is not None}
 
 
-def _accuracy_cell(r: AuditResult, name: str) -> Row | None:
-    ret = _with_accuracy(r).get(name)
-    return None if ret is None else _retention_cell(ret.accuracy)
-
-
 def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Row]:
     """One row per quantity (the loss of correct, named as the objectives name it; each
     condition's penalty, the interaction, each profile's retention, each custom
@@ -199,25 +194,23 @@ def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[R
         union = {n: None for r in results for n in pick(r)}
         return [n for n, _ in _ordered(union, canonical)]
 
-    rows = [{**row("nll", CORRECT, NLL_CORRECT), "loss": _loss(results)}]
+    # what the audits' losses are called (the objective registry's names), each once
+    loss = " / ".join(dict.fromkeys(r.loss_name() for r in results))
+    rows = [{**row("nll", CORRECT, NLL_CORRECT), "loss": loss}]
     rows += [row("penalty", name, delta_key(name))
              for name in names(lambda r: r.conditions, REPORTED_CONDITIONS) if name != CORRECT]
     rows.append(row("interaction", "interaction"))  # None: shuffle not applicable
     rows += [row("retention", name, cell=lambda r, n=name: _retention_cell(r.retention[n])
                  if n in r.retention else None)
              for name in names(lambda r: r.retention, REPORTED_RETENTION)]
-    rows += [row("accuracy retention", name, cell=lambda r, n=name: _accuracy_cell(r, n))
+    rows += [row("accuracy retention", name, cell=lambda r, n=name: _retention_cell(
+                 r.retention[n].accuracy) if n in _with_accuracy(r) else None)
              for name in names(_with_accuracy, REPORTED_RETENTION)]
     rows += [row("custom", name, delta_key(name))
              for name in names(lambda r: r.custom_conditions or {}, ())]
     if any(r.exits is not None for r in results):  # exit models: where they stop
         rows += [row("exit", name) for name in (EXIT_THRESHOLD, EXIT_MEAN_DEPTH)]
     return rows
-
-
-def _loss(results: Sequence[AuditResult]) -> str:
-    """What the audits' losses are called (the objective registry's names), each once."""
-    return " / ".join(dict.fromkeys(r.loss_name() for r in results))
 
 
 def _metric_cell(metrics: Mapping[str, float | None], intervals: Mapping[str, Any],
@@ -252,10 +245,6 @@ def _quantity_cell(kind: str, cell: Row | None) -> str:
     if kind == "exit":  # a threshold, a depth: no sign
         return fmt_with_ci(cell["value"], cell["ci95"], sign=False)
     return fmt_with_ci(cell["value"], cell["ci95"])
-
-
-def _execution(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Row]:
-    return [execution_row(label, r.execution) for label, r in zip(labels, results, strict=True)]
 
 
 def _routing(labels: Sequence[str], results: Sequence[AuditResult]) -> list[Row]:
@@ -578,7 +567,8 @@ def compare(paths_or_results: Sequence[AuditLike], out: str | Path | None = None
     comparison = Comparison(
         names, results, sources, data,
         {"models": _models(names, results, sources), "answers": _answers(names, results),
-         "quantities": _quantities(names, results), "execution": _execution(names, results),
+         "quantities": _quantities(names, results),
+         "execution": [execution_row(n, r.execution) for n, r in zip(names, results, strict=True)],
          "routing": _routing(names, results)},
         _per_layer(names, results), command)
     if out is not None:

@@ -188,16 +188,10 @@ def expert_load_figure(loads: Mapping[str, Sequence[Sequence[float]]]) -> Figure
     """What routing does, one panel per router family: the share of token-slots each layer
     routes to each expert (from the original routing; uniform is 1/E). A map of mean
     router logits would say nothing about which experts are picked."""
-    maps = _layer_expert_maps(loads)
-    if not maps:
-        return None
-    fig, axes = _stacked_axes(len(maps), 2.8)
-    for ax, (fam, m) in zip(axes, maps.items(), strict=True):
-        image = _layer_expert_image(ax, m, cmap="viridis", vmin=0.0)
-        fig.colorbar(image, ax=ax, label="share of token-slots")
-        ax.set(title=f"{fam}: expert load by layer (share of token-slots per expert; uniform "
-                     f"= 1/{m.shape[1]})", xlabel="expert", ylabel="layer")
-    return fig
+    return _layer_expert_figure(
+        loads, lambda m: {"cmap": "viridis", "vmin": 0.0}, "share of token-slots",
+        lambda fam, m: f"{fam}: expert load by layer (share of token-slots per expert; "
+                       f"uniform = 1/{m.shape[1]})")
 
 
 def expert_importance_figure(deltas: Mapping[str, Sequence[Sequence[float | None]]], *,
@@ -205,17 +199,13 @@ def expert_importance_figure(deltas: Mapping[str, Sequence[Sequence[float | None
     """Expert importance, one panel per router family: the ``loss`` change when each layer's
     expert is removed from every token's choice (layer x expert), on a diverging scale
     centred on 0; an expert the rule still picked (no removal measured) is grey."""
-    maps = _layer_expert_maps(deltas)
-    if not maps:
-        return None
-    fig, axes = _stacked_axes(len(maps), 2.8)
-    for ax, (fam, m) in zip(axes, maps.items(), strict=True):
+    def scale(m: np.ndarray) -> dict[str, Any]:
         bound = float(np.nanmax(np.abs(m))) or 1.0
-        image = _layer_expert_image(ax, m, cmap=IMPORTANCE_CMAP, vmin=-bound, vmax=bound)
-        fig.colorbar(image, ax=ax, label=f"Δ {loss} when removed (nats)")
-        ax.set(title=f"{fam}: expert importance (Δ {loss} with the expert removed; grey: "
-                     "still picked, not measured)", xlabel="expert", ylabel="layer")
-    return fig
+        return {"cmap": IMPORTANCE_CMAP, "vmin": -bound, "vmax": bound}
+    return _layer_expert_figure(
+        deltas, scale, f"Δ {loss} when removed (nats)",
+        lambda fam, m: f"{fam}: expert importance (Δ {loss} with the expert removed; grey: "
+                       "still picked, not measured)")
 
 
 def frontier_figure(curves: Mapping[str, Mapping[str, Sequence[tuple[float, Span]]]]
@@ -292,14 +282,24 @@ def _layer_expert_maps(rows_by_family: Mapping[str, Sequence[Sequence[float | No
     return maps
 
 
-def _layer_expert_image(ax: Axes, m: np.ndarray, **scale: Any) -> Any:
-    """``m`` drawn as a layer x expert map with integer ticks (NaN cells blank)."""
-    image = ax.imshow(np.ma.masked_invalid(m), aspect="auto", interpolation="nearest",
-                      extent=(-0.5, m.shape[1] - 0.5, m.shape[0] - 0.5, -0.5), **scale)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
-    ax.grid(False)
-    return image
+def _layer_expert_figure(rows_by_family: Mapping[str, Sequence[Sequence[float | None]]],
+                         scale: Callable[[np.ndarray], dict[str, Any]], colorbar: str,
+                         title: Callable[[str, np.ndarray], str]) -> Figure | None:
+    """One layer x expert map per family with integer ticks (NaN cells blank), coloured
+    on ``scale(map)``, titled ``title(family, map)``."""
+    maps = _layer_expert_maps(rows_by_family)
+    if not maps:
+        return None
+    fig, axes = _stacked_axes(len(maps), 2.8)
+    for ax, (fam, m) in zip(axes, maps.items(), strict=True):
+        image = ax.imshow(np.ma.masked_invalid(m), aspect="auto", interpolation="nearest",
+                          extent=(-0.5, m.shape[1] - 0.5, m.shape[0] - 0.5, -0.5), **scale(m))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+        ax.grid(False)
+        fig.colorbar(image, ax=ax, label=colorbar)
+        ax.set(title=title(fam, m), xlabel="expert", ylabel="layer")
+    return fig
 
 
 def penalty_figure(conditions: Mapping[str, Mapping[str, Span]],

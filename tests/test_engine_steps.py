@@ -289,12 +289,14 @@ def test_the_data_are_hashed_once_and_the_corpus_read_once(
 def test_the_extra_runs_plans_are_decided_once_per_audit(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The analyses' runs (the expert ablation's among them) and the savings frontier's
-    plan come from the probe once and travel with it to the cost said before the work and
-    to the measurement."""
+    families come from the probe once and travel with it to the cost said before the work
+    and to the measurement; the frontier's points are placed once, after recording."""
+    from fcaudit.engine import frontier
     from fcaudit.engine import run as run_mod
     from fcaudit.engine.analyses import expert_importance
+    from fcaudit.engine.analyses.frontier import FrontierPlan
     from fcaudit.models.moe import MoEConfig, MoEGPT
-    calls: dict[str, int] = {"analyses": 0, "ablation": 0, "frontier": 0}
+    calls: dict[str, int] = {"analyses": 0, "ablation": 0, "frontier": 0, "points": 0}
 
     def counted(name: str, real: Any) -> Any:
         def wrapper(*args: Any, **kw: Any) -> Any:
@@ -305,13 +307,15 @@ def test_the_extra_runs_plans_are_decided_once_per_audit(
     monkeypatch.setattr(run_mod, "analysis_runs", counted("analyses", run_mod.analysis_runs))
     monkeypatch.setattr(expert_importance, "ablation_experts",
                         counted("ablation", expert_importance.ablation_experts))
-    monkeypatch.setattr(run_mod, "frontier_plan", counted("frontier", run_mod.frontier_plan))
+    monkeypatch.setattr(frontier, "frontier_families",
+                        counted("frontier", frontier.frontier_families))
+    monkeypatch.setattr(FrontierPlan, "resolve", counted("points", FrontierPlan.resolve))
     torch.manual_seed(0)
     model = MoEGPT(MoEConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16,
                              num_experts=4, top_k=2))
     result = api_audit(model, tmp_path / "a", data=toy_data(), report=False,
                        options=dataclasses.replace(FAST, frontier=True, expert_ablation=True,
                                                    execution=True, timing_pairs=0))
-    assert calls == {"analyses": 1, "ablation": 1, "frontier": 1}
+    assert calls == {"analyses": 1, "ablation": 1, "frontier": 1, "points": 1}
     assert result.settings["expert_ablation_runs"] == 2 * 4  # two routers of four experts
     assert result.settings["frontier_runs"] > 0

@@ -16,7 +16,7 @@ dropped once calibration is recorded). The plan is kept in
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,9 +25,9 @@ from torch import Tensor
 
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.exits import exit_sites
+from fcaudit.engine.analyses.base import Cost
 from fcaudit.engine.analyses.expert_importance import ExpertAblation
 from fcaudit.engine.exits import PROBE_ROWS, asked, check_passes, own_threshold
-from fcaudit.engine.frontier import GATE, Covered, most_points
 from fcaudit.engine.options import Prepared, Progress, say
 from fcaudit.engine.plan import OneSite, plan_runs
 from fcaudit.engine.prepare import not_measured
@@ -117,14 +117,15 @@ def audit_plan(setup: Prepared, first: Probe) -> AuditPlan:
     opts, inputs = setup.options, setup.inputs
     size = opts.batch_size
     n_eval, n_calib = -(-inputs.n_eval // size), -(-inputs.n_calib // size)
-    record_s, replay_s, covered = _warm(first), first.replay_s, first.covered
+    record_s, replay_s = _warm(first), first.replay_s
+    costs = [later.cost(setup, first, n_eval, n_calib) for _, later in first.later]
     skipped = setup.not_applicable
     runs = plan_runs(setup.sites, opts, setup.conditions, setup.interventions,
                      first.planned, (), skipped, ())
     per_layer = sum(isinstance(r.target, OneSite) for r in runs)
     ablation = sum(isinstance(r.target, ExpertAblation) for r in runs)
     main = len(runs) - per_layer - ablation
-    frontier = most_points(covered, opts.frontier_points) if covered else 0
+    later = sum(c.replay_runs for c in costs)
     exits = _exit_stage(setup, n_eval, n_calib, first)
     exit_frontier = _exit_frontier_runs(setup) if exits.passes else 0
     # the prefix schedule proves each per-layer site's prefix once a batch (the first
@@ -145,13 +146,13 @@ def audit_plan(setup: Prepared, first: Probe) -> AuditPlan:
         Stage("exit frontier", exit_frontier * n_eval, exit_frontier * n_eval * replay_s,
               _cut("frontier_points", "AuditOptions(frontier_points=2)",
                    "--frontier-points 2"), at_most=True),
-        *_frontier_stages(setup, covered, frontier, n_eval, n_calib, first),
+        *(stage for c in costs for stage in _later_stages(c, n_eval, first)),
         *_execution_stages(setup, n_eval, record_s)]
     cache = record_cost(eval_shard(first.nll, first.coefficients, first.hits),
                         calibration_shard(setup, first.coefficients, first_batch(setup)),
-                        {s.name: first.coefficients[s.name] for f in covered for s in f.sites},
+                        {name: first.coefficients[name] for c in costs for name in c.stored_sites},
                         int(first.nll.shape[0]), inputs.n_eval, inputs.n_calib, size,
-                        len(runs) + frontier + exit_frontier)
+                        len(runs) + later + exit_frontier)
     return AuditPlan(tuple(stages), cache, inputs.n_eval, (record_s, replay_s), size)
 
 
@@ -193,15 +194,13 @@ def _exit_frontier_runs(setup: Prepared) -> int:
     return points + min(len(exit_sites(setup.sites)) + 1, 2 * (points + 1))
 
 
-def _frontier_stages(setup: Prepared, covered: Sequence[Covered], points: int, n_eval: int,
-                     n_calib: int, first: Probe) -> list[Stage]:
-    if not covered:
-        return []
-    record = n_calib + (n_eval if any(f.kind == GATE for f in covered) else 0) + \
-        3 * sum(f.kind == GATE for f in covered)  # calibration, own skips, the off checks
-    cut = _cut("frontier_points", "AuditOptions(frontier_points=2)", "--frontier-points 2")
-    return [Stage("frontier references", record, record * _warm(first)),
-            Stage("frontier points", points * n_eval, points * n_eval * first.replay_s, cut,
+def _later_stages(cost: Cost, n_eval: int, first: Probe) -> list[Stage]:
+    """An analysis's work placed once the audit is recorded: its record-like passes, and
+    at most its replays of every evaluation batch."""
+    runs = cost.replay_runs * n_eval
+    return [Stage(f"{cost.name} references", cost.record_passes,
+                  cost.record_passes * _warm(first)),
+            Stage(f"{cost.name} points", runs, runs * first.replay_s, _cut(*cost.cut),
                   at_most=True)]
 
 

@@ -15,13 +15,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fcaudit.core.conditions import FRONTIER, STATIC_LAYER, STATIC_LAYER_POSITION
 from fcaudit.core.contract import ExpertLayer, RoutingAdapter, Site
+from fcaudit.core.hooks import hooks as hooked
+from fcaudit.core.nll import logits_of
 from fcaudit.core.routers import drop_experts, top_p_keep, topk_mass
 from fcaudit.engine.frontier_parts import (
     FrontierCheck,
@@ -285,6 +288,68 @@ def own_point(fam: Covered) -> FrontierPoint | None:
     if fam.own is None:
         return None
     return FrontierPoint(fam.family, GATE, DYNAMIC, fam.own_share, taus=fam.own)
+
+
+# ---- the points' checks and counts, on the recorded audit ----
+
+def eval_gates(cache: Any, fam: Covered) -> dict[str, Tensor]:
+    return {s.name: torch.cat([cache.coefficients(b, s.name).reshape(-1)
+                               for b in range(cache.n_batches)]) for s in fam.sites}
+
+
+@torch.no_grad()
+def off_mismatch(setup: Any, fam: Covered, x: Any) -> str | None:
+    """Why switching the family's gates to their ``off`` value does not remove exactly one
+    module per gate on the first evaluation batch ``x`` (None: it does, bit for bit). The
+    module is the site's declared gated module (its output zeroed), else the block of its layer
+    (the block passing its input through, as ``h + 0 F(h)`` does, or its update zeroed, as
+    for SkipGate's ``body``). A coefficient that only reweights (mixing weights, a keep-score
+    that reorders tokens) removes no module, and gets no frontier: it would be mispriced."""
+    gated = [s.gate.gated for s in fam.sites]
+    modules = gated if all(gated) else setup.blocks
+    if modules is None or len(modules) != len(fam.sites):
+        return (f"the {len(fam.sites)} gates are not one per declared block "
+                f"({len(modules) if modules else 'no'} blocks): no module to price their skips")
+    net = setup.model
+    recorded = setup.executor.record(x, sites=fam.sites)[1]
+    off = setup.executor.replay(x, {s: torch.full_like(recorded[s.name], s.gate.off)
+                                    for s in fam.sites}).logits
+    modes = (_zeroed,) if all(gated) else (_passed_through, _zeroed)
+    diffs = []
+    for mode in modes:
+        with hooked(net, {m: mode for m in modules if m}):
+            removed = logits_of(net(x))
+        if torch.equal(off, removed):
+            return None
+        diffs.append(float((off.double() - removed.double()).abs().max()))
+    return (f"setting {fam.family}'s gates to {fam.sites[0].gate.off} does not remove exactly "
+            f"one module per gate ({', '.join(m for m in modules if m)[:120]}; max logit "
+            f"difference {min(diffs):.3g}): these coefficients do not switch a computation "
+            "off, so no skipped FLOPs can be priced")
+
+
+def _zeroed(_m: nn.Module, _args: tuple[Any, ...], out: Any) -> Any:
+    return torch.zeros_like(out) if isinstance(out, Tensor) else out
+
+
+def _passed_through(_m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+    first = args[0] if args else None
+    same = isinstance(first, Tensor) and isinstance(out, Tensor) and first.shape == out.shape
+    return first if same else out
+
+
+def frontier_units(cache: Any, covered: Sequence[Covered],
+                   points: Sequence[FrontierPoint]) -> dict[str, np.ndarray]:
+    """Point key -> skipped units per layer (tokens or expert slots), summed over the
+    evaluation set's recorded coefficients."""
+    by_family = {fam.family: fam for fam in covered}
+    units = {p.key: np.zeros(len(by_family[p.family].sites)) for p in points}
+    for b in range(cache.n_batches):
+        coefficients = {s.name: cache.coefficients(b, s.name)
+                        for fam in covered for s in fam.sites}
+        for p in points:
+            units[p.key] += skipped_units(p, coefficients, by_family[p.family])
+    return units
 
 
 # ---- the summary: curves in FLOPs, matched comparisons, the area between curves ----

@@ -19,26 +19,21 @@ from torch import nn
 
 from fcaudit._version import __version__
 from fcaudit.core.adapters import adapter_name
+from fcaudit.core.conditions import FRONTIER
 from fcaudit.core.contract import Site
 from fcaudit.core.interventions import StaticProfiles, draw
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, shuffled_axes
 from fcaudit.engine.analyses import Section
 from fcaudit.engine.analyses.expert_importance import ablation_rows
-from fcaudit.engine.analyses.runs import analysis_sections
+from fcaudit.engine.analyses.frontier import frontier_runs
+from fcaudit.engine.analyses.runs import Recorded, analysis_sections, resolve_later
 from fcaudit.engine.budget import AuditPlan
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
 from fcaudit.engine.exits import ExitSummary, exit_frontier, exit_plan, exit_points, exit_summary
-from fcaudit.engine.frontier import Covered, FrontierPoint, frontier_summary
-from fcaudit.engine.frontier_plan import frontier_points, frontier_units
 from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.options import Prepared, Progress, option_specs
 from fcaudit.engine.passes import Ranks
-from fcaudit.engine.plan import (
-    ReplayInputs,
-    Run,
-    frontier_runs,
-    plan_runs,
-)
+from fcaudit.engine.plan import ReplayInputs, Run, plan_runs
 from fcaudit.engine.prepare import execute
 from fcaudit.engine.probe import Probe
 from fcaudit.engine.result import (
@@ -92,14 +87,12 @@ class Measurements:
     identity: Identity  # the probe's, with every batch's identity replay
     description: Description
     summary: Summary
-    covered: list[Covered]  # the frontier's families (none without a frontier)
-    points: list[FrontierPoint]
+    states: dict[str, Any]  # what each analysis placed once recorded, by name
     profiles: StaticProfiles
     reuse: list[dict[str, int]]  # per rank: replay batches reused and recomputed
     recorded: dict[str, dict[str, int]]  # stage -> record batches proven and recorded
     timings: dict[str, float] = field(default_factory=dict)  # record_s, replay_s
     exits: ExitSummary | None = None  # exit models run with an exit condition
-    analyses: dict[str, Section] = field(default_factory=dict)  # by analysis name
     # each site's coefficient shape on the first batch, as the probe recorded it
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
@@ -117,10 +110,9 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     timings = {"record_s": time.perf_counter() - setup.started}
     inputs = _replay_inputs(setup, cache, profiles, first, progress)
     skipped = setup.not_applicable
-    covered, points = frontier_points(setup, cache, first.covered, progress,
-                                      ranks)
+    states, later = resolve_later(Recorded(setup, cache, progress, ranks), first.later)
     runs = plan_runs(setup.sites, opts, setup.conditions, setup.interventions, first.planned,
-                     points, skipped, exit_points(inputs.exits))
+                     later, skipped, exit_points(inputs.exits))
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
     if not ranks.main:
@@ -137,10 +129,9 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
                         skipped, accuracies(runs, replays.hits, original),
                         example_hits(runs, replays.hits, original))
     shapes = {name: tuple(t.shape) for name, t in first.coefficients.items()}
-    return Measurements(setup, runs, replays, identity, description, summary, covered, points,
+    return Measurements(setup, runs, replays, identity, description, summary, states,
                         profiles, reuse, recorded, timings,
-                        _exits(setup, inputs, runs, replays.per_run, summary),
-                        analysis_sections(setup, runs, replays, profiles, shapes), shapes)
+                        _exits(setup, inputs, runs, replays.per_run, summary), shapes)
 
 
 def _exits(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run],
@@ -227,6 +218,8 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     identity = m.identity
     seeds = setup.seeds
     verdict, verdict_numbers = _verdict(m, execution)
+    analyses = analysis_sections(setup, m.runs, m.replays, m.profiles, m.shapes, m.states,
+                                 cache, execution)
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
         data=setup.data_summary,
@@ -237,8 +230,8 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
         variation=description.variation, profiles=description.profiles,
         execution=execution, verdict=verdict, verdict_numbers=verdict_numbers,
         seeds=Seeds(seeds.master, seeds.draws, seeds.draws, seeds.bootstrap),
-        settings=_settings(m, execution), versions=versions(), command=command,
-        analyses=m.analyses or None,
+        settings=_settings(m, execution, analyses), versions=versions(), command=command,
+        analyses=analyses or None,
         nondeterministic_keys=[*NONDETERMINISTIC_KEYS, *([TIMED_VERDICT_KEY]
                                                         if _timing(execution) is not None
                                                         else [])],
@@ -246,7 +239,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
         identity=None if identity.exact and not identity.allowed_nonexact else identity,
         custom_conditions=summary.custom or None,
         stopping=rounds.stopping if rounds is not None else None, exits=m.exits,
-        **_extras(m, cache, execution))
+        not_applicable=dict(setup.not_applicable) or None)
 
 
 def _timing(execution: ExecutionSection) -> Timing | None:
@@ -263,7 +256,8 @@ def _verdict(m: Measurements, execution: ExecutionSection
                  m.exits, loss_name(setup.objective.name), kinds)
 
 
-def _settings(m: Measurements, execution: ExecutionSection) -> dict[str, Any]:
+def _settings(m: Measurements, execution: ExecutionSection,
+              analyses: Mapping[str, Section]) -> dict[str, Any]:
     """The options and facts that change numbers, each at the value the audit ran with
     (an option another one switched off reads as off: None, or 0 timing pairs); how the
     audit is shown, scheduled, stopped or placed changes none: recorded elsewhere
@@ -278,8 +272,8 @@ def _settings(m: Measurements, execution: ExecutionSection) -> dict[str, Any]:
             "objective": setup.objective.name,
             "timing_pairs": t.pairs if (t := _timing(execution)) is not None else 0,
             "expert_ablation": bool(ablation_rows(m.runs)),
-            "frontier": bool(m.covered),
-            "frontier_points": opts.frontier_points if m.covered else None,
+            "frontier": FRONTIER in analyses,
+            "frontier_points": opts.frontier_points if FRONTIER in analyses else None,
             "exit_threshold": opts.exit_threshold if opts.early_exit else None,
             "layer_index": "a site's index within its family",
             # custom conditions in the order given (audit.json sorts its keys)
@@ -298,21 +292,6 @@ def _runtime(m: Measurements, cache: CoefficientCache, ranks: Ranks,
                    rounds=rounds.spent if rounds is not None else None,
                    placement=m.setup.loaded.placement,
                    plan=plan.to_json() if plan is not None else None)
-
-
-def _extras(m: Measurements, cache: CoefficientCache,
-            execution: ExecutionSection) -> dict[str, Any]:
-    """The sections only some audits have: the conditions not applicable, the savings
-    frontier."""
-    setup, runs, replays, opts = m.setup, m.runs, m.replays, m.setup.options
-    frontier = None
-    if m.covered:
-        frontier = frontier_summary(
-            m.covered, m.points, dict(zip((r.key for r in runs), replays.per_run, strict=True)),
-            replays.per_run[0], frontier_units(cache, m.covered, m.points),
-            setup.data.eval_ids.size, execution, paired_bootstrap(setup.inputs.n_eval, opts))
-    return {"not_applicable": dict(setup.not_applicable) or None,
-            "frontier": frontier}
 
 
 def _model_info(setup: Prepared) -> ModelInfo:

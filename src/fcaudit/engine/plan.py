@@ -1,8 +1,9 @@
 """The replay plan: which runs the audit replays, and what each feeds every site.
 
 The conditions of docs/method.md (Conditions), their per-layer variants (one site
-intervened, the others correct), the analyses' runs (:mod:`fcaudit.engine.analyses`),
-savings-frontier points and user-defined interventions, all as :class:`Run`, whose
+intervened, the others correct), the analyses' runs (:mod:`fcaudit.engine.analyses`:
+expert ablations, savings-frontier points, ...), exit-frontier points and user-defined
+interventions, all as :class:`Run`, whose
 :class:`~fcaudit.engine.analyses.base.Target` says its key, its digest identity and
 what it feeds; :func:`feed` turns a run and a batch into the coefficient tensor each site
 receives.
@@ -43,7 +44,6 @@ from fcaudit.engine.analyses.base import Target
 from fcaudit.engine.analyses.expert_importance import ablation_rows
 from fcaudit.engine.cache import CoefficientCache, ReplayShard
 from fcaudit.engine.exits import ExitPoint, exit_feed
-from fcaudit.engine.frontier import FrontierPoint, point_feed
 from fcaudit.engine.options import AuditOptions
 
 # the main conditions of each kind, the opt-in ones too (run where asked)
@@ -82,24 +82,6 @@ class OneSite(Target):
              correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
         return _intervened(run, inputs.cache.batch_range(b), inputs,
                            {self.site: correct[self.site]})
-
-
-@dataclass(frozen=True)
-class FrontierRun(Target):
-    """A savings-frontier point: its rule's gates switched off where it skips."""
-
-    point: FrontierPoint
-    counts_rerouting = True
-
-    def key(self, condition: str) -> str:
-        return self.point.key
-
-    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
-        return (None, False, None, self.point.key)
-
-    def feed(self, run: Run, b: int, inputs: ReplayInputs,
-             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
-        return point_feed(self.point, correct)
 
 
 @dataclass(frozen=True)
@@ -154,13 +136,14 @@ class Run:
 def plan_runs(sites: Sequence[Site], options: AuditOptions, conditions: Sequence[str],
               interventions: Sequence[Intervention] = (),
               analysis: Sequence[Run] = (),
-              points: Sequence[FrontierPoint] = (),
+              later: Sequence[Run] = (),
               skipped: Collection[str] = (),
               exit_points: Sequence[ExitPoint] = ()) -> list[Run]:
     """Every run, in order: correct first, then the conditions (the opt-in ones asked for
     after the default ones of their kind; the exit references after the static ones),
-    per-layer variants, the analyses' runs (``analysis``: expert ablations, ...),
-    frontier points (the exit frontier's after the others) and user interventions;
+    per-layer variants, the analyses' runs (``analysis``: expert ablations, ...), those
+    placed once the audit is recorded (``later``: savings-frontier points), the exit
+    frontier's points and user interventions;
     conditions in ``skipped`` (not applicable to these sites) are not run."""
     runs = [Run(CORRECT)]
     runs += [Run(c, k) for k in range(options.repeats)
@@ -173,16 +156,11 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions, conditions: Sequence
                 repeats = options.repeats if name in RANDOM_CONDITIONS else 1
                 runs += [Run(name, k, OneSite(site)) for k in range(repeats)]
     runs += analysis
-    runs += [Run(FRONTIER, target=FrontierRun(p)) for p in points]
+    runs += later
     runs += [Run(FRONTIER, target=ExitRun(p)) for p in exit_points]
     runs += [Run(iv.name, k, UserIntervention(iv)) for iv in interventions
              for k in range(iv.repeats)]
     return runs
-
-
-def frontier_runs(runs: Sequence[Run]) -> list[Run]:
-    """The savings-frontier runs, in plan order."""
-    return [r for r in runs if isinstance(r.target, FrontierRun)]
 
 
 def run_digest(run: Run, fed: Mapping[Site, Tensor], context: bytes) -> bytes:

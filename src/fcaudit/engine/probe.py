@@ -22,7 +22,7 @@ from fcaudit.core.digest import digest_tensors
 from fcaudit.core.errors import FcauditError, IdentityError, ModelError
 from fcaudit.core.layout import check_family_positions
 from fcaudit.core.nll import device_of
-from fcaudit.engine.frontier import Covered
+from fcaudit.engine.analyses.base import Later
 from fcaudit.engine.inputs import resolve_block_paths
 from fcaudit.engine.objectives import check_targets
 from fcaudit.engine.options import Prepared
@@ -53,10 +53,10 @@ class Probe:
     hits: Tensor | None = None  # classification: 1 per correctly classified example
     record_s: float = 0.0  # the record pass of the first batch
     replay_s: float = 0.0  # its identity replay
-    # decided from it once (engine.run): the analyses' runs (expert ablations, ...) and
-    # the families the savings frontier covers
+    # decided from it once (engine.run): the analyses' runs (expert ablations, ...), and
+    # by analysis name the plans placed once the audit is recorded (the savings frontier)
     planned: tuple[Run, ...] = ()
-    covered: tuple[Covered, ...] = ()
+    later: tuple[tuple[str, Later], ...] = ()
 
 
 def first_batch(setup: Prepared) -> Any:

@@ -38,7 +38,13 @@ from fcaudit.core.conditions import (  # noqa: F401 (audit.json's condition name
 )
 from fcaudit.core.errors import DataError, FcauditError, install_extra
 from fcaudit.core.registry import refusal
-from fcaudit.engine.analyses import ANALYSES, expert_importance, routing, token_profile
+from fcaudit.engine.analyses import (
+    ANALYSES,
+    expert_importance,
+    frontier,
+    routing,
+    token_profile,
+)
 from fcaudit.engine.frontier_parts import ExitSummary, FrontierFamily
 from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema's parts)
@@ -132,7 +138,6 @@ class AuditResult:
     runtime: Runtime
     identity: Identity | None = _omit_none()
     custom_conditions: dict[str, ConditionResult] | None = _omit_none()
-    frontier: dict[str, FrontierFamily] | None = _omit_none()
     stopping: Stopping | None = _omit_none()
     # conditions that cannot act on these sites or inputs, with the reason (not run)
     not_applicable: dict[str, str] | None = _omit_none()
@@ -150,6 +155,11 @@ class AuditResult:
     def token_profile(self) -> TokenProfile | None:
         """static-layer-token's coverage of the evaluation tokens (token ids only)."""
         return (self.analyses or {}).get(token_profile.ANALYSIS.name)
+
+    @property
+    def frontier(self) -> dict[str, FrontierFamily] | None:
+        """Per covered family: the savings frontier's curves and matched comparisons."""
+        return (self.analyses or {}).get(frontier.ANALYSIS.name)
 
     @property
     def routing(self) -> dict[str, RoutingSummary] | None:
@@ -290,8 +300,7 @@ class AuditResult:
 
 # AuditResult tables keyed by condition, family or site (see AuditResult._in_audit_order)
 _ORDERED_TABLES = ("conditions", "per_layer", "retention", "variance", "variation", "profiles",
-                   "custom_conditions", FRONTIER,
-                   "not_applicable")
+                   "custom_conditions", "not_applicable")
 
 
 def _json_name(f: dataclasses.Field) -> str:

@@ -8,7 +8,7 @@
                      (:mod:`~fcaudit.engine.probe`)
     measure       -> :class:`Measurements`: calibration and evaluation recorded into the
                      on-disk cache, the runs planned (:mod:`~fcaudit.engine.plan`, the
-                     frontier: :mod:`~fcaudit.engine.frontier_plan`) and replayed batch by
+                     analyses': :mod:`~fcaudit.engine.analyses`) and replayed batch by
                      batch (resumable), then summarized (:mod:`~fcaudit.engine.measure`;
                      with ``target_ci``, round after round: :mod:`~fcaudit.engine.run`)
     build_result  -> execution against the dense counterpart, verdicts and one
@@ -44,7 +44,6 @@ from fcaudit.core.nll import device_of
 from fcaudit.engine.analyses.runs import analysis_runs
 from fcaudit.engine.budget import AuditPlan, audit_plan, say_plan
 from fcaudit.engine.cache import CoefficientCache
-from fcaudit.engine.frontier_plan import frontier_plan
 from fcaudit.engine.measure import Measurements, build_result, measure, reuse_summary
 from fcaudit.engine.objectives import UNREADABLE
 from fcaudit.engine.options import AuditOptions, Prepared, Progress, SeedPlan, say, silent
@@ -115,8 +114,8 @@ def _audited(request: AuditRequest, progress: Progress) -> Iterator[Audited]:
     first = probe(setup)  # every rank: the same checks, and AUTO adapters learn their layout
     # the extra runs' plans, decided once: an impossible --expert-ablation or --frontier
     # stops here, before any file
-    first = dataclasses.replace(first, planned=analysis_runs(setup, first),
-                                covered=tuple(frontier_plan(setup, first)))
+    planned, later = analysis_runs(setup, first)
+    first = dataclasses.replace(first, planned=planned, later=later)
     plan = audit_plan(setup, first)  # every pass and its time, said before the work
     if not ranks.main:
         _run(setup, open_cache(setup, setup.out / "cache", ranks), first, progress, command,

@@ -67,7 +67,6 @@ from fcaudit.report.report_parts import (  # noqa: F401 (_ordered: compare's too
     T,
     _by_family,
     _figure_specs,
-    _frontier,
     _ordered,
 )
 from fcaudit.report.reproducibility import reproducibility_section
@@ -477,7 +476,7 @@ def _execution(r: AuditResult) -> list[str]:
 # the detail in the answers' order: an exit model's exits (its first answer) right after
 # the conditions table they come from, then dependence, variation, execution
 SECTIONS = (_conditions, stopping_section, exits_section, _retention, _interaction,
-            per_layer_section, variance_section, variation_section, _frontier, _execution,
+            per_layer_section, variance_section, variation_section, _execution,
             reproducibility_section)
 
 

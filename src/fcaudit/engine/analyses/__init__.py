@@ -17,15 +17,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from fcaudit.core.registry import Registry
-from fcaudit.engine.analyses import expert_importance, routing, token_profile
+from fcaudit.engine.analyses import expert_importance, frontier, routing, token_profile
 from fcaudit.engine.analyses.base import Analysis, Section
 
 __all__ = ["ANALYSES", "Analysis", "Section", "analysis_metrics"]
 
-# every analysis an audit runs, in report order; the others that predate this registry
-# (frontier, exits, selection parts) are still wired by hand (docs/architecture.md)
+# every analysis an audit runs, in report order; the two that predate this registry
+# (exits, selection parts) are still wired by hand (docs/architecture.md)
 ANALYSES: Registry[Analysis] = Registry("analysis", (
-    routing.ANALYSIS, expert_importance.ANALYSIS, token_profile.ANALYSIS))
+    frontier.ANALYSIS, routing.ANALYSIS, expert_importance.ANALYSIS, token_profile.ANALYSIS))
 
 
 def analysis_metrics(sections: Mapping[str, Section]) -> dict[str, float | None]:

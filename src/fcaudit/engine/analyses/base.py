@@ -45,6 +45,37 @@ class Target:
         raise NotImplementedError
 
 
+class Later:
+    """Runs an analysis can place only once the audit is recorded (their levels are read
+    off the recorded coefficients). Returned by its ``plan``, so what it decides from the
+    probe (and any refusal) comes before any file; ``resolve`` then runs after recording,
+    on every rank, and ``cost`` says its passes before the work."""
+
+    def resolve(self, recorded: Any) -> tuple[Any, Sequence[Target]]:
+        """(its state for ``summarise``, its targets, replayed once each) from the
+        :class:`~fcaudit.engine.analyses.runs.Recorded` audit."""
+        raise NotImplementedError
+
+    def cost(self, setup: Any, first: Any, n_eval: int, n_calib: int) -> Cost:
+        """What it adds to the audit's work (``n_eval``, ``n_calib``: the batches), said
+        before the work starts."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A :class:`Later`'s work, named in the plan ``<name> references`` (record-like
+    passes) and ``<name> points`` (replays of every evaluation batch, at most): the sites
+    whose whole calibration coefficients it stores (the cache's size) and the option that
+    shrinks it (as Python, as a flag)."""
+
+    name: str
+    record_passes: int
+    replay_runs: int
+    stored_sites: tuple[str, ...]
+    cut: tuple[str, str, str]
+
+
 def _no_metrics(section: Section) -> Mapping[str, float | None]:
     return {}
 
@@ -53,15 +84,17 @@ def _no_metrics(section: Section) -> Mapping[str, float | None]:
 class Analysis:
     """One analysis: ``plan`` (the :class:`~fcaudit.engine.options.Prepared` audit and its
     :class:`~fcaudit.engine.probe.Probe` -> the functions to replay, each
-    ``(coefficients, context) -> tensors to feed``, as user interventions are, or its own
-    :class:`Target`, replayed once each),
-    ``summarise`` (the :class:`~fcaudit.engine.analyses.runs.Measured` runs, found by
+    ``(coefficients, context) -> tensors to feed``, as user interventions are, its own
+    :class:`Target`, replayed once each, or a :class:`Later` placing targets once the audit
+    is recorded),
+    ``summarise`` (after execution is measured: the
+    :class:`~fcaudit.engine.analyses.runs.Measured` runs, found by
     :meth:`run_key`, and the analysis itself -> its section, or None to leave none) and
     ``metrics`` (its section -> named numbers). Typed loosely here so that the result and
     the report can read this module without the engine's passes."""
 
     name: str
-    plan: Callable[[Any, Any], Sequence[Intervention | Target]]
+    plan: Callable[[Any, Any], Sequence[Intervention | Target | Later]]
     summarise: Callable[[Any, Analysis], Section | None]
     metrics: Callable[[Section], Mapping[str, float | None]] = field(default=_no_metrics)
     # the section's dataclass, read back strictly from audit.json (None: plain JSON types)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import get_origin
+from typing import Any, get_origin
 
 import numpy as np
 from torch import Tensor
@@ -14,14 +14,22 @@ from torch import Tensor
 from fcaudit.core.conditions import CORRECT
 from fcaudit.core.contract import Site
 from fcaudit.core.interventions import Intervention, StaticProfiles
+from fcaudit.core.nll import device_of
 from fcaudit.engine.analyses import ANALYSES, Analysis, Section
-from fcaudit.engine.analyses.base import Target
-from fcaudit.engine.options import Prepared
+from fcaudit.engine.analyses.base import Later, Target
+from fcaudit.engine.cache import CoefficientCache
+from fcaudit.engine.execution import execution_pass
+from fcaudit.engine.options import Prepared, Progress
+from fcaudit.engine.passes import Ranks, batches
 from fcaudit.engine.plan import AllSites, ReplayInputs, Run, custom_feed
-from fcaudit.engine.probe import Probe
+from fcaudit.engine.probe import Probe, first_batch
 from fcaudit.engine.result import dump
-from fcaudit.engine.result_parts import ConditionResult
-from fcaudit.engine.stages import Replays
+from fcaudit.engine.result_parts import ConditionResult, ExecutionSection
+from fcaudit.engine.stages import (
+    Replays,
+    frontier_calibration,
+    record_frontier_calibration,
+)
 from fcaudit.engine.summary import condition_result, paired_bootstrap
 
 
@@ -45,10 +53,57 @@ class AnalysisRun(Target):
 
 
 @dataclass(frozen=True)
+class Recorded:
+    """The audit once calibration and evaluation are recorded: what a
+    :class:`~fcaudit.engine.analyses.base.Later` places its runs from, and the passes it
+    may ask for (every rank resolves it alike)."""
+
+    setup: Prepared
+    cache: CoefficientCache
+    progress: Progress
+    ranks: Ranks
+
+    def whole_calibration(self, sites: Sequence[Site]) -> dict[str, Tensor]:
+        """The calibration coefficients of ``sites``, whole (recorded once, into the
+        cache, by the ranks together)."""
+        record_frontier_calibration(self.setup, self.cache, sites, self.progress, self.ranks)
+        self.ranks.barrier("recorded the whole calibration coefficients")
+        return frontier_calibration(self.setup, self.cache, sites)
+
+    def executed_per_layer(self) -> list[float] | None:
+        """Each declared block's executed fraction on the evaluation set (a counting pass,
+        no FLOPs): below 1 where the model skips tokens on its own; None without blocks."""
+        setup = self.setup
+        if setup.blocks is None:
+            return None
+        net = setup.model
+        counted = execution_pass(net, setup.blocks, (x for _, x in batches(
+            setup.eval_source, setup.options.batch_size, device_of(net))),
+            flops=False)
+        return counted["blocks_executed_per_layer"]
+
+    def first_batch(self) -> Any:
+        """The first evaluation batch, on the model's device."""
+        return first_batch(self.setup)
+
+
+def resolve_later(recorded: Recorded, later: Sequence[tuple[str, Later]]
+                  ) -> tuple[dict[str, Any], tuple[Run, ...]]:
+    """Each :class:`Later`'s state by its analysis's name, and its runs (named by their
+    targets' condition), in registry order."""
+    states, runs = {}, []
+    for name, plan in later:
+        states[name], targets = plan.resolve(recorded)
+        runs += [Run(t.condition, 0, t) for t in targets]
+    return states, tuple(runs)
+
+
+@dataclass(frozen=True)
 class Measured:
     """What an analysis summarises from: the prepared audit, every run in plan order with
     its per-sequence losses by run key (repeats in order), the replays' routing counts,
-    the calibration profiles and the probe's coefficient shapes."""
+    the calibration profiles, the probe's coefficient shapes, what each analysis's
+    :class:`Later` resolved (by name), the cache and the execution section."""
 
     setup: Prepared
     repeats: Mapping[str, list[np.ndarray]]
@@ -56,6 +111,9 @@ class Measured:
     runs: Sequence[Run]
     replays: Replays
     shapes: Mapping[str, tuple[int, ...]]  # each site's coefficients on the probe's batch
+    states: Mapping[str, Any]
+    cache: CoefficientCache
+    execution: ExecutionSection
 
     def tracked_runs(self) -> list[Run]:
         """The runs whose re-routing the replays count (main conditions other than
@@ -70,24 +128,35 @@ class Measured:
         return condition_result(per_seq, self.repeats, key, boot)
 
 
-def analysis_runs(setup: Prepared, first: Probe) -> tuple[Run, ...]:
+def analysis_runs(setup: Prepared, first: Probe
+                  ) -> tuple[tuple[Run, ...], tuple[tuple[str, Later], ...]]:
     """Every registered analysis's runs, in registry order: its own targets once each
-    (named by their condition), its interventions once per repeat."""
-    return tuple(run for a in ANALYSES.values() for planned in a.plan(setup, first)
-                 for run in ([Run(planned.condition, 0, planned)] if isinstance(planned, Target)
-                             else [Run(a.name, k, AnalysisRun(a, planned))
-                                   for k in range(planned.repeats)]))
+    (named by their condition), its interventions once per repeat; and the plans of those
+    it can place only once the audit is recorded, by analysis name."""
+    runs, later = [], []
+    for a in ANALYSES.values():
+        for planned in a.plan(setup, first):
+            if isinstance(planned, Later):
+                later.append((a.name, planned))
+            elif isinstance(planned, Target):
+                runs.append(Run(planned.condition, 0, planned))
+            else:
+                runs += [Run(a.name, k, AnalysisRun(a, planned)) for k in range(planned.repeats)]
+    return tuple(runs), tuple(later)
 
 
 def analysis_sections(setup: Prepared, runs: Sequence[Run], replays: Replays,
-                      profiles: StaticProfiles, shapes: Mapping[str, tuple[int, ...]]
-                      ) -> dict[str, Section]:
+                      profiles: StaticProfiles, shapes: Mapping[str, tuple[int, ...]],
+                      states: Mapping[str, Any], cache: CoefficientCache,
+                      execution: ExecutionSection) -> dict[str, Section]:
     """Each analysis's section from the measured runs, leaving out those that return None:
     an instance of its ``section_type``, else plain JSON types (as audit.json reads back)."""
     repeats: dict[str, list[np.ndarray]] = {}
     for run, values in zip(runs, replays.per_run, strict=True):
         repeats.setdefault(run.key, []).append(values)
-    measured, out = Measured(setup, repeats, profiles, runs, replays, shapes), {}
+    measured = Measured(setup, repeats, profiles, runs, replays, shapes, states, cache,
+                        execution)
+    out = {}
     for analysis in ANALYSES.values():
         section = analysis.summarise(measured, analysis)
         if section is None:

@@ -3,6 +3,7 @@ matched comparisons, the check of a model that skips on its own, and every point
 
 from __future__ import annotations
 
+from fcaudit.core.conditions import FRONTIER
 from fcaudit.engine.frontier_parts import FrontierFamily
 from fcaudit.engine.result import AuditResult
 from fcaudit.report.format import fmt_num, fmt_with_ci
@@ -59,4 +60,4 @@ def render(r: AuditResult, frontier: dict[str, FrontierFamily]) -> list[str]:
     return blocks
 
 
-RENDERER = Renderer("frontier", render)
+RENDERER = Renderer(FRONTIER, render)

@@ -11,6 +11,7 @@ task is scored with, a next-token NLL computed here with torch from the model's 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +48,8 @@ FAST = dict(repeats=1, bootstrap=10, per_layer=False, progress=False)
 # gates, execution, timing and the frontier) unless it needs routers or a Hugging Face
 # folder (a tiny Mixtral)
 MODEL_OF = {"expert_ablation": "moe", "early_exit": "llm", "exit_threshold": "llm",
-            "device_map": "llm", "max_memory": "llm", "offload_folder": "llm"}
+            "device_map": "llm", "max_memory": "llm", "offload_folder": "llm",
+            "engine": "llm", "engine_memory_share": "llm"}
 BASE = {"run": AuditOptions(**FAST, batch_size=4),
         "moe": AuditOptions(**FAST, batch_size=4, execution=False),
         "llm": AuditOptions(**FAST, batch_size=2, execution=False)}
@@ -64,7 +66,11 @@ VALUES: dict[str, Callable[[Path], Any]] = {
     "target_ci": lambda tmp: 0.5, "min_sequences": lambda tmp: 4,
     "exit_threshold": lambda tmp: 0.8, "max_memory": lambda tmp: "cpu=1GiB",
     "offload_folder": lambda tmp: tmp / "offload", "objective": lambda tmp: scaled_loss,
-    "conditions": lambda tmp: (OPT_IN_CONDITIONS[0],)}
+    "conditions": lambda tmp: (OPT_IN_CONDITIONS[0],),
+    "engine_memory_share": lambda tmp: 0.2}
+# options whose audit needs vLLM: walked where it is installed; tests/test_vllm.py checks
+# what they record in the vLLM venv CI runs (.ci/run)
+SERVED = ("engine", "engine_memory_share")
 
 
 def asked_value(name: str, base: AuditOptions, tmp: Path) -> Any:
@@ -169,6 +175,8 @@ def test_an_option_asked_for_changes_what_its_spec_says(
     """Asked for with what it needs, the option's section of audit.json differs from the
     same audit without it, and holds the value asked (``progress``: the notes shown)."""
     f, spec = SPECS[name]
+    if name in SERVED and importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM (tests/test_vllm.py checks it in the vLLM venv)")
     kind = MODEL_OF.get(name, "run")
     base = with_needs(name, BASE[kind], tmp_path)
     asked = asked_value(name, base, tmp_path)

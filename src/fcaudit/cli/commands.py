@@ -97,19 +97,26 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     options.validate(given_options(args))  # every option before any file is read
     check_dense(args.dense, options)
     spec = _data_spec(args)  # its counts and sources checked
-    place = options.placement()
+    place, serving = options.placement(), options.serving()
     if place is not None and args.device != "cpu":
         raise UsageError("--device-map places the weights itself: drop --device "
                          f"{args.device} (the budget --max-memory names the GPUs)",
                          option="device")
+    if serving is not None and args.device != "cpu":
+        raise UsageError(f"--engine {options.engine} places the model itself: drop --device "
+                         f"{args.device}", option="device")
     ranks = passes.init(args.device)  # a no-op outside torchrun
     try:
         device = resolve_device(passes.device_for(args.device, ranks))
         with offload_space(place, args.out):
-            loaded = as_loaded(args.model, resolve_dtype(args.dtype), place)
-            if place is None:
+            loaded = as_loaded(args.model, resolve_dtype(args.dtype), place, serving)
+            if place is None and serving is None:
                 loaded.model.to(device)
-            result = _audit_loaded(loaded, args, options, spec, ranks, argv)
+            try:
+                result = _audit_loaded(loaded, args, options, spec, ranks, argv)
+            finally:  # an engine serving the model: its memory and threads
+                if callable(close := getattr(loaded.model, "close", None)):
+                    close()
     finally:
         passes.finish()
     if result is not None:

@@ -79,11 +79,19 @@ def swap_module(model: nn.Module, path: str, module: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def swapped(model: nn.Module, replacements: Mapping[str, nn.Module]) -> Iterator[None]:
-    """Modules swapped in at the given paths for the duration of the block."""
+    """Modules swapped in at the given paths for the duration of the block. A module the
+    model also holds under other paths is swapped at each: a call through any of them is
+    the controller's (vLLM's MoE runner calls the router its block also holds)."""
+    ids = {path: id(model.get_submodule(path)) for path in replacements}
+    held: dict[int, list[str]] = {i: [] for i in ids.values()}
+    for name, found in model.named_modules(remove_duplicate=False):
+        if name and id(found) in held:
+            held[id(found)].append(name)
     originals: list[tuple[str, nn.Module]] = []
     try:
         for path, module in replacements.items():
-            originals.append((path, swap_module(model, path, module)))
+            for alias in held[ids[path]] or [path]:
+                originals.append((alias, swap_module(model, alias, module)))
         yield
     finally:
         for path, module in reversed(originals):

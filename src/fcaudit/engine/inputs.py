@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -44,16 +44,29 @@ from fcaudit.io.data import (
     source_words,
 )
 from fcaudit.io.digits import run_audit_data
+from fcaudit.io.engines import VLLM
 from fcaudit.io.examples import OTHER_INPUTS
 from fcaudit.io.loading import LoadedModel, get_arch, input_spec, load, load_module
 from fcaudit.io.placement import Placement
 
+if TYPE_CHECKING:  # vLLM's module is imported only to serve
+    from fcaudit.io.vllm import Serving
+
 
 def as_loaded(model: str | Path | nn.Module | LoadedModel,
               dtype: torch.dtype | None = None,
-              placement: Placement | None = None) -> LoadedModel:
+              placement: Placement | None = None,
+              serving: Serving | None = None) -> LoadedModel:
+    """The model as loaded: given so, an in-memory module, or a spec loaded here (with
+    ``placement``, dispatched by accelerate; with ``serving``, served by vLLM)."""
     if isinstance(model, LoadedModel):
         return model
+    if serving is not None:
+        if not isinstance(model, (str, Path)):
+            raise UsageError(f"{arg('engine', VLLM)} serves a model folder given by its path, "
+                             "not a module already in memory")
+        from fcaudit.io.vllm import load_served
+        return load_served(str(model), dtype, serving)
     if isinstance(model, nn.Module):
         if placement is not None:
             raise UsageError(f"{arg('device_map', placement.device_map)} places a model "

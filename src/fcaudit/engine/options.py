@@ -30,6 +30,7 @@ from fcaudit.core.errors import UsageError, arg
 from fcaudit.core.registry import refusal
 from fcaudit.engine.analyses.expert_importance import AUTO_ABLATION_MAX_EXPERTS
 from fcaudit.engine.objectives import OBJECTIVES, Objective, resolve
+from fcaudit.io.engines import EAGER, ENGINES, VLLM
 from fcaudit.io.placement import DEVICE_MAPS
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from fcaudit.io.inputs import ExampleData, TokenData
     from fcaudit.io.loading import LoadedModel
     from fcaudit.io.placement import Placement
+    from fcaudit.io.vllm import Serving
 
 # progress(stage, done, total, info): an optional callback, never threaded through compute
 Progress = Callable[[str, int, int, str], None]
@@ -245,6 +247,18 @@ class AuditOptions:
         None, "placement", "folder for the weights placed on disk (new or empty; what fcaudit "
         "writes there is removed afterwards)", kind="path", metavar="DIR",
         recorded="runtime.placement", needs=_PLACED)
+    # the engine the passes run in: PyTorch in this process, or vLLM serving a Hugging Face
+    # MoE folder in this process (io/vllm.py); the model section names what was served
+    engine: str = option(
+        EAGER, "placement", f"where the passes run: {EAGER} (PyTorch, the default) or "
+        f"{VLLM} (a Hugging Face MoE folder served by vLLM in this process: eager execution, "
+        "no prefix caching, one scheduled step per batch)", choices=ENGINES,
+        recorded="runtime.placement")
+    engine_memory_share: float | None = option(
+        None, "placement", f"with {arg('engine', VLLM)}: the share of the GPU's memory vLLM may "
+        "take (on a CPU, of the machine's memory; default: vLLM's own on a GPU, 0.1 on a "
+        "CPU)", kind="number", metavar="SHARE", recorded="runtime.placement",
+        needs=Needs("engine", lambda o: o.engine == VLLM, arg("engine", VLLM)))
     # the per-unit loss: a built-in objective's name (engine/objectives.py's registry), or
     # a callable (model_output, batch) -> per-unit losses [B] or [B, T]; None: the data
     # decide (token ids: token-nll; other inputs and vision runs: classification; a
@@ -271,7 +285,8 @@ class AuditOptions:
         for f, spec in option_specs():
             if spec.bounds is not None:
                 _check_int(f.name, getattr(self, f.name), *spec.bounds)
-        for name, choices in (("schedule", SCHEDULES), ("verify_reuse", VERIFY_MODES)):
+        for name, choices in (("schedule", SCHEDULES), ("verify_reuse", VERIFY_MODES),
+                              ("engine", ENGINES)):
             if getattr(self, name) not in choices:
                 raise refusal(_name(name, getattr(self, name)), getattr(self, name),
                               list(choices), option=name)
@@ -288,10 +303,25 @@ class AuditOptions:
             raise UsageError(f"{_name('timing_pairs', self.timing_pairs)}: use 0 (no "
                              f"timing) or at least {MIN_TIMING_PAIRS} pairs for a meaningful "
                              "interval", option="timing_pairs")
+        share = self.engine_memory_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 < share <= 1):
+            raise UsageError(f"{_name('engine_memory_share', share)}: a share in (0, 1]",
+                             option="engine_memory_share")
         check_needs(self, given)  # before placement(), whose own check says less
+        if self.engine != EAGER and self.device_map is not None:
+            raise UsageError(f"{_name('engine', self.engine)} places the weights itself: drop "
+                             f"{arg('device_map')}", option="device_map")
         self.placement()  # the device map, budget syntax and offload folder
         if self.objective is not None:  # None: the data decide (engine/inputs.py)
             resolve(self.objective)
+
+    def serving(self) -> Serving | None:
+        """The engine to serve the model with (None: eager PyTorch in this process)."""
+        if self.engine == EAGER:
+            return None
+        from fcaudit.io.vllm import Serving  # vLLM: imported only when served
+        return Serving(self.batch_size, self.engine_memory_share)
 
     def placement(self) -> Placement | None:
         """Where accelerate may put the weights (None: the model loads whole)."""

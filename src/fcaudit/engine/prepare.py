@@ -95,7 +95,7 @@ def prepare(request: AuditRequest, ranks: Ranks | None = None) -> Prepared:
     sites = check_arguments(request.sites, request.data, blocks, options)
     options.validate()
     check_dense(dense, options)
-    loaded = as_loaded(request.model, placement=options.placement())
+    loaded = as_loaded(request.model, placement=options.placement(), serving=options.serving())
     if options.early_exit:
         loaded = with_early_exit(loaded, options.exit_threshold)
     net = loaded.model.eval()
@@ -220,6 +220,8 @@ def not_measured(setup: Prepared) -> str | None:
     The plan counts the execution passes by it too."""
     if not setup.options.execution:
         return "disabled (--no-execution)"
+    if isinstance(note := getattr(setup.model, "execution_note", None), str):
+        return note  # a model that runs elsewhere (served by an engine) says why
     dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) \
         if setup.dense is not None else []
     if setup.blocks is not None and dense_blocks is not None:

@@ -104,10 +104,28 @@ def audited(request: AuditRequest, progress: Progress | None = None) -> Iterator
 
 
 def _audited(request: AuditRequest, progress: Progress) -> Iterator[Audited]:
-    ranks, command = current(), request.command
+    ranks = current()
     if not ranks.main:
         ranks.barrier(CLAIMED)
     setup = prepare(request, ranks)
+    with _closing(setup.model, owned=isinstance(request.model, (str, Path))):
+        yield from _audit_prepared(setup, request, progress, ranks)
+
+
+@contextlib.contextmanager
+def _closing(model: Any, owned: bool) -> Iterator[None]:
+    """A model this audit loaded itself is closed when the audit ends, if it holds more
+    than its weights (an engine serving it: its memory and threads)."""
+    try:
+        yield
+    finally:
+        if owned and callable(close := getattr(model, "close", None)):
+            close()
+
+
+def _audit_prepared(setup: Prepared, request: AuditRequest, progress: Progress,
+                    ranks: Ranks) -> Iterator[Audited]:
+    command = request.command
     if ranks.main and request.options.progress:
         for line in setup.notes:
             say(progress, for_reader(line, cli=command is not None))

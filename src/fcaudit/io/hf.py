@@ -94,7 +94,7 @@ def _check_architecture(folder: Path, raw: dict[str, Any], transformers: Any) ->
                          "that map input_ids to next-token logits")
 
 
-def _weights(folder: Path) -> list[Path]:
+def checked_weights(folder: Path) -> list[Path]:
     """The safetensors files to load (index first when sharded), or a one-line error."""
     if (folder / "adapter_config.json").is_file():
         raise ModelError(f"{folder} holds a PEFT adapter (adapter_config.json); merge it into "
@@ -218,7 +218,7 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None,
         raise ModelError(f"{folder / 'config.json'} is not a JSON object")
     transformers = _transformers()
     _check_architecture(folder, raw, transformers)
-    weights = _weights(folder)
+    weights = checked_weights(folder)
     transformers.utils.logging.disable_progress_bar()  # fcaudit reports its own progress
     try:
         config = transformers.AutoConfig.from_pretrained(

@@ -83,12 +83,19 @@ def _digest(parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def folder_identity(folder: Path, config: Any, read: list[Path]
+                    ) -> tuple[str, dict[str, str]]:
+    """A checkpoint folder's fingerprint, from its config and every file the loader read,
+    and those files' SHA-256s."""
+    files = {str(f.relative_to(folder)): sha256_file(f) for f in read}
+    return _digest({"config": config, "files": files}), files
+
+
 def _folder_model(folder: Path, model: nn.Module, kind: str, tokenizer: Tokenizer | None,
                   read: list[Path], config: Any, **extra: Any) -> LoadedModel:
     """A checkpoint folder's model, identified by its config and every file the loader read."""
-    files = {str(f.relative_to(folder)): sha256_file(f) for f in read}
     return LoadedModel(model, str(folder), kind, tokenizer, None,
-                       _digest({"config": config, "files": files}), files, **extra)
+                       *folder_identity(folder, config, read), **extra)
 
 
 def _run_config(folder: Path) -> tuple[dict[str, Any], Arch, Any]:

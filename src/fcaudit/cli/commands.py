@@ -91,6 +91,7 @@ def _array_data(args: argparse.Namespace) -> Any:
 def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from fcaudit.engine import passes
     from fcaudit.engine.inputs import as_loaded, check_dense
+    from fcaudit.io.loading import release
     from fcaudit.io.placement import offload_space
     from fcaudit.io.runtime import resolve_device, resolve_dtype
     options = audit_options(args)  # --objective unset: the data decide (engine/inputs.py)
@@ -115,8 +116,7 @@ def cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> None:
             try:
                 result = _audit_loaded(loaded, args, options, spec, ranks, argv)
             finally:  # an engine serving the model: its memory and threads
-                if callable(close := getattr(loaded.model, "close", None)):
-                    close()
+                release(loaded.model)
     finally:
         passes.finish()
     if result is not None:

@@ -67,6 +67,7 @@ from fcaudit.engine.result import ExecutionSection, NotMeasured
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.examples import OTHER_INPUTS, ExampleBatch, Examples, call_model
 from fcaudit.io.hf_exit import HEADS_NOTE, KIND, with_early_exit
+from fcaudit.io.loading import LoadedModel, release
 from fcaudit.io.runtime import untested_versions
 
 
@@ -96,6 +97,18 @@ def prepare(request: AuditRequest, ranks: Ranks | None = None) -> Prepared:
     options.validate()
     check_dense(dense, options)
     loaded = as_loaded(request.model, placement=options.placement(), serving=options.serving())
+    try:
+        return _prepared(request, loaded, sites, ranks)
+    except BaseException:
+        if isinstance(request.model, (str, Path)):  # loaded here: released here
+            release(loaded.model)
+        raise
+
+
+def _prepared(request: AuditRequest, loaded: LoadedModel, sites: SiteSpec,
+              ranks: Ranks | None) -> Prepared:
+    """:func:`prepare` once the model is loaded."""
+    dense, blocks, options = request.dense, request.blocks, request.options
     if options.early_exit:
         loaded = with_early_exit(loaded, options.exit_threshold)
     net = loaded.model.eval()

@@ -53,6 +53,7 @@ from fcaudit.engine.probe import Probe, probe, same_probe_on_every_rank
 from fcaudit.engine.result import AuditResult, ConditionResult, Stopping, StoppingRound
 from fcaudit.engine.stages import adopt_probe
 from fcaudit.io.data import AuditData, fingerprint_array
+from fcaudit.io.loading import release
 from fcaudit.io.outdir import hold_output
 from fcaudit.io.placement import offload_space
 from fcaudit.io.results import ResultWriter, replacing_results
@@ -114,13 +115,13 @@ def _audited(request: AuditRequest, progress: Progress) -> Iterator[Audited]:
 
 @contextlib.contextmanager
 def _closing(model: Any, owned: bool) -> Iterator[None]:
-    """A model this audit loaded itself is closed when the audit ends, if it holds more
-    than its weights (an engine serving it: its memory and threads)."""
+    """A model this audit loaded itself is released when the audit ends (an engine
+    serving it: :func:`~fcaudit.io.loading.release`)."""
     try:
         yield
     finally:
-        if owned and callable(close := getattr(model, "close", None)):
-            close()
+        if owned:
+            release(model)
 
 
 def _audit_prepared(setup: Prepared, request: AuditRequest, progress: Progress,

@@ -65,6 +65,13 @@ class LoadedModel:
     notes: tuple[str, ...] = ()  # what the user should know of how it was loaded
 
 
+def release(model: Any) -> None:
+    """Free what a model holds beyond its weights (an engine serving it: its memory and
+    threads), where it holds anything; the model cannot run after."""
+    if callable(close := getattr(model, "close", None)):
+        close()
+
+
 def is_run_folder(path: Path) -> bool:
     cfg = path / "config.json"
     if not cfg.is_file():

@@ -132,14 +132,12 @@ def summarise(measured: Any, analysis: Analysis) -> dict[str, FrontierFamily] | 
     if ready is None or not ready.covered:
         return None
     from fcaudit.engine.frontier import frontier_summary, frontier_units
-    from fcaudit.engine.summary import paired_bootstrap
     setup, correct = measured.setup, measured.repeats[measured.runs[0].key][0]
     per_seq = {k: v[-1] for k, v in measured.repeats.items()}
     return frontier_summary(
         ready.covered, ready.points, per_seq, correct,
         frontier_units(measured.cache, ready.covered, ready.points),
-        setup.data.eval_ids.size, measured.execution,
-        paired_bootstrap(setup.inputs.n_eval, setup.options))
+        setup.data.eval_ids.size, measured.execution, measured.boot)
 
 
 ANALYSIS = Analysis(FRONTIER, plan=plan, summarise=summarise,

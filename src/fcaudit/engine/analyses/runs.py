@@ -19,6 +19,7 @@ from fcaudit.engine.analyses import ANALYSES, Analysis, Section
 from fcaudit.engine.analyses.base import Later, Target
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.execution import execution_pass
+from fcaudit.engine.metrics import Bootstrap
 from fcaudit.engine.options import Prepared, Progress
 from fcaudit.engine.passes import Ranks, batches
 from fcaudit.engine.plan import AllSites, ReplayInputs, Run, custom_feed
@@ -120,12 +121,16 @@ class Measured:
         correct), in the rows' order."""
         return [r for r in self.runs if isinstance(r.target, AllSites) and r.condition != CORRECT]
 
+    @property
+    def boot(self) -> Bootstrap:
+        """The audit's one resample stream (paired contrasts over sequences)."""
+        return paired_bootstrap(self.setup.inputs.n_eval, self.setup.options)
+
     def condition(self, key: str) -> ConditionResult:
         """Run ``key`` against correct, as the conditions table states a condition: mean
         loss, paired penalty with its 95% interval, and each repeat's."""
         per_seq = {k: np.mean(v, axis=0) for k, v in self.repeats.items()}
-        boot = paired_bootstrap(self.setup.inputs.n_eval, self.setup.options)
-        return condition_result(per_seq, self.repeats, key, boot)
+        return condition_result(per_seq, self.repeats, key, self.boot)
 
 
 def analysis_runs(setup: Prepared, first: Probe

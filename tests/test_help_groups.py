@@ -24,6 +24,7 @@ EXPECTED = {
                                    "--blocks", "--dtype", "--device"},
               "data": DATA,
               "models bigger than memory": {"--device-map", "--max-memory", "--offload-folder"},
+              "where the passes run": {"--engine", "--engine-memory-share"},
               "audit settings": {"--repeats", "--seed", "--bootstrap", "--batch-size",
                                  "--no-per-layer", "--no-execution", "--timing-pairs",
                                  "--allow-nonexact-identity", "--schedule", "--verify-reuse",

@@ -21,7 +21,7 @@ PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md",
 SOURCES = sorted((ROOT / "src" / "fcaudit").rglob("*.py"))
 # an extra named with the package (fails: not on PyPI), or any install of a bracketed extra
 BY_NAME = re.compile(r"fcaudit\[")
-EXTRA = re.compile(r"pip install(?: -\w+)* ([\"']?)([^\s\"']*)\[([\w,]+)\]\1")
+EXTRA = re.compile(r"pip install(?: -\w+)* ([\"']?)([^\s\"']*)\[([\w,-]+)\]\1")
 
 
 def _extras() -> set[str]:

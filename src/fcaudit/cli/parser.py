@@ -101,6 +101,8 @@ READERS: dict[str, Any] = {"int": int, "nats": _nats, "number": _nats, "path": u
                            "text": None}
 PLACEMENT_GROUP = ("models bigger than memory (a Hugging Face folder; needs accelerate: "
                    f"{install_extra('hf')})")
+ENGINE_GROUP = ("where the passes run (a Hugging Face MoE folder served by vLLM: "
+                "docs/vllm.md)")
 
 
 GENERAL = "general options"  # -h, --debug and --quiet of every command, and nothing else
@@ -123,9 +125,11 @@ def general_options(parser: argparse.ArgumentParser, quiet: bool = False,
 
 
 def add_audit_options(parser: argparse.ArgumentParser) -> None:
-    """Every :class:`AuditOptions` field as a flag; placement in a group of its own, the
+    """Every :class:`AuditOptions` field as a flag; placement and the engine in groups of
+    their own, the
     progress switch (--quiet) among the general options, which come last."""
-    groups = {"placement": parser.add_argument_group(PLACEMENT_GROUP)}
+    groups = {"placement": parser.add_argument_group(PLACEMENT_GROUP),
+              "engine": parser.add_argument_group(ENGINE_GROUP)}
     settings = parser.add_argument_group("audit settings")
     general = general_options(parser)
     for f, spec in option_specs():

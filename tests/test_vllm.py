@@ -161,6 +161,9 @@ def test_the_vllm_audit_matches_the_eager_one(tmp_path: Path, family: str) -> No
     assert [s.name for s in served.sites] == names == list(theirs) == list(engine_chosen)
     assert served.identity_replay_max_abs_diff == 0.0 and served.identity is None
     assert not served.execution.measured and "served by vLLM" in served.execution.reason
+    cost = served.execution.controller_cost  # timed in the engine: routers own vs supplied
+    assert cost is not None and cost.pairs == FAST.timing_pairs and cost.seq_len == x.shape[1]
+    assert cost.own.tokens_per_s > 0 and cost.supplied.tokens_per_s > 0
     eager = fcaudit.audit(str(folder), tmp_path / "eager", data=data, options=FAST,
                           sites=eager_names)
     assert set(served.conditions) == set(eager.conditions)
@@ -208,7 +211,7 @@ def test_the_command_line_audits_in_vllm_and_says_so(tmp_path: Path) -> None:
     assert placement["prefix_caching"] is False and placement["memory_share"] == 0.15
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| `prefix_caching` | no |" in report and "| `enforce_eager` | yes |" in report
-    assert "served by vLLM" in report
+    assert "served by vLLM" in report and "their recorded outputs supplied" in report
 
 
 @needs_vllm

@@ -27,14 +27,14 @@ from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.exits import exit_sites
 from fcaudit.engine.analyses.base import Cost
 from fcaudit.engine.analyses.expert_importance import ExpertAblation
+from fcaudit.engine.execution import TIMING_WARMUP
 from fcaudit.engine.exits import PROBE_ROWS, asked, check_passes, own_threshold
 from fcaudit.engine.options import Prepared, Progress, say
 from fcaudit.engine.plan import OneSite, plan_runs
-from fcaudit.engine.prepare import not_measured
+from fcaudit.engine.prepare import not_measured, runs_elsewhere
 from fcaudit.engine.probe import Probe, first_batch
 from fcaudit.engine.stages import calibration_shard, eval_shard
 
-TIMING_WARMUP = 2  # passes of each model before the timed pairs (engine/execution.py)
 _SHOWN = 4  # stages named in the plan line, largest first
 
 
@@ -207,6 +207,11 @@ def _later_stages(cost: Cost, n_eval: int, first: Probe) -> list[Stage]:
 def _execution_stages(setup: Prepared, n_eval: int, record_s: float) -> list[Stage]:
     """Counting executed blocks and FLOPs (model and twin), and the timed pairs."""
     opts = setup.options
+    if runs_elsewhere(setup) and opts.timing_pairs:
+        timed = 1 + 2 * (TIMING_WARMUP + opts.timing_pairs)  # a record, then the pairs
+        return [Stage("controller timing", timed, timed * record_s,
+                      _cut("timing_pairs", "AuditOptions(timing_pairs=0)",
+                           "--timing-pairs 0", "drops"))]
     if not_measured(setup) is not None:
         return []
     twin = setup.dense is not None

@@ -44,13 +44,23 @@ from fcaudit.core.contract import ExpertLayer, Site, SiteCall, execution_mode
 from fcaudit.core.errors import FcauditError, ModelError, arg
 from fcaudit.core.hooks import hooks
 from fcaudit.core.nll import logits_of
+from fcaudit.core.recording import record
+from fcaudit.core.replaying import replay
 from fcaudit.core.routers import counting_experts
 from fcaudit.engine.options import MIN_TIMING_PAIRS
-from fcaudit.engine.result import Estimate, Execution, ExpertExecution, SideTiming, Timing
+from fcaudit.engine.result import (
+    ControllerCost,
+    Estimate,
+    Execution,
+    ExpertExecution,
+    SideTiming,
+    Timing,
+)
 from fcaudit.engine.verdicts import TOLERANCE
 from fcaudit.io.examples import ExampleBatch, Examples, call_model
 
 BOOTSTRAP_RESAMPLES = 2000
+TIMING_WARMUP = 2  # passes of each side before the timed pairs
 
 
 @contextlib.contextmanager
@@ -413,32 +423,46 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: Any, pairs: int = 10,
-                     warmup: int = 2, seed: int = 0, threads: int | None = None) -> Timing:
-    """Time one batch on model and dense in ``pairs`` pairs (A B, B A, ...) after warm-up."""
+def _paired(first: Callable[[], Any], second: Callable[[], Any], on: torch.device,
+            pairs: int, warmup: int, threads: int | None
+            ) -> tuple[list[float], list[float], int]:
+    """Seconds of ``first`` and ``second`` in ``pairs`` pairs whose order alternates (A B,
+    B A, ...) after ``warmup`` of each; and the thread count used."""
     if pairs < MIN_TIMING_PAIRS:
         raise ModelError(f"timing needs at least {MIN_TIMING_PAIRS} pairs, got {pairs}")
-    on_cuda = input_ids.device.type == "cuda"
 
-    def seconds(net: nn.Module) -> float:
-        if on_cuda:
-            torch.cuda.synchronize(input_ids.device)
+    def seconds(run: Callable[[], Any]) -> float:
+        if on.type == "cuda":
+            torch.cuda.synchronize(on)
         start = time.perf_counter()
-        call_model(net, input_ids)
-        if on_cuda:
-            torch.cuda.synchronize(input_ids.device)
+        run()
+        if on.type == "cuda":
+            torch.cuda.synchronize(on)
         return time.perf_counter() - start
 
-    with inference(model, dense), fixed_threads(threads) as used_threads:
+    with fixed_threads(threads) as used_threads:
         for _ in range(warmup):
-            seconds(model), seconds(dense)
-        timed = []
+            seconds(first), seconds(second)
+        a, b = [], []
         for i in range(pairs):
-            model_first = i % 2 == 0
-            first, second = (model, dense) if model_first else (dense, model)
-            s1, s2 = seconds(first), seconds(second)
-            timed.append((s1, s2) if model_first else (s2, s1))
-    model_s, dense_s = zip(*timed, strict=True)
+            if i % 2 == 0:
+                a.append(seconds(first))
+                b.append(seconds(second))
+            else:
+                b.append(seconds(second))
+                a.append(seconds(first))
+    return a, b, used_threads
+
+
+def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: Any, pairs: int = 10,
+                     warmup: int = TIMING_WARMUP, seed: int = 0,
+                     threads: int | None = None) -> Timing:
+    """Time one batch on model and dense in ``pairs`` pairs (A B, B A, ...) after warm-up."""
+    with inference(model, dense):
+        model_s, dense_s, used_threads = _paired(
+            lambda: call_model(model, input_ids), lambda: call_model(dense, input_ids),
+            input_ids.device, pairs, warmup, threads)
+    timed = list(zip(model_s, dense_s, strict=True))
     # examples count as one unit each (seq_len 1): tokens_per_s is then examples per second
     batch_size, seq_len = (len(input_ids), 1) if isinstance(input_ids, ExampleBatch) else \
         input_ids.shape
@@ -454,6 +478,34 @@ def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: Any, pairs: 
         bootstrap_resamples=BOOTSTRAP_RESAMPLES, seed=seed, threads=used_threads,
         device=str(input_ids.device), device_name=device_name(input_ids.device),
         batch_size=batch_size, seq_len=seq_len)
+
+
+def controller_cost(model: nn.Module, sites: Sequence[Site], input_ids: torch.Tensor,
+                    pairs: int = 10, warmup: int = TIMING_WARMUP, seed: int = 0
+                    ) -> ControllerCost:
+    """One batch of token ids timed with the model's controllers computing and with their
+    recorded outputs supplied (:func:`~fcaudit.core.replaying.replay`: each controller's
+    computation skipped), interleaved; for a model that runs elsewhere (an engine), whose
+    blocks and FLOPs cannot be counted here."""
+    with inference(model):
+        recorded = record(model, input_ids, list(sites))
+
+        def supplied() -> None:
+            with replay(model, recorded):
+                call_model(model, input_ids)
+        own_s, supplied_s, _ = _paired(lambda: call_model(model, input_ids), supplied,
+                                       input_ids.device, pairs, warmup, None)
+    units = _units(input_ids)
+    return ControllerCost(
+        ratio=ratio_interval(own_s, supplied_s, seed),
+        ratio_definition="median over pairs of latency with the controllers computing / "
+                         "with their recorded outputs supplied (> 1: the controllers cost "
+                         "time); pair order alternates",
+        own=side_summary(own_s, units), supplied=side_summary(supplied_s, units),
+        pairs_s=[list(p) for p in zip(own_s, supplied_s, strict=True)], pairs=pairs,
+        warmup=warmup, device=str(input_ids.device),
+        device_name=device_name(input_ids.device), batch_size=int(input_ids.shape[0]),
+        seq_len=int(input_ids.shape[1]))
 
 
 def measure_execution(model: nn.Module, dense: nn.Module | None, input_ids: Any, *,

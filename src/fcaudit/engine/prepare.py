@@ -227,14 +227,22 @@ def missing_twin(setup: Prepared) -> str:
     return twin_note(KINDS[setup.kinds[s.name]] for s in setup.sites if s.name in setup.kinds)
 
 
+def runs_elsewhere(setup: Prepared) -> bool:
+    """The model runs elsewhere (an engine serving it) and says why its execution cannot
+    be counted here (its ``execution_note``): it is timed against its controllers
+    supplied instead, when timing is on."""
+    return setup.options.execution and \
+        isinstance(getattr(setup.model, "execution_note", None), str)
+
+
 def not_measured(setup: Prepared) -> str | None:
     """Why this audit measures no execution (None: it does): disabled, or blocks nobody
     declared. Without a dense counterpart the model's own blocks and FLOPs are counted.
     The plan counts the execution passes by it too."""
     if not setup.options.execution:
         return "disabled (--no-execution)"
-    if isinstance(note := getattr(setup.model, "execution_note", None), str):
-        return note  # a model that runs elsewhere (served by an engine) says why
+    if runs_elsewhere(setup):
+        return str(setup.model.execution_note)
     dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) \
         if setup.dense is not None else []
     if setup.blocks is not None and dense_blocks is not None:
@@ -251,11 +259,15 @@ def execute(setup: Prepared, degenerate: str | None = None) -> ExecutionSection:
     would be; for a routed model, the experts that ran. ``degenerate``: the exit rule's
     note when it stops every unit at one layer, so that no saving and no conditional
     execution is counted for it."""
-    from fcaudit.engine.execution import measure_execution
+    from fcaudit.engine.execution import controller_cost, measure_execution
     opts = setup.options
     reason = not_measured(setup)
     if reason is not None:
-        return NotMeasured(reason)
+        if not runs_elsewhere(setup) or not opts.timing_pairs:
+            return NotMeasured(reason)
+        x = setup.inputs.execution_inputs(device_of(setup.model))[:opts.batch_size]
+        return NotMeasured(reason, controller_cost=controller_cost(
+            setup.model, setup.sites, x, opts.timing_pairs, seed=setup.seeds.timing))
     experts = declared_experts(setup.model) or []
     dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) \
         if setup.dense is not None else []

@@ -55,6 +55,7 @@ from fcaudit.engine.result_parts import (  # noqa: F401 (re-exported: the schema
     VARIATION_LABELS,
     ComponentShares,
     ConditionResult,
+    ControllerCost,
     DataSummary,
     Estimate,
     Execution,
@@ -107,7 +108,7 @@ SCHEMA = "fcaudit.audit/1"
 # Dotted paths of audit.json that may differ between two runs of the same model, data,
 # seeds and settings; everything else is byte-identical (docs/reliability.md).
 NONDETERMINISTIC_KEYS = ("runtime", "command", "execution.timing",
-                         "execution.speed_ratio_vs_dense")
+                         "execution.speed_ratio_vs_dense", "execution.controller_cost")
 TIMED_VERDICT_KEY = "verdict.execution"  # listed too when the verdict quotes timing
 
 

@@ -246,12 +246,37 @@ class ExpertExecution:
 
 
 @dataclass
+class ControllerCost:
+    """What a model's controllers cost where the model runs (a model served by an engine,
+    whose blocks and FLOPs the execution audit cannot count): one batch timed with the
+    controllers computing (``own``) and with their recorded outputs supplied in their
+    place (``supplied``: their computation skipped, as a static token-id table would
+    feed them; the lookup itself is not timed), in interleaved pairs. On a CPU only the
+    ratio means anything."""
+
+    ratio: Estimate  # median over pairs of own/supplied latency, bootstrap interval
+    ratio_definition: str
+    own: SideTiming
+    supplied: SideTiming
+    pairs_s: list[list[float]]
+    pairs: int
+    warmup: int
+    device: str
+    device_name: str
+    batch_size: int
+    seq_len: int
+
+
+@dataclass
 class NotMeasured:
     """The execution section of an audit that measured none: why (docs/method.md,
-    Execution). ``measured`` is always false: the key readers tell the two kinds by."""
+    Execution). ``measured`` is always false: the key readers tell the two kinds by. A
+    model that runs elsewhere may still be timed against its controllers supplied
+    (``controller_cost``)."""
 
     reason: str
     measured: bool = False
+    controller_cost: ControllerCost | None = _omit_none()
 
 
 @dataclass

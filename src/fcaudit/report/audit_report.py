@@ -33,6 +33,7 @@ from fcaudit.engine.result import (
     ConditionResult,
     Execution,
     Identity,
+    NotMeasured,
     Retention,
     condition_rows,
 )
@@ -205,6 +206,22 @@ def _conditional(ex: Execution, more: str = "") -> str:
 
 def _not_measured(ex: Execution) -> str:
     return f"Execution was not measured: {md_text(ex.reason or 'no reason recorded')}."
+
+
+def _controller_cost(ex: NotMeasured) -> list[str]:
+    """Where the model runs, its speed with the controllers computing against their
+    outputs supplied."""
+    c = ex.controller_cost
+    if c is None:
+        return []
+    return [f"Where the model runs, its controllers computing against their recorded outputs "
+            f"supplied (their computation skipped, as a static token-id table would feed "
+            f"them): {c.own.tokens_per_s:,.0f} against {c.supplied.tokens_per_s:,.0f} tokens "
+            f"per second, latency ratio **{c.ratio.value:.3f}** (95% CI "
+            f"{fmt_ci(c.ratio.ci95, 3)}; {md_text(c.ratio_definition)}), {c.pairs} pairs after "
+            f"{c.warmup} warm-up runs on one batch of {c.batch_size} x {c.seq_len} tokens on "
+            f"{md_code(c.device)} ({md_text(c.device_name)}). On a CPU only the ratio means "
+            "anything."]
 
 
 def _uncounted(operators: Sequence[str]) -> str:
@@ -430,7 +447,7 @@ def _execution(r: AuditResult) -> list[str]:
     ex = r.execution
     blocks = ["## Execution"]
     if not ex.measured:
-        return blocks + [_not_measured(ex)]
+        return blocks + [_not_measured(ex), *_controller_cost(ex)]
     t, unit = ex.timing, _unit(ex)
     fractions = [f for f in ex.blocks_executed_per_layer or () if fmt_finite(f)]
     rows = [

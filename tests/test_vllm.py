@@ -247,6 +247,15 @@ def test_a_head_size_the_cpu_backend_refuses_is_one_line(tmp_path: Path) -> None
         _served(folder)
 
 
+@needs_vllm
+def test_a_memory_share_that_does_not_fit_is_one_line_naming_the_option(tmp_path: Path) -> None:
+    from fcaudit.io.vllm import Serving, load_served
+    folder = _folder(tmp_path, "mixtral")
+    with pytest.raises(ModelError, match=r"^vLLM could not serve [^\n]*memory[^\n]*"
+                       r"engine_memory_share"):
+        load_served(str(folder), None, Serving(FAST.batch_size, 0.99))
+
+
 def test_a_folder_vllm_cannot_serve_is_refused_before_the_engine(tmp_path: Path) -> None:
     from fcaudit.io.vllm import Serving, load_served
     with pytest.raises(ModelError, match="local Hugging Face model folder"):

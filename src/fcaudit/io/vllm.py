@@ -319,7 +319,11 @@ def start_engine(folder: Path, dtype: torch.dtype | None, serving: Serving) -> S
     try:
         llm = vllm.LLM(**kwargs)
     except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds: one line for each
-        raise ModelError(f"vLLM could not serve {folder}: {_last_line(exc)}") from exc
+        cause = _last_line(exc)
+        hint = (f" (fcaudit passes {arg('engine_memory_share')} as vLLM's "
+                "gpu_memory_utilization; on a CPU it is the share of the machine's memory)"
+                if "memory" in cause.lower() else "")
+        raise ModelError(f"vLLM could not serve {folder}: {cause}{hint}") from exc
     finally:
         if before is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

@@ -215,6 +215,34 @@ def test_the_command_line_audits_in_vllm_and_says_so(tmp_path: Path) -> None:
 
 
 @needs_vllm
+def test_routes_compares_a_trace_with_the_engines_own_selection(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``fcaudit routes --engine vllm``: a trace of the eager model's own selection (HF's
+    router indices) agrees with the engine's (its runner asked) on every (token, layer)
+    of a bias-corrected router; a planted set is one disagreement."""
+    from fcaudit.cli import main
+    folder, data = _folder(tmp_path, "glm4_moe"), _data()
+    from fcaudit.core.routers import ROUTER_FAMILY, moe_router_sites
+    from fcaudit.io.hf import load_hf_folder
+    model = load_hf_folder(folder)[0]
+    x = torch.from_numpy(data.eval_ids)
+    sites = [s for s in moe_router_sites(model) if s.family == ROUTER_FAMILY]
+    chosen = _chosen(model, sites, x)
+    trace = torch.stack([chosen[s.name] for s in sites], dim=2).numpy()
+    trace[0, 0, 0] = [e for e in range(8) if e not in trace[0, 0, 0]][:2]
+    np.save(tmp_path / "ids.npy", data.eval_ids)
+    np.save(tmp_path / "trace.npy", trace)
+    capsys.readouterr()
+    assert main(["routes", "--model", str(folder), "--engine", "vllm", "--tokens",
+                 str(tmp_path / "ids.npy"), "--trace", str(tmp_path / "trace.npy"),
+                 "--json", str(tmp_path / "a.json")]) == 0
+    written = json.loads((tmp_path / "a.json").read_text())
+    cells = trace[..., 0].size
+    assert (written["compared"], written["equal"], written["missing"]) == (cells, cells - 1, 0)
+    assert written["layers"] == [s.name for s in sites]
+
+
+@needs_vllm
 def test_an_audit_refused_after_the_engine_started_releases_it(tmp_path: Path) -> None:
     """Windows longer than the model's context are refused once the engine is up; the
     engine the audit started is shut down then, so the next audit can start its own."""

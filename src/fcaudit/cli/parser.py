@@ -431,6 +431,41 @@ def _add_sites(sub: Any) -> None:
     general_options(parser)
 
 
+def _add_routes(sub: Any) -> None:
+    parser = sub.add_parser(
+        "routes", add_help=False,
+        help="compare a serving engine's routed-expert trace with fcaudit's recording",
+        description="Compare the routed-expert ids a serving engine recorded (vLLM's "
+                    "enable_return_routed_experts, SGLang's return_routed_experts) with "
+                    "fcaudit's own pass over the same tokens: the share of (token, layer) "
+                    "expert sets that agree, split by the top-k margin of the router "
+                    "logits (near-ties are where two engines' arithmetic may differ).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  fcaudit routes --model ./olmoe --tokens prompts.npy "
+               "--trace routed_experts.npy --json agreement.json")
+    r = parser.add_argument_group("comparison")
+    r.add_argument("--model", required=True, type=user_file,
+                   help="a Hugging Face MoE folder (or any model SPEC with router sites)")
+    r.add_argument("--tokens", required=True, type=user_file, metavar="NPY",
+                   help="the prompts' token ids [requests, tokens] (.npy), as the engine "
+                        "was given them")
+    r.add_argument("--trace", required=True, type=user_file, metavar="FILE",
+                   help="the expert ids the engine took: [tokens, layers, k] or [requests, "
+                        "tokens, layers, k] integers (.npy, or .safetensors: its one tensor "
+                        "or 'routed_experts'); negative ids are rows it did not fill")
+    r.add_argument("--prompt-start", type=int, default=0, metavar="ROW",
+                   help="the trace row of each prompt's first token (vLLM's "
+                        "routed_experts_prompt_start; default 0); the rows after the "
+                        "prompt (its completion) are not compared")
+    r.add_argument("--engine", choices=("eager", "vllm"), default="eager",
+                   help="run fcaudit's pass eagerly (default) or in vLLM serving the folder")
+    r.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="prompts per forward pass (default 8)")
+    r.add_argument("--json", type=user_path, default=None, metavar="FILE",
+                   help="also write the agreement as JSON")
+    general_options(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fcaudit", add_help=False,
@@ -442,6 +477,6 @@ def build_parser() -> argparse.ArgumentParser:
     general_options(parser, top=True)  # --debug also works after the command name
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_train, _add_audit, _add_compare, _add_demo, _add_bench, _add_reproduce,
-                _add_sites):
+                _add_sites, _add_routes):
         add(sub)
     return parser

@@ -458,6 +458,7 @@ def cmd_routes(args: argparse.Namespace) -> None:
     from fcaudit.io.examples import load_npy
     from fcaudit.io.fileio import write_json
     from fcaudit.io.loading import release
+    from fcaudit.io.engines import VLLM
     from fcaudit.io.traces import read_trace
     from fcaudit.io.vllm import Serving
     if args.batch_size < 1 or args.prompt_start < 0:
@@ -470,7 +471,7 @@ def cmd_routes(args: argparse.Namespace) -> None:
                         path=str(args.tokens))
     trace = read_trace(Path(args.trace))  # before the model: a bad trace costs nothing
     loaded = as_loaded(args.model, serving=Serving(args.batch_size)
-                       if args.engine == "vllm" else None)
+                       if args.engine == VLLM else None)
     try:
         found = route_agreement(loaded.model, find_sites(loaded.model),
                                 torch.from_numpy(ids.astype("int64")), trace,

@@ -15,6 +15,7 @@ from fcaudit.core.errors import install_extra, render
 from fcaudit.engine.objectives import TASKS
 from fcaudit.engine.options import AuditOptions, OptionSpec, option_specs
 from fcaudit.io.arches import ARCHES
+from fcaudit.io.engines import EAGER, ENGINES
 from fcaudit.io.runtime import measured_minutes
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
@@ -457,7 +458,7 @@ def _add_routes(sub: Any) -> None:
                    help="the trace row of each prompt's first token (vLLM's "
                         "routed_experts_prompt_start; default 0); the rows after the "
                         "prompt (its completion) are not compared")
-    r.add_argument("--engine", choices=("eager", "vllm"), default="eager",
+    r.add_argument("--engine", choices=ENGINES, default=EAGER,
                    help="run fcaudit's pass eagerly (default) or in vLLM serving the folder")
     r.add_argument("--batch-size", type=int, default=8, metavar="N",
                    help="prompts per forward pass (default 8)")

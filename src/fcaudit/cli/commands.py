@@ -455,10 +455,10 @@ def cmd_routes(args: argparse.Namespace) -> None:
     from fcaudit.core.sites import find_sites
     from fcaudit.engine.inputs import as_loaded
     from fcaudit.engine.routes import route_agreement
+    from fcaudit.io.engines import VLLM
     from fcaudit.io.examples import load_npy
     from fcaudit.io.fileio import write_json
     from fcaudit.io.loading import release
-    from fcaudit.io.engines import VLLM
     from fcaudit.io.traces import read_trace
     from fcaudit.io.vllm import Serving
     if args.batch_size < 1 or args.prompt_start < 0:

@@ -43,6 +43,8 @@ EXPECTED = {
                             "--train-data"},
                   "general options": GENERAL | {"--quiet"}},
     "sites": {"listing": {"--model", "--all", "--inputs"}, "general options": GENERAL},
+    "routes": {"comparison": {"--model", "--tokens", "--trace", "--prompt-start", "--engine",
+                              "--batch-size", "--json"}, "general options": GENERAL},
 }
 
 

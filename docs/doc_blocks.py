@@ -989,6 +989,130 @@ def gpu_check(r: Results) -> str:
                       + measured(d), "", res["table"], ""])
 
 
+# ------------------------------------------------------------------------- vLLM at scale
+
+VLLM_SCALE = "python benchmarks/vllm_scale.py"
+
+
+def computed(data: Mapping[str, Any]) -> str:
+    """How a computed (not timed) result was made: its command, commit and date."""
+    command = " ".join([f"python {data['script']}", *data["argv"]]).strip()
+    dirty = " plus uncommitted changes" if data["dirty"] else ""
+    return f"Computed by `{command}` at commit {data['commit']}{dirty} on {data['date']}"
+
+
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def _gb(bytes_per_token: float, tokens: float) -> str:
+    """Bytes per token over ``tokens`` tokens, in GB (10^9 bytes), three digits."""
+    return f"{bytes_per_token * tokens / 1e9:.3g}"
+
+
+@block("vllm-scale-storage", "what an audit in vLLM records per token against a routing "
+       "trace, per million tokens, for three published MoE shapes",
+       [bench("vllm_scale")], [VLLM_SCALE])
+def vllm_scale_storage(r: Results) -> str:
+    d = r.json(bench("vllm_scale"))
+    res = d["results"]
+    million = res["million"]
+    rows = []
+    for s in res["shapes"]:
+        bf16, f32, trace = s["eval"]["bfloat16"], s["eval"]["float32"], s["trace"]
+        if bf16["stored"]["logits"] != ["BF16"] or f32["stored"]["logits"] != ["F32"]:
+            raise ValueError(f"{s['name']}: the shards hold logits as "
+                             f"{bf16['stored']['logits']} and {f32['stored']['logits']}")
+        rows.append((s["name"], f"{s['moe_layers']} of {s['layers']}",
+                     f"{s['experts']}, top-{s['top_k']}",
+                     _gb(bf16["bytes_per_token"], million), _gb(f32["bytes_per_token"], million),
+                     f"{_gb(trace['vllm_ids'], million)} ({trace['vllm_id_dtype']})",
+                     _gb(trace["ids_and_weights"], million),
+                     f"{bf16['bytes_per_token'] / trace['vllm_ids']:.0f}x"))
+    first = res["shapes"][0]
+    bf16, passes = first["eval"]["bfloat16"], first["passes"]
+    element = bf16["logits_bytes_per_token"] // (first["moe_layers"] * first["experts"])
+    calib = first["calib_bytes_per_token_at_most"]
+    tokens = passes["eval_sequences"] * passes["default_window"]
+    return "\n".join([
+        "", f"{computed(d)}; no model of these sizes was loaded: each evaluation shard is "
+        "written at the model's shape by the audit's own cache code (`EvaluationShard`, "
+        "`CoefficientCache.write`) and measured, a trace sized from the dtypes its writer "
+        f"uses. GB (10^9 bytes) per {million:,} tokens:", "",
+        md_table(("model (published config)", "MoE layers", "experts, top-k",
+                  "fcaudit: router logits, bfloat16", "router logits, float32",
+                  "vLLM trace: expert ids", "ids and weights (int32, float32)",
+                  "fcaudit (bfloat16) / vLLM trace"), rows, "lrrrrrrr"), "",
+        f"Per {first['name']} token the record is {first['moe_layers']} MoE layers x "
+        f"{first['experts']} logits x {element} bytes = {bf16['logits_bytes_per_token']:,} "
+        f"bytes, and {bf16['nll_bytes_per_token']:.0f} bytes of the token's loss "
+        f"({', '.join(SAFETENSORS_DTYPES[t] for t in bf16['stored']['nll'])}): "
+        f"{bf16['bytes_per_token']:,.0f} bytes, where "
+        f"vLLM's trace keeps {first['trace']['vllm_ids']} (its {first['top_k']} expert ids "
+        f"at each of the {first['layers']} layers, the dense ones included, one byte each "
+        f"up to {res['vllm_uint8_experts']} experts). The default audit's "
+        f"{passes['eval_sequences']} evaluation windows of {passes['default_window']} tokens "
+        f"({tokens:,} tokens) record {_gb(bf16['bytes_per_token'], tokens)} GB. Calibration "
+        "windows are kept as float64 sums, per position and per token id present in each "
+        f"batch, not per token: at most {_gb(calib, million)} GB per million calibration "
+        f"tokens for {first['name']} ({calib / bf16['bytes_per_token']:.1f}x the evaluation "
+        "record), reached when every token of a batch has an id of its own; tokens of one "
+        "id share a row.", ""])
+
+
+@block("vllm-scale-passes", "an audit's forward passes, per batch and MoE layer, counted on "
+       "stand-ins with three published MoE shapes", [bench("vllm_scale")], [VLLM_SCALE])
+def vllm_scale_passes(r: Results) -> str:
+    d = r.json(bench("vllm_scale"))
+    res = d["results"]
+    rows = []
+    for s in res["shapes"]:
+        p, default, main = s["passes"], s["passes"]["default"], s["passes"]["main_only"]
+        if not (default["identity_exact"] and main["identity_exact"]):
+            raise ValueError(f"{s['name']}: the stand-in's identity replay was not exact")
+        per_eval = 1 + default["replays_per_eval_batch"] + s["moe_layers"] * (
+            default["per_layer_runs_per_moe_layer"] + default["ablations_per_moe_layer"])
+        rows.append((s["name"], str(s["moe_layers"]),
+                     f"{default['ablations_per_moe_layer'] * s['moe_layers']}"
+                     if default["ablations_per_moe_layer"] else "off",
+                     f"{per_eval:,}", f"{default['counted_passes']:,}",
+                     f"{default['plan_passes']:,} + "
+                     f"{default['counted_passes'] - default['plan_passes']}",
+                     f"{main['counted_passes']:,}",
+                     millions(default["counted_passes"] * p["batch_size"] * p["default_window"])))
+    first = res["shapes"][0]
+    p, default = first["passes"], first["passes"]["default"]
+    extra = default["counted_passes"] - default["plan_passes"]
+    return "\n".join([
+        "", f"{computed(d)}: each audit is the default one (`fcaudit.audit` with default "
+        f"options: {p['repeats']} repeats, batches of {p['batch_size']}) of the command line's "
+        f"default data sizes ({p['eval_sequences']} evaluation and {p['calib_sequences']} "
+        "calibration windows), run on a stand-in that has the model's router sites (one per "
+        "MoE layer, with the adapter vLLM's routers get) and, as a served model, no execution "
+        "blocks; its forward passes are counted. The counts do not depend on the window's "
+        f"length (the stand-in's is {p['seq_len']} tokens); the tokens column is the engine's "
+        f"work at the default window of {p['default_window']} tokens.", "",
+        md_table(("model", "MoE layers", "expert ablations per batch",
+                  "passes per evaluation batch", "passes, default audit",
+                  "plan + probe", "main conditions alone", "tokens through the engine"),
+                 rows, "lrrrrrrr"), "",
+        f"Per evaluation batch: one record pass, {default['replays_per_eval_batch']} replays "
+        "of the main conditions (the correct replay, each random condition once per repeat, "
+        "each static condition, the correct replay once more), "
+        f"{default['per_layer_runs_per_moe_layer']} per-layer runs per MoE layer and, where "
+        f"no router has more than {res['ablation_max_experts']} experts, one ablation per "
+        "expert and MoE layer; per calibration batch one record pass; and the probe's "
+        "identity replay of the first batch. So an audit of `L` MoE layers over `B_e` "
+        "evaluation and `B_c` calibration batches makes "
+        f"`B_e x (1 + {default['replays_per_eval_batch']} + "
+        f"{default['per_layer_runs_per_moe_layer']} L) + B_c + {default['probe_replays']}` "
+        "forward passes (`+ B_e x E L` with expert ablation over `E` experts). *Plan + "
+        "probe*: the passes the audit's plan line names before the work (`runtime.plan`) and "
+        f"the probe's {extra} (the first batch's record and identity replay), equal to the "
+        "count in every row. *Main conditions alone*: `--no-per-layer --no-expert-ablation`. "
+        f"On the engine each pass is one scheduled step of a batch's {p['batch_size']} "
+        "windows.", ""])
+
+
 # ------------------------------------------------------------------------- registries
 # What fcaudit knows, read from its registries (never typed by hand): the families the
 # model registry builds, the analyses and their report sections, the conditions, the

@@ -198,8 +198,21 @@ class ServedShape(nn.Module):
         return self.head(h).view(rows, length, -1)
 
     def controller_sites(self) -> list[Site]:
-        return [Site(f"gates.{i}", f"gates.{i}", ROUTER_FAMILY, i, EngineRouter(self.top_k),
-                     axes=TOKEN_AXES, positions=TOKEN_LAYOUT) for i in range(len(self.gates))]
+        return [Site(f"gates.{i}", f"gates.{i}", ROUTER_FAMILY, i,
+                     EngineRouter(TopK(self.top_k)), axes=TOKEN_AXES, positions=TOKEN_LAYOUT)
+                for i in range(len(self.gates))]
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+    """The stand-in's routing rule, asked as vLLM's MoE runner is (``select_experts``)."""
+
+    top_k: int
+
+    def select_experts(self, hidden_states: Tensor, router_logits: Tensor
+                       ) -> tuple[Tensor, Tensor]:
+        top = router_logits.topk(self.top_k, dim=-1)
+        return top.values.softmax(-1), top.indices
 
 
 def counted_audit(shape: Shape, options: AuditOptions, data: AuditData) -> dict[str, Any]:
@@ -252,13 +265,15 @@ def per_batch(shape: Shape, run: dict[str, Any], n_eval: int, n_calib: int) -> d
              "per_layer_runs_per_moe_layer": stages.get("per-layer runs", 0) / (n_eval * layers),
              "ablations_per_moe_layer": stages.get("expert ablation", 0) / (n_eval * layers),
              "record_passes": stages["record"] + 1,  # the probe records the first batch
-             "probe_replays": run["counted_passes"] - run["plan_passes"] - 1}
+             "probe_replays": run["counted_passes"] - run["plan_passes"] - 1,
+             # the served model's execution answer: one record, then the timed pairs
+             "controller_timing": stages.get("controller timing", 0)}
     assert all(float(v).is_integer() for v in split.values()), split
     split = {k: int(v) for k, v in split.items()}
     assert split["record_passes"] == n_eval + n_calib, split
     total = n_eval * (1 + split["replays_per_eval_batch"] + layers * (
         split["per_layer_runs_per_moe_layer"] + split["ablations_per_moe_layer"])) \
-        + n_calib + split["probe_replays"]
+        + n_calib + split["probe_replays"] + split["controller_timing"]
     assert total == run["counted_passes"], (total, run)
     return split
 

@@ -51,7 +51,9 @@ def test_the_pass_account_adds_up_on_a_small_stand_in() -> None:
     run = vllm_scale.counted_audit(shape, AuditOptions(repeats=1, bootstrap=10,
                                                        progress=False), data)
     assert run["identity_exact"] and run["sites"] == 2
+    timing = 1 + 2 * (2 + 10)  # a record, then 2 warm-up and 10 timed pairs, two sides
     assert vllm_scale.per_batch(shape, run, 2, 1) == {
         "replays_per_eval_batch": 1 + 3 + 4 + 1, "per_layer_runs_per_moe_layer": 2,
-        "ablations_per_moe_layer": 4, "record_passes": 3, "probe_replays": 1}
-    assert run["counted_passes"] == 2 * (1 + 9 + 2 * (2 + 4)) + 1 + 1
+        "ablations_per_moe_layer": 4, "record_passes": 3, "probe_replays": 1,
+        "controller_timing": timing}
+    assert run["counted_passes"] == 2 * (1 + 9 + 2 * (2 + 4)) + 1 + 1 + timing

@@ -121,7 +121,8 @@ def _prepared(request: AuditRequest, loaded: LoadedModel, sites: SiteSpec,
     audit_data, objective = resolve_inputs(loaded, request.data, options, site_list)
     twin, twin_source = dense_counterpart(net, audit_data, SeedPlan(options.seed), dense,
                                           blocks) if options.execution else (None, "")
-    if twin is None and options.execution and asked(options, "timing_pairs"):
+    if twin is None and options.execution and asked(options, "timing_pairs") and \
+            _elsewhere(net) is None:  # a served model's timing is of its controllers
         raise UsageError(f"{arg('timing_pairs', options.timing_pairs, owner='AuditOptions')}"
                          " times the model against its dense counterpart, and it has none: "
                          f"give one ({arg('dense')}) or drop {arg('timing_pairs')}",
@@ -227,12 +228,17 @@ def missing_twin(setup: Prepared) -> str:
     return twin_note(KINDS[setup.kinds[s.name]] for s in setup.sites if s.name in setup.kinds)
 
 
+def _elsewhere(model: nn.Module) -> str | None:
+    """Why a model that runs elsewhere (an engine serving it) cannot have its execution
+    counted here (its ``execution_note``); None for a model that runs here."""
+    note = getattr(model, "execution_note", None)
+    return note if isinstance(note, str) else None
+
+
 def runs_elsewhere(setup: Prepared) -> bool:
-    """The model runs elsewhere (an engine serving it) and says why its execution cannot
-    be counted here (its ``execution_note``): it is timed against its controllers
-    supplied instead, when timing is on."""
-    return setup.options.execution and \
-        isinstance(getattr(setup.model, "execution_note", None), str)
+    """The execution audit is on and the model runs elsewhere: it is timed against its
+    controllers supplied instead, when timing is on."""
+    return setup.options.execution and _elsewhere(setup.model) is not None
 
 
 def not_measured(setup: Prepared) -> str | None:
@@ -242,7 +248,7 @@ def not_measured(setup: Prepared) -> str | None:
     if not setup.options.execution:
         return "disabled (--no-execution)"
     if runs_elsewhere(setup):
-        return str(setup.model.execution_note)
+        return _elsewhere(setup.model)
     dense_blocks = resolve_block_paths(setup.dense, setup.blocks_glob) \
         if setup.dense is not None else []
     if setup.blocks is not None and dense_blocks is not None:

@@ -423,34 +423,35 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def _paired(first: Callable[[], Any], second: Callable[[], Any], on: torch.device,
-            pairs: int, warmup: int, threads: int | None
-            ) -> tuple[list[float], list[float], int]:
-    """Seconds of ``first`` and ``second`` in ``pairs`` pairs whose order alternates (A B,
-    B A, ...) after ``warmup`` of each; and the thread count used."""
+def _clocked(run: Callable[[], Any], on: torch.device) -> float:
+    """Seconds ``run`` takes (the device synchronised before and after)."""
+    if on.type == "cuda":
+        torch.cuda.synchronize(on)
+    start = time.perf_counter()
+    run()
+    if on.type == "cuda":
+        torch.cuda.synchronize(on)
+    return time.perf_counter() - start
+
+
+def _paired(first: Callable[[], float], second: Callable[[], float], pairs: int,
+            warmup: int, threads: int | None) -> tuple[list[float], list[float], int]:
+    """The seconds ``first`` and ``second`` report (each times its own work) in ``pairs``
+    pairs whose order alternates (A B, B A, ...) after ``warmup`` of each; and the thread
+    count used."""
     if pairs < MIN_TIMING_PAIRS:
         raise ModelError(f"timing needs at least {MIN_TIMING_PAIRS} pairs, got {pairs}")
-
-    def seconds(run: Callable[[], Any]) -> float:
-        if on.type == "cuda":
-            torch.cuda.synchronize(on)
-        start = time.perf_counter()
-        run()
-        if on.type == "cuda":
-            torch.cuda.synchronize(on)
-        return time.perf_counter() - start
-
     with fixed_threads(threads) as used_threads:
         for _ in range(warmup):
-            seconds(first), seconds(second)
+            first(), second()
         a, b = [], []
         for i in range(pairs):
             if i % 2 == 0:
-                a.append(seconds(first))
-                b.append(seconds(second))
+                a.append(first())
+                b.append(second())
             else:
-                b.append(seconds(second))
-                a.append(seconds(first))
+                b.append(second())
+                a.append(first())
     return a, b, used_threads
 
 
@@ -459,9 +460,10 @@ def time_interleaved(model: nn.Module, dense: nn.Module, input_ids: Any, pairs: 
                      threads: int | None = None) -> Timing:
     """Time one batch on model and dense in ``pairs`` pairs (A B, B A, ...) after warm-up."""
     with inference(model, dense):
+        on = input_ids.device
         model_s, dense_s, used_threads = _paired(
-            lambda: call_model(model, input_ids), lambda: call_model(dense, input_ids),
-            input_ids.device, pairs, warmup, threads)
+            lambda: _clocked(lambda: call_model(model, input_ids), on),
+            lambda: _clocked(lambda: call_model(dense, input_ids), on), pairs, warmup, threads)
     timed = list(zip(model_s, dense_s, strict=True))
     # examples count as one unit each (seq_len 1): tokens_per_s is then examples per second
     batch_size, seq_len = (len(input_ids), 1) if isinstance(input_ids, ExampleBatch) else \
@@ -490,11 +492,13 @@ def controller_cost(model: nn.Module, sites: Sequence[Site], input_ids: torch.Te
     with inference(model):
         recorded = record(model, input_ids, list(sites))
 
-        def supplied() -> None:
+        on = input_ids.device
+
+        def supplied() -> float:  # the pass alone: swapping the controllers out is not timed
             with replay(model, recorded):
-                call_model(model, input_ids)
-        own_s, supplied_s, _ = _paired(lambda: call_model(model, input_ids), supplied,
-                                       input_ids.device, pairs, warmup, None)
+                return _clocked(lambda: call_model(model, input_ids), on)
+        own_s, supplied_s, _ = _paired(lambda: _clocked(lambda: call_model(model, input_ids),
+                                                        on), supplied, pairs, warmup, None)
     units = _units(input_ids)
     return ControllerCost(
         ratio=ratio_interval(own_s, supplied_s, seed),

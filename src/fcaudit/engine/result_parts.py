@@ -251,7 +251,8 @@ class ControllerCost:
     whose blocks and FLOPs the execution audit cannot count): one batch timed with the
     controllers computing (``own``) and with their recorded outputs supplied in their
     place (``supplied``: their computation skipped, as a static token-id table would
-    feed them; the lookup itself is not timed), in interleaved pairs. On a CPU only the
+    feed them; the lookup, and swapping the controllers out and back, are not timed), in
+    interleaved pairs. On a CPU only the
     ratio means anything."""
 
     ratio: Estimate  # median over pairs of own/supplied latency, bootstrap interval

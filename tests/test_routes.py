@@ -93,6 +93,28 @@ def test_agreement_counts_planted_disagreements_and_unfilled_rows(hf_mixtral: Pa
         assert got.equal_per_layer[layer] == pytest.approx((n - wrong) / n)
 
 
+def test_a_trace_of_every_decoder_layer_is_read_at_each_router_s_layer(hf_mixtral: Path
+                                                                       ) -> None:
+    """vLLM's trace has a row for every decoder layer, dense ones left zero: with more layers
+    than routers, each router's own layer (its path's number) is taken."""
+    from fcaudit.core.sites import find_sites
+    from fcaudit.engine.inputs import as_loaded
+    from fcaudit.engine.routes import decoder_layer, route_agreement
+    ids = _ids()
+    trace, _ = _engine_trace(hf_mixtral, ids)
+    model = as_loaded(str(hf_mixtral)).model
+    sites = find_sites(model)
+    cells = trace[..., 0].size
+    extra = np.concatenate([trace, np.zeros_like(trace[:, :, :1])], axis=2)  # a dense layer 2
+    got = route_agreement(model, sites, ids, extra)
+    assert (got.compared, got.equal) == (cells, cells)
+    shifted = np.concatenate([np.zeros_like(trace[:, :, :1]), trace], axis=2)
+    wrong = route_agreement(model, sites, ids, shifted)  # layer 0 read from the zero row
+    assert wrong.equal < cells
+    assert [decoder_layer(p) for p in ("model.layers.3.mlp.gate", "served.model.layers.12.x",
+                                       "gate")] == [3, 12, None]
+
+
 def test_the_command_line_prints_and_writes_the_agreement(hf_mixtral: Path, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture) -> None:
     ids = _ids()

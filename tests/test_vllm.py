@@ -228,8 +228,10 @@ def test_routes_compares_a_trace_with_the_engines_own_selection(
     x = torch.from_numpy(data.eval_ids)
     sites = [s for s in moe_router_sites(model) if s.family == ROUTER_FAMILY]
     chosen = _chosen(model, sites, x)
-    trace = torch.stack([chosen[s.name] for s in sites], dim=2).numpy()
-    trace[0, 0, 0] = [e for e in range(8) if e not in trace[0, 0, 0]][:2]
+    # as vLLM writes it: a row for every decoder layer, the dense layer 0 left zero
+    trace = torch.stack([torch.zeros_like(chosen[sites[0].name]),
+                         *(chosen[s.name] for s in sites)], dim=2).numpy()
+    trace[0, 0, 1] = [e for e in range(8) if e not in trace[0, 0, 1]][:2]
     np.save(tmp_path / "ids.npy", data.eval_ids)
     np.save(tmp_path / "trace.npy", trace)
     capsys.readouterr()
@@ -237,7 +239,7 @@ def test_routes_compares_a_trace_with_the_engines_own_selection(
                  str(tmp_path / "ids.npy"), "--trace", str(tmp_path / "trace.npy"),
                  "--json", str(tmp_path / "a.json")]) == 0
     written = json.loads((tmp_path / "a.json").read_text())
-    cells = trace[..., 0].size
+    cells = trace[:, :, 1:, 0].size  # the two MoE layers' rows
     assert (written["compared"], written["equal"], written["missing"]) == (cells, cells - 1, 0)
     assert written["layers"] == [s.name for s in sites]
 

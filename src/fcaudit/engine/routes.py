@@ -135,5 +135,12 @@ def route_agreement(model: nn.Module, sites: Sequence[Site], ids: Tensor, trace:
     pass over the token ids ``ids [N, T]`` it was recorded on."""
     from fcaudit.io.traces import prompt_rows
     routers, logits, chosen = recorded_routes(model, sites, ids, batch_size)
-    rows = prompt_rows(trace, tuple(ids.shape), len(routers), logits.shape[-1], prompt_start)
+    rows = prompt_rows(trace, tuple(ids.shape), [decoder_layer(s.path) for s in routers],
+                       logits.shape[-1], prompt_start)
     return agreement(logits, chosen, rows, [s.name for s in routers])
+
+
+def decoder_layer(path: str) -> int | None:
+    """The decoder layer a router's module path names (its first numeric part:
+    ``model.layers.3.mlp.gate`` -> 3), or None."""
+    return next((int(part) for part in path.split(".") if part.isdigit()), None)

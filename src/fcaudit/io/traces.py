@@ -14,6 +14,7 @@ recorded. Negative ids are the engines' sentinels for rows they did not fill: su
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,11 +46,14 @@ def read_trace(path: Path) -> np.ndarray:
     return (array[None] if array.ndim == 3 else array).astype(np.int64)
 
 
-def prompt_rows(trace: np.ndarray, windows: tuple[int, int], layers: int, experts: int,
-                prompt_start: int = 0) -> np.ndarray:
+def prompt_rows(trace: np.ndarray, windows: tuple[int, int], layers: Sequence[int | None],
+                experts: int, prompt_start: int = 0) -> np.ndarray:
     """The rows of ``trace`` for ``windows`` (requests, tokens) prompts of that many tokens,
-    ``[requests, tokens, layers, k]``: each request's rows from ``prompt_start`` on,
-    checked against the model's ``layers`` routers and ``experts`` experts."""
+    ``[requests, tokens, routers, k]``: each request's rows from ``prompt_start`` on,
+    checked against the model's routers (``layers``: each one's decoder layer, None where
+    its path names none) and ``experts`` experts. vLLM's trace has a row for every decoder
+    layer, the dense ones too (left zero): with more layers than routers, each router's
+    own layer is taken."""
     requests, tokens = windows
     have, rows, have_layers, _ = trace.shape
     if have != requests:
@@ -59,10 +63,16 @@ def prompt_rows(trace: np.ndarray, windows: tuple[int, int], layers: int, expert
         raise DataError(f"the routing trace has {rows} rows per request, fewer than the "
                         f"prompt's {tokens} tokens from row {prompt_start}: was it recorded "
                         "on these tokens (and with this --prompt-start)?")
-    if have_layers != layers:
-        raise DataError(f"the routing trace has {have_layers} layers and the model {layers} "
-                        "routers: a trace of another model, or of another layer set")
     picked = trace[:, prompt_start:prompt_start + tokens]
+    if have_layers != len(layers):
+        known = [i for i in layers if i is not None]
+        if len(known) != len(layers) or len(set(known)) != len(known) or \
+                have_layers < len(layers) or max(known) >= have_layers:
+            raise DataError(f"the routing trace has {have_layers} layers and the model "
+                            f"{len(layers)} routers (in decoder layers "
+                            f"{', '.join(map(str, layers))}): a trace of another model, or of "
+                            "another layer set")
+        picked = picked[:, :, known]
     if (picked >= experts).any():
         raise DataError(f"the routing trace names expert {int(picked.max())}, and the model's "
                         f"routers have {experts} experts: a trace of another model")

@@ -26,7 +26,8 @@ def test_two_audits_are_byte_identical_outside_the_runtime_section(
         audits.append(tmp_path / name / "audit.json")
     a, b = (json.loads(p.read_text()) for p in audits)
     assert a["nondeterministic_keys"] == list(NONDETERMINISTIC_KEYS) == [
-        "runtime", "command", "execution.timing", "execution.speed_ratio_vs_dense"]
+        "runtime", "command", "execution.timing", "execution.speed_ratio_vs_dense",
+        "execution.controller_cost"]
     assert set(a["runtime"]) == {"host", "timings", "schedule", "cache", "reuse", "plan"}
     assert "host" not in a and "timings" not in a
     assert a["command"] != b["command"]  # it names --out; that is why it is listed

@@ -156,8 +156,8 @@ class AuditOptions:
     execution: bool = option(True, "scope", "skip the execution audit (blocks, FLOPs, speed)",
                              flag="--no-execution", action="off")
     timing_pairs: int = option(
-        10, "scope", "interleaved model/dense timing pairs (a model served by an engine: "
-        "its controllers computing against their outputs supplied)", kind="int",
+        10, "scope", "interleaved model/dense (a served model: routers computing/logits "
+        "supplied) timing pairs", kind="int",
         bounds=(0, MAX_TIMING_PAIRS), span=f"{MIN_TIMING_PAIRS} to {MAX_TIMING_PAIRS}; 0 "
         "disables timing", inert=(0,),
         needs=_execution("it times the model against its dense counterpart"))

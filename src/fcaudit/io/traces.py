@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fcaudit.core.errors import DataError
+from fcaudit.core.errors import DataError, arg
 
 SUFFIXES = (".npy", ".safetensors")
 TENSOR_NAME = "routed_experts"
@@ -62,7 +62,7 @@ def prompt_rows(trace: np.ndarray, windows: tuple[int, int], layers: Sequence[in
     if rows < prompt_start + tokens:
         raise DataError(f"the routing trace has {rows} rows per request, fewer than the "
                         f"prompt's {tokens} tokens from row {prompt_start}: was it recorded "
-                        "on these tokens (and with this --prompt-start)?")
+                        f"on these tokens (and with this {arg('prompt_start')})?")
     picked = trace[:, prompt_start:prompt_start + tokens]
     if have_layers != len(layers):
         known = [i for i in layers if i is not None]

@@ -131,6 +131,12 @@ def test_the_command_line_prints_and_writes_the_agreement(hf_mixtral: Path, tmp_
     assert f"{cells:,} of {cells:,} (token, layer) expert sets agree" in res.stdout
     written = json.loads((tmp_path / "a.json").read_text())
     assert written["equal"] == written["compared"] == cells and written["missing"] == 0
+    assert run_inprocess(argv, capsys).returncode == 0  # its own file: written again
+    (tmp_path / "mine.json").write_text('{"my": "notes"}')
+    theirs = run_inprocess([*argv[:-1], str(tmp_path / "mine.json")], capsys)
+    assert theirs.returncode == 2 and "fcaudit did not write it there" in theirs.stderr
+    assert (tmp_path / "mine.json").read_text() == '{"my": "notes"}'
+
     np.save(tmp_path / "one.npy", ids.numpy()[:1])
     one = run_inprocess(["routes", "--model", str(hf_mixtral), "--tokens",
                          str(tmp_path / "one.npy"), "--trace",

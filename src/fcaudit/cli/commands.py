@@ -449,6 +449,25 @@ def cmd_sites(args: argparse.Namespace) -> None:
         print(failure)
 
 
+ROUTES_SCHEMA = "fcaudit.routes/1"
+
+
+def _own_json(path: Path, schema: str) -> None:
+    """``path`` may be written: absent, or a file this command wrote before (its schema);
+    anything else is the user's, never overwritten."""
+    import json
+    if not path.exists():
+        return
+    try:
+        ours = json.loads(path.read_text(encoding="utf-8")).get("schema") == schema
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise UsageError(f"--json {path} exists and fcaudit did not write it there: choose "
+                         "another file (fcaudit never overwrites what it did not write)",
+                         option="json")
+
+
 def cmd_routes(args: argparse.Namespace) -> None:
     import torch
 
@@ -464,6 +483,8 @@ def cmd_routes(args: argparse.Namespace) -> None:
     if args.batch_size < 1 or args.prompt_start < 0:
         raise UsageError("--batch-size must be at least 1 and --prompt-start at least 0",
                          option="batch_size" if args.batch_size < 1 else "prompt_start")
+    if args.json is not None:
+        _own_json(args.json, ROUTES_SCHEMA)
     ids = load_npy(args.tokens, "--tokens")
     if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.size == 0:
         raise DataError(f"--tokens {args.tokens}: {ids.dtype} {list(ids.shape)}; give the "
@@ -488,7 +509,7 @@ def cmd_routes(args: argparse.Namespace) -> None:
         print(f"| {span} | {b.compared:,} | {b.equal:,} ({share}) |")
     print(f"margin: {found.margin_definition}")
     if args.json is not None:
-        write_json(args.json, dataclasses.asdict(found))
+        write_json(args.json, {"schema": ROUTES_SCHEMA, **dataclasses.asdict(found)})
 
 
 COMMANDS = {"train": cmd_train, "bench": cmd_bench, "sites": cmd_sites, "routes": cmd_routes}

@@ -38,13 +38,13 @@ import torch
 
 import fcaudit
 from fcaudit.engine.options import AuditOptions
+from fcaudit.engine.routes import MARGIN_EDGES  # fcaudit routes' buckets
 from fcaudit.io.data import AuditData
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_vllm import _chosen, _config, _folder, _margin, _nll  # noqa: E402  the tests' families
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
-MARGINS = (1e-4, 1e-2)  # the buckets' edges: near-tie, close, clear
 OPTIONS = AuditOptions(repeats=2, bootstrap=200, progress=False, execution=False)
 VOCAB = 128
 
@@ -62,7 +62,7 @@ def _agreement(eager: dict[str, torch.Tensor], engine: dict[str, torch.Tensor],
     same = torch.cat([(a == b).all(-1).reshape(-1)
                       for a, b in zip(eager.values(), engine.values(), strict=True)])
     m = torch.cat([x.reshape(-1) for x in margins])
-    edges = (0.0, *MARGINS, float("inf"))
+    edges = (0.0, *MARGIN_EDGES, float("inf"))
     return [f"{int(same[(m >= lo) & (m < hi)].sum())}/{int(((m >= lo) & (m < hi)).sum())}"
             for lo, hi in zip(edges, edges[1:], strict=False)]
 

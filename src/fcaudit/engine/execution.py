@@ -491,7 +491,6 @@ def controller_cost(model: nn.Module, sites: Sequence[Site], input_ids: torch.Te
     blocks and FLOPs cannot be counted here."""
     with inference(model):
         recorded = record(model, input_ids, list(sites))
-
         on = input_ids.device
 
         def supplied() -> float:  # the pass alone: swapping the controllers out is not timed

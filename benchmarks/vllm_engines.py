@@ -22,7 +22,11 @@ router sites and this prints:
 
 Needs vLLM (its own venv: .ci/run, README):
 
-    python benchmarks/vllm_engines.py [family ...] [--repeats N]
+    python benchmarks/vllm_engines.py [family ...] [--repeats N] [--tensor-parallel-size N]
+
+With ``--tensor-parallel-size 2`` the engine runs two tensor-parallel ranks (on a CPU, one
+share of the cores each): its kernels reduce in another order, so near-tie routes may flip
+against the eager model's; routes at a clear margin may not.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ import numpy as np
 import torch
 
 import fcaudit
+from fcaudit.engine.actions.routes import MARGIN_EDGES  # fcaudit routes' buckets
 from fcaudit.engine.options import AuditOptions
-from fcaudit.engine.routes import MARGIN_EDGES  # fcaudit routes' buckets
 from fcaudit.io.data import AuditData
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -67,7 +71,8 @@ def _agreement(eager: dict[str, torch.Tensor], engine: dict[str, torch.Tensor],
             for lo, hi in zip(edges, edges[1:], strict=False)]
 
 
-def family_row(family: str, folder: Path, data: AuditData, repeats: int) -> list[str]:
+def family_row(family: str, folder: Path, data: AuditData, repeats: int,
+               tensor_parallel: int = 1) -> list[str]:
     from fcaudit.core.routers import ROUTER_FAMILY, moe_router_sites
     from fcaudit.io.hf import load_hf_folder
     from fcaudit.io.vllm import Serving, load_served
@@ -75,7 +80,8 @@ def family_row(family: str, folder: Path, data: AuditData, repeats: int) -> list
     x = torch.from_numpy(data.eval_ids)
     start = time.perf_counter()
     served = fcaudit.audit(str(folder), None, data=data, options=AuditOptions(
-        **{**OPTIONS.__dict__, "engine": "vllm", "execution": True, "timing_pairs": repeats}),
+        **{**OPTIONS.__dict__, "engine": "vllm", "execution": True, "timing_pairs": repeats,
+           "tensor_parallel_size": tensor_parallel}),
         report=False)
     vllm_s = time.perf_counter() - start
     model = load_hf_folder(folder)[0]
@@ -87,7 +93,8 @@ def family_row(family: str, folder: Path, data: AuditData, repeats: int) -> list
                           report=False)
     eager_s = time.perf_counter() - start
     ours, eager_chosen = fcaudit.record(model, x, eager_names), _chosen(model, eager_sites, x)
-    loaded = load_served(str(folder), None, Serving(len(x), 0.1))
+    loaded = load_served(str(folder), None, Serving(len(x), 0.1,
+                                                    tensor_parallel=tensor_parallel))
     try:
         theirs = fcaudit.record(loaded.model, x)
         engine_chosen = _chosen(loaded.model, loaded.model.controller_sites(), x)
@@ -119,6 +126,8 @@ def main() -> None:
                         help="timed pairs (own routing, logits supplied), at least 10")
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="the engine's tensor-parallel ranks (default 1)")
     args = parser.parse_args()
     if unknown := sorted(set(args.families) - set(FAMILIES)):
         parser.error(f"unknown families {unknown}: choose from {', '.join(FAMILIES)}")
@@ -131,7 +140,8 @@ def main() -> None:
     print("|" + "---|" * len(header))
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families or FAMILIES:
-            row = family_row(family, Path(tmp), data, args.repeats)
+            row = family_row(family, Path(tmp), data, args.repeats,
+                             args.tensor_parallel_size)
             print("| " + " | ".join(row) + " |", flush=True)
 
 

@@ -205,14 +205,13 @@ class ServedShape(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class TopK:
-    """The stand-in's routing rule, asked as vLLM's MoE runner is (``select_experts``)."""
+    """The stand-in's routing rule, read as a served router's selection is (``chosen``: the
+    experts taken for the logits routed)."""
 
     top_k: int
 
-    def select_experts(self, hidden_states: Tensor, router_logits: Tensor
-                       ) -> tuple[Tensor, Tensor]:
-        top = router_logits.topk(self.top_k, dim=-1)
-        return top.values.softmax(-1), top.indices
+    def chosen(self, logits: Tensor) -> Tensor:
+        return logits.topk(self.top_k, dim=-1).indices
 
 
 def counted_audit(shape: Shape, options: AuditOptions, data: AuditData) -> dict[str, Any]:

@@ -1159,3 +1159,47 @@ def registries(r: Results) -> str:
         md_table(("objective", "unit", "help"), objectives, "lll"),
         "", "Discovery rules (`core.discovery`), tried in order:", "",
         md_table(("finds", "rules"), rules, "ll"), ""])
+
+
+FOLD_DEMO = "python benchmarks/fold_demo.py"
+
+
+def _estimate(e: Mapping[str, Any] | None, digits: int, sign: str = "", scale: float = 1.0,
+              unit: str = "") -> str:
+    """An ``Estimate`` (value and ci95) of a result file, or "not defined"."""
+    if e is None:
+        return "not defined"
+    lo, hi = (x * scale for x in e["ci95"])
+    return f"{e['value'] * scale:{sign}.{digits}f}{unit} [{lo:{sign}.{digits}f}, " \
+        f"{hi:{sign}.{digits}f}]"
+
+
+@block("fold-demo", "the demo FeatureGate's profiles folded: exactness, speed and healing",
+       [bench("fold_demo")], [FOLD_DEMO])
+def fold_demo(r: Results) -> str:
+    d = r.json(bench("fold_demo"))
+    res = d["results"]
+    rows = []
+    for p in res["profiles"]:
+        f, h = p["fold"], p["heal"]
+        rows.append((f"`{p['profile']}`", _estimate(p["audit_retention"], 1, unit="%"),
+                     f"{f['exactness']['max_abs_diff']:.3g}",
+                     _estimate(f["vs_original"]["latency_ratio"], 3),
+                     f"{f['vs_original']['flops_ratio']:.4f}",
+                     _estimate(f["vs_dense"]["latency_ratio"], 3),
+                     _estimate(h["penalty_before"], 4, "+"),
+                     _estimate(h["penalty_after"], 4, "+"),
+                     _estimate(h["recovered"], 1, scale=100, unit="%"),
+                     f"{p['fold_s']:.0f} + {p['heal_s']:.0f}"))
+    return "\n".join([
+        "", f"{measured(d)} The model: {res['model']}, audited on the built-in data; each "
+        f"fold timed in "
+        f"{res['pairs']} interleaved pairs of one batch, each healing {res['heal_steps']} "
+        "steps of each model. Latency and FLOPs are the folded model's over the other's "
+        "(< 1: the folded model is faster); the penalty is the folded model's NLL minus the "
+        "original's per sequence (nats), before healing and after (against the original "
+        "fine-tuned alike), with 95% intervals:", "",
+        md_table(("profile", "the audit's retention", "largest loss difference",
+                  "latency / original", "FLOPs / original", "latency / dense twin",
+                  "penalty before", "penalty after healing", "recovered", "seconds (fold + "
+                  "heal)"), rows, "lrrrrrrrrr"), ""])

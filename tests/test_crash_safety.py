@@ -176,7 +176,8 @@ def test_interrupted_training_leaves_no_run_folder(tmp_path: Path, run_folder: P
     tok = train_tokenizer([Document("text", text)], 300)
     monkeypatch.setattr(train_mod, "builtin_documents", lambda split: [Document(split, text)])
     monkeypatch.setattr(train_mod, "builtin_tokenizer", lambda vocab_size: tok)
-    monkeypatch.setattr(train_mod, "write_json", interrupt)  # the last file of the folder
+    from fcaudit.io import runs  # where run folders are written
+    monkeypatch.setattr(runs, "write_json", interrupt)  # the last file of the folder
     shutil.copytree(run_folder / "run", tmp_path / "keep")  # an earlier run, for --force
     record_files(tmp_path / "keep", RUN_FILES)  # as `fcaudit train` records its files
     before = {p.name: p.read_bytes() for p in (tmp_path / "keep").iterdir()}
@@ -187,7 +188,7 @@ def test_interrupted_training_leaves_no_run_folder(tmp_path: Path, run_folder: P
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep"]  # no partial, no temp
     assert {p.name: p.read_bytes() for p in (tmp_path / "keep").iterdir()} == before
     # not interrupted: --force swaps the new folder in and leaves nothing else behind
-    monkeypatch.setattr(train_mod, "write_json", write_json)
+    monkeypatch.setattr(runs, "write_json", write_json)
     train_mod.train("dense", "tiny", 0, tmp_path / "keep", steps=1, force=True, progress=False,
                     device="cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep"]

@@ -24,7 +24,8 @@ EXPECTED = {
                                    "--blocks", "--dtype", "--device"},
               "data": DATA,
               "models bigger than memory": {"--device-map", "--max-memory", "--offload-folder"},
-              "where the passes run": {"--engine", "--engine-memory-share"},
+              "where the passes run": {"--engine", "--engine-memory-share",
+                                       "--tensor-parallel-size", "--pipeline-parallel-size"},
               "audit settings": {"--repeats", "--seed", "--bootstrap", "--batch-size",
                                  "--no-per-layer", "--no-execution", "--timing-pairs",
                                  "--allow-nonexact-identity", "--schedule", "--verify-reuse",
@@ -44,7 +45,16 @@ EXPECTED = {
                   "general options": GENERAL | {"--quiet"}},
     "sites": {"listing": {"--model", "--all", "--inputs"}, "general options": GENERAL},
     "routes": {"comparison": {"--model", "--tokens", "--trace", "--prompt-start", "--engine",
-                              "--batch-size", "--json"}, "general options": GENERAL},
+                              "--batch-size", "--tensor-parallel-size", "--json"},
+               "general options": GENERAL},
+    "fold": {"fold": {"--audit", "--profile", "--out", "--force", "--model", "--timing-pairs",
+                      "--json"},
+             "data (the audit's: default the built-in plays, as fcaudit audit; checked by "
+             "SHA-256)": {"--data", "--calib-data", "--tokens", "--calib-tokens", "--seq-len",
+                          "--max-eval", "--max-calib"},
+             "heal (fine-tune the folded model; the original alike as the control)": {
+                 "--heal-steps", "--heal-data", "--heal-out"},
+             "general options": GENERAL | {"--quiet"}},
 }
 
 

@@ -21,7 +21,7 @@ def _subparser(name: str) -> object:
 
 
 def test_every_field_declares_its_part() -> None:
-    """Each of the 25 fields in exactly one of the six parts (the ``fcaudit audit`` help
+    """Each of the 27 fields in exactly one of the six parts (the ``fcaudit audit`` help
     groups placement apart by it)."""
     parts = {"statistics": ["repeats", "seed", "bootstrap", "objective"],
              "scope": ["per_layer", "execution", "timing_pairs", "allow_nonexact_identity",
@@ -30,13 +30,14 @@ def test_every_field_declares_its_part() -> None:
              "schedule": ["batch_size", "progress", "schedule", "verify_reuse"],
              "stopping": ["target_ci", "min_sequences"],
              "placement": ["device_map", "max_memory", "offload_folder"],
-             "engine": ["engine", "engine_memory_share"]}
+             "engine": ["engine", "engine_memory_share", "tensor_parallel_size",
+                        "pipeline_parallel_size"]}
     declared: dict[str, list[str]] = {}
     for f, spec in option_specs():
         declared.setdefault(spec.part, []).append(f.name)
     assert {part: sorted(names) for part, names in declared.items()} == \
         {part: sorted(names) for part, names in parts.items()}
-    assert len(dataclasses.fields(AuditOptions)) == 25
+    assert len(dataclasses.fields(AuditOptions)) == 27
 
 
 def test_every_existing_way_of_building_options_still_works() -> None:

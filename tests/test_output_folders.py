@@ -134,7 +134,7 @@ def test_force_replaces_a_run_folder_and_nothing_else(run: Path, tmp_path: Path,
         train("dense", "tiny", 1, out, steps=1, progress=False, device="cpu", data=text)
     (out / "notes.txt").write_text("my notes on this run")
     before = snapshot(tmp_path)
-    with pytest.raises(FcauditError, match="also holds notes.txt, which fcaudit train did"):
+    with pytest.raises(FcauditError, match="also holds notes.txt, which fcaudit did not write"):
         train("dense", "tiny", 1, out, steps=1, force=True, progress=False, device="cpu",
               data=text)
     assert snapshot(tmp_path) == before

@@ -1,5 +1,5 @@
 """A serving engine's routed-expert trace against fcaudit's recording (``fcaudit routes``,
-fcaudit.engine.routes, fcaudit.io.traces). The reference trace is read off the Hugging
+fcaudit.engine.actions.routes, fcaudit.io.traces). The reference trace is read off the Hugging
 Face router's own index output by a hook of this test, then planted with disagreements,
 unfilled rows (sentinels) and completion rows; the expected counts, per margin bucket
 too, are worked out here from the router's logits."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -49,8 +50,8 @@ def _bucket(margin: float) -> int:
 
 def test_agreement_counts_planted_disagreements_and_unfilled_rows(hf_mixtral: Path) -> None:
     from fcaudit.core.sites import find_sites
+    from fcaudit.engine.actions.routes import route_agreement
     from fcaudit.engine.inputs import as_loaded
-    from fcaudit.engine.routes import route_agreement
     ids = _ids()
     trace, logits = _engine_trace(hf_mixtral, ids)
     model = as_loaded(str(hf_mixtral)).model
@@ -98,8 +99,8 @@ def test_a_trace_of_every_decoder_layer_is_read_at_each_router_s_layer(hf_mixtra
     """vLLM's trace has a row for every decoder layer, dense ones left zero: with more layers
     than routers, each router's own layer (its path's number) is taken."""
     from fcaudit.core.sites import find_sites
+    from fcaudit.engine.actions.routes import decoder_layer, route_agreement
     from fcaudit.engine.inputs import as_loaded
-    from fcaudit.engine.routes import decoder_layer, route_agreement
     ids = _ids()
     trace, _ = _engine_trace(hf_mixtral, ids)
     model = as_loaded(str(hf_mixtral)).model
@@ -131,6 +132,10 @@ def test_the_command_line_prints_and_writes_the_agreement(hf_mixtral: Path, tmp_
     assert f"{cells:,} of {cells:,} (token, layer) expert sets agree" in res.stdout
     written = json.loads((tmp_path / "a.json").read_text())
     assert written["equal"] == written["compared"] == cells and written["missing"] == 0
+    fixed = written["ids_fixed"]  # the model's own routes fixed: nothing moves
+    assert fixed["condition"] == "ids fixed, weights recomputed" and fixed["delta"] == 0.0
+    assert f"ids fixed, weights recomputed: NLL {fixed['nll_ids_fixed']:.4f} against " \
+        f"{fixed['nll_own']:.4f}" in res.stdout and "not the frozen-controller" in res.stdout
     assert run_inprocess(argv, capsys).returncode == 0  # its own file: written again
     (tmp_path / "mine.json").write_text('{"my": "notes"}')
     theirs = run_inprocess([*argv[:-1], str(tmp_path / "mine.json")], capsys)
@@ -168,7 +173,7 @@ def test_a_trace_that_does_not_match_is_one_line(hf_mixtral: Path, tmp_path: Pat
 
 
 def test_a_model_without_routers_is_refused(tmp_path: Path) -> None:
-    from fcaudit.engine.routes import route_agreement
+    from fcaudit.engine.actions.routes import route_agreement
     from fcaudit.models.featuregate import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16))
     with pytest.raises(ModelError, match="no router site"):
@@ -177,3 +182,83 @@ def test_a_model_without_routers_is_refused(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="expected an existing"):
         from fcaudit.io.traces import read_trace
         read_trace(tmp_path / "missing.pt")
+
+
+def _rule(family: str, config: Any, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each family's weights of the experts ``ids`` from its router logits, written out here
+    (the reference): Mixtral's renormalised softmax, Qwen2-MoE's softmax (not renormalised
+    by default), DeepSeek-V3's sigmoid scores (no bias: the bias only selects), renormalised
+    and scaled."""
+    if family == "mixtral":
+        w = torch.softmax(logits.float(), -1).gather(-1, ids)
+        return w / w.sum(-1, keepdim=True)
+    if family == "qwen2_moe":
+        w = torch.softmax(logits, dtype=torch.float, dim=-1).gather(-1, ids)
+        return (w / w.sum(-1, keepdim=True) if config.norm_topk_prob else w).to(logits.dtype)
+    w = logits.sigmoid().gather(-1, ids)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) if config.norm_topk_prob else w
+    return w * config.routed_scaling_factor
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_ids_fixed_weights_recomputed_follows_each_family_s_own_rule(
+        family: str, tmp_path: Path) -> None:
+    """The trace's ids fixed, weights recomputed from the live logits: the NLL equals the
+    model run with a hook of this test that swaps each router's output for the planted ids
+    and the family's rule (written out here) at them; unfilled rows keep the live choice;
+    a trace of the model's own choice changes nothing, bit for bit."""
+    from conftest import FAMILIES, save
+
+    from fcaudit.core.nll import logits_of, token_nll
+    from fcaudit.core.sites import find_sites
+    from fcaudit.engine.actions.routes import IDS_FIXED, route_agreement
+    from fcaudit.engine.inputs import as_loaded
+    folder = save(FAMILIES[family][0](), tmp_path / family)
+    ids = _ids()
+    own, _ = _engine_trace(folder, ids)
+    rng = np.random.default_rng(1)
+    experts = int(_engine_trace(folder, ids)[1].shape[-1])
+    planted = own.copy()
+    for n, t, layer in zip(*np.nonzero(rng.random(own.shape[:3]) < 0.5), strict=True):
+        planted[n, t, layer] = rng.choice(experts, K, replace=False)
+    planted[0, 1, 0] = -1  # a row the engine left unfilled: the live choice stays
+    loaded = as_loaded(str(folder))
+    model, sites = loaded.model, find_sites(loaded.model)
+    same = route_agreement(model, sites, ids, own, batch_size=3).ids_fixed
+    moved = route_agreement(model, sites, ids, planted, batch_size=3).ids_fixed
+    assert same is not None and moved is not None and moved.condition == IDS_FIXED
+    assert same.nll_ids_fixed == same.nll_own and same.delta == 0.0
+
+    routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    fixed = torch.from_numpy(planted)
+
+    def swap(layer: int) -> Any:
+        def hook(_m: Any, _a: Any, out: Any) -> Any:
+            logits, _, live = out
+            chosen = fixed[:, :, layer].reshape(-1, K)
+            chosen = torch.where(chosen >= 0, chosen, live)
+            return logits, _rule(family, model.config, logits, chosen), chosen
+        return hook
+    handles = [r.register_forward_hook(swap(i)) for i, r in enumerate(routers)]
+    with torch.no_grad():
+        reference = token_nll(logits_of(model(ids)), ids).double().mean()
+    for h in handles:
+        h.remove()
+    assert abs(moved.nll_ids_fixed - float(reference)) <= 1e-6
+    assert abs(moved.nll_own - same.nll_own) == 0.0 and abs(moved.delta) > 1e-5
+    lo, hi = moved.delta_ci
+    assert lo <= moved.delta <= hi and moved.windows == ids.shape[0]
+
+
+def test_a_router_whose_selection_cannot_be_fixed_is_refused_by_name(hf_mixtral: Path) -> None:
+    """No top-k of the trace's width over the router's experts (here: asked for one more
+    expert than it has): refused, naming the router, never a pass with live routes."""
+    from fcaudit.core.sites import find_sites
+    from fcaudit.engine.actions.routes import ids_fixed
+    from fcaudit.engine.inputs import as_loaded
+    ids = _ids()
+    trace, logits = _engine_trace(hf_mixtral, ids)
+    model = as_loaded(str(hf_mixtral)).model
+    sites = find_sites(model)
+    with pytest.raises(ModelError, match=r"router model\.layers\.0\.mlp\.gate took 0 top-k"):
+        ids_fixed(model, sites, ids, trace, logits.shape[-1] + 1, 3)

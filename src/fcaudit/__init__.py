@@ -16,6 +16,7 @@ Public API (imported lazily, so ``import fcaudit`` and ``fcaudit --help`` stay f
     fcaudit.reassign / shuffle / static        # interventions on recorded dicts
     fcaudit.audit(model, out=None, ...)        # -> AuditResult
     fcaudit.compare([a, b], out=None, labels=None)  # audits side by side -> Comparison
+    fcaudit.fold(audit_dir, profile, out)      # a static profile folded in -> FoldResult
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ _EXPORTS = {
     "AuditOptions": "engine.options", "audit": "api",
     "AuditResult": "engine.result",
     "compare": "report.compare", "Comparison": "report.compare",
+    "fold": "engine.actions.fold", "FoldResult": "engine.actions.fold",
     "DataSpec": "io.data", "AuditData": "io.data",
     "Site": "core.contract", "SiteCall": "core.contract", "ExpertLayer": "core.contract",
     "Gate": "core.contract", "Selection": "core.contract", "Exit": "core.contract",

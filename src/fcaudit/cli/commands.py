@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from fcaudit.cli.actions import cmd_fold, cmd_routes
 from fcaudit.cli.parser import audit_options, build_parser, given_options
 from fcaudit.core.errors import DataError, FcauditError, ModelError, UsageError, render
 from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES
@@ -449,70 +450,8 @@ def cmd_sites(args: argparse.Namespace) -> None:
         print(failure)
 
 
-ROUTES_SCHEMA = "fcaudit.routes/1"
-
-
-def _own_json(path: Path, schema: str) -> None:
-    """``path`` may be written: absent, or a file this command wrote before (its schema);
-    anything else is the user's, never overwritten."""
-    import json
-    if not path.exists():
-        return
-    try:
-        ours = json.loads(path.read_text(encoding="utf-8")).get("schema") == schema
-    except (OSError, ValueError, AttributeError):
-        ours = False
-    if not ours:
-        raise UsageError(f"--json {path} exists and fcaudit did not write it there: choose "
-                         "another file (fcaudit never overwrites what it did not write)",
-                         option="json")
-
-
-def cmd_routes(args: argparse.Namespace) -> None:
-    import torch
-
-    from fcaudit.core.sites import find_sites
-    from fcaudit.engine.inputs import as_loaded
-    from fcaudit.engine.routes import route_agreement
-    from fcaudit.io.engines import VLLM
-    from fcaudit.io.examples import load_npy
-    from fcaudit.io.fileio import write_json
-    from fcaudit.io.loading import release
-    from fcaudit.io.traces import read_trace
-    from fcaudit.io.vllm import Serving
-    if args.batch_size < 1 or args.prompt_start < 0:
-        raise UsageError("--batch-size must be at least 1 and --prompt-start at least 0",
-                         option="batch_size" if args.batch_size < 1 else "prompt_start")
-    if args.json is not None:
-        _own_json(args.json, ROUTES_SCHEMA)
-    ids = load_npy(args.tokens, "--tokens")
-    if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.size == 0:
-        raise DataError(f"--tokens {args.tokens}: {ids.dtype} {list(ids.shape)}; give the "
-                        "prompts' token ids as integers [requests, tokens]",
-                        path=str(args.tokens))
-    trace = read_trace(Path(args.trace))  # before the model: a bad trace costs nothing
-    loaded = as_loaded(args.model, serving=Serving(args.batch_size)
-                       if args.engine == VLLM else None)
-    try:
-        found = route_agreement(loaded.model, find_sites(loaded.model),
-                                torch.from_numpy(ids.astype("int64")), trace,
-                                args.batch_size, args.prompt_start)
-    finally:
-        release(loaded.model)
-    print(f"{found.equal:,} of {found.compared:,} (token, layer) expert sets agree "
-          f"({found.equal / max(found.compared, 1):.2%}); {found.missing:,} rows the trace "
-          f"left unfilled; top-{found.top_k} over {len(found.layers)} routers")
-    print("| top-k margin | compared | agree |\n|---|---:|---:|")
-    for b in found.by_margin:
-        span = f"[{b.low:g}, {b.high:g})" if b.high is not None else f">= {b.low:g}"
-        share = f"{b.equal / b.compared:.2%}" if b.compared else "n/a"
-        print(f"| {span} | {b.compared:,} | {b.equal:,} ({share}) |")
-    print(f"margin: {found.margin_definition}")
-    if args.json is not None:
-        write_json(args.json, {"schema": ROUTES_SCHEMA, **dataclasses.asdict(found)})
-
-
-COMMANDS = {"train": cmd_train, "bench": cmd_bench, "sites": cmd_sites, "routes": cmd_routes}
+COMMANDS = {"train": cmd_train, "bench": cmd_bench, "sites": cmd_sites, "routes": cmd_routes,
+            "fold": cmd_fold}
 WITH_ARGV = {"audit": cmd_audit, "compare": cmd_compare, "demo": cmd_demo,
              "reproduce": cmd_reproduce}
 
@@ -554,6 +493,7 @@ INTERRUPTED = {
     "compare": "the previous comparison, if any, is kept: rerun the same command",
     "demo": "finished runs and cache shards are kept: rerun the same command to resume",
     "reproduce": "finished runs and audits are kept: rerun the same command to resume",
+    "fold": "no run folder was written; rerun the command to fold again",
 }
 
 

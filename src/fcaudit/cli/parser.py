@@ -440,7 +440,10 @@ def _add_routes(sub: Any) -> None:
                     "enable_return_routed_experts, SGLang's return_routed_experts) with "
                     "fcaudit's own pass over the same tokens: the share of (token, layer) "
                     "expert sets that agree, split by the top-k margin of the router "
-                    "logits (near-ties are where two engines' arithmetic may differ).",
+                    "logits (near-ties are where two engines' arithmetic may differ); and "
+                    "the model's NLL with the trace's expert ids fixed and their weights "
+                    "recomputed by its own routers (the trainers' route-replay contract, a "
+                    "condition of its own, never the frozen-controller correct).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  fcaudit routes --model ./olmoe --tokens prompts.npy "
                "--trace routed_experts.npy --json agreement.json")
@@ -462,9 +465,68 @@ def _add_routes(sub: Any) -> None:
                    help="run fcaudit's pass eagerly (default) or in vLLM serving the folder")
     r.add_argument("--batch-size", type=int, default=8, metavar="N",
                    help="prompts per forward pass (default 8)")
+    r.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="with --engine vllm: its tensor-parallel ranks (default 1)")
     r.add_argument("--json", type=user_path, default=None, metavar="FILE",
                    help="also write the agreement as JSON")
     general_options(parser)
+
+
+def _add_fold(sub: Any) -> None:
+    parser = sub.add_parser(
+        "fold", add_help=False,
+        help="write the model with a static profile in place of its controllers",
+        description="Fold a static profile an audit measured into the audited model: write a "
+                    "run folder whose model has no controller computation, only the "
+                    "profile's fixed values (a FeatureGate becomes its Dense twin with one "
+                    "scale per block, position or token id). The calibration profiles are "
+                    "recomputed from the audit's data, the condition is replayed and must "
+                    "give the NLL audit.json reports, and the folded model's per-token "
+                    "losses must equal the replay's (1e-5 relative) or nothing is written; "
+                    "it is then timed against the original and the dense twin.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  fcaudit fold --audit audits/featuregate --profile static-layer "
+               "--out runs/featuregate-folded")
+    f = parser.add_argument_group("fold")
+    f.add_argument("--audit", required=True, type=user_file, metavar="DIR",
+                   help="a folder written by fcaudit audit (its audit.json)")
+    f.add_argument("--profile", required=True, metavar="CONDITION",
+                   help="the static condition to fold: static-layer, static-layer-position "
+                        "or static-layer-token, where the model's family folds it")
+    f.add_argument("--out", required=True, type=user_path, metavar="RUN",
+                   help="the run folder to write (new, or a run folder fcaudit wrote, with "
+                        "--force)")
+    f.add_argument("--force", action="store_true",
+                   help="replace a run folder fcaudit wrote at --out")
+    f.add_argument("--model", default=None, type=user_file, metavar="SPEC",
+                   help="the audited model (default: the one audit.json names)")
+    f.add_argument("--timing-pairs", type=int, default=10, metavar="N",
+                   help="interleaved timing pairs against the original and the dense twin, "
+                        "10 to 1000; 0 disables timing (default 10)")
+    f.add_argument("--json", type=user_path, default=None, metavar="FILE",
+                   help="also write what the fold (and the healing) measured as JSON")
+    h = parser.add_argument_group("heal (fine-tune the folded model; the original alike as "
+                                  "the control)")
+    h.add_argument("--heal-steps", type=int, default=None, metavar="N",
+                   help="fine-tune the folded model and, as the control, the original for N "
+                        "steps on the same batches, scored on the audit's evaluation data")
+    h.add_argument("--heal-data", type=user_file, default=None, metavar="TEXT",
+                   help="text to heal on, tokenized with the run's tokenizer (default: the "
+                        "built-in training plays, where the run was trained on them)")
+    h.add_argument("--heal-out", type=user_path, default=None, metavar="RUN",
+                   help="write the healed model as a run folder here (default: measure only)")
+    data = parser.add_argument_group(
+        "data (the audit's: default the built-in plays, as fcaudit audit; checked by SHA-256)")
+    for name in ("data", "calib_data", "tokens", "calib_tokens"):
+        data.add_argument("--" + name.replace("_", "-"), type=user_file, default=None,
+                          help=AUDIT_DATA[name])
+    data.add_argument("--seq-len", type=int, default=None,
+                      help="tokens per scored window, as the audit's")
+    data.add_argument("--max-eval", type=int, default=None,
+                      help="evaluation sequences, as the audit's")
+    data.add_argument("--max-calib", type=int, default=None,
+                      help="calibration sequences, as the audit's")
+    general_options(parser, quiet=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -478,6 +540,6 @@ def build_parser() -> argparse.ArgumentParser:
     general_options(parser, top=True)  # --debug also works after the command name
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_train, _add_audit, _add_compare, _add_demo, _add_bench, _add_reproduce,
-                _add_sites, _add_routes):
+                _add_sites, _add_routes, _add_fold):
         add(sub)
     return parser

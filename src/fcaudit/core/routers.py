@@ -110,6 +110,48 @@ class _Projection(TorchFunctionMode):
         return supplied.reshape(like.shape).to(device=device, dtype=like.dtype)
 
 
+TOPKS = frozenset({torch.topk, Tensor.topk})
+
+
+class FixedTopK(TorchFunctionMode):
+    """Experts fixed, weights recomputed (the trainers' replay contract, R3's): while a
+    pass runs in this mode, each top-k of ``k`` over ``experts`` scores is the selection of
+    the router named :attr:`current` (set as each router starts), and returns the ids
+    :attr:`fixed` gives for it (``[tokens, k]``; negative ids: the live choice kept) with
+    the scores at them. The router's own code then weights the fixed experts from its live
+    scores: its softmax or sigmoid, renormalisation and scaling run as the family wrote
+    them. Top-ks of another width (a group-limited router's group selection) run as
+    written; :attr:`calls` counts the fixed ones per router, for the caller to check."""
+
+    def __init__(self, experts: int, k: int) -> None:
+        super().__init__()
+        self.experts, self.k = experts, k
+        self.current: str | None = None
+        self.fixed: dict[str, Tensor] = {}
+        self.calls: dict[str, int] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in TOPKS or self.current not in self.fixed:
+            return out
+        scores = args[0]
+        k = args[1] if len(args) > 1 else kwargs.get("k")
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        if k != self.k or scores.shape[-1] != self.experts or dim not in (-1, scores.dim() - 1):
+            return out
+        self.calls[self.current] = self.calls.get(self.current, 0) + 1
+        ids = self.fixed[self.current]
+        if ids.numel() != out.indices.numel():
+            raise FcauditError(f"router {self.current} selected experts for "
+                               f"{out.indices.numel() // k} tokens, and the fixed ids cover "
+                               f"{ids.numel() // k}")
+        ids = ids.reshape(out.indices.shape).to(out.indices.device)
+        ids = torch.where(ids >= 0, ids, out.indices)
+        return torch.return_types.topk((scores.gather(-1, ids), ids))
+
+
 @dataclass(frozen=True)
 class RouterAdapter:
     """:class:`~fcaudit.core.contract.RoutingAdapter` for a router whose logits come from

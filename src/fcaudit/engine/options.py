@@ -128,6 +128,9 @@ class OptionSpec:
     recorded: str = "settings"
 
 
+_SERVED = Needs("engine", lambda o: o.engine == VLLM, arg("engine", VLLM))
+_RANKS = dict(bounds=(1, None), kind="int", metavar="N", recorded="runtime.placement",
+              needs=_SERVED)
 _PLACED = Needs("device_map", lambda o: o.device_map is not None, arg("device_map", "auto"))
 
 
@@ -248,18 +251,23 @@ class AuditOptions:
         None, "placement", "folder for the weights placed on disk (new or empty; what fcaudit "
         "writes there is removed afterwards)", kind="path", metavar="DIR",
         recorded="runtime.placement", needs=_PLACED)
-    # the engine the passes run in: PyTorch in this process, or vLLM serving a Hugging Face
-    # MoE folder in this process (io/vllm.py); the model section names what was served
+    # where the passes run: PyTorch here, or vLLM's workers (io/vllm.py), and how it serves
     engine: str = option(
         EAGER, "engine", f"where the passes run: {EAGER} (PyTorch, the default) or "
-        f"{VLLM} (a Hugging Face MoE folder served by vLLM in this process: eager execution, "
-        "no prefix caching, one scheduled step per batch)", choices=ENGINES,
+        f"{VLLM} (a Hugging Face MoE folder served by vLLM, its workers hooked: eager "
+        "execution, no prefix caching, one scheduled step per batch)", choices=ENGINES,
         recorded="runtime.placement")
     engine_memory_share: float | None = option(
         None, "engine", f"with {arg('engine', VLLM)}: the share of the GPU's memory vLLM may "
         "take (on a CPU, of the machine's memory; default: vLLM's own on a GPU, 0.1 on a "
-        "CPU)", kind="number", metavar="SHARE", recorded="runtime.placement",
-        needs=Needs("engine", lambda o: o.engine == VLLM, arg("engine", VLLM)))
+        "CPU)", kind="number", metavar="SHARE", recorded="runtime.placement", needs=_SERVED)
+    tensor_parallel_size: int = option(
+        1, "engine", f"with {arg('engine', VLLM)}: ranks each layer's weights are split over "
+        "(vLLM's tensor parallelism; routers are replicated: every rank is fed, one recorded)",
+        **_RANKS)
+    pipeline_parallel_size: int = option(
+        1, "engine", f"with {arg('engine', VLLM)}: stages the layers are split over (vLLM's "
+        "pipeline parallelism; each stage's routers recorded where they run)", **_RANKS)
     # the per-unit loss: a built-in objective's name (engine/objectives.py's registry), or
     # a callable (model_output, batch) -> per-unit losses [B] or [B, T]; None: the data
     # decide (token ids: token-nll; other inputs and vision runs: classification; a
@@ -280,9 +288,8 @@ class AuditOptions:
         """Refuse option values no audit can run with, and options asked for without the
         option they are read with (:class:`Needs`), naming the option in the caller's
         words (the ``AuditOptions`` field, or the CLI flag). An option is asked for when
-        its value is not its default, or when it is in ``given`` (the flags a command line
-        gave, at the default value or not). A pure check: the CLI runs it before it loads
-        a model, and ``audit`` again on what it is given."""
+        its value is not its default, or in ``given`` (a command line's flags, at their
+        default or not). A pure check: the CLI runs it before loading a model."""
         for f, spec in option_specs():
             if spec.bounds is not None:
                 _check_int(f.name, getattr(self, f.name), *spec.bounds)
@@ -322,7 +329,8 @@ class AuditOptions:
         if self.engine == EAGER:
             return None
         from fcaudit.io.vllm import Serving  # vLLM: imported only when served
-        return Serving(self.batch_size, self.engine_memory_share)
+        return Serving(self.batch_size, self.engine_memory_share, self.tensor_parallel_size,
+                       self.pipeline_parallel_size)
 
     def placement(self) -> Placement | None:
         """Where accelerate may put the weights (None: the model loads whole)."""

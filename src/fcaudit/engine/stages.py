@@ -145,16 +145,23 @@ def frontier_calibration(setup: Prepared, cache: CoefficientCache,
 def calibration_profiles(setup: Prepared, cache: CoefficientCache) -> StaticProfiles:
     """Static profiles from calibration data only: every batch's sums, added in batch
     order (so the result does not depend on which process recorded which batch)."""
-    size, n = setup.options.batch_size, setup.inputs.n_calib
-    profiles, names = StaticProfiles(setup.sites), [s.name for s in setup.sites]
-    for b in range(-(-n // size)):
-        shard = cache.read(cache.calib_name(b))
-        profiles.add_sums(CalibrationShard.per_site(shard, names),
-                          len(range(n)[b * size:(b + 1) * size]),
-                          CalibrationShard.tokens(shard, names),
-                          **{name: CalibrationShard.collected(shard, names, name)
-                             for name in _collections(setup)})
+    profiles = StaticProfiles(setup.sites)
+    for b in range(-(-setup.inputs.n_calib // setup.options.batch_size)):
+        add_calibration(setup, profiles, cache.read(cache.calib_name(b)), b)
     return profiles
+
+
+def add_calibration(setup: Prepared, profiles: StaticProfiles, shard: Mapping[str, Tensor],
+                    b: int) -> None:
+    """Calibration batch ``b``'s shard (:func:`calibration_shard`) added to ``profiles``;
+    batches are added in order."""
+    size, n, names = setup.options.batch_size, setup.inputs.n_calib, [s.name for s in
+                                                                       setup.sites]
+    profiles.add_sums(CalibrationShard.per_site(shard, names),
+                      len(range(n)[b * size:(b + 1) * size]),
+                      CalibrationShard.tokens(shard, names),
+                      **{name: CalibrationShard.collected(shard, names, name)
+                         for name in _collections(setup)})
 
 
 def eval_shard(nll: Tensor, coefficients: Mapping[str, Tensor],

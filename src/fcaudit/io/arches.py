@@ -29,6 +29,11 @@ class Arch:
     config_class: str
     fixed: tuple[tuple[str, Any], ...] = ()  # config fields this arch forces
     task: str = "lm"  # "lm": tokens to next-token logits; "vision": digits to class logits
+    # the static profiles (a condition's ``profile``: layer, layer_position, layer_token)
+    # its model folds in place of its controllers (``fcaudit fold``: the model's
+    # ``folded(key, values)``), and the arch the folded config loads as ("": this one)
+    folds: tuple[str, ...] = ()
+    folds_into: str = ""
 
     def _attr(self, name: str) -> Any:
         return getattr(importlib.import_module(self.module), name)
@@ -52,8 +57,10 @@ class Arch:
 
 
 ARCHES: Registry[Arch] = Registry("arch", (
+    # folded, a FeatureGate is its Dense twin with fixed gate values (models/featuregate.py)
     Arch("featuregate", "fcaudit.models.featuregate", "GPT", "GPTConfig",
-         (("gated", True),)),
+         (("gated", True),), folds=("layer", "layer_position", "layer_token"),
+         folds_into="dense"),
     Arch("dense", "fcaudit.models.featuregate", "GPT", "GPTConfig", (("gated", False),)),
     Arch("skipgate", "fcaudit.models.skipgate", "SkipGateGPT", "SkipGateConfig"),
     Arch("earlyexit", "fcaudit.models.earlyexit", "EarlyExitGPT",

@@ -1,17 +1,24 @@
 """A Hugging Face MoE folder served by vLLM, audited where it is served (``--engine vllm``).
 
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its model is
-an ``nn.Module`` here and fcaudit's own hooks record and replay its routers: the audit's
-record and replay passes are the engine's forward passes, nothing is re-implemented.
-:class:`ServedModel` wraps the engine as a model that maps token ids ``[B, T]`` to logits
-``[B, T, V]``: the ``B`` windows go to the engine as ``B`` prompts scheduled in one step
-(its token budget holds them all, so no prompt is chunked; no prefix caching; eager
-execution: hooks do not fire inside CUDA graphs), each router called once on the
-``B * T`` tokens in the order the prompts were given. That order is checked on every
-pass, not assumed: the engine's own prompt logprobs of each request must equal the
-log-softmax of the logits fcaudit read for that window (read from the engine's logits
-processor, which computes them for every prompt position when prompt logprobs are
-asked).
+The engine's model runs in its workers: one per tensor- and pipeline-parallel rank, each
+in a process of its own (or, with one rank, in this process). fcaudit reaches them through
+the engine's ``collective_rpc`` and its worker extension (:mod:`fcaudit.io.vllm_worker`):
+before each pass the routers to feed are armed on every rank, after it each rank hands
+back what its routers returned and selected. Here the routers are :class:`RouterProxy`
+modules at their paths, called once after each pass with what the engine's router
+returned, so fcaudit's own record and replay machinery is unchanged: a router
+:func:`fcaudit.replay` replaces is fed its coefficients in the engine, one left in place
+runs live there. Nothing is re-implemented: the record and replay passes are the engine's
+forward passes.
+
+:class:`ServedModel` maps token ids ``[B, T]`` to logits ``[B, T, V]``: the ``B``
+windows go to the engine as ``B`` prompts scheduled in one step (its token budget holds
+them all, so no prompt is chunked; no prefix caching; eager execution: hooks do not fire
+inside CUDA graphs), each router called once on the ``B * T`` tokens in the order the
+prompts were given. That order is checked on every pass, not assumed: the engine's own
+prompt logprobs of each request must equal the log-softmax of the logits fcaudit read for
+that window (read from the engine's logits processor, which computes them for every
+prompt position when prompt logprobs are asked).
 
 Each family's router module is found from the vLLM model class by an entry of
 :data:`FAMILIES` (the MoE block's attribute and its router's), never by a name pattern
@@ -36,14 +43,15 @@ from torch import Tensor, nn
 
 from fcaudit.core.contract import Site, SiteCall, describe
 from fcaudit.core.errors import FcauditError, ModelError, UsageError, arg, install_extra
-from fcaudit.core.hooks import hooks
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT
 from fcaudit.core.registry import Registry
+from fcaudit.core.replaying import CoefficientStub
 from fcaudit.core.routers import ROUTER_FAMILY
 from fcaudit.io import hf
 from fcaudit.io.engines import VLLM
 from fcaudit.io.fileio import read_json
 from fcaudit.io.loading import LoadedModel, folder_identity, model_packages
+from fcaudit.io.vllm_worker import FcauditWorker, RouterRecord
 
 # the CPU backend's memory share is of the machine's memory: vLLM's default (0.92) is
 # refused where anything else runs; a GPU keeps vLLM's own default
@@ -83,12 +91,12 @@ FAMILIES: Registry[Family] = Registry("vLLM MoE family", (
 @dataclass(frozen=True)
 class EngineRouter:
     """A vLLM router's output ``(logits [B*T, E], None)``: the logits are the coefficients
-    (``[B, T, E]``); the experts a token takes are the ones the engine's own selection
-    (``selector``, its MoE runner's router) picks for these logits and hidden states.
+    (``[B, T, E]``); the experts a token takes are the ones the engine's own selection (its
+    MoE runner's router) picked for these logits in the workers, read from ``selection``.
     Asked, not re-implemented: a bias-corrected router does not take the top-k of its
     logits."""
 
-    selector: Any = field(compare=False, repr=False)
+    selection: EngineSelection = field(compare=False, repr=False)
     name: str = field(default="vllm-router", init=False)
 
     def extract(self, output: Any, call: SiteCall) -> Tensor:
@@ -105,9 +113,25 @@ class EngineRouter:
         return coefficients.reshape(-1, coefficients.shape[-1]).contiguous(), None
 
     def selected_experts(self, output: Any, call: SiteCall) -> Tensor:
-        _, ids = self.selector.select_experts(hidden_states=call.args[0],
-                                              router_logits=output[0])
-        return ids.long().view(call.batch, call.seq_len or -1, ids.shape[-1])
+        ids = self.selection.chosen(output[0])
+        return ids.view(call.batch, call.seq_len or -1, ids.shape[-1])
+
+
+@dataclass
+class EngineSelection:
+    """The experts one router's MoE runner selected in the engine's last pass, for the
+    logits it routed (``path``: the router in the served model)."""
+
+    path: str
+    logits: Tensor | None = None
+    ids: Tensor | None = None
+
+    def chosen(self, logits: Tensor) -> Tensor:
+        if self.ids is None or self.logits is None or not torch.equal(self.logits, logits):
+            raise ModelError(f"{self.path}: the experts of logits the engine did not route in "
+                             "its last pass were asked for; they are the engine's to select, "
+                             "read in the pass that routed them")
+        return self.ids
 
 
 def require_vllm() -> Any:
@@ -122,10 +146,40 @@ def require_vllm() -> Any:
     return vllm
 
 
+class RouterProxy(nn.Module):
+    """Stands in this process for a router that runs in vLLM's workers: after each pass
+    it is called once, returning what that router returned there, so fcaudit's own hooks
+    (recording, the selection read) see the call as they see an eager router's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.output: tuple[Tensor, None] | None = None
+
+    def forward(self, *args: Any) -> tuple[Tensor, None] | None:
+        return self.output
+
+
+def _tree(paths: Sequence[str]) -> nn.Module:
+    """A module holding a :class:`RouterProxy` at each path (containers between)."""
+    root = nn.Module()
+    for path in paths:
+        *parents, leaf = path.split(".")
+        node = root
+        for name in parents:
+            if name not in node._modules:
+                node.add_module(name, nn.Module())
+            node = node._modules[name]
+        node.add_module(leaf, RouterProxy())
+    return root
+
+
 class ServedModel(nn.Module):
-    """A vLLM engine in this process as a model: ``forward(input_ids [B, T])`` runs the
-    ``B`` windows as one scheduled step and returns the logits ``[B, T, V]``; its routers
-    are declared (:meth:`controller_sites`) from :data:`FAMILIES`."""
+    """A vLLM engine as a model: ``forward(input_ids [B, T])`` runs the ``B`` windows as
+    one scheduled step in the engine's workers and returns the logits ``[B, T, V]``. Its
+    routers (found from :data:`FAMILIES` in the workers) are declared here
+    (:meth:`controller_sites`) as :class:`RouterProxy` modules at their paths in the
+    served model: a router left in place runs live in the engine; one replaced by
+    :func:`fcaudit.replay` is fed its coefficients on every rank."""
 
     execution_note = NOT_EXECUTED_HERE
 
@@ -134,13 +188,16 @@ class ServedModel(nn.Module):
         super().__init__()
         self.__dict__["llm"] = llm  # not a module: the engine itself
         self.max_seqs, self.max_tokens, self.memory_share = max_seqs, max_tokens, memory_share
-        self.served = _engine_model(llm)
-        self.family = _family(self.served)
-        self.config = getattr(self.served, "config", None) or \
-            llm.llm_engine.model_config.hf_config
+        self.family = _family(_one(llm.collective_rpc("fcaudit_model_class"), "model class"))
+        self.routers = _routers(self.family, llm.collective_rpc(
+            "fcaudit_routers", args=(self.family.layers, self.family.block,
+                                     self.family.router, self.family.experts)))
+        self.served = _tree(self.routers)
+        self.selections = {p: EngineSelection(p) for p in self.routers}
+        self.config = llm.llm_engine.model_config.hf_config
 
     def close(self) -> None:
-        """Shut the engine down and free what it holds (its KV cache, its threads); the
+        """Shut the engine down and free what it holds (its KV cache, its workers); the
         model cannot run after."""
         llm = self.__dict__.pop("llm", None)
         if llm is None:
@@ -148,31 +205,14 @@ class ServedModel(nn.Module):
         with contextlib.suppress(Exception):  # an engine half shut down: nothing to keep
             llm.llm_engine.engine_core.shutdown()
         del llm
-        del self.served
         gc.collect()
 
     def controller_sites(self) -> list[Site]:
         """Each MoE layer's router, named by its path in the vLLM model."""
-        fam, out = self.family, []
-        layers = self.served.get_submodule(fam.layers)
-        for i, layer in enumerate(layers):
-            block = getattr(layer, fam.block, None)
-            router = getattr(block, fam.router, None) if block is not None else None
-            if not isinstance(router, nn.Module):
-                continue  # a dense layer (DeepSeek's and GLM's first layers)
-            name = f"{fam.layers}.{i}.{fam.block}.{fam.router}"
-            selector = getattr(getattr(block, fam.experts, None), "router", None)
-            if not callable(getattr(selector, "select_experts", None)):
-                raise ModelError(f"{name}: its MoE block has no {fam.experts}.router with "
-                                 "select_experts, so which experts the engine takes cannot be "
-                                 "asked; this vLLM version routes otherwise, report it")
-            out.append(Site(name, f"served.{name}", ROUTER_FAMILY, len(out),
-                            EngineRouter(selector), axes=TOKEN_AXES, positions=TOKEN_LAYOUT))
-        if not out:
-            raise ModelError(f"{fam.name} served by vLLM has no MoE layer: none of its "
-                             f"{len(layers)} layers has {fam.block}.{fam.router} (a dense "
-                             "model has no router to audit)")
-        return out
+        return [Site(path, f"served.{path}", ROUTER_FAMILY, i,
+                     EngineRouter(self.selections[path]), axes=TOKEN_AXES,
+                     positions=TOKEN_LAYOUT)
+                for i, path in enumerate(self.routers)]
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -185,46 +225,99 @@ class ServedModel(nn.Module):
         ids = input_ids.tolist()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0,
                                 detokenize=False)
-        with _logits_read(self.served) as read:
+        fed = self._fed(rows, length)
+        self.llm.collective_rpc("fcaudit_arm", args=(list(self.routers), fed, {
+            p: p.rpartition(".")[0] + "." + self.family.experts for p in self.routers}))
+        try:
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in ids],
                                         params, use_tqdm=False)
-        return _assembled(read, outputs, ids, length)
+        finally:
+            taken = self.llm.collective_rpc("fcaudit_take")
+        records, logits = _merged(taken, self.routers)
+        placeholder = torch.empty(rows * length, 0)
+        for path in self.routers:  # fcaudit's hooks see each router's call, in layer order
+            record, module = records[path], self.served.get_submodule(path)
+            self.selections[path].logits, self.selections[path].ids = record.logits, \
+                record.chosen
+            if isinstance(module, RouterProxy):
+                module.output = (record.logits, None)
+            module(placeholder)
+        return _assembled(logits, outputs, ids, length)
+
+    def _fed(self, rows: int, length: int) -> dict[str, Tensor]:
+        """The logits each replaced router is to be fed (``fcaudit.replay``'s stubs)."""
+        fed = {}
+        for path in self.routers:
+            module = self.served.get_submodule(path)
+            if isinstance(module, RouterProxy):
+                continue
+            if not isinstance(module, CoefficientStub):
+                raise ModelError(f"{path}: a {type(module).__name__} stands in for the "
+                                 "router; a served router runs live or is fed recorded "
+                                 "coefficients (fcaudit.replay), nothing else")
+            call = SiteCall(module._original[0], (), {}, rows, length)
+            fed[path] = module.site.adapter.rebuild(module.coefficients.clone(), call)[0]
+        return fed
 
 
-def _engine_model(llm: Any) -> nn.Module:
-    """The model of an engine running in this process."""
-    core = getattr(llm.llm_engine, "engine_core", None)
-    runner = None
-    with contextlib.suppress(AttributeError):
-        runner = core.engine_core.model_executor.driver_worker.worker.model_runner
-    model = getattr(runner, "model", None)
-    if not isinstance(model, nn.Module):
-        raise FcauditError("vLLM's engine does not run in this process (its model could not "
-                           "be reached): fcaudit starts it with "
-                           "VLLM_ENABLE_V1_MULTIPROCESSING=0 and one process; tensor and "
-                           "pipeline parallelism are not supported yet")
-    return model
+def _one(answers: Sequence[Any], what: str) -> Any:
+    """The answer every rank gave alike."""
+    if any(a != answers[0] for a in answers):
+        raise ModelError(f"vLLM's ranks disagree on the {what}: {answers}")
+    return answers[0]
 
 
-def _family(model: nn.Module) -> Family:
-    name = type(model).__name__
+def _routers(family: Family, held: Sequence[Sequence[tuple[int, str, bool]]]) -> list[str]:
+    """The router paths of the served model in layer order, from each rank's (a pipeline
+    stage holds some layers)."""
+    found = sorted({entry for rank in held for entry in rank})
+    missing = [path for _, path, asks in found if not asks]
+    if missing:
+        raise ModelError(f"{missing[0]}: its MoE block has no {family.experts}.router with "
+                         "select_experts, so which experts the engine takes cannot be asked; "
+                         "this vLLM version routes otherwise, report it")
+    if not found:
+        raise ModelError(f"{family.name} served by vLLM has no MoE layer: none of its layers "
+                         f"has {family.block}.{family.router} (a dense model has no router to "
+                         "audit)")
+    return list(dict.fromkeys(path for _, path, _ in found))
+
+
+def _merged(taken: Sequence[dict[str, Any] | None], paths: Sequence[str]
+            ) -> tuple[dict[str, RouterRecord], list[Tensor]]:
+    """One record per router from the ranks' (the sending rank's tensors), checked: every
+    router ran once on every rank holding it, replicas computed the same logits."""
+    records: dict[str, RouterRecord] = {}
+    logits: list[Tensor] = []
+    for rank, answer in enumerate(taken):
+        if answer is None:
+            raise ModelError(f"vLLM's rank {rank} was not armed for the pass")
+        logits = logits or answer["logits"]
+        for path, record in answer["routers"].items():
+            if record.calls != 1:
+                raise ModelError(f"{path} ran {record.calls} time(s) on rank {rank} in one "
+                                 "pass, not once: a kernel path that bypasses the router "
+                                 "module records nothing, one that calls it twice is "
+                                 "ambiguous")
+            first = records.setdefault(path, RouterRecord(calls=1, digest=record.digest))
+            if record.digest != first.digest:
+                raise ModelError(f"{path}: vLLM's tensor-parallel ranks computed different "
+                                 f"router logits (rank {rank}); one rank's recording would "
+                                 "not replay the others")
+            if record.logits is not None:
+                first.logits, first.chosen = record.logits, record.chosen
+    lost = [p for p in paths if p not in records or records[p].logits is None]
+    if lost:
+        raise ModelError(f"{lost[0]}: no rank sent what this router returned in the pass")
+    return records, logits
+
+
+def _family(name: str) -> Family:
     if name not in FAMILIES:
         raise ModelError(f"vLLM serves this folder as {name}, which fcaudit's vLLM audit does "
                          f"not know where to find the routers of; known: "
                          f"{', '.join(FAMILIES)} (an entry of fcaudit.io.vllm.FAMILIES)")
     return FAMILIES[name]
-
-
-@contextlib.contextmanager
-def _logits_read(model: nn.Module) -> Iterator[list[Tensor]]:
-    """Every logits tensor the engine computes while the block runs, in order."""
-    processor = getattr(model, "logits_processor", None)
-    if not isinstance(processor, nn.Module):
-        raise ModelError(f"{type(model).__name__} has no logits_processor module: fcaudit "
-                         "cannot read its logits")
-    read: list[Tensor] = []
-    with hooks(None, {processor: lambda _m, _a, out: read.append(out.clone())}):
-        yield read
 
 
 def _assembled(read: Sequence[Tensor], outputs: Sequence[Any], ids: list[list[int]],
@@ -257,11 +350,18 @@ def _assembled(read: Sequence[Tensor], outputs: Sequence[Any], ids: list[list[in
 
 @dataclass(frozen=True)
 class Serving:
-    """How to start the engine: the audit's batch size (its prompts per step) and the
-    memory share (None: vLLM's default on a GPU, :data:`CPU_MEMORY_SHARE` on a CPU)."""
+    """How to start the engine: the audit's batch size (its prompts per step), the memory
+    share (None: vLLM's default on a GPU, :data:`CPU_MEMORY_SHARE` on a CPU) and the
+    tensor- and pipeline-parallel sizes (ranks: their product)."""
 
     batch_size: int
     memory_share: float | None = None
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+
+    @property
+    def ranks(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
 
 
 def load_served(spec: str, dtype: torch.dtype | None, serving: Serving) -> LoadedModel:
@@ -275,24 +375,68 @@ def load_served(spec: str, dtype: torch.dtype | None, serving: Serving) -> Loade
     files = [folder / "config.json", *hf.checked_weights(folder)]
     tokenizer_file = folder / "tokenizer.json"
     tokenizer = hf.load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
-    served = start_engine(folder, dtype, serving)
+    served, bind = start_engine(folder, dtype, serving)
     fingerprint, digests = folder_identity(folder, config, files + (
         [tokenizer_file] if tokenizer else []))
     import vllm
     placement = {"engine": VLLM, "vllm": vllm.__version__, "max_num_seqs": served.max_seqs,
                  "max_num_batched_tokens": served.max_tokens,
                  "memory_share": served.memory_share, "enforce_eager": True,
-                 "prefix_caching": False}
+                 "prefix_caching": False, "tensor_parallel_size": serving.tensor_parallel,
+                 "pipeline_parallel_size": serving.pipeline_parallel}
+    if bind is not None:
+        placement["cpu_threads_bind"] = bind
+    where = "in this process" if serving.ranks == 1 else \
+        (f"on {serving.ranks} ranks (tensor-parallel {serving.tensor_parallel}, "
+         f"pipeline-parallel {serving.pipeline_parallel}; every rank fed, tensor rank 0 "
+         "of each stage recorded, replicas checked bitwise)")
     return LoadedModel(served, str(folder), "hf-vllm", tokenizer, None, fingerprint, digests,
-                       placement=placement, packages=model_packages(served),
-                       notes=(f"served by vLLM {vllm.__version__} in this process: eager "
-                              "execution (no CUDA graphs), no prefix caching, each batch's "
-                              "windows in one scheduled step",))
+                       placement=placement,
+                       packages=model_packages(served, frozenset({"vllm"})),
+                       notes=(f"served by vLLM {vllm.__version__} {where}: eager execution "
+                              "(no CUDA graphs), no prefix caching, each batch's windows in "
+                              "one scheduled step",))
 
 
-def start_engine(folder: Path, dtype: torch.dtype | None, serving: Serving) -> ServedModel:
-    """vLLM serving ``folder`` in this process, for windows of up to ``batch_size`` (plus
-    one: the probe's axis check) prompts in one step."""
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Environment variables set for the block (the engine reads them as it starts its
+    workers), restored after."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def cpu_threads_bind(ranks: int, cores: Sequence[int]) -> str:
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: the cores split into
+    as many contiguous shares (its "auto" binds one NUMA node per rank, and refuses more
+    ranks than nodes)."""
+    cores = sorted(cores)
+    if len(cores) < ranks:
+        raise UsageError(f"{ranks} vLLM ranks on a CPU need a core each; this process may use "
+                         f"{len(cores)}: lower {arg('tensor_parallel_size')} or "
+                         f"{arg('pipeline_parallel_size')}", option="tensor_parallel_size")
+    share, extra = divmod(len(cores), ranks)
+    groups, at = [], 0
+    for rank in range(ranks):
+        n = share + (rank < extra)
+        groups.append(",".join(str(c) for c in cores[at:at + n]))
+        at += n
+    return "|".join(groups)
+
+
+def start_engine(folder: Path, dtype: torch.dtype | None, serving: Serving
+                 ) -> tuple[ServedModel, str | None]:
+    """vLLM serving ``folder``, for windows of up to ``batch_size`` (plus one: the probe's
+    axis check) prompts in one step, and the CPU cores its ranks were bound to (None: not
+    set by fcaudit)."""
     # fcaudit reports its own progress; the engine's start-up lines (and the tracebacks it
     # logs for the tokenizer fcaudit does not load) would bury it: errors only, unless the
     # user set VLLM_LOGGING_LEVEL (read as vLLM makes its loggers: those made, set here)
@@ -308,34 +452,42 @@ def start_engine(folder: Path, dtype: torch.dtype | None, serving: Serving) -> S
                   max_model_len=config, max_num_seqs=seqs,
                   max_num_batched_tokens=seqs * config,
                   compilation_config={"mode": 0}, trust_remote_code=False,
+                  tensor_parallel_size=serving.tensor_parallel,
+                  pipeline_parallel_size=serving.pipeline_parallel,
+                  worker_extension_cls=f"{FcauditWorker.__module__}.{FcauditWorker.__name__}",
                   dtype=str(dtype).removeprefix("torch.") if dtype is not None
                   else _stored_dtype(folder))
+    cpu = not torch.cuda.is_available()
     share = serving.memory_share if serving.memory_share is not None else \
-        (None if torch.cuda.is_available() else CPU_MEMORY_SHARE)
+        (CPU_MEMORY_SHARE if cpu else None)
     if share is not None:
         kwargs["gpu_memory_utilization"] = share
-    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # the engine core in this process (its workers in their own when there are ranks)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    bind = None
+    if cpu and serving.ranks > 1 and \
+            os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+        bind = env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(
+            serving.ranks, sorted(os.sched_getaffinity(0)))
     try:
-        llm = vllm.LLM(**kwargs)
+        with _environ(env):
+            llm = vllm.LLM(**kwargs)
     except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds: one line for each
         cause = _last_line(exc)
         hint = (f" (fcaudit passes {arg('engine_memory_share')} as vLLM's "
                 "gpu_memory_utilization; on a CPU it is the share of the machine's memory)"
                 if "memory" in cause.lower() else "")
         raise ModelError(f"vLLM could not serve {folder}: {cause}{hint}") from exc
-    finally:
-        if before is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
-    served = ServedModel(llm, seqs, seqs * config, share).eval()
     try:  # a kernel the backend lacks (a head size, a dtype) fails here, not mid-audit
+        served = ServedModel(llm, seqs, seqs * config, share).eval()
         served(torch.zeros(1, 2, dtype=torch.long))
     except Exception as exc:  # noqa: BLE001 - as above
-        served.close()
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        if isinstance(exc, FcauditError):
+            raise
         raise ModelError(f"vLLM could not run {folder}: {_last_line(exc)}") from exc
-    return served
+    return served, bind
 
 
 def _config(folder: Path) -> dict[str, Any]:

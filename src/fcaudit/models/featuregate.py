@@ -9,12 +9,20 @@ gates are forced to 1 computes exactly what the Dense twin computes.
 Positions use learned absolute embeddings (as GPT-2): stable absolute-position
 effects are then possible, which is what the ``static-layer-position`` condition
 of the audit is designed to capture.
+
+A *folded* FeatureGate (``fixed_gate``, written by ``fcaudit fold``) is the Dense twin
+with each block's update scaled by fixed values in place of the gate network: one value
+per block (``"layer"``), per position (``"layer_position"``) or per token id
+(``"layer_token"``), the static profiles of an audit. The scale multiplies the block's
+update as the gate did, so the folded model computes what the audit's static condition
+computed, at the Dense twin's cost plus one multiply per block. (The scale cannot go into
+the output projections' weights: the MLP reads the attention's unscaled output.)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +41,22 @@ class GPTConfig:
     n_embd: int = 128
     gated: bool = True  # FeatureGate (True) or its Dense twin (False)
     gate_bias_init: float = 1.0  # sigmoid(1) ~ 0.73: gates start open but not saturated
+    # a folded FeatureGate: the Dense twin with each block's update scaled by fixed values,
+    # one of FIXED_GATES (what they are keyed by); "": none
+    fixed_gate: str = ""
 
     def __post_init__(self) -> None:
         check_sizes(self, ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"))
         if self.n_embd % self.n_head:
             raise FcauditError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}")
+        if self.fixed_gate and (self.fixed_gate not in FIXED_GATES or self.gated):
+            raise FcauditError(f"fixed_gate={self.fixed_gate!r}: one of "
+                               f"{', '.join(FIXED_GATES)}, on an ungated model (gated=False)")
+
+
+# what a folded model's fixed gate values are keyed by -> their length (the config's)
+FIXED_GATES = {"layer": lambda cfg: 1, "layer_position": lambda cfg: cfg.block_size,
+               "layer_token": lambda cfg: cfg.vocab_size}
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -97,6 +116,23 @@ class Gate(nn.Module):
         return torch.sigmoid(self.proj(self.ln(h)))
 
 
+class FixedGate(nn.Module):
+    """A gate's fixed values (``value``: one per block, position or token id, as the
+    config's ``fixed_gate`` keys them): ``[B, T, 1]`` for the block, nothing computed."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.key = cfg.fixed_gate
+        self.register_buffer("value", torch.ones(FIXED_GATES[cfg.fixed_gate](cfg)))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.key == "layer":
+            return self.value.view(1, 1, 1)
+        if self.key == "layer_position":
+            return self.value[:input_ids.shape[1]].view(1, -1, 1)
+        return self.value[input_ids].unsqueeze(-1)
+
+
 class Update(nn.Module):
     """``F(h) = Block(h) - h`` (attention, then MLP), computed as the sum of the two
     sub-layer outputs so that ``h + 1 * F(h)`` is exactly what the Dense twin computes."""
@@ -118,8 +154,14 @@ class Block(nn.Module):
         super().__init__()
         self.body = Update(cfg)
         self.gate = Gate(cfg) if cfg.gated else None
+        # registered even when absent: a plain None attribute would enter the weights'
+        # fingerprint (loading.state_fingerprint) of every unfolded model
+        self.register_module("fixed", FixedGate(cfg) if cfg.fixed_gate else None)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fixed is not None:
+            assert input_ids is not None, "a fixed gate reads the token ids"
+            return h + self.fixed(input_ids) * self.body(h)
         if self.gate is None:
             return h + self.body(h)
         g = self.gate(h)
@@ -163,7 +205,7 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=input_ids.device)
         h = self.wte(input_ids) + self.wpe(pos)
         for block in self.blocks:
-            h = block(h)
+            h = block(h, input_ids) if self.config.fixed_gate else block(h)
         return self.lm_head(self.ln_f(h))
 
     def controller_sites(self) -> list[Site]:
@@ -173,6 +215,27 @@ class GPT(nn.Module):
 
     def execution_blocks(self) -> list[str]:
         return [f"blocks.{i}" for i in range(len(self.blocks))]
+
+    def folded(self, key: str, values: list[torch.Tensor]) -> GPT:
+        """This FeatureGate with each block's gate network replaced by fixed values, keyed
+        by ``key`` (one of :data:`FIXED_GATES`): ``values[l]`` holds block ``l``'s (``[1]``,
+        ``[block_size]`` or ``[vocab_size]``). The weights are this model's, gates dropped."""
+        if type(self) is not GPT or not self.config.gated:
+            raise FcauditError("only a FeatureGate (the gated GPT) folds its gates")
+        if key not in FIXED_GATES:
+            raise FcauditError(f"fixed gates keyed by {key!r}: one of {', '.join(FIXED_GATES)}")
+        config = replace(self.config, gated=False, fixed_gate=key)
+        with torch.device("meta"):
+            folded = GPT(config)
+        state = {k: v for k, v in self.state_dict().items() if ".gate." not in k}
+        length = FIXED_GATES[key](config)
+        if len(values) != config.n_layer or any(v.shape != (length,) for v in values):
+            raise FcauditError(f"fixed gates keyed by {key!r}: {config.n_layer} tensors of "
+                               f"[{length}], got {[list(v.shape) for v in values]}")
+        for i, value in enumerate(values):
+            state[f"blocks.{i}.fixed.value"] = value.clone()
+        folded.load_state_dict(state, assign=True)
+        return folded.eval()
 
     def dense_counterpart(self) -> GPT:
         """The Dense twin of this preset; a subclass's extra config fields are dropped."""

@@ -27,7 +27,8 @@ from fcaudit.io.demo_models import DEMO_ARCHES, SHIPPED, pin_mismatch, shipped_f
 from fcaudit.io.fileio import sha256_file, write_text
 from fcaudit.io.loading import is_run_folder
 from fcaudit.io.outdir import RUN_FILES, hold_output, owns
-from fcaudit.study.train import building, train
+from fcaudit.io.runs import building
+from fcaudit.study.train import train
 
 SEED = 0  # the shipped models' training seed
 # one thread: the same bytes again on the same CPU model, and the fastest count on a

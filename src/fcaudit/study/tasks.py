@@ -29,8 +29,9 @@ from fcaudit.core.registry import refusal
 from fcaudit.engine.objectives import TASKS, BuiltinObjective, Objective
 from fcaudit.io.examples import ExampleBatch
 from fcaudit.io.loading import Arch
+from fcaudit.io.runs import building, write_run
 from fcaudit.study import train
-from fcaudit.study.train import TrainPreset, building, write_run
+from fcaudit.study.train import TrainPreset
 
 # optimisation per preset; the sequence length is the task's (seq_len is set from it)
 SCHEDULES: dict[str, TrainPreset] = {

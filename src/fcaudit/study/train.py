@@ -9,14 +9,12 @@ folder holding nothing but a run's files, and removes those by name.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,19 +40,13 @@ from fcaudit.io.data import (
     text_documents,
     train_tokenizer,
 )
-from fcaudit.io.fileio import make_work_dir, sha256_file, write_json, write_text
-from fcaudit.io.loading import Arch, get_arch, save_run_model
+from fcaudit.io.fileio import write_text
+from fcaudit.io.loading import Arch, get_arch
 from fcaudit.io.outdir import (
-    RUN_FILES,
-    check_output,
-    claim_output,
-    entries,
     hold_output,
-    owns,
-    record_files,
-    remove_output,
 )
-from fcaudit.io.runtime import cpu_model, resolve_device, threads_advice, versions
+from fcaudit.io.runs import building, check_run_out, write_run
+from fcaudit.io.runtime import cpu_model, resolve_device, threads_advice
 
 
 @dataclass(frozen=True)
@@ -246,32 +238,6 @@ def run_schedule(arch_name: str, preset: str, steps: int | None = None,
     return resolve_schedule(preset, steps, schedule)
 
 
-def check_run_out(out: Path, force: bool) -> None:
-    """Refuse an ``--out`` that training may not replace; touches nothing.
-
-    Only a run folder fcaudit wrote may be replaced, with ``--force``, and only when it
-    holds nothing but a run's files: a folder of the user's own files is never touched.
-    """
-    check_output(out, "run")
-    if not out.is_dir():
-        return
-    held = entries(out)
-    if held and not force:
-        raise UsageError(f"output folder {out} holds a training run; choose another "
-                         f"{arg('out')} or pass {arg('force', py='force=True')} to replace it")
-    other = [p.name for p in held if p.name not in RUN_FILES]
-    if other:
-        raise UsageError(f"{arg('out', str(out))} is a run folder but also holds "
-                         f"{', '.join(other)}, which fcaudit train did not write; move them "
-                         f"out or choose another {arg('out')}")
-    unrecorded = [p.name for p in held if not owns(out, p.name)]
-    if unrecorded:
-        raise UsageError(f"{arg('out', str(out))}: fcaudit train did not record writing "
-                         f"{', '.join(unrecorded)} (files of yours, edited since, or a run of "
-                         f"an fcaudit version without digests), so {arg('force')} will not "
-                         f"replace them; move them out or choose another {arg('out')}")
-
-
 def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: Any,
            device: str, progress: bool, data: str | Path | None) -> Path:
     """Train and swap the finished run folder in for ``out`` (held by the caller)."""
@@ -282,8 +248,8 @@ def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: 
     torch.manual_seed(seed)
     model = arch.build(cfg).to(device)
     with building(out) as work:
-        log, wall = _fit(model, train_tokens, tp, np.random.default_rng(seed), progress,
-                         f"train {arch.name}/{preset} seed {seed}")
+        log, wall = fit_tokens(model, train_tokens, tp, np.random.default_rng(seed),
+                               progress, f"train {arch.name}/{preset} seed {seed}")
         eval_nll = mean_nll(model, eval_windows)
         uni = unigram_nll(train_tokens, eval_windows, cfg.vocab_size)
         log.append({"event": "eval", "eval_nll": eval_nll, "unigram_nll": uni,
@@ -300,34 +266,6 @@ def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: 
                         # the weights depend on both (kernels round per CPU, sums per thread)
                         "cpu": cpu_model(), "torch_threads": torch.get_num_threads()}})
     return out
-
-
-@contextlib.contextmanager
-def building(out: Path) -> Iterator[Path]:
-    """A fresh work folder to assemble a run in, swapped in for ``out`` (held by the
-    caller) when the body finished; removed, and ``out`` untouched, when it failed."""
-    work = make_work_dir(out)
-    try:
-        claim_output(work, "run")
-        yield work
-        record_files(work, RUN_FILES)
-        _swap_in(work, out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)  # this call's own mkdtemp folder
-
-
-def write_run(work: Path, model: nn.Module, log: list[dict[str, Any]],
-              config: dict[str, Any]) -> None:
-    """The weights, the training log and ``config.json`` (``config`` plus the run marker,
-    the weights' digest and the versions) of a trained model."""
-    save_run_model(work, model.cpu())
-    write_text(work / "train_log.jsonl", "".join(json.dumps(e) + "\n" for e in log))
-    write_json(work / "config.json", {
-        "fcaudit_run": 1, **config,
-        # load_run refuses weights changed after this
-        "weights_sha256": sha256_file(work / "model.safetensors"),
-        "versions": versions(),
-    })
 
 
 def adamw(model: nn.Module, tp: TrainPreset) -> torch.optim.Optimizer:
@@ -375,12 +313,17 @@ def fit(model: nn.Module, tp: Any, step: Step, progress: bool, label: str,
     return log, time.perf_counter() - started
 
 
-def _fit(model: nn.Module, tokens: np.ndarray, tp: TrainPreset, rng: np.random.Generator,
-         progress: bool, label: str) -> tuple[list[dict[str, Any]], float]:
-    """:func:`fit` on random windows of ``tokens``."""
+def fit_tokens(model: nn.Module, tokens: np.ndarray, tp: TrainPreset,
+               rng: np.random.Generator, progress: bool, label: str,
+               before: Callable[[int], None] | None = None
+               ) -> tuple[list[dict[str, Any]], float]:
+    """:func:`fit` on random windows of ``tokens`` (``rng`` draws them: the same seed, the
+    same batches); ``before(i)`` runs before step ``i`` (an evaluation along the way)."""
     device = next(model.parameters()).device
 
-    def step(_: int) -> tuple[torch.Tensor, dict[str, Any], str]:
+    def step(i: int) -> tuple[torch.Tensor, dict[str, Any], str]:
+        if before is not None:
+            before(i)
         starts = rng.integers(0, len(tokens) - tp.seq_len - 1, size=tp.batch_size)
         batch = torch.from_numpy(np.stack([tokens[s:s + tp.seq_len + 1]
                                            for s in starts])).to(device)
@@ -389,22 +332,6 @@ def _fit(model: nn.Module, tokens: np.ndarray, tp: TrainPreset, rng: np.random.G
                                batch[:, 1:].reshape(-1)), {}, ""
 
     return fit(model, tp, step, progress, label, tp.batch_size * tp.seq_len)
-
-
-def _swap_in(work: Path, out: Path) -> None:
-    """Put the finished run folder ``work`` at ``out``, which only ever holds a run."""
-    check_run_out(out, force=True)  # files may have been added to out while training
-    # move the old folder aside (a rename, not a delete) before the new one takes its
-    # name, so no moment exists where a kill loses both
-    old = work.with_name(work.name + ".old")
-    out.rename(old)
-    try:
-        work.rename(out)
-    except BaseException:
-        if not out.exists():
-            old.rename(out)
-        raise
-    remove_output(old, RUN_FILES)
 
 
 def describe_run(folder: Path) -> dict[str, Any]:

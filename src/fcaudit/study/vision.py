@@ -24,8 +24,8 @@ from torch import nn
 from fcaudit.core.registry import refusal
 from fcaudit.io import digits
 from fcaudit.io.loading import Arch
+from fcaudit.io.runs import building, write_run
 from fcaudit.study import train
-from fcaudit.study.train import building, write_run
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,3 @@
+"""What is done with an audit or a model beyond the audit's own steps: compare a serving
+engine's routing trace with the model's own (:mod:`.routes`), fold a static profile the
+audit measured into the model (:mod:`.fold`)."""

@@ -1,0 +1,352 @@
+"""Fold a static profile into the model (``fcaudit fold``, :func:`fold`): from an audit's
+diagnosis to a model without controller computation, checked and timed.
+
+An audit found that a static calibration profile (``static-layer``, per position, per
+token id) keeps most of what the controllers did. The fold writes the model with each
+controller replaced by that profile's values, fixed into the weights' folder, and checks
+that it computes what the audit's condition computed:
+
+1. the audit's model and data are loaded again and checked to be the audit's (the
+   model's fingerprint, the data's SHA-256s, the sites);
+2. the calibration profiles are recomputed from the calibration data (one record pass a
+   batch, the audit's own sums in the audit's batch order), never read from a cache;
+3. the condition is replayed on the evaluation data: its mean NLL must equal the one
+   ``audit.json`` reports (:data:`FOLD_TOLERANCE`, relative), which proves the profiles
+   and data are the audit's;
+4. the folded model runs the same windows: its per-token losses must equal the replay's
+   within :data:`FOLD_TOLERANCE` (relative to the loss), largest and mean difference
+   reported; a fold that does not is refused, and nothing is written;
+5. it is timed against the original and the dense twin side by side (pairs of one batch,
+   the execution audit's method), and its FLOPs counted against theirs.
+
+Which families fold, and by which profiles, is each architecture's registry entry
+(:data:`fcaudit.io.arches.ARCHES`, ``folds``); the model builds its folded self
+(``folded(key, values)``). Nothing here knows a family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from fcaudit._version import __version__
+from fcaudit.core.conditions import CONDITIONS, by_kind
+from fcaudit.core.errors import DataError, ModelError, UsageError, arg
+from fcaudit.core.interventions import StaticProfiles, static_tensor
+from fcaudit.core.nll import device_of
+from fcaudit.core.registry import refusal
+from fcaudit.engine.execution import time_interleaved
+from fcaudit.engine.options import AuditOptions
+from fcaudit.engine.passes import batches
+from fcaudit.engine.prepare import AuditRequest, prepare
+from fcaudit.engine.result import AuditResult
+from fcaudit.engine.result_parts import Estimate
+from fcaudit.engine.stages import add_calibration, calibration_shard
+from fcaudit.io.arches import ARCHES
+from fcaudit.io.data import AuditData, DataSpec
+from fcaudit.io.loading import release
+
+SCHEMA = "fcaudit.fold/1"
+FOLD_TOLERANCE = 1e-5  # relative: per-token losses, and the audit's condition NLL
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class Exactness:
+    """The folded model against the audit's condition on the evaluation data."""
+
+    audit_nll: float  # what audit.json reports for the condition
+    replayed_nll: float  # the condition replayed here (the same profiles, the same data)
+    folded_nll: float
+    max_abs_diff: float  # per token, folded against replayed
+    mean_abs_diff: float
+    tokens: int
+    bound_relative: float = FOLD_TOLERANCE
+
+
+@dataclass
+class FoldSpeed:
+    """Latency of one batch: the folded model over another (median over interleaved
+    pairs; < 1: the folded model is faster) and its FLOPs over the other's."""
+
+    latency_ratio: Estimate
+    flops_ratio: float
+    folded_tokens_per_s: float
+    other_tokens_per_s: float
+
+
+@dataclass
+class FoldResult:
+    """What :func:`fold` wrote and measured (the run folder's ``config.json`` holds it as
+    ``fold``)."""
+
+    audit: str
+    profile: str  # the static condition folded
+    key: str  # what the fixed values are keyed by (the condition's profile)
+    source: str  # the audited model
+    arch: str  # the folded run's architecture (its config loads it)
+    exactness: Exactness
+    vs_original: FoldSpeed | None
+    vs_dense: FoldSpeed | None
+    timing: dict[str, Any]  # pairs, batch, positions, device
+    out: str | None
+    schema: str = SCHEMA
+    # the evaluation windows checked (token ids [N, T]): what healing is measured on
+    eval_ids: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "eval_ids"}
+
+
+def foldable() -> str:
+    """Which profiles of which architectures fold, as a person reads it."""
+    names = {c.profile: c.name for c in CONDITIONS.values() if c.profile}
+    return "; ".join(f"{a.name} ({', '.join(names[k] for k in a.folds)})"
+                     for a in ARCHES.values() if a.folds)
+
+
+def _condition(profile: str, result: AuditResult) -> Any:
+    static = [c for c in by_kind("static") if CONDITIONS[c].profile in
+              {k for a in ARCHES.values() for k in a.folds}]
+    if profile not in static:
+        raise refusal(f"{arg('profile', profile)} does not fold", profile, static,
+                      option="profile")
+    if profile not in result.conditions:
+        raise UsageError(f"{arg('profile', profile)}: the audit did not compute it (it has "
+                         f"{', '.join(result.conditions)}); fold a profile the audit measured",
+                         option="profile")
+    return CONDITIONS[profile]
+
+
+def read_audit(folder: str | Path) -> AuditResult:
+    """The audit's result, refused if edited or written by another fcaudit version."""
+    path = Path(folder).expanduser()
+    file = path / "audit.json"
+    if not file.is_file():
+        raise UsageError(f"{arg('audit', str(path))} holds no audit.json: give a folder "
+                         "written by fcaudit audit", option="audit")
+    result = AuditResult.read(file)
+    written = result.versions.get("fcaudit")
+    if written != __version__:
+        raise DataError(f"{file} was written by fcaudit {written}, this is {__version__}: "
+                        "rerun the audit with this version, then fold it")
+    return result
+
+
+def _same_audit(setup: Any, result: AuditResult) -> None:
+    """The model, data and sites loaded again are the audit's."""
+    if setup.loaded.fingerprint != result.model.fingerprint:
+        raise ModelError(f"{setup.loaded.spec} is not the model the audit measured (its "
+                         "fingerprint differs: other weights, config or code since); fold "
+                         "the audit of this model")
+    for part in ("eval_fingerprint", "calib_fingerprint"):
+        if setup.data_summary.get(part) != result.data.get(part):
+            raise DataError(f"the data given is not the audit's ({part.split('_')[0]} data's "
+                            "SHA-256 differs): give the same data options as the audit")
+    if [s.name for s in setup.sites] != [s.name for s in result.sites]:
+        raise ModelError(f"the model's sites {[s.name for s in setup.sites]} are not the "
+                         f"audit's {[s.name for s in result.sites]}")
+
+
+def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
+         model: Any = None, data: DataSpec | AuditData | None = None,
+         timing_pairs: int = 10, force: bool = False,
+         progress: Progress | None = None) -> FoldResult:
+    """Fold the audit's static ``profile`` into its model and write the result as a run
+    folder at ``out`` (None: measure only). ``model``: the audited model (default: the
+    one ``audit.json`` names); ``data``: the audit's data (default: the built-in corpus,
+    as ``fcaudit audit`` without data options); both are checked to be the audit's.
+    ``timing_pairs``: interleaved pairs timing the folded model against the original and
+    the dense twin (0: not timed)."""
+    from fcaudit.io.outdir import hold_output
+    from fcaudit.io.runs import building, check_run_out
+    result = read_audit(audit)
+    condition = _condition(profile, result)
+    if timing_pairs and not 10 <= timing_pairs <= 1000:
+        raise UsageError(f"{arg('timing_pairs', timing_pairs)}: 10 to 1000, or 0 (no timing)",
+                         option="timing_pairs")
+    target = Path(out).expanduser() if out is not None else None
+    if target is not None:
+        check_run_out(target, force)
+    say = progress or (lambda *_: None)
+    options = AuditOptions(batch_size=int(result.settings["batch_size"]),
+                           seed=int(result.settings["seed"]), progress=False,
+                           execution=False, per_layer=False)
+    spec = model if model is not None else result.model.spec
+    setup = prepare(AuditRequest(model=spec, data=data if data is not None else DataSpec(),
+                                 options=options, sites=[s.name for s in result.sites]))
+    try:
+        _same_audit(setup, result)
+        net, arch = setup.model, _arch(setup)
+        if condition.profile not in arch.folds:
+            raise UsageError(f"{arg('profile', profile)}: {arch.name} does not fold it; folds "
+                             f"exist for {foldable()}", option="profile")
+        profiles = _profiles(setup, say)
+        values = _values(setup, profiles, condition.name, net)
+        folded = net.folded(condition.profile, values)
+        exact = _exactness(setup, profiles, condition.name, folded, result, say)
+        speed = _speeds(net, folded, setup, timing_pairs, say)
+        done = FoldResult(str(audit), profile, condition.profile, str(setup.loaded.spec),
+                          arch.folds_into or arch.name, exact, *speed,
+                          None if target is None else str(target),
+                          eval_ids=np.asarray(setup.data.eval_ids))
+        if target is not None:
+            with hold_output(target, "run"), building(target) as work:
+                _write(work, setup, folded, done)
+        return done
+    finally:
+        if isinstance(spec, (str, Path)):
+            release(setup.model)
+
+
+def _arch(setup: Any) -> Any:
+    """The audited run's architecture: only a run folder (``fcaudit train``'s) folds."""
+    config = setup.loaded.run_config
+    if setup.loaded.kind != "run" or not isinstance(config, dict) or \
+            config.get("arch") not in ARCHES:
+        raise UsageError(f"{setup.loaded.spec} is a {setup.loaded.kind} model; folds exist for "
+                         f"run folders of {foldable()}", option="model")
+    return ARCHES[config["arch"]]
+
+
+def _profiles(setup: Any, say: Progress) -> StaticProfiles:
+    """The audit's calibration profiles, recomputed: one record pass a calibration batch,
+    its sums added in batch order as the audit added them."""
+    profiles = StaticProfiles(setup.sites)
+    size, net = setup.options.batch_size, setup.model
+    n = -(-setup.inputs.n_calib // size)
+    for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net)), start=1):
+        _, coefficients, _ = setup.executor.record(x, None)
+        add_calibration(setup, profiles, calibration_shard(setup, coefficients, x), b)
+        say("fold: record calibration", done, n)
+    return profiles
+
+
+def _values(setup: Any, profiles: StaticProfiles, condition: str,
+            net: nn.Module) -> list[Tensor]:
+    """Each site's fixed values, as the condition feeds them (:func:`static_tensor`, in the
+    coefficients' dtype): one value; one per position of the model's context (positions
+    past the calibration windows take the site's static-layer value); one per token id
+    (ids no calibration token had take it too, as the condition gives them)."""
+    key = CONDITIONS[condition].profile
+    config = net.config
+    out = []
+    for site in setup.sites:
+        positions = profiles.shape(site)[0]
+        dtype = torch.float32
+        if key == "layer":
+            like = torch.zeros(1, 1, 1, dtype=dtype)
+            value = static_tensor(condition, site, profiles, like).reshape(-1)
+        elif key == "layer_position":
+            like = torch.zeros(1, positions, 1, dtype=dtype)
+            known = static_tensor(condition, site, profiles, like).reshape(-1)
+            rest = static_tensor("static-layer", site, profiles, torch.zeros(1, 1, 1))
+            value = torch.cat([known, rest.reshape(-1).expand(config.block_size - positions)])
+        else:
+            vocab = config.vocab_size
+            like = torch.zeros(1, vocab, 1, dtype=dtype)
+            ids = torch.arange(vocab).view(1, vocab)
+            value = static_tensor(condition, site, profiles, like, ids).reshape(-1)
+        out.append(value)
+    return out
+
+
+def _exactness(setup: Any, profiles: StaticProfiles, condition: str, folded: nn.Module,
+               result: AuditResult, say: Progress) -> Exactness:
+    """The condition replayed and the folded model run on every evaluation batch."""
+    size, net = setup.options.batch_size, setup.model
+    objective = setup.objective
+    n = -(-setup.inputs.n_eval // size)
+    replayed, ours, worst, total, tokens = [], [], 0.0, 0.0, 0
+    folded.to(device_of(net))
+    for done, (_, x) in enumerate(batches(setup.eval_source, size, device_of(net)), start=1):
+        _, coefficients, _ = setup.executor.record(x, None)
+        ids = setup.inputs.batch_token_ids(x)
+        fed = {s: static_tensor(condition, s, profiles, coefficients[s.name], ids)
+               for s in setup.sites}
+        out = setup.executor.replay(x, fed, objective=objective)
+        want = objective.units(out.output, x).double()
+        with torch.no_grad():
+            got = objective.units(folded(x), x).double()
+        diff = (got - want).abs()
+        scale = want.abs().clamp_min(1.0)
+        if bool((diff > FOLD_TOLERANCE * scale).any()):
+            raise ModelError(f"the folded model does not compute the {condition} condition: "
+                             f"a per-token loss differs by {float(diff.max()):.3g} (bound "
+                             f"{FOLD_TOLERANCE:g} relative); nothing was written")
+        worst, total, tokens = max(worst, float(diff.max())), total + float(diff.sum()), \
+            tokens + diff.numel()
+        replayed.append(_per_unit(want))
+        ours.append(_per_unit(got))
+        say("fold: check exactness", done, n)
+    replayed_nll, folded_nll = float(np.concatenate(replayed).mean()), \
+        float(np.concatenate(ours).mean())
+    audit_nll = result.conditions[condition].nll
+    if abs(replayed_nll - audit_nll) > FOLD_TOLERANCE * max(1.0, abs(audit_nll)):
+        raise DataError(f"the {condition} condition replayed here gives NLL "
+                        f"{replayed_nll:.6f}, and the audit reports {audit_nll:.6f}: the model, "
+                        "data or code changed since the audit; rerun the audit, then fold it")
+    return Exactness(audit_nll, replayed_nll, folded_nll, worst, total / max(tokens, 1), tokens)
+
+
+def _per_unit(losses: Tensor) -> np.ndarray:
+    """Per-sequence mean losses (the audit's unit)."""
+    return (losses.reshape(losses.shape[0], -1).mean(-1)).cpu().numpy()
+
+
+def _flops(model: nn.Module, x: Tensor) -> int:
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(x)
+    return int(counter.get_total_flops())
+
+
+def _speeds(net: nn.Module, folded: nn.Module, setup: Any, pairs: int, say: Progress
+            ) -> tuple[FoldSpeed | None, FoldSpeed | None, dict[str, Any]]:
+    """The folded model against the original and the dense twin (the architecture's
+    counterpart: only its speed is read), one evaluation batch, interleaved pairs."""
+    if not pairs:
+        return None, None, {"pairs": 0}
+    _, x = next(batches(setup.eval_source, setup.options.batch_size, device_of(net)))
+    twin = getattr(net, "dense_counterpart", None)
+    dense = twin().to(device_of(net)).eval() if callable(twin) else None
+    speeds = []
+    for i, other in enumerate((net, dense)):
+        if other is None:
+            speeds.append(None)
+            continue
+        timed = time_interleaved(folded, other, x, pairs=pairs, seed=setup.options.seed)
+        speeds.append(FoldSpeed(timed.speed_ratio_vs_dense, _flops(folded, x) / _flops(other, x),
+                                timed.model.tokens_per_s, timed.dense.tokens_per_s))
+        say("fold: timing", i + 1, 2)
+    return speeds[0], speeds[1], {"pairs": pairs, "batch_size": int(x.shape[0]),
+                                  "seq_len": int(x.shape[1]), "device": str(x.device),
+                                  "dense": "the architecture's dense counterpart"}
+
+
+def _write(work: Path, setup: Any, folded: nn.Module, done: FoldResult) -> None:
+    """The folded run folder: weights, config (the source run's, the folded model's config,
+    the fold's record) and the source run's tokenizer."""
+    from fcaudit.io.fileio import write_text
+    from fcaudit.io.runs import write_run
+    source = Path(str(setup.loaded.spec))
+    config = dict(setup.loaded.run_config)
+    for key in ("weights_sha256", "versions", "fcaudit_run", "results", "train", "fold"):
+        config.pop(key, None)
+    tokenizer = source / "tokenizer.json"
+    if tokenizer.is_file():
+        write_text(work / "tokenizer.json", tokenizer.read_text(encoding="utf-8"))
+    write_run(work, folded, None, {**config, "arch": done.arch,
+                                   "model_config": dataclasses.asdict(folded.config),
+                                   "fold": done.to_json()})
+
+
+__all__ = ["FOLD_TOLERANCE", "Exactness", "FoldResult", "FoldSpeed", "fold", "foldable",
+           "read_audit"]

@@ -1,0 +1,305 @@
+"""``fcaudit fold`` (fcaudit.engine.actions.fold): an audit's static profile folded into its model.
+
+A tiny FeatureGate run folder (random weights, gates spread so the profiles differ by
+layer, position and token) is audited; each foldable profile is folded. The fixed values
+are checked against the gate outputs this test reads off the original model's gate
+modules on the calibration data with its own hooks (the reference), the folded run's
+NLL against the audit's number, and its loss per token against the replayed condition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_inprocess
+
+import fcaudit
+from fcaudit.core.errors import CacheError, DataError, ModelError, UsageError
+from fcaudit.engine.options import AuditOptions
+from fcaudit.io.data import AuditData
+from fcaudit.io.loading import save_run_model
+from fcaudit.models.featuregate import GPT, GPTConfig
+
+VOCAB, LENGTH = 48, 12
+OPTIONS = AuditOptions(repeats=1, bootstrap=50, batch_size=4, execution=False, progress=False)
+PROFILES = ["static-layer", "static-layer-position", "static-layer-token"]
+
+
+def _run(folder: Path, seed: int = 0, spread: float = 1.0, text: Path | None = None) -> Path:
+    """A FeatureGate run folder in ``fcaudit train``'s layout, its gates spread (0: every
+    gate a constant); with ``text``, its tokenizer and a training schedule."""
+    tok = None
+    if text is not None:
+        from fcaudit.io.data import Document, train_tokenizer
+        tok = train_tokenizer([Document("text", text.read_text())], VOCAB)
+    vocab = max(VOCAB, tok.get_vocab_size() if tok is not None else 0)
+    cfg = GPTConfig(vocab_size=vocab, block_size=32, n_layer=2, n_head=2, n_embd=16)
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.gate.proj.weight.normal_(0, 1.0).mul_(spread)
+    folder.mkdir(parents=True)
+    save_run_model(folder, model)
+    extra: dict[str, Any] = {}
+    if tok is not None:
+        (folder / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+        extra["train"] = {"seq_len": LENGTH, "batch_size": 4, "lr": 3e-3}
+    (folder / "config.json").write_text(json.dumps({
+        "fcaudit_run": 1, "arch": "featuregate", "preset": "tiny", "seed": seed,
+        "model_config": dataclasses.asdict(cfg), **extra}), encoding="utf-8")
+    return folder
+
+
+def _data(seed: int = 0) -> AuditData:
+    rng = np.random.default_rng(seed)
+    # calibration leaves some ids out: those take the static-layer value when folded
+    return AuditData(eval_ids=rng.integers(0, VOCAB, (10, LENGTH)),
+                     calib_ids=rng.integers(0, VOCAB - 8, (10, LENGTH)))
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fold")
+    run = _run(root / "run")
+    fcaudit.audit(str(run), root / "audit", data=_data(), options=OPTIONS)
+    return root
+
+
+def _gates(model: GPT, ids: np.ndarray) -> list[torch.Tensor]:
+    """Each block's gate output on ``ids`` ``[N, T]``, read with this test's hooks."""
+    seen: list[list[torch.Tensor]] = [[] for _ in model.blocks]
+    handles = [b.gate.register_forward_hook(
+        lambda _m, _a, out, i=i: seen[i].append(out.detach()[..., 0].double()))
+        for i, b in enumerate(model.blocks)]
+    with torch.no_grad():
+        for start in range(0, len(ids), 4):
+            model(torch.from_numpy(ids[start:start + 4]))
+    for h in handles:
+        h.remove()
+    return [torch.cat(s) for s in seen]
+
+
+def _expected(key: str, gates: torch.Tensor, ids: np.ndarray, block_size: int) -> torch.Tensor:
+    """The fixed values of one block, worked out here from its gate outputs ``[N, T]``:
+    the mean; the mean per position (the mean beyond the windows); the mean per token id
+    (the mean for ids calibration never had)."""
+    mean = gates.mean()
+    if key == "layer":
+        return mean.reshape(1)
+    if key == "layer_position":
+        out = mean.repeat(block_size)
+        out[:gates.shape[1]] = gates.mean(0)
+        return out
+    out = mean.repeat(VOCAB)
+    flat, keys = gates.reshape(-1), torch.from_numpy(ids).reshape(-1)
+    for token in keys.unique():
+        out[token] = flat[keys == token].mean()
+    return out
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_each_profile_folds_exactly_into_a_dense_shaped_run(audited: Path, profile: str) -> None:
+    """The folded run loads as the Dense architecture with fixed gate values equal to the
+    gate means this test reads off the original model; it has no gate network left; its
+    NLL is the audit's for the condition, and its losses the replayed condition's."""
+    from fcaudit.core.nll import logits_of, token_nll
+    from fcaudit.engine.actions.fold import fold
+    from fcaudit.io.loading import load_run
+    out = audited / f"folded-{profile}"
+    done = fold(audited / "audit", profile, out, data=_data(), timing_pairs=0)
+    audit = json.loads((audited / "audit" / "audit.json").read_text())
+    e = done.exactness
+    assert e.max_abs_diff <= e.bound_relative * 10 and e.tokens == 10 * (LENGTH - 1)
+    assert abs(e.folded_nll - audit["conditions"][profile]["nll"]) <= 1e-6
+    config = json.loads((out / "config.json").read_text())
+    assert config["arch"] == "dense" and config["fold"]["profile"] == profile
+    loaded = load_run(out)
+    folded, key = loaded.model, done.key
+    assert folded.config.fixed_gate == key and not folded.config.gated
+    assert not [n for n, _ in folded.named_parameters() if ".gate." in n]
+    original = load_run(audited / "run").model
+    data = _data()
+    for block, gates in zip(folded.blocks, _gates(original, data.calib_ids), strict=True):
+        want = _expected(key, gates, data.calib_ids, folded.config.block_size)
+        assert torch.allclose(block.fixed.value.double(), want, atol=1e-6), profile
+    x = torch.from_numpy(data.eval_ids)
+    with torch.no_grad():
+        nll = token_nll(logits_of(folded(x)), x).double().mean()
+    assert abs(float(nll) - e.folded_nll) <= 1e-6  # the run folder computes what was checked
+
+
+def test_the_fold_is_timed_against_the_original_and_the_dense_twin(audited: Path) -> None:
+    from fcaudit.engine.actions.fold import fold
+    done = fold(audited / "audit", "static-layer", None, data=_data(), timing_pairs=10)
+    assert done.out is None and done.timing["pairs"] == 10
+    for speed in (done.vs_original, done.vs_dense):
+        assert speed is not None and speed.folded_tokens_per_s > 0
+        lo, hi = speed.latency_ratio.ci95
+        assert lo <= speed.latency_ratio.value <= hi
+    # the gate networks' matrix products are gone; the dense twin has the same ones
+    assert done.vs_original.flops_ratio < 1.0 and done.vs_dense.flops_ratio == 1.0
+
+
+def test_the_command_line_folds_and_never_replaces_what_it_did_not_write(
+        audited: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _data()
+    np.save(tmp_path / "eval.npy", data.eval_ids)
+    np.save(tmp_path / "calib.npy", data.calib_ids)
+    run = audited / "run"
+    assert run_inprocess(["audit", "--model", str(run), "--tokens", str(tmp_path / "eval.npy"),
+                          "--calib-tokens", str(tmp_path / "calib.npy"), "--out",
+                          str(tmp_path / "audit"), "--repeats", "1", "--bootstrap", "50",
+                          "--batch-size", "4", "--no-execution", "--quiet"],
+                         capsys).returncode == 0
+    argv = ["fold", "--audit", str(tmp_path / "audit"), "--profile", "static-layer-token",
+            "--out", str(tmp_path / "folded"), "--tokens", str(tmp_path / "eval.npy"),
+            "--calib-tokens", str(tmp_path / "calib.npy"), "--timing-pairs", "0", "--quiet",
+            "--json", str(tmp_path / "fold.json")]
+    res = run_inprocess(argv, capsys)
+    assert res.returncode == 0, res.stderr
+    written = json.loads((tmp_path / "fold.json").read_text())
+    e = written["exactness"]
+    assert f"NLL {e['folded_nll']:.4f}, the audit's {e['audit_nll']:.4f}" in res.stdout
+    assert written["schema"] == "fcaudit.fold/1" and written["arch"] == "dense"
+    again = run_inprocess(argv, capsys)  # the run folder exists: --force to replace it
+    assert again.returncode == 2 and "--force" in again.stderr
+    assert run_inprocess([*argv, "--force"], capsys).returncode == 0
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    at = argv.index("--out") + 1
+    theirs = run_inprocess([*argv[:at], str(tmp_path / "mine"), *argv[at + 1:], "--force"],
+                           capsys)
+    assert theirs.returncode == 2 and (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize(("change", "error", "needle"), [
+    (dict(profile="reassign"), UsageError, "does not fold: choose one of static-layer"),
+    (dict(profile="global-mean"), UsageError, "does not fold"),
+    (dict(data=_data(1)), DataError, "not the audit's"),
+])
+def test_a_fold_that_cannot_be_done_is_one_line_and_writes_nothing(
+        audited: Path, tmp_path: Path, change: dict[str, Any], error: type,
+        needle: str) -> None:
+    from fcaudit.engine.actions.fold import fold
+    asked = {"profile": "static-layer", "data": _data(), **change}
+    with pytest.raises(error, match=needle) as caught:
+        fold(audited / "audit", asked["profile"], tmp_path / "out", data=asked["data"],
+             timing_pairs=0)
+    assert "\n" not in str(caught.value) and not (tmp_path / "out").exists()
+
+
+def test_an_edited_audit_or_a_changed_model_is_refused(audited: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from fcaudit.engine.actions.fold import fold
+    copy = tmp_path / "audit"
+    shutil.copytree(audited / "audit", copy)
+    text = (copy / "audit.json").read_text()
+    (copy / "audit.json").write_text(text + " ")  # well formed, yet not what fcaudit wrote
+    with pytest.raises(CacheError, match="changed after fcaudit wrote it"):
+        fold(copy, "static-layer", None, data=_data(), timing_pairs=0)
+    other = _run(tmp_path / "other", seed=1)  # another model given for the audit's
+    with pytest.raises(ModelError, match="not the model the audit measured"):
+        fold(audited / "audit", "static-layer", None, model=str(other), data=_data(),
+             timing_pairs=0)
+    with pytest.raises(UsageError, match="holds no audit.json"):
+        fold(tmp_path, "static-layer", None, timing_pairs=0)
+
+
+def test_a_model_whose_family_does_not_fold_is_refused_naming_those_that_do(
+        hf_mixtral: Path, tmp_path: Path) -> None:
+    from fcaudit.engine.actions.fold import fold
+    rng = np.random.default_rng(0)
+    data = AuditData(eval_ids=rng.integers(3, 64, (4, 8)), calib_ids=rng.integers(3, 64, (4, 8)))
+    fcaudit.audit(str(hf_mixtral), tmp_path / "audit", data=data, options=OPTIONS)
+    with pytest.raises(UsageError, match=r"folds exist for run folders of featuregate "
+                                         r"\(static-layer, static-layer-position, "
+                                         r"static-layer-token\)"):
+        fold(tmp_path / "audit", "static-layer", tmp_path / "out", data=data, timing_pairs=0)
+    assert not (tmp_path / "out").exists()
+
+
+def _text(folder: Path) -> Path:
+    from conftest import WORDS
+    path = folder / "text.txt"
+    path.write_text(" ".join(np.random.default_rng(0).choice(WORDS, size=3000)),
+                    encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("spread", [1.0, 0.0])
+def test_healing_is_measured_against_the_original_fine_tuned_alike(
+        tmp_path: Path, spread: float) -> None:
+    """Step 0 of the curve is the fold's checked NLL and the audit's own original NLL;
+    both models train on the same batches; the healed run folder computes the curve's
+    last point. Planted: with every gate a constant, the fold is the original itself, so
+    the penalty before healing is exactly zero and no share of it is defined."""
+    from fcaudit.engine.actions.fold import fold
+    from fcaudit.io.loading import load_run
+    from fcaudit.study.heal import heal
+    text = _text(tmp_path)
+    run = _run(tmp_path / "run", spread=spread, text=text)
+    data = _data()
+    fcaudit.audit(str(run), tmp_path / "audit", data=data, options=OPTIONS)
+    done = fold(tmp_path / "audit", "static-layer", tmp_path / "folded", data=data,
+                timing_pairs=0)
+    healed = heal(tmp_path / "folded", run, 8, done.eval_ids, data=text,
+                  out=tmp_path / "healed", progress=False)
+    audit = json.loads((tmp_path / "audit" / "audit.json").read_text())
+    assert [p.step for p in healed.curve] == [0, 2, 4, 6, 8]
+    first, last = healed.curve[0], healed.curve[-1]
+    assert abs(first.folded_nll - done.exactness.folded_nll) <= 1e-9
+    assert abs(first.original_nll - audit["conditions"]["original"]["nll"]) <= 1e-9
+    assert abs(healed.penalty_before.value - (first.folded_nll - first.original_nll)) <= 1e-9
+    assert last.original_nll != first.original_nll  # the control trained too
+    x = torch.from_numpy(done.eval_ids)
+    from fcaudit.core.nll import logits_of, token_nll
+    model = load_run(tmp_path / "healed").model
+    with torch.no_grad():
+        nll = float(token_nll(logits_of(model(x)), x).double().mean(-1).mean())
+    assert abs(nll - last.folded_nll) <= 1e-6
+    if spread == 0.0:
+        assert healed.penalty_before.value == 0.0 and healed.recovered is None
+
+
+def test_healing_without_text_the_run_can_read_is_refused(tmp_path: Path) -> None:
+    from fcaudit.study.heal import heal
+    run = _run(tmp_path / "run")  # no tokenizer, no schedule
+    with pytest.raises(DataError, match="records no training schedule"):
+        heal(run, run, 4, _data().eval_ids, progress=False)
+    with pytest.raises(UsageError, match="at least 1"):
+        heal(run, run, 0, _data().eval_ids, progress=False)
+
+
+def test_the_command_line_heals_and_prints_the_curve_with_its_control(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = _text(tmp_path)
+    run = _run(tmp_path / "run", text=text)
+    data = _data()
+    fcaudit.audit(str(run), tmp_path / "audit", data=data, options=OPTIONS)
+    np.save(tmp_path / "eval.npy", data.eval_ids)
+    np.save(tmp_path / "calib.npy", data.calib_ids)
+    argv = ["fold", "--audit", str(tmp_path / "audit"), "--profile", "static-layer",
+            "--out", str(tmp_path / "folded"), "--tokens", str(tmp_path / "eval.npy"),
+            "--calib-tokens", str(tmp_path / "calib.npy"), "--timing-pairs", "0", "--quiet",
+            "--heal-steps", "4", "--heal-data", str(text), "--heal-out",
+            str(tmp_path / "healed"), "--json", str(tmp_path / "fold.json")]
+    res = run_inprocess(argv, capsys)
+    assert res.returncode == 0, res.stderr
+    healed = json.loads((tmp_path / "fold.json").read_text())["heal"]
+    assert [p["step"] for p in healed["curve"]] == [0, 1, 2, 3, 4]
+    last = healed["curve"][-1]
+    assert f"| 4 | {last['folded_nll']:.4f} | {last['original_nll']:.4f} |" in res.stdout
+    assert "penalty against the original" in res.stdout
+    assert (tmp_path / "healed" / "model.safetensors").is_file()
+    alone = run_inprocess([*argv[:argv.index("--heal-steps")], "--heal-out",
+                           str(tmp_path / "x")], capsys)
+    assert alone.returncode == 2 and "only with --heal-steps" in alone.stderr

@@ -131,6 +131,24 @@ def test_cycles_are_digested_once_and_unreadable_state_is_named() -> None:
         lambda o, b: re.compile(r"\w+"))
 
 
+def test_copying_an_instance_leaves_its_class_s_digest_as_it_was() -> None:
+    """``copy.deepcopy`` (and pickle) cache ``__slotnames__`` on the class of what they
+    copy: no behaviour, so no other identity (a model whose config was copied once would
+    otherwise differ from itself)."""
+    import copy
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        width: int = 4
+
+    def model(o: Any, b: Any, config: Config = Config()) -> Any:
+        return o * config.width
+    before = digest_state(model)
+    copy.deepcopy(Config())
+    assert "__slotnames__" in vars(Config) and digest_state(model) == before
+
+
 def _audit(out: Path, objective: Callable) -> fcaudit.AuditResult:
     x, y = vt.mixer_data(16, 0)
     data = AuditData(inputs=x, targets=y, calib_inputs=vt.mixer_data(16, 1)[0])

@@ -31,20 +31,28 @@ OPTIONS = AuditOptions(repeats=1, bootstrap=50, batch_size=4, execution=False, p
 PROFILES = ["static-layer", "static-layer-position", "static-layer-token"]
 
 
-def _run(folder: Path, seed: int = 0, spread: float = 1.0, text: Path | None = None) -> Path:
-    """A FeatureGate run folder in ``fcaudit train``'s layout, its gates spread (0: every
-    gate a constant); with ``text``, its tokenizer and a training schedule."""
+def _run(folder: Path, seed: int = 0, spread: float = 1.0, text: Path | None = None,
+         arch: str = "featuregate") -> Path:
+    """A FeatureGate (or MoE) run folder in ``fcaudit train``'s layout, its controllers
+    spread (0: every gate a constant); with ``text``, its tokenizer and a schedule."""
     tok = None
     if text is not None:
         from fcaudit.io.data import Document, train_tokenizer
         tok = train_tokenizer([Document("text", text.read_text())], VOCAB)
     vocab = max(VOCAB, tok.get_vocab_size() if tok is not None else 0)
-    cfg = GPTConfig(vocab_size=vocab, block_size=32, n_layer=2, n_head=2, n_embd=16)
+    shape = dict(vocab_size=vocab, block_size=32, n_layer=2, n_head=2, n_embd=16)
     torch.manual_seed(seed)
-    model = GPT(cfg)
+    if arch == "moe":
+        from fcaudit.models.moe import MoEConfig, MoEGPT
+        cfg: Any = MoEConfig(**shape, num_experts=4, top_k=2)
+        model: Any = MoEGPT(cfg)
+    else:
+        cfg = GPTConfig(**shape)
+        model = GPT(cfg)
     with torch.no_grad():
-        for block in model.blocks:
-            block.gate.proj.weight.normal_(0, 1.0).mul_(spread)
+        for site in model.controller_sites():
+            model.get_submodule(site.path).get_parameter(
+                "proj.weight" if arch == "featuregate" else "weight").normal_(0, 1.0).mul_(spread)
     folder.mkdir(parents=True)
     save_run_model(folder, model)
     extra: dict[str, Any] = {}
@@ -52,7 +60,7 @@ def _run(folder: Path, seed: int = 0, spread: float = 1.0, text: Path | None = N
         (folder / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
         extra["train"] = {"seq_len": LENGTH, "batch_size": 4, "lr": 3e-3}
     (folder / "config.json").write_text(json.dumps({
-        "fcaudit_run": 1, "arch": "featuregate", "preset": "tiny", "seed": seed,
+        "fcaudit_run": 1, "arch": arch, "preset": "tiny", "seed": seed,
         "model_config": dataclasses.asdict(cfg), **extra}), encoding="utf-8")
     return folder
 
@@ -67,17 +75,20 @@ def _data(seed: int = 0) -> AuditData:
 @pytest.fixture(scope="module")
 def audited(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("fold")
-    run = _run(root / "run")
-    fcaudit.audit(str(run), root / "audit", data=_data(), options=OPTIONS)
-    return root
+    for arch in ("featuregate", "moe"):
+        run = _run(root / arch / "run", arch=arch)
+        fcaudit.audit(str(run), root / arch / "audit", data=_data(), options=OPTIONS)
+    return root / "featuregate"
 
 
-def _gates(model: GPT, ids: np.ndarray) -> list[torch.Tensor]:
-    """Each block's gate output on ``ids`` ``[N, T]``, read with this test's hooks."""
-    seen: list[list[torch.Tensor]] = [[] for _ in model.blocks]
-    handles = [b.gate.register_forward_hook(
-        lambda _m, _a, out, i=i: seen[i].append(out.detach()[..., 0].double()))
-        for i, b in enumerate(model.blocks)]
+def _outputs(model: Any, ids: np.ndarray) -> list[torch.Tensor]:
+    """Each controller's output ``[N, T, width]`` on ``ids`` ``[N, T]``, read with this
+    test's hooks on the modules the model declares."""
+    modules = [model.get_submodule(s.path) for s in model.controller_sites()]
+    seen: list[list[torch.Tensor]] = [[] for _ in modules]
+    handles = [m.register_forward_hook(
+        lambda _m, _a, out, i=i: seen[i].append(out.detach().double()))
+        for i, m in enumerate(modules)]
     with torch.no_grad():
         for start in range(0, len(ids), 4):
             model(torch.from_numpy(ids[start:start + 4]))
@@ -86,48 +97,52 @@ def _gates(model: GPT, ids: np.ndarray) -> list[torch.Tensor]:
     return [torch.cat(s) for s in seen]
 
 
-def _expected(key: str, gates: torch.Tensor, ids: np.ndarray, block_size: int) -> torch.Tensor:
-    """The fixed values of one block, worked out here from its gate outputs ``[N, T]``:
+def _expected(key: str, outs: torch.Tensor, ids: np.ndarray, rows: int) -> torch.Tensor:
+    """The fixed rows of one controller, worked out here from its outputs ``[N, T, W]``:
     the mean; the mean per position (the mean beyond the windows); the mean per token id
     (the mean for ids calibration never had)."""
-    mean = gates.mean()
+    mean = outs.mean((0, 1))
     if key == "layer":
-        return mean.reshape(1)
+        return mean[None]
+    out = mean.repeat(rows, 1)
     if key == "layer_position":
-        out = mean.repeat(block_size)
-        out[:gates.shape[1]] = gates.mean(0)
+        out[:outs.shape[1]] = outs.mean(0)
         return out
-    out = mean.repeat(VOCAB)
-    flat, keys = gates.reshape(-1), torch.from_numpy(ids).reshape(-1)
+    flat, keys = outs.reshape(-1, outs.shape[-1]), torch.from_numpy(ids).reshape(-1)
     for token in keys.unique():
-        out[token] = flat[keys == token].mean()
+        out[token] = flat[keys == token].mean(0)
     return out
 
 
+@pytest.mark.parametrize("arch", ["featuregate", "moe"])
 @pytest.mark.parametrize("profile", PROFILES)
-def test_each_profile_folds_exactly_into_a_dense_shaped_run(audited: Path, profile: str) -> None:
-    """The folded run loads as the Dense architecture with fixed gate values equal to the
-    gate means this test reads off the original model; it has no gate network left; its
-    NLL is the audit's for the condition, and its losses the replayed condition's."""
+def test_each_profile_folds_exactly(audited: Path, profile: str, arch: str) -> None:
+    """The folded run (a FeatureGate: the Dense architecture; an MoE: an MoE routed by a
+    table) holds fixed rows equal to the controller outputs' means this test reads off the
+    original model; no controller is left; its NLL is the audit's for the condition, and
+    its losses the replayed condition's."""
     from fcaudit.core.nll import logits_of, token_nll
     from fcaudit.engine.actions.fold import fold
     from fcaudit.io.loading import load_run
-    out = audited / f"folded-{profile}"
-    done = fold(audited / "audit", profile, out, data=_data(), timing_pairs=0)
-    audit = json.loads((audited / "audit" / "audit.json").read_text())
+    root = audited.parent / arch
+    out = root / f"folded-{profile}"
+    done = fold(root / "audit", profile, out, data=_data(), timing_pairs=0)
+    audit = json.loads((root / "audit" / "audit.json").read_text())
     e = done.exactness
     assert e.max_abs_diff <= e.bound_relative * 10 and e.tokens == 10 * (LENGTH - 1)
     assert abs(e.folded_nll - audit["conditions"][profile]["nll"]) <= 1e-6
     config = json.loads((out / "config.json").read_text())
-    assert config["arch"] == "dense" and config["fold"]["profile"] == profile
-    loaded = load_run(out)
-    folded, key = loaded.model, done.key
-    assert folded.config.fixed_gate == key and not folded.config.gated
-    assert not [n for n, _ in folded.named_parameters() if ".gate." in n]
-    original = load_run(audited / "run").model
+    assert config["arch"] == {"featuregate": "dense", "moe": "moe"}[arch]
+    assert config["fold"]["profile"] == profile
+    folded, key = load_run(out).model, done.key
+    assert folded.config.fixed == key and folded.controller_sites() == []
+    assert not [n for n, _ in folded.named_parameters() if ".gate." in n or ".router." in n]
+    original = load_run(root / "run").model
     data = _data()
-    for block, gates in zip(folded.blocks, _gates(original, data.calib_ids), strict=True):
-        want = _expected(key, gates, data.calib_ids, folded.config.block_size)
+    rows = {"layer": 1, "layer_position": folded.config.block_size,
+            "layer_token": folded.config.vocab_size}[key]
+    for block, outs in zip(folded.blocks, _outputs(original, data.calib_ids), strict=True):
+        want = _expected(key, outs, data.calib_ids, rows)
         assert torch.allclose(block.fixed.value.double(), want, atol=1e-6), profile
     x = torch.from_numpy(data.eval_ids)
     with torch.no_grad():

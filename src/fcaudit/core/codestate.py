@@ -44,8 +44,10 @@ _MAX_DEPTH = 64
 # class members that say nothing about what its code computes (``_abc_impl``: isinstance
 # caches of abstract base classes; ``__annotations__``: type hints, which Python creates
 # empty the first time anything asks a class for them)
+# class members that are no behaviour: ``__slotnames__`` is the cache copy and pickle add to
+# a class the first time one of its instances is copied, which must not change its code
 _NOT_BEHAVIOUR = ("__dict__", "__weakref__", "__doc__", "__module__", "_abc_impl",
-                  "__annotations__")
+                  "__annotations__", "__slotnames__")
 # where the standard library and installed packages live (a distribution's own package
 # folders, e.g. Debian's dist-packages, and the user's site-packages too)
 _LIBRARY_ROOTS = tuple({os.path.join(Path(p).resolve(), "") for p in (

@@ -71,7 +71,9 @@ ARCHES: Registry[Arch] = Registry("arch", (
     Arch("dense-ponder", "fcaudit.models.ponder", "PonderGPT", "PonderConfig",
          (("halting", False),)),
     Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig"),
-    Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig"),
+    # folded, an MoE reads its router logits from a table: per token id, a hash-routed MoE
+    Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig",
+         folds=("layer", "layer_position", "layer_token")),
     Arch("mamba", "fcaudit.models.mamba", "Mamba", "MambaConfig"),
     Arch("s4d", "fcaudit.models.s4d", "S4D", "S4DConfig"),
     Arch("vit-moe", "fcaudit.models.vit_moe", "ViTMoE", "ViTMoEConfig",

@@ -10,19 +10,21 @@ Positions use learned absolute embeddings (as GPT-2): stable absolute-position
 effects are then possible, which is what the ``static-layer-position`` condition
 of the audit is designed to capture.
 
-A *folded* FeatureGate (``fixed_gate``, written by ``fcaudit fold``) is the Dense twin
-with each block's update scaled by fixed values in place of the gate network: one value
-per block (``"layer"``), per position (``"layer_position"``) or per token id
-(``"layer_token"``), the static profiles of an audit. The scale multiplies the block's
-update as the gate did, so the folded model computes what the audit's static condition
-computed, at the Dense twin's cost plus one multiply per block. (The scale cannot go into
-the output projections' weights: the MLP reads the attention's unscaled output.)
+A *folded* FeatureGate (``fixed``, written by ``fcaudit fold``) is the Dense twin with
+each block's update scaled by fixed values in place of the gate network: one value per
+block (``"layer"``), per position (``"layer_position"``) or per token id
+(``"layer_token"``), the static profiles of an audit (:class:`FixedValues`). The scale
+multiplies the block's update as the gate did, so the folded model computes what the
+audit's static condition computed, at the Dense twin's cost plus one multiply per block.
+(The scale cannot go into the output projections' weights: the MLP reads the attention's
+unscaled output.)
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,22 +43,20 @@ class GPTConfig:
     n_embd: int = 128
     gated: bool = True  # FeatureGate (True) or its Dense twin (False)
     gate_bias_init: float = 1.0  # sigmoid(1) ~ 0.73: gates start open but not saturated
-    # a folded FeatureGate: the Dense twin with each block's update scaled by fixed values,
-    # one of FIXED_GATES (what they are keyed by); "": none
-    fixed_gate: str = ""
+    # a folded model: its controllers' outputs fixed, keyed by one of FIXED_KEYS; "": none
+    fixed: str = ""
 
     def __post_init__(self) -> None:
         check_sizes(self, ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"))
         if self.n_embd % self.n_head:
             raise FcauditError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}")
-        if self.fixed_gate and (self.fixed_gate not in FIXED_GATES or self.gated):
-            raise FcauditError(f"fixed_gate={self.fixed_gate!r}: one of "
-                               f"{', '.join(FIXED_GATES)}, on an ungated model (gated=False)")
+        if self.fixed and self.fixed not in FIXED_KEYS:
+            raise FcauditError(f"fixed={self.fixed!r}: one of {', '.join(FIXED_KEYS)}")
 
 
-# what a folded model's fixed gate values are keyed by -> their length (the config's)
-FIXED_GATES = {"layer": lambda cfg: 1, "layer_position": lambda cfg: cfg.block_size,
-               "layer_token": lambda cfg: cfg.vocab_size}
+# what a folded model's fixed values are keyed by -> how many rows (the config's)
+FIXED_KEYS = {"layer": lambda cfg: 1, "layer_position": lambda cfg: cfg.block_size,
+              "layer_token": lambda cfg: cfg.vocab_size}
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -116,21 +116,22 @@ class Gate(nn.Module):
         return torch.sigmoid(self.proj(self.ln(h)))
 
 
-class FixedGate(nn.Module):
-    """A gate's fixed values (``value``: one per block, position or token id, as the
-    config's ``fixed_gate`` keys them): ``[B, T, 1]`` for the block, nothing computed."""
+class FixedValues(nn.Module):
+    """A controller's fixed outputs (``value [rows, width]``: one row per block, position
+    or token id, as the config's ``fixed`` keys them), read for the tokens ``[B, T]``:
+    ``[1, 1, width]``, ``[1, T, width]`` or ``[B, T, width]``; nothing computed."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, width: int) -> None:
         super().__init__()
-        self.key = cfg.fixed_gate
-        self.register_buffer("value", torch.ones(FIXED_GATES[cfg.fixed_gate](cfg)))
+        self.key = cfg.fixed
+        self.register_buffer("value", torch.ones(FIXED_KEYS[cfg.fixed](cfg), width))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.key == "layer":
-            return self.value.view(1, 1, 1)
+            return self.value[None]
         if self.key == "layer_position":
-            return self.value[:input_ids.shape[1]].view(1, -1, 1)
-        return self.value[input_ids].unsqueeze(-1)
+            return self.value[None, :input_ids.shape[1]]
+        return self.value[input_ids]
 
 
 class Update(nn.Module):
@@ -156,7 +157,7 @@ class Block(nn.Module):
         self.gate = Gate(cfg) if cfg.gated else None
         # registered even when absent: a plain None attribute would enter the weights'
         # fingerprint (loading.state_fingerprint) of every unfolded model
-        self.register_module("fixed", FixedGate(cfg) if cfg.fixed_gate else None)
+        self.register_module("fixed", FixedValues(cfg, 1) if cfg.fixed else None)
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.fixed is not None:
@@ -205,7 +206,7 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=input_ids.device)
         h = self.wte(input_ids) + self.wpe(pos)
         for block in self.blocks:
-            h = block(h, input_ids) if self.config.fixed_gate else block(h)
+            h = block(h, input_ids) if self.config.fixed else block(h)
         return self.lm_head(self.ln_f(h))
 
     def controller_sites(self) -> list[Site]:
@@ -217,25 +218,35 @@ class GPT(nn.Module):
         return [f"blocks.{i}" for i in range(len(self.blocks))]
 
     def folded(self, key: str, values: list[torch.Tensor]) -> GPT:
-        """This FeatureGate with each block's gate network replaced by fixed values, keyed
-        by ``key`` (one of :data:`FIXED_GATES`): ``values[l]`` holds block ``l``'s (``[1]``,
-        ``[block_size]`` or ``[vocab_size]``). The weights are this model's, gates dropped."""
-        if type(self) is not GPT or not self.config.gated:
-            raise FcauditError("only a FeatureGate (the gated GPT) folds its gates")
-        if key not in FIXED_GATES:
-            raise FcauditError(f"fixed gates keyed by {key!r}: one of {', '.join(FIXED_GATES)}")
-        config = replace(self.config, gated=False, fixed_gate=key)
+        """This model with each controller replaced by fixed values keyed by ``key`` (one of
+        :data:`FIXED_KEYS`): ``values[l]`` holds site ``l``'s rows ``[rows, *trailing]``
+        (one, one per position of the context, one per token id). The weights are this
+        model's, the controllers' dropped: a FeatureGate becomes its Dense twin with fixed
+        gate values (a subclass folds its own controllers likewise)."""
+        if key not in FIXED_KEYS:
+            raise FcauditError(f"fixed values keyed by {key!r}: one of {', '.join(FIXED_KEYS)}")
+        sites = self.controller_sites()
+        if not sites:
+            raise FcauditError("this model has no controller to fold")
+        config = replace(self.config, fixed=key, **self.folded_settings)
         with torch.device("meta"):
-            folded = GPT(config)
-        state = {k: v for k, v in self.state_dict().items() if ".gate." not in k}
-        length = FIXED_GATES[key](config)
-        if len(values) != config.n_layer or any(v.shape != (length,) for v in values):
-            raise FcauditError(f"fixed gates keyed by {key!r}: {config.n_layer} tensors of "
-                               f"[{length}], got {[list(v.shape) for v in values]}")
-        for i, value in enumerate(values):
-            state[f"blocks.{i}.fixed.value"] = value.clone()
-        folded.load_state_dict(state, assign=True)
+            folded = type(self)(config)
+        state = {k: v for k, v in self.state_dict().items()
+                 if not any(k.startswith(s.path + ".") for s in sites)}
+        expected = {k: v.shape for k, v in folded.state_dict().items() if k not in state}
+        given = {f"{s.path.rsplit('.', 1)[0]}.fixed.value": v for s, v in
+                 zip(sites, values, strict=True)}
+        if {k: tuple(v.shape) for k, v in given.items()} != \
+                {k: tuple(v) for k, v in expected.items()}:
+            raise FcauditError(f"fixed values keyed by {key!r}: expected "
+                               f"{ {k: list(v) for k, v in expected.items()} }, got "
+                               f"{ {k: list(v.shape) for k, v in given.items()} }")
+        folded.load_state_dict({**state, **{k: v.clone() for k, v in given.items()}},
+                               assign=True)
         return folded.eval()
+
+    # the config a folded model keeps beside ``fixed`` (a FeatureGate: no gate network)
+    folded_settings: ClassVar[dict[str, object]] = {"gated": False}
 
     def dense_counterpart(self) -> GPT:
         """The Dense twin of this preset; a subclass's extra config fields are dropped."""

@@ -21,6 +21,11 @@ FeatureGate's gate is), the active network *is* the Dense twin's size, so the De
 twin of the same preset is the fair dense counterpart, as for FeatureGate. The
 MoE holds ``num_experts / top_k`` times the Dense MLP parameters in total.
 
+A *folded* MoE (``fixed``, written by ``fcaudit fold``) has no router: each block reads
+its router logits from fixed values (:class:`~fcaudit.models.featuregate.FixedValues`),
+one row per block, position or token id (the latter a token-id routing table, a
+hash-routed MoE without the router's matrix product), and routes them by the same rule.
+
 Training adds the Switch/Mixtral load-balancing loss ``E * sum_e f_e * P_e`` (see
 :func:`load_balance`), averaged over layers and weighted by ``aux_loss_coef``; the
 model exposes it as :attr:`MoEGPT.aux_loss` after a training-mode forward pass.
@@ -38,7 +43,7 @@ from torch import nn
 from fcaudit.core.contract import ExpertLayer, Site
 from fcaudit.core.errors import FcauditError, check_sizes
 from fcaudit.core.routers import TopKLogits
-from fcaudit.models.featuregate import GPT, MLP, CausalSelfAttention, GPTConfig
+from fcaudit.models.featuregate import GPT, MLP, CausalSelfAttention, FixedValues, GPTConfig
 from fcaudit.models.featuregate import PRESETS as GPT_PRESETS
 
 
@@ -113,16 +118,25 @@ class MoEBlock(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = self.attention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.router = nn.Linear(cfg.n_embd, cfg.num_experts, bias=False)
+        # a folded MoE reads fixed logits instead (the vision MoE's config has no such key:
+        # it does not fold); registered either way, so an unfolded model shows no None
+        fixed = getattr(cfg, "fixed", "")
+        self.register_module("router", None if fixed else
+                             nn.Linear(cfg.n_embd, cfg.num_experts, bias=False))
+        self.register_module("fixed", FixedValues(cfg, cfg.num_experts) if fixed else None)
         self.experts = nn.ModuleList(MLP(cfg, hidden=cfg.expert_hidden, out_bias=False)
                                      for _ in range(cfg.num_experts))
         self.expert_bias = nn.Parameter(torch.zeros(cfg.n_embd))
         self.balance: torch.Tensor | None = None  # load_balance of the last training pass
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = h + self.attn(self.ln_1(h))
         x = self.ln_2(h)
-        logits = self.router(x)  # [B, T, E]; a replay stub may stand in for the router
+        if self.fixed is not None:  # folded: the fixed logits of these tokens
+            assert input_ids is not None, "fixed router logits are read for the token ids"
+            logits = self.fixed(input_ids).expand(*x.shape[:2], -1)
+        else:  # [B, T, E]; a replay stub may stand in for the router
+            logits = self.router(x)
         weights, experts = route(logits, self.top_k)
         self.balance = load_balance(logits, experts) if self.training else None
         return h + self.mixture(x, weights, experts)
@@ -163,6 +177,8 @@ class Routed:
         return self.config.aux_loss_coef * torch.stack(values).mean() if values else 0.0
 
     def controller_sites(self) -> list[Site]:
+        if getattr(self.config, "fixed", ""):
+            return []  # folded: no router computes anything
         adapter = TopKLogits(self.config.top_k)  # the block picks the top-k of these logits
         return [Site(name=f"blocks.{i}.router", path=f"blocks.{i}.router",
                      family=self.site_family, layer=i, adapter=adapter, axes=self.site_axes,
@@ -180,3 +196,4 @@ class MoEGPT(Routed, GPT):
     """FeatureGate's network with :class:`MoEBlock`; ``input_ids [B, T] -> logits [B, T, V]``."""
 
     block_class = MoEBlock
+    folded_settings: ClassVar[dict[str, object]] = {}  # folded, it stays an MoE

@@ -38,10 +38,10 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from fcaudit._version import __version__
-from fcaudit.core.conditions import CONDITIONS, by_kind
+from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER, by_kind
 from fcaudit.core.errors import DataError, ModelError, UsageError, arg
 from fcaudit.core.interventions import StaticProfiles, static_tensor
-from fcaudit.core.nll import device_of
+from fcaudit.core.nll import device_of, model_limits
 from fcaudit.core.registry import refusal
 from fcaudit.engine.execution import time_interleaved
 from fcaudit.engine.options import AuditOptions
@@ -189,8 +189,8 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
         if condition.profile not in arch.folds:
             raise UsageError(f"{arg('profile', profile)}: {arch.name} does not fold it; folds "
                              f"exist for {foldable()}", option="profile")
-        profiles = _profiles(setup, say)
-        values = _values(setup, profiles, condition.name, net)
+        profiles, dtypes = _profiles(setup, say)
+        values = _values(setup, profiles, condition.name, net, dtypes)
         folded = net.folded(condition.profile, values)
         exact = _exactness(setup, profiles, condition.name, folded, result, say)
         speed = _speeds(net, folded, setup, timing_pairs, say)
@@ -217,45 +217,49 @@ def _arch(setup: Any) -> Any:
     return ARCHES[config["arch"]]
 
 
-def _profiles(setup: Any, say: Progress) -> StaticProfiles:
+def _profiles(setup: Any, say: Progress) -> tuple[StaticProfiles, dict[str, torch.dtype]]:
     """The audit's calibration profiles, recomputed: one record pass a calibration batch,
-    its sums added in batch order as the audit added them."""
-    profiles = StaticProfiles(setup.sites)
+    its sums added in batch order as the audit added them; and each site's coefficient
+    dtype (what the condition feeds)."""
+    profiles, dtypes = StaticProfiles(setup.sites), {}
     size, net = setup.options.batch_size, setup.model
     n = -(-setup.inputs.n_calib // size)
     for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net)), start=1):
         _, coefficients, _ = setup.executor.record(x, None)
         add_calibration(setup, profiles, calibration_shard(setup, coefficients, x), b)
+        dtypes = {k: v.dtype for k, v in coefficients.items()}
         say("fold: record calibration", done, n)
-    return profiles
+    return profiles, dtypes
 
 
-def _values(setup: Any, profiles: StaticProfiles, condition: str,
-            net: nn.Module) -> list[Tensor]:
-    """Each site's fixed values, as the condition feeds them (:func:`static_tensor`, in the
-    coefficients' dtype): one value; one per position of the model's context (positions
-    past the calibration windows take the site's static-layer value); one per token id
-    (ids no calibration token had take it too, as the condition gives them)."""
+def _values(setup: Any, profiles: StaticProfiles, condition: str, net: nn.Module,
+            dtypes: dict[str, torch.dtype]) -> list[Tensor]:
+    """Each site's fixed rows ``[rows, *trailing]``, as the condition feeds them
+    (:func:`static_tensor`, in the coefficients' dtype): one row; one per position of the
+    model's context (positions past the calibration windows take the site's static-layer
+    row); one per token id of its vocabulary (ids no calibration token had take it too,
+    as the condition gives them)."""
     key = CONDITIONS[condition].profile
-    config = net.config
+    vocab, context = model_limits(net)
+    if key == "layer_position" and context is None or key == "layer_token" and vocab is None:
+        what = "context" if key == "layer_position" else "vocabulary"
+        raise ModelError(f"the model states no {what} to fold the {condition} profile into")
     out = []
     for site in setup.sites:
-        positions = profiles.shape(site)[0]
-        dtype = torch.float32
-        if key == "layer":
-            like = torch.zeros(1, 1, 1, dtype=dtype)
-            value = static_tensor(condition, site, profiles, like).reshape(-1)
-        elif key == "layer_position":
-            like = torch.zeros(1, positions, 1, dtype=dtype)
-            known = static_tensor(condition, site, profiles, like).reshape(-1)
-            rest = static_tensor("static-layer", site, profiles, torch.zeros(1, 1, 1))
-            value = torch.cat([known, rest.reshape(-1).expand(config.block_size - positions)])
+        positions, *trailing = profiles.shape(site)
+
+        def fed(name: str, rows: int, ids: Tensor | None = None, site: Any = site,
+                trailing: list[int] = trailing) -> Tensor:
+            like = torch.zeros(1, rows, *trailing, dtype=dtypes[site.name])
+            return static_tensor(name, site, profiles, like, ids)[0]
+        if key == "layer_position":
+            value = torch.cat([fed(condition, positions), fed(STATIC_LAYER, 1).expand(
+                max(context - positions, 0), *trailing)])[:context]
+        elif key == "layer_token":
+            value = fed(condition, vocab, torch.arange(vocab).view(1, vocab))
         else:
-            vocab = config.vocab_size
-            like = torch.zeros(1, vocab, 1, dtype=dtype)
-            ids = torch.arange(vocab).view(1, vocab)
-            value = static_tensor(condition, site, profiles, like, ids).reshape(-1)
-        out.append(value)
+            value = fed(condition, 1)
+        out.append(value.contiguous())
     return out
 
 

@@ -473,6 +473,7 @@ def _add_routes(sub: Any) -> None:
 
 
 def _add_fold(sub: Any) -> None:
+    from fcaudit.io.arches import foldable  # the registry: light, no torch
     parser = sub.add_parser(
         "fold", add_help=False,
         help="write the model with a static profile in place of its controllers",
@@ -492,8 +493,7 @@ def _add_fold(sub: Any) -> None:
     f.add_argument("--audit", required=True, type=user_file, metavar="DIR",
                    help="a folder written by fcaudit audit (its audit.json)")
     f.add_argument("--profile", required=True, metavar="CONDITION",
-                   help="the static condition to fold: static-layer, static-layer-position "
-                        "or static-layer-token, where the model's family folds it")
+                   help=f"the static condition to fold; folds exist for {foldable()}")
     f.add_argument("--out", required=True, type=user_path, metavar="RUN",
                    help="the run folder to write (new, or a run folder fcaudit wrote, with "
                         "--force)")

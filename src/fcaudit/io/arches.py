@@ -92,3 +92,12 @@ ARCHES: Registry[Arch] = Registry("arch", (
 
 def get_arch(name: str) -> Arch:
     return ARCHES.lookup(name)
+
+
+def foldable() -> str:
+    """Which profiles of which architectures fold (``fcaudit fold``), as a person reads it:
+    each fold's key named by the static condition that feeds that profile."""
+    from fcaudit.core.conditions import CONDITIONS
+    names = {c.profile: c.name for c in CONDITIONS.values() if c.profile}
+    return "; ".join(f"{a.name} ({', '.join(names[k] for k in a.folds)})"
+                     for a in ARCHES.values() if a.folds)

@@ -50,7 +50,7 @@ from fcaudit.engine.prepare import AuditRequest, prepare
 from fcaudit.engine.result import AuditResult
 from fcaudit.engine.result_parts import Estimate
 from fcaudit.engine.stages import add_calibration, calibration_shard
-from fcaudit.io.arches import ARCHES
+from fcaudit.io.arches import ARCHES, foldable
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.loading import release
 
@@ -104,13 +104,6 @@ class FoldResult:
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "eval_ids"}
-
-
-def foldable() -> str:
-    """Which profiles of which architectures fold, as a person reads it."""
-    names = {c.profile: c.name for c in CONDITIONS.values() if c.profile}
-    return "; ".join(f"{a.name} ({', '.join(names[k] for k in a.folds)})"
-                     for a in ARCHES.values() if a.folds)
 
 
 def _condition(profile: str, result: AuditResult) -> Any:
@@ -352,5 +345,4 @@ def _write(work: Path, setup: Any, folded: nn.Module, done: FoldResult) -> None:
                                    "fold": done.to_json()})
 
 
-__all__ = ["FOLD_TOLERANCE", "Exactness", "FoldResult", "FoldSpeed", "fold", "foldable",
-           "read_audit"]
+__all__ = ["FOLD_TOLERANCE", "Exactness", "FoldResult", "FoldSpeed", "fold", "read_audit"]

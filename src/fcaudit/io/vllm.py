@@ -184,10 +184,11 @@ class ServedModel(nn.Module):
     execution_note = NOT_EXECUTED_HERE
 
     def __init__(self, llm: Any, max_seqs: int, max_tokens: int,
-                 memory_share: float | None = None) -> None:
+                 memory_share: float | None = None, replicated: bool = False) -> None:
         super().__init__()
         self.__dict__["llm"] = llm  # not a module: the engine itself
         self.max_seqs, self.max_tokens, self.memory_share = max_seqs, max_tokens, memory_share
+        self.replicated = replicated  # tensor-parallel: each router on several ranks
         self.family = _family(_one(llm.collective_rpc("fcaudit_model_class"), "model class"))
         self.routers = _routers(self.family, llm.collective_rpc(
             "fcaudit_routers", args=(self.family.layers, self.family.block,
@@ -227,7 +228,8 @@ class ServedModel(nn.Module):
                                 detokenize=False)
         fed = self._fed(rows, length)
         self.llm.collective_rpc("fcaudit_arm", args=(list(self.routers), fed, {
-            p: p.rpartition(".")[0] + "." + self.family.experts for p in self.routers}))
+            p: p.rpartition(".")[0] + "." + self.family.experts for p in self.routers},
+            self.replicated))
         try:
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in ids],
                                         params, use_tqdm=False)
@@ -479,7 +481,8 @@ def start_engine(folder: Path, dtype: torch.dtype | None, serving: Serving
                 if "memory" in cause.lower() else "")
         raise ModelError(f"vLLM could not serve {folder}: {cause}{hint}") from exc
     try:  # a kernel the backend lacks (a head size, a dtype) fails here, not mid-audit
-        served = ServedModel(llm, seqs, seqs * config, share).eval()
+        served = ServedModel(llm, seqs, seqs * config, share,
+                             replicated=serving.tensor_parallel > 1).eval()
         served(torch.zeros(1, 2, dtype=torch.long))
     except Exception as exc:  # noqa: BLE001 - as above
         with contextlib.suppress(Exception):

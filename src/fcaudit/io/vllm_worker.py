@@ -7,8 +7,9 @@ is mixed into vLLM's worker class for that. Before each pass the router sites to
 armed (their outputs replaced by the supplied logits, on every rank: a tensor-parallel
 router is replicated, so each rank must route the same tokens alike); the pass runs; then
 each rank hands back what its routers returned and selected. Only one rank per pipeline
-stage (tensor rank 0) sends tensors back; every rank sends a digest of its routers'
-logits, so replicas that computed different bits are seen, never assumed equal.
+stage (tensor rank 0) sends tensors back; with tensor parallelism every rank sends a
+digest of its routers' logits, so replicas that computed different bits are seen, never
+assumed equal.
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ class FcauditWorker:
         return found
 
     def fcaudit_arm(self, paths: list[str], fed: dict[str, Tensor],
-                    selectors: dict[str, str]) -> None:
+                    selectors: dict[str, str], replicated: bool) -> None:
         """Before a pass: feed the routers in ``fed`` their logits, record every router at
-        ``paths`` this rank holds (``selectors``: router path -> its runner's path)."""
+        ``paths`` this rank holds (``selectors``: router path -> its runner's path; with
+        ``replicated`` tensor-parallel routers, each one's digest too)."""
         self.fcaudit_take()  # a pass that failed before its take: start clean
         model, sends = self._fcaudit_model(), _sends()
         held = dict(model.named_modules())
@@ -110,7 +112,7 @@ class FcauditWorker:
                 def hook(_m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
                     record = armed.routers[path]
                     record.calls += 1
-                    record.digest = _digest(out[0])
+                    record.digest = _digest(out[0]) if replicated else ""
                     if sends:
                         _, ids = selector.select_experts(hidden_states=args[0],
                                                          router_logits=out[0])

@@ -13,8 +13,14 @@ from typing import Any
 
 from fcaudit.core.errors import install_extra, render
 from fcaudit.engine.objectives import TASKS
-from fcaudit.engine.options import AuditOptions, OptionSpec, option_specs
-from fcaudit.io.arches import ARCHES
+from fcaudit.engine.options import (
+    MAX_TIMING_PAIRS,
+    MIN_TIMING_PAIRS,
+    AuditOptions,
+    OptionSpec,
+    option_specs,
+)
+from fcaudit.io.arches import ARCHES, foldable
 from fcaudit.io.engines import EAGER, ENGINES
 from fcaudit.io.runtime import measured_minutes
 
@@ -473,7 +479,6 @@ def _add_routes(sub: Any) -> None:
 
 
 def _add_fold(sub: Any) -> None:
-    from fcaudit.io.arches import foldable  # the registry: light, no torch
     parser = sub.add_parser(
         "fold", add_help=False,
         help="write the model with a static profile in place of its controllers",
@@ -501,9 +506,11 @@ def _add_fold(sub: Any) -> None:
                    help="replace a run folder fcaudit wrote at --out")
     f.add_argument("--model", default=None, type=user_file, metavar="SPEC",
                    help="the audited model (default: the one audit.json names)")
-    f.add_argument("--timing-pairs", type=int, default=10, metavar="N",
+    pairs = AuditOptions().timing_pairs
+    f.add_argument("--timing-pairs", type=int, default=pairs, metavar="N",
                    help="interleaved timing pairs against the original and the dense twin, "
-                        "10 to 1000; 0 disables timing (default 10)")
+                        f"{MIN_TIMING_PAIRS} to {MAX_TIMING_PAIRS}; 0 disables timing "
+                        f"(default {pairs})")
     f.add_argument("--json", type=user_path, default=None, metavar="FILE",
                    help="also write what the fold (and the healing) measured as JSON")
     h = parser.add_argument_group("heal (fine-tune the folded model; the original alike as "

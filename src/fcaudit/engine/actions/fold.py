@@ -44,7 +44,7 @@ from fcaudit.core.interventions import StaticProfiles, static_tensor
 from fcaudit.core.nll import device_of, model_limits
 from fcaudit.core.registry import refusal
 from fcaudit.engine.execution import time_interleaved
-from fcaudit.engine.options import AuditOptions
+from fcaudit.engine.options import MAX_TIMING_PAIRS, MIN_TIMING_PAIRS, AuditOptions
 from fcaudit.engine.passes import batches
 from fcaudit.engine.prepare import AuditRequest, prepare
 from fcaudit.engine.result import AuditResult
@@ -163,9 +163,9 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
     from fcaudit.io.runs import building, check_run_out
     result = read_audit(audit)
     condition = _condition(profile, result)
-    if timing_pairs and not 10 <= timing_pairs <= 1000:
-        raise UsageError(f"{arg('timing_pairs', timing_pairs)}: 10 to 1000, or 0 (no timing)",
-                         option="timing_pairs")
+    if timing_pairs and not MIN_TIMING_PAIRS <= timing_pairs <= MAX_TIMING_PAIRS:
+        raise UsageError(f"{arg('timing_pairs', timing_pairs)}: {MIN_TIMING_PAIRS} to "
+                         f"{MAX_TIMING_PAIRS}, or 0 (no timing)", option="timing_pairs")
     target = Path(out).expanduser() if out is not None else None
     if target is not None:
         check_run_out(target, force)

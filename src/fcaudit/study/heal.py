@@ -18,7 +18,6 @@ training plays (where the run's tokenizer is the built-in corpus's) or of the us
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,11 +162,10 @@ def heal(folded: str | Path, original: str | Path, steps: int, eval_ids: np.ndar
     if len(stream) < tp.seq_len + 2:
         raise DataError(f"the heal data hold {len(stream)} tokens, fewer than one window of "
                         f"{tp.seq_len + 1}")
-    start = load_run(Path(folded))
-    healed = copy.deepcopy(start.model).float()
+    start = load_run(Path(folded))  # both loaded afresh: trained in place
+    healed = start.model.float()
     scores = {name: _fine_tuned(model, stream, tp, eval_ids, seed, progress, name)
-              for name, model in (("folded", healed),
-                                  ("original", copy.deepcopy(source.model).float()))}
+              for name, model in (("folded", healed), ("original", source.model.float()))}
     curve = [HealPoint(i, float(scores["folded"][i].mean()),
                        float(scores["original"][i].mean())) for i in sorted(scores["folded"])]
     done = HealResult(steps, tp.lr, tp.batch_size, tp.seq_len, seed, said, curve,

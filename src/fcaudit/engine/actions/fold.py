@@ -185,7 +185,7 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
         profiles, dtypes = _profiles(setup, say)
         values = _values(setup, profiles, condition.name, net, dtypes)
         folded = net.folded(condition.profile, values)
-        exact = _exactness(setup, profiles, condition.name, folded, result, say)
+        exact = _exactness(setup, profiles, dtypes, condition.name, folded, result, say)
         speed = _speeds(net, folded, setup, timing_pairs, say)
         done = FoldResult(str(audit), profile, condition.profile, str(setup.loaded.spec),
                           arch.folds_into or arch.name, exact, *speed,
@@ -256,8 +256,9 @@ def _values(setup: Any, profiles: StaticProfiles, condition: str, net: nn.Module
     return out
 
 
-def _exactness(setup: Any, profiles: StaticProfiles, condition: str, folded: nn.Module,
-               result: AuditResult, say: Progress) -> Exactness:
+def _exactness(setup: Any, profiles: StaticProfiles, dtypes: dict[str, torch.dtype],
+               condition: str, folded: nn.Module, result: AuditResult,
+               say: Progress) -> Exactness:
     """The condition replayed and the folded model run on every evaluation batch."""
     size, net = setup.options.batch_size, setup.model
     objective = setup.objective
@@ -265,10 +266,11 @@ def _exactness(setup: Any, profiles: StaticProfiles, condition: str, folded: nn.
     replayed, ours, worst, total, tokens = [], [], 0.0, 0.0, 0
     folded.to(device_of(net))
     for done, (_, x) in enumerate(batches(setup.eval_source, size, device_of(net)), start=1):
-        _, coefficients, _ = setup.executor.record(x, None)
         ids = setup.inputs.batch_token_ids(x)
-        fed = {s: static_tensor(condition, s, profiles, coefficients[s.name], ids)
-               for s in setup.sites}
+        # a static condition reads only the coefficients' shape and dtype: no record pass
+        like = {s.name: torch.zeros(*ids.shape, *profiles.shape(s)[1:], dtype=dtypes[s.name],
+                                    device=x.device) for s in setup.sites}
+        fed = {s: static_tensor(condition, s, profiles, like[s.name], ids) for s in setup.sites}
         out = setup.executor.replay(x, fed, objective=objective)
         want = objective.units(out.output, x).double()
         with torch.no_grad():

@@ -318,3 +318,11 @@ def test_the_command_line_heals_and_prints_the_curve_with_its_control(
     alone = run_inprocess([*argv[:argv.index("--heal-steps")], "--heal-out",
                            str(tmp_path / "x")], capsys)
     assert alone.returncode == 2 and "only with --heal-steps" in alone.stderr
+    (tmp_path / "mine").mkdir()  # a folder of the user's as --heal-out: refused first
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    moved = {str(tmp_path / "folded"): str(tmp_path / "folded2"),
+             str(tmp_path / "healed"): str(tmp_path / "mine")}
+    theirs = run_inprocess([*(moved.get(a, a) for a in argv), "--force"], capsys)
+    assert theirs.returncode == 2 and "notes.txt" in theirs.stderr
+    assert not (tmp_path / "folded2").exists()
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]

@@ -97,9 +97,12 @@ def cmd_fold(args: argparse.Namespace) -> None:
     if args.heal_steps is None and (args.heal_data or args.heal_out):
         raise UsageError("--heal-data and --heal-out are read only with --heal-steps N",
                          option="heal_steps")
-    if args.heal_out is not None and args.heal_out.resolve() == args.out.resolve():
-        raise UsageError("--heal-out must differ from --out (the folded model is kept "
-                         "beside the healed one)", option="heal_out")
+    if args.heal_out is not None:
+        if args.heal_out.resolve() == args.out.resolve():
+            raise UsageError("--heal-out must differ from --out (the folded model is kept "
+                             "beside the healed one)", option="heal_out")
+        from fcaudit.io.runs import check_run_out
+        check_run_out(args.heal_out, args.force)  # before the fold writes anything
     counts = {k: getattr(args, k) for k in ("max_eval", "max_calib")
               if getattr(args, k) is not None}
     spec = DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,

@@ -1203,3 +1203,26 @@ def fold_demo(r: Results) -> str:
                   "latency / original", "FLOPs / original", "latency / dense twin",
                   "penalty before", "penalty after healing", "recovered", "seconds (fold + "
                   "heal)"), rows, "lrrrrrrrrr"), ""])
+
+
+@block("fold-lengths", "a Mamba's time-invariant fold against its selective scan by length",
+       [bench("fold_lengths")], ["python benchmarks/fold_lengths.py"])
+def fold_lengths(r: Results) -> str:
+    d = r.json(bench("fold_lengths"))
+    res = d["results"]
+    e, speed = res["fold"]["exactness"], res["fold"]["vs_original"]
+    rows = [(str(x["length"]), _estimate(x["latency_ratio"], 3),
+             f"{x['folded_tokens_per_s']:,.0f}", f"{x['original_tokens_per_s']:,.0f}")
+            for x in res["lengths"]]
+    return "\n".join([
+        "", f"{measured(d)} The model: {res['model']}, audited on the built-in data "
+        f"({res['audit_s']:.0f} s) and its `static-layer` profile folded ({res['fold_s']:.0f} s, "
+        f"timing included): largest per-token loss difference {e['max_abs_diff']:.2g} against "
+        f"the replayed condition (mean {e['mean_abs_diff']:.2g}, {e['tokens']:,} tokens), "
+        f"latency against the original at the audit's length "
+        f"{_estimate(speed['latency_ratio'], 3)}, FLOPs (matrix products only) "
+        f"{speed['flops_ratio']:.3f}. Then one batch of {res['batch_size']} random sequences "
+        f"per length, {res['pairs']} interleaved pairs each (< 1: the fold is faster), with "
+        "95% intervals:", "",
+        md_table(("length", "latency folded / original", "folded tokens/s",
+                  "original tokens/s"), rows, "rrrr"), ""])

@@ -118,7 +118,8 @@ def _expected(key: str, outs: torch.Tensor, ids: np.ndarray, rows: int) -> torch
 @pytest.mark.parametrize("profile", PROFILES)
 def test_each_profile_folds_exactly(audited: Path, profile: str, arch: str) -> None:
     """The folded run (a FeatureGate: the Dense architecture; an MoE: an MoE routed by a
-    table) holds fixed rows equal to the controller outputs' means this test reads off the
+    table, or at one row per layer the Dense architecture with the chosen experts merged)
+    holds fixed rows equal to the controller outputs' means this test reads off the
     original model; no controller is left; its NLL is the audit's for the condition, and
     its losses the replayed condition's."""
     from fcaudit.core.nll import logits_of, token_nll
@@ -132,22 +133,93 @@ def test_each_profile_folds_exactly(audited: Path, profile: str, arch: str) -> N
     assert e.max_abs_diff <= e.bound_relative * 10 and e.tokens == 10 * (LENGTH - 1)
     assert abs(e.folded_nll - audit["conditions"][profile]["nll"]) <= 1e-6
     config = json.loads((out / "config.json").read_text())
-    assert config["arch"] == {"featuregate": "dense", "moe": "moe"}[arch]
+    assert config["arch"] == ("moe" if arch == "moe" and profile != "static-layer" else "dense")
     assert config["fold"]["profile"] == profile
     folded, key = load_run(out).model, done.key
-    assert folded.config.fixed == key and folded.controller_sites() == []
+    merged = arch == "moe" and key == "layer"  # one MLP, no fixed values left
+    assert folded.config.fixed == ("" if merged else key) and folded.controller_sites() == []
     assert not [n for n, _ in folded.named_parameters() if ".gate." in n or ".router." in n]
     original = load_run(root / "run").model
     data = _data()
     rows = {"layer": 1, "layer_position": folded.config.block_size,
             "layer_token": folded.config.vocab_size}[key]
-    for block, outs in zip(folded.blocks, _outputs(original, data.calib_ids), strict=True):
+    for i, outs in enumerate(_outputs(original, data.calib_ids)):
         want = _expected(key, outs, data.calib_ids, rows)
-        assert torch.allclose(block.fixed.value.double(), want, atol=1e-6), profile
+        if merged:
+            _check_merged(folded.blocks[i].body.mlp, original.blocks[i], want[0])
+        else:
+            assert torch.allclose(folded.blocks[i].fixed.value.double(), want, atol=1e-6)
     x = torch.from_numpy(data.eval_ids)
     with torch.no_grad():
         nll = token_nll(logits_of(folded(x)), x).double().mean()
     assert abs(float(nll) - e.folded_nll) <= 1e-6  # the run folder computes what was checked
+
+
+def _check_merged(mlp: Any, block: Any, logits: torch.Tensor) -> None:
+    """The merged MLP of an MoE block routed by the fixed ``logits`` (worked out here: the
+    top-k logits' experts, a softmax over those logits): their first layers side by side,
+    their second layers scaled by the weights side by side, the shared bias."""
+    top = sorted(range(len(logits)), key=lambda e: -float(logits[e]))[:block.top_k]
+    weights = torch.softmax(logits[top], dim=0)
+    experts = [block.experts[e] for e in top]
+    assert torch.equal(mlp.fc.weight, torch.cat([e.fc.weight for e in experts]))
+    assert torch.equal(mlp.fc.bias, torch.cat([e.fc.bias for e in experts]))
+    want = torch.cat([w * e.proj.weight.double()
+                      for w, e in zip(weights, experts, strict=True)], dim=1)
+    assert torch.allclose(mlp.proj.weight.double(), want, atol=1e-6)
+    assert torch.equal(mlp.proj.bias, block.expert_bias)
+
+
+def _mamba_run(folder: Path) -> Path:
+    """A tiny Mamba run folder, its Δ, B and C projections spread so that they vary."""
+    from fcaudit.models.mamba import Mamba, MambaConfig
+    torch.manual_seed(0)
+    cfg = MambaConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_embd=16, d_state=4,
+                      dt_rank=2, chunk=4)
+    model = Mamba(cfg)
+    with torch.no_grad():
+        for site in model.controller_sites():
+            for p in model.get_submodule(site.path).parameters():
+                p.normal_(0, 0.5)
+    folder.mkdir(parents=True)
+    save_run_model(folder, model)
+    (folder / "config.json").write_text(json.dumps({
+        "fcaudit_run": 1, "arch": "mamba", "preset": "tiny", "seed": 0,
+        "model_config": dataclasses.asdict(cfg)}), encoding="utf-8")
+    return folder
+
+
+def test_a_mamba_folds_into_its_time_invariant_twin_run_as_a_convolution(
+        tmp_path: Path) -> None:
+    """Held at one Δ, B, C per layer a Mamba is time-invariant: the fold is the S4D
+    network (run by FFT) with the means of Δ (before softplus), B and C this test reads
+    off the original's projections, and every other weight the original's; its losses
+    are the static-layer condition's within the bound. A row per token id is not
+    time-invariant: refused, naming what folds."""
+    from fcaudit.engine.actions.fold import fold
+    from fcaudit.io.loading import load_run
+    run, data = _mamba_run(tmp_path / "run"), _data()
+    fcaudit.audit(str(run), tmp_path / "audit", data=data, options=OPTIONS)
+    done = fold(tmp_path / "audit", "static-layer", tmp_path / "folded", data=data,
+                timing_pairs=0)
+    audit = json.loads((tmp_path / "audit" / "audit.json").read_text())
+    assert done.arch == "s4d" and done.exactness.max_abs_diff <= 1e-5
+    assert abs(done.exactness.folded_nll - audit["conditions"]["static-layer"]["nll"]) <= 1e-5
+    folded, original = load_run(tmp_path / "folded").model, load_run(run).model
+    assert type(folded).__name__ == "S4D" and folded.config.mode == "fft"
+    assert folded.controller_sites() == []
+    means = [outs.mean((0, 1)) for outs in _outputs(original, data.calib_ids)]
+    for site, mean in zip(original.controller_sites(), means, strict=True):
+        value = folded.get_parameter(f"layers.{site.layer}.mixer.{site.family}")
+        assert torch.allclose(value.double(), mean, atol=1e-6), site.name
+    kept = {k: v for k, v in original.state_dict().items()
+            if not any(k.startswith(s.path + ".") for s in original.controller_sites())}
+    assert all(torch.equal(folded.state_dict()[k], v) for k, v in kept.items())
+    with pytest.raises(UsageError, match=r"mamba does not fold it; folds exist for .*mamba "
+                                         r"\(static-layer\)"):
+        fold(tmp_path / "audit", "static-layer-token", tmp_path / "token", data=data,
+             timing_pairs=0)
+    assert not (tmp_path / "token").exists()
 
 
 def test_the_fold_is_timed_against_the_original_and_the_dense_twin(audited: Path) -> None:
@@ -326,3 +398,39 @@ def test_the_command_line_heals_and_prints_the_curve_with_its_control(
     assert theirs.returncode == 2 and "notes.txt" in theirs.stderr
     assert not (tmp_path / "folded2").exists()
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+    moved = {str(tmp_path / "folded"): str(tmp_path / "folded3"),
+             str(tmp_path / "healed"): str(tmp_path / "healed3")}
+    gate = run_inprocess([*(moved.get(a, a) for a in argv), "--heal-params", "blocks.*.gate.*"],
+                         capsys)  # the fold removed the gates: no such weight to heal
+    assert gate.returncode == 2 and "names no weight of the folded model" in gate.stderr
+    assert not (tmp_path / "folded3").exists() and not (tmp_path / "healed3").exists()
+
+
+def test_healing_a_named_subset_trains_only_those_weights(tmp_path: Path) -> None:
+    """With ``params``, only the weights the globs name change, in the folded model and
+    the control; every other weight stays bit for bit the folded run's. A glob that names
+    no weight of the folded model (the gate, which the fold removed) is refused before the
+    fold writes anything."""
+    from fcaudit.engine.actions.fold import fold
+    from fcaudit.io.loading import load_run
+    from fcaudit.study.heal import check_params, heal
+    text = _text(tmp_path)
+    run = _run(tmp_path / "run", text=text)
+    data = _data()
+    fcaudit.audit(str(run), tmp_path / "audit", data=data, options=OPTIONS)
+    with pytest.raises(UsageError, match="names no weight of the folded model"):
+        fold(tmp_path / "audit", "static-layer", tmp_path / "refused", data=data,
+             timing_pairs=0, accept=lambda m: check_params(m, ["blocks.*.gate.*"]))
+    assert not (tmp_path / "refused").exists()
+    done = fold(tmp_path / "audit", "static-layer", tmp_path / "folded", data=data,
+                timing_pairs=0)
+    healed = heal(tmp_path / "folded", run, 4, done.eval_ids, data=text,
+                  params=["blocks.1.*.mlp.*"], out=tmp_path / "healed", progress=False)
+    before = load_run(tmp_path / "folded").model.state_dict()
+    after = load_run(tmp_path / "healed").model.state_dict()
+    changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    named = sorted(k for k in before if k.startswith("blocks.1.body.mlp."))
+    assert changed == named and healed.params == ["blocks.1.*.mlp.*"]
+    assert healed.trained["folded"] == healed.trained["original"] == sum(
+        before[k].numel() for k in named)
+    assert healed.curve[-1].original_nll != healed.curve[0].original_nll  # the control trained

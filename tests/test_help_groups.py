@@ -53,7 +53,7 @@ EXPECTED = {
              "SHA-256)": {"--data", "--calib-data", "--tokens", "--calib-tokens", "--seq-len",
                           "--max-eval", "--max-calib"},
              "heal (fine-tune the folded model; the original alike as the control)": {
-                 "--heal-steps", "--heal-data", "--heal-out"},
+                 "--heal-steps", "--heal-data", "--heal-params", "--heal-out"},
              "general options": GENERAL | {"--quiet"}},
 }
 

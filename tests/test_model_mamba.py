@@ -192,6 +192,32 @@ def test_s4d_convolution_modes_equal_its_scan():
     assert (outputs["conv"] - outputs["scan"]).abs().max() < 1e-4
 
 
+def test_an_inference_kernel_is_reused_only_while_its_weights_are_the_same():
+    """Without gradients the kernel of a length is computed once; any change to the
+    weights (in place, through ``.data`` with no version bump, or new tensors) or the
+    length computes it again: each output equals a model built afresh from the weights."""
+    torch.manual_seed(0)
+    twin = S4D(S4DConfig(**dataclasses.asdict(CFG))).eval()
+    ids = torch.randint(0, 97, (B, 19))
+
+    def fresh(x: torch.Tensor) -> torch.Tensor:
+        other = S4D(twin.config).eval()
+        other.load_state_dict(twin.state_dict())
+        with torch.enable_grad():  # the gradient path never reuses a kernel
+            return other(x).detach()
+    with torch.no_grad():
+        first = twin(ids)
+        assert torch.equal(first, fresh(ids)) and torch.equal(twin(ids), first)
+        twin.layers[0].mixer.dt.add_(0.5)  # in place
+        assert torch.equal(twin(ids), fresh(ids)) and not torch.equal(twin(ids), first)
+        twin.layers[1].mixer.C.data.mul_(2.0)  # through .data: the version does not move
+        assert torch.equal(twin(ids), fresh(ids))
+        twin.layers[0].mixer.B = torch.nn.Parameter(twin.layers[0].mixer.B * 3)  # new tensor
+        assert torch.equal(twin(ids), fresh(ids))
+        shorter = ids[:, :7]
+        assert torch.equal(twin(shorter), fresh(shorter))
+
+
 @pytest.mark.parametrize("cfg, field", [
     (dict(d_state=0), "d_state=0"), (dict(chunk=1.5), "chunk=1.5"),
     (dict(dt_min=0.2, dt_max=0.1), "dt_min=0.2")])

@@ -94,9 +94,9 @@ def cmd_fold(args: argparse.Namespace) -> None:
     from fcaudit.io.fileio import write_json
     if args.json is not None:
         _own_json(args.json, SCHEMA)
-    if args.heal_steps is None and (args.heal_data or args.heal_out):
-        raise UsageError("--heal-data and --heal-out are read only with --heal-steps N",
-                         option="heal_steps")
+    if args.heal_steps is None and (args.heal_data or args.heal_out or args.heal_params):
+        raise UsageError("--heal-data, --heal-params and --heal-out are read only with "
+                         "--heal-steps N", option="heal_steps")
     if args.heal_out is not None:
         if args.heal_out.resolve() == args.out.resolve():
             raise UsageError("--heal-out must differ from --out (the folded model is kept "
@@ -108,9 +108,12 @@ def cmd_fold(args: argparse.Namespace) -> None:
     spec = DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
                     calib_tokens=args.calib_tokens, seq_len=args.seq_len, **counts)
     spec.validate()
+    from fcaudit.study.heal import check_params
+    globs = args.heal_params
     done = fold(args.audit, args.profile, args.out, model=args.model, data=spec,
                 timing_pairs=args.timing_pairs, force=args.force,
-                progress=None if args.quiet else _fold_progress)
+                progress=None if args.quiet else _fold_progress,
+                accept=None if globs is None else lambda folded: check_params(folded, globs))
     e = done.exactness
     print(f"folded {done.profile} into {done.source}: {args.out} ({done.arch}-shaped run "
           f"folder)")
@@ -132,7 +135,11 @@ def cmd_fold(args: argparse.Namespace) -> None:
 def _heal(args: argparse.Namespace, done: Any) -> Any:
     from fcaudit.study.heal import heal
     healed = heal(args.out, done.source, args.heal_steps, done.eval_ids, data=args.heal_data,
-                  out=args.heal_out, force=args.force, progress=not args.quiet)
+                  params=args.heal_params, out=args.heal_out, force=args.force,
+                  progress=not args.quiet)
+    print(f"healing trained {healed.trained['folded']:,} weights of the folded model and "
+          f"{healed.trained['original']:,} of the original" +
+          ("" if healed.params is None else f" (those named {', '.join(healed.params)})"))
     print("| step | folded NLL | original NLL (the control, fine-tuned alike) |\n"
           "|---:|---:|---:|")
     for point in healed.curve:

@@ -478,6 +478,23 @@ def _add_routes(sub: Any) -> None:
     general_options(parser)
 
 
+def _add_heal_options(parser: argparse.ArgumentParser) -> None:
+    h = parser.add_argument_group("heal (fine-tune the folded model; the original alike as "
+                                  "the control)")
+    h.add_argument("--heal-steps", type=int, default=None, metavar="N",
+                   help="fine-tune the folded model and, as the control, the original for N "
+                        "steps on the same batches, scored on the audit's evaluation data")
+    h.add_argument("--heal-data", type=user_file, default=None, metavar="TEXT",
+                   help="text to heal on, tokenized with the run's tokenizer (default: the "
+                        "built-in training plays, where the run was trained on them)")
+    h.add_argument("--heal-params", action="append", default=None, metavar="GLOB",
+                   help="train only the weights whose names match this glob (repeatable, e.g. "
+                        "'blocks.*.mlp.*'), in both models; one naming no weight of the "
+                        "folded model is refused before anything is written (default: all)")
+    h.add_argument("--heal-out", type=user_path, default=None, metavar="RUN",
+                   help="write the healed model as a run folder here (default: measure only)")
+
+
 def _add_fold(sub: Any) -> None:
     parser = sub.add_parser(
         "fold", add_help=False,
@@ -486,7 +503,9 @@ def _add_fold(sub: Any) -> None:
                     "run folder whose model has no controller computation, only the "
                     "profile's fixed values (a FeatureGate becomes its Dense twin with one "
                     "scale per block, position or token id; an MoE reads its router logits "
-                    "from a table). The calibration profiles are "
+                    "from a table, or merges its experts into one MLP at one value per "
+                    "layer; a Mamba becomes its time-invariant twin run as a convolution). "
+                    "The calibration profiles are "
                     "recomputed from the audit's data, the condition is replayed and must "
                     "give the NLL audit.json reports, and the folded model's per-token "
                     "losses must equal the replay's (1e-5 relative) or nothing is written; "
@@ -513,16 +532,7 @@ def _add_fold(sub: Any) -> None:
                         f"(default {pairs})")
     f.add_argument("--json", type=user_path, default=None, metavar="FILE",
                    help="also write what the fold (and the healing) measured as JSON")
-    h = parser.add_argument_group("heal (fine-tune the folded model; the original alike as "
-                                  "the control)")
-    h.add_argument("--heal-steps", type=int, default=None, metavar="N",
-                   help="fine-tune the folded model and, as the control, the original for N "
-                        "steps on the same batches, scored on the audit's evaluation data")
-    h.add_argument("--heal-data", type=user_file, default=None, metavar="TEXT",
-                   help="text to heal on, tokenized with the run's tokenizer (default: the "
-                        "built-in training plays, where the run was trained on them)")
-    h.add_argument("--heal-out", type=user_path, default=None, metavar="RUN",
-                   help="write the healed model as a run folder here (default: measure only)")
+    _add_heal_options(parser)
     data = parser.add_argument_group(
         "data (the audit's: default the built-in plays, as fcaudit audit; checked by SHA-256)")
     for name in ("data", "calib_data", "tokens", "calib_tokens"):

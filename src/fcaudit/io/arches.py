@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fcaudit.core.errors import arg
+from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.registry import Registry, refusal
 
 if TYPE_CHECKING:
@@ -31,9 +31,8 @@ class Arch:
     task: str = "lm"  # "lm": tokens to next-token logits; "vision": digits to class logits
     # the static profiles (a condition's ``profile``: layer, layer_position, layer_token)
     # its model folds in place of its controllers (``fcaudit fold``: the model's
-    # ``folded(key, values)``), and the arch the folded config loads as ("": this one)
+    # ``folded(key, values)``, whose class and config say which arch it is: arch_of)
     folds: tuple[str, ...] = ()
-    folds_into: str = ""
 
     def _attr(self, name: str) -> Any:
         return getattr(importlib.import_module(self.module), name)
@@ -59,8 +58,7 @@ class Arch:
 ARCHES: Registry[Arch] = Registry("arch", (
     # folded, a FeatureGate is its Dense twin with fixed gate values (models/featuregate.py)
     Arch("featuregate", "fcaudit.models.featuregate", "GPT", "GPTConfig",
-         (("gated", True),), folds=("layer", "layer_position", "layer_token"),
-         folds_into="dense"),
+         (("gated", True),), folds=("layer", "layer_position", "layer_token")),
     Arch("dense", "fcaudit.models.featuregate", "GPT", "GPTConfig", (("gated", False),)),
     Arch("skipgate", "fcaudit.models.skipgate", "SkipGateGPT", "SkipGateConfig"),
     Arch("earlyexit", "fcaudit.models.earlyexit", "EarlyExitGPT",
@@ -71,10 +69,12 @@ ARCHES: Registry[Arch] = Registry("arch", (
     Arch("dense-ponder", "fcaudit.models.ponder", "PonderGPT", "PonderConfig",
          (("halting", False),)),
     Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig"),
-    # folded, an MoE reads its router logits from a table: per token id, a hash-routed MoE
+    # folded, an MoE reads its router logits from a table (per token id: a hash-routed
+    # MoE); at one row per layer its experts merge into the Dense twin's MLP
     Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig",
          folds=("layer", "layer_position", "layer_token")),
-    Arch("mamba", "fcaudit.models.mamba", "Mamba", "MambaConfig"),
+    # folded at one Δ, B, C per layer, a Mamba is time-invariant: its LTI twin's network
+    Arch("mamba", "fcaudit.models.mamba", "Mamba", "MambaConfig", folds=("layer",)),
     Arch("s4d", "fcaudit.models.s4d", "S4D", "S4DConfig"),
     Arch("vit-moe", "fcaudit.models.vit_moe", "ViTMoE", "ViTMoEConfig",
          task="vision"),
@@ -92,6 +92,16 @@ ARCHES: Registry[Arch] = Registry("arch", (
 
 def get_arch(name: str) -> Arch:
     return ARCHES.lookup(name)
+
+
+def arch_of(model: nn.Module) -> Arch:
+    """The architecture a model built by one of these classes is (its class, and the config
+    fields the arch forces): what a folded model's run folder names."""
+    for a in ARCHES.values():
+        if (type(model).__module__, type(model).__name__) == (a.module, a.model_class) and \
+                all(getattr(model.config, k, None) == v for k, v in a.fixed):
+            return a
+    raise FcauditError(f"{type(model).__name__} is none of fcaudit's architectures")
 
 
 def foldable() -> str:

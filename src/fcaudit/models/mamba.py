@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -309,6 +309,38 @@ class Mamba(SSMNet):
                      family=family, layer=i, axes=TOKEN_AXES, positions=TOKEN_LAYOUT,
                      role=Selection(space))
                 for family, module, space in SELECTION for i in range(len(self.layers))]
+
+    def folded(self, key: str, values: list[torch.Tensor]) -> nn.Module:
+        """This model with ``Δ``, ``B``, ``C`` fixed at one row per layer (``key``
+        ``"layer"``; ``values`` in :meth:`controller_sites`' order, ``[1, D]`` or ``[1, N]``
+        each): a time-invariant model, so it is the LTI twin's network (:class:`S4D`, run
+        as a convolution: :attr:`fold_mode`) with these constants and every other weight
+        this model's. Only one row per layer folds: a row per position or token id is not
+        time-invariant, and the selective scan would still run."""
+        from fcaudit.models.s4d import S4D, S4DConfig
+        if key != "layer":
+            raise FcauditError(f"a Mamba folds one row per layer (static-layer), not {key!r}: "
+                               "rows per position or token id are not time-invariant")
+        sites = self.controller_sites()
+        config = S4DConfig(**{f.name: getattr(self.config, f.name) for f in fields(MambaConfig)},
+                           mode=self.fold_mode)
+        with torch.device("meta"):
+            folded = S4D(config)
+        state = {k: v for k, v in self.state_dict().items()
+                 if not any(k.startswith(s.path + ".") for s in sites)}
+        given = {f"layers.{s.layer}.mixer.{s.family}": v for s, v in
+                 zip(sites, values, strict=True)}
+        expected = {k: (1, *v.shape) for k, v in folded.state_dict().items() if k not in state}
+        if {k: tuple(v.shape) for k, v in given.items()} != expected:
+            raise FcauditError(f"fixed Δ, B, C: expected {expected}, got "
+                               f"{ {k: tuple(v.shape) for k, v in given.items()} }")
+        folded.load_state_dict({**state, **{k: v[0].clone() for k, v in given.items()}},
+                               assign=True)
+        return folded.eval()
+
+    # how a folded Mamba runs its time-invariant recurrence (S4D's modes): a convolution,
+    # which the selective model cannot use, is what the fold buys
+    fold_mode: ClassVar[str] = "fft"
 
     def dense_counterpart(self) -> nn.Module:
         """The LTI twin (:class:`fcaudit.models.s4d.S4D`) of the same width and depth; a

@@ -23,8 +23,12 @@ MoE holds ``num_experts / top_k`` times the Dense MLP parameters in total.
 
 A *folded* MoE (``fixed``, written by ``fcaudit fold``) has no router: each block reads
 its router logits from fixed values (:class:`~fcaudit.models.featuregate.FixedValues`),
-one row per block, position or token id (the latter a token-id routing table, a
-hash-routed MoE without the router's matrix product), and routes them by the same rule.
+one row per position or token id (the latter a token-id routing table, a hash-routed MoE
+without the router's matrix product), and routes them by the same rule. With one row per
+block every token takes the same ``top_k`` experts with the same weights, so they merge
+into one MLP: their first layers side by side, their second layers scaled by the weights
+side by side, ``top_k * expert_hidden`` wide, which is the Dense twin's MLP width, so the
+folded model is the Dense architecture (:meth:`MoEGPT.folded`).
 
 Training adds the Switch/Mixtral load-balancing loss ``E * sum_e f_e * P_e`` (see
 :func:`load_balance`), averaged over layers and weighted by ``aux_loss_coef``; the
@@ -197,3 +201,29 @@ class MoEGPT(Routed, GPT):
 
     block_class = MoEBlock
     folded_settings: ClassVar[dict[str, object]] = {}  # folded, it stays an MoE
+
+    def folded(self, key: str, values: list[torch.Tensor]) -> GPT:
+        """:meth:`GPT.folded`, except one row of logits per block (``key`` ``"layer"``):
+        each block's ``top_k`` experts and weights are then the same for every token, and
+        merge into the Dense twin's MLP (the module docstring)."""
+        if key != "layer":
+            return super().folded(key, values)
+        with torch.device("meta"):
+            dense = self.dense_counterpart()
+        state = {k: v for k, v in self.state_dict().items()
+                 if k.split(".")[0] != "blocks"}
+        for i, (block, logits) in enumerate(zip(self.blocks, values, strict=True)):
+            weights, chosen = route(logits.reshape(1, -1).float(), self.config.top_k)
+            experts = [block.experts[int(e)] for e in chosen[0]]
+            parts = {**{f"{n}.weight": getattr(block, n).weight for n in ("ln_1", "ln_2")},
+                     **{f"{n}.bias": getattr(block, n).bias for n in ("ln_1", "ln_2")},
+                     **{f"attn.{k}": v for k, v in block.attn.state_dict().items()},
+                     "mlp.fc.weight": torch.cat([e.fc.weight for e in experts]),
+                     "mlp.fc.bias": torch.cat([e.fc.bias for e in experts]),
+                     "mlp.proj.weight": torch.cat(
+                         [w * e.proj.weight for w, e in zip(weights[0], experts, strict=True)],
+                         dim=1),
+                     "mlp.proj.bias": block.expert_bias}
+            state.update({f"blocks.{i}.body.{k}": v.detach().clone() for k, v in parts.items()})
+        dense.load_state_dict(state, assign=True)
+        return dense.eval()

@@ -24,6 +24,7 @@ fingerprint (a plain module attribute), so an audit records which was timed.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,13 @@ def causal_direct_conv(u: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
     return F.conv1d(x, kernel.flip(-1).unsqueeze(1), groups=u.shape[2]).transpose(1, 2)
 
 
+# each mixer's last inference kernel, its length and copies of the weights it came from
+# (LTIMixer.kernel): held beside the module, not on it, so no attribute enters the model's
+# fingerprint
+_KERNELS: weakref.WeakKeyDictionary[nn.Module, tuple[int, list[torch.Tensor], torch.Tensor]] \
+    = weakref.WeakKeyDictionary()
+
+
 class LTIMixer(Mixer):
     """Mamba's mixer with ``Δ``, ``B``, ``C`` learned as constants (no sites)."""
 
@@ -81,7 +89,22 @@ class LTIMixer(Mixer):
         self.C = nn.Parameter(torch.randn(cfg.d_state) * cfg.d_state ** -0.5)
 
     def kernel(self, T: int) -> torch.Tensor:
-        """``K [D, T]``: ``K[d, k] = sum_n C_n exp(k Δ_d A_dn) Δ_d B_n``."""
+        """``K [D, T]``: ``K[d, k] = sum_n C_n exp(k Δ_d A_dn) Δ_d B_n``. A function of the
+        weights alone, so inference (no gradients) reuses the last one computed for this
+        length while the weights it came from are bitwise the same (compared with copies
+        kept beside it: a few thousand numbers). A folded Mamba's kernel is then computed
+        once per length: its ``D * N * T`` exponentials cost more than the convolution."""
+        if torch.is_grad_enabled():
+            return self._kernel(T)
+        weights = [p.detach() for p in (self.dt, self.A_log, self.B, self.C)]
+        held = _KERNELS.get(self)
+        if held is None or held[0] != T or not all(
+                a.shape == b.shape and a.device == b.device and a.dtype == b.dtype and
+                torch.equal(a, b) for a, b in zip(held[1], weights, strict=True)):
+            held = _KERNELS[self] = (T, [w.clone() for w in weights], self._kernel(T))
+        return held[2]
+
+    def _kernel(self, T: int) -> torch.Tensor:
         dt = F.softplus(self.dt)  # [D]
         steps = torch.arange(T, device=dt.device, dtype=dt.dtype)
         powers = torch.exp((dt.unsqueeze(-1) * self.A).unsqueeze(-1) * steps)  # [D, N, T]

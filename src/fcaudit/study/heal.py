@@ -13,12 +13,15 @@ penalty recovered where the penalty before is clearly above zero.
 Healing continues at a tenth of the run's own peak learning rate, decaying on the run's
 cosine schedule, on random windows of the run's training length: of the built-in
 training plays (where the run's tokenizer is the built-in corpus's) or of the user's text
-(tokenized with the run's own tokenizer). All weights are trained.
+(tokenized with the run's own tokenizer). All weights are trained, or those whose names
+match the given globs (``params``), in both models alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +67,8 @@ class HealResult:
     penalty_after: Estimate  # healed minus the fine-tuned original
     recovered: Estimate | None  # share of the penalty before recovered (None: not clear)
     out: str | None
+    params: list[str] | None  # the globs naming the weights trained (None: all)
+    trained: dict[str, int]  # parameters (numbers) trained, in the folded model and the original
     schema: str = SCHEMA
 
     def to_json(self) -> dict[str, Any]:
@@ -110,11 +115,39 @@ def _schedule(config: dict[str, Any], steps: int) -> TrainPreset:
                        steps=steps, lr=float(train["lr"]) * LR_FACTOR, warmup=0)
 
 
+def check_params(folded: nn.Module, params: Sequence[str]) -> None:
+    """Refuse a glob of ``params`` that names no weight of the folded model (callable
+    before the fold is written: nothing is)."""
+    names = [n for n, _ in folded.named_parameters()]
+    for glob in params:
+        if not fnmatch.filter(names, glob):
+            raise UsageError(f"{arg('heal_params', glob)} names no weight of the folded model "
+                             f"(its weights: {', '.join(names[:6])}, ...); give globs over "
+                             "these names", option="heal_params")
+
+
+def _train_only(model: nn.Module, params: Sequence[str] | None) -> int:
+    """Freeze every weight of ``model`` but those whose names match a glob of ``params``
+    (None: train all); how many numbers are trained. The original may have none of them
+    (a fold's new constants, e.g. a folded Mamba's ``layers.*.mixer.dt``): then the
+    control is the original untrained."""
+    if params is None:
+        return sum(p.numel() for p in model.parameters())
+    trained = 0
+    for n, p in model.named_parameters():
+        p.requires_grad_(any(fnmatch.fnmatchcase(n, g) for g in params))
+        trained += p.numel() if p.requires_grad else 0
+    return trained
+
+
 def _fine_tuned(model: nn.Module, stream: np.ndarray, tp: TrainPreset, eval_ids: np.ndarray,
                 seed: int, progress: bool, name: str) -> dict[int, np.ndarray]:
     """``model`` fine-tuned on ``stream`` (the seed draws the batches: the same for every
     model), scored per sequence on ``eval_ids`` at step 0, along the way and at the end."""
     marks = {round(tp.steps * k / POINTS) for k in range(POINTS)}
+    if not any(p.requires_grad for p in model.parameters()):  # nothing to train: as it is
+        unchanged = _per_sequence(model, eval_ids)
+        return {i: unchanged for i in (*marks, tp.steps)}
     scores: dict[int, np.ndarray] = {}
 
     def before(i: int) -> None:
@@ -142,12 +175,14 @@ def _penalties(before: np.ndarray, after: np.ndarray, seed: int
 
 
 def heal(folded: str | Path, original: str | Path, steps: int, eval_ids: np.ndarray, *,
-         data: str | Path | None = None, out: str | Path | None = None, seed: int = 0,
-         force: bool = False, progress: bool = True) -> HealResult:
+         data: str | Path | None = None, params: Sequence[str] | None = None,
+         out: str | Path | None = None, seed: int = 0, force: bool = False,
+         progress: bool = True) -> HealResult:
     """Fine-tune the folded run ``folded`` and, as the control, the ``original`` run for
     ``steps`` steps on the same batches; score both on ``eval_ids`` ``[N, T]`` (the
     audit's evaluation windows) at step 0, along the way and at the end; write the healed
-    model as a run folder at ``out`` (None: measure only)."""
+    model as a run folder at ``out`` (None: measure only). ``params``: globs over weight
+    names (``blocks.*.mlp.*``): only those train, in both models (None: all)."""
     from fcaudit.io.outdir import hold_output
     from fcaudit.io.runs import building, check_run_out, write_run
     if steps < 1:
@@ -164,14 +199,19 @@ def heal(folded: str | Path, original: str | Path, steps: int, eval_ids: np.ndar
                         f"{tp.seq_len + 1}")
     start = load_run(Path(folded))  # both loaded afresh: trained in place
     healed = start.model.float()
+    if params is not None:
+        check_params(healed, params)
+    models = {"folded": healed, "original": source.model.float()}
+    trained = {name: _train_only(model, params) for name, model in models.items()}
     scores = {name: _fine_tuned(model, stream, tp, eval_ids, seed, progress, name)
-              for name, model in (("folded", healed), ("original", source.model.float()))}
+              for name, model in models.items()}
     curve = [HealPoint(i, float(scores["folded"][i].mean()),
                        float(scores["original"][i].mean())) for i in sorted(scores["folded"])]
     done = HealResult(steps, tp.lr, tp.batch_size, tp.seq_len, seed, said, curve,
                       *_penalties(scores["folded"][0] - scores["original"][0],
                                   scores["folded"][steps] - scores["original"][steps], seed),
-                      None if target is None else str(target))
+                      None if target is None else str(target),
+                      None if params is None else list(params), trained)
     if target is not None:
         with hold_output(target, "run"), building(target) as work:
             tokenizer = Path(folded) / "tokenizer.json"

@@ -269,9 +269,11 @@ def _train(arch: Arch, preset: str, seed: int, out: Path, tp: TrainPreset, cfg: 
 
 
 def adamw(model: nn.Module, tp: TrainPreset) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on biases, norms or gains)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    """AdamW with weight decay on matrices only (not on biases, norms or gains), over the
+    parameters that require gradients (healing may train a subset)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": tp.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=tp.lr, betas=(0.9, 0.95))

@@ -50,7 +50,7 @@ from fcaudit.engine.prepare import AuditRequest, prepare
 from fcaudit.engine.result import AuditResult
 from fcaudit.engine.result_parts import Estimate
 from fcaudit.engine.stages import add_calibration, calibration_shard
-from fcaudit.io.arches import ARCHES, foldable
+from fcaudit.io.arches import ARCHES, arch_of, foldable
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.loading import release
 
@@ -145,20 +145,24 @@ def _same_audit(setup: Any, result: AuditResult) -> None:
             raise DataError(f"the data given is not the audit's ({part.split('_')[0]} data's "
                             "SHA-256 differs): give the same data options as the audit")
     if [s.name for s in setup.sites] != [s.name for s in result.sites]:
-        raise ModelError(f"the model's sites {[s.name for s in setup.sites]} are not the "
-                         f"audit's {[s.name for s in result.sites]}")
+        raise ModelError(f"the audit measured the sites {[s.name for s in result.sites]}, not "
+                         f"the controllers the model declares ({[s.name for s in setup.sites]}"
+                         "): a fold replaces those; audit them (no sites option), then fold")
 
 
 def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
          model: Any = None, data: DataSpec | AuditData | None = None,
          timing_pairs: int = 10, force: bool = False,
-         progress: Progress | None = None) -> FoldResult:
+         progress: Progress | None = None,
+         accept: Callable[[nn.Module], None] | None = None) -> FoldResult:
     """Fold the audit's static ``profile`` into its model and write the result as a run
     folder at ``out`` (None: measure only). ``model``: the audited model (default: the
     one ``audit.json`` names); ``data``: the audit's data (default: the built-in corpus,
     as ``fcaudit audit`` without data options); both are checked to be the audit's.
     ``timing_pairs``: interleaved pairs timing the folded model against the original and
-    the dense twin (0: not timed)."""
+    the dense twin (0: not timed). ``accept``: called with the folded model before
+    anything is written (a refusal there writes nothing: the command line checks the
+    healing's weight globs with it)."""
     from fcaudit.io.outdir import hold_output
     from fcaudit.io.runs import building, check_run_out
     result = read_audit(audit)
@@ -175,7 +179,7 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
                            execution=False, per_layer=False)
     spec = model if model is not None else result.model.spec
     setup = prepare(AuditRequest(model=spec, data=data if data is not None else DataSpec(),
-                                 options=options, sites=[s.name for s in result.sites]))
+                                 options=options))
     try:
         _same_audit(setup, result)
         net, arch = setup.model, _arch(setup)
@@ -185,10 +189,12 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
         profiles, dtypes = _profiles(setup, say)
         values = _values(setup, profiles, condition.name, net, dtypes)
         folded = net.folded(condition.profile, values)
+        if accept is not None:
+            accept(folded)
         exact = _exactness(setup, profiles, dtypes, condition.name, folded, result, say)
         speed = _speeds(net, folded, setup, timing_pairs, say)
         done = FoldResult(str(audit), profile, condition.profile, str(setup.loaded.spec),
-                          arch.folds_into or arch.name, exact, *speed,
+                          arch_of(folded).name, exact, *speed,
                           None if target is None else str(target),
                           eval_ids=np.asarray(setup.data.eval_ids))
         if target is not None:

@@ -218,6 +218,23 @@ def test_an_inference_kernel_is_reused_only_while_its_weights_are_the_same():
         assert torch.equal(twin(shorter), fresh(shorter))
 
 
+def test_counted_flops_do_not_depend_on_what_ran_before():
+    """The execution audit counts after an uncounted pass, so a time-invariant model's
+    kernel (made once from the weights) is never in the count: a fresh model, one that
+    ran this length before and one that ran another length give the same FLOPs."""
+    from fcaudit.engine.execution import execution_pass
+    ids = torch.randint(0, 97, (B, 21))
+    counts = []
+    for before in (None, ids, ids[:, :5]):
+        torch.manual_seed(0)
+        twin = S4D(S4DConfig(**dataclasses.asdict(CFG))).eval()
+        if before is not None:
+            with torch.no_grad():
+                twin(before)
+        counts.append(execution_pass(twin, twin.execution_blocks(), [ids])["flops_per_token"])
+    assert counts[0] > 0 and counts == [counts[0]] * 3
+
+
 @pytest.mark.parametrize("cfg, field", [
     (dict(d_state=0), "d_state=0"), (dict(chunk=1.5), "chunk=1.5"),
     (dict(dt_min=0.2, dt_max=0.1), "dt_min=0.2")])

@@ -9,7 +9,10 @@ Three measurements, all taken on real forward passes and never read from a confi
 * **FLOPs per token**, counted by ``torch.utils.flop_counter.FlopCounterMode`` over
   the forward pass: matrix products and attention (``2*M*N*K`` per matmul;
   attention counted in full, as torch counts its fused kernels). Elementwise work
-  (norms, activations, gathers) is not counted, for model and dense alike.
+  (norms, activations, gathers) is not counted, for model and dense alike. Counted
+  after one uncounted pass (:func:`warm_pass`): what a model computes from its weights
+  alone once and then reuses (a time-invariant model's convolution kernel) is not
+  per-pass work, so it is never counted, whatever ran before.
 * **Latency**: model and dense timed alternately in one process after warm-up, in
   pairs whose order alternates (A B, B A, A B, ...) so that drift and any
   first-or-second-call effect cancel. The ratio is model/dense *latency* (> 1: the
@@ -236,6 +239,13 @@ class _OpRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def warm_pass(model: nn.Module, input_ids: Any) -> None:
+    """One uncounted inference pass before FLOPs are counted, so that a count never
+    depends on what ran before it (the module docstring)."""
+    with inference(model):
+        call_model(model, input_ids)
+
+
 def uncounted_operators(ops: Iterable[Any], counter: FlopCounterMode) -> list[str]:
     """Matrix-work operators among ``ops`` that ``counter`` has no FLOP formula for."""
     return sorted(str(op) for op in ops
@@ -258,6 +268,8 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
     paths = list(block_paths)
     batches = list(batches)
     per_example = bool(batches) and isinstance(batches[0], ExampleBatch)
+    if flops and batches:
+        warm_pass(model, batches[0])
     counts, positions, pre_hooks = _block_counters(paths, per_example)
     counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
     recorder = _OpRecorder()

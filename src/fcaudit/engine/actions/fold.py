@@ -43,7 +43,7 @@ from fcaudit.core.errors import DataError, ModelError, UsageError, arg
 from fcaudit.core.interventions import StaticProfiles, static_tensor
 from fcaudit.core.nll import device_of, model_limits
 from fcaudit.core.registry import refusal
-from fcaudit.engine.execution import time_interleaved
+from fcaudit.engine.execution import time_interleaved, warm_pass
 from fcaudit.engine.options import MAX_TIMING_PAIRS, MIN_TIMING_PAIRS, AuditOptions
 from fcaudit.engine.passes import batches
 from fcaudit.engine.prepare import AuditRequest, prepare
@@ -308,6 +308,7 @@ def _per_unit(losses: Tensor) -> np.ndarray:
 
 
 def _flops(model: nn.Module, x: Tensor) -> int:
+    warm_pass(model, x)  # as the execution audit counts: weights-only work made once
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(x)
     return int(counter.get_total_flops())

@@ -415,9 +415,9 @@ def test_grouped_mm_flops_are_counted_by_formula():
 
 
 def test_an_uncounted_matrix_operator_refuses_the_flops_ratio(monkeypatch):
-    import fcaudit.engine.execution as ex
-    monkeypatch.setattr(ex, "EXTRA_FLOP_FORMULAS", {
-        k: v for k, v in ex.EXTRA_FLOP_FORMULAS.items() if "grouped" not in str(k)})
+    import fcaudit.core.flops as flops
+    monkeypatch.setattr(flops, "EXTRA_FLOP_FORMULAS", {
+        k: v for k, v in flops.EXTRA_FLOP_FORMULAS.items() if "grouped" not in str(k)})
     result = measure_execution(GroupedExperts(), GroupedExperts(), torch.zeros(4, 8).long(),
                                block_paths=[""], dense_block_paths=[""], timing=False)
     assert result.uncounted_operators == ["aten._grouped_mm"]

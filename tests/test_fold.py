@@ -434,3 +434,77 @@ def test_healing_a_named_subset_trains_only_those_weights(tmp_path: Path) -> Non
     assert healed.trained["folded"] == healed.trained["original"] == sum(
         before[k].numel() for k in named)
     assert healed.curve[-1].original_nll != healed.curve[0].original_nll  # the control trained
+
+
+def _exit_run(folder: Path, arch: str) -> Path:
+    """A tiny early-exit (or ponder) run folder, its exit scores spread so that tokens
+    stop at different depths."""
+    from fcaudit.models.earlyexit import EarlyExitConfig, EarlyExitGPT
+    from fcaudit.models.ponder import PonderConfig, PonderGPT
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, block_size=32, n_head=2, n_embd=16)
+    cfg: Any = EarlyExitConfig(**shape, n_layer=4, exit_threshold=0.5) if arch == "earlyexit" \
+        else PonderConfig(**shape, max_steps=4, halt_threshold=0.5)
+    model: Any = (EarlyExitGPT if arch == "earlyexit" else PonderGPT)(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if (".score." in name or name.startswith("unit.")) and name.endswith("proj.weight"):
+                p.normal_(0, 2.0)
+    folder.mkdir(parents=True)
+    save_run_model(folder, model)
+    (folder / "config.json").write_text(json.dumps({
+        "fcaudit_run": 1, "arch": arch, "preset": "tiny", "seed": 0,
+        "model_config": dataclasses.asdict(cfg)}), encoding="utf-8")
+    return folder
+
+
+@pytest.mark.parametrize("arch", ["earlyexit", "ponder"])
+def test_fixed_exit_folds_into_the_twin_truncated_at_that_depth(tmp_path: Path,
+                                                                arch: str) -> None:
+    """Under fixed exit every token stops at one depth: the fold is the dense twin cut
+    there (FeatureGate's Dense with that many blocks; Ponder's shared block run that many
+    steps), no exit rule left. The depth is the one closest to the model's mean executed
+    depth on calibration, worked out here from the exits this test reads off the rule
+    modules; the folded model's logits equal the original's exit head at that depth in a
+    full-depth pass, and its NLL the audit's fixed-exit NLL."""
+    from fcaudit.core.nll import logits_of, token_nll
+    from fcaudit.engine.actions.fold import fold
+    from fcaudit.io.loading import load_run
+    run, data = _exit_run(tmp_path / "run", arch), _data()
+    options = dataclasses.replace(OPTIONS, conditions=("fixed-exit",))
+    fcaudit.audit(str(run), tmp_path / "audit", data=data, options=options)
+    done = fold(tmp_path / "audit", "fixed-exit", tmp_path / "folded", data=data,
+                timing_pairs=0)
+    audit = json.loads((tmp_path / "audit" / "audit.json").read_text())
+    assert abs(done.exactness.folded_nll - audit["conditions"]["fixed-exit"]["nll"]) <= 1e-5
+    original, folded = load_run(run).model, load_run(tmp_path / "folded").model
+    rules = original.exit_rules()
+    stops: list[torch.Tensor] = []
+    handles = [original.get_submodule(r).register_forward_hook(
+        lambda _m, _a, out: stops.append(out.bool())) for r in rules]
+    with torch.no_grad():
+        original(torch.from_numpy(data.calib_ids))
+    for h in handles:
+        h.remove()
+    stopped = torch.stack(stops + [torch.ones_like(stops[0])]).int().argmax(0)  # exit layer
+    mean_depth = float((stopped + 1).double().mean())
+    depth = min(range(1, len(rules) + 2), key=lambda d: (abs(d - mean_depth), -d))
+    assert 1 < depth < len(rules) + 1  # a cut inside the model, not at either end
+    config = json.loads((tmp_path / "folded" / "config.json").read_text())
+    if arch == "earlyexit":
+        assert config["arch"] == "dense" and len(folded.blocks) == depth
+    else:
+        assert config["arch"] == "dense-ponder" and folded.config.max_steps == depth
+    assert folded.controller_sites() == []
+    x = torch.from_numpy(data.eval_ids)
+    heads: list[torch.Tensor] = []
+    hooked = original.get_submodule(original.exit_heads()[depth - 1]).register_forward_hook(
+        lambda _m, _a, out: heads.append(out))
+    original.full_depth = True
+    with torch.no_grad():
+        original(x)
+        got = folded(x)
+    hooked.remove()
+    assert (got - heads[0]).abs().max() <= 1e-5
+    assert abs(float(token_nll(logits_of(got), x).double().mean()) -
+               done.exactness.folded_nll) <= 1e-6

@@ -504,7 +504,9 @@ def _add_fold(sub: Any) -> None:
                     "profile's fixed values (a FeatureGate becomes its Dense twin with one "
                     "scale per block, position or token id; an MoE reads its router logits "
                     "from a table, or merges its experts into one MLP at one value per "
-                    "layer; a Mamba becomes its time-invariant twin run as a convolution). "
+                    "layer; a Mamba becomes its time-invariant twin run as a convolution; "
+                    "under fixed exit an early-exit or ponder model is its twin cut at "
+                    "that depth). "
                     "The calibration profiles are "
                     "recomputed from the audit's data, the condition is replayed and must "
                     "give the NLL audit.json reports, and the folded model's per-token "
@@ -517,7 +519,8 @@ def _add_fold(sub: Any) -> None:
     f.add_argument("--audit", required=True, type=user_file, metavar="DIR",
                    help="a folder written by fcaudit audit (its audit.json)")
     f.add_argument("--profile", required=True, metavar="CONDITION",
-                   help=f"the static condition to fold; folds exist for {foldable()}")
+                   help=f"the condition to fold (a static profile, or fixed exit; the audit "
+                        f"must have computed it); folds exist for {foldable()}")
     f.add_argument("--out", required=True, type=user_path, metavar="RUN",
                    help="the run folder to write (new, or a run folder fcaudit wrote, with "
                         "--force)")

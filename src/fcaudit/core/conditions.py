@@ -67,6 +67,10 @@ class Condition:
     # the calibration sums its profile reads besides the default ones (a key of
     # engine/stages.py's collections): gathered only by audits that run it
     collects: str | None = None
+    # what ``fcaudit fold`` fixes into a model under this condition (a key an
+    # architecture's ``folds`` names, the model's ``folded(key, values)``): a static
+    # profile's rows, or the one exit depth; None: no fold writes it
+    fold: str | None = None
 
     def feed(self, coefficients: Mapping[str, Any], context: Any) -> Mapping[str, Any]:
         """The coefficients to feed under this condition (tensors by site name)."""
@@ -114,16 +118,18 @@ REGISTRY: tuple[Condition, ...] = (
               unavailable={"positions": "shuffle does not apply, so neither does the pair"}),
     Condition("static-layer", "static", "per-site calibration mean", _CALIB,
               feeder="feed_static", profile="layer", penalty="a static per-layer profile",
-              roles=frozenset({"penalty", "retention", "per-layer", "counted", "rerouted"})),
+              roles=frozenset({"penalty", "retention", "per-layer", "counted", "rerouted"}),
+              fold="layer"),
     Condition("static-layer-position", "static", "per-site, per-position calibration mean",
               _CALIB | {"positions"}, feeder="feed_static", profile="layer_position",
               penalty="a static per-layer-and-position profile",
               roles=frozenset({"penalty", "retention", "counted"}),
-              unavailable={"positions": "a per-position profile is the per-layer one"}),
+              unavailable={"positions": "a per-position profile is the per-layer one"},
+              fold="layer_position"),
     Condition("static-layer-token", "static", "per-site, per-token-id calibration mean",
               _CALIB | {"token_ids"}, feeder="feed_static", profile="layer_token",
               penalty="a static per-layer-and-token-id profile",
-              roles=frozenset({"penalty", "retention", "counted"})),
+              roles=frozenset({"penalty", "retention", "counted"}), fold="layer_token"),
     Condition("global-mean", "static", "one mean for the whole family", _CALIB,
               feeder="feed_static", profile="global_mean", roles=frozenset({"floor"})),
     # opt-in (its calibration sums grow with ids x positions, so only an audit that asks
@@ -141,7 +147,7 @@ REGISTRY: tuple[Condition, ...] = (
     Condition("fixed-exit", "exit", "one exit layer for all, the one closest to "
               "the mean executed depth on calibration", _CALIB | {"exits"},
               feeder="feed_exit", penalty="one fixed exit layer for all",
-              roles=frozenset({"penalty", "exit-fixed"}), default=False),
+              roles=frozenset({"penalty", "exit-fixed"}), default=False, fold="exit_depth"),
     Condition("fixed-exit-position", "exit", "each position exits at one layer, the one "
               "closest to its mean executed depth on calibration",
               _CALIB | {"positions", "exits"}, feeder="feed_exit",

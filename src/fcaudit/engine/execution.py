@@ -30,9 +30,7 @@ can be compared exactly between runs.
 from __future__ import annotations
 
 import contextlib
-import math
 import platform
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -40,11 +38,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from fcaudit.core.contract import ExpertLayer, Site, SiteCall, execution_mode
 from fcaudit.core.errors import FcauditError, ModelError, arg
+from fcaudit.core.flops import OpRecorder, flop_counter, uncounted_operators
 from fcaudit.core.hooks import hooks
 from fcaudit.core.nll import logits_of
 from fcaudit.core.recording import record
@@ -202,54 +200,11 @@ def _units(x: Any) -> int:
     return len(x) if isinstance(x, ExampleBatch) else x.numel()
 
 
-def _cpu_sdpa_flops(query_shape: torch.Size, key_shape: torch.Size, value_shape: torch.Size,
-                    *_args: object, **_kwargs: object) -> int:
-    """CPU fused attention, which torch's counter leaves out; counted like the CUDA kernels."""
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-def _grouped_mm_flops(a_shape: torch.Size, b_shape: torch.Size, *_args: object,
-                      out_shape: torch.Size | None = None, **_kwargs: object) -> int:
-    """``torch._grouped_mm`` (the default expert kernel of Hugging Face MoE models), which
-    torch's counter counts as 0: every output element contracts one row of ``a``."""
-    if len(a_shape) == 2 and len(b_shape) == 2:  # groups split the contraction dimension
-        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
-    assert out_shape is not None
-    return 2 * math.prod(out_shape) * a_shape[-1]
-
-
-EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
-                       torch.ops.aten._grouped_mm: _grouped_mm_flops}
-# aten operators that do matrix work: one the counter has no formula for would make the
-# FLOPs ratio silently wrong, so it is reported and the FLOPs verdict refused
-_HEAVY_OP = re.compile(r"(^|_)(mm|bmm|addmm|baddbmm|addbmm|mv|addmv|dot|vdot|matmul|"
-                       r"convolution|conv\w*|\w*attention\w*|grouped_mm|scaled_mm|int_mm)$")
-
-
-class _OpRecorder(TorchDispatchMode):
-    """Notes every aten operator a pass runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: set[Any] = set()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        self.ops.add(func._overloadpacket)
-        return func(*args, **(kwargs or {}))
-
-
 def warm_pass(model: nn.Module, input_ids: Any) -> None:
     """One uncounted inference pass before FLOPs are counted, so that a count never
     depends on what ran before it (the module docstring)."""
     with inference(model):
         call_model(model, input_ids)
-
-
-def uncounted_operators(ops: Iterable[Any], counter: FlopCounterMode) -> list[str]:
-    """Matrix-work operators among ``ops`` that ``counter`` has no FLOP formula for."""
-    return sorted(str(op) for op in ops
-                  if _HEAVY_OP.search(op.__name__) and op not in counter.flop_registry)
 
 
 def execution_pass(model: nn.Module, block_paths: Sequence[str],
@@ -271,8 +226,7 @@ def execution_pass(model: nn.Module, block_paths: Sequence[str],
     if flops and batches:
         warm_pass(model, batches[0])
     counts, positions, pre_hooks = _block_counters(paths, per_example)
-    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
-    recorder = _OpRecorder()
+    counter, recorder = flop_counter(), OpRecorder()
     tokens = 0
     with hooks(model, pre_hooks, kind="pre", with_kwargs=True), inference(model), \
             counter if flops else contextlib.nullcontext(), \
@@ -319,7 +273,7 @@ def _block_counters(paths: Sequence[str], per_example: bool
     return counts, positions, pre_hooks
 
 
-def _flop_fields(model: nn.Module, counter: FlopCounterMode, recorder: _OpRecorder,
+def _flop_fields(model: nn.Module, counter: FlopCounterMode, recorder: OpRecorder,
                  paths: Sequence[str], counts: Sequence[int], tokens: int,
                  gated: Sequence[str]) -> dict[str, Any]:
     """FLOPs per token (whole model, per block that ran, per gated module) and the

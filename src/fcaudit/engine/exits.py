@@ -27,6 +27,7 @@ from fcaudit.core.contract import Exit, Site
 from fcaudit.core.errors import ModelError, arg
 from fcaudit.core.exits import (
     EXAMPLE,
+    ExitDepth,
     ExitPlan,
     exit_depth,
     exit_model,
@@ -76,23 +77,35 @@ def exit_plan(setup: Any, tick: Progress) -> ExitPlan | None:
     from fcaudit.engine.execution import inference
     net = exit_model(setup.model, setup.sites)
     size, device = setup.options.batch_size, device_of(setup.model)
-    calib, oracle, own = [], [], []
+    oracle, own = [], []
     with inference(setup.model):
         check_follows(setup, net, next(batches(setup.eval_source, PROBE_ROWS, device))[1])
-        n_calib, n_eval = -(-setup.inputs.n_calib // size), -(-setup.inputs.n_eval // size)
-        for done, (_, x) in enumerate(batches(setup.calib_source, size, device), start=1):
-            calib.append(own_exits(net, lambda x=x: call_model(setup.model, x)).cpu())
-            tick("exit references: calibration", done, n_calib, "")
+        calibration = calibration_depth(setup, net, tick)
+        n_eval = -(-setup.inputs.n_eval // size)
         for done, (_, x) in enumerate(batches(setup.eval_source, size, device), start=1):
             own.append(own_exits(net, lambda x=x: call_model(setup.model, x)).cpu())
             preds = head_predictions(net, lambda x=x: call_model(setup.model, x))
             oracle.append(oracle_layers(preds).cpu())
             tick("exit references: evaluation and oracle", done, n_eval, "")
-    layers, own_layers = len(exit_sites(setup.sites)) + 1, torch.cat(own)
+    own_layers = torch.cat(own)
     with inference(setup.model):
         sweep = sweep_layers(setup, net, own_layers, tick)
-    return ExitPlan(exit_depth(calib, layers), torch.cat(oracle), own_layers,
-                    exit_unit(setup.sites), own_threshold(net), sweep)
+    return ExitPlan(calibration, torch.cat(oracle), own_layers, exit_unit(setup.sites),
+                    own_threshold(net), sweep)
+
+
+@torch.no_grad()
+def calibration_depth(setup: Any, net: Any, tick: Progress) -> ExitDepth:
+    """The model's own exits on the calibration data (one pass a batch): what fixed exit's
+    depth is chosen from (``fcaudit fold`` recomputes it with this too)."""
+    from fcaudit.engine.execution import inference
+    size, device = setup.options.batch_size, device_of(setup.model)
+    n_calib, calib = -(-setup.inputs.n_calib // size), []
+    with inference(setup.model):
+        for done, (_, x) in enumerate(batches(setup.calib_source, size, device), start=1):
+            calib.append(own_exits(net, lambda x=x: call_model(setup.model, x)).cpu())
+            tick("exit references: calibration", done, n_calib, "")
+    return exit_depth(calib, len(exit_sites(setup.sites)) + 1)
 
 
 def check_follows(setup: Any, net: Any, x: Any) -> None:

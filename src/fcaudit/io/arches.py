@@ -29,9 +29,10 @@ class Arch:
     config_class: str
     fixed: tuple[tuple[str, Any], ...] = ()  # config fields this arch forces
     task: str = "lm"  # "lm": tokens to next-token logits; "vision": digits to class logits
-    # the static profiles (a condition's ``profile``: layer, layer_position, layer_token)
-    # its model folds in place of its controllers (``fcaudit fold``: the model's
-    # ``folded(key, values)``, whose class and config say which arch it is: arch_of)
+    # what its model folds in place of its controllers (a condition's ``fold``: a static
+    # profile's rows, layer, layer_position or layer_token, or the exit depth; ``fcaudit
+    # fold``: the model's ``folded(key, values)``, whose class and config say which arch it
+    # is: arch_of)
     folds: tuple[str, ...] = ()
 
     def _attr(self, name: str) -> Any:
@@ -61,10 +62,11 @@ ARCHES: Registry[Arch] = Registry("arch", (
          (("gated", True),), folds=("layer", "layer_position", "layer_token")),
     Arch("dense", "fcaudit.models.featuregate", "GPT", "GPTConfig", (("gated", False),)),
     Arch("skipgate", "fcaudit.models.skipgate", "SkipGateGPT", "SkipGateConfig"),
+    # folded at one exit depth, an exit model is its twin truncated there, no exit rule
     Arch("earlyexit", "fcaudit.models.earlyexit", "EarlyExitGPT",
-         "EarlyExitConfig"),
+         "EarlyExitConfig", folds=("exit_depth",)),
     Arch("ponder", "fcaudit.models.ponder", "PonderGPT", "PonderConfig",
-         (("halting", True),)),
+         (("halting", True),), folds=("exit_depth",)),
     # ponder's twin: the same shared block run max_steps times on every token, no halting
     Arch("dense-ponder", "fcaudit.models.ponder", "PonderGPT", "PonderConfig",
          (("halting", False),)),
@@ -108,6 +110,6 @@ def foldable() -> str:
     """Which profiles of which architectures fold (``fcaudit fold``), as a person reads it:
     each fold's key named by the static condition that feeds that profile."""
     from fcaudit.core.conditions import CONDITIONS
-    names = {c.profile: c.name for c in CONDITIONS.values() if c.profile}
+    names = {c.fold: c.name for c in CONDITIONS.values() if c.fold}
     return "; ".join(f"{a.name} ({', '.join(names[k] for k in a.folds)})"
                      for a in ARCHES.values() if a.folds)

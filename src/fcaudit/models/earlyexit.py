@@ -114,6 +114,17 @@ class ExitBlock(nn.Module):
         return h + Update.forward(self.body, h)
 
 
+def fixed_exit_depth(key: str, values: list[torch.Tensor], layers: int) -> int:
+    """The depth a fixed-exit fold keeps: the exit layer ``values[0]`` plus one."""
+    if key != "exit_depth" or len(values) != 1 or values[0].numel() != 1:
+        raise FcauditError(f"an exit model folds one exit depth (key 'exit_depth', one value), "
+                           f"not {key!r} with {len(values)} values")
+    depth = int(values[0]) + 1
+    if not 1 <= depth <= layers:
+        raise FcauditError(f"exit depth {depth}: 1 to {layers}")
+    return depth
+
+
 class LayerExits:
     """The exit contract of a token-level exit model whose layer ``{LAYERS}.{l}`` holds
     ``body`` (the block counted), ``score`` (the site) and ``halt`` (its rule; both None
@@ -196,6 +207,22 @@ class EarlyExitGPT(LayerExits, GPT):
             total = total + cfg.exit_loss_scale * (i + 1) / L * lm \
                 + F.binary_cross_entropy(score, agree) / (L - 1)
         return total
+
+    def folded(self, key: str, values: list[torch.Tensor]) -> GPT:
+        """Every token stopped after exit layer ``values[0]`` (``key`` ``"exit_depth"``, the
+        fixed-exit condition): nothing runs past it, so this is the Dense twin truncated
+        to that depth, its blocks and exit head (the shared final norm and LM head) this
+        model's, with no exit classifier or rule."""
+        depth = fixed_exit_depth(key, values, len(self.blocks))
+        shared = {f.name: getattr(self.config, f.name) for f in fields(GPTConfig)}
+        with torch.device("meta"):
+            twin = GPT(GPTConfig(**{**shared, "gated": False, "n_layer": depth}))
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("blocks.")}
+        for i in range(depth):
+            state.update({f"blocks.{i}.body.{k}": v
+                          for k, v in self.blocks[i].body.state_dict().items()})
+        twin.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+        return twin.eval()
 
     def dense_counterpart(self) -> GPT:
         """FeatureGate's Dense twin of the same depth and width: every block on every token."""

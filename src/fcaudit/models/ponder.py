@@ -40,7 +40,7 @@ from torch import nn
 
 from fcaudit.core.errors import FcauditError, check_sizes
 from fcaudit.core.exits import ExitHead
-from fcaudit.models.earlyexit import LayerExits, RoutedKVUpdate
+from fcaudit.models.earlyexit import LayerExits, RoutedKVUpdate, fixed_exit_depth
 from fcaudit.models.featuregate import GPT, Gate, GPTConfig, Update
 from fcaudit.models.skipgate import Route
 
@@ -176,6 +176,16 @@ class PonderGPT(LayerExits, nn.Module):
         prior = prior / prior.sum()
         kl = (p * (p.clamp_min(1e-8).log() - prior.log())).sum(-1)
         return (p * ce).sum(-1).mean() + cfg.kl_weight * kl.mean()
+
+    def folded(self, key: str, values: list[torch.Tensor]) -> PonderGPT:
+        """Every token halted after step ``values[0]`` (``key`` ``"exit_depth"``, the
+        fixed-exit condition): the Dense twin (no halting unit) run that many steps."""
+        depth = fixed_exit_depth(key, values, len(self.steps))
+        with torch.device("meta"):
+            twin = PonderGPT(dataclasses.replace(self.config, halting=False, max_steps=depth))
+        twin.load_state_dict({k: v.clone() for k, v in self.state_dict().items()
+                              if not k.startswith("unit.")}, assign=True)
+        return twin.eval()
 
     def dense_counterpart(self) -> PonderGPT:
         """The same shared block run ``max_steps`` times on every token, no halting unit."""

@@ -2,24 +2,26 @@
 diagnosis to a model without controller computation, checked and timed.
 
 An audit found that a static calibration profile (``static-layer``, per position, per
-token id) keeps most of what the controllers did. The fold writes the model with each
-controller replaced by that profile's values, fixed into the weights' folder, and checks
-that it computes what the audit's condition computed:
+token id), or one exit depth for all (``fixed-exit``), keeps most of what the controllers
+did. The fold writes the model with each controller replaced by what that condition
+fixes (the condition's ``fold``), into the weights' folder, and checks that it computes
+what the audit's condition computed:
 
 1. the audit's model and data are loaded again and checked to be the audit's (the
    model's fingerprint, the data's SHA-256s, the sites);
-2. the calibration profiles are recomputed from the calibration data (one record pass a
-   batch, the audit's own sums in the audit's batch order), never read from a cache;
+2. what is fixed is recomputed from the calibration data, never read from a cache: the
+   profiles (one record pass a batch, the audit's own sums in the audit's batch order),
+   or the exit depth (the model's own exits, one pass a batch);
 3. the condition is replayed on the evaluation data: its mean NLL must equal the one
    ``audit.json`` reports (:data:`FOLD_TOLERANCE`, relative), which proves the profiles
-   and data are the audit's;
+   (or the depth) and data are the audit's;
 4. the folded model runs the same windows: its per-token losses must equal the replay's
    within :data:`FOLD_TOLERANCE` (relative to the loss), largest and mean difference
    reported; a fold that does not is refused, and nothing is written;
 5. it is timed against the original and the dense twin side by side (pairs of one batch,
    the execution audit's method), and its FLOPs counted against theirs.
 
-Which families fold, and by which profiles, is each architecture's registry entry
+Which families fold, and by which conditions, is each architecture's registry entry
 (:data:`fcaudit.io.arches.ARCHES`, ``folds``); the model builds its folded self
 (``folded(key, values)``). Nothing here knows a family.
 """
@@ -35,11 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from fcaudit._version import __version__
-from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER, by_kind
+from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER
 from fcaudit.core.errors import DataError, ModelError, UsageError, arg
+from fcaudit.core.exits import exit_model, exit_scores
+from fcaudit.core.flops import flop_counter
 from fcaudit.core.interventions import StaticProfiles, static_tensor
 from fcaudit.core.nll import device_of, model_limits
 from fcaudit.core.registry import refusal
@@ -89,8 +92,8 @@ class FoldResult:
     ``fold``)."""
 
     audit: str
-    profile: str  # the static condition folded
-    key: str  # what the fixed values are keyed by (the condition's profile)
+    profile: str  # the condition folded (a static profile, or fixed exit)
+    key: str  # what it fixes (the condition's fold: layer, layer_position, ... exit_depth)
     source: str  # the audited model
     arch: str  # the folded run's architecture (its config loads it)
     exactness: Exactness
@@ -107,10 +110,10 @@ class FoldResult:
 
 
 def _condition(profile: str, result: AuditResult) -> Any:
-    static = [c for c in by_kind("static") if CONDITIONS[c].profile in
-              {k for a in ARCHES.values() for k in a.folds}]
-    if profile not in static:
-        raise refusal(f"{arg('profile', profile)} does not fold", profile, static,
+    keys = {k for a in ARCHES.values() for k in a.folds}
+    folding = [c.name for c in CONDITIONS.values() if c.fold in keys]
+    if profile not in folding:
+        raise refusal(f"{arg('profile', profile)} does not fold", profile, folding,
                       option="profile")
     if profile not in result.conditions:
         raise UsageError(f"{arg('profile', profile)}: the audit did not compute it (it has "
@@ -155,10 +158,11 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
          timing_pairs: int = 10, force: bool = False,
          progress: Progress | None = None,
          accept: Callable[[nn.Module], None] | None = None) -> FoldResult:
-    """Fold the audit's static ``profile`` into its model and write the result as a run
-    folder at ``out`` (None: measure only). ``model``: the audited model (default: the
-    one ``audit.json`` names); ``data``: the audit's data (default: the built-in corpus,
-    as ``fcaudit audit`` without data options); both are checked to be the audit's.
+    """Fold the audit's condition ``profile`` (a static profile, or fixed exit) into its
+    model and write the result as a run folder at ``out`` (None: measure only).
+    ``model``: the audited model (default: the one ``audit.json`` names); ``data``: the
+    audit's data (default: the built-in corpus, as ``fcaudit audit`` without data
+    options); both are checked to be the audit's.
     ``timing_pairs``: interleaved pairs timing the folded model against the original and
     the dense twin (0: not timed). ``accept``: called with the folded model before
     anything is written (a refusal there writes nothing: the command line checks the
@@ -183,17 +187,17 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
     try:
         _same_audit(setup, result)
         net, arch = setup.model, _arch(setup)
-        if condition.profile not in arch.folds:
+        if condition.fold not in arch.folds:
             raise UsageError(f"{arg('profile', profile)}: {arch.name} does not fold it; folds "
                              f"exist for {foldable()}", option="profile")
-        profiles, dtypes = _profiles(setup, say)
-        values = _values(setup, profiles, condition.name, net, dtypes)
-        folded = net.folded(condition.profile, values)
+        values, feed = (_exit_fold if condition.kind == "exit" else _static_fold)(
+            setup, condition, say)
+        folded = net.folded(condition.fold, values)
         if accept is not None:
             accept(folded)
-        exact = _exactness(setup, profiles, dtypes, condition.name, folded, result, say)
+        exact = _exactness(setup, feed, condition.name, folded, result, say)
         speed = _speeds(net, folded, setup, timing_pairs, say)
-        done = FoldResult(str(audit), profile, condition.profile, str(setup.loaded.spec),
+        done = FoldResult(str(audit), profile, condition.fold, str(setup.loaded.spec),
                           arch_of(folded).name, exact, *speed,
                           None if target is None else str(target),
                           eval_ids=np.asarray(setup.data.eval_ids))
@@ -214,6 +218,40 @@ def _arch(setup: Any) -> Any:
         raise UsageError(f"{setup.loaded.spec} is a {setup.loaded.kind} model; folds exist for "
                          f"run folders of {foldable()}", option="model")
     return ARCHES[config["arch"]]
+
+
+Feed = Callable[[Tensor, Tensor], dict[Any, Tensor]]  # (inputs, token ids) -> site feeds
+
+
+def _static_fold(setup: Any, condition: Any, say: Progress) -> tuple[list[Tensor], Feed]:
+    """A static profile: each site's fixed rows, and the condition's feed of a batch (it
+    reads only the coefficients' shape and dtype: no record pass)."""
+    profiles, dtypes = _profiles(setup, say)
+    values = _values(setup, profiles, condition.name, setup.model, dtypes)
+
+    def feed(x: Tensor, ids: Tensor) -> dict[Any, Tensor]:
+        like = {s.name: torch.zeros(*ids.shape, *profiles.shape(s)[1:], dtype=dtypes[s.name],
+                                    device=x.device) for s in setup.sites}
+        return {s: static_tensor(condition.name, s, profiles, like[s.name], ids)
+                for s in setup.sites}
+    return values, feed
+
+
+def _exit_fold(setup: Any, condition: Any, say: Progress) -> tuple[list[Tensor], Feed]:
+    """Fixed exit: the exit layer closest to the model's mean executed depth on the
+    calibration data, recomputed (the model's own exits, one pass a batch), as one value;
+    and the condition's feed of a batch: the scores that stop every unit there."""
+    from fcaudit.engine.exits import calibration_depth
+    net = exit_model(setup.model, setup.sites)
+    layer = calibration_depth(setup, net, lambda stage, done, n, _: say(
+        "fold: exit depth on calibration", done, n)).fixed()
+
+    def feed(x: Tensor, ids: Tensor) -> dict[Any, Tensor]:
+        _, coefficients, _ = setup.executor.record(x, None)
+        scores = exit_scores(setup.sites, torch.full(ids.shape, layer), coefficients)
+        return {s: scores[s.name] if s.name in scores else coefficients[s.name]
+                for s in setup.sites}
+    return [torch.tensor(layer)], feed
 
 
 def _profiles(setup: Any, say: Progress) -> tuple[StaticProfiles, dict[str, torch.dtype]]:
@@ -262,9 +300,8 @@ def _values(setup: Any, profiles: StaticProfiles, condition: str, net: nn.Module
     return out
 
 
-def _exactness(setup: Any, profiles: StaticProfiles, dtypes: dict[str, torch.dtype],
-               condition: str, folded: nn.Module, result: AuditResult,
-               say: Progress) -> Exactness:
+def _exactness(setup: Any, feed: Feed, condition: str, folded: nn.Module,
+               result: AuditResult, say: Progress) -> Exactness:
     """The condition replayed and the folded model run on every evaluation batch."""
     size, net = setup.options.batch_size, setup.model
     objective = setup.objective
@@ -272,12 +309,8 @@ def _exactness(setup: Any, profiles: StaticProfiles, dtypes: dict[str, torch.dty
     replayed, ours, worst, total, tokens = [], [], 0.0, 0.0, 0
     folded.to(device_of(net))
     for done, (_, x) in enumerate(batches(setup.eval_source, size, device_of(net)), start=1):
-        ids = setup.inputs.batch_token_ids(x)
-        # a static condition reads only the coefficients' shape and dtype: no record pass
-        like = {s.name: torch.zeros(*ids.shape, *profiles.shape(s)[1:], dtype=dtypes[s.name],
-                                    device=x.device) for s in setup.sites}
-        fed = {s: static_tensor(condition, s, profiles, like[s.name], ids) for s in setup.sites}
-        out = setup.executor.replay(x, fed, objective=objective)
+        out = setup.executor.replay(x, feed(x, setup.inputs.batch_token_ids(x)),
+                                    objective=objective)
         want = objective.units(out.output, x).double()
         with torch.no_grad():
             got = objective.units(folded(x), x).double()
@@ -309,7 +342,7 @@ def _per_unit(losses: Tensor) -> np.ndarray:
 
 def _flops(model: nn.Module, x: Tensor) -> int:
     warm_pass(model, x)  # as the execution audit counts: weights-only work made once
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), flop_counter() as counter:
         model(x)
     return int(counter.get_total_flops())
 

@@ -508,3 +508,41 @@ def test_fixed_exit_folds_into_the_twin_truncated_at_that_depth(tmp_path: Path,
     assert (got - heads[0]).abs().max() <= 1e-5
     assert abs(float(token_nll(logits_of(got), x).double().mean()) -
                done.exactness.folded_nll) <= 1e-6
+
+
+def test_a_mudd_folds_into_static_dense_connections(tmp_path: Path) -> None:
+    """At one set of mixing weights per layer a MUDD model is DenseFormer-like: no weight
+    generator, ``dense_bs`` holding the mean generator outputs this test reads off the
+    original's generators (bias included), every other weight the original's; its losses
+    are the static-layer condition's bit for bit (the same products in the same order)."""
+    from fcaudit.engine.actions.fold import fold
+    from fcaudit.io.loading import load_run
+    from fcaudit.models.mudd import MuddConfig, MuddModel
+    torch.manual_seed(0)
+    cfg = MuddConfig(n_layer=3, dim=16, n_head=2, n_local_heads=2, intermediate_size=256,
+                     vocab_size=VOCAB, block_size=32)
+    model = MuddModel(cfg)
+    with torch.no_grad():
+        for generator in model.dynamic_dense:
+            generator.w2.weight.normal_(0, 0.5)  # weights that vary by token
+    run = tmp_path / "run"
+    run.mkdir()
+    save_run_model(run, model)
+    (run / "config.json").write_text(json.dumps({
+        "fcaudit_run": 1, "arch": "mudd", "preset": "tiny", "seed": 0,
+        "model_config": dataclasses.asdict(cfg)}), encoding="utf-8")
+    data = _data()
+    fcaudit.audit(str(run), tmp_path / "audit", data=data, options=OPTIONS)
+    done = fold(tmp_path / "audit", "static-layer", tmp_path / "folded", data=data,
+                timing_pairs=0)
+    assert done.arch == "mudd" and done.exactness.max_abs_diff == 0.0
+    folded, original = load_run(tmp_path / "folded").model, load_run(run).model
+    assert folded.controller_sites() == [] and not hasattr(folded, "dynamic_dense")
+    for i, outs in enumerate(_outputs(original, data.calib_ids)):
+        assert float(outs.std((0, 1)).max()) > 0.01  # the weights did vary by token
+        assert torch.allclose(folded.dense_bs[i].double(), outs.mean((0, 1)), atol=1e-6)
+    kept = {k: v for k, v in original.state_dict().items()
+            if not k.startswith(("dynamic_dense.", "dense_bs."))}
+    assert all(torch.equal(folded.state_dict()[k], v) for k, v in kept.items())
+    with pytest.raises(UsageError, match="mudd does not fold it"):
+        fold(tmp_path / "audit", "static-layer-token", None, data=data, timing_pairs=0)

@@ -70,7 +70,8 @@ ARCHES: Registry[Arch] = Registry("arch", (
     # ponder's twin: the same shared block run max_steps times on every token, no halting
     Arch("dense-ponder", "fcaudit.models.ponder", "PonderGPT", "PonderConfig",
          (("halting", False),)),
-    Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig"),
+    # folded at one set of mixing weights per layer: static dense connections (DenseFormer)
+    Arch("mudd", "fcaudit.models.mudd", "MuddModel", "MuddConfig", folds=("layer",)),
     # folded, an MoE reads its router logits from a table (per token id: a hash-routed
     # MoE); at one row per layer its experts merge into the Dense twin's MLP
     Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig",

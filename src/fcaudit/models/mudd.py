@@ -18,6 +18,8 @@ Controller sites, as the audit sees them. There is one site per layer, the modul
 ``dynamic_dense.{i}``. Its forward takes the hidden state and the static bias and
 returns the full weight after the bias, ``[B, T, C_i, L_i]``. The model mixes with
 that return value as is, so a replay stub stands in for the generator *and* the bias.
+A *folded* model (``dense`` without ``dynamic_dense``, written by ``fcaudit fold``) has
+no generators: it mixes with ``dense_bs`` alone, DenseFormer's static dense connections.
 The sites form two families:
 
 * ``mudd``: layers ``0 .. N-2``, trailing ``[4, i + 2]`` (streams Q, K, V, R x sources).
@@ -109,8 +111,9 @@ class MuddConfig:
             problems.append("n_local_heads must equal n_head (the official code has no GQA)")
         if self.dense_type != "qkvr":
             problems.append(f"dense_type {self.dense_type!r} is not supported, only 'qkvr'")
-        if self.dense != self.dynamic_dense:
-            problems.append("dense and dynamic_dense must be both true (MUDD) or both false")
+        if self.dynamic_dense and not self.dense:
+            problems.append("dynamic_dense needs dense: both true (MUDD), dense alone (static "
+                            "mixing weights, a folded MUDD) or both false")
         if self.dense and not self.sepln:
             problems.append("sepln=false with dense connections is broken in the official code")
         if problems:
@@ -361,6 +364,7 @@ class MuddModel(nn.Module):
         if config.dense:
             self.dense_bs = nn.ParameterList(
                 nn.Parameter(torch.empty(config.streams(i), i + 2)) for i in range(config.n_layer))
+        if config.dynamic_dense:
             self.dynamic_dense = nn.ModuleList(
                 DynamicDense(config, i) for i in range(config.n_layer))
         self.init_weights()
@@ -383,11 +387,11 @@ class MuddModel(nn.Module):
         for layer in self.layers:  # residual-branch outputs, scaled by depth
             for w in (layer.attention.wo.weight, layer.feed_forward.w2.weight):
                 nn.init.normal_(w, std=0.02 / math.sqrt(2 * self.config.n_layer))
-        if self.config.dense:
-            for bs, generator in zip(self.dense_bs, self.dynamic_dense, strict=True):
-                bs.zero_()
-                bs[:, -1] = 1
-                nn.init.zeros_(generator.w2.weight)
+        for i, bs in enumerate(self.dense_bs if self.config.dense else ()):
+            bs.zero_()
+            bs[:, -1] = 1
+            if self.config.dynamic_dense:
+                nn.init.zeros_(self.dynamic_dense[i].w2.weight)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         seq_len = input_ids.shape[1]
@@ -404,12 +408,13 @@ class MuddModel(nn.Module):
         for i, layer in enumerate(self.layers):
             sources.append(layer(streams, rope))
             # the site's return value is the mixing weight itself: replaying a stub replays it
-            weights = self.dynamic_dense[i](sources[-1], self.dense_bs[i])
+            weights = self.dynamic_dense[i](sources[-1], self.dense_bs[i]) \
+                if self.config.dynamic_dense else self.dense_bs[i][None, None]  # folded
             streams = mix(weights.to(x), sources)  # no-op unless a replay brought another dtype
         return self.output(self.norm(streams[0]))
 
     def controller_sites(self) -> list[Site]:
-        if not self.config.dense:
+        if not self.config.dynamic_dense:
             return []
         last = self.config.n_layer - 1
         return [Site(name=f"dynamic_dense.{i}", path=f"dynamic_dense.{i}",
@@ -419,6 +424,26 @@ class MuddModel(nn.Module):
 
     def execution_blocks(self) -> list[str]:
         return [f"layers.{i}" for i in range(self.config.n_layer)]
+
+    def folded(self, key: str, values: list[Tensor]) -> MuddModel:
+        """This model with each layer's mixing weights fixed at ``values[i][0]`` (``key``
+        ``"layer"``: one ``[C_i, L_i]`` per layer and stream, the static-layer profile)
+        held in ``dense_bs`` and no weight generator: DenseFormer's static dense
+        connections, every other weight this model's."""
+        if key != "layer":
+            raise FcauditError(f"a MUDD model folds one set of mixing weights per layer "
+                               f"(static-layer), not {key!r}")
+        with torch.device("meta"):
+            folded = MuddModel(dataclasses.replace(self.config, dynamic_dense=False))
+        state = {k: v for k, v in self.state_dict().items()
+                 if not k.startswith("dynamic_dense.")}
+        for i, value in enumerate(values):
+            if tuple(value.shape) != (1, *state[f"dense_bs.{i}"].shape):
+                raise FcauditError(f"mixing weights of layer {i}: expected "
+                                   f"{[1, *state[f'dense_bs.{i}'].shape]}, got {list(value.shape)}")
+            state[f"dense_bs.{i}"] = value[0].to(state[f"dense_bs.{i}"].dtype)
+        folded.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+        return folded.eval()
 
     def dense_counterpart(self) -> MuddModel:
         """The same transformer with plain residuals, fresh weights, this model's dtype/device."""

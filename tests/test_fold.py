@@ -490,6 +490,7 @@ def test_fixed_exit_folds_into_the_twin_truncated_at_that_depth(tmp_path: Path,
     mean_depth = float((stopped + 1).double().mean())
     depth = min(range(1, len(rules) + 2), key=lambda d: (abs(d - mean_depth), -d))
     assert 1 < depth < len(rules) + 1  # a cut inside the model, not at either end
+    assert done.exit_depth == depth
     config = json.loads((tmp_path / "folded" / "config.json").read_text())
     if arch == "earlyexit":
         assert config["arch"] == "dense" and len(folded.blocks) == depth

@@ -116,7 +116,8 @@ def cmd_fold(args: argparse.Namespace) -> None:
                 accept=None if globs is None else lambda folded: check_params(folded, globs))
     e = done.exactness
     print(f"folded {done.profile} into {done.source}: {args.out} ({done.arch}-shaped run "
-          f"folder)")
+          "folder" + ("" if done.exit_depth is None else
+                      f", every token stopping after {done.exit_depth} layers") + ")")
     print(f"exact: per-token losses within {e.max_abs_diff:.3g} of the replayed condition "
           f"(mean {e.mean_abs_diff:.3g}, bound {e.bound_relative:g} relative) over "
           f"{e.tokens:,} tokens; NLL {e.folded_nll:.4f}, the audit's {e.audit_nll:.4f}")

@@ -101,6 +101,7 @@ class FoldResult:
     vs_dense: FoldSpeed | None
     timing: dict[str, Any]  # pairs, batch, positions, device
     out: str | None
+    exit_depth: int | None = None  # fixed exit: the layers (steps) the folded model keeps
     schema: str = SCHEMA
     # the evaluation windows checked (token ids [N, T]): what healing is measured on
     eval_ids: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -200,6 +201,7 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
         done = FoldResult(str(audit), profile, condition.fold, str(setup.loaded.spec),
                           arch_of(folded).name, exact, *speed,
                           None if target is None else str(target),
+                          int(values[0]) + 1 if condition.kind == "exit" else None,
                           eval_ids=np.asarray(setup.data.eval_ids))
         if target is not None:
             with hold_output(target, "run"), building(target) as work:

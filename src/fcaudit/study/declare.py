@@ -21,6 +21,7 @@ import numpy as np
 from fcaudit.api import Span
 from fcaudit.core.conditions import STATIC_LAYER_POSITION
 from fcaudit.engine.result import AuditResult, token_id_words
+from fcaudit.engine.result_parts import Estimate
 from fcaudit.engine.result_views import ACCURACY_CORRECT, NLL_CORRECT, RETENTION_LAYER_TOKEN
 from fcaudit.study.train import TrainPreset
 
@@ -191,6 +192,25 @@ def _number(g: Seeds, argument: str) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}{''.join(suffix)}"
 
 
+def _estimated(g: Seeds, argument: str) -> str:
+    """``estimate KEY DIGITS [UNIT]``: the seeds' values of metric KEY (intervals
+    ``KEY_lo``, ``KEY_hi``) as the mean with the span of the intervals, over the seeds
+    where defined; DIGITS decimals, ``+`` before them for a sign (``+4``)."""
+    key, digits, *unit = argument.split(" ")
+    spec = f"{'+' if digits.startswith('+') else ''}.{digits.lstrip('+')}f"
+    seeds = g.group["per_seed"]
+    found = [Estimate(s.get(key), [s.get(f"{key}_lo"), s.get(f"{key}_hi")]) for s in seeds]
+    if any(key not in s for s in seeds):
+        return g.missing
+    defined = [e for e in found if e.value is not None]
+    if not defined:
+        return "undefined"
+    missing = len(found) - len(defined)
+    return spanned([e.value for e in defined], [e.ci95 for e in defined], spec,
+                   "".join(unit)) + (f" ({missing} of {len(found)} seeds undefined)"
+                                     if missing else "")
+
+
 def _percent(g: Seeds, key: str) -> str:
     value = g.mean(key)
     return "undefined" if value is None else f"{value:.1f}%"
@@ -241,7 +261,7 @@ CELLS: dict[str, Callable[[Seeds, str], Any]] = {
     "either": lambda g, words: words.split("|")[0 if g.holds else 1],
     "unless": lambda g, key: 1 if g.mean(key) is None else None,  # a finding for the rest
     "score": _score, "depth": _depth, "versus_twin": _versus_twin, "execution": _execution,
-    "executed": _executed, "num": _number, "percent": _percent,
+    "executed": _executed, "num": _number, "percent": _percent, "estimate": _estimated,
     "position_percent": lambda g, key: "not applicable" if STATIC_LAYER_POSITION not in
     g.audits[0].conditions else _percent(g, key),
     "token_share": _token_share, "token_profile": _token_profile, "diff": _difference,
@@ -304,6 +324,8 @@ class Group:
     point: str = ""  # a trend point (size and length, "tiny-600"); names the run folders
     task: str | None = None  # a synthetic task (fcaudit train --task); None: the corpus
     control: bool = False  # a single-seed control: ``--seeds`` leaves its count alone
+    fold: str | None = None  # a condition folded into each seed's model after its audit
+    heal: int = 0  # steps healing the fold (with the control), 0: none
 
     @property
     def stem(self) -> str:

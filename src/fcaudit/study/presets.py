@@ -11,6 +11,11 @@ reads them; :mod:`fcaudit.study.reproduce` runs them).
 - ``exit``: early exit and adaptive depth (a CALM-style exit LM, PonderNet halting,
   BranchyNet exits on digits) beside their full-depth twins: how deep each runs, what
   that saves, and whether the learned rule beats fixed exit at the same mean depth.
+- ``fold``: from diagnosis to decision (``fcaudit fold``): FeatureGate, the MoE, Mamba on
+  the corpus and on selective copying, and the early-exit LM, each seed's model folded at
+  a static profile (or fixed exit), checked, timed against the original and the dense
+  twin, and healed with the original fine-tuned alike as the control
+  (:mod:`fcaudit.study.folds`).
 - ``trend``: FeatureGate and MUDD along a ladder of sizes and lengths
   (:mod:`fcaudit.study.trend`).
 """
@@ -160,6 +165,37 @@ EXIT_FINDINGS = tuple(f for prefix, label in _EXITS for f in (
             (("flops_ratio", "<", 0.99), ("not_adapting", "==", 0)),
             "{versus_twin} the twin's, at a mean executed depth of {depth}{degenerate}")))
 
+HEAL_STEPS = 100  # each seed's fold healed this long (and the original alike, the control)
+_FOLDED = (("featuregate", STATIC_LAYER), ("moe", STATIC_LAYER_TOKEN), ("mamba", STATIC_LAYER),
+           ("earlyexit", FIXED_EXIT))
+_FOLD_ROWS = (("featuregate-tiny", f"FeatureGate, {STATIC_LAYER}"),
+              ("moe-tiny", f"MoE, {STATIC_LAYER_TOKEN} (a hash-routed MoE)"),
+              ("mamba-tiny", f"Mamba, {STATIC_LAYER} (its LTI twin by FFT), corpus"),
+              ("earlyexit-tiny", f"early-exit LM, {FIXED_EXIT} (cut at that depth)"),
+              ("mamba-selective-copy", f"Mamba, {STATIC_LAYER}, selective copying"))
+FOLD_FINDINGS = (
+    Finding("featuregate", "FeatureGate folded at its static per-layer profile runs at the "
+            "Dense twin's speed (latency within 5% of the twin's)",
+            (("fold_latency_dense", "<=", 1.05),),
+            "{estimate fold_latency_dense 3 x} the twin's latency, "
+            "{estimate fold_latency_original 3 x} the original's"),
+    Finding("featuregate", "Healing recovers most (>= 50%) of FeatureGate's fold penalty "
+            "beyond what the control gains", (("heal_recovered", ">=", 50.0),),
+            "{estimate heal_recovered 1 %} recovered after {num heal_steps 0} steps",
+            undefined="no clear penalty to recover"),
+    Finding("mamba-tiny", "Mamba's time-invariant fold runs faster than its selective scan",
+            (("fold_latency_original", "<", 1.0),),
+            "{estimate fold_latency_original 3 x} the original's latency"),
+    Finding("mamba-selective-copy", "On selective copying (the planted truth) the "
+            "time-invariant fold is worse than the model in every seed",
+            ((f"above {STATIC_LAYER}", "==", "all"),),
+            f"penalty {{penalty {STATIC_LAYER}}}"),
+    Finding("earlyexit", "The early-exit LM cut at its fixed-exit depth runs faster than the "
+            "model with its learned exits", (("fold_latency_original", "<", 1.0),),
+            "{estimate fold_latency_original 3 x} the original's latency, "
+            f"penalty {{penalty {FIXED_EXIT}}}"),
+)
+
 _SPANNED = "[span of the seeds' 95% intervals]"
 PRESETS: dict[str, Preset] = {
     # soft gating, dynamic cross-layer mixing and hard routing (the three kinds the paper
@@ -212,6 +248,24 @@ PRESETS: dict[str, Preset] = {
                  ("share of fixed-to-oracle gap closed", "{gap_closed}"),
                  ("fixed − learned at matched depth", "{matched}")),
         findings=EXIT_FINDINGS),
+    "fold": Preset(
+        (*(Group(arch, "tiny", dense=None, schedule=CORPUS_SCHEDULE, fold=condition,
+                 heal=HEAL_STEPS) for arch, condition in _FOLDED),
+         Group("mamba", "tiny", dense=None, task=TASK, fold=STATIC_LAYER)),
+        title="Each family folded at one condition: exactness, speed against the original "
+              "and the dense twin (untrained: only its speed is read), and healing against "
+              f"the original fine-tuned alike (mean over seeds, {_SPANNED})",
+        rows=_FOLD_ROWS,
+        columns=(("family, condition folded", "{label}"), ("seeds", "{seeds}"),
+                 ("penalty in the audit", "{estimate fold_penalty +3}"),
+                 ("largest loss difference", "{max fold_max_diff:.2g}"),
+                 ("latency / original", "{estimate fold_latency_original 3}"),
+                 ("FLOPs / original", "{num fold_flops_original 3}"),
+                 ("latency / dense twin", "{estimate fold_latency_dense 3}"),
+                 ("penalty before healing", "{estimate heal_before +4}"),
+                 ("after healing", "{estimate heal_after +4}"),
+                 ("recovered", "{estimate heal_recovered 1 %}")),
+        findings=FOLD_FINDINGS, missing="not run"),
 }
 STUDY_PRESETS = tuple(PRESETS)
 

@@ -62,6 +62,7 @@ from fcaudit.io.results import replacing_results
 from fcaudit.io.runtime import versions
 from fcaudit.study import trend
 from fcaudit.study.declare import Group, over_seeds
+from fcaudit.study.folds import fold_seed
 from fcaudit.study.presets import PAPER, PRESETS, ROWS, study
 from fcaudit.study.train import TrainPreset, check_train_data, reads_text, run_schedule, train
 from fcaudit.study.trend import SeedResult
@@ -199,7 +200,9 @@ def run_group(group: Group, out: Path, st: StudySettings, clock: Clock) -> list[
                        None if dense is None else str(dense), clock,
                        vision=get_arch(group.arch).task == "vision")
         wall += clock.of(audit_dir, audit.runtime.timings["total_s"])
-        done.append(SeedResult(seed, config, audit, dense_config, round(wall, 1)))
+        folded = {} if group.fold is None else \
+            fold_seed(group, run, audit_dir, audit, seed, st)
+        done.append(SeedResult(seed, config, audit, dense_config, round(wall, 1), folded))
     return done
 
 
@@ -354,7 +357,8 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
         done = {group.arch: run_group(group, out, st, clock) for group in members}
         for arch, seed_results in done.items():
             groups[f"{arch}-{stem}"] = _group([r.audit for r in seed_results], [
-                {**r.audit.metrics(), **twin_metrics(r.dense_config)} for r in seed_results])
+                {**r.audit.metrics(), **twin_metrics(r.dense_config), **r.folded}
+                for r in seed_results])
         if preset == "trend":  # the point is finished: its summary, before the next one
             write_json(out / trend.POINTS / f"{stem}.json", trend.point_summary(points[stem], done))
     if mudd_checkpoint:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -131,6 +131,8 @@ class SeedResult:
     audit: AuditResult
     dense_config: Mapping[str, Any] | None
     wall_s: float
+    # a fold study's numbers of this seed (fcaudit.study.folds): metric key -> value
+    folded: Mapping[str, float | None] = field(default_factory=dict)
 
 
 def _estimate(value: float | None, ci95: Sequence[float] | None) -> dict[str, Any]:

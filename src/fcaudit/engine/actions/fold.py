@@ -55,6 +55,7 @@ from fcaudit.engine.result_parts import Estimate
 from fcaudit.engine.stages import add_calibration, calibration_shard
 from fcaudit.io.arches import ARCHES, arch_of, foldable
 from fcaudit.io.data import AuditData, DataSpec
+from fcaudit.io.examples import call_model
 from fcaudit.io.loading import release
 
 SCHEMA = "fcaudit.fold/1"
@@ -315,7 +316,7 @@ def _exactness(setup: Any, feed: Feed, condition: str, folded: nn.Module,
                                     objective=objective)
         want = objective.units(out.output, x).double()
         with torch.no_grad():
-            got = objective.units(folded(x), x).double()
+            got = objective.units(call_model(folded, x), x).double()
         diff = (got - want).abs()
         scale = want.abs().clamp_min(1.0)
         if bool((diff > FOLD_TOLERANCE * scale).any()):
@@ -345,7 +346,7 @@ def _per_unit(losses: Tensor) -> np.ndarray:
 def _flops(model: nn.Module, x: Tensor) -> int:
     warm_pass(model, x)  # as the execution audit counts: weights-only work made once
     with torch.no_grad(), flop_counter() as counter:
-        model(x)
+        call_model(model, x)
     return int(counter.get_total_flops())
 
 
@@ -367,8 +368,9 @@ def _speeds(net: nn.Module, folded: nn.Module, setup: Any, pairs: int, say: Prog
         speeds.append(FoldSpeed(timed.speed_ratio_vs_dense, _flops(folded, x) / _flops(other, x),
                                 timed.model.tokens_per_s, timed.dense.tokens_per_s))
         say("fold: timing", i + 1, 2)
-    return speeds[0], speeds[1], {"pairs": pairs, "batch_size": int(x.shape[0]),
-                                  "seq_len": int(x.shape[1]), "device": str(x.device),
+    ids = setup.inputs.batch_token_ids(x)  # token ids [B, T], of an example batch too
+    return speeds[0], speeds[1], {"pairs": pairs, "batch_size": int(ids.shape[0]),
+                                  "seq_len": int(ids.shape[1]), "device": str(ids.device),
                                   "dense": "the architecture's dense counterpart"}
 
 

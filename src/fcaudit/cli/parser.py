@@ -353,7 +353,7 @@ def _add_reproduce(sub: Any) -> None:
                                         "figures. Finished runs and audits are reused, so an "
                                         "interrupted study resumes.")
     r = parser.add_argument_group("study")
-    r.add_argument("--preset", choices=["tiny", "paper", "trend", "vision", "ssm", "exit"],
+    r.add_argument("--preset", choices=["tiny", "paper", "trend", "vision", "ssm", "exit", "fold"],
                    default="tiny",
                    help=f"tiny: CPU scale (about {measured_minutes('reproduce_tiny')} minutes "
                         "for 3 seeds on 2 cores); paper: 76m x7 and 504m x3 seeds (GPU); "
@@ -368,7 +368,9 @@ def _add_reproduce(sub: Any) -> None:
                         "copying, audited for selection; exit: the early-exit LM, the ponder "
                         "model and the digits early-exit classifier with their full-depth "
                         "twins, audited for where they stop (fixed, learned and oracle "
-                        "exit, matched depth)")
+                        "exit, matched depth); fold: FeatureGate, the MoE, Mamba (corpus and "
+                        "selective copying) and the early-exit LM, each seed folded at one "
+                        "condition, timed and healed with the control (fcaudit fold)")
     r.add_argument("--seeds", type=int, default=None,
                    help="seeds per group (default: tiny, vision, ssm and exit 3; paper 7 for 76m "
                         "and 3 for 504m; trend 2)")

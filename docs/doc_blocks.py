@@ -26,6 +26,7 @@ STUDY = "docs/results/study-tiny.json"
 VISION = "docs/results/study-vision.json"
 SSM = "docs/results/study-ssm.json"
 EXIT = "docs/results/study-exit.json"
+FOLD_STUDY = "docs/results/study-fold.json"
 PRESETS = "docs/results/presets.json"
 TIMINGS = "src/fcaudit/timings.json"
 TREND = "docs/trend/results/*.json"
@@ -592,14 +593,33 @@ def _raw_token_note(v: Mapping[str, Any]) -> str:
 def study_exit(r: Results) -> str:
     """The study writes its own table cells from its aggregates; they are copied as they are."""
     v = r.json(EXIT)
-    return own_table(v, [head for head, _ in study_presets.PRESETS["exit"].columns], "l", (
-        study_command(v, "family") + ", each with its full-depth twin trained "
-        "alongside; penalties in the task's loss (nats per token for the LMs, per "
-        "image for the digits) against the learned exit rule, with the span of the seeds' "
-        "95% intervals; latencies are medians of interleaved pairs on a 2-core CPU; "
+    return _study_table(v, "exit", study_command(v, "family") + ", each with its full-depth "
+                        "twin trained alongside; penalties in the task's loss (nats per token "
+                        "for the LMs, per image for the digits) against the learned exit rule, "
+                        "with the span of the seeds' 95% intervals", EXIT)
+
+
+def _study_table(v: Mapping[str, Any], preset: str, opening: str, file: str,
+                 untimed: str = "") -> str:
+    """A study preset's own table (its declared columns) after its prose: the opening,
+    then how its latencies and wall time were taken and where the numbers were copied."""
+    return own_table(v, [head for head, _ in study_presets.PRESETS[preset].columns], "l", (
+        opening + "; latencies are medians of interleaved pairs on a 2-core CPU; "
         f"run on {v['host']['cpu']} at {v['host']['torch_threads']} torch thread(s); "
         f"{v['timed_s'] / 60:.1f} minutes of training and auditing as its timings.json "
-        "recorded; copied to `docs/results/study-exit.json`):"))
+        f"recorded{untimed}; copied to `{file}`):"))
+
+
+@block("study-fold", "the fold study's table and findings (fcaudit fold on each family)",
+       [FOLD_STUDY], [f"{EXTRACT} fold study-fold",
+                      "fcaudit reproduce --preset fold --seeds 3 --out study-fold"])
+def study_fold(r: Results) -> str:
+    """The study writes its own table cells from its aggregates; they are copied as they are."""
+    v = r.json(FOLD_STUDY)
+    return _study_table(v, "fold", study_command(v, "family") + "; penalties in the task's "
+                        "loss (nats per token on the corpus, per answer token on selective "
+                        "copying), with the span of the seeds' 95% intervals", FOLD_STUDY,
+                        " (folding and healing not included)")
 
 
 NLL_TARGET = 1.03  # issue 13's goal for new / forward on tiny

@@ -12,6 +12,7 @@ made; ``docs/make_docs.py`` renders the docs from those files.
     python docs/extract_results.py vision study-vision     # -> docs/results/study-vision.json
     python docs/extract_results.py ssm study-ssm           # -> docs/results/study-ssm.json
     python docs/extract_results.py exit study-exit         # -> docs/results/study-exit.json
+    python docs/extract_results.py fold study-fold         # -> docs/results/study-fold.json
     python docs/extract_results.py presets                 # -> docs/results/presets.json
 
 Keys read (a missing one is an error naming it, never a silently dropped number):
@@ -168,7 +169,7 @@ def study(folder: Path) -> dict[str, Any]:
 
 
 def own_table(folder: Path, commit: str | None, preset: str) -> dict[str, Any]:
-    """``fcaudit reproduce --preset vision``, ``ssm`` or ``exit``: the study's own table
+    """``fcaudit reproduce --preset vision``, ``ssm``, ``exit`` or ``fold``: the study's own table
     rows (written by the study from its aggregates), its findings, each group's aggregate
     over seeds, and the wall time its timings.json recorded (runs and audits this folder made)."""
     source = folder / "reproduction.json"
@@ -213,7 +214,8 @@ def write(name: str, content: Mapping[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("demo", "study", "vision", "ssm", "exit", "presets"))
+    p.add_argument("what", choices=("demo", "study", "vision", "ssm", "exit", "fold",
+                                    "presets"))
     p.add_argument("folder", type=Path, nargs="?", help="the demo or study output folder")
     p.add_argument("--commit", help="the commit whose code made the folder, when it is not "
                    "the last one before the folder was written (a study run from a worktree)")
@@ -222,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         write("presets", presets())
     elif args.folder is None:
         p.error(f"{args.what} needs the output folder")
-    elif args.what in ("vision", "ssm", "exit"):
+    elif args.what in ("vision", "ssm", "exit", "fold"):
         write(f"study-{args.what}", own_table(args.folder, args.commit, args.what))
     else:
         write("demo" if args.what == "demo" else "study-tiny",

@@ -431,7 +431,7 @@ def test_healing_a_named_subset_trains_only_those_weights(tmp_path: Path) -> Non
     changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
     named = sorted(k for k in before if k.startswith("blocks.1.body.mlp."))
     assert changed == named and healed.params == ["blocks.1.*.mlp.*"]
-    assert healed.trained["folded"] == healed.trained["original"] == sum(
+    assert healed.trained["folded"] == healed.trained["control"] == sum(
         before[k].numel() for k in named)
     assert healed.curve[-1].original_nll != healed.curve[0].original_nll  # the control trained
 

@@ -139,7 +139,7 @@ def _heal(args: argparse.Namespace, done: Any) -> Any:
                   params=args.heal_params, out=args.heal_out, force=args.force,
                   progress=not args.quiet)
     print(f"healing trained {healed.trained['folded']:,} weights of the folded model and "
-          f"{healed.trained['original']:,} of the original" +
+          f"{healed.trained['control']:,} of the original" +
           ("" if healed.params is None else f" (those named {', '.join(healed.params)})"))
     print("| step | folded NLL | original NLL (the control, fine-tuned alike) |\n"
           "|---:|---:|---:|")

@@ -44,7 +44,7 @@ def fold_seed(group: Group, run: Path, audit_dir: Path, audit: AuditResult, seed
                 timing_pairs=settings.options.timing_pairs)
     out.update({"fold_max_diff": done.exactness.max_abs_diff,
                 "fold_s": round(time.perf_counter() - started, 1)})
-    for name, speed in (("original", done.vs_original), ("dense", done.vs_dense)):
+    for name, speed in (("source", done.vs_original), ("twin", done.vs_dense)):
         out.update(_estimate(f"fold_latency_{name}", None if speed is None else
                              speed.latency_ratio))
         out[f"fold_flops_{name}"] = None if speed is None else speed.flops_ratio

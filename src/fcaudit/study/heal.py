@@ -68,7 +68,7 @@ class HealResult:
     recovered: Estimate | None  # share of the penalty before recovered (None: not clear)
     out: str | None
     params: list[str] | None  # the globs naming the weights trained (None: all)
-    trained: dict[str, int]  # parameters (numbers) trained, in the folded model and the original
+    trained: dict[str, int]  # numbers trained: in the folded model, in the control (original)
     schema: str = SCHEMA
 
     def to_json(self) -> dict[str, Any]:
@@ -201,15 +201,15 @@ def heal(folded: str | Path, original: str | Path, steps: int, eval_ids: np.ndar
     healed = start.model.float()
     if params is not None:
         check_params(healed, params)
-    models = {"folded": healed, "original": source.model.float()}
+    models = {"folded": healed, "control": source.model.float()}
     trained = {name: _train_only(model, params) for name, model in models.items()}
     scores = {name: _fine_tuned(model, stream, tp, eval_ids, seed, progress, name)
               for name, model in models.items()}
     curve = [HealPoint(i, float(scores["folded"][i].mean()),
-                       float(scores["original"][i].mean())) for i in sorted(scores["folded"])]
+                       float(scores["control"][i].mean())) for i in sorted(scores["folded"])]
     done = HealResult(steps, tp.lr, tp.batch_size, tp.seq_len, seed, said, curve,
-                      *_penalties(scores["folded"][0] - scores["original"][0],
-                                  scores["folded"][steps] - scores["original"][steps], seed),
+                      *_penalties(scores["folded"][0] - scores["control"][0],
+                                  scores["folded"][steps] - scores["control"][steps], seed),
                       None if target is None else str(target),
                       None if params is None else list(params), trained)
     if target is not None:

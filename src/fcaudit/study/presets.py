@@ -176,23 +176,23 @@ _FOLD_ROWS = (("featuregate-tiny", f"FeatureGate, {STATIC_LAYER}"),
 FOLD_FINDINGS = (
     Finding("featuregate", "FeatureGate folded at its static per-layer profile runs at the "
             "Dense twin's speed (latency within 5% of the twin's)",
-            (("fold_latency_dense", "<=", 1.05),),
-            "{estimate fold_latency_dense 3 x} the twin's latency, "
-            "{estimate fold_latency_original 3 x} the original's"),
+            (("fold_latency_twin", "<=", 1.05),),
+            "{estimate fold_latency_twin 3 x} the twin's latency, "
+            "{estimate fold_latency_source 3 x} the original's"),
     Finding("featuregate", "Healing recovers most (>= 50%) of FeatureGate's fold penalty "
             "beyond what the control gains", (("heal_recovered", ">=", 50.0),),
             "{estimate heal_recovered 1 %} recovered after {num heal_steps 0} steps",
             undefined="no clear penalty to recover"),
     Finding("mamba-tiny", "Mamba's time-invariant fold runs faster than its selective scan",
-            (("fold_latency_original", "<", 1.0),),
-            "{estimate fold_latency_original 3 x} the original's latency"),
+            (("fold_latency_source", "<", 1.0),),
+            "{estimate fold_latency_source 3 x} the original's latency"),
     Finding("mamba-selective-copy", "On selective copying (the planted truth) the "
             "time-invariant fold is worse than the model in every seed",
             ((f"above {STATIC_LAYER}", "==", "all"),),
             f"penalty {{penalty {STATIC_LAYER}}}"),
     Finding("earlyexit", "The early-exit LM cut at its fixed-exit depth runs faster than the "
-            "model with its learned exits", (("fold_latency_original", "<", 1.0),),
-            "{estimate fold_latency_original 3 x} the original's latency, "
+            "model with its learned exits", (("fold_latency_source", "<", 1.0),),
+            "{estimate fold_latency_source 3 x} the original's latency, "
             f"penalty {{penalty {FIXED_EXIT}}}"),
 )
 
@@ -259,9 +259,9 @@ PRESETS: dict[str, Preset] = {
         columns=(("family, condition folded", "{label}"), ("seeds", "{seeds}"),
                  ("penalty in the audit", "{estimate fold_penalty +3}"),
                  ("largest loss difference", "{max fold_max_diff:.2g}"),
-                 ("latency / original", "{estimate fold_latency_original 3}"),
-                 ("FLOPs / original", "{num fold_flops_original 3}"),
-                 ("latency / dense twin", "{estimate fold_latency_dense 3}"),
+                 ("latency / original", "{estimate fold_latency_source 3}"),
+                 ("FLOPs / original", "{num fold_flops_source 3}"),
+                 ("latency / dense twin", "{estimate fold_latency_twin 3}"),
                  ("penalty before healing", "{estimate heal_before +4}"),
                  ("after healing", "{estimate heal_after +4}"),
                  ("recovered", "{estimate heal_recovered 1 %}")),

@@ -58,11 +58,12 @@ def test_the_plan_counts_every_pass_the_audit_then_makes(tmp_path) -> None:
 
 def test_execution_counted_on_the_model_alone_is_planned(tmp_path) -> None:
     """No dense counterpart but blocks named: execution counts the model's own blocks and
-    FLOPs once per evaluation batch (3 batches of 4), and the plan counts those passes."""
+    FLOPs once per evaluation batch (3 batches of 4) after one uncounted warm pass, and
+    the plan counts those passes."""
     result, _, made = _audit(toys.content_model(), tmp_path, ["gates.*"], blocks="gates.*")
     plan = result.runtime.plan
     assert made == plan["passes"], (made, plan)
-    assert plan["stages"]["execution"]["passes"] == 3
+    assert plan["stages"]["execution"]["passes"] == 1 + 3
     assert result.execution.measured and result.execution.dense_blocks_executed is None
 
 
@@ -70,8 +71,8 @@ def test_execution_counted_on_the_model_alone_is_planned(tmp_path) -> None:
 def test_a_model_with_blocks_and_a_twin_counts_its_proofs_and_timing(schedule,
                                                                     tmp_path) -> None:
     """FeatureGate with its Dense twin: the prefix schedule proves each site's prefix once
-    per batch, execution counts both models' blocks per batch and times 2 warm-up and
-    ``timing_pairs`` passes of each."""
+    per batch, execution counts both models' blocks per batch (after a warm pass each) and
+    times 2 warm-up and ``timing_pairs`` passes of each."""
     torch.manual_seed(0)
     model, dense = GPT(PRESETS["tiny"]).eval(), GPT(dataclasses.replace(
         PRESETS["tiny"], gated=False)).eval()
@@ -80,12 +81,13 @@ def test_a_model_with_blocks_and_a_twin_counts_its_proofs_and_timing(schedule,
     result, _, made = _audit(model, tmp_path, data=data, dense=dense, timing_pairs=10,
                              schedule=schedule)
     plan = result.runtime.plan
-    twin = 2 + (2 + 10)  # the twin's passes: its blocks counted per batch, then timed
+    twin = 1 + 2 + (2 + 10)  # the twin's passes: a warm pass, its blocks counted per
+    # batch, then timed
     assert made == plan["passes"] - twin, (made, plan)
     layers = PRESETS["tiny"].n_layer
     proofs = layers - 1 if schedule == "prefix" else 0  # the first gate has no prefix
     assert plan["stages"]["per-layer runs"]["passes"] == (layers * 3 + proofs) * 2
-    assert plan["stages"]["execution"]["passes"] == 2 * 2 + 2 * (2 + 10)
+    assert plan["stages"]["execution"]["passes"] == 2 * (1 + 2) + 2 * (2 + 10)
 
 
 def test_routers_with_ablation_and_the_frontier_are_counted(tmp_path) -> None:

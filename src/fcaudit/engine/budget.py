@@ -215,7 +215,7 @@ def _execution_stages(setup: Prepared, n_eval: int, record_s: float) -> list[Sta
     if not_measured(setup) is not None:
         return []
     twin = setup.dense is not None
-    counted = n_eval * (1 + twin)
+    counted = (1 + n_eval) * (1 + twin)  # each side: a warm pass (warm_pass), every batch
     timed = 2 * (TIMING_WARMUP + opts.timing_pairs) if twin and opts.timing_pairs else 0
     return [Stage("execution", counted + timed, (counted + timed) * record_s,
                   _cut("execution", "AuditOptions(execution=False)", "--no-execution",

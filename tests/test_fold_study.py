@@ -28,8 +28,7 @@ def fold_study(tmp_path_factory: pytest.TempPathFactory):
 
 def test_fold_preset_groups():
     groups = {g.name: (g.fold, g.heal, g.dense_arch) for g in study("fold", None)}
-    assert groups == {name: (condition, 0 if "selective" in name else 100, None)
-                      for name, condition in FOLDED.items()}
+    assert groups == {name: (condition, 100, None) for name, condition in FOLDED.items()}
 
 
 def _read(path):
@@ -57,14 +56,18 @@ def test_every_cell_is_the_fold_s_own_record(fold_study):
         assert row["latency / original"] == _spanned(speed["value"], *speed["ci95"], ".3f")
         assert row["FLOPs / original"] == f"{fold['vs_original']['flops_ratio']:.3f}"
         healed = summary["groups"][name]["per_seed"][0]
-        if "selective" in name:  # a task run: no text to heal on
-            assert row["penalty before healing"] == "not run"
+        assert healed["heal_steps"] == 3
+        assert row["penalty before healing"] == _spanned(
+            healed["heal_before"], healed["heal_before_lo"], healed["heal_before_hi"], "+.4f")
+        # a task run heals on its task: the task's accuracy before and after, its control's
+        accuracies = [healed.get(k) for k in ("heal_accuracy_before", "heal_accuracy_after",
+                                              "heal_control_accuracy")]
+        if "selective" in name:
+            assert all(0.0 <= a <= 1.0 for a in accuracies), accuracies
         else:
-            assert healed["heal_steps"] == 3
-            assert row["penalty before healing"] == _spanned(
-                healed["heal_before"], healed["heal_before_lo"], healed["heal_before_hi"],
-                "+.4f")
+            assert accuracies == [None, None, None]
     claims = [claim for claim, _ in summary["findings"]]
     assert any("time-invariant fold runs faster" in c for c in claims)
     assert any("planted truth" in c for c in claims)
+    assert any("Healing does not make the time-invariant fold pass" in c for c in claims)
     assert (out / "reproduction.md").read_text().count("| ") > 0

@@ -89,7 +89,7 @@ def cmd_routes(args: argparse.Namespace) -> None:
 
 
 def cmd_fold(args: argparse.Namespace) -> None:
-    from fcaudit.engine.actions.fold import SCHEMA, fold
+    from fcaudit.engine.actions.fold import SCHEMA, fold, read_audit
     from fcaudit.io.data import DataSpec
     from fcaudit.io.fileio import write_json
     if args.json is not None:
@@ -108,7 +108,10 @@ def cmd_fold(args: argparse.Namespace) -> None:
     spec = DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
                     calib_tokens=args.calib_tokens, seq_len=args.seq_len, **counts)
     spec.validate()
-    from fcaudit.study.heal import check_params
+    from fcaudit.study.heal import check_heal, check_params
+    if args.heal_steps is not None:  # what healing would refuse: before the fold writes
+        check_heal(args.model or read_audit(args.audit).model.spec, args.heal_steps,
+                   args.heal_data)
     globs = args.heal_params
     done = fold(args.audit, args.profile, args.out, model=args.model, data=spec,
                 timing_pairs=args.timing_pairs, force=args.force,
@@ -135,16 +138,22 @@ def cmd_fold(args: argparse.Namespace) -> None:
 
 def _heal(args: argparse.Namespace, done: Any) -> Any:
     from fcaudit.study.heal import heal
-    healed = heal(args.out, done.source, args.heal_steps, done.eval_ids, data=args.heal_data,
+    healed = heal(args.out, done.source, args.heal_steps, done.eval_ids,
+                  eval_targets=done.eval_targets, data=args.heal_data,
                   params=args.heal_params, out=args.heal_out, force=args.force,
                   progress=not args.quiet)
     print(f"healing trained {healed.trained['folded']:,} weights of the folded model and "
           f"{healed.trained['control']:,} of the original" +
           ("" if healed.params is None else f" (those named {', '.join(healed.params)})"))
-    print("| step | folded NLL | original NLL (the control, fine-tuned alike) |\n"
-          "|---:|---:|---:|")
+    task = healed.curve[0].folded_accuracy is not None  # a task run: its accuracy beside
+    loss = "loss" if task else "NLL"
+    print(f"healing on {healed.data}\n| step | folded {loss} | original {loss} (the control, "
+          "fine-tuned alike) |" + (" folded accuracy | original accuracy |" if task else "")
+          + "\n|---:|---:|---:|" + ("---:|---:|" if task else ""))
     for point in healed.curve:
-        print(f"| {point.step} | {point.folded_nll:.4f} | {point.original_nll:.4f} |")
+        print(f"| {point.step} | {point.folded_nll:.4f} | {point.original_nll:.4f} |" +
+              (f" {point.folded_accuracy:.3f} | {point.original_accuracy:.3f} |" if task
+               else ""))
     before, after = healed.penalty_before, healed.penalty_after
     print(f"penalty against the original: {before.value:+.4f} [{before.ci95[0]:+.4f}, "
           f"{before.ci95[1]:+.4f}] before healing, {after.value:+.4f} [{after.ci95[0]:+.4f}, "

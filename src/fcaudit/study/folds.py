@@ -29,7 +29,8 @@ def fold_seed(group: Group, run: Path, audit_dir: Path, audit: AuditResult, seed
     """Fold ``group.fold`` into the seed's run (the fold's run folder beside it, replaced
     on rerun: folding is checked anew, never reused), time it against the original and
     the dense twin, and heal it for ``group.heal`` steps (``--steps`` in a smoke study)
-    with the original fine-tuned alike as the control."""
+    with the original fine-tuned alike as the control (a task run: with the task's
+    accuracy of both before and after)."""
     from fcaudit.engine.actions.fold import fold
     from fcaudit.study.heal import heal
     assert group.fold is not None
@@ -51,12 +52,17 @@ def fold_seed(group: Group, run: Path, audit_dir: Path, audit: AuditResult, seed
     steps = settings.steps or group.heal
     if group.heal:
         started = time.perf_counter()
-        healed = heal(target, run, steps, done.eval_ids, seed=seed,
-                      progress=settings.options.progress)
+        healed = heal(target, run, steps, done.eval_ids, eval_targets=done.eval_targets,
+                      seed=seed, progress=settings.options.progress)
         out.update({**_estimate("heal_before", healed.penalty_before),
                     **_estimate("heal_after", healed.penalty_after),
                     **_estimate("heal_recovered", None if healed.recovered is None else
                                 Estimate(100 * healed.recovered.value,
                                          [100 * x for x in healed.recovered.ci95])),
                     "heal_steps": steps, "heal_s": round(time.perf_counter() - started, 1)})
+        first, last = healed.curve[0], healed.curve[-1]
+        if first.folded_accuracy is not None:  # a task run: does healing make it pass?
+            out.update({"heal_accuracy_before": first.folded_accuracy,
+                        "heal_accuracy_after": last.folded_accuracy,
+                        "heal_control_accuracy": last.original_accuracy})
     return out

@@ -13,15 +13,20 @@ penalty recovered where the penalty before is clearly above zero.
 Healing continues at a tenth of the run's own peak learning rate, decaying on the run's
 cosine schedule, on random windows of the run's training length: of the built-in
 training plays (where the run's tokenizer is the built-in corpus's) or of the user's text
-(tokenized with the run's own tokenizer). All weights are trained, or those whose names
-match the given globs (``params``), in both models alike.
+(tokenized with the run's own tokenizer). A run trained on a synthetic task (selective
+copying) heals on fresh sequences of its task, drawn as its training drew them (never one
+of the audit's), scored by the task's objective, with the task's accuracy (every answer
+of an example right) beside the loss at every point: whether healing makes a fold pass
+the task is the question there. All weights are trained, or those whose names match the
+given globs (``params``), in both models alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +38,7 @@ from torch import nn
 from fcaudit.core.errors import DataError, UsageError, arg
 from fcaudit.core.nll import device_of, logits_of, token_nll
 from fcaudit.engine.metrics import Bootstrap, interval
+from fcaudit.engine.objectives import Objective, run_task
 from fcaudit.engine.result_parts import Estimate
 from fcaudit.io.data import encode_documents, folder_tokenizer, text_documents
 from fcaudit.io.fileio import write_text
@@ -48,8 +54,10 @@ RESAMPLES = 1000
 @dataclass
 class HealPoint:
     step: int
-    folded_nll: float
+    folded_nll: float  # a task run: the task's loss
     original_nll: float  # the control: the original fine-tuned alike
+    folded_accuracy: float | None = None  # a task run: share of examples all right
+    original_accuracy: float | None = None
 
 
 @dataclass
@@ -75,7 +83,20 @@ class HealResult:
         return dataclasses.asdict(self)
 
 
-def _per_sequence(model: nn.Module, windows: np.ndarray, batch_size: int = 16) -> np.ndarray:
+Score = tuple[np.ndarray, float | None]  # per-unit losses, and the task's accuracy
+
+
+@dataclass
+class _Healing:
+    """What healing trains on and how a model is scored: text windows or a task's
+    sequences. ``train(model, tp, seed, progress, label, before)``; ``score(model)``."""
+
+    said: str
+    train: Callable[..., Any]
+    score: Callable[[nn.Module], Score]
+
+
+def _per_sequence(model: nn.Module, windows: np.ndarray, batch_size: int = 16) -> Score:
     was = model.training
     model.eval()
     out = []
@@ -84,23 +105,95 @@ def _per_sequence(model: nn.Module, windows: np.ndarray, batch_size: int = 16) -
             ids = torch.from_numpy(windows[i:i + batch_size]).to(device_of(model))
             out.append(token_nll(logits_of(model(ids)), ids).double().mean(-1).cpu().numpy())
     model.train(was)
-    return np.concatenate(out)
+    return np.concatenate(out), None
+
+
+def _text(run: Path, config: dict[str, Any], data: str | Path | None, tp: TrainPreset,
+          eval_ids: np.ndarray) -> _Healing:
+    """Healing on token windows, scored per evaluation window."""
+    stream, said = _tokens(run, config, data)
+    if len(stream) < tp.seq_len + 2:
+        raise DataError(f"the heal data hold {len(stream)} tokens, fewer than one window of "
+                        f"{tp.seq_len + 1}")
+    return _Healing(said, lambda model, tp, seed, progress, label, before: fit_tokens(
+        model, stream, tp, np.random.default_rng(seed), progress, label, before),
+        lambda model: _per_sequence(model, eval_ids))
+
+
+def _task(run: Path, config: dict[str, Any], data: str | Path | None, eval_ids: np.ndarray,
+          eval_targets: np.ndarray | None) -> _Healing:
+    """Healing on fresh sequences of the run's task, scored per evaluation example."""
+    from fcaudit.study import tasks
+    entry = _task_entry(run, config, data)
+    if eval_targets is None or len(eval_targets) != len(eval_ids):
+        raise UsageError(f"{run} trained on the task {entry.name}: give the answers of the "
+                         "evaluation examples (eval_targets: FoldResult.eval_targets)")
+    module, objective = importlib.import_module(entry.task), Objective(entry.name)
+    task = module.from_record(config.get("data"), str(run))
+
+    def score(model: nn.Module) -> Score:
+        was = model.training
+        losses, hits, _ = tasks.per_example(model, objective, eval_ids, eval_targets)
+        model.train(was)
+        return losses, float(hits.mean())
+    return _Healing(f"fresh {entry.name} sequences (the run's task)",
+                    lambda model, tp, seed, progress, label, before: tasks.fit(
+                        model, module, task, objective, tp, seed, progress, label, before),
+                    score)
+
+
+def _tokenizer(run: Path, config: dict[str, Any], data: str | Path | None) -> Any:
+    """The run's tokenizer, which reads the text to heal on (the built-in training plays
+    where no text is given: only for a run of the built-in corpus's tokenizer)."""
+    tok = folder_tokenizer(run)
+    if tok is None:
+        raise DataError(f"{run} has no tokenizer.json: healing reads text with the run's own "
+                        "tokenizer")
+    vocab = int(config["model_config"]["vocab_size"])
+    if data is None and builtin_tokenizer(vocab).to_str() != tok.to_str():
+        raise UsageError(f"{run}'s tokenizer is not the built-in corpus's: give the text to "
+                         f"heal on ({arg('heal_data', py='data')})", option="heal_data")
+    return tok
+
+
+def _task_entry(run: Path, config: dict[str, Any], data: str | Path | None) -> Any:
+    """The task a run trained on, which it heals on (no text)."""
+    entry = run_task(config)
+    assert entry is not None and entry.task is not None
+    if data is not None:
+        raise UsageError(f"{run} trained on the task {entry.name}: it heals on fresh "
+                         f"sequences of its task; drop {arg('heal_data', py='data')}",
+                         option="heal_data")
+    return entry
+
+
+def check_heal(original: str | Path, steps: int, data: str | Path | None) -> None:
+    """Refuse what healing the fold of the run ``original`` would refuse, read from that
+    run's folder alone (callable before the fold writes anything): the step count, the
+    run's training schedule, and what it would heal on."""
+    from fcaudit.io.fileio import read_json
+    if steps < 1:
+        raise UsageError(f"{arg('heal_steps', steps)}: at least 1", option="heal_steps")
+    run = Path(original)
+    if not (run / "config.json").is_file():
+        raise UsageError(f"{run} is not a run folder (no config.json): healing continues a "
+                         "run's own training", option="heal_steps")
+    config = read_json(run / "config.json", "run config")
+    _schedule(config, steps)
+    if run_task(config) is not None:
+        _task_entry(run, config, data)
+    else:
+        _tokenizer(run, config, data)
 
 
 def _tokens(run: Path, config: dict[str, Any], data: str | Path | None
             ) -> tuple[np.ndarray, str]:
     """The token stream to heal on, and what it is."""
-    tok = folder_tokenizer(run)
-    if tok is None:
-        raise DataError(f"{run} has no tokenizer.json: healing reads text with the run's own "
-                        "tokenizer")
+    tok = _tokenizer(run, config, data)
     if data is not None:
         stream = np.concatenate(encode_documents(tok, text_documents(data)))
         return stream, f"text {data} (the run's tokenizer)"
     vocab = int(config["model_config"]["vocab_size"])
-    if builtin_tokenizer(vocab).to_str() != tok.to_str():
-        raise UsageError(f"{run}'s tokenizer is not the built-in corpus's: give the text to "
-                         f"heal on ({arg('heal_data')})", option="heal_data")
     _, stream, _, _ = training_data(vocab, int(config.get("train", {}).get("seq_len", 128)),
                                     None)
     return stream, "the built-in training plays"
@@ -140,23 +233,22 @@ def _train_only(model: nn.Module, params: Sequence[str] | None) -> int:
     return trained
 
 
-def _fine_tuned(model: nn.Module, stream: np.ndarray, tp: TrainPreset, eval_ids: np.ndarray,
-                seed: int, progress: bool, name: str) -> dict[int, np.ndarray]:
-    """``model`` fine-tuned on ``stream`` (the seed draws the batches: the same for every
-    model), scored per sequence on ``eval_ids`` at step 0, along the way and at the end."""
+def _fine_tuned(model: nn.Module, healing: _Healing, tp: TrainPreset, seed: int,
+                progress: bool, name: str) -> dict[int, Score]:
+    """``model`` fine-tuned as ``healing`` trains (the seed draws the batches: the same for
+    every model), scored at step 0, along the way and at the end."""
     marks = {round(tp.steps * k / POINTS) for k in range(POINTS)}
     if not any(p.requires_grad for p in model.parameters()):  # nothing to train: as it is
-        unchanged = _per_sequence(model, eval_ids)
+        unchanged = healing.score(model)
         return {i: unchanged for i in (*marks, tp.steps)}
-    scores: dict[int, np.ndarray] = {}
+    scores: dict[int, Score] = {}
 
     def before(i: int) -> None:
         if i in marks:
-            scores[i] = _per_sequence(model, eval_ids)
+            scores[i] = healing.score(model)
     torch.manual_seed(seed)
-    fit_tokens(model, stream, tp, np.random.default_rng(seed), progress,
-               f"heal: fine-tune the {name} model", before)
-    scores[tp.steps] = _per_sequence(model, eval_ids)
+    healing.train(model, tp, seed, progress, f"heal: fine-tune the {name} model", before)
+    scores[tp.steps] = healing.score(model)
     return scores
 
 
@@ -175,41 +267,40 @@ def _penalties(before: np.ndarray, after: np.ndarray, seed: int
 
 
 def heal(folded: str | Path, original: str | Path, steps: int, eval_ids: np.ndarray, *,
-         data: str | Path | None = None, params: Sequence[str] | None = None,
-         out: str | Path | None = None, seed: int = 0, force: bool = False,
-         progress: bool = True) -> HealResult:
+         eval_targets: np.ndarray | None = None, data: str | Path | None = None,
+         params: Sequence[str] | None = None, out: str | Path | None = None, seed: int = 0,
+         force: bool = False, progress: bool = True) -> HealResult:
     """Fine-tune the folded run ``folded`` and, as the control, the ``original`` run for
     ``steps`` steps on the same batches; score both on ``eval_ids`` ``[N, T]`` (the
-    audit's evaluation windows) at step 0, along the way and at the end; write the healed
-    model as a run folder at ``out`` (None: measure only). ``params``: globs over weight
-    names (``blocks.*.mlp.*``): only those train, in both models (None: all)."""
+    audit's evaluation windows; a task run's: its evaluation examples, whose answers are
+    ``eval_targets``) at step 0, along the way and at the end; write the healed model as a
+    run folder at ``out`` (None: measure only). ``params``: globs over weight names
+    (``blocks.*.mlp.*``): only those train, in both models (None: all)."""
     from fcaudit.io.outdir import hold_output
     from fcaudit.io.runs import building, check_run_out, write_run
-    if steps < 1:
-        raise UsageError(f"{arg('heal_steps', steps)}: at least 1", option="heal_steps")
+    check_heal(original, steps, data)
     target = Path(out).expanduser() if out is not None else None
     if target is not None:
         check_run_out(target, force)
     source = load_run(Path(original))
     config = source.run_config or {}
     tp = _schedule(config, steps)
-    stream, said = _tokens(Path(original), config, data)
-    if len(stream) < tp.seq_len + 2:
-        raise DataError(f"the heal data hold {len(stream)} tokens, fewer than one window of "
-                        f"{tp.seq_len + 1}")
+    healing = _task(Path(original), config, data, eval_ids, eval_targets) \
+        if run_task(config) is not None else _text(Path(original), config, data, tp, eval_ids)
     start = load_run(Path(folded))  # both loaded afresh: trained in place
     healed = start.model.float()
     if params is not None:
         check_params(healed, params)
     models = {"folded": healed, "control": source.model.float()}
     trained = {name: _train_only(model, params) for name, model in models.items()}
-    scores = {name: _fine_tuned(model, stream, tp, eval_ids, seed, progress, name)
+    scores = {name: _fine_tuned(model, healing, tp, seed, progress, name)
               for name, model in models.items()}
-    curve = [HealPoint(i, float(scores["folded"][i].mean()),
-                       float(scores["control"][i].mean())) for i in sorted(scores["folded"])]
-    done = HealResult(steps, tp.lr, tp.batch_size, tp.seq_len, seed, said, curve,
-                      *_penalties(scores["folded"][0] - scores["control"][0],
-                                  scores["folded"][steps] - scores["control"][steps], seed),
+    ours, control = scores["folded"], scores["control"]
+    curve = [HealPoint(i, float(ours[i][0].mean()), float(control[i][0].mean()),
+                       ours[i][1], control[i][1]) for i in sorted(ours)]
+    done = HealResult(steps, tp.lr, tp.batch_size, tp.seq_len, seed, healing.said, curve,
+                      *_penalties(ours[0][0] - control[0][0],
+                                  ours[steps][0] - control[steps][0], seed),
                       None if target is None else str(target),
                       None if params is None else list(params), trained)
     if target is not None:

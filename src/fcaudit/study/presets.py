@@ -190,6 +190,13 @@ FOLD_FINDINGS = (
             "time-invariant fold is worse than the model in every seed",
             ((f"above {STATIC_LAYER}", "==", "all"),),
             f"penalty {{penalty {STATIC_LAYER}}}"),
+    Finding("mamba-selective-copy", "Healing does not make the time-invariant fold pass "
+            "selective copying: its task accuracy after healing stays below half that of the "
+            "original fine-tuned alike (means over seeds)",
+            (("diff heal_accuracy_after|heal_control_accuracy|0.5", "<", 0),),
+            "the fold's accuracy {num heal_accuracy_before 3} before healing, "
+            "{num heal_accuracy_after 3} after {num heal_steps 0} steps; the original's "
+            "{num heal_control_accuracy 3}"),
     Finding("earlyexit", "The early-exit LM cut at its fixed-exit depth runs faster than the "
             "model with its learned exits", (("fold_latency_source", "<", 1.0),),
             "{estimate fold_latency_source 3 x} the original's latency, "
@@ -251,7 +258,7 @@ PRESETS: dict[str, Preset] = {
     "fold": Preset(
         (*(Group(arch, "tiny", dense=None, schedule=CORPUS_SCHEDULE, fold=condition,
                  heal=HEAL_STEPS) for arch, condition in _FOLDED),
-         Group("mamba", "tiny", dense=None, task=TASK, fold=STATIC_LAYER)),
+         Group("mamba", "tiny", dense=None, task=TASK, fold=STATIC_LAYER, heal=HEAL_STEPS)),
         title="Each family folded at one condition: exactness, speed against the original "
               "and the dense twin (untrained: only its speed is read), and healing against "
               f"the original fine-tuned alike (mean over seeds, {_SPANNED})",

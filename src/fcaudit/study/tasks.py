@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -78,31 +79,46 @@ def batch(x: np.ndarray, y: np.ndarray, device: str | torch.device) -> ExampleBa
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, objective: Objective, x: np.ndarray, y: np.ndarray,
-             batch_size: int = 256) -> dict[str, float]:
-    """Accuracy (every answer of an example right), per-answer accuracy and mean loss of
-    ``model`` in eval mode, scored by the task's objective."""
+def per_example(model: nn.Module, objective: Objective, x: np.ndarray, y: np.ndarray,
+                batch_size: int = 256) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per example of ``model`` in eval mode, scored by the task's objective: the mean
+    loss over its answers, whether every answer is right (1.0 or 0.0), and the share of
+    its answers that are right."""
     model.eval()
     device = next(model.parameters()).device
     losses, hits, answers = [], [], []
     for start in range(0, len(x), batch_size):
         b = batch(x[start:start + batch_size], y[start:start + batch_size], device)
         output = model(b.inputs)
-        losses.append(objective.units(output, b).double().cpu())
-        hits.append(objective.hits(output, b).cpu())
-        answers.append(output[:, -b.targets.shape[1]:].argmax(-1).eq(b.targets).double().cpu())
-    return {"eval_accuracy": float(torch.cat(hits).mean()),
-            "eval_answer_accuracy": float(torch.cat(answers).mean()),
-            "eval_loss": float(torch.cat(losses).mean())}
+        losses.append(objective.units(output, b).double().mean(-1).cpu())
+        hits.append(objective.hits(output, b).double().cpu())
+        answers.append(output[:, -b.targets.shape[1]:].argmax(-1).eq(b.targets).double()
+                       .mean(-1).cpu())
+    loss, hit, answer = (torch.cat(v).numpy() for v in (losses, hits, answers))
+    return loss, hit, answer
+
+
+def evaluate(model: nn.Module, objective: Objective, x: np.ndarray, y: np.ndarray
+             ) -> dict[str, float]:
+    """Accuracy (every answer of an example right), per-answer accuracy and mean loss of
+    ``model`` in eval mode, scored by the task's objective."""
+    losses, hits, answers = per_example(model, objective, x, y)
+    return {"eval_accuracy": float(hits.mean()), "eval_answer_accuracy": float(answers.mean()),
+            "eval_loss": float(losses.mean())}
 
 
 def fit(model: nn.Module, data: ModuleType, task: Any, objective: Objective, tp: TrainPreset,
-        seed: int, progress: bool, label: str) -> tuple[list[dict[str, Any]], float]:
-    """:func:`~fcaudit.study.train.fit`, each step on a fresh batch of the task."""
+        seed: int, progress: bool, label: str, before: Callable[[int], None] | None = None
+        ) -> tuple[list[dict[str, Any]], float]:
+    """:func:`~fcaudit.study.train.fit`, each step on a fresh batch of the task (the seed
+    draws them: the same seed, the same batches); ``before(i)`` runs before step ``i``
+    (an evaluation along the way)."""
     device = next(model.parameters()).device
     rng, exclude = np.random.default_rng(seed), data.held_out(task)
 
-    def step(_: int) -> tuple[torch.Tensor, dict[str, Any], str]:
+    def step(i: int) -> tuple[torch.Tensor, dict[str, Any], str]:
+        if before is not None:
+            before(i)
         b = batch(*data.draw(task, rng, tp.batch_size, exclude, tp.batch_size), device)
         output = model(b.inputs)
         accuracy = float(objective.hits(output.detach(), b).mean())

@@ -104,11 +104,14 @@ class FoldResult:
     out: str | None
     exit_depth: int | None = None  # fixed exit: the layers (steps) the folded model keeps
     schema: str = SCHEMA
-    # the evaluation windows checked (token ids [N, T]): what healing is measured on
+    # what healing is measured on: the evaluation windows checked (token ids [N, T]), or
+    # a task audit's examples (token ids) and their answers
     eval_ids: Any = dataclasses.field(default=None, repr=False, compare=False)
+    eval_targets: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "eval_ids"}
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in ("eval_ids", "eval_targets")}
 
 
 def _condition(profile: str, result: AuditResult) -> Any:
@@ -203,7 +206,7 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
                           arch_of(folded).name, exact, *speed,
                           None if target is None else str(target),
                           int(values[0]) + 1 if condition.kind == "exit" else None,
-                          eval_ids=np.asarray(setup.data.eval_ids))
+                          **_evaluation(setup.data))
         if target is not None:
             with hold_output(target, "run"), building(target) as work:
                 _write(work, setup, folded, done)
@@ -211,6 +214,15 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
     finally:
         if isinstance(spec, (str, Path)):
             release(setup.model)
+
+
+def _evaluation(data: AuditData) -> dict[str, Any]:
+    """The audit's evaluation data as healing reads it: token windows, or examples with
+    their answers."""
+    if data.tokens:
+        return {"eval_ids": np.asarray(data.eval_ids)}
+    return {"eval_ids": None if data.inputs is None else np.asarray(data.inputs),
+            "eval_targets": None if data.targets is None else np.asarray(data.targets)}
 
 
 def _arch(setup: Any) -> Any:

@@ -302,14 +302,19 @@ def test_an_edited_audit_or_a_changed_model_is_refused(audited: Path, tmp_path: 
 
 
 def test_a_model_whose_family_does_not_fold_is_refused_naming_those_that_do(
-        hf_mixtral: Path, tmp_path: Path) -> None:
+        tmp_path: Path) -> None:
+    """A Qwen2-MoE folder (a shared expert beside the routed ones: no fold entry)."""
+    from conftest import FAMILIES, save
+
     from fcaudit.engine.actions.fold import fold
+    folder = save(FAMILIES["qwen2_moe"][0](), tmp_path / "qwen")
     rng = np.random.default_rng(0)
     data = AuditData(eval_ids=rng.integers(3, 64, (4, 8)), calib_ids=rng.integers(3, 64, (4, 8)))
-    fcaudit.audit(str(hf_mixtral), tmp_path / "audit", data=data, options=OPTIONS)
-    with pytest.raises(UsageError, match=r"folds exist for run folders of featuregate "
-                                         r"\(static-layer, static-layer-position, "
-                                         r"static-layer-token\)"):
+    fcaudit.audit(str(folder), tmp_path / "audit", data=data, options=OPTIONS)
+    with pytest.raises(UsageError, match=r"of a family that does not fold; folds exist for "
+                                         r"featuregate \(static-layer, static-layer-position, "
+                                         r"static-layer-token\).*; mixtral folders "
+                                         r"\(static-layer: a mistral folder\)"):
         fold(tmp_path / "audit", "static-layer", tmp_path / "out", data=data, timing_pairs=0)
     assert not (tmp_path / "out").exists()
 

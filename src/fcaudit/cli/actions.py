@@ -118,7 +118,7 @@ def cmd_fold(args: argparse.Namespace) -> None:
                 progress=None if args.quiet else _fold_progress,
                 accept=None if globs is None else lambda folded: check_params(folded, globs))
     e = done.exactness
-    print(f"folded {done.profile} into {done.source}: {args.out} ({done.arch}-shaped run "
+    print(f"folded {done.profile} into {done.source}: {args.out} ({done.arch}-shaped "
           "folder" + ("" if done.exit_depth is None else
                       f", every token stopping after {done.exit_depth} layers") + ")")
     print(f"exact: per-token losses within {e.max_abs_diff:.3g} of the replayed condition "

@@ -110,6 +110,28 @@ class _Projection(TorchFunctionMode):
         return supplied.reshape(like.shape).to(device=device, dtype=like.dtype)
 
 
+def routing_of(router: nn.Module, logits: Tensor) -> tuple[Tensor, Tensor]:
+    """The experts ``[k]`` (int64) and their weights ``[k]`` that ``router`` gives a token
+    whose logits are ``logits`` ``[E]``: the router's own forward on one token, its
+    projection returning the logits (what a fold of a static profile fixes). The router
+    must return one top-k index tensor and one weight tensor of its shape (transformers'
+    5.x routers: logits, top-k weights, top-k indices)."""
+    weight = next(router.parameters())
+    mode = _Projection(logits.reshape(1, -1))
+    with mode, torch.no_grad():
+        output = router.forward(torch.zeros(1, weight.shape[-1], dtype=weight.dtype,
+                                            device=weight.device))
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    ids = [t for t in items if isinstance(t, Tensor) and not t.is_floating_point()]
+    weights = [t for t in items if isinstance(t, Tensor) and t.is_floating_point()
+               and len(ids) == 1 and t.shape == ids[0].shape]
+    if mode.calls != 1 or len(ids) != 1 or len(weights) != 1:
+        raise FcauditError(f"router {type(router).__name__} returned {describe(output)}, not "
+                           "one top-k index tensor with its weights from one projection: its "
+                           "experts cannot be merged at a fixed choice")
+    return ids[0].reshape(-1).long(), weights[0].reshape(-1)
+
+
 TOPKS = frozenset({torch.topk, Tensor.topk})
 
 

@@ -111,6 +111,7 @@ def foldable() -> str:
     """Which profiles of which architectures fold (``fcaudit fold``), as a person reads it:
     each fold's key named by the static condition that feeds that profile."""
     from fcaudit.core.conditions import CONDITIONS
+    from fcaudit.io import hf_folds
     names = {c.fold: c.name for c in CONDITIONS.values() if c.fold}
     return "; ".join(f"{a.name} ({', '.join(names[k] for k in a.folds)})"
-                     for a in ARCHES.values() if a.folds)
+                     for a in ARCHES.values() if a.folds) + f"; {hf_folds.foldable()}"

@@ -175,10 +175,13 @@ def check_heal(original: str | Path, steps: int, data: str | Path | None) -> Non
     if steps < 1:
         raise UsageError(f"{arg('heal_steps', steps)}: at least 1", option="heal_steps")
     run = Path(original)
-    if not (run / "config.json").is_file():
-        raise UsageError(f"{run} is not a run folder (no config.json): healing continues a "
-                         "run's own training", option="heal_steps")
-    config = read_json(run / "config.json", "run config")
+    config = read_json(run / "config.json", "run config") \
+        if (run / "config.json").is_file() else None
+    if not isinstance(config, dict) or "fcaudit_run" not in config:
+        raise UsageError(f"{run} is not a run folder of fcaudit train: healing continues a "
+                         "run's own training schedule, which a checkpoint does not record; "
+                         "fine-tune the folded run with your own trainer",
+                         option="heal_steps")
     _schedule(config, steps)
     if run_task(config) is not None:
         _task_entry(run, config, data)

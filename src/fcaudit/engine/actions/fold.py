@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from fcaudit._version import __version__
 from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER
-from fcaudit.core.errors import DataError, ModelError, UsageError, arg
+from fcaudit.core.errors import DataError, FcauditError, ModelError, UsageError, arg
 from fcaudit.core.exits import exit_model, exit_scores
 from fcaudit.core.flops import flop_counter
 from fcaudit.core.interventions import StaticProfiles, static_tensor
@@ -56,6 +56,7 @@ from fcaudit.engine.stages import add_calibration, calibration_shard
 from fcaudit.io.arches import ARCHES, arch_of, foldable
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.examples import call_model
+from fcaudit.io.hf_folds import HF_FOLDS, hf_fold, write_hf_folder
 from fcaudit.io.loading import release
 
 SCHEMA = "fcaudit.fold/1"
@@ -96,7 +97,8 @@ class FoldResult:
     profile: str  # the condition folded (a static profile, or fixed exit)
     key: str  # what it fixes (the condition's fold: layer, layer_position, ... exit_depth)
     source: str  # the audited model
-    arch: str  # the folded run's architecture (its config loads it)
+    arch: str  # the folded model's: an fcaudit architecture (a run folder), or a Hugging
+    # Face family (a folder transformers loads)
     exactness: Exactness
     vs_original: FoldSpeed | None
     vs_dense: FoldSpeed | None
@@ -115,7 +117,7 @@ class FoldResult:
 
 
 def _condition(profile: str, result: AuditResult) -> Any:
-    keys = {k for a in ARCHES.values() for k in a.folds}
+    keys = {k for a in (*ARCHES.values(), *HF_FOLDS.values()) for k in a.folds}
     folding = [c.name for c in CONDITIONS.values() if c.fold in keys]
     if profile not in folding:
         raise refusal(f"{arg('profile', profile)} does not fold", profile, folding,
@@ -186,34 +188,45 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
     options = AuditOptions(batch_size=int(result.settings["batch_size"]),
                            seed=int(result.settings["seed"]), progress=False,
                            execution=False, per_layer=False)
-    spec = model if model is not None else result.model.spec
+    loads = model is None or isinstance(model, (str, Path))  # loaded here, released here
+    spec = _reload(result, model) if loads else model
     setup = prepare(AuditRequest(model=spec, data=data if data is not None else DataSpec(),
                                  options=options))
     try:
         _same_audit(setup, result)
-        net, arch = setup.model, _arch(setup)
-        if condition.fold not in arch.folds:
-            raise UsageError(f"{arg('profile', profile)}: {arch.name} does not fold it; folds "
-                             f"exist for {foldable()}", option="profile")
+        net, into = setup.model, _target(setup)
+        if condition.fold not in into.folds:
+            raise UsageError(f"{arg('profile', profile)}: {into.source} does not fold it; "
+                             f"folds exist for {foldable()}", option="profile")
         values, feed = (_exit_fold if condition.kind == "exit" else _static_fold)(
             setup, condition, say)
-        folded = net.folded(condition.fold, values)
+        folded = into.build(condition.fold, values)
         if accept is not None:
             accept(folded)
         exact = _exactness(setup, feed, condition.name, folded, result, say)
         speed = _speeds(net, folded, setup, timing_pairs, say)
         done = FoldResult(str(audit), profile, condition.fold, str(setup.loaded.spec),
-                          arch_of(folded).name, exact, *speed,
+                          into.arch(folded), exact, *speed,
                           None if target is None else str(target),
                           int(values[0]) + 1 if condition.kind == "exit" else None,
                           **_evaluation(setup.data))
         if target is not None:
             with hold_output(target, "run"), building(target) as work:
-                _write(work, setup, folded, done)
+                into.write(work, folded, done)
         return done
     finally:
-        if isinstance(spec, (str, Path)):
+        if loads:
             release(setup.model)
+
+
+def _reload(result: AuditResult, path: str | Path | None) -> Any:
+    """The audited model (``path``, default the one audit.json names) loaded again in the
+    dtype the audit ran it in (a bfloat16 checkpoint audited with ``--dtype float32``
+    folds in float32)."""
+    from fcaudit.engine.inputs import as_loaded
+    dtype = getattr(torch, result.model.dtype.removeprefix("torch."), None)
+    return as_loaded(path if path is not None else result.model.spec,
+                     dtype if isinstance(dtype, torch.dtype) else None)
 
 
 def _evaluation(data: AuditData) -> dict[str, Any]:
@@ -225,14 +238,43 @@ def _evaluation(data: AuditData) -> dict[str, Any]:
             "eval_targets": None if data.targets is None else np.asarray(data.targets)}
 
 
-def _arch(setup: Any) -> Any:
-    """The audited run's architecture: only a run folder (``fcaudit train``'s) folds."""
-    config = setup.loaded.run_config
-    if setup.loaded.kind != "run" or not isinstance(config, dict) or \
-            config.get("arch") not in ARCHES:
-        raise UsageError(f"{setup.loaded.spec} is a {setup.loaded.kind} model; folds exist for "
-                         f"run folders of {foldable()}", option="model")
-    return ARCHES[config["arch"]]
+@dataclass(frozen=True)
+class _Target:
+    """What the audited model folds into: ``source`` its architecture or family, ``folds``
+    what it folds (a condition's ``fold``), ``build(key, values)`` the folded model,
+    ``arch(folded)`` what that is, ``write(work, folded, done)`` its folder."""
+
+    source: str
+    folds: tuple[str, ...]
+    build: Callable[[str, list[Tensor]], nn.Module]
+    arch: Callable[[nn.Module], str]
+    write: Callable[[Path, nn.Module, FoldResult], None]
+
+
+def _target(setup: Any) -> _Target:
+    """A model of fcaudit's own code (a run folder of ``fcaudit train``, or a checkpoint
+    folder it loads, such as MUDDPythia's) folds into a run folder of an architecture of
+    its own; a Hugging Face family with a fold entry into a folder transformers loads."""
+    net = setup.model
+    entry = hf_fold(net)
+    if entry is not None:
+        return _Target(entry.name, entry.folds,
+                       lambda _, values: entry.build(net, setup.sites, values),
+                       lambda _: entry.into, lambda work, folded, done: write_hf_folder(
+                           work, folded, done.to_json(), _tokenizer(setup)))
+    try:
+        arch = arch_of(net)
+    except FcauditError:
+        raise UsageError(f"{setup.loaded.spec} is a {setup.loaded.kind} model of a family that "
+                         f"does not fold; folds exist for {foldable()}",
+                         option="model") from None
+    return _Target(arch.name, arch.folds, net.folded, lambda folded: arch_of(folded).name,
+                   lambda work, folded, done: _write(work, setup, folded, done))
+
+
+def _tokenizer(setup: Any) -> Path:
+    """Where the audited folder's tokenizer would be (copied beside the folded model)."""
+    return Path(str(setup.loaded.spec)) / "tokenizer.json"
 
 
 Feed = Callable[[Tensor, Tensor], dict[Any, Tensor]]  # (inputs, token ids) -> site feeds
@@ -391,11 +433,10 @@ def _write(work: Path, setup: Any, folded: nn.Module, done: FoldResult) -> None:
     the fold's record) and the source run's tokenizer."""
     from fcaudit.io.fileio import write_text
     from fcaudit.io.runs import write_run
-    source = Path(str(setup.loaded.spec))
-    config = dict(setup.loaded.run_config)
+    config = dict(setup.loaded.run_config or {})
     for key in ("weights_sha256", "versions", "fcaudit_run", "results", "train", "fold"):
         config.pop(key, None)
-    tokenizer = source / "tokenizer.json"
+    tokenizer = _tokenizer(setup)
     if tokenizer.is_file():
         write_text(work / "tokenizer.json", tokenizer.read_text(encoding="utf-8"))
     write_run(work, folded, None, {**config, "arch": done.arch,

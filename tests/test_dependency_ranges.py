@@ -33,9 +33,9 @@ def _extra(name: str) -> dict[str, str]:
 
 def test_every_internals_package_has_a_closed_range_whose_ceiling_is_the_pin() -> None:
     pins = _pins()
-    internals = {**_extra("hf"), **_extra("gguf")}
+    internals = {**_extra("hf"), **_extra("gguf"), **_extra("lm-eval")}
     internals.pop("fcaudit")  # gguf's extra takes hf's in by name
-    assert set(internals) == {"transformers", "accelerate", "gguf"}
+    assert set(internals) == {"transformers", "accelerate", "gguf", "lm_eval"}
     for package, spec in internals.items():
         floor, ceiling = re.fullmatch(r">=([\w.]+),<=([\w.]+)", spec).groups()
         assert pins[package] == ceiling, package
@@ -43,7 +43,7 @@ def test_every_internals_package_has_a_closed_range_whose_ceiling_is_the_pin() -
 
 
 def test_every_pin_satisfies_what_fcaudit_declares() -> None:
-    declared = {**_extra("hf"), **_extra("gguf"), **_extra("test")}
+    declared = {**_extra("hf"), **_extra("gguf"), **_extra("lm-eval"), **_extra("test")}
     for package, version in _pins().items():
         assert re.fullmatch(r"[\d.]+", version), package
         if package in declared:

@@ -55,6 +55,11 @@ EXPECTED = {
              "heal (fine-tune the folded model; the original alike as the control)": {
                  "--heal-steps", "--heal-data", "--heal-params", "--heal-out"},
              "general options": GENERAL | {"--quiet"}},
+    "tasks": {"tasks": {"--audit", "--tasks", "--include-path", "--limit", "--model", "--json"},
+              "data (the audit's: default the built-in plays, as fcaudit audit; checked by "
+              "SHA-256)": {"--data", "--calib-data", "--tokens", "--calib-tokens", "--seq-len",
+                           "--max-eval", "--max-calib"},
+              "general options": GENERAL | {"--quiet"}},
 }
 
 

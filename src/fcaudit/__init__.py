@@ -17,6 +17,7 @@ Public API (imported lazily, so ``import fcaudit`` and ``fcaudit --help`` stay f
     fcaudit.audit(model, out=None, ...)        # -> AuditResult
     fcaudit.compare([a, b], out=None, labels=None)  # audits side by side -> Comparison
     fcaudit.fold(audit_dir, profile, out)      # a static profile folded in -> FoldResult
+    fcaudit.evaluate_tasks(audit_dir, tasks)   # lm-eval tasks per condition -> TasksResult
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _EXPORTS = {
     "AuditResult": "engine.result",
     "compare": "report.compare", "Comparison": "report.compare",
     "fold": "engine.actions.fold", "FoldResult": "engine.actions.fold",
+    "evaluate_tasks": "engine.actions.harness", "TasksResult": "engine.actions.harness",
     "DataSpec": "io.data", "AuditData": "io.data",
     "Site": "core.contract", "SiteCall": "core.contract", "ExpertLayer": "core.contract",
     "Gate": "core.contract", "Selection": "core.contract", "Exit": "core.contract",

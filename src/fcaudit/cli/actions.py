@@ -1,6 +1,7 @@
 """The commands that act on an audit or a model beyond auditing it: ``fcaudit routes``
-(a serving engine's routing trace against the model's own) and ``fcaudit fold`` (a static
-profile folded into the model, healed and timed)."""
+(a serving engine's routing trace against the model's own), ``fcaudit fold`` (a static
+profile folded into the model, healed and timed) and ``fcaudit tasks`` (benchmark tasks
+under the audit's conditions)."""
 
 from __future__ import annotations
 
@@ -89,8 +90,8 @@ def cmd_routes(args: argparse.Namespace) -> None:
 
 
 def cmd_fold(args: argparse.Namespace) -> None:
-    from fcaudit.engine.actions.fold import SCHEMA, fold, read_audit
-    from fcaudit.io.data import DataSpec
+    from fcaudit.engine.actions.fold import SCHEMA, fold
+    from fcaudit.engine.actions.reopen import read_audit
     from fcaudit.io.fileio import write_json
     if args.json is not None:
         _own_json(args.json, SCHEMA)
@@ -103,11 +104,7 @@ def cmd_fold(args: argparse.Namespace) -> None:
                              "beside the healed one)", option="heal_out")
         from fcaudit.io.runs import check_run_out
         check_run_out(args.heal_out, args.force)  # before the fold writes anything
-    counts = {k: getattr(args, k) for k in ("max_eval", "max_calib")
-              if getattr(args, k) is not None}
-    spec = DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
-                    calib_tokens=args.calib_tokens, seq_len=args.seq_len, **counts)
-    spec.validate()
+    spec = _audit_data(args)
     from fcaudit.study.heal import check_heal, check_params
     if args.heal_steps is not None:  # what healing would refuse: before the fold writes
         check_heal(args.model or read_audit(args.audit).model.spec, args.heal_steps,
@@ -162,6 +159,36 @@ def _heal(args: argparse.Namespace, done: Any) -> Any:
                       f"; recovered {healed.recovered.value:.1%} [{healed.recovered.ci95[0]:.1%}"
                       f", {healed.recovered.ci95[1]:.1%}]"))
     return healed
+
+
+def _audit_data(args: argparse.Namespace) -> Any:
+    """The audit's data, as an action on an audit folder is given it again."""
+    from fcaudit.io.data import DataSpec
+    counts = {k: getattr(args, k) for k in ("max_eval", "max_calib")
+              if getattr(args, k) is not None}
+    spec = DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
+                    calib_tokens=args.calib_tokens, seq_len=args.seq_len, **counts)
+    spec.validate()
+    return spec
+
+
+def cmd_tasks(args: argparse.Namespace) -> None:
+    from fcaudit.engine.actions.harness import SCHEMA, evaluate_tasks
+    from fcaudit.io.fileio import write_json
+    if args.json is not None:
+        _own_json(args.json, SCHEMA)
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not names:
+        raise UsageError("--tasks names no task: give lm-evaluation-harness task names, "
+                         "comma-separated", option="tasks")
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit {args.limit}: at least 1 example per task", option="limit")
+    done = evaluate_tasks(args.audit, names, model=args.model, data=_audit_data(args),
+                          include_path=args.include_path, limit=args.limit,
+                          progress=None if args.quiet else _fold_progress)
+    print(done.markdown())
+    if args.json is not None:
+        write_json(args.json, done.to_json())
 
 
 def _fold_progress(stage: str, done: int, total: int) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fcaudit.cli.actions import cmd_fold, cmd_routes
+from fcaudit.cli.actions import cmd_fold, cmd_routes, cmd_tasks
 from fcaudit.cli.parser import audit_options, build_parser, given_options
 from fcaudit.core.errors import DataError, FcauditError, ModelError, UsageError, render
 from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES
@@ -451,7 +451,7 @@ def cmd_sites(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"train": cmd_train, "bench": cmd_bench, "sites": cmd_sites, "routes": cmd_routes,
-            "fold": cmd_fold}
+            "fold": cmd_fold, "tasks": cmd_tasks}
 WITH_ARGV = {"audit": cmd_audit, "compare": cmd_compare, "demo": cmd_demo,
              "reproduce": cmd_reproduce}
 
@@ -494,6 +494,7 @@ INTERRUPTED = {
     "demo": "finished runs and cache shards are kept: rerun the same command to resume",
     "reproduce": "finished runs and audits are kept: rerun the same command to resume",
     "fold": "no run folder was written; rerun the command to fold again",
+    "tasks": "nothing was written; rerun the command to score the tasks again",
 }
 
 

@@ -14,13 +14,11 @@ from typing import Any
 from fcaudit.core.errors import install_extra, render
 from fcaudit.engine.objectives import TASKS
 from fcaudit.engine.options import (
-    MAX_TIMING_PAIRS,
-    MIN_TIMING_PAIRS,
     AuditOptions,
     OptionSpec,
     option_specs,
 )
-from fcaudit.io.arches import ARCHES, foldable
+from fcaudit.io.arches import ARCHES
 from fcaudit.io.engines import EAGER, ENGINES
 from fcaudit.io.runtime import measured_minutes
 
@@ -480,80 +478,8 @@ def _add_routes(sub: Any) -> None:
     general_options(parser)
 
 
-def _add_heal_options(parser: argparse.ArgumentParser) -> None:
-    h = parser.add_argument_group("heal (fine-tune the folded model; the original alike as "
-                                  "the control)")
-    h.add_argument("--heal-steps", type=int, default=None, metavar="N",
-                   help="fine-tune the folded model and, as the control, the original for N "
-                        "steps on the same batches, scored on the audit's evaluation data")
-    h.add_argument("--heal-data", type=user_file, default=None, metavar="TEXT",
-                   help="text to heal on, tokenized with the run's tokenizer (default: the "
-                        "built-in training plays, where the run was trained on them)")
-    h.add_argument("--heal-params", action="append", default=None, metavar="GLOB",
-                   help="train only the weights whose names match this glob (repeatable, e.g. "
-                        "'blocks.*.mlp.*'), in both models; one naming no weight of the "
-                        "folded model is refused before anything is written (default: all)")
-    h.add_argument("--heal-out", type=user_path, default=None, metavar="RUN",
-                   help="write the healed model as a run folder here (default: measure only)")
-
-
-def _add_fold(sub: Any) -> None:
-    parser = sub.add_parser(
-        "fold", add_help=False,
-        help="write the model with a static profile in place of its controllers",
-        description="Fold a static profile an audit measured into the audited model: write a "
-                    "run folder whose model has no controller computation, only the "
-                    "profile's fixed values (a FeatureGate becomes its Dense twin with one "
-                    "scale per block, position or token id; an MoE reads its router logits "
-                    "from a table, or merges its experts into one MLP at one value per "
-                    "layer; a Mamba becomes its time-invariant twin run as a convolution; a "
-                    "MUDD model gets static dense connections; "
-                    "under fixed exit an early-exit or ponder model is its twin cut at "
-                    "that depth). "
-                    "The calibration profiles are "
-                    "recomputed from the audit's data, the condition is replayed and must "
-                    "give the NLL audit.json reports, and the folded model's per-token "
-                    "losses must equal the replay's (1e-5 relative) or nothing is written; "
-                    "it is then timed against the original and the dense twin.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  fcaudit fold --audit audits/featuregate --profile static-layer "
-               "--out runs/featuregate-folded")
-    f = parser.add_argument_group("fold")
-    f.add_argument("--audit", required=True, type=user_file, metavar="DIR",
-                   help="a folder written by fcaudit audit (its audit.json)")
-    f.add_argument("--profile", required=True, metavar="CONDITION",
-                   help=f"the condition to fold (a static profile, or fixed exit; the audit "
-                        f"must have computed it); folds exist for {foldable()}")
-    f.add_argument("--out", required=True, type=user_path, metavar="RUN",
-                   help="the run folder to write (new, or a run folder fcaudit wrote, with "
-                        "--force)")
-    f.add_argument("--force", action="store_true",
-                   help="replace a run folder fcaudit wrote at --out")
-    f.add_argument("--model", default=None, type=user_file, metavar="SPEC",
-                   help="the audited model (default: the one audit.json names)")
-    pairs = AuditOptions().timing_pairs
-    f.add_argument("--timing-pairs", type=int, default=pairs, metavar="N",
-                   help="interleaved timing pairs against the original and the dense twin, "
-                        f"{MIN_TIMING_PAIRS} to {MAX_TIMING_PAIRS}; 0 disables timing "
-                        f"(default {pairs})")
-    f.add_argument("--json", type=user_path, default=None, metavar="FILE",
-                   help="also write what the fold (and the healing) measured as JSON")
-    _add_heal_options(parser)
-    data = parser.add_argument_group(
-        "data (the audit's: default the built-in plays, as fcaudit audit; checked by SHA-256)")
-    for name in ("data", "calib_data", "tokens", "calib_tokens"):
-        data.add_argument("--" + name.replace("_", "-"), type=user_file, default=None,
-                          help=AUDIT_DATA[name])
-    data.add_argument("--seq-len", type=int, default=None,
-                      help="tokens per scored window, as the audit's")
-    data.add_argument("--max-eval", type=int, default=None,
-                      help="evaluation sequences, as the audit's")
-    data.add_argument("--max-calib", type=int, default=None,
-                      help="calibration sequences, as the audit's")
-    general_options(parser, quiet=True)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from fcaudit.cli.action_parsers import add_fold, add_tasks
     parser = argparse.ArgumentParser(
         prog="fcaudit", add_help=False,
         description="Frozen Controller Audit: do a model's controller coefficients vary, does "
@@ -564,6 +490,6 @@ def build_parser() -> argparse.ArgumentParser:
     general_options(parser, top=True)  # --debug also works after the command name
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_train, _add_audit, _add_compare, _add_demo, _add_bench, _add_reproduce,
-                _add_sites, _add_routes, _add_fold):
+                _add_sites, _add_routes, add_fold, add_tasks):
         add(sub)
     return parser

@@ -21,16 +21,16 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor, nn
-
-from fcaudit.core.contract import Site
 from fcaudit.core.errors import ModelError
 from fcaudit.core.registry import Registry
-from fcaudit.core.routers import routing_of
-from fcaudit.io.fileio import write_json
+from fcaudit.io.fileio import write_json, write_text
+
+if TYPE_CHECKING:  # the registry is read by --help, which loads no torch
+    from torch import Tensor, nn
+
+    from fcaudit.core.contract import Site
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,10 @@ def _merged_mixtral(model: nn.Module, sites: Sequence[Site], values: Sequence[Te
                     ) -> nn.Module:
     """A Mixtral with each layer's experts at the router's fixed choice merged into one
     Mistral MLP (``k`` times an expert's width)."""
+    import torch
     import transformers
+
+    from fcaudit.core.routers import routing_of
     cfg, k = model.config, int(model.config.num_experts_per_tok)
     raw = {key: v for key, v in cfg.to_dict().items() if key not in _MOE_KEYS}
     raw.update(model_type="mistral", architectures=["MistralForCausalLM"],
@@ -107,10 +110,10 @@ def foldable() -> str:
 
 
 def write_hf_folder(work: Path, folded: nn.Module, record: dict[str, Any],
-                    tokenizer: Path | None) -> None:
+                    tokenizer: str | None) -> None:
     """The folded model as a folder transformers loads: ``config.json`` (with the fold's
-    record under ``fcaudit_fold``), one ``model.safetensors`` and the source's
-    ``tokenizer.json``; saved by transformers itself (tied weights as it expects them)."""
+    record under ``fcaudit_fold``), one ``model.safetensors`` and the source's tokenizer
+    (``tokenizer``: its JSON); saved by transformers itself (tied weights as it expects them)."""
     from transformers.utils import logging as hf_logging
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # its shard bar: fcaudit reports its own progress
@@ -123,8 +126,8 @@ def write_hf_folder(work: Path, folded: nn.Module, record: dict[str, Any],
         if bars:
             hf_logging.enable_progress_bar()
     write_json(work / "config.json", {**config, "fcaudit_fold": record})
-    if tokenizer is not None and tokenizer.is_file():
-        (work / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    if tokenizer is not None:
+        write_text(work / "tokenizer.json", tokenizer)
 
 
 __all__ = ["HF_FOLDS", "HFFold", "foldable", "hf_fold", "write_hf_folder"]

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fcaudit._version import __version__
 from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER
 from fcaudit.core.errors import DataError, FcauditError, ModelError, UsageError, arg
 from fcaudit.core.exits import exit_model, exit_scores
@@ -46,18 +45,16 @@ from fcaudit.core.flops import flop_counter
 from fcaudit.core.interventions import StaticProfiles, static_tensor
 from fcaudit.core.nll import device_of, model_limits
 from fcaudit.core.registry import refusal
+from fcaudit.engine.actions.reopen import read_audit, recomputed_profiles, reopened
 from fcaudit.engine.execution import time_interleaved, warm_pass
-from fcaudit.engine.options import MAX_TIMING_PAIRS, MIN_TIMING_PAIRS, AuditOptions
+from fcaudit.engine.options import MAX_TIMING_PAIRS, MIN_TIMING_PAIRS
 from fcaudit.engine.passes import batches
-from fcaudit.engine.prepare import AuditRequest, prepare
 from fcaudit.engine.result import AuditResult
 from fcaudit.engine.result_parts import Estimate
-from fcaudit.engine.stages import add_calibration, calibration_shard
 from fcaudit.io.arches import ARCHES, arch_of, foldable
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.examples import call_model
 from fcaudit.io.hf_folds import HF_FOLDS, hf_fold, write_hf_folder
-from fcaudit.io.loading import release
 
 SCHEMA = "fcaudit.fold/1"
 FOLD_TOLERANCE = 1e-5  # relative: per-token losses, and the audit's condition NLL
@@ -129,37 +126,6 @@ def _condition(profile: str, result: AuditResult) -> Any:
     return CONDITIONS[profile]
 
 
-def read_audit(folder: str | Path) -> AuditResult:
-    """The audit's result, refused if edited or written by another fcaudit version."""
-    path = Path(folder).expanduser()
-    file = path / "audit.json"
-    if not file.is_file():
-        raise UsageError(f"{arg('audit', str(path))} holds no audit.json: give a folder "
-                         "written by fcaudit audit", option="audit")
-    result = AuditResult.read(file)
-    written = result.versions.get("fcaudit")
-    if written != __version__:
-        raise DataError(f"{file} was written by fcaudit {written}, this is {__version__}: "
-                        "rerun the audit with this version, then fold it")
-    return result
-
-
-def _same_audit(setup: Any, result: AuditResult) -> None:
-    """The model, data and sites loaded again are the audit's."""
-    if setup.loaded.fingerprint != result.model.fingerprint:
-        raise ModelError(f"{setup.loaded.spec} is not the model the audit measured (its "
-                         "fingerprint differs: other weights, config or code since); fold "
-                         "the audit of this model")
-    for part in ("eval_fingerprint", "calib_fingerprint"):
-        if setup.data_summary.get(part) != result.data.get(part):
-            raise DataError(f"the data given is not the audit's ({part.split('_')[0]} data's "
-                            "SHA-256 differs): give the same data options as the audit")
-    if [s.name for s in setup.sites] != [s.name for s in result.sites]:
-        raise ModelError(f"the audit measured the sites {[s.name for s in result.sites]}, not "
-                         f"the controllers the model declares ({[s.name for s in setup.sites]}"
-                         "): a fold replaces those; audit them (no sites option), then fold")
-
-
 def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
          model: Any = None, data: DataSpec | AuditData | None = None,
          timing_pairs: int = 10, force: bool = False,
@@ -185,15 +151,7 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
     if target is not None:
         check_run_out(target, force)
     say = progress or (lambda *_: None)
-    options = AuditOptions(batch_size=int(result.settings["batch_size"]),
-                           seed=int(result.settings["seed"]), progress=False,
-                           execution=False, per_layer=False)
-    loads = model is None or isinstance(model, (str, Path))  # loaded here, released here
-    spec = _reload(result, model) if loads else model
-    setup = prepare(AuditRequest(model=spec, data=data if data is not None else DataSpec(),
-                                 options=options))
-    try:
-        _same_audit(setup, result)
+    with reopened(result, model, data) as setup:
         net, into = setup.model, _target(setup)
         if condition.fold not in into.folds:
             raise UsageError(f"{arg('profile', profile)}: {into.source} does not fold it; "
@@ -214,19 +172,6 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
             with hold_output(target, "run"), building(target) as work:
                 into.write(work, folded, done)
         return done
-    finally:
-        if loads:
-            release(setup.model)
-
-
-def _reload(result: AuditResult, path: str | Path | None) -> Any:
-    """The audited model (``path``, default the one audit.json names) loaded again in the
-    dtype the audit ran it in (a bfloat16 checkpoint audited with ``--dtype float32``
-    folds in float32)."""
-    from fcaudit.engine.inputs import as_loaded
-    dtype = getattr(torch, result.model.dtype.removeprefix("torch."), None)
-    return as_loaded(path if path is not None else result.model.spec,
-                     dtype if isinstance(dtype, torch.dtype) else None)
 
 
 def _evaluation(data: AuditData) -> dict[str, Any]:
@@ -272,9 +217,14 @@ def _target(setup: Any) -> _Target:
                    lambda work, folded, done: _write(work, setup, folded, done))
 
 
-def _tokenizer(setup: Any) -> Path:
-    """Where the audited folder's tokenizer would be (copied beside the folded model)."""
-    return Path(str(setup.loaded.spec)) / "tokenizer.json"
+def _tokenizer(setup: Any) -> str | None:
+    """The audited model's tokenizer, written beside the folded model: its folder's
+    ``tokenizer.json`` as it is, else the one it was loaded with (a GGUF file's)."""
+    file = Path(str(setup.loaded.spec)) / "tokenizer.json"
+    if file.is_file():
+        return file.read_text(encoding="utf-8")
+    loaded = setup.loaded.tokenizer
+    return None if loaded is None else loaded.to_str()
 
 
 Feed = Callable[[Tensor, Tensor], dict[Any, Tensor]]  # (inputs, token ids) -> site feeds
@@ -283,7 +233,7 @@ Feed = Callable[[Tensor, Tensor], dict[Any, Tensor]]  # (inputs, token ids) -> s
 def _static_fold(setup: Any, condition: Any, say: Progress) -> tuple[list[Tensor], Feed]:
     """A static profile: each site's fixed rows, and the condition's feed of a batch (it
     reads only the coefficients' shape and dtype: no record pass)."""
-    profiles, dtypes = _profiles(setup, say)
+    profiles, dtypes = recomputed_profiles(setup, say, "fold")
     values = _values(setup, profiles, condition.name, setup.model, dtypes)
 
     def feed(x: Tensor, ids: Tensor) -> dict[Any, Tensor]:
@@ -309,21 +259,6 @@ def _exit_fold(setup: Any, condition: Any, say: Progress) -> tuple[list[Tensor],
         return {s: scores[s.name] if s.name in scores else coefficients[s.name]
                 for s in setup.sites}
     return [torch.tensor(layer)], feed
-
-
-def _profiles(setup: Any, say: Progress) -> tuple[StaticProfiles, dict[str, torch.dtype]]:
-    """The audit's calibration profiles, recomputed: one record pass a calibration batch,
-    its sums added in batch order as the audit added them; and each site's coefficient
-    dtype (what the condition feeds)."""
-    profiles, dtypes = StaticProfiles(setup.sites), {}
-    size, net = setup.options.batch_size, setup.model
-    n = -(-setup.inputs.n_calib // size)
-    for done, (b, x) in enumerate(batches(setup.calib_source, size, device_of(net)), start=1):
-        _, coefficients, _ = setup.executor.record(x, None)
-        add_calibration(setup, profiles, calibration_shard(setup, coefficients, x), b)
-        dtypes = {k: v.dtype for k, v in coefficients.items()}
-        say("fold: record calibration", done, n)
-    return profiles, dtypes
 
 
 def _values(setup: Any, profiles: StaticProfiles, condition: str, net: nn.Module,
@@ -437,11 +372,11 @@ def _write(work: Path, setup: Any, folded: nn.Module, done: FoldResult) -> None:
     for key in ("weights_sha256", "versions", "fcaudit_run", "results", "train", "fold"):
         config.pop(key, None)
     tokenizer = _tokenizer(setup)
-    if tokenizer.is_file():
-        write_text(work / "tokenizer.json", tokenizer.read_text(encoding="utf-8"))
+    if tokenizer is not None:
+        write_text(work / "tokenizer.json", tokenizer)
     write_run(work, folded, None, {**config, "arch": done.arch,
                                    "model_config": dataclasses.asdict(folded.config),
                                    "fold": done.to_json()})
 
 
-__all__ = ["FOLD_TOLERANCE", "Exactness", "FoldResult", "FoldSpeed", "fold", "read_audit"]
+__all__ = ["FOLD_TOLERANCE", "Exactness", "FoldResult", "FoldSpeed", "fold"]

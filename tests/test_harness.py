@@ -1,0 +1,183 @@
+"""Benchmark tasks under the audit's conditions (engine/actions/harness.py), through
+lm-evaluation-harness on local tasks this test writes (nothing downloads).
+
+Planted truth, with the hand-made toys of tests/toys.py read through a word-level
+tokenizer (word ``wK`` is token ``K``): the multiple-choice task asks for the successor
+of a token. The ``content`` toy predicts it only through gates that carry the token, so
+under ``static-layer`` its accuracy falls to chance; the ``constant`` toy's gates are
+constants, so nothing changes. The rolling task's perplexity under ``correct`` is
+checked against the toy's log-probabilities computed here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import toys
+
+pytest.importorskip("lm_eval")
+
+import fcaudit  # noqa: E402
+from fcaudit import AuditData, AuditOptions  # noqa: E402
+
+V = toys.V
+OPTIONS = AuditOptions(repeats=1, bootstrap=50, batch_size=8, execution=False,
+                       progress=False, per_layer=False)
+DOCS = 40
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+def _tasks(root: Path) -> Path:
+    """A multiple-choice task (the successor of a token, or a distractor, in random
+    order) and a rolling log-likelihood task (pair sequences as words), as YAML with
+    local data."""
+    rng = np.random.default_rng(0)
+    root.mkdir()
+    with (root / "mc.jsonl").open("w") as f:
+        for t in rng.integers(0, V, DOCS):
+            right, wrong = f"w{(t + 1) % V}", f"w{(t + 7) % V}"
+            label = int(rng.integers(0, 2))
+            f.write(json.dumps({"q": f"w{t}", "choices": [right, wrong][::1 - 2 * label],
+                                "label": label}) + "\n")
+    with (root / "text.jsonl").open("w") as f:
+        for row in toys.pair_sequences(6, 24, 5):
+            f.write(json.dumps({"text": " ".join(f"w{i}" for i in row)}) + "\n")
+    (root / "mc.yaml").write_text(
+        f"task: toy_successor\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {root / 'mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{q}}'\ndoc_to_choice: choices\ndoc_to_target: label\n"
+        "metric_list:\n  - metric: acc\n")
+    (root / "text.yaml").write_text(
+        f"task: toy_text\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {root / 'text.jsonl'}\ntest_split: test\n"
+        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def audits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    import os
+
+    import datasets.config
+    root = tmp_path_factory.mktemp("harness")
+    # the tasks' local data are cached here, not in the user's datasets cache (which
+    # might also hold a hub task's data the offline refusal below expects to be missing)
+    os.environ["HF_DATASETS_CACHE"] = str(root / "hf-cache")
+    datasets.config.HF_DATASETS_CACHE = root / "hf-cache"
+    data = AuditData(eval_ids=toys.pair_sequences(16, 16, 1),
+                     calib_ids=toys.pair_sequences(16, 16, 2))
+    out = {}
+    for mode in ("content", "constant"):
+        model = getattr(toys, f"{mode}_model")()
+        fcaudit.audit(model, root / mode, sites=["gates.*"], data=data, options=OPTIONS,
+                      report=False)
+        out[mode] = (root / mode, model, data)
+    return {"tasks": _tasks(root / "tasks"), **out}
+
+
+def _evaluate(audits: dict, mode: str, tasks: list[str]):
+    from fcaudit.engine.actions.harness import evaluate_tasks
+    folder, model, data = audits[mode]
+    return evaluate_tasks(folder, tasks, model=model, data=data, tokenizer=_tokenizer(),
+                          include_path=audits["tasks"])
+
+
+def test_the_gate_carrying_the_answer_falls_to_chance_under_static_layer(audits) -> None:
+    done = _evaluate(audits, "content", ["toy_successor"])
+    acc = done.tasks["toy_successor"].metrics["acc"]
+    assert acc.values["correct"].value == 1.0 and acc.values["original"].value == 1.0
+    # a static gate carries no token: the choices score by calibration's token counts,
+    # not by the question: chance (0.5) lies in the interval, far below correct's 1.0
+    for profile in ("static-layer", "static-layer-position", "global-mean"):
+        lo, hi = acc.values[profile].ci95
+        assert lo <= 0.5 <= hi and acc.penalty[profile].ci95[1] < 0, profile
+    assert done.not_applicable["reassign"].startswith("needs a donor request")
+    assert done.tasks["toy_successor"].examples == DOCS
+    assert all(n == 2 * DOCS for n in done.tasks["toy_successor"].requests.values())
+
+
+def test_a_gate_that_does_not_carry_it_changes_nothing(audits) -> None:
+    done = _evaluate(audits, "constant", ["toy_successor"])
+    acc = done.tasks["toy_successor"].metrics["acc"]
+    assert {c: e.value for c, e in acc.values.items()} == {c: 1.0 for c in done.conditions}
+    assert all(e.value == 0.0 for e in acc.penalty.values())
+
+
+def test_rolling_perplexity_is_the_toy_s_own(audits) -> None:
+    import torch
+    done = _evaluate(audits, "content", ["toy_text"])
+    ppl = done.tasks["toy_text"].metrics["word_perplexity"]
+    _, model, _ = audits["content"]
+    total, words = 0.0, 0
+    for line in (audits["tasks"] / "text.jsonl").read_text().splitlines():
+        ids = [int(w[1:]) for w in json.loads(line)["text"].split()]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids[:-1]])).double()[0], -1)
+        total += float(lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum())
+        words += len(ids)
+    assert ppl.values["correct"].value == pytest.approx(math.exp(-total / words), rel=1e-9)
+    assert ppl.higher_is_better is False
+    assert ppl.penalty["static-layer"].value > 0  # a worse perplexity without the gates
+
+
+def _featuregate_run(folder: Path) -> Path:
+    """A tiny FeatureGate run folder (random weights) with the word-level tokenizer."""
+    import dataclasses
+
+    import torch
+
+    from fcaudit.io.loading import save_run_model
+    from fcaudit.models.featuregate import GPT, GPTConfig
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=V, block_size=32, n_layer=2, n_head=2, n_embd=16)
+    folder.mkdir()
+    save_run_model(folder, GPT(cfg))
+    (folder / "tokenizer.json").write_text(_tokenizer().to_str())
+    (folder / "config.json").write_text(json.dumps({
+        "fcaudit_run": 1, "arch": "featuregate", "preset": "tiny", "seed": 0,
+        "model_config": dataclasses.asdict(cfg)}))
+    return folder
+
+
+def test_the_command_line_prints_each_condition_and_refuses_what_it_cannot_run(
+        audits, tmp_path, capsys) -> None:
+    from conftest import run_inprocess
+    run = _featuregate_run(tmp_path / "run")
+    np.save(tmp_path / "eval.npy", toys.pair_sequences(8, 16, 1))
+    np.save(tmp_path / "calib.npy", toys.pair_sequences(8, 16, 2))
+    data = ["--tokens", str(tmp_path / "eval.npy"), "--calib-tokens", str(tmp_path / "calib.npy")]
+    audit = run_inprocess(["audit", "--model", str(run), *data, "--out", str(tmp_path / "a"),
+                           "--repeats", "1", "--bootstrap", "50", "--no-per-layer",
+                           "--no-execution", "--quiet"], capsys)
+    assert audit.returncode == 0, audit.stderr
+    argv = ["tasks", "--audit", str(tmp_path / "a"), *data, "--include-path",
+            str(audits["tasks"]), "--quiet"]
+    res = run_inprocess([*argv, "--tasks", "toy_successor", "--limit", "10", "--json",
+                         str(tmp_path / "tasks.json")], capsys)
+    assert res.returncode == 0, res.stderr
+    scores = json.loads((tmp_path / "tasks.json").read_text())["tasks"]["toy_successor"]
+    assert scores["examples"] == 10
+    for condition, value in scores["metrics"]["acc"]["values"].items():
+        lo, hi = value["ci95"]
+        assert f"| {condition} | {value['value']:.4f} [{lo:.4f}, {hi:.4f}] |" in res.stdout
+    gen = audits["tasks"] / "gen.yaml"
+    gen.write_text(f"task: toy_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                   f"    test: {audits['tasks'] / 'mc.jsonl'}\ntest_split: test\n"
+                   "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: label\n"
+                   "metric_list:\n  - metric: exact_match\n")
+    for task, said in (("toy_gen", "is a generate_until task"), ("nope", "knows no such task"),
+                       ("piqa", "could not load piqa offline")):  # its data: on the hub
+        bad = run_inprocess([*argv, "--tasks", task], capsys)
+        assert bad.returncode == 2 and said in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1

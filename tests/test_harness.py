@@ -99,10 +99,11 @@ def test_the_gate_carrying_the_answer_falls_to_chance_under_static_layer(audits)
     assert acc.values["correct"].value == 1.0 and acc.values["original"].value == 1.0
     # a static gate carries no token: the choices score by calibration's token counts,
     # not by the question: chance (0.5) lies in the interval, far below correct's 1.0
-    for profile in ("static-layer", "static-layer-position", "global-mean"):
+    # under reassign the gates carry another document's token: chance too
+    for profile in ("static-layer", "static-layer-position", "global-mean", "reassign"):
         lo, hi = acc.values[profile].ci95
         assert lo <= 0.5 <= hi and acc.penalty[profile].ci95[1] < 0, profile
-    assert done.not_applicable["reassign"].startswith("needs a donor request")
+    assert done.not_applicable["shuffle"].startswith("shuffles positions within a request")
     assert done.tasks["toy_successor"].examples == DOCS
     assert all(n == 2 * DOCS for n in done.tasks["toy_successor"].requests.values())
 
@@ -129,6 +130,24 @@ def test_rolling_perplexity_is_the_toy_s_own(audits) -> None:
     assert ppl.values["correct"].value == pytest.approx(math.exp(-total / words), rel=1e-9)
     assert ppl.higher_is_better is False
     assert ppl.penalty["static-layer"].value > 0  # a worse perplexity without the gates
+    assert "reassign" not in ppl.values  # a document's windows have no donor
+    assert "had no donor" in done.tasks["toy_text"].not_applicable["reassign"]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_every_donor_is_of_another_document_and_each_gives_once(seed: int) -> None:
+    """Against the exact condition for such an assignment to exist: no document holds
+    more than half of the requests."""
+    from fcaudit.engine.actions.harness import donors
+    rng = np.random.default_rng(seed)
+    docs = [("t", int(d)) for d in rng.integers(0, rng.integers(1, 6), rng.integers(1, 12))]
+    given = donors(docs, np.random.default_rng(seed))
+    largest = max(docs.count(d) for d in docs)
+    if 2 * largest > len(docs):
+        assert given is None
+        return
+    assert sorted(given) == list(range(len(docs)))
+    assert all(docs[g] != docs[i] for i, g in enumerate(given))
 
 
 def _featuregate_run(folder: Path) -> Path:

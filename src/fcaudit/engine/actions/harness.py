@@ -37,7 +37,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fcaudit.core.conditions import CONDITIONS, CORRECT, GLOBAL_MEAN, ORIGINAL, STATIC_LAYER
+from fcaudit.core.conditions import (
+    CONDITIONS,
+    CORRECT,
+    GLOBAL_MEAN,
+    ORIGINAL,
+    REASSIGN,
+    STATIC_LAYER,
+)
 from fcaudit.core.errors import DataError, IdentityError, UsageError, arg, install_extra
 from fcaudit.core.interventions import StaticProfiles, static_tensor
 from fcaudit.core.nll import device_of, logits_of, model_limits
@@ -80,8 +87,10 @@ def runnable(condition: str) -> str | None:
     if entry.kind == "reference" or entry.kind == "static" and entry.profile in (
             "layer", "layer_position", "layer_token", "global_mean"):
         return None
+    if condition == REASSIGN:
+        return None
     if entry.kind == "random":
-        return "needs a donor request for each request; not run on task requests yet"
+        return "shuffles positions within a request; not run on task requests yet"
     return f"a {entry.kind} condition; not run on task requests"
 
 
@@ -89,11 +98,12 @@ class _Scorer:
     """Requests scored by the audited model with one condition applied."""
 
     def __init__(self, setup: Any, profiles: StaticProfiles, tokenizer: Any,
-                 condition: str) -> None:
+                 condition: str, seed: int = 0) -> None:
         self.setup, self.profiles, self.tokenizer = setup, profiles, tokenizer
-        self.condition = condition
+        self.condition, self.seed = condition, seed
         self.context = model_limits(setup.model)[1]
         self.requests = 0
+        self.undonored: dict[str, int] = {}  # reassign: requests without a donor, by task
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -111,20 +121,25 @@ class _Scorer:
         return torch.cat([rows, static_tensor(STATIC_LAYER, site, self.profiles,
                                               like[:, covered:], ids[:, covered:])], dim=1)
 
-    def logprobs(self, ids: list[int]) -> Tensor:
-        """Log-probabilities ``[T - 1, V]`` of the model on ``ids`` under the condition."""
+    def _inputs(self, ids: list[int]) -> Tensor:
         if self.context is not None and len(ids) - 1 > self.context:
             raise DataError(f"a task request of {len(ids)} tokens exceeds the model's context "
                             f"of {self.context}: choose tasks whose requests fit, or a model "
                             "with a longer context")
+        return torch.tensor([ids[:-1]], device=device_of(self.setup.model))
+
+    def logprobs(self, ids: list[int], donor: dict[str, Tensor] | None = None) -> Tensor:
+        """Log-probabilities ``[T - 1, V]`` of the model on ``ids`` under the condition
+        (``donor``: reassign's, another request's recorded coefficients)."""
+        x = self._inputs(ids)
         self.requests += 1
-        x = torch.tensor([ids[:-1]], device=device_of(self.setup.model))
         logits, coefficients, _ = self.setup.executor.record(x, None)
         if self.condition == ORIGINAL:
             return torch.log_softmax(logits_of(logits)[0].double(), -1)
         sites = self.setup.sites
-        fed = {s: coefficients[s.name] if self.condition == CORRECT else
-               self._feed(s, coefficients[s.name], x) for s in sites}
+        fed = {s: donor[s.name] if donor is not None else coefficients[s.name]
+               if self.condition == CORRECT else self._feed(s, coefficients[s.name], x)
+               for s in sites}
         replayed = logits_of(self.setup.executor.replay(x, fed).logits)
         if self.condition == CORRECT and not torch.equal(replayed, logits_of(logits)):
             raise IdentityError("identity replay is not exact on a task request: the replay "
@@ -132,10 +147,9 @@ class _Scorer:
                                 "logits bit for bit, so no condition can be scored on it")
         return torch.log_softmax(replayed[0].double(), -1)
 
-    def continuation(self, context: str, continuation: str) -> tuple[float, bool]:
-        """log P(continuation | context) and whether it is the greedy one, the harness's
-        way of splitting the two (trailing spaces of the context go with the
-        continuation)."""
+    def split(self, context: str, continuation: str) -> tuple[list[int], int]:
+        """The request's token ids and how many are context, the harness's way of
+        splitting the two (trailing spaces of the context go with the continuation)."""
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
@@ -144,13 +158,46 @@ class _Scorer:
             raise DataError(f"a task request has an empty context or continuation once "
                             f"tokenized ({context[-30:]!r} / {continuation[:30]!r}); "
                             "fcaudit scores a continuation given at least one context token")
-        lp = self.logprobs(whole)[len(head) - 1:]
-        want = torch.tensor(whole[len(head):], device=lp.device)
+        return whole, len(head)
+
+    def continuation(self, whole: list[int], head: int,
+                     donor: dict[str, Tensor] | None = None) -> tuple[float, bool]:
+        """log P(continuation | context) and whether it is the greedy one."""
+        lp = self.logprobs(whole, donor)[head - 1:]
+        want = torch.tensor(whole[head:], device=lp.device)
         return float(lp.gather(-1, want[:, None]).sum()), bool(lp.argmax(-1).eq(want).all())
 
-    def rolling(self, text: str) -> float:
+    def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
+        """Every request's score; under reassign each is fed the coefficients of a request
+        of the same token length from another document (:func:`donors`)."""
+        split = [self.split(*r.args) for r in requests]
+        if self.condition != REASSIGN:
+            return [self.continuation(*s) for s in split]
+        out: list[tuple[float, bool]] = [(math.nan, False)] * len(split)
+        by_length: dict[int, list[int]] = {}
+        for i, (whole, _) in enumerate(split):
+            by_length.setdefault(len(whole), []).append(i)
+        rng = np.random.default_rng(self.seed)
+        for members in by_length.values():
+            given = donors([(requests[i].task_name, requests[i].doc_id) for i in members], rng)
+            if given is None:  # no request of another document this long: not scored
+                for i in members:
+                    self.undonored[requests[i].task_name] = \
+                        self.undonored.get(requests[i].task_name, 0) + 1
+                continue
+            recorded = {i: self.setup.executor.record(self._inputs(split[i][0]), None)[1]
+                        for i in members}
+            for k, i in enumerate(members):
+                out[i] = self.continuation(*split[i], recorded[members[given[k]]])
+        return out
+
+    def rolling(self, text: str, task: str | None = None) -> float:
         """log P of every token of ``text`` after its first, in windows of the model's
-        context (one token of context across a window's edge, as the harness does)."""
+        context (one token of context across a window's edge, as the harness does).
+        Reassign has no donor for a document's windows: not scored."""
+        if self.condition == REASSIGN:
+            self.undonored[str(task)] = self.undonored.get(str(task), 0) + 1
+            return math.nan
         ids = self.encode(text)
         size, total, start = self.context or len(ids), 0.0, 1
         while start < len(ids):
@@ -162,16 +209,36 @@ class _Scorer:
         return total
 
 
+def donors(documents: Sequence[tuple[Any, Any]], rng: np.random.Generator
+           ) -> list[int] | None:
+    """For requests of one token length (``documents``: each one's task and document),
+    the index of each one's donor: a request of another document, every request a donor
+    once (the documents in random order, each request given the one a largest
+    document's count further on); None when no such assignment exists (some document
+    holds more than half of them)."""
+    blocks: dict[Any, list[int]] = {}
+    for i, doc in enumerate(documents):
+        blocks.setdefault(doc, []).append(i)
+    largest, n = max(len(b) for b in blocks.values()), len(documents)
+    if n < 2 * largest:
+        return None
+    order = [i for k in rng.permutation(len(blocks)) for i in list(blocks.values())[k]]
+    given = [0] * n
+    for k, i in enumerate(order):
+        given[i] = order[(k + largest) % n]
+    return given
+
+
 def conditioned_lm(scorer: _Scorer) -> Any:
     """The harness model (an ``lm_eval.api.model.LM``) scoring with ``scorer``."""
     from lm_eval.api.model import LM
 
     class ConditionedLM(LM):  # the harness's model protocol, one condition applied
         def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
-            return [scorer.continuation(*r.args) for r in requests]
+            return scorer.loglikelihood(requests)
 
         def loglikelihood_rolling(self, requests: Sequence[Any]) -> list[float]:
-            return [scorer.rolling(r.args[0]) for r in requests]
+            return [scorer.rolling(r.args[0], r.task_name) for r in requests]
 
         def generate_until(self, requests: Sequence[Any]) -> list[str]:
             raise UsageError("generation tasks are not supported yet: choose log-likelihood "
@@ -196,6 +263,7 @@ class TaskScores:
     examples: int
     metrics: dict[str, MetricScores]
     requests: dict[str, int]  # per condition
+    not_applicable: dict[str, str]  # conditions not scored on this task, and why
 
 
 @dataclass
@@ -232,6 +300,8 @@ class TasksResult:
                           f"{est(m.retention[c], '.1%') if c in m.retention else ''} |"
                           for c, v in m.values.items()]
         lines += [f"\nnot run: {c} ({why})" for c, why in self.not_applicable.items()]
+        lines += [f"\nnot scored on {t}: {c} ({why})" for t, scores in self.tasks.items()
+                  for c, why in scores.not_applicable.items()]
         return "\n".join(lines).lstrip("\n")
 
 
@@ -342,23 +412,30 @@ def evaluate_tasks(audit: str | Path, tasks: Sequence[str], *, model: Any = None
                              "tokenizers.Tokenizer) to read the task requests",
                              option="tokenizer")
         profiles, _ = recomputed_profiles(setup, say, "tasks")
-        outputs, walls, counts = {}, {}, {}
+        outputs, walls, counts, undonored = {}, {}, {}, {}
         for i, condition in enumerate(run, start=1):
-            started, scorer = time.perf_counter(), _Scorer(setup, profiles, tok, condition)
+            started = time.perf_counter()
+            scorer = _Scorer(setup, profiles, tok, condition, seed)
             random.seed(seed)  # the harness's own draws (none for zero-shot tasks)
             np.random.seed(seed)
             outputs[condition] = lm_eval.evaluator.evaluate(
                 lm=conditioned_lm(scorer), task_dict=loaded, limit=limit, log_samples=True,
                 bootstrap_iters=0, verbosity="ERROR")
             walls[condition], counts[condition] = time.perf_counter() - started, scorer.requests
+            undonored.update({(condition, t): n for t, n in scorer.undonored.items()})
             say("tasks: conditions", i, len(run))
     return TasksResult(str(audit), run, skipped, {
-        t: _task_scores(t, outputs, counts, seed) for t in tasks}, walls,
+        t: _task_scores(t, outputs, counts, undonored, seed) for t in tasks}, walls,
         _version(), samples={c: o["samples"] for c, o in outputs.items()})
 
 
-def _task_scores(task: str, outputs: dict[str, Any], counts: dict[str, int], seed: int
-                 ) -> TaskScores:
+def _task_scores(task: str, outputs: dict[str, Any], counts: dict[str, int],
+                 undonored: dict[tuple[str, str], int], seed: int) -> TaskScores:
+    """One task's metrics under every condition that scored all of its requests."""
+    skipped = {c: f"{n} of its requests had no donor (a request of the same token length "
+                  "from another document; rolling requests have none)"
+               for (c, t), n in undonored.items() if t == task}
+    outputs = {c: o for c, o in outputs.items() if c not in skipped}
     first = outputs[CORRECT]
     higher = first["higher_is_better"][task]
     metrics = {}
@@ -368,7 +445,7 @@ def _task_scores(task: str, outputs: dict[str, Any], counts: dict[str, int], see
             continue
         per = {c: _per_sample(o["samples"][task], metric) for c, o in outputs.items()}
         metrics[metric] = _scores(metric, bool(higher[metric]), per, seed)
-    return TaskScores(task, len(first["samples"][task]), metrics, counts)
+    return TaskScores(task, len(first["samples"][task]), metrics, counts, skipped)
 
 
 def _version() -> str:

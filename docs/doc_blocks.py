@@ -1246,3 +1246,22 @@ def fold_lengths(r: Results) -> str:
         "95% intervals:", "",
         md_table(("length", "latency folded / original", "folded tokens/s",
                   "original tokens/s"), rows, "rrrr"), ""])
+
+
+@block("tasks-overhead", "fcaudit tasks' requests per second against a plain lm-eval run",
+       [bench("tasks_overhead")], ["python benchmarks/tasks_overhead.py"])
+def tasks_overhead(r: Results) -> str:
+    d = r.json(bench("tasks_overhead"))
+    res = d["results"]
+    names = {"plain_lm_eval": "lm-evaluation-harness's own model (HFLM, batch size 1)",
+             "original": "fcaudit, `original` (a record pass a request)",
+             "correct": "fcaudit, `correct` (a record and an identity replay a request)"}
+    rows = [(names[k], f"{v['requests_per_s']:,.1f}", f"{v['accuracy']:.3f}",
+             f"{v['time_over_plain']:.2f}" if "time_over_plain" in v else "1")
+            for k, v in res["runs"].items()]
+    return "\n".join([
+        "", f"{measured(d)} The model: {res['model']}; a local multiple-choice task of "
+        f"{res['docs']} questions ({res['requests']:,} requests), scored on the same loaded "
+        "task each way:", "",
+        md_table(("run", "requests/s", "accuracy", "time over the plain run's"), rows, "lrrr"),
+        ""])

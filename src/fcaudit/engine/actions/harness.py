@@ -133,13 +133,14 @@ class _Scorer:
         (``donor``: reassign's, another request's recorded coefficients)."""
         x = self._inputs(ids)
         self.requests += 1
+        if donor is not None:  # nothing of its own is read: no record pass
+            replayed = self.setup.executor.replay(x, {s: donor[s.name] for s in self.setup.sites})
+            return torch.log_softmax(logits_of(replayed.logits)[0].double(), -1)
         logits, coefficients, _ = self.setup.executor.record(x, None)
         if self.condition == ORIGINAL:
             return torch.log_softmax(logits_of(logits)[0].double(), -1)
-        sites = self.setup.sites
-        fed = {s: donor[s.name] if donor is not None else coefficients[s.name]
-               if self.condition == CORRECT else self._feed(s, coefficients[s.name], x)
-               for s in sites}
+        fed = {s: coefficients[s.name] if self.condition == CORRECT else
+               self._feed(s, coefficients[s.name], x) for s in self.setup.sites}
         replayed = logits_of(self.setup.executor.replay(x, fed).logits)
         if self.condition == CORRECT and not torch.equal(replayed, logits_of(logits)):
             raise IdentityError("identity replay is not exact on a task request: the replay "
@@ -354,7 +355,7 @@ def _scores(metric: str, higher: bool, per: dict[str, tuple[np.ndarray, ...]], s
     return MetricScores(higher, values, penalty, retention)
 
 
-def _load_tasks(tasks: Sequence[str], include_path: str | Path | None, seed: int) -> Any:
+def load_tasks(tasks: Sequence[str], include_path: str | Path | None, seed: int) -> Any:
     """The harness's tasks, loaded once (their data read offline) and checked before any
     audit work: names it knows, log-likelihood kinds, no few-shot examples unless the
     task sets them."""
@@ -401,7 +402,7 @@ def evaluate_tasks(audit: str | Path, tasks: Sequence[str], *, model: Any = None
     (default: the model's own); ``limit``: examples per task."""
     lm_eval = require_lm_eval()
     result = read_audit(audit)
-    loaded = _load_tasks(tasks, include_path, seed)
+    loaded = load_tasks(tasks, include_path, seed)
     run = [c for c in result.conditions if runnable(c) is None]
     skipped = {c: str(runnable(c)) for c in result.conditions if runnable(c) is not None}
     say = progress or (lambda *_: None)

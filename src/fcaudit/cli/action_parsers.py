@@ -28,11 +28,28 @@ def _add_heal_options(parser: argparse.ArgumentParser) -> None:
                    help="write the healed model as a run folder here (default: measure only)")
 
 
+def _on_audit(sub: Any, name: str, summary: str, description: str, example: str
+              ) -> tuple[argparse.ArgumentParser, Any]:
+    """A command acting on an audit folder: its parser and its own group, which starts
+    with ``--audit``."""
+    parser = sub.add_parser(name, add_help=False, help=summary, description=description,
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=f"example:\n  {example}")
+    group = parser.add_argument_group(name)
+    group.add_argument("--audit", required=True, type=user_file, metavar="DIR",
+                       help="a folder written by fcaudit audit (its audit.json)")
+    return parser, group
+
+
+def _model_argument(group: Any) -> None:
+    group.add_argument("--model", default=None, type=user_file, metavar="SPEC",
+                       help="the audited model (default: the one audit.json names)")
+
+
 def add_fold(sub: Any) -> None:
-    parser = sub.add_parser(
-        "fold", add_help=False,
-        help="write the model with a static profile in place of its controllers",
-        description="Fold a static profile an audit measured into the audited model: write a "
+    parser, f = _on_audit(
+        sub, "fold", "write the model with a static profile in place of its controllers",
+        "Fold a static profile an audit measured into the audited model: write a "
                     "run folder whose model has no controller computation, only the "
                     "profile's fixed values (a FeatureGate becomes its Dense twin with one "
                     "scale per block, position or token id; an MoE reads its router logits "
@@ -46,12 +63,8 @@ def add_fold(sub: Any) -> None:
                     "give the NLL audit.json reports, and the folded model's per-token "
                     "losses must equal the replay's (1e-5 relative) or nothing is written; "
                     "it is then timed against the original and the dense twin.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  fcaudit fold --audit audits/featuregate --profile static-layer "
-               "--out runs/featuregate-folded")
-    f = parser.add_argument_group("fold")
-    f.add_argument("--audit", required=True, type=user_file, metavar="DIR",
-                   help="a folder written by fcaudit audit (its audit.json)")
+        "fcaudit fold --audit audits/featuregate --profile static-layer --out "
+        "runs/featuregate-folded")
     f.add_argument("--profile", required=True, metavar="CONDITION",
                    help=f"the condition to fold (a static profile, or fixed exit; the audit "
                         f"must have computed it); folds exist for {foldable()}")
@@ -60,8 +73,7 @@ def add_fold(sub: Any) -> None:
                         "--force)")
     f.add_argument("--force", action="store_true",
                    help="replace a run folder fcaudit wrote at --out")
-    f.add_argument("--model", default=None, type=user_file, metavar="SPEC",
-                   help="the audited model (default: the one audit.json names)")
+    _model_argument(f)
     pairs = AuditOptions().timing_pairs
     f.add_argument("--timing-pairs", type=int, default=pairs, metavar="N",
                    help="interleaved timing pairs against the original and the dense twin, "
@@ -90,10 +102,10 @@ def _add_audit_data(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tasks(sub: Any) -> None:
-    parser = sub.add_parser(
-        "tasks", add_help=False,
-        help="score benchmark tasks (lm-evaluation-harness) under the audit's conditions",
-        description="Score lm-evaluation-harness tasks with the audited model under each "
+    parser, t = _on_audit(
+        sub, "tasks", "score benchmark tasks (lm-evaluation-harness) under the audit's "
+        "conditions",
+        "Score lm-evaluation-harness tasks with the audited model under each "
                     "condition of the audit: the task's requests recorded and replayed with "
                     "the coefficients the condition gives each (its own for correct, which "
                     "must reproduce the unperturbed scores bit for bit; the calibration "
@@ -103,12 +115,7 @@ def add_tasks(sub: Any) -> None:
                     "retention. Log-likelihood, multiple-choice and rolling tasks; nothing "
                     "downloads (tasks with local data, or data already in the datasets "
                     "cache). Needs the lm-eval extra.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  fcaudit tasks --audit audits/featuregate --tasks my_cloze "
-               "--include-path my_tasks/")
-    t = parser.add_argument_group("tasks")
-    t.add_argument("--audit", required=True, type=user_file, metavar="DIR",
-                   help="a folder written by fcaudit audit (its audit.json)")
+        "fcaudit tasks --audit audits/featuregate --tasks my_cloze --include-path my_tasks/")
     t.add_argument("--tasks", required=True, metavar="TASK[,TASK...]",
                    help="lm-evaluation-harness task names (its own, or those --include-path "
                         "defines)")
@@ -116,8 +123,7 @@ def add_tasks(sub: Any) -> None:
                    help="a folder of task YAML files (lm-eval's --include_path)")
     t.add_argument("--limit", type=int, default=None, metavar="N",
                    help="score the first N examples of each task (default: all)")
-    t.add_argument("--model", default=None, type=user_file, metavar="SPEC",
-                   help="the audited model (default: the one audit.json names)")
+    _model_argument(t)
     t.add_argument("--json", type=user_path, default=None, metavar="FILE",
                    help="also write what was measured as JSON")
     _add_audit_data(parser)

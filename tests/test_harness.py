@@ -195,7 +195,8 @@ def test_the_command_line_prints_each_condition_and_refuses_what_it_cannot_run(
                    f"    test: {audits['tasks'] / 'mc.jsonl'}\ntest_split: test\n"
                    "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: label\n"
                    "metric_list:\n  - metric: exact_match\n")
-    for task, said in (("toy_gen", "is a generate_until task"), ("nope", "knows no such task"),
+    for task, said in (("toy_gen", "--tasks toy_gen is a generate_until task"),
+                       ("nope", "--tasks nope: lm-evaluation-harness knows no such task"),
                        ("piqa", "could not load piqa offline")):  # its data: on the hub
         bad = run_inprocess([*argv, "--tasks", task], capsys)
         assert bad.returncode == 2 and said in bad.stderr, bad.stderr

@@ -76,7 +76,7 @@ def require_lm_eval() -> Any:
         import lm_eval.evaluator
     except ImportError as exc:
         raise UsageError(f"benchmark tasks run through lm-evaluation-harness: "
-                         f"{install_extra('lm-eval')}", option="lm_eval_tasks") from exc
+                         f"{install_extra('lm-eval')}", option="tasks") from exc
     datasets.config.HF_DATASETS_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
     return lm_eval
 
@@ -243,7 +243,7 @@ def conditioned_lm(scorer: _Scorer) -> Any:
 
         def generate_until(self, requests: Sequence[Any]) -> list[str]:
             raise UsageError("generation tasks are not supported yet: choose log-likelihood "
-                             "or multiple-choice tasks", option="lm_eval_tasks")
+                             "or multiple-choice tasks", option="tasks")
     return ConditionedLM()
 
 
@@ -316,7 +316,7 @@ def _per_sample(samples: list[dict[str, Any]], metric: str) -> tuple[np.ndarray,
     if not all(isinstance(v, (int, float, bool)) for v in values):
         raise UsageError(f"metric {metric} has per-example values fcaudit cannot aggregate "
                          "yet; choose tasks scored by accuracy or perplexity",
-                         option="lm_eval_tasks")
+                         option="tasks")
     return (np.array(values, dtype=float),)
 
 
@@ -370,9 +370,9 @@ def load_tasks(tasks: Sequence[str], include_path: str | Path | None, seed: int)
     known = set(manager.all_tasks)
     unknown = [t for t in tasks if t not in known]
     if unknown:
-        raise UsageError(f"{arg('lm_eval_tasks', ','.join(unknown))}: lm-evaluation-harness "
+        raise UsageError(f"{arg('tasks', ','.join(unknown))}: lm-evaluation-harness "
                          "knows no such task (give a task's YAML folder with "
-                         f"{arg('lm_eval_include_path')})", option="lm_eval_tasks")
+                         f"{arg('include_path')})", option="tasks")
     try:
         loaded = manager.load(list(tasks))
     except (OSError, ConnectionError, ValueError) as exc:
@@ -382,9 +382,9 @@ def load_tasks(tasks: Sequence[str], include_path: str | Path | None, seed: int)
     for name, task in loaded["tasks"].items():
         kind = task.get_config("output_type")
         if kind not in ("loglikelihood", "multiple_choice", "loglikelihood_rolling"):
-            raise UsageError(f"{arg('lm_eval_tasks', name)} is a {kind} task; fcaudit runs "
+            raise UsageError(f"{arg('tasks', name)} is a {kind} task; fcaudit runs "
                              "log-likelihood, multiple-choice and rolling log-likelihood "
-                             "tasks (generation is not supported yet)", option="lm_eval_tasks")
+                             "tasks (generation is not supported yet)", option="tasks")
         if task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=seed)
@@ -409,9 +409,10 @@ def evaluate_tasks(audit: str | Path, tasks: Sequence[str], *, model: Any = None
     with reopened(result, model, data, declared=False) as setup:
         tok = tokenizer if tokenizer is not None else setup.loaded.tokenizer
         if tok is None:
-            raise UsageError("the audited model has no tokenizer: give one (tokenizer=, a "
-                             "tokenizers.Tokenizer) to read the task requests",
-                             option="tokenizer")
+            raise UsageError("the audited model has no tokenizer to read the task requests "
+                             "with: audit a run or checkpoint folder that holds its "
+                             "tokenizer.json, or in Python give tokenizer= (a "
+                             "tokenizers.Tokenizer)")
         profiles, _ = recomputed_profiles(setup, say, "tasks")
         outputs, walls, counts, undonored = {}, {}, {}, {}
         for i, condition in enumerate(run, start=1):

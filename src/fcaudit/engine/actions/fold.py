@@ -45,7 +45,7 @@ from fcaudit.core.flops import flop_counter
 from fcaudit.core.interventions import StaticProfiles, static_tensor
 from fcaudit.core.nll import device_of, model_limits
 from fcaudit.core.registry import refusal
-from fcaudit.engine.actions.reopen import read_audit, recomputed_profiles, reopened
+from fcaudit.engine.actions.reopen import Progress, read_audit, recomputed_profiles, reopened
 from fcaudit.engine.execution import time_interleaved, warm_pass
 from fcaudit.engine.options import MAX_TIMING_PAIRS, MIN_TIMING_PAIRS
 from fcaudit.engine.passes import batches
@@ -58,7 +58,6 @@ from fcaudit.io.hf_folds import HF_FOLDS, hf_fold, write_hf_folder
 
 SCHEMA = "fcaudit.fold/1"
 FOLD_TOLERANCE = 1e-5  # relative: per-token losses, and the audit's condition NLL
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass

@@ -27,6 +27,7 @@ VISION = "docs/results/study-vision.json"
 SSM = "docs/results/study-ssm.json"
 EXIT = "docs/results/study-exit.json"
 FOLD_STUDY = "docs/results/study-fold.json"
+TASKS_STUDY = "docs/results/study-tasks.json"
 PRESETS = "docs/results/presets.json"
 TIMINGS = "src/fcaudit/timings.json"
 TREND = "docs/trend/results/*.json"
@@ -620,6 +621,21 @@ def study_fold(r: Results) -> str:
                         "loss (nats per token on the corpus, per answer token on selective "
                         "copying), with the span of the seeds' 95% intervals", FOLD_STUDY,
                         " (folding and healing not included)")
+
+
+@block("study-tasks", "the benchmark-task study's table and findings (NLL retention against "
+       "task retention)", [TASKS_STUDY], [f"{EXTRACT} tasks study-tasks",
+                                          "fcaudit reproduce --preset tasks --seeds 3 --out "
+                                          "study-tasks"])
+def study_tasks(r: Results) -> str:
+    """The study writes its own table cells from its aggregates; they are copied as they are."""
+    v = r.json(TASKS_STUDY)
+    return own_table(v, [head for head, _ in study_presets.PRESETS["tasks"].columns], "l", (
+        study_command(v, "family") + "; the tasks are passages of the evaluation plays "
+        "(`fcaudit.study.lm_tasks`), scored by lm-evaluation-harness under each condition; "
+        f"run on {v['host']['cpu']} at {v['host']['torch_threads']} torch thread(s); "
+        f"{v['timed_s'] / 60:.1f} minutes of training and auditing (the tasks included) as "
+        f"its timings.json recorded; copied to `{TASKS_STUDY}`):"))
 
 
 NLL_TARGET = 1.03  # issue 13's goal for new / forward on tiny

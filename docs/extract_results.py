@@ -13,6 +13,7 @@ made; ``docs/make_docs.py`` renders the docs from those files.
     python docs/extract_results.py ssm study-ssm           # -> docs/results/study-ssm.json
     python docs/extract_results.py exit study-exit         # -> docs/results/study-exit.json
     python docs/extract_results.py fold study-fold         # -> docs/results/study-fold.json
+    python docs/extract_results.py tasks study-tasks       # -> docs/results/study-tasks.json
     python docs/extract_results.py presets                 # -> docs/results/presets.json
 
 Keys read (a missing one is an error naming it, never a silently dropped number):
@@ -214,7 +215,7 @@ def write(name: str, content: Mapping[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("demo", "study", "vision", "ssm", "exit", "fold",
+    p.add_argument("what", choices=("demo", "study", "vision", "ssm", "exit", "fold", "tasks",
                                     "presets"))
     p.add_argument("folder", type=Path, nargs="?", help="the demo or study output folder")
     p.add_argument("--commit", help="the commit whose code made the folder, when it is not "
@@ -224,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         write("presets", presets())
     elif args.folder is None:
         p.error(f"{args.what} needs the output folder")
-    elif args.what in ("vision", "ssm", "exit", "fold"):
+    elif args.what in ("vision", "ssm", "exit", "fold", "tasks"):
         write(f"study-{args.what}", own_table(args.folder, args.commit, args.what))
     else:
         write("demo" if args.what == "demo" else "study-tiny",

@@ -1,5 +1,6 @@
-"""Benchmark tasks under the audit's conditions (engine/actions/harness.py), through
-lm-evaluation-harness on local tasks this test writes (nothing downloads).
+"""Benchmark tasks under the audit's conditions (engine/harness.py, engine/actions/tasks.py,
+engine/analyses/tasks.py), through lm-evaluation-harness on local tasks this test writes
+(nothing downloads).
 
 Planted truth, with the hand-made toys of tests/toys.py read through a word-level
 tokenizer (word ``wK`` is token ``K``): the multiple-choice task asks for the successor
@@ -57,6 +58,21 @@ def _tasks(root: Path) -> Path:
         f"    test: {root / 'mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
         "doc_to_text: '{{q}}'\ndoc_to_choice: choices\ndoc_to_target: label\n"
         "metric_list:\n  - metric: acc\n")
+    with (root / "long.jsonl").open("w") as f:  # a question of 40 words: past 32 positions
+        f.write(json.dumps({"q": " ".join(["w1"] * 40), "choices": ["w2", "w3"], "label": 0})
+                + "\n")
+    (root / "long.yaml").write_text(
+        f"task: toy_long\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {root / 'long.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{q}}'\ndoc_to_choice: choices\ndoc_to_target: label\n"
+        "metric_list:\n  - metric: acc\n")
+    (root / "cloze.yaml").write_text(  # the same questions, the right answer as a cloze
+        f"task: toy_cloze\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {root / 'mc.jsonl'}\ntest_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: \"{{' ' + choices[label]}}\"\n"
+        "metric_list:\n  - metric: perplexity\n  - metric: acc\n")  # lambada's own form
+    (root / "group.yaml").write_text("group: toy_group\ntask:\n  - toy_successor\n"
+                                     "  - toy_text\n")
     (root / "text.yaml").write_text(
         f"task: toy_text\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
         f"    test: {root / 'text.jsonl'}\ntest_split: test\n"
@@ -87,7 +103,7 @@ def audits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
 
 
 def _evaluate(audits: dict, mode: str, tasks: list[str]):
-    from fcaudit.engine.actions.harness import evaluate_tasks
+    from fcaudit.engine.actions.tasks import evaluate_tasks
     folder, model, data = audits[mode]
     return evaluate_tasks(folder, tasks, model=model, data=data, tokenizer=_tokenizer(),
                           include_path=audits["tasks"])
@@ -103,7 +119,10 @@ def test_the_gate_carrying_the_answer_falls_to_chance_under_static_layer(audits)
     for profile in ("static-layer", "static-layer-position", "global-mean", "reassign"):
         lo, hi = acc.values[profile].ci95
         assert lo <= 0.5 <= hi and acc.penalty[profile].ci95[1] < 0, profile
-    assert done.not_applicable["shuffle"].startswith("shuffles positions within a request")
+    # a question is one token fed: shuffle has one position to permute, so it changes
+    # nothing, and reassign+shuffle is reassign
+    assert acc.values["shuffle"] == acc.values["correct"]
+    assert acc.values["reassign+shuffle"] == acc.values["reassign"]
     assert done.tasks["toy_successor"].examples == DOCS
     assert all(n == 2 * DOCS for n in done.tasks["toy_successor"].requests.values())
 
@@ -130,15 +149,39 @@ def test_rolling_perplexity_is_the_toy_s_own(audits) -> None:
     assert ppl.values["correct"].value == pytest.approx(math.exp(-total / words), rel=1e-9)
     assert ppl.higher_is_better is False
     assert ppl.penalty["static-layer"].value > 0  # a worse perplexity without the gates
+    # the gates carry each position's token: permuted within a window, they mislead
+    assert ppl.penalty["shuffle"].ci95[0] > 0
     assert "reassign" not in ppl.values  # a document's windows have no donor
     assert "had no donor" in done.tasks["toy_text"].not_applicable["reassign"]
+
+
+def test_a_cloze_task_s_perplexity_is_the_harness_s_own_aggregate(audits) -> None:
+    """lm-eval's ``perplexity`` is exp(-mean log-likelihood) over the examples, not a mean
+    of per-example values: checked against the toy's log-probabilities computed here."""
+    import torch
+    done = _evaluate(audits, "content", ["toy_cloze"])
+    scores = done.tasks["toy_cloze"].metrics
+    _, model, _ = audits["content"]
+    lls = []
+    for line in (audits["tasks"] / "mc.jsonl").read_text().splitlines():
+        doc = json.loads(line)
+        q, a = int(doc["q"][1:]), int(doc["choices"][doc["label"]][1:])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([[q]])).double()[0, -1], -1)
+        lls.append(float(lp[a]))
+    assert scores["perplexity"].values["correct"].value == \
+        pytest.approx(math.exp(-sum(lls) / len(lls)), rel=1e-9)
+    assert scores["perplexity"].higher_is_better is False
+    assert scores["acc"].values["correct"].value == 1.0  # the successor is the greedy token
+    lo, hi = scores["perplexity"].values["static-layer"].ci95
+    assert scores["perplexity"].values["correct"].value < lo <= hi
 
 
 @pytest.mark.parametrize("seed", range(200))
 def test_every_donor_is_of_another_document_and_each_gives_once(seed: int) -> None:
     """Against the exact condition for such an assignment to exist: no document holds
     more than half of the requests."""
-    from fcaudit.engine.actions.harness import donors
+    from fcaudit.engine.harness import donors
     rng = np.random.default_rng(seed)
     docs = [("t", int(d)) for d in rng.integers(0, rng.integers(1, 6), rng.integers(1, 12))]
     given = donors(docs, np.random.default_rng(seed))
@@ -176,10 +219,24 @@ def test_the_command_line_prints_each_condition_and_refuses_what_it_cannot_run(
     np.save(tmp_path / "eval.npy", toys.pair_sequences(8, 16, 1))
     np.save(tmp_path / "calib.npy", toys.pair_sequences(8, 16, 2))
     data = ["--tokens", str(tmp_path / "eval.npy"), "--calib-tokens", str(tmp_path / "calib.npy")]
-    audit = run_inprocess(["audit", "--model", str(run), *data, "--out", str(tmp_path / "a"),
-                           "--repeats", "1", "--bootstrap", "50", "--no-per-layer",
-                           "--no-execution", "--quiet"], capsys)
+    audit_argv = ["audit", "--model", str(run), *data, "--repeats", "1", "--bootstrap", "50",
+                  "--no-per-layer", "--no-execution", "--quiet", "--lm-eval-include-path",
+                  str(audits["tasks"])]
+    audit = run_inprocess([*audit_argv, "--out", str(tmp_path / "a"), "--lm-eval-tasks",
+                           "toy_successor", "--lm-eval-limit", "10"], capsys)
     assert audit.returncode == 0, audit.stderr
+    bad = run_inprocess([*audit_argv, "--out", str(tmp_path / "b"), "--lm-eval-tasks",
+                         "toy_successor,nope"], capsys)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "--lm-eval-tasks nope: lm-evaluation-harness knows no such task (give a task's " \
+        "YAML folder with --lm-eval-include-path)" in bad.stderr
+    assert not (tmp_path / "b").exists()
+    long = run_inprocess([*audit_argv, "--out", str(tmp_path / "b"), "--lm-eval-tasks",
+                          "toy_long"], capsys)
+    assert long.returncode == 2 and len(long.stderr.strip().splitlines()) == 1, long.stderr
+    assert "--lm-eval-tasks toy_long: a request of 41 tokens reads 40 positions, beyond the " \
+        "model's context of 32" in long.stderr
+    assert not (tmp_path / "b").exists()
     argv = ["tasks", "--audit", str(tmp_path / "a"), *data, "--include-path",
             str(audits["tasks"]), "--quiet"]
     res = run_inprocess([*argv, "--tasks", "toy_successor", "--limit", "10", "--json",
@@ -187,6 +244,9 @@ def test_the_command_line_prints_each_condition_and_refuses_what_it_cannot_run(
     assert res.returncode == 0, res.stderr
     scores = json.loads((tmp_path / "tasks.json").read_text())["tasks"]["toy_successor"]
     assert scores["examples"] == 10
+    # the audit's own section: the same scores (its calibration profiles, recomputed here)
+    in_audit = json.loads((tmp_path / "a" / "audit.json").read_text())["tasks"]
+    assert in_audit["tasks"]["toy_successor"] == scores
     for condition, value in scores["metrics"]["acc"]["values"].items():
         lo, hi = value["ci95"]
         assert f"| {condition} | {value['value']:.4f} [{lo:.4f}, {hi:.4f}] |" in res.stdout
@@ -197,7 +257,94 @@ def test_the_command_line_prints_each_condition_and_refuses_what_it_cannot_run(
                    "metric_list:\n  - metric: exact_match\n")
     for task, said in (("toy_gen", "--tasks toy_gen is a generate_until task"),
                        ("nope", "--tasks nope: lm-evaluation-harness knows no such task"),
+                       ("toy_group", "--tasks toy_group is a group of tasks: give its tasks "
+                                     "by name (toy_successor, toy_text)"),
                        ("piqa", "could not load piqa offline")):  # its data: on the hub
         bad = run_inprocess([*argv, "--tasks", task], capsys)
         assert bad.returncode == 2 and said in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def _in_audit(audits: dict, mode: str, out: Path, **options):
+    """The toy audited with the benchmark tasks in the audit itself (a LoadedModel carries
+    the word-level tokenizer)."""
+    import dataclasses
+    folder, model, data = audits[mode]
+    loaded = fcaudit.LoadedModel(model, f"toys:{mode}", "module", tokenizer=_tokenizer())
+    opts = dataclasses.replace(OPTIONS, lm_eval_include_path=str(audits["tasks"]), **options)
+    return fcaudit.audit(loaded, out, sites=["gates.*"], data=data, options=opts)
+
+
+def test_an_audit_scores_the_tasks_beside_its_nll_answers(audits, tmp_path) -> None:
+    """``--lm-eval-tasks``: the section in audit.json (read back strictly), the report,
+    metrics() with intervals, to_frame("tasks") and compare, every number against the
+    same tasks scored on the finished audit by fcaudit tasks."""
+    result = _in_audit(audits, "content", tmp_path / "a",
+                       lm_eval_tasks=("toy_successor", "toy_text"), lm_eval_limit=30)
+    back = fcaudit.AuditResult.read(tmp_path / "a" / "audit.json")
+    section = back.analyses["tasks"]
+    assert section == result.analyses["tasks"]
+    alone = _evaluate(audits, "content", ["toy_successor", "toy_text"])
+    acc = section.tasks["toy_successor"].metrics["acc"]
+    assert acc.values["correct"].value == 1.0 and section.tasks["toy_successor"].examples == 30
+    assert alone.tasks["toy_successor"].examples == DOCS  # without the limit: every one
+    lo, hi = acc.values["static-layer"].ci95
+    assert lo <= 0.5 <= hi  # the planted truth: chance without the gates
+    # the rolling task has fewer documents than the limit: scored whole in both, the audit's
+    # own profiles and those fcaudit tasks recomputes give the same numbers
+    assert section.tasks["toy_text"] == alone.tasks["toy_text"]
+    metrics, intervals = back.metrics(), back.metric_intervals()
+    frame = back.to_frame("tasks")
+    rows = 0
+    for task, scores in section.tasks.items():
+        for metric, m in scores.metrics.items():
+            for condition, value in m.values.items():
+                key = f"tasks_{task}_{metric}_{condition}"
+                assert metrics[key] == value.value and intervals[key] == list(value.ci95)
+                row = frame[(frame.task == task) & (frame.metric == metric)
+                            & (frame.condition == condition)]
+                assert len(row) == 1 and row.value.item() == value.value
+                assert (row.value_ci_low.item(), row.value_ci_high.item()) == tuple(value.ci95)
+                rows += 1
+            for profile, share in m.retention.items():
+                assert metrics[f"tasks_{task}_{metric}_retention_{profile}"] == (
+                    None if share is None else share.value)
+    assert len(frame) == rows
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "## Benchmark tasks (lm-evaluation-harness)" in report
+    assert section.markdown() in report
+    both = fcaudit.compare([tmp_path / "a", tmp_path / "a"], labels=["x", "y"])
+    task_rows = {r["name"]: r for r in both.tables["quantities"] if r["kind"] == "analysis"}
+    assert set(task_rows) == {k for k in metrics if k.startswith("tasks_")}
+    markdown = both.to_markdown()
+    for key, r in task_rows.items():
+        assert (r["models"]["x"] or {}).get("value") == metrics[key]
+        assert f"| `{key}` |" in markdown
+
+
+def test_an_audit_refuses_tasks_before_any_work(audits, tmp_path) -> None:
+    """A task lm-eval does not know, one of another kind and task options without tasks:
+    refused before the model loads; a model without a tokenizer: before any file."""
+    import dataclasses
+    folder, model, data = audits["content"]
+    local = str(audits["tasks"])
+    for options, said in (
+            (dict(lm_eval_tasks=("nope",), lm_eval_include_path=local),
+             "lm_eval_tasks='nope'): lm-evaluation-harness knows no such task"),
+            # the local task is found only under its folder
+            (dict(lm_eval_tasks=("toy_successor",)), "lm_eval_tasks='toy_successor'): "
+             "lm-evaluation-harness knows no such task (give a task's YAML folder with "
+             "AuditOptions(lm_eval_include_path=...))"),
+            (dict(lm_eval_limit=3), "is read only with lm_eval_tasks="),
+            (dict(lm_eval_include_path=local), "is read only with lm_eval_tasks="),
+            (dict(lm_eval_tasks="toy_successor"), "give task names"),
+            (dict(lm_eval_tasks=("toy_successor",), lm_eval_limit=0), "at least 1")):
+        opts = dataclasses.replace(OPTIONS, **options)
+        with pytest.raises(fcaudit.UsageError, match=said.replace("(", r"\(")
+                           .replace(")", r"\)")):
+            fcaudit.audit("no/such/model", tmp_path / "x", data=data, options=opts)
+    opts = dataclasses.replace(OPTIONS, lm_eval_include_path=str(audits["tasks"]),
+                               lm_eval_tasks=("toy_successor",))
+    with pytest.raises(fcaudit.UsageError, match="this model has none"):
+        fcaudit.audit(model, tmp_path / "y", sites=["gates.*"], data=data, options=opts)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -32,6 +32,8 @@ EXPECTED = {
                                  "--expert-ablation", "--frontier", "--frontier-points",
                                  "--target-ci", "--min-sequences", "--early-exit",
                                  "--exit-threshold", "--objective", "--condition"},
+              "benchmark tasks": {"--lm-eval-tasks", "--lm-eval-include-path",
+                                  "--lm-eval-limit"},
               "general options": GENERAL | {"--quiet"}},
     "compare": {"comparison": {"--out", "--label", "--allow-different-data"},
                 "general options": GENERAL},

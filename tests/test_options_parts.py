@@ -21,8 +21,8 @@ def _subparser(name: str) -> object:
 
 
 def test_every_field_declares_its_part() -> None:
-    """Each of the 27 fields in exactly one of the six parts (the ``fcaudit audit`` help
-    groups placement apart by it)."""
+    """Each of the 30 fields in exactly one of the seven parts (the ``fcaudit audit`` help
+    groups placement, the engine and benchmark tasks apart by it)."""
     parts = {"statistics": ["repeats", "seed", "bootstrap", "objective"],
              "scope": ["per_layer", "execution", "timing_pairs", "allow_nonexact_identity",
                        "expert_ablation", "frontier", "frontier_points", "early_exit",
@@ -31,13 +31,14 @@ def test_every_field_declares_its_part() -> None:
              "stopping": ["target_ci", "min_sequences"],
              "placement": ["device_map", "max_memory", "offload_folder"],
              "engine": ["engine", "engine_memory_share", "tensor_parallel_size",
-                        "pipeline_parallel_size"]}
+                        "pipeline_parallel_size"],
+             "tasks": ["lm_eval_tasks", "lm_eval_include_path", "lm_eval_limit"]}
     declared: dict[str, list[str]] = {}
     for f, spec in option_specs():
         declared.setdefault(spec.part, []).append(f.name)
     assert {part: sorted(names) for part, names in declared.items()} == \
         {part: sorted(names) for part, names in parts.items()}
-    assert len(dataclasses.fields(AuditOptions)) == 27
+    assert len(dataclasses.fields(AuditOptions)) == 30
 
 
 def test_every_existing_way_of_building_options_still_works() -> None:

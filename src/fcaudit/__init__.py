@@ -15,6 +15,7 @@ Public API (imported lazily, so ``import fcaudit`` and ``fcaudit --help`` stay f
     fcaudit.logits_of(output)                  # logits, also of a Hugging Face output
     fcaudit.reassign / shuffle / static        # interventions on recorded dicts
     fcaudit.audit(model, out=None, ...)        # -> AuditResult
+    fcaudit.LoadedModel(module, spec, kind, tokenizer=tok)  # a module with its tokenizer
     fcaudit.compare([a, b], out=None, labels=None)  # audits side by side -> Comparison
     fcaudit.fold(audit_dir, profile, out)      # a static profile folded in -> FoldResult
     fcaudit.evaluate_tasks(audit_dir, tasks)   # lm-eval tasks per condition -> TasksResult
@@ -41,7 +42,7 @@ _EXPORTS = {
     "AuditResult": "engine.result",
     "compare": "report.compare", "Comparison": "report.compare",
     "fold": "engine.actions.fold", "FoldResult": "engine.actions.fold",
-    "evaluate_tasks": "engine.actions.harness", "TasksResult": "engine.actions.harness",
+    "evaluate_tasks": "engine.actions.tasks", "TasksResult": "engine.actions.tasks",
     "DataSpec": "io.data", "AuditData": "io.data",
     "Site": "core.contract", "SiteCall": "core.contract", "ExpertLayer": "core.contract",
     "Gate": "core.contract", "Selection": "core.contract", "Exit": "core.contract",
@@ -50,7 +51,7 @@ _EXPORTS = {
     "record": "core.recording", "Recording": "core.recording",
     "logits_of": "core.nll",
     "replay": "core.replaying",
-    "load_model": "io.loading",
+    "load_model": "io.loading", "LoadedModel": "io.loading",
     "Intervention": "core.interventions", "InterventionContext": "core.interventions",
     "StaticProfiles": "core.interventions", "reassign": "core.interventions",
     "shuffle": "core.interventions", "static": "core.interventions",

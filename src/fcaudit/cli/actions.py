@@ -173,7 +173,7 @@ def _audit_data(args: argparse.Namespace) -> Any:
 
 
 def cmd_tasks(args: argparse.Namespace) -> None:
-    from fcaudit.engine.actions.harness import SCHEMA, evaluate_tasks
+    from fcaudit.engine.actions.tasks import SCHEMA, evaluate_tasks
     from fcaudit.io.fileio import write_json
     if args.json is not None:
         _own_json(args.json, SCHEMA)

@@ -102,10 +102,18 @@ def _nats(value: str) -> float | str:
 
 
 # "number": any other float (a probability), read and refused like nats
+def _names(value: str) -> tuple[str, ...]:
+    """Comma-separated names as a tuple (empty names dropped; none left: refused by
+    AuditOptions.validate)."""
+    return tuple(n.strip() for n in value.split(",") if n.strip())
+
+
 READERS: dict[str, Any] = {"int": int, "nats": _nats, "number": _nats, "path": user_path,
-                           "text": None}
+                           "text": None, "names": _names}
 PLACEMENT_GROUP = ("models bigger than memory (a Hugging Face folder; needs accelerate: "
                    f"{install_extra('hf')})")
+TASKS_GROUP = ("benchmark tasks (lm-evaluation-harness, read offline: docs/tasks.md; "
+               f"{install_extra('lm-eval')})")
 ENGINE_GROUP = ("where the passes run (a Hugging Face MoE folder served by vLLM: "
                 "docs/vllm.md)")
 
@@ -134,7 +142,8 @@ def add_audit_options(parser: argparse.ArgumentParser) -> None:
     their own, the
     progress switch (--quiet) among the general options, which come last."""
     groups = {"placement": parser.add_argument_group(PLACEMENT_GROUP),
-              "engine": parser.add_argument_group(ENGINE_GROUP)}
+              "engine": parser.add_argument_group(ENGINE_GROUP),
+              "tasks": parser.add_argument_group(TASKS_GROUP)}
     settings = parser.add_argument_group("audit settings")
     general = general_options(parser)
     for f, spec in option_specs():
@@ -351,7 +360,8 @@ def _add_reproduce(sub: Any) -> None:
                                         "figures. Finished runs and audits are reused, so an "
                                         "interrupted study resumes.")
     r = parser.add_argument_group("study")
-    r.add_argument("--preset", choices=["tiny", "paper", "trend", "vision", "ssm", "exit", "fold"],
+    r.add_argument("--preset", choices=["tiny", "paper", "trend", "vision", "ssm", "exit", "fold",
+                                        "tasks"],
                    default="tiny",
                    help=f"tiny: CPU scale (about {measured_minutes('reproduce_tiny')} minutes "
                         "for 3 seeds on 2 cores); paper: 76m x7 and 504m x3 seeds (GPU); "
@@ -368,7 +378,10 @@ def _add_reproduce(sub: Any) -> None:
                         "twins, audited for where they stop (fixed, learned and oracle "
                         "exit, matched depth); fold: FeatureGate, the MoE, Mamba (corpus and "
                         "selective copying) and the early-exit LM, each seed folded at one "
-                        "condition, timed and healed with the control (fcaudit fold)")
+                        "condition, timed and healed with the control (fcaudit fold); "
+                        "tasks: the tiny FeatureGate, MoE and Mamba scored on next-word and "
+                        "cloze tasks built from the evaluation plays under each condition "
+                        f"(lm-evaluation-harness: {install_extra('lm-eval')})")
     r.add_argument("--seeds", type=int, default=None,
                    help="seeds per group (default: tiny, vision, ssm and exit 3; paper 7 for 76m "
                         "and 3 for 504m; trend 2)")

@@ -12,6 +12,7 @@ import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from fcaudit.engine.budget import AuditPlan
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
 from fcaudit.engine.exits import ExitSummary, exit_frontier, exit_plan, exit_points, exit_summary
 from fcaudit.engine.objectives import loss_name
-from fcaudit.engine.options import Prepared, Progress, option_specs
+from fcaudit.engine.options import Prepared, Progress, option_specs, silent
 from fcaudit.engine.passes import Ranks
 from fcaudit.engine.plan import ReplayInputs, Run, plan_runs
 from fcaudit.engine.prepare import execute
@@ -95,6 +96,7 @@ class Measurements:
     exits: ExitSummary | None = None  # exit models run with an exit condition
     # each site's coefficient shape on the first batch, as the probe recorded it
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    progress: Progress = silent  # where the analyses' own work reports (benchmark tasks)
 
 
 def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Progress,
@@ -131,7 +133,8 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     shapes = {name: tuple(t.shape) for name, t in first.coefficients.items()}
     return Measurements(setup, runs, replays, identity, description, summary, states,
                         profiles, reuse, recorded, timings,
-                        _exits(setup, inputs, runs, replays.per_run, summary), shapes)
+                        _exits(setup, inputs, runs, replays.per_run, summary), shapes,
+                        progress)
 
 
 def _exits(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run],
@@ -219,7 +222,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     seeds = setup.seeds
     verdict, verdict_numbers = _verdict(m, execution)
     analyses = analysis_sections(setup, m.runs, m.replays, m.profiles, m.shapes, m.states,
-                                 cache, execution)
+                                 cache, execution, m.progress)
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
         data=setup.data_summary,
@@ -264,7 +267,7 @@ def _settings(m: Measurements, execution: ExecutionSection,
     (``OptionSpec.recorded``; read field by field: ``asdict`` deep-copies, and an
     objective may hold a lock)."""
     setup, summary, opts = m.setup, m.summary, m.setup.options
-    return {**{f.name: getattr(opts, f.name) for f, spec in option_specs()
+    return {**{f.name: _as_json(getattr(opts, f.name)) for f, spec in option_specs()
                if spec.recorded == "settings"},
             "conditions": list(setup.conditions),  # JSON's list: equal once read back
             "bootstrap_resamples": opts.bootstrap,
@@ -280,6 +283,12 @@ def _settings(m: Measurements, execution: ExecutionSection,
             **({"interventions": list(summary.custom)} if summary.custom else {}),
             "expert_ablation_runs": len(ablation_rows(m.runs)),
             "frontier_runs": len(frontier_runs(m.runs))}
+
+
+def _as_json(value: Any) -> Any:
+    """An option's value as audit.json reads it back (a tuple: a list; a path: text)."""
+    return list(value) if isinstance(value, tuple) else \
+        str(value) if isinstance(value, Path) else value
 
 
 def _runtime(m: Measurements, cache: CoefficientCache, ranks: Ranks,

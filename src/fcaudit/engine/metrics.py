@@ -11,7 +11,7 @@ every condition.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,15 +44,22 @@ class Bootstrap:
     def __init__(self, n: int, resamples: int, seed: int) -> None:
         self.n, self.resamples, self.seed = n, resamples, seed
 
-    def means(self, values: np.ndarray) -> np.ndarray:
-        """The mean of ``values [n]`` under each resample: ``[resamples]``."""
+    def _chunks(self) -> Iterator[np.ndarray]:
+        """The resamples' indices, ``[rows, n]`` at a time, regenerated from the seed."""
         rng = np.random.default_rng(self.seed)
         rows = max(1, CHUNK_ELEMENTS // max(1, self.n))
-        out = []
         for start in range(0, self.resamples, rows):
-            idx = rng.integers(0, self.n, size=(min(rows, self.resamples - start), self.n))
-            out.append(values[idx].mean(axis=1))
-        return np.concatenate(out)
+            yield rng.integers(0, self.n, size=(min(rows, self.resamples - start), self.n))
+
+    def means(self, values: np.ndarray) -> np.ndarray:
+        """The mean of ``values [n]`` under each resample: ``[resamples]``."""
+        return np.concatenate([values[idx].mean(axis=1) for idx in self._chunks()])
+
+    def rows(self) -> Iterator[np.ndarray]:
+        """Each resample's indices ``[n]``, in the order :meth:`means` uses them (for a
+        statistic that is not a mean: a benchmark task's own aggregation)."""
+        for idx in self._chunks():
+            yield from idx
 
 
 def interval(samples: np.ndarray, estimate: float) -> list[float]:

@@ -104,7 +104,8 @@ class OptionSpec:
     its command-line form, what it needs and where ``audit.json`` records it. Validation,
     the ``fcaudit audit`` flags and the result's ``settings`` read this."""
 
-    part: str  # "statistics", "scope", "schedule", "stopping", "placement" or "engine"
+    # "statistics", "scope", "schedule", "stopping", "placement", "engine" or "tasks"
+    part: str
     help: str  # one sentence; options named through ``arg`` (rendered for each reader)
     bounds: tuple[int, int | None] | None = None  # an integer, lo..hi (None: no ceiling)
     span: str = ""  # how the help says the bounds, where "lo to hi" does not
@@ -131,6 +132,8 @@ class OptionSpec:
 _SERVED = Needs("engine", lambda o: o.engine == VLLM, arg("engine", VLLM))
 _RANKS = dict(bounds=(1, None), kind="int", metavar="N", recorded="runtime.placement",
               needs=_SERVED)
+_TASKS = Needs("lm_eval_tasks", lambda o: bool(o.lm_eval_tasks), arg("lm_eval_tasks"),
+               why="the benchmark tasks it reads")
 _PLACED = Needs("device_map", lambda o: o.device_map is not None, arg("device_map", "auto"))
 
 
@@ -283,6 +286,20 @@ class AuditOptions:
         (), "scope", "an opt-in condition to run besides the default ones (repeatable); its "
         "calibration sums are collected only when asked", flag="--condition", action="append",
         choices=OPT_IN_CONDITIONS, metavar="NAME")
+    # benchmark tasks (engine/analyses/tasks.py): lm-evaluation-harness tasks scored under
+    # each condition once the audit is measured (loaded and checked before the model)
+    lm_eval_tasks: tuple[str, ...] = option(
+        (), "tasks", "lm-evaluation-harness tasks to score under each condition once the "
+        "audit is measured, comma-separated: the harness's own task names, or those whose "
+        f"YAML lies under {arg('lm_eval_include_path')} (log-likelihood, multiple-choice and "
+        "rolling log-likelihood tasks; their data read offline, never downloaded)",
+        kind="names", metavar="TASK[,TASK...]")
+    lm_eval_include_path: str | Path | None = option(
+        None, "tasks", "a folder of task YAMLs with local data (lm-evaluation-harness's "
+        "--include_path)", kind="path", metavar="DIR", needs=_TASKS)
+    lm_eval_limit: int | None = option(
+        None, "tasks", "examples per task (default: all; the first N, as lm-evaluation-harness "
+        "takes them)", kind="int", metavar="N", needs=_TASKS)
 
     def validate(self, given: Collection[str] = ()) -> None:
         """Refuse option values no audit can run with, and options asked for without the
@@ -307,6 +324,8 @@ class AuditOptions:
         _check_target(self.target_ci, self.min_sequences)
         _check_conditions(self.conditions)
         _check_early_exit(self.early_exit, self.exit_threshold)
+        _check_tasks(self.lm_eval_tasks, self.lm_eval_limit, self.engine,
+                     "lm_eval_tasks" in given)
         if 0 < self.timing_pairs < MIN_TIMING_PAIRS:
             raise UsageError(f"{_name('timing_pairs', self.timing_pairs)}: use 0 (no "
                              f"timing) or at least {MIN_TIMING_PAIRS} pairs for a meaningful "
@@ -408,6 +427,25 @@ def _check_int(option: str, value: object, lo: int, hi: int | None) -> None:
         raise UsageError(f"{_name(option, value)}: must be an integer {bound}", option=option)
 
 
+def _check_tasks(tasks: object, limit: object, engine: str, given: bool) -> None:
+    """Task names as a sequence of non-empty strings (a string alone is refused: its
+    letters are no task names; a flag given with none too), a limit of at least one
+    example, an eager model."""
+    if isinstance(tasks, str) or not isinstance(tasks, (tuple, list)) or not all(
+            isinstance(t, str) and t.strip() for t in tasks) or (given and not tasks):
+        example = arg("lm_eval_tasks", py="AuditOptions(lm_eval_tasks=('arc_easy', 'piqa'))",
+                      cli="--lm-eval-tasks arc_easy,piqa")
+        raise UsageError(f"{_name('lm_eval_tasks', tasks)}: give task names, e.g. {example}",
+                         option="lm_eval_tasks")
+    if limit is not None:
+        _check_int("lm_eval_limit", limit, 1, None)
+    if tasks and engine != EAGER:
+        raise UsageError(f"{_name('lm_eval_tasks', ','.join(tasks))}: benchmark tasks are "
+                         f"scored in PyTorch; with {arg('engine', engine)} drop them, or audit "
+                         f"the folder with {arg('engine', EAGER)} to score them",
+                         option="lm_eval_tasks")
+
+
 def _check_target(target: object, floor: object) -> None:
     """``target_ci`` a finite number of nats of at least :data:`MIN_TARGET_CI`;
     ``min_sequences`` an integer of at least 2 (a derangement needs two sequences)."""
@@ -487,6 +525,8 @@ class Prepared:
     layouts: dict[str, str] = field(default_factory=dict)  # site -> how its layout was found
     kinds: dict[str, str] = field(default_factory=dict)  # site -> its kind (core/kinds.py)
     notes: tuple[str, ...] = ()  # what to tell the user before the audit starts
+    # what each analysis loaded and checked before the model (engine.analyses.before_model)
+    before: dict[str, Any] = field(default_factory=dict)
 
     @property
     def seeds(self) -> SeedPlan:

@@ -48,6 +48,7 @@ from fcaudit.core.layout import (
 )
 from fcaudit.core.nll import device_of, model_limits
 from fcaudit.core.sites import SiteSpec, find_sites
+from fcaudit.engine.analyses import before_model
 from fcaudit.engine.analyses.routing import routing_sites
 from fcaudit.engine.exits import check_twin, with_exit_conditions
 from fcaudit.engine.inputs import (
@@ -96,9 +97,10 @@ def prepare(request: AuditRequest, ranks: Ranks | None = None) -> Prepared:
     sites = check_arguments(request.sites, request.data, blocks, options)
     options.validate()
     check_dense(dense, options)
+    before = before_model(options)  # e.g. benchmark tasks: refused before the model loads
     loaded = as_loaded(request.model, placement=options.placement(), serving=options.serving())
     try:
-        return _prepared(request, loaded, sites, ranks)
+        return dataclasses.replace(_prepared(request, loaded, sites, ranks), before=before)
     except BaseException:
         if isinstance(request.model, (str, Path)):  # loaded here: released here
             release(loaded.model)

@@ -250,14 +250,23 @@ class AuditResult:
         profile), ``routing`` (one row per router site and expert) or ``experts`` (expert
         importance: one row per ablated layer and expert) or ``frontier`` (one row per
         frontier point, with the origin of each rule omitted) or ``metrics`` (one row per
-        number of :meth:`metrics`, with its interval where it has one)."""
+        number of :meth:`metrics`, with its interval where it has one), or an analysis's
+        own table by its name (``tasks``: one row per benchmark task, metric and
+        condition)."""
         try:
             import pandas as pd
         except ImportError as exc:
             raise FcauditError(f"to_frame() needs pandas: {install_extra('notebook')}") from exc
+        own = {a.name: a for a in ANALYSES.values() if a.rows is not None}
+        if table in own:
+            section = (self.analyses or {}).get(table)
+            if section is None:
+                raise FcauditError(f"to_frame(table={table!r}): this audit has no {table} "
+                                   "section (its analysis did not run)")
+            return pd.DataFrame(own[table].rows(section))
         rows = TABLES.get(table)
         if rows is None:
-            raise refusal(f"to_frame(table={table!r})", table, list(TABLES))
+            raise refusal(f"to_frame(table={table!r})", table, [*TABLES, *own])
         return pd.DataFrame(rows(self))
 
     def metrics(self) -> dict[str, float | None]:

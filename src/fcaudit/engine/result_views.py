@@ -21,7 +21,7 @@ from fcaudit.core.conditions import (
     by_role,
 )
 from fcaudit.core.errors import FcauditError
-from fcaudit.engine.analyses import analysis_metrics
+from fcaudit.engine.analyses import analysis_intervals, analysis_metrics
 
 if TYPE_CHECKING:
     from fcaudit.engine.result import AuditResult
@@ -123,7 +123,7 @@ def metric_intervals(r: AuditResult) -> dict[str, list[float] | None]:
     out["frontier_gap_25"] = None if gap is None else gap.ci95
     if r.exits is not None:
         out[EXIT_MEAN_DEPTH] = r.exits.evaluation_mean_depth_ci95
-    return out
+    return out | analysis_intervals(r.analyses or {})
 
 
 def _exit_metrics(r: AuditResult) -> dict[str, float | None]:

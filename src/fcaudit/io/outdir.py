@@ -69,8 +69,9 @@ RESULTS = {"audit": AUDIT_RESULTS, "study": (*STUDY_RESULTS, "trend.md"),
 DEMO_PARTS = {"featuregate": "run", "dense": "run", "audit": "audit"}
 _STUDY_GROUPS = {"runs": "run", "audits": "audit"}
 STUDY_POINTS = "points"  # a trend study's sub-folder of point summaries
+STUDY_TASKS = "lm-eval-tasks"  # a study's benchmark tasks (study/lm_tasks.py)
 # the folders fcaudit writes inside an output folder of each kind besides its results
-OWN_FOLDERS = {"audit": ("cache",), "study": (*_STUDY_GROUPS, STUDY_POINTS),
+OWN_FOLDERS = {"audit": ("cache",), "study": (*_STUDY_GROUPS, STUDY_POINTS, STUDY_TASKS),
                "demo": tuple(DEMO_PARTS)}
 
 

@@ -35,6 +35,7 @@ from fcaudit.core.conditions import (
     by_role,
 )
 from fcaudit.core.errors import UsageError, arg
+from fcaudit.engine.analyses import ANALYSES, analysis_metrics
 from fcaudit.engine.result import AuditResult, Retention, delta_key
 from fcaudit.engine.result_views import (
     EXIT_MEAN_DEPTH,
@@ -210,6 +211,12 @@ def _quantities(labels: Sequence[str], results: Sequence[AuditResult]) -> list[R
              for name in names(lambda r: r.custom_conditions or {}, ())]
     if any(r.exits is not None for r in results):  # exit models: where they stop
         rows += [row("exit", name) for name in (EXIT_THRESHOLD, EXIT_MEAN_DEPTH)]
+    # the numbers of the analyses compared by name (benchmark tasks: each task's metric
+    # under each condition, and each profile's retention of it)
+    rows += [row("analysis", name) for name in dict.fromkeys(
+        key for r in results for key in analysis_metrics(
+            {k: v for k, v in (r.analyses or {}).items()
+             if k in ANALYSES and ANALYSES[k].compared}))]
     return rows
 
 
@@ -223,7 +230,8 @@ def _metric_cell(metrics: Mapping[str, float | None], intervals: Mapping[str, An
 QUANTITY_TITLE = {"nll": "{loss} of correct replay (nats)", "penalty": "Δ {name} (nats)",
                   "interaction": "interaction I (nats)", "retention": "retention {name}",
                   "accuracy retention": "retention {name} on accuracy",
-                  "custom": "Δ {name} (custom, nats)", "exit": "{exit}"}
+                  "custom": "Δ {name} (custom, nats)", "exit": "{exit}",
+                  "analysis": "{name}"}
 EXIT_TITLE = {EXIT_THRESHOLD: "exit threshold", EXIT_MEAN_DEPTH: "mean executed depth (layers)"}
 
 
@@ -242,7 +250,7 @@ def _quantity_cell(kind: str, cell: Row | None) -> str:
         return fmt_pct_with_ci(cell["value"], cell["ci95"])
     if kind == "nll":
         return fmt_num(cell["value"])
-    if kind == "exit":  # a threshold, a depth: no sign
+    if kind in ("exit", "analysis"):  # a threshold, a depth, a task's value: no sign
         return fmt_with_ci(cell["value"], cell["ci95"], sign=False)
     return fmt_with_ci(cell["value"], cell["ci95"])
 

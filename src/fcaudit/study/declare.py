@@ -326,6 +326,7 @@ class Group:
     control: bool = False  # a single-seed control: ``--seeds`` leaves its count alone
     fold: str | None = None  # a condition folded into each seed's model after its audit
     heal: int = 0  # steps healing the fold (with the control), 0: none
+    benchmarks: bool = False  # its audits score the study's lm-eval tasks (study/lm_tasks.py)
 
     @property
     def stem(self) -> str:

@@ -16,6 +16,10 @@ reads them; :mod:`fcaudit.study.reproduce` runs them).
   a static profile (or fixed exit), checked, timed against the original and the dense
   twin, and healed with the original fine-tuned alike as the control
   (:mod:`fcaudit.study.folds`).
+- ``tasks``: the tiny FeatureGate, MoE and Mamba on benchmark tasks built from the
+  evaluation plays (next-word choice, a cloze; :mod:`fcaudit.study.lm_tasks`), scored by
+  lm-evaluation-harness under each condition beside the NLL: does the NLL's retention
+  predict the task's?
 - ``trend``: FeatureGate and MUDD along a ladder of sizes and lengths
   (:mod:`fcaudit.study.trend`).
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from fcaudit.core.conditions import (
+    CORRECT,
     FIXED_EXIT,
     ORACLE_EXIT,
     RANDOM_CONDITIONS,
@@ -38,8 +43,9 @@ from fcaudit.core.conditions import (
 )
 from fcaudit.core.registry import refusal
 from fcaudit.engine import result_views as keys  # metric keys, derived from condition names
+from fcaudit.engine.analyses.tasks import metric_key
 from fcaudit.engine.objectives import SELECTIVE_COPY
-from fcaudit.study import paper, trend
+from fcaudit.study import lm_tasks, paper, trend
 from fcaudit.study.declare import Finding, Group, Preset
 from fcaudit.study.train import TRAIN_PRESETS
 
@@ -203,6 +209,32 @@ FOLD_FINDINGS = (
             f"penalty {{penalty {FIXED_EXIT}}}"),
 )
 
+_NEXT, _CLOZE = (lm_tasks.NEXT_WORD, "acc"), (lm_tasks.CLOZE, "perplexity")
+_NLL_KEPT = keys.RETENTION_LAYER
+
+
+def _kept(task: tuple[str, str]) -> str:
+    """A task metric's static-layer retention, as the per-seed metrics name it."""
+    return metric_key(*task, STATIC_LAYER, retention=True)
+
+
+def _estimate(task: tuple[str, str], condition: str, digits: str,
+              retention: bool = False) -> str:
+    return f"{{estimate {metric_key(*task, condition, retention)} {digits}}}"
+
+
+_BENCHMARKED = (("featuregate-tiny", "FeatureGate"), ("moe-tiny", "MoE"),
+                ("mamba-tiny", "Mamba"))
+TASK_FINDINGS = tuple(
+    Finding(prefix.split("-")[0], f"{label}: its NLL retention predicts its {what} retention "
+            "under a static per-layer profile (within 25 points, means over seeds)",
+            ((f"diff {_NLL_KEPT}|{_kept(task)}", "<=", 25),
+             (f"diff {_kept(task)}|{_NLL_KEPT}", "<=", 25)),
+            f"NLL {{{_NLL_KEPT}:.1f}}%, {what} {{{_kept(task)}:.1f}}%",
+            undefined="undefined (no clear gap on the NLL or on the task in some seed)")
+    for prefix, label in _BENCHMARKED
+    for task, what in ((_NEXT, "next-word accuracy"), (_CLOZE, "cloze perplexity")))
+
 _SPANNED = "[span of the seeds' 95% intervals]"
 PRESETS: dict[str, Preset] = {
     # soft gating, dynamic cross-layer mixing and hard routing (the three kinds the paper
@@ -273,6 +305,22 @@ PRESETS: dict[str, Preset] = {
                  ("after healing", "{estimate heal_after +4}"),
                  ("recovered", "{estimate heal_recovered 1 %}")),
         findings=FOLD_FINDINGS, missing="not run"),
+    "tasks": Preset(
+        tuple(Group(arch, "tiny", dense=None, schedule=CORPUS_SCHEDULE, benchmarks=True)
+              for arch in ("featuregate", "moe", "mamba")),
+        title="Benchmark tasks beside the NLL: next-word choice among four words and a cloze "
+              "built from the evaluation plays (mean over seeds, accuracy and perplexity "
+              f"{_SPANNED}; retentions in % of the Correct-to-GlobalMean gap)",
+        rows=_BENCHMARKED,
+        columns=(("family", "{label}"), ("seeds", "{seeds}"),
+                 (f"NLL retention, {STATIC_LAYER}", f"{{retention {STATIC_LAYER}}}"),
+                 ("next word: accuracy", _estimate(_NEXT, CORRECT, "3")),
+                 (f"under {STATIC_LAYER}", _estimate(_NEXT, STATIC_LAYER, "3")),
+                 ("retention", _estimate(_NEXT, STATIC_LAYER, "1 %", retention=True)),
+                 ("cloze: perplexity", _estimate(_CLOZE, CORRECT, "1")),
+                 (f"cloze under {STATIC_LAYER}", _estimate(_CLOZE, STATIC_LAYER, "1")),
+                 ("cloze retention", _estimate(_CLOZE, STATIC_LAYER, "1 %", retention=True))),
+        findings=TASK_FINDINGS, missing="not run"),
 }
 STUDY_PRESETS = tuple(PRESETS)
 

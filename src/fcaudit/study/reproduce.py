@@ -48,6 +48,7 @@ from fcaudit.core.conditions import (
 )
 from fcaudit.core.errors import FcauditError, UsageError, arg
 from fcaudit.core.nll import logits_of
+from fcaudit.engine.analyses import analysis_intervals
 from fcaudit.engine.inputs import as_loaded
 from fcaudit.engine.metrics import aggregate
 from fcaudit.engine.objectives import CLASSIFICATION
@@ -57,10 +58,10 @@ from fcaudit.io import digits
 from fcaudit.io.data import AuditData, DataSpec
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter, read_json, write_json
 from fcaudit.io.loading import LoadedModel, get_arch, is_run_folder
-from fcaudit.io.outdir import STUDY_RESULTS, hold_output
+from fcaudit.io.outdir import STUDY_RESULTS, STUDY_TASKS, hold_output
 from fcaudit.io.results import replacing_results
 from fcaudit.io.runtime import versions
-from fcaudit.study import trend
+from fcaudit.study import lm_tasks, trend
 from fcaudit.study.declare import Group, over_seeds
 from fcaudit.study.folds import fold_seed
 from fcaudit.study.presets import PAPER, PRESETS, ROWS, study
@@ -196,7 +197,12 @@ def run_group(group: Group, out: Path, st: StudySettings, clock: Clock) -> list[
                                        clock, group.task)
             wall += clock.of(dense, dense_config["results"]["train_wall_s"])
         audit_dir = out / "audits" / f"{group.name}-s{seed}"
-        audit = _audit(audit_dir, str(run), st, dataclasses.replace(st.options, seed=seed),
+        options = dataclasses.replace(st.options, seed=seed)
+        if group.benchmarks:  # the study's local tasks, scored under each condition
+            options = dataclasses.replace(
+                options, lm_eval_tasks=lm_tasks.TASKS,
+                lm_eval_include_path=str(lm_tasks.write_tasks(out / STUDY_TASKS)))
+        audit = _audit(audit_dir, str(run), st, options,
                        None if dense is None else str(dense), clock,
                        vision=get_arch(group.arch).task == "vision")
         wall += clock.of(audit_dir, audit.runtime.timings["total_s"])
@@ -204,6 +210,15 @@ def run_group(group: Group, out: Path, st: StudySettings, clock: Clock) -> list[
             fold_seed(group, run, audit_dir, audit, seed, st)
         done.append(SeedResult(seed, config, audit, dense_config, round(wall, 1), folded))
     return done
+
+
+def analysis_bounds(audit: AuditResult) -> dict[str, float | None]:
+    """The analyses' 95% intervals as ``<metric>_lo`` and ``<metric>_hi`` (what a table's
+    ``estimate`` cell reads beside the metric; None where it has no interval)."""
+    out: dict[str, float | None] = {}
+    for key, ci in analysis_intervals(audit.analyses or {}).items():
+        out[f"{key}_lo"], out[f"{key}_hi"] = (None, None) if ci is None else ci
+    return out
 
 
 def _fmt(stats: Mapping[str, Any] | None, digits: int = 4, pct: bool = False) -> str:
@@ -357,8 +372,8 @@ def _study(preset: str, out: str | Path, *, seeds: int | None,
         done = {group.arch: run_group(group, out, st, clock) for group in members}
         for arch, seed_results in done.items():
             groups[f"{arch}-{stem}"] = _group([r.audit for r in seed_results], [
-                {**r.audit.metrics(), **twin_metrics(r.dense_config), **r.folded}
-                for r in seed_results])
+                {**r.audit.metrics(), **analysis_bounds(r.audit), **twin_metrics(
+                    r.dense_config), **r.folded} for r in seed_results])
         if preset == "trend":  # the point is finished: its summary, before the next one
             write_json(out / trend.POINTS / f"{stem}.json", trend.point_summary(points[stem], done))
     if mudd_checkpoint:

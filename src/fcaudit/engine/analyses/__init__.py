@@ -15,17 +15,26 @@ nothing of the engine's passes, so the result and the report may read it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from fcaudit.core.registry import Registry
-from fcaudit.engine.analyses import expert_importance, frontier, routing, token_profile
+from fcaudit.engine.analyses import (
+    expert_importance,
+    frontier,
+    routing,
+    tasks,
+    token_profile,
+)
 from fcaudit.engine.analyses.base import Analysis, Section
 
-__all__ = ["ANALYSES", "Analysis", "Section", "analysis_metrics"]
+__all__ = ["ANALYSES", "Analysis", "Section", "analysis_intervals", "analysis_metrics",
+           "before_model"]
 
 # every analysis an audit runs, in report order; the two that predate this registry
 # (exits, selection parts) are still wired by hand (docs/architecture.md)
 ANALYSES: Registry[Analysis] = Registry("analysis", (
-    frontier.ANALYSIS, routing.ANALYSIS, expert_importance.ANALYSIS, token_profile.ANALYSIS))
+    frontier.ANALYSIS, routing.ANALYSIS, expert_importance.ANALYSIS, token_profile.ANALYSIS,
+    tasks.ANALYSIS))
 
 
 def analysis_metrics(sections: Mapping[str, Section]) -> dict[str, float | None]:
@@ -33,3 +42,16 @@ def analysis_metrics(sections: Mapping[str, Section]) -> dict[str, float | None]
     analysis this fcaudit does not know contributes none."""
     return {f"{name}_{key}": value for name, section in sections.items() if name in ANALYSES
             for key, value in ANALYSES[name].metrics(section).items()}
+
+
+def analysis_intervals(sections: Mapping[str, Section]) -> dict[str, list[float] | None]:
+    """The 95% intervals of :func:`analysis_metrics` that have one, by the same names."""
+    return {f"{name}_{key}": value for name, section in sections.items() if name in ANALYSES
+            for key, value in ANALYSES[name].intervals(section).items()}
+
+
+def before_model(options: Any) -> dict[str, Any]:
+    """What each analysis loads and checks from the options before the model loads (its
+    refusals first), by name; those that need nothing are left out."""
+    return {a.name: state for a in ANALYSES.values() if a.before is not None
+            and (state := a.before(options)) is not None}

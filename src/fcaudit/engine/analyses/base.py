@@ -80,6 +80,10 @@ def _no_metrics(section: Section) -> Mapping[str, float | None]:
     return {}
 
 
+def _no_intervals(section: Section) -> Mapping[str, list[float] | None]:
+    return {}
+
+
 @dataclass(frozen=True)
 class Analysis:
     """One analysis: ``plan`` (the :class:`~fcaudit.engine.options.Prepared` audit and its
@@ -90,8 +94,13 @@ class Analysis:
     ``summarise`` (after execution is measured: the
     :class:`~fcaudit.engine.analyses.runs.Measured` runs, found by
     :meth:`run_key`, and the analysis itself -> its section, or None to leave none) and
-    ``metrics`` (its section -> named numbers). Typed loosely here so that the result and
-    the report can read this module without the engine's passes."""
+    ``metrics`` (its section -> named numbers; ``intervals``: the 95% intervals of those
+    that have one, by the same names). Optional: ``before`` (the options -> what it loads
+    and checks before the model loads, its refusals coming before any audit work; the
+    :class:`~fcaudit.engine.options.Prepared` audit holds it as ``before[name]``),
+    ``rows`` (its section -> the rows of ``AuditResult.to_frame(name)``) and ``compared``
+    (its metrics are rows of ``fcaudit compare``). Typed loosely here so that the result
+    and the report can read this module without the engine's passes."""
 
     name: str
     plan: Callable[[Any, Any], Sequence[Intervention | Target | Later]]
@@ -99,6 +108,11 @@ class Analysis:
     metrics: Callable[[Section], Mapping[str, float | None]] = field(default=_no_metrics)
     # the section's dataclass, read back strictly from audit.json (None: plain JSON types)
     section_type: type | None = None
+    before: Callable[[Any], Any] | None = None
+    intervals: Callable[[Section], Mapping[str, list[float] | None]] = field(
+        default=_no_intervals)
+    rows: Callable[[Section], list[dict[str, Any]]] | None = None
+    compared: bool = False
 
     def run_key(self, intervention: str) -> str:
         """The run key of this analysis's intervention named ``intervention``."""

@@ -115,6 +115,11 @@ class Measured:
     states: Mapping[str, Any]
     cache: CoefficientCache
     execution: ExecutionSection
+    progress: Progress
+
+    def say(self, stage: str, done: int, total: int) -> None:
+        """Report an analysis's own work (the audit's progress callback)."""
+        self.progress(stage, done, total, "")
 
     def tracked_runs(self) -> list[Run]:
         """The runs whose re-routing the replays count (main conditions other than
@@ -153,14 +158,14 @@ def analysis_runs(setup: Prepared, first: Probe
 def analysis_sections(setup: Prepared, runs: Sequence[Run], replays: Replays,
                       profiles: StaticProfiles, shapes: Mapping[str, tuple[int, ...]],
                       states: Mapping[str, Any], cache: CoefficientCache,
-                      execution: ExecutionSection) -> dict[str, Section]:
+                      execution: ExecutionSection, progress: Progress) -> dict[str, Section]:
     """Each analysis's section from the measured runs, leaving out those that return None:
     an instance of its ``section_type``, else plain JSON types (as audit.json reads back)."""
     repeats: dict[str, list[np.ndarray]] = {}
     for run, values in zip(runs, replays.per_run, strict=True):
         repeats.setdefault(run.key, []).append(values)
     measured = Measured(setup, repeats, profiles, runs, replays, shapes, states, cache,
-                        execution)
+                        execution, progress)
     out = {}
     for analysis in ANALYSES.values():
         section = analysis.summarise(measured, analysis)

@@ -9,14 +9,21 @@ import json
 from fcaudit.core.registry import Registry
 from fcaudit.engine.result import AuditResult, dump
 from fcaudit.report.markdown import md_fenced, md_text
-from fcaudit.report.sections import expert_importance, frontier, routing, token_profile
+from fcaudit.report.sections import (
+    expert_importance,
+    frontier,
+    routing,
+    tasks,
+    token_profile,
+)
 from fcaudit.report.sections.base import Renderer
 
 __all__ = ["RENDERERS", "Renderer", "analysis_sections"]
 
 # one renderer per analysis that has one, in any order (the report follows the analyses')
 RENDERERS: Registry[Renderer] = Registry("section renderer", (
-    frontier.RENDERER, routing.RENDERER, expert_importance.RENDERER, token_profile.RENDERER))
+    frontier.RENDERER, routing.RENDERER, expert_importance.RENDERER, token_profile.RENDERER,
+    tasks.RENDERER))
 
 
 def analysis_sections(r: AuditResult) -> list[list[str]]:

@@ -1,6 +1,8 @@
-"""Benchmark tasks under an audit's conditions (:func:`evaluate_tasks`): the audited model
-scored by lm-evaluation-harness (the ``lm-eval`` extra: its task definitions, metrics and
-per-sample logs) with each condition applied, beside the audit's NLL answers.
+"""Benchmark tasks scored under an audit's conditions: the audited model read by
+lm-evaluation-harness (the ``lm-eval`` extra: its task definitions, metrics and per-sample
+logs) with each condition applied. Used by an audit with ``--lm-eval-tasks`` (the
+analysis :mod:`fcaudit.engine.analyses.tasks`) and by ``fcaudit tasks`` on a finished
+audit (:mod:`fcaudit.engine.actions.tasks`).
 
 The harness asks its model for log-likelihoods of request strings, batched and reordered
 as it likes. :class:`ConditionedLM` is that model for one condition: each request is
@@ -10,26 +12,32 @@ outputs kept) and replayed with the coefficients the condition defines for that 
 * ``correct``: its own recorded ones; the replay must give the recorded logits bit for
   bit, or the evaluation stops (the audit's identity rule, per request);
 * a static profile (``static-layer``, ``-position``, ``-token``, ``global-mean``): the
-  audit's calibration profiles, recomputed from the audit's calibration data (never read
-  from a cache); positions past the calibration windows take the site's static-layer
-  value, as ``fcaudit fold`` writes them;
+  audit's calibration profiles; positions past the calibration windows take the site's
+  static-layer value, as ``fcaudit fold`` writes them;
+* ``reassign``: the recorded coefficients of a donor, a request of the same token length
+  from another document (:func:`donors`); a task with requests that have none is not
+  scored under it, and says so;
+* ``shuffle``: its own recorded coefficients with their positions permuted (one seeded
+  permutation per request, sites of the same length alike); ``reassign+shuffle``: the
+  donor's, permuted;
 * ``original``: the unperturbed pass itself.
 
-The random conditions (``reassign``, ``shuffle``) need a donor request and are not run
-yet: they are listed as not applicable with that reason. Generation tasks are refused.
-Per task and metric: the value under each condition with a paired bootstrap interval
-over the task's examples (the same resamples for every condition), the penalty against
-``correct`` and each static profile's retention of the Correct-to-GlobalMean gap
-(undefined where the gap's interval does not clear zero).
+The exit conditions and ``static-layer-token-position`` are listed as not run, with the
+reason. Generation tasks are refused. Per task and metric: the value under each condition
+(the task's own aggregation of its per-example items: a mean, a weighted perplexity...)
+with a paired bootstrap interval over the task's examples (the same resamples for every
+condition), the penalty against ``correct`` and each static profile's retention of the
+Correct-to-GlobalMean gap (undefined where the gap's interval does not clear zero).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,25 +51,20 @@ from fcaudit.core.conditions import (
     GLOBAL_MEAN,
     ORIGINAL,
     REASSIGN,
+    REASSIGN_SHUFFLE,
+    SHUFFLE,
     STATIC_LAYER,
 )
 from fcaudit.core.errors import DataError, IdentityError, UsageError, arg, install_extra
-from fcaudit.core.interventions import StaticProfiles, static_tensor
+from fcaudit.core.interventions import StaticProfiles, shuffle, static_tensor
 from fcaudit.core.nll import device_of, logits_of, model_limits
-from fcaudit.engine.actions.reopen import Progress, read_audit, recomputed_profiles, reopened
+from fcaudit.engine.analyses.tasks import MetricScores, TaskScores, TasksSection
 from fcaudit.engine.metrics import Bootstrap, interval
 from fcaudit.engine.result_parts import Estimate
-from fcaudit.io.data import AuditData, DataSpec
 
-SCHEMA = "fcaudit.tasks/1"
+# what reports a stage's progress: (stage, done, total)
+Progress = Callable[[str, int, int], None]
 RESAMPLES = 1000
-# per-sample values the harness logs as (log-likelihood, count) pairs: the aggregate of
-# each from the summed pairs
-_WEIGHTED: dict[str, Callable[[float, float], float]] = {
-    "word_perplexity": lambda ll, n: math.exp(-ll / n),
-    "byte_perplexity": lambda ll, n: math.exp(-ll / n),
-    "bits_per_byte": lambda ll, n: -ll / n / math.log(2),
-}
 
 
 def require_lm_eval() -> Any:
@@ -78,20 +81,17 @@ def require_lm_eval() -> Any:
         raise UsageError(f"benchmark tasks run through lm-evaluation-harness: "
                          f"{install_extra('lm-eval')}", option="tasks") from exc
     datasets.config.HF_DATASETS_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    datasets.disable_progress_bars()  # a local task's data cached: not the user's concern
     return lm_eval
 
 
 def runnable(condition: str) -> str | None:
     """Why a condition is not run on task requests (None: it is)."""
     entry = CONDITIONS[condition]
-    if entry.kind == "reference" or entry.kind == "static" and entry.profile in (
+    if entry.kind in ("reference", "random") or entry.kind == "static" and entry.profile in (
             "layer", "layer_position", "layer_token", "global_mean"):
         return None
-    if condition == REASSIGN:
-        return None
-    if entry.kind == "random":
-        return "shuffles positions within a request; not run on task requests yet"
-    return f"a {entry.kind} condition; not run on task requests"
+    return f"a {entry.kind} condition; fcaudit does not feed it to task requests yet"
 
 
 class _Scorer:
@@ -101,12 +101,17 @@ class _Scorer:
                  condition: str, seed: int = 0) -> None:
         self.setup, self.profiles, self.tokenizer = setup, profiles, tokenizer
         self.condition, self.seed = condition, seed
+        self.donated = condition in (REASSIGN, REASSIGN_SHUFFLE)  # fed another's coefficients
+        self.rng = np.random.default_rng(seed)  # shuffle's permutations, in request order
         self.context = model_limits(setup.model)[1]
-        self.requests = 0
+        self.scored: dict[str, int] = {}  # requests scored, by task
         self.undonored: dict[str, int] = {}  # reassign: requests without a donor, by task
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return encode(self.tokenizer, text)
+
+    def _count(self, counts: dict[str, int], task: Any) -> None:
+        counts[str(task)] = counts.get(str(task), 0) + 1
 
     def _feed(self, site: Any, like: Tensor, ids: Tensor) -> Tensor:
         """The condition's coefficients for ``site`` on one request (``like``: its recorded
@@ -122,24 +127,34 @@ class _Scorer:
                                               like[:, covered:], ids[:, covered:])], dim=1)
 
     def _inputs(self, ids: list[int]) -> Tensor:
-        if self.context is not None and len(ids) - 1 > self.context:
-            raise DataError(f"a task request of {len(ids)} tokens exceeds the model's context "
-                            f"of {self.context}: choose tasks whose requests fit, or a model "
-                            "with a longer context")
         return torch.tensor([ids[:-1]], device=device_of(self.setup.model))
+
+    def _shuffled(self, coefficients: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The request's coefficients with their positions permuted, sites with the same
+        number of positions alike (as the audit's shuffle does per sequence)."""
+        groups: dict[int, dict[str, Tensor]] = {}
+        for name, tensor in coefficients.items():
+            groups.setdefault(int(tensor.shape[1]), {})[name] = tensor
+        out: dict[str, Tensor] = {}
+        for length, part in groups.items():
+            out.update(shuffle(part, self.rng.permutation(length)[None]))
+        return out
 
     def logprobs(self, ids: list[int], donor: dict[str, Tensor] | None = None) -> Tensor:
         """Log-probabilities ``[T - 1, V]`` of the model on ``ids`` under the condition
         (``donor``: reassign's, another request's recorded coefficients)."""
         x = self._inputs(ids)
-        self.requests += 1
         if donor is not None:  # nothing of its own is read: no record pass
+            if self.condition == REASSIGN_SHUFFLE:
+                donor = self._shuffled(donor)
             replayed = self.setup.executor.replay(x, {s: donor[s.name] for s in self.setup.sites})
             return torch.log_softmax(logits_of(replayed.logits)[0].double(), -1)
         logits, coefficients, _ = self.setup.executor.record(x, None)
         if self.condition == ORIGINAL:
             return torch.log_softmax(logits_of(logits)[0].double(), -1)
-        fed = {s: coefficients[s.name] if self.condition == CORRECT else
+        if self.condition == SHUFFLE:
+            coefficients = self._shuffled(coefficients)
+        fed = {s: coefficients[s.name] if self.condition in (CORRECT, SHUFFLE) else
                self._feed(s, coefficients[s.name], x) for s in self.setup.sites}
         replayed = logits_of(self.setup.executor.replay(x, fed).logits)
         if self.condition == CORRECT and not torch.equal(replayed, logits_of(logits)):
@@ -147,19 +162,6 @@ class _Scorer:
                                 "with its recorded coefficients does not give the recorded "
                                 "logits bit for bit, so no condition can be scored on it")
         return torch.log_softmax(replayed[0].double(), -1)
-
-    def split(self, context: str, continuation: str) -> tuple[list[int], int]:
-        """The request's token ids and how many are context, the harness's way of
-        splitting the two (trailing spaces of the context go with the continuation)."""
-        spaces = len(context) - len(context.rstrip())
-        if spaces:
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole, head = self.encode(context + continuation), self.encode(context)
-        if not head or len(whole) <= len(head):
-            raise DataError(f"a task request has an empty context or continuation once "
-                            f"tokenized ({context[-30:]!r} / {continuation[:30]!r}); "
-                            "fcaudit scores a continuation given at least one context token")
-        return whole, len(head)
 
     def continuation(self, whole: list[int], head: int,
                      donor: dict[str, Tensor] | None = None) -> tuple[float, bool]:
@@ -171,8 +173,10 @@ class _Scorer:
     def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
         """Every request's score; under reassign each is fed the coefficients of a request
         of the same token length from another document (:func:`donors`)."""
-        split = [self.split(*r.args) for r in requests]
-        if self.condition != REASSIGN:
+        split = [split_request(self.tokenizer, *r.args) for r in requests]
+        if not self.donated:
+            for r in requests:
+                self._count(self.scored, r.task_name)
             return [self.continuation(*s) for s in split]
         out: list[tuple[float, bool]] = [(math.nan, False)] * len(split)
         by_length: dict[int, list[int]] = {}
@@ -183,12 +187,12 @@ class _Scorer:
             given = donors([(requests[i].task_name, requests[i].doc_id) for i in members], rng)
             if given is None:  # no request of another document this long: not scored
                 for i in members:
-                    self.undonored[requests[i].task_name] = \
-                        self.undonored.get(requests[i].task_name, 0) + 1
+                    self._count(self.undonored, requests[i].task_name)
                 continue
             recorded = {i: self.setup.executor.record(self._inputs(split[i][0]), None)[1]
                         for i in members}
             for k, i in enumerate(members):
+                self._count(self.scored, requests[i].task_name)
                 out[i] = self.continuation(*split[i], recorded[members[given[k]]])
         return out
 
@@ -196,9 +200,10 @@ class _Scorer:
         """log P of every token of ``text`` after its first, in windows of the model's
         context (one token of context across a window's edge, as the harness does).
         Reassign has no donor for a document's windows: not scored."""
-        if self.condition == REASSIGN:
-            self.undonored[str(task)] = self.undonored.get(str(task), 0) + 1
+        if self.donated:
+            self._count(self.undonored, task)
             return math.nan
+        self._count(self.scored, task)
         ids = self.encode(text)
         size, total, start = self.context or len(ids), 0.0, 1
         while start < len(ids):
@@ -208,6 +213,51 @@ class _Scorer:
             total += float(lp.gather(-1, want[:, None]).sum())
             start = stop
         return total
+
+
+def _no_bars() -> contextlib.AbstractContextManager[Any]:
+    """The harness's own progress bars (one per task and condition, on stderr) kept from
+    the user, who sees fcaudit's: one step per condition."""
+    return contextlib.redirect_stderr(io.StringIO())
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s token ids (a ``tokenizers.Tokenizer``; no special tokens added)."""
+    return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def split_request(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], int]:
+    """A log-likelihood request's token ids and how many are context, the harness's way of
+    splitting the two (trailing spaces of the context go with the continuation)."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole, head = encode(tokenizer, context + continuation), encode(tokenizer, context)
+    if not head or len(whole) <= len(head):
+        raise DataError(f"a task request has an empty context or continuation once "
+                        f"tokenized ({context[-30:]!r} / {continuation[:30]!r}); "
+                        "fcaudit scores a continuation given at least one context token")
+    return whole, len(head)
+
+
+def check_requests(loaded: Any, tokenizer: Any, context: int | None, limit: int | None,
+                   flag: str = "tasks", owner: str = "") -> None:
+    """Build every task's requests (as the harness will) and refuse, before any scoring, a
+    request the tokenizer leaves empty or that exceeds the model's context (rolling
+    requests are read in windows of it: they always fit)."""
+    for name, task in loaded["tasks"].items():
+        with _no_bars():
+            task.build_all_requests(limit=limit, rank=0, world_size=1)
+        for instance in task.instances:
+            if instance.request_type != "loglikelihood":
+                continue
+            whole, _ = split_request(tokenizer, *instance.args)
+            if context is not None and len(whole) - 1 > context:
+                raise DataError(f"{arg(flag, name, owner=owner)}: a request of {len(whole)} "
+                                f"tokens reads {len(whole) - 1} positions, beyond the model's "
+                                f"context of {context} (fcaudit does not cut a request's "
+                                "context): choose tasks whose requests fit, or a model with a "
+                                "longer context")
 
 
 def donors(documents: Sequence[tuple[Any, Any]], rng: np.random.Generator
@@ -247,95 +297,29 @@ def conditioned_lm(scorer: _Scorer) -> Any:
     return ConditionedLM()
 
 
-@dataclass
-class MetricScores:
-    """One metric of one task: its value under each condition (with a paired bootstrap
-    interval over the task's examples), penalties against correct, retentions."""
-
-    higher_is_better: bool
-    values: dict[str, Estimate]
-    penalty: dict[str, Estimate]  # the condition's value minus correct's
-    retention: dict[str, Estimate | None]  # static profiles (None: no clear gap)
+def _items(samples: list[dict[str, Any]], metric: str) -> list[Any]:
+    """A metric's per-example items, as the harness logged them, in document order."""
+    return [s[metric] for s in sorted(samples, key=lambda s: s["doc_id"])]
 
 
-@dataclass
-class TaskScores:
-    task: str
-    examples: int
-    metrics: dict[str, MetricScores]
-    requests: dict[str, int]  # per condition
-    not_applicable: dict[str, str]  # conditions not scored on this task, and why
-
-
-@dataclass
-class TasksResult:
-    """What :func:`evaluate_tasks` measured (``tasks.json`` with ``--json``)."""
-
-    audit: str
-    conditions: list[str]
-    not_applicable: dict[str, str]
-    tasks: dict[str, TaskScores]
-    wall_s: dict[str, float]
-    lm_eval_version: str
-    schema: str = SCHEMA
-    samples: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "samples"}
-
-    def markdown(self) -> str:
-        """A table per task and metric: each condition's value, its penalty against correct
-        and a static profile's retention, with 95% intervals."""
-        def est(e: Estimate | None, spec: str) -> str:
-            return "undefined (no clear gap)" if e is None else \
-                f"{e.value:{spec}} [{e.ci95[0]:{spec}}, {e.ci95[1]:{spec}}]"
-        lines = []
-        for task, scores in self.tasks.items():
-            for metric, m in scores.metrics.items():
-                lines += [f"\n{task} ({scores.examples} examples): {metric} "
-                          f"({'higher' if m.higher_is_better else 'lower'} is better)\n",
-                          "| condition | value | minus correct | retention |",
-                          "|---|---:|---:|---:|"]
-                lines += [f"| {c} | {est(v, '.4f')} | "
-                          f"{est(m.penalty[c], '+.4f') if c in m.penalty else ''} | "
-                          f"{est(m.retention[c], '.1%') if c in m.retention else ''} |"
-                          for c, v in m.values.items()]
-        lines += [f"\nnot run: {c} ({why})" for c, why in self.not_applicable.items()]
-        lines += [f"\nnot scored on {t}: {c} ({why})" for t, scores in self.tasks.items()
-                  for c, why in scores.not_applicable.items()]
-        return "\n".join(lines).lstrip("\n")
-
-
-def _per_sample(samples: list[dict[str, Any]], metric: str) -> tuple[np.ndarray, ...]:
-    """A metric's per-example values in document order: one array, or (log-likelihood,
-    count) for a weighted metric."""
-    rows = sorted(samples, key=lambda s: s["doc_id"])
-    values = [s[metric] for s in rows]
-    if metric in _WEIGHTED:
-        return (np.array([float(v[0]) for v in values]), np.array([float(v[1]) for v in values]))
-    if not all(isinstance(v, (int, float, bool)) for v in values):
-        raise UsageError(f"metric {metric} has per-example values fcaudit cannot aggregate "
-                         "yet; choose tasks scored by accuracy or perplexity",
-                         option="tasks")
-    return (np.array(values, dtype=float),)
-
-
-def _aggregate(metric: str, parts: tuple[np.ndarray, ...], boot: Bootstrap
+def _aggregate(aggregate: Callable[[list[Any]], float], items: list[Any], boot: Bootstrap
                ) -> tuple[float, np.ndarray]:
-    """The metric over all examples and under each resample (the same resamples for
-    every condition: paired)."""
-    if metric in _WEIGHTED:
-        ll, n = parts
-        f = np.vectorize(_WEIGHTED[metric])
-        return float(f(ll.sum(), n.sum())), f(boot.means(ll), boot.means(n))
-    return float(parts[0].mean()), boot.means(parts[0])
+    """The metric over all examples by the task's own aggregation (a mean, a weighted
+    perplexity, bits per byte...) and under each resample of the examples (the same
+    resamples for every condition: paired)."""
+    from lm_eval.api.metrics import mean
+    if aggregate is mean and all(isinstance(v, (int, float, bool)) for v in items):
+        values = np.asarray(items, dtype=float)  # the common case, vectorised
+        return float(values.mean()), boot.means(values)
+    return float(aggregate(items)), np.array([float(aggregate([items[i] for i in row]))
+                                              for row in boot.rows()])
 
 
-def _scores(metric: str, higher: bool, per: dict[str, tuple[np.ndarray, ...]], seed: int
-            ) -> MetricScores:
-    n = len(next(iter(per.values()))[0])
+def _scores(aggregate: Callable[[list[Any]], float], higher: bool,
+            per: dict[str, list[Any]], seed: int) -> MetricScores:
+    n = len(next(iter(per.values())))
     boot = Bootstrap(n, RESAMPLES, seed)
-    agg = {c: _aggregate(metric, parts, boot) for c, parts in per.items()}
+    agg = {c: _aggregate(aggregate, items, boot) for c, items in per.items()}
     values = {c: Estimate(v, interval(s, v)) for c, (v, s) in agg.items()}
     base, base_s = agg[CORRECT]
     penalty = {c: Estimate(v - base, interval(s - base_s, v - base))
@@ -347,18 +331,24 @@ def _scores(metric: str, higher: bool, per: dict[str, tuple[np.ndarray, ...]], s
         gap, gap_s = sign * (base - gm), sign * (base_s - gm_s)
         clear = interval(gap_s, gap)[0] > 0
         for c, (v, s) in agg.items():
-            if CONDITIONS[c].profile is not None:
+            if CONDITIONS[c].profile is None:
+                continue
+            retention[c] = None
+            if clear:  # in percent, as the NLL's retention
                 with np.errstate(divide="ignore", invalid="ignore"):
-                    share = sign * (s - gm_s) / gap_s
-                retention[c] = Estimate(sign * (v - gm) / gap, interval(
-                    share[np.isfinite(share)], sign * (v - gm) / gap)) if clear else None
+                    share = 100 * sign * (s - gm_s) / gap_s
+                kept = 100 * sign * (v - gm) / gap
+                retention[c] = Estimate(kept, interval(share[np.isfinite(share)], kept))
     return MetricScores(higher, values, penalty, retention)
 
 
-def load_tasks(tasks: Sequence[str], include_path: str | Path | None, seed: int) -> Any:
+def load_tasks(tasks: Sequence[str], include_path: str | Path | None, seed: int,
+               flags: tuple[str, str] = ("tasks", "include_path"), owner: str = "") -> Any:
     """The harness's tasks, loaded once (their data read offline) and checked before any
     audit work: names it knows, log-likelihood kinds, no few-shot examples unless the
-    task sets them."""
+    task sets them. ``flags``: the caller's names of the two options (``owner``: the
+    object they are fields of), for messages."""
+    names, folder = flags
     from lm_eval.tasks import TaskManager
     manager = None
     if include_path is not None:  # indexing the harness's own thousands of tasks is slow
@@ -370,68 +360,64 @@ def load_tasks(tasks: Sequence[str], include_path: str | Path | None, seed: int)
     known = set(manager.all_tasks)
     unknown = [t for t in tasks if t not in known]
     if unknown:
-        raise UsageError(f"{arg('tasks', ','.join(unknown))}: lm-evaluation-harness "
-                         "knows no such task (give a task's YAML folder with "
-                         f"{arg('include_path')})", option="tasks")
+        raise UsageError(f"{arg(names, ','.join(unknown), owner=owner)}: lm-evaluation-"
+                         "harness knows no such task (give a task's YAML folder with "
+                         f"{arg(folder, owner=owner)})", option=names)
     try:
         loaded = manager.load(list(tasks))
     except (OSError, ConnectionError, ValueError) as exc:
         raise DataError(f"lm-evaluation-harness could not load {', '.join(tasks)} offline "
                         f"({type(exc).__name__}: {str(exc)[:200]}): give tasks whose data "
                         "lie in a local folder or in the datasets cache") from exc
+    for name in tasks:  # a group's numbers are its tasks': scored by their own names
+        if name not in loaded["tasks"]:
+            within = loaded["group_map"].get(name) or sorted(loaded["tasks"])
+            raise UsageError(f"{arg(names, name, owner=owner)} is a group of tasks: give its "
+                             f"tasks by name ({', '.join(map(str, within))[:300]})",
+                             option=names)
     for name, task in loaded["tasks"].items():
         kind = task.get_config("output_type")
         if kind not in ("loglikelihood", "multiple_choice", "loglikelihood_rolling"):
-            raise UsageError(f"{arg('tasks', name)} is a {kind} task; fcaudit runs "
+            raise UsageError(f"{arg(names, name, owner=owner)} is a {kind} task; fcaudit runs "
                              "log-likelihood, multiple-choice and rolling log-likelihood "
-                             "tasks (generation is not supported yet)", option="tasks")
+                             "tasks (generation is not supported yet)", option=names)
         if task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=seed)
     return loaded
 
 
-def evaluate_tasks(audit: str | Path, tasks: Sequence[str], *, model: Any = None,
-                   data: DataSpec | AuditData | None = None, tokenizer: Any = None,
-                   include_path: str | Path | None = None, limit: int | None = None,
-                   seed: int = 0, progress: Progress | None = None) -> TasksResult:
-    """Score the lm-evaluation-harness ``tasks`` (names it knows, or task YAMLs under
-    ``include_path``) with the audited model under each condition of the audit that runs
-    on task requests. ``model`` and ``data``: the audit's (default: the model audit.json
-    names, the built-in corpus), checked to be; ``tokenizer``: a ``tokenizers.Tokenizer``
-    (default: the model's own); ``limit``: examples per task."""
-    lm_eval = require_lm_eval()
-    result = read_audit(audit)
-    loaded = load_tasks(tasks, include_path, seed)
-    run = [c for c in result.conditions if runnable(c) is None]
-    skipped = {c: str(runnable(c)) for c in result.conditions if runnable(c) is not None}
-    say = progress or (lambda *_: None)
-    with reopened(result, model, data, declared=False) as setup:
-        tok = tokenizer if tokenizer is not None else setup.loaded.tokenizer
-        if tok is None:
-            raise UsageError("the audited model has no tokenizer to read the task requests "
-                             "with: audit a run or checkpoint folder that holds its "
-                             "tokenizer.json, or in Python give tokenizer= (a "
-                             "tokenizers.Tokenizer)")
-        profiles, _ = recomputed_profiles(setup, say, "tasks")
-        outputs, walls, counts, undonored = {}, {}, {}, {}
-        for i, condition in enumerate(run, start=1):
-            started = time.perf_counter()
-            scorer = _Scorer(setup, profiles, tok, condition, seed)
-            random.seed(seed)  # the harness's own draws (none for zero-shot tasks)
-            np.random.seed(seed)
+def score_tasks(setup: Any, profiles: StaticProfiles, tokenizer: Any, loaded: Any,
+                tasks: Sequence[str], conditions: Sequence[str], limit: int | None,
+                seed: int, say: Progress) -> tuple[TasksSection, dict[str, Any]]:
+    """The ``loaded`` tasks (:func:`load_tasks`) scored with the prepared audit's model
+    under each of ``conditions`` that runs on task requests (``profiles``: the audit's
+    calibration profiles), and lm-eval's per-sample logs by condition."""
+    import lm_eval.evaluator
+    run = [c for c in conditions if runnable(c) is None]
+    skipped = {c: str(runnable(c)) for c in conditions if runnable(c) is not None}
+    outputs, walls, counts, undonored = {}, {}, {}, {}
+    for i, condition in enumerate(run, start=1):
+        started = time.perf_counter()
+        scorer = _Scorer(setup, profiles, tokenizer, condition, seed)
+        random.seed(seed)  # the harness's own draws (none for zero-shot tasks)
+        np.random.seed(seed)
+        with _no_bars():
             outputs[condition] = lm_eval.evaluator.evaluate(
                 lm=conditioned_lm(scorer), task_dict=loaded, limit=limit, log_samples=True,
                 bootstrap_iters=0, verbosity="ERROR")
-            walls[condition], counts[condition] = time.perf_counter() - started, scorer.requests
-            undonored.update({(condition, t): n for t, n in scorer.undonored.items()})
-            say("tasks: conditions", i, len(run))
-    return TasksResult(str(audit), run, skipped, {
-        t: _task_scores(t, outputs, counts, undonored, seed) for t in tasks}, walls,
-        _version(), samples={c: o["samples"] for c, o in outputs.items()})
+        walls[condition], counts[condition] = time.perf_counter() - started, scorer.scored
+        undonored.update({(condition, t): n for t, n in scorer.undonored.items()})
+        say("tasks: conditions", i, len(run))
+    section = TasksSection(run, skipped, {
+        t: _task_scores(t, loaded["tasks"][t].aggregation(), outputs, counts, undonored,
+                        seed) for t in tasks}, walls,
+        _version())
+    return section, {c: o["samples"] for c, o in outputs.items()}
 
 
-def _task_scores(task: str, outputs: dict[str, Any], counts: dict[str, int],
+def _task_scores(task: str, aggregations: dict[str, Callable[[list[Any]], float]],
+                 outputs: dict[str, Any], counts: dict[str, dict[str, int]],
                  undonored: dict[tuple[str, str], int], seed: int) -> TaskScores:
     """One task's metrics under every condition that scored all of its requests."""
     skipped = {c: f"{n} of its requests had no donor (a request of the same token length "
@@ -445,9 +431,10 @@ def _task_scores(task: str, outputs: dict[str, Any], counts: dict[str, int],
         metric, _, _filter = key.partition(",")
         if metric not in higher or key.endswith("_stderr") or "_stderr" in metric:
             continue
-        per = {c: _per_sample(o["samples"][task], metric) for c, o in outputs.items()}
-        metrics[metric] = _scores(metric, bool(higher[metric]), per, seed)
-    return TaskScores(task, len(first["samples"][task]), metrics, counts, skipped)
+        per = {c: _items(o["samples"][task], metric) for c, o in outputs.items()}
+        metrics[metric] = _scores(aggregations[metric], bool(higher[metric]), per, seed)
+    return TaskScores(task, len(first["samples"][task]), metrics,
+                      {c: n.get(task, 0) for c, n in counts.items()}, skipped)
 
 
 def _version() -> str:
@@ -455,4 +442,5 @@ def _version() -> str:
     return version("lm_eval")
 
 
-__all__ = ["SCHEMA", "MetricScores", "TaskScores", "TasksResult", "evaluate_tasks"]
+__all__ = ["conditioned_lm", "donors", "load_tasks", "require_lm_eval",
+           "score_tasks"]

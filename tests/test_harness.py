@@ -309,6 +309,9 @@ def test_an_audit_scores_the_tasks_beside_its_nll_answers(audits, tmp_path) -> N
             for profile, share in m.retention.items():
                 assert metrics[f"tasks_{task}_{metric}_retention_{profile}"] == (
                     None if share is None else share.value)
+            for condition, diff in m.penalty.items():
+                key = f"tasks_{task}_{metric}_penalty_{condition}"
+                assert metrics[key] == diff.value and intervals[key] == list(diff.ci95)
     assert len(frame) == rows
     report = (tmp_path / "a" / "report.md").read_text()
     assert "## Benchmark tasks (lm-evaluation-harness)" in report
@@ -348,3 +351,26 @@ def test_an_audit_refuses_tasks_before_any_work(audits, tmp_path) -> None:
     with pytest.raises(fcaudit.UsageError, match="this model has none"):
         fcaudit.audit(model, tmp_path / "y", sites=["gates.*"], data=data, options=opts)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_the_harness_s_own_entry_point_scores_as_fcaudit_does(audits) -> None:
+    """``conditioned_model`` is an lm-eval model: ``lm_eval.simple_evaluate`` on it gives
+    the accuracy ``evaluate_tasks`` gives under the same condition; a condition the audit
+    did not run, or one not fed to requests, is refused naming those that are."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    folder, model, data = audits["content"]
+    alone = _evaluate(audits, "content", ["toy_successor"])
+    manager = TaskManager(include_path=str(audits["tasks"]), include_defaults=False)
+    for condition in ("static-layer", "correct"):
+        with fcaudit.conditioned_model(folder, condition, model=model, data=data,
+                                       tokenizer=_tokenizer()) as lm:
+            out = lm_eval.simple_evaluate(model=lm, tasks=["toy_successor"],
+                                          task_manager=manager, bootstrap_iters=0)
+        want = alone.tasks["toy_successor"].metrics["acc"].values[condition].value
+        assert out["results"]["toy_successor"]["acc,none"] == want
+    for condition, said in (("fixed-exit", "not feed it to task requests"),
+                            ("nope", "no condition of fcaudit's")):
+        with pytest.raises(fcaudit.UsageError, match=said), fcaudit.conditioned_model(
+                folder, condition, model=model, data=data, tokenizer=_tokenizer()):
+            pass

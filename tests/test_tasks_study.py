@@ -86,14 +86,25 @@ def test_every_cell_is_the_seed_s_audit(tasks_study) -> None:
 def test_each_finding_says_what_its_numbers_say(tasks_study) -> None:
     out, summary = tasks_study
     said = dict(summary["findings"])
-    assert len(said) == 2 * len(LABELS)
+    assert len(said) == 4 * len(LABELS)
     for name, label in LABELS.items():
         audit = json.loads((out / "audits" / f"{name}-s0" / "audit.json").read_text())
         nll = audit["retention"]["static-layer"]["value"]
-        for task, metric, what in ((lm_tasks.NEXT_WORD, "acc", "next-word accuracy"),
-                                   (lm_tasks.CLOZE, "perplexity", "cloze perplexity")):
-            claim = next(c for c in said if c.startswith(f"{label}: ") and what in c)
-            kept = audit["tasks"]["tasks"][task]["metrics"][metric]["retention"]["static-layer"]
+        for task, metric, what, side in (
+                (lm_tasks.NEXT_WORD, "acc", "next-word accuracy", "below"),
+                (lm_tasks.CLOZE, "perplexity", "cloze perplexity", "above")):
+            m = audit["tasks"]["tasks"][task]["metrics"][metric]
+            lo, hi = m["penalty"]["global-mean"]["ci95"]
+            moved = int(hi < 0 if side == "below" else lo > 0)
+            claim = next(c for c in said if c.startswith(f"{label}: {what} needs"))
+            assert said[claim] == (
+                f"{'holds' if moved else 'does not hold'}: "
+                f"{m['values']['correct']['value']:.3f} with its own coefficients, "
+                f"{m['values']['global-mean']['value']:.3f} under global-mean (means over "
+                f"seeds; {side} 0 in {moved} of 1 seeds)")
+            claim = next(c for c in said if c.startswith(f"{label}: its NLL retention")
+                         and what in c)
+            kept = m["retention"]["static-layer"]
             if nll is None or kept is None:
                 assert said[claim].startswith("undefined"), said[claim]
                 continue

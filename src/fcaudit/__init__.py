@@ -19,6 +19,8 @@ Public API (imported lazily, so ``import fcaudit`` and ``fcaudit --help`` stay f
     fcaudit.compare([a, b], out=None, labels=None)  # audits side by side -> Comparison
     fcaudit.fold(audit_dir, profile, out)      # a static profile folded in -> FoldResult
     fcaudit.evaluate_tasks(audit_dir, tasks)   # lm-eval tasks per condition -> TasksResult
+    with fcaudit.conditioned_model(audit_dir, "static-layer") as lm:  # an lm_eval LM
+        lm_eval.simple_evaluate(model=lm, tasks=[...])
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ _EXPORTS = {
     "compare": "report.compare", "Comparison": "report.compare",
     "fold": "engine.actions.fold", "FoldResult": "engine.actions.fold",
     "evaluate_tasks": "engine.actions.tasks", "TasksResult": "engine.actions.tasks",
+    "conditioned_model": "engine.actions.tasks",
     "DataSpec": "io.data", "AuditData": "io.data",
     "Site": "core.contract", "SiteCall": "core.contract", "ExpertLayer": "core.contract",
     "Gate": "core.contract", "Selection": "core.contract", "Exit": "core.contract",

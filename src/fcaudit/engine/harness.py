@@ -94,7 +94,7 @@ def runnable(condition: str) -> str | None:
     return f"a {entry.kind} condition; fcaudit does not feed it to task requests yet"
 
 
-class _Scorer:
+class Scorer:
     """Requests scored by the audited model with one condition applied."""
 
     def __init__(self, setup: Any, profiles: StaticProfiles, tokenizer: Any,
@@ -127,6 +127,10 @@ class _Scorer:
                                               like[:, covered:], ids[:, covered:])], dim=1)
 
     def _inputs(self, ids: list[int]) -> Tensor:
+        if self.context is not None and len(ids) - 1 > self.context:  # check_requests says
+            raise DataError(f"a task request of {len(ids)} tokens reads {len(ids) - 1} "
+                            f"positions, beyond the model's context of {self.context}: "
+                            "choose tasks whose requests fit")  # it first, where it runs
         return torch.tensor([ids[:-1]], device=device_of(self.setup.model))
 
     def _shuffled(self, coefficients: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -280,7 +284,7 @@ def donors(documents: Sequence[tuple[Any, Any]], rng: np.random.Generator
     return given
 
 
-def conditioned_lm(scorer: _Scorer) -> Any:
+def conditioned_lm(scorer: Scorer) -> Any:
     """The harness model (an ``lm_eval.api.model.LM``) scoring with ``scorer``."""
     from lm_eval.api.model import LM
 
@@ -399,7 +403,7 @@ def score_tasks(setup: Any, profiles: StaticProfiles, tokenizer: Any, loaded: An
     outputs, walls, counts, undonored = {}, {}, {}, {}
     for i, condition in enumerate(run, start=1):
         started = time.perf_counter()
-        scorer = _Scorer(setup, profiles, tokenizer, condition, seed)
+        scorer = Scorer(setup, profiles, tokenizer, condition, seed)
         random.seed(seed)  # the harness's own draws (none for zero-shot tasks)
         np.random.seed(seed)
         with _no_bars():
@@ -442,5 +446,5 @@ def _version() -> str:
     return version("lm_eval")
 
 
-__all__ = ["conditioned_lm", "donors", "load_tasks", "require_lm_eval",
+__all__ = ["Scorer", "conditioned_lm", "donors", "load_tasks", "require_lm_eval",
            "score_tasks"]

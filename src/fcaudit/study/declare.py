@@ -242,6 +242,14 @@ def _token_profile(g: Seeds, _: str) -> str:
                f"; of the within-layer variance, the token id {words} on average"))
 
 
+def _seeds(g: Seeds, key: str, test: Callable[[float, float], bool]) -> int | None:
+    """How many seeds' intervals of metric ``key`` pass ``test`` (None: a seed lacks it)."""
+    bounds = [(s.get(f"{key}_lo"), s.get(f"{key}_hi")) for s in g.group["per_seed"]]
+    if any(lo is None or hi is None for lo, hi in bounds):
+        return None
+    return sum(test(lo, hi) for lo, hi in bounds)
+
+
 def _difference(g: Seeds, argument: str) -> float | None:
     """``diff A|B[|FACTOR]``: field A minus FACTOR x field B (None if either is)."""
     a, b, *factor = argument.split("|")
@@ -267,6 +275,11 @@ CELLS: dict[str, Callable[[Seeds, str], Any]] = {
     "token_share": _token_share, "token_profile": _token_profile, "diff": _difference,
     # seeds whose penalty interval lies above 0
     "above": lambda g, c: sum(a.conditions[c].ci95[0] > 0 for a in g.audits),
+    # seeds whose interval of metric KEY (KEY_lo, KEY_hi per seed) lies below / above 0,
+    # or holds 0 (None: a seed lacks it)
+    "seeds_below": lambda g, key: _seeds(g, key, lambda lo, hi: hi < 0),
+    "seeds_above": lambda g, key: _seeds(g, key, lambda lo, hi: lo > 0),
+    "seeds_holding_zero": lambda g, key: _seeds(g, key, lambda lo, hi: lo <= 0 <= hi),
     "accuracy_under": lambda g, c: float(np.mean([a.conditions[c].accuracy
                                                   for a in g.audits])),
 }

@@ -25,7 +25,7 @@ from fcaudit.io.data import builtin_documents
 
 NEXT_WORD, CLOZE = "shakespeare_next_word", "shakespeare_cloze"
 TASKS = (NEXT_WORD, CLOZE)
-EXAMPLES = 200
+EXAMPLES = 120  # per task: 600 requests per condition, about a minute on 2 cores
 CONTEXT_WORDS = 24
 CHOICES = 4
 MIN_COUNT = 5  # a distractor is a word the evaluation works use at least this often

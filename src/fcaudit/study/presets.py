@@ -31,6 +31,7 @@ import dataclasses
 from fcaudit.core.conditions import (
     CORRECT,
     FIXED_EXIT,
+    GLOBAL_MEAN,
     ORACLE_EXIT,
     RANDOM_CONDITIONS,
     REASSIGN,
@@ -213,27 +214,39 @@ _NEXT, _CLOZE = (lm_tasks.NEXT_WORD, "acc"), (lm_tasks.CLOZE, "perplexity")
 _NLL_KEPT = keys.RETENTION_LAYER
 
 
-def _kept(task: tuple[str, str]) -> str:
-    """A task metric's static-layer retention, as the per-seed metrics name it."""
-    return metric_key(*task, STATIC_LAYER, retention=True)
+def _estimate(task: tuple[str, str], condition: str, digits: str, part: str = "") -> str:
+    return f"{{estimate {metric_key(*task, condition, part)} {digits}}}"
 
 
-def _estimate(task: tuple[str, str], condition: str, digits: str,
-              retention: bool = False) -> str:
-    return f"{{estimate {metric_key(*task, condition, retention)} {digits}}}"
+def _task_findings(prefix: str, label: str) -> tuple[Finding, ...]:
+    """Does the task need the controllers (the global-mean floor moves it in every seed),
+    and does the NLL's retention predict the task's?"""
+    out = []
+    for task, what, side, word in ((_NEXT, "next-word accuracy", "below", "lowers"),
+                                   (_CLOZE, "cloze perplexity", "above", "raises")):
+        floor = metric_key(*task, GLOBAL_MEAN, "penalty")
+        kept = metric_key(*task, STATIC_LAYER, "retention")
+        out += [
+            Finding(prefix, f"{label}: {what} needs the controllers: the {GLOBAL_MEAN} floor "
+                    f"{word} it in every seed (interval {side} 0)",
+                    ((f"seeds_{side} {floor}", "==", "all"),),
+                    f"{{num {metric_key(*task, CORRECT)} 3}} with its own coefficients, "
+                    f"{{num {metric_key(*task, GLOBAL_MEAN)} 3}} under {GLOBAL_MEAN} (means "
+                    f"over seeds; {side} 0 in {{seeds_{side} {floor}}} of {{seeds}} seeds)"),
+            Finding(prefix, f"{label}: its NLL retention predicts its {what} retention under "
+                    "a static per-layer profile (within 25 points, means over seeds)",
+                    ((f"diff {_NLL_KEPT}|{kept}", "<=", 25),
+                     (f"diff {kept}|{_NLL_KEPT}", "<=", 25)),
+                    f"NLL {{{_NLL_KEPT}:.1f}}%, {what} {{{kept}:.1f}}%",
+                    undefined="undefined: no clear Correct-to-GlobalMean gap on the task "
+                              "or the NLL in some seed, so no retention to compare")]
+    return tuple(out)
 
 
 _BENCHMARKED = (("featuregate-tiny", "FeatureGate"), ("moe-tiny", "MoE"),
                 ("mamba-tiny", "Mamba"))
-TASK_FINDINGS = tuple(
-    Finding(prefix.split("-")[0], f"{label}: its NLL retention predicts its {what} retention "
-            "under a static per-layer profile (within 25 points, means over seeds)",
-            ((f"diff {_NLL_KEPT}|{_kept(task)}", "<=", 25),
-             (f"diff {_kept(task)}|{_NLL_KEPT}", "<=", 25)),
-            f"NLL {{{_NLL_KEPT}:.1f}}%, {what} {{{_kept(task)}:.1f}}%",
-            undefined="undefined (no clear gap on the NLL or on the task in some seed)")
-    for prefix, label in _BENCHMARKED
-    for task, what in ((_NEXT, "next-word accuracy"), (_CLOZE, "cloze perplexity")))
+TASK_FINDINGS = tuple(f for prefix, label in _BENCHMARKED
+                      for f in _task_findings(prefix.split("-")[0], label))
 
 _SPANNED = "[span of the seeds' 95% intervals]"
 PRESETS: dict[str, Preset] = {
@@ -316,10 +329,10 @@ PRESETS: dict[str, Preset] = {
                  (f"NLL retention, {STATIC_LAYER}", f"{{retention {STATIC_LAYER}}}"),
                  ("next word: accuracy", _estimate(_NEXT, CORRECT, "3")),
                  (f"under {STATIC_LAYER}", _estimate(_NEXT, STATIC_LAYER, "3")),
-                 ("retention", _estimate(_NEXT, STATIC_LAYER, "1 %", retention=True)),
+                 ("retention", _estimate(_NEXT, STATIC_LAYER, "1 %", "retention")),
                  ("cloze: perplexity", _estimate(_CLOZE, CORRECT, "1")),
                  (f"cloze under {STATIC_LAYER}", _estimate(_CLOZE, STATIC_LAYER, "1")),
-                 ("cloze retention", _estimate(_CLOZE, STATIC_LAYER, "1 %", retention=True))),
+                 ("cloze retention", _estimate(_CLOZE, STATIC_LAYER, "1 %", "retention"))),
         findings=TASK_FINDINGS, missing="not run"),
 }
 STUDY_PRESETS = tuple(PRESETS)

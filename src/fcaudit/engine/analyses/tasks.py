@@ -91,24 +91,30 @@ def in_registry_order(names: Collection[str]) -> list[str]:
     return sorted(names, key=lambda n: order.index(n) if n in order else len(order))
 
 
-def _name(task: str, metric: str, condition: str, retention: bool) -> str:
-    return f"{task}_{metric}_{'retention_' * retention}{condition}"
+PARTS = ("", "penalty", "retention")  # a value, its difference from correct, a retention
 
 
-def metric_key(task: str, metric: str, condition: str, retention: bool = False) -> str:
-    """The name in :meth:`AuditResult.metrics` of a task's metric under a condition (with
-    ``retention``: a static profile's retention of it)."""
-    return f"{NAME}_{_name(task, metric, condition, retention)}"
+def _name(task: str, metric: str, condition: str, part: str) -> str:
+    return f"{task}_{metric}_{part}{'_' * bool(part)}{condition}"
+
+
+def metric_key(task: str, metric: str, condition: str, part: str = "") -> str:
+    """The name in :meth:`AuditResult.metrics` of a task's metric under a condition
+    (``part``: "penalty", its difference from correct's; "retention", a static profile's
+    retention of the Correct-to-GlobalMean gap)."""
+    assert part in PARTS, part
+    return f"{NAME}_{_name(task, metric, condition, part)}"
 
 
 def _numbers(section: TasksSection) -> dict[str, Estimate | None]:
-    """Every value and retention, named ``<task>_<metric>_<condition>`` and
-    ``<task>_<metric>_retention_<profile>`` (None: no clear gap)."""
+    """Every value, penalty and retention, named ``<task>_<metric>_<condition>``,
+    ``<task>_<metric>_penalty_<condition>`` and ``<task>_<metric>_retention_<profile>``
+    (None: no clear gap)."""
     out: dict[str, Estimate | None] = {}
     for task, scores in section.tasks.items():
         for metric, m in scores.metrics.items():
-            out |= {_name(task, metric, c, False): e for c, e in m.values.items()}
-            out |= {_name(task, metric, c, True): e for c, e in m.retention.items()}
+            for part, numbers in zip(PARTS, (m.values, m.penalty, m.retention), strict=True):
+                out |= {_name(task, metric, c, part): e for c, e in numbers.items()}
     return out
 
 

@@ -28,8 +28,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 import fcaudit
 from fcaudit.core.conditions import CORRECT, ORIGINAL
+from fcaudit.engine.actions.harness import load_tasks, require_lm_eval
 from fcaudit.engine.actions.tasks import evaluate_tasks
-from fcaudit.engine.harness import load_tasks, require_lm_eval
 from fcaudit.engine.options import AuditOptions
 from fcaudit.io.data import AuditData
 

@@ -1,4 +1,4 @@
-"""Benchmark tasks under the audit's conditions (engine/harness.py, engine/actions/tasks.py,
+"""Benchmark tasks under the audit's conditions (engine/actions/harness.py, engine/actions/tasks.py,
 engine/analyses/tasks.py), through lm-evaluation-harness on local tasks this test writes
 (nothing downloads).
 
@@ -181,7 +181,7 @@ def test_a_cloze_task_s_perplexity_is_the_harness_s_own_aggregate(audits) -> Non
 def test_every_donor_is_of_another_document_and_each_gives_once(seed: int) -> None:
     """Against the exact condition for such an assignment to exist: no document holds
     more than half of the requests."""
-    from fcaudit.engine.harness import donors
+    from fcaudit.engine.actions.harness import donors
     rng = np.random.default_rng(seed)
     docs = [("t", int(d)) for d in rng.integers(0, rng.integers(1, 6), rng.integers(1, 12))]
     given = donors(docs, np.random.default_rng(seed))
@@ -341,7 +341,9 @@ def test_an_audit_refuses_tasks_before_any_work(audits, tmp_path) -> None:
             (dict(lm_eval_limit=3), "is read only with lm_eval_tasks="),
             (dict(lm_eval_include_path=local), "is read only with lm_eval_tasks="),
             (dict(lm_eval_tasks="toy_successor"), "give task names"),
-            (dict(lm_eval_tasks=("toy_successor",), lm_eval_limit=0), "at least 1")):
+            (dict(lm_eval_tasks=("toy_successor",), lm_eval_limit=0), "at least 1"),
+            (dict(lm_eval_tasks=("toy_successor",), engine="vllm"),
+             "benchmark tasks are scored in PyTorch")):
         opts = dataclasses.replace(OPTIONS, **options)
         with pytest.raises(fcaudit.UsageError, match=said.replace("(", r"\(")
                            .replace(")", r"\)")):

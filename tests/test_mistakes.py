@@ -65,6 +65,10 @@ MISTAKES: list[tuple[str, list[str], str]] = [
      "--min-sequences 1: must be an integer of at least 2"),
     ("frontier without execution", [*TOY, *TOKENS, "--frontier", "--no-execution"],
      "--frontier is read only with the execution audit"),
+    ("lm-eval limit 0", [*TOY, *TOKENS, "--lm-eval-tasks", "t", "--lm-eval-limit", "0"],
+     "--lm-eval-limit 0: must be an integer at least 1"),
+    ("lm-eval tasks none", [*TOY, *TOKENS, "--lm-eval-tasks", ","],
+     "give task names, e.g. --lm-eval-tasks arc_easy,piqa"),
     ("frontier points without frontier", [*TOY, *TOKENS, "--frontier-points", "6"],
      "--frontier-points 6 is read only with --frontier or an exit model (its threshold "
      "sweep): add it or drop --frontier-points"),

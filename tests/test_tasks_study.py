@@ -53,6 +53,7 @@ def tasks_study(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("tasks-study")
     settings = StudySettings(study_options(repeats=1, bootstrap=50, batch_size=8,
                                            per_layer=False, timing_pairs=0, progress=False,
+                                           frontier=False, expert_ablation=False,
                                            lm_eval_limit=10),
                              steps=3, max_eval=8, max_calib=8)
     return out, reproduce("tasks", out, seeds=1, settings=settings)

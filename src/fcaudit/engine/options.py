@@ -18,15 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fcaudit.core.conditions import FRONTIER, MAIN_CONDITIONS, OPT_IN_CONDITIONS
+from fcaudit.core.conditions import FRONTIER, OPT_IN_CONDITIONS
 from fcaudit.core.errors import UsageError, arg
+from fcaudit.core.option_checks import (
+    check_conditions,
+    check_early_exit,
+    check_int,
+    check_target,
+    check_tasks,
+    option_name,
+)
 from fcaudit.core.registry import refusal
 from fcaudit.engine.analyses.expert_importance import AUTO_ABLATION_MAX_EXPERTS
 from fcaudit.engine.objectives import OBJECTIVES, Objective, resolve
@@ -58,11 +65,6 @@ MAX_SEED = 2**32 - 1  # torch and numpy generators; every seed derives from it (
 MAX_FRONTIER_POINTS = 20  # each point of each rule is one more replay
 MIN_FRONTIER_POINTS = 2  # a curve needs two points
 MIN_TIMING_PAIRS = 10  # fewer give no meaningful interval (0: no timing)
-# --target-ci below this is never a precision an audit can stop at: intervals shrink as
-# 1/sqrt(N), so a penalty whose per-sequence sd is 0.01 nats needs ~4e8 sequences to
-# reach 1e-6, and float32 losses of a few nats round at ~1e-7 (a model with no
-# dependence reaches 0 at any target; it stops at the first round at this one too)
-MIN_TARGET_CI = 1e-6
 
 
 SCHEDULES = ("prefix", "naive")
@@ -309,36 +311,41 @@ class AuditOptions:
         default or not). A pure check: the CLI runs it before loading a model."""
         for f, spec in option_specs():
             if spec.bounds is not None:
-                _check_int(f.name, getattr(self, f.name), *spec.bounds)
+                check_int(f.name, getattr(self, f.name), *spec.bounds)
         for name, choices in (("schedule", SCHEDULES), ("verify_reuse", VERIFY_MODES),
                               ("engine", ENGINES)):
             if getattr(self, name) not in choices:
-                raise refusal(_name(name, getattr(self, name)), getattr(self, name),
+                raise refusal(option_name(name, getattr(self, name)), getattr(self, name),
                               list(choices), option=name)
         for name, unset in (("expert_ablation", f"on for at most {AUTO_ABLATION_MAX_EXPERTS} "
                              "experts per routed layer"),
                             (FRONTIER, "on where a family is covered and execution measured")):
             if (value := getattr(self, name)) is not None and not isinstance(value, bool):
-                raise UsageError(f"{_name(name, value)}: must be True, False or None ({unset})",
-                                 option=name)
-        _check_target(self.target_ci, self.min_sequences)
-        _check_conditions(self.conditions)
-        _check_early_exit(self.early_exit, self.exit_threshold)
-        _check_tasks(self.lm_eval_tasks, self.lm_eval_limit, self.engine,
-                     "lm_eval_tasks" in given)
+                raise UsageError(f"{option_name(name, value)}: must be True, False or None "
+                                 f"({unset})", option=name)
+        check_target(self.target_ci, self.min_sequences)
+        check_conditions(self.conditions)
+        check_early_exit(self.early_exit, self.exit_threshold)
+        check_tasks(self.lm_eval_tasks, self.lm_eval_limit, "lm_eval_tasks" in given)
+        if self.lm_eval_tasks and self.engine != EAGER:
+            raise UsageError(f"{option_name('lm_eval_tasks', ','.join(self.lm_eval_tasks))}: "
+                             f"benchmark tasks are scored in PyTorch; with "
+                             f"{arg('engine', self.engine)} drop them, or audit the folder "
+                             f"with {arg('engine', EAGER)} to score them",
+                             option="lm_eval_tasks")
         if 0 < self.timing_pairs < MIN_TIMING_PAIRS:
-            raise UsageError(f"{_name('timing_pairs', self.timing_pairs)}: use 0 (no "
+            raise UsageError(f"{option_name('timing_pairs', self.timing_pairs)}: use 0 (no "
                              f"timing) or at least {MIN_TIMING_PAIRS} pairs for a meaningful "
                              "interval", option="timing_pairs")
         share = self.engine_memory_share
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
                                   or not 0 < share <= 1):
-            raise UsageError(f"{_name('engine_memory_share', share)}: a share in (0, 1]",
+            raise UsageError(f"{option_name('engine_memory_share', share)}: a share in (0, 1]",
                              option="engine_memory_share")
         check_needs(self, given)  # before placement(), whose own check says less
         if self.engine != EAGER and self.device_map is not None:
-            raise UsageError(f"{_name('engine', self.engine)} places the weights itself: drop "
-                             f"{arg('device_map')}", option="device_map")
+            raise UsageError(f"{option_name('engine', self.engine)} places the weights itself: "
+                             f"drop {arg('device_map')}", option="device_map")
         self.placement()  # the device map, budget syntax and offload folder
         if self.objective is not None:  # None: the data decide (engine/inputs.py)
             resolve(self.objective)
@@ -414,88 +421,6 @@ def said_as_given(options: AuditOptions, name: str, with_value: bool = True) -> 
     if not with_value:
         return arg(name, cli=flag)
     return arg(name, value, owner="AuditOptions", cli=flag)
-
-
-def _name(option: str, value: object) -> str:
-    return arg(option, value, owner="AuditOptions")
-
-
-def _check_int(option: str, value: object, lo: int, hi: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
-            hi is not None and value > hi):
-        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-        raise UsageError(f"{_name(option, value)}: must be an integer {bound}", option=option)
-
-
-def _check_tasks(tasks: object, limit: object, engine: str, given: bool) -> None:
-    """Task names as a sequence of non-empty strings (a string alone is refused: its
-    letters are no task names; a flag given with none too), a limit of at least one
-    example, an eager model."""
-    if isinstance(tasks, str) or not isinstance(tasks, (tuple, list)) or not all(
-            isinstance(t, str) and t.strip() for t in tasks) or (given and not tasks):
-        example = arg("lm_eval_tasks", py="AuditOptions(lm_eval_tasks=('arc_easy', 'piqa'))",
-                      cli="--lm-eval-tasks arc_easy,piqa")
-        raise UsageError(f"{_name('lm_eval_tasks', tasks)}: give task names, e.g. {example}",
-                         option="lm_eval_tasks")
-    if limit is not None:
-        _check_int("lm_eval_limit", limit, 1, None)
-    if tasks and engine != EAGER:
-        raise UsageError(f"{_name('lm_eval_tasks', ','.join(tasks))}: benchmark tasks are "
-                         f"scored in PyTorch; with {arg('engine', engine)} drop them, or audit "
-                         f"the folder with {arg('engine', EAGER)} to score them",
-                         option="lm_eval_tasks")
-
-
-def _check_target(target: object, floor: object) -> None:
-    """``target_ci`` a finite number of nats of at least :data:`MIN_TARGET_CI`;
-    ``min_sequences`` an integer of at least 2 (a derangement needs two sequences)."""
-    target_arg = arg("target_ci", target, owner="AuditOptions")
-    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
-                               or not math.isfinite(target) or target <= 0):
-        raise UsageError(f"{target_arg}: must be a number of nats above 0 (the largest "
-                         "half-width of a penalty's 95% interval to stop at, e.g. 0.02)",
-                         option="target_ci")
-    if target is not None and target < MIN_TARGET_CI:
-        raise UsageError(f"{target_arg}: below {MIN_TARGET_CI:g} nats is finer than an "
-                         "audit resolves (float32 losses round at about 1e-07 nats, and "
-                         "intervals shrink only as 1/sqrt(sequences)): give at least "
-                         f"{MIN_TARGET_CI:g} (e.g. 0.02), or drop it to audit every sequence",
-                         option="target_ci")
-    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int)
-                              or floor < 2):
-        raise UsageError(f"{arg('min_sequences', floor, owner='AuditOptions')}: must be an "
-                         "integer of at least 2 (reassignment needs two sequences)",
-                         option="min_sequences")
-
-
-def _check_early_exit(early_exit: object, threshold: object) -> None:
-    """``early_exit`` a bool; ``exit_threshold`` a probability in (0, 1]."""
-    if not isinstance(early_exit, bool):
-        raise UsageError(f"{_name('early_exit', early_exit)}: must be True or False",
-                         option="early_exit")
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) \
-            or not 0.0 < threshold <= 1.0:
-        raise UsageError(f"{_name('exit_threshold', threshold)}: must be a number in (0, 1] "
-                         "(a softmax probability; 1.0 exits only tokens the head is certain "
-                         "of)", option="exit_threshold")
-
-
-def _check_conditions(names: object) -> None:
-    """``conditions`` a tuple (or list) of opt-in condition names: a default one is run by
-    every audit already, anything else is not a condition an audit can opt into."""
-    what = arg("conditions", names, owner="AuditOptions")
-    choices = ", ".join(OPT_IN_CONDITIONS)
-    if not isinstance(names, (tuple, list)):
-        raise UsageError(f"{what}: must be a tuple of condition names, e.g. "
-                         f"conditions=({OPT_IN_CONDITIONS[0]!r},); choose from {choices}",
-                         option="conditions")
-    for name in names:
-        if name in OPT_IN_CONDITIONS:
-            continue
-        why = "every audit runs it already" if name in MAIN_CONDITIONS else \
-            "not an opt-in condition"
-        named = arg("conditions", name, owner="AuditOptions", cli="--condition")
-        raise UsageError(f"{named}: {why}; choose from {choices}", option="conditions")
 
 
 @dataclass(frozen=True)

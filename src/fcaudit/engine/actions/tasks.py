@@ -1,6 +1,6 @@
 """``fcaudit tasks``: benchmark tasks scored on a finished audit (:func:`evaluate_tasks`),
 its model and data loaded again and proven the audit's, its calibration profiles
-recomputed; the scoring is :mod:`fcaudit.engine.harness`'s, as an audit run with
+recomputed; the scoring is :mod:`fcaudit.engine.actions.harness`'s, as an audit run with
 ``--lm-eval-tasks`` scores them.
 """
 
@@ -16,9 +16,7 @@ from fcaudit.core.conditions import CONDITIONS
 from fcaudit.core.errors import UsageError
 from fcaudit.core.interventions import StaticProfiles
 from fcaudit.core.nll import model_limits
-from fcaudit.engine.actions.reopen import Progress, read_audit, recomputed_profiles, reopened
-from fcaudit.engine.analyses.tasks import TasksSection
-from fcaudit.engine.harness import (
+from fcaudit.engine.actions.harness import (
     Scorer,
     check_requests,
     conditioned_lm,
@@ -27,6 +25,8 @@ from fcaudit.engine.harness import (
     runnable,
     score_tasks,
 )
+from fcaudit.engine.actions.reopen import Progress, read_audit, recomputed_profiles, reopened
+from fcaudit.engine.analyses.tasks import TasksSection
 from fcaudit.io.data import AuditData, DataSpec
 
 SCHEMA = "fcaudit.tasks/1"

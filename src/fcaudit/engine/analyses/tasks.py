@@ -5,7 +5,7 @@ requests, once the audit is measured, beside its NLL answers (the section ``task
 
 The tasks are loaded before the model (:func:`before`): a task lm-eval does not know, one
 whose data would need a download, a generation task or lm-eval missing is refused before
-any audit work. The scoring is :mod:`fcaudit.engine.harness`'s (lm-eval and torch
+any audit work. The scoring is :mod:`fcaudit.engine.actions.harness`'s (lm-eval and torch
 are imported where used, so reading an audit.json loads neither).
 """
 
@@ -144,7 +144,7 @@ def before(options: Any) -> Any:
     """lm-eval's tasks, loaded and checked from the options alone (None: none asked)."""
     if not options.lm_eval_tasks:
         return None
-    from fcaudit.engine.harness import load_tasks, require_lm_eval
+    from fcaudit.engine.actions.harness import load_tasks, require_lm_eval
     require_lm_eval()
     return load_tasks(options.lm_eval_tasks, options.lm_eval_include_path, options.seed,
                       flags=("lm_eval_tasks", "lm_eval_include_path"), owner="AuditOptions")
@@ -168,7 +168,7 @@ def plan(setup: Any, probe: Any) -> list[Any]:
                          "Python give a LoadedModel with tokenizer= (a tokenizers.Tokenizer)",
                          option="lm_eval_tasks")
     from fcaudit.core.nll import model_limits
-    from fcaudit.engine.harness import check_requests
+    from fcaudit.engine.actions.harness import check_requests
     check_requests(loaded, setup.loaded.tokenizer, model_limits(setup.model)[1],
                    setup.options.lm_eval_limit, "lm_eval_tasks", "AuditOptions")
     return []
@@ -179,7 +179,7 @@ def summarise(measured: Any, analysis: Analysis) -> TasksSection | None:
     loaded = setup.before.get(NAME)
     if loaded is None:
         return None
-    from fcaudit.engine.harness import score_tasks
+    from fcaudit.engine.actions.harness import score_tasks
     conditions = [c for c in audited(setup.conditions) if c not in setup.not_applicable]
     section, _ = score_tasks(setup, measured.profiles, setup.loaded.tokenizer, loaded,
                              setup.options.lm_eval_tasks, conditions,

@@ -16,6 +16,7 @@ from fcaudit.core.conditions import CONDITIONS
 from fcaudit.core.errors import UsageError
 from fcaudit.core.interventions import StaticProfiles
 from fcaudit.core.nll import model_limits
+from fcaudit.core.registry import refusal
 from fcaudit.engine.actions.harness import (
     Scorer,
     check_requests,
@@ -103,10 +104,9 @@ def conditioned_model(audit: str | Path, condition: str, *, model: Any = None,
     with _reopened_for_tasks(audit, model, data, tokenizer, lambda *_: None) as (
             setup, tok, profiles, conditions):
         if why is not None or condition not in conditions:
-            raise UsageError(f"condition {condition!r}: "
-                             f"{why or 'the audit did not run it'}; choose one of "
-                             f"{', '.join(c for c in conditions if runnable(c) is None)}",
-                             option="condition")
+            raise refusal(f"condition {condition!r}: {why or 'the audit did not run it'}",
+                          condition, [c for c in conditions if runnable(c) is None],
+                          option="condition")
         yield conditioned_lm(Scorer(setup, profiles, tok, condition, seed))
 
 

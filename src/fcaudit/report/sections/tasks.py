@@ -3,7 +3,7 @@ audit's NLL answers."""
 
 from __future__ import annotations
 
-from fcaudit.engine.analyses.tasks import TasksSection
+from fcaudit.engine.analyses.tasks import NAME, TasksSection
 from fcaudit.engine.result import AuditResult
 from fcaudit.report.markdown import md_text
 from fcaudit.report.sections.base import Renderer
@@ -20,4 +20,4 @@ def render(r: AuditResult, t: TasksSection) -> list[str]:
             t.markdown()]
 
 
-RENDERER = Renderer("tasks", render)
+RENDERER = Renderer(NAME, render)

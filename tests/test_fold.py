@@ -33,8 +33,9 @@ PROFILES = ["static-layer", "static-layer-position", "static-layer-token"]
 
 def _run(folder: Path, seed: int = 0, spread: float = 1.0, text: Path | None = None,
          arch: str = "featuregate") -> Path:
-    """A FeatureGate (or MoE) run folder in ``fcaudit train``'s layout, its controllers
-    spread (0: every gate a constant); with ``text``, its tokenizer and a schedule."""
+    """A FeatureGate (or MoE, or Mixtral) run folder in ``fcaudit train``'s layout, its
+    controllers spread (0: every gate a constant); with ``text``, its tokenizer and a
+    schedule."""
     tok = None
     if text is not None:
         from fcaudit.io.data import Document, train_tokenizer
@@ -46,6 +47,10 @@ def _run(folder: Path, seed: int = 0, spread: float = 1.0, text: Path | None = N
         from fcaudit.models.moe import MoEConfig, MoEGPT
         cfg: Any = MoEConfig(**shape, num_experts=4, top_k=2)
         model: Any = MoEGPT(cfg)
+    elif arch == "mixtral":
+        from fcaudit.models.mixtral import Mixtral, MixtralConfig
+        cfg = MixtralConfig(**shape, n_kv_head=1, expert_hidden=16, num_experts=4, top_k=2)
+        model = Mixtral(cfg)
     else:
         cfg = GPTConfig(**shape)
         model = GPT(cfg)
@@ -75,7 +80,7 @@ def _data(seed: int = 0) -> AuditData:
 @pytest.fixture(scope="module")
 def audited(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("fold")
-    for arch in ("featuregate", "moe"):
+    for arch in ("featuregate", "moe", "mixtral"):
         run = _run(root / arch / "run", arch=arch)
         fcaudit.audit(str(run), root / arch / "audit", data=_data(), options=OPTIONS)
     return root / "featuregate"
@@ -114,11 +119,12 @@ def _expected(key: str, outs: torch.Tensor, ids: np.ndarray, rows: int) -> torch
     return out
 
 
-@pytest.mark.parametrize("arch", ["featuregate", "moe"])
+@pytest.mark.parametrize("arch", ["featuregate", "moe", "mixtral"])
 @pytest.mark.parametrize("profile", PROFILES)
 def test_each_profile_folds_exactly(audited: Path, profile: str, arch: str) -> None:
     """The folded run (a FeatureGate: the Dense architecture; an MoE: an MoE routed by a
-    table, or at one row per layer the Dense architecture with the chosen experts merged)
+    table, or at one row per layer the Dense architecture with the chosen experts merged;
+    a Mixtral: a Mixtral routed by a table)
     holds fixed rows equal to the controller outputs' means this test reads off the
     original model; no controller is left; its NLL is the audit's for the condition, and
     its losses the replayed condition's."""
@@ -133,7 +139,8 @@ def test_each_profile_folds_exactly(audited: Path, profile: str, arch: str) -> N
     assert e.max_abs_diff <= e.bound_relative * 10 and e.tokens == 10 * (LENGTH - 1)
     assert abs(e.folded_nll - audit["conditions"][profile]["nll"]) <= 1e-6
     config = json.loads((out / "config.json").read_text())
-    assert config["arch"] == ("moe" if arch == "moe" and profile != "static-layer" else "dense")
+    assert config["arch"] == {"featuregate": "dense", "mixtral": "mixtral",
+                              "moe": "moe" if profile != "static-layer" else "dense"}[arch]
     assert config["fold"]["profile"] == profile
     folded, key = load_run(out).model, done.key
     merged = arch == "moe" and key == "layer"  # one MLP, no fixed values left
@@ -314,7 +321,9 @@ def test_a_model_whose_family_does_not_fold_is_refused_naming_those_that_do(
     with pytest.raises(UsageError, match=r"of a family that does not fold; folds exist for "
                                          r"featuregate \(static-layer, static-layer-position, "
                                          r"static-layer-token\).*; mixtral folders "
-                                         r"\(static-layer: a mistral folder\)"):
+                                         r"\(static-layer: a mistral folder, "
+                                         r"static-layer-position: an fcaudit mixtral run folder, "
+                                         r"static-layer-token: an fcaudit mixtral run folder\)"):
         fold(tmp_path / "audit", "static-layer", tmp_path / "out", data=data, timing_pairs=0)
     assert not (tmp_path / "out").exists()
 

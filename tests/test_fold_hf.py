@@ -1,8 +1,9 @@
 """``fcaudit fold`` of checkpoint folders in Hugging Face layout: a MUDDPythia folder (loaded
 by fcaudit's own MUDD code, folded into a run folder with static dense connections) and a
 Mixtral folder (its experts merged into one MLP per layer: a Mistral folder that
-transformers loads without fcaudit). The references are read here: the generators'
-outputs with this test's hooks, the routers' top-k from their own weights."""
+transformers loads without fcaudit; per token id or position: a run folder of fcaudit's
+Mixtral routed by a table). The references are read here: the generators' outputs with
+this test's hooks, the routers' logits and top-k from their own weights."""
 
 from __future__ import annotations
 
@@ -145,8 +146,62 @@ def test_a_mixtral_folder_folds_into_a_mistral_folder_transformers_loads(
                            "static-layer", "--out", str(tmp_path / "folded"), *data,
                            "--quiet", "--timing-pairs", "0", "--force"], capsys)
     assert again.returncode == 0, again.stderr  # fcaudit's own folder: replaced
-    token = run_inprocess(["fold", "--audit", str(tmp_path / "audit"), "--profile",
-                           "static-layer-token", "--out", str(tmp_path / "token"), *data,
-                           "--quiet"], capsys)
-    assert token.returncode == 2 and "mixtral does not fold it" in token.stderr
-    assert "mixtral folders (static-layer" in token.stderr and not (tmp_path / "token").exists()
+
+
+def _table(logits: torch.Tensor, ids: np.ndarray, key: str, rows: int) -> torch.Tensor:
+    """One layer's routing table worked out here from its router logits ``[N * T, E]`` on
+    the calibration ``ids`` ``[N, T]``: the mean per token id, or per position (the mean
+    over all for ids calibration never had and positions past its windows)."""
+    out = logits.mean(0).repeat(rows, 1)
+    if key == "layer_position":
+        out[:ids.shape[1]] = logits.reshape(*ids.shape, -1).mean(0)
+        return out
+    flat = torch.from_numpy(ids).reshape(-1)
+    for token in flat.unique():
+        out[token] = logits[flat == token].mean(0)
+    return out
+
+
+def test_a_mixtral_folder_folds_per_token_or_position_into_fcaudit_s_mixtral(
+        tmp_path: Path, capsys) -> None:
+    """Per token id (a hash-routed MoE) or per position, the routing still varies and no
+    transformers class routes by a table: the fold writes a run folder of fcaudit's
+    Mixtral, the folder's weights as they were, each router a table of the calibration's
+    mean logits (worked out here from the routers' own weights), no router weight left;
+    loaded back, its NLL is the audit's condition's."""
+    from conftest import FAMILIES, save
+
+    from fcaudit.core.nll import logits_of, token_nll
+    folder = save(FAMILIES["mixtral"][0](), tmp_path / "mixtral")
+    data = _tokens(tmp_path, 120)
+    calib = np.load(tmp_path / "calib.npy")
+    np.save(tmp_path / "calib.npy", calib % 100)  # ids 100..119 never calibrated
+    audit = run_inprocess(["audit", "--model", str(folder), *data, "--out",
+                           str(tmp_path / "audit"), *QUICK], capsys)
+    assert audit.returncode == 0, audit.stderr
+    import transformers
+    original = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    router_logits = _router_logits(original, calib % 100)
+    want = json.loads((tmp_path / "audit" / "audit.json").read_text())["conditions"]
+    for profile, key in (("static-layer-token", "layer_token"),
+                         ("static-layer-position", "layer_position")):
+        out = tmp_path / profile
+        res = run_inprocess(["fold", "--audit", str(tmp_path / "audit"), "--profile", profile,
+                             "--out", str(out), *data, "--quiet"], capsys)
+        assert res.returncode == 0, res.stderr
+        assert "against the original: latency" in res.stdout
+        config = json.loads((out / "config.json").read_text())
+        assert config["arch"] == "mixtral" and config["fold"]["key"] == key
+        folded = load_run(out).model
+        assert folded.controller_sites() == [] and folded.config.fixed == key
+        assert not [n for n in folded.state_dict() if "router" in n]
+        rows = {"layer_token": 120, "layer_position": 64}[key]  # vocabulary, context
+        for i, logits in enumerate(router_logits):
+            table = folded.blocks[i].fixed.value.double()
+            assert table.shape == (rows, 4)
+            assert torch.allclose(table, _table(logits, calib % 100, key, rows), atol=1e-6), i
+        x = torch.from_numpy(np.load(tmp_path / "eval.npy"))
+        with torch.no_grad():
+            nll = float(token_nll(logits_of(folded(x)), x).double().mean())
+        assert abs(nll - want[profile]["nll"]) <= 1e-5 * max(1.0, want[profile]["nll"])
+        assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()

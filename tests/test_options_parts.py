@@ -107,7 +107,7 @@ def test_arch_choices_are_the_model_registry() -> None:
     assert sorted(arch.choices) == sorted([
         "featuregate", "dense", "skipgate", "earlyexit", "ponder", "mudd", "moe", "vit-moe",
         "tokenprune", "dense-vit", "condconv", "branchy", "dense-cnn", "mamba", "s4d",
-        "dense-ponder"])
+        "dense-ponder", "mixtral"])
 
 
 def test_the_cli_refuses_an_option_before_it_reads_the_model(

@@ -210,9 +210,9 @@ def _value(value: Any, spec: OptionSpec) -> Any:
 def _add_train(sub: Any) -> None:
     parser = sub.add_parser("train", add_help=False,
                             help="train a model on the built-in corpus or a synthetic task",
-                            description="Train FeatureGate, its Dense twin, SkipGate, MUDD, "
-                                        "MoE, Mamba or its LTI twin S4D on the built-in "
-                                        "Shakespeare corpus (seeded, deterministic on CPU).")
+                            description="Train one of fcaudit's architectures (--arch) on "
+                                        "the built-in Shakespeare corpus, a synthetic task "
+                                        "or the digits (seeded, deterministic on CPU).")
     t = parser.add_argument_group("training")
     vision = [name for name, arch in ARCHES.items() if arch.task == "vision"]
     t.add_argument("--arch", required=True, choices=list(ARCHES),

@@ -1,5 +1,5 @@
 """Folds of Hugging Face MoE folders (``fcaudit fold`` of a Mixtral folder): the model with
-its routers replaced by what a static profile fixes, as a folder transformers loads.
+its routers replaced by what a static profile fixes.
 
 At one router logit row per layer (``static-layer``) every token of a layer goes to the
 same experts with the same weights, so the layer's sparse MoE block is one gated MLP: the
@@ -9,6 +9,12 @@ side, each scaled by its routing weight. A Mixtral so folded is a Mistral whose 
 weights each layer's router gives are read from the router's own forward with the logits
 supplied (:func:`fcaudit.core.routers.routing_of`), so its softmax, top-k and
 renormalisation run as the family wrote them.
+
+At one row per token id (``static-layer-token``) or per position
+(``static-layer-position``) the routing still varies, and no transformers class routes by a
+table: the Mixtral becomes fcaudit's own (:mod:`fcaudit.models.mixtral`), its weights
+as they are, each router a table of logits (per token id: a hash-routed MoE), written as
+a run folder fcaudit loads.
 
 One entry per source family (``model_type``); a family not here does not fold.
 """
@@ -35,19 +41,31 @@ if TYPE_CHECKING:  # the registry is read by --help, which loads no torch
 
 @dataclass(frozen=True)
 class HFFold:
-    """A Hugging Face family that folds: ``name`` its ``model_type``, ``into`` the family
-    of the folded model, ``folds`` what it folds (a condition's ``fold``), ``build(model,
-    sites, values)`` the folded model."""
+    """A Hugging Face family that folds: ``name`` its ``model_type``, ``into`` what each
+    fold (a condition's ``fold``) gives, as a person reads it, ``build(model, sites, key,
+    values)`` the folded model (a transformers model, or one of fcaudit's architectures)."""
 
     name: str
-    into: str
-    folds: tuple[str, ...]
-    build: Callable[[nn.Module, Sequence[Site], Sequence[Tensor]], nn.Module]
+    into: tuple[tuple[str, str], ...]
+    build: Callable[[nn.Module, Sequence[Site], str, Sequence[Tensor]], nn.Module]
+
+    @property
+    def folds(self) -> tuple[str, ...]:
+        return tuple(key for key, _ in self.into)
 
 
 # a sparse MoE block's settings that a dense MLP has no use for
 _MOE_KEYS = ("num_local_experts", "num_experts_per_tok", "output_router_logits",
              "router_aux_loss_coef", "router_jitter_noise")
+
+
+def _folded_mixtral(model: nn.Module, sites: Sequence[Site], key: str,
+                    values: Sequence[Tensor]) -> nn.Module:
+    """One row per layer: a Mistral; per token id or position: fcaudit's Mixtral."""
+    if key == "layer":
+        return _merged_mixtral(model, sites, values)
+    from fcaudit.models.mixtral import from_hf
+    return from_hf(model, key, list(values))
 
 
 def _merged_mixtral(model: nn.Module, sites: Sequence[Site], values: Sequence[Tensor]
@@ -90,7 +108,9 @@ def _merged_mixtral(model: nn.Module, sites: Sequence[Site], values: Sequence[Te
 
 
 HF_FOLDS: Registry[HFFold] = Registry("Hugging Face fold", (
-    HFFold("mixtral", "mistral", ("layer",), _merged_mixtral),
+    HFFold("mixtral", (("layer", "a mistral folder"),
+                       ("layer_position", "an fcaudit mixtral run folder"),
+                       ("layer_token", "an fcaudit mixtral run folder")), _folded_mixtral),
 ))
 
 
@@ -105,8 +125,8 @@ def foldable() -> str:
     """The Hugging Face families that fold, as a person reads it."""
     from fcaudit.core.conditions import CONDITIONS
     names = {c.fold: c.name for c in CONDITIONS.values() if c.fold}
-    return "; ".join(f"{f.name} folders ({', '.join(names[k] for k in f.folds)}: a "
-                     f"{f.into} folder)" for f in HF_FOLDS.values())
+    return "; ".join(f"{f.name} folders ({', '.join(f'{names[k]}: {into}' for k, into in f.into)})"
+                     for f in HF_FOLDS.values())
 
 
 def write_hf_folder(work: Path, folded: nn.Module, record: dict[str, Any],

@@ -109,10 +109,43 @@ def load_balance(logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     return num * (f * p).sum()
 
 
-class MoEBlock(nn.Module):
-    """Attention, then the routed expert mixture; ``h [B, T, C] -> [B, T, C]``. ``cfg``
-    needs ``n_embd``, ``n_head``, ``num_experts``, ``top_k`` and ``expert_hidden``;
-    the vision MoE swaps in unmasked attention."""
+class RoutedBlock(nn.Module):
+    """Attention, then routed experts, ``h [B, T, C] -> [B, T, C]``: the forward pass that
+    the MoE's and the Mixtral's blocks share. A subclass builds ``ln_1``, ``attn``,
+    ``ln_2``, ``router`` or (folded) ``fixed``, ``experts`` and ``top_k``, and names its
+    routing ``rule`` (logits to weights and experts) and :meth:`mixture`."""
+
+    rule = staticmethod(route)
+    top_k: int
+    ln_1: nn.Module
+    attn: nn.Module
+    ln_2: nn.Module
+    router: nn.Module | None
+    fixed: nn.Module | None
+    experts: nn.ModuleList
+
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = h + self.attn(self.ln_1(h))
+        x = self.ln_2(h)
+        if self.fixed is not None:  # folded: the fixed logits of these tokens
+            assert input_ids is not None, "fixed router logits are read for the token ids"
+            logits = self.fixed(input_ids).expand(*x.shape[:2], -1)
+        else:  # [B, T, E]; a replay stub may stand in for the router
+            assert self.router is not None
+            logits = self.router(x)
+        weights, experts = self.rule(logits, self.top_k)
+        self.balance = load_balance(logits, experts) if self.training else None
+        return h + self.mixture(x, weights, experts)
+
+    def mixture(self, x: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        """The experts' mixture (:func:`mixture`)."""
+        return mixture(x, weights, experts, self.experts)
+
+
+class MoEBlock(RoutedBlock):
+    """The MoE's block. ``cfg`` needs ``n_embd``, ``n_head``, ``num_experts``, ``top_k``
+    and ``expert_hidden``; the vision MoE swaps in unmasked attention."""
 
     attention: type[nn.Module] = CausalSelfAttention
 
@@ -133,33 +166,29 @@ class MoEBlock(nn.Module):
         self.expert_bias = nn.Parameter(torch.zeros(cfg.n_embd))
         self.balance: torch.Tensor | None = None  # load_balance of the last training pass
 
-    def forward(self, h: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = h + self.attn(self.ln_1(h))
-        x = self.ln_2(h)
-        if self.fixed is not None:  # folded: the fixed logits of these tokens
-            assert input_ids is not None, "fixed router logits are read for the token ids"
-            logits = self.fixed(input_ids).expand(*x.shape[:2], -1)
-        else:  # [B, T, E]; a replay stub may stand in for the router
-            logits = self.router(x)
-        weights, experts = route(logits, self.top_k)
-        self.balance = load_balance(logits, experts) if self.training else None
-        return h + self.mixture(x, weights, experts)
-
     def mixture(self, x: torch.Tensor, weights: torch.Tensor,
                 experts: torch.Tensor) -> torch.Tensor:
-        """``sum_j weights[..., j] * expert_{experts[..., j]}(x) + bias``, each expert run
-        on its own tokens only. Assignments are grouped by expert with one sort, so the
-        host waits once per layer (for the group sizes), not once per expert."""
-        flat = x.reshape(-1, x.shape[-1])
-        assignment = experts.flatten()  # token n's slot j sits at n * top_k + j
-        order = assignment.argsort(stable=True)
-        sizes = torch.bincount(assignment, minlength=len(self.experts)).tolist()
-        out = torch.zeros_like(flat)
-        for expert, group in zip(self.experts, order.split(sizes), strict=True):
-            if group.numel():
-                tokens = group // self.top_k
-                out.index_add_(0, tokens, weights.flatten()[group, None] * expert(flat[tokens]))
-        return (out + self.expert_bias).view_as(x)
+        """The experts' mixture plus the layer's shared output bias."""
+        return super().mixture(x, weights, experts) + self.expert_bias
+
+
+def mixture(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+            modules: nn.ModuleList) -> torch.Tensor:
+    """``sum_j weights[..., j] * modules[experts[..., j]](x)``, each expert run on its own
+    tokens only, in ascending expert order. Assignments are grouped by expert with one sort,
+    so the host waits once per layer (for the group sizes), not once per expert."""
+    flat = x.reshape(-1, x.shape[-1])
+    top_k = experts.shape[-1]
+    assignment = experts.flatten()  # token n's slot j sits at n * top_k + j
+    order = assignment.argsort(stable=True)
+    sizes = torch.bincount(assignment, minlength=len(modules)).tolist()
+    out = torch.zeros_like(flat)
+    for expert, group in zip(modules, order.split(sizes), strict=True):
+        if group.numel():
+            tokens = group // top_k
+            mixed = weights.flatten()[group, None] * expert(flat[tokens])
+            out.index_add_(0, tokens, mixed.to(out.dtype))
+    return out.view_as(x)
 
 
 class Routed:

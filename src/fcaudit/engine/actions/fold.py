@@ -163,7 +163,7 @@ def fold(audit: str | Path, profile: str, out: str | Path | None = None, *,
         exact = _exactness(setup, feed, condition.name, folded, result, say)
         speed = _speeds(net, folded, setup, timing_pairs, say)
         done = FoldResult(str(audit), profile, condition.fold, str(setup.loaded.spec),
-                          into.arch(folded), exact, *speed,
+                          _arch_name(folded), exact, *speed,
                           None if target is None else str(target),
                           int(values[0]) + 1 if condition.kind == "exit" else None,
                           **_evaluation(setup.data))
@@ -186,34 +186,49 @@ def _evaluation(data: AuditData) -> dict[str, Any]:
 class _Target:
     """What the audited model folds into: ``source`` its architecture or family, ``folds``
     what it folds (a condition's ``fold``), ``build(key, values)`` the folded model,
-    ``arch(folded)`` what that is, ``write(work, folded, done)`` its folder."""
+    ``write(work, folded, done)`` its folder."""
 
     source: str
     folds: tuple[str, ...]
     build: Callable[[str, list[Tensor]], nn.Module]
-    arch: Callable[[nn.Module], str]
     write: Callable[[Path, nn.Module, FoldResult], None]
 
 
 def _target(setup: Any) -> _Target:
     """A model of fcaudit's own code (a run folder of ``fcaudit train``, or a checkpoint
     folder it loads, such as MUDDPythia's) folds into a run folder of an architecture of
-    its own; a Hugging Face family with a fold entry into a folder transformers loads."""
+    its own; a Hugging Face family with a fold entry into what the entry builds: a folder
+    transformers loads, or a run folder of one of fcaudit's architectures."""
     net = setup.model
     entry = hf_fold(net)
     if entry is not None:
         return _Target(entry.name, entry.folds,
-                       lambda _, values: entry.build(net, setup.sites, values),
-                       lambda _: entry.into, lambda work, folded, done: write_hf_folder(
-                           work, folded, done.to_json(), _tokenizer(setup)))
+                       lambda key, values: entry.build(net, setup.sites, key, values),
+                       lambda work, folded, done: _write(work, setup, folded, done)
+                       if _own(folded) else write_hf_folder(work, folded, done.to_json(),
+                                                            _tokenizer(setup)))
     try:
         arch = arch_of(net)
     except FcauditError:
         raise UsageError(f"{setup.loaded.spec} is a {setup.loaded.kind} model of a family that "
                          f"does not fold; folds exist for {foldable()}",
                          option="model") from None
-    return _Target(arch.name, arch.folds, net.folded, lambda folded: arch_of(folded).name,
+    return _Target(arch.name, arch.folds, net.folded,
                    lambda work, folded, done: _write(work, setup, folded, done))
+
+
+def _own(folded: nn.Module) -> bool:
+    """Whether a folded model is one of fcaudit's architectures (else a transformers one)."""
+    try:
+        arch_of(folded)
+    except FcauditError:
+        return False
+    return True
+
+
+def _arch_name(folded: nn.Module) -> str:
+    """What the folded model is: its fcaudit architecture, or its transformers family."""
+    return arch_of(folded).name if _own(folded) else str(folded.config.model_type)
 
 
 def _tokenizer(setup: Any) -> str | None:

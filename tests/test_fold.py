@@ -321,8 +321,8 @@ def test_a_model_whose_family_does_not_fold_is_refused_naming_those_that_do(
     with pytest.raises(UsageError, match=r"of a family that does not fold; folds exist for "
                                          r"featuregate \(static-layer, static-layer-position, "
                                          r"static-layer-token\).*; mixtral folders "
-                                         r"\(static-layer: a mistral folder, "
-                                         r"static-layer-position: an fcaudit mixtral run folder, "
+                                         r"\(static-layer: a mistral folder \(float32\) or an "
+                                         r"fcaudit mixtral run folder, static-layer-position and "
                                          r"static-layer-token: an fcaudit mixtral run folder\)"):
         fold(tmp_path / "audit", "static-layer", tmp_path / "out", data=data, timing_pairs=0)
     assert not (tmp_path / "out").exists()

@@ -205,3 +205,25 @@ def test_a_mixtral_folder_folds_per_token_or_position_into_fcaudit_s_mixtral(
             nll = float(token_nll(logits_of(folded(x)), x).double().mean())
         assert abs(nll - want[profile]["nll"]) <= 1e-5 * max(1.0, want[profile]["nll"])
         assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+
+
+def test_a_bfloat16_mixtral_folds_exactly_at_every_profile(tmp_path: Path, capsys) -> None:
+    """Audited in bfloat16, a Mixtral's experts merged into one MLP would miss the
+    condition (the scaled down projections round): every profile folds into fcaudit's
+    Mixtral, whose losses equal the replayed condition's to the bit, in the audit's dtype."""
+    from conftest import FAMILIES, save
+    folder = save(FAMILIES["mixtral"][0](), tmp_path / "mixtral")
+    data = _tokens(tmp_path, 120)
+    audit = run_inprocess(["audit", "--model", str(folder), *data, "--dtype", "bfloat16",
+                           "--out", str(tmp_path / "audit"), *QUICK], capsys)
+    assert audit.returncode == 0, audit.stderr
+    for profile, key in (("static-layer", "layer"), ("static-layer-token", "layer_token")):
+        res = run_inprocess(["fold", "--audit", str(tmp_path / "audit"), "--profile", profile,
+                             "--out", str(tmp_path / profile), *data, "--timing-pairs", "0",
+                             "--quiet"], capsys)
+        assert res.returncode == 0, res.stderr
+        config = json.loads((tmp_path / profile / "config.json").read_text())
+        assert config["arch"] == "mixtral" and config["model_config"]["fixed"] == key
+        assert config["fold"]["exactness"]["max_abs_diff"] == 0.0
+        model = load_run(tmp_path / profile).model
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

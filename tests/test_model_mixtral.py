@@ -20,21 +20,25 @@ SHAPE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_h
              num_experts_per_tok=2, max_position_embeddings=64)
 
 
-def _hf(**extra: Any) -> Any:
+def _hf(dtype: torch.dtype = torch.float32, **extra: Any) -> Any:
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(
-        transformers.MixtralConfig(**{**SHAPE, **extra})).eval()
+        transformers.MixtralConfig(**{**SHAPE, **extra})).to(dtype).eval()
 
 
 @pytest.mark.parametrize("extra", [
     {}, {"sliding_window": 5}, {"tie_word_embeddings": True}, {"head_dim": 16},
     {"num_key_value_heads": 4, "num_experts_per_tok": 1, "rms_norm_eps": 1e-3},
     {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}},
-], ids=["gqa", "window-shorter-than-sequence", "tied", "head-dim", "mha-top1", "rope-base"])
+    {"dtype": torch.bfloat16, "num_experts_per_tok": 3},
+    {"dtype": torch.float16, "sliding_window": 7},
+], ids=["gqa", "window-shorter-than-sequence", "tied", "head-dim", "mha-top1", "rope-base",
+        "bfloat16-top3", "float16-window"])
 def test_it_computes_what_transformers_mixtral_computes_bit_for_bit(extra: dict) -> None:
     """The same weights give the same logits, bit for bit, as transformers' own Mixtral
     on the same ids: norms, rotary angles, grouped heads, the window, the routing rule
-    (softmax over all experts in float32, top-k renormalised) and the experts' sum order."""
+    (softmax over all experts in float32, top-k renormalised) and the experts' sum order
+    and precision (in bfloat16 and float16 too, where a different order shows)."""
     hf = _hf(**extra)
     ours = from_hf(hf)
     assert ours.config.fixed == "" and len(ours.controller_sites()) == SHAPE["num_hidden_layers"]

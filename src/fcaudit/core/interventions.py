@@ -281,6 +281,37 @@ def static_tensor(condition: str, site: Site, profiles: StaticProfiles,
     return prof.to(device=like.device, dtype=like.dtype).contiguous()
 
 
+def static_any_length(condition: str, site: Site, profiles: StaticProfiles, like: Tensor,
+                      ids: Tensor | None = None) -> Tensor:
+    """:func:`static_tensor` at any number of positions: a per-position profile's rows past
+    the calibration windows are static-layer's, as ids no calibration token had take it
+    under static-layer-token (what a task request longer than the windows is fed, and what
+    a fold writes for the model's whole context)."""
+    if CONDITIONS[condition].profile != "layer_position":
+        return static_tensor(condition, site, profiles, like, ids)
+    covered = profiles.shape(site)[0]
+    rows = static_tensor(condition, site, profiles,
+                         like.new_zeros(like.shape[0], covered, *like.shape[2:]))
+    if like.shape[1] <= covered:
+        return rows[:, :like.shape[1]]
+    return torch.cat([rows, static_tensor(STATIC_LAYER, site, profiles, like[:, covered:],
+                                          None if ids is None else ids[:, covered:])], dim=1)
+
+
+def shuffle_by_length(coefficients: Coefficients,
+                      permutations: Callable[[int], np.ndarray]) -> dict[str, Tensor]:
+    """Each site's positions permuted per sequence by ``permutations(length)``
+    (``[sequences, length]``); sites with the same number of positions share one
+    permutation per sequence (token sites all have ``T``)."""
+    groups: dict[int, dict[str, Tensor]] = {}
+    for name, tensor in coefficients.items():
+        groups.setdefault(int(tensor.shape[1]), {})[name] = tensor
+    out: dict[str, Tensor] = {}
+    for length, part in groups.items():
+        out.update(shuffle(part, permutations(length)))
+    return {name: out[name] for name in coefficients}
+
+
 ProfileFn = Callable[[StaticProfiles, Site, torch.Size, "Tensor | None", str], Tensor]
 # a static condition's profile (its registry entry's ``profile``), as the fed tensor
 _PROFILES: dict[str, ProfileFn] = {
@@ -472,16 +503,11 @@ def feed_reassign(condition: Condition, coefficients: Coefficients,
 
 def feed_shuffle(condition: Condition, coefficients: Coefficients,
                  context: InterventionContext) -> Mapping[str, Tensor]:
-    """Each site's positions permuted per sequence; sites with the same number of
-    positions share one permutation per sequence (token sites all have ``T``)."""
+    """Each site's positions permuted per sequence (:func:`shuffle_by_length`: the
+    repeat's draw for the batch's rows)."""
     rand, rows = _drawn(condition, context), context.rows
-    groups: dict[int, dict[str, Tensor]] = {}
-    for name, tensor in coefficients.items():
-        groups.setdefault(int(tensor.shape[1]), {})[name] = tensor
-    out: dict[str, Tensor] = {}
-    for length, part in groups.items():
-        out.update(shuffle(part, rand.positions_for(length)[rows.start:rows.stop]))
-    return {name: out[name] for name in coefficients}
+    return shuffle_by_length(coefficients,
+                             lambda length: rand.positions_for(length)[rows.start:rows.stop])
 
 
 def feed_reassign_shuffle(condition: Condition, coefficients: Coefficients,

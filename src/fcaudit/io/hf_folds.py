@@ -61,8 +61,13 @@ _MOE_KEYS = ("num_local_experts", "num_experts_per_tok", "output_router_logits",
 
 def _folded_mixtral(model: nn.Module, sites: Sequence[Site], key: str,
                     values: Sequence[Tensor]) -> nn.Module:
-    """One row per layer: a Mistral; per token id or position: fcaudit's Mixtral."""
-    if key == "layer":
+    """One row per layer: a Mistral, where the weights are float32; per token id or
+    position, or in a lower precision: fcaudit's Mixtral. (In bfloat16 or float16 the merged
+    MLP's scaled down projections round, and its sum over experts runs in another order:
+    its losses miss the condition's by far more than the fold's bound, while fcaudit's
+    Mixtral with one fixed row per layer computes the condition to the bit.)"""
+    import torch
+    if key == "layer" and next(model.parameters()).dtype == torch.float32:
         return _merged_mixtral(model, sites, values)
     from fcaudit.models.mixtral import from_hf
     return from_hf(model, key, list(values))
@@ -108,7 +113,7 @@ def _merged_mixtral(model: nn.Module, sites: Sequence[Site], values: Sequence[Te
 
 
 HF_FOLDS: Registry[HFFold] = Registry("Hugging Face fold", (
-    HFFold("mixtral", (("layer", "a mistral folder"),
+    HFFold("mixtral", (("layer", "a mistral folder (float32) or an fcaudit mixtral run folder"),
                        ("layer_position", "an fcaudit mixtral run folder"),
                        ("layer_token", "an fcaudit mixtral run folder")), _folded_mixtral),
 ))
@@ -125,8 +130,13 @@ def foldable() -> str:
     """The Hugging Face families that fold, as a person reads it."""
     from fcaudit.core.conditions import CONDITIONS
     names = {c.fold: c.name for c in CONDITIONS.values() if c.fold}
-    return "; ".join(f"{f.name} folders ({', '.join(f'{names[k]}: {into}' for k, into in f.into)})"
-                     for f in HF_FOLDS.values())
+
+    def what(entry: HFFold) -> str:
+        by_into: dict[str, list[str]] = {}
+        for key, into in entry.into:
+            by_into.setdefault(into, []).append(names[key])
+        return ", ".join(f"{' and '.join(keys)}: {into}" for into, keys in by_into.items())
+    return "; ".join(f"{f.name} folders ({what(f)})" for f in HF_FOLDS.values())
 
 
 def write_hf_folder(work: Path, folded: nn.Module, record: dict[str, Any],

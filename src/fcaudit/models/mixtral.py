@@ -105,21 +105,24 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    """Grouped-query causal attention with rotary positions, through the fused kernel."""
+    """Grouped-query causal attention with rotary positions, through the fused kernel. The
+    rotary frequencies are a buffer, saved with the weights: a fold keeps the ones the
+    source model held (transformers keeps them in float32, or in the dtype a model was
+    cast to), so the angles are the source's to the bit."""
 
     def __init__(self, cfg: MixtralConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv, self.d = cfg.n_head, cfg.n_kv_head, cfg.head_size
-        self.window, self.theta = cfg.sliding_window, cfg.rope_theta
+        self.window = cfg.sliding_window
         self.q = nn.Linear(cfg.n_embd, self.n_head * self.d, bias=False)
         self.k = nn.Linear(cfg.n_embd, self.n_kv * self.d, bias=False)
         self.v = nn.Linear(cfg.n_embd, self.n_kv * self.d, bias=False)
         self.o = nn.Linear(self.n_head * self.d, cfg.n_embd, bias=False)
+        self.register_buffer("inv_freq", 1.0 / (cfg.rope_theta ** (
+            torch.arange(0, self.d, 2, dtype=torch.float) / self.d)))
 
     def angles(self, T: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv = 1.0 / (self.theta ** (torch.arange(0, self.d, 2, dtype=torch.float,
-                                                 device=x.device) / self.d))
-        freqs = torch.arange(T, device=x.device)[:, None].float() * inv
+        freqs = torch.arange(T, device=x.device)[:, None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
@@ -169,6 +172,22 @@ class MixtralBlock(RoutedBlock):
         self.register_module("fixed", FixedValues(cfg, cfg.num_experts) if cfg.fixed else None)
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.num_experts))
         self.balance: torch.Tensor | None = None  # load_balance of the last training pass
+
+    def mixture(self, x: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        """Each token's chosen experts, each run on its own tokens only, their outputs scaled
+        by the (float32) weights and summed over the token's ``top_k`` slots in float32, then
+        cast: transformers' default experts kernel, whose sum order and precision this
+        keeps (in bfloat16 an in-place sum would round after every expert)."""
+        flat, k = x.reshape(-1, x.shape[-1]), experts.shape[-1]
+        slots = experts.reshape(-1)  # token n's slot j sits at n * k + j
+        order = slots.argsort(stable=True)
+        sizes = torch.bincount(slots, minlength=len(self.experts)).tolist()
+        out = flat.new_zeros(slots.numel(), flat.shape[-1], dtype=weights.dtype)
+        for expert, group in zip(self.experts, order.split(sizes), strict=True):
+            if group.numel():
+                out[group] = expert(flat[group // k]) * weights.reshape(-1)[group, None]
+        return out.view(-1, k, flat.shape[-1]).sum(dim=1).to(x.dtype).view_as(x)
 
 
 class Mixtral(Routed, nn.Module):
@@ -247,10 +266,12 @@ def from_hf(model: nn.Module, key: str = "", values: list[torch.Tensor] | None =
         num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
         rms_eps=cfg.rms_norm_eps, rope_theta=float(theta),
         sliding_window=getattr(cfg, "sliding_window", None) or 0)
-    return _built(config, _renamed(model.state_dict(), config), key, values or [])
+    rotary = model.get_submodule("model.rotary_emb").inv_freq  # not in its state dict
+    return _built(config, _renamed(model.state_dict(), config, rotary), key, values or [])
 
 
-def _renamed(hf: dict[str, Any], cfg: MixtralConfig) -> dict[str, torch.Tensor]:
+def _renamed(hf: dict[str, Any], cfg: MixtralConfig, inv_freq: torch.Tensor
+             ) -> dict[str, torch.Tensor]:
     """A transformers Mixtral's state dict in this model's names (experts split out of the
     stacked tensors; routers kept under their names, dropped by the fold). Tied input and
     output embeddings become two equal tensors (a run folder's safetensors holds no shared
@@ -264,6 +285,7 @@ def _renamed(hf: dict[str, Any], cfg: MixtralConfig) -> dict[str, torch.Tensor]:
         state[dst + "ln_2.weight"] = hf[src + "post_attention_layernorm.weight"]
         for name in "qkvo":
             state[f"{dst}attn.{name}.weight"] = hf[f"{src}self_attn.{name}_proj.weight"]
+        state[dst + "attn.inv_freq"] = inv_freq
         state[dst + "router.weight"] = hf[src + "mlp.gate.weight"]
         for e in range(cfg.num_experts):
             state[f"{dst}experts.{e}.gate_up.weight"] = hf[src + "mlp.experts.gate_up_proj"][e]

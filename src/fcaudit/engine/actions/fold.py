@@ -38,11 +38,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fcaudit.core.conditions import CONDITIONS, STATIC_LAYER
+from fcaudit.core.conditions import CONDITIONS
 from fcaudit.core.errors import DataError, FcauditError, ModelError, UsageError, arg
 from fcaudit.core.exits import exit_model, exit_scores
 from fcaudit.core.flops import flop_counter
-from fcaudit.core.interventions import StaticProfiles, static_tensor
+from fcaudit.core.interventions import StaticProfiles, static_any_length, static_tensor
 from fcaudit.core.nll import device_of, model_limits
 from fcaudit.core.registry import refusal
 from fcaudit.engine.actions.reopen import Progress, read_audit, recomputed_profiles, reopened
@@ -278,7 +278,7 @@ def _exit_fold(setup: Any, condition: Any, say: Progress) -> tuple[list[Tensor],
 def _values(setup: Any, profiles: StaticProfiles, condition: str, net: nn.Module,
             dtypes: dict[str, torch.dtype]) -> list[Tensor]:
     """Each site's fixed rows ``[rows, *trailing]``, as the condition feeds them
-    (:func:`static_tensor`, in the coefficients' dtype): one row; one per position of the
+    (:func:`static_any_length`, in the coefficients' dtype): one row; one per position of the
     model's context (positions past the calibration windows take the site's static-layer
     row); one per token id of its vocabulary (ids no calibration token had take it too,
     as the condition gives them)."""
@@ -287,22 +287,12 @@ def _values(setup: Any, profiles: StaticProfiles, condition: str, net: nn.Module
     if key == "layer_position" and context is None or key == "layer_token" and vocab is None:
         what = "context" if key == "layer_position" else "vocabulary"
         raise ModelError(f"the model states no {what} to fold the {condition} profile into")
+    rows = {"layer_position": context, "layer_token": vocab}.get(key, 1)
+    ids = torch.arange(rows).view(1, rows) if key == "layer_token" else None
     out = []
     for site in setup.sites:
-        positions, *trailing = profiles.shape(site)
-
-        def fed(name: str, rows: int, ids: Tensor | None = None, site: Any = site,
-                trailing: list[int] = trailing) -> Tensor:
-            like = torch.zeros(1, rows, *trailing, dtype=dtypes[site.name])
-            return static_tensor(name, site, profiles, like, ids)[0]
-        if key == "layer_position":
-            value = torch.cat([fed(condition, positions), fed(STATIC_LAYER, 1).expand(
-                max(context - positions, 0), *trailing)])[:context]
-        elif key == "layer_token":
-            value = fed(condition, vocab, torch.arange(vocab).view(1, vocab))
-        else:
-            value = fed(condition, 1)
-        out.append(value.contiguous())
+        like = torch.zeros(1, rows, *profiles.shape(site)[1:], dtype=dtypes[site.name])
+        out.append(static_any_length(condition, site, profiles, like, ids)[0].contiguous())
     return out
 
 

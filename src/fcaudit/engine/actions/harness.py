@@ -53,10 +53,9 @@ from fcaudit.core.conditions import (
     REASSIGN,
     REASSIGN_SHUFFLE,
     SHUFFLE,
-    STATIC_LAYER,
 )
 from fcaudit.core.errors import DataError, IdentityError, UsageError, arg, install_extra
-from fcaudit.core.interventions import StaticProfiles, shuffle, static_tensor
+from fcaudit.core.interventions import StaticProfiles, shuffle_by_length, static_any_length
 from fcaudit.core.nll import device_of, logits_of, model_limits
 from fcaudit.engine.analyses.tasks import MetricScores, TaskScores, TasksSection
 from fcaudit.engine.metrics import Bootstrap, interval
@@ -113,19 +112,6 @@ class Scorer:
     def _count(self, counts: dict[str, int], task: Any) -> None:
         counts[str(task)] = counts.get(str(task), 0) + 1
 
-    def _feed(self, site: Any, like: Tensor, ids: Tensor) -> Tensor:
-        """The condition's coefficients for ``site`` on one request (``like``: its recorded
-        ones); per-position rows past the calibration windows: static-layer's."""
-        if CONDITIONS[self.condition].profile != "layer_position":
-            return static_tensor(self.condition, site, self.profiles, like, ids)
-        covered = self.profiles.shape(site)[0]
-        rows = static_tensor(self.condition, site, self.profiles,
-                             like.new_zeros(like.shape[0], covered, *like.shape[2:]))
-        if like.shape[1] <= covered:
-            return rows[:, :like.shape[1]]
-        return torch.cat([rows, static_tensor(STATIC_LAYER, site, self.profiles,
-                                              like[:, covered:], ids[:, covered:])], dim=1)
-
     def _inputs(self, ids: list[int]) -> Tensor:
         if self.context is not None and len(ids) - 1 > self.context:  # check_requests says
             raise DataError(f"a task request of {len(ids)} tokens reads {len(ids) - 1} "
@@ -136,13 +122,7 @@ class Scorer:
     def _shuffled(self, coefficients: dict[str, Tensor]) -> dict[str, Tensor]:
         """The request's coefficients with their positions permuted, sites with the same
         number of positions alike (as the audit's shuffle does per sequence)."""
-        groups: dict[int, dict[str, Tensor]] = {}
-        for name, tensor in coefficients.items():
-            groups.setdefault(int(tensor.shape[1]), {})[name] = tensor
-        out: dict[str, Tensor] = {}
-        for length, part in groups.items():
-            out.update(shuffle(part, self.rng.permutation(length)[None]))
-        return out
+        return shuffle_by_length(coefficients, lambda length: self.rng.permutation(length)[None])
 
     def logprobs(self, ids: list[int], donor: dict[str, Tensor] | None = None) -> Tensor:
         """Log-probabilities ``[T - 1, V]`` of the model on ``ids`` under the condition
@@ -159,7 +139,8 @@ class Scorer:
         if self.condition == SHUFFLE:
             coefficients = self._shuffled(coefficients)
         fed = {s: coefficients[s.name] if self.condition in (CORRECT, SHUFFLE) else
-               self._feed(s, coefficients[s.name], x) for s in self.setup.sites}
+               static_any_length(self.condition, s, self.profiles, coefficients[s.name], x)
+               for s in self.setup.sites}
         replayed = logits_of(self.setup.executor.replay(x, fed).logits)
         if self.condition == CORRECT and not torch.equal(replayed, logits_of(logits)):
             raise IdentityError("identity replay is not exact on a task request: the replay "

@@ -19,6 +19,7 @@ from fcaudit import AuditResult
 from fcaudit.core.errors import DataError
 from fcaudit.core.interventions import Intervention
 from fcaudit.engine.analyses import ANALYSES, Analysis
+from fcaudit.engine.analyses.base import RunStage, Target
 from fcaudit.report.audit_report import write_report
 from fcaudit.report.sections import RENDERERS, Renderer
 
@@ -124,3 +125,40 @@ def test_sections_are_read_back_strictly(tmp_path) -> None:
                 ({**written, "analyses": {}}, "analyses is not a key")):
             with pytest.raises(DataError, match=where):
                 AuditResult.from_json(broken)
+
+
+class _Halved(Target):
+    """An analysis's own target: every gate halved, counted in a plan stage of its own."""
+
+    condition = "halving:own"
+    stage = RunStage("halving runs", ("repeats", "AuditOptions(repeats=1)", "--repeats 1"))
+
+    def feed(self, run, b, inputs, correct):
+        return {site: t * 0.5 for site, t in correct.items()}
+
+
+OWN = Analysis("halving", plan=lambda setup, probe: [_Halved()],
+               summarise=lambda measured, analysis: {
+                   "halved": measured.condition(_Halved.condition)},
+               settings=lambda measured, sections: {
+                   "halving_runs": sum(r.condition == _Halved.condition for r in measured.runs),
+                   "halving_ran": "halving" in sections})
+
+
+def test_an_analysis_s_own_target_has_its_own_plan_stage_and_settings(tmp_path) -> None:
+    """The plan counts an analysis's own runs in the stage its target names (not among
+    the main replays), the replay stage replays them, and ``settings`` carries the keys
+    the analysis states; its run's loss is the toy's with halved gates (by hand)."""
+    plain, _, _ = _audit(toys.content_model(), tmp_path / "plain", ["gates.*"], execution=False)
+    with ANALYSES.added(OWN):
+        result, _, made = _audit(toys.content_model(), tmp_path, ["gates.*"], execution=False)
+    plan, before = result.runtime.plan, plain.runtime.plan
+    assert made == plan["passes"] == before["passes"] + 3
+    assert plan["stages"]["replay"] == before["stages"]["replay"]
+    assert plan["stages"]["halving runs"]["passes"] == 3
+    assert plan["stages"]["halving runs"]["at_most"] is True
+    assert result.analyses["halving"]["halved"]["nll"] == pytest.approx(_nll_by_hand(0.5),
+                                                                         rel=1e-6)
+    assert result.settings["halving_runs"] == 1 and result.settings["halving_ran"] is True
+    assert {k: v for k, v in result.settings.items() if not k.startswith("halving_")} == \
+        plain.settings

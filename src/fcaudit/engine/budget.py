@@ -16,6 +16,7 @@ dropped once calibration is recorded). The plan is kept in
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,6 @@ from torch import Tensor
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.exits import exit_sites
 from fcaudit.engine.analyses.base import Cost
-from fcaudit.engine.analyses.expert_importance import ExpertAblation
 from fcaudit.engine.execution import TIMING_WARMUP
 from fcaudit.engine.exits import PROBE_ROWS, asked, check_passes, own_threshold
 from fcaudit.engine.options import Prepared, Progress, say
@@ -123,8 +123,8 @@ def audit_plan(setup: Prepared, first: Probe) -> AuditPlan:
     runs = plan_runs(setup.sites, opts, setup.conditions, setup.interventions,
                      first.planned, (), skipped, ())
     per_layer = sum(isinstance(r.target, OneSite) for r in runs)
-    ablation = sum(isinstance(r.target, ExpertAblation) for r in runs)
-    main = len(runs) - per_layer - ablation
+    own = Counter(r.target.stage for r in runs if r.target.stage is not None)  # analyses'
+    main = len(runs) - per_layer - sum(own.values())
     later = sum(c.replay_runs for c in costs)
     exits = _exit_stage(setup, n_eval, n_calib, first)
     exit_frontier = _exit_frontier_runs(setup) if exits.passes else 0
@@ -139,9 +139,8 @@ def audit_plan(setup: Prepared, first: Probe) -> AuditPlan:
               (per_layer + proofs) * n_eval * replay_s,
               _cut("per_layer", "AuditOptions(per_layer=False)", "--no-per-layer", "drops"),
               at_most=opts.schedule == "prefix"),
-        Stage("expert ablation", ablation * n_eval, ablation * n_eval * replay_s,
-              _cut("expert_ablation", "AuditOptions(expert_ablation=False)",
-                   "--no-expert-ablation", "drops"), at_most=True),
+        *(Stage(stage.name, n * n_eval, n * n_eval * replay_s, _cut(*stage.cut, "drops"),
+                at_most=True) for stage, n in own.items()),
         exits,
         Stage("exit frontier", exit_frontier * n_eval, exit_frontier * n_eval * replay_s,
               _cut("frontier_points", "AuditOptions(frontier_points=2)",

@@ -20,13 +20,10 @@ from torch import nn
 
 from fcaudit._version import __version__
 from fcaudit.core.adapters import adapter_name
-from fcaudit.core.conditions import FRONTIER
 from fcaudit.core.contract import Site
 from fcaudit.core.interventions import StaticProfiles, draw
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, shuffled_axes
-from fcaudit.engine.analyses import Section
-from fcaudit.engine.analyses.expert_importance import ablation_rows
-from fcaudit.engine.analyses.frontier import frontier_runs
+from fcaudit.engine.analyses import ANALYSES, Section
 from fcaudit.engine.analyses.runs import Recorded, analysis_sections, resolve_later
 from fcaudit.engine.budget import AuditPlan
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
@@ -274,15 +271,12 @@ def _settings(m: Measurements, execution: ExecutionSection,
             "calibration_sequences_used_for_static": setup.inputs.n_calib,
             "objective": setup.objective.name,
             "timing_pairs": t.pairs if (t := _timing(execution)) is not None else 0,
-            "expert_ablation": bool(ablation_rows(m.runs)),
-            "frontier": FRONTIER in analyses,
-            "frontier_points": opts.frontier_points if FRONTIER in analyses else None,
             "exit_threshold": opts.exit_threshold if opts.early_exit else None,
             "layer_index": "a site's index within its family",
             # custom conditions in the order given (audit.json sorts its keys)
             **({"interventions": list(summary.custom)} if summary.custom else {}),
-            "expert_ablation_runs": len(ablation_rows(m.runs)),
-            "frontier_runs": len(frontier_runs(m.runs))}
+            **{key: value for a in ANALYSES.values() if a.settings is not None
+               for key, value in a.settings(m, analyses).items()}}
 
 
 def _as_json(value: Any) -> Any:

@@ -40,8 +40,7 @@ from fcaudit.core.interventions import (
     RandomDraw,
     StaticProfiles,
 )
-from fcaudit.engine.analyses.base import Target
-from fcaudit.engine.analyses.expert_importance import ablation_rows
+from fcaudit.engine.analyses.base import Target, picking_rows
 from fcaudit.engine.cache import CoefficientCache, ReplayShard
 from fcaudit.engine.exits import ExitPoint, exit_feed
 from fcaudit.engine.options import AuditOptions
@@ -323,14 +322,14 @@ def first_difference(runs: Sequence[Run], index: Sequence[int], cached: Tensors,
     if not same_bits(loads, R.route_loads(fresh)):
         return 0, "expert loads of the correct replay"
     for key, rows in ((R.ROUTE_CHANGED, rerouting_rows(runs)),
-                      (R.STILL_SELECTED, ablation_rows(runs))):
+                      (R.STILL_SELECTED, picking_rows(runs))):
         if key not in cached:
             continue
         sub_rows = {i: j for j, i in enumerate(r for r in rows if r in index)}
         for k, i in enumerate(rows):
             if i in sub_rows and not same_bits(cached[key][k], fresh[key][sub_rows[i]]):
                 return i, "tokens re-routed" if key == R.ROUTE_CHANGED else \
-                    "picks of the ablated expert"
+                    "picks of what the run removed"
     return None
 
 

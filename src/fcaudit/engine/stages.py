@@ -30,7 +30,7 @@ from fcaudit.core.errors import CacheError, IdentityError, arg
 from fcaudit.core.interventions import COLLECTIONS, StaticProfiles, batch_sums
 from fcaudit.core.nll import device_of
 from fcaudit.core.routers import changed_rows, expert_counts
-from fcaudit.engine.analyses.expert_importance import ExpertAblation, ablation_rows
+from fcaudit.engine.analyses.base import picking_rows
 from fcaudit.engine.analyses.routing import routing_sites
 from fcaudit.engine.cache import (
     CalibrationShard,
@@ -311,7 +311,7 @@ class Kept:
     """Runs of one batch taken from an earlier ``--target-ci`` round's shard of the same
     batch and plan, each only because its digest (token ids, schedule, identity, every fed
     tensor) equals the one this round computes: run index -> its NLL row and digest, its
-    re-routing row (tracked runs) and its ablated expert's picks (ablation runs)."""
+    re-routing row (tracked runs) and its picks of what it removed (counting runs)."""
 
     rows: dict[int, tuple[Tensor, bytes]]
     changed: dict[int, Tensor]
@@ -342,9 +342,8 @@ def _earlier_runs(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run], b:
     tracked = rerouting_rows(runs)
     changed = {i: shard[ReplayShard.ROUTE_CHANGED][j] for j, i in enumerate(tracked)
                if i in rows} if ReplayShard.ROUTE_CHANGED in shard else {}
-    ablated = ablation_rows(runs)
-    still = {i: int(shard[ReplayShard.STILL_SELECTED][j]) for j, i in enumerate(ablated)
-             if i in rows}
+    still = {i: int(shard[ReplayShard.STILL_SELECTED][j])
+             for j, i in enumerate(picking_rows(runs)) if i in rows}
     return Kept(rows, changed, still)
 
 
@@ -426,7 +425,7 @@ class _Passes:
         self.recorded = inputs.cache.batch(b, EvaluationShard.NLL)  # record pass's losses
         self.context = _context(setup, b)
         self.correct_fed: dict[Site, Tensor] = {}
-        self.still_selected: dict[str, int] = {}  # ablation run key -> picks of its expert
+        self.still_selected: dict[str, int] = {}  # counting run key -> its picks
         self.hits: dict[tuple[str, int], Tensor | None] = {}  # run -> correct per example
 
     def replay(self, run: Run, **kw: Any) -> tuple[Replayed, Tensor, bytes]:
@@ -435,12 +434,11 @@ class _Passes:
         fed = {s: t.to(self.x.device) for s, t in fed.items()}
         if run.condition == CORRECT:
             self.correct_fed = fed
-        ablated = run.target if isinstance(run.target, ExpertAblation) else None
+        counts = run.target.counts_picks
         out = self.executor.replay(self.x, fed, objective=self.objective,
-                           **{**kw, "select": kw.get("select") or ablated is not None})
-        if ablated:  # the family's own rule, on the ablated logits: does it still pick it?
-            chosen = out.chosen[ablated.site.name]
-            self.still_selected[run.key] = int((chosen == ablated.expert).sum())
+                                   **{**kw, "select": kw.get("select") or counts})
+        if counts:  # the family's own rule, on what was fed: does it still pick it?
+            self.still_selected[run.key] = run.target.picks(out.chosen)
         nll = self.objective.units(out.output, self.x).cpu()
         where = f"replay under {run.key}, batch {self.b}"
         check_units(nll, self.recorded.shape, self.objective, where)
@@ -492,9 +490,9 @@ def _replay_one_batch(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run]
     if routed:
         shard[ReplayShard.ROUTE_CHANGED] = torch.tensor([changed[i] for i in rerouting_rows(runs)],
                                               dtype=torch.float64)
-    if ablated := ablation_rows(runs):
+    if counting := picking_rows(runs):
         shard[ReplayShard.STILL_SELECTED] = torch.tensor(
-            [passes.still_selected[runs[i].key] for i in ablated], dtype=torch.int64)
+            [passes.still_selected[runs[i].key] for i in counting], dtype=torch.int64)
     rows = [done[i] for i in range(len(runs))]
     if passes.objective.accuracy:
         shard[ReplayShard.HITS] = torch.stack([passes.hits[r.key, r.repeat] for r in runs])

@@ -15,6 +15,15 @@ if TYPE_CHECKING:  # reading an audit.json loads no torch
 Section = Any  # an instance of the analysis's section_type, else plain JSON types
 
 
+@dataclass(frozen=True)
+class RunStage:
+    """Where the audit's plan counts an analysis's own runs before the work: the stage's
+    ``name``, and the option that drops it (``cut``: its field, as Python, as a flag)."""
+
+    name: str
+    cut: tuple[str, str, str]
+
+
 class Target:
     """What a run intervenes on (:mod:`fcaudit.engine.plan` has the audit's own: every
     site, one site, a frontier point, the user's function; an analysis may plan its own,
@@ -24,7 +33,11 @@ class Target:
     :class:`Analysis`, so that reading an audit.json loads no torch)."""
 
     counts_rerouting = False  # its re-routing rows are kept in the replay shard
+    # the replay shard keeps, per batch, the token-slots whose routing still picked what
+    # the run removed (:meth:`picks`)
+    counts_picks = False
     condition = ""  # an analysis's own target: the condition its runs are named by
+    stage: RunStage | None = None  # None: counted with the main conditions' replays
 
     @property
     def only_site(self) -> Site | None:
@@ -43,6 +56,16 @@ class Target:
              correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
         """The tensors fed where they differ from the recorded (``correct``) ones."""
         raise NotImplementedError
+
+    def picks(self, chosen: Mapping[str, Tensor]) -> int:
+        """Of a target that :attr:`counts_picks`: the token-slots whose routing rule still
+        picked what the run removed (``chosen``: each router's selections in the run)."""
+        raise NotImplementedError
+
+
+def picking_rows(runs: Sequence[Any]) -> list[int]:
+    """Plan indices of the runs whose picks the replay shard counts, in row order."""
+    return [i for i, r in enumerate(runs) if r.target.counts_picks]
 
 
 class Later:
@@ -99,8 +122,10 @@ class Analysis:
     and checks before the model loads, its refusals coming before any audit work; the
     :class:`~fcaudit.engine.options.Prepared` audit holds it as ``before[name]``),
     ``rows`` (its section -> the rows of ``AuditResult.to_frame(name)``) and ``compared``
-    (its metrics are rows of ``fcaudit compare``). Typed loosely here so that the result
-    and the report can read this module without the engine's passes."""
+    (its metrics are rows of ``fcaudit compare``) and ``settings`` (the measured audit and
+    every section -> its keys of ``audit.json``'s ``settings``, given whether or not it
+    ran). Typed loosely here so that the result and the report can read this module
+    without the engine's passes."""
 
     name: str
     plan: Callable[[Any, Any], Sequence[Intervention | Target | Later]]
@@ -113,6 +138,7 @@ class Analysis:
         default=_no_intervals)
     rows: Callable[[Section], list[dict[str, Any]]] | None = None
     compared: bool = False
+    settings: Callable[[Any, Mapping[str, Section]], Mapping[str, Any]] | None = None
 
     def run_key(self, intervention: str) -> str:
         """The run key of this analysis's intervention named ``intervention``."""

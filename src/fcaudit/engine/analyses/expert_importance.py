@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from fcaudit.core.conditions import EXPERT_ABLATION
 from fcaudit.core.contract import RoutingAdapter, Site
 from fcaudit.core.errors import ModelError, arg
-from fcaudit.engine.analyses.base import Analysis, Target
+from fcaudit.engine.analyses.base import Analysis, RunStage, Target, picking_rows
 from fcaudit.engine.result_parts import ExpertImportance, ImportanceSummary, LayerImportance
 
 if TYPE_CHECKING:
@@ -29,6 +29,9 @@ class ExpertAblation(Target):
     site: Site
     expert: int
     condition = EXPERT_ABLATION
+    counts_picks = True  # does the family's own rule still pick it, on the ablated logits?
+    stage = RunStage("expert ablation", ("expert_ablation", "AuditOptions(expert_ablation=False)",
+                                         "--no-expert-ablation"))
 
     @property
     def only_site(self) -> Site | None:
@@ -44,6 +47,9 @@ class ExpertAblation(Target):
              correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
         from fcaudit.core.routers import ablate_expert  # torch: not on reading an audit.json
         return {self.site: ablate_expert(correct[self.site], self.expert)}
+
+    def picks(self, chosen: Mapping[str, Tensor]) -> int:
+        return int((chosen[self.site.name] == self.expert).sum())
 
 
 def ablation_experts(sites: Sequence[Site], options: Any,
@@ -74,8 +80,7 @@ def plan(setup: Any, first: Any) -> list[ExpertAblation]:
 
 
 def ablation_rows(runs: Sequence[Any]) -> list[int]:
-    """Plan indices of the expert-ablation runs: the rows of the replay shard's count of
-    the ablated experts' picks, in order."""
+    """Plan indices of the expert-ablation runs, in order."""
     return [i for i, r in enumerate(runs) if isinstance(r.target, ExpertAblation)]
 
 
@@ -84,16 +89,18 @@ def summarise(measured: Any, analysis: Analysis) -> dict[str, ImportanceSummary]
     with a paired interval, its load, and the token-slots that still chose it (the replays
     count them, one per ablation run in plan order); an expert still chosen gets none."""
     from fcaudit.core.routers import ABLATION_MARGIN  # torch: not on reading an audit.json
-    ablated = [measured.runs[i].target for i in ablation_rows(measured.runs)]
+    ablated = ablation_rows(measured.runs)
     if not ablated:
         return None
     still = measured.replays.still_selected
     assert still is not None  # every replay shard of an audit with ablations counts them
+    picked = dict(zip(picking_rows(measured.runs), still.tolist(), strict=True))
     per_site: dict[Site, list[ExpertImportance]] = {}
-    for j, target in enumerate(ablated):
+    for i in ablated:
+        target = measured.runs[i].target
         counts = measured.replays.route_load[target.site.name].double()
         share = float(counts[target.expert] / max(float(counts.sum()), 1.0))
-        picks = int(still[j])
+        picks = int(picked[i])
         if picks:
             item = ExpertImportance(target.expert, None, None, share, picks, reason=(
                 f"the routing rule still picked it for {picks} token-slots with its logit at "
@@ -118,5 +125,11 @@ def summarise(measured: Any, analysis: Analysis) -> dict[str, ImportanceSummary]
     return out
 
 
+def settings(measured: Any, sections: Mapping[str, Any]) -> dict[str, Any]:
+    """Whether experts were ablated, and in how many runs (audit.json's ``settings``)."""
+    runs = len(ablation_rows(measured.runs))
+    return {"expert_ablation": bool(runs), "expert_ablation_runs": runs}
+
+
 ANALYSIS = Analysis("expert_importance", plan=plan, summarise=summarise,
-                    section_type=dict[str, ImportanceSummary])
+                    section_type=dict[str, ImportanceSummary], settings=settings)

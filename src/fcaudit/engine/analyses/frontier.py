@@ -140,5 +140,14 @@ def summarise(measured: Any, analysis: Analysis) -> dict[str, FrontierFamily] | 
         setup.data.eval_ids.size, measured.execution, measured.boot)
 
 
+def settings(measured: Any, sections: Mapping[str, Any]) -> dict[str, Any]:
+    """Whether the frontier ran, at how many points, in how many runs (audit.json's
+    ``settings``)."""
+    ran = FRONTIER in sections
+    return {"frontier": ran,
+            "frontier_points": measured.setup.options.frontier_points if ran else None,
+            "frontier_runs": len(frontier_runs(measured.runs))}
+
+
 ANALYSIS = Analysis(FRONTIER, plan=plan, summarise=summarise,
-                    section_type=dict[str, FrontierFamily])
+                    section_type=dict[str, FrontierFamily], settings=settings)

@@ -284,6 +284,15 @@ def test_an_audit_scores_the_tasks_beside_its_nll_answers(audits, tmp_path) -> N
     back = fcaudit.AuditResult.read(tmp_path / "a" / "audit.json")
     section = back.analyses["tasks"]
     assert section == result.analyses["tasks"]
+    # said in the plan before the work: at most a record and a replay per request and
+    # condition: 30 questions (the limit) of two choices, 6 texts of 24 words (one window
+    # each: the toy states no context), one position per choice, 23 per text
+    stage = result.runtime.plan["stages"]["benchmark task requests"]
+    scored = len(section.conditions)
+    assert stage["passes"] == 2 * (30 * 2 + 6) * scored and stage["at_most"] is True
+    assert stage["estimated_s"] > 0
+    assert sum(n for t in section.tasks.values() for n in t.requests.values()) <= \
+        (30 * 2 + 6) * scored
     alone = _evaluate(audits, "content", ["toy_successor", "toy_text"])
     acc = section.tasks["toy_successor"].metrics["acc"]
     assert acc.values["correct"].value == 1.0 and section.tasks["toy_successor"].examples == 30

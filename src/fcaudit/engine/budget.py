@@ -195,7 +195,11 @@ def _exit_frontier_runs(setup: Prepared) -> int:
 
 def _later_stages(cost: Cost, n_eval: int, first: Probe) -> list[Stage]:
     """An analysis's work placed once the audit is recorded: its record-like passes, and
-    at most its replays of every evaluation batch."""
+    at most its replays of every evaluation batch; or the passes it makes on inputs of its
+    own, at its own estimate."""
+    passes, seconds = cost.own
+    if passes:
+        return [Stage(cost.name, passes, seconds, _cut(*cost.cut), at_most=True)]
     runs = cost.replay_runs * n_eval
     return [Stage(f"{cost.name} references", cost.record_passes,
                   cost.record_passes * _warm(first)),

@@ -226,23 +226,32 @@ def split_request(tokenizer: Any, context: str, continuation: str) -> tuple[list
 
 
 def check_requests(loaded: Any, tokenizer: Any, context: int | None, limit: int | None,
-                   flag: str = "tasks", owner: str = "") -> None:
+                   flag: str = "tasks", owner: str = "") -> tuple[int, list[int]]:
     """Build every task's requests (as the harness will) and refuse, before any scoring, a
     request the tokenizer leaves empty or that exceeds the model's context (rolling
-    requests are read in windows of it: they always fit)."""
+    requests are read in windows of it: they always fit). Returns the windows one
+    condition scores (a request each, a rolling request's windows) and the token ids of
+    the longest (what a pass costs at most)."""
+    windows, longest = 0, []
     for name, task in loaded["tasks"].items():
         with _no_bars():
             task.build_all_requests(limit=limit, rank=0, world_size=1)
         for instance in task.instances:
             if instance.request_type != "loglikelihood":
+                ids = encode(tokenizer, instance.args[0])
+                size = context or max(len(ids) - 1, 1)
+                windows += -(-max(len(ids) - 1, 0) // size)
+                longest = max(longest, ids[:size + 1], key=len)
                 continue
             whole, _ = split_request(tokenizer, *instance.args)
+            windows, longest = windows + 1, max(longest, whole, key=len)
             if context is not None and len(whole) - 1 > context:
                 raise DataError(f"{arg(flag, name, owner=owner)}: a request of {len(whole)} "
                                 f"tokens reads {len(whole) - 1} positions, beyond the model's "
                                 f"context of {context} (fcaudit does not cut a request's "
                                 "context): choose tasks whose requests fit, or a model with a "
                                 "longer context")
+    return windows, longest
 
 
 def donors(documents: Sequence[tuple[Any, Any]], rng: np.random.Generator

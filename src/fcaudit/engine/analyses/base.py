@@ -90,13 +90,35 @@ class Cost:
     """A :class:`Later`'s work, named in the plan ``<name> references`` (record-like
     passes) and ``<name> points`` (replays of every evaluation batch, at most): the sites
     whose whole calibration coefficients it stores (the cache's size) and the option that
-    shrinks it (as Python, as a flag)."""
+    shrinks it (as Python, as a flag). ``own``: passes it makes itself on inputs of its own
+    (not the audit's batches) and their seconds, the plan's stage ``<name>``, at most."""
 
     name: str
     record_passes: int
     replay_runs: int
     stored_sites: tuple[str, ...]
     cut: tuple[str, str, str]
+    own: tuple[int, float] = (0, 0.0)
+
+
+@dataclass(frozen=True)
+class Work(Later):
+    """Forward passes an analysis makes itself on inputs of its own as it summarises (the
+    benchmark tasks' requests), returned by its ``plan`` so that the plan says them before
+    the work: at most ``passes`` passes taking at most ``seconds`` (the analysis's own
+    estimate: it knows what one of its passes reads); ``cut``: the option that shrinks
+    them (its field, as Python, as a flag)."""
+
+    name: str
+    passes: int
+    seconds: float
+    cut: tuple[str, str, str]
+
+    def resolve(self, recorded: Any) -> tuple[Any, Sequence[Target]]:
+        return None, ()
+
+    def cost(self, setup: Any, first: Any, n_eval: int, n_calib: int) -> Cost:
+        return Cost(self.name, 0, 0, (), self.cut, (self.passes, self.seconds))
 
 
 def _no_metrics(section: Section) -> Mapping[str, float | None]:

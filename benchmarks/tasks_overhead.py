@@ -3,11 +3,11 @@ run of the same model, side by side in one run (docs/tasks.md).
 
 A tiny Mixtral folder (random weights, routers spread; a word-level tokenizer) is audited
 on random token ids, then a local multiple-choice task (DOCS questions, 4 choices each)
-is scored three ways on the same loaded task: lm-evaluation-harness's own Hugging Face
-model (``HFLM``, batch size 1), and fcaudit's model class under ``original`` (one record
-pass a request) and under ``correct`` (a record and an identity replay a request). The
-ratios say what the wrapper costs; the accuracies, that all three read the same
-requests. Writes docs/results/tasks_overhead.json (``--json`` elsewhere).
+is scored four ways on the same loaded task: lm-evaluation-harness's own Hugging Face
+model (``HFLM``, batch sizes 1 and 32), and fcaudit's model class under ``original`` (a
+record pass per batch of requests of one token length) and under ``correct`` (a record
+and an identity replay per batch). The ratios say what the wrapper costs; the
+accuracies, that all read the same requests. Writes docs/results/tasks_overhead.json (``--json`` elsewhere).
 
     python benchmarks/tasks_overhead.py [--docs N]
 """
@@ -93,17 +93,25 @@ def main() -> None:
         done = evaluate_tasks(root / "audit", ["bench_choice"], data=data, tokenizer=tok,
                               include_path=tasks)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-        plain = HFLM(pretrained=model, tokenizer=transformers.PreTrainedTokenizerFast(
-            tokenizer_object=tok, eos_token="w0"), batch_size=1)
-        loaded = load_tasks(["bench_choice"], tasks, 0)
-        started = time.perf_counter()
-        out = lm_eval.evaluator.evaluate(lm=plain, task_dict=loaded, log_samples=False,
-                                         bootstrap_iters=0, verbosity="ERROR")
-        plain_s = time.perf_counter() - started
+        plain = {}
+        for batch in (1, 32):
+            lm = HFLM(pretrained=model, tokenizer=transformers.PreTrainedTokenizerFast(
+                tokenizer_object=tok, eos_token="w0"), batch_size=batch)
+            loaded = load_tasks(["bench_choice"], tasks, 0)
+            started = time.perf_counter()
+            out = lm_eval.evaluator.evaluate(lm=lm, task_dict=loaded, log_samples=False,
+                                             bootstrap_iters=0, verbosity="ERROR")
+            plain[batch] = (time.perf_counter() - started,
+                            out["results"]["bench_choice"]["acc,none"])
     requests = done.tasks["bench_choice"].requests[CORRECT]
     acc = done.tasks["bench_choice"].metrics["acc"].values
+    plain_s = plain[1][0]
     rows = {"plain_lm_eval": {"seconds": plain_s, "requests_per_s": requests / plain_s,
-                              "accuracy": out["results"]["bench_choice"]["acc,none"]}}
+                              "accuracy": plain[1][1]},
+            "plain_lm_eval_32": {"seconds": plain[32][0],
+                                 "requests_per_s": requests / plain[32][0],
+                                 "accuracy": plain[32][1],
+                                 "time_over_plain": plain[32][0] / plain_s}}
     for condition in (ORIGINAL, CORRECT):
         seconds = done.wall_s[condition]
         rows[condition] = {"seconds": seconds, "requests_per_s": requests / seconds,

@@ -1270,8 +1270,9 @@ def tasks_overhead(r: Results) -> str:
     d = r.json(bench("tasks_overhead"))
     res = d["results"]
     names = {"plain_lm_eval": "lm-evaluation-harness's own model (HFLM, batch size 1)",
-             "original": "fcaudit, `original` (a record pass a request)",
-             "correct": "fcaudit, `correct` (a record and an identity replay a request)"}
+             "plain_lm_eval_32": "lm-evaluation-harness's own model (HFLM, batch size 32)",
+             "original": "fcaudit, `original` (a record pass per batch of one token length)",
+             "correct": "fcaudit, `correct` (a record and an identity replay per batch)"}
     rows = [(names[k], f"{v['requests_per_s']:,.1f}", f"{v['accuracy']:.3f}",
              f"{v['time_over_plain']:.2f}" if "time_over_plain" in v else "1")
             for k, v in res["runs"].items()]

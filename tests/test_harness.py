@@ -284,15 +284,19 @@ def test_an_audit_scores_the_tasks_beside_its_nll_answers(audits, tmp_path) -> N
     back = fcaudit.AuditResult.read(tmp_path / "a" / "audit.json")
     section = back.analyses["tasks"]
     assert section == result.analyses["tasks"]
-    # said in the plan before the work: at most a record and a replay per request and
-    # condition: 30 questions (the limit) of two choices, 6 texts of 24 words (one window
-    # each: the toy states no context), one position per choice, 23 per text
+    # said in the plan before the work: at most a record and a replay per pass and
+    # condition: the 60 requests of 30 questions (the limit) of two choices read one
+    # position each, in batches of the audit's positions (its batch of 16-token windows),
+    # and the 6 texts of 24 words one window each (the toy states no context)
     stage = result.runtime.plan["stages"]["benchmark task requests"]
     scored = len(section.conditions)
-    assert stage["passes"] == 2 * (30 * 2 + 6) * scored and stage["at_most"] is True
+    batches = -(-60 // (OPTIONS.batch_size * 16))
+    assert stage["passes"] == 2 * (batches + 6) * scored and stage["at_most"] is True
     assert stage["estimated_s"] > 0
-    assert sum(n for t in section.tasks.values() for n in t.requests.values()) <= \
-        (30 * 2 + 6) * scored
+    for name, t in section.tasks.items():  # reassign has no donor for a text's windows
+        assert t.requests == {c: 0 if name == "toy_text" and c.startswith("reassign") else
+                              {"toy_successor": 60, "toy_text": 6}[name]
+                              for c in section.conditions}, name
     alone = _evaluate(audits, "content", ["toy_successor", "toy_text"])
     acc = section.tasks["toy_successor"].metrics["acc"]
     assert acc.values["correct"].value == 1.0 and section.tasks["toy_successor"].examples == 30

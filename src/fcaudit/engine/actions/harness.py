@@ -93,6 +93,13 @@ def runnable(condition: str) -> str | None:
     return f"a {entry.kind} condition; fcaudit does not feed it to task requests yet"
 
 
+def pass_positions(setup: Any) -> int:
+    """The positions a scoring pass may read: the audit's own batches' (what its memory
+    was sized for)."""
+    ids = setup.inputs.token_ids
+    return setup.options.batch_size * (int(ids.shape[1]) if ids is not None else 1)
+
+
 class Scorer:
     """Requests scored by the audited model with one condition applied."""
 
@@ -105,6 +112,7 @@ class Scorer:
         self.context = model_limits(setup.model)[1]
         self.scored: dict[str, int] = {}  # requests scored, by task
         self.undonored: dict[str, int] = {}  # reassign: requests without a donor, by task
+        self.positions = pass_positions(setup)
 
     def encode(self, text: str) -> list[int]:
         return encode(self.tokenizer, text)
@@ -112,30 +120,35 @@ class Scorer:
     def _count(self, counts: dict[str, int], task: Any) -> None:
         counts[str(task)] = counts.get(str(task), 0) + 1
 
-    def _inputs(self, ids: list[int]) -> Tensor:
-        if self.context is not None and len(ids) - 1 > self.context:  # check_requests says
-            raise DataError(f"a task request of {len(ids)} tokens reads {len(ids) - 1} "
+    def _inputs(self, rows: Sequence[list[int]]) -> Tensor:
+        """Requests of one token length as a batch ``[B, T - 1]`` (each request's last token
+        is only predicted)."""
+        longest = max(len(ids) for ids in rows)
+        if self.context is not None and longest - 1 > self.context:  # check_requests says
+            raise DataError(f"a task request of {longest} tokens reads {longest - 1} "
                             f"positions, beyond the model's context of {self.context}: "
                             "choose tasks whose requests fit")  # it first, where it runs
-        return torch.tensor([ids[:-1]], device=device_of(self.setup.model))
+        return torch.tensor([ids[:-1] for ids in rows], device=device_of(self.setup.model))
 
     def _shuffled(self, coefficients: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The request's coefficients with their positions permuted, sites with the same
-        number of positions alike (as the audit's shuffle does per sequence)."""
-        return shuffle_by_length(coefficients, lambda length: self.rng.permutation(length)[None])
+        """Each request's coefficients with their positions permuted (one permutation per
+        request, in request order), sites with the same number of positions alike (as the
+        audit's shuffle does per sequence)."""
+        rows = int(next(iter(coefficients.values())).shape[0])
+        return shuffle_by_length(coefficients, lambda length: np.stack(
+            [self.rng.permutation(length) for _ in range(rows)]))
 
-    def logprobs(self, ids: list[int], donor: dict[str, Tensor] | None = None) -> Tensor:
-        """Log-probabilities ``[T - 1, V]`` of the model on ``ids`` under the condition
-        (``donor``: reassign's, another request's recorded coefficients)."""
-        x = self._inputs(ids)
+    def logits(self, x: Tensor, donor: dict[str, Tensor] | None = None) -> Tensor:
+        """The model's logits ``[B, T, V]`` on ``x`` under the condition (``donor``:
+        reassign's, other requests' recorded coefficients, a row each)."""
         if donor is not None:  # nothing of its own is read: no record pass
             if self.condition == REASSIGN_SHUFFLE:
                 donor = self._shuffled(donor)
             replayed = self.setup.executor.replay(x, {s: donor[s.name] for s in self.setup.sites})
-            return torch.log_softmax(logits_of(replayed.logits)[0].double(), -1)
+            return logits_of(replayed.logits)
         logits, coefficients, _ = self.setup.executor.record(x, None)
         if self.condition == ORIGINAL:
-            return torch.log_softmax(logits_of(logits)[0].double(), -1)
+            return logits_of(logits)
         if self.condition == SHUFFLE:
             coefficients = self._shuffled(coefficients)
         fed = {s: coefficients[s.name] if self.condition in (CORRECT, SHUFFLE) else
@@ -146,39 +159,59 @@ class Scorer:
             raise IdentityError("identity replay is not exact on a task request: the replay "
                                 "with its recorded coefficients does not give the recorded "
                                 "logits bit for bit, so no condition can be scored on it")
-        return torch.log_softmax(replayed[0].double(), -1)
+        return replayed
 
-    def continuation(self, whole: list[int], head: int,
-                     donor: dict[str, Tensor] | None = None) -> tuple[float, bool]:
-        """log P(continuation | context) and whether it is the greedy one."""
-        lp = self.logprobs(whole, donor)[head - 1:]
+    @staticmethod
+    def continuation(logits: Tensor, whole: list[int], head: int) -> tuple[float, bool]:
+        """log P(continuation | context) from one request's logits ``[T - 1, V]``, and
+        whether it is the greedy one."""
+        lp = torch.log_softmax(logits[head - 1:].double(), -1)
         want = torch.tensor(whole[head:], device=lp.device)
         return float(lp.gather(-1, want[:, None]).sum()), bool(lp.argmax(-1).eq(want).all())
 
     def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
-        """Every request's score; under reassign each is fed the coefficients of a request
-        of the same token length from another document (:func:`donors`)."""
+        """Every request's score, requests of one token length scored together (as many a
+        pass as fill the audit's own batches' positions); under reassign each is fed the
+        coefficients of a request of the same token length from another document
+        (:func:`donors`)."""
         split = [split_request(self.tokenizer, *r.args) for r in requests]
-        if not self.donated:
-            for r in requests:
-                self._count(self.scored, r.task_name)
-            return [self.continuation(*s) for s in split]
         out: list[tuple[float, bool]] = [(math.nan, False)] * len(split)
         by_length: dict[int, list[int]] = {}
         for i, (whole, _) in enumerate(split):
             by_length.setdefault(len(whole), []).append(i)
         rng = np.random.default_rng(self.seed)
         for members in by_length.values():
-            given = donors([(requests[i].task_name, requests[i].doc_id) for i in members], rng)
-            if given is None:  # no request of another document this long: not scored
+            given = donors([(requests[i].task_name, requests[i].doc_id) for i in members],
+                           rng) if self.donated else None
+            if self.donated and given is None:  # no request of another document this long
                 for i in members:
                     self._count(self.undonored, requests[i].task_name)
                 continue
-            recorded = {i: self.setup.executor.record(self._inputs(split[i][0]), None)[1]
-                        for i in members}
-            for k, i in enumerate(members):
-                self._count(self.scored, requests[i].task_name)
-                out[i] = self.continuation(*split[i], recorded[members[given[k]]])
+            rows = rows_per_pass(self.positions, len(split[members[0]][0]) - 1)
+            starts = range(0, len(members), rows)
+            recorded = self._recorded([members[k:k + rows] for k in starts], split) \
+                if given is not None else {}
+            for k in starts:
+                chunk = members[k:k + rows]
+                donor = None if given is None else {
+                    name: torch.cat([recorded[members[given[j]]][name]
+                                     for j in range(k, k + len(chunk))])
+                    for name in recorded[members[0]]}
+                logits = self.logits(self._inputs([split[i][0] for i in chunk]), donor)
+                for row, i in enumerate(chunk):
+                    self._count(self.scored, requests[i].task_name)
+                    out[i] = self.continuation(logits[row], *split[i])
+        return out
+
+    def _recorded(self, chunks: list[list[int]], split: list[tuple[list[int], int]]
+                  ) -> dict[int, dict[str, Tensor]]:
+        """Each request's recorded coefficients (a row each), recorded a chunk a pass."""
+        out = {}
+        for chunk in chunks:
+            _, coefficients, _ = self.setup.executor.record(
+                self._inputs([split[i][0] for i in chunk]), None)
+            out.update({i: {name: t[row:row + 1] for name, t in coefficients.items()}
+                        for row, i in enumerate(chunk)})
         return out
 
     def rolling(self, text: str, task: str | None = None) -> float:
@@ -193,9 +226,8 @@ class Scorer:
         size, total, start = self.context or len(ids), 0.0, 1
         while start < len(ids):
             stop = min(start + size, len(ids))
-            lp = self.logprobs(ids[start - 1:stop])
-            want = torch.tensor(ids[start:stop], device=lp.device)
-            total += float(lp.gather(-1, want[:, None]).sum())
+            window = ids[start - 1:stop]
+            total += self.continuation(self.logits(self._inputs([window]))[0], window, 1)[0]
             start = stop
         return total
 
@@ -226,33 +258,46 @@ def split_request(tokenizer: Any, context: str, continuation: str) -> tuple[list
 
 
 def check_requests(loaded: Any, tokenizer: Any, context: int | None, limit: int | None,
-                   flag: str = "tasks", owner: str = "") -> tuple[int, list[int]]:
+                   flag: str = "tasks", owner: str = "") -> tuple[list[int], list[int]]:
     """Build every task's requests (as the harness will) and refuse, before any scoring, a
     request the tokenizer leaves empty or that exceeds the model's context (rolling
-    requests are read in windows of it: they always fit). Returns the windows one
-    condition scores (a request each, a rolling request's windows) and the token ids of
-    the longest (what a pass costs at most)."""
-    windows, longest = 0, []
+    requests are read in windows of it: they always fit). Returns the positions each
+    request reads (scored in batches of one length) and each rolling window reads (a
+    pass each)."""
+    requests, windows = [], []
     for name, task in loaded["tasks"].items():
         with _no_bars():
             task.build_all_requests(limit=limit, rank=0, world_size=1)
         for instance in task.instances:
             if instance.request_type != "loglikelihood":
-                ids = encode(tokenizer, instance.args[0])
-                size = context or max(len(ids) - 1, 1)
-                windows += -(-max(len(ids) - 1, 0) // size)
-                longest = max(longest, ids[:size + 1], key=len)
+                read = len(encode(tokenizer, instance.args[0])) - 1
+                size = context or max(read, 1)
+                windows += [min(size, read - k) for k in range(0, read, size)]
                 continue
             whole, _ = split_request(tokenizer, *instance.args)
-            windows, longest = windows + 1, max(longest, whole, key=len)
+            requests.append(len(whole) - 1)
             if context is not None and len(whole) - 1 > context:
                 raise DataError(f"{arg(flag, name, owner=owner)}: a request of {len(whole)} "
                                 f"tokens reads {len(whole) - 1} positions, beyond the model's "
                                 f"context of {context} (fcaudit does not cut a request's "
                                 "context): choose tasks whose requests fit, or a model with a "
                                 "longer context")
-    return windows, longest
+    return requests, windows
 
+
+def rows_per_pass(positions: int, length: int) -> int:
+    """How many requests of ``length`` positions one pass scores, in a pass of at most
+    ``positions`` positions (the audit's own batches')."""
+    return max(1, positions // max(length, 1))
+
+
+def passes_for(requests: Sequence[int], windows: Sequence[int], positions: int) -> int:
+    """The passes one condition's scoring makes, at most one record and one replay each:
+    requests of one length in batches (:func:`rows_per_pass`), a pass per rolling window."""
+    counts: dict[int, int] = {}
+    for n in requests:
+        counts[n] = counts.get(n, 0) + 1
+    return len(windows) + sum(-(-k // rows_per_pass(positions, n)) for n, k in counts.items())
 
 def donors(documents: Sequence[tuple[Any, Any]], rng: np.random.Generator
            ) -> list[int] | None:

@@ -152,9 +152,10 @@ def before(options: Any) -> Any:
 
 def plan(setup: Any, probe: Any) -> list[Any]:
     """No replays of the audit's batches, but the requests' passes, said in the plan (at
-    most a record and a replay of each request's windows under each condition that runs
-    on requests); refuses, before any file, a model with no tokenizer to read the requests
-    with, data that are not token ids and a request longer than the model's context."""
+    most a record and a replay of each batch of requests and each rolling window, under
+    each condition that runs on requests); refuses, before any file, a model with no
+    tokenizer to read the requests with, data that are not token ids and a request longer
+    than the model's context."""
     loaded = setup.before.get(NAME)
     if loaded is None:
         return []
@@ -169,27 +170,36 @@ def plan(setup: Any, probe: Any) -> list[Any]:
                          "Python give a LoadedModel with tokenizer= (a tokenizers.Tokenizer)",
                          option="lm_eval_tasks")
     from fcaudit.core.nll import model_limits
-    from fcaudit.engine.actions.harness import check_requests, runnable
-    windows, longest = check_requests(loaded, setup.loaded.tokenizer,
-                                      model_limits(setup.model)[1],
-                                      setup.options.lm_eval_limit, "lm_eval_tasks",
-                                      "AuditOptions")
+    from fcaudit.engine.actions.harness import (
+        check_requests,
+        pass_positions,
+        passes_for,
+        rows_per_pass,
+        runnable,
+    )
+    requests, windows = check_requests(loaded, setup.loaded.tokenizer,
+                                       model_limits(setup.model)[1],
+                                       setup.options.lm_eval_limit, "lm_eval_tasks",
+                                       "AuditOptions")
     scored = sum(runnable(c) is None for c in audited(setup.conditions)
                  if c not in setup.not_applicable)
-    passes = 2 * windows * scored
-    return [Work("benchmark task requests", passes, passes * _pass_seconds(setup, longest),
+    positions = pass_positions(setup)
+    passes = 2 * passes_for(requests, windows, positions) * scored
+    longest = max([*requests, *windows], default=1)
+    shape = (rows_per_pass(positions, longest), longest)
+    return [Work("benchmark task requests", passes, passes * _pass_seconds(setup, shape),
                  ("lm_eval_limit", "AuditOptions(lm_eval_limit=N)", "--lm-eval-limit N"))]
 
 
-def _pass_seconds(setup: Any, ids: list[int]) -> float:
-    """One pass on the longest request, timed (the second of two: the first may carry
-    one-time costs): what the plan prices each request's pass at, at most."""
+def _pass_seconds(setup: Any, shape: tuple[int, int]) -> float:
+    """One pass of the fullest batch of the longest requests, timed (the second of two:
+    the first may carry one-time costs): what the plan prices each pass at."""
     import time
 
     import torch
 
     from fcaudit.core.nll import device_of
-    x = torch.tensor([ids[:-1]], device=device_of(setup.model))
+    x = torch.zeros(shape, dtype=torch.long, device=device_of(setup.model))
     seconds = []
     for _ in range(2):
         started = time.perf_counter()

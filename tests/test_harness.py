@@ -250,6 +250,13 @@ def test_the_command_line_prints_each_condition_and_refuses_what_it_cannot_run(
     for condition, value in scores["metrics"]["acc"]["values"].items():
         lo, hi = value["ci95"]
         assert f"| {condition} | {value['value']:.4f} [{lo:.4f}, {hi:.4f}] |" in res.stdout
+    # a group stands for its tasks, each scored as when named alone
+    group = run_inprocess([*argv, "--tasks", "toy_group", "--limit", "10", "--json",
+                           str(tmp_path / "group.json")], capsys)
+    assert group.returncode == 0, group.stderr
+    grouped = json.loads((tmp_path / "group.json").read_text())["tasks"]
+    assert set(grouped) == {"toy_successor", "toy_text"}
+    assert grouped["toy_successor"] == scores
     gen = audits["tasks"] / "gen.yaml"
     gen.write_text(f"task: toy_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
                    f"    test: {audits['tasks'] / 'mc.jsonl'}\ntest_split: test\n"
@@ -257,8 +264,6 @@ def test_the_command_line_prints_each_condition_and_refuses_what_it_cannot_run(
                    "metric_list:\n  - metric: exact_match\n")
     for task, said in (("toy_gen", "--tasks toy_gen is a generate_until task"),
                        ("nope", "--tasks nope: lm-evaluation-harness knows no such task"),
-                       ("toy_group", "--tasks toy_group is a group of tasks: give its tasks "
-                                     "by name (toy_successor, toy_text)"),
                        ("piqa", "could not load piqa offline")):  # its data: on the hub
         bad = run_inprocess([*argv, "--tasks", task], capsys)
         assert bad.returncode == 2 and said in bad.stderr, bad.stderr

@@ -293,8 +293,9 @@ class AuditOptions:
     lm_eval_tasks: tuple[str, ...] = option(
         (), "tasks", "lm-evaluation-harness tasks to score under each condition once the "
         "audit is measured, comma-separated: the harness's own task names, or those whose "
-        f"YAML lies under {arg('lm_eval_include_path')} (log-likelihood, multiple-choice and "
-        "rolling log-likelihood tasks; their data read offline, never downloaded)",
+        f"YAML lies under {arg('lm_eval_include_path')}; a group stands for its tasks "
+        "(log-likelihood, multiple-choice and rolling log-likelihood tasks; their data read "
+        "offline, never downloaded)",
         kind="names", metavar="TASK[,TASK...]")
     lm_eval_include_path: str | Path | None = option(
         None, "tasks", "a folder of task YAMLs with local data (lm-evaluation-harness's "

@@ -385,8 +385,9 @@ def load_tasks(tasks: Sequence[str], include_path: str | Path | None, seed: int,
                flags: tuple[str, str] = ("tasks", "include_path"), owner: str = "") -> Any:
     """The harness's tasks, loaded once (their data read offline) and checked before any
     audit work: names it knows, log-likelihood kinds, no few-shot examples unless the
-    task sets them. ``flags``: the caller's names of the two options (``owner``: the
-    object they are fields of), for messages."""
+    task sets them. A group (``mmlu``) stands for its tasks, each scored on its own.
+    ``flags``: the caller's names of the two options (``owner``: the object they are
+    fields of), for messages."""
     names, folder = flags
     from lm_eval.tasks import TaskManager
     manager = None
@@ -408,12 +409,6 @@ def load_tasks(tasks: Sequence[str], include_path: str | Path | None, seed: int,
         raise DataError(f"lm-evaluation-harness could not load {', '.join(tasks)} offline "
                         f"({type(exc).__name__}: {str(exc)[:200]}): give tasks whose data "
                         "lie in a local folder or in the datasets cache") from exc
-    for name in tasks:  # a group's numbers are its tasks': scored by their own names
-        if name not in loaded["tasks"]:
-            within = loaded["group_map"].get(name) or sorted(loaded["tasks"])
-            raise UsageError(f"{arg(names, name, owner=owner)} is a group of tasks: give its "
-                             f"tasks by name ({', '.join(map(str, within))[:300]})",
-                             option=names)
     for name, task in loaded["tasks"].items():
         kind = task.get_config("output_type")
         if kind not in ("loglikelihood", "multiple_choice", "loglikelihood_rolling"):
@@ -427,11 +422,12 @@ def load_tasks(tasks: Sequence[str], include_path: str | Path | None, seed: int,
 
 
 def score_tasks(setup: Any, profiles: StaticProfiles, tokenizer: Any, loaded: Any,
-                tasks: Sequence[str], conditions: Sequence[str], limit: int | None,
-                seed: int, say: Progress) -> tuple[TasksSection, dict[str, Any]]:
-    """The ``loaded`` tasks (:func:`load_tasks`) scored with the prepared audit's model
-    under each of ``conditions`` that runs on task requests (``profiles``: the audit's
-    calibration profiles), and lm-eval's per-sample logs by condition."""
+                conditions: Sequence[str], limit: int | None, seed: int, say: Progress
+                ) -> tuple[TasksSection, dict[str, Any]]:
+    """The ``loaded`` tasks (:func:`load_tasks`; a group's, each on its own) scored with
+    the prepared audit's model under each of ``conditions`` that runs on task requests
+    (``profiles``: the audit's calibration profiles), and lm-eval's per-sample logs by
+    condition."""
     import lm_eval.evaluator
     run = [c for c in conditions if runnable(c) is None]
     skipped = {c: str(runnable(c)) for c in conditions if runnable(c) is not None}
@@ -449,8 +445,8 @@ def score_tasks(setup: Any, profiles: StaticProfiles, tokenizer: Any, loaded: An
         undonored.update({(condition, t): n for t, n in scorer.undonored.items()})
         say("tasks: conditions", i, len(run))
     section = TasksSection(run, skipped, {
-        t: _task_scores(t, loaded["tasks"][t].aggregation(), outputs, counts, undonored,
-                        seed) for t in tasks}, walls,
+        str(t): _task_scores(str(t), task.aggregation(), outputs, counts, undonored, seed)
+        for t, task in loaded["tasks"].items()}, walls,
         _version())
     return section, {c: o["samples"] for c, o in outputs.items()}
 

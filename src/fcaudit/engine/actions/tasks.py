@@ -82,8 +82,8 @@ def evaluate_tasks(audit: str | Path, tasks: Sequence[str], *, model: Any = None
     with _reopened_for_tasks(audit, model, data, tokenizer, say) as (setup, tok, profiles,
                                                                      conditions):
         check_requests(loaded, tok, model_limits(setup.model)[1], limit)
-        section, samples = score_tasks(setup, profiles, tok, loaded, tasks, conditions,
-                                       limit, seed, say)
+        section, samples = score_tasks(setup, profiles, tok, loaded, conditions, limit,
+                                       seed, say)
     return TasksResult(**{f.name: getattr(section, f.name) for f in fields(TasksSection)},
                        audit=str(audit), samples=samples)
 

@@ -216,9 +216,8 @@ def summarise(measured: Any, analysis: Analysis) -> TasksSection | None:
     from fcaudit.engine.actions.harness import score_tasks
     conditions = [c for c in audited(setup.conditions) if c not in setup.not_applicable]
     section, _ = score_tasks(setup, measured.profiles, setup.loaded.tokenizer, loaded,
-                             setup.options.lm_eval_tasks, conditions,
-                             limit=setup.options.lm_eval_limit, seed=setup.options.seed,
-                             say=measured.say)
+                             conditions, limit=setup.options.lm_eval_limit,
+                             seed=setup.options.seed, say=measured.say)
     return section
 
 

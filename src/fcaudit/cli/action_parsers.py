@@ -118,7 +118,7 @@ def add_tasks(sub: Any) -> None:
         "fcaudit tasks --audit audits/featuregate --tasks my_cloze --include-path my_tasks/")
     t.add_argument("--tasks", required=True, metavar="TASK[,TASK...]",
                    help="lm-evaluation-harness task names (its own, or those --include-path "
-                        "defines)")
+                        "defines; a group stands for its tasks)")
     t.add_argument("--include-path", type=user_file, default=None, metavar="DIR",
                    help="a folder of task YAML files (lm-eval's --include_path)")
     t.add_argument("--limit", type=int, default=None, metavar="N",

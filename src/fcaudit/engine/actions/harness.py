@@ -37,6 +37,7 @@ import io
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -292,12 +293,11 @@ def rows_per_pass(positions: int, length: int) -> int:
 
 
 def passes_for(requests: Sequence[int], windows: Sequence[int], positions: int) -> int:
-    """The passes one condition's scoring makes, at most one record and one replay each:
-    requests of one length in batches (:func:`rows_per_pass`), a pass per rolling window."""
-    counts: dict[int, int] = {}
-    for n in requests:
-        counts[n] = counts.get(n, 0) + 1
-    return len(windows) + sum(-(-k // rows_per_pass(positions, n)) for n, k in counts.items())
+    """The batches one condition scores (each at most a record and a replay pass): the
+    requests of one length in batches (:func:`rows_per_pass`), each rolling window alone."""
+    return len(windows) + sum(-(-k // rows_per_pass(positions, n))
+                              for n, k in Counter(requests).items())
+
 
 def donors(documents: Sequence[tuple[Any, Any]], rng: np.random.Generator
            ) -> list[int] | None:

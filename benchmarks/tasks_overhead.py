@@ -7,7 +7,8 @@ is scored four ways on the same loaded task: lm-evaluation-harness's own Hugging
 model (``HFLM``, batch sizes 1 and 32), and fcaudit's model class under ``original`` (a
 record pass per batch of requests of one token length) and under ``correct`` (a record
 and an identity replay per batch). The ratios say what the wrapper costs; the
-accuracies, that all read the same requests. Writes docs/results/tasks_overhead.json (``--json`` elsewhere).
+accuracies, that all read the same requests. Writes docs/results/tasks_overhead.json
+(``--json`` elsewhere).
 
     python benchmarks/tasks_overhead.py [--docs N]
 """

@@ -394,3 +394,28 @@ def test_the_harness_s_own_entry_point_scores_as_fcaudit_does(audits) -> None:
         with pytest.raises(fcaudit.UsageError, match=said), fcaudit.conditioned_model(
                 folder, condition, model=model, data=data, tokenizer=_tokenizer()):
             pass
+
+
+def test_random_conditions_are_averaged_over_the_audit_s_repeats(audits, tmp_path) -> None:
+    """An audit of two repeats scores reassign and shuffle twice (seeds s and s + 1) and
+    averages each example's item: its accuracy is the mean of the two one-draw accuracies
+    that audits of one repeat give with seeds 0 and 1."""
+    import dataclasses
+
+    from fcaudit.engine.actions.tasks import evaluate_tasks
+    folder, model, data = audits["content"]
+    fcaudit.audit(model, tmp_path / "two", sites=["gates.*"], data=data, report=False,
+                  options=dataclasses.replace(OPTIONS, repeats=2))
+
+    def acc(audit: Path, seed: int) -> dict:
+        done = evaluate_tasks(audit, ["toy_successor"], model=model, data=data,
+                              tokenizer=_tokenizer(), include_path=audits["tasks"], seed=seed)
+        return {c: e.value for c, e in done.tasks["toy_successor"].metrics["acc"].values.items()}
+
+    two, first, second = acc(tmp_path / "two", 0), acc(folder, 0), acc(folder, 1)
+    assert first["reassign"] != second["reassign"]  # the draws differ: the mean is a test
+    for condition in ("reassign", "reassign+shuffle"):
+        assert two[condition] == pytest.approx((first[condition] + second[condition]) / 2,
+                                               abs=1e-12), condition
+    for condition in ("correct", "static-layer", "global-mean"):  # one draw: as before
+        assert two[condition] == first[condition], condition

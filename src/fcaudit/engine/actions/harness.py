@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import numbers
 import random
 import time
 from collections import Counter
@@ -92,6 +93,12 @@ def runnable(condition: str) -> str | None:
             "layer", "layer_position", "layer_token", "global_mean"):
         return None
     return f"a {entry.kind} condition; fcaudit does not feed it to task requests yet"
+
+
+def draws(condition: str, repeats: int) -> int:
+    """How many times a condition scores the requests: a random one (reassign, shuffle)
+    once per repeat of the audit (seeds ``seed``, ``seed + 1``, ...), the others once."""
+    return repeats if CONDITIONS[condition].kind == "random" else 1
 
 
 def pass_positions(setup: Any) -> int:
@@ -341,6 +348,22 @@ def _items(samples: list[dict[str, Any]], metric: str) -> list[Any]:
     return [s[metric] for s in sorted(samples, key=lambda s: s["doc_id"])]
 
 
+def _mean_items(draws: list[list[Any]]) -> list[Any]:
+    """Each example's item averaged over the draws: a number, or each number of a tuple
+    (a weighted perplexity's log-likelihood and weight); one draw as it is."""
+    if len(draws) == 1:
+        return draws[0]
+
+    def mean(values: tuple[Any, ...]) -> Any:
+        if all(isinstance(v, numbers.Number) for v in values):  # numpy's scalars too
+            return float(np.mean(values))
+        if all(isinstance(v, (tuple, list)) and len(v) == len(values[0]) for v in values):
+            return type(values[0])(mean(parts) for parts in zip(*values, strict=True))
+        raise DataError(f"a task's per-example items {values[0]!r} cannot be averaged over "
+                        "the audit's repeats: score it with an audit of --repeats 1")
+    return [mean(values) for values in zip(*draws, strict=True)]
+
+
 def _aggregate(aggregate: Callable[[list[Any]], float], items: list[Any], boot: Bootstrap
                ) -> tuple[float, np.ndarray]:
     """The metric over all examples by the task's own aggregation (a mean, a weighted
@@ -426,47 +449,55 @@ def score_tasks(setup: Any, profiles: StaticProfiles, tokenizer: Any, loaded: An
                 ) -> tuple[TasksSection, dict[str, Any]]:
     """The ``loaded`` tasks (:func:`load_tasks`; a group's, each on its own) scored with
     the prepared audit's model under each of ``conditions`` that runs on task requests
-    (``profiles``: the audit's calibration profiles), and lm-eval's per-sample logs by
-    condition."""
+    (``profiles``: the audit's calibration profiles; a random condition once per repeat
+    of the audit, :func:`draws`), and lm-eval's per-sample logs by condition (a random
+    condition's first draw)."""
     import lm_eval.evaluator
     run = [c for c in conditions if runnable(c) is None]
     skipped = {c: str(runnable(c)) for c in conditions if runnable(c) is not None}
-    outputs, walls, counts, undonored = {}, {}, {}, {}
+    outputs: dict[str, list[Any]] = {}
+    walls, counts, undonored = {}, {}, {}
     for i, condition in enumerate(run, start=1):
         started = time.perf_counter()
-        scorer = Scorer(setup, profiles, tokenizer, condition, seed)
-        random.seed(seed)  # the harness's own draws (none for zero-shot tasks)
-        np.random.seed(seed)
-        with _no_bars():
-            outputs[condition] = lm_eval.evaluator.evaluate(
-                lm=conditioned_lm(scorer), task_dict=loaded, limit=limit, log_samples=True,
-                bootstrap_iters=0, verbosity="ERROR")
-        walls[condition], counts[condition] = time.perf_counter() - started, scorer.scored
-        undonored.update({(condition, t): n for t, n in scorer.undonored.items()})
+        for k in range(draws(condition, setup.options.repeats)):
+            scorer = Scorer(setup, profiles, tokenizer, condition, seed + k)
+            random.seed(seed)  # the harness's own draws (none for zero-shot tasks)
+            np.random.seed(seed)
+            with _no_bars():
+                outputs.setdefault(condition, []).append(lm_eval.evaluator.evaluate(
+                    lm=conditioned_lm(scorer), task_dict=loaded, limit=limit,
+                    log_samples=True, bootstrap_iters=0, verbosity="ERROR"))
+            if not k:  # what each draw scores is alike: the requests, the donors' lack
+                counts[condition] = scorer.scored
+                undonored.update({(condition, t): n for t, n in scorer.undonored.items()})
+        walls[condition] = time.perf_counter() - started
         say("tasks: conditions", i, len(run))
     section = TasksSection(run, skipped, {
         str(t): _task_scores(str(t), task.aggregation(), outputs, counts, undonored, seed)
         for t, task in loaded["tasks"].items()}, walls,
         _version())
-    return section, {c: o["samples"] for c, o in outputs.items()}
+    return section, {c: o[0]["samples"] for c, o in outputs.items()}
 
 
 def _task_scores(task: str, aggregations: dict[str, Callable[[list[Any]], float]],
-                 outputs: dict[str, Any], counts: dict[str, dict[str, int]],
+                 outputs: dict[str, list[Any]], counts: dict[str, dict[str, int]],
                  undonored: dict[tuple[str, str], int], seed: int) -> TaskScores:
-    """One task's metrics under every condition that scored all of its requests."""
+    """One task's metrics under every condition that scored all of its requests (a
+    random condition's per-example items averaged over its draws, as the audit averages a
+    sequence's losses over its repeats)."""
     skipped = {c: f"{n} of its requests had no donor (a request of the same token length "
                   "from another document; rolling requests have none)"
                for (c, t), n in undonored.items() if t == task}
     outputs = {c: o for c, o in outputs.items() if c not in skipped}
-    first = outputs[CORRECT]
+    first = outputs[CORRECT][0]
     higher = first["higher_is_better"][task]
     metrics = {}
     for key in first["results"][task]:
         metric, _, _filter = key.partition(",")
         if metric not in higher or key.endswith("_stderr") or "_stderr" in metric:
             continue
-        per = {c: _items(o["samples"][task], metric) for c, o in outputs.items()}
+        per = {c: _mean_items([_items(o["samples"][task], metric) for o in outs])
+               for c, outs in outputs.items()}
         metrics[metric] = _scores(aggregations[metric], bool(higher[metric]), per, seed)
     return TaskScores(task, len(first["samples"][task]), metrics,
                       {c: n.get(task, 0) for c, n in counts.items()}, skipped)

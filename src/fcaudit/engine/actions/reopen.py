@@ -74,13 +74,15 @@ def _same_audit(setup: Any, result: AuditResult, declared: bool) -> None:
 @contextmanager
 def reopened(result: AuditResult, model: Any = None, data: DataSpec | AuditData | None = None,
              declared: bool = True) -> Iterator[Any]:
-    """The audit's model and data prepared again (the audit's batch size and seed), proven
+    """The audit's model and data prepared again (the audit's batch size, seed and repeats:
+    what task scoring draws its random conditions with), proven
     the audit's: its fingerprint, the data's SHA-256s and its sites (``declared``: those
     the model declares, which a fold replaces; else the audit's own site list). ``model``
     (default: the one audit.json names) and ``data`` (default: the built-in corpus) as
     :func:`fcaudit.audit` takes them; a model loaded here is released on leaving."""
     options = AuditOptions(batch_size=int(result.settings["batch_size"]),
-                           seed=int(result.settings["seed"]), progress=False,
+                           seed=int(result.settings["seed"]),
+                           repeats=int(result.settings["repeats"]), progress=False,
                            execution=False, per_layer=False)
     loads = model is None or isinstance(model, (str, Path))
     spec = _reload(result, model) if loads else model

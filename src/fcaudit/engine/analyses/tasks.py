@@ -153,9 +153,9 @@ def before(options: Any) -> Any:
 def plan(setup: Any, probe: Any) -> list[Any]:
     """No replays of the audit's batches, but the requests' passes, said in the plan (at
     most a record and a replay of each batch of requests and each rolling window, under
-    each condition that runs on requests); refuses, before any file, a model with no
-    tokenizer to read the requests with, data that are not token ids and a request longer
-    than the model's context."""
+    each condition that runs on requests, a random one once per repeat); refuses, before
+    any file, a model with no tokenizer to read the requests with, data that are not
+    token ids and a request longer than the model's context."""
     loaded = setup.before.get(NAME)
     if loaded is None:
         return []
@@ -172,6 +172,7 @@ def plan(setup: Any, probe: Any) -> list[Any]:
     from fcaudit.core.nll import model_limits
     from fcaudit.engine.actions.harness import (
         check_requests,
+        draws,
         pass_positions,
         passes_for,
         rows_per_pass,
@@ -181,8 +182,8 @@ def plan(setup: Any, probe: Any) -> list[Any]:
                                        model_limits(setup.model)[1],
                                        setup.options.lm_eval_limit, "lm_eval_tasks",
                                        "AuditOptions")
-    scored = sum(runnable(c) is None for c in audited(setup.conditions)
-                 if c not in setup.not_applicable)
+    scored = sum(draws(c, setup.options.repeats) for c in audited(setup.conditions)
+                 if c not in setup.not_applicable and runnable(c) is None)
     positions = pass_positions(setup)
     passes = 2 * passes_for(requests, windows, positions) * scored
     longest = max([*requests, *windows], default=1)

@@ -419,3 +419,14 @@ def test_random_conditions_are_averaged_over_the_audit_s_repeats(audits, tmp_pat
                                                abs=1e-12), condition
     for condition in ("correct", "static-layer", "global-mean"):  # one draw: as before
         assert two[condition] == first[condition], condition
+
+
+def test_items_are_averaged_over_draws_or_refused() -> None:
+    """A random condition's draws: numbers averaged, each number of a tuple too (a
+    weighted perplexity's pair); an item that is neither is refused in one line."""
+    from fcaudit.core.errors import DataError
+    from fcaudit.engine.actions.harness import _mean_items
+    assert _mean_items([[1, (2.0, 3)], [0, (4.0, 5)]]) == [0.5, (3.0, 4.0)]
+    assert _mean_items([["a", 1]]) == ["a", 1]  # one draw: as it is
+    with pytest.raises(DataError, match=r"cannot be averaged .* AuditOptions\(repeats=1\)"):
+        _mean_items([["a"], ["b"]])

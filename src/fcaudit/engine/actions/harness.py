@@ -360,7 +360,8 @@ def _mean_items(draws: list[list[Any]]) -> list[Any]:
         if all(isinstance(v, (tuple, list)) and len(v) == len(values[0]) for v in values):
             return type(values[0])(mean(parts) for parts in zip(*values, strict=True))
         raise DataError(f"a task's per-example items {values[0]!r} cannot be averaged over "
-                        "the audit's repeats: score it with an audit of --repeats 1")
+                        f"the audit's repeats: score it with an audit of "
+                        f"{arg('repeats', 1, owner='AuditOptions')}")
     return [mean(values) for values in zip(*draws, strict=True)]
 
 

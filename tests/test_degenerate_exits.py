@@ -16,7 +16,7 @@ import torch
 
 import fcaudit
 from fcaudit import AuditData, AuditOptions
-from fcaudit.engine.exits import degenerate
+from fcaudit.engine.analyses.exits import degenerate
 from fcaudit.engine.result import AuditResult
 from fcaudit.models.ponder import PonderConfig, PonderGPT
 from fcaudit.study.presets import PRESETS

@@ -26,12 +26,12 @@ from fcaudit.core.exits import (
 )
 from fcaudit.core.recording import record
 from fcaudit.core.replaying import replay
-from fcaudit.engine.exits import degenerate, gap_closed
+from fcaudit.engine.analyses.exits import degenerate, gap_closed
 from fcaudit.engine.metrics import Bootstrap
 from fcaudit.models.earlyexit import EarlyExitConfig, EarlyExitGPT, ExitBlock
 from fcaudit.models.featuregate import GPT, GPTConfig
 from fcaudit.models.skipgate import Route
-from fcaudit.report.exits import exits_section
+from fcaudit.report.sections.exits import exits_section
 
 CFG = EarlyExitConfig(vocab_size=61, block_size=16, n_layer=4, n_head=2, n_embd=16,
                       exit_threshold=0.5)

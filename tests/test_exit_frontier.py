@@ -15,10 +15,10 @@ import torch
 import fcaudit
 from fcaudit import AuditData
 from fcaudit.core.errors import FcauditError
-from fcaudit.engine.exits import ExitPoint, sweep_thresholds
+from fcaudit.engine.analyses.exits import ExitPoint, sweep_thresholds
 from fcaudit.engine.frontier import curve
 from fcaudit.models.condconv import CNN, CNNConfig
-from fcaudit.report.exits import exits_section
+from fcaudit.report.sections.exits import exits_section
 from tests.test_exit_conditions import CALIB, EVAL, OPTS, nll
 from tests.test_exit_conditions import audit as lm_audit
 from tests.test_exit_conditions import make as lm_make

@@ -21,7 +21,7 @@ from fcaudit.core.replaying import replay
 from fcaudit.io.digits import digits
 from fcaudit.models.branchy import BranchyCNN, BranchyConfig
 from fcaudit.models.condconv import CNN, CNNConfig
-from fcaudit.report.exits import exits_section
+from fcaudit.report.sections.exits import exits_section
 
 THRESHOLD = 0.5
 B = 8

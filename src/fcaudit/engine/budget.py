@@ -27,8 +27,9 @@ from torch import Tensor
 from fcaudit.core.errors import FcauditError, arg
 from fcaudit.core.exits import exit_sites
 from fcaudit.engine.analyses.base import Cost
+from fcaudit.engine.analyses.exits import asked
 from fcaudit.engine.execution import TIMING_WARMUP
-from fcaudit.engine.exits import PROBE_ROWS, asked, check_passes, own_threshold
+from fcaudit.engine.exits import PROBE_ROWS, check_passes
 from fcaudit.engine.options import Prepared, Progress, say
 from fcaudit.engine.plan import OneSite, plan_runs
 from fcaudit.engine.prepare import not_measured, runs_elsewhere
@@ -121,13 +122,12 @@ def audit_plan(setup: Prepared, first: Probe) -> AuditPlan:
     costs = [later.cost(setup, first, n_eval, n_calib) for _, later in first.later]
     skipped = setup.not_applicable
     runs = plan_runs(setup.sites, opts, setup.conditions, setup.interventions,
-                     first.planned, (), skipped, ())
+                     first.planned, (), skipped)
     per_layer = sum(isinstance(r.target, OneSite) for r in runs)
     own = Counter(r.target.stage for r in runs if r.target.stage is not None)  # analyses'
     main = len(runs) - per_layer - sum(own.values())
     later = sum(c.replay_runs for c in costs)
     exits = _exit_stage(setup, n_eval, n_calib, first)
-    exit_frontier = _exit_frontier_runs(setup) if exits.passes else 0
     # the prefix schedule proves each per-layer site's prefix once a batch (the first
     # site has none to prove)
     proofs = max(len({r.target.only_site for r in runs if isinstance(r.target, OneSite)}) - 1,
@@ -142,16 +142,13 @@ def audit_plan(setup: Prepared, first: Probe) -> AuditPlan:
         *(Stage(stage.name, n * n_eval, n * n_eval * replay_s, _cut(*stage.cut, "drops"),
                 at_most=True) for stage, n in own.items()),
         exits,
-        Stage("exit frontier", exit_frontier * n_eval, exit_frontier * n_eval * replay_s,
-              _cut("frontier_points", "AuditOptions(frontier_points=2)",
-                   "--frontier-points 2"), at_most=True),
         *(stage for c in costs for stage in _later_stages(c, n_eval, first)),
         *_execution_stages(setup, n_eval, record_s)]
     cache = record_cost(eval_shard(first.nll, first.coefficients, first.hits),
                         calibration_shard(setup, first.coefficients, first_batch(setup)),
                         {name: first.coefficients[name] for c in costs for name in c.stored_sites},
                         int(first.nll.shape[0]), inputs.n_eval, inputs.n_calib, size,
-                        len(runs) + later + exit_frontier)
+                        len(runs) + later)
     return AuditPlan(tuple(stages), cache, inputs.n_eval, (record_s, replay_s), size)
 
 
@@ -168,29 +165,17 @@ def _cut(name: str, py: str, cli: str, verb: str = "shrinks") -> str:
 
 def _exit_stage(setup: Prepared, n_eval: int, n_calib: int, first: Probe) -> Stage:
     """The exit references' real passes (engine/exits.py): the check of the exit rule on a
-    probe of a few rows, the model's own exits on calibration and evaluation, the oracle's
-    full-depth pass per evaluation batch, and the threshold sweep's passes."""
+    probe of a few rows, the model's own exits on calibration and evaluation and the
+    oracle's full-depth pass per evaluation batch (the exit frontier's sweep is its own)."""
     if not asked(setup):
         return Stage("exit references", 0, 0.0)
-    sweep = setup.options.frontier_points if own_threshold(setup.model) is not None else 0
-    full = n_calib + n_eval * (2 + sweep)
+    full = n_calib + n_eval * 2
     rows = int(first.nll.shape[0])
     units = PROBE_ROWS * (first.nll.numel() // rows if exit_sites(setup.sites)[0].positions
                           else 1)
     check = check_passes(len(exit_sites(setup.sites)), units)
     seconds = (full + check * min(PROBE_ROWS, rows) / rows) * _warm(first)
-    return Stage("exit references", full + check, seconds,
-                 _cut("frontier_points", "AuditOptions(frontier_points=2)",
-                      "--frontier-points 2") if sweep else "")
-
-
-def _exit_frontier_runs(setup: Prepared) -> int:
-    """At most: the sweep's thresholds, and fixed exit at the two depths around each
-    learned point's mean depth (no more depths than the model has)."""
-    if own_threshold(setup.model) is None:
-        return 0
-    points = setup.options.frontier_points
-    return points + min(len(exit_sites(setup.sites)) + 1, 2 * (points + 1))
+    return Stage("exit references", full + check, seconds)
 
 
 def _later_stages(cost: Cost, n_eval: int, first: Probe) -> list[Stage]:

@@ -1,6 +1,7 @@
 """Exit models in the audit (docs/method.md, Early exit): the references' layers, measured
-before the replays, and the section of audit.json that places the learned exit controller
-between fixed exit and oracle exit.
+before the replays, the checks an exit model passes before any of them, and the exit
+frontier's threshold sweep (real passes; the section of audit.json is the exits analysis's,
+:mod:`fcaudit.engine.analyses.exits`).
 
 The layers come from real passes: the model's own exits (hooks on its exit rules) on the
 calibration windows, for fixed exit, and on the evaluation windows, for the depth it
@@ -13,17 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from fcaudit.core.conditions import CORRECT, FIXED_EXIT, FRONTIER, ORACLE_EXIT, needing
-from fcaudit.core.contract import Exit, Site
+from fcaudit.core.conditions import needing
+from fcaudit.core.contract import Exit
 from fcaudit.core.errors import ModelError, arg
 from fcaudit.core.exits import (
     EXAMPLE,
@@ -42,20 +40,10 @@ from fcaudit.core.exits import (
 from fcaudit.core.hooks import hooks
 from fcaudit.core.nll import device_of
 from fcaudit.core.replaying import replaying
-from fcaudit.engine.frontier import curve, estimate
-from fcaudit.engine.frontier_parts import ExitFrontier, ExitMatch, ExitSummary, ExitSweepPoint
-from fcaudit.engine.metrics import Bootstrap, interval, retention
+from fcaudit.engine.analyses.exits import asked, own_threshold, sweep_thresholds
 from fcaudit.engine.options import Progress
 from fcaudit.engine.passes import batches
-from fcaudit.engine.result_parts import Retention
 from fcaudit.io.examples import call_model
-
-
-def asked(setup: Any) -> bool:
-    """Whether the audit runs an exit condition on a model with exit sites."""
-    wanted = set(needing("exits")) & set(setup.conditions)
-    return bool(wanted) and bool(exit_sites(setup.sites))
-
 
 PROBE_ROWS = 2  # sequences (or examples) the exit rule is checked on
 
@@ -87,11 +75,8 @@ def exit_plan(setup: Any, tick: Progress) -> ExitPlan | None:
             preds = head_predictions(net, lambda x=x: call_model(setup.model, x))
             oracle.append(oracle_layers(preds).cpu())
             tick("exit references: evaluation and oracle", done, n_eval, "")
-    own_layers = torch.cat(own)
-    with inference(setup.model):
-        sweep = sweep_layers(setup, net, own_layers, tick)
-    return ExitPlan(calibration, torch.cat(oracle), own_layers, exit_unit(setup.sites),
-                    own_threshold(net), sweep)
+    return ExitPlan(calibration, torch.cat(oracle), torch.cat(own), exit_unit(setup.sites),
+                    own_threshold(net))
 
 
 @torch.no_grad()
@@ -212,68 +197,6 @@ def _refusal(sites: Sequence[Any], what: str, got: torch.Tensor, expected: torch
                       "recomputed score, no state kept between calls)", site=site.name)
 
 
-def degenerate(own: torch.Tensor, layers: int, unit: str) -> str | None:
-    """A rule that does not adapt, in words: every ``unit`` (token, patch, example) stops
-    at one and the same layer (none exits before the last, all after the first, or all
-    after one layer between): a model of that fixed depth, whose FLOPs against the twin
-    are no saving of adaptive depth (the execution answer says so:
-    :func:`~fcaudit.engine.prepare.execute`)."""
-    if own.numel() == 0 or bool((own != own.flatten()[0]).any()):
-        return None
-    depth = int(own.flatten()[0]) + 1
-    if depth == layers:
-        return (f"no {unit} exits before the last layer: the threshold is never reached, so "
-                f"every {unit} runs all {layers} layers (no savings)")
-    if depth == 1:
-        return (f"every {unit} exits after the first layer: the rule does not adapt (a "
-                "depth-1 model, not a saving of adaptive depth)")
-    return (f"every {unit} exits after layer {depth} of {layers}: the rule does not adapt (a "
-            f"depth-{depth} model, not a saving of adaptive depth)")
-
-
-def exit_summary(plan: ExitPlan | None, gap: Retention | None, boot: Bootstrap,
-                 frontier: ExitFrontier | None = None) -> ExitSummary | None:
-    """The audit.json section of an exit model, or None without an exit condition (no
-    depth per position where the sites have no position axis). The evaluation mean depth's
-    interval resamples examples (``boot``), as every interval of the audit does."""
-    if plan is None:
-        return None
-    cal, own = plan.calibration, plan.own
-    L = cal.layers
-    per_example = (own + 1).double().reshape(len(own), -1).mean(1).numpy()
-    depth = float((own + 1).double().mean())
-    return ExitSummary(
-        depth=L, calibration_mean_depth=cal.mean, fixed_exit_depth=cal.fixed() + 1,
-        fixed_exit_depth_per_position=[int(k) + 1 for k in cal.fixed_per_position()]
-        if plan.positions else [],
-        evaluation_mean_depth=depth,
-        oracle_mean_depth=float((plan.oracle + 1).double().mean()),
-        share_exiting_first_layer=float((own == 0).double().mean()),
-        share_full_depth=float((own == L - 1).double().mean()),
-        note=degenerate(own, L, plan.unit), unit=plan.unit,
-        evaluation_mean_depth_ci95=interval(boot.means(per_example), depth), gap_closed=gap,
-        frontier=frontier)
-
-
-def gap_closed(per_seq: dict[str, np.ndarray], boot: Bootstrap) -> Retention | None:
-    """``(L(fixed) - L(learned)) / (L(fixed) - L(oracle))`` in percent with the paired
-    bootstrap (the retention formula with fixed exit as the floor and the oracle as the
-    top); undefined when the fixed-to-oracle gap is not clearly above 0 or the share is not
-    measurable (:func:`~fcaudit.engine.metrics.retention`). None when either
-    reference was not run."""
-    if FIXED_EXIT not in per_seq or ORACLE_EXIT not in per_seq:
-        return None
-    share = retention(per_seq[CORRECT], per_seq[ORACLE_EXIT], per_seq[FIXED_EXIT], boot,
-                      f"{FIXED_EXIT}-to-{ORACLE_EXIT} gap")
-    if share.defined or share.gap_ci95[0] > 0:  # a share, or one too wide to measure
-        return share
-    lo, hi = share.gap_ci95
-    return Retention(share.gap, share.gap_ci95, None, None, False,
-                     f"the {FIXED_EXIT}-to-{ORACLE_EXIT} gap {share.gap:+.4f} has a 95% "
-                     f"interval [{lo:+.4f}, {hi:+.4f}] that is not above 0: the oracle's exits "
-                     f"lose no less than fixed exit's, so no share of it is reported")
-
-
 def with_exit_conditions(conditions: tuple[str, ...], sites: Any, model: Any) -> tuple[str, ...]:
     """``conditions`` with the exit conditions added for a model with exit sites (checked
     now, before any pass): an exit model is always placed between fixed exit and the
@@ -357,65 +280,6 @@ def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
     return " -> ".join(str(list(shape)) for shape in shapes)
 
 
-# ---------------------------------------------------------------------- exit_sweep
-# The savings frontier of an exit model (docs/method.md, Early exit: matched depth): the
-# learned exit controller at other thresholds against fixed exit at the same mean executed
-# depth, so "would a static depth do as well?" is one number with an interval.
-#
-# * **The threshold sweep**: the model's own rule with its threshold moved on the logit
-#   scale (``sigmoid(logit(own) + k)``, ``k = ±1, ±2, ...`` nats, ``frontier_points`` of
-#   them), each token's exit layers read by hooks in real passes over the evaluation
-#   windows (so what the moved rule does to the later scores, through the exited tokens'
-#   keys and values, is in them), then fed as exit scores so the replay carries them out.
-#   A threshold whose exits equal the model's own, or an earlier one's, is dropped.
-# * **Fixed exit at every depth it is matched at**: every token stops after ``d`` layers,
-#   for the integer depths just below and above each learned point's mean depth.
-# * **Matched depth**: fixed exit's per-sequence loss interpolated linearly between the two
-#   integer depths around a learned point's mean executed depth, minus the learned
-#   point's: positive when a static depth of the same mean compute loses, with the paired
-#   bootstrap. Fixed exit as a condition is matched to the closest integer depth, which
-#   gives it more compute than the learned rule when the mean rounds up; the interpolated
-#   comparison gives both the same mean depth.
-
-LEARNED, FIXED = "learned", "fixed"
-LOGIT_STEP = 1.0  # nats between sweep thresholds, on the logit scale
-EDGE = 1e-6  # a threshold of 0 or 1 is moved this far inside before its logit
-
-
-@dataclass(frozen=True)
-class ExitPoint:
-    """One exit-frontier replay: the learned rule at ``threshold``, or fixed exit at
-    ``depth`` layers for every token."""
-
-    threshold: float | None = None
-    depth: int | None = None
-
-    @property
-    def key(self) -> str:
-        what = f"{LEARNED}:{self.threshold:.6g}" if self.depth is None else \
-            f"{FIXED}:{self.depth}"
-        return f"{FRONTIER}:exit:{what}"
-
-
-def sweep_thresholds(own: float, points: int) -> list[float]:
-    """``points`` thresholds around ``own`` on the logit scale, nearest first on each side
-    (``own`` itself is the model's pass, not a replay)."""
-    p = min(max(own, EDGE), 1 - EDGE)
-    z = math.log(p / (1 - p))
-    steps = [k for k in range(-(points // 2), points - points // 2 + 1) if k != 0]
-    return [1 / (1 + math.exp(-(z + LOGIT_STEP * k))) for k in steps]
-
-
-def own_threshold(net: Any) -> float | None:
-    """The one ``threshold`` every exit rule module carries, or None (no sweep): a rule
-    without one, or rules with different ones, cannot be moved as one controller."""
-    found = {getattr(net.get_submodule(p), "threshold", None) for p in net.exit_rules()}
-    if len(found) != 1:
-        return None
-    (value,) = found
-    return float(value) if isinstance(value, (int, float)) else None
-
-
 @contextlib.contextmanager
 def threshold_set(net: Any, value: float) -> Iterator[None]:
     """Every exit rule reads ``value`` meanwhile (its own threshold is put back)."""
@@ -428,6 +292,14 @@ def threshold_set(net: Any, value: float) -> Iterator[None]:
     finally:
         for r, b in zip(rules, before, strict=True):
             r.threshold = b
+
+
+def sweep(setup: Any, own: Tensor, tick: Progress) -> tuple[tuple[float, Tensor], ...]:
+    """The threshold sweep of the exit frontier (:mod:`fcaudit.engine.analyses.exits`):
+    :func:`sweep_layers` of the audited model, run for inference."""
+    from fcaudit.engine.execution import inference
+    with inference(setup.model):
+        return sweep_layers(setup, exit_model(setup.model, setup.sites), own, tick)
 
 
 @torch.no_grad()
@@ -450,79 +322,3 @@ def sweep_layers(setup: Any, net: Any, own: Tensor,
         if not any(torch.equal(layers, seen) for seen in [own, *(t for _, t in out)]):
             out.append((tau, layers))
     return tuple(out)
-
-
-def mean_depth(layers: Tensor) -> float:
-    """Mean executed depth (layers run) of exit layers ``layers``."""
-    return float((layers + 1).double().mean())
-
-
-def exit_points(plan: ExitPlan | None) -> list[ExitPoint]:
-    """The sweep's points, then fixed exit at each integer depth around the mean depth of
-    the model's own exits and of every sweep point, and at full depth (every layer on every
-    unit: the model without exits, whose loss prices exiting), each depth once, shallowest
-    first."""
-    if plan is None:
-        return []
-    depths = [mean_depth(plan.own), *(mean_depth(t) for _, t in plan.sweep)]
-    fixed = sorted({d for m in depths for d in (math.floor(m), math.ceil(m))}
-                   | {plan.calibration.layers})
-    return [*(ExitPoint(threshold=tau) for tau, _ in plan.sweep),
-            *(ExitPoint(depth=d) for d in fixed)]
-
-
-def exit_feed(point: ExitPoint, plan: ExitPlan | None, rows: range,
-              correct: Mapping[Site, Tensor]) -> dict[Site, Tensor]:
-    """The exit scores that carry ``point``'s exits out on the evaluation rows ``rows``."""
-    assert plan is not None, "exit-frontier points are planned from an ExitPlan"
-    sites = [s for s in correct if s.exit is not None]
-    like = {s.name: correct[s] for s in sites}
-    shape = tuple(next(iter(like.values())).shape[:2])
-    layers = plan.swept(point.threshold, point.depth, rows, (shape[0], shape[1]))
-    scores = exit_scores(sites, layers, like)
-    return {s: scores[s.name] for s in sites}
-
-
-def exit_frontier(plan: ExitPlan | None, per_seq: Mapping[str, np.ndarray],
-                  boot: Bootstrap) -> ExitFrontier | None:
-    """The sweep and fixed exit against ``correct``, each learned point matched with fixed
-    exit at its mean depth; the model's own point is the headline."""
-    points = exit_points(plan)
-    if plan is None or not points:
-        return None
-    correct = per_seq[CORRECT]
-    fixed = {p.depth: per_seq[p.key] for p in points if p.depth is not None}
-    static = curve(list(fixed.items()), len(correct), origin=False)  # cost: the depth run
-    learned = [(None, mean_depth(plan.own), correct),
-               *((tau, mean_depth(t), per_seq[ExitPoint(threshold=tau).key])
-                 for tau, t in plan.sweep)]
-    rows = []
-    for tau, depth, values in sorted(learned, key=lambda r: r[1]):
-        at = static.at(depth)
-        assert at is not None  # the sweep records fixed exit at the depths around each point
-        rows.append(ExitSweepPoint(LEARNED, tau, depth, estimate(values - correct, boot),
-                                   estimate(at - correct, boot), estimate(at - values, boot)))
-    rows += [ExitSweepPoint(FIXED, None, float(d), estimate(v - correct, boot), None, None)
-             for d, v in sorted(fixed.items())]
-    own = next(r for r in rows if r.rule == LEARNED and r.threshold is None)
-    assert own.gap is not None
-    depths = sorted({math.floor(own.mean_depth), math.ceil(own.mean_depth)})
-    return ExitFrontier(plan.threshold, rows, ExitMatch(own.mean_depth, depths, own.gap),
-                        _sentence(own))
-
-
-def _sentence(own: ExitSweepPoint) -> str:
-    assert own.gap is not None
-    lo, hi = own.gap.ci95
-    text = f"{own.gap.value:+.4f} [{lo:+.4f}, {hi:+.4f}]"
-    if lo > 0:
-        verdict = f"loses to the learned rule by {text}"
-    elif hi < 0:
-        verdict = f"beats the learned rule by {text}"
-    else:
-        verdict = f"does as well as the learned rule (difference {text}, interval includes 0)"
-    lo, hi = math.floor(own.mean_depth), math.ceil(own.mean_depth)
-    how = f"at depth {lo}" if lo == hi else f"interpolated between depths {lo} and {hi}"
-    return (f"At the learned rule's mean executed depth {own.mean_depth:.3f}, fixed exit "
-            f"({how}) {verdict}.")
-

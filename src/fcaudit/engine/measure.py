@@ -24,10 +24,12 @@ from fcaudit.core.contract import Site
 from fcaudit.core.interventions import StaticProfiles, draw
 from fcaudit.core.layout import TOKEN_AXES, TOKEN_LAYOUT, shuffled_axes
 from fcaudit.engine.analyses import ANALYSES, Section
+from fcaudit.engine.analyses.exits import plan_note
 from fcaudit.engine.analyses.runs import Recorded, analysis_sections, resolve_later
 from fcaudit.engine.budget import AuditPlan
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
-from fcaudit.engine.exits import ExitSummary, exit_frontier, exit_plan, exit_points, exit_summary
+from fcaudit.engine.exits import exit_plan
+from fcaudit.engine.frontier_parts import ExitSummary
 from fcaudit.engine.objectives import loss_name
 from fcaudit.engine.options import Prepared, Progress, option_specs, silent
 from fcaudit.engine.passes import Ranks
@@ -35,6 +37,7 @@ from fcaudit.engine.plan import ReplayInputs, Run, plan_runs
 from fcaudit.engine.prepare import execute
 from fcaudit.engine.probe import Probe
 from fcaudit.engine.result import (
+    EXITS,
     NONDETERMINISTIC_KEYS,
     SCHEMA,
     TIMED_VERDICT_KEY,
@@ -62,7 +65,6 @@ from fcaudit.engine.summary import (
     accuracies,
     describe,
     example_hits,
-    paired_bootstrap,
     site_parts,
     space,
     summarize,
@@ -90,7 +92,8 @@ class Measurements:
     reuse: list[dict[str, int]]  # per rank: replay batches reused and recomputed
     recorded: dict[str, dict[str, int]]  # stage -> record batches proven and recorded
     timings: dict[str, float] = field(default_factory=dict)  # record_s, replay_s
-    exits: ExitSummary | None = None  # exit models run with an exit condition
+    # an exit rule that stops every unit at one layer, said in words (no saving is counted)
+    exit_note: str | None = None
     # each site's coefficient shape on the first batch, as the probe recorded it
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     progress: Progress = silent  # where the analyses' own work reports (benchmark tasks)
@@ -109,9 +112,10 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
     timings = {"record_s": time.perf_counter() - setup.started}
     inputs = _replay_inputs(setup, cache, profiles, first, progress)
     skipped = setup.not_applicable
-    states, later = resolve_later(Recorded(setup, cache, progress, ranks), first.later)
+    states, later = resolve_later(Recorded(setup, cache, progress, ranks, inputs.exits),
+                                  first.later)
     runs = plan_runs(setup.sites, opts, setup.conditions, setup.interventions, first.planned,
-                     later, skipped, exit_points(inputs.exits))
+                     later, skipped)
     started = time.perf_counter()
     reuse = ranks.gather(replay_stage(setup, inputs, runs, progress, ranks), "replayed")
     if not ranks.main:
@@ -129,18 +133,8 @@ def measure(setup: Prepared, cache: CoefficientCache, first: Probe, progress: Pr
                         example_hits(runs, replays.hits, original))
     shapes = {name: tuple(t.shape) for name, t in first.coefficients.items()}
     return Measurements(setup, runs, replays, identity, description, summary, states,
-                        profiles, reuse, recorded, timings,
-                        _exits(setup, inputs, runs, replays.per_run, summary), shapes,
+                        profiles, reuse, recorded, timings, plan_note(inputs.exits), shapes,
                         progress)
-
-
-def _exits(setup: Prepared, inputs: ReplayInputs, runs: Sequence[Run],
-           per_run: Sequence[np.ndarray], summary: Summary) -> ExitSummary | None:
-    """The exits section: depths, the gap closed and the exit frontier."""
-    per_seq = dict(zip((r.key for r in runs), per_run, strict=True))
-    boot = paired_bootstrap(setup.inputs.n_eval, setup.options)
-    frontier = exit_frontier(inputs.exits, per_seq, boot)
-    return exit_summary(inputs.exits, summary.exit_gap, boot, frontier)
 
 
 def _replay_inputs(setup: Prepared, cache: CoefficientCache, profiles: StaticProfiles,
@@ -212,14 +206,14 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     setup, description, summary = m.setup, m.description, m.summary
     timings = dict(m.timings)
     started = time.perf_counter()
-    execution = execute(setup, m.exits.note if m.exits is not None else None)
+    execution = execute(setup, m.exit_note)
     timings["execution_s"] = time.perf_counter() - started
     timings["total_s"] = time.perf_counter() - setup.started
     identity = m.identity
     seeds = setup.seeds
-    verdict, verdict_numbers = _verdict(m, execution)
     analyses = analysis_sections(setup, m.runs, m.replays, m.profiles, m.shapes, m.states,
                                  cache, execution, m.progress)
+    verdict, verdict_numbers = _verdict(m, execution, analyses.get(EXITS))
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),
         data=setup.data_summary,
@@ -238,7 +232,7 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
         runtime=_runtime(m, cache, ranks, timings, rounds, plan),
         identity=None if identity.exact and not identity.allowed_nonexact else identity,
         custom_conditions=summary.custom or None,
-        stopping=rounds.stopping if rounds is not None else None, exits=m.exits,
+        stopping=rounds.stopping if rounds is not None else None,
         not_applicable=dict(setup.not_applicable) or None)
 
 
@@ -246,14 +240,15 @@ def _timing(execution: ExecutionSection) -> Timing | None:
     return execution.timing if execution.measured else None
 
 
-def _verdict(m: Measurements, execution: ExecutionSection
+def _verdict(m: Measurements, execution: ExecutionSection, exits: ExitSummary | None
              ) -> tuple[Verdict, dict[str, Any]]:
-    """The verdict and the numbers each of its answers rests on."""
+    """The verdict and the numbers each of its answers rests on (an exit model's exits,
+    the exits analysis's section, answered first)."""
     setup = m.setup
     kinds = {s.family: setup.kinds[s.name] for s in setup.sites if s.name in setup.kinds}
     return judge(m.description.variance, m.description.variation, m.summary.conditions,
                  m.summary.retention, shuffled_axes(setup.sites), execution, m.identity,
-                 m.exits, loss_name(setup.objective.name), kinds)
+                 exits, loss_name(setup.objective.name), kinds)
 
 
 def _settings(m: Measurements, execution: ExecutionSection,
@@ -271,7 +266,6 @@ def _settings(m: Measurements, execution: ExecutionSection,
             "calibration_sequences_used_for_static": setup.inputs.n_calib,
             "objective": setup.objective.name,
             "timing_pairs": t.pairs if (t := _timing(execution)) is not None else 0,
-            "exit_threshold": opts.exit_threshold if opts.early_exit else None,
             "layer_index": "a site's index within its family",
             # custom conditions in the order given (audit.json sorts its keys)
             **({"interventions": list(summary.custom)} if summary.custom else {}),

@@ -2,8 +2,8 @@
 
 The conditions of docs/method.md (Conditions), their per-layer variants (one site
 intervened, the others correct), the analyses' runs (:mod:`fcaudit.engine.analyses`:
-expert ablations, savings-frontier points, ...), exit-frontier points and user-defined
-interventions, all as :class:`Run`, whose
+expert ablations, savings- and exit-frontier points, ...) and user-defined interventions,
+all as :class:`Run`, whose
 :class:`~fcaudit.engine.analyses.base.Target` says its key, its digest identity and
 what it feeds; :func:`feed` turns a run and a batch into the coefficient tensor each site
 receives.
@@ -23,7 +23,6 @@ from fcaudit.core.adapters import same_bits
 from fcaudit.core.conditions import (
     CONDITIONS,
     CORRECT,
-    FRONTIER,
     RANDOM_CONDITIONS,
     audited,
     by_kind,
@@ -42,7 +41,6 @@ from fcaudit.core.interventions import (
 )
 from fcaudit.engine.analyses.base import Target, picking_rows
 from fcaudit.engine.cache import CoefficientCache, ReplayShard
-from fcaudit.engine.exits import ExitPoint, exit_feed
 from fcaudit.engine.options import AuditOptions
 
 # the main conditions of each kind, the opt-in ones too (run where asked)
@@ -84,24 +82,6 @@ class OneSite(Target):
 
 
 @dataclass(frozen=True)
-class ExitRun(Target):
-    """An exit-frontier point: the learned exit rule at another threshold, or fixed exit at
-    one depth, fed as the exit scores that carry its exits out."""
-
-    point: ExitPoint
-
-    def key(self, condition: str) -> str:
-        return self.point.key
-
-    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
-        return (None, False, None, self.point.key)
-
-    def feed(self, run: Run, b: int, inputs: ReplayInputs,
-             correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:
-        return exit_feed(self.point, inputs.exits, inputs.cache.batch_range(b), correct)
-
-
-@dataclass(frozen=True)
 class UserIntervention(Target):
     """The user's function of the recorded coefficients (:class:`Intervention`)."""
 
@@ -136,13 +116,12 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions, conditions: Sequence
               interventions: Sequence[Intervention] = (),
               analysis: Sequence[Run] = (),
               later: Sequence[Run] = (),
-              skipped: Collection[str] = (),
-              exit_points: Sequence[ExitPoint] = ()) -> list[Run]:
+              skipped: Collection[str] = ()) -> list[Run]:
     """Every run, in order: correct first, then the conditions (the opt-in ones asked for
     after the default ones of their kind; the exit references after the static ones),
     per-layer variants, the analyses' runs (``analysis``: expert ablations, ...), those
-    placed once the audit is recorded (``later``: savings-frontier points), the exit
-    frontier's points and user interventions;
+    placed once the audit is recorded (``later``: savings- and exit-frontier points) and
+    user interventions;
     conditions in ``skipped`` (not applicable to these sites) are not run."""
     runs = [Run(CORRECT)]
     runs += [Run(c, k) for k in range(options.repeats)
@@ -156,7 +135,6 @@ def plan_runs(sites: Sequence[Site], options: AuditOptions, conditions: Sequence
                 runs += [Run(name, k, OneSite(site)) for k in range(repeats)]
     runs += analysis
     runs += later
-    runs += [Run(FRONTIER, target=ExitRun(p)) for p in exit_points]
     runs += [Run(iv.name, k, UserIntervention(iv)) for iv in interventions
              for k in range(iv.repeats)]
     return runs

@@ -145,9 +145,6 @@ class AuditResult:
     # the numbers each answer of ``verdict`` rests on, by question (variation, dependence,
     # execution), named like metrics()
     verdict_numbers: dict[str, dict[str, float | None]] | None = _omit_none()
-    # exit models audited with an exit condition: depths, the references' layers and the
-    # share of the fixed-to-oracle gap the learned controller closes
-    exits: ExitSummary | None = _omit_none()
     # the registered analyses' sections (fcaudit.engine.analyses), each written at the top
     # level of audit.json under its analysis's name
     analyses: dict[str, Any] | None = _omit_none()
@@ -156,6 +153,12 @@ class AuditResult:
     def token_profile(self) -> TokenProfile | None:
         """static-layer-token's coverage of the evaluation tokens (token ids only)."""
         return (self.analyses or {}).get(token_profile.ANALYSIS.name)
+
+    @property
+    def exits(self) -> ExitSummary | None:
+        """An exit model audited with an exit condition: depths, the references' layers,
+        the share of the fixed-to-oracle gap the learned controller closes, the frontier."""
+        return (self.analyses or {}).get(EXITS)
 
     @property
     def frontier(self) -> dict[str, FrontierFamily] | None:

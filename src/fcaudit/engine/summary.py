@@ -32,7 +32,6 @@ from fcaudit.core.contract import Site
 from fcaudit.core.errors import ModelError
 from fcaudit.core.sites import families
 from fcaudit.engine.cache import CoefficientCache, EvaluationShard
-from fcaudit.engine.exits import gap_closed
 from fcaudit.engine.metrics import (
     Bootstrap,
     TokenShare,
@@ -105,7 +104,6 @@ class Summary:
     retention: dict[str, Any]
     interaction: Any
     custom: dict[str, ConditionResult]
-    exit_gap: Retention | None = None  # the share of fixed-to-oracle exit gap closed
 
 
 def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.ndarray,
@@ -137,7 +135,7 @@ def summarize(runs: Sequence[Run], replayed: Sequence[np.ndarray], original: np.
                         correct, boot) if SHUFFLE not in skipped else None
     custom = {r.target.intervention.name: condition_result(per_seq, repeats, r.key, boot, hits)
               for r in runs if isinstance(r.target, UserIntervention)}
-    return Summary(conditions, per_layer, ret, inter, custom, gap_closed(per_seq, boot))
+    return Summary(conditions, per_layer, ret, inter, custom)
 
 
 def _retention(per_seq: Mapping[str, np.ndarray], profile: str, boot: Bootstrap,

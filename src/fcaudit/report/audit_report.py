@@ -39,7 +39,6 @@ from fcaudit.engine.result import (
 )
 from fcaudit.io.data import picked_note, source_words
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
-from fcaudit.report.exits import exit_unit, exits_section
 from fcaudit.report.figures import (
     RenderedFigure,
     write_figures,
@@ -72,6 +71,7 @@ from fcaudit.report.report_parts import (  # noqa: F401 (_ordered: compare's too
 )
 from fcaudit.report.reproducibility import reproducibility_section
 from fcaudit.report.sections import analysis_sections
+from fcaudit.report.sections.exits import exit_unit
 from fcaudit.report.selection import (
     dependence_fact,
     execution_note,
@@ -490,11 +490,12 @@ def _execution(r: AuditResult) -> list[str]:
     return blocks + [" ".join(n for n in notes if n), *execution_note(r)]
 
 
-# the detail in the answers' order: an exit model's exits (its first answer) right after
-# the conditions table they come from, then dependence, variation, execution
-SECTIONS = (_conditions, stopping_section, exits_section, _retention, _interaction,
-            per_layer_section, variance_section, variation_section, _execution,
-            reproducibility_section)
+# the detail in the answers' order: the conditions table, then the analyses that lead the
+# answers (an exit model's exits, its first answer, from the table's exit rows), then
+# dependence, variation, execution; the other analyses after them
+TABLE = (_conditions, stopping_section)
+DETAILS = (_retention, _interaction, per_layer_section, variance_section, variation_section,
+           _execution)
 
 
 def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tuple[str, str]:
@@ -507,8 +508,10 @@ def build_markdown(result: AuditResult, figures: Sequence[RenderedFigure]) -> tu
         blocks.append(_identity_warning(inexact, result.loss_name(per_unit=True)))
     shown = {f.stem: f for f in figures}
     blocks += [_lead(result), *_answers(result, shown)]
-    *details, reproducibility = [section(result) for section in SECTIONS]
-    for part in [*details, *analysis_sections(result), reproducibility]:
+    for part in [*(section(result) for section in TABLE),
+                 *analysis_sections(result, leading=True),
+                 *(section(result) for section in DETAILS), *analysis_sections(result),
+                 reproducibility_section(result)]:
         if part:
             blocks += part + _figures_at(shown, part[0].removeprefix("## "))
     placed = "\n".join(blocks)

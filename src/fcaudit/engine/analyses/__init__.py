@@ -19,6 +19,7 @@ from typing import Any
 
 from fcaudit.core.registry import Registry
 from fcaudit.engine.analyses import (
+    exits,
     expert_importance,
     frontier,
     routing,
@@ -30,11 +31,11 @@ from fcaudit.engine.analyses.base import Analysis, Section
 __all__ = ["ANALYSES", "Analysis", "Section", "analysis_intervals", "analysis_metrics",
            "before_model"]
 
-# every analysis an audit runs, in report order; the two that predate this registry
-# (exits, selection parts) are still wired by hand (docs/architecture.md)
+# every analysis an audit runs, in report order (the exit frontier's points are replayed
+# after the savings frontier's, as in the caches of earlier versions)
 ANALYSES: Registry[Analysis] = Registry("analysis", (
     frontier.ANALYSIS, routing.ANALYSIS, expert_importance.ANALYSIS, token_profile.ANALYSIS,
-    tasks.ANALYSIS))
+    tasks.ANALYSIS, exits.ANALYSIS))
 
 
 def analysis_metrics(sections: Mapping[str, Section]) -> dict[str, float | None]:

@@ -13,12 +13,14 @@ from torch import Tensor
 
 from fcaudit.core.conditions import CORRECT
 from fcaudit.core.contract import Site
+from fcaudit.core.exits import ExitPlan
 from fcaudit.core.interventions import Intervention, StaticProfiles
 from fcaudit.core.nll import device_of
 from fcaudit.engine.analyses import ANALYSES, Analysis, Section
 from fcaudit.engine.analyses.base import Later, Target
 from fcaudit.engine.cache import CoefficientCache
 from fcaudit.engine.execution import execution_pass
+from fcaudit.engine.exits import sweep
 from fcaudit.engine.metrics import Bootstrap
 from fcaudit.engine.options import Prepared, Progress
 from fcaudit.engine.passes import Ranks, batches
@@ -57,12 +59,14 @@ class AnalysisRun(Target):
 class Recorded:
     """The audit once calibration and evaluation are recorded: what a
     :class:`~fcaudit.engine.analyses.base.Later` places its runs from, and the passes it
-    may ask for (every rank resolves it alike)."""
+    may ask for (every rank resolves it alike); ``exits``: the exit conditions'
+    references, read in real passes (None: no exit condition runs)."""
 
     setup: Prepared
     cache: CoefficientCache
     progress: Progress
     ranks: Ranks
+    exits: ExitPlan | None = None
 
     def whole_calibration(self, sites: Sequence[Site]) -> dict[str, Tensor]:
         """The calibration coefficients of ``sites``, whole (recorded once, into the
@@ -82,6 +86,12 @@ class Recorded:
             setup.eval_source, setup.options.batch_size, device_of(net))),
             flops=False)
         return counted["blocks_executed_per_layer"]
+
+    def exit_sweep(self, own: Tensor) -> tuple[tuple[float, Tensor], ...]:
+        """The exit frontier's threshold sweep: each moved threshold with the exits it
+        gives the evaluation units (``own``: the model's own), one pass a batch
+        (:func:`~fcaudit.engine.exits.sweep`)."""
+        return sweep(self.setup, own, self.progress)
 
     def first_batch(self) -> Any:
         """The first evaluation batch, on the model's device."""

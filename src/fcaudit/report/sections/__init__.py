@@ -10,6 +10,7 @@ from fcaudit.core.registry import Registry
 from fcaudit.engine.result import AuditResult, dump
 from fcaudit.report.markdown import md_fenced, md_text
 from fcaudit.report.sections import (
+    exits,
     expert_importance,
     frontier,
     routing,
@@ -23,13 +24,16 @@ __all__ = ["RENDERERS", "Renderer", "analysis_sections"]
 # one renderer per analysis that has one, in any order (the report follows the analyses')
 RENDERERS: Registry[Renderer] = Registry("section renderer", (
     frontier.RENDERER, routing.RENDERER, expert_importance.RENDERER, token_profile.RENDERER,
-    tasks.RENDERER))
+    tasks.RENDERER, exits.RENDERER))
 
 
-def analysis_sections(r: AuditResult) -> list[list[str]]:
-    """Each analysis section of ``r`` as report blocks, in the result's order."""
+def analysis_sections(r: AuditResult, leading: bool = False) -> list[list[str]]:
+    """Each analysis section of ``r`` as report blocks, in the result's order: those whose
+    renderer :attr:`~Renderer.leads` (``leading``), else the others."""
     out = []
     for name, section in (r.analyses or {}).items():
+        if (name in RENDERERS and RENDERERS[name].leads) != leading:
+            continue
         if name in RENDERERS:
             out.append(RENDERERS[name].render(r, section))
         else:

@@ -16,3 +16,6 @@ class Renderer:
 
     name: str
     render: Callable[[AuditResult, Any], list[str]]
+    # its section details an answer the verdict gives first (an exit model's exits): the
+    # report places it right after the conditions table, before the other answers' detail
+    leads: bool = False

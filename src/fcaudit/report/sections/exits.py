@@ -8,11 +8,12 @@ from __future__ import annotations
 from fcaudit.core.conditions import CORRECT, FIXED_EXIT, FIXED_EXIT_POSITION, ORACLE_EXIT
 from fcaudit.core.exits import MASKED, plural
 from fcaudit.engine.frontier_parts import ExitFrontier
-from fcaudit.engine.result import AuditResult
+from fcaudit.engine.result import EXITS, AuditResult
 from fcaudit.io.hf_exit import HEADS_NOTE
 from fcaudit.io.hf_exit import KIND as HF_EARLY_EXIT
 from fcaudit.report.format import fmt_num, fmt_pct_with_ci, fmt_share, fmt_with_ci
 from fcaudit.report.markdown import md_code, md_table, md_text
+from fcaudit.report.sections.base import Renderer
 
 
 def _row(r: AuditResult, name: str, what: str, depth: str) -> tuple[str, str, str, str]:
@@ -113,3 +114,6 @@ def _spans(depths: list[int]) -> str:
         else:
             runs.append([d])
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+RENDERER = Renderer(EXITS, lambda r, _section: exits_section(r), leads=True)

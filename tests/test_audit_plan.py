@@ -101,6 +101,26 @@ def test_routers_with_ablation_and_the_frontier_are_counted(tmp_path) -> None:
     assert "expert ablation up to" in line
 
 
+def test_an_exit_model_s_references_and_exit_frontier_are_counted(tmp_path) -> None:
+    """The early-exit LM: the exit frontier's threshold sweep (a pass per evaluation batch
+    and threshold) is counted exactly, its points at most (thresholds whose exits repeat
+    another's are dropped), and every other pass the audit makes is counted."""
+    from tests.test_exit_conditions import CALIB, EVAL, make
+    data = AuditData(EVAL, CALIB, {"source": "tokens"})
+    result, line, made = _audit(make(), tmp_path, data=data, execution=False,
+                                frontier_points=2)
+    plan, n_eval = result.runtime.plan, -(-len(EVAL) // 4)
+    stages = plan["stages"]
+    assert stages["exit frontier references"]["passes"] == 2 * n_eval
+    assert stages["exit references"]["passes"] > 0
+    assert result.exits is not None and result.exits.frontier is not None
+    replayed = (len(result.exits.frontier.points) - 1) * n_eval  # own point: its pass
+    planned = stages["exit frontier points"]["passes"]
+    assert 0 < replayed <= planned
+    assert made == plan["passes"] - (planned - replayed), (made, plan)
+    assert "(frontier_points=" in line
+
+
 def test_the_planned_cache_is_the_cache_written(tmp_path) -> None:
     for name, (model, sites, data) in {
             "gates": (toys.content_model(), ["gates.*"], toy_data()),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import shutil
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from fcaudit.engine.analyses.exits import asked
 from fcaudit.engine.execution import TIMING_WARMUP
 from fcaudit.engine.exits import PROBE_ROWS, check_passes
 from fcaudit.engine.options import Prepared, Progress, say
-from fcaudit.engine.plan import OneSite, plan_runs
+from fcaudit.engine.plan import OneSite, Run, plan_runs
 from fcaudit.engine.prepare import not_measured, runs_elsewhere
 from fcaudit.engine.probe import Probe, first_batch
 from fcaudit.engine.stages import calibration_shard, eval_shard
@@ -128,10 +128,7 @@ def audit_plan(setup: Prepared, first: Probe) -> AuditPlan:
     main = len(runs) - per_layer - sum(own.values())
     later = sum(c.replay_runs for c in costs)
     exits = _exit_stage(setup, n_eval, n_calib, first)
-    # the prefix schedule proves each per-layer site's prefix once a batch (the first
-    # site has none to prove)
-    proofs = max(len({r.target.only_site for r in runs if isinstance(r.target, OneSite)}) - 1,
-                 0) if opts.schedule == "prefix" and setup.blocks is not None else 0
+    proofs = _prefix_proofs(setup, runs)
     stages = [
         Stage("record", n_eval - 1 + n_calib, (n_eval - 1 + n_calib) * record_s),
         Stage("replay", (main + 1) * n_eval, (main + 1) * n_eval * replay_s),
@@ -150,6 +147,18 @@ def audit_plan(setup: Prepared, first: Probe) -> AuditPlan:
                         int(first.nll.shape[0]), inputs.n_eval, inputs.n_calib, size,
                         len(runs) + later)
     return AuditPlan(tuple(stages), cache, inputs.n_eval, (record_s, replay_s), size)
+
+
+def _prefix_proofs(setup: Prepared, runs: Sequence[Run]) -> int:
+    """The prefix schedule's proofs per batch: one per per-layer site whose prefix holds a
+    block, that is every such site but those inside the first declared block (a site
+    outside the blocks, such as an exit rule after one, has the blocks called before it)."""
+    if setup.options.schedule != "prefix" or not setup.blocks:
+        return 0
+    first = setup.blocks[0]
+    sites = {r.target.only_site for r in runs if isinstance(r.target, OneSite)}
+    return sum(1 for s in sites if s is not None and s.path != first
+               and not s.path.startswith(f"{first}."))
 
 
 def _warm(first: Probe) -> float:

@@ -310,6 +310,36 @@ def test_the_field_is_named_in_the_audit_folder_too(audits: dict[str, Path],
         AuditResult.read(folder / "audit.json")
 
 
+def _estimates(node: Any, path: str = "") -> Iterator[tuple[str, dict]]:
+    """Every ``{value, ci95}`` estimate in the JSON with the dotted path messages use."""
+    if isinstance(node, dict):
+        if isinstance(node.get("value"), float) and isinstance(node.get("ci95"), list):
+            yield path, node
+        for key, value in node.items():
+            yield from _estimates(value, f"{path}.{key}" if path else key)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _estimates(value, f"{path}[{i}]")
+
+
+def test_an_analysis_s_estimate_outside_its_interval_is_named_at_its_key(
+        audits: dict[str, Path]) -> None:
+    """An analysis's section sits at audit.json's top level: an estimate moved outside its
+    own interval is refused by the path a reader finds it at (no ``analyses.`` before it),
+    for every estimate of the frontier's section and of an exit model's."""
+    from tests.test_exit_conditions import audit as exit_audit
+    from tests.test_exit_conditions import make as exit_model
+    for data, key in ((raw(audits["frontier"]), "frontier"), (exit_audit(exit_model()), "exits")):
+        found = list(_estimates(data[key], key))
+        assert found, key
+        for path, _ in found:
+            edited = json.loads(json.dumps(data))
+            target = dict(_estimates(edited[key], key))[path]
+            target["value"] = target["ci95"][1] + 1.0
+            with pytest.raises(FcauditError, match=re.escape(f"result: {path}.value is ")):
+                AuditResult.from_json(edited)
+
+
 def test_an_edited_number_is_refused_by_the_recorded_digest(
         audits: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A well-formed edit (a penalty made smaller) in the audit's own folder: the marker's

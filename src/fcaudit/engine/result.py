@@ -492,15 +492,19 @@ def _dataclasses(node: Any, path: str) -> Iterator[tuple[str, Any]]:
     if dataclasses.is_dataclass(node):
         yield path, node
         for f in dataclasses.fields(node):
-            if not (path == "" and f.name in NOT_REBUILT):
-                yield from _dataclasses(getattr(node, f.name),
-                                        f"{path}.{f.name}" if path else f.name)
+            if not (path == "" and f.name in NOT_REBUILT):  # analyses: at audit.json's top
+                yield from _dataclasses(getattr(node, f.name), "" if path == "" and
+                                        f.name == "analyses" else _dotted(path, f.name))
     elif isinstance(node, dict):
         for key, value in node.items():
-            yield from _dataclasses(value, f"{path}.{key}")
+            yield from _dataclasses(value, _dotted(path, key))
     elif isinstance(node, list):
         for i, value in enumerate(node):
             yield from _dataclasses(value, f"{path}[{i}]")
+
+
+def _dotted(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
 
 
 def _inside(path: str, node: Any) -> None:

@@ -39,7 +39,6 @@ def asked(setup: Any) -> bool:
     return bool(wanted) and bool(exit_sites(setup.sites))
 
 
-
 def degenerate(own: Tensor, layers: int, unit: str) -> str | None:
     """A rule that does not adapt, in words: every ``unit`` (token, patch, example) stops
     at one and the same layer (none exits before the last, all after the first, or all
@@ -66,7 +65,7 @@ def plan_note(plan: ExitPlan | None) -> str | None:
 
 
 def exit_summary(plan: ExitPlan, gap: Retention | None, boot: Bootstrap,
-                 frontier: ExitFrontier | None = None) -> ExitSummary:
+                 frontier: ExitFrontier) -> ExitSummary:
     """The audit.json section of an exit model (no depth per position where the sites have
     no position axis). The evaluation mean depth's interval resamples examples (``boot``),
     as every interval of the audit does."""

@@ -15,14 +15,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from fcaudit.core.conditions import CORRECT, FIXED_EXIT, FRONTIER, ORACLE_EXIT, needing
 from fcaudit.engine.analyses.base import Analysis, Cost, Later, Target
 from fcaudit.engine.frontier_parts import ExitFrontier, ExitMatch, ExitSummary, ExitSweepPoint
 from fcaudit.engine.result_parts import EXITS, Retention
 
 if TYPE_CHECKING:
+    import numpy as np
     from torch import Tensor
 
     from fcaudit.core.contract import Site

@@ -6,6 +6,7 @@ computed here by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -94,6 +95,27 @@ def test_a_section_without_a_renderer_is_shown_as_json(tmp_path) -> None:
         write_report(result, tmp_path / "report")
     report = (tmp_path / "report" / "report.md").read_text()
     assert "## halving\n\n```\n{\n \"halved\": {" in report
+
+
+def test_a_leading_section_is_placed_right_after_the_conditions_table(tmp_path) -> None:
+    """A renderer that ``leads`` (its section details an answer the verdict gives first)
+    is placed right after the conditions table; without ``leads``, after the core detail
+    and the other analyses' sections, before what reproduces the audit."""
+    heads = {}
+    for leads in (True, False):
+        with ANALYSES.added(HALVING), RENDERERS.added(dataclasses.replace(RENDER,
+                                                                            leads=leads)):
+            result, _, _ = _audit(toys.content_model(), tmp_path / str(leads), ["gates.*"],
+                                  execution=False)
+            write_report(result, tmp_path / str(leads) / "report")
+        md = (tmp_path / str(leads) / "report" / "report.md").read_text()
+        heads[leads] = [line[3:] for line in md.splitlines() if line.startswith("## ")]
+    first = heads[True]
+    assert first[first.index("Conditions") + 1] == "Halving"
+    last = heads[False]
+    assert last.index("Halving") == len(last) - 2  # the other analyses', then the detail
+    assert last[-1] == "Reproducibility" and last.index("Execution") < last.index("Halving")
+    assert [h for h in first if h != "Halving"] == [h for h in last if h != "Halving"]
 
 
 def test_an_analysis_named_like_a_key_of_audit_json_is_refused(tmp_path) -> None:

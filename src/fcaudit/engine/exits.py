@@ -318,7 +318,7 @@ def sweep_layers(setup: Any, net: Any, own: Tensor,
         with threshold_set(net, tau):
             layers = torch.cat([own_exits(net, lambda x=x: call_model(setup.model, x)).cpu()
                                 for _, x in batches(setup.eval_source, size, device)])
-        tick("exit references: threshold sweep", done, len(thresholds), f"{tau:.3g}")
+        tick("exit frontier references: threshold sweep", done, len(thresholds), f"{tau:.3g}")
         if not any(torch.equal(layers, seen) for seen in [own, *(t for _, t in out)]):
             out.append((tau, layers))
     return tuple(out)

@@ -6,6 +6,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fcaudit.core.conditions import FRONTIER
+
 if TYPE_CHECKING:  # reading an audit.json loads no torch
     from torch import Tensor
 
@@ -61,6 +63,20 @@ class Target:
         """Of a target that :attr:`counts_picks`: the token-slots whose routing rule still
         picked what the run removed (``chosen``: each router's selections in the run)."""
         raise NotImplementedError
+
+
+class PointRun(Target):
+    """A frontier point's run (the savings frontier's, the exit frontier's): keyed, and
+    named in digests, by its point's ``key``."""
+
+    point: Any
+    condition = FRONTIER
+
+    def key(self, condition: str) -> str:
+        return str(self.point.key)
+
+    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
+        return (None, False, None, str(self.point.key))
 
 
 def picking_rows(runs: Sequence[Any]) -> list[int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fcaudit.core.conditions import CORRECT, FIXED_EXIT, FRONTIER, ORACLE_EXIT, needing
-from fcaudit.engine.analyses.base import Analysis, Cost, Later, Target
+from fcaudit.engine.analyses.base import Analysis, Cost, Later, PointRun
 from fcaudit.engine.frontier_parts import ExitFrontier, ExitMatch, ExitSummary, ExitSweepPoint
 from fcaudit.engine.result_parts import EXITS, Retention
 
@@ -237,20 +237,13 @@ def _sentence(own: ExitSweepPoint) -> str:
 
 
 @dataclass(frozen=True)
-class ExitRun(Target):
+class ExitRun(PointRun):
     """An exit-frontier point: the learned exit rule at another threshold, or fixed exit at
     one depth, fed as the exit scores that carry its exits out (``plan``: the references
     with the sweep's exits, which travel with the run)."""
 
     point: ExitPoint
     plan: ExitPlan = field(compare=False, repr=False)
-    condition = FRONTIER
-
-    def key(self, condition: str) -> str:
-        return self.point.key
-
-    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
-        return (None, False, None, self.point.key)
 
     def feed(self, run: Any, b: int, inputs: Any,
              correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:

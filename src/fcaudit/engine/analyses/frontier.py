@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from fcaudit.core.conditions import FRONTIER
 from fcaudit.core.errors import FcauditError, arg
-from fcaudit.engine.analyses.base import Analysis, Cost, Later, Target
+from fcaudit.engine.analyses.base import Analysis, Cost, Later, PointRun
 from fcaudit.engine.frontier_parts import FrontierFamily
 
 if TYPE_CHECKING:
@@ -27,18 +27,11 @@ GATE = "gate"  # engine.frontier.GATE, without its torch
 
 
 @dataclass(frozen=True)
-class FrontierRun(Target):
+class FrontierRun(PointRun):
     """A savings-frontier point: its rule's gates switched off where it skips."""
 
     point: FrontierPoint
     counts_rerouting = True
-    condition = FRONTIER
-
-    def key(self, condition: str) -> str:
-        return self.point.key
-
-    def identity(self) -> tuple[str | None, bool, int | None, str | None]:
-        return (None, False, None, self.point.key)
 
     def feed(self, run: Any, b: int, inputs: Any,
              correct: dict[Site, Tensor]) -> Mapping[Site, Tensor]:

@@ -50,7 +50,8 @@ def test_a_cache_returned_by_the_model_is_never_fed_back(tmp_path) -> None:
         h.remove()
     result = audit(model, tmp_path / "out", sites=sites(), data=toy_data(), options=FAST)
     assert result.identity_replay_max_abs_diff == 0.0  # bitwise: no cache crossed over
-    parts = result.variance["x_proj"].parts
+    assert result.selection_parts is not None
+    parts = result.selection_parts["x_proj"]
     assert list(parts) == ["dt", "B", "C"]
     x = np.stack([np.concatenate(t) for t in taken])  # [L, N, T, K]
     for name, cut in (("dt", slice(0, RANK)), ("B", slice(RANK, RANK + STATE)),

@@ -24,7 +24,7 @@ from torch import nn
 
 from fcaudit.api import audit
 from fcaudit.core.contract import Selection, Site
-from fcaudit.core.errors import ModelError
+from fcaudit.core.errors import DataError, ModelError
 from fcaudit.engine.metrics import TokenShare, VarianceAccumulator
 from fcaudit.engine.result import AuditResult
 
@@ -185,20 +185,24 @@ def test_every_named_coefficient_has_the_shares_numpy_computes(selective) -> Non
     result, _ = selective
     ids = toy_data().eval_ids
     recorded = _recorded(ToySelective(), ids)
-    select = result.variance["select"]
-    assert list(select.parts) == ["decay", "write"]
+    assert result.selection_parts is not None
+    assert list(result.selection_parts) == ["select", "gate"]
+    select = result.selection_parts["select"]
+    assert list(select) == ["decay", "write"]
     for name, cut in (("decay", slice(0, D)), ("write", slice(D, 2 * D))):
         want = shares(recorded["select"][..., cut])
         for key, value in want.items():
-            assert getattr(select.parts[name], key) == pytest.approx(value, abs=1e-9), key
-        assert select.parts[name].eta2_token_id == pytest.approx(
+            assert getattr(select[name], key) == pytest.approx(value, abs=1e-9), key
+        assert select[name].eta2_token_id == pytest.approx(
             token_share(recorded["select"][..., cut], ids), abs=1e-9)
     # the pooled figure is the whole tensor's, as before
-    assert select.eta2_layer == pytest.approx(shares(recorded["select"])["eta2_layer"], abs=1e-9)
+    assert result.variance["select"].eta2_layer == pytest.approx(
+        shares(recorded["select"])["eta2_layer"], abs=1e-9)
     # a selection family without parts is one coefficient named by its family
-    gate = result.variance["gate"]
-    assert list(gate.parts) == ["gate"]
-    assert gate.parts["gate"].eta2_residual == pytest.approx(gate.eta2_residual, abs=1e-12)
+    gate = result.selection_parts["gate"]
+    assert list(gate) == ["gate"]
+    assert gate["gate"].eta2_residual == pytest.approx(
+        result.variance["gate"].eta2_residual, abs=1e-12)
 
 
 def test_audit_json_lists_the_parts_the_selection_space_and_the_modes(selective) -> None:
@@ -209,9 +213,13 @@ def test_audit_json_lists_the_parts_the_selection_space_and_the_modes(selective)
                                           {"name": "write", "width": D}]
     assert sites["select.1"]["selection"] == SPACE
     assert sites["gate.0"]["selection"] == GATE_SPACE and "parts" not in sites["gate.0"]
-    assert set(raw["variance"]["select"]["parts"]) == {"decay", "write"}
-    assert set(raw["variance"]["select"]["parts"]["decay"]) >= {
+    # the selection parts analysis's section, at the top level; the pooled figures alone
+    # under variance
+    assert {fam: set(named) for fam, named in raw["selection_parts"].items()} == {
+        "select": {"decay", "write"}, "gate": {"gate"}}
+    assert set(raw["selection_parts"]["select"]["decay"]) >= {
         "eta2_layer", "eta2_position", "eta2_layer_position", "eta2_residual", "eta2_token_id"}
+    assert all("parts" not in v for v in raw["variance"].values())
     ex = raw["execution"]
     assert (ex["mode"], ex["dense_mode"], ex["dense_class"]) == (
         "recurrent scan", "fft convolution", "ToySelective")
@@ -219,9 +227,30 @@ def test_audit_json_lists_the_parts_the_selection_space_and_the_modes(selective)
     back = AuditResult.read(out / "audit.json")  # the new keys read back, typed
     assert back.sites[0].parts[1].width == D
     flat = back.metrics()  # each named coefficient's shares, flat for studies
-    assert flat["eta2_token_id@select.decay"] == raw["variance"]["select"]["parts"]["decay"][
-        "eta2_token_id"]
-    assert flat["eta2_layer@gate.gate"] == raw["variance"]["gate"]["eta2_layer"]
+    keys = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
+            "eta2_residual", "eta2_token_id", "eta2_token_id_chance", "epsilon2_token_id")
+    named = {f"selection_parts_{key}@{fam}.{part}": shares.get(key)
+             for fam, parts in raw["selection_parts"].items()
+             for part, shares in parts.items() for key in keys}
+    assert len(named) == 3 * len(keys)
+    assert {k: flat[k] for k in named} == named
+    assert flat["selection_parts_eta2_layer@gate.gate"] == raw["variance"]["gate"]["eta2_layer"]
+
+
+def test_an_audit_json_with_the_parts_under_variance_reads_back_alike(selective) -> None:
+    """Files written before the selection parts were an analysis hold each family's parts
+    at ``variance[family].parts``: they read back to the same result. One with both
+    places is no file fcaudit wrote, and is refused."""
+    _, out = selective
+    raw = json.loads((out / "audit.json").read_text(encoding="utf-8"))
+    named = raw["selection_parts"]
+    old = {k: v for k, v in raw.items() if k != "selection_parts"}
+    old["variance"] = {fam: {**v, "parts": named[fam]} if fam in named else v
+                       for fam, v in raw["variance"].items()}
+    assert AuditResult.from_json(old) == AuditResult.from_json(raw)
+    assert "parts" in old["variance"]["select"]  # the given content is left as it was
+    with pytest.raises(DataError, match=r"variance\.\w+\.parts is not a field of this schema"):
+        AuditResult.from_json({**old, "selection_parts": named})
 
 
 def test_the_report_states_the_lti_twin_and_a_row_per_coefficient(selective) -> None:
@@ -237,14 +266,15 @@ def test_the_report_states_the_lti_twin_and_a_row_per_coefficient(selective) -> 
     assert notes["`static-layer`"].endswith("the LTI twin: a time-invariant recurrence with "
                                             "each layer's mean selection")
     assert notes["`static-layer-token`"].endswith("is selection a lookup of the current token?")
-    table = md.split("Per coefficient", 1)[1].split("###", 1)[0]
+    section = md.split("\n## Named coefficients", 1)[1].split("\n## ", 1)[0]
+    table = section.split("### Family `select`", 1)[1].split("###", 1)[0]
     rows = [md_cells(line) for line in table.splitlines() if line.startswith("| `")
             or line.startswith("| pooled")]
     assert [r[:3] for r in rows] == [["`decay`", "0–3", "1,536"], ["`write`", "4–7", "1,536"],
                                      ["pooled", "all", "3,072"]]  # 2 layers x 12 x 16 x 4
-    assert "| `gate` | all | 384 |" in md  # the one coefficient of the gate family
-    parts = json.loads((out / "audit.json").read_text(encoding="utf-8"))["variance"]["select"][
-        "parts"]
+    assert "| `gate` | all | 384 |" in section  # the one coefficient of the gate family
+    parts = json.loads((out / "audit.json").read_text(encoding="utf-8"))["selection_parts"][
+        "select"]
     def said(part: dict) -> str:  # beyond chance, (share - chance) / (1 - chance), first
         share, chance = part["eta2_token_id"], part["eta2_token_id_chance"]
         assert part["epsilon2_token_id"] == pytest.approx((share - chance) / (1 - chance))
@@ -266,10 +296,10 @@ def test_an_audit_without_selection_sites_says_none_of_it(tmp_path) -> None:
                    options=FAST)
     md = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
     raw = json.loads((tmp_path / "out" / "audit.json").read_text(encoding="utf-8"))
-    assert "LTI" not in md and "Per coefficient" not in md
+    assert "LTI" not in md and "Named coefficients" not in md
+    assert "selection_parts" not in raw and result.selection_parts is None
     assert all("parts" not in v for v in raw["variance"].values())
     assert all("selection" not in s and "parts" not in s for s in raw["sites"])
-    assert all(v.parts is None for v in result.variance.values())
 
 
 # ------------------------------------------------------------------------- bad declarations
@@ -310,7 +340,8 @@ def test_parts_given_as_lists_are_read_as_the_tuples(tmp_path) -> None:
               for i in range(LAYERS)]
     result = audit(Declared(listed), tmp_path / "out", data=toy_data(), options=FAST,
                    report=False)
-    assert list(result.variance["select"].parts) == ["decay", "write"]
+    assert result.selection_parts is not None
+    assert list(result.selection_parts["select"]) == ["decay", "write"]
     assert [(p.name, p.width) for p in result.sites[0].parts] == list(PARTS)
 
 

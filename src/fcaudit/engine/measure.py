@@ -211,8 +211,8 @@ def build_result(m: Measurements, cache: CoefficientCache, command: str | None,
     timings["total_s"] = time.perf_counter() - setup.started
     identity = m.identity
     seeds = setup.seeds
-    analyses = analysis_sections(setup, m.runs, m.replays, m.profiles, m.shapes, m.states,
-                                 cache, execution, m.progress)
+    analyses = analysis_sections(setup, m.runs, m.replays, m.profiles, description.parts,
+                                 m.shapes, m.states, cache, execution, m.progress)
     verdict, verdict_numbers = _verdict(m, execution, analyses.get(EXITS))
     return AuditResult(
         schema=SCHEMA, fcaudit_version=__version__, model=_model_info(setup),

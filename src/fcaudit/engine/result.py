@@ -43,6 +43,7 @@ from fcaudit.engine.analyses import (
     expert_importance,
     frontier,
     routing,
+    selection_parts,
     token_profile,
 )
 from fcaudit.engine.frontier_parts import ExitSummary, FrontierFamily
@@ -171,6 +172,11 @@ class AuditResult:
         return (self.analyses or {}).get(routing.ANALYSIS.name)
 
     @property
+    def selection_parts(self) -> dict[str, dict[str, VarianceShares]] | None:
+        """Per family that names its coefficients: each one's variance decomposed alone."""
+        return (self.analyses or {}).get(selection_parts.ANALYSIS.name)
+
+    @property
     def expert_importance(self) -> dict[str, ImportanceSummary] | None:
         """Per router family: each ablated expert's penalty beside its load."""
         return (self.analyses or {}).get(expert_importance.ANALYSIS.name)
@@ -194,6 +200,7 @@ class AuditResult:
             found = data.get("schema") if isinstance(data, dict) else type(data).__name__
             raise DataError(f"{source} has schema {found!r}, expected {SCHEMA!r}; rerun the "
                             "audit with this fcaudit version")
+        data = selection_parts.lift_from_variance(data)  # as written before that analysis
         # sections read back by name: an analysis this fcaudit lacks is an unknown key
         sections = {a.name: data[a.name] for a in ANALYSES.values() if a.name in data}
         try:

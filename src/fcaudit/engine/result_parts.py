@@ -79,6 +79,13 @@ COMPONENT_WORDS = {
     "expert": "; expert: which expert a router logit scores, beyond its layer and position"}
 
 
+# VarianceShares' shares of the total, and its token-id share, chance level and share
+# beyond chance (as metrics name them)
+ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
+             "eta2_residual")
+TOKEN_ID_KEYS = ("eta2_token_id", "eta2_token_id_chance", "epsilon2_token_id")
+
+
 @dataclass
 class VarianceShares:
     """Variance decomposition of one family's coefficients (shares sum to 1)."""
@@ -104,9 +111,6 @@ class VarianceShares:
     # headline; None when chance is 1). Absent from results written before issue 37
     eta2_token_id_chance: float | None = _omit_none()
     epsilon2_token_id: float | None = _omit_none()
-    # per named coefficient (the sites' ``parts``; a selection family without parts: one,
-    # named by its family), each one's channels decomposed alone like the pooled figure
-    parts: dict[str, VarianceShares] | None = _omit_none()
 
     def axes(self) -> list[tuple[str, float]]:
         """Every axis of the decomposition with its share, named; the shares sum to 1

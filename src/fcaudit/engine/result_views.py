@@ -22,6 +22,7 @@ from fcaudit.core.conditions import (
 )
 from fcaudit.core.errors import FcauditError
 from fcaudit.engine.analyses import analysis_intervals, analysis_metrics
+from fcaudit.engine.result_parts import ETA2_KEYS, TOKEN_ID_KEYS
 
 if TYPE_CHECKING:
     from fcaudit.engine.result import AuditResult
@@ -31,11 +32,7 @@ if TYPE_CHECKING:
         ExecutionSection,
     )
 
-ETA2_KEYS = ("eta2_layer", "eta2_position", "eta2_layer_position", "eta2_component",
-             "eta2_residual")
 EXIT_THRESHOLD, EXIT_MEAN_DEPTH = "exit_threshold", "exit_mean_depth"  # exit models' keys
-# the token-id share, its chance level and the share beyond chance (VarianceShares)
-TOKEN_ID_KEYS = ("eta2_token_id", "eta2_token_id_chance", "epsilon2_token_id")
 
 
 def delta_key(condition: str) -> str:
@@ -86,9 +83,8 @@ def metrics(r: AuditResult) -> dict[str, float | None]:
     """The result's numbers, flat: NLL of correct (and accuracy for classification), every
     condition's penalty (None where it does not apply; custom ones too), the interaction,
     each profile's retention, the main family's variance shares with the token-id share,
-    its chance level and the share beyond chance (and every named coefficient's, as
-    ``<share>@<family>.<coefficient>``), execution fractions, the frontier and re-routing;
-    intervals are in :func:`metric_intervals`."""
+    its chance level and the share beyond chance, execution fractions, the frontier and
+    re-routing, and the analyses' numbers; intervals are in :func:`metric_intervals`."""
     c = r.conditions
     out: dict[str, float | None] = {NLL_CORRECT: c[CORRECT].nll}
     if c[CORRECT].accuracy is not None:  # a classification objective
@@ -101,9 +97,6 @@ def metrics(r: AuditResult) -> dict[str, float | None]:
             for p in audited(r.retention, REPORTED_RETENTION)} | _accuracy_retention(r, "value")
     main = r.variance[r.families[0]]  # the first family in site order is the main one
     out |= {key: getattr(main, key) for key in (*ETA2_KEYS, *TOKEN_ID_KEYS)}
-    out |= {f"{key}@{fam}.{part}": getattr(shares, key)  # named coefficients (Selection.parts)
-            for fam, var in r.variance.items() for part, shares in (var.parts or {}).items()
-            for key in (*ETA2_KEYS, *TOKEN_ID_KEYS)}
     out |= _execution_metrics(r) | _frontier_metrics(r) | _rerouted(r) | _exit_metrics(r)
     extra = analysis_metrics(r.analyses or {})
     if clash := sorted(set(extra) & set(out)):

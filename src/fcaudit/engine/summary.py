@@ -173,12 +173,16 @@ class Description:
     variation: dict[str, Variation]
     profiles: dict[str, Profile]
     original_nll: np.ndarray  # [N] per-sequence mean NLL of the record pass
+    # per family that names its coefficients: each one decomposed alone (the selection
+    # parts analysis's section)
+    parts: dict[str, dict[str, VarianceShares]]
 
 
 def describe(cache: CoefficientCache, sites: Sequence[Site],
              ids: np.ndarray | None) -> Description:
     """Variance (with the token-id share, from the evaluation token ids ``ids``; none
-    without them), variation and profiles per family, and the original per-sequence NLL."""
+    without them), variation and profiles per family, the original per-sequence NLL, and
+    each named coefficient's variance (:func:`part_variance`)."""
     members = {f: [s for s in sites if s.family == f] for f in families(sites)}
     accumulators = {f: VarianceAccumulator(m) for f, m in members.items()}
     tokens = {f: TokenShare(m) for f, m in members.items()}
@@ -194,11 +198,12 @@ def describe(cache: CoefficientCache, sites: Sequence[Site],
         nll = cache.batch(b, EvaluationShard.NLL)
         original[rows.start:rows.stop] = nll.double().mean(1).numpy()
     variance = {f: dataclasses.replace(
-        a.decompose(), **(tokens[f].shares() if ids is not None else {}),
-        parts=part_variance(members[f], a, tokens[f] if ids is not None else None))
+        a.decompose(), **(tokens[f].shares() if ids is not None else {}))
         for f, a in accumulators.items()}
+    parts = {f: named for f, a in accumulators.items() if (named := part_variance(
+        members[f], a, tokens[f] if ids is not None else None)) is not None}
     return Description(variance, {f: a.variation() for f, a in accumulators.items()},
-                       {f: a.profile() for f, a in accumulators.items()}, original)
+                       {f: a.profile() for f, a in accumulators.items()}, original, parts)
 
 
 # ---------------------------------------------------------------------- parts
@@ -208,7 +213,7 @@ def describe(cache: CoefficientCache, sites: Sequence[Site],
 # variance shares mix three coefficients with different roles, so each is also decomposed
 # alone. The declarations are checked on the first batch (one line naming the site, never an
 # index error after the whole audit), and they reach ``audit.json`` through the sites listing
-# and ``variance[family].parts``.
+# and the selection parts analysis's section (:mod:`fcaudit.engine.analyses.selection_parts`).
 
 PARTS_FIX = ("declare Selection(space, parts=((name, width), ...)) with distinct names and "
              "positive widths that add up to the coefficient's last axis")

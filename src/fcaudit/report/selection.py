@@ -3,18 +3,17 @@
 Sites that declare ``selection`` are a recurrence's selection parameters (Mamba's Δ, B, C;
 a decay or an input gate): there ``static-layer`` is the LTI twin (each layer fed the
 calibration mean of its selection parameters, a time-invariant recurrence), and the
-report says so beside the retentions, naming the space the mean was taken in. Sites that
-declare ``parts`` get one variance row per named coefficient beside the pooled one. An
-audit without either reads exactly as before.
+report says so beside the retentions, naming the space the mean was taken in; the
+variation answer quotes each named coefficient's token-id share (its rows are the
+selection parts' section, :mod:`fcaudit.report.sections.selection_parts`). An audit
+without selection sites reads exactly as before.
 """
 
 from __future__ import annotations
 
 from fcaudit.core.conditions import STATIC_LAYER, STATIC_LAYER_POSITION, STATIC_LAYER_TOKEN
-from fcaudit.engine.result import ETA2_KEYS, TOKEN_ID_KEYS, AuditResult, VarianceShares
-from fcaudit.report.figures import SHARE_LABELS
-from fcaudit.report.format import fmt_num, fmt_share
-from fcaudit.report.markdown import md_code, md_table, md_text
+from fcaudit.engine.result import AuditResult
+from fcaudit.report.markdown import md_code, md_text
 
 # what each static profile is on selection sites (the retention table's note)
 PROFILE_NOTES = {
@@ -77,44 +76,13 @@ def variation_facts(r: AuditResult) -> list[str]:
     within layers, beyond chance and beside its chance level (the variation answer quotes
     the pooled figure only)."""
     facts = []
-    for fam, var in r.variance.items():
-        shares = [f"{md_code(name)}: {md_text(said)}" for name, p in (var.parts or {}).items()
+    for fam, named in (r.selection_parts or {}).items():
+        shares = [f"{md_code(name)}: {md_text(said)}" for name, p in named.items()
                   if (said := p.token_id_text()) is not None]
-        if shares and (len(shares) > 1 or next(iter(var.parts or {})) != fam):
+        if shares and (len(shares) > 1 or next(iter(named)) != fam):
             facts.append(f"{md_code(fam)} per coefficient, within layers: "
                          f"{'; '.join(shares)}.")
     return facts
-
-
-def _channels(r: AuditResult, family: str) -> dict[str, str]:
-    """Each named coefficient's channels on the last axis, as shown (declared order)."""
-    site = next(s for s in r.sites if s.family == family)
-    out, start = {}, 0
-    for part in site.parts or ():
-        out[part.name] = f"{start}–{start + part.width - 1}" if part.width > 1 else str(start)
-        start += part.width
-    return out or {family: "all"}
-
-
-def coefficient_table(r: AuditResult, family: str, var: VarianceShares) -> list[str]:
-    """One row per named coefficient (each decomposed alone) and the pooled row."""
-    if not var.parts:
-        return []
-    shown = _channels(r, family)
-    order = [*shown, *(p for p in var.parts if p not in shown)]
-    keys = (*ETA2_KEYS, *TOKEN_ID_KEYS)
-    rows = [[md_code(name), shown.get(name, ""), fmt_num(var.parts[name].n_values),
-             *(fmt_share(getattr(var.parts[name], k)) for k in keys)]
-            for name in order if name in var.parts]
-    rows.append(["pooled", "all", fmt_num(var.n_values),
-                 *(fmt_share(getattr(var, k)) for k in keys)])
-    header = ("coefficient", "channels", "values", *(SHARE_LABELS[k] for k in ETA2_KEYS),
-              "token id (within layers)", "its chance level", "token id beyond chance")
-    return ["Per coefficient (each one's channels decomposed alone; the token-id share is "
-            "of the variance within layers, beside its chance level (k − 1) / (n − 1) for k "
-            "distinct ids among n tokens, and the share beyond chance, (share − chance) / "
-            "(1 − chance)):",
-            md_table(header, rows, "llr" + "r" * len(keys))]
 
 
 def execution_note(r: AuditResult) -> list[str]:

@@ -18,7 +18,6 @@ from fcaudit.report.figures import SHARE_LABELS
 from fcaudit.report.format import fmt_num, fmt_share, fmt_with_ci
 from fcaudit.report.markdown import md_code, md_table, md_text
 from fcaudit.report.report_parts import _by_family, _ordered
-from fcaudit.report.selection import coefficient_table
 
 
 def per_layer_section(r: AuditResult) -> list[str]:
@@ -82,7 +81,6 @@ def variance_section(r: AuditResult) -> list[str]:
         if var.components_note and var.component_axis:
             blocks.append(f"Rows {md_code(f'{var.component_axis} [i] alone')}: "
                           f"{md_text(var.components_note)}.")
-        blocks += coefficient_table(r, fam, var)
     return blocks
 
 

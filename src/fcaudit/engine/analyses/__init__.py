@@ -23,6 +23,7 @@ from fcaudit.engine.analyses import (
     expert_importance,
     frontier,
     routing,
+    selection_parts,
     tasks,
     token_profile,
 )
@@ -35,7 +36,7 @@ __all__ = ["ANALYSES", "Analysis", "Section", "analysis_intervals", "analysis_me
 # after the savings frontier's, as in the caches of earlier versions)
 ANALYSES: Registry[Analysis] = Registry("analysis", (
     frontier.ANALYSIS, routing.ANALYSIS, expert_importance.ANALYSIS, token_profile.ANALYSIS,
-    tasks.ANALYSIS, exits.ANALYSIS))
+    selection_parts.ANALYSIS, tasks.ANALYSIS, exits.ANALYSIS))
 
 
 def analysis_metrics(sections: Mapping[str, Section]) -> dict[str, float | None]:

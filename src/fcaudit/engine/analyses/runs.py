@@ -27,7 +27,7 @@ from fcaudit.engine.passes import Ranks, batches
 from fcaudit.engine.plan import AllSites, ReplayInputs, Run, custom_feed
 from fcaudit.engine.probe import Probe, first_batch
 from fcaudit.engine.result import dump
-from fcaudit.engine.result_parts import ConditionResult, ExecutionSection
+from fcaudit.engine.result_parts import ConditionResult, ExecutionSection, VarianceShares
 from fcaudit.engine.stages import (
     Replays,
     frontier_calibration,
@@ -113,12 +113,15 @@ def resolve_later(recorded: Recorded, later: Sequence[tuple[str, Later]]
 class Measured:
     """What an analysis summarises from: the prepared audit, every run in plan order with
     its per-sequence losses by run key (repeats in order), the replays' routing counts,
-    the calibration profiles, the probe's coefficient shapes, what each analysis's
-    :class:`Later` resolved (by name), the cache and the execution section."""
+    the calibration profiles, the description pass's named coefficients, the probe's
+    coefficient shapes, what each analysis's :class:`Later` resolved (by name), the cache
+    and the execution section."""
 
     setup: Prepared
     repeats: Mapping[str, list[np.ndarray]]
     profiles: StaticProfiles  # the calibration set's static profiles
+    # per family that names its coefficients: each one's variance decomposed alone
+    parts: Mapping[str, dict[str, VarianceShares]]
     runs: Sequence[Run]
     replays: Replays
     shapes: Mapping[str, tuple[int, ...]]  # each site's coefficients on the probe's batch
@@ -166,7 +169,8 @@ def analysis_runs(setup: Prepared, first: Probe
 
 
 def analysis_sections(setup: Prepared, runs: Sequence[Run], replays: Replays,
-                      profiles: StaticProfiles, shapes: Mapping[str, tuple[int, ...]],
+                      profiles: StaticProfiles, parts: Mapping[str, dict[str, VarianceShares]],
+                      shapes: Mapping[str, tuple[int, ...]],
                       states: Mapping[str, Any], cache: CoefficientCache,
                       execution: ExecutionSection, progress: Progress) -> dict[str, Section]:
     """Each analysis's section from the measured runs, leaving out those that return None:
@@ -174,8 +178,8 @@ def analysis_sections(setup: Prepared, runs: Sequence[Run], replays: Replays,
     repeats: dict[str, list[np.ndarray]] = {}
     for run, values in zip(runs, replays.per_run, strict=True):
         repeats.setdefault(run.key, []).append(values)
-    measured = Measured(setup, repeats, profiles, runs, replays, shapes, states, cache,
-                        execution, progress)
+    measured = Measured(setup, repeats, profiles, parts, runs, replays, shapes, states,
+                        cache, execution, progress)
     out = {}
     for analysis in ANALYSES.values():
         section = analysis.summarise(measured, analysis)

@@ -14,6 +14,7 @@ from fcaudit.report.sections import (
     expert_importance,
     frontier,
     routing,
+    selection_parts,
     tasks,
     token_profile,
 )
@@ -24,7 +25,7 @@ __all__ = ["RENDERERS", "Renderer", "analysis_sections"]
 # one renderer per analysis that has one, in any order (the report follows the analyses')
 RENDERERS: Registry[Renderer] = Registry("section renderer", (
     frontier.RENDERER, routing.RENDERER, expert_importance.RENDERER, token_profile.RENDERER,
-    tasks.RENDERER, exits.RENDERER))
+    selection_parts.RENDERER, tasks.RENDERER, exits.RENDERER))
 
 
 def analysis_sections(r: AuditResult, leading: bool = False) -> list[list[str]]:

@@ -11,6 +11,7 @@ engine's streaming sums); a constructed tensor checks the accumulators alone.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -251,6 +252,20 @@ def test_an_audit_json_with_the_parts_under_variance_reads_back_alike(selective)
     assert "parts" in old["variance"]["select"]  # the given content is left as it was
     with pytest.raises(DataError, match=r"variance\.\w+\.parts is not a field of this schema"):
         AuditResult.from_json({**old, "selection_parts": named})
+    # a wrong value is refused at the path the file has, not where this version keeps it
+    for place, bad in ((("select", "parts"), 5), (("select", "parts", "decay"), []),
+                       (("gate", "parts", "gate", "eta2_layer"), "x"),
+                       (("select", "parts", "write", "n_values"), 1.5)):
+        edited = copy.deepcopy(old)
+        parent = edited["variance"]
+        for key in place[:-1]:
+            parent = parent[key]
+        parent[place[-1]] = bad
+        with pytest.raises(DataError) as caught:
+            AuditResult.from_json(edited)
+        said = str(caught.value)
+        assert f"result: variance.{'.'.join(place)} " in said, said
+        assert "selection_parts" not in said, said
 
 
 def test_the_report_states_the_lti_twin_and_a_row_per_coefficient(selective) -> None:

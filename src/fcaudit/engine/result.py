@@ -200,17 +200,18 @@ class AuditResult:
             found = data.get("schema") if isinstance(data, dict) else type(data).__name__
             raise DataError(f"{source} has schema {found!r}, expected {SCHEMA!r}; rerun the "
                             "audit with this fcaudit version")
-        data = selection_parts.lift_from_variance(data)  # as written before that analysis
-        # sections read back by name: an analysis this fcaudit lacks is an unknown key
-        sections = {a.name: data[a.name] for a in ANALYSES.values() if a.name in data}
         try:
             if "analyses" in data:  # never written: the sections sit at the top level
                 raise SchemaError("analyses", "is not a key of audit.json")
+            data, held = _held_elsewhere(data)
+            # sections read back by name: an analysis this fcaudit lacks is an unknown key
+            sections = {a.name: data[a.name] for a in ANALYSES.values() if a.name in data}
             result = load(cls, {k: v for k, v in data.items() if k not in sections})
+            sections = {k: load(ANALYSES[k].section_type or Any, v, k)
+                        for k, v in sections.items()} | held
             if sections:
                 result = dataclasses.replace(result, analyses={
-                    k: load(ANALYSES[k].section_type or Any, v, k)
-                    for k, v in sections.items()})
+                    a.name: sections[a.name] for a in ANALYSES.values() if a.name in sections})
             _check_conditions(result)
             check_consistent(result)
         except RecursionError as exc:  # data nested deeper than fcaudit's, given in memory
@@ -354,6 +355,18 @@ def _why_invalid(written: object) -> str:
 
 _DEFINED = {"conditions": REPORTED_CONDITIONS, "per_layer": PER_LAYER_CONDITIONS,
             "retention": REPORTED_RETENTION}  # the names each of these sections may hold
+
+
+def _held_elsewhere(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The content without what files written before an analysis held elsewhere, and
+    those sections, read from there (each analysis's ``earlier``)."""
+    held = {}
+    for a in ANALYSES.values():
+        if a.earlier is not None:
+            data, section = a.earlier(data)
+            if section is not None:
+                held[a.name] = section
+    return data, held
 
 
 def _check_conditions(r: AuditResult) -> None:

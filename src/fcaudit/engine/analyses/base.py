@@ -162,8 +162,11 @@ class Analysis:
     ``rows`` (its section -> the rows of ``AuditResult.to_frame(name)``) and ``compared``
     (its metrics are rows of ``fcaudit compare``) and ``settings`` (the measured audit and
     every section -> its keys of ``audit.json``'s ``settings``, given whether or not it
-    ran). Typed loosely here so that the result and the report can read this module
-    without the engine's passes."""
+    ran) and ``earlier`` (``audit.json`` content -> the content without what files
+    written before this analysis held elsewhere, and the section read from there, or
+    None: such files read back alike, a wrong value refused at the path the file has).
+    Typed loosely here so that the result and the report can read this module without
+    the engine's passes."""
 
     name: str
     plan: Callable[[Any, Any], Sequence[Intervention | Target | Later]]
@@ -177,6 +180,7 @@ class Analysis:
     rows: Callable[[Section], list[dict[str, Any]]] | None = None
     compared: bool = False
     settings: Callable[[Any, Mapping[str, Section]], Mapping[str, Any]] | None = None
+    earlier: Callable[[dict[str, Any]], tuple[dict[str, Any], Section | None]] | None = None
 
     def run_key(self, intervention: str) -> str:
         """The run key of this analysis's intervention named ``intervention``."""

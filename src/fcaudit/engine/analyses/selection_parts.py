@@ -12,6 +12,7 @@ from typing import Any
 
 from fcaudit.engine.analyses.base import Analysis
 from fcaudit.engine.result_parts import ETA2_KEYS, TOKEN_ID_KEYS, VarianceShares
+from fcaudit.io.typedjson import load
 
 Parts = dict[str, dict[str, VarianceShares]]  # family -> coefficient -> its decomposition
 
@@ -27,22 +28,25 @@ def metrics(section: Parts) -> dict[str, float | None]:
             for key in (*ETA2_KEYS, *TOKEN_ID_KEYS)}
 
 
-def lift_from_variance(data: dict[str, Any]) -> dict[str, Any]:
-    """``audit.json`` content written before this analysis, with each family's parts moved
-    from ``variance[family].parts`` to this section (a new dict; the given one is not
-    changed). Content that has the section already is returned as it is: a file with both
-    is refused by the strict reader, as neither is what fcaudit wrote."""
+def from_variance(data: dict[str, Any]) -> tuple[dict[str, Any], Parts | None]:
+    """``audit.json`` content written before this analysis, which held each family's parts
+    at ``variance[family].parts``: the content without them (a new dict) and the section
+    read from there, a wrong value refused at the path the file has. Content that has the
+    section already is returned as it is: a file with both is refused by the strict
+    reader, as neither is what fcaudit wrote."""
     variance = data.get("variance")
     if ANALYSIS.name in data or not isinstance(variance, dict):
-        return data
-    lifted = {family: v["parts"] for family, v in variance.items()
-              if isinstance(v, dict) and "parts" in v}
-    if not lifted:
-        return data
-    rest = {family: {k: x for k, x in v.items() if k != "parts"} if family in lifted else v
+        return data, None
+    held = {family: v["parts"] for family, v in variance.items()
+            if isinstance(v, dict) and "parts" in v}
+    if not held:
+        return data, None
+    rest = {family: {k: x for k, x in v.items() if k != "parts"} if family in held else v
             for family, v in variance.items()}
-    return {**data, "variance": rest, ANALYSIS.name: lifted}
+    return {**data, "variance": rest}, {
+        family: load(dict[str, VarianceShares], parts, f"variance.{family}.parts")
+        for family, parts in held.items()}
 
 
 ANALYSIS = Analysis("selection_parts", plan=lambda setup, probe: [], summarise=summarise,
-                    metrics=metrics, section_type=Parts)
+                    metrics=metrics, section_type=Parts, earlier=from_variance)

@@ -92,12 +92,10 @@ def _add_audit_data(parser: argparse.ArgumentParser) -> None:
     for name in ("data", "calib_data", "tokens", "calib_tokens"):
         data.add_argument("--" + name.replace("_", "-"), type=user_file, default=None,
                           help=AUDIT_DATA[name])
-    data.add_argument("--seq-len", type=int, default=None,
-                      help="tokens per scored window, as the audit's")
-    data.add_argument("--max-eval", type=int, default=None,
-                      help="evaluation sequences, as the audit's")
-    data.add_argument("--max-calib", type=int, default=None,
-                      help="calibration sequences, as the audit's")
+    for flag, what in (("--seq-len", "tokens per scored window"),
+                       ("--max-eval", "evaluation sequences"),
+                       ("--max-calib", "calibration sequences")):
+        data.add_argument(flag, type=int, default=None, help=f"{what}, as the audit's")
     general_options(parser, quiet=True)
 
 

@@ -15,11 +15,11 @@ from fcaudit.core.errors import DataError, UsageError
 ROUTES_SCHEMA = "fcaudit.routes/1"
 
 
-def _own_json(path: Path, schema: str) -> None:
-    """``path`` may be written: absent, or a file this command wrote before (its schema);
-    anything else is the user's, never overwritten."""
+def _own_json(path: Path | None, schema: str) -> None:
+    """``path`` (``--json``, None when not given) may be written: absent, or a file this
+    command wrote before (its schema); anything else is the user's, never overwritten."""
     import json
-    if not path.exists():
+    if path is None or not path.exists():
         return
     try:
         ours = json.loads(path.read_text(encoding="utf-8")).get("schema") == schema
@@ -51,8 +51,7 @@ def cmd_routes(args: argparse.Namespace) -> None:
         raise UsageError("--tensor-parallel-size: at least 1, and above 1 only with --engine "
                          "vllm (the eager pass runs in this process)",
                          option="tensor_parallel_size")
-    if args.json is not None:
-        _own_json(args.json, ROUTES_SCHEMA)
+    _own_json(args.json, ROUTES_SCHEMA)
     ids = load_npy(args.tokens, "--tokens")
     if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.size == 0:
         raise DataError(f"--tokens {args.tokens}: {ids.dtype} {list(ids.shape)}; give the "
@@ -93,8 +92,7 @@ def cmd_fold(args: argparse.Namespace) -> None:
     from fcaudit.engine.actions.fold import SCHEMA, fold
     from fcaudit.engine.actions.reopen import read_audit
     from fcaudit.io.fileio import write_json
-    if args.json is not None:
-        _own_json(args.json, SCHEMA)
+    _own_json(args.json, SCHEMA)
     if args.heal_steps is None and (args.heal_data or args.heal_out or args.heal_params):
         raise UsageError("--heal-data, --heal-params and --heal-out are read only with "
                          "--heal-steps N", option="heal_steps")
@@ -104,7 +102,7 @@ def cmd_fold(args: argparse.Namespace) -> None:
                              "beside the healed one)", option="heal_out")
         from fcaudit.io.runs import check_run_out
         check_run_out(args.heal_out, args.force)  # before the fold writes anything
-    spec = _audit_data(args)
+    spec = data_spec(args)
     from fcaudit.study.heal import check_heal, check_params
     if args.heal_steps is not None:  # what healing would refuse: before the fold writes
         check_heal(args.model or read_audit(args.audit).model.spec, args.heal_steps,
@@ -161,11 +159,12 @@ def _heal(args: argparse.Namespace, done: Any) -> Any:
     return healed
 
 
-def _audit_data(args: argparse.Namespace) -> Any:
-    """The audit's data, as an action on an audit folder is given it again."""
+def data_spec(args: argparse.Namespace) -> Any:
+    """The text or token-id data options as a checked DataSpec: the audit's own (``fcaudit
+    audit``), or the audit's data given again to an action on its folder."""
     from fcaudit.io.data import DataSpec
     counts = {k: getattr(args, k) for k in ("max_eval", "max_calib")
-              if getattr(args, k) is not None}
+              if getattr(args, k) is not None}  # else DataSpec's defaults
     spec = DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
                     calib_tokens=args.calib_tokens, seq_len=args.seq_len, **counts)
     spec.validate()
@@ -175,15 +174,14 @@ def _audit_data(args: argparse.Namespace) -> Any:
 def cmd_tasks(args: argparse.Namespace) -> None:
     from fcaudit.engine.actions.tasks import SCHEMA, evaluate_tasks
     from fcaudit.io.fileio import write_json
-    if args.json is not None:
-        _own_json(args.json, SCHEMA)
+    _own_json(args.json, SCHEMA)
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not names:
         raise UsageError("--tasks names no task: give lm-evaluation-harness task names, "
                          "comma-separated", option="tasks")
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit {args.limit}: at least 1 example per task", option="limit")
-    done = evaluate_tasks(args.audit, names, model=args.model, data=_audit_data(args),
+    done = evaluate_tasks(args.audit, names, model=args.model, data=data_spec(args),
                           include_path=args.include_path, limit=args.limit,
                           progress=None if args.quiet else _fold_progress)
     print(done.markdown())

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fcaudit.cli.actions import cmd_fold, cmd_routes, cmd_tasks
+from fcaudit.cli.actions import cmd_fold, cmd_routes, cmd_tasks, data_spec
 from fcaudit.cli.parser import audit_options, build_parser, given_options
 from fcaudit.core.errors import DataError, FcauditError, ModelError, UsageError, render
 from fcaudit.engine.objectives import CLASSIFICATION, OBJECTIVES
@@ -37,19 +37,13 @@ def run_words(info: dict[str, Any]) -> str:
 
 
 def _data_spec(args: argparse.Namespace) -> Any:
-    from fcaudit.io.data import DataSpec
     if args.inputs is not None or args.calib_inputs is not None:
         return _array_data(args)
     for flag in ("targets", "calib_targets"):
         if getattr(args, flag) is not None:
             raise UsageError(f"--{flag.replace('_', '-')} needs --inputs and --calib-inputs",
                              option=flag)
-    counts = {k: getattr(args, k) for k in ("max_eval", "max_calib")
-              if getattr(args, k) is not None}  # else DataSpec's defaults
-    spec = DataSpec(text=args.data, calib_text=args.calib_data, tokens=args.tokens,
-                    calib_tokens=args.calib_tokens, seq_len=args.seq_len, **counts)
-    spec.validate()
-    return spec
+    return data_spec(args)
 
 
 def _array_data(args: argparse.Namespace) -> Any:
@@ -227,10 +221,9 @@ def _study_rows(given: int | None, preset: str) -> int | None:
 
 def cmd_reproduce(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from fcaudit.study.reproduce import StudySettings, reproduce, study_options
-    if args.seeds is not None and args.seeds < 1:
-        raise UsageError(f"--seeds {args.seeds}: must be at least 1", option="seeds")
-    if args.steps is not None and args.steps < 1:
-        raise UsageError(f"--steps {args.steps}: must be at least 1", option="steps")
+    for name in ("seeds", "steps"):
+        if (value := getattr(args, name)) is not None and value < 1:
+            raise UsageError(f"--{name} {value}: must be at least 1", option=name)
     given = {k: v for k in ("repeats", "bootstrap") if (v := getattr(args, k)) is not None}
     options = study_options(**given, progress=not args.quiet)
     options.validate()

@@ -160,10 +160,9 @@ def add_option(parser: argparse.ArgumentParser | Any, name: str) -> None:
 def _add_flag(group: Any, f: dataclasses.Field[Any], spec: OptionSpec) -> None:
     flag = spec.flag or "--" + f.name.replace("_", "-")
     text = _help(f, spec)
-    if spec.action == "on":
-        group.add_argument(flag, dest=f.name, action="store_true", help=text)
-    elif spec.action == "off":
-        group.add_argument(flag, dest=f.name, action="store_false", help=text)
+    if spec.action in ("on", "off"):
+        group.add_argument(flag, dest=f.name, help=text,
+                           action="store_true" if spec.action == "on" else "store_false")
     elif spec.action == "either":
         group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                            default=None, help=text)
@@ -189,9 +188,10 @@ def _help(f: dataclasses.Field[Any], spec: OptionSpec) -> str:
 
 def audit_options(args: argparse.Namespace, **given: Any) -> AuditOptions:
     """The parsed flags as :class:`AuditOptions`; a flag left unset (None) leaves the field's
-    default, and ``given`` overrides."""
-    values = {f.name: _value(getattr(args, f.name), spec) for f, spec in option_specs()}
-    return AuditOptions(**{k: v for k, v in values.items() if v is not None}, **given)
+    default (a repeated flag's list: a tuple), and ``given`` overrides."""
+    values = {f.name: tuple(value) if spec.action == "append" else value
+              for f, spec in option_specs() if (value := getattr(args, f.name)) is not None}
+    return AuditOptions(**values, **given)
 
 
 def given_options(args: argparse.Namespace) -> set[str]:
@@ -200,11 +200,6 @@ def given_options(args: argparse.Namespace) -> set[str]:
     return {f.name for f, spec in option_specs()
             if (value := getattr(args, f.name, None)) is not None
             and (spec.action not in ("on", "off") or value != f.default)}
-
-
-def _value(value: Any, spec: OptionSpec) -> Any:
-    """A flag's parsed value as its field holds it (a repeated flag's list: a tuple)."""
-    return tuple(value) if spec.action == "append" and value is not None else value
 
 
 def _add_train(sub: Any) -> None:

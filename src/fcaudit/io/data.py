@@ -480,8 +480,7 @@ def _from_tokens(spec: DataSpec) -> AuditData:
     if spec.seq_len is not None and spec.seq_len != ev.shape[1]:
         raise UsageError(f"{arg('seq_len', spec.seq_len)} does not match the {ev.shape[1]}-"
                          f"token sequences of {spec.tokens}; drop {arg('seq_len')} (token "
-                         "arrays set it) "
-                         "or re-cut the arrays", option="seq_len")
+                         "arrays set it) or re-cut the arrays", option="seq_len")
     return _picked(ev, ca, spec, {"source": "tokens", "eval_path": str(spec.tokens),
                                   "calib_path": str(spec.calib_tokens)})
 

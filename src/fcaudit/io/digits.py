@@ -70,10 +70,9 @@ def audit_data(max_eval: int | None, max_calib: int | None,
     xc, _ = digits("calib")
     if dtype is not None:
         x, xc = (torch.from_numpy(a).to(dtype) for a in (x, xc))
-    return AuditData(inputs=x[:max_eval], targets=y[:max_eval], calib_inputs=xc[:max_calib],
-                     sources={**split_record(),
-                              "eval_images": len(x[:max_eval]),
-                              "calib_images": len(xc[:max_calib])})
+    x, y, xc = x[:max_eval], y[:max_eval], xc[:max_calib]
+    return AuditData(inputs=x, targets=y, calib_inputs=xc, sources={
+        **split_record(), "eval_images": len(x), "calib_images": len(xc)})
 
 
 def run_audit_data(spec: DataSpec | None, run: str,

@@ -37,7 +37,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from fcaudit.core.errors import FcauditError, ModelError, arg, install_extra
-from fcaudit.io.data import load_tokenizer
+from fcaudit.io.data import folder_tokenizer
 from fcaudit.io.fileio import read_json
 from fcaudit.io.mudd_checkpoint import weight_files
 from fcaudit.io.placement import Placement, align_offloaded, check_budget, note_written
@@ -251,7 +251,6 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype | None = None,
         # routers are read through hooks; the aux loss over every layer's logits changes no
         # logit and, with layers on several devices, breaks the forward (transformers #29087)
         model.config.output_router_logits = False
-    tokenizer_file = folder / "tokenizer.json"
-    tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
+    tokenizer = folder_tokenizer(folder)
     files = [folder / "config.json", *weights, *extra]
-    return model, tokenizer, files + ([tokenizer_file] if tokenizer else [])
+    return model, tokenizer, files + ([folder / "tokenizer.json"] if tokenizer else [])

@@ -48,6 +48,7 @@ from fcaudit.core.registry import Registry
 from fcaudit.core.replaying import CoefficientStub
 from fcaudit.core.routers import ROUTER_FAMILY
 from fcaudit.io import hf
+from fcaudit.io.data import folder_tokenizer
 from fcaudit.io.engines import VLLM
 from fcaudit.io.fileio import read_json
 from fcaudit.io.loading import LoadedModel, folder_identity, model_packages
@@ -375,11 +376,10 @@ def load_served(spec: str, dtype: torch.dtype | None, serving: Serving) -> Loade
                          f"(config.json and safetensors weights); {spec} is not one")
     config = read_json(folder / "config.json", "model config")
     files = [folder / "config.json", *hf.checked_weights(folder)]
-    tokenizer_file = folder / "tokenizer.json"
-    tokenizer = hf.load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
+    tokenizer = folder_tokenizer(folder)
     served, bind = start_engine(folder, dtype, serving)
     fingerprint, digests = folder_identity(folder, config, files + (
-        [tokenizer_file] if tokenizer else []))
+        [folder / "tokenizer.json"] if tokenizer else []))
     import vllm
     placement = {"engine": VLLM, "vllm": vllm.__version__, "max_num_seqs": served.max_seqs,
                  "max_num_batched_tokens": served.max_tokens,

@@ -146,7 +146,8 @@ def _plain(tp: Any, data: Any, path: str) -> Any:
         _check_finite(data, path)
         return data
     if tp is float:
-        _expect(_is_number(data), data, path, "a number")
+        _expect(isinstance(data, (int, float)) and not isinstance(data, bool), data, path,
+                "a number")
         _check_finite(data, path)
         return float(data)
     if tp is int:
@@ -177,10 +178,6 @@ def _check_finite(data: Any, path: str) -> None:
     elif isinstance(data, list):
         for i, v in enumerate(data):
             _check_finite(v, f"{path}[{i}]")
-
-
-def _is_number(data: Any) -> bool:
-    return isinstance(data, (int, float)) and not isinstance(data, bool)
 
 
 def _expect(ok: bool, data: Any, path: str, what: str) -> None:

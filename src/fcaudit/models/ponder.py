@@ -134,8 +134,7 @@ class PonderGPT(LayerExits, nn.Module):
         for step in self.steps:
             if running.any():
                 route = Route.from_mask(running)
-                update = step.body(route.gather(h), route, h, fn=self.block)
-                h = route.scatter_add(h, update)
+                h = route.scatter_add(h, step.body(route.gather(h), route, h, fn=self.block))
             if step.halt is None:
                 break
             lam = self._lambda(step, h)

@@ -114,11 +114,10 @@ def logit_transforms(model: nn.Module) -> list[tuple[str, Transform]]:
 def own_head(model: nn.Module, layers: list[str]) -> tuple[nn.Module, Transform]:
     """The model's own way from its last layer's output to its logits: a final norm and
     any output projection (of :func:`head_inputs`), its LM head and a transform (of
-    :func:`logit_transforms`), found
-    on a probe window. The last layer's output is caught by a hook and read through each
-    candidate; the first equal to the logits the model returns is kept. A model none
-    reproduces is refused: its exit heads would not read what it predicts, and every
-    confidence would be silently off."""
+    :func:`logit_transforms`), found on a probe window. The last layer's output is caught
+    by a hook and read through each candidate; the first equal to the logits the model
+    returns is kept. A model none reproduces is refused: its exit heads would not read
+    what it predicts, and every confidence would be silently off."""
     seen: list[torch.Tensor] = []
     probe = torch.arange(min(PROBE_TOKENS, model.config.get_text_config().vocab_size))
     catch = {layers[-1]: lambda _m, _a, out: seen.append(
@@ -229,7 +228,6 @@ class EarlyExitLM(nn.Module):
         """The wrapped model itself: the same network, every layer on every token (its
         weights, not fresh ones; no memory is spent on a copy)."""
         return self.model
-
 
 
 def with_early_exit(loaded: LoadedModel, threshold: float) -> LoadedModel:

@@ -76,22 +76,20 @@ ARCHES: Registry[Arch] = Registry("arch", (
     # MoE); at one row per layer its experts merge into the Dense twin's MLP
     Arch("moe", "fcaudit.models.moe", "MoEGPT", "MoEConfig",
          folds=("layer", "layer_position", "layer_token")),
-    # folded at one Δ, B, C per layer, a Mamba is time-invariant: its LTI twin's network
     # a Mixtral in fcaudit's code: what a Hugging Face Mixtral folds into per token id or
     # position (its routers a table); folded, one of ours reads its logits from a table too
     Arch("mixtral", "fcaudit.models.mixtral", "Mixtral", "MixtralConfig",
          folds=("layer", "layer_position", "layer_token")),
+    # folded at one Δ, B, C per layer, a Mamba is time-invariant: its LTI twin's network
     Arch("mamba", "fcaudit.models.mamba", "Mamba", "MambaConfig", folds=("layer",)),
     Arch("s4d", "fcaudit.models.s4d", "S4D", "S4DConfig"),
-    Arch("vit-moe", "fcaudit.models.vit_moe", "ViTMoE", "ViTMoEConfig",
-         task="vision"),
+    Arch("vit-moe", "fcaudit.models.vit_moe", "ViTMoE", "ViTMoEConfig", task="vision"),
     Arch("tokenprune", "fcaudit.models.tokenprune", "TokenPruneViT",
          "TokenPruneConfig", task="vision"),
     Arch("dense-vit", "fcaudit.models.vit", "ViT", "ViTConfig", task="vision"),
     Arch("condconv", "fcaudit.models.condconv", "CNN", "CNNConfig",
          (("condconv", True),), task="vision"),
-    Arch("branchy", "fcaudit.models.branchy", "BranchyCNN", "BranchyConfig",
-         task="vision"),
+    Arch("branchy", "fcaudit.models.branchy", "BranchyCNN", "BranchyConfig", task="vision"),
     Arch("dense-cnn", "fcaudit.models.condconv", "CNN", "CNNConfig",
          (("condconv", False),), task="vision"),
 ), option="arch")

@@ -254,11 +254,8 @@ _HEADER = 128  # a safetensors header's bytes per tensor (name, dtype, shape, of
 
 @dataclass(frozen=True)
 class RecordCost:
-    """The record stage's passes and the cache's expected size in bytes."""
+    """The cache's expected size in bytes."""
 
-    eval_batches: int
-    calib_batches: int
-    bytes_per_sequence: int
     cache_bytes: int
 
 
@@ -280,8 +277,7 @@ def record_cost(eval_shard: Mapping[str, Tensor], calib_shard: Mapping[str, Tens
         calib_disk += sum(_on_disk(_bytes(frontier_shard) / rows
                                    * _rows_in(b, batch_size, n_calib), len(frontier_shard))
                           for b in range(n_calib_batches))
-    return RecordCost(n_eval_batches, n_calib_batches, round(per_row),
-                      round(eval_disk + calib_disk + _FOLDERS * _BLOCK))
+    return RecordCost(round(eval_disk + calib_disk + _FOLDERS * _BLOCK))
 
 
 _REPLAY_TENSORS = 6  # losses, feed digests, identity, prefix state, plan digest, hits

@@ -506,12 +506,9 @@ class CoefficientCache:
         return self.batch(b, EvaluationShard.site(site))
 
     def coefficient_rows(self, site: str, indices: Any) -> torch.Tensor:
-        """``site``'s recorded coefficients of any evaluation sequences."""
-        return self.rows(EvaluationShard.site(site), indices)
-
-    def rows(self, key: str, indices: Any) -> torch.Tensor:
-        """Rows of ``key`` for arbitrary global sequence indices, read lazily per shard."""
-        out = []
+        """``site``'s recorded coefficients of any evaluation sequences, read lazily per
+        shard."""
+        key, out = EvaluationShard.site(site), []
         for i in (int(j) for j in indices):
             b, r = divmod(i, self.batch_size)
             out.append(self._handle(self.eval_name(b)).get_slice(key)[r:r + 1])

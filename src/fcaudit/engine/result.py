@@ -324,10 +324,6 @@ _ORDERED_TABLES = ("conditions", "per_layer", "retention", "variance", "variatio
                    "custom_conditions", "not_applicable")
 
 
-def _json_name(f: dataclasses.Field) -> str:
-    return f.metadata.get("json", f.name)
-
-
 def dump(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {}
@@ -335,7 +331,7 @@ def dump(value: Any) -> Any:
             item = getattr(value, f.name)
             if item is None and f.metadata.get("omit_none"):
                 continue
-            out[_json_name(f)] = dump(item)
+            out[f.metadata.get("json", f.name)] = dump(item)
         return out
     if isinstance(value, dict):
         return {str(k): dump(v) for k, v in value.items()}

@@ -39,10 +39,7 @@ from fcaudit.engine.result import (
 )
 from fcaudit.io.data import picked_note, source_words
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
-from fcaudit.report.figures import (
-    RenderedFigure,
-    write_figures,
-)
+from fcaudit.report.figures import RenderedFigure, write_figures
 from fcaudit.report.format import (
     fmt_ci,
     fmt_count,
@@ -62,13 +59,7 @@ from fcaudit.report.markdown import (
     one_line,
     to_html,
 )
-from fcaudit.report.report_parts import (  # noqa: F401 (_ordered: compare's too)
-    FIGURE_PLACES,
-    T,
-    _by_family,
-    _figure_specs,
-    _ordered,
-)
+from fcaudit.report.report_parts import FIGURE_PLACES, _by_family, _figure_specs, _ordered
 from fcaudit.report.reproducibility import reproducibility_section
 from fcaudit.report.sections import analysis_sections
 from fcaudit.report.sections.exits import exit_unit
@@ -385,15 +376,14 @@ def _retention(r: AuditResult) -> list[str]:
             for name, ret in ordered]
     heads = ("retention", "95% CI", "gap (nats) [95% CI]")
     acc_heads = ("accuracy retention", "95% CI", "accuracy gap [95% CI]") if accuracy else ()
-    blocks = ["## Gap retention",
-              "R(P) = (NLL(global-mean) − NLL(P)) / (NLL(global-mean) − NLL(correct)): the "
-              "share of the correct-to-global-mean gap a static profile P keeps. Undefined (the "
-              "note says why) when the gap's 95% CI is not above 0, or when the share's own "
-              "95% CI is wider than the whole 0–100% scale (a gap too small against its noise "
-              "to resolve a share of it)." + (ACCURACY_RETENTION if accuracy else ""),
-              md_table(("profile", *heads, *acc_heads, "note"), rows,
-                       "l" + "r" * (len(heads) + len(acc_heads)) + "l"), *lti_statement(r)]
-    return blocks
+    return ["## Gap retention",
+            "R(P) = (NLL(global-mean) − NLL(P)) / (NLL(global-mean) − NLL(correct)): the "
+            "share of the correct-to-global-mean gap a static profile P keeps. Undefined (the "
+            "note says why) when the gap's 95% CI is not above 0, or when the share's own "
+            "95% CI is wider than the whole 0–100% scale (a gap too small against its noise "
+            "to resolve a share of it)." + (ACCURACY_RETENTION if accuracy else ""),
+            md_table(("profile", *heads, *acc_heads, "note"), rows,
+                     "l" + "r" * (len(heads) + len(acc_heads)) + "l"), *lti_statement(r)]
 
 
 ACCURACY_RETENTION = (" Accuracy retention: the same share on accuracy, (acc(P) − "

@@ -46,7 +46,7 @@ from fcaudit.engine.result_views import (
 from fcaudit.io.fileio import PLAIN_FILES, FileWriter
 from fcaudit.io.outdir import COMPARE_RESULTS, check_output, hold_output
 from fcaudit.io.results import replacing_results
-from fcaudit.report.audit_report import CONDITION_MEANING, _ordered, conditional_meaning
+from fcaudit.report.audit_report import CONDITION_MEANING, conditional_meaning
 from fcaudit.report.figures import (
     FigureSpec,
     RenderedFigure,
@@ -66,6 +66,7 @@ from fcaudit.report.markdown import (
     md_text,
     to_html,
 )
+from fcaudit.report.report_parts import _ordered
 
 COMPARE_SCHEMA = "fcaudit.compare/1"
 MISSING = "—"  # a quantity this audit does not hold

@@ -237,8 +237,7 @@ def exit_frontier_figure(curves: Mapping[str, Sequence[tuple[float, Span]]],
     curves = {rule: points for rule, points in curves.items() if points}
     if not curves:
         return None
-    fig, axes = _stacked_axes(1, 3.2)
-    ax = axes[0]
+    fig, (ax,) = _stacked_axes(1, 3.2)
     _curves(ax, curves, solid=next(iter(curves)))
     if own is not None:
         ax.plot(*own, "*", ms=11, color="black", zorder=5, label="learned rule, own threshold")
@@ -354,7 +353,7 @@ def layer_figure(series: Mapping[str, Sequence[tuple[int, Span]]], title: str,
 
 
 def _named_spans(series: Mapping[str, Mapping[str, Span]]) -> dict[str, dict[str, Span]]:
-    """Each series' spans that have a value; None when no series has any."""
+    """Each series' spans that have a value; empty when no series has any."""
     kept = {s: {c: span for c, span in spans.items() if span.value is not None}
             for s, spans in series.items()}
     return kept if any(kept.values()) else {}

@@ -1,5 +1,5 @@
-"""The savings frontier's report section and the report's figures, with the ordering
-helpers every section uses; :mod:`fcaudit.report.audit_report` assembles them."""
+"""The report's figures and where each is placed, with the ordering helpers every
+section uses; :mod:`fcaudit.report.audit_report` assembles them."""
 
 from __future__ import annotations
 

@@ -76,15 +76,17 @@ def _penalty(g: Seeds, condition: str) -> str:
     return spanned([c.delta for c in found], [c.ci95 for c in found], "+.3f")
 
 
-def _shares(g: Seeds, estimates: Sequence[Any], undefined: str, seeds_word: bool) -> str:
-    """Shares in percent over the seeds where each is defined, with how many are not."""
+def _shares(estimates: Sequence[Any], undefined: str, seeds_word: bool, spec: str = ".1f",
+            unit: str = "%") -> str:
+    """Estimates over the seeds where each is defined (shares in percent unless ``spec``
+    and ``unit`` say otherwise), with how many are not."""
     defined = [s for s in estimates if s.value is not None]
     if not defined:
         return undefined
     missing = len(estimates) - len(defined)
     said = (f"{missing} seed{'s' * (missing > 1)}" if seeds_word else
             f"{missing} of {len(estimates)} seeds")
-    return spanned([s.value for s in defined], [s.ci95 for s in defined], ".1f", "%") + \
+    return spanned([s.value for s in defined], [s.ci95 for s in defined], spec, unit) + \
         (f" ({said} undefined)" if missing else "")
 
 
@@ -95,17 +97,16 @@ def _retention(g: Seeds, profile: str) -> str:
     if not all(profile in a.conditions for a in g.audits):
         return "not applicable"
     undefined = "undefined (no clear gap)"
-    text = _shares(g, [a.retention[profile] for a in g.audits], undefined, True)
+    text = _shares([a.retention[profile] for a in g.audits], undefined, True)
     accuracy = [a.retention[profile].accuracy for a in g.audits]
     return text if None in accuracy else \
-        f"{text}; on accuracy {_shares(g, accuracy, undefined, True)}"
+        f"{text}; on accuracy {_shares(accuracy, undefined, True)}"
 
 
 def _exit_retention(g: Seeds, profile: str) -> str:
     if not all(profile in a.retention for a in g.audits):
         return "not run"
-    return _shares(g, [a.retention[profile] for a in g.audits], "undefined (no clear gap)",
-                   False)
+    return _shares([a.retention[profile] for a in g.audits], "undefined (no clear gap)", False)
 
 
 def _gap_closed(g: Seeds, _: str) -> str:
@@ -113,7 +114,7 @@ def _gap_closed(g: Seeds, _: str) -> str:
     shares = [a.exits.gap_closed for a in g.audits]
     if any(s is None for s in shares):
         return "not run"
-    return _shares(g, shares, "undefined (no clear fixed-to-oracle gap)", False)
+    return _shares(shares, "undefined (no clear fixed-to-oracle gap)", False)
 
 
 def _matched(g: Seeds, _: str) -> str:
@@ -199,16 +200,10 @@ def _estimated(g: Seeds, argument: str) -> str:
     key, digits, *unit = argument.split(" ")
     spec = f"{'+' if digits.startswith('+') else ''}.{digits.lstrip('+')}f"
     seeds = g.group["per_seed"]
-    found = [Estimate(s.get(key), [s.get(f"{key}_lo"), s.get(f"{key}_hi")]) for s in seeds]
     if any(key not in s for s in seeds):
         return g.missing
-    defined = [e for e in found if e.value is not None]
-    if not defined:
-        return "undefined"
-    missing = len(found) - len(defined)
-    return spanned([e.value for e in defined], [e.ci95 for e in defined], spec,
-                   "".join(unit)) + (f" ({missing} of {len(found)} seeds undefined)"
-                                     if missing else "")
+    return _shares([Estimate(s.get(key), [s.get(f"{key}_lo"), s.get(f"{key}_hi")])
+                    for s in seeds], "undefined", False, spec, "".join(unit))
 
 
 def _percent(g: Seeds, key: str) -> str:

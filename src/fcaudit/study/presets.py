@@ -54,7 +54,6 @@ TASK = SELECTIVE_COPY
 # the corpus runs train half the tiny preset's steps, so that three seeds of both models
 # and both tasks fit a 2-core CPU in well under an hour (the numbers are of this length)
 CORPUS_SCHEDULE = dataclasses.replace(TRAIN_PRESETS["tiny"], steps=300)
-HOLDS = ("holds", "does not hold")
 _PAPER_RETENTION = " / ".join(f"{v:.2f}%" for v in paper.RETENTION.values())
 _BLOCKS = "{blocks_executed_fraction:.3f} of blocks executed per token"
 
@@ -317,7 +316,7 @@ PRESETS: dict[str, Preset] = {
                  ("penalty before healing", "{estimate heal_before +4}"),
                  ("after healing", "{estimate heal_after +4}"),
                  ("recovered", "{estimate heal_recovered 1 %}")),
-        findings=FOLD_FINDINGS, missing="not run"),
+        findings=FOLD_FINDINGS),
     "tasks": Preset(
         tuple(Group(arch, "tiny", dense=None, schedule=CORPUS_SCHEDULE, benchmarks=True)
               for arch in ("featuregate", "moe", "mamba")),
@@ -333,7 +332,7 @@ PRESETS: dict[str, Preset] = {
                  ("cloze: perplexity", _estimate(_CLOZE, CORRECT, "1")),
                  (f"cloze under {STATIC_LAYER}", _estimate(_CLOZE, STATIC_LAYER, "1")),
                  ("cloze retention", _estimate(_CLOZE, STATIC_LAYER, "1 %", "retention"))),
-        findings=TASK_FINDINGS, missing="not run"),
+        findings=TASK_FINDINGS),
 }
 STUDY_PRESETS = tuple(PRESETS)
 

@@ -60,10 +60,7 @@ def schedule(preset: str, steps: int | None, length: int) -> TrainPreset:
     if preset not in SCHEDULES:
         raise refusal(f"unknown preset {preset!r} for a task", preset, list(SCHEDULES),
                       option="preset")
-    tp = dataclasses.replace(SCHEDULES[preset], seq_len=length)
-    if steps is not None:
-        tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))
-    return tp
+    return train.with_steps(dataclasses.replace(SCHEDULES[preset], seq_len=length), steps)
 
 
 def model_config(arch: Arch, preset: str, vocab_size: int) -> Any:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -42,11 +42,11 @@ from fcaudit.io.data import (
 )
 from fcaudit.io.fileio import write_text
 from fcaudit.io.loading import Arch, get_arch
-from fcaudit.io.outdir import (
-    hold_output,
-)
+from fcaudit.io.outdir import hold_output
 from fcaudit.io.runs import building, check_run_out, write_run
 from fcaudit.io.runtime import cpu_model, resolve_device, threads_advice
+
+Schedule = TypeVar("Schedule")  # any run's settings: TrainPreset, a vision run's VisionSchedule
 
 
 @dataclass(frozen=True)
@@ -203,10 +203,15 @@ def resolve_schedule(preset: str, steps: int | None = None,
     preset's own, with ``steps`` overriding the length (warm-up capped at a tenth)."""
     if schedule is None and preset not in TRAIN_PRESETS:
         raise refusal(f"unknown preset {preset!r}", preset, list(TRAIN_PRESETS))
-    tp = schedule or TRAIN_PRESETS[preset]
-    if steps is not None:
-        tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))
-    return tp
+    return with_steps(schedule or TRAIN_PRESETS[preset], steps)
+
+
+def with_steps(tp: Schedule, steps: int | None) -> Schedule:
+    """``tp`` with ``steps`` overriding its length (None: as it is), the warm-up capped at
+    a tenth of them: every kind of run's schedule (a language, task or vision run's)."""
+    if steps is None:
+        return tp
+    return dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))
 
 
 def reads_text(arch: str, task: str | None) -> bool:

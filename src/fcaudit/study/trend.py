@@ -509,13 +509,11 @@ def _panels(points: Sequence[Mapping[str, Any]]) -> list[TrendPanel]:
                 continue
             k = metric.scale
             span = s.get("ci95_span") or (s["min"], s["max"])
-            value = None if s["mean"] is None else s["mean"] * k
             seeds = p["models"][arch]["seeds"]
             each = [x["value"] if isinstance(x, dict) else x
                     for x in (sd[metric.key] for sd in seeds)]
             out.append(TrendPoint(p["n_params"], p["training_tokens"],
-                                  Span(value, None if span[0] is None else span[0] * k,
-                                       None if span[1] is None else span[1] * k),
+                                  Span(*(None if x is None else x * k for x in (s["mean"], *span))),
                                   tuple(x * k for x in each if x is not None), p["point"]))
         return out
 

@@ -48,10 +48,7 @@ def schedule(preset: str, steps: int | None = None) -> VisionSchedule:
     """The preset's settings, ``steps`` overriding the length (warm-up capped at a tenth)."""
     if preset not in SCHEDULES:
         raise refusal(f"unknown preset {preset!r} for a vision arch", preset, list(SCHEDULES))
-    tp = SCHEDULES[preset]
-    if steps is not None:
-        tp = dataclasses.replace(tp, steps=steps, warmup=min(tp.warmup, max(1, steps // 10)))
-    return tp
+    return train.with_steps(SCHEDULES[preset], steps)
 
 
 @torch.no_grad()

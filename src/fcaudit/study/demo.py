@@ -89,7 +89,6 @@ def copy_shipped(arch: str, folder: Path) -> None:
 def retrain(progress: bool = True) -> dict[str, dict[str, str]]:
     """Train the demo pair at :data:`TRAIN_THREADS` thread, put their run files in the
     package (:data:`~fcaudit.io.demo_models.SHIPPED`) and rewrite :data:`PINS`."""
-    dest = SHIPPED
     before = torch.get_num_threads()
     torch.set_num_threads(TRAIN_THREADS)
     try:
@@ -97,12 +96,12 @@ def retrain(progress: bool = True) -> dict[str, dict[str, str]]:
             for arch in DEMO_ARCHES:
                 run = train(arch, "tiny", SEED, Path(tmp) / arch, progress=progress,
                             device="cpu")
-                (dest / arch).mkdir(parents=True, exist_ok=True)
+                (SHIPPED / arch).mkdir(parents=True, exist_ok=True)
                 for name in sorted(RUN_FILES):
-                    shutil.copyfile(run / name, dest / arch / name)
+                    shutil.copyfile(run / name, SHIPPED / arch / name)
     finally:
         torch.set_num_threads(before)
-    pins = {arch: {name: sha256_file(dest / arch / name) for name in sorted(RUN_FILES)}
+    pins = {arch: {name: sha256_file(SHIPPED / arch / name) for name in sorted(RUN_FILES)}
             for arch in DEMO_ARCHES}
     write_text(PINS, pins_module(pins))
     return pins

@@ -58,15 +58,6 @@ _PAPER_RETENTION = " / ".join(f"{v:.2f}%" for v in paper.RETENTION.values())
 _BLOCKS = "{blocks_executed_fraction:.3f} of blocks executed per token"
 
 
-def _token_findings() -> tuple[Finding, ...]:
-    """Beyond the paper: how much a static profile per (layer, token id) keeps, and how
-    much of the within-layer variance the token id explains, per controller kind."""
-    return tuple(Finding(prefix, f"{label}: a static profile per (layer, token id) (not in "
-                         "the paper)", (), "{token_profile}", words=None)
-                 for prefix, label in (("featuregate", "FeatureGate"), ("mudd", "MUDD"),
-                                       ("moe", "MoE")))
-
-
 PAPER_FINDINGS = (
     Finding("featuregate", "FeatureGate: a static per-layer profile keeps almost all (>= 90%) "
             f"of the Correct-to-GlobalMean gap (paper: {_PAPER_RETENTION})",
@@ -100,30 +91,30 @@ PAPER_FINDINGS = (
             ((keys.DELTA_REASSIGN, ">", 0.1), (keys.rerouted_key(REASSIGN), "any", 0)),
             f"reassigning router logits re-routes {{pct {keys.rerouted_key(REASSIGN)}:.1f}}% of "
             "the (token, layer) expert sets and costs {delta_reassign:+.3f} nats on average"),
-    *_token_findings(),
+    # beyond the paper: how much a static profile per (layer, token id) keeps, and how much
+    # of the within-layer variance the token id explains, per controller kind
+    *(Finding(prefix, f"{label}: a static profile per (layer, token id) (not in the paper)",
+              (), "{token_profile}", words=None)
+      for prefix, label in (("featuregate", "FeatureGate"), ("mudd", "MUDD"), ("moe", "MoE"))),
 )
 
 _VISION = (("vit-moe", "ViT-MoE"), ("tokenprune", "TokenPrune"), ("condconv", "CondConv"))
 _NEEDS = "the reassign penalty's interval lies above 0 in {above reassign} of {seeds} seeds; "
-
-
-def _vision_findings() -> tuple[Finding, ...]:
-    """Per family: does the frozen model need its coefficients matched to the image, and
-    does the mechanism compute less (routing: against running every expert)."""
-    return tuple(f for prefix, label in _VISION for f in (
-        Finding(prefix, f"{label}: the frozen model needs its coefficients matched to the "
-                "image", (("above reassign", "==", "all"),),
-                _NEEDS + "reassigning costs {penalty reassign} nats"),
-        Finding(prefix, f"{label}: routing changes which experts run",
-                (("flops_ratio", "any", 0), ("experts_executed_fraction", "<", 0.99)),
-                "each patch token runs {pct experts_executed_fraction:.1f}% of the experts; "
-                "FLOPs {flops_ratio:.3f}x the dense twin, whose MLP has the active experts' "
-                "width"),
-        Finding(prefix, f"{label}: the mechanism computes less than its dense twin",
-                (("flops_ratio", "<", 0.99), ("unless experts_executed_fraction", "any", 0)),
-                "FLOPs {flops_ratio:.3f}x the twin{either |; every example runs the full "
-                "network}")))
-
+# per family: does the frozen model need its coefficients matched to the image, and does
+# the mechanism compute less (routing: against running every expert)
+VISION_FINDINGS = tuple(f for prefix, label in _VISION for f in (
+    Finding(prefix, f"{label}: the frozen model needs its coefficients matched to the "
+            "image", (("above reassign", "==", "all"),),
+            _NEEDS + "reassigning costs {penalty reassign} nats"),
+    Finding(prefix, f"{label}: routing changes which experts run",
+            (("flops_ratio", "any", 0), ("experts_executed_fraction", "<", 0.99)),
+            "each patch token runs {pct experts_executed_fraction:.1f}% of the experts; "
+            "FLOPs {flops_ratio:.3f}x the dense twin, whose MLP has the active experts' "
+            "width"),
+    Finding(prefix, f"{label}: the mechanism computes less than its dense twin",
+            (("flops_ratio", "<", 0.99), ("unless experts_executed_fraction", "any", 0)),
+            "FLOPs {flops_ratio:.3f}x the twin{either |; every example runs the full "
+            "network}")))
 
 _COPY, _CORPUS = f"mamba-{TASK}", "mamba-tiny"
 _TOKEN_GAIN = f"diff {keys.RETENTION_LAYER_TOKEN}|{keys.RETENTION_LAYER}"
@@ -271,7 +262,7 @@ PRESETS: dict[str, Preset] = {
                   "{position_percent retention_static_layer_position}"),
                  ("executed", "{executed}"), ("FLOPs vs twin", "{num flops_ratio 3 x}"),
                  ("latency vs twin", "{num speed_ratio 2 x}")),
-        findings=_vision_findings(), missing="not applicable (no position axis)"),
+        findings=VISION_FINDINGS, missing="not applicable (no position axis)"),
     "ssm": Preset(
         (Group("mamba", "tiny", dense="s4d", schedule=CORPUS_SCHEDULE),
          Group("mamba", "tiny", dense="s4d", task=TASK)),

@@ -57,6 +57,14 @@ class BranchyConfig(CNNConfig):
             raise FcauditError(f"exit_threshold={self.exit_threshold} must be in (0, 1]: the "
                                "confidence is a probability, and 1.0 must make an example exit")
 
+    def sizes(self) -> list[int]:
+        """Side of the feature map after each block (padded convolutions)."""
+        out, size = [], self.image_size
+        for stride in self.strides:
+            size = -(-size // stride)
+            out.append(size)
+        return out
+
 
 PRESETS: dict[str, BranchyConfig] = {"tiny": BranchyConfig()}
 

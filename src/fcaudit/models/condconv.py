@@ -62,14 +62,13 @@ class CNNConfig:
     def n_layer(self) -> int:
         return len(self.widths)
 
-    def sizes(self) -> list[int]:
-        """Side of the feature map after each layer (each padded convolution:
-        ``ceil(size / stride)``)."""
-        out, size = [], self.image_size
+    @property
+    def final_size(self) -> int:
+        """Side of the last feature map (each padded convolution: ``ceil(size / stride)``)."""
+        size = self.image_size
         for stride in self.strides:
             size = -(-size // stride)
-            out.append(size)
-        return out
+        return size
 
 
 PRESETS: dict[str, CNNConfig] = {"tiny": CNNConfig()}
@@ -134,7 +133,7 @@ class CNN(nn.Module):
         self.layers = nn.ModuleList(
             ConvLayer(c_in, c_out, s, cfg)
             for c_in, c_out, s in zip(ins, cfg.widths, cfg.strides, strict=True))
-        self.head = nn.Linear(cfg.widths[-1] * cfg.sizes()[-1] ** 2, cfg.num_classes)
+        self.head = nn.Linear(cfg.widths[-1] * cfg.final_size ** 2, cfg.num_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         h = images

@@ -223,3 +223,8 @@ class EarlyExitGPT(LayerExits, GPT):
                           for k, v in self.blocks[i].body.state_dict().items()})
         twin.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
         return twin.eval()
+
+    def dense_counterpart(self) -> GPT:
+        """FeatureGate's Dense twin of the same depth and width: every block on every token."""
+        shared = {f.name: getattr(self.config, f.name) for f in fields(GPTConfig)}
+        return GPT(GPTConfig(**{**shared, "gated": False}))

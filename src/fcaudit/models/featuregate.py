@@ -165,7 +165,8 @@ class Block(nn.Module):
             return h + self.fixed(input_ids) * self.body(h)
         if self.gate is None:
             return h + self.body(h)
-        return h + self.gate(h) * self.body(h)
+        g = self.gate(h)
+        return h + g * self.body(h)
 
 
 class GPT(nn.Module):

@@ -331,9 +331,9 @@ class Mamba(SSMNet):
         given = {f"layers.{s.layer}.mixer.{s.family}": v for s, v in
                  zip(sites, values, strict=True)}
         expected = {k: (1, *v.shape) for k, v in folded.state_dict().items() if k not in state}
-        got = {k: tuple(v.shape) for k, v in given.items()}
-        if got != expected:
-            raise FcauditError(f"fixed Δ, B, C: expected {expected}, got {got}")
+        if {k: tuple(v.shape) for k, v in given.items()} != expected:
+            raise FcauditError(f"fixed Δ, B, C: expected {expected}, got "
+                               f"{ {k: tuple(v.shape) for k, v in given.items()} }")
         folded.load_state_dict({**state, **{k: v[0].clone() for k, v in given.items()}},
                                assign=True)
         return folded.eval()

@@ -229,9 +229,9 @@ def _built(config: MixtralConfig, state: dict[str, torch.Tensor], key: str,
         model = Mixtral(dataclasses.replace(config, fixed=key))
     given = {f"blocks.{i}.fixed.value": v for i, v in enumerate(values)}
     want = {k: tuple(v.shape) for k, v in model.state_dict().items() if ".fixed." in k}
-    got = {k: tuple(v.shape) for k, v in given.items()}
-    if got != want:
-        raise FcauditError(f"fixed values keyed by {key!r}: expected {want}, got {got}")
+    if {k: tuple(v.shape) for k, v in given.items()} != want:
+        raise FcauditError(f"fixed values keyed by {key!r}: expected {want}, got "
+                           f"{ {k: tuple(v.shape) for k, v in given.items()} }")
     # copies: the source's experts may be views of one stacked tensor, and the folded
     # model must share no storage with the source (it is trained when healed, and saved)
     kept = {k: v for k, v in state.items() if not key or ".router." not in k}

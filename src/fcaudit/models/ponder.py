@@ -134,7 +134,8 @@ class PonderGPT(LayerExits, nn.Module):
         for step in self.steps:
             if running.any():
                 route = Route.from_mask(running)
-                h = route.scatter_add(h, step.body(route.gather(h), route, h, fn=self.block))
+                update = step.body(route.gather(h), route, h, fn=self.block)
+                h = route.scatter_add(h, update)
             if step.halt is None:
                 break
             lam = self._lambda(step, h)
